@@ -1,0 +1,199 @@
+"""Streaming DiLoCo fragments: which parameters sync together, and when.
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512, §2.2 "streaming partial updates") splits the
+model into P fragments and synchronises one fragment at a time, staggered inside each window of H inner
+steps, so the peak bandwidth drops by about P. Fragments follow the paper's *strided* pattern: transformer
+layer l belongs to fragment ``l % P``, so every fragment holds layers from the whole depth.
+
+Everything here depends only on the list of parameter names and two integers, so every island computes
+the same fragments and the same schedule without talking.
+
+Example (4 layers, P = 2, H = 10)::
+
+    frags = split_fragments([n for n, _ in model.named_parameters()], 2)
+    # frags[0]: embeddings + layers 0, 2;  frags[1]: layers 1, 3 + final norm + lm_head
+    fragment_sync_steps(2, 10)   # [5, 10]: fragment 0 syncs after steps 5, 15, 25...; fragment 1 after 10, 20...
+    fragments_due(4, 2, 10)      # [0]  (inner step 4 is the 5th step)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from atoll.errors import ConfigError
+
+__all__ = ["Fragment", "fragment_sync_steps", "fragments_due", "layer_index", "split_fragments"]
+
+# ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """One group of parameters synchronised together.
+
+    Attributes:
+        index: position in the schedule, ``0 <= index < num_fragments``.
+        param_names: the fragment's parameter names, in the order of the list given to
+            :func:`split_fragments` (``model.named_parameters()`` order).
+    """
+
+    index: int
+    param_names: tuple[str, ...]
+
+
+def layer_index(name: str) -> tuple[str, int] | None:
+    """The layer stack and index of a parameter name, or ``None`` outside the layers.
+
+    Recognises ``<prefix>.layers.<l>.``, ``<prefix>.h.<l>.`` and ``<prefix>.blocks.<l>.`` (the first
+    match in the name; the prefix may be empty). Returns ``(prefix, l)``, e.g.
+    ``layer_index("model.layers.3.mlp.up_proj.weight") == ("model.layers", 3)``.
+    """
+    m = _LAYER_RE.search(name)
+    if m is None:
+        return None
+    stack = name[: m.end() - len(m.group(1)) - 2]  # the name up to the index, without the dot before it
+    return stack, int(m.group(1))
+
+
+def split_fragments(param_names: list[str], num_fragments: int) -> list[Fragment]:
+    """Split parameters into ``num_fragments`` strided fragments (Streaming DiLoCo §2.2, strided pattern).
+
+    Layers are numbered 0..L-1 by stack (in order of first appearance), then by index: for the usual
+    decoder-only model, layer l is just ``model.layers.l`` (and a second stack, e.g. a decoder after an
+    encoder, continues the numbering). Layer l goes to fragment ``l % num_fragments``. Parameters outside
+    the layers go, deterministically: before the first layer parameter in the list (embeddings) to
+    fragment 0; after the last one (final norm, lm_head) to fragment ``num_fragments - 1``; between layer
+    parameters, to the fragment of the layer parameter just before them. When no name matches a layer
+    pattern, the parameters are dealt round-robin in list order (parameter i to fragment ``i % P``).
+
+    Args:
+        param_names: parameter names in ``model.named_parameters()`` order (unique).
+        num_fragments: P, at least 1 and at most the number of layers (or of parameters without layers).
+
+    Returns:
+        ``P`` fragments, index i at position i; every name in exactly one, each keeping list order.
+        Depends only on the arguments, so identical on every island.
+
+    Raises:
+        ConfigError: ``num_fragments`` < 1 or more than the layers (parameters), an empty or duplicated
+            name list.
+    """
+    names = list(param_names)
+    if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
+        raise ConfigError(f"fragments: must be a positive integer, got {num_fragments!r}")
+    if not names:
+        raise ConfigError("fragments: cannot split an empty parameter list")
+    if len(set(names)) != len(names):
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        raise ConfigError(f"fragments: parameter name {dup!r} appears twice")
+
+    parsed = [layer_index(n) for n in names]
+    if all(p is None for p in parsed):
+        if num_fragments > len(names):
+            raise ConfigError(
+                f"fragments: {num_fragments} fragments for {len(names)} parameters (no layers found); use <= "
+                f"{len(names)}"
+            )
+        assign = [i % num_fragments for i in range(len(names))]
+    else:
+        stacks: list[str] = []
+        for p in parsed:
+            if p is not None and p[0] not in stacks:
+                stacks.append(p[0])
+        layers = sorted({p for p in parsed if p is not None}, key=lambda p: (stacks.index(p[0]), p[1]))
+        if num_fragments > len(layers):
+            raise ConfigError(
+                f"fragments: {num_fragments} fragments for a model with {len(layers)} layers; use <= {len(layers)}"
+            )
+        rank = {p: i for i, p in enumerate(layers)}
+        layer_positions = [i for i, p in enumerate(parsed) if p is not None]
+        last_layer_pos = layer_positions[-1]
+        assign = []
+        current = 0  # fragment of the latest layer parameter seen; 0 before the first
+        for i, p in enumerate(parsed):
+            if p is not None:
+                current = rank[p] % num_fragments
+                assign.append(current)
+            elif i > last_layer_pos:
+                assign.append(num_fragments - 1)
+            else:
+                assign.append(current)
+
+    groups: list[list[str]] = [[] for _ in range(num_fragments)]
+    for name, frag in zip(names, assign, strict=True):
+        groups[frag].append(name)
+    return [Fragment(index=i, param_names=tuple(g)) for i, g in enumerate(groups)]
+
+
+def _check_schedule(num_fragments: int, sync_every: int) -> None:
+    if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
+        raise ConfigError(f"fragments: must be a positive integer, got {num_fragments!r}")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ConfigError(f"sync_every: must be a positive integer, got {sync_every!r}")
+    if sync_every < num_fragments:
+        raise ConfigError(
+            f"sync_every: H={sync_every} is smaller than fragments={num_fragments}; each fragment needs its own "
+            "step in the H window (raise sync_every or lower fragments)"
+        )
+
+
+@lru_cache(maxsize=256)
+def _offsets(num_fragments: int, sync_every: int) -> tuple[int, ...]:
+    # round half up, in integers: round((p + 1) * H / P)
+    return tuple(
+        (2 * (p + 1) * sync_every + num_fragments) // (2 * num_fragments) for p in range(num_fragments)
+    )
+
+
+def fragment_sync_steps(num_fragments: int, sync_every: int) -> list[int]:
+    """Sync offsets of the staggered schedule (Streaming DiLoCo §2.2): ``offset_p`` for each fragment p.
+
+    ``offset_p = round((p + 1) * H / P)`` (halves round up), so ``1 <= offset_0 < ... < offset_{P-1} = H``.
+    Fragment p starts a sync after ``offset_p, offset_p + H, offset_p + 2H, ...`` completed inner steps,
+    i.e. after 0-based inner step ``step`` when ``step + 1 >= offset_p`` and
+    ``(step + 1 - offset_p) % H == 0``. With P = 1 that is DiLoCo (after H, 2H, ... steps); with P
+    fragments the syncs are spread evenly, each fragment exactly once per window of H steps.
+
+    Args:
+        num_fragments: P >= 1.
+        sync_every: H >= P, inner steps per window.
+
+    Returns:
+        list of P offsets, in completed inner steps.
+
+    Raises:
+        ConfigError: P < 1 or H < 1 (names ``fragments`` / ``sync_every``), or H < P (``sync_every``).
+    """
+    _check_schedule(num_fragments, sync_every)
+    return list(_offsets(num_fragments, sync_every))
+
+
+def fragments_due(step: int, num_fragments: int, sync_every: int) -> list[int]:
+    """Fragments that start their sync after inner step ``step`` (0-based; ``step + 1`` steps done).
+
+    Uses the offsets of :func:`fragment_sync_steps`. Because the offsets are distinct and lie in
+    ``[1, H]``, at most one fragment is due at any step.
+
+    Args:
+        step: 0-based index of the inner step just finished, >= 0.
+        num_fragments: P >= 1.
+        sync_every: H >= P.
+
+    Returns:
+        the due fragment indices, ascending (empty or one element).
+
+    Raises:
+        ConfigError: ``step`` < 0 (names ``step``), or the checks of :func:`fragment_sync_steps`.
+    """
+    _check_schedule(num_fragments, sync_every)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step: must be a non-negative integer, got {step!r}")
+    done = step + 1
+    return [
+        p
+        for p, off in enumerate(_offsets(num_fragments, sync_every))
+        if done >= off and (done - off) % sync_every == 0
+    ]

@@ -1,0 +1,64 @@
+"""The outer step of DiLoCo: pseudo-gradients and an SGD-Nesterov outer optimizer on CPU-held globals.
+
+DiLoCo (Douillard et al. 2023, arXiv:2311.08105, Algorithm 1): every H inner steps each island i computes
+the pseudo-gradient Δ_i = θ_global − θ_i, the islands average it, and an outer optimizer (SGD with Nesterov
+momentum, lr 0.7, momentum 0.9) updates θ_global with Δ as its gradient. With outer lr 1 and momentum 0
+the outer step is exactly parameter averaging (FedAvg, McMahan et al. 2017).
+
+The global parameters and the outer momentum live on the CPU in float32, so the outer state costs no
+accelerator memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def pseudo_gradient(global_params: torch.Tensor, island_params: torch.Tensor) -> torch.Tensor:
+    """Δ = θ_global_before − θ_island_after, float32, same shape as the inputs (DiLoCo Alg. 1, line 9).
+
+    Its sign makes Δ point *against* the islands' progress, as a gradient does: the outer SGD step
+    θ ← θ − lr·Δ moves the global parameters towards the islands.
+    """
+    return global_params.to(torch.float32) - island_params.to(torch.float32)
+
+
+class OuterOptimizer:
+    """Global parameters of one fragment (or of the whole model) and their outer optimizer.
+
+    Args:
+        init: the initial global parameters, a 1-D tensor (copied to float32 on the CPU).
+        lr: outer learning rate.
+        momentum: Nesterov momentum; 0 gives plain SGD.
+
+    Attributes:
+        params: the global parameters, 1-D float32 on the CPU, shape (numel,).
+        version: number of outer steps applied.
+    """
+
+    def __init__(self, init: torch.Tensor, lr: float, momentum: float) -> None:
+        self.params = torch.nn.Parameter(init.detach().to("cpu", torch.float32).clone(), requires_grad=False)
+        self.optimizer = torch.optim.SGD([self.params], lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.version = 0
+
+    def step(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """Apply one outer step with the averaged pseudo-gradient (1-D float32); return the new globals."""
+        if pseudo_grad.shape != self.params.shape:
+            raise ValueError(f"pseudo-gradient of shape {tuple(pseudo_grad.shape)} for globals of {tuple(self.params.shape)}")
+        self.params.grad = pseudo_grad.to("cpu", torch.float32)
+        self.optimizer.step()
+        self.params.grad = None
+        self.version += 1
+        return self.params.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"params": self.params.detach().clone(), "optimizer": self.optimizer.state_dict(),
+                "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            self.params.copy_(state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])

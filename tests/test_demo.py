@@ -1,0 +1,436 @@
+"""Tests for the DeMo optimizer and its tiled DCT (atoll/algorithms/demo.py)."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from atoll.algorithms.demo import (
+    ChunkedDCT,
+    DeMo,
+    DemoPayload,
+    dct_basis,
+    index_dtype_for,
+    largest_divisor_at_most,
+    payload_bytes,
+)
+from atoll.errors import CheckpointError, ConfigError
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)
+
+
+def _backward(model: torch.nn.Module, seed: int) -> float:
+    x, y = _batch(seed)
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item()
+
+
+# ---- DCT --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 50, 64])
+def test_dct_basis_orthonormal(n: int) -> None:
+    b = dct_basis(n)
+    assert b.shape == (n, n) and b.dtype == torch.float32
+    assert torch.allclose(b @ b.T, torch.eye(n), atol=1e-5)
+    assert torch.allclose(b.T @ b, torch.eye(n), atol=1e-5)
+
+
+def test_dct_basis_is_dct2() -> None:
+    # A constant vector has all its energy in the DC coefficient; a cosine at frequency 3 in coefficient 3.
+    n = 16
+    b = dct_basis(n)
+    c = b @ torch.ones(n)
+    assert c[0] == pytest.approx(n**0.5, rel=1e-5) and torch.allclose(c[1:], torch.zeros(n - 1), atol=1e-5)
+    c3 = b @ b[3]
+    assert torch.argmax(c3.abs()) == 3
+
+
+def test_dct_basis_returns_copy() -> None:
+    b = dct_basis(8)
+    b.zero_()
+    assert torch.allclose(dct_basis(8) @ dct_basis(8).T, torch.eye(8), atol=1e-5)
+
+
+def test_largest_divisor() -> None:
+    assert largest_divisor_at_most(4096, 64) == 64
+    assert largest_divisor_at_most(100, 64) == 50
+    assert largest_divisor_at_most(50, 64) == 50
+    assert largest_divisor_at_most(97, 64) == 1
+    assert largest_divisor_at_most(384, 64) == 64
+    assert largest_divisor_at_most(12, 64) == 12
+
+
+@pytest.mark.parametrize(
+    "shape,tile,num_chunks",
+    [
+        ((128, 4096), (64, 64), 2 * 64),
+        ((384, 128), (64, 64), 6 * 2),
+        ((128,), (1, 64), 2),
+        ((100, 50), (50, 50), 2),
+        ((8, 3, 4, 4), (8, 48), 1),
+        ((), (1, 1), 1),
+        ((97, 64), (1, 64), 97),
+    ],
+)
+def test_chunked_dct_round_trip(shape: tuple[int, ...], tile: tuple[int, int], num_chunks: int) -> None:
+    t = ChunkedDCT(shape, 64)
+    assert t.tile == tile and t.num_chunks == num_chunks and t.chunk_elems == tile[0] * tile[1]
+    x = torch.randn(shape)
+    c = t.encode(x)
+    assert c.shape == (num_chunks, tile[0] * tile[1]) and c.dtype == torch.float32
+    # orthonormal: energy preserved
+    assert torch.allclose(c.square().sum(), x.square().sum(), rtol=1e-4)
+    y = t.decode(c)
+    assert y.shape == x.shape
+    assert torch.allclose(y, x, atol=1e-5)
+
+
+def test_chunked_dct_tile_is_local() -> None:
+    # A spike in tile (1, 0) only produces coefficients in chunk 1 * (cols // w) + 0.
+    t = ChunkedDCT((128, 128), 64)
+    x = torch.zeros(128, 128)
+    x[70, 5] = 1.0
+    c = t.encode(x)
+    nonzero_chunks = (c.abs() > 1e-7).any(dim=1).nonzero().flatten().tolist()
+    assert nonzero_chunks == [2]
+
+
+def test_chunked_dct_errors() -> None:
+    with pytest.raises(ConfigError, match="demo_chunk"):
+        ChunkedDCT((4, 4), 0)
+    t = ChunkedDCT((4, 4), 2)
+    with pytest.raises(ValueError):
+        t.encode(torch.zeros(4, 5))
+    with pytest.raises(ValueError):
+        t.decode(torch.zeros(3, 4))
+
+
+# ---- step mechanics ---------------------------------------------------------------------------------
+
+
+def test_full_topk_transmits_everything() -> None:
+    # topk = chunk**2: nothing is dropped, so the residual momentum is ~0, the decoded payload equals the
+    # momentum, and the update is exactly -lr * sign(momentum).
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 24))
+    b = torch.nn.Parameter(torch.randn(24))
+    opt = DeMo([p, b], lr=0.01, beta=0.9, chunk=8, topk=64)
+    p0, b0 = p.detach().clone(), b.detach().clone()
+    p.grad, b.grad = torch.randn(16, 24), torch.randn(24)
+    m_before = [p.grad.clone(), b.grad.clone()]  # first step: m = 0 * beta + g
+    payloads = opt.encode_step()
+    for param, pl, m in zip([p, b], payloads, m_before, strict=True):
+        assert torch.allclose(opt.state[param]["momentum"], torch.zeros_like(m), atol=1e-5)
+        assert torch.allclose(opt.decode_payload(pl), m, atol=1e-5)
+    opt.apply_step([payloads])
+    assert torch.equal(p.detach(), p0 - 0.01 * torch.sign(m_before[0]))
+    assert torch.equal(b.detach(), b0 - 0.01 * torch.sign(m_before[1]))
+
+
+def test_conservation_at_small_topk() -> None:
+    # transmitted + residual == momentum before removal, at every step.
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(64, 96))
+    v = torch.nn.Parameter(torch.randn(100))
+    opt = DeMo([p, v], lr=1e-3, beta=0.9, chunk=16, topk=5)
+    for step in range(3):
+        grads = [torch.randn_like(p), torch.randn_like(v)]
+        expected = []
+        for param, g in zip([p, v], grads, strict=True):
+            prev = opt.state[param]["momentum"].clone() if step else torch.zeros_like(param)
+            expected.append(0.9 * prev + g)
+            param.grad = g
+        payloads = opt.encode_step()
+        for param, pl, m in zip([p, v], payloads, expected, strict=True):
+            residual = opt.state[param]["momentum"]
+            assert torch.allclose(opt.decode_payload(pl) + residual, m, atol=1e-5)
+            assert not torch.allclose(residual, torch.zeros_like(residual), atol=1e-3)  # something stays
+            assert pl.k == 5
+        opt.apply_step([payloads])
+        assert opt.step_count == step + 1
+
+
+def test_topk_selects_largest_coefficients() -> None:
+    t = ChunkedDCT((8, 8), 8)
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = DeMo([p], chunk=8, topk=3, beta=0.5)
+    coeffs = torch.zeros(1, 64)
+    coeffs[0, [5, 17, 40]] = torch.tensor([3.0, -4.0, 2.5])
+    coeffs[0, [1, 2]] = torch.tensor([0.1, -0.2])
+    p.grad = t.decode(coeffs)
+    (pl,) = opt.encode_step()
+    assert pl.indices.dtype == torch.int8
+    order = torch.argsort(pl.indices.long().flatten())
+    assert pl.indices.flatten()[order].tolist() == [5, 17, 40]
+    assert torch.allclose(pl.values.flatten()[order], torch.tensor([3.0, -4.0, 2.5]), atol=1e-5)
+
+
+def test_grad_none_counts_as_zero_and_no_grads_raises() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    q = torch.nn.Parameter(torch.randn(4))
+    opt = DeMo([p, q], chunk=4, topk=2)
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.encode_step()
+    p.grad = torch.randn(4, 4)
+    payloads = opt.encode_step()
+    assert len(payloads) == 2 and torch.count_nonzero(payloads[1].values) == 0
+    q0 = q.detach().clone()
+    opt.apply_step([payloads])
+    assert torch.equal(q.detach(), q0)  # sign(0) == 0: no movement
+
+
+# ---- bytes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape,expected",
+    [
+        ((128, 4096), 128 * 32 * (2 + 4)),
+        ((384, 128), 12 * 32 * (2 + 4)),
+        ((128,), 2 * 32 * (1 + 4)),  # 1-D chunks of 64 elements: int8 indices
+        ((100, 50), 2 * 32 * (2 + 4)),  # 50 x 50 tiles of 2500 elements
+        ((7,), 1 * 7 * (1 + 4)),  # tile of 7 < topk: k clamped to 7
+    ],
+)
+def test_bytes_per_step_matches_formula(shape: tuple[int, ...], expected: int) -> None:
+    assert payload_bytes(shape, chunk=64, topk=32) == expected
+    p = torch.nn.Parameter(torch.randn(shape))
+    opt = DeMo([p], chunk=64, topk=32)
+    assert opt.bytes_per_step() == expected
+    p.grad = torch.randn(shape)
+    (pl,) = opt.encode_step()
+    assert isinstance(pl, DemoPayload) and pl.nbytes == expected
+
+
+def test_bytes_per_step_model_and_sign_mode() -> None:
+    per_mode = {}
+    for sign_values in (False, True):
+        model = _model()
+        opt = DeMo(model.parameters(), chunk=8, topk=4, sign_values=sign_values)
+        _backward(model, 0)
+        payloads = opt.encode_step()
+        assert sum(pl.nbytes for pl in payloads) == opt.bytes_per_step()
+        value_dtype = torch.int8 if sign_values else torch.float32
+        assert all(pl.values.dtype == value_dtype for pl in payloads)
+        per_mode[sign_values] = opt.bytes_per_step()
+    assert per_mode[True] < per_mode[False]
+    # per kept coefficient: int16 index + float32 value = 6 bytes vs int16 + int8 sign = 3 bytes
+    assert payload_bytes((128, 128), topk=32, sign_values=True) * 2 == payload_bytes((128, 128), topk=32)
+
+
+def test_index_dtype() -> None:
+    assert index_dtype_for(64) == torch.int8
+    assert index_dtype_for(128) == torch.int8
+    assert index_dtype_for(129) == torch.int16
+    assert index_dtype_for(4096) == torch.int16
+    assert index_dtype_for(32768) == torch.int16
+    assert index_dtype_for(32769) == torch.int32
+
+
+# ---- islands, training, resume ----------------------------------------------------------------------
+
+
+def test_two_islands_lockstep_identical_params() -> None:
+    models = [_model(0), _model(0)]
+    opts = [DeMo(m.parameters(), lr=1e-2, beta=0.9, chunk=8, topk=4) for m in models]
+    for step in range(5):
+        for island, m in enumerate(models):
+            _backward(m, seed=100 * island + step)  # different data per island
+        payloads = [opt.encode_step() for opt in opts]
+        for opt in opts:
+            opt.apply_step(payloads)
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(a, b)
+    # momenta are decoupled: they differ between islands
+    p0, p1 = next(models[0].parameters()), next(models[1].parameters())
+    assert not torch.equal(opts[0].state[p0]["momentum"], opts[1].state[p1]["momentum"])
+
+
+def test_step_uses_all_gather_fn() -> None:
+    # An all-gather that returns two identical copies averages to the same update as one island.
+    calls: list[int] = []
+
+    def gather(payloads: list[DemoPayload]) -> list[list[DemoPayload]]:
+        calls.append(len(payloads))
+        return [payloads, payloads]
+
+    m1, m2 = _model(3), _model(3)
+    o1 = DeMo(m1.parameters(), lr=1e-2, chunk=8, topk=4, all_gather_fn=gather)
+    o2 = DeMo(m2.parameters(), lr=1e-2, chunk=8, topk=4)
+    for step in range(3):
+        _backward(m1, step)
+        _backward(m2, step)
+        o1.step()
+        o2.step()
+    assert calls == [4, 4, 4]
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.allclose(a, b)
+
+
+def test_apply_step_rejects_bad_gather() -> None:
+    model = _model()
+    opt = DeMo(model.parameters(), chunk=8, topk=4)
+    _backward(model, 0)
+    payloads = opt.encode_step()
+    with pytest.raises(ValueError, match="empty"):
+        opt.apply_step([])
+    with pytest.raises(ValueError, match="expected 4"):
+        opt.apply_step([payloads[:2]])
+    with pytest.raises(ValueError, match="shape"):
+        opt.apply_step([list(reversed(payloads))])
+
+
+def test_trains_least_squares() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    w_true = torch.randn(32, 8)
+    y = x @ w_true
+    w = torch.nn.Parameter(torch.zeros(32, 8))
+    opt = DeMo([w], lr=0.02, beta=0.9, chunk=8, topk=16)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (x @ w - y).square().mean()
+        loss.backward()
+        return loss
+
+    first = closure().item()
+    for _ in range(300):
+        opt.step(closure)
+    final = (x @ w - y).square().mean().item()
+    assert final < 0.05 * first
+
+
+def test_sign_values_still_trains() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    y = x @ torch.randn(32, 8)
+    w = torch.nn.Parameter(torch.zeros(32, 8))
+    opt = DeMo([w], lr=0.02, beta=0.9, chunk=8, topk=16, sign_values=True)
+    first = (x @ w - y).square().mean().item()
+    for _ in range(300):
+        opt.zero_grad()
+        (x @ w - y).square().mean().backward()
+        opt.step()
+    assert (x @ w - y).square().mean().item() < 0.1 * first
+
+
+def test_weight_decay_decoupled() -> None:
+    p = torch.nn.Parameter(torch.full((4, 4), 2.0))
+    opt = DeMo([p], lr=0.1, weight_decay=0.5, chunk=4, topk=16)
+    p.grad = torch.zeros(4, 4)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((4, 4), 2.0 * (1 - 0.1 * 0.5)))
+
+
+def _run(model: torch.nn.Module, opt: DeMo, steps: range) -> None:
+    for s in steps:
+        _backward(model, s)
+        opt.step()
+
+
+def test_state_dict_resume_bitwise() -> None:
+    ref_model = _model(5)
+    ref_opt = DeMo(ref_model.parameters(), lr=1e-2, beta=0.95, chunk=8, topk=4, weight_decay=0.1)
+    _run(ref_model, ref_opt, range(0, 10))
+
+    a_model = _model(5)
+    a_opt = DeMo(a_model.parameters(), lr=1e-2, beta=0.95, chunk=8, topk=4, weight_decay=0.1)
+    _run(a_model, a_opt, range(0, 4))
+    buf = io.BytesIO()
+    torch.save({"model": a_model.state_dict(), "opt": a_opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    assert a_opt.step_count == 4
+    assert all(v["momentum"].dtype == torch.float32 for v in saved["opt"]["state"].values())
+
+    b_model = _model(99)  # different init: everything must come from the checkpoint
+    b_opt = DeMo(b_model.parameters(), lr=1e-2, beta=0.95, chunk=8, topk=4, weight_decay=0.1)
+    b_model.load_state_dict(saved["model"])
+    b_opt.load_state_dict(saved["opt"])
+    assert b_opt.step_count == 4
+    _run(b_model, b_opt, range(4, 10))
+    for r, b in zip(ref_model.parameters(), b_model.parameters(), strict=True):
+        assert torch.equal(r, b)
+    assert b_opt.step_count == 10
+
+
+def test_load_does_not_alias_and_keeps_fp32_momentum() -> None:
+    p = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
+    opt = DeMo([p], chunk=8, topk=4)
+    p.grad = torch.randn(8, 8, dtype=torch.bfloat16)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = DeMo([p], chunk=8, topk=4)
+    opt2.load_state_dict(sd)
+    assert opt2.state[p]["momentum"].dtype == torch.float32
+    assert torch.equal(opt2.state[p]["momentum"], sd["state"][0]["momentum"])
+    p.grad = torch.randn(8, 8, dtype=torch.bfloat16)
+    opt2.step()
+    assert int(sd["state"][0]["step"]) == 1 and opt2.step_count == 2
+
+
+def test_load_rejects_other_wire_format() -> None:
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = DeMo([p], chunk=8, topk=4)
+    with pytest.raises(CheckpointError, match="topk"):
+        DeMo([p], chunk=8, topk=5).load_state_dict(opt.state_dict())
+
+
+# ---- configuration errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"topk": 0}, "demo_topk"),
+        ({"topk": 4097}, "demo_topk"),
+        ({"chunk": 4, "topk": 17}, "demo_topk"),
+        ({"topk": 2.5}, "demo_topk"),
+        ({"chunk": 0}, "demo_chunk"),
+        ({"chunk": True}, "demo_chunk"),
+        ({"beta": 1.0}, "demo_beta"),
+        ({"beta": -0.1}, "demo_beta"),
+        ({"beta": float("nan")}, "demo_beta"),
+        ({"lr": 0.0}, "lr"),
+        ({"lr": -1e-3}, "lr"),
+        ({"lr": "fast"}, "lr"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"sign_values": 1}, "sign_values"),
+    ],
+)
+def test_config_errors(kwargs: dict, field: str) -> None:
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ConfigError, match=field) as info:
+        DeMo([p], **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_param_group_cannot_change_wire_format() -> None:
+    a, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ConfigError, match="demo_topk"):
+        DeMo([{"params": [a]}, {"params": [b], "topk": 3}], chunk=4, topk=2)
+    opt = DeMo([{"params": [a]}, {"params": [b], "lr": 0.5, "beta": 0.5}], chunk=4, topk=2)
+    assert opt.param_groups[1]["lr"] == 0.5
+    c = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ConfigError, match="lr"):
+        opt.add_param_group({"params": [c], "lr": -1.0})
+    assert len(opt.param_groups) == 2  # the bad group was not kept
+    with pytest.raises(ConfigError, match="demo_beta"):
+        DeMo([{"params": [a], "beta": 2.0}], chunk=4, topk=2)
+    with pytest.raises(ConfigError, match="demo_topk"):
+        payload_bytes((4, 4), chunk=4, topk=17)
