@@ -11,6 +11,7 @@ accelerator memory.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -54,7 +55,8 @@ class OuterOptimizer:
         return self.params.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"params": self.params.detach().clone(), "optimizer": self.optimizer.state_dict(),
+        # deep copy: torch's optimizer state_dict shares its buffers, which the next step mutates in place
+        return {"params": self.params.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

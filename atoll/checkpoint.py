@@ -1,0 +1,157 @@
+"""Checkpoints: written atomically, resumed exactly.
+
+A checkpoint is a folder ``<out>/checkpoints/step_<N>/`` holding
+
+- ``model/``: the global model as a Hugging Face folder (``config.json``, ``model.safetensors``, the
+  tokenizer), loadable with ``AutoModelForCausalLM.from_pretrained``;
+- ``state.safetensors``: every tensor of the run state (each island's weights and inner optimizer, the
+  outer optimizer, residuals), under dotted keys;
+- ``state.json``: the rest of the state (step, counters, clocks) with references to those tensors.
+
+The folder is written under a temporary name, flushed, and renamed into place; then ``latest`` (a text
+file naming it) is replaced atomically. A crash at any point leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from atoll.errors import CheckpointError
+
+_TENSOR = "__tensor__"
+
+
+def flatten_state(state: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split a nested state (dicts, lists, tensors, scalars) into a JSON tree and a flat tensor dict.
+
+    Each tensor is replaced in the tree by ``{"__tensor__": key}`` and stored under ``key`` (a dotted
+    path) in the returned dict, as a contiguous CPU copy (shared storage, e.g. tied weights, is split).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors[path] = obj.detach().to("cpu").contiguous().clone()
+            return {_TENSOR: path}
+        if isinstance(obj, dict):
+            return {"__dict__": [[_key(k), walk(v, f"{path}.{k}" if path else str(k))] for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(obj)]
+        return obj
+
+    return walk(state, prefix), tensors
+
+
+def _key(k: Any) -> Any:
+    # JSON object keys are strings; optimizer state dicts use int keys, so keep keys typed in a list.
+    return k if isinstance(k, (str, int, float, bool)) or k is None else str(k)
+
+
+def unflatten_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten_state`."""
+    if isinstance(tree, dict):
+        if _TENSOR in tree:
+            return tensors[tree[_TENSOR]]
+        return {k: unflatten_state(v, tensors) for k, v in tree["__dict__"]}
+    if isinstance(tree, list):
+        return [unflatten_state(v, tensors) for v in tree]
+    return tree
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | None = None,
+                    tokenizer: Any | None = None, keep: int = 2) -> Path:
+    """Write a checkpoint of ``state`` at inner step ``step`` atomically; return its folder.
+
+    Args:
+        out: the run folder; checkpoints go to ``out/checkpoints``.
+        step: inner steps completed.
+        state: nested dicts/lists of tensors and JSON scalars.
+        model: the global model (a ``PreTrainedModel`` holding the global weights), saved to ``model/``.
+        tokenizer: a ``PreTrainedTokenizerFast`` saved beside the model.
+        keep: how many checkpoints to keep (older ones are removed after the new one is in place).
+    """
+    root = Path(out) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
+    try:
+        tree, tensors = flatten_state(state)
+        save_file(tensors, str(tmp / "state.safetensors"))
+        with open(tmp / "state.json", "w") as f:
+            json.dump({"step": step, "state": tree}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if model is not None:
+            model.save_pretrained(tmp / "model")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / "model")
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(final.name + "\n")
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path:
+    """The folder of a run's latest complete checkpoint.
+
+    Raises:
+        CheckpointError: the run folder holds no checkpoint.
+    """
+    root = Path(out) / "checkpoints"
+    latest = root / "latest"
+    if latest.is_file():
+        path = root / latest.read_text().strip()
+        if (path / "state.json").is_file():
+            return path
+    candidates = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file()) if root.is_dir() else []
+    if not candidates:
+        raise CheckpointError(f"resume: no checkpoint in '{out}'; pass the folder of an atoll run (its --out)")
+    return candidates[-1]
+
+
+def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
+    """Read a checkpoint folder; return (step, state) with tensors on the CPU.
+
+    Raises:
+        CheckpointError: a missing or corrupt file, naming it.
+    """
+    path = Path(path)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        tensors = load_file(str(path / "state.safetensors"))
+        return int(meta["step"]), unflatten_state(meta["state"], tensors)
+    except Exception as e:  # safetensors raises its own error type for corrupt files
+        raise CheckpointError(
+            f"resume: checkpoint '{path}' is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            "resume from an earlier checkpoint or start a new run"
+        ) from None

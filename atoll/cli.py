@@ -1,0 +1,119 @@
+"""The ``atoll`` command.
+
+    atoll train [--config run.toml] [--strategy diloco] [--islands 4] [--sync-every 50] ...
+    atoll train --resume RUN_DIR [--steps 1200]
+    atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
+
+Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (``sync_every`` ->
+``--sync-every``); ``atoll train --help`` lists them with their documentation. Bad input prints one line,
+``atoll: error: <field>: <what is wrong>; <fix>``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+from typing import Any, NoReturn
+
+from atoll.config import TrainConfig, build_config
+from atoll.errors import AtollError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"atoll: error: {message}; see '{self.prog} --help'\n")
+
+
+def _metavar(annotation: Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(annotation)) + "}"
+    if args and typing.get_origin(args[0]) is typing.Literal:
+        return _metavar(args[0])
+    base = args[0] if args else annotation
+    return {int: "N", float: "X", str: "TEXT", Path: "PATH"}.get(base, "VALUE")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--flag`` per :class:`TrainConfig` field, documented from the field's description."""
+    group = parser.add_argument_group("run settings (each also a key of the TOML file)")
+    for name, field in TrainConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = field.default
+        help_text = f"{field.description} [default: {default}]"
+        if field.annotation is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag, dest=name, metavar=_metavar(field.annotation), default=argparse.SUPPRESS,
+                               help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="atoll", description="Train language models across islands of compute joined by slow links.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p_train = sub.add_parser("train", help="train a model (default: diloco, 4 islands, tiny model, stdlib corpus)",
+                             description="Train a model across islands. Settings: defaults < --config TOML < flags.")
+    p_train.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
+    p_train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                         help="continue the run in RUN_DIR from its latest checkpoint (flags given override "
+                         "its saved settings, e.g. --steps to train longer)")
+    add_config_flags(p_train)
+
+    p_report = sub.add_parser("report", help="plot eval loss of one or several runs side by side")
+    p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    p_report.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write [default: report.png]")
+    return parser
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from atoll.metrics import summary_table
+    from atoll.train import load_run_config, train
+
+    overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
+    if args.resume is not None:
+        if args.config is not None:
+            raise AtollError("config: --config cannot be combined with --resume; pass flags to override settings")
+        config = load_run_config(args.resume, overrides)
+    else:
+        config = build_config(args.config, overrides)
+    summary = train(config, resume=args.resume is not None)
+    Console().print(summary_table(summary))
+    print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from atoll.report import plot_runs
+
+    path = plot_runs(args.runs, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return _cmd_train(args)
+        if args.command == "report":
+            return _cmd_report(args)
+    except AtollError as e:
+        print(f"atoll: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("atoll: interrupted; resume with 'atoll train --resume RUN_DIR'", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Typed, validated configuration of a training run.
+
+One pydantic model, :class:`TrainConfig`, holds every knob. Values come from three places, later ones
+winning: the defaults below, a TOML file (``atoll train --config run.toml``), and command-line flags
+(``--sync-every 50``). Every field is documented; ``atoll train --help`` prints them all.
+
+A bad value raises :class:`atoll.errors.ConfigError` with one line that names the field and the fix;
+the command line turns it into ``atoll: error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from atoll.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+Strategy = Literal["ddp", "diloco", "streaming", "demo"]
+Runtime = Literal["local"]
+
+
+class TrainConfig(BaseModel):
+    """Every setting of one ``atoll train`` run.
+
+    Terms follow the DiLoCo literature: an *island* is one model replica with its own data shard;
+    *inner steps* are its local optimizer steps; every ``sync_every`` (H) inner steps the islands
+    exchange *pseudo-gradients* and an *outer optimizer* updates the global parameters.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- what to run -------------------------------------------------------------------------------
+    strategy: Strategy = Field(
+        "diloco",
+        description="What islands exchange: ddp (gradients every step), diloco (pseudo-gradients every H "
+        "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum).",
+    )
+    runtime: Runtime = Field(
+        "local", description="How islands run: local (one process, islands in turn, simulated network clock)."
+    )
+    islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
+    sync_every: int = Field(
+        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming)."
+    )
+    steps: int = Field(600, ge=1, description="Inner steps per island (each island sees steps x batch tokens).")
+    seed: int = Field(0, ge=0, description="Seed of the model initialisation, data shards and batches.")
+
+    # --- model and data ----------------------------------------------------------------------------
+    model: str = Field(
+        "tiny",
+        description="Model size preset (tiny ~2M, 20m, 125m, 1b parameters; Llama-style) or a local path to "
+        "a Hugging Face causal LM folder.",
+    )
+    init_from: Path | None = Field(
+        None, description="Start from the final weights of another atoll run folder (a warm start)."
+    )
+    data: str = Field(
+        "stdlib",
+        description="Corpus: 'stdlib' (the interpreter's standard library source, no download), a local "
+        ".txt/.jsonl/.parquet file or folder, or hf:NAME for a Hugging Face dataset (needs internet).",
+    )
+    text_field: str = Field("text", description="Field holding the text in .jsonl/.parquet/Hugging Face data.")
+    partition: Literal["iid", "non_iid"] = Field(
+        "iid", description="How documents are dealt to islands: iid (shuffled) or non_iid (grouped by source)."
+    )
+    vocab_size: int = Field(4096, ge=257, le=262144, description="Byte-level BPE vocabulary size.")
+    seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
+    batch_size: int = Field(8, ge=1, description="Sequences per island per inner step.")
+
+    # --- inner optimizer (AdamW) ---------------------------------------------------------------------
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the inner AdamW optimizer.")
+    warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip each island's gradient norm to this (0: off).")
+
+    # --- outer optimizer (SGD with Nesterov momentum on pseudo-gradients) ----------------------------
+    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD)."
+    )
+
+    # --- simulated network ---------------------------------------------------------------------------
+    link_bandwidth_mbps: float = Field(
+        100.0, gt=0, description="Each island's link bandwidth in Mbit/s, for the simulated network clock."
+    )
+    link_latency_ms: float = Field(10.0, ge=0, description="One-way link latency in milliseconds.")
+
+    # --- evaluation, checkpoints, output -------------------------------------------------------------
+    eval_every: int = Field(100, ge=1, description="Evaluate the global model every N inner steps.")
+    eval_batches: int = Field(16, ge=1, description="Batches of held-out data per evaluation.")
+    checkpoint_every: int = Field(
+        100, ge=0, description="Write a resumable checkpoint every N inner steps (0: only at the end)."
+    )
+    out: Path | None = Field(None, description="Output folder (default: runs/<strategy>-<time>).")
+    cache_dir: Path | None = Field(
+        None, description="Cache for tokenizers and token ids (default: $ATOLL_CACHE_DIR or ~/.cache/atoll)."
+    )
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    progress: bool = Field(True, description="Show the live progress bar.")
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainConfig:
+        if self.strategy == "streaming" and self.sync_every < 2:
+            raise ValueError("sync_every must be at least 2 for streaming; raise --sync-every")
+        return self
+
+    @property
+    def effective_warmup_steps(self) -> int:
+        """Warmup actually used: ``warmup_steps``, capped at a tenth of ``steps`` for short runs."""
+        return min(self.warmup_steps, self.steps // 10)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens one island consumes per inner step (batch_size x seq_len)."""
+        return self.batch_size * self.seq_len
+
+
+def _fix_hint(field: str) -> str:
+    flag = "--" + field.replace("_", "-")
+    return f"set {flag} (or '{field}' in the TOML file) to a valid value; see 'atoll train --help'"
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        return f"{loc}: unknown setting; remove it (known settings: 'atoll train --help')"
+    if msg.startswith("Value error, "):
+        return f"{loc or 'config'}: {msg[len('Value error, '):]}"
+    got = first.get("input")
+    got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"{loc}: {msg[0].lower() + msg[1:]}{got_s}; {_fix_hint(loc)}"
+
+
+def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None = None,
+                 base: dict[str, Any] | None = None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from defaults, an optional base dict, a TOML file and overrides.
+
+    Args:
+        toml_path: a TOML file whose top-level keys are :class:`TrainConfig` fields (or a ``[train]``
+            table holding them).
+        overrides: field values that win over the file (typically parsed command-line flags); values
+            may be strings, which pydantic converts.
+        base: values applied before the file (a resumed run's saved config).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: a missing or unparsable TOML file, an unknown field, or an invalid value; the
+            one-line message names the field and the fix.
+    """
+    values: dict[str, Any] = dict(base or {})
+    if toml_path is not None:
+        if not Path(toml_path).is_file():
+            raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
+        try:
+            doc = tomllib.loads(Path(toml_path).read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: '{toml_path}' is not valid TOML ({e}); fix the file") from None
+        values.update(doc.get("train", doc))
+    values.update(overrides or {})
+    try:
+        return TrainConfig(**values)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None

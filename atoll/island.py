@@ -1,0 +1,158 @@
+"""An island: one model replica with its own data shard, inner optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.nn.utils import parameters_to_vector
+from transformers import PreTrainedModel
+
+from atoll.runtime.network import SimClock
+
+
+def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float):
+    """LR multiplier: linear warmup to 1 over ``warmup_steps``, then cosine decay to ``min_ratio``."""
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+@torch.no_grad()
+def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a flat vector (numel,) into ``params`` in place, element for element.
+
+    Unlike ``torch.nn.utils.vector_to_parameters``, which rebinds each ``param.data`` to a *view* of the
+    vector (so replicas fed the same vector would share storage), this copies.
+
+    Raises:
+        ValueError: the vector's length differs from the parameters' total size.
+    """
+    total = sum(p.numel() for p in params)
+    if flat.numel() != total:
+        raise ValueError(f"flat vector of {flat.numel()} elements for parameters of {total}")
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+
+
+def next_token_loss(model: PreTrainedModel, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of ``batch``, a LongTensor (batch, seq_len + 1); a 0-d float32."""
+    logits = model(input_ids=batch[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+class Island:
+    """One replica of the model, trained by its inner optimizer on its own shard.
+
+    Args:
+        index: the island's index in the job (0-based).
+        model: its model replica (float32; on CPU or an accelerator).
+        optimizer: the inner optimizer over ``model.parameters()`` (AdamW, or DeMo for ``demo``).
+        scheduler: the learning-rate schedule stepped once per inner step.
+        grad_clip: clip the gradient norm to this before each inner step (0: off).
+        clock: simulated clock charged with this island's measured compute time (None: not simulated).
+        speed: relative hardware speed (1.0 = as measured; 0.5 = charged twice the measured time).
+
+    Attributes:
+        compute_s: measured compute seconds (divided by ``speed``).
+        tokens: training tokens processed.
+        last_loss: the training loss of the last forward pass.
+    """
+
+    def __init__(self, index: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float = 1.0,
+                 clock: SimClock | None = None, speed: float = 1.0) -> None:
+        self.index = index
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grad_clip = grad_clip
+        self.clock = clock
+        self.speed = speed
+        self.params = [p for p in model.parameters()]
+        self.named_params = dict(model.named_parameters())
+        self.compute_s = 0.0
+        self.tokens = 0
+        self.last_loss = float("nan")
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Measure the enclosed compute and charge it to this island (and its simulated clock)."""
+        t0 = time.perf_counter()
+        yield
+        dt = (time.perf_counter() - t0) / self.speed
+        self.compute_s += dt
+        if self.clock is not None:
+            self.clock.compute(self.index, dt)
+
+    def forward_backward(self, batch: torch.Tensor) -> float:
+        """Next-token loss of ``batch`` (LongTensor, (batch, seq_len + 1)) and its gradient; returns the loss."""
+        with self.timed():
+            batch = batch.to(self.params[0].device)
+            loss = next_token_loss(self.model, batch)
+            loss.backward()
+        self.tokens += batch[:, 1:].numel()
+        self.last_loss = float(loss.detach())
+        return self.last_loss
+
+    def inner_step(self) -> None:
+        """Clip the gradient, take one inner optimizer step, advance the schedule, clear the gradient."""
+        with self.timed():
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # --- flat views, for exchanging ---------------------------------------------------------------
+    def flat_params(self, names: list[str] | None = None) -> torch.Tensor:
+        """A float32 CPU copy of the parameters (all, or those named), concatenated: shape (numel,)."""
+        params = self.params if names is None else [self.named_params[n] for n in names]
+        return parameters_to_vector([p.detach() for p in params]).to("cpu", torch.float32)
+
+    def set_flat_params(self, flat: torch.Tensor, names: list[str] | None = None) -> None:
+        """Overwrite the parameters (all, or those named) from a flat float32 vector."""
+        params = self.params if names is None else [self.named_params[n] for n in names]
+        copy_flat_into(params, flat)
+
+    def flat_grads(self) -> torch.Tensor:
+        """The gradients, float32 on the CPU, concatenated: shape (numel,). Missing gradients are zeros."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to("cpu", torch.float32)
+                          for p in self.params])
+
+    def set_flat_grads(self, flat: torch.Tensor) -> None:
+        """Overwrite the gradients from a flat float32 vector (shape (numel,))."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype).clone()
+            offset += n
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume this island exactly: weights, optimizer, schedule, counters."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "compute_s": self.compute_s,
+            "tokens": self.tokens,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.compute_s = float(state["compute_s"])
+        self.tokens = int(state["tokens"])

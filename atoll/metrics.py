@@ -1,0 +1,118 @@
+"""Metrics: one JSON object per event in ``metrics.jsonl``, and the live progress display.
+
+Events (field ``event``): ``start`` (config, parameters), ``train`` (mean loss over islands, tokens,
+bytes, simulated time), ``eval`` (held-out loss and perplexity of the global model), ``checkpoint``,
+``end`` (the summary). Units: bytes, seconds, tokens; losses in nats per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+
+class MetricsLog:
+    """Append-only JSONL event log.
+
+    Args:
+        path: the ``metrics.jsonl`` file.
+        truncate_after_step: when resuming, drop logged events of steps after the checkpoint's step, so
+            the log reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, truncate_after_step: int | None = None) -> None:
+        self.path = Path(path)
+        if truncate_after_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= truncate_after_step
+                    and json.loads(line).get("event") not in ("end",)]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
+    def log(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Write one event with a wall-clock timestamp; return it."""
+        record = {"event": event, "time": time.time(), **fields}
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        return record
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All events of a ``metrics.jsonl`` file, in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KB'`` (powers of 1000, as network rates are)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class ProgressDisplay:
+    """A live progress bar of inner steps with loss, tokens/s and bytes sent; silent when disabled."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("sent {task.fields[sent]}/island"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=self.console, disable=not enabled, transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                           loss="-", tps="-", sent="0 B")
+
+    def __enter__(self) -> ProgressDisplay:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, bytes_sent: float) -> None:
+        self.progress.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
+                             sent=human_bytes(bytes_sent))
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """A two-column table of the run summary, with units."""
+    table = Table(title=f"atoll {summary['strategy']} x{summary['islands']} islands", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", justify="right")
+    rows = [
+        ("parameters", f"{summary['params']:,}"),
+        ("tokens (all islands)", f"{summary['tokens']:,}"),
+        ("eval loss: initial -> final", f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f}"),
+        ("final perplexity", f"{math.exp(min(summary['final_eval_loss'], 50)):.2f}"),
+        ("bytes sent per island", human_bytes(summary["bytes_sent_per_island"])),
+        ("ddp would send per island", human_bytes(summary["ddp_bytes_per_island"])),
+        ("reduction vs ddp", f"{summary['reduction_vs_ddp']:.1f}x" if summary["reduction_vs_ddp"] else "-"),
+        ("compute (slowest island)", f"{summary['compute_s']:.1f} s"),
+        (f"simulated wall @ {summary['link_bandwidth_mbps']:g} Mbit/s", f"{summary['sim_wall_s']:.1f} s"),
+        ("compute utilization", f"{summary['compute_utilization']:.1%}"),
+        ("real wall time", f"{summary['wall_s']:.1f} s"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table

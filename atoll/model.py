@@ -1,0 +1,101 @@
+"""The model: a Hugging Face ``transformers`` Llama-style causal LM, from a size preset or a local folder.
+
+atoll does not define a transformer of its own; it builds :class:`transformers.LlamaForCausalLM` from a
+:class:`transformers.LlamaConfig` preset sized for the machine at hand, or loads any causal LM saved with
+``save_pretrained`` from a local path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from atoll.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Shape of a Llama-style preset. Parameter counts are for a 4096-token vocabulary, tied embeddings."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool = True
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # ~40K parameters plus embeddings: for tests and smoke checks only.
+    "micro": ModelPreset(32, 2, 64, 2, 2),
+    # ~1.8M parameters: 600 inner steps of 4 islands run in a few minutes on 2 CPU cores.
+    "tiny": ModelPreset(128, 6, 384, 4, 4),
+    # ~19M parameters.
+    "20m": ModelPreset(384, 10, 1024, 6, 6),
+    # ~120M parameters (GPT-2 small / DiLoCo's 150M scale).
+    "125m": ModelPreset(768, 12, 3072, 12, 12),
+    # ~1B parameters (TinyLlama-like shape, grouped-query attention, untied head).
+    "1b": ModelPreset(2048, 22, 5632, 32, 4, tie_word_embeddings=False),
+}
+
+
+def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> PreTrainedModel:
+    """Build a preset model with a seeded initialisation, or load one from a local folder.
+
+    Args:
+        name_or_path: a key of :data:`PRESETS` or a folder saved with ``save_pretrained``.
+        vocab_size: the tokenizer's vocabulary size (presets only; a loaded model keeps its own).
+        seq_len: training sequence length in tokens; sets ``max_position_embeddings`` of presets.
+        seed: seeds ``torch`` before initialisation so every island and every run start identical.
+
+    Returns:
+        A float32 causal LM on the CPU in training mode.
+
+    Raises:
+        ConfigError: the name is neither a preset nor an existing folder (field ``model``), or a loaded
+            model's vocabulary is smaller than the tokenizer's.
+    """
+    torch.manual_seed(seed)
+    if name_or_path in PRESETS:
+        p = PRESETS[name_or_path]
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=p.hidden_size,
+            num_hidden_layers=p.num_hidden_layers,
+            intermediate_size=p.intermediate_size,
+            num_attention_heads=p.num_attention_heads,
+            num_key_value_heads=p.num_key_value_heads,
+            max_position_embeddings=max(seq_len, 128),
+            tie_word_embeddings=p.tie_word_embeddings,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        model = LlamaForCausalLM(config)
+    elif Path(name_or_path).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+        if model.get_input_embeddings().num_embeddings < vocab_size:
+            raise ConfigError(
+                f"model: '{name_or_path}' has a vocabulary of {model.get_input_embeddings().num_embeddings} "
+                f"tokens, below the tokenizer's {vocab_size}; lower --vocab-size or use a preset"
+            )
+    else:
+        raise ConfigError(
+            f"model: '{name_or_path}' is neither a preset ({', '.join(PRESETS)}) nor an existing folder; "
+            "pass a preset name or a local Hugging Face model path"
+        )
+    model.train()
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters as stored (float32: 4 bytes each); what ddp all-reduces per step."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,60 @@
+"""Plots of one or several runs side by side: eval loss against tokens and against simulated wall time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from atoll.errors import AtollError  # noqa: E402
+from atoll.metrics import read_metrics  # noqa: E402
+
+
+def run_label(run_dir: Path) -> str:
+    """A legend label from a run's summary (strategy, islands, H), or its folder name."""
+    summary = Path(run_dir) / "summary.json"
+    if summary.is_file():
+        s = json.loads(summary.read_text())
+        label = f"{s['strategy']} K={s['islands']}"
+        if s["strategy"] not in ("ddp", "demo"):
+            label += f" H={s['sync_every']}"
+        return label
+    return Path(run_dir).name
+
+
+def plot_runs(run_dirs: list[Path], out_png: Path) -> Path:
+    """Draw held-out loss against tokens and against simulated wall time for each run; save a PNG.
+
+    Args:
+        run_dirs: atoll run folders (each with a ``metrics.jsonl``).
+        out_png: where to write the figure.
+
+    Raises:
+        AtollError: a folder without ``metrics.jsonl``.
+    """
+    fig, (ax_tok, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in run_dirs:
+        path = Path(run) / "metrics.jsonl"
+        if not path.is_file():
+            raise AtollError(f"report: '{run}' has no metrics.jsonl; pass atoll run folders")
+        evals = [e for e in read_metrics(path) if e["event"] == "eval"]
+        label = run_label(Path(run))
+        ax_tok.plot([e["tokens"] for e in evals], [e["eval_loss"] for e in evals], marker=".", label=label)
+        ax_time.plot([e["sim_wall_s"] for e in evals], [e["eval_loss"] for e in evals], marker=".", label=label)
+    ax_tok.set_xlabel("training tokens (all islands)")
+    ax_time.set_xlabel("simulated wall time (s)")
+    for ax in (ax_tok, ax_time):
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("atoll: held-out loss of the global model")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

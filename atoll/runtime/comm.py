@@ -1,0 +1,104 @@
+"""What a strategy may ask of the network, independent of the runtime that carries it.
+
+A strategy holds the islands *this process* runs (all of them in the ``local`` runtime, one in a real
+multi-process runtime) and asks a :class:`Comm` to combine a tensor across *every* island of the job.
+It passes one tensor per local island and gets back the combined tensor, so the same strategy code runs
+unchanged whether the reduction happens in memory or over ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class Comm(ABC):
+    """Collective operations across islands, with the bytes each island sends counted.
+
+    Attributes:
+        islands: number of islands in the job.
+        local_islands: indices of the islands this process runs.
+        bytes_sent_per_island: bytes one island has sent so far (payload as encoded on the wire,
+            ring-collective cost included).
+        exchanges: number of collectives issued so far.
+        peak_bytes_per_exchange: the largest payload one island sent in one collective, bytes.
+    """
+
+    islands: int
+    local_islands: list[int]
+
+    def __init__(self) -> None:
+        self.bytes_sent_per_island = 0.0
+        self.exchanges = 0
+        self.peak_bytes_per_exchange = 0.0
+
+    def _count(self, bytes_sent: float) -> None:
+        self.bytes_sent_per_island += bytes_sent
+        self.exchanges += 1
+        self.peak_bytes_per_exchange = max(self.peak_bytes_per_exchange, bytes_sent)
+
+    @abstractmethod
+    def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
+                        payload_bytes: int | None = None) -> torch.Tensor:
+        """Weighted mean of a 1-D tensor across every island; blocks until done.
+
+        Args:
+            per_island: one 1-D tensor per local island, all the same shape; float32 (or the dtype the
+                wire carries: the element size sets the counted bytes).
+            weights: one non-negative weight per local island (e.g. tokens processed); default equal.
+                The mean divides by the sum of the weights of the islands that contributed.
+            payload_bytes: bytes of the encoded payload when a codec compressed the tensor; default
+                ``numel * element_size``.
+
+        Returns:
+            The float32 mean, shape of one input, identical on every island.
+        """
+
+    @abstractmethod
+    def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
+        """Gather one payload per island from every island, in island order; blocks until done.
+
+        Args:
+            per_island: one payload per local island (any picklable object of tensors).
+            payload_bytes: bytes one island's payload occupies on the wire.
+
+        Returns:
+            The payloads of all ``islands`` islands, ordered by island index.
+        """
+
+    def state_dict(self) -> dict[str, float]:
+        """Counters, for checkpoints."""
+        return {"bytes_sent_per_island": self.bytes_sent_per_island, "exchanges": self.exchanges,
+                "peak_bytes_per_exchange": self.peak_bytes_per_exchange}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.bytes_sent_per_island = float(state["bytes_sent_per_island"])
+        self.exchanges = int(state["exchanges"])
+        self.peak_bytes_per_exchange = float(state["peak_bytes_per_exchange"])
+
+
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Weighted mean of same-shaped tensors, accumulated in float32 in the given order.
+
+    Divides by the sum of the weights of the tensors actually given (never by a configured count), so an
+    island that did not contribute does not dilute the average (DiLoCo §3; Decoupled DiLoCo).
+
+    Raises:
+        ValueError: no tensors, mismatched lengths, or weights summing to zero.
+    """
+    if not tensors:
+        raise ValueError("weighted_mean of no tensors")
+    if weights is None:
+        weights = [1.0] * len(tensors)
+    if len(weights) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors but {len(weights)} weights")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weights sum to zero")
+    out = torch.zeros_like(tensors[0], dtype=torch.float32)
+    for t, w in zip(tensors, weights, strict=True):
+        out.add_(t.to(torch.float32), alpha=float(w) / total)
+    return out

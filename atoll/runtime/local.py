@@ -1,0 +1,62 @@
+"""The ``local`` runtime: every island in one process, run in turn, on a simulated network clock.
+
+Collectives are computed in memory (deterministic, in island order). Their cost is not paid in real time:
+the bytes each island would send are counted, and :class:`~atoll.runtime.network.Link` turns them into
+seconds on each island's :class:`~atoll.runtime.network.SimClock`. Compute time is measured for real.
+This is the runtime of research sweeps and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from atoll.runtime.comm import Comm, weighted_mean
+from atoll.runtime.network import Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
+
+
+class LocalComm(Comm):
+    """In-memory collectives over all islands of one process, charged to a simulated clock.
+
+    Args:
+        islands: number of islands (all local).
+        link: each island's link, used to turn bytes into seconds.
+        clock: the islands' simulated clocks; a blocking collective advances all of them.
+    """
+
+    def __init__(self, islands: int, link: Link, clock: SimClock) -> None:
+        super().__init__()
+        self.islands = islands
+        self.local_islands = list(range(islands))
+        self.link = link
+        self.clock = clock
+
+    def _check(self, per_island: Sequence[Any]) -> None:
+        if len(per_island) != self.islands:
+            raise ValueError(f"local runtime expects one entry per island ({self.islands}), got {len(per_island)}")
+
+    def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
+                        payload_bytes: int | None = None) -> torch.Tensor:
+        self._check(per_island)
+        mean = weighted_mean(per_island, weights)
+        self.charge_allreduce(payload_bytes if payload_bytes is not None
+                              else per_island[0].numel() * per_island[0].element_size())
+        return mean
+
+    def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
+        """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.
+
+        With ``blocking=False`` the islands go on computing; call ``clock.wait_until`` when the result
+        is needed (overlapped communication, Streaming DiLoCo §2.3).
+        """
+        self._count(ring_allreduce_bytes(payload_bytes, self.islands))
+        duration = self.link.allreduce_seconds(payload_bytes, self.islands)
+        return self.clock.collective(duration) if blocking else self.clock.start_collective(duration)
+
+    def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
+        self._check(per_island)
+        self._count(ring_allgather_bytes(payload_bytes, self.islands))
+        self.clock.collective(self.link.allgather_seconds(payload_bytes, self.islands))
+        return list(per_island)

@@ -1,0 +1,260 @@
+"""The training job: data -> islands -> inner steps and exchanges -> evaluation -> checkpoint and report.
+
+Launch::
+
+    atoll train                                   # diloco, 4 islands, tiny model, stdlib corpus
+    atoll train --strategy ddp --islands 4 --steps 600 --out runs/ddp
+    atoll train --resume runs/ddp                 # continue from its latest checkpoint
+
+or from Python::
+
+    from atoll import TrainConfig, train
+    summary = train(TrainConfig(strategy="diloco", islands=4, sync_every=50))
+
+The loop below reads top to bottom: every island runs a forward and backward pass on its own batch, then
+the strategy takes the inner optimizer steps and issues whatever collective it needs. The runtime (here
+``local``: all islands in this process, a simulated network clock) is set up before the loop, so the loop
+never sees it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from atoll.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from atoll.config import TrainConfig, build_config
+from atoll.data import default_cache_dir, eval_batches, prepare_data, sample_batch
+from atoll.errors import ConfigError
+from atoll.island import Island, copy_flat_into, cosine_with_warmup, next_token_loss
+from atoll.metrics import MetricsLog, ProgressDisplay
+from atoll.model import build_model, count_parameters, param_bytes
+from atoll.report import plot_runs
+from atoll.runtime.local import LocalComm
+from atoll.runtime.network import Link, SimClock, ring_allreduce_bytes
+from atoll.strategies.base import Strategy
+
+LOG_EVERY = 10  # inner steps between two ``train`` events in metrics.jsonl
+
+
+def make_strategy(config: TrainConfig, islands: list[Island], comm: LocalComm) -> Strategy:
+    """The strategy object named by ``config.strategy``."""
+    if config.strategy == "ddp":
+        from atoll.strategies.ddp import DDP
+
+        return DDP(config, islands, comm)
+    if config.strategy == "diloco":
+        from atoll.strategies.diloco import DiLoCo
+
+        return DiLoCo(config, islands, comm)
+    raise ConfigError(f"strategy: '{config.strategy}' is not available in this build; use ddp or diloco")
+
+
+def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock) -> Island:
+    """An island with its own replica, AdamW inner optimizer and warmup-cosine schedule."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio)
+    )
+    return Island(index, model, optimizer, scheduler, grad_clip=config.grad_clip, clock=clock)
+
+
+@torch.no_grad()
+def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
+    """Mean held-out next-token loss (nats per token) of ``model`` over ``batches``."""
+    model.eval()
+    losses = [float(next_token_loss(model, b)) for b in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
+    """Copy the global weights of another run's latest checkpoint into ``model`` (a warm start).
+
+    Raises:
+        ConfigError: ``init_from`` holds no checkpoint or a model of another shape.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except Exception:
+        raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; pass the --out folder of a finished run") from None
+    weights = load_file(str(ckpt / "model" / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    shapes_ok = all(weights[k].shape == v.shape for k, v in model.state_dict().items() if k in weights)
+    if unexpected or not shapes_ok or any("embed" in k or "layers" in k for k in missing):
+        raise ConfigError(f"init_from: the model in '{ckpt}' does not match --model/--vocab-size of this run; "
+                          "use the same model and vocabulary as that run")
+    model.tie_weights()
+
+
+def _out_dir(config: TrainConfig) -> Path:
+    if config.out is not None:
+        out = Path(config.out)
+    else:
+        out = Path("runs") / f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if (out / "checkpoints").exists():
+        raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
+
+    Raises:
+        ConfigError: the folder holds no ``config.json`` (field ``resume``).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"resume: '{run_dir}' is not an atoll run folder (no config.json); pass a run's --out folder")
+    base = json.loads(path.read_text())
+    return build_config(base=base, overrides={**(overrides or {}), "out": str(run_dir)})
+
+
+def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
+    """Run one training job; return its summary (also written to ``<out>/summary.json``).
+
+    Args:
+        config: the run's configuration.
+        resume: continue the run in ``config.out`` from its latest checkpoint.
+
+    Returns:
+        The summary dict (see README, "Output"): strategy, islands, tokens, initial and final eval loss,
+        bytes sent per island, what ddp would send, compute, simulated and real wall seconds.
+
+    Raises:
+        ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
+    """
+    t0 = time.perf_counter()
+    transformers.utils.logging.disable_progress_bar()  # our own progress bar is the one that counts
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if resume:
+        out = Path(config.out)  # type: ignore[arg-type]
+        ckpt_path = latest_checkpoint(out)
+        start_step, state = load_checkpoint(ckpt_path)
+    else:
+        out = _out_dir(config)
+        start_step, state = 0, None
+    (out / "config.json").write_text(config.model_dump_json(indent=2))
+
+    # --- data and model ----------------------------------------------------------------------------
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
+                        partition=config.partition, text_field=config.text_field)
+    val = eval_batches(data.val_tokens, config.batch_size, config.seq_len, config.eval_batches)
+    global_model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
+    if config.init_from is not None and not resume:
+        load_init_weights(global_model, Path(config.init_from))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token="<|endoftext|>",
+                                        bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    n_params = count_parameters(global_model)
+
+    # --- runtime: islands, simulated network, strategy --------------------------------------------
+    clock = SimClock(config.islands)
+    link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
+    comm = LocalComm(config.islands, link, clock)
+    islands = [make_island(i, copy.deepcopy(global_model), config, clock) for i in range(config.islands)]
+    strategy = make_strategy(config, islands, comm)
+
+    log = MetricsLog(out / "metrics.jsonl", truncate_after_step=start_step if resume else None)
+    prior_wall_s = 0.0
+    if state is not None:
+        for island, s in zip(islands, state["islands"], strict=True):
+            island.load_state_dict(s)
+        strategy.load_state_dict(state["strategy"])
+        comm.load_state_dict(state["comm"])
+        clock.load_state_dict(state["clock"])
+        initial_eval_loss = float(state["initial_eval_loss"])
+        eval_loss = float(state["eval_loss"])
+        prior_wall_s = float(state["wall_s"])
+    else:
+        initial_eval_loss = eval_loss = evaluate(global_model, val)
+        log.log("start", step=0, params=n_params, config=config.model_dump(mode="json"),
+                train_tokens=data.num_train_tokens, val_tokens=data.num_val_tokens,
+                tokenizer_from_cache=data.tokenizer_from_cache)
+        log.log("eval", step=0, tokens=0, eval_loss=initial_eval_loss, perplexity=math.exp(initial_eval_loss),
+                sim_wall_s=0.0, bytes_sent_per_island=0.0)
+
+    def sync_global_model() -> None:
+        copy_flat_into(list(global_model.parameters()), strategy.global_params())
+
+    def run_state(wall_s: float) -> dict[str, Any]:
+        return {"islands": [i.state_dict() for i in islands], "strategy": strategy.state_dict(),
+                "comm": comm.state_dict(), "clock": clock.state_dict(),
+                "initial_eval_loss": initial_eval_loss, "eval_loss": eval_loss, "wall_s": wall_s}
+
+    # --- the loop ----------------------------------------------------------------------------------
+    session_tokens = 0
+    with ProgressDisplay(config.steps, start_step, config.progress) as bar:
+        for step in range(start_step, config.steps):
+            for island in islands:
+                batch = sample_batch(data.island_tokens[island.index], config.batch_size, config.seq_len,
+                                     config.seed, island.index, step)
+                island.forward_backward(batch)
+            strategy.step(step)
+            done = step + 1
+            if done == config.steps:
+                strategy.finish(done)
+            session_tokens += config.islands * config.tokens_per_step
+            tokens = sum(i.tokens for i in islands)
+            train_loss = sum(i.last_loss for i in islands) / len(islands)
+            if done % LOG_EVERY == 0 or done == config.steps:
+                log.log("train", step=done, tokens=tokens, loss=train_loss,
+                        bytes_sent_per_island=comm.bytes_sent_per_island, sim_wall_s=clock.wall_s,
+                        lr=islands[0].scheduler.get_last_lr()[0])
+            if done % config.eval_every == 0 or done == config.steps:
+                sync_global_model()
+                eval_loss = evaluate(global_model, val)
+                log.log("eval", step=done, tokens=tokens, eval_loss=eval_loss, perplexity=math.exp(eval_loss),
+                        sim_wall_s=clock.wall_s, bytes_sent_per_island=comm.bytes_sent_per_island)
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
+                sync_global_model()
+                path = save_checkpoint(out, done, run_state(prior_wall_s + time.perf_counter() - t0),
+                                       model=global_model, tokenizer=tokenizer)
+                log.log("checkpoint", step=done, path=str(path))
+            bar.update(done, train_loss, session_tokens / max(1e-9, time.perf_counter() - t0),
+                       comm.bytes_sent_per_island)
+
+    # --- summary and report ------------------------------------------------------------------------
+    tokens = sum(i.tokens for i in islands)
+    ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(global_model), config.islands)
+    compute_s = max(i.compute_s for i in islands)
+    summary: dict[str, Any] = {
+        "strategy": config.strategy, "runtime": config.runtime, "islands": config.islands,
+        "sync_every": config.sync_every, "steps": config.steps, "model": config.model, "params": n_params,
+        "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
+        "initial_eval_loss": initial_eval_loss, "final_eval_loss": eval_loss,
+        "final_perplexity": math.exp(eval_loss),
+        "bytes_sent_per_island": comm.bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
+        "reduction_vs_ddp": (ddp_bytes / comm.bytes_sent_per_island) if comm.bytes_sent_per_island else None,
+        "exchanges": comm.exchanges, "peak_bytes_per_exchange": comm.peak_bytes_per_exchange,
+        "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
+        "compute_s": compute_s, "sim_wall_s": clock.wall_s,
+        "compute_utilization": compute_s / clock.wall_s if clock.wall_s > 0 else 1.0,
+        "wall_s": prior_wall_s + time.perf_counter() - t0,
+        "init_from": str(config.init_from) if config.init_from else None, "out": str(out),
+    }
+    log.log("end", step=config.steps, **summary)
+    log.close()
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, out / "summary.json")
+    plot_runs([out], out / "report.png")
+    return summary

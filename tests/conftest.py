@@ -1,0 +1,44 @@
+"""Shared fixtures: a small real-text corpus, a fast config, and a CLI runner with a timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+@pytest.fixture(scope="session")
+def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~300 KB .txt corpus: stdlib sources of a few packages, one document per file."""
+    files = sorted((STDLIB / "json").glob("*.py")) + sorted((STDLIB / "email").glob("*.py"))
+    files += sorted((STDLIB / "asyncio").glob("*.py"))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n\n".join(f.read_text(encoding="utf-8") for f in files))
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("atoll-cache")
+
+
+@pytest.fixture()
+def fast_config(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> dict:
+    """Settings of a run that takes a few seconds on 2 CPU cores."""
+    return {
+        "data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+        "seq_len": 32, "batch_size": 4, "islands": 2, "steps": 20, "sync_every": 5, "eval_every": 10,
+        "eval_batches": 2, "checkpoint_every": 10, "progress": False, "out": str(tmp_path / "run"),
+        "threads": 1,
+    }
+
+
+def run_atoll(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the ``atoll`` command in a subprocess; a hang fails the test at ``timeout`` seconds."""
+    return subprocess.run([sys.executable, "-m", "atoll.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)

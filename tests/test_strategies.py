@@ -1,0 +1,101 @@
+"""ddp and diloco on in-process islands: the maths, equal weights after syncs, counted bytes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from atoll.config import TrainConfig
+from atoll.island import next_token_loss
+from atoll.model import build_model, param_bytes
+from atoll.runtime.local import LocalComm
+from atoll.runtime.network import Link, SimClock, ring_allreduce_bytes
+from atoll.strategies.ddp import DDP
+from atoll.strategies.diloco import DiLoCo
+from atoll.train import make_island
+
+VOCAB, SEQ, BATCH = 300, 16, 4
+
+
+def _setup(strategy_cls, k: int, **cfg):
+    config = TrainConfig(islands=k, steps=12, lr=1e-2, warmup_steps=0, seq_len=SEQ, batch_size=BATCH, **cfg)
+    model = build_model("micro", VOCAB, SEQ, seed=0)
+    clock = SimClock(k)
+    comm = LocalComm(k, Link.from_config(100, 10), clock)
+    islands = [make_island(i, copy.deepcopy(model), config, clock) for i in range(k)]
+    return config, model, comm, islands, strategy_cls(config, islands, comm)
+
+
+def _batch(i: int, step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * i + step))
+
+
+def test_ddp_equals_one_model_with_k_times_the_batch() -> None:
+    k = 3
+    config, model, comm, islands, ddp = _setup(DDP, k)
+    reference = make_island(0, copy.deepcopy(model), config, None)
+    for step in range(5):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        ddp.step(step)
+        big = torch.cat([_batch(i, step) for i in range(k)])
+        reference.forward_backward(big)
+        reference.inner_step()
+    for island in islands:
+        # float round-off of the grouped sums, amplified by Adam's 1/sqrt(v), stays far below lr = 1e-2
+        torch.testing.assert_close(island.flat_params(), reference.flat_params(), rtol=0, atol=1e-4)
+    assert comm.bytes_sent_per_island == pytest.approx(5 * ring_allreduce_bytes(param_bytes(model), k))
+
+
+def test_diloco_islands_identical_after_each_sync_and_bytes_match_formula() -> None:
+    k, h = 3, 4
+    config, model, comm, islands, diloco = _setup(DiLoCo, k, sync_every=h)
+    for step in range(12):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        diloco.step(step)
+        flats = [i.flat_params() for i in islands]
+        if (step + 1) % h == 0:
+            for f in flats:
+                assert torch.equal(f, diloco.global_params())
+        elif step % h != h - 1 and step % h > 0:
+            assert not torch.equal(flats[0], flats[1]), "islands diverge between syncs (different data)"
+    assert diloco.outer.version == 3
+    assert comm.bytes_sent_per_island == pytest.approx(3 * ring_allreduce_bytes(param_bytes(model), k))
+
+
+def test_diloco_lr1_momentum0_global_is_average_of_islands() -> None:
+    k, h = 2, 3
+    config, model, comm, islands, diloco = _setup(DiLoCo, k, sync_every=h, outer_lr=1.0, outer_momentum=0.0)
+    for step in range(h):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        for island in islands:
+            island.inner_step()
+    expected = torch.stack([i.flat_params() for i in islands]).mean(0)
+    diloco.outer_step(h)
+    torch.testing.assert_close(diloco.global_params(), expected, rtol=0, atol=1e-6)
+
+
+def test_diloco_finish_syncs_a_partial_round() -> None:
+    config, model, comm, islands, diloco = _setup(DiLoCo, 2, sync_every=5)
+    for step in range(7):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        diloco.step(step)
+    assert diloco.outer.version == 1
+    diloco.finish(7)
+    assert diloco.outer.version == 2
+    assert torch.equal(islands[0].flat_params(), islands[1].flat_params())
+
+
+def test_next_token_loss_of_uniform_model_is_log_vocab() -> None:
+    model = build_model("micro", VOCAB, SEQ, seed=0)
+    with torch.no_grad():
+        for p in model.lm_head.parameters():
+            p.zero_()
+    with torch.no_grad():
+        loss = float(next_token_loss(model, _batch(0, 0)))
+    assert loss == pytest.approx(torch.log(torch.tensor(float(VOCAB))).item(), rel=1e-4)

@@ -1,0 +1,137 @@
+"""The job end to end: outputs, resume equality, warm start, and bad input exiting 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import atoll.train as train_mod
+from atoll.config import build_config
+from atoll.metrics import read_metrics
+from atoll.train import load_run_config, train
+from conftest import run_atoll
+
+
+def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:
+    summary = train(build_config(overrides=fast_config))
+    out = Path(fast_config["out"])
+    for name in ("metrics.jsonl", "summary.json", "report.png", "config.json", "checkpoints/latest"):
+        assert (out / name).exists(), name
+    saved = json.loads((out / "summary.json").read_text())
+    for key in ("strategy", "runtime", "islands", "sync_every", "steps", "params", "tokens", "initial_eval_loss",
+                "final_eval_loss", "bytes_sent_per_island", "ddp_bytes_per_island", "compute_s", "sim_wall_s",
+                "wall_s"):
+        assert key in saved, key
+    assert saved["final_eval_loss"] < saved["initial_eval_loss"] - 0.5
+    assert saved["tokens"] == 2 * 20 * 4 * 32
+    # 20 steps, H=5: 4 outer steps, each a ring all-reduce of the fp32 parameters; ddp would do 20
+    assert saved["exchanges"] == 4
+    assert saved["ddp_bytes_per_island"] == pytest.approx(5 * saved["bytes_sent_per_island"])
+    assert saved["sim_wall_s"] >= saved["compute_s"] > 0
+    events = read_metrics(out / "metrics.jsonl")
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 10, 20]
+    assert summary["final_eval_loss"] == saved["final_eval_loss"]
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "model" / "tokenizer.json").is_file()
+
+
+def test_checkpoint_model_loads_with_transformers(fast_config: dict) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train(build_config(overrides={**fast_config, "steps": 10}))
+    ckpt = Path(fast_config["out"]) / "checkpoints" / "step_0000010" / "model"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = tok("def main():", return_tensors="pt").input_ids
+    assert model(input_ids=ids).logits.shape[-1] >= tok.vocab_size
+
+
+class _Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "ddp"])
+def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch, strategy: str) -> None:
+    # sync_every=3 so the crash at step 10 falls mid-round: islands have diverged and must be restored
+    base = {**fast_config, "strategy": strategy, "sync_every": 3}
+    full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
+
+    real_save = train_mod.save_checkpoint
+
+    def save_then_crash(out, step, *args, **kwargs):
+        path = real_save(out, step, *args, **kwargs)
+        if step == 10:
+            raise _Crash()
+        return path
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", save_then_crash)
+    with pytest.raises(_Crash):
+        train(build_config(overrides={**base, "out": str(tmp_path / "resumed")}))
+    monkeypatch.setattr(train_mod, "save_checkpoint", real_save)
+    resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
+    assert resumed["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=1e-4)
+    assert resumed["bytes_sent_per_island"] == full["bytes_sent_per_island"]
+    assert resumed["tokens"] == full["tokens"]
+    evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
+    assert evals == [0, 10, 20], "the log of a resumed run reads as one run"
+
+
+def test_init_from_starts_from_another_runs_weights(fast_config: dict, tmp_path: Path) -> None:
+    warm = train(build_config(overrides={**fast_config, "strategy": "ddp", "out": str(tmp_path / "warm")}))
+    cont = train(build_config(overrides={**fast_config, "steps": 10, "init_from": str(tmp_path / "warm"),
+                                         "out": str(tmp_path / "cont")}))
+    assert cont["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], abs=1e-5)
+
+
+def test_tokenizer_cache_is_reused_between_runs(fast_config: dict, tmp_path: Path) -> None:
+    cfg = {**fast_config, "steps": 2, "eval_every": 2, "cache_dir": str(tmp_path / "cache")}
+    train(build_config(overrides={**cfg, "out": str(tmp_path / "a")}))
+    train(build_config(overrides={**cfg, "out": str(tmp_path / "b")}))
+    first = [e for e in read_metrics(tmp_path / "a" / "metrics.jsonl") if e["event"] == "start"][0]
+    second = [e for e in read_metrics(tmp_path / "b" / "metrics.jsonl") if e["event"] == "start"][0]
+    assert first["tokenizer_from_cache"] is False and second["tokenizer_from_cache"] is True
+    assert len(list((tmp_path / "cache").glob("tokenizer-*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--islands", "0"], "islands"),
+        (["--sync-every", "-3"], "sync_every"),
+        (["--strategy", "fedsgd"], "strategy"),
+        (["--outer-lr", "abc"], "outer_lr"),
+        (["--link-bandwidth-mbps", "0"], "link_bandwidth_mbps"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_field(args: list[str], field: str) -> None:
+    r = run_atoll("train", *args, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atoll: error: ") and field in lines[0], r.stderr
+
+
+def test_bad_toml_key_exits_2(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('strategy = "diloco"\nsync_evry = 10\n')
+    r = run_atoll("train", "--config", str(toml), timeout=120)
+    assert r.returncode == 2 and "sync_evry" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_data_path_exits_2(tmp_path: Path) -> None:
+    r = run_atoll("train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "run"), timeout=120)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("atoll: error: data:") and "nope.txt" in line
+
+
+def test_resume_of_a_folder_without_a_run_exits_2(tmp_path: Path) -> None:
+    r = run_atoll("train", "--resume", str(tmp_path), timeout=120)
+    assert r.returncode == 2 and "resume" in r.stderr
+
+
+def test_out_folder_of_existing_run_is_not_overwritten(fast_config: dict) -> None:
+    train(build_config(overrides={**fast_config, "steps": 2, "eval_every": 2}))
+    r = run_atoll("train", "--out", fast_config["out"], timeout=120)
+    assert r.returncode == 2 and "--resume" in r.stderr
