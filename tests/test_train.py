@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import run_atoll
 
 import atoll.train as train_mod
 from atoll.config import build_config
 from atoll.metrics import read_metrics
 from atoll.train import load_run_config, train
-from conftest import run_atoll
 
 
 def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:
