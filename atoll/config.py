@@ -88,6 +88,38 @@ class TrainConfig(BaseModel):
         0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD)."
     )
 
+    # --- what travels: the codec layer ----------------------------------------------------------------
+    codec: Literal["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"] = Field(
+        "fp32",
+        description="Encoding of exchanged tensors (gradients for ddp, pseudo-gradients for diloco and "
+        "streaming): fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int8, int4 (per-block scales), topk.",
+    )
+    codec_block_size: int = Field(64, ge=1, description="Elements per scale block of the fp8/int8/int4 codecs.")
+    codec_rounding: Literal["nearest", "stochastic"] = Field(
+        "nearest", description="Rounding of the lossy codecs: nearest, or stochastic (unbiased)."
+    )
+    topk_fraction: float = Field(0.01, gt=0, le=1, description="Fraction of entries the topk codec keeps.")
+    error_feedback: bool = Field(
+        False, description="Keep what the codec lost and add it to the next exchange (error feedback)."
+    )
+
+    # --- Streaming DiLoCo (arXiv:2501.18512) -----------------------------------------------------------
+    fragments: int = Field(4, ge=1, description="streaming: P, fragments of strided layers synced in turn.")
+    overlap_steps: int = Field(
+        1, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
+    )
+    mixing_alpha: float = Field(
+        0.5, ge=0, le=1,
+        description="streaming: alpha; after an exchange a fragment becomes alpha*local + (1-alpha)*global.",
+    )
+
+    # --- DeMo / DisTrO (Peng, Quesnelle, Kingma 2024) -------------------------------------------------
+    demo_lr: float = Field(3e-3, gt=0, description="demo: peak learning rate of the sign update.")
+    demo_topk: int = Field(32, ge=1, description="demo: DCT components kept per chunk.")
+    demo_chunk: int = Field(64, ge=1, description="demo: DCT chunk size along each axis.")
+    demo_beta: float = Field(0.999, ge=0, lt=1, description="demo: decay of the decoupled momentum.")
+    demo_sign_values: bool = Field(False, description="demo: send only the signs of the kept values (1 byte).")
+
     # --- simulated network ---------------------------------------------------------------------------
     link_bandwidth_mbps: float = Field(
         100.0, gt=0, description="Each island's link bandwidth in Mbit/s, for the simulated network clock."
@@ -109,8 +141,16 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
-        if self.strategy == "streaming" and self.sync_every < 2:
-            raise ValueError("sync_every must be at least 2 for streaming; raise --sync-every")
+        if self.strategy == "streaming":
+            if self.sync_every < self.fragments:
+                raise ValueError(f"sync_every ({self.sync_every}) must be at least fragments ({self.fragments}) "
+                                 "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
+            if self.overlap_steps >= self.sync_every:
+                raise ValueError(f"overlap_steps ({self.overlap_steps}) must be below sync_every "
+                                 f"({self.sync_every}); lower --overlap-steps")
+        if self.demo_chunk > 0 and self.demo_topk > self.demo_chunk * self.demo_chunk:
+            raise ValueError(f"demo_topk ({self.demo_topk}) exceeds a chunk's {self.demo_chunk}x{self.demo_chunk} "
+                             "components; lower --demo-topk")
         return self
 
     @property
@@ -136,7 +176,8 @@ def _format_validation_error(err: ValidationError) -> str:
     if first["type"] == "extra_forbidden":
         return f"{loc}: unknown setting; remove it (known settings: 'atoll train --help')"
     if msg.startswith("Value error, "):
-        return f"{loc or 'config'}: {msg[len('Value error, '):]}"
+        text = msg[len("Value error, "):]
+        return text if loc == "config" else f"{loc}: {text}"
     got = first.get("input")
     got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     return f"{loc}: {msg[0].lower() + msg[1:]}{got_s}; {_fix_hint(loc)}"

@@ -829,10 +829,13 @@ def sample_batch(
 def eval_batches(
     val_tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int
 ) -> list[torch.Tensor]:
-    """Consecutive non-overlapping windows of the validation tokens, grouped into batches.
+    """Non-overlapping windows spread evenly over the whole validation split, grouped into batches.
 
-    Window ``k`` is ``val_tokens[k * (seq_len + 1) : (k + 1) * (seq_len + 1)]``. Batches hold ``batch_size``
-    windows; a last partial batch is dropped unless it is the only one (then it has fewer rows).
+    The split holds ``M = len(val_tokens) // (seq_len + 1)`` whole windows; ``n = min(M, batch_size *
+    max_batches)`` of them are used, window ``j`` of ``n`` being whole window ``floor(j * M / n)``, so a
+    small evaluation still samples every part of the split rather than its first documents. Batches hold
+    ``batch_size`` windows; a last partial batch is dropped unless it is the only one (then it has fewer
+    rows).
 
     Args:
         val_tokens: 1-D validation token ids.
@@ -858,8 +861,11 @@ def eval_batches(
             f"seq_len: the validation split has {len(val_tokens)} tokens, fewer than seq_len + 1 = {window}; "
             "lower seq_len or use a larger corpus"
         )
+    total_windows = n_windows
     n_windows = min(n_windows, batch_size * max_batches)
-    windows = torch.from_numpy(val_tokens[: n_windows * window].astype(np.int64).reshape(n_windows, window))
+    chosen = (np.arange(n_windows) * total_windows) // n_windows
+    all_windows = val_tokens[: total_windows * window].astype(np.int64).reshape(total_windows, window)
+    windows = torch.from_numpy(np.ascontiguousarray(all_windows[chosen]))
     if n_windows < batch_size:
         return [windows]
     return list(windows[: (n_windows // batch_size) * batch_size].split(batch_size))

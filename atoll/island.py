@@ -110,11 +110,19 @@ class Island:
     def inner_step(self) -> None:
         """Clip the gradient, take one inner optimizer step, advance the schedule, clear the gradient."""
         with self.timed():
-            if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            self.clip_gradients()
             self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.finish_step()
+
+    def clip_gradients(self) -> None:
+        """Clip the gradient norm to ``grad_clip`` (no-op when 0). Not timed: call inside :meth:`timed`."""
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+
+    def finish_step(self) -> None:
+        """Advance the learning-rate schedule and clear the gradients, after an optimizer step."""
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     # --- flat views, for exchanging ---------------------------------------------------------------
     def flat_params(self, names: list[str] | None = None) -> torch.Tensor:

@@ -56,17 +56,33 @@ def make_strategy(config: TrainConfig, islands: list[Island], comm: LocalComm) -
         from atoll.strategies.diloco import DiLoCo
 
         return DiLoCo(config, islands, comm)
-    raise ConfigError(f"strategy: '{config.strategy}' is not available in this build; use ddp or diloco")
+    if config.strategy == "streaming":
+        from atoll.strategies.streaming import StreamingDiLoCo
+
+        return StreamingDiLoCo(config, islands, comm)
+    if config.strategy == "demo":
+        from atoll.strategies.demo import DeMoStrategy
+
+        return DeMoStrategy(config, islands, comm)
+    raise ConfigError(f"strategy: unknown strategy '{config.strategy}'; use ddp, diloco, streaming or demo")
 
 
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock) -> Island:
-    """An island with its own replica, AdamW inner optimizer and warmup-cosine schedule."""
+    """An island with its own replica, inner optimizer and warmup-cosine schedule.
+
+    The inner optimizer is AdamW (betas 0.9, 0.95; no weight decay on norms), or DeMo for ``demo``.
+    """
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.95),
-    )
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer: torch.optim.Optimizer
+    if config.strategy == "demo":
+        from atoll.algorithms.demo import DeMo
+
+        optimizer = DeMo(groups, lr=config.demo_lr, beta=config.demo_beta, chunk=config.demo_chunk,
+                         topk=config.demo_topk, sign_values=config.demo_sign_values)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio)
     )
@@ -244,6 +260,8 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         "final_perplexity": math.exp(eval_loss),
         "bytes_sent_per_island": comm.bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
         "reduction_vs_ddp": (ddp_bytes / comm.bytes_sent_per_island) if comm.bytes_sent_per_island else None,
+        "codec": config.codec, "fragments": config.fragments if config.strategy == "streaming" else 1,
+        "overlap_steps": config.overlap_steps if config.strategy == "streaming" else 0,
         "exchanges": comm.exchanges, "peak_bytes_per_exchange": comm.peak_bytes_per_exchange,
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
         "compute_s": compute_s, "sim_wall_s": clock.wall_s,

@@ -52,10 +52,17 @@ class _Crash(Exception):
     pass
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "ddp"])
-def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch, strategy: str) -> None:
+@pytest.mark.parametrize(("strategy", "extra"), [
+    ("diloco", {}), ("ddp", {}), ("demo", {}),
+    # fragment 0 starts an exchange after step 10 that merges after step 11: in flight at the checkpoint;
+    # int4 with stochastic rounding and error feedback: residuals and random state must be restored too
+    ("streaming", {"fragments": 2, "overlap_steps": 1, "codec": "int4", "codec_rounding": "stochastic",
+                   "error_feedback": True}),
+])
+def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch, strategy: str,
+                                                  extra: dict) -> None:
     # sync_every=3 so the crash at step 10 falls mid-round: islands have diverged and must be restored
-    base = {**fast_config, "strategy": strategy, "sync_every": 3}
+    base = {**fast_config, "strategy": strategy, "sync_every": 3, **extra}
     full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
 
     real_save = train_mod.save_checkpoint

@@ -14,6 +14,36 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.codecs import Codec, ErrorFeedback
+
+
+class Work(ABC):
+    """A collective in flight, as ``torch.distributed``'s ``async_op=True`` handle.
+
+    Attributes:
+        done_at: simulated completion time in seconds (0 where time is real).
+    """
+
+    done_at: float = 0.0
+
+    @abstractmethod
+    def wait(self) -> torch.Tensor:
+        """Block until the collective completes; return its float32 result."""
+
+    def result_for_checkpoint(self) -> torch.Tensor:
+        """The result, for a checkpoint taken while in flight (may block on a real network)."""
+        return self.wait()
+
+
+class DoneWork(Work):
+    """A collective whose result is already known (restored from a checkpoint)."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        return self.result
+
 
 class Comm(ABC):
     """Collective operations across islands, with the bytes each island sends counted.
@@ -40,21 +70,35 @@ class Comm(ABC):
         self.exchanges += 1
         self.peak_bytes_per_exchange = max(self.peak_bytes_per_exchange, bytes_sent)
 
-    @abstractmethod
     def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
-                        payload_bytes: int | None = None) -> torch.Tensor:
+                        codec: Codec | None = None, feedback: Sequence[ErrorFeedback] | None = None,
+                        key: str = "", generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
         """Weighted mean of a 1-D tensor across every island; blocks until done.
 
         Args:
             per_island: one 1-D tensor per local island, all the same shape; float32 (or the dtype the
-                wire carries: the element size sets the counted bytes).
+                wire carries: without a codec, the element size sets the counted bytes).
             weights: one non-negative weight per local island (e.g. tokens processed); default equal.
                 The mean divides by the sum of the weights of the islands that contributed.
-            payload_bytes: bytes of the encoded payload when a codec compressed the tensor; default
-                ``numel * element_size``.
+            codec: encode each island's tensor before sending (bytes counted from the encoded payload:
+                values, scales, indices); decoded and accumulated in float32. None: sent as is.
+            feedback: per local island error-feedback state for ``codec`` (residual kept under ``key``).
+            key: names the tensor for error feedback (e.g. ``"fragment2"``).
+            generators: per local island random sources for stochastic rounding.
 
         Returns:
             The float32 mean, shape of one input, identical on every island.
+        """
+        return self.start_all_reduce_mean(per_island, weights, codec, feedback, key, generators).wait()
+
+    @abstractmethod
+    def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
+                              codec: Codec | None = None, feedback: Sequence[ErrorFeedback] | None = None,
+                              key: str = "", generators: Sequence[torch.Generator] | None = None) -> Work:
+        """Start :meth:`all_reduce_mean` without blocking (overlapped communication, Streaming DiLoCo).
+
+        Returns:
+            A :class:`Work`; its ``wait()`` blocks the local islands until the result is there.
         """
 
     @abstractmethod
@@ -68,6 +112,10 @@ class Comm(ABC):
         Returns:
             The payloads of all ``islands`` islands, ordered by island index.
         """
+
+    def restore_work(self, result: torch.Tensor, done_at: float) -> Work:
+        """A :class:`Work` for a collective saved in flight by a checkpoint."""
+        return DoneWork(result)
 
     def state_dict(self) -> dict[str, float]:
         """Counters, for checkpoints."""

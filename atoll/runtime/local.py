@@ -13,8 +13,26 @@ from typing import Any
 
 import torch
 
-from atoll.runtime.comm import Comm, weighted_mean
+from atoll.algorithms.codecs import Codec, ErrorFeedback, average_encoded
+from atoll.runtime.comm import Comm, Work, weighted_mean
 from atoll.runtime.network import Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
+
+
+class LocalWork(Work):
+    """A simulated collective: its result is known at once, but islands wait for ``done_at`` to use it."""
+
+    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock) -> None:
+        self.result = result
+        self.done_at = done_at
+        self.clock = clock
+
+    def wait(self) -> torch.Tensor:
+        for i in range(self.clock.islands):
+            self.clock.wait_until(i, self.done_at)
+        return self.result
+
+    def result_for_checkpoint(self) -> torch.Tensor:
+        return self.result
 
 
 class LocalComm(Comm):
@@ -37,13 +55,17 @@ class LocalComm(Comm):
         if len(per_island) != self.islands:
             raise ValueError(f"local runtime expects one entry per island ({self.islands}), got {len(per_island)}")
 
-    def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
-                        payload_bytes: int | None = None) -> torch.Tensor:
+    def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
+                              codec: Codec | None = None, feedback: Sequence[ErrorFeedback] | None = None,
+                              key: str = "", generators: Sequence[torch.Generator] | None = None) -> LocalWork:
         self._check(per_island)
-        mean = weighted_mean(per_island, weights)
-        self.charge_allreduce(payload_bytes if payload_bytes is not None
-                              else per_island[0].numel() * per_island[0].element_size())
-        return mean
+        if codec is None:
+            mean = weighted_mean(per_island, weights)
+            payload = per_island[0].numel() * per_island[0].element_size()
+        else:
+            mean, payload = average_encoded(per_island, codec, weights, generators, feedback=feedback, key=key)
+        done_at = self.charge_allreduce(payload, blocking=False)
+        return LocalWork(mean, done_at, self.clock)
 
     def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
         """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.
@@ -54,6 +76,9 @@ class LocalComm(Comm):
         self._count(ring_allreduce_bytes(payload_bytes, self.islands))
         duration = self.link.allreduce_seconds(payload_bytes, self.islands)
         return self.clock.collective(duration) if blocking else self.clock.start_collective(duration)
+
+    def restore_work(self, result: torch.Tensor, done_at: float) -> LocalWork:
+        return LocalWork(result, done_at, self.clock)
 
     def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
         self._check(per_island)

@@ -84,6 +84,7 @@ class SimClock:
     island_time: list[float] = field(default_factory=list)
     comm_busy_s: float = 0.0
     blocked_s: list[float] = field(default_factory=list)
+    link_free_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.island_time:
@@ -96,10 +97,14 @@ class SimClock:
         self.island_time[island] += seconds
 
     def start_collective(self, duration_s: float) -> float:
-        """Start a collective among all islands once the last arrives; return its completion time."""
-        start = max(self.island_time)
+        """Start a collective once the last island arrives and the links are free; return its end time.
+
+        Collectives in flight share the links one after another (the next starts when the previous ends).
+        """
+        start = max(max(self.island_time), self.link_free_at)
         self.comm_busy_s += duration_s
-        return start + duration_s
+        self.link_free_at = start + duration_s
+        return self.link_free_at
 
     def wait_until(self, island: int, t: float) -> None:
         """Block ``island`` until simulated time ``t`` (no-op if already later)."""
@@ -121,9 +126,10 @@ class SimClock:
 
     def state_dict(self) -> dict:
         return {"island_time": list(self.island_time), "comm_busy_s": self.comm_busy_s,
-                "blocked_s": list(self.blocked_s)}
+                "blocked_s": list(self.blocked_s), "link_free_at": self.link_free_at}
 
     def load_state_dict(self, state: dict) -> None:
         self.island_time = [float(x) for x in state["island_time"]]
         self.comm_busy_s = float(state["comm_busy_s"])
         self.blocked_s = [float(x) for x in state["blocked_s"]]
+        self.link_free_at = float(state["link_free_at"])

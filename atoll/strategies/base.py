@@ -49,3 +49,38 @@ class Strategy(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restore :meth:`state_dict`."""
+
+
+class Wire:
+    """The codec a strategy's exchanges use, with each local island's error feedback and random source.
+
+    ``codec == "fp32"`` without error feedback sends tensors as they are (no encode/decode round trip).
+    Random sources for stochastic rounding are seeded by (seed, island) and saved in checkpoints, so a
+    resumed run rounds exactly as an uninterrupted one.
+    """
+
+    def __init__(self, config: TrainConfig, local_islands: list[int]) -> None:
+        from atoll.algorithms.codecs import ErrorFeedback, make_codec
+
+        lossy = config.codec != "fp32"
+        self.codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
+                                topk_fraction=config.topk_fraction) if lossy else None
+        self.feedback = ([ErrorFeedback(self.codec) for _ in local_islands]
+                         if lossy and config.error_feedback else None)
+        self.generators = None
+        if lossy and config.codec_rounding == "stochastic":
+            self.generators = [torch.Generator().manual_seed(config.seed * 1_000_003 + i) for i in local_islands]
+
+    def kwargs(self, key: str) -> dict[str, Any]:
+        """Keyword arguments of ``Comm.all_reduce_mean`` for the tensor named ``key``."""
+        return {"codec": self.codec, "feedback": self.feedback, "key": key, "generators": self.generators}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"feedback": [f.state_dict() for f in self.feedback] if self.feedback else [],
+                "generators": [g.get_state() for g in self.generators] if self.generators else []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f, s in zip(self.feedback or [], state["feedback"], strict=False):
+            f.load_state_dict(s)
+        for g, s in zip(self.generators or [], state["generators"], strict=False):
+            g.set_state(s)

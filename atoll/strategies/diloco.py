@@ -16,7 +16,7 @@ from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.config import TrainConfig
 from atoll.island import Island
 from atoll.runtime.comm import Comm
-from atoll.strategies.base import Strategy
+from atoll.strategies.base import Strategy, Wire
 
 
 class DiLoCo(Strategy):
@@ -29,6 +29,7 @@ class DiLoCo(Strategy):
         self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum)
         self.tokens_at_sync = [island.tokens for island in islands]
         self.last_sync_step = 0
+        self.wire = Wire(config, comm.local_islands)
 
     def step(self, step: int) -> None:
         for island in self.islands:
@@ -40,7 +41,7 @@ class DiLoCo(Strategy):
         """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step."""
         deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
-        mean_delta = self.comm.all_reduce_mean(deltas, weights=weights)
+        mean_delta = self.comm.all_reduce_mean(deltas, weights=weights, **self.wire.kwargs("all"))
         new_global = self.outer.step(mean_delta)
         for island in self.islands:
             island.set_flat_params(new_global)
@@ -56,9 +57,10 @@ class DiLoCo(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {"outer": self.outer.state_dict(), "tokens_at_sync": list(self.tokens_at_sync),
-                "last_sync_step": self.last_sync_step}
+                "last_sync_step": self.last_sync_step, "wire": self.wire.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
         self.tokens_at_sync = [int(t) for t in state["tokens_at_sync"]]
         self.last_sync_step = int(state["last_sync_step"])
+        self.wire.load_state_dict(state["wire"])

@@ -1,0 +1,121 @@
+"""``streaming``: Streaming DiLoCo. Fragments synced in turn, overlapped with inner steps, then mixed.
+
+Douillard et al. 2025, arXiv:2501.18512. The parameters are split into P fragments of strided layers
+(:func:`atoll.algorithms.fragments.split_fragments`, the same on every island). Fragment p is synchronised
+once every H inner steps, at its own offset inside the window, so at most one fragment is in flight and
+peak bandwidth drops about P-fold. Its pseudo-gradient (optionally quantized, e.g. int4, accumulated in
+fp32) is all-reduced *while* the islands run ``overlap_steps`` (tau) further inner steps; then the outer
+optimizer of that fragment steps and each island mixes: θ_local ← α·θ_local + (1−α)·θ_global.
+
+With one fragment, tau = 0 and alpha = 0 this is exactly ``diloco``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from atoll.algorithms.fragments import Fragment, fragments_due, split_fragments
+from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
+from atoll.config import TrainConfig
+from atoll.island import Island
+from atoll.runtime.comm import Comm, Work
+from atoll.strategies.base import Strategy, Wire
+
+
+@dataclass
+class _InFlight:
+    fragment: int
+    merge_after_step: int  # 0-based inner step after which the result is merged
+    work: Work
+
+
+class StreamingDiLoCo(Strategy):
+    """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment."""
+
+    name = "streaming"
+
+    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
+        super().__init__(config, islands, comm)
+        names = list(islands[0].named_params)
+        self.fragments: list[Fragment] = split_fragments(names, config.fragments)
+        self.outer = [OuterOptimizer(islands[0].flat_params(list(f.param_names)), config.outer_lr,
+                                     config.outer_momentum) for f in self.fragments]
+        # position of each fragment's elements in the flat vector of all parameters (model order)
+        offsets, offset = {}, 0
+        for n, p in islands[0].named_params.items():
+            offsets[n] = (offset, p.numel())
+            offset += p.numel()
+        self.numel = offset
+        self.index = [torch.cat([torch.arange(offsets[n][0], offsets[n][0] + offsets[n][1])
+                                 for n in f.param_names]) for f in self.fragments]
+        self.tokens_at_sync = [[island.tokens for island in islands] for _ in self.fragments]
+        self.last_sync_step = [0] * len(self.fragments)
+        self.in_flight: list[_InFlight] = []
+        self.wire = Wire(config, comm.local_islands)
+
+    def step(self, step: int) -> None:
+        for island in self.islands:
+            island.inner_step()
+        for job in [j for j in self.in_flight if j.merge_after_step == step]:
+            self._merge(job)
+        for p in fragments_due(step, len(self.fragments), self.config.sync_every):
+            self._start(p, step)
+
+    def _start(self, p: int, step: int, overlap: int | None = None) -> None:
+        """Send fragment p's pseudo-gradient; merge it now (tau = 0) or after ``overlap`` more steps."""
+        names = list(self.fragments[p].param_names)
+        deltas = [pseudo_gradient(self.outer[p].params, island.flat_params(names)) for island in self.islands]
+        weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync[p], strict=True)]
+        work = self.comm.start_all_reduce_mean(deltas, weights=weights, **self.wire.kwargs(f"fragment{p}"))
+        self.tokens_at_sync[p] = [island.tokens for island in self.islands]
+        self.last_sync_step[p] = step + 1
+        tau = self.config.overlap_steps if overlap is None else overlap
+        job = _InFlight(p, step + tau, work)
+        if tau == 0:
+            self._merge(job)
+        else:
+            self.in_flight.append(job)
+
+    def _merge(self, job: _InFlight) -> None:
+        """Outer step of the fragment with the averaged pseudo-gradient, then mix into every island."""
+        p, alpha = job.fragment, self.config.mixing_alpha
+        new_global = self.outer[p].step(job.work.wait())
+        names = list(self.fragments[p].param_names)
+        for island in self.islands:
+            merged = new_global if alpha == 0 else alpha * island.flat_params(names) + (1 - alpha) * new_global
+            island.set_flat_params(merged, names)
+        if job in self.in_flight:
+            self.in_flight.remove(job)
+
+    def finish(self, steps_done: int) -> None:
+        """Merge what is in flight, then sync every fragment trained since its last sync (no overlap)."""
+        for job in list(self.in_flight):
+            self._merge(job)
+        for p in range(len(self.fragments)):
+            if self.last_sync_step[p] != steps_done:
+                self._start(p, steps_done - 1, overlap=0)
+
+    def global_params(self) -> torch.Tensor:
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        for idx, outer in zip(self.index, self.outer, strict=True):
+            flat[idx] = outer.params.detach()
+        return flat
+
+    def state_dict(self) -> dict[str, Any]:
+        in_flight = [{"fragment": j.fragment, "merge_after_step": j.merge_after_step, "done_at": j.work.done_at,
+                      "result": j.work.result_for_checkpoint()} for j in self.in_flight]
+        return {"outer": [o.state_dict() for o in self.outer], "tokens_at_sync": self.tokens_at_sync,
+                "last_sync_step": self.last_sync_step, "wire": self.wire.state_dict(), "in_flight": in_flight}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for o, s in zip(self.outer, state["outer"], strict=True):
+            o.load_state_dict(s)
+        self.tokens_at_sync = [[int(t) for t in ts] for ts in state["tokens_at_sync"]]
+        self.last_sync_step = [int(s) for s in state["last_sync_step"]]
+        self.wire.load_state_dict(state["wire"])
+        self.in_flight = [_InFlight(int(j["fragment"]), int(j["merge_after_step"]),
+                                   self.comm.restore_work(j["result"], float(j["done_at"])))
+                          for j in state["in_flight"]]
