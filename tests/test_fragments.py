@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from atoll.algorithms.fragments import (
     Fragment,
@@ -161,3 +162,25 @@ def test_schedule_errors() -> None:
         fragment_sync_steps(0, 10)
     with pytest.raises(ConfigError, match="step"):
         fragments_due(-1, 2, 10)
+
+
+def test_flat_indices_cover_every_element_once_and_balance_the_tiny_model() -> None:
+    from atoll.algorithms.fragments import fragment_flat_indices
+    from atoll.model import build_model
+
+    model = build_model("tiny", 4096, 128, seed=0)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    numel = sum(p.numel() for p in model.parameters())
+    for p in (1, 2, 4):
+        index = fragment_flat_indices(shapes, p)
+        assert torch.equal(torch.sort(torch.cat(index)).values, torch.arange(numel))
+        assert all(torch.equal(a, b) for a, b in zip(index, fragment_flat_indices(list(shapes), p), strict=True))
+    sizes = [len(i) for i in fragment_flat_indices(shapes, 4)]
+    assert sizes == [numel // 4] * 4, "4 layers, embedding and norm cut in 4 row blocks: equal fragments"
+    # layer 1's parameters all land in fragment 1
+    offset = 0
+    idx1 = set(fragment_flat_indices(shapes, 4)[1].tolist())
+    for name, param in model.named_parameters():
+        if ".layers.1." in name:
+            assert offset in idx1 and offset + param.numel() - 1 in idx1
+        offset += param.numel()

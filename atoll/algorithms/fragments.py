@@ -22,9 +22,12 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from atoll.errors import ConfigError
 
-__all__ = ["Fragment", "fragment_sync_steps", "fragments_due", "layer_index", "split_fragments"]
+__all__ = ["Fragment", "fragment_flat_indices", "fragment_sync_steps", "fragments_due", "layer_index",
+           "split_fragments"]
 
 # ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -126,6 +129,51 @@ def split_fragments(param_names: list[str], num_fragments: int) -> list[Fragment
     for name, frag in zip(names, assign, strict=True):
         groups[frag].append(name)
     return [Fragment(index=i, param_names=tuple(g)) for i, g in enumerate(groups)]
+
+
+def fragment_flat_indices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragments: int) -> list[torch.Tensor]:
+    """Positions of each fragment's elements in the flat vector of all parameters, balanced in size.
+
+    Layer parameters follow :func:`split_fragments` (layer l to fragment ``l % P``). Parameters outside
+    the layers (token embeddings, which a tied LM head shares, and the final norm) are not given whole to
+    one fragment: each is cut along its first dimension into P row blocks as equal as possible
+    (``numpy.array_split`` sizes), block p going to fragment p. In a small model the embedding is a third
+    of the parameters; given whole to fragment 0 it would make that fragment's exchange the peak and undo
+    Streaming DiLoCo's P-fold cut in peak bandwidth. With L a multiple of P, the fragments are then equal.
+
+    Args:
+        named_shapes: ``(name, shape)`` of every parameter in ``model.named_parameters()`` order; the flat
+            vector concatenates them in that order, each flattened row-major.
+        num_fragments: P (see :func:`split_fragments`).
+
+    Returns:
+        P int64 tensors of flat positions, ascending; together they cover ``0 .. numel - 1`` exactly once.
+        Depends only on the arguments, so identical on every island.
+
+    Raises:
+        ConfigError: as :func:`split_fragments`.
+    """
+    names = [n for n, _ in named_shapes]
+    fragments = split_fragments(names, num_fragments)
+    owner = {n: f.index for f in fragments for n in f.param_names}
+    parts: list[list[torch.Tensor]] = [[] for _ in range(num_fragments)]
+    offset = 0
+    for name, shape in named_shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if layer_index(name) is not None or num_fragments == 1 or not shape or all(
+            layer_index(n) is None for n in names
+        ):
+            parts[owner[name]].append(torch.arange(offset, offset + numel))
+        else:
+            rows, per_row = shape[0], numel // max(1, shape[0])
+            bounds = [rows * p // num_fragments for p in range(num_fragments + 1)]
+            for p in range(num_fragments):
+                start, stop = offset + bounds[p] * per_row, offset + bounds[p + 1] * per_row
+                parts[p].append(torch.arange(start, stop))
+        offset += numel
+    return [torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in parts]
 
 
 def _check_schedule(num_fragments: int, sync_every: int) -> None:

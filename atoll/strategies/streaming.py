@@ -1,7 +1,8 @@
 """``streaming``: Streaming DiLoCo. Fragments synced in turn, overlapped with inner steps, then mixed.
 
-Douillard et al. 2025, arXiv:2501.18512. The parameters are split into P fragments of strided layers
-(:func:`atoll.algorithms.fragments.split_fragments`, the same on every island). Fragment p is synchronised
+Douillard et al. 2025, arXiv:2501.18512. The parameters are split into P fragments of strided layers, with
+the embedding and final norm cut into P row blocks so the fragments are equal in size
+(:func:`atoll.algorithms.fragments.fragment_flat_indices`, the same on every island). Fragment p is synchronised
 once every H inner steps, at its own offset inside the window, so at most one fragment is in flight and
 peak bandwidth drops about P-fold. Its pseudo-gradient (optionally quantized, e.g. int4, accumulated in
 fp32) is all-reduced *while* the islands run ``overlap_steps`` (tau) further inner steps; then the outer
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.fragments import Fragment, fragments_due, split_fragments
+from atoll.algorithms.fragments import fragment_flat_indices, fragments_due
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.config import TrainConfig
 from atoll.island import Island
@@ -39,20 +40,13 @@ class StreamingDiLoCo(Strategy):
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
-        names = list(islands[0].named_params)
-        self.fragments: list[Fragment] = split_fragments(names, config.fragments)
-        self.outer = [OuterOptimizer(islands[0].flat_params(list(f.param_names)), config.outer_lr,
-                                     config.outer_momentum) for f in self.fragments]
-        # position of each fragment's elements in the flat vector of all parameters (model order)
-        offsets, offset = {}, 0
-        for n, p in islands[0].named_params.items():
-            offsets[n] = (offset, p.numel())
-            offset += p.numel()
-        self.numel = offset
-        self.index = [torch.cat([torch.arange(offsets[n][0], offsets[n][0] + offsets[n][1])
-                                 for n in f.param_names]) for f in self.fragments]
-        self.tokens_at_sync = [[island.tokens for island in islands] for _ in self.fragments]
-        self.last_sync_step = [0] * len(self.fragments)
+        shapes = [(n, tuple(p.shape)) for n, p in islands[0].named_params.items()]
+        self.index = fragment_flat_indices(shapes, config.fragments)
+        self.numel = sum(p.numel() for p in islands[0].params)
+        start = islands[0].flat_params()
+        self.outer = [OuterOptimizer(start[idx], config.outer_lr, config.outer_momentum) for idx in self.index]
+        self.tokens_at_sync = [[island.tokens for island in islands] for _ in self.index]
+        self.last_sync_step = [0] * len(self.index)
         self.in_flight: list[_InFlight] = []
         self.wire = Wire(config, comm.local_islands)
 
@@ -61,13 +55,13 @@ class StreamingDiLoCo(Strategy):
             island.inner_step()
         for job in [j for j in self.in_flight if j.merge_after_step == step]:
             self._merge(job)
-        for p in fragments_due(step, len(self.fragments), self.config.sync_every):
+        for p in fragments_due(step, len(self.index), self.config.sync_every):
             self._start(p, step)
 
     def _start(self, p: int, step: int, overlap: int | None = None) -> None:
         """Send fragment p's pseudo-gradient; merge it now (tau = 0) or after ``overlap`` more steps."""
-        names = list(self.fragments[p].param_names)
-        deltas = [pseudo_gradient(self.outer[p].params, island.flat_params(names)) for island in self.islands]
+        idx = self.index[p]
+        deltas = [pseudo_gradient(self.outer[p].params, island.flat_params()[idx]) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync[p], strict=True)]
         work = self.comm.start_all_reduce_mean(deltas, weights=weights, **self.wire.kwargs(f"fragment{p}"))
         self.tokens_at_sync[p] = [island.tokens for island in self.islands]
@@ -83,10 +77,11 @@ class StreamingDiLoCo(Strategy):
         """Outer step of the fragment with the averaged pseudo-gradient, then mix into every island."""
         p, alpha = job.fragment, self.config.mixing_alpha
         new_global = self.outer[p].step(job.work.wait())
-        names = list(self.fragments[p].param_names)
+        idx = self.index[p]
         for island in self.islands:
-            merged = new_global if alpha == 0 else alpha * island.flat_params(names) + (1 - alpha) * new_global
-            island.set_flat_params(merged, names)
+            flat = island.flat_params()
+            flat[idx] = new_global if alpha == 0 else alpha * flat[idx] + (1 - alpha) * new_global
+            island.set_flat_params(flat)
         if job in self.in_flight:
             self.in_flight.remove(job)
 
@@ -94,7 +89,7 @@ class StreamingDiLoCo(Strategy):
         """Merge what is in flight, then sync every fragment trained since its last sync (no overlap)."""
         for job in list(self.in_flight):
             self._merge(job)
-        for p in range(len(self.fragments)):
+        for p in range(len(self.index)):
             if self.last_sync_step[p] != steps_done:
                 self._start(p, steps_done - 1, overlap=0)
 

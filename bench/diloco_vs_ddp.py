@@ -1,0 +1,107 @@
+"""DiLoCo against data parallel and one island alone, at equal inner steps (issue: the main job).
+
+    python bench/diloco_vs_ddp.py            # about 35 minutes on 2 CPU cores
+
+Runs, on the default benchmark (tiny ~1.8M Llama, stdlib corpus, 4 islands, 600 inner steps each):
+1. ``atoll train`` with no argument (diloco, H=50), timed as a user runs it;
+2. one island alone (``--strategy ddp --islands 1``: plain AdamW, the DiLoCo paper's baseline);
+3. ``ddp`` with 4 islands (the same tokens as diloco);
+4. ``diloco`` with H = 10, 25, 100 (H=50 is run 1);
+5. a warm start as in the DiLoCo paper: ``ddp`` for half the steps, then ``diloco`` (H=50) and ``ddp``
+   each continue from those weights (``--init-from``) for the other half.
+Writes bench/out/diloco_vs_ddp/results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OUT, parse_args, pct, run, write_results  # noqa: E402
+
+
+def default_cli_run(suite: Path, fresh: bool) -> dict:
+    """``atoll train`` with no argument, in a scratch folder; its run folder is moved into the suite."""
+    import json
+    import shutil
+
+    target = suite / "default_cli"
+    if (target / "summary.json").is_file() and not fresh:
+        return json.loads((target / "summary.json").read_text())
+    shutil.rmtree(target, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as cwd:
+        t0 = time.perf_counter()
+        r = subprocess.run(["atoll", "train", "--no-progress"], cwd=cwd, capture_output=True, text=True,
+                           timeout=1800, env={**os.environ})
+        elapsed = time.perf_counter() - t0
+        if r.returncode != 0:
+            raise SystemExit(f"atoll train failed ({r.returncode}): {r.stderr[-2000:]}")
+        run_dir = next((Path(cwd) / "runs").iterdir())
+        shutil.move(str(run_dir), target)
+    summary = json.loads((target / "summary.json").read_text())
+    summary["command_wall_s"] = elapsed
+    (target / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    suite = args.out or OUT / "diloco_vs_ddp"
+    steps = args.steps
+    s = {"steps": steps}
+    results: dict[str, dict] = {}
+    results["diloco_H50"] = default_cli_run(suite, args.fresh) if steps == 600 else run(
+        suite, "diloco_H50", args.fresh, strategy="diloco", sync_every=50, **s)
+    results["one_island"] = run(suite, "one_island", args.fresh, strategy="ddp", islands=1, **s)
+    results["ddp"] = run(suite, "ddp", args.fresh, strategy="ddp", **s)
+    for h in (10, 25, 100):
+        results[f"diloco_H{h}"] = run(suite, f"diloco_H{h}", args.fresh, strategy="diloco", sync_every=h, **s)
+    half = steps // 2
+    run(suite, "warm_ddp", args.fresh, strategy="ddp", steps=half)
+    warm_dir = str(suite / "warm_ddp")
+    results["warm_then_ddp"] = run(suite, "warm_then_ddp", args.fresh, strategy="ddp", steps=half, init_from=warm_dir)
+    results["warm_then_diloco_H50"] = run(suite, "warm_then_diloco_H50", args.fresh, strategy="diloco",
+                                          sync_every=50, steps=half, init_from=warm_dir)
+
+    ddp_loss = results["ddp"]["final_eval_loss"]
+    one_loss = results["one_island"]["final_eval_loss"]
+    rows = []
+    for name, r in results.items():
+        ref = results["warm_then_ddp"]["final_eval_loss"] if name.startswith("warm") else ddp_loss
+        rows.append({
+            "run": name, "strategy": r["strategy"], "islands": r["islands"],
+            "H": r["sync_every"] if r["strategy"] == "diloco" else None, "tokens": r["tokens"],
+            "final_eval_loss": r["final_eval_loss"], "gap_vs_ddp_pct": pct(r["final_eval_loss"], ref),
+            "gap_vs_one_island_pct": None if name.startswith("warm") else pct(r["final_eval_loss"], one_loss),
+            "bytes_sent_per_island": r["bytes_sent_per_island"],
+            "reduction_vs_ddp": r["reduction_vs_ddp"], "sim_wall_s": r["sim_wall_s"],
+            "compute_utilization": r["compute_utilization"], "wall_s": r.get("command_wall_s", r["wall_s"]),
+        })
+    d50 = results["diloco_H50"]
+    checks = {
+        "default_cli_wall_s": d50.get("command_wall_s"),
+        "default_loss_drop": d50["initial_eval_loss"] - d50["final_eval_loss"],
+        "diloco_H50_beats_one_island": d50["final_eval_loss"] < one_loss,
+        "diloco_H50_reduction_vs_ddp": d50["reduction_vs_ddp"],
+    }
+    table = write_results(
+        suite, {"runs": results, "rows": rows, "checks": checks},
+        [("run", "run"), ("strategy", "strategy"), ("K", "islands"), ("H", "H"), ("tokens", "tokens"),
+         ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
+         ("gap vs 1 island %", "gap_vs_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
+         ("reduction vs ddp", "reduction_vs_ddp"), ("sim wall s @100Mb/s", "sim_wall_s"),
+         ("utilization", "compute_utilization"), ("real wall s", "wall_s")],
+        rows, f"diloco vs ddp vs one island: tiny model, stdlib corpus, {steps} inner steps per island",
+        notes=[f"checks: {checks}", "warm_* rows: gap against warm_then_ddp (same warm start, same tokens)",
+               "command: python bench/diloco_vs_ddp.py"],
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
