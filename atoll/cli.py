@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
-from atoll.config import TrainConfig, build_config
+from atoll.config import TrainConfig, build_config, load_run_config
 from atoll.errors import AtollError
 
 
@@ -72,11 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from atoll.metrics import summary_table
-    from atoll.train import load_run_config, train
-
     overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
     if args.resume is not None:
         if args.config is not None:
@@ -84,6 +79,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         config = load_run_config(args.resume, overrides)
     else:
         config = build_config(args.config, overrides)
+    # heavy imports (torch, transformers) only once the settings are known to be valid
+    from rich.console import Console
+
+    from atoll.metrics import summary_table
+    from atoll.train import train
+
     summary = train(config, resume=args.resume is not None)
     Console().print(summary_table(summary))
     print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")

@@ -10,6 +10,7 @@ the command line turns it into ``atoll: error: ...`` and exit status 2.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -215,3 +216,16 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         return TrainConfig(**values)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
+
+
+def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
+
+    Raises:
+        ConfigError: the folder holds no ``config.json`` (field ``resume``).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"resume: '{run_dir}' is not an atoll run folder (no config.json); pass a run's --out folder")
+    base = json.loads(path.read_text())
+    return build_config(base=base, overrides={**(overrides or {}), "out": str(run_dir)})

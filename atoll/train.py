@@ -32,7 +32,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from atoll.config import TrainConfig, build_config
+from atoll.config import TrainConfig
 from atoll.data import default_cache_dir, eval_batches, prepare_data, sample_batch
 from atoll.errors import ConfigError
 from atoll.island import Island, copy_flat_into, cosine_with_warmup, next_token_loss
@@ -128,19 +128,6 @@ def _out_dir(config: TrainConfig) -> Path:
         raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
-
-    Raises:
-        ConfigError: the folder holds no ``config.json`` (field ``resume``).
-    """
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"resume: '{run_dir}' is not an atoll run folder (no config.json); pass a run's --out folder")
-    base = json.loads(path.read_text())
-    return build_config(base=base, overrides={**(overrides or {}), "out": str(run_dir)})
 
 
 def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:

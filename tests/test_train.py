@@ -9,9 +9,9 @@ import pytest
 from conftest import run_atoll
 
 import atoll.train as train_mod
-from atoll.config import build_config
+from atoll.config import build_config, load_run_config
 from atoll.metrics import read_metrics
-from atoll.train import load_run_config, train
+from atoll.train import train
 
 
 def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:

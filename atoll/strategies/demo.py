@@ -10,6 +10,7 @@ so the inner optimizer *is* the exchange: no outer step. The per-step payload is
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -35,7 +36,7 @@ class DeMoStrategy(Strategy):
         for island in self.islands:
             with island.timed(), warnings.catch_warnings():
                 # the scheduler cannot see apply_step() as an optimizer step; the schedule is unaffected
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 island.optimizer.apply_step(gathered)  # type: ignore[attr-defined]
                 island.finish_step()
 

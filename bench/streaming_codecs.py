@@ -1,0 +1,78 @@
+"""Streaming DiLoCo and the codec layer at equal tokens (issue: streaming and codecs).
+
+    python bench/streaming_codecs.py         # about 45 minutes on 2 CPU cores
+
+On the default benchmark (tiny Llama, stdlib corpus, 4 islands, 600 inner steps each, H = 50), every run
+on a simulated 10 Mbit/s link (the consumer upload of the DisTrO report; the link changes only the
+simulated clock, never the training maths):
+1. ``diloco`` fp32 and ``diloco`` int4, both without overlap;
+2. ``streaming``: 4 fragments, int4, overlap tau = 5 inner steps, mixing alpha = 0.5;
+3. a table of every codec on ``diloco`` (H = 50): eval loss, bytes per island, reduction against ddp.
+The ddp reference (same tokens) is bench/diloco_vs_ddp's ``ddp`` run, run here if missing.
+Writes bench/out/streaming_codecs/results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OUT, parse_args, pct, run, write_results  # noqa: E402
+
+CODECS = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk")
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    suite = args.out or OUT / "streaming_codecs"
+    s = {"steps": args.steps, "sync_every": 50, "link_bandwidth_mbps": 10.0}
+    ddp = run(OUT / "diloco_vs_ddp", "ddp", False, strategy="ddp", steps=args.steps)
+    runs: dict[str, dict] = {}
+    for codec in CODECS:
+        extra = {"error_feedback": True} if codec == "topk" else {}
+        runs[f"diloco_{codec}"] = run(suite, f"diloco_{codec}", args.fresh, strategy="diloco", codec=codec,
+                                      **extra, **s)
+    runs["streaming_int4"] = run(suite, "streaming_int4", args.fresh, strategy="streaming", codec="int4",
+                                 fragments=4, overlap_steps=5, mixing_alpha=0.5, **s)
+    runs["streaming_int4_no_overlap"] = run(suite, "streaming_int4_no_overlap", args.fresh, strategy="streaming",
+                                            codec="int4", fragments=4, overlap_steps=0, mixing_alpha=0.0, **s)
+
+    base = runs["diloco_fp32"]["final_eval_loss"]
+    rows = []
+    for name, r in runs.items():
+        rows.append({
+            "run": name, "strategy": r["strategy"], "codec": r["codec"], "fragments": r["fragments"],
+            "overlap": r["overlap_steps"], "final_eval_loss": r["final_eval_loss"],
+            "gap_vs_diloco_fp32_pct": pct(r["final_eval_loss"], base),
+            "gap_vs_ddp_pct": pct(r["final_eval_loss"], ddp["final_eval_loss"]),
+            "bytes_sent_per_island": r["bytes_sent_per_island"],
+            "reduction_vs_ddp": ddp["bytes_sent_per_island"] / r["bytes_sent_per_island"],
+            "peak_bytes_per_exchange": r["peak_bytes_per_exchange"],
+            "compute_utilization": r["compute_utilization"], "sim_wall_s": r["sim_wall_s"],
+        })
+    st, d4 = runs["streaming_int4"], runs["diloco_int4"]
+    checks = {
+        "streaming_int4_gap_vs_diloco_fp32_pct": pct(st["final_eval_loss"], base),
+        "streaming_int4_reduction_vs_ddp": ddp["bytes_sent_per_island"] / st["bytes_sent_per_island"],
+        "peak_ratio_diloco_int4_over_streaming_int4": d4["peak_bytes_per_exchange"] / st["peak_bytes_per_exchange"],
+        "streaming_int4_utilization_10mbps": st["compute_utilization"],
+        "diloco_fp32_utilization_10mbps": runs["diloco_fp32"]["compute_utilization"],
+    }
+    table = write_results(
+        suite, {"runs": runs, "ddp": ddp, "rows": rows, "checks": checks},
+        [("run", "run"), ("codec", "codec"), ("P", "fragments"), ("tau", "overlap"),
+         ("eval loss", "final_eval_loss"), ("gap vs diloco fp32 %", "gap_vs_diloco_fp32_pct"),
+         ("gap vs ddp %", "gap_vs_ddp_pct"), ("bytes/island", "bytes_sent_per_island"),
+         ("reduction vs ddp", "reduction_vs_ddp"), ("peak bytes/exchange", "peak_bytes_per_exchange"),
+         ("utilization @10Mb/s", "compute_utilization"), ("sim wall s", "sim_wall_s")],
+        rows, f"streaming and codecs: tiny model, 4 islands, {args.steps} inner steps, H=50, 10 Mbit/s link",
+        notes=[f"checks: {checks}", f"ddp: eval loss {ddp['final_eval_loss']:.4f}, "
+               f"{ddp['bytes_sent_per_island'] / 1e6:.0f} MB per island",
+               "topk keeps 1% of entries with error feedback", "command: python bench/streaming_codecs.py"],
+    )
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
