@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,23 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def new_run_dir(out: Path | None, strategy: str) -> Path:
+    """The folder of a new run, created: ``out``, or ``runs/<strategy>-<time>`` when None.
+
+    Raises:
+        ConfigError: the folder already holds a run (a ``checkpoints`` folder).
+    """
+    from atoll.errors import ConfigError
+
+    if out is None:
+        out = Path("runs") / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(out)
+    if (out / "checkpoints").exists():
+        raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def latest_checkpoint(out: Path) -> Path:

@@ -2,23 +2,27 @@
 
     atoll train [--config run.toml] [--strategy diloco] [--islands 4] [--sync-every 50] ...
     atoll train --resume RUN_DIR [--steps 1200]
+    atoll train --runtime collective --islands 2 --ranks-per-island 2    # real processes, this machine
+    torchrun --nproc-per-node 4 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
     atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
 
 Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (``sync_every`` ->
 ``--sync-every``); ``atoll train --help`` lists them with their documentation. Bad input prints one line,
-``atoll: error: <field>: <what is wrong>; <fix>``, and exits with status 2.
+``atoll: error: <field>: <what is wrong>; <fix>``, and exits with status 2. A collective run whose rank
+failed exits with that rank's status (3: another island stopped responding; 128 + N: killed by signal N).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
 from atoll.config import TrainConfig, build_config, load_run_config
-from atoll.errors import AtollError
+from atoll.errors import AtollError, RunFailed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,11 +87,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from atoll.metrics import summary_table
-    from atoll.train import train
 
-    summary = train(config, resume=args.resume is not None)
-    Console().print(summary_table(summary))
-    print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")
+    if config.runtime == "collective" and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        from atoll.runtime.collective import launch  # start the ranks on this machine; no model here
+
+        summary = launch(config, resume=args.resume is not None)
+    else:
+        from atoll.train import train
+
+        summary = train(config, resume=args.resume is not None)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+        Console().print(summary_table(summary))
+        print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")
     return 0
 
 
@@ -110,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:  # a rank of a collective run failed; the ranks printed why
+        if str(e):
+            print(f"atoll: error: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("atoll: interrupted; resume with 'atoll train --resume RUN_DIR'", file=sys.stderr)
         return 130

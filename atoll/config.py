@@ -25,7 +25,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 Strategy = Literal["ddp", "diloco", "streaming", "demo"]
-Runtime = Literal["local"]
+Runtime = Literal["local", "collective"]
 
 
 class TrainConfig(BaseModel):
@@ -45,7 +45,22 @@ class TrainConfig(BaseModel):
         "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum).",
     )
     runtime: Runtime = Field(
-        "local", description="How islands run: local (one process, islands in turn, simulated network clock)."
+        "local",
+        description="How islands run: local (one process, islands in turn, simulated network clock) or "
+        "collective (real processes over torch.distributed: gloo on CPU, NCCL on GPUs; started by 'atoll "
+        "train' on one machine, or by torchrun across machines).",
+    )
+    ranks_per_island: int = Field(
+        1, ge=1, le=1024,
+        description="collective: processes (ranks) per island; they split the island's batch by rows and "
+        "average their gradients every step (data parallel inside the island). batch_size must be divisible "
+        "by it. World size = islands x ranks_per_island.",
+    )
+    collective_timeout_s: float = Field(
+        60.0, gt=0,
+        description="collective: deadline in seconds of every collective and of joining the process groups; "
+        "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
+        "hung one at this deadline. The run then stops with status 3 and can be resumed.",
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(
@@ -149,6 +164,10 @@ class TrainConfig(BaseModel):
             if self.overlap_steps >= self.sync_every:
                 raise ValueError(f"overlap_steps ({self.overlap_steps}) must be below sync_every "
                                  f"({self.sync_every}); lower --overlap-steps")
+        if self.runtime == "collective" and self.batch_size % self.ranks_per_island:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
+                             f"({self.ranks_per_island}), each rank taking an equal share of the island's "
+                             "rows; change --batch-size or --ranks-per-island")
         if self.demo_chunk > 0 and self.demo_topk > self.demo_chunk * self.demo_chunk:
             raise ValueError(f"demo_topk ({self.demo_topk}) exceeds a chunk's {self.demo_chunk}x{self.demo_chunk} "
                              "components; lower --demo-topk")

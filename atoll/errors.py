@@ -21,3 +21,19 @@ class DataError(AtollError, ValueError):
 
 class CheckpointError(AtollError, RuntimeError):
     """A checkpoint is missing, incomplete or corrupt."""
+
+
+class RunFailed(Exception):
+    """A run of several processes stopped because one of them failed (not a user-input error).
+
+    The ranks print their own one-line reason; the message here adds what only the launcher knows (e.g.
+    that a rank was killed by a signal) and may be empty.
+
+    Attributes:
+        exit_code: the status the command exits with: the first failing rank's exit status, or 128 + N
+            for a rank killed by signal N (as a shell reports it).
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

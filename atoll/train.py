@@ -12,9 +12,11 @@ or from Python::
     summary = train(TrainConfig(strategy="diloco", islands=4, sync_every=50))
 
 The loop below reads top to bottom: every island runs a forward and backward pass on its own batch, then
-the strategy takes the inner optimizer steps and issues whatever collective it needs. The runtime (here
-``local``: all islands in this process, a simulated network clock) is set up before the loop, so the loop
-never sees it.
+the strategy takes the inner optimizer steps and issues whatever collective it needs. The runtime is set up
+before the loop (:func:`make_runtime`), so the loop never sees it: ``local`` runs every island in this
+process on a simulated network clock; ``collective`` (``--runtime collective``, see
+:mod:`atoll.runtime.collective`) runs one island per process over ``torch.distributed``, and only rank 0
+writes the run's outputs.
 """
 
 from __future__ import annotations
@@ -31,22 +33,37 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from atoll.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from atoll.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
 from atoll.config import TrainConfig
 from atoll.data import default_cache_dir, eval_batches, prepare_data, sample_batch
 from atoll.errors import ConfigError
 from atoll.island import Island, copy_flat_into, cosine_with_warmup, next_token_loss
-from atoll.metrics import MetricsLog, ProgressDisplay
+from atoll.metrics import MetricsLog, NullLog, ProgressDisplay
 from atoll.model import build_model, count_parameters, param_bytes
 from atoll.report import plot_runs
-from atoll.runtime.local import LocalComm
-from atoll.runtime.network import Link, SimClock, ring_allreduce_bytes
+from atoll.runtime.base import Runtime
+from atoll.runtime.comm import Comm
+from atoll.runtime.local import LocalRuntime
+from atoll.runtime.network import SimClock, ring_allreduce_bytes
 from atoll.strategies.base import Strategy
 
 LOG_EVERY = 10  # inner steps between two ``train`` events in metrics.jsonl
 
 
-def make_strategy(config: TrainConfig, islands: list[Island], comm: LocalComm) -> Strategy:
+def make_runtime(config: TrainConfig) -> Runtime:
+    """The runtime named by ``config.runtime``: which islands this process runs, their Comm, who writes.
+
+    Raises:
+        ConfigError: ``collective`` outside a launched process group of the right size.
+    """
+    if config.runtime == "collective":
+        from atoll.runtime.collective import CollectiveRuntime
+
+        return CollectiveRuntime(config)
+    return LocalRuntime(config)
+
+
+def make_strategy(config: TrainConfig, islands: list[Island], comm: Comm) -> Strategy:
     """The strategy object named by ``config.strategy``."""
     if config.strategy == "ddp":
         from atoll.strategies.ddp import DDP
@@ -67,7 +84,7 @@ def make_strategy(config: TrainConfig, islands: list[Island], comm: LocalComm) -
     raise ConfigError(f"strategy: unknown strategy '{config.strategy}'; use ddp, diloco, streaming or demo")
 
 
-def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock) -> Island:
+def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None) -> Island:
     """An island with its own replica, inner optimizer and warmup-cosine schedule.
 
     The inner optimizer is AdamW (betas 0.9, 0.95; no weight decay on norms), or DeMo for ``demo``.
@@ -119,19 +136,13 @@ def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
     model.tie_weights()
 
 
-def _out_dir(config: TrainConfig) -> Path:
-    if config.out is not None:
-        out = Path(config.out)
-    else:
-        out = Path("runs") / f"{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if (out / "checkpoints").exists():
-        raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run one training job; return its summary (also written to ``<out>/summary.json``).
+
+    With ``runtime="collective"`` outside torchrun, this starts ``islands x ranks_per_island`` processes on
+    this machine, each running this function (:func:`atoll.runtime.collective.launch`), and returns rank 0's
+    summary. Inside one of them (torchrun sets ``RANK``), it runs one island and returns the same summary on
+    every rank; a lost peer ends the process with status 3 and one line on stderr.
 
     Args:
         config: the run's configuration.
@@ -143,7 +154,19 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
+        RunFailed: (collective launcher) a rank failed; carries its exit status.
     """
+    if config.runtime == "collective":
+        from atoll.runtime import collective
+
+        if not collective.in_worker():
+            return collective.launch(config, resume)
+    runtime = make_runtime(config)
+    with runtime.guard():
+        return _train(config, resume, runtime)
+
+
+def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any]:
     t0 = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()  # our own progress bar is the one that counts
     if config.threads:
@@ -153,9 +176,10 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         ckpt_path = latest_checkpoint(out)
         start_step, state = load_checkpoint(ckpt_path)
     else:
-        out = _out_dir(config)
+        out = new_run_dir(config.out, config.strategy) if runtime.is_main else Path(str(config.out))
         start_step, state = 0, None
-    (out / "config.json").write_text(config.model_dump_json(indent=2))
+    if runtime.is_main:
+        (out / "config.json").write_text(config.model_dump_json(indent=2))
 
     # --- data and model ----------------------------------------------------------------------------
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
@@ -169,21 +193,18 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
                                         bos_token="<|endoftext|>", pad_token="<|endoftext|>")
     n_params = count_parameters(global_model)
 
-    # --- runtime: islands, simulated network, strategy --------------------------------------------
-    clock = SimClock(config.islands)
-    link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
-    comm = LocalComm(config.islands, link, clock)
-    islands = [make_island(i, copy.deepcopy(global_model), config, clock) for i in range(config.islands)]
+    # --- runtime: this process's islands, how they talk, strategy ---------------------------------
+    runtime.start()
+    comm = runtime.comm
+    islands = [make_island(i, copy.deepcopy(global_model).to(runtime.device), config, runtime.clock)
+               for i in runtime.local_islands]
     strategy = make_strategy(config, islands, comm)
 
-    log = MetricsLog(out / "metrics.jsonl", truncate_after_step=start_step if resume else None)
+    log = (MetricsLog(out / "metrics.jsonl", truncate_after_step=start_step if resume else None)
+           if runtime.is_main else NullLog())
     prior_wall_s = 0.0
     if state is not None:
-        for island, s in zip(islands, state["islands"], strict=True):
-            island.load_state_dict(s)
-        strategy.load_state_dict(state["strategy"])
-        comm.load_state_dict(state["comm"])
-        clock.load_state_dict(state["clock"])
+        runtime.load_job_state(state, islands, strategy)
         initial_eval_loss = float(state["initial_eval_loss"])
         eval_loss = float(state["eval_loss"])
         prior_wall_s = float(state["wall_s"])
@@ -198,47 +219,51 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     def sync_global_model() -> None:
         copy_flat_into(list(global_model.parameters()), strategy.global_params())
 
-    def run_state(wall_s: float) -> dict[str, Any]:
-        return {"islands": [i.state_dict() for i in islands], "strategy": strategy.state_dict(),
-                "comm": comm.state_dict(), "clock": clock.state_dict(),
-                "initial_eval_loss": initial_eval_loss, "eval_loss": eval_loss, "wall_s": wall_s}
+    def wall_s() -> float:
+        return prior_wall_s + time.perf_counter() - t0
 
     # --- the loop ----------------------------------------------------------------------------------
     session_tokens = 0
-    with ProgressDisplay(config.steps, start_step, config.progress) as bar:
+    with ProgressDisplay(config.steps, start_step, config.progress and runtime.is_main) as bar:
         for step in range(start_step, config.steps):
             for island in islands:
                 batch = sample_batch(data.island_tokens[island.index], config.batch_size, config.seq_len,
                                      config.seed, island.index, step)
-                island.forward_backward(batch)
+                runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
             strategy.step(step)
             done = step + 1
             if done == config.steps:
                 strategy.finish(done)
             session_tokens += config.islands * config.tokens_per_step
-            tokens = sum(i.tokens for i in islands)
-            train_loss = sum(i.last_loss for i in islands) / len(islands)
-            if done % LOG_EVERY == 0 or done == config.steps:
+            log_now = done % LOG_EVERY == 0 or done == config.steps
+            eval_now = done % config.eval_every == 0 or done == config.steps
+            if log_now or eval_now:
+                train_loss, tokens = runtime.totals(islands)  # over every island of the job
+            if log_now:
                 log.log("train", step=done, tokens=tokens, loss=train_loss,
-                        bytes_sent_per_island=comm.bytes_sent_per_island, sim_wall_s=clock.wall_s,
-                        lr=islands[0].scheduler.get_last_lr()[0])
-            if done % config.eval_every == 0 or done == config.steps:
+                        bytes_sent_per_island=comm.bytes_sent_per_island,
+                        sim_wall_s=runtime.run_wall_s(wall_s()), lr=islands[0].scheduler.get_last_lr()[0])
+            if eval_now:
                 sync_global_model()
                 eval_loss = evaluate(global_model, val)
                 log.log("eval", step=done, tokens=tokens, eval_loss=eval_loss, perplexity=math.exp(eval_loss),
-                        sim_wall_s=clock.wall_s, bytes_sent_per_island=comm.bytes_sent_per_island)
+                        sim_wall_s=runtime.run_wall_s(wall_s()),
+                        bytes_sent_per_island=comm.bytes_sent_per_island)
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
                 sync_global_model()
-                path = save_checkpoint(out, done, run_state(prior_wall_s + time.perf_counter() - t0),
-                                       model=global_model, tokenizer=tokenizer)
-                log.log("checkpoint", step=done, path=str(path))
-            bar.update(done, train_loss, session_tokens / max(1e-9, time.perf_counter() - t0),
-                       comm.bytes_sent_per_island)
+                job = runtime.job_state(islands, strategy, initial_eval_loss=initial_eval_loss,
+                                        eval_loss=eval_loss, wall_s=wall_s())  # None but on the main process
+                if job is not None:
+                    path = save_checkpoint(out, done, job, model=global_model, tokenizer=tokenizer)
+                    log.log("checkpoint", step=done, path=str(path))
+            bar.update(done, sum(i.last_loss for i in islands) / len(islands),
+                       session_tokens / max(1e-9, time.perf_counter() - t0), comm.bytes_sent_per_island)
 
     # --- summary and report ------------------------------------------------------------------------
-    tokens = sum(i.tokens for i in islands)
+    _, tokens = runtime.totals(islands)
     ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(global_model), config.islands)
-    compute_s = max(i.compute_s for i in islands)
+    compute_s = runtime.compute_s(islands)
+    sim_wall_s = runtime.run_wall_s(wall_s())
     summary: dict[str, Any] = {
         "strategy": config.strategy, "runtime": config.runtime, "islands": config.islands,
         "sync_every": config.sync_every, "steps": config.steps, "model": config.model, "params": n_params,
@@ -251,15 +276,16 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         "overlap_steps": config.overlap_steps if config.strategy == "streaming" else 0,
         "exchanges": comm.exchanges, "peak_bytes_per_exchange": comm.peak_bytes_per_exchange,
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
-        "compute_s": compute_s, "sim_wall_s": clock.wall_s,
-        "compute_utilization": compute_s / clock.wall_s if clock.wall_s > 0 else 1.0,
-        "wall_s": prior_wall_s + time.perf_counter() - t0,
+        "compute_s": compute_s, "sim_wall_s": sim_wall_s,
+        "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,
+        "wall_s": wall_s(),
         "init_from": str(config.init_from) if config.init_from else None, "out": str(out),
     }
     log.log("end", step=config.steps, **summary)
     log.close()
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
-    plot_runs([out], out / "report.png")
+    if runtime.is_main:
+        tmp = out / ".summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, out / "summary.json")
+        plot_runs([out], out / "report.png")
     return summary

@@ -37,7 +37,9 @@ def run(suite_dir: Path, name: str, fresh: bool = False, **settings: Any) -> dic
     if out.exists():
         shutil.rmtree(out)
     print(f"[bench] {name}: {settings}", file=sys.stderr, flush=True)
-    return train(build_config(overrides={"progress": False, **settings, "out": str(out)}))
+    # one torch thread per run: benchmarks often share the 2 cores with another run, and two OpenMP pools
+    # spinning on 2 cores slow both many-fold
+    return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
 
 
 def pct(a: float, b: float) -> float:

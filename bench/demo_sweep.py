@@ -1,11 +1,12 @@
 """DeMo / DisTrO: learning-rate sweep, top-k sweep, against one island, diloco and ddp (issue: DeMo).
 
-    python bench/demo_sweep.py               # about 45 minutes on 2 CPU cores
+    python bench/demo_sweep.py               # about 30 minutes on 2 CPU cores
 
 On the default benchmark (tiny Llama, stdlib corpus, 4 islands):
-1. sign-SGD needs its own step size: ``demo_lr`` in {3e-4, 1e-3, 3e-3, 1e-2} at half the steps;
-2. at the best step size and the full steps: top-k in {4, 8, 16, 32} (chunk 64), and top-k 32 with
+1. sign-SGD needs its own step size: ``demo_lr`` in {3e-4, 1e-3, 3e-3, 1e-2}, top-k 32, at half the steps;
+2. at the best step size, half the steps: top-k in {4, 8, 16, 32} (chunk 64), and top-k 32 with
    sign-only values, with eval loss and bytes per island per step;
+3. at the best step size and the full steps: top-k 32;
 3. beside them, from bench/diloco_vs_ddp: one island alone, diloco H=50 (about the same bytes as
    top-k 32) and ddp (run here if missing).
 Writes bench/out/demo_sweep/results.json and results.md.
@@ -35,13 +36,21 @@ def main() -> None:
 
     sweep = {lr: run(suite, f"lr_{lr:g}", args.fresh, strategy="demo", demo_lr=lr, steps=steps // 2) for lr in LRS}
     best_lr = min(sweep, key=lambda lr: sweep[lr]["final_eval_loss"])
-    runs = {f"topk_{k}": run(suite, f"topk_{k}", args.fresh, strategy="demo", demo_lr=best_lr, demo_topk=k,
-                             steps=steps) for k in TOPKS}
-    runs["topk_32_sign"] = run(suite, "topk_32_sign", args.fresh, strategy="demo", demo_lr=best_lr, demo_topk=32,
-                               demo_sign_values=True, steps=steps)
+    half = steps // 2
+    topk_sweep = {k: sweep[best_lr] if k == 32 else run(suite, f"topk_{k}_{half}", args.fresh, strategy="demo",
+                                                         demo_lr=best_lr, demo_topk=k, steps=half) for k in TOPKS}
+    topk_sweep["32 sign"] = run(suite, f"topk_32_sign_{half}", args.fresh, strategy="demo", demo_lr=best_lr,
+                                demo_topk=32, demo_sign_values=True, steps=half)
+    runs = {"topk_32": run(suite, "topk_32", args.fresh, strategy="demo", demo_lr=best_lr, demo_topk=32,
+                           steps=steps)}
 
-    rows = [{"run": f"lr sweep {lr:g} ({steps // 2} steps)", "final_eval_loss": r["final_eval_loss"],
-             "bytes_sent_per_island": r["bytes_sent_per_island"]} for lr, r in sweep.items()]
+    rows = [{"run": f"lr {lr:g}, top-k 32 ({half} steps)", "final_eval_loss": r["final_eval_loss"],
+             "bytes_sent_per_island": r["bytes_sent_per_island"], "bytes_per_step": r["bytes_sent_per_island"] / half}
+            for lr, r in sweep.items()]
+    rows += [{"run": f"top-k {k}, lr {best_lr:g} ({half} steps)", "final_eval_loss": r["final_eval_loss"],
+              "bytes_sent_per_island": r["bytes_sent_per_island"], "bytes_per_step": r["bytes_sent_per_island"] / half,
+              "reduction_vs_ddp": r["ddp_bytes_per_island"] / r["bytes_sent_per_island"]}
+             for k, r in topk_sweep.items()]
     for name, r in {**runs, "one_island": one, "diloco_H50": diloco, "ddp": ddp}.items():
         per_step = r["bytes_sent_per_island"] / r["steps"]
         rows.append({
@@ -61,11 +70,13 @@ def main() -> None:
         "topk32_gap_vs_ddp_pct": pct(t32["final_eval_loss"], ddp["final_eval_loss"]),
     }
     table = write_results(
-        suite, {"lr_sweep": {str(k): v for k, v in sweep.items()}, "runs": runs, "rows": rows, "checks": checks},
+        suite, {"lr_sweep": {str(k): v for k, v in sweep.items()},
+                "topk_sweep": {str(k): v for k, v in topk_sweep.items()}, "runs": runs, "rows": rows,
+                "checks": checks},
         [("run", "run"), ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
          ("bytes/island", "bytes_sent_per_island"), ("bytes/island/step", "bytes_per_step"),
          ("reduction vs ddp", "reduction_vs_ddp")],
-        rows, f"DeMo: tiny model, 4 islands, {steps} inner steps (lr sweep at {steps // 2})",
+        rows, f"DeMo: tiny model, 4 islands, {steps} inner steps (sweeps at {half})",
         notes=[f"checks: {checks}", "command: python bench/demo_sweep.py"],
     )
     print(table)

@@ -3,7 +3,7 @@
 Collectives are computed in memory (deterministic, in island order). Their cost is not paid in real time:
 the bytes each island would send are counted, and :class:`~atoll.runtime.network.Link` turns them into
 seconds on each island's :class:`~atoll.runtime.network.SimClock`. Compute time is measured for real.
-This is the runtime of research sweeps and tests.
+This is the runtime of research sweeps and tests. :class:`LocalRuntime` is what the training loop sees.
 """
 
 from __future__ import annotations
@@ -14,8 +14,13 @@ from typing import Any
 import torch
 
 from atoll.algorithms.codecs import Codec, ErrorFeedback, average_encoded
+from atoll.config import TrainConfig
+from atoll.errors import CheckpointError
+from atoll.island import Island
+from atoll.runtime.base import Runtime
 from atoll.runtime.comm import Comm, Work, weighted_mean
 from atoll.runtime.network import Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
+from atoll.strategies.base import Strategy
 
 
 class LocalWork(Work):
@@ -85,3 +90,44 @@ class LocalComm(Comm):
         self._count(ring_allgather_bytes(payload_bytes, self.islands))
         self.clock.collective(self.link.allgather_seconds(payload_bytes, self.islands))
         return list(per_island)
+
+
+class LocalRuntime(Runtime):
+    """Every island in this process, run in turn, on a simulated network clock (:class:`LocalComm`).
+
+    Args:
+        config: the run's configuration (``islands``, ``link_bandwidth_mbps``, ``link_latency_ms``).
+    """
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.islands = config.islands
+        self.local_islands = list(range(config.islands))
+        self.clock = SimClock(config.islands)
+        link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
+        self.comm = LocalComm(config.islands, link, self.clock)
+
+    def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
+        island.forward_backward(batch)
+
+    def totals(self, islands: list[Island]) -> tuple[float, int]:
+        return sum(i.last_loss for i in islands) / len(islands), sum(i.tokens for i in islands)
+
+    def compute_s(self, islands: list[Island]) -> float:
+        return max(i.compute_s for i in islands)
+
+    def run_wall_s(self, real_s: float) -> float:
+        return self.clock.wall_s
+
+    def job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any]:
+        return {"islands": [i.state_dict() for i in islands], "strategy": strategy.state_dict(),
+                "comm": self.comm.state_dict(), "clock": self.clock.state_dict(), **extra}
+
+    def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
+        if len(state["islands"]) != len(islands):
+            raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
+                                  f"{len(islands)}; resume with the run's own --islands")
+        for island, s in zip(islands, state["islands"], strict=True):
+            island.load_state_dict(s)
+        strategy.load_state_dict(state["strategy"])
+        self.comm.load_state_dict(state["comm"])
+        self.clock.load_state_dict(state["clock"])

@@ -26,6 +26,10 @@ class Strategy(ABC):
     """
 
     name: str
+    #: Dotted paths of the :meth:`state_dict` entries that hold one item per local island, in the order of
+    #: ``islands`` (``*`` stands for every element of a list). A multi-process runtime uses them to merge the
+    #: states of its one-island strategies into the all-island format of the ``local`` runtime, and back.
+    per_island_state: tuple[str, ...] = ()
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         self.config = config
@@ -49,6 +53,83 @@ class Strategy(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restore :meth:`state_dict`."""
+
+    def merge_island_states(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """Combine :meth:`state_dict` outputs of strategies that each ran some islands into one state.
+
+        Args:
+            states: one state per process, in island order (each for its own islands, e.g. one each).
+
+        Returns:
+            The state of one strategy running all those islands (the ``local`` runtime's format): the
+            per-island entries (:attr:`per_island_state`) concatenated, every other entry from ``states[0]``
+            (the same on every island: global parameters, outer momentum, results of exchanges).
+        """
+        return _map_per_island(states[0], self.per_island_state,
+                               lambda path: [x for s in states for x in _get_path(s, path)])
+
+    def select_island_states(self, state: dict[str, Any], positions: list[int]) -> dict[str, Any]:
+        """The part of an all-island :meth:`state_dict` that belongs to the islands at ``positions``.
+
+        Raises:
+            CheckpointError: a per-island entry holds fewer items than ``positions`` needs.
+        """
+        from atoll.errors import CheckpointError
+
+        def pick(path: list[str]) -> list[Any]:
+            items = _get_path(state, path)
+            if not items:  # e.g. no error-feedback residuals: empty for every island
+                return []
+            if max(positions) >= len(items):
+                raise CheckpointError(f"resume: the checkpoint's strategy state holds {len(items)} islands "
+                                      f"under '{'.'.join(path)}'; resume with the run's own --islands")
+            return [items[p] for p in positions]
+
+        return _map_per_island(state, self.per_island_state, pick)
+
+
+def _get_path(state: Any, path: list[str]) -> Any:
+    for key in path:
+        state = state[int(key)] if isinstance(state, list) else state[key]
+    return state
+
+
+def _map_per_island(state: dict[str, Any], patterns: tuple[str, ...], fn: Any) -> dict[str, Any]:
+    """A copy of ``state`` (containers copied, leaves shared) with each path matching ``patterns`` replaced
+    by ``fn(path)``, ``path`` a list of keys (list indices as strings)."""
+    import copy
+
+    out = copy.copy(state)
+    for pattern in patterns:
+        for path in _expand(out, pattern.split(".")):
+            parent = _get_path(out, path[:-1])
+            value = fn(path)
+            if isinstance(parent, list):
+                parent[int(path[-1])] = value
+            else:
+                parent[path[-1]] = value
+    return out
+
+
+def _expand(state: Any, parts: list[str], prefix: list[str] | None = None) -> list[list[str]]:
+    """The concrete paths of a pattern; copies the containers on the way so replacing does not alias."""
+    prefix = prefix or []
+    if not parts:
+        return [prefix]
+    head, rest = parts[0], parts[1:]
+    node = _get_path(state, prefix) if prefix else state
+    keys = [str(i) for i in range(len(node))] if head == "*" else [head]
+    paths = []
+    for k in keys:
+        child = node[int(k)] if isinstance(node, list) else node[k]
+        if isinstance(child, (list, dict)) and rest:
+            child = list(child) if isinstance(child, list) else dict(child)
+            if isinstance(node, list):
+                node[int(k)] = child
+            else:
+                node[k] = child
+        paths += _expand(state, rest, prefix + [k])
+    return paths
 
 
 class Wire:

@@ -21,6 +21,7 @@ class DDP(Strategy):
     """Ring all-reduce of the full gradient every inner step (float32, or as ``--codec`` encodes it)."""
 
     name = "ddp"
+    per_island_state = ("wire.feedback", "wire.generators")
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)

@@ -23,6 +23,7 @@ class DiLoCo(Strategy):
     """Synchronous DiLoCo with one outer optimizer over all parameters."""
 
     name = "diloco"
+    per_island_state = ("tokens_at_sync", "wire.feedback", "wire.generators")
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)

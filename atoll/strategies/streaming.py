@@ -37,6 +37,7 @@ class StreamingDiLoCo(Strategy):
     """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment."""
 
     name = "streaming"
+    per_island_state = ("tokens_at_sync.*", "wire.feedback", "wire.generators")
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)

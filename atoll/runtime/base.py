@@ -1,0 +1,88 @@
+"""What the training loop asks of a runtime: which islands this process runs, and how the job adds up.
+
+A :class:`Runtime` is set up before the loop so the loop never branches on it. It says which islands this
+process runs (all of them in ``local``, one in ``collective``), gives their :class:`~atoll.runtime.comm.Comm`,
+computes an island's gradient for its batch (data parallel over the island's ranks where it has several),
+sums what the loop reports over every island of the job, assembles a checkpoint's state in one format
+whatever the runtime, and says which process writes the run's outputs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atoll.runtime.comm import Comm
+from atoll.runtime.network import SimClock
+
+if TYPE_CHECKING:  # not at run time: the collective launcher imports this without transformers
+    from atoll.island import Island
+    from atoll.strategies.base import Strategy
+
+
+class Runtime(ABC):
+    """How the islands of one job run and talk.
+
+    Attributes:
+        comm: the collectives across every island (valid after :meth:`start`).
+        clock: the simulated network clock charged by the islands, or None where time is real.
+        local_islands: indices of the islands this process runs, ascending.
+        device: where this process's island replicas live (CPU, or this rank's GPU).
+        is_main: whether this process writes the run's outputs (metrics, checkpoints, summary, report) and
+            shows progress.
+    """
+
+    comm: Comm
+    clock: SimClock | None = None
+    local_islands: list[int]
+    device: torch.device = torch.device("cpu")
+    is_main: bool = True
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Join the job (process groups, heartbeats); called once, after the data is ready."""
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Context of the whole job: where a runtime turns a lost peer into a clean stop, and cleans up."""
+        yield
+
+    @abstractmethod
+    def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
+        """Leave in ``island`` the gradient of its mean loss on ``batch`` (int64, (batch_size, seq_len + 1)).
+
+        Also sets ``island.last_loss`` and adds the batch's tokens to ``island.tokens``, as
+        :meth:`Island.forward_backward` does; ``step`` is the 0-based inner step.
+        """
+
+    @abstractmethod
+    def totals(self, islands: list[Island]) -> tuple[float, int]:
+        """(mean last training loss, tokens processed) over every island of the job; collective call."""
+
+    @abstractmethod
+    def compute_s(self, islands: list[Island]) -> float:
+        """Measured compute seconds of the slowest island of the job; collective call."""
+
+    @abstractmethod
+    def run_wall_s(self, real_s: float) -> float:
+        """The wall time reported as ``sim_wall_s``: the simulated clock, or ``real_s`` where time is real."""
+
+    @abstractmethod
+    def job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any] | None:
+        """The job's resumable state in the ``local`` runtime's format; collective call.
+
+        Returns:
+            ``{"islands": [state of island 0, 1, ...], "strategy": ..., "comm": ..., "clock": ..., **extra}``
+            on the main process; None on the others.
+        """
+
+    @abstractmethod
+    def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
+        """Restore this process's islands, strategy, counters (and clock) from :meth:`job_state`'s format.
+
+        Raises:
+            CheckpointError: the checkpoint holds another number of islands.
+        """

@@ -1,0 +1,174 @@
+"""The ``collective`` runtime on the CPU (gloo, real processes): same weights as ``local``, failures, resume.
+
+Every run is a subprocess with a timeout, and every exit status is checked. The micro model, 12 steps and
+``threads=1`` keep the file at about two minutes on 2 loaded cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from atoll.config import build_config, load_run_config
+from atoll.metrics import read_metrics
+from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
+from atoll.train import train
+
+STEPS = 12
+
+
+@pytest.fixture()
+def settings(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> dict:
+    return {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+            "seq_len": 32, "batch_size": 4, "islands": 2, "steps": STEPS, "sync_every": 5, "eval_every": 12,
+            "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1}
+
+
+def _flags(settings: dict) -> list[str]:
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        flags += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)])
+    return flags
+
+
+def _atoll(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "atoll.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _weights(run: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step_{step:07d}" / "model" / "model.safetensors"))
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                         ranks_per_island: int) -> None:
+    assert a.keys() == b.keys()
+    if ranks_per_island == 1:
+        # the same gradients as local; only the order of the cross-island sums differs
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+        return
+    # ranks inside an island sum their half-batch gradients in another order. Adam's first steps divide
+    # by |g|, so an element whose gradient is near zero may move by a fraction of lr (3e-3): bound each
+    # element well below one step, and the whole model to float round-off.
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-4, msg=k)
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in a]).norm()
+    assert diff / torch.cat([a[k].flatten() for k in a]).norm() < 1e-5
+
+
+def _local(settings: dict, out: Path, **extra) -> dict:
+    return train(build_config(overrides={**settings, **extra, "out": str(out)}))
+
+
+def _collective(settings: dict, out: Path, ranks: int, env: dict | None = None,
+                **extra) -> subprocess.CompletedProcess:
+    flags = _flags({**settings, **extra, "runtime": "collective", "ranks_per_island": ranks, "out": str(out)})
+    return _atoll("train", *flags, env=env)
+
+
+@pytest.mark.parametrize(("strategy", "ranks", "extra"), [
+    ("ddp", 1, {}), ("ddp", 2, {}), ("diloco", 1, {}), ("diloco", 2, {}),
+    # exchanges in flight over inner steps, int4 with stochastic rounding and error feedback: the encoded
+    # payloads are all-gathered and averaged exactly as the local runtime's average_encoded does
+    ("streaming", 1, {"fragments": 2, "overlap_steps": 1, "codec": "int4", "codec_rounding": "stochastic",
+                      "error_feedback": True}),
+    ("demo", 2, {}),  # DeMo payloads (indices and values) all-gathered as bytes
+], ids=["ddp-2x1", "ddp-2x2", "diloco-2x1", "diloco-2x2", "streaming-int4-2x1", "demo-2x2"])
+def test_collective_ends_with_the_weights_of_local(settings: dict, tmp_path: Path, strategy: str, ranks: int,
+                                                   extra: dict) -> None:
+    local = _local(settings, tmp_path / "local", strategy=strategy, **extra)
+    r = _collective(settings, tmp_path / "coll", ranks, strategy=strategy, **extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_weights(_weights(tmp_path / "local"), _weights(tmp_path / "coll"), ranks)
+    coll = json.loads((tmp_path / "coll" / "summary.json").read_text())
+    assert coll["runtime"] == "collective"
+    # bytes counted from the tensors sent: the same formulas as local's at K = 2
+    for key in ("tokens", "bytes_sent_per_island", "exchanges", "peak_bytes_per_exchange",
+                "ddp_bytes_per_island"):
+        assert coll[key] == local[key], key
+    assert coll["final_eval_loss"] == pytest.approx(local["final_eval_loss"], abs=1e-4)
+    assert coll["sim_wall_s"] > 0 and coll["compute_s"] > 0
+    events = read_metrics(tmp_path / "coll" / "metrics.jsonl")  # written once, by rank 0
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, STEPS]
+    assert "run folder:" in r.stdout and r.stdout.count("run folder:") == 1
+    if strategy == "diloco" and ranks == 2:
+        # the checkpoint is in the local runtime's format: keep step 10 only (islands hold their own inner
+        # optimizer states there) and finish the run in-process, under local
+        shutil.rmtree(tmp_path / "coll" / "checkpoints" / f"step_{STEPS:07d}")
+        (tmp_path / "coll" / "checkpoints" / "latest").write_text("step_0000010\n")
+        resumed = train(load_run_config(tmp_path / "coll", {"runtime": "local"}), resume=True)
+        _assert_same_weights(_weights(tmp_path / "local"), _weights(tmp_path / "coll"), ranks)
+        assert resumed["bytes_sent_per_island"] == local["bytes_sent_per_island"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_killed_rank_stops_the_others_with_a_clear_line_under_torchrun_env(settings: dict,
+                                                                           tmp_path: Path) -> None:
+    """Ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT); rank 1 is SIGKILLed."""
+    out = tmp_path / "run"
+    flags = _flags({**settings, "strategy": "ddp", "runtime": "collective", "out": str(out)})
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           KILL_HOOK_ENV: "1:8"}
+    procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    try:
+        procs[1].wait(timeout=180)
+        killed_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == EXIT_PEER_FAILURE, err[-3000:]
+    assert time.monotonic() - killed_at < 60
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("atoll: error: island 1 stopped responding at inner step 8 (")
+    assert line.endswith(f"resume with 'atoll train --resume {out}'")
+    assert (out / "checkpoints" / "step_0000005").is_dir()
+
+
+def test_killed_rank_under_the_launcher_then_resume_finishes_the_run(settings: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    started = time.monotonic()
+    r = _collective(settings, out, 2, env={KILL_HOOK_ENV: "3:8"}, strategy="diloco")
+    assert r.returncode == 128 + 9, r.stderr[-3000:]  # the first rank to fail: killed by SIGKILL
+    assert time.monotonic() - started < 120
+    lines = r.stderr.strip().splitlines()
+    survivors = [ln for ln in lines if "stopped responding" in ln]
+    assert len(survivors) == 3
+    assert all(ln.startswith("atoll: error: island 1 stopped responding") for ln in survivors)
+    assert any("rank 3 (island 1) was killed by SIGKILL" in ln for ln in lines)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000005"
+
+    r = _atoll("train", "--resume", str(out))  # the saved config says collective, 2 ranks per island
+    assert r.returncode == 0, r.stderr[-3000:]
+    _local(settings, tmp_path / "local", strategy="diloco")
+    _assert_same_weights(_weights(tmp_path / "local"), _weights(out), 2)
+    evals = [e["step"] for e in read_metrics(out / "metrics.jsonl") if e["event"] == "eval"]
+    assert evals == [0, STEPS]
+
+
+def test_batch_not_divisible_by_ranks_is_a_config_error() -> None:
+    r = _atoll("train", "--runtime", "collective", "--batch-size", "6", "--ranks-per-island", "4",
+               timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("atoll: error: batch_size (6) must be divisible by ranks_per_island (4)")
