@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +34,41 @@ def run(suite_dir: Path, name: str, fresh: bool = False, **settings: Any) -> dic
     """Train one configuration into ``suite_dir/name`` (or reuse its summary); return the summary."""
     out = suite_dir / name
     summary_path = out / "summary.json"
-    if summary_path.is_file() and not fresh:
-        return json.loads(summary_path.read_text())
-    if out.exists():
-        shutil.rmtree(out)
-    print(f"[bench] {name}: {settings}", file=sys.stderr, flush=True)
-    # one torch thread per run: benchmarks often share the 2 cores with another run, and two OpenMP pools
-    # spinning on 2 cores slow both many-fold
-    return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
+    suite_dir.mkdir(parents=True, exist_ok=True)
+    lock = suite_dir / f".{name}.lock"
+    while True:  # another benchmark process may be training the same run: wait for it, then reuse it
+        if summary_path.is_file() and not fresh:
+            return json.loads(summary_path.read_text())
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            break
+        except FileExistsError:
+            if not _alive(lock):
+                lock.unlink(missing_ok=True)
+            else:
+                time.sleep(10)
+    try:
+        if out.exists():
+            shutil.rmtree(out)
+        print(f"[bench] {name}: {settings}", file=sys.stderr, flush=True)
+        # one torch thread per run: benchmarks often share the 2 cores with another run, and two OpenMP
+        # pools spinning on 2 cores slow both many-fold
+        return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(lock: Path) -> bool:
+    try:
+        pid = int(lock.read_text() or "0")
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+        return True
+    except (ValueError, ProcessLookupError, FileNotFoundError):
+        return False
 
 
 def pct(a: float, b: float) -> float:
