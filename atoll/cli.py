@@ -5,6 +5,7 @@
     atoll train --runtime collective --islands 2 --ranks-per-island 2    # real processes, this machine
     torchrun --nproc-per-node 4 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
     atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
+    atoll bench wan [--steps 600] [--bandwidths 10,100] [--sync-every 100,200] ...   # as root
 
 Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (``sync_every`` ->
 ``--sync-every``); ``atoll train --help`` lists them with their documentation. Bad input prints one line,
@@ -72,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_report = sub.add_parser("report", help="plot eval loss of one or several runs side by side")
     p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     p_report.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write [default: report.png]")
+
+    from atoll import wan  # no torch at import: the parser stays fast
+
+    p_bench = sub.add_parser("bench", help="run a benchmark (wan: ddp vs diloco over emulated links, as root)")
+    benches = p_bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    p_wan = benches.add_parser("wan", help="ddp vs diloco, collective runtime, each island in a network "
+                               "namespace behind tc-shaped links (needs root)",
+                               description=wan.__doc__.split("\n\n")[0] + " Needs root; skips (status 0) "
+                               "without it.")
+    wan.add_arguments(p_wan)
     return parser
 
 
@@ -110,6 +121,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from atoll.wan import run_benchmark
+
+    return run_benchmark(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
     args = build_parser().parse_args(argv)
@@ -118,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "bench":
+            return _cmd_bench(args)
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2

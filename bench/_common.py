@@ -22,8 +22,10 @@ from atoll.train import train
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, table_steps: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
+    if table_steps:
+        parser.add_argument("--table-steps", type=int, default=None, help="inner steps of the codec table")
     parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring cached summaries")
     parser.add_argument("--steps", type=int, default=600, help="inner steps per island [600]")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/<suite>]")

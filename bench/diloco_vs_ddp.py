@@ -7,8 +7,8 @@ Runs, on the default benchmark (tiny ~1.8M Llama, stdlib corpus, 4 islands, 600 
 2. one island alone (``--strategy ddp --islands 1``: plain AdamW, the DiLoCo paper's baseline);
 3. ``ddp`` with 4 islands (the same tokens as diloco);
 4. ``diloco`` with H = 10, 25, 100 (H=50 is run 1);
-5. a warm start as in the DiLoCo paper: ``ddp`` for half the steps, then ``diloco`` (H=50) and ``ddp``
-   each continue from those weights (``--init-from``) for the other half.
+5. a warm start as in the DiLoCo paper (which starts from a pretrained model): from the final weights of
+   run 3 (``--init-from``), ``diloco`` (H=50) and ``ddp`` each train half the steps more, on equal tokens.
 Writes bench/out/diloco_vs_ddp/results.json and results.md.
 """
 
@@ -63,8 +63,7 @@ def main() -> None:
     for h in (10, 25, 100):
         results[f"diloco_H{h}"] = run(suite, f"diloco_H{h}", args.fresh, strategy="diloco", sync_every=h, **s)
     half = steps // 2
-    run(suite, "warm_ddp", args.fresh, strategy="ddp", steps=half)
-    warm_dir = str(suite / "warm_ddp")
+    warm_dir = str(suite / "ddp")
     results["warm_then_ddp"] = run(suite, "warm_then_ddp", args.fresh, strategy="ddp", steps=half, init_from=warm_dir)
     results["warm_then_diloco_H50"] = run(suite, "warm_then_diloco_H50", args.fresh, strategy="diloco",
                                           sync_every=50, steps=half, init_from=warm_dir)

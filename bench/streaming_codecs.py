@@ -1,16 +1,17 @@
 """Streaming DiLoCo and the codec layer at equal tokens (issue: streaming and codecs).
 
-    python bench/streaming_codecs.py         # about 35 minutes on 2 CPU cores
+    python bench/streaming_codecs.py --steps 300 --table-steps 300   # about 30 minutes on 2 CPU cores
 
 On the default benchmark (tiny Llama, stdlib corpus, 4 islands, H = 50), every run on a simulated
 10 Mbit/s link (the consumer upload of the DisTrO report; the link changes only the simulated clock,
 never the training maths):
-1. at 600 inner steps: ``diloco`` int4 (no overlap) and ``streaming`` with 4 fragments, int4, overlap
-   tau = 5 inner steps, mixing alpha = 0.5; ``diloco`` fp32 is bench/diloco_vs_ddp's H=50 run, its
-   simulated wall time moved from its 100 Mbit/s link to 10 Mbit/s exactly (its collectives block, so the
-   clock is compute plus the sum of the transfers; see ``wall_at``);
-2. at 300 inner steps (to fit the 2-core budget): a table of every codec on ``diloco``: eval loss, bytes
-   per island, reduction against what ddp would send for the same steps.
+1. a table of every codec on ``diloco``: eval loss, bytes per island, reduction against what ddp would
+   send for the same steps (``--table-steps``, default half of ``--steps``);
+2. ``streaming`` with 4 fragments, int4, overlap tau = 5 inner steps, mixing alpha = 0.5, against
+   ``diloco`` fp32 and int4 without overlap at the same steps (``--steps``). When the table runs at
+   ``--steps`` too, its fp32 and int4 rows are those references; otherwise ``diloco`` int4 is run and
+   ``diloco`` fp32 is bench/diloco_vs_ddp's H=50 run, its simulated wall time moved from 100 to 10 Mbit/s
+   exactly (its collectives block, so the clock is compute plus the sum of the transfers; ``wall_at``).
 The ddp reference (same tokens) is bench/diloco_vs_ddp's ``ddp`` run, run here if missing.
 Writes bench/out/streaming_codecs/results.json and results.md.
 """
@@ -37,62 +38,62 @@ def wall_at(summary: dict, bandwidth_mbps: float) -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], table_steps=True)
     suite = args.out or OUT / "streaming_codecs"
-    s = {"steps": args.steps, "sync_every": 50, "link_bandwidth_mbps": 10.0}
+    steps, table_steps = args.steps, args.table_steps or args.steps // 2
+    s = {"sync_every": 50, "link_bandwidth_mbps": 10.0}
     runs: dict[str, dict] = {}
-    runs["diloco_int4"] = run(suite, "diloco_int4", args.fresh, strategy="diloco", codec="int4", **s)
-    runs["streaming_int4"] = run(suite, "streaming_int4", args.fresh, strategy="streaming", codec="int4",
-                                 fragments=4, overlap_steps=5, mixing_alpha=0.5, **s)
-    table_steps = args.steps // 2
     for codec in CODECS:
         extra = {"error_feedback": True} if codec == "topk" else {}
         runs[f"codec_{codec}_{table_steps}"] = run(suite, f"codec_{codec}_{table_steps}", args.fresh,
-                                                   strategy="diloco", codec=codec, **extra,
-                                                   **{**s, "steps": table_steps})
+                                                   strategy="diloco", codec=codec, steps=table_steps, **extra, **s)
+    runs["streaming_int4"] = run(suite, "streaming_int4", args.fresh, strategy="streaming", codec="int4",
+                                 fragments=4, overlap_steps=5, mixing_alpha=0.5, steps=steps, **s)
+    if table_steps == steps:
+        fp32, int4 = runs[f"codec_fp32_{steps}"], runs[f"codec_int4_{steps}"]
+    else:
+        int4 = runs["diloco_int4"] = run(suite, "diloco_int4", args.fresh, strategy="diloco", codec="int4",
+                                         steps=steps, **s)
+        # bench/diloco_vs_ddp's H=50 run (100 Mbit/s), its clock moved to 10 Mbit/s (see wall_at)
+        ref = OUT / "diloco_vs_ddp"
+        fp32 = dict(run(ref, "default_cli" if (ref / "default_cli" / "summary.json").exists() else "diloco_H50",
+                        False, strategy="diloco", sync_every=50, steps=steps))
+        fp32["sim_wall_s"] = wall_at(fp32, 10.0)
+        fp32["compute_utilization"] = fp32["compute_s"] / fp32["sim_wall_s"]
+        fp32["link_bandwidth_mbps"] = 10.0
+        runs["diloco_fp32"] = fp32
 
-    # the references come from bench/diloco_vs_ddp (run it first; they are trained here if missing)
-    ref = OUT / "diloco_vs_ddp"
-    ddp = run(ref, "ddp", False, strategy="ddp", steps=args.steps)
-    fp32 = dict(run(ref, "default_cli" if (ref / "default_cli" / "summary.json").exists() else "diloco_H50", False,
-                    strategy="diloco", sync_every=50, steps=args.steps))
-    fp32["sim_wall_s"] = wall_at(fp32, 10.0)
-    fp32["compute_utilization"] = fp32["compute_s"] / fp32["sim_wall_s"]
-    fp32["link_bandwidth_mbps"] = 10.0
-    runs = {"diloco_fp32": fp32, **runs}
     rows = []
     for name, r in runs.items():
-        base = runs["diloco_fp32" if r["steps"] == args.steps else f"codec_fp32_{table_steps}"]["final_eval_loss"]
+        base = fp32 if r["steps"] == steps else runs[f"codec_fp32_{table_steps}"]
         rows.append({
-            "run": name, "strategy": r["strategy"], "codec": r["codec"], "fragments": r["fragments"],
-            "overlap": r["overlap_steps"], "final_eval_loss": r["final_eval_loss"],
-            "gap_vs_diloco_fp32_pct": pct(r["final_eval_loss"], base),
-            "steps": r["steps"],
-            "gap_vs_ddp_pct": pct(r["final_eval_loss"], ddp["final_eval_loss"]) if r["steps"] == args.steps else None,
+            "run": name, "steps": r["steps"], "strategy": r["strategy"], "codec": r["codec"],
+            "fragments": r["fragments"], "overlap": r["overlap_steps"], "final_eval_loss": r["final_eval_loss"],
+            "gap_vs_diloco_fp32_pct": pct(r["final_eval_loss"], base["final_eval_loss"]),
             "bytes_sent_per_island": r["bytes_sent_per_island"],
             "reduction_vs_ddp": r["ddp_bytes_per_island"] / r["bytes_sent_per_island"],
             "peak_bytes_per_exchange": r["peak_bytes_per_exchange"],
             "compute_utilization": r["compute_utilization"], "sim_wall_s": r["sim_wall_s"],
         })
-    st, d4 = runs["streaming_int4"], runs["diloco_int4"]
+    st = runs["streaming_int4"]
     checks = {
-        "streaming_int4_gap_vs_diloco_fp32_pct": pct(st["final_eval_loss"], runs["diloco_fp32"]["final_eval_loss"]),
-        "streaming_int4_reduction_vs_ddp": ddp["bytes_sent_per_island"] / st["bytes_sent_per_island"],
-        "peak_ratio_diloco_int4_over_streaming_int4": d4["peak_bytes_per_exchange"] / st["peak_bytes_per_exchange"],
+        "streaming_int4_gap_vs_diloco_fp32_pct": pct(st["final_eval_loss"], fp32["final_eval_loss"]),
+        "streaming_int4_reduction_vs_ddp": st["ddp_bytes_per_island"] / st["bytes_sent_per_island"],
+        "peak_ratio_diloco_int4_over_streaming_int4": int4["peak_bytes_per_exchange"] / st["peak_bytes_per_exchange"],
         "streaming_int4_utilization_10mbps": st["compute_utilization"],
-        "diloco_fp32_utilization_10mbps": runs["diloco_fp32"]["compute_utilization"],
+        "diloco_fp32_utilization_10mbps": fp32["compute_utilization"],
     }
     table = write_results(
-        suite, {"runs": runs, "ddp": ddp, "rows": rows, "checks": checks},
+        suite, {"runs": runs, "rows": rows, "checks": checks},
         [("run", "run"), ("steps", "steps"), ("codec", "codec"), ("P", "fragments"), ("tau", "overlap"),
          ("eval loss", "final_eval_loss"), ("gap vs diloco fp32 %", "gap_vs_diloco_fp32_pct"),
-         ("gap vs ddp %", "gap_vs_ddp_pct"), ("bytes/island", "bytes_sent_per_island"),
-         ("reduction vs ddp", "reduction_vs_ddp"), ("peak bytes/exchange", "peak_bytes_per_exchange"),
-         ("utilization @10Mb/s", "compute_utilization"), ("sim wall s", "sim_wall_s")],
+         ("bytes/island", "bytes_sent_per_island"), ("reduction vs ddp", "reduction_vs_ddp"),
+         ("peak bytes/exchange", "peak_bytes_per_exchange"), ("utilization @10Mb/s", "compute_utilization"),
+         ("sim wall s", "sim_wall_s")],
         rows, "streaming and codecs: tiny model, 4 islands, H=50, 10 Mbit/s link",
-        notes=[f"checks: {checks}", f"ddp: eval loss {ddp['final_eval_loss']:.4f}, "
-               f"{ddp['bytes_sent_per_island'] / 1e6:.0f} MB per island",
-               "topk keeps 1% of entries with error feedback; codec_* rows: gap against codec_fp32 (same steps)", "command: python bench/streaming_codecs.py"],
+        notes=[f"checks: {checks}", "reduction vs ddp: against what ddp sends for the same steps (fp32 gradient "
+               "every step)", "topk keeps 1% of entries with error feedback",
+               f"command: python bench/streaming_codecs.py --steps {steps} --table-steps {table_steps}"],
     )
     print(table)
 
