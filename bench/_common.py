@@ -22,8 +22,10 @@ from atoll.train import train
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def parse_args(description: str, table_steps: bool = False) -> argparse.Namespace:
+def parse_args(description: str, table_steps: bool = False, sweep_steps: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
+    if sweep_steps:
+        parser.add_argument("--sweep-steps", type=int, default=None, help="inner steps of the sweeps")
     if table_steps:
         parser.add_argument("--table-steps", type=int, default=None, help="inner steps of the codec table")
     parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring cached summaries")

@@ -1,10 +1,11 @@
 """DeMo / DisTrO: learning-rate sweep, top-k sweep, against one island, diloco and ddp (issue: DeMo).
 
-    python bench/demo_sweep.py               # about 30 minutes on 2 CPU cores
+    python bench/demo_sweep.py --sweep-steps 150    # about 25 minutes on 2 CPU cores
 
 On the default benchmark (tiny Llama, stdlib corpus, 4 islands):
-1. sign-SGD needs its own step size: ``demo_lr`` in {3e-4, 1e-3, 3e-3, 1e-2}, top-k 32, at half the steps;
-2. at the best step size, half the steps: top-k in {4, 8, 16, 32} (chunk 64), and top-k 32 with
+1. sign-SGD needs its own step size: ``demo_lr`` in {3e-4, 1e-3, 3e-3, 1e-2}, top-k 32, at ``--sweep-steps``
+   (default half the steps);
+2. at the best step size and ``--sweep-steps``: top-k in {4, 8, 16, 32} (chunk 64), and top-k 32 with
    sign-only values, with eval loss and bytes per island per step;
 3. at the best step size and the full steps: top-k 32;
 3. beside them, from bench/diloco_vs_ddp: one island alone, diloco H=50 (about the same bytes as
@@ -25,24 +26,25 @@ TOPKS = (4, 8, 16, 32)
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], sweep_steps=True)
     suite = args.out or OUT / "demo_sweep"
     steps = args.steps
-    ref_suite = OUT / "diloco_vs_ddp"
-    ddp = run(ref_suite, "ddp", False, strategy="ddp", steps=steps)
-    one = run(ref_suite, "one_island", False, strategy="ddp", islands=1, steps=steps)
-    diloco = run(ref_suite, "default_cli" if (ref_suite / "default_cli").exists() else "diloco_H50", False,
-                 strategy="diloco", sync_every=50, steps=steps)
-
-    sweep = {lr: run(suite, f"lr_{lr:g}", args.fresh, strategy="demo", demo_lr=lr, steps=steps // 2) for lr in LRS}
+    half = args.sweep_steps or steps // 2
+    sweep = {lr: run(suite, f"lr_{lr:g}_{half}", args.fresh, strategy="demo", demo_lr=lr, steps=half) for lr in LRS}
     best_lr = min(sweep, key=lambda lr: sweep[lr]["final_eval_loss"])
-    half = steps // 2
     topk_sweep = {k: sweep[best_lr] if k == 32 else run(suite, f"topk_{k}_{half}", args.fresh, strategy="demo",
                                                          demo_lr=best_lr, demo_topk=k, steps=half) for k in TOPKS}
     topk_sweep["32 sign"] = run(suite, f"topk_32_sign_{half}", args.fresh, strategy="demo", demo_lr=best_lr,
                                 demo_topk=32, demo_sign_values=True, steps=half)
     runs = {"topk_32": run(suite, "topk_32", args.fresh, strategy="demo", demo_lr=best_lr, demo_topk=32,
                            steps=steps)}
+
+    # references from bench/diloco_vs_ddp (waits for that benchmark if it is training them)
+    ref_suite = OUT / "diloco_vs_ddp"
+    ddp = run(ref_suite, "ddp", False, strategy="ddp", steps=steps)
+    one = run(ref_suite, "one_island", False, strategy="ddp", islands=1, steps=steps)
+    diloco = run(ref_suite, "default_cli" if (ref_suite / "default_cli").exists() else "diloco_H50", False,
+                 strategy="diloco", sync_every=50, steps=steps)
 
     rows = [{"run": f"lr {lr:g}, top-k 32 ({half} steps)", "final_eval_loss": r["final_eval_loss"],
              "bytes_sent_per_island": r["bytes_sent_per_island"], "bytes_per_step": r["bytes_sent_per_island"] / half}
