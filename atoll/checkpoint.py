@@ -89,6 +89,8 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     """
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):  # left by a process killed while writing (one writer per run)
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step_{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
     try:
@@ -117,7 +119,7 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
-    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+    for old in sorted(root.glob("step_*"), key=_step_of)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -133,10 +135,26 @@ def new_run_dir(out: Path | None, strategy: str) -> Path:
     if out is None:
         out = Path("runs") / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(out)
-    if (out / "checkpoints").exists():
+    if any((out / "checkpoints").glob("step_*")):
         raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    if (out / "metrics.jsonl").exists() or (out / "config.json").exists():
+        raise ConfigError(f"out: '{out}' holds an unfinished run with no checkpoint (or another program's files); "
+                          "remove it or choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".atoll-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"out: cannot write to '{out}' ({e.strerror or e}); choose a writable folder") from None
     return out
+
+
+def _step_of(path: Path) -> int:
+    try:
+        return int(path.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def latest_checkpoint(out: Path) -> Path:
@@ -148,10 +166,15 @@ def latest_checkpoint(out: Path) -> Path:
     root = Path(out) / "checkpoints"
     latest = root / "latest"
     if latest.is_file():
-        path = root / latest.read_text().strip()
-        if (path / "state.json").is_file():
+        try:
+            name = latest.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        path = root / name
+        if name.startswith("step_") and "/" not in name and (path / "state.json").is_file():
             return path
-    candidates = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file()) if root.is_dir() else []
+    candidates = (sorted((p for p in root.glob("step_*") if (p / "state.json").is_file()), key=_step_of)
+                  if root.is_dir() else [])
     if not candidates:
         raise CheckpointError(f"resume: no checkpoint in '{out}'; pass the folder of an atoll run (its --out)")
     return candidates[-1]

@@ -36,7 +36,7 @@ class TrainConfig(BaseModel):
     exchange *pseudo-gradients* and an *outer optimizer* updates the global parameters.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # --- what to run -------------------------------------------------------------------------------
     strategy: Strategy = Field(
@@ -67,7 +67,7 @@ class TrainConfig(BaseModel):
         50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming)."
     )
     steps: int = Field(600, ge=1, description="Inner steps per island (each island sees steps x batch tokens).")
-    seed: int = Field(0, ge=0, description="Seed of the model initialisation, data shards and batches.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
 
     # --- model and data ----------------------------------------------------------------------------
     model: str = Field(
@@ -88,11 +88,11 @@ class TrainConfig(BaseModel):
         "iid", description="How documents are dealt to islands: iid (shuffled) or non_iid (grouped by source)."
     )
     vocab_size: int = Field(4096, ge=257, le=262144, description="Byte-level BPE vocabulary size.")
-    seq_len: int = Field(128, ge=8, description="Tokens per training sequence.")
-    batch_size: int = Field(8, ge=1, description="Sequences per island per inner step.")
+    seq_len: int = Field(128, ge=8, le=1 << 20, description="Tokens per training sequence.")
+    batch_size: int = Field(8, ge=1, le=1 << 16, description="Sequences per island per inner step.")
 
     # --- inner optimizer (AdamW) ---------------------------------------------------------------------
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the inner AdamW optimizer.")
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
     warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
@@ -110,7 +110,7 @@ class TrainConfig(BaseModel):
         description="Encoding of exchanged tensors (gradients for ddp, pseudo-gradients for diloco and "
         "streaming): fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int8, int4 (per-block scales), topk.",
     )
-    codec_block_size: int = Field(64, ge=1, description="Elements per scale block of the fp8/int8/int4 codecs.")
+    codec_block_size: int = Field(64, ge=1, le=1 << 20, description="Elements per scale block of the fp8/int8/int4 codecs.")
     codec_rounding: Literal["nearest", "stochastic"] = Field(
         "nearest", description="Rounding of the lossy codecs: nearest, or stochastic (unbiased)."
     )
@@ -130,7 +130,7 @@ class TrainConfig(BaseModel):
     )
 
     # --- DeMo / DisTrO (Peng, Quesnelle, Kingma 2024) -------------------------------------------------
-    demo_lr: float = Field(3e-3, gt=0, description="demo: peak learning rate of the sign update.")
+    demo_lr: float = Field(3e-3, gt=0, le=10, description="demo: peak learning rate of the sign update.")
     demo_topk: int = Field(32, ge=1, description="demo: DCT components kept per chunk.")
     demo_chunk: int = Field(64, ge=1, description="demo: DCT chunk size along each axis.")
     demo_beta: float = Field(0.999, ge=0, lt=1, description="demo: decay of the decoupled momentum.")
@@ -152,7 +152,7 @@ class TrainConfig(BaseModel):
     cache_dir: Path | None = Field(
         None, description="Cache for tokenizers and token ids (default: $ATOLL_CACHE_DIR or ~/.cache/atoll)."
     )
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (default: torch's choice).")
     progress: bool = Field(True, description="Show the live progress bar.")
 
     @model_validator(mode="after")
@@ -168,7 +168,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
-        if self.demo_chunk > 0 and self.demo_topk > self.demo_chunk * self.demo_chunk:
+        if self.strategy == "demo" and self.demo_topk > self.demo_chunk * self.demo_chunk:
             raise ValueError(f"demo_topk ({self.demo_topk}) exceeds a chunk's {self.demo_chunk}x{self.demo_chunk} "
                              "components; lower --demo-topk")
         return self
@@ -223,13 +223,19 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
     """
     values: dict[str, Any] = dict(base or {})
     if toml_path is not None:
-        if not Path(toml_path).is_file():
+        if not Path(toml_path).is_file():  # also a folder
             raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
         try:
-            doc = tomllib.loads(Path(toml_path).read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config: '{toml_path}' is not valid TOML ({e}); fix the file") from None
-        values.update(doc.get("train", doc))
+            doc = tomllib.loads(Path(toml_path).read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config: '{toml_path}' is not valid UTF-8 TOML ({e}); fix the file") from None
+        table = doc.get("train", doc) if isinstance(doc.get("train"), dict) or "train" not in doc else None
+        if table is None:
+            raise ConfigError(f"config: 'train' in '{toml_path}' must be a table ([train]); fix the file")
+        if table is not doc and set(doc) - {"train"}:
+            extra = ", ".join(sorted(set(doc) - {"train"}))
+            raise ConfigError(f"config: '{toml_path}' has settings outside [train] ({extra}); move them into [train]")
+        values.update(table)
     values.update(overrides or {})
     try:
         return TrainConfig(**values)
@@ -237,14 +243,40 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(_format_validation_error(e)) from None
 
 
+#: Settings a resumed run may change: how long it trains and how it reports, never what it computes.
+RESUMABLE_OVERRIDES = frozenset({
+    "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "threads", "cache_dir",
+    "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s",
+})
+
+
 def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
 
+    Only the settings in :data:`RESUMABLE_OVERRIDES` may differ from the saved ones: the strategy, model,
+    data, islands, optimizers and codec define the run, and changing them mid-run would silently train
+    something else (start a new run with ``--init-from`` instead). Nothing is written here.
+
     Raises:
-        ConfigError: the folder holds no ``config.json`` (field ``resume``).
+        ConfigError: the folder holds no readable ``config.json`` (field ``resume``), or an override
+            changes a setting that defines the run (names it).
     """
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"resume: '{run_dir}' is not an atoll run folder (no config.json); pass a run's --out folder")
-    base = json.loads(path.read_text())
-    return build_config(base=base, overrides={**(overrides or {}), "out": str(run_dir)})
+    try:
+        base = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(base, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"resume: '{path}' is unreadable ({e}); restore it from a backup or start a new run") from None
+    saved = build_config(base={k: v for k, v in base.items() if k != "out"}, overrides={"out": str(run_dir)})
+    overrides = {k: v for k, v in (overrides or {}).items() if k != "out"}
+    config = build_config(base=saved.model_dump(), overrides={**overrides, "out": str(run_dir)})
+    for name in overrides:
+        if name not in RESUMABLE_OVERRIDES and getattr(config, name) != getattr(saved, name):
+            raise ConfigError(
+                f"{name}: cannot change on resume (the run has {getattr(saved, name)!r}); start a new run with "
+                f"--init-from {run_dir} instead"
+            )
+    return config

@@ -69,6 +69,7 @@ class Island:
         compute_s: measured compute seconds (divided by ``speed``).
         tokens: training tokens processed.
         last_loss: the training loss of the last forward pass.
+        skipped_steps: inner steps skipped because the gradient was not finite.
     """
 
     def __init__(self, index: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
@@ -85,6 +86,7 @@ class Island:
         self.named_params = dict(model.named_parameters())
         self.compute_s = 0.0
         self.tokens = 0
+        self.skipped_steps = 0
         self.last_loss = float("nan")
 
     @contextmanager
@@ -110,14 +112,24 @@ class Island:
     def inner_step(self) -> None:
         """Clip the gradient, take one inner optimizer step, advance the schedule, clear the gradient."""
         with self.timed():
-            self.clip_gradients()
-            self.optimizer.step()
+            if self.clip_gradients():
+                self.optimizer.step()
             self.finish_step()
 
-    def clip_gradients(self) -> None:
-        """Clip the gradient norm to ``grad_clip`` (no-op when 0). Not timed: call inside :meth:`timed`."""
-        if self.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+    def clip_gradients(self) -> bool:
+        """Clip the gradient norm to ``grad_clip`` (0: no clipping); drop a gradient that is not finite.
+
+        A NaN or infinite gradient (an overflow, a bad batch, a faulty device) never reaches the optimizer
+        state or the weights: the gradients are cleared, ``skipped_steps`` counts it, and False is
+        returned so the caller skips the optimizer step. Not timed: call inside :meth:`timed`.
+        """
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
+        if torch.isfinite(norm):
+            return True
+        for p in self.params:
+            p.grad = None
+        self.skipped_steps += 1
+        return False
 
     def finish_step(self) -> None:
         """Advance the learning-rate schedule and clear the gradients, after an optimizer step."""
@@ -156,6 +168,7 @@ class Island:
             "scheduler": self.scheduler.state_dict(),
             "compute_s": self.compute_s,
             "tokens": self.tokens,
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -164,3 +177,4 @@ class Island:
         self.scheduler.load_state_dict(state["scheduler"])
         self.compute_s = float(state["compute_s"])
         self.tokens = int(state["tokens"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

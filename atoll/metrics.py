@@ -37,9 +37,14 @@ class MetricsLog:
     def __init__(self, path: Path, truncate_after_step: int | None = None) -> None:
         self.path = Path(path)
         if truncate_after_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= truncate_after_step
-                    and json.loads(line).get("event") not in ("end",)]
+            kept = []
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a crash
+                if isinstance(event, dict) and event.get("step", 0) <= truncate_after_step and event.get("event") != "end":
+                    kept.append(line)
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
 

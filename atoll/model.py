@@ -77,7 +77,12 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
         )
         model = LlamaForCausalLM(config)
     elif Path(name_or_path).is_dir():
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model: '{name_or_path}' is not a Hugging Face causal LM folder "
+                              f"({str(e).splitlines()[0][:120]}); pass a folder saved with save_pretrained "
+                              "or a preset") from None
         if model.get_input_embeddings().num_embeddings < vocab_size:
             raise ConfigError(
                 f"model: '{name_or_path}' has a vocabulary of {model.get_input_embeddings().num_embeddings} "

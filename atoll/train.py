@@ -25,6 +25,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from atoll.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
 from atoll.config import TrainConfig
 from atoll.data import default_cache_dir, eval_batches, prepare_data, sample_batch
-from atoll.errors import ConfigError
+from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.island import Island, copy_flat_into, cosine_with_warmup, next_token_loss
 from atoll.metrics import MetricsLog, NullLog, ProgressDisplay
 from atoll.model import build_model, count_parameters, param_bytes
@@ -127,13 +128,43 @@ def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
         ckpt = latest_checkpoint(run_dir)
     except Exception:
         raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; pass the --out folder of a finished run") from None
-    weights = load_file(str(ckpt / "model" / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    shapes_ok = all(weights[k].shape == v.shape for k, v in model.state_dict().items() if k in weights)
-    if unexpected or not shapes_ok or any("embed" in k or "layers" in k for k in missing):
-        raise ConfigError(f"init_from: the model in '{ckpt}' does not match --model/--vocab-size of this run; "
-                          "use the same model and vocabulary as that run")
+    try:
+        weights = load_file(str(ckpt / "model" / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error type for damaged files
+        raise ConfigError(f"init_from: cannot read the weights of '{ckpt}' ({type(e).__name__}); "
+                          "pass a run whose checkpoint is intact") from None
+    own = model.state_dict()
+    mismatched = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
+    missing = [k for k in own if k not in weights and not k.endswith("lm_head.weight")]
+    if mismatched or missing:
+        raise ConfigError(f"init_from: the model in '{ckpt}' does not match --model/--vocab-size of this run "
+                          f"({(mismatched + missing)[0]}); use the same model and vocabulary as that run")
+    model.load_state_dict(weights, strict=False)
     model.tie_weights()
+
+
+def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones.
+
+    Raises:
+        CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
+    """
+    root = Path(out) / "checkpoints"
+    first = latest_checkpoint(out)
+    candidates = [first] + sorted((p for p in root.glob("step_*") if p != first and (p / "state.json").is_file()),
+                                  key=lambda p: p.name, reverse=True)
+    error: CheckpointError | None = None
+    for path in candidates:
+        try:
+            step, state = load_checkpoint(path)
+            if not isinstance(state, dict) or "islands" not in state:
+                raise CheckpointError(f"resume: checkpoint '{path}' has no island state; start a new run")
+            if error is not None:
+                print(f"atoll: warning: {error}; resuming from {path.name} instead", file=sys.stderr)
+            return step, state
+        except CheckpointError as e:
+            error = error or e
+    raise error  # type: ignore[misc]
 
 
 def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -173,18 +204,21 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
         torch.set_num_threads(config.threads)
     if resume:
         out = Path(config.out)  # type: ignore[arg-type]
-        ckpt_path = latest_checkpoint(out)
-        start_step, state = load_checkpoint(ckpt_path)
+        start_step, state = load_latest_state(out)
+        if start_step > config.steps:
+            raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {start_step}; "
+                              f"pass --steps {start_step} or more")
     else:
         out = new_run_dir(config.out, config.strategy) if runtime.is_main else Path(str(config.out))
         start_step, state = 0, None
-    if runtime.is_main:
-        (out / "config.json").write_text(config.model_dump_json(indent=2))
 
     # --- data and model ----------------------------------------------------------------------------
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
                         partition=config.partition, text_field=config.text_field)
+    if state is not None and state.get("data_fingerprint", data.fingerprint) != data.fingerprint:
+        raise DataError(f"data: the corpus '{config.data}' changed since this run started, so its tokenizer and "
+                        "shards would differ; restore the data, or start a new run with --init-from")
     val = eval_batches(data.val_tokens, config.batch_size, config.seq_len, config.eval_batches)
     global_model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
     if config.init_from is not None and not resume:
@@ -204,10 +238,14 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
            if runtime.is_main else NullLog())
     prior_wall_s = 0.0
     if state is not None:
-        runtime.load_job_state(state, islands, strategy)
-        initial_eval_loss = float(state["initial_eval_loss"])
-        eval_loss = float(state["eval_loss"])
-        prior_wall_s = float(state["wall_s"])
+        try:
+            runtime.load_job_state(state, islands, strategy)
+            initial_eval_loss = float(state["initial_eval_loss"])
+            eval_loss = float(state["eval_loss"])
+            prior_wall_s = float(state["wall_s"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"resume: the checkpoint of '{out}' does not fit this run ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160]}); start a new run") from None
     else:
         initial_eval_loss = eval_loss = evaluate(global_model, val)
         log.log("start", step=0, params=n_params, config=config.model_dump(mode="json"),
@@ -215,6 +253,9 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
                 tokenizer_from_cache=data.tokenizer_from_cache)
         log.log("eval", step=0, tokens=0, eval_loss=initial_eval_loss, perplexity=math.exp(initial_eval_loss),
                 sim_wall_s=0.0, bytes_sent_per_island=0.0)
+
+    if runtime.is_main:  # only now: a resume that failed above has left the run folder untouched
+        (out / "config.json").write_text(config.model_dump_json(indent=2))
 
     def sync_global_model() -> None:
         copy_flat_into(list(global_model.parameters()), strategy.global_params())
@@ -252,7 +293,7 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
                 sync_global_model()
                 job = runtime.job_state(islands, strategy, initial_eval_loss=initial_eval_loss,
-                                        eval_loss=eval_loss, wall_s=wall_s())  # None but on the main process
+                                        eval_loss=eval_loss, wall_s=wall_s(), data_fingerprint=data.fingerprint)  # None but on the main process
                 if job is not None:
                     path = save_checkpoint(out, done, job, model=global_model, tokenizer=tokenizer)
                     log.log("checkpoint", step=done, path=str(path))
@@ -275,6 +316,8 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
         "codec": config.codec, "fragments": config.fragments if config.strategy == "streaming" else 1,
         "overlap_steps": config.overlap_steps if config.strategy == "streaming" else 0,
         "exchanges": comm.exchanges, "peak_bytes_per_exchange": comm.peak_bytes_per_exchange,
+        "rejected_updates": strategy.dropped_updates,
+        "skipped_steps": sum(i.skipped_steps for i in islands),
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
         "compute_s": compute_s, "sim_wall_s": sim_wall_s,
         "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,

@@ -99,3 +99,34 @@ def test_next_token_loss_of_uniform_model_is_log_vocab() -> None:
     with torch.no_grad():
         loss = float(next_token_loss(model, _batch(0, 0)))
     assert loss == pytest.approx(torch.log(torch.tensor(float(VOCAB))).item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("strategy_cls", [DDP, DiLoCo])
+def test_a_nan_gradient_on_one_island_never_reaches_the_global_model(strategy_cls) -> None:
+    k, h = 3, 3
+    config, model, comm, islands, strategy = _setup(strategy_cls, k, sync_every=h)
+    for step in range(6):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        if step == 1:
+            for p in islands[1].params:
+                p.grad.fill_(float("nan"))
+        strategy.step(step)
+    assert torch.isfinite(strategy.global_params()).all()
+    assert all(torch.isfinite(i.flat_params()).all() for i in islands)
+    assert sum(i.skipped_steps for i in islands) == (k if strategy_cls is DDP else 1)
+
+
+def test_a_non_finite_island_is_left_out_of_the_outer_average() -> None:
+    config, model, comm, islands, diloco = _setup(DiLoCo, 3, sync_every=2, outer_lr=1.0, outer_momentum=0.0)
+    for step in range(2):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        for island in islands:
+            island.inner_step()
+    with torch.no_grad():
+        islands[2].params[0].fill_(float("inf"))
+    expected = torch.stack([islands[0].flat_params(), islands[1].flat_params()]).mean(0)
+    diloco.outer_step(2)
+    torch.testing.assert_close(diloco.global_params(), expected, rtol=0, atol=1e-6)
+    assert diloco.dropped_updates == 1 and torch.isfinite(islands[2].flat_params()).all()

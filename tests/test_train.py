@@ -142,3 +142,42 @@ def test_out_folder_of_existing_run_is_not_overwritten(fast_config: dict) -> Non
     train(build_config(overrides={**fast_config, "steps": 2, "eval_every": 2}))
     r = run_atoll("train", "--out", fast_config["out"], timeout=120)
     assert r.returncode == 2 and "--resume" in r.stderr
+
+
+def test_resume_refuses_changes_that_define_the_run_and_leaves_the_folder_untouched(fast_config: dict) -> None:
+    from atoll.errors import ConfigError
+
+    train(build_config(overrides={**fast_config, "steps": 10}))
+    out = Path(fast_config["out"])
+    before = (out / "config.json").read_text()
+    for change in ({"strategy": "ddp"}, {"vocab_size": "1024"}, {"model": "tiny"}, {"islands": "3"}):
+        with pytest.raises(ConfigError, match=f"^{next(iter(change))}: cannot change on resume"):
+            load_run_config(out, change)
+    r = run_atoll("train", "--resume", str(out), "--steps", "5", timeout=120)
+    assert r.returncode == 2 and "below the checkpoint's step 10" in r.stderr
+    assert (out / "config.json").read_text() == before
+    resumed = train(load_run_config(out, {"steps": "20"}), resume=True)
+    assert resumed["steps"] == 20 and resumed["tokens"] == 2 * 20 * 4 * 32
+
+
+def test_resume_falls_back_to_the_previous_checkpoint_when_the_latest_is_damaged(fast_config: dict) -> None:
+    train(build_config(overrides={**fast_config, "steps": 20}))
+    root = Path(fast_config["out"]) / "checkpoints"
+    (root / "step_0000020" / "state.safetensors").write_bytes(b"garbage")
+    from atoll.train import load_latest_state
+
+    step, state = load_latest_state(Path(fast_config["out"]))
+    assert step == 10 and "islands" in state
+
+
+@pytest.mark.parametrize("args", [["--lr", "inf"], ["--outer-lr", "nan"], ["--seed", "99999999999999999999"]])
+def test_non_finite_or_huge_values_exit_2(args: list[str]) -> None:
+    r = run_atoll("train", *args, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_out_that_is_a_file_exits_2(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = run_atoll("train", "--out", str(f), "--model", "micro", "--steps", "2", timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("atoll: error: out:"), r.stderr

@@ -132,6 +132,28 @@ def _expand(state: Any, parts: list[str], prefix: list[str] | None = None) -> li
     return paths
 
 
+def drop_non_finite(tensors: list[torch.Tensor], weights: list[float]) -> tuple[list[torch.Tensor], list[float], int]:
+    """Give weight 0 (and zeros) to contributions that are not finite, so they never reach the average.
+
+    A faulty island (NaN or infinite weights after a bad step) must not corrupt the global model: its
+    pseudo-gradient is left out and the mean divides by what the others contributed.
+
+    Returns:
+        (tensors, weights, number dropped); tensors keep their shapes.
+    """
+    dropped = 0
+    out_t, out_w = [], []
+    for t, w in zip(tensors, weights, strict=True):
+        if bool(torch.isfinite(t).all()):
+            out_t.append(t)
+            out_w.append(w)
+        else:
+            out_t.append(torch.zeros_like(t))
+            out_w.append(0.0)
+            dropped += 1
+    return out_t, out_w, dropped
+
+
 class Wire:
     """The codec a strategy's exchanges use, with each local island's error feedback and random source.
 

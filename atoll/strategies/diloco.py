@@ -16,7 +16,7 @@ from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.config import TrainConfig
 from atoll.island import Island
 from atoll.runtime.comm import Comm
-from atoll.strategies.base import Strategy, Wire
+from atoll.strategies.base import Strategy, Wire, drop_non_finite
 
 
 class DiLoCo(Strategy):
@@ -31,6 +31,7 @@ class DiLoCo(Strategy):
         self.tokens_at_sync = [island.tokens for island in islands]
         self.last_sync_step = 0
         self.wire = Wire(config, comm.local_islands)
+        self.dropped_updates = 0
 
     def step(self, step: int) -> None:
         for island in self.islands:
@@ -42,8 +43,12 @@ class DiLoCo(Strategy):
         """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step."""
         deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
-        mean_delta = self.comm.all_reduce_mean(deltas, weights=weights, **self.wire.kwargs("all"))
-        new_global = self.outer.step(mean_delta)
+        deltas, weights, dropped = drop_non_finite(deltas, weights)
+        self.dropped_updates += dropped
+        if sum(weights) > 0:
+            new_global = self.outer.step(self.comm.all_reduce_mean(deltas, weights=weights, **self.wire.kwargs("all")))
+        else:  # nothing usable arrived: keep the global model, restart every island from it
+            new_global = self.outer.params.detach()
         for island in self.islands:
             island.set_flat_params(new_global)
         self.tokens_at_sync = [island.tokens for island in self.islands]

@@ -23,7 +23,7 @@ from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.config import TrainConfig
 from atoll.island import Island
 from atoll.runtime.comm import Comm, Work
-from atoll.strategies.base import Strategy, Wire
+from atoll.strategies.base import Strategy, Wire, drop_non_finite
 
 
 @dataclass
@@ -31,6 +31,7 @@ class _InFlight:
     fragment: int
     merge_after_step: int  # 0-based inner step after which the result is merged
     work: Work
+    dropped: tuple[bool, ...] = ()  # islands whose contribution was not finite: they adopt the global fragment
 
 
 class StreamingDiLoCo(Strategy):
@@ -50,6 +51,7 @@ class StreamingDiLoCo(Strategy):
         self.last_sync_step = [0] * len(self.index)
         self.in_flight: list[_InFlight] = []
         self.wire = Wire(config, comm.local_islands)
+        self.dropped_updates = 0
 
     def step(self, step: int) -> None:
         for island in self.islands:
@@ -64,11 +66,16 @@ class StreamingDiLoCo(Strategy):
         idx = self.index[p]
         deltas = [pseudo_gradient(self.outer[p].params, island.flat_params()[idx]) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync[p], strict=True)]
+        finite = [bool(torch.isfinite(d).all()) for d in deltas]
+        deltas, weights, dropped = drop_non_finite(deltas, weights)
+        self.dropped_updates += dropped
+        if sum(weights) == 0:  # nothing usable: a zero pseudo-gradient still moves the outer momentum
+            weights = [1.0] * len(weights)
         work = self.comm.start_all_reduce_mean(deltas, weights=weights, **self.wire.kwargs(f"fragment{p}"))
         self.tokens_at_sync[p] = [island.tokens for island in self.islands]
         self.last_sync_step[p] = step + 1
         tau = self.config.overlap_steps if overlap is None else overlap
-        job = _InFlight(p, step + tau, work)
+        job = _InFlight(p, step + tau, work, tuple(not f for f in finite))
         if tau == 0:
             self._merge(job)
         else:
@@ -79,9 +86,10 @@ class StreamingDiLoCo(Strategy):
         p, alpha = job.fragment, self.config.mixing_alpha
         new_global = self.outer[p].step(job.work.wait())
         idx = self.index[p]
-        for island in self.islands:
+        for i, island in enumerate(self.islands):
             flat = island.flat_params()
-            flat[idx] = new_global if alpha == 0 else alpha * flat[idx] + (1 - alpha) * new_global
+            faulty = i < len(job.dropped) and job.dropped[i]
+            flat[idx] = new_global if alpha == 0 or faulty else alpha * flat[idx] + (1 - alpha) * new_global
             island.set_flat_params(flat)
         if job in self.in_flight:
             self.in_flight.remove(job)
