@@ -30,6 +30,8 @@ class Strategy(ABC):
     #: ``islands`` (``*`` stands for every element of a list). A multi-process runtime uses them to merge the
     #: states of its one-island strategies into the all-island format of the ``local`` runtime, and back.
     per_island_state: tuple[str, ...] = ()
+    #: contributions left out of an average because they were not finite (see :func:`drop_non_finite`)
+    dropped_updates: int = 0
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         self.config = config
