@@ -135,8 +135,11 @@ def test_bench_wan_smoke(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> 
         assert r["ok"] and r["exit_codes"] == [0, 0]
         assert r["window_steps"] == [10, 20] and r["tokens_per_s"] > 0
         assert r["atoll_bytes_per_island"] > 0
-        for ratio in r["iface_over_atoll"]:  # headers, ACKs, heartbeats: a little more than counted
-            assert 0.8 <= ratio <= 1.5, r
+        # headers, ACKs, the store's heartbeats: more than counted. With the micro model a diloco window
+        # carries ~150 KB, so that fixed traffic alone can double it on a loaded machine; the 10% check
+        # belongs to the benchmark's tiny-model payloads of megabytes, not to this smoke test.
+        for ratio in r["iface_over_atoll"]:
+            assert 0.8 <= ratio <= 4.0, r
     assert rows["diloco-H10-100mbit"]["atoll_bytes_per_island"] < rows["ddp-100mbit"]["atoll_bytes_per_island"]
     assert "| ddp-100mbit |" in stdout and (out / "results.md").is_file()
 
