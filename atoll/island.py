@@ -137,15 +137,13 @@ class Island:
         self.optimizer.zero_grad(set_to_none=True)
 
     # --- flat views, for exchanging ---------------------------------------------------------------
-    def flat_params(self, names: list[str] | None = None) -> torch.Tensor:
-        """A float32 CPU copy of the parameters (all, or those named), concatenated: shape (numel,)."""
-        params = self.params if names is None else [self.named_params[n] for n in names]
-        return parameters_to_vector([p.detach() for p in params]).to("cpu", torch.float32)
+    def flat_params(self) -> torch.Tensor:
+        """A float32 CPU copy of all parameters, concatenated in ``model.parameters()`` order: (numel,)."""
+        return parameters_to_vector([p.detach() for p in self.params]).to("cpu", torch.float32)
 
-    def set_flat_params(self, flat: torch.Tensor, names: list[str] | None = None) -> None:
-        """Overwrite the parameters (all, or those named) from a flat float32 vector."""
-        params = self.params if names is None else [self.named_params[n] for n in names]
-        copy_flat_into(params, flat)
+    def set_flat_params(self, flat: torch.Tensor) -> None:
+        """Overwrite all parameters from a flat float32 vector of shape (numel,)."""
+        copy_flat_into(self.params, flat)
 
     def flat_grads(self) -> torch.Tensor:
         """The gradients, float32 on the CPU, concatenated: shape (numel,). Missing gradients are zeros."""

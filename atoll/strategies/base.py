@@ -134,25 +134,20 @@ def _expand(state: Any, parts: list[str], prefix: list[str] | None = None) -> li
     return paths
 
 
-def drop_non_finite(tensors: list[torch.Tensor], weights: list[float]) -> tuple[list[torch.Tensor], list[float], int]:
+def drop_non_finite(tensors: list[torch.Tensor], weights: list[float]
+                    ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
     """Give weight 0 (and zeros) to contributions that are not finite, so they never reach the average.
 
     A faulty island (NaN or infinite weights after a bad step) must not corrupt the global model: its
     pseudo-gradient is left out and the mean divides by what the others contributed.
 
     Returns:
-        (tensors, weights, number dropped); tensors keep their shapes.
+        (tensors, weights, dropped): tensors keep their shapes; ``dropped[i]`` tells whether contribution i
+        was left out.
     """
-    dropped = 0
-    out_t, out_w = [], []
-    for t, w in zip(tensors, weights, strict=True):
-        if bool(torch.isfinite(t).all()):
-            out_t.append(t)
-            out_w.append(w)
-        else:
-            out_t.append(torch.zeros_like(t))
-            out_w.append(0.0)
-            dropped += 1
+    dropped = [not bool(torch.isfinite(t).all()) for t in tensors]
+    out_t = [torch.zeros_like(t) if bad else t for t, bad in zip(tensors, dropped, strict=True)]
+    out_w = [0.0 if bad else w for w, bad in zip(weights, dropped, strict=True)]
     return out_t, out_w, dropped
 
 

@@ -44,7 +44,7 @@ class DiLoCo(Strategy):
         deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
         deltas, weights, dropped = drop_non_finite(deltas, weights)
-        self.dropped_updates += dropped
+        self.dropped_updates += sum(dropped)
         if sum(weights) > 0:
             new_global = self.outer.step(self.comm.all_reduce_mean(deltas, weights=weights, **self.wire.kwargs("all")))
         else:  # nothing usable arrived: keep the global model, restart every island from it

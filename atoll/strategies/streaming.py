@@ -66,16 +66,15 @@ class StreamingDiLoCo(Strategy):
         idx = self.index[p]
         deltas = [pseudo_gradient(self.outer[p].params, island.flat_params()[idx]) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync[p], strict=True)]
-        finite = [bool(torch.isfinite(d).all()) for d in deltas]
         deltas, weights, dropped = drop_non_finite(deltas, weights)
-        self.dropped_updates += dropped
+        self.dropped_updates += sum(dropped)
         if sum(weights) == 0:  # nothing usable: a zero pseudo-gradient still moves the outer momentum
             weights = [1.0] * len(weights)
         work = self.comm.start_all_reduce_mean(deltas, weights=weights, **self.wire.kwargs(f"fragment{p}"))
         self.tokens_at_sync[p] = [island.tokens for island in self.islands]
         self.last_sync_step[p] = step + 1
         tau = self.config.overlap_steps if overlap is None else overlap
-        job = _InFlight(p, step + tau, work, tuple(not f for f in finite))
+        job = _InFlight(p, step + tau, work, tuple(dropped))
         if tau == 0:
             self._merge(job)
         else:
