@@ -41,7 +41,7 @@ def run(suite_dir: Path, name: str, fresh: bool = False, **settings: Any) -> dic
     suite_dir.mkdir(parents=True, exist_ok=True)
     lock = suite_dir / f".{name}.lock"
     while True:  # another benchmark process may be training the same run: wait for it, then reuse it
-        if summary_path.is_file() and not fresh:
+        if summary_path.is_file() and not fresh and _matches(out, settings):
             return json.loads(summary_path.read_text())
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -62,6 +62,15 @@ def run(suite_dir: Path, name: str, fresh: bool = False, **settings: Any) -> dic
         return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
     finally:
         lock.unlink(missing_ok=True)
+
+
+def _matches(out: Path, settings: dict[str, Any]) -> bool:
+    """Whether the finished run in ``out`` was trained with ``settings`` (its resolved ``config.json``)."""
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(key) == value for key, value in settings.items())
 
 
 def _alive(lock: Path) -> bool:
