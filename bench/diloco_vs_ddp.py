@@ -8,7 +8,11 @@ Runs, on the default benchmark (tiny ~1.8M Llama, stdlib corpus, 4 islands, 600 
 3. ``ddp`` with 4 islands (the same tokens as diloco);
 4. ``diloco`` with H = 10, 25, 100 (H=50 is run 1);
 5. a warm start as in the DiLoCo paper (which starts from a pretrained model): from the final weights of
-   run 3 (``--init-from``), ``diloco`` (H=50) and ``ddp`` each train half the steps more, on equal tokens.
+   run 3 (``--init-from``), ``diloco`` (H=50) and ``ddp`` each train half the steps more, on equal tokens;
+6. the outer optimizer at H=50 from scratch: (outer lr, Nesterov momentum) in (1, 0) (plain parameter
+   averaging, FedAvg), (0.7, 0), (0.7, 0.5), (1, 0.5) beside the paper's (0.7, 0.9) of run 1. In steady
+   state Nesterov moves the globals by lr * (1 + m / (1 - m)) times the averaged pseudo-gradient: 1, 0.7,
+   1.4, 2 and 7 for these five.
 Writes bench/out/diloco_vs_ddp/results.json and results.md.
 """
 
@@ -23,6 +27,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OUT, parse_args, pct, run, write_results  # noqa: E402
+
+OUTER_SWEEP = ((1.0, 0.0), (0.7, 0.0), (0.7, 0.5), (1.0, 0.5))  # (outer lr, outer momentum); run 1 is (0.7, 0.9)
+
+
+def outer_setting(run_dir: Path) -> str:
+    """``"lr/momentum"`` of a run's outer optimizer, from its resolved ``config.json``."""
+    import json
+
+    config = json.loads((run_dir / "config.json").read_text())
+    return f"{config['outer_lr']:g}/{config['outer_momentum']:g}"
 
 
 def default_cli_run(suite: Path, fresh: bool) -> dict:
@@ -62,6 +76,10 @@ def main() -> None:
     results["ddp"] = run(suite, "ddp", args.fresh, strategy="ddp", **s)
     for h in (10, 25, 100):
         results[f"diloco_H{h}"] = run(suite, f"diloco_H{h}", args.fresh, strategy="diloco", sync_every=h, **s)
+    for lr, m in OUTER_SWEEP:
+        results[f"diloco_H50_outer_{lr:g}_{m:g}"] = run(suite, f"diloco_H50_outer_{lr:g}_{m:g}", args.fresh,
+                                                        strategy="diloco", sync_every=50, outer_lr=lr,
+                                                        outer_momentum=m, **s)
     half = steps // 2
     warm_dir = str(suite / "ddp")
     results["warm_then_ddp"] = run(suite, "warm_then_ddp", args.fresh, strategy="ddp", steps=half, init_from=warm_dir)
@@ -76,6 +94,8 @@ def main() -> None:
         rows.append({
             "run": name, "strategy": r["strategy"], "islands": r["islands"],
             "H": r["sync_every"] if r["strategy"] == "diloco" else None, "tokens": r["tokens"],
+            "outer": outer_setting(suite / ("default_cli" if name == "diloco_H50" and steps == 600 else name))
+            if r["strategy"] == "diloco" else None,
             "final_eval_loss": r["final_eval_loss"], "gap_vs_ddp_pct": pct(r["final_eval_loss"], ref),
             "gap_vs_one_island_pct": None if name.startswith("warm") else pct(r["final_eval_loss"], one_loss),
             "bytes_sent_per_island": r["bytes_sent_per_island"],
@@ -88,10 +108,14 @@ def main() -> None:
         "default_loss_drop": d50["initial_eval_loss"] - d50["final_eval_loss"],
         "diloco_H50_beats_one_island": d50["final_eval_loss"] < one_loss,
         "diloco_H50_reduction_vs_ddp": d50["reduction_vs_ddp"],
+        "diloco_H50_outer_beating_one_island": [
+            f"{lr:g}/{m:g}" for lr, m in ((0.7, 0.9), *OUTER_SWEEP)
+            if results["diloco_H50" if (lr, m) == (0.7, 0.9) else f"diloco_H50_outer_{lr:g}_{m:g}"]["final_eval_loss"]
+            < one_loss],
     }
     table = write_results(
         suite, {"runs": results, "rows": rows, "checks": checks},
-        [("run", "run"), ("strategy", "strategy"), ("K", "islands"), ("H", "H"), ("tokens", "tokens"),
+        [("run", "run"), ("strategy", "strategy"), ("K", "islands"), ("H", "H"), ("outer lr/m", "outer"), ("tokens", "tokens"),
          ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
          ("gap vs 1 island %", "gap_vs_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
          ("reduction vs ddp", "reduction_vs_ddp"), ("sim wall s @100Mb/s", "sim_wall_s"),
