@@ -8,8 +8,9 @@ The atoll side is what the ``local`` runtime does for one island and one inner s
 forward and backward, the non-finite check and gradient clipping, AdamW with decay/no-decay groups, the
 warmup-cosine schedule, ``zero_grad``). The plain side is the loop a PyTorch user writes: forward,
 cross-entropy, backward, ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. Both start from the same
-weights and see the same batch. Rounds alternate (atoll, plain, atoll, plain...) so machine load hits both
-alike; the first round of each is a warm-up and is discarded; each reports the median seconds per step.
+weights, the same batch and the same learning-rate schedule (so their weights agree to round-off, which
+the script checks). Rounds interleave (atoll, plain, plain, atoll, ...: which goes first alternates) so
+machine load hits both alike; the first round of each is a warm-up and is discarded; each reports the median seconds per step.
 Writes ``results.json`` and ``results.md`` into ``--out`` (default ``bench/out/overhead``).
 """
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from atoll.config import build_config
-from atoll.island import next_token_loss
+from atoll.island import cosine_with_warmup, next_token_loss
 from atoll.model import build_model, count_parameters
 from atoll.train import make_island
 
@@ -58,6 +59,9 @@ def main() -> None:
     no_decay = [p for p in plain.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    # the same schedule as the island's, so both loops compute the same maths step for step
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio))
 
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
@@ -71,11 +75,13 @@ def main() -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), config.grad_clip)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
 
     per_step: dict[str, list[float]] = {"atoll": [], "plain": []}
+    sides = (("atoll", atoll_step), ("plain", plain_step))
     for r in range(args.rounds):
-        for name, fn in (("atoll", atoll_step), ("plain", plain_step)):
+        for name, fn in (sides if r % 2 == 0 else sides[::-1]):  # alternate which side goes first
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 fn()
@@ -83,11 +89,15 @@ def main() -> None:
             if r > 0:  # round 0 warms up allocators and kernels
                 per_step[name].append(dt)
     med = {k: statistics.median(v) for k, v in per_step.items()}
+    # both loops took the same steps on the same batch: their weights must agree (float round-off)
+    max_weight_diff = max(float((a.detach() - b.detach()).abs().max())
+                          for a, b in zip(island.model.parameters(), plain.parameters(), strict=True))
     result = {
         "model": args.model, "params": count_parameters(model), "batch_size": args.batch_size,
         "seq_len": args.seq_len, "threads": args.threads, "rounds_kept": args.rounds - 1, "steps_per_round": args.steps,
         "atoll_median_s_per_step": med["atoll"], "plain_median_s_per_step": med["plain"],
         "overhead_pct": 100 * (med["atoll"] - med["plain"]) / med["plain"],
+        "max_weight_diff": max_weight_diff,
         "atoll_rounds_s_per_step": per_step["atoll"], "plain_rounds_s_per_step": per_step["plain"],
         "command": "python bench/overhead.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
@@ -99,7 +109,8 @@ def main() -> None:
         f"| plain PyTorch (forward, backward, clip, AdamW, zero_grad) | {med['plain'] * 1e3:.2f} ms | 0 |",
         f"| atoll Island (the local runtime's inner step) | {med['atoll'] * 1e3:.2f} ms | "
         f"{result['overhead_pct']:+.1f}% |", "",
-        f"Median of {args.rounds - 1} interleaved rounds of {args.steps} steps each (first round discarded). "
+        f"Median of {args.rounds - 1} interleaved rounds of {args.steps} steps each (first round discarded; "
+        f"which side goes first alternates). Largest weight difference after both: {max_weight_diff:.1e}. "
         f"command: {result['command']}", ""])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=2))

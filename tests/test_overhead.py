@@ -19,3 +19,4 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     assert result["rounds_kept"] == 1 and len(result["atoll_rounds_s_per_step"]) == 1
     assert result["atoll_median_s_per_step"] > 0 and result["plain_median_s_per_step"] > 0
     assert "plain PyTorch" in (tmp_path / "results.md").read_text()
+    assert result["max_weight_diff"] < 1e-5  # the same maths on both sides
