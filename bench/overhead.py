@@ -10,7 +10,8 @@ warmup-cosine schedule, ``zero_grad``). The plain side is the loop a PyTorch use
 cross-entropy, backward, ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. Both start from the same
 weights, the same batch and the same learning-rate schedule (so their weights agree to round-off, which
 the script checks). Rounds interleave (atoll, plain, plain, atoll, ...: which goes first alternates) so
-machine load hits both alike; the first round of each is a warm-up and is discarded; each reports the median seconds per step.
+machine load hits both alike; the first round of each is a warm-up and is discarded; each reports the
+median seconds per step.
 Writes ``results.json`` and ``results.md`` into ``--out`` (default ``bench/out/overhead``).
 """
 
