@@ -6,6 +6,9 @@
     torchrun --nproc-per-node 4 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
     atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
     atoll bench wan [--steps 600] [--bandwidths 10,100] [--sync-every 100,200] ...   # as root
+    atoll bench suite [--quick] [--steps 300] [--out bench/out/suite]   # every strategy, one report
+    atoll project --table                     # projection to 1B/12B/100B models (no training)
+    atoll project --params 12e9 --step-compute-s 6 --bandwidth-mbps 2000 [--islands 4] ...
 
 Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (``sync_every`` ->
 ``--sync-every``); ``atoll train --help`` lists them with their documentation. Bad input prints one line,
@@ -74,10 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     p_report.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write [default: report.png]")
 
-    from atoll import wan  # no torch at import: the parser stays fast
+    from atoll import projection, suite, wan  # no torch at import: the parser stays fast
 
-    p_bench = sub.add_parser("bench", help="run a benchmark (wan: ddp vs diloco over emulated links, as root)")
+    p_project = sub.add_parser("project", help="project step time, utilization, bytes and goodput of each "
+                               "strategy to real scale (arithmetic, no training)",
+                               description=projection.__doc__.split("\n\n")[0])
+    projection.add_arguments(p_project)
+
+    p_bench = sub.add_parser("bench", help="run a benchmark: suite (every strategy and codec, one report) or "
+                             "wan (ddp vs diloco over emulated links, as root)",
+                             description="Benchmarks. 'atoll bench suite' (every strategy and the main codecs on "
+                             "the default benchmark at equal tokens, re-timed at 10 Mbit/s to 5 Gbit/s; "
+                             "results.json, results.md, plots); 'atoll bench wan' (real shaped links, root).")
     benches = p_bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    p_suite = benches.add_parser("suite", help="every strategy and the main codecs at equal tokens; one "
+                                 "table and plots, re-timed at 10 Mbit/s, 100 Mbit/s, 1 and 5 Gbit/s",
+                                 description=suite.__doc__.split("\n\n")[0])
+    suite.add_arguments(p_suite)
     p_wan = benches.add_parser("wan", help="ddp vs diloco, collective runtime, each island in a network "
                                "namespace behind tc-shaped links (needs root)",
                                description=wan.__doc__.split("\n\n")[0] + " Needs root; skips (status 0) "
@@ -122,9 +138,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "suite":
+        from atoll.suite import run_suite
+
+        return run_suite(args)
     from atoll.wan import run_benchmark
 
     return run_benchmark(args)
+
+
+def _cmd_project(args: argparse.Namespace) -> int:
+    from atoll.projection import run_cli
+
+    print(run_cli(args))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_report(args)
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "project":
+            return _cmd_project(args)
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,7 @@
-"""Plots of one or several runs side by side: eval loss against tokens and against simulated wall time."""
+"""Plots of one or several runs side by side: held-out loss against tokens, simulated wall time and bytes sent.
+
+    atoll report runs/ddp runs/diloco runs/streaming --out cmp.png
+"""
 
 from __future__ import annotations
 
@@ -22,12 +25,16 @@ def run_label(run_dir: Path) -> str:
         label = f"{s['strategy']} K={s['islands']}"
         if s["strategy"] not in ("ddp", "demo"):
             label += f" H={s['sync_every']}"
+        if s.get("codec", "fp32") != "fp32":
+            label += f" {s['codec']}"
         return label
     return Path(run_dir).name
 
 
 def plot_runs(run_dirs: list[Path], out_png: Path) -> Path:
-    """Draw held-out loss against tokens and against simulated wall time for each run; save a PNG.
+    """Draw held-out loss against tokens, simulated wall time (s) and bytes sent per island; save a PNG.
+
+    Bytes are on a log axis; a run that sent nothing (one island) has no curve there.
 
     Args:
         run_dirs: atoll run folders (each with a ``metrics.jsonl``).
@@ -36,7 +43,7 @@ def plot_runs(run_dirs: list[Path], out_png: Path) -> Path:
     Raises:
         AtollError: a folder without ``metrics.jsonl``.
     """
-    fig, (ax_tok, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_tok, ax_time, ax_bytes) = plt.subplots(1, 3, figsize=(15, 4.2))
     for run in run_dirs:
         path = Path(run) / "metrics.jsonl"
         if not path.is_file():
@@ -45,9 +52,14 @@ def plot_runs(run_dirs: list[Path], out_png: Path) -> Path:
         label = run_label(Path(run))
         ax_tok.plot([e["tokens"] for e in evals], [e["eval_loss"] for e in evals], marker=".", label=label)
         ax_time.plot([e["sim_wall_s"] for e in evals], [e["eval_loss"] for e in evals], marker=".", label=label)
+        sent = [(e.get("bytes_sent_per_island", 0.0), e["eval_loss"]) for e in evals]
+        sent = [(b, v) for b, v in sent if b > 0]
+        ax_bytes.plot([b for b, _ in sent], [v for _, v in sent], marker=".", label=label)
     ax_tok.set_xlabel("training tokens (all islands)")
     ax_time.set_xlabel("simulated wall time (s)")
-    for ax in (ax_tok, ax_time):
+    ax_bytes.set_xlabel("bytes sent per island (log)")
+    ax_bytes.set_xscale("log")
+    for ax in (ax_tok, ax_time, ax_bytes):
         ax.set_ylabel("held-out loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -330,5 +330,9 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
         tmp = out / ".summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, out / "summary.json")
+        trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None
+        if trace is not None:  # local runtime: lets the run be re-timed at other links (network.replay)
+            trace.save(out / "clock_trace.json", link_bandwidth_mbps=config.link_bandwidth_mbps,
+                       link_latency_ms=config.link_latency_ms, sim_wall_s=sim_wall_s)
         plot_runs([out], out / "report.png")
     return summary

@@ -19,21 +19,22 @@ from atoll.errors import CheckpointError
 from atoll.island import Island
 from atoll.runtime.base import Runtime
 from atoll.runtime.comm import Comm, Work, weighted_mean
-from atoll.runtime.network import Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
+from atoll.runtime.network import ClockTrace, Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
 from atoll.strategies.base import Strategy
 
 
 class LocalWork(Work):
     """A simulated collective: its result is known at once, but islands wait for ``done_at`` to use it."""
 
-    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock) -> None:
+    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock, ident: int | None = None) -> None:
         self.result = result
         self.done_at = done_at
         self.clock = clock
+        self.ident = ident  # the collective's id in the clock's trace
 
     def wait(self) -> torch.Tensor:
         for i in range(self.clock.islands):
-            self.clock.wait_until(i, self.done_at)
+            self.clock.wait_until(i, self.done_at, self.ident)
         return self.result
 
     def result_for_checkpoint(self) -> torch.Tensor:
@@ -70,7 +71,7 @@ class LocalComm(Comm):
         else:
             mean, payload = average_encoded(per_island, codec, weights, generators, feedback=feedback, key=key)
         done_at = self.charge_allreduce(payload, blocking=False)
-        return LocalWork(mean, done_at, self.clock)
+        return LocalWork(mean, done_at, self.clock, self.clock.last_collective)
 
     def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
         """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.
@@ -78,17 +79,22 @@ class LocalComm(Comm):
         With ``blocking=False`` the islands go on computing; call ``clock.wait_until`` when the result
         is needed (overlapped communication, Streaming DiLoCo §2.3).
         """
-        self._count(ring_allreduce_bytes(payload_bytes, self.islands))
+        sent = ring_allreduce_bytes(payload_bytes, self.islands)
+        self._count(sent)
         duration = self.link.allreduce_seconds(payload_bytes, self.islands)
-        return self.clock.collective(duration) if blocking else self.clock.start_collective(duration)
+        cost = (sent, 2 * (self.islands - 1)) if self.islands > 1 else (0.0, 0)
+        return (self.clock.collective(duration, cost) if blocking
+                else self.clock.start_collective(duration, cost))
 
     def restore_work(self, result: torch.Tensor, done_at: float) -> LocalWork:
         return LocalWork(result, done_at, self.clock)
 
     def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
         self._check(per_island)
-        self._count(ring_allgather_bytes(payload_bytes, self.islands))
-        self.clock.collective(self.link.allgather_seconds(payload_bytes, self.islands))
+        sent = ring_allgather_bytes(payload_bytes, self.islands)
+        self._count(sent)
+        cost = (sent, self.islands - 1) if self.islands > 1 else (0.0, 0)
+        self.clock.collective(self.link.allgather_seconds(payload_bytes, self.islands), cost)
         return list(per_island)
 
 
@@ -102,7 +108,8 @@ class LocalRuntime(Runtime):
     def __init__(self, config: TrainConfig) -> None:
         self.islands = config.islands
         self.local_islands = list(range(config.islands))
-        self.clock = SimClock(config.islands)
+        # the trace lets a finished run be re-timed at other links (atoll.runtime.network.replay)
+        self.clock = SimClock(config.islands, trace=ClockTrace(config.islands))
         link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
         self.comm = LocalComm(config.islands, link, self.clock)
 

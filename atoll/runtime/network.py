@@ -8,11 +8,20 @@ island sends ``(K-1) * B`` bytes per island in ``K-1`` rounds.
 
 Each island's link is the bottleneck (its upload bandwidth, as for volunteers on home internet or a region
 behind a WAN gateway); links are full duplex.
+
+A run trains once, but its clock can be re-timed at any other link: :class:`ClockTrace` records what the
+clock was asked (each island's compute seconds, each collective's bytes and rounds, who waited for which
+collective), and :func:`replay` runs the same clock again with another :class:`Link`. The training maths
+does not depend on the link, so the replayed wall time is exactly what the run would have measured there
+(overlapped exchanges, e.g. Streaming DiLoCo's, included).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 
 def ring_allreduce_bytes(payload_bytes: float, islands: int) -> float:
@@ -66,6 +75,102 @@ class Link:
 
 
 @dataclass
+class ClockTrace:
+    """The requests a :class:`SimClock` served, in order, so the run can be re-timed at another link.
+
+    ``events`` holds lists:
+    ``["c", [s_0, ..., s_K-1]]``: compute seconds of each island since the previous event;
+    ``["x", bytes_sent, rounds]``: a collective starts (its id is its index among the ``"x"`` events);
+    ``["w", island, id]``: ``island`` waits for collective ``id``.
+
+    Attributes:
+        islands: K.
+        complete: False once the trace misses part of the run (a run resumed from a checkpoint records
+            only what followed the resume): :func:`replay` refuses it.
+    """
+
+    islands: int
+    events: list[list[Any]] = field(default_factory=list)
+    complete: bool = True
+    _pending: list[float] = field(default_factory=list)
+    collectives: int = 0
+
+    def __post_init__(self) -> None:
+        self._pending = [0.0] * self.islands
+
+    def compute(self, island: int, seconds: float) -> None:
+        self._pending[island] += seconds
+
+    def _flush(self) -> None:
+        if any(self._pending):
+            self.events.append(["c", list(self._pending)])
+            self._pending = [0.0] * self.islands
+
+    def collective(self, bytes_sent: float, rounds: int) -> int:
+        """Record the start of a collective; return its id."""
+        self._flush()
+        self.events.append(["x", float(bytes_sent), int(rounds)])
+        self.collectives += 1
+        return self.collectives - 1
+
+    def wait(self, island: int, ident: int) -> None:
+        self._flush()
+        self.events.append(["w", island, ident])
+
+    def to_dict(self) -> dict[str, Any]:
+        self._flush()
+        return {"islands": self.islands, "complete": self.complete, "events": self.events}
+
+    def save(self, path: Path, **meta: Any) -> None:
+        """Write the trace as JSON, with ``meta`` (e.g. the link it ran at) beside it."""
+        Path(path).write_text(json.dumps({**meta, **self.to_dict()}))
+
+
+def load_trace(path: Path) -> dict[str, Any]:
+    """A trace written by :meth:`ClockTrace.save`."""
+    return json.loads(Path(path).read_text())
+
+
+def replay(trace: dict[str, Any], link: Link) -> dict[str, float]:
+    """Re-time a recorded run on ``link``: the same compute and collectives, another bandwidth and latency.
+
+    The clock rules are :class:`SimClock`'s: a collective starts once the last island has arrived at it
+    and the links are free, and lasts ``link.transfer_seconds(bytes_sent, rounds)``; an island that waits
+    for it resumes at its end. Overlapped collectives (started, waited for later) are re-timed as such.
+
+    Args:
+        trace: :meth:`ClockTrace.to_dict` (or :func:`load_trace`) of a run.
+        link: the link to re-time at.
+
+    Returns:
+        ``sim_wall_s`` (seconds), ``compute_s`` (the slowest island's compute seconds),
+        ``compute_utilization`` (compute_s / sim_wall_s) and ``comm_s`` (seconds of collectives in flight).
+
+    Raises:
+        ValueError: an incomplete trace (a resumed run).
+    """
+    if not trace.get("complete", False):
+        raise ValueError("the clock trace misses part of the run (resumed from a checkpoint); cannot re-time it")
+    k = int(trace["islands"])
+    clock = SimClock(k)
+    compute = [0.0] * k
+    ends: list[float] = []
+    for event in trace["events"]:
+        if event[0] == "c":
+            for i, s in enumerate(event[1]):
+                clock.compute(i, s)
+                compute[i] += s
+        elif event[0] == "x":
+            ends.append(clock.start_collective(link.transfer_seconds(event[1], event[2])))
+        else:
+            clock.wait_until(int(event[1]), ends[int(event[2])])
+    compute_s = max(compute)
+    wall = clock.wall_s
+    return {"sim_wall_s": wall, "compute_s": compute_s, "comm_s": clock.comm_busy_s,
+            "compute_utilization": compute_s / wall if wall > 0 else 1.0}
+
+
+@dataclass
 class SimClock:
     """Simulated time of each island, in seconds.
 
@@ -78,6 +183,7 @@ class SimClock:
         island_time: the current simulated time of each island, seconds.
         comm_busy_s: total seconds during which a collective was in flight (for reports).
         blocked_s: per island, seconds spent waiting for collectives or slower islands.
+        trace: records the requests, for :func:`replay` at another link (None: not recorded).
     """
 
     islands: int
@@ -85,6 +191,7 @@ class SimClock:
     comm_busy_s: float = 0.0
     blocked_s: list[float] = field(default_factory=list)
     link_free_at: float = 0.0
+    trace: ClockTrace | None = None
 
     def __post_init__(self) -> None:
         if not self.island_time:
@@ -95,28 +202,45 @@ class SimClock:
     def compute(self, island: int, seconds: float) -> None:
         """Advance ``island``'s clock by ``seconds`` of compute."""
         self.island_time[island] += seconds
+        if self.trace is not None:
+            self.trace.compute(island, seconds)
 
-    def start_collective(self, duration_s: float) -> float:
+    def start_collective(self, duration_s: float, cost: tuple[float, int] | None = None) -> float:
         """Start a collective once the last island arrives and the links are free; return its end time.
 
         Collectives in flight share the links one after another (the next starts when the previous ends).
+        ``cost`` = (bytes each island sends, sequential rounds) is what the trace records; its id is then
+        :attr:`last_collective`.
         """
+        self.last_collective = None if self.trace is None or cost is None else self.trace.collective(*cost)
         start = max(max(self.island_time), self.link_free_at)
         self.comm_busy_s += duration_s
         self.link_free_at = start + duration_s
         return self.link_free_at
 
-    def wait_until(self, island: int, t: float) -> None:
-        """Block ``island`` until simulated time ``t`` (no-op if already later)."""
+    last_collective: int | None = None
+
+    def wait_until(self, island: int, t: float, collective: int | None = None) -> None:
+        """Block ``island`` until simulated time ``t`` (no-op if already later).
+
+        ``collective``: the id of the collective waited for (:attr:`last_collective` at its start), for
+        the trace.
+        """
+        if self.trace is not None:
+            if collective is None:
+                self.trace.complete = False  # a wait the trace cannot attribute: it cannot be replayed
+            else:
+                self.trace.wait(island, collective)
         if t > self.island_time[island]:
             self.blocked_s[island] += t - self.island_time[island]
             self.island_time[island] = t
 
-    def collective(self, duration_s: float) -> float:
+    def collective(self, duration_s: float, cost: tuple[float, int] | None = None) -> float:
         """A blocking collective: every island waits for its completion. Returns the completion time."""
-        end = self.start_collective(duration_s)
+        end = self.start_collective(duration_s, cost)
+        ident = self.last_collective
         for i in range(self.islands):
-            self.wait_until(i, end)
+            self.wait_until(i, end, ident)
         return end
 
     @property
@@ -133,3 +257,5 @@ class SimClock:
         self.comm_busy_s = float(state["comm_busy_s"])
         self.blocked_s = [float(x) for x in state["blocked_s"]]
         self.link_free_at = float(state["link_free_at"])
+        if self.trace is not None:  # what ran before the checkpoint was not recorded by this process
+            self.trace.complete = False

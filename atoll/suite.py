@@ -1,0 +1,310 @@
+"""Every strategy and the main codecs on the default benchmark at equal tokens: one table, one set of plots.
+
+    atoll bench suite                       # tiny model, stdlib corpus, 4 islands, 300 steps: ~35 min on 2 cores
+    atoll bench suite --quick --out /tmp/s  # micro model, 20 steps: well under a minute once data is cached
+
+Runs (:data:`RUNS`, a table: adding a strategy is one entry): one island alone (``ddp --islands 1``, the
+reference), ``ddp``, ``diloco`` H=50 with fp32, bf16, int8 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
+overlap tau=5, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks) and ``decoupled`` (when the config
+accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
+runtime; its clock trace (:class:`atoll.runtime.network.ClockTrace`: measured compute per island, bytes
+and rounds of every collective, who waited for which) is then re-timed at 10 Mbit/s, 100 Mbit/s, 1 Gbit/s
+and 5 Gbit/s by :func:`atoll.runtime.network.replay`, overlapped exchanges included: the link changes
+only the clock, never the training maths.
+
+Writes into ``--out`` (default ``bench/out/suite``): one atoll run folder per run, ``results.json``,
+``results.md`` (a Markdown table: final eval loss and its gap to ddp, bytes per island and the reduction
+against ddp, simulated wall time and compute utilization at each bandwidth, goodput under the standard
+failure trace where the strategy reports one), ``suite.png`` (loss, bytes, utilization and wall time
+against bandwidth) and ``loss_curves.png`` (held-out loss of every run against tokens and simulated time).
+A finished run whose ``config.json`` matches is reused; ``--fresh`` reruns all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from atoll.errors import AtollError, ConfigError
+
+#: link bandwidths every run is re-timed at, Mbit/s
+BANDWIDTHS_MBPS = (10.0, 100.0, 1000.0, 5000.0)
+
+#: the runs, in table order: (name, label, settings). Settings are TrainConfig fields on top of the base; the
+#: label is formatted with the run's final settings (--quick shortens H and P).
+RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("one_island", "one island alone (ddp, K=1)", {"strategy": "ddp", "islands": 1}),
+    ("ddp", "ddp", {"strategy": "ddp"}),
+    ("diloco_fp32", "diloco H={sync_every} fp32", {"strategy": "diloco", "sync_every": 50, "codec": "fp32"}),
+    ("diloco_bf16", "diloco H={sync_every} bf16", {"strategy": "diloco", "sync_every": 50, "codec": "bf16"}),
+    ("diloco_int8", "diloco H={sync_every} int8", {"strategy": "diloco", "sync_every": 50, "codec": "int8"}),
+    ("diloco_int4", "diloco H={sync_every} int4", {"strategy": "diloco", "sync_every": 50, "codec": "int4"}),
+    ("streaming_int4", "streaming H={sync_every} P={fragments} int4 tau={overlap_steps} alpha=0.5",
+     {"strategy": "streaming", "sync_every": 50, "fragments": 4, "overlap_steps": 5, "mixing_alpha": 0.5,
+      "codec": "int4"}),
+    ("demo_topk32", "demo top-k 32", {"strategy": "demo", "demo_topk": 32, "demo_chunk": 64}),
+    ("decoupled", "decoupled H={sync_every} P={fragments} int4", {"strategy": "decoupled", "sync_every": 50, "fragments": 4,
+                                          "codec": "int4"}),
+)
+
+#: The standard failure trace, as fractions of the run: island 1 fails after 40% of the steps and is back
+#: 10% of the steps later; island 2 fails at 70% and is back at 80%. A strategy that reports goodput
+#: under it writes ``goodput`` into its summary; the decoupled strategy's own failure-injection settings
+#: for this trace go into :data:`FAILURE_SETTINGS` when it lands (its config fields are not known here).
+STANDARD_FAILURE_TRACE = ({"island": 1, "at": 0.4, "back": 0.5}, {"island": 2, "at": 0.7, "back": 0.8})
+FAILURE_SETTINGS: dict[str, dict[str, Any]] = {"decoupled": {}}
+
+#: the default benchmark: tiny model, stdlib corpus, 4 islands (TrainConfig defaults), one torch thread
+FULL = {"steps": 300}
+#: --quick: the micro model and a few steps (used by tests)
+QUICK = {"model": "micro", "steps": 20, "seq_len": 32, "batch_size": 4, "eval_batches": 2, "eval_every": 10}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="micro model, 20 steps, H=10, 2 fragments "
+                        "(a smoke run)")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps per island [300; --quick: 20]")
+    parser.add_argument("--out", type=Path, default=Path("bench/out/suite"), help="output folder "
+                        "[default: bench/out/suite]")
+    parser.add_argument("--data", default=None, help="corpus (as atoll train --data) [default: stdlib]")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="tokenizer/token cache (as atoll train)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (as atoll train)")
+    parser.add_argument("--only", default=None, help="comma-separated run names to run (default: all): "
+                        + ", ".join(name for name, _, _ in RUNS))
+    parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring finished ones")
+
+
+def base_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """TrainConfig settings shared by every run of the suite."""
+    base: dict[str, Any] = {"progress": False, "threads": 1, "checkpoint_every": 0,
+                            "link_bandwidth_mbps": 100.0, **(QUICK if args.quick else FULL)}
+    if args.steps is not None:
+        base["steps"] = args.steps
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"steps: must be at least 1 (got {args.steps}); set --steps")
+    for key in ("data", "cache_dir", "vocab_size"):
+        if getattr(args, key) is not None:
+            base[key] = str(getattr(args, key)) if key == "cache_dir" else getattr(args, key)
+    return base
+
+
+def run_settings(base: dict[str, Any], settings: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """One run's settings, plus failure settings for its strategy; --quick: H=10 and 2 fragments (the micro
+    model has 2 layers)."""
+    s = {**base, **settings, **FAILURE_SETTINGS.get(settings["strategy"], {})}
+    if quick and "sync_every" in s:
+        s["sync_every"] = 10
+    if quick and "fragments" in s:
+        s["fragments"] = 2
+    return s
+
+
+def available(settings: dict[str, Any]) -> bool:
+    """Whether this atoll's config accepts the run's strategy (``decoupled`` lands separately)."""
+    from atoll.config import build_config
+
+    try:
+        build_config(overrides={"strategy": settings["strategy"]})
+        return True
+    except ConfigError:
+        return False
+
+
+def _matches(out: Path, settings: dict[str, Any]) -> bool:
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(k) == (str(v) if isinstance(v, Path) else v) for k, v in settings.items())
+
+
+def train_once(out: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """Train ``settings`` into ``out``, or reuse the finished run there if its config matches."""
+    from atoll.config import build_config
+    from atoll.train import train
+
+    if not fresh and (out / "summary.json").is_file() and (out / "clock_trace.json").is_file() \
+            and _matches(out, settings):
+        return json.loads((out / "summary.json").read_text())
+    if out.exists():
+        shutil.rmtree(out)
+    print(f"[suite] {out.name}: {settings}", file=sys.stderr, flush=True)
+    return train(build_config(overrides={**settings, "out": str(out)}))
+
+
+def retime(run_dir: Path, summary: dict[str, Any], bandwidth_mbps: float) -> dict[str, float]:
+    """Simulated wall time and compute utilization of a finished run at ``bandwidth_mbps`` (same latency)."""
+    from atoll.runtime.network import Link, load_trace, replay
+
+    trace = load_trace(run_dir / "clock_trace.json")
+    return replay(trace, Link.from_config(bandwidth_mbps, summary["link_latency_ms"]))
+
+
+def collect(suite_dir: Path, names: list[str], summaries: dict[str, dict[str, Any]],
+            used: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rows of the table from the runs' summaries and re-timed clocks (``used``: each run's settings)."""
+    ddp = summaries.get("ddp")
+    rows = []
+    for name, label, settings in RUNS:
+        if name not in names:
+            continue
+        label = label.format(**used.get(name, settings)) if name in used else label.replace("{", "").replace("}", "")
+        s = summaries.get(name)
+        if s is None:
+            rows.append({"run": name, "label": label, "strategy": settings["strategy"], "available": False})
+            continue
+        row: dict[str, Any] = {
+            "run": name, "label": label, "strategy": s["strategy"], "codec": s["codec"], "islands": s["islands"],
+            "available": True, "steps": s["steps"], "tokens": s["tokens"], "final_eval_loss": s["final_eval_loss"],
+            "gap_vs_ddp_pct": (100 * (s["final_eval_loss"] - ddp["final_eval_loss"]) / ddp["final_eval_loss"]
+                               if ddp else None),
+            "bytes_sent_per_island": s["bytes_sent_per_island"],
+            "reduction_vs_ddp": (ddp["bytes_sent_per_island"] / s["bytes_sent_per_island"]
+                                 if ddp and s["bytes_sent_per_island"] else None),
+            "compute_s": s["compute_s"], "goodput": s.get("goodput"),
+        }
+        for bw in BANDWIDTHS_MBPS:
+            t = retime(suite_dir / name, s, bw)
+            row[f"sim_wall_s@{bw:g}"] = t["sim_wall_s"]
+            row[f"utilization@{bw:g}"] = t["compute_utilization"]
+        rows.append(row)
+    return {"bandwidths_mbps": list(BANDWIDTHS_MBPS), "failure_trace": list(STANDARD_FAILURE_TRACE),
+            "rows": rows, "runs": summaries}
+
+
+def _bw_label(bw: float) -> str:
+    return f"{bw / 1000:g} Gbit/s" if bw >= 1000 else f"{bw:g} Mbit/s"
+
+
+def _cell(v: Any, kind: str) -> str:
+    if v is None:
+        return "-"
+    if kind == "loss":
+        return f"{v:.3f}"
+    if kind == "pct":
+        return f"{v:+.1f}%"
+    if kind == "bytes":
+        from atoll.projection import _bytes
+
+        return _bytes(v)
+    if kind == "x":
+        return f"{v:,.0f}x"
+    if kind == "s":
+        return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+    if kind == "util":
+        return f"{v:.0%}"
+    return str(v)
+
+
+def markdown(results: dict[str, Any], command: str) -> str:
+    """The table of ``results.md``."""
+    bws = results["bandwidths_mbps"]
+    head = ["run", "eval loss", "vs ddp", "bytes/island", "less than ddp"]
+    head += [f"wall s / util @{_bw_label(b)}" for b in bws] + ["goodput (failure trace)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["rows"]:
+        if not r["available"]:
+            lines.append(f"| {r['label']} | not available (strategy '{r['strategy']}' not in this atoll) |"
+                         + " |" * (len(head) - 2))
+            continue
+        cells = [r["label"], _cell(r["final_eval_loss"], "loss"), _cell(r["gap_vs_ddp_pct"], "pct"),
+                 _cell(r["bytes_sent_per_island"], "bytes"), _cell(r["reduction_vs_ddp"], "x")]
+        cells += [f"{_cell(r[f'sim_wall_s@{b:g}'], 's')} / {_cell(r[f'utilization@{b:g}'], 'util')}" for b in bws]
+        cells.append(_cell(r["goodput"], "util") if r["goodput"] is not None else "missing")
+        lines.append("| " + " | ".join(cells) + " |")
+    first = next((r for r in results["rows"] if r["available"]), None)
+    lines += ["", f"Equal tokens: {first['steps']} inner steps per island ({first['tokens']:,} tokens for 4 islands). "
+              "Wall time: the run's clock trace re-timed at each bandwidth (10 ms latency). Goodput: under the "
+              "standard failure trace; only a strategy that survives failures reports it (missing otherwise).",
+              f"command: {command}"] if first else [f"command: {command}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out_png: Path) -> Path:
+    """Four panels: final loss, bytes per island, utilization and wall time against bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["available"]]
+    names = [r["run"] for r in rows]
+    bws = results["bandwidths_mbps"]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    ax[0, 0].barh(names, [r["final_eval_loss"] for r in rows], color="tab:blue")
+    losses = [r["final_eval_loss"] for r in rows]
+    ax[0, 0].set_xlim(min(losses) - 0.1 * (max(losses) - min(losses) + 0.1), max(losses) + 0.05)
+    ax[0, 0].set_xlabel("final held-out loss (nats/token)")
+    ax[0, 0].invert_yaxis()
+    sent = [max(r["bytes_sent_per_island"], 1.0) for r in rows]
+    ax[0, 1].barh(names, sent, color="tab:orange")
+    ax[0, 1].set_xscale("log")
+    ax[0, 1].set_xlabel("bytes sent per island (log)")
+    ax[0, 1].invert_yaxis()
+    for r in rows:
+        ax[1, 0].plot(bws, [r[f"utilization@{b:g}"] for b in bws], marker="o", label=r["run"])
+        ax[1, 1].plot(bws, [r[f"sim_wall_s@{b:g}"] for b in bws], marker="o", label=r["run"])
+    ax[1, 0].set_ylabel("compute utilization")
+    ax[1, 1].set_ylabel("simulated wall time (s)")
+    ax[1, 1].set_yscale("log")
+    for a in (ax[1, 0], ax[1, 1]):
+        a.set_xscale("log")
+        a.set_xlabel("link bandwidth (Mbit/s)")
+        a.grid(alpha=0.3)
+    ax[1, 0].legend(fontsize=7)
+    fig.suptitle("atoll bench suite: equal tokens, 4 islands")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    """``atoll bench suite``: train (or reuse) every run, write results.json, results.md and the plots."""
+    names = [n for n, _, _ in RUNS]
+    if args.only:
+        wanted = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            raise ConfigError(f"only: unknown run '{unknown[0]}'; use some of {', '.join(names)}")
+        names = [n for n in names if n in wanted]
+    base = base_settings(args)
+    suite_dir = Path(args.out)
+    suite_dir.mkdir(parents=True, exist_ok=True)
+    summaries: dict[str, dict[str, Any]] = {}
+    used: dict[str, dict[str, Any]] = {}
+    for name, _, settings in RUNS:
+        if name not in names:
+            continue
+        s = used[name] = run_settings(base, settings, args.quick)
+        if not available(s):
+            print(f"[suite] {name}: not available (strategy '{s['strategy']}' is not in this atoll)", file=sys.stderr)
+            continue
+        summaries[name] = train_once(suite_dir / name, s, args.fresh)
+    if not summaries:
+        raise AtollError("suite: no run was available to run; check --only")
+    command = "atoll bench suite" + (" --quick" if args.quick else "") + (
+        f" --steps {args.steps}" if args.steps else "")
+    results = collect(suite_dir, names, summaries, used)
+    results["command"] = command
+    (suite_dir / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
+    table = markdown(results, command)
+    (suite_dir / "results.md").write_text(table)
+    plot(results, suite_dir / "suite.png")
+    from atoll.report import plot_runs
+
+    plot_runs([suite_dir / n for n in names if n in summaries], suite_dir / "loss_curves.png")
+    print(table)
+    print(f"wrote {suite_dir}/results.json, results.md, suite.png, loss_curves.png")
+    return 0
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return str(v)

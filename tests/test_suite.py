@@ -1,0 +1,86 @@
+"""``atoll bench suite --quick``: every strategy at equal tokens, re-timed at four bandwidths, one report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_atoll
+
+from atoll.suite import BANDWIDTHS_MBPS, RUNS, available
+
+
+@pytest.fixture(scope="module")
+def quick_suite(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path, cache_dir: Path) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("suite")
+    r = run_atoll("bench", "suite", "--quick", "--out", str(out), "--data", str(corpus_file), "--cache-dir",
+                  str(cache_dir), "--vocab-size", "512", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r.stdout
+
+
+def test_quick_suite_writes_its_outputs(quick_suite: tuple[Path, str]) -> None:
+    out, stdout = quick_suite
+    for name in ("results.json", "results.md", "suite.png", "loss_curves.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert "| ddp |" in stdout and "5 Gbit/s" in stdout
+    md = (out / "results.md").read_text()
+    if not available({"strategy": "decoupled"}):
+        assert "not available" in md
+
+
+def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
+    out, _ = quick_suite
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["run"]: r for r in results["rows"]}
+    assert [r["run"] for r in results["rows"]] == [name for name, _, _ in RUNS]
+    ddp, fp32 = rows["ddp"], rows["diloco_fp32"]
+    summary = results["runs"]["ddp"]
+    # equal tokens: every 4-island run saw the same tokens, one island a quarter of them
+    for r in results["rows"]:
+        if r["available"]:
+            assert r["tokens"] == ddp["tokens"] // (4 if r["run"] == "one_island" else 1)
+    assert ddp["gap_vs_ddp_pct"] == 0 and ddp["reduction_vs_ddp"] == 1
+    # diloco fp32 with H=10 sends 10x less than ddp; bf16 halves it; int8 and int4 carry 64-value scales
+    assert fp32["reduction_vs_ddp"] == pytest.approx(10.0)
+    assert rows["diloco_bf16"]["reduction_vs_ddp"] == pytest.approx(20.0)
+    assert rows["diloco_int8"]["reduction_vs_ddp"] == pytest.approx(10 * 32 / 8.5, rel=0.01)
+    assert rows["diloco_int4"]["reduction_vs_ddp"] == pytest.approx(10 * 32 / 4.5, rel=0.01)
+    assert rows["one_island"]["bytes_sent_per_island"] == 0
+    # the clock re-timed at the link the runs trained on (100 Mbit/s) is the run's own clock
+    assert ddp["sim_wall_s@100"] == pytest.approx(summary["sim_wall_s"], rel=1e-9)
+    # blocking collectives: the bandwidth term scales exactly with bits / bandwidth
+    bits = ddp["bytes_sent_per_island"] * 8
+    assert ddp["sim_wall_s@10"] - ddp["sim_wall_s@100"] == pytest.approx(bits / 10e6 - bits / 100e6, rel=1e-6)
+    for r in results["rows"]:
+        if not r["available"]:
+            continue
+        walls = [r[f"sim_wall_s@{b:g}"] for b in BANDWIDTHS_MBPS]
+        utils = [r[f"utilization@{b:g}"] for b in BANDWIDTHS_MBPS]
+        assert walls == sorted(walls, reverse=True), r["run"]
+        assert utils == sorted(utils) and all(0 < u <= 1 for u in utils), r["run"]
+        assert r["goodput"] is None or 0 < r["goodput"] <= 1
+    assert rows["one_island"]["utilization@10"] == pytest.approx(1.0)
+    assert ddp["utilization@10"] < fp32["utilization@10"] < rows["diloco_int4"]["utilization@10"]
+
+
+def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_file: Path, cache_dir: Path) -> None:
+    out, _ = quick_suite
+    r = run_atoll("bench", "suite", "--quick", "--out", str(out), "--data", str(corpus_file), "--cache-dir",
+                  str(cache_dir), "--vocab-size", "512", "--only", "ddp,diloco_int4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[suite] ddp:" not in r.stderr  # nothing trained again
+
+
+@pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps")])
+def test_suite_bad_input_one_line_exit_2(tmp_path: Path, args: list[str], field: str) -> None:
+    r = run_atoll("bench", "suite", "--quick", "--out", str(tmp_path), *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"atoll: error: {field}")
+
+
+def test_bench_help_lists_suite_and_wan() -> None:
+    r = run_atoll("bench", "--help")
+    assert r.returncode == 0 and "suite" in r.stdout and "wan" in r.stdout
