@@ -22,6 +22,15 @@ committed since the version the island started from. The polynomial staleness di
 ``max_staleness`` is dropped, as bounded-staleness async local SGD does (Liu et al. 2024, arXiv:2401.09135,
 keep the delay of pseudo-gradients small). With ``a = 0`` the merge is the plain token-weighted mean.
 
+**Partial merges.** The mean divides by the weights of the pushes that contributed, never by the configured
+count. But a merge of n < K islands is followed by merges of the others, each of whose Δ was taken from
+(about) the same global version: stepping each partial mean in full moves the globals about K/n times as
+far per round as synchronous DiLoCo, and with the outer Nesterov momentum (lr 0.7, momentum 0.9) that
+diverged in our runs (micro model, 4 islands, quorum 2: eval loss 6.23 -> 7.72, against 5.69 with a full
+quorum). So by default (``scale_partial``) the merged Δ̄ is scaled by n/K before the outer step, the
+share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
+full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
+
 Every push is **validated** before it can reach a buffer: island and fragment in range, a float32 tensor of
 the fragment's shape, finite values, tokens > 0, a version the syncer has issued, and a norm at most
 ``norm_bound`` x the running median norm of the fragment's recently accepted pushes (before 3 accepted
@@ -104,6 +113,8 @@ class Syncer:
             ``stale_updates``, not in ``rejected_updates``).
         staleness_exponent: a in the staleness discount ``(1 + s)^(−a)``; 0 disables it.
         norm_bound: reject a push whose L2 norm exceeds this times the running median accepted norm.
+        scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
+            the module docstring); False: every merge steps with the full mean.
 
     Raises:
         ValueError: a quorum outside ``1..islands`` or an index that does not fit ``init``.
@@ -111,7 +122,8 @@ class Syncer:
 
     def __init__(self, init: torch.Tensor, index: list[torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, quorum: int | None = None, grace_factor: float = 1.0,
-                 max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0) -> None:
+                 max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
+                 scale_partial: bool = True) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = index if index is not None else [torch.arange(flat.numel())]
         if sum(int(i.numel()) for i in self.index) != flat.numel():
@@ -124,6 +136,7 @@ class Syncer:
         self.max_staleness = max_staleness
         self.staleness_exponent = staleness_exponent
         self.norm_bound = norm_bound
+        self.scale_partial = scale_partial
         self.numel = flat.numel()
         self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
         self.buffers = [_Buffer() for _ in self.index]
@@ -152,6 +165,10 @@ class Syncer:
     def pull(self, fragment: int) -> tuple[torch.Tensor, int]:
         """(a float32 copy of the newest global fragment, shape (numel_p,); its version)."""
         return self.outer[fragment].params.detach().clone(), self.outer[fragment].version
+
+    def is_pending(self, island: int, fragment: int) -> bool:
+        """Whether a push of ``island`` to ``fragment`` is buffered, not merged yet."""
+        return any(p.island == island for p in self.buffers[fragment].pushes)
 
     def global_params(self) -> torch.Tensor:
         """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
@@ -258,9 +275,12 @@ class Syncer:
         if not kept:
             return 0
         mean = merge_token_weighted([p.delta for p in kept], weights)
+        contributors = len({p.island for p in kept})
+        if self.scale_partial and contributors < self.islands:
+            mean = mean * (contributors / self.islands)
         self.outer[fragment].step(mean)
         self.commits += 1
-        self.quorum_sizes.append(len({p.island for p in kept}))
+        self.quorum_sizes.append(contributors)
         self.staleness += stale
         share = int(self.index[fragment].numel()) / self.numel
         for p in kept:

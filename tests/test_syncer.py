@@ -44,7 +44,7 @@ def test_one_island_full_quorum_lr1_momentum0_is_plain_averaging() -> None:
 
 def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     theta = torch.zeros(10)
-    s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, grace_factor=0.5)
+    s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, grace_factor=0.5, scale_partial=False)
     assert s.quorum == 2  # half of the islands, rounded up
     r = s.push(0, 0, torch.full((10,), -1.0), 10, 0, now=1.0, round_s=4.0)
     assert r.accepted and r.committed == 0 and s.version(0) == 0
@@ -59,6 +59,13 @@ def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     assert s.push(2, 0, torch.full((10,), -3.0), 20, 1, now=6.0).committed == 1
     torch.testing.assert_close(s.global_params(), torch.full((10,), 1.0 + (10 + 20 + 60) / 40))
     assert s.quorum_sizes == [1, 2] and s.next_deadline() is None
+
+
+def test_partial_merge_is_scaled_by_the_share_of_islands() -> None:
+    s = Syncer(torch.zeros(6), None, islands=4, outer_lr=1.0, outer_momentum=0.0, quorum=2)
+    s.push(0, 0, torch.full((6,), -1.0), 10, 0)
+    s.push(1, 0, torch.full((6,), -3.0), 30, 0)  # token-weighted mean -2.5, spoken for 2 of 4 islands
+    torch.testing.assert_close(s.global_params(), torch.full((6,), 2.5 * 2 / 4))
 
 
 def test_staleness_discount_and_max_staleness() -> None:
