@@ -14,6 +14,7 @@ everyone until the island is back, and the work since the last checkpoint is red
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -78,8 +79,8 @@ class FailureTrace:
 
 
 def synchronous_under_failures(trace: FailureTrace | None, steps: int, sync_every: int, step_s: list[float],
-                               sync_s: float, tokens_per_step: int, checkpoint_rounds: int = 1
-                               ) -> dict[str, float | list[float]]:
+                               sync_s: float, tokens_per_step: int, checkpoint_rounds: int = 1,
+                               give_up_factor: float = 100.0) -> dict[str, float | bool | list[float]]:
     """Replay synchronous DiLoCo under ``trace`` on the simulated clock.
 
     A round is ``H`` inner steps on every island (the slowest island sets its length,
@@ -96,17 +97,23 @@ def synchronous_under_failures(trace: FailureTrace | None, steps: int, sync_ever
         sync_s: seconds of one outer all-reduce.
         tokens_per_step: tokens one island trains on per inner step.
         checkpoint_rounds: committed rounds between two checkpoints.
+        give_up_factor: stop once the wall time exceeds this multiple of the failure-free wall time (when
+            failures are frequent against a round, a synchronous job almost never commits a round).
 
     Returns:
         ``wall_s``; ``goodput`` (useful tokens per simulated second over the failure-free compute rate
         ``Σ_i tokens_per_step / step_s_i``, see :func:`atoll.strategies.decoupled.train_decoupled`);
         ``island_utilization`` (compute seconds of the useful steps over ``wall_s``, per island);
-        ``redone_s`` (seconds of rounds lost to failures); ``stopped_s`` (seconds everyone waited).
+        ``redone_s`` (seconds of rounds lost to failures); ``stopped_s`` (seconds everyone waited);
+        ``steps_done`` (committed inner steps per island); ``gave_up`` (stopped at ``give_up_factor``:
+        goodput and utilization are then those of the steps committed until then).
     """
     islands = len(step_s)
     t, done, ckpt = 0.0, 0, 0
     redone_s = stopped_s = 0.0
-    while done < steps:
+    rounds = math.ceil(steps / sync_every)
+    limit = give_up_factor * (steps * max(step_s) + rounds * sync_s)
+    while done < steps and t < limit:
         h = min(sync_every, steps - done)
         end = t + h * max(step_s) + sync_s
         hits = [trace.next_outage(i, t) for i in range(islands)] if trace is not None else []
@@ -124,7 +131,7 @@ def synchronous_under_failures(trace: FailureTrace | None, steps: int, sync_ever
         stopped_s += back - max(down, t)
         t = back
     ideal_rate = sum(tokens_per_step / s for s in step_s)
-    useful = islands * steps * tokens_per_step
+    useful = islands * done * tokens_per_step
     return {"wall_s": t, "goodput": useful / t / ideal_rate if t > 0 else 1.0,
-            "island_utilization": [steps * s / t if t > 0 else 1.0 for s in step_s],
-            "redone_s": redone_s, "stopped_s": stopped_s}
+            "island_utilization": [done * s / t if t > 0 else 1.0 for s in step_s],
+            "redone_s": redone_s, "stopped_s": stopped_s, "steps_done": done, "gave_up": done < steps}
