@@ -192,6 +192,12 @@ class TrainConfig(BaseModel):
         description="ray runtime: address of a running Ray cluster to join (ray start --head prints it); "
         "default: start a local Ray.",
     )
+    ray_cpus_per_island: float = Field(
+        1.0, gt=0, description="ray runtime: CPUs Ray reserves for each island actor (its placement resource)."
+    )
+    ray_gpus_per_island: float = Field(
+        0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
+    )
 
     # --- simulated network ---------------------------------------------------------------------------
     link_bandwidth_mbps: float = Field(
