@@ -117,3 +117,13 @@ def test_decoupled_only_flags_and_resume_are_refused(fast_config: dict) -> None:
     config = build_config(overrides=_decoupled(fast_config))
     with pytest.raises(ConfigError, match="resume: a decoupled run cannot be resumed"):
         train(config, resume=True)
+
+
+def test_ray_is_imported_only_for_the_ray_runtime() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, atoll.cli, atoll.train, atoll.strategies.decoupled, atoll.syncer; "
+            "from atoll.cli import build_parser; build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
