@@ -189,16 +189,17 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         RunFailed: (collective launcher) a rank failed; carries its exit status.
     """
     if config.strategy == "decoupled":  # its own event loop: islands on their own clocks, a syncer
-        if resume:
-            raise ConfigError("resume: a decoupled run cannot be resumed yet (its syncer state is saved under "
-                              "<out>/syncer, its islands' are not); start a new run with --init-from RUN_DIR")
         if config.runtime == "ray":
+            if resume:
+                raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is "
+                                  "saved, under <out>/syncer); resume under --runtime local, or start a new run "
+                                  "with --init-from RUN_DIR")
             from atoll.runtime.ray import train_ray  # Ray is imported only here
 
             return train_ray(config)
         from atoll.strategies.decoupled import train_decoupled
 
-        return train_decoupled(config)
+        return train_decoupled(config, resume)
     if config.runtime == "collective":
         from atoll.runtime import collective
 

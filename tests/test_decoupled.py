@@ -109,13 +109,52 @@ def test_bad_decoupled_flags_exit_2_with_one_line(flags: list[str], message: str
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
 
 
-def test_decoupled_only_flags_and_resume_are_refused(fast_config: dict) -> None:
+def test_decoupled_only_flags_are_refused() -> None:
     with pytest.raises(ConfigError, match="chaos: only the decoupled strategy uses it"):
         build_config(overrides={"chaos": "9:1"})
     with pytest.raises(ConfigError, match="runtime: ray runs only the decoupled strategy"):
         build_config(overrides={"runtime": "ray"})
-    config = build_config(overrides=_decoupled(fast_config))
-    with pytest.raises(ConfigError, match="resume: a decoupled run cannot be resumed"):
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch) -> None:
+    import atoll.strategies.decoupled as dc
+    from atoll.config import load_run_config
+    from atoll.metrics import read_metrics
+
+    # chaos and speeds: islands are down, pushes in flight and buffers open at the checkpoint
+    base = _decoupled(fast_config, chaos="0.6:0.2", island_speeds="1,1,0.5,0.25", checkpoint_every=6,
+                      codec="int4", codec_rounding="stochastic", error_feedback=True)
+    full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
+    real_save = dc.save_checkpoint
+
+    def save_then_crash(out, step, *args, **kwargs):
+        path = real_save(out, step, *args, **kwargs)
+        if step == 12:
+            raise _Crash()
+        return path
+
+    monkeypatch.setattr(dc, "save_checkpoint", save_then_crash)
+    with pytest.raises(_Crash):
+        train(build_config(overrides={**base, "out": str(tmp_path / "resumed")}))
+    monkeypatch.setattr(dc, "save_checkpoint", real_save)
+    resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
+    for key in ("final_eval_loss", "steps_per_island", "failures", "rejoin_s", "commits", "staleness_counts",
+                "sim_wall_s", "goodput", "bytes_sent_by_island", "rejected_updates"):
+        assert resumed[key] == full[key], key
+    evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
+    assert evals == [0, 8, 16], "the log of a resumed run reads as one run"
+    # a finished run continues with a larger budget
+    longer = train(load_run_config(tmp_path / "full", {"steps": 20}), resume=True)
+    assert sum(longer["steps_per_island"]) == 4 * 20
+
+
+def test_ray_decoupled_resume_is_refused(fast_config: dict) -> None:
+    config = build_config(overrides=_decoupled(fast_config, runtime="ray"))
+    with pytest.raises(ConfigError, match="resume: a decoupled run on Ray cannot be resumed"):
         train(config, resume=True)
 
 

@@ -42,9 +42,12 @@ Metrics in ``summary.json`` (besides the usual ones):
   ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens``,
   ``steps_per_island``.
 
-Checkpoints: the syncer saves itself atomically (``<out>/syncer/checkpoints/``) every ``checkpoint_every``
-mean inner steps and at the end, and the final global model is written as for every strategy (usable by
-``--init-from``). ``--resume`` of a decoupled run is not supported (a one-line error).
+Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
+and at the end, written atomically: ``<out>/checkpoints/step_N/`` holds the global model (as for every
+strategy, usable by ``--init-from``) and everything needed to continue exactly (the syncer, every island's
+weights, inner optimizer, schedule, fragment bases and codec state, the clocks and the pending events);
+``<out>/syncer/`` holds the syncer's state alone. ``--resume`` continues such a run exactly as if it had
+not stopped (a longer ``--steps`` continues from the end of a finished run).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +70,10 @@ from atoll.algorithms.codecs import average_encoded
 from atoll.algorithms.fragments import fragment_flat_indices, fragments_due
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.chaos import FailureTrace
+from atoll.checkpoint import new_run_dir, save_checkpoint
 from atoll.config import TrainConfig
 from atoll.data import PreparedData, default_cache_dir, eval_batches, prepare_data, sample_batch
+from atoll.errors import CheckpointError
 from atoll.island import Island, copy_flat_into, cosine_with_warmup
 from atoll.metrics import MetricsLog
 from atoll.model import build_model, count_parameters, param_bytes
@@ -223,6 +228,20 @@ class IslandWorker:
         self.tokens_since = [0] * self.fragments
         return lost
 
+    def state_dict(self) -> dict[str, Any]:
+        """The island (weights, inner optimizer, schedule) and its exchange state, for checkpoints."""
+        return {"island": self.island.state_dict(), "base": [b.clone() for b in self.base],
+                "base_version": list(self.base_version), "tokens_since": list(self.tokens_since),
+                "steps": self.steps, "round_step": self.round_step, "wire": self.wire.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.island.load_state_dict(state["island"])
+        self.base = [b.clone() for b in state["base"]]
+        self.base_version = [int(v) for v in state["base_version"]]
+        self.tokens_since = [int(t) for t in state["tokens_since"]]
+        self.steps, self.round_step = int(state["steps"]), int(state["round_step"])
+        self.wire.load_state_dict(state["wire"])
+
     def rejoin(self, global_flat: torch.Tensor, versions: list[int]) -> None:
         """Restart from the syncer's newest global parameters with a fresh inner optimizer state."""
         self.island.set_flat_params(global_flat)
@@ -234,18 +253,69 @@ class IslandWorker:
         self.round_step = 0
 
 
-def train_decoupled(config: TrainConfig) -> dict[str, Any]:
+@dataclass
+class _Sim:
+    """The event loop's state in the local runtime: clocks, counters, and the pending events."""
+
+    clock: list[float]                      # each island's simulated time, seconds
+    compute: list[float]                    # simulated compute seconds (lost work included)
+    pulled_at: list[list[float]]            # per island and fragment: time of the last pull
+    bytes_sent: list[float]
+    failures: list[int]
+    failed_at: list[float | None]
+    rejoins: list[int]
+    last_loss: list[float]
+    rejoin_s: list[float] = field(default_factory=list)
+    lost_tokens: float = 0.0
+    started: int = 0                        # inner steps begun (the budget counts these)
+    done: int = 0                           # inner steps finished
+    queue: list[tuple[float, int, int, str, int]] = field(default_factory=list)  # (time, island, seq, action, fragment)
+    in_flight: dict[int, tuple[torch.Tensor, int, int]] = field(default_factory=dict)  # island -> (Δ, tokens, base version)
+    seq: int = 0
+    initial_eval_loss: float = float("nan")
+    eval_loss: float = float("nan")
+
+    @classmethod
+    def new(cls, islands: int, fragments: int) -> _Sim:
+        return cls([0.0] * islands, [0.0] * islands, [[0.0] * fragments for _ in range(islands)], [0.0] * islands,
+                   [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["queue"] = [list(e) for e in self.queue]
+        state["in_flight"] = [[i, *v] for i, v in self.in_flight.items()]
+        state["failed_at"] = [-1.0 if t is None else t for t in self.failed_at]
+        return copy.deepcopy(state)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Sim:
+        state = dict(state)
+        state["queue"] = [(float(t), int(i), int(n), str(a), int(p)) for t, i, n, a, p in state["queue"]]
+        state["in_flight"] = {int(i): (d, int(t), int(v)) for i, d, t, v in state["in_flight"]}
+        state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
+        return cls(**state)
+
+
+def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run a ``decoupled`` job in the ``local`` runtime (discrete-event simulation); return its summary.
 
     See the module docstring for the event model and the metrics. Writes the usual run folder: metrics.jsonl,
     summary.json, report.png, config.json, checkpoints/ (the final global model) and syncer/ (its state).
     """
-    from atoll.checkpoint import new_run_dir, save_checkpoint
     from atoll.report import plot_runs
     from atoll.train import evaluate
 
     t0 = time.perf_counter()
-    out = new_run_dir(config.out, config.strategy)
+    state: dict[str, Any] | None = None
+    if resume:
+        from atoll.train import load_latest_state
+
+        out = Path(config.out)  # type: ignore[arg-type]
+        start_step, state = load_latest_state(out)
+        if "sim" not in state:
+            raise CheckpointError(f"resume: the checkpoint of '{out}' holds no decoupled run state; start a new run")
+    else:
+        out = new_run_dir(config.out, config.strategy)
     job = prepare_job(config)
     K, speeds = config.islands, config.speeds
     syncer = make_syncer(config, job)
@@ -255,145 +325,157 @@ def train_decoupled(config: TrainConfig) -> dict[str, Any]:
     frag_bytes = [int(idx.numel()) * 4 for idx in job.index]
     budget = K * config.steps
     tps = config.tokens_per_step
+    if state is not None:
+        try:
+            syncer.load_state_dict(state["syncer"])
+            for w, s in zip(workers, state["islands"], strict=True):
+                w.load_state_dict(s)
+            st = _Sim.from_state(state["sim"])
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"resume: the checkpoint of '{out}' does not fit this run ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160]}); start a new run") from None
+        log = MetricsLog(out / "metrics.jsonl", truncate_after_step=start_step)
+    else:
+        st = _Sim.new(K, syncer.fragments)
+        log = MetricsLog(out / "metrics.jsonl")
+        st.initial_eval_loss = st.eval_loss = evaluate(job.model, job.val)
+        log.log("start", step=0, params=count_parameters(job.model), config=config.model_dump(mode="json"),
+                train_tokens=job.data.num_train_tokens, val_tokens=job.data.num_val_tokens,
+                tokenizer_from_cache=job.data.tokenizer_from_cache)
+        log.log("eval", step=0, tokens=0, eval_loss=st.eval_loss, perplexity=math.exp(st.eval_loss),
+                sim_wall_s=0.0, bytes_sent_per_island=0.0)
     (out / "config.json").write_text(config.model_dump_json(indent=2))
-    log = MetricsLog(out / "metrics.jsonl")
-    initial_eval_loss = eval_loss = evaluate(job.model, job.val)
-    log.log("start", step=0, params=count_parameters(job.model), config=config.model_dump(mode="json"),
-            train_tokens=job.data.num_train_tokens, val_tokens=job.data.num_val_tokens,
-            tokenizer_from_cache=job.data.tokenizer_from_cache)
-    log.log("eval", step=0, tokens=0, eval_loss=eval_loss, perplexity=math.exp(eval_loss), sim_wall_s=0.0,
-            bytes_sent_per_island=0.0)
-
-    clock = [0.0] * K           # each island's simulated time, seconds
-    compute = [0.0] * K         # simulated compute seconds (lost work included)
-    pulled_at = [[0.0] * syncer.fragments for _ in range(K)]
-    bytes_sent = [0.0] * K
-    failures = [0] * K
-    failed_at: list[float | None] = [None] * K
-    rejoin_s: list[float] = []
-    rejoins = [0] * K
-    lost_tokens = 0.0
-    started = done = 0
-    last_loss = [float("nan")] * K
-    queue: list[tuple[float, int, int, str, int]] = []  # (time, island, seq, action, fragment)
-    in_flight: dict[int, tuple[torch.Tensor, int, int]] = {}  # island -> (Δ, tokens, base version) being pushed
-    seq = 0
 
     def schedule(i: int, at: float, action: str, p: int = -1) -> None:
-        nonlocal seq
-        heapq.heappush(queue, (at, i, seq, action, p))
-        seq += 1
+        heapq.heappush(st.queue, (at, i, st.seq, action, p))
+        st.seq += 1
 
     def next_step(i: int) -> None:
         """Start island i's next inner step at its clock, or its failure if an outage interrupts it."""
-        nonlocal started
-        if started >= budget:
+        if st.started >= budget:
             return  # the budget is spent: the island stops
-        t, dur = clock[i], config.sim_step_s / speeds[i]
+        t, dur = st.clock[i], config.sim_step_s / speeds[i]
         if trace is not None:
             down, up = trace.next_outage(i, t)
             if down < t + dur:
                 schedule(i, max(down, t), "fail")
                 return
-        started += 1
+        st.started += 1
         schedule(i, t + dur, "step")
 
     def global_model_now() -> PreTrainedModel:
         copy_flat_into(list(job.model.parameters()), syncer.global_params())
         return job.model
 
-    for i in range(K):
-        next_step(i)
-    while queue:
-        t, i, _, action, p = queue[0]
+    def checkpoint(step: int) -> None:
+        """Everything to continue exactly: syncer, islands, clocks and pending events (atomic)."""
+        job_state = {"strategy": "decoupled", "syncer": syncer.state_dict(),
+                     "islands": [w.state_dict() for w in workers], "sim": st.state_dict(),
+                     "data_fingerprint": job.data.fingerprint}
+        path = save_checkpoint(out, step, job_state, model=global_model_now(), tokenizer=job.tokenizer)
+        log.log("checkpoint", step=step, path=str(path))
+
+    if state is None:
+        for i in range(K):
+            next_step(i)
+    else:  # islands idle at the checkpoint (the end of a shorter run) go on, if the budget grew
+        busy = {e[1] for e in st.queue}
+        for i in range(K):
+            if i in busy:
+                continue
+            if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]:  # down: rejoin after the outage
+                schedule(i, trace.next_outage(i, st.failed_at[i])[1], "rejoin")  # type: ignore[union-attr, arg-type]
+            else:
+                next_step(i)
+    while st.queue:
+        t, i, _, action, p = st.queue[0]
         deadline = syncer.next_deadline()
         if deadline is not None and deadline[0] <= t:
             syncer.poll(deadline[0])
             continue
-        heapq.heappop(queue)
+        heapq.heappop(st.queue)
         w = workers[i]
         if action == "step":
-            last_loss[i] = w.train_step()
+            st.last_loss[i] = w.train_step()
             dur = config.sim_step_s / speeds[i]
-            clock[i], compute[i] = t, compute[i] + dur
-            done += 1
+            st.clock[i], st.compute[i] = t, st.compute[i] + dur
+            st.done += 1
             due = w.due()
             if due:  # at most one fragment is due per step
                 delta, tokens, base_version, nbytes = w.make_push(due[0])
-                bytes_sent[i] += nbytes
-                in_flight[i] = (delta, tokens, base_version)
+                st.bytes_sent[i] += nbytes
+                st.in_flight[i] = (delta, tokens, base_version)
                 schedule(i, t + link.transfer_seconds(nbytes, 1), "push", due[0])
             else:
                 next_step(i)
-            mean_steps = done / K
-            if done % (K * LOG_EVERY) == 0:
-                log.log("train", step=done // K, tokens=done * tps, loss=sum(last_loss) / K,
-                        bytes_sent_per_island=sum(bytes_sent) / K, sim_wall_s=max(clock),
+            mean_steps = st.done / K
+            if st.done % (K * LOG_EVERY) == 0:
+                log.log("train", step=st.done // K, tokens=st.done * tps, loss=sum(st.last_loss) / K,
+                        bytes_sent_per_island=sum(st.bytes_sent) / K, sim_wall_s=max(st.clock),
                         lr=w.island.scheduler.get_last_lr()[0])
-            if done % (K * config.eval_every) == 0 and done < budget:
-                eval_loss = evaluate(global_model_now(), job.val)
-                log.log("eval", step=int(mean_steps), tokens=done * tps, eval_loss=eval_loss,
-                        perplexity=math.exp(eval_loss), sim_wall_s=max(clock),
-                        bytes_sent_per_island=sum(bytes_sent) / K)
-            if config.checkpoint_every and done % (K * config.checkpoint_every) == 0:
+            if st.done % (K * config.eval_every) == 0 and st.done < budget:
+                st.eval_loss = evaluate(global_model_now(), job.val)
+                log.log("eval", step=int(mean_steps), tokens=st.done * tps, eval_loss=st.eval_loss,
+                        perplexity=math.exp(st.eval_loss), sim_wall_s=max(st.clock),
+                        bytes_sent_per_island=sum(st.bytes_sent) / K)
+            if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < budget:
                 syncer.save(out / "syncer")
+                checkpoint(st.done // K)
         elif action == "push":
-            delta, tokens, base_version = in_flight.pop(i)
-            syncer.push(i, p, delta, tokens, base_version, now=t, round_s=t - pulled_at[i][p])
+            delta, tokens, base_version = st.in_flight.pop(i)
+            syncer.push(i, p, delta, tokens, base_version, now=t, round_s=t - st.pulled_at[i][p])
             params, version = syncer.pull(p)  # the newest global fragment at the push's arrival
             w.adopt(p, params, version, pending=syncer.is_pending(i, p))
-            clock[i] = t + link.transfer_seconds(frag_bytes[p], 1)
-            pulled_at[i][p] = clock[i]
+            st.clock[i] = t + link.transfer_seconds(frag_bytes[p], 1)
+            st.pulled_at[i][p] = st.clock[i]
             next_step(i)
         elif action == "fail":
-            failures[i] += 1
-            failed_at[i] = t
-            lost_tokens += w.lose_work()
+            st.failures[i] += 1
+            st.failed_at[i] = t
+            st.lost_tokens += w.lose_work()
             _, up = trace.next_outage(i, t)  # type: ignore[union-attr]
-            clock[i] = t
+            st.clock[i] = t
             schedule(i, up, "rejoin")
         elif action == "rejoin":
-            if started >= budget:
+            if st.started >= budget:
                 continue  # the run is over: the island stays down
             w.rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
-            clock[i] = t + link.transfer_seconds(sum(frag_bytes), 1)
-            pulled_at[i] = [clock[i]] * syncer.fragments
-            rejoin_s.append(clock[i] - failed_at[i])  # type: ignore[operator]
-            rejoins[i] += 1
+            st.clock[i] = t + link.transfer_seconds(sum(frag_bytes), 1)
+            st.pulled_at[i] = [st.clock[i]] * syncer.fragments
+            st.rejoin_s.append(st.clock[i] - st.failed_at[i])  # type: ignore[operator]
+            st.rejoins[i] += 1
             next_step(i)
 
     # --- the end: every live island pushes what it has not pushed, the syncer merges every buffer --------
-    alive = [i for i in range(K) if failed_at[i] is None or clock[i] > failed_at[i]]
-    for i in sorted(alive, key=lambda j: (clock[j], j)):
+    alive = [i for i in range(K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i]]
+    for i in sorted(alive, key=lambda j: (st.clock[j], j)):
         w = workers[i]
         for p in range(syncer.fragments):
             if w.tokens_since[p] > 0:
                 delta, tokens, base_version, nbytes = w.make_push(p)
-                bytes_sent[i] += nbytes
-                clock[i] += link.transfer_seconds(nbytes, 1)
-                syncer.push(i, p, delta, tokens, base_version, now=clock[i], round_s=clock[i] - pulled_at[i][p])
+                st.bytes_sent[i] += nbytes
+                st.clock[i] += link.transfer_seconds(nbytes, 1)
+                syncer.push(i, p, delta, tokens, base_version, now=st.clock[i], round_s=st.clock[i] - st.pulled_at[i][p])
     syncer.flush()
-    sim_wall_s = max([clock[i] for i in alive] or [max(clock)])
-    eval_loss = evaluate(global_model_now(), job.val)
-    log.log("eval", step=config.steps, tokens=done * tps, eval_loss=eval_loss, perplexity=math.exp(eval_loss),
-            sim_wall_s=sim_wall_s, bytes_sent_per_island=sum(bytes_sent) / K)
+    sim_wall_s = max([st.clock[i] for i in alive] or [max(st.clock)])
+    st.eval_loss = evaluate(global_model_now(), job.val)
+    log.log("eval", step=config.steps, tokens=st.done * tps, eval_loss=st.eval_loss, perplexity=math.exp(st.eval_loss),
+            sim_wall_s=sim_wall_s, bytes_sent_per_island=sum(st.bytes_sent) / K)
     syncer.save(out / "syncer")
-    ckpt = save_checkpoint(out, config.steps, {"strategy": "decoupled", "syncer": syncer.state_dict()},
-                           model=job.model, tokenizer=job.tokenizer)
-    log.log("checkpoint", step=config.steps, path=str(ckpt))
+    checkpoint(config.steps)
 
     ideal_rate = sum(tps * s / config.sim_step_s for s in speeds)
     stats = syncer.stats()
     n_params = count_parameters(job.model)
     ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(job.model), K)
-    mean_bytes = sum(bytes_sent) / K
+    mean_bytes = sum(st.bytes_sent) / K
     wall_s = time.perf_counter() - t0
     summary: dict[str, Any] = {
         "strategy": config.strategy, "runtime": config.runtime, "islands": K, "sync_every": config.sync_every,
         "steps": config.steps, "model": config.model, "params": n_params, "data": config.data,
-        "partition": config.partition, "seed": config.seed, "tokens": done * tps,
-        "initial_eval_loss": initial_eval_loss, "final_eval_loss": eval_loss, "final_perplexity": math.exp(eval_loss),
-        "bytes_sent_per_island": mean_bytes, "bytes_sent_by_island": bytes_sent, "ddp_bytes_per_island": ddp_bytes,
+        "partition": config.partition, "seed": config.seed, "tokens": st.done * tps,
+        "initial_eval_loss": st.initial_eval_loss, "final_eval_loss": st.eval_loss, "final_perplexity": math.exp(st.eval_loss),
+        "bytes_sent_per_island": mean_bytes, "bytes_sent_by_island": st.bytes_sent, "ddp_bytes_per_island": ddp_bytes,
         "reduction_vs_ddp": ddp_bytes / mean_bytes if mean_bytes else None, "codec": config.codec,
         "fragments": config.fragments, "overlap_steps": 0, "exchanges": stats["accepted_updates"],
         "peak_bytes_per_exchange": float(max(frag_bytes)) if config.codec == "fp32" else None,
@@ -401,14 +483,14 @@ def train_decoupled(config: TrainConfig) -> dict[str, Any]:
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
         "island_speeds": speeds, "sim_step_s": config.sim_step_s, "chaos": config.chaos,
         "steps_per_island": [w.steps for w in workers],
-        "useful_tokens": syncer.merged_tokens, "lost_tokens": lost_tokens,
+        "useful_tokens": syncer.merged_tokens, "lost_tokens": st.lost_tokens,
         "goodput": syncer.merged_tokens / sim_wall_s / ideal_rate if sim_wall_s > 0 else 1.0,
-        "island_utilization": [c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in compute],
-        "failures": failures, "rejoins": rejoins, "rejoin_s": rejoin_s,
+        "island_utilization": [c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
+        "failures": st.failures, "rejoins": st.rejoins, "rejoin_s": st.rejoin_s,
         "down_at_end": [i for i in range(K) if i not in alive],
         "measured_compute_s": [w.island.compute_s for w in workers],
-        "compute_s": max(compute), "sim_wall_s": sim_wall_s,
-        "compute_utilization": max(compute) / sim_wall_s if sim_wall_s > 0 else 1.0,
+        "compute_s": max(st.compute), "sim_wall_s": sim_wall_s,
+        "compute_utilization": max(st.compute) / sim_wall_s if sim_wall_s > 0 else 1.0,
         "wall_s": wall_s, "init_from": str(config.init_from) if config.init_from else None, "out": str(out),
     }
     log.log("end", step=config.steps, **summary)
