@@ -34,12 +34,13 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 240
-        while _latest_commits(out) < 2:  # the syncer has committed: the islands are training
+        pid_file = out / "ray" / "island_1.pid"
+        while _latest_commits(out) < 2 or not pid_file.is_file():  # both islands up, the syncer committing
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "no commit within 240 s"
             time.sleep(0.2)
         committed_before = _latest_commits(out)
-        pid = int((out / "ray" / "island_1.pid").read_text())
+        pid = int(pid_file.read_text())
         os.kill(pid, signal.SIGKILL)
         output, _ = proc.communicate(timeout=300)
     except BaseException:

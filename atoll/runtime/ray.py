@@ -134,13 +134,17 @@ class IslandService:
         self.index = index
         self.syncer = syncer
         job = prepare_job(config)
-        self.worker = IslandWorker(index, job, expected_steps(config)[index])
+        # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
+        device = "cuda" if config.ray_gpus_per_island > 0 and torch.cuda.is_available() else "cpu"
+        self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
         flat, versions, steps = ray.get(syncer.join.remote(index))
         self.worker.rejoin(flat, versions)
         self.worker.steps = steps
         pid_dir = Path(out) / "ray"
         pid_dir.mkdir(parents=True, exist_ok=True)
-        (pid_dir / f"island_{index}.pid").write_text(str(os.getpid()))
+        tmp = pid_dir / f".island_{index}.pid.tmp"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, pid_dir / f"island_{index}.pid")  # readers never see a half-written file
         self.compute_s = 0.0
         self.bytes_sent = 0.0
         self.last_loss = float("nan")

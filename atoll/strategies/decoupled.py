@@ -139,6 +139,7 @@ class IslandWorker:
         index: the island's index.
         job: the shared job (its model is copied).
         total_steps: the island's expected inner steps (sets its learning-rate schedule).
+        device: where the island's replica and inner optimizer live (exchanged tensors are float32 on the CPU).
 
     Attributes:
         base, base_version: per fragment, the global fragment (float32, (numel_p,)) the island last pulled,
@@ -148,14 +149,14 @@ class IslandWorker:
         round_step: inner steps since the island last (re)joined; drives the fragment schedule.
     """
 
-    def __init__(self, index: int, job: Job, total_steps: int) -> None:
+    def __init__(self, index: int, job: Job, total_steps: int, device: torch.device | str = "cpu") -> None:
         from atoll.train import make_island
 
         config = job.config
         self.config = config
         self.index = index
         self.job = job
-        self.island: Island = make_island(index, copy.deepcopy(job.model), config, None)
+        self.island: Island = make_island(index, copy.deepcopy(job.model).to(device), config, None)
         self.island.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.island.optimizer,
             cosine_with_warmup(min(config.warmup_steps, total_steps // 10), total_steps, config.min_lr_ratio))
