@@ -63,7 +63,8 @@ class TrainConfig(BaseModel):
         60.0, gt=0,
         description="collective: deadline in seconds of every collective and of joining the process groups; "
         "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
-        "hung one at this deadline. The run then stops with status 3 and can be resumed.",
+        "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
+        "driver waits for the other islands once one has finished.",
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(

@@ -19,7 +19,9 @@ round time) on the next call it receives; it checkpoints itself atomically after
 Failures: island actors are created with ``max_restarts``; a killed island process (SIGKILL, a lost node)
 is restarted by Ray, pulls the newest global parameters from the syncer, and rejoins with a fresh inner
 optimizer; its un-pushed work is lost. The driver re-issues the island's ``run`` call, which failed with
-the process. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
+the process. Once one island has finished (the step budget is spent), the others must finish within
+``collective_timeout_s``; a hung island is then killed and reported (``abandoned_islands``), so a run never
+waits forever. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
 pull after the restart.
 
 Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
@@ -34,6 +36,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -228,8 +231,17 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     running = {isl.run.remote(): i for i, isl in enumerate(islands)}
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands
+    abandoned: list[int] = []
     while running:
-        ready, _ = ray.wait(list(running), num_returns=1)
+        # once one island has finished, the budget is spent: the others must finish within the deadline
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
+        if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
+            for i in running.values():
+                abandoned.append(i)
+                ray.kill(islands[i], no_restart=True)
+            print(f"atoll: warning: islands {sorted(abandoned)} did not finish within {config.collective_timeout_s:g} s "
+                  "of the others; their un-pushed work is lost", file=sys.stderr)
+            break
         i = running.pop(ready[0])
         try:
             results[i] = ray.get(ready[0])
@@ -237,7 +249,9 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
             _wait_restarted(islands[i])
             running[islands[i].run.remote()] = i
-    return ray.get(syncer.finish.remote()), results, failures
+    final = ray.get(syncer.finish.remote())
+    final["abandoned"] = sorted(abandoned)
+    return final, results, failures
 
 
 def train_ray(config: TrainConfig) -> dict[str, Any]:
@@ -275,7 +289,8 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
     ckpt = save_checkpoint(out, config.steps, {"strategy": "decoupled", "versions": final["versions"]},
                            model=job.model, tokenizer=job.tokenizer)
     log.log("checkpoint", step=config.steps, path=str(ckpt))
-    res = [results[i] for i in range(config.islands)]
+    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0}
+    res = [results.get(i, idle) for i in range(config.islands)]
     step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
     bytes_sent = [r["bytes_sent"] for r in res]
     ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(job.model), config.islands)
@@ -292,6 +307,7 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
         "goodput": final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
         "island_utilization": [r["compute_s"] / wall_s for r in res], "failures": failures,
         "rejoins": [j - 1 for j in final["joins"]], "rejoin_s": final["rejoin_s"], "versions": final["versions"],
+        "abandoned_islands": final["abandoned"],
         "compute_s": max(r["compute_s"] for r in res), "sim_wall_s": wall_s,
         "compute_utilization": max(r["compute_s"] for r in res) / wall_s, "wall_s": wall_s,
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
