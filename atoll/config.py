@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from atoll.errors import ConfigError
 
@@ -24,8 +24,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-Strategy = Literal["ddp", "diloco", "streaming", "demo"]
-Runtime = Literal["local", "collective"]
+Strategy = Literal["ddp", "diloco", "streaming", "demo", "decoupled"]
+Runtime = Literal["local", "collective", "ray"]
 
 
 class TrainConfig(BaseModel):
@@ -42,13 +42,16 @@ class TrainConfig(BaseModel):
     strategy: Strategy = Field(
         "diloco",
         description="What islands exchange: ddp (gradients every step), diloco (pseudo-gradients every H "
-        "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum).",
+        "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum), "
+        "decoupled (Decoupled DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
+        "quorum, token-weighted).",
     )
     runtime: Runtime = Field(
         "local",
         description="How islands run: local (one process, islands in turn, simulated network clock) or "
         "collective (real processes over torch.distributed: gloo on CPU, NCCL on GPUs; started by 'atoll "
-        "train' on one machine, or by torchrun across machines).",
+        "train' on one machine, or by torchrun across machines) or ray (decoupled only: the syncer and "
+        "every island as Ray actors on real clocks; see ray_address).",
     )
     ranks_per_island: int = Field(
         1, ge=1, le=1024,
@@ -60,7 +63,8 @@ class TrainConfig(BaseModel):
         60.0, gt=0,
         description="collective: deadline in seconds of every collective and of joining the process groups; "
         "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
-        "hung one at this deadline. The run then stops with status 3 and can be resumed.",
+        "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
+        "driver waits for the other islands once one has finished.",
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(
@@ -136,6 +140,66 @@ class TrainConfig(BaseModel):
     demo_beta: float = Field(0.999, ge=0, lt=1, description="demo: decay of the decoupled momentum.")
     demo_sign_values: bool = Field(False, description="demo: send only the signs of the kept values (1 byte).")
 
+    # --- Decoupled DiLoCo (arXiv:2604.21428): syncer, quorum, grace window, failures ---------------
+    quorum: int | None = Field(
+        None, ge=1,
+        description="decoupled: distinct islands whose pushes of a fragment make the syncer merge at once "
+        "(default: half the islands, rounded up); fewer are merged when the grace window closes.",
+    )
+    grace_factor: float = Field(
+        1.0, gt=0, le=100,
+        description="decoupled: the grace window, as a multiple of the median round time the islands "
+        "measured (pull to next push); a buffer short of a quorum is merged when it closes, so a dead "
+        "island delays a merge by about one round at most.",
+    )
+    max_staleness: int = Field(
+        4, ge=0,
+        description="decoupled: a push computed from a global fragment more than this many outer steps old "
+        "is dropped (bounded staleness).",
+    )
+    staleness_exponent: float = Field(
+        0.5, ge=0, le=10,
+        description="decoupled: a in the staleness discount of a push's token weight, (1 + staleness)^-a "
+        "(FedAsync, arXiv:1903.03934); 0: none.",
+    )
+    update_norm_bound: float = Field(
+        10.0, gt=1,
+        description="decoupled: the syncer rejects a push whose norm exceeds this times the running median "
+        "norm of recently accepted pushes of its fragment.",
+    )
+    scale_partial_merges: bool = Field(
+        True,
+        description="decoupled: scale a merge of n < islands distinct islands by n/islands before the outer "
+        "step (each partial merge speaks for part of the islands; unscaled, Nesterov 0.7/0.9 overshoots).",
+    )
+    island_speeds: list[float] | None = Field(
+        None,
+        description="decoupled: relative speed of each island, comma separated, one per island, each in "
+        "(0, 1] (e.g. 1,1,0.5,0.25): an island of speed s takes 1/s as long per inner step. Default: all 1.",
+    )
+    sim_step_s: float = Field(
+        0.1, gt=0,
+        description="decoupled, local runtime: simulated compute seconds of one inner step on a speed-1 "
+        "island (a fixed cost keeps the event order, hence the run, deterministic for a seed).",
+    )
+    chaos: str | None = Field(
+        None,
+        description="decoupled: inject failures, MTBF_S:DOWNTIME_S (e.g. 90:10): each island fails after "
+        "exponentially distributed up-times of mean MTBF_S (seeded per island), loses its un-pushed work, "
+        "and rejoins from the syncer's newest global parameters DOWNTIME_S later.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="ray runtime: address of a running Ray cluster to join (ray start --head prints it); "
+        "default: start a local Ray.",
+    )
+    ray_cpus_per_island: float = Field(
+        1.0, gt=0, description="ray runtime: CPUs Ray reserves for each island actor (its placement resource)."
+    )
+    ray_gpus_per_island: float = Field(
+        0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
+    )
+
     # --- simulated network ---------------------------------------------------------------------------
     link_bandwidth_mbps: float = Field(
         100.0, gt=0, description="Each island's link bandwidth in Mbit/s, for the simulated network clock."
@@ -155,8 +219,51 @@ class TrainConfig(BaseModel):
     threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (default: torch's choice).")
     progress: bool = Field(True, description="Show the live progress bar.")
 
+    @field_validator("island_speeds", mode="before")
+    @classmethod
+    def _parse_speeds(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return [float(x) for x in value.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"'{value}' is not a comma-separated list of numbers; pass e.g. "
+                                 "--island-speeds 1,1,0.5,0.25") from None
+        return value
+
+    @field_validator("chaos")
+    @classmethod
+    def _check_chaos(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_chaos(value)
+        return value
+
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
+        decoupled_only = [("island_speeds", self.island_speeds is not None), ("chaos", self.chaos is not None),
+                          ("quorum", self.quorum is not None)]
+        if self.strategy != "decoupled":
+            for name, given in decoupled_only:
+                if given:
+                    raise ValueError(f"{name}: only the decoupled strategy uses it; add --strategy decoupled "
+                                     f"or drop --{name.replace('_', '-')}")
+        if self.runtime == "ray" and self.strategy != "decoupled":
+            raise ValueError("runtime: ray runs only the decoupled strategy; add --strategy decoupled")
+        if self.strategy == "decoupled":
+            if self.runtime == "collective":
+                raise ValueError("runtime: decoupled runs under local or ray, not collective; pass --runtime local")
+            if self.quorum is not None and self.quorum > self.islands:
+                raise ValueError(f"quorum: {self.quorum} exceeds islands ({self.islands}); lower --quorum")
+            if self.island_speeds is not None:
+                if len(self.island_speeds) != self.islands:
+                    raise ValueError(f"island_speeds: {len(self.island_speeds)} values for {self.islands} islands; "
+                                     "give one speed per island, e.g. --island-speeds 1,1,0.5,0.25")
+                bad = [s for s in self.island_speeds if not 0 < s <= 1]
+                if bad:
+                    raise ValueError(f"island_speeds: {bad[0]} is outside (0, 1]; the fastest island is 1, a "
+                                     "half-speed one 0.5")
+            if self.sync_every < self.fragments:
+                raise ValueError(f"sync_every ({self.sync_every}) must be at least fragments ({self.fragments}) "
+                                 "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
         if self.strategy == "streaming":
             if self.sync_every < self.fragments:
                 raise ValueError(f"sync_every ({self.sync_every}) must be at least fragments ({self.fragments}) "
@@ -174,6 +281,11 @@ class TrainConfig(BaseModel):
         return self
 
     @property
+    def speeds(self) -> list[float]:
+        """Each island's relative speed (``island_speeds``, default all 1.0)."""
+        return list(self.island_speeds) if self.island_speeds is not None else [1.0] * self.islands
+
+    @property
     def effective_warmup_steps(self) -> int:
         """Warmup actually used: ``warmup_steps``, capped at a tenth of ``steps`` for short runs."""
         return min(self.warmup_steps, self.steps // 10)
@@ -182,6 +294,24 @@ class TrainConfig(BaseModel):
     def tokens_per_step(self) -> int:
         """Training tokens one island consumes per inner step (batch_size x seq_len)."""
         return self.batch_size * self.seq_len
+
+
+def parse_chaos(value: str) -> tuple[float, float]:
+    """``"MTBF_S:DOWNTIME_S"`` -> (mean up-time between failures, downtime), seconds, both > 0.
+
+    Raises:
+        ValueError: not two positive finite numbers separated by a colon (the message names the fix).
+    """
+    parts = value.split(":")
+    try:
+        mtbf, down = (float(x) for x in parts)
+        ok = len(parts) == 2 and 0 < mtbf < float("inf") and 0 < down < float("inf")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"'{value}' is not MTBF_S:DOWNTIME_S with two positive numbers of seconds; "
+                         "pass e.g. --chaos 90:10 (down about 10% of the time)")
+    return mtbf, down
 
 
 def _fix_hint(field: str) -> str:

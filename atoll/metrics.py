@@ -124,7 +124,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("ddp would send per island", human_bytes(summary["ddp_bytes_per_island"])),
         ("reduction vs ddp", f"{summary['reduction_vs_ddp']:.1f}x" if summary["reduction_vs_ddp"] else "-"),
         ("compute (slowest island)", f"{summary['compute_s']:.1f} s"),
-        (f"simulated wall @ {summary['link_bandwidth_mbps']:g} Mbit/s" if summary.get("runtime") != "collective"
+        (f"simulated wall @ {summary['link_bandwidth_mbps']:g} Mbit/s" if summary.get("runtime") not in ("collective", "ray")
          else "wall time on the real network", f"{summary['sim_wall_s']:.1f} s"),
         ("compute utilization", f"{summary['compute_utilization']:.1%}"),
         ("real wall time", f"{summary['wall_s']:.1f} s"),

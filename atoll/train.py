@@ -82,7 +82,8 @@ def make_strategy(config: TrainConfig, islands: list[Island], comm: Comm) -> Str
         from atoll.strategies.demo import DeMoStrategy
 
         return DeMoStrategy(config, islands, comm)
-    raise ConfigError(f"strategy: unknown strategy '{config.strategy}'; use ddp, diloco, streaming or demo")
+    raise ConfigError(f"strategy: '{config.strategy}' has no lockstep strategy object; use ddp, diloco, streaming "
+                      "or demo (decoupled runs through atoll.strategies.decoupled.train_decoupled)")
 
 
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None) -> Island:
@@ -187,6 +188,18 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
         RunFailed: (collective launcher) a rank failed; carries its exit status.
     """
+    if config.strategy == "decoupled":  # its own event loop: islands on their own clocks, a syncer
+        if config.runtime == "ray":
+            if resume:
+                raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is "
+                                  "saved, under <out>/syncer); resume under --runtime local, or start a new run "
+                                  "with --init-from RUN_DIR")
+            from atoll.runtime.ray import train_ray  # Ray is imported only here
+
+            return train_ray(config)
+        from atoll.strategies.decoupled import train_decoupled
+
+        return train_decoupled(config, resume)
     if config.runtime == "collective":
         from atoll.runtime import collective
 

@@ -1,0 +1,322 @@
+"""The ``ray`` runtime of ``decoupled``: the syncer and every island as Ray actors, on real clocks.
+
+Launch::
+
+    atoll train --strategy decoupled --runtime ray --islands 4            # starts a local Ray by itself
+    ray start --head --port 6379                                           # or: a cluster, on the head node
+    ray start --address HEAD_IP:6379                                       # on every other node
+    atoll train --strategy decoupled --runtime ray --ray-address HEAD_IP:6379 --islands 8
+
+The driver (this process) prepares the data and the initial model, then starts one :class:`SyncerActor`
+(holding the :class:`~atoll.syncer.Syncer`, on the CPU, 0 CPUs reserved) and ``islands`` island actors
+(each ``ray_cpus_per_island`` CPUs, ``ray_gpus_per_island`` GPUs; Ray places them on the cluster). Every
+island runs :class:`~atoll.strategies.decoupled.IslandWorker` at its own pace: inner steps, then on the
+fragment schedule a push to the syncer and a pull of the newest global fragment. Nobody waits for another
+island. The syncer merges a quorum at once, and closes a buffer's grace window (a multiple of the measured
+round time) on the next call it receives; it checkpoints itself atomically after every merge
+(``<out>/syncer/``), so no committed outer step is lost.
+
+Failures: island actors are created with ``max_restarts``; a killed island process (SIGKILL, a lost node)
+is restarted by Ray, pulls the newest global parameters from the syncer, and rejoins with a fresh inner
+optimizer; its un-pushed work is lost. The driver re-issues the island's ``run`` call, which failed with
+the process. Once one island has finished (the step budget is spent), the others must finish within
+``collective_timeout_s``; a hung island is then killed and reported (``abandoned_islands``), so a run never
+waits forever. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
+pull after the restart.
+
+Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
+``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
+``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
+and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from atoll.config import TrainConfig
+from atoll.strategies.decoupled import IslandWorker, expected_steps, make_syncer, prepare_job
+
+#: how often an island actor may be restarted after its process died
+MAX_RESTARTS = 4
+
+
+class SyncerService:
+    """The syncer as a Ray actor: pushes, pulls, the shared step budget and atomic checkpoints.
+
+    Args:
+        config_json: the run's :class:`TrainConfig` as JSON.
+        out: the run folder (checkpoints go to ``out/syncer``).
+    """
+
+    def __init__(self, config_json: str, out: str) -> None:
+        self.config = TrainConfig.model_validate_json(config_json)
+        torch.set_num_threads(1)
+        job = prepare_job(self.config)
+        self.syncer = make_syncer(self.config, job)
+        self.out = Path(out)
+        self.t0 = time.monotonic()
+        self.budget = self.config.islands * self.config.steps
+        self.reserved = 0
+        self.steps_by_island = [0] * self.config.islands
+        self.last_seen = [0.0] * self.config.islands
+        self.joins = [0] * self.config.islands
+        self.rejoin_s: list[float] = []
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _poll(self) -> None:
+        if self.syncer.poll(self._now()):
+            self.syncer.save(self.out / "syncer")
+
+    def join(self, island: int) -> tuple[torch.Tensor, list[int], int]:
+        """An island (re)starts: (global params (numel,), versions, its inner steps so far)."""
+        now = self._now()
+        self.joins[island] += 1
+        if self.joins[island] > 1:
+            self.rejoin_s.append(now - self.last_seen[island])
+        self.last_seen[island] = now
+        self._poll()
+        return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
+                self.steps_by_island[island])
+
+    def reserve_step(self, island: int) -> bool:
+        """Take one inner step from the shared budget of ``islands x steps``; False once it is spent."""
+        self.last_seen[island] = self._now()
+        self._poll()
+        if self.reserved >= self.budget:
+            return False
+        self.reserved += 1
+        self.steps_by_island[island] += 1
+        return True
+
+    def push_pull(self, island: int, fragment: int, delta: torch.Tensor, tokens: int, base_version: int,
+                  round_s: float) -> tuple[bool, torch.Tensor, int, bool]:
+        """Push fragment ``fragment``'s Δ, then pull it: (accepted, params, version, own push pending)."""
+        now = self._now()
+        self.last_seen[island] = now
+        self._poll()
+        result = self.syncer.push(island, fragment, delta, tokens, base_version, now=now, round_s=round_s)
+        if result.committed:
+            self.syncer.save(self.out / "syncer")
+        params, version = self.syncer.pull(fragment)
+        return result.accepted, params, version, self.syncer.is_pending(island, fragment)
+
+    def finish(self) -> dict[str, Any]:
+        """Merge every open buffer, checkpoint, and return the statistics and the global parameters."""
+        self.syncer.flush()
+        self.syncer.save(self.out / "syncer")
+        return {"stats": self.syncer.stats(), "global": self.syncer.global_params(),
+                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
+                "joins": self.joins, "steps_by_island": self.steps_by_island,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
+
+    def progress(self) -> dict[str, Any]:
+        """Commits and versions so far (for the driver and tests)."""
+        self._poll()
+        return {"commits": self.syncer.commits, "reserved": self.reserved,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
+
+
+class IslandService:
+    """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters."""
+
+    def __init__(self, config_json: str, index: int, syncer: Any, out: str) -> None:
+        config = TrainConfig.model_validate_json(config_json)
+        self.index = index
+        self.syncer = syncer
+        job = prepare_job(config)
+        # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
+        device = "cuda" if config.ray_gpus_per_island > 0 and torch.cuda.is_available() else "cpu"
+        self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
+        flat, versions, steps = ray.get(syncer.join.remote(index))
+        self.worker.rejoin(flat, versions)
+        self.worker.steps = steps
+        pid_dir = Path(out) / "ray"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        tmp = pid_dir / f".island_{index}.pid.tmp"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, pid_dir / f"island_{index}.pid")  # readers never see a half-written file
+        self.compute_s = 0.0
+        self.bytes_sent = 0.0
+        self.last_loss = float("nan")
+
+    def run(self) -> dict[str, Any]:
+        """Train until the shared step budget is spent; return this island's counters."""
+        w, i = self.worker, self.index
+        pulled_at = [time.monotonic()] * w.fragments
+        while ray.get(self.syncer.reserve_step.remote(i)):
+            t = time.perf_counter()
+            self.last_loss = w.train_step()
+            self.compute_s += time.perf_counter() - t
+            for p in w.due():
+                self._push(p, pulled_at)
+        for p in range(w.fragments):  # the end: push what was not pushed
+            if w.tokens_since[p] > 0:
+                self._push(p, pulled_at)
+        return {"island": i, "steps": w.steps, "compute_s": self.compute_s, "bytes_sent": self.bytes_sent,
+                "last_loss": self.last_loss}
+
+    def _push(self, p: int, pulled_at: list[float]) -> None:
+        delta, tokens, base_version, nbytes = self.worker.make_push(p)
+        self.bytes_sent += nbytes
+        _, params, version, pending = ray.get(self.syncer.push_pull.remote(
+            self.index, p, delta, tokens, base_version, time.monotonic() - pulled_at[p]))
+        self.worker.adopt(p, params, version, pending=pending)
+        pulled_at[p] = time.monotonic()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def kill_self(self) -> None:
+        """SIGKILL this actor's process (for tests of failures)."""
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _init_ray(config: TrainConfig) -> bool:
+    """Connect to ``ray_address``, or start a local Ray; True if this call started or connected it."""
+    if ray.is_initialized():
+        return False
+    if config.ray_address:
+        ray.init(address=config.ray_address, logging_level="warning")
+        return True
+    import atoll
+
+    paths = [str(Path(atoll.__file__).resolve().parent.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    threads = str(config.threads or 1)
+    cpus = max(os.cpu_count() or 1, math.ceil(config.islands * config.ray_cpus_per_island) + 1)
+    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+                                       "OMP_NUM_THREADS": threads}})
+    return True
+
+
+def _wait_restarted(actor: Any, timeout_s: float = 120.0) -> None:
+    """Block until a restarting island actor answers again (calls fail while Ray restarts it).
+
+    Raises:
+        RayActorError: the actor died for good (its restarts are used up) or did not answer in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except ray.exceptions.ActorDiedError:
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
+    """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
+    cfg = config.model_dump_json()
+    syncer = ray.remote(num_cpus=0)(SyncerService).remote(cfg, str(out))
+    island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
+                            max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
+    islands = [island_cls.remote(cfg, i, syncer, str(out)) for i in range(config.islands)]
+    running = {isl.run.remote(): i for i, isl in enumerate(islands)}
+    results: dict[int, dict[str, Any]] = {}
+    failures = [0] * config.islands
+    abandoned: list[int] = []
+    while running:
+        # once one island has finished, the budget is spent: the others must finish within the deadline
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
+        if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
+            for i in running.values():
+                abandoned.append(i)
+                ray.kill(islands[i], no_restart=True)
+            print(f"atoll: warning: islands {sorted(abandoned)} did not finish within {config.collective_timeout_s:g} s "
+                  "of the others; their un-pushed work is lost", file=sys.stderr)
+            break
+        i = running.pop(ready[0])
+        try:
+            results[i] = ray.get(ready[0])
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
+            _wait_restarted(islands[i])
+            running[islands[i].run.remote()] = i
+    final = ray.get(syncer.finish.remote())
+    final["abandoned"] = sorted(abandoned)
+    return final, results, failures
+
+
+def train_ray(config: TrainConfig) -> dict[str, Any]:
+    """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary."""
+    from atoll.checkpoint import new_run_dir, save_checkpoint
+    from atoll.island import copy_flat_into
+    from atoll.metrics import MetricsLog
+    from atoll.model import count_parameters, param_bytes
+    from atoll.report import plot_runs
+    from atoll.runtime.network import ring_allreduce_bytes
+    from atoll.train import evaluate
+
+    t0 = time.perf_counter()
+    out = new_run_dir(config.out, config.strategy).resolve()
+    job = prepare_job(config)  # fills the tokenizer and token caches before the actors read them
+    (out / "config.json").write_text(config.model_dump_json(indent=2))
+    log = MetricsLog(out / "metrics.jsonl")
+    initial_eval_loss = evaluate(job.model, job.val)
+    log.log("start", step=0, params=count_parameters(job.model), config=config.model_dump(mode="json"))
+    log.log("eval", step=0, tokens=0, eval_loss=initial_eval_loss, perplexity=math.exp(initial_eval_loss),
+            sim_wall_s=0.0, bytes_sent_per_island=0.0)
+    started = _init_ray(config)
+    try:
+        final, results, failures = _run_actors(config, out)
+    finally:
+        if started:
+            ray.shutdown()
+    wall_s = time.perf_counter() - t0
+    copy_flat_into(list(job.model.parameters()), final["global"])
+    eval_loss = evaluate(job.model, job.val)
+    tps = config.tokens_per_step
+    tokens = sum(final["steps_by_island"]) * tps
+    log.log("eval", step=config.steps, tokens=tokens, eval_loss=eval_loss, perplexity=math.exp(eval_loss),
+            sim_wall_s=wall_s, bytes_sent_per_island=sum(r["bytes_sent"] for r in results.values()) / config.islands)
+    ckpt = save_checkpoint(out, config.steps, {"strategy": "decoupled", "versions": final["versions"]},
+                           model=job.model, tokenizer=job.tokenizer)
+    log.log("checkpoint", step=config.steps, path=str(ckpt))
+    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0}
+    res = [results.get(i, idle) for i in range(config.islands)]
+    step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
+    bytes_sent = [r["bytes_sent"] for r in res]
+    ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(job.model), config.islands)
+    summary: dict[str, Any] = {
+        "strategy": config.strategy, "runtime": "ray", "islands": config.islands, "sync_every": config.sync_every,
+        "steps": config.steps, "model": config.model, "params": count_parameters(job.model), "data": config.data,
+        "seed": config.seed, "tokens": tokens, "initial_eval_loss": initial_eval_loss, "final_eval_loss": eval_loss,
+        "final_perplexity": math.exp(eval_loss), "bytes_sent_per_island": sum(bytes_sent) / config.islands,
+        "bytes_sent_by_island": bytes_sent, "ddp_bytes_per_island": ddp_bytes,
+        "reduction_vs_ddp": ddp_bytes / max(1.0, sum(bytes_sent) / config.islands),
+        "codec": config.codec, "fragments": config.fragments, **final["stats"],
+        "steps_per_island": final["steps_by_island"], "useful_tokens": final["merged_tokens"],
+        # measured: useful tokens per second of wall time over the islands' summed failure-free step rate
+        "goodput": final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
+        "island_utilization": [r["compute_s"] / wall_s for r in res], "failures": failures,
+        "rejoins": [j - 1 for j in final["joins"]], "rejoin_s": final["rejoin_s"], "versions": final["versions"],
+        "abandoned_islands": final["abandoned"],
+        "compute_s": max(r["compute_s"] for r in res), "sim_wall_s": wall_s,
+        "compute_utilization": max(r["compute_s"] for r in res) / wall_s, "wall_s": wall_s,
+        "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
+        "out": str(out),
+    }
+    log.log("end", step=config.steps, **summary)
+    log.close()
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, out / "summary.json")
+    plot_runs([out], out / "report.png")
+    return summary

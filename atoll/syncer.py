@@ -1,0 +1,370 @@
+"""The syncer of Decoupled DiLoCo: global parameters per fragment, merged from asynchronous island pushes.
+
+Decoupled DiLoCo (arXiv:2604.21428) lets islands (learners) run on their own clocks: after its inner steps an
+island *pushes* one fragment's pseudo-gradient Δ = θ_global(v) − θ_island to the syncer, tagged with the
+tokens it trained on and the version v of the global fragment it started from, then *pulls* the newest
+global fragment and goes on. It never waits for another island.
+
+The syncer keeps, per fragment, the global parameters and an outer optimizer
+(:class:`~atoll.algorithms.outer.OuterOptimizer`: SGD-Nesterov, float32, on the CPU) and a buffer of
+accepted pushes. It merges the buffer (one outer step) when
+
+- a **quorum** of distinct islands has pushed to it (at once), or
+- the buffer's **grace window** closes: ``grace_factor`` x the median of the recent round times the
+  islands measured on their own clocks (seconds from their pull to their next push), counted from the
+  buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
+  a merge up by at most about one round, never indefinitely.
+
+The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
+``w_i = tokens_i · (1 + s_i)^(−a)``; the staleness ``s_i`` is how many outer steps of that fragment were
+committed since the version the island started from. The polynomial staleness discount is FedAsync's
+(Xie, Koyejo, Gupta 2019, arXiv:1903.03934, §5.2, ``s(t) = (t + 1)^(−a)``); a push staler than
+``max_staleness`` is dropped, as bounded-staleness async local SGD does (Liu et al. 2024, arXiv:2401.09135,
+keep the delay of pseudo-gradients small). With ``a = 0`` the merge is the plain token-weighted mean.
+
+**Partial merges.** The mean divides by the weights of the pushes that contributed, never by the configured
+count. But a merge of n < K islands is followed by merges of the others, each of whose Δ was taken from
+(about) the same global version: stepping each partial mean in full moves the globals about K/n times as
+far per round as synchronous DiLoCo, and with the outer Nesterov momentum (lr 0.7, momentum 0.9) that
+diverged in our runs (micro model, 4 islands, quorum 2: eval loss 6.23 -> 7.72, against 5.69 with a full
+quorum). So by default (``scale_partial``) the merged Δ̄ is scaled by n/K before the outer step, the
+share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
+full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
+
+Every push is **validated** before it can reach a buffer: island and fragment in range, a float32 tensor of
+the fragment's shape, finite values, tokens > 0, a version the syncer has issued, and a norm at most
+``norm_bound`` x the running median norm of the fragment's recently accepted pushes (before 3 accepted
+pushes: ``norm_bound`` x the fragment's parameter norm). A rejected push is counted
+(:attr:`Syncer.rejected_updates`, by reason), logged at WARNING on the ``atoll.syncer`` logger, and never
+touches the global parameters.
+
+:meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
+:meth:`Syncer.save` writes it atomically with :func:`atoll.checkpoint.save_checkpoint`, so a syncer that
+restarts from :meth:`Syncer.load` loses no committed outer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atoll.algorithms.outer import OuterOptimizer
+from atoll.runtime.comm import weighted_mean
+
+log = logging.getLogger("atoll.syncer")
+
+#: accepted norms kept per fragment for the running median, and round times kept for the grace window
+WINDOW = 32
+#: accepted pushes of a fragment before its norm bound switches from the parameter norm to the running median
+NORM_WARMUP = 3
+
+
+@dataclass
+class PushResult:
+    """What the syncer did with one push.
+
+    Attributes:
+        accepted: the push entered the fragment's buffer (it may still be dropped as too stale later).
+        reason: why it was rejected ("" when accepted): ``island``, ``fragment``, ``type``, ``dtype``,
+            ``shape``, ``non_finite``, ``tokens``, ``version``, ``norm`` or ``stale``.
+        committed: versions of the fragment committed by this push (0 or 1 outer steps).
+    """
+
+    accepted: bool
+    reason: str = ""
+    committed: int = 0
+
+
+@dataclass
+class _Pending:
+    island: int
+    delta: torch.Tensor
+    tokens: int
+    base_version: int
+
+
+@dataclass
+class _Buffer:
+    pushes: list[_Pending] = field(default_factory=list)
+    opened_at: float = 0.0
+    grace_s: float = math.inf
+
+
+class Syncer:
+    """Global parameters per fragment, merged asynchronously from validated, token-weighted island pushes.
+
+    Args:
+        init: the initial global parameters, flat (numel,), any float dtype (held as float32 on the CPU).
+        index: per fragment, the int64 flat positions of its elements
+            (:func:`atoll.algorithms.fragments.fragment_flat_indices`); one fragment covering all of
+            ``init`` when None.
+        islands: number of islands that may push (K).
+        outer_lr: outer learning rate; ``outer_momentum``: Nesterov momentum (0: plain SGD).
+        quorum: distinct islands whose pushes merge a fragment at once; default ``ceil(K / 2)``.
+        grace_factor: the grace window is this times the median recent round time (seconds).
+        max_staleness: pushes staler than this many committed versions are dropped (counted in
+            ``stale_updates``, not in ``rejected_updates``).
+        staleness_exponent: a in the staleness discount ``(1 + s)^(−a)``; 0 disables it.
+        norm_bound: reject a push whose L2 norm exceeds this times the running median accepted norm.
+        scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
+            the module docstring); False: every merge steps with the full mean.
+
+    Raises:
+        ValueError: a quorum outside ``1..islands`` or an index that does not fit ``init``.
+    """
+
+    def __init__(self, init: torch.Tensor, index: list[torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, quorum: int | None = None, grace_factor: float = 1.0,
+                 max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
+                 scale_partial: bool = True) -> None:
+        flat = init.detach().reshape(-1).to("cpu", torch.float32)
+        self.index = index if index is not None else [torch.arange(flat.numel())]
+        if sum(int(i.numel()) for i in self.index) != flat.numel():
+            raise ValueError(f"fragment index covers {sum(int(i.numel()) for i in self.index)} of {flat.numel()} elements")
+        self.islands = islands
+        self.quorum = quorum if quorum is not None else math.ceil(islands / 2)
+        if not 1 <= self.quorum <= islands:
+            raise ValueError(f"quorum {self.quorum} outside 1..{islands}")
+        self.grace_factor = grace_factor
+        self.max_staleness = max_staleness
+        self.staleness_exponent = staleness_exponent
+        self.norm_bound = norm_bound
+        self.scale_partial = scale_partial
+        self.numel = flat.numel()
+        self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
+        self.buffers = [_Buffer() for _ in self.index]
+        self.norms: list[deque[float]] = [deque(maxlen=WINDOW) for _ in self.index]
+        self.round_s: deque[float] = deque(maxlen=WINDOW)
+        # statistics (all in state_dict)
+        self.rejected_updates = 0
+        self.rejected_by_reason: dict[str, int] = {}
+        self.stale_updates = 0
+        self.accepted_updates = 0
+        self.commits = 0
+        self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
+        self.staleness: list[int] = []      # staleness of every merged push
+        self.merged_tokens = 0.0            # tokens of merged pushes, each scaled by its fragment's share
+        self.merged_tokens_per_island = [0.0] * islands
+
+    # --- islands' side ------------------------------------------------------------------------------
+    @property
+    def fragments(self) -> int:
+        return len(self.index)
+
+    def version(self, fragment: int) -> int:
+        """Outer steps committed to ``fragment`` so far."""
+        return self.outer[fragment].version
+
+    def pull(self, fragment: int) -> tuple[torch.Tensor, int]:
+        """(a float32 copy of the newest global fragment, shape (numel_p,); its version)."""
+        return self.outer[fragment].params.detach().clone(), self.outer[fragment].version
+
+    def is_pending(self, island: int, fragment: int) -> bool:
+        """Whether a push of ``island`` to ``fragment`` is buffered, not merged yet."""
+        return any(p.island == island for p in self.buffers[fragment].pushes)
+
+    def global_params(self) -> torch.Tensor:
+        """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        for idx, outer in zip(self.index, self.outer, strict=True):
+            flat[idx] = outer.params.detach()
+        return flat
+
+    def push(self, island: int, fragment: int, delta: Any, tokens: int, base_version: int, now: float = 0.0,
+             round_s: float | None = None) -> PushResult:
+        """Offer one fragment's pseudo-gradient; validate it, buffer it, and merge if a quorum is reached.
+
+        Args:
+            island: the pushing island, 0-based.
+            fragment: the fragment, 0-based.
+            delta: Δ = θ_global(base_version) − θ_island for the fragment: float32, shape (numel_p,).
+            tokens: training tokens behind this Δ (its merge weight before the staleness discount).
+            base_version: version of the global fragment the island started from (from :meth:`pull`).
+            now: the time of the push, seconds (simulated or real), for the grace window.
+            round_s: seconds the island took from its pull to this push (its measured round time).
+
+        Returns:
+            A :class:`PushResult`.
+        """
+        reason = self._validate(island, fragment, delta, tokens, base_version)
+        if reason:
+            self.rejected_updates += 1
+            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+            log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
+            return PushResult(False, reason)
+        if self.version(fragment) - base_version > self.max_staleness:
+            self.stale_updates += 1
+            return PushResult(False, "stale")
+        self.norms[fragment].append(float(delta.norm()))
+        self.accepted_updates += 1
+        if round_s is not None and round_s > 0 and math.isfinite(round_s):
+            self.round_s.append(float(round_s))
+        buf = self.buffers[fragment]
+        if not buf.pushes:
+            buf.opened_at = now
+            buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
+        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version)))
+        if len({p.island for p in buf.pushes}) >= self.quorum:
+            return PushResult(True, committed=self.commit(fragment))
+        return PushResult(True)
+
+    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base_version: int) -> str:
+        if not (isinstance(island, int) and 0 <= island < self.islands):
+            return "island"
+        if not (isinstance(fragment, int) and 0 <= fragment < self.fragments):
+            return "fragment"
+        if not isinstance(delta, torch.Tensor):
+            return "type"
+        if delta.dtype != torch.float32:
+            return "dtype"
+        if tuple(delta.shape) != (int(self.index[fragment].numel()),):
+            return "shape"
+        if not bool(torch.isfinite(delta).all()):
+            return "non_finite"
+        if not (isinstance(tokens, int) and tokens > 0):
+            return "tokens"
+        if not (isinstance(base_version, int) and 0 <= base_version <= self.version(fragment)):
+            return "version"
+        norm = float(delta.norm())
+        recent = self.norms[fragment]
+        reference = (statistics.median(recent) if len(recent) >= NORM_WARMUP
+                     else float(self.outer[fragment].params.norm()))
+        if reference > 0 and norm > self.norm_bound * reference:
+            return "norm"
+        return ""
+
+    # --- merging ------------------------------------------------------------------------------------
+    def next_deadline(self) -> tuple[float, int] | None:
+        """(time, fragment) of the earliest grace window that will close, or None if no buffer is open."""
+        open_ = [(b.opened_at + b.grace_s, p) for p, b in enumerate(self.buffers) if b.pushes]
+        return min(open_) if open_ else None
+
+    def poll(self, now: float) -> int:
+        """Merge every buffer whose grace window has closed by ``now``; return the outer steps committed."""
+        done = 0
+        for p, b in enumerate(self.buffers):
+            if b.pushes and b.opened_at + b.grace_s <= now:
+                done += self.commit(p)
+        return done
+
+    def commit(self, fragment: int) -> int:
+        """Merge the fragment's buffer now: one outer step with the token-weighted mean Δ; 1 if it stepped.
+
+        Pushes that turned staler than ``max_staleness`` while buffered are dropped; if none is left, the
+        buffer is emptied and nothing steps (a zero Δ would still move the outer momentum).
+        """
+        buf = self.buffers[fragment]
+        pushes, self.buffers[fragment] = buf.pushes, _Buffer()
+        version = self.version(fragment)
+        kept, weights, stale = [], [], []
+        for p in pushes:
+            s = version - p.base_version
+            if s > self.max_staleness:
+                self.stale_updates += 1
+                continue
+            kept.append(p)
+            weights.append(p.tokens * (1.0 + s) ** (-self.staleness_exponent))
+            stale.append(s)
+        if not kept:
+            return 0
+        mean = merge_token_weighted([p.delta for p in kept], weights)
+        contributors = len({p.island for p in kept})
+        if self.scale_partial and contributors < self.islands:
+            mean = mean * (contributors / self.islands)
+        self.outer[fragment].step(mean)
+        self.commits += 1
+        self.quorum_sizes.append(contributors)
+        self.staleness += stale
+        share = int(self.index[fragment].numel()) / self.numel
+        for p in kept:
+            self.merged_tokens += p.tokens * share
+            self.merged_tokens_per_island[p.island] += p.tokens * share
+        return 1
+
+    def flush(self) -> int:
+        """Merge every open buffer now (end of training); return the outer steps committed."""
+        return sum(self.commit(p) for p, b in enumerate(self.buffers) if b.pushes)
+
+    # --- statistics and state -----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counts for the run summary: commits, rejections, staleness and quorum sizes."""
+        st, qs = self.staleness, self.quorum_sizes
+        return {
+            "commits": self.commits, "accepted_updates": self.accepted_updates,
+            "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
+            "stale_updates": self.stale_updates, "quorum": self.quorum,
+            "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0, "quorum_size_min": min(qs, default=0),
+            "quorum_size_max": max(qs, default=0),
+            "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
+            "staleness_mean": sum(st) / len(st) if st else 0.0, "staleness_max": max(st, default=0),
+            "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything: globals and outer momentum per fragment, open buffers, medians, statistics."""
+        return {
+            "outer": [o.state_dict() for o in self.outer],
+            "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
+                         "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
+                                     "base_version": p.base_version} for p in b.pushes]} for b in self.buffers],
+            "norms": [list(n) for n in self.norms], "round_s": list(self.round_s),
+            "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
+            "stale_updates": self.stale_updates, "accepted_updates": self.accepted_updates,
+            "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
+            "merged_tokens": self.merged_tokens, "merged_tokens_per_island": list(self.merged_tokens_per_island),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (into a syncer built with the same shapes and settings)."""
+        for o, s in zip(self.outer, state["outer"], strict=True):
+            o.load_state_dict(s)
+        self.buffers = []
+        for b in state["buffers"]:
+            grace = float(b["grace_s"])
+            self.buffers.append(_Buffer([_Pending(int(p["island"]), p["delta"], int(p["tokens"]),
+                                                  int(p["base_version"])) for p in b["pushes"]],
+                                        float(b["opened_at"]), grace if grace >= 0 else math.inf))
+        self.norms = [deque((float(x) for x in n), maxlen=WINDOW) for n in state["norms"]]
+        self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
+        self.rejected_updates = int(state["rejected_updates"])
+        self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
+        self.stale_updates = int(state["stale_updates"])
+        self.accepted_updates = int(state["accepted_updates"])
+        self.commits = int(state["commits"])
+        self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
+        self.staleness = [int(x) for x in state["staleness"]]
+        self.merged_tokens = float(state["merged_tokens"])
+        self.merged_tokens_per_island = [float(x) for x in state["merged_tokens_per_island"]]
+
+    def save(self, folder: Path, keep: int = 2) -> Path:
+        """Write :meth:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return that path."""
+        from atoll.checkpoint import save_checkpoint
+
+        return save_checkpoint(Path(folder), self.commits, {"syncer": self.state_dict()}, keep=keep)
+
+    def load(self, folder: Path) -> None:
+        """Restore the newest complete checkpoint written by :meth:`save` under ``folder``.
+
+        Raises:
+            CheckpointError: ``folder`` holds no readable syncer checkpoint.
+        """
+        from atoll.checkpoint import latest_checkpoint, load_checkpoint
+
+        _, state = load_checkpoint(latest_checkpoint(Path(folder)))
+        self.load_state_dict(state["syncer"])
+
+
+def merge_token_weighted(deltas: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Σ_i w_i Δ_i / Σ_i w_i in float32, dividing by the weights of the pushes actually given.
+
+    Raises:
+        ValueError: no deltas, or weights that do not sum to a positive number.
+    """
+    return weighted_mean(deltas, weights)

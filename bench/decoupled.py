@@ -1,0 +1,129 @@
+"""Decoupled DiLoCo under failures and on islands of unequal speed, against synchronous DiLoCo.
+
+    python bench/decoupled.py                                # tiny model, 600 inner steps per island
+    python bench/decoupled.py --steps 20 --model micro --fragments 2 --out /tmp/dc   # a smoke run
+
+(a) Failures: 8 islands, local runtime, simulated step time ``--sim-step-s`` (0.1 s), H = 50, 4 fragments.
+    One seeded failure trace (``--chaos MTBF:DOWN`` with DOWN = 1/20 of the failure-free compute time and
+    MTBF = 9 DOWN: every island down about 10% of the time). Runs: decoupled without and with the trace,
+    and synchronous diloco without failures. Synchronous diloco *under* the trace is not trained: its
+    wall time follows from the trace on the same simulated clock (:func:`atoll.chaos.synchronous_under_failures`:
+    every failure stops every island until the island is back, and the round in progress is redone;
+    checkpoints at every outer step, the most favourable case for it; step time ``sim_step_s``, one
+    all-reduce of the fp32 model per round at the same link), and its loss is that of the failure-free
+    run, since redoing rounds does not change the weights. Reported: goodput of both, and decoupled's eval
+    loss with failures against without, at the same tokens processed.
+(b) Heterogeneous speeds 1,1,0.5,0.25 (4 islands): every island's compute utilization, and the eval loss
+    at equal total tokens against a homogeneous decoupled run (speeds 1,1,1,1), with synchronous diloco's
+    utilization of each island under the same speeds beside it (computed on the simulated clock: every
+    round waits for the slowest island).
+
+Writes bench/out/decoupled/results.json and results.md, one atoll run folder per trained run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OUT, pct, run, write_results  # noqa: E402
+
+from atoll.chaos import FailureTrace, synchronous_under_failures  # noqa: E402
+from atoll.runtime.network import Link  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring cached summaries")
+    parser.add_argument("--steps", type=int, default=600, help="inner steps per island (budget) [600]")
+    parser.add_argument("--model", default="tiny", help="model preset [tiny]")
+    parser.add_argument("--sim-step-s", type=float, default=0.1, help="simulated seconds per inner step [0.1]")
+    parser.add_argument("--sync-every", type=int, default=50, help="H [50; capped at steps // 2]")
+    parser.add_argument("--fragments", type=int, default=4, help="decoupled fragments [4; micro has 2 layers: 2]")
+    parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/decoupled]")
+    return parser.parse_args()
+
+
+def sync_accounting(r: dict[str, Any], speeds: list[float], trace: FailureTrace | None, sim_step_s: float,
+                    sync_every: int) -> dict[str, Any]:
+    """Synchronous diloco on the simulated clock of run ``r``'s settings (see the module docstring)."""
+    link = Link.from_config(r["link_bandwidth_mbps"], r["link_latency_ms"])
+    sync_s = link.allreduce_seconds(4 * r["params"], len(speeds))
+    tokens_per_step = r["tokens"] // (r["islands"] * r["steps"])
+    return synchronous_under_failures(trace, r["steps"], sync_every, [sim_step_s / s for s in speeds], sync_s,
+                                      tokens_per_step)
+
+
+def main() -> None:
+    args = parse_args()
+    suite = args.out or OUT / "decoupled"
+    h = max(4, min(args.sync_every, args.steps // 2))
+    common = {"steps": args.steps, "model": args.model, "sync_every": h, "sim_step_s": args.sim_step_s,
+              "eval_every": max(1, args.steps // 6), "checkpoint_every": 0}
+    down = args.steps * args.sim_step_s / 20
+    chaos = f"{9 * down:g}:{down:g}"
+    dc = {"strategy": "decoupled", "fragments": args.fragments, **common}
+    results: dict[str, Any] = {"settings": {**common, "chaos": chaos, "seed": 0}}
+
+    # (a) failures, 8 islands
+    free = run(suite, "a_decoupled_free", args.fresh, islands=8, **dc)
+    hit = run(suite, "a_decoupled_chaos", args.fresh, islands=8, chaos=chaos, **dc)
+    sync = run(suite, "a_diloco_free", args.fresh, strategy="diloco", islands=8, **common)
+    trace = FailureTrace.from_spec(chaos, 8, 0)
+    sync_free = sync_accounting(sync, [1.0] * 8, None, args.sim_step_s, h)
+    sync_hit = sync_accounting(sync, [1.0] * 8, trace, args.sim_step_s, h)
+    results.update(a_decoupled_free=free, a_decoupled_chaos=hit, a_diloco_free=sync,
+                   a_diloco_sync_free_clock=sync_free, a_diloco_sync_chaos_clock=sync_hit)
+
+    # (b) heterogeneous speeds, 4 islands
+    speeds = [1.0, 1.0, 0.5, 0.25]
+    homo = run(suite, "b_decoupled_homogeneous", args.fresh, islands=4, **dc)
+    het = run(suite, "b_decoupled_speeds", args.fresh, islands=4, island_speeds=speeds, **dc)
+    sync_het = sync_accounting(homo, speeds, None, args.sim_step_s, h)
+    results.update(b_decoupled_homogeneous=homo, b_decoupled_speeds=het, b_diloco_speeds_clock=sync_het)
+
+    def util(u: list[float]) -> str:
+        return " / ".join(f"{x:.0%}" for x in u)
+
+    def row(name: str, r: dict[str, Any] | None, ref: float | None, acct: dict[str, Any] | None = None,
+            **extra: Any) -> dict[str, Any]:
+        loss = r["final_eval_loss"] if r else None
+        return {"run": name, "goodput": (acct or r or {}).get("goodput"),
+                "utilization": util((acct or r or {}).get("island_utilization", [])),
+                "sim_wall_s": (acct or {}).get("wall_s", (r or {}).get("sim_wall_s")),
+                "eval_loss": loss, "vs_ref": pct(loss, ref) if loss is not None and ref else None,
+                "useful_tokens": (r or {}).get("useful_tokens"), "rejected": (r or {}).get("rejected_updates"),
+                "staleness": (r or {}).get("staleness_mean"), "quorum": (r or {}).get("quorum_size_mean"),
+                "failures": sum(r["failures"]) if r and "failures" in r else None,
+                "rejoin_s": (sum(r["rejoin_s"]) / len(r["rejoin_s"]) if r and r.get("rejoin_s") else None), **extra}
+
+    ref_a, ref_b = free["final_eval_loss"], homo["final_eval_loss"]
+    rows = [
+        row("(a) decoupled, no failures", free, ref_a),
+        row(f"(a) decoupled, chaos {chaos}", hit, ref_a),
+        row("(a) diloco, no failures (trained)", sync, ref_a, sync_free),
+        row(f"(a) diloco, chaos {chaos} (clock from the trace)"
+            + (f", gave up after {sync_hit['steps_done']} steps" if sync_hit["gave_up"] else ""), None, None, sync_hit,
+            eval_loss=sync["final_eval_loss"]),
+        row("(b) decoupled, speeds 1,1,1,1", homo, ref_b),
+        row("(b) decoupled, speeds 1,1,0.5,0.25", het, ref_b),
+        row("(b) diloco, speeds 1,1,0.5,0.25 (clock)", None, None, sync_het),
+    ]
+    columns = [("run", "run"), ("goodput", "goodput"), ("utilization per island", "utilization"),
+               ("sim wall s", "sim_wall_s"), ("eval loss", "eval_loss"), ("vs failure-free / homogeneous %", "vs_ref"),
+               ("useful tokens", "useful_tokens"), ("rejected", "rejected"), ("mean staleness", "staleness"),
+               ("mean quorum", "quorum"), ("failures", "failures"), ("mean rejoin s", "rejoin_s")]
+    notes = [f"model {args.model}, {args.steps} inner steps per island (a budget shared by speed in decoupled), "
+             f"H={h}, decoupled with {args.fragments} fragments, simulated step {args.sim_step_s} s, seed 0.",
+             "goodput: useful (merged) tokens per simulated second over the failure-free compute rate "
+             "(every island computing all the time); see atoll/strategies/decoupled.py.",
+             "diloco rows marked 'clock' are computed from the trace and the step-time model "
+             "(atoll.chaos.synchronous_under_failures), not trained; its weights are those of the failure-free run."]
+    print(write_results(suite, results, columns, rows, "Decoupled DiLoCo: failures and heterogeneous speeds", notes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Decoupled DiLoCo in the local runtime: failure traces, island speeds, rejoining, determinism, bad flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_atoll
+
+from atoll.chaos import FailureTrace, synchronous_under_failures
+from atoll.config import build_config
+from atoll.errors import ConfigError
+from atoll.train import train
+
+
+def _decoupled(fast_config: dict, **extra: object) -> dict:
+    return {**fast_config, "strategy": "decoupled", "islands": 4, "fragments": 2, "sync_every": 4,
+            "steps": 16, "eval_every": 8, "checkpoint_every": 8, **extra}
+
+
+def test_seeded_chaos_trace_is_deterministic() -> None:
+    a, b = FailureTrace(3, 9.0, 1.0, seed=7), FailureTrace(3, 9.0, 1.0, seed=7)
+    # generated lazily in a different order, the outages are the same
+    a.next_outage(2, 500.0)
+    b.next_outage(0, 100.0)
+    assert [a.until(i, 400.0) for i in range(3)] == [b.until(i, 400.0) for i in range(3)]
+    assert a.until(0, 400.0) != a.until(1, 400.0), "each island has its own trace"
+    assert FailureTrace(3, 9.0, 1.0, seed=8).until(0, 400.0) != a.until(0, 400.0)
+    # exponential up-times of mean 9 s and 1 s outages: down about 10% of the time
+    horizon = 20000.0
+    down = sum(min(u, horizon) - d for d, u in a.until(0, horizon))
+    assert down / horizon == pytest.approx(a.down_fraction, abs=0.02)
+    assert all(u - d == 1.0 for d, u in a.until(0, horizon))
+    assert FailureTrace.from_spec("9:1", 3, 7).until(1, 50.0) == a.until(1, 50.0)
+
+
+def test_synchronous_accounting_under_the_same_trace() -> None:
+    free = synchronous_under_failures(None, steps=100, sync_every=10, step_s=[0.1, 0.1], sync_s=0.5,
+                                      tokens_per_step=128)
+    assert free["wall_s"] == pytest.approx(100 * 0.1 + 10 * 0.5)
+    assert free["goodput"] == pytest.approx(10 / 15)
+    slow = synchronous_under_failures(None, steps=100, sync_every=10, step_s=[0.1, 0.4], sync_s=0.0,
+                                      tokens_per_step=128)
+    assert slow["island_utilization"] == pytest.approx([0.25, 1.0]), "the fast island waits for the slow one"
+    trace = FailureTrace(2, 9.0, 1.0, seed=0)
+    hit = synchronous_under_failures(trace, steps=100, sync_every=10, step_s=[0.1, 0.1], sync_s=0.5,
+                                     tokens_per_step=128)
+    assert hit["wall_s"] > free["wall_s"] and hit["goodput"] < free["goodput"]
+    assert hit["stopped_s"] > 0 and hit["redone_s"] > 0 and not hit["gave_up"]
+    # failures far more frequent than a round: the job gives up at 100x the failure-free time, not hangs
+    hopeless = synchronous_under_failures(FailureTrace(8, 0.5, 0.1, seed=0), steps=100, sync_every=50,
+                                          step_s=[0.1] * 8, sync_s=0.5, tokens_per_step=128)
+    assert hopeless["gave_up"] and hopeless["wall_s"] >= 100 * 11 and hopeless["goodput"] < 0.05
+
+
+def test_decoupled_run_with_chaos_finishes_and_every_island_rejoins(fast_config: dict) -> None:
+    summary = train(build_config(overrides=_decoupled(fast_config, chaos="0.6:0.2", sim_step_s=0.1)))
+    saved = json.loads((Path(fast_config["out"]) / "summary.json").read_text())
+    assert saved["final_eval_loss"] == summary["final_eval_loss"] < saved["initial_eval_loss"]
+    failures, rejoins = saved["failures"], saved["rejoins"]
+    assert sum(f > 0 for f in failures) >= 3, failures
+    for i in range(4):  # every failure rejoins, but one that the end of the run cuts short
+        assert rejoins[i] == failures[i] - (i in saved["down_at_end"]), (i, failures, rejoins)
+    assert len(saved["rejoin_s"]) == sum(rejoins)
+    assert all(0.0 < r <= 0.2 + 0.05 for r in saved["rejoin_s"])  # the outage, then one pull of the model
+    assert saved["commits"] > 0 and saved["lost_tokens"] > 0
+    assert 0 < saved["goodput"] < 1 and saved["useful_tokens"] < saved["tokens"]
+    assert len(saved["island_utilization"]) == 4 and all(0 < u <= 1 for u in saved["island_utilization"])
+    assert sum(saved["steps_per_island"]) == 4 * 16 and saved["tokens"] == 4 * 16 * 4 * 32
+    for key in ("rejected_updates", "stale_updates", "quorum_size_mean", "staleness_mean", "staleness_max"):
+        assert key in saved, key
+    assert (Path(fast_config["out"]) / "syncer" / "checkpoints" / "latest").is_file()
+
+
+def test_decoupled_is_deterministic_for_a_seed(fast_config: dict, tmp_path: Path) -> None:
+    runs = [train(build_config(overrides=_decoupled(fast_config, chaos="0.6:0.2", out=str(tmp_path / f"r{k}"))))
+            for k in range(2)]
+    for key in ("final_eval_loss", "steps_per_island", "failures", "commits", "quorum_size_counts",
+                "staleness_counts", "sim_wall_s", "goodput", "bytes_sent_by_island"):
+        assert runs[0][key] == runs[1][key], key
+
+
+def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
+    summary = train(build_config(overrides=_decoupled(fast_config, island_speeds="1,1,0.5,0.25", steps=22)))
+    steps = summary["steps_per_island"]
+    assert sum(steps) == 4 * 22
+    # shares 1 : 1 : 0.5 : 0.25 of 88 steps: 32, 32, 16, 8 (pushes cost a little time, equal per island)
+    for got, want in zip(steps, [32, 32, 16, 8], strict=True):
+        assert abs(got - want) <= 1, steps
+    # nobody waits for the slow islands: every island computes most of the wall time (the fast ones push
+    # more often per compute second, so they spend a little more of it on the link)
+    util = summary["island_utilization"]
+    assert min(util) > 0.75 and util[3] >= util[0], util
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--island-speeds", "1,1"], "island_speeds: 2 values for 4 islands"),
+    (["--island-speeds", "1,1,1,1.5"], "island_speeds: 1.5 is outside (0, 1]"),
+    (["--island-speeds", "1,x,1,1"], "island_speeds: '1,x,1,1' is not a comma-separated list"),
+    (["--chaos", "10"], "chaos: '10' is not MTBF_S:DOWNTIME_S"),
+    (["--chaos", "0:5"], "chaos: '0:5' is not MTBF_S:DOWNTIME_S"),
+    (["--quorum", "5"], "quorum: 5 exceeds islands (4)"),
+    (["--runtime", "collective"], "runtime: decoupled runs under local or ray"),
+])
+def test_bad_decoupled_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
+    r = run_atoll("train", "--strategy", "decoupled", "--islands", "4", *flags, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_decoupled_only_flags_are_refused() -> None:
+    with pytest.raises(ConfigError, match="chaos: only the decoupled strategy uses it"):
+        build_config(overrides={"chaos": "9:1"})
+    with pytest.raises(ConfigError, match="runtime: ray runs only the decoupled strategy"):
+        build_config(overrides={"runtime": "ray"})
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch) -> None:
+    import atoll.strategies.decoupled as dc
+    from atoll.config import load_run_config
+    from atoll.metrics import read_metrics
+
+    # chaos and speeds: islands are down, pushes in flight and buffers open at the checkpoint
+    base = _decoupled(fast_config, chaos="0.6:0.2", island_speeds="1,1,0.5,0.25", checkpoint_every=6,
+                      codec="int4", codec_rounding="stochastic", error_feedback=True)
+    full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
+    real_save = dc.save_checkpoint
+
+    def save_then_crash(out, step, *args, **kwargs):
+        path = real_save(out, step, *args, **kwargs)
+        if step == 12:
+            raise _Crash()
+        return path
+
+    monkeypatch.setattr(dc, "save_checkpoint", save_then_crash)
+    with pytest.raises(_Crash):
+        train(build_config(overrides={**base, "out": str(tmp_path / "resumed")}))
+    monkeypatch.setattr(dc, "save_checkpoint", real_save)
+    resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
+    for key in ("final_eval_loss", "steps_per_island", "failures", "rejoin_s", "commits", "staleness_counts",
+                "sim_wall_s", "goodput", "bytes_sent_by_island", "rejected_updates"):
+        assert resumed[key] == full[key], key
+    evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
+    assert evals == [0, 8, 16], "the log of a resumed run reads as one run"
+    # a finished run continues with a larger budget
+    longer = train(load_run_config(tmp_path / "full", {"steps": 20}), resume=True)
+    assert sum(longer["steps_per_island"]) == 4 * 20
+
+
+def test_ray_decoupled_resume_is_refused(fast_config: dict) -> None:
+    config = build_config(overrides=_decoupled(fast_config, runtime="ray"))
+    with pytest.raises(ConfigError, match="resume: a decoupled run on Ray cannot be resumed"):
+        train(config, resume=True)
+
+
+def test_ray_is_imported_only_for_the_ray_runtime() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, atoll.cli, atoll.train, atoll.strategies.decoupled, atoll.syncer; "
+            "from atoll.cli import build_parser; build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
