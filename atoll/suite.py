@@ -48,16 +48,41 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      {"strategy": "streaming", "sync_every": 50, "fragments": 4, "overlap_steps": 5, "mixing_alpha": 0.5,
       "codec": "int4"}),
     ("demo_topk32", "demo top-k 32", {"strategy": "demo", "demo_topk": 32, "demo_chunk": 64}),
-    ("decoupled", "decoupled H={sync_every} P={fragments} int4", {"strategy": "decoupled", "sync_every": 50, "fragments": 4,
-                                          "codec": "int4"}),
+    ("decoupled", "decoupled H={sync_every} P={fragments} int4", {"strategy": "decoupled", "sync_every": 50,
+                                                               "fragments": 4, "codec": "int4"}),
+    ("decoupled_chaos", "decoupled H={sync_every} P={fragments} int4, standard failure trace",
+     {"strategy": "decoupled", "sync_every": 50, "fragments": 4, "codec": "int4", "standard_chaos": True}),
 )
 
-#: The standard failure trace, as fractions of the run: island 1 fails after 40% of the steps and is back
-#: 10% of the steps later; island 2 fails at 70% and is back at 80%. A strategy that reports goodput
-#: under it writes ``goodput`` into its summary; the decoupled strategy's own failure-injection settings
-#: for this trace go into :data:`FAILURE_SETTINGS` when it lands (its config fields are not known here).
-STANDARD_FAILURE_TRACE = ({"island": 1, "at": 0.4, "back": 0.5}, {"island": 2, "at": 0.7, "back": 0.8})
-FAILURE_SETTINGS: dict[str, dict[str, Any]] = {"decoupled": {}}
+#: The standard failure trace (the one of bench/decoupled.py): every island fails after exponentially
+#: distributed up-times of mean 0.45 T and stays down 0.05 T each time (down about 10% of the time), seeded
+#: by the run's seed, where T is the run's own failure-free simulated time. ``decoupled`` trains under it
+#: (``--chaos``, T = steps x sim_step_s) and reports the goodput it measured; a synchronous strategy's
+#: goodput under it is computed from its failure-free clock by :func:`synchronous_goodput`.
+STANDARD_MTBF_FRACTION, STANDARD_DOWN_FRACTION = 0.45, 0.05
+
+
+def standard_chaos(failure_free_s: float) -> str:
+    """The standard failure trace as a ``--chaos MTBF_S:DOWNTIME_S`` spec for a run of ``failure_free_s`` seconds."""
+    return f"{STANDARD_MTBF_FRACTION * failure_free_s:g}:{STANDARD_DOWN_FRACTION * failure_free_s:g}"
+
+
+def synchronous_goodput(summary: dict[str, Any]) -> float:
+    """Goodput of a synchronous run (ddp, diloco, streaming, demo) under the standard failure trace.
+
+    Replays the trace (:func:`atoll.chaos.synchronous_under_failures`) on the run's failure-free clock: each
+    inner step takes ``sim_wall_s / steps`` seconds (its exchanges included), a round is H steps (1 for ddp
+    and demo), any island's failure stops every island until it is back, and the round in progress is redone
+    (a checkpoint at every round: the most favourable case for the synchronous run). Goodput is useful tokens
+    per second over the failure-free rate (1.0 without failures).
+    """
+    from atoll.chaos import FailureTrace, synchronous_under_failures
+
+    islands, steps, wall = int(summary["islands"]), int(summary["steps"]), float(summary["sim_wall_s"])
+    h = int(summary["sync_every"]) if summary["strategy"] in ("diloco", "streaming") else 1
+    trace = FailureTrace.from_spec(standard_chaos(wall), islands, int(summary["seed"]))
+    tokens_per_step = int(summary["tokens"]) // (islands * steps)
+    return float(synchronous_under_failures(trace, steps, h, [wall / steps] * islands, 0.0, tokens_per_step)["goodput"])
 
 #: the default benchmark: tiny model, stdlib corpus, 4 islands (TrainConfig defaults), one torch thread
 FULL = {"steps": 300}
@@ -96,11 +121,15 @@ def base_settings(args: argparse.Namespace) -> dict[str, Any]:
 def run_settings(base: dict[str, Any], settings: dict[str, Any], quick: bool) -> dict[str, Any]:
     """One run's settings, plus failure settings for its strategy; --quick: H=10 and 2 fragments (the micro
     model has 2 layers)."""
-    s = {**base, **settings, **FAILURE_SETTINGS.get(settings["strategy"], {})}
+    s = {**base, **settings}
     if quick and "sync_every" in s:
         s["sync_every"] = 10
     if quick and "fragments" in s:
         s["fragments"] = 2
+    if s.pop("standard_chaos", False):
+        from atoll.config import TrainConfig
+
+        s["chaos"] = standard_chaos(s["steps"] * TrainConfig.model_fields["sim_step_s"].default)
     return s
 
 
@@ -128,7 +157,8 @@ def train_once(out: Path, settings: dict[str, Any], fresh: bool) -> dict[str, An
     from atoll.config import build_config
     from atoll.train import train
 
-    if not fresh and (out / "summary.json").is_file() and (out / "clock_trace.json").is_file() \
+    traced = settings["strategy"] != "decoupled"  # decoupled keeps its own event clock, no trace to replay
+    if not fresh and (out / "summary.json").is_file() and (not traced or (out / "clock_trace.json").is_file()) \
             and _matches(out, settings):
         return json.loads((out / "summary.json").read_text())
     if out.exists():
@@ -166,14 +196,23 @@ def collect(suite_dir: Path, names: list[str], summaries: dict[str, dict[str, An
             "bytes_sent_per_island": s["bytes_sent_per_island"],
             "reduction_vs_ddp": (ddp["bytes_sent_per_island"] / s["bytes_sent_per_island"]
                                  if ddp and s["bytes_sent_per_island"] else None),
-            "compute_s": s["compute_s"], "goodput": s.get("goodput"),
+            "compute_s": s["compute_s"],
         }
-        for bw in BANDWIDTHS_MBPS:
-            t = retime(suite_dir / name, s, bw)
-            row[f"sim_wall_s@{bw:g}"] = t["sim_wall_s"]
-            row[f"utilization@{bw:g}"] = t["compute_utilization"]
+        if s["strategy"] == "decoupled":
+            # its own event clock (fixed sim_step_s per step): goodput measured under the trace when trained
+            # under it; its wall time is not comparable with the measured clocks of the others
+            row["goodput"] = s.get("goodput") if s.get("chaos") or "chaos" in used.get(name, {}) else None
+            for bw in BANDWIDTHS_MBPS:
+                row[f"sim_wall_s@{bw:g}"] = row[f"utilization@{bw:g}"] = None
+        else:
+            row["goodput"] = synchronous_goodput(s)
+            for bw in BANDWIDTHS_MBPS:
+                t = retime(suite_dir / name, s, bw)
+                row[f"sim_wall_s@{bw:g}"] = t["sim_wall_s"]
+                row[f"utilization@{bw:g}"] = t["compute_utilization"]
         rows.append(row)
-    return {"bandwidths_mbps": list(BANDWIDTHS_MBPS), "failure_trace": list(STANDARD_FAILURE_TRACE),
+    return {"bandwidths_mbps": list(BANDWIDTHS_MBPS),
+            "failure_trace": {"mtbf_fraction": STANDARD_MTBF_FRACTION, "down_fraction": STANDARD_DOWN_FRACTION},
             "rows": rows, "runs": summaries}
 
 
@@ -215,12 +254,14 @@ def markdown(results: dict[str, Any], command: str) -> str:
         cells = [r["label"], _cell(r["final_eval_loss"], "loss"), _cell(r["gap_vs_ddp_pct"], "pct"),
                  _cell(r["bytes_sent_per_island"], "bytes"), _cell(r["reduction_vs_ddp"], "x")]
         cells += [f"{_cell(r[f'sim_wall_s@{b:g}'], 's')} / {_cell(r[f'utilization@{b:g}'], 'util')}" for b in bws]
-        cells.append(_cell(r["goodput"], "util") if r["goodput"] is not None else "missing")
+        cells.append(_cell(r["goodput"], "util") if r["goodput"] is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
     first = next((r for r in results["rows"] if r["available"]), None)
     lines += ["", f"Equal tokens: {first['steps']} inner steps per island ({first['tokens']:,} tokens for 4 islands). "
-              "Wall time: the run's clock trace re-timed at each bandwidth (10 ms latency). Goodput: under the "
-              "standard failure trace; only a strategy that survives failures reports it (missing otherwise).",
+              "Wall time: the run's clock trace re-timed at each bandwidth (10 ms latency); decoupled runs on its own "
+              "event clock (a fixed simulated step), not re-timed. Goodput under the standard failure trace (each "
+              "island down about 10% of the time, seeded): trained for decoupled, replayed on the failure-free clock "
+              "for the synchronous strategies (atoll.suite.synchronous_goodput).",
               f"command: {command}"] if first else [f"command: {command}"]
     return "\n".join(lines) + "\n"
 
@@ -247,6 +288,8 @@ def plot(results: dict[str, Any], out_png: Path) -> Path:
     ax[0, 1].set_xlabel("bytes sent per island (log)")
     ax[0, 1].invert_yaxis()
     for r in rows:
+        if r[f"utilization@{bws[0]:g}"] is None:  # decoupled: its own event clock, not re-timed
+            continue
         ax[1, 0].plot(bws, [r[f"utilization@{b:g}"] for b in bws], marker="o", label=r["run"])
         ax[1, 1].plot(bws, [r[f"sim_wall_s@{b:g}"] for b in bws], marker="o", label=r["run"])
     ax[1, 0].set_ylabel("compute utilization")
