@@ -130,9 +130,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from atoll.errors import ConfigError
     from atoll.report import plot_runs
 
-    path = plot_runs(args.runs, args.out)
+    if args.out.is_dir() or (args.out.parent.exists() and not args.out.parent.is_dir()):
+        raise ConfigError(f"out: '{args.out}' is a folder or lies under a file; pass a PNG path with --out")
+    try:
+        path = plot_runs(args.runs, args.out)
+    except OSError as e:
+        raise ConfigError(f"out: cannot write '{args.out}' ({e.strerror or e}); pass another --out") from None
     print(f"wrote {path}")
     return 0
 

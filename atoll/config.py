@@ -224,7 +224,7 @@ class TrainConfig(BaseModel):
     def _parse_speeds(cls, value: Any) -> Any:
         if isinstance(value, str):
             try:
-                return [float(x) for x in value.split(",") if x.strip()]
+                return [float(x) for x in value.split(",")]
             except ValueError:
                 raise ValueError(f"'{value}' is not a comma-separated list of numbers; pass e.g. "
                                  "--island-speeds 1,1,0.5,0.25") from None
@@ -246,8 +246,22 @@ class TrainConfig(BaseModel):
                 if given:
                     raise ValueError(f"{name}: only the decoupled strategy uses it; add --strategy decoupled "
                                      f"or drop --{name.replace('_', '-')}")
+        # tuning fields that only one strategy or runtime reads: a changed value elsewhere is a mistake
+        for name in _DECOUPLED_TUNING if self.strategy != "decoupled" else ():
+            if getattr(self, name) != TrainConfig.model_fields[name].default:
+                raise ValueError(f"{name}: only the decoupled strategy uses it; add --strategy decoupled or drop "
+                                 f"--{name.replace('_', '-')}")
+        for name in _RAY_ONLY if self.runtime != "ray" else ():
+            if getattr(self, name) != TrainConfig.model_fields[name].default:
+                raise ValueError(f"{name}: only the ray runtime uses it; add --runtime ray or drop "
+                                 f"--{name.replace('_', '-')}")
         if self.runtime == "ray" and self.strategy != "decoupled":
             raise ValueError("runtime: ray runs only the decoupled strategy; add --strategy decoupled")
+        if self.runtime == "ray" and (self.chaos is not None or self.island_speeds is not None):
+            name = "chaos" if self.chaos is not None else "island_speeds"
+            raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
+                             f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
+                             "or pass --runtime local")
         if self.strategy == "decoupled":
             if self.runtime == "collective":
                 raise ValueError("runtime: decoupled runs under local or ray, not collective; pass --runtime local")
@@ -294,6 +308,11 @@ class TrainConfig(BaseModel):
     def tokens_per_step(self) -> int:
         """Training tokens one island consumes per inner step (batch_size x seq_len)."""
         return self.batch_size * self.seq_len
+
+
+_DECOUPLED_TUNING = ("grace_factor", "max_staleness", "staleness_exponent", "update_norm_bound",
+                     "scale_partial_merges", "sim_step_s")
+_RAY_ONLY = ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island")
 
 
 def parse_chaos(value: str) -> tuple[float, float]:

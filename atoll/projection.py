@@ -114,18 +114,20 @@ class Setting:
     tokens_per_step: float = 0.0
 
     def __post_init__(self) -> None:
+        flags = {"mtbf_s": "--mtbf-h", "downtime_s": "--downtime-min", "checkpoint_every_s": "--checkpoint-min"}
         for name in ("params", "step_compute_s", "bandwidth_mbps", "codec_bits", "mtbf_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}: must be positive (got {getattr(self, name)!r}); "
-                                  f"set --{name.replace('_', '-')}")
+            value = getattr(self, name)
+            if not value > 0 or (name != "mtbf_s" and not math.isfinite(value)):
+                raise ConfigError(f"{name}: must be positive and finite (got {value!r}); "
+                                  f"set {flags.get(name, '--' + name.replace('_', '-'))}")
         for name in ("islands", "sync_every", "fragments", "demo_topk", "demo_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1 (got {getattr(self, name)!r}); "
                                   f"set --{name.replace('_', '-')}")
         for name in ("latency_ms", "downtime_s", "checkpoint_every_s", "overlap_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must not be negative (got {getattr(self, name)!r}); "
-                                  f"set --{name.replace('_', '-')}")
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name}: must be finite and not negative (got {getattr(self, name)!r}); "
+                                  f"set {flags.get(name, '--' + name.replace('_', '-'))}")
         if self.sync_every < self.fragments:
             raise ConfigError(f"sync_every ({self.sync_every}) must be at least fragments ({self.fragments}); "
                               "raise --sync-every or lower --fragments")

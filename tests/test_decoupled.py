@@ -98,6 +98,9 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     (["--island-speeds", "1,1"], "island_speeds: 2 values for 4 islands"),
     (["--island-speeds", "1,1,1,1.5"], "island_speeds: 1.5 is outside (0, 1]"),
     (["--island-speeds", "1,x,1,1"], "island_speeds: '1,x,1,1' is not a comma-separated list"),
+    (["--island-speeds", "1,,1,1"], "island_speeds: '1,,1,1' is not a comma-separated list"),
+    (["--runtime", "ray", "--chaos", "9:1"], "chaos: simulated in the local runtime only"),
+    (["--runtime", "ray", "--ray-address", "127.0.0.1:1"], "ray_address: no Ray cluster answers at 127.0.0.1:1"),
     (["--chaos", "10"], "chaos: '10' is not MTBF_S:DOWNTIME_S"),
     (["--chaos", "0:5"], "chaos: '0:5' is not MTBF_S:DOWNTIME_S"),
     (["--quorum", "5"], "quorum: 5 exceeds islands (4)"),
@@ -114,6 +117,23 @@ def test_decoupled_only_flags_are_refused() -> None:
         build_config(overrides={"chaos": "9:1"})
     with pytest.raises(ConfigError, match="runtime: ray runs only the decoupled strategy"):
         build_config(overrides={"runtime": "ray"})
+    # tuning that only decoupled (or only Ray) reads: a changed value elsewhere is refused, the default is not
+    with pytest.raises(ConfigError, match="grace_factor: only the decoupled strategy uses it"):
+        build_config(overrides={"strategy": "diloco", "grace_factor": 3.0})
+    with pytest.raises(ConfigError, match="ray_address: only the ray runtime uses it"):
+        build_config(overrides={"strategy": "decoupled", "ray_address": "10.0.0.1:6379"})
+    build_config(overrides={"strategy": "diloco", "grace_factor": build_config().grace_factor})
+
+
+def test_failures_faster_than_a_step_stop_with_a_warning(fast_config: dict, capsys) -> None:
+    # a rejoin plus one step needs more up-time than an MTBF of 0.01 s almost ever gives: without a bound
+    # the event loop would fail and rejoin for ever
+    summary = train(build_config(overrides=_decoupled(fast_config, chaos="0.01:0.5", sim_step_s=0.1,
+                                                      checkpoint_every=0)))
+    assert summary["gave_up"] is True
+    assert sum(summary["steps_per_island"]) < 4 * 16
+    assert 0 <= summary["goodput"] < 0.05
+    assert "stopped at simulated" in capsys.readouterr().err
 
 
 class _Crash(Exception):

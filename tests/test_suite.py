@@ -65,8 +65,7 @@ def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
     assert ddp["utilization@10"] < fp32["utilization@10"] < rows["diloco_int4"]["utilization@10"]
     if rows["decoupled"]["available"]:
         # trained under the standard trace: goodput measured, below the failure-free run's
-        assert rows["decoupled"]["goodput"] is None
-        assert 0 < rows["decoupled_chaos"]["goodput"] < results["runs"]["decoupled"]["goodput"] <= 1
+        assert 0 < rows["decoupled_chaos"]["goodput"] < rows["decoupled"]["goodput"] <= 1
         assert results["runs"]["decoupled_chaos"]["failures"] and sum(results["runs"]["decoupled_chaos"]["failures"]) > 0
 
 
@@ -88,7 +87,8 @@ def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_
     assert "[suite] ddp:" not in r.stderr  # nothing trained again
 
 
-@pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps")])
+@pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps"), (["--only", ","], "only"),
+                                        (["--out", "/dev/null/x"], "out")])
 def test_suite_bad_input_one_line_exit_2(tmp_path: Path, args: list[str], field: str) -> None:
     r = run_atoll("bench", "suite", "--quick", "--out", str(tmp_path), *args)
     assert r.returncode == 2

@@ -45,6 +45,7 @@ import ray
 import torch
 
 from atoll.config import TrainConfig
+from atoll.errors import ConfigError
 from atoll.strategies.decoupled import IslandWorker, expected_steps, make_syncer, prepare_job
 
 #: how often an island actor may be restarted after its process died
@@ -184,6 +185,31 @@ class IslandService:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """Fail fast when nothing answers at ``address`` (``host:port`` or ``ray://host:port``; ``auto`` unchecked).
+
+    ``ray.init`` retries an unreachable cluster for minutes; a TCP connect with a deadline tells at once.
+
+    Raises:
+        ConfigError: malformed address, or no listener at it within ``timeout_s`` seconds.
+    """
+    import socket
+
+    if not address or address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"ray_address: '{address}' is not HOST:PORT (ray start --head prints it, e.g. "
+                          "10.0.0.1:6379); fix --ray-address")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ConfigError(f"ray_address: no Ray cluster answers at {address} ({e.strerror or e}); start one with "
+                          "`ray start --head` there or fix --ray-address") from None
+
+
 def _init_ray(config: TrainConfig) -> bool:
     """Connect to ``ray_address``, or start a local Ray; True if this call started or connected it."""
     if ray.is_initialized():
@@ -265,6 +291,7 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
     from atoll.train import evaluate
 
     t0 = time.perf_counter()
+    check_ray_address(config.ray_address)  # before any folder is made
     out = new_run_dir(config.out, config.strategy).resolve()
     job = prepare_job(config)  # fills the tokenizer and token caches before the actors read them
     (out / "config.json").write_text(config.model_dump_json(indent=2))

@@ -57,6 +57,7 @@ import heapq
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -82,6 +83,10 @@ from atoll.strategies.base import Wire
 from atoll.syncer import Syncer
 
 LOG_EVERY = 10  # mean inner steps per island between two ``train`` events
+#: stop a run whose simulated time passes this multiple of its failure-free time (the slowest island doing
+#: all its steps alone): failures so frequent against a step that almost no step completes would otherwise
+#: loop for ever, as :func:`atoll.chaos.synchronous_under_failures` gives up too
+GIVE_UP_FACTOR = 100.0
 
 
 @dataclass
@@ -388,8 +393,16 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
                 schedule(i, trace.next_outage(i, st.failed_at[i])[1], "rejoin")  # type: ignore[union-attr, arg-type]
             else:
                 next_step(i)
+    give_up_at = GIVE_UP_FACTOR * config.steps * config.sim_step_s / min(speeds)
+    gave_up = False
     while st.queue:
         t, i, _, action, p = st.queue[0]
+        if t > give_up_at:
+            gave_up = True
+            print(f"atoll: warning: chaos: {config.chaos} leaves almost no up-time for a step; stopped at "
+                  f"simulated {t:.3g} s ({GIVE_UP_FACTOR:g}x the failure-free time) with {st.done} of {budget} "
+                  "inner steps done (raise MTBF_S or lower DOWNTIME_S)", file=sys.stderr)
+            break
         deadline = syncer.next_deadline()
         if deadline is not None and deadline[0] <= t:
             syncer.poll(deadline[0])
@@ -488,7 +501,7 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
         "goodput": syncer.merged_tokens / sim_wall_s / ideal_rate if sim_wall_s > 0 else 1.0,
         "island_utilization": [c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
         "failures": st.failures, "rejoins": st.rejoins, "rejoin_s": st.rejoin_s,
-        "down_at_end": [i for i in range(K) if i not in alive],
+        "down_at_end": [i for i in range(K) if i not in alive], "gave_up": gave_up,
         "measured_compute_s": [w.island.compute_s for w in workers],
         "compute_s": max(st.compute), "sim_wall_s": sim_wall_s,
         "compute_utilization": max(st.compute) / sim_wall_s if sim_wall_s > 0 else 1.0,
