@@ -98,7 +98,11 @@ class TrainConfig(BaseModel):
     # --- inner optimizer (AdamW) ---------------------------------------------------------------------
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
     warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor, as a fraction of lr.")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1,
+        description="Cosine decay floor, as a fraction of the peak rate (lr; demo_lr for demo). Default 0.1; for "
+        "demo 1.0, a constant rate after warmup (the best of bench/demo_sweep.py).",
+    )
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
     grad_clip: float = Field(1.0, ge=0, description="Clip each island's gradient norm to this (0: off).")
 
@@ -219,6 +223,14 @@ class TrainConfig(BaseModel):
     threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (default: torch's choice).")
     progress: bool = Field(True, description="Show the live progress bar.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_defaults(cls, data: Any) -> Any:
+        # sign-SGD (demo) learns best at a constant rate after warmup (bench/demo_sweep.py); AdamW with a decay
+        if isinstance(data, dict) and data.get("min_lr_ratio") is None and data.get("strategy") == "demo":
+            data = {**data, "min_lr_ratio": DEMO_MIN_LR_RATIO}
+        return data
+
     @field_validator("island_speeds", mode="before")
     @classmethod
     def _parse_speeds(cls, value: Any) -> Any:
@@ -310,6 +322,7 @@ class TrainConfig(BaseModel):
         return self.batch_size * self.seq_len
 
 
+DEMO_MIN_LR_RATIO = 1.0  # demo's default cosine floor (see TrainConfig._strategy_defaults)
 _DECOUPLED_TUNING = ("grace_factor", "max_staleness", "staleness_exponent", "update_norm_bound",
                      "scale_partial_merges", "sim_step_s")
 _RAY_ONLY = ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island")

@@ -26,7 +26,7 @@ from _common import OUT, parse_args, pct, run, write_results  # noqa: E402
 LRS = (3e-4, 1e-3, 3e-3, 1e-2)
 TOPKS = (4, 8, 16, 32)
 FLOORS = (0.0, 0.1, 1.0)
-DEFAULT_FLOOR = 0.1  # TrainConfig.min_lr_ratio
+DEFAULT_FLOOR = 0.1  # the floor of the step-size sweep (AdamW's default; demo's default is now the sweep's best)
 
 
 def main() -> None:
@@ -34,7 +34,8 @@ def main() -> None:
     suite = args.out or OUT / "demo_sweep"
     steps = args.steps
     half = args.sweep_steps or steps // 2
-    sweep = {lr: run(suite, f"lr_{lr:g}_{half}", args.fresh, strategy="demo", demo_lr=lr, steps=half) for lr in LRS}
+    sweep = {lr: run(suite, f"lr_{lr:g}_{half}", args.fresh, strategy="demo", demo_lr=lr,
+                 min_lr_ratio=DEFAULT_FLOOR, steps=half) for lr in LRS}
     best_lr = min(sweep, key=lambda lr: sweep[lr]["final_eval_loss"])
     schedules = {ratio: sweep[best_lr] if ratio == DEFAULT_FLOOR else run(
         suite, f"floor_{ratio:g}_{half}", args.fresh, strategy="demo", demo_lr=best_lr, min_lr_ratio=ratio, steps=half)

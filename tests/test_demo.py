@@ -434,3 +434,12 @@ def test_param_group_cannot_change_wire_format() -> None:
         DeMo([{"params": [a], "beta": 2.0}], chunk=4, topk=2)
     with pytest.raises(ConfigError, match="demo_topk"):
         payload_bytes((4, 4), chunk=4, topk=17)
+
+
+def test_demo_defaults_to_a_constant_rate_after_warmup() -> None:
+    from atoll.config import DEMO_MIN_LR_RATIO, build_config
+
+    # sign-SGD's best schedule in bench/demo_sweep.py; AdamW keeps its cosine decay; an explicit value wins
+    assert build_config(overrides={"strategy": "demo"}).min_lr_ratio == DEMO_MIN_LR_RATIO == 1.0
+    assert build_config(overrides={"strategy": "diloco"}).min_lr_ratio == 0.1
+    assert build_config(overrides={"strategy": "demo", "min_lr_ratio": 0.1}).min_lr_ratio == 0.1
