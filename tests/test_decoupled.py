@@ -186,3 +186,11 @@ def test_ray_is_imported_only_for_the_ray_runtime() -> None:
             "from atoll.cli import build_parser; build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_decoupled_defaults_to_a_lighter_outer_momentum() -> None:
+    from atoll.config import DECOUPLED_OUTER_MOMENTUM
+
+    assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == DECOUPLED_OUTER_MOMENTUM == 0.5
+    assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.9  # the DiLoCo paper's
+    assert build_config(overrides={"strategy": "decoupled", "outer_momentum": 0.9}).outer_momentum == 0.9
