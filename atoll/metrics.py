@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,17 @@ class NullLog:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All events of a ``metrics.jsonl`` file, in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_summary(out: Path, summary: dict[str, Any]) -> None:
+    """Write ``summary`` to ``<out>/summary.json`` atomically (a temporary file, then ``os.replace``).
+
+    Raises:
+        OSError: the folder is not writable.
+    """
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, out / "summary.json")
 
 
 def human_bytes(n: float) -> str:

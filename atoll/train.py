@@ -22,9 +22,7 @@ writes the run's outputs.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -39,7 +37,7 @@ from atoll.config import TrainConfig
 from atoll.data import default_cache_dir, eval_batches, prepare_data, sample_batch
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.island import Island, copy_flat_into, cosine_with_warmup, next_token_loss
-from atoll.metrics import MetricsLog, NullLog, ProgressDisplay
+from atoll.metrics import MetricsLog, NullLog, ProgressDisplay, write_summary
 from atoll.model import build_model, count_parameters, param_bytes
 from atoll.report import plot_runs
 from atoll.runtime.base import Runtime
@@ -340,9 +338,7 @@ def _train(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any
     log.log("end", step=config.steps, **summary)
     log.close()
     if runtime.is_main:
-        tmp = out / ".summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, out / "summary.json")
+        write_summary(out, summary)
         trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None
         if trace is not None:  # local runtime: lets the run be re-timed at other links (network.replay)
             trace.save(out / "clock_trace.json", link_bandwidth_mbps=config.link_bandwidth_mbps,

@@ -32,7 +32,6 @@ and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the sa
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -284,7 +283,7 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
     """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary."""
     from atoll.checkpoint import new_run_dir, save_checkpoint
     from atoll.island import copy_flat_into
-    from atoll.metrics import MetricsLog
+    from atoll.metrics import MetricsLog, write_summary
     from atoll.model import count_parameters, param_bytes
     from atoll.report import plot_runs
     from atoll.runtime.network import ring_allreduce_bytes
@@ -342,8 +341,6 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
     }
     log.log("end", step=config.steps, **summary)
     log.close()
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
+    write_summary(out, summary)
     plot_runs([out], out / "report.png")
     return summary

@@ -54,9 +54,7 @@ from __future__ import annotations
 
 import copy
 import heapq
-import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -76,7 +74,7 @@ from atoll.config import TrainConfig
 from atoll.data import PreparedData, default_cache_dir, eval_batches, prepare_data, sample_batch
 from atoll.errors import CheckpointError
 from atoll.island import Island, copy_flat_into, cosine_with_warmup
-from atoll.metrics import MetricsLog
+from atoll.metrics import MetricsLog, write_summary
 from atoll.model import build_model, count_parameters, param_bytes
 from atoll.runtime.network import Link, ring_allreduce_bytes
 from atoll.strategies.base import Wire
@@ -509,8 +507,6 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     }
     log.log("end", step=config.steps, **summary)
     log.close()
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
+    write_summary(out, summary)
     plot_runs([out], out / "report.png")
     return summary
