@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from atoll.errors import ConfigError
+from atoll.metrics import human_bytes
 
 STRATEGIES = ("ddp", "diloco", "streaming", "demo", "decoupled")
 
@@ -335,21 +336,13 @@ def real_scale_table(islands: int = 4) -> list[dict[str, Any]]:
     return rows
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The real-scale table as Markdown, with the assumptions and the published figures under it."""
     lines = ["| model | link | strategy | step s | utilization | bytes/island/step | less than ddp | "
              "speed vs ddp | goodput (heavy failures) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['link']} | {r['strategy']} | {r['step_s']:.2f} | "
-                     f"{r['compute_utilization']:.1%} | {_bytes(r['bytes_per_step'])} | {r['reduction_vs_ddp']:.0f}x | "
+                     f"{r['compute_utilization']:.1%} | {human_bytes(r['bytes_per_step'])} | {r['reduction_vs_ddp']:.0f}x | "
                      f"{r['speedup_vs_ddp']:.1f}x | {r['goodput_heavy_failures']:.0%} |")
     assumptions = "; ".join(f"{m.name}: {m.tokens_per_step / 2 ** 20:g}M tokens/step on {m.gpus_per_island} H100 "
                             f"at {m.mfu:.0%} MFU -> t_c = {m.step_compute_s:.2f} s" for m in SCALES)
@@ -423,6 +416,6 @@ def run_cli(args: Any) -> str:
     for name in strategies:
         p = project(s, name)
         red = f"{ddp.bytes_per_step / p.bytes_per_step:.0f}x" if p.bytes_per_step else "-"
-        lines.append(f"| {name} | {p.step_s:.3f} | {p.compute_utilization:.1%} | {_bytes(p.bytes_per_step)} | "
+        lines.append(f"| {name} | {p.step_s:.3f} | {p.compute_utilization:.1%} | {human_bytes(p.bytes_per_step)} | "
                      f"{red} | {p.goodput:.1%} |")
     return "\n".join(lines)

@@ -228,9 +228,9 @@ def _cell(v: Any, kind: str) -> str:
     if kind == "pct":
         return f"{v:+.1f}%"
     if kind == "bytes":
-        from atoll.projection import _bytes
+        from atoll.metrics import human_bytes
 
-        return _bytes(v)
+        return human_bytes(v)
     if kind == "x":
         return f"{v:,.0f}x"
     if kind == "s":
