@@ -144,7 +144,8 @@ def available(settings: dict[str, Any]) -> bool:
         return False
 
 
-def _matches(out: Path, settings: dict[str, Any]) -> bool:
+def run_matches(out: Path, settings: dict[str, Any]) -> bool:
+    """Whether the run folder ``out`` was trained with ``settings`` (each key equal in its ``config.json``)."""
     try:
         config = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
@@ -159,7 +160,7 @@ def train_once(out: Path, settings: dict[str, Any], fresh: bool) -> dict[str, An
 
     traced = settings["strategy"] != "decoupled"  # decoupled keeps its own event clock, no trace to replay
     if not fresh and (out / "summary.json").is_file() and (not traced or (out / "clock_trace.json").is_file()) \
-            and _matches(out, settings):
+            and run_matches(out, settings):
         return json.loads((out / "summary.json").read_text())
     if out.exists():
         shutil.rmtree(out)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.config import build_config
+from atoll.suite import run_matches
 from atoll.train import train
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -41,7 +42,7 @@ def run(suite_dir: Path, name: str, fresh: bool = False, **settings: Any) -> dic
     suite_dir.mkdir(parents=True, exist_ok=True)
     lock = suite_dir / f".{name}.lock"
     while True:  # another benchmark process may be training the same run: wait for it, then reuse it
-        if summary_path.is_file() and not fresh and _matches(out, settings):
+        if summary_path.is_file() and not fresh and run_matches(out, settings):
             return json.loads(summary_path.read_text())
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -62,15 +63,6 @@ def run(suite_dir: Path, name: str, fresh: bool = False, **settings: Any) -> dic
         return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
     finally:
         lock.unlink(missing_ok=True)
-
-
-def _matches(out: Path, settings: dict[str, Any]) -> bool:
-    """Whether the finished run in ``out`` was trained with ``settings`` (its resolved ``config.json``)."""
-    try:
-        config = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return all(config.get(key) == value for key, value in settings.items())
 
 
 def _alive(lock: Path) -> bool:
