@@ -20,6 +20,20 @@ from dataclasses import dataclass, field
 
 from atoll.config import parse_chaos
 
+#: The standard failure trace of the benchmarks (``atoll bench suite``, bench/decoupled.py): every island
+#: fails after exponentially distributed up-times of mean 0.45 T and stays down 0.05 T each time (down about
+#: 10% of the time), where T is the run's own failure-free simulated time.
+STANDARD_MTBF_FRACTION, STANDARD_DOWN_FRACTION = 0.45, 0.05
+
+#: a simulated run under failures stops once its time passes this multiple of its failure-free time: when
+#: failures are frequent against a step (or a round) almost nothing commits, and it would run for ever
+GIVE_UP_FACTOR = 100.0
+
+
+def standard_chaos(failure_free_s: float) -> str:
+    """The standard failure trace as a ``--chaos MTBF_S:DOWNTIME_S`` spec for a run of ``failure_free_s`` seconds."""
+    return f"{STANDARD_MTBF_FRACTION * failure_free_s:g}:{STANDARD_DOWN_FRACTION * failure_free_s:g}"
+
 
 @dataclass
 class FailureTrace:
@@ -80,7 +94,7 @@ class FailureTrace:
 
 def synchronous_under_failures(trace: FailureTrace | None, steps: int, sync_every: int, step_s: list[float],
                                sync_s: float, tokens_per_step: int, checkpoint_rounds: int = 1,
-                               give_up_factor: float = 100.0) -> dict[str, float | bool | list[float]]:
+                               give_up_factor: float = GIVE_UP_FACTOR) -> dict[str, float | bool | list[float]]:
     """Replay synchronous DiLoCo under ``trace`` on the simulated clock.
 
     A round is ``H`` inner steps on every island (the slowest island sets its length,

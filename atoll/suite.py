@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from atoll.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
@@ -54,17 +55,9 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      {"strategy": "decoupled", "sync_every": 50, "fragments": 4, "codec": "int4", "standard_chaos": True}),
 )
 
-#: The standard failure trace (the one of bench/decoupled.py): every island fails after exponentially
-#: distributed up-times of mean 0.45 T and stays down 0.05 T each time (down about 10% of the time), seeded
-#: by the run's seed, where T is the run's own failure-free simulated time. ``decoupled`` trains under it
-#: (``--chaos``, T = steps x sim_step_s) and reports the goodput it measured; a synchronous strategy's
-#: goodput under it is computed from its failure-free clock by :func:`synchronous_goodput`.
-STANDARD_MTBF_FRACTION, STANDARD_DOWN_FRACTION = 0.45, 0.05
-
-
-def standard_chaos(failure_free_s: float) -> str:
-    """The standard failure trace as a ``--chaos MTBF_S:DOWNTIME_S`` spec for a run of ``failure_free_s`` seconds."""
-    return f"{STANDARD_MTBF_FRACTION * failure_free_s:g}:{STANDARD_DOWN_FRACTION * failure_free_s:g}"
+#: The standard failure trace is :func:`atoll.chaos.standard_chaos` (also bench/decoupled.py's): ``decoupled``
+#: trains under it (``--chaos``, T = steps x sim_step_s) and reports the goodput it measured; a synchronous
+#: strategy's goodput under it is computed from its failure-free clock by :func:`synchronous_goodput`.
 
 
 def synchronous_goodput(summary: dict[str, Any]) -> float:

@@ -68,7 +68,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from atoll.algorithms.codecs import average_encoded
 from atoll.algorithms.fragments import fragment_flat_indices, fragments_due
 from atoll.algorithms.outer import pseudo_gradient
-from atoll.chaos import FailureTrace
+from atoll.chaos import GIVE_UP_FACTOR, FailureTrace
 from atoll.checkpoint import new_run_dir, save_checkpoint
 from atoll.config import TrainConfig
 from atoll.data import PreparedData, default_cache_dir, eval_batches, prepare_data, sample_batch
@@ -81,10 +81,6 @@ from atoll.strategies.base import Wire
 from atoll.syncer import Syncer
 
 LOG_EVERY = 10  # mean inner steps per island between two ``train`` events
-#: stop a run whose simulated time passes this multiple of its failure-free time (the slowest island doing
-#: all its steps alone): failures so frequent against a step that almost no step completes would otherwise
-#: loop for ever, as :func:`atoll.chaos.synchronous_under_failures` gives up too
-GIVE_UP_FACTOR = 100.0
 
 
 @dataclass
