@@ -5,7 +5,9 @@ arXiv:2401.09135). Each island runs inner AdamW steps on its own shard at its ow
 fragment schedule of Streaming DiLoCo (fragment p after ``offset_p, offset_p + H, ...`` of the island's own
 inner steps; with ``--fragments 1`` every H steps) it pushes that fragment's pseudo-gradient
 Δ = θ_global(v) − θ_island, with its token count and the version v it started from, to the
-:class:`~atoll.syncer.Syncer`, then pulls the newest global fragment and goes on. The syncer merges a
+:class:`~atoll.syncer.Syncer` and goes on training while the push and the pull of the newest global fragment
+travel (communication overlaps compute; on arrival the pulled fragment replaces the island's, the work done
+meanwhile kept on top: :meth:`IslandWorker.adopt`). The syncer merges a
 quorum of pushes (or what arrived when the grace window closes), token-weighted and staleness-discounted,
 with one outer Nesterov step per fragment.
 
@@ -16,18 +18,21 @@ Launch::
 The ``local`` runtime (:func:`train_decoupled`) runs every island in this process as a discrete-event
 simulation: each island has its own simulated clock; an inner step costs ``sim_step_s / speed`` simulated
 seconds (a fixed cost, so the order of events, hence the run, is deterministic for a seed; the real
-compute is measured and reported beside it); a push or pull of B bytes costs ``B·8/bandwidth + latency``
-on the pushing island's clock (:class:`~atoll.runtime.network.Link`; pushes are encoded by the run's
-codec, :class:`~atoll.strategies.base.Wire`, and counted as bytes sent; pulls are float32 downloads, timed
-but not counted as sent). Events are processed in simulated-time order from a priority queue (ties by
-island index). ``--steps`` is a budget of ``islands x steps`` inner steps over all islands (the tokens of
+compute is measured and reported beside it); a push or pull of B bytes takes ``B·8/bandwidth + latency``
+on the island's uplink or downlink (:class:`~atoll.runtime.network.Link`; one transfer at a time per
+direction, queued behind the previous one), while the island trains on. Pushes are encoded by the run's
+codec (:class:`~atoll.strategies.base.Wire`) and counted as bytes sent; pulls are float32 downloads, timed
+but not counted as sent. A fragment whose previous push or pull is still on the wire when its next push
+is due is pushed at the next due step instead (``deferred_pushes``; its tokens wait). Events are processed
+in simulated-time order from a priority queue (ties by island index). ``--steps`` is a budget of ``islands x steps`` inner steps over all islands (the tokens of
 every other strategy at equal ``--steps``), shared by speed: a half-speed island takes about half as many.
 
 Failures (``--chaos MTBF_S:DOWNTIME_S``, :class:`~atoll.chaos.FailureTrace`): a step that an outage
 interrupts is not taken; the island loses the work it has not pushed, stays down for the outage, then
 rejoins by itself: it pulls every global fragment (timed), clears its inner optimizer state and restarts
-its fragment schedule. Failures strike only during compute; one that begins during a transfer takes effect
-when the transfer ends. The syncer does not wait for a dead island: its grace window (a multiple of the
+its fragment schedule; its pushes still on the wire are lost with it. Failures strike while the island
+computes (it always does, except while it pulls the model to rejoin; one that begins then takes effect when
+that pull ends). The syncer does not wait for a dead island: its grace window (a multiple of the
 measured round time) closes and it merges without it.
 
 Metrics in ``summary.json`` (besides the usual ones):
@@ -39,8 +44,9 @@ Metrics in ``summary.json`` (besides the usual ones):
   no communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
 - ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
 - ``rejected_updates`` (by reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
-  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens``,
-  ``steps_per_island``.
+  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens``
+  (trained but never merged: un-pushed at a failure, or pushed but on the wire when the island failed,
+  ``lost_pushes``), ``deferred_pushes``, ``steps_per_island``.
 
 Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
 and at the end, written atomically: ``<out>/checkpoints/step_N/`` holds the global model (as for every
@@ -203,21 +209,36 @@ class IslandWorker:
         self.tokens_since[p] = 0
         return delta, tokens, self.base_version[p], int(nbytes)
 
-    def adopt(self, p: int, params: torch.Tensor, version: int, pending: bool = False) -> None:
-        """After a push of fragment p: take the pulled global fragment (float32 (numel_p,)) as its own.
+    def fragment_params(self, p: int) -> torch.Tensor:
+        """A float32 copy of the island's own parameters of fragment p, shape (numel_p,)."""
+        return self.island.flat_params()[self.fragment_index[p]].clone()
+
+    def adopt(self, p: int, params: torch.Tensor, version: int, pending: bool = False,
+              at_push: torch.Tensor | None = None) -> None:
+        """A pull of fragment p arrived: take the global fragment (float32 (numel_p,)) as the island's own.
+
+        Communication overlaps compute (as in Streaming DiLoCo's overlap, arXiv:2501.18512 §2.2, and the
+        eager outer updates of Kale et al. 2025, arXiv:2502.12996): the island went on training while its push
+        travelled to the syncer and the pulled fragment travelled back. ``at_push`` is the island's fragment
+        when it pushed (float32 (numel_p,); None: nothing was trained meanwhile, the blocking case). The
+        island's progress since then, θ_now − θ_at_push, is kept on top of the global fragment:
+        θ ← θ_global + (θ_now − θ_at_push), and the base becomes θ_global, so the next Δ holds exactly the
+        work done after the push (nothing is counted twice, nothing is lost).
 
         If the island's push is still buffered at the syncer (``pending``: no quorum yet), the global
         fragment lacks the island's own work, and adopting it would throw that progress away until the
-        merge. The island then keeps its parameters and rebases on them, so its next Δ holds only the work
-        done after this push (nothing is counted twice); its base version stays, so the syncer sees the
-        next push's staleness correctly. It adopts the global fragment at its next pull.
+        merge. The island then keeps its parameters and rebases on ``θ_at_push``, so its next Δ holds only
+        the work done after this push; its base version stays, so the syncer sees the next push's staleness
+        correctly. It adopts the global fragment at its next pull.
         """
+        own = self.island.flat_params()
+        mine = own[self.fragment_index[p]]
+        at_push = mine if at_push is None else at_push
         if pending:
-            self.base[p] = self.island.flat_params()[self.fragment_index[p]]
+            self.base[p] = at_push.clone()
             return
-        flat = self.island.flat_params()
-        flat[self.fragment_index[p]] = params
-        self.island.set_flat_params(flat)
+        own[self.fragment_index[p]] = params + (mine - at_push)
+        self.island.set_flat_params(own)
         self.base[p] = params.clone()
         self.base_version[p] = version
 
@@ -270,7 +291,16 @@ class _Sim:
     started: int = 0                        # inner steps begun (the budget counts these)
     done: int = 0                           # inner steps finished
     queue: list[tuple[float, int, int, str, int]] = field(default_factory=list)  # (time, island, seq, action, fragment)
-    in_flight: dict[int, tuple[torch.Tensor, int, int]] = field(default_factory=dict)  # island -> (Δ, tokens, base version)
+    # per transfer in flight, by its event's seq: a push {"delta", "tokens", "base_version", "at_push", "epoch"}
+    # or a pull {"params", "version", "pending", "at_push", "epoch"}
+    in_flight: dict[int, dict[str, Any]] = field(default_factory=dict)
+    uplink_free: list[float] = field(default_factory=list)    # per island: when its uplink is next idle
+    downlink_free: list[float] = field(default_factory=list)  # per island: when its downlink is next idle
+    awaiting: list[list[bool]] = field(default_factory=list)  # per island and fragment: a push/pull in flight
+    epoch: list[int] = field(default_factory=list)            # per island: failures so far (stale transfers die)
+    deferred_pushes: int = 0                # pushes skipped because the fragment's previous one was in flight
+    lost_pushes: int = 0                    # pushes on the wire when their island failed
+    last_arrival: float = 0.0               # simulated time of the last push that reached the syncer
     seq: int = 0
     initial_eval_loss: float = float("nan")
     eval_loss: float = float("nan")
@@ -278,12 +308,14 @@ class _Sim:
     @classmethod
     def new(cls, islands: int, fragments: int) -> _Sim:
         return cls([0.0] * islands, [0.0] * islands, [[0.0] * fragments for _ in range(islands)], [0.0] * islands,
-                   [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands)
+                   [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands,
+                   uplink_free=[0.0] * islands, downlink_free=[0.0] * islands,
+                   awaiting=[[False] * fragments for _ in range(islands)], epoch=[0] * islands)
 
     def state_dict(self) -> dict[str, Any]:
         state = {f.name: getattr(self, f.name) for f in fields(self)}
         state["queue"] = [list(e) for e in self.queue]
-        state["in_flight"] = [[i, *v] for i, v in self.in_flight.items()]
+        state["in_flight"] = [[n, v] for n, v in self.in_flight.items()]
         state["failed_at"] = [-1.0 if t is None else t for t in self.failed_at]
         return copy.deepcopy(state)
 
@@ -291,7 +323,7 @@ class _Sim:
     def from_state(cls, state: dict[str, Any]) -> _Sim:
         state = dict(state)
         state["queue"] = [(float(t), int(i), int(n), str(a), int(p)) for t, i, n, a, p in state["queue"]]
-        state["in_flight"] = {int(i): (d, int(t), int(v)) for i, d, t, v in state["in_flight"]}
+        state["in_flight"] = {int(n): dict(v) for n, v in state["in_flight"]}
         state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
         return cls(**state)
 
@@ -323,6 +355,7 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     trace = FailureTrace.from_spec(config.chaos, K, config.seed) if config.chaos else None
     workers = [IslandWorker(i, job, n) for i, n in enumerate(expected_steps(config))]
     frag_bytes = [int(idx.numel()) * 4 for idx in job.index]
+    frag_share = [int(idx.numel()) / sum(int(j.numel()) for j in job.index) for idx in job.index]
     budget = K * config.steps
     tps = config.tokens_per_step
     if state is not None:
@@ -346,9 +379,11 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
                 sim_wall_s=0.0, bytes_sent_per_island=0.0)
     (out / "config.json").write_text(config.model_dump_json(indent=2))
 
-    def schedule(i: int, at: float, action: str, p: int = -1) -> None:
+    def schedule(i: int, at: float, action: str, p: int = -1) -> int:
+        """Queue island i's ``action`` at simulated time ``at``; return the event's seq (its key in in_flight)."""
         heapq.heappush(st.queue, (at, i, st.seq, action, p))
         st.seq += 1
+        return st.seq - 1
 
     def next_step(i: int) -> None:
         """Start island i's next inner step at its clock, or its failure if an outage interrupts it."""
@@ -379,7 +414,7 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
         for i in range(K):
             next_step(i)
     else:  # islands idle at the checkpoint (the end of a shorter run) go on, if the budget grew
-        busy = {e[1] for e in st.queue}
+        busy = {e[1] for e in st.queue if e[3] in ("step", "fail", "rejoin")}  # transfers run beside compute
         for i in range(K):
             if i in busy:
                 continue
@@ -390,7 +425,7 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     give_up_at = GIVE_UP_FACTOR * config.steps * config.sim_step_s / min(speeds)
     gave_up = False
     while st.queue:
-        t, i, _, action, p = st.queue[0]
+        t, i, seq, action, p = st.queue[0]
         if t > give_up_at:
             gave_up = True
             print(f"atoll: warning: chaos: {config.chaos} leaves almost no up-time for a step; stopped at "
@@ -408,14 +443,20 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
             dur = config.sim_step_s / speeds[i]
             st.clock[i], st.compute[i] = t, st.compute[i] + dur
             st.done += 1
-            due = w.due()
-            if due:  # at most one fragment is due per step
-                delta, tokens, base_version, nbytes = w.make_push(due[0])
+            due = w.due()  # at most one fragment is due per step
+            if due and st.awaiting[i][due[0]]:  # its previous push or pull is still on the wire: next time
+                st.deferred_pushes += 1
+            elif due:  # push it on the island's uplink and train on: the transfers overlap compute
+                q = due[0]
+                at_push = w.fragment_params(q)
+                delta, tokens, base_version, nbytes = w.make_push(q)
                 st.bytes_sent[i] += nbytes
-                st.in_flight[i] = (delta, tokens, base_version)
-                schedule(i, t + link.transfer_seconds(nbytes, 1), "push", due[0])
-            else:
-                next_step(i)
+                st.uplink_free[i] = arrive = max(t, st.uplink_free[i]) + link.transfer_seconds(nbytes, 1)
+                st.awaiting[i][q] = True
+                st.in_flight[schedule(i, arrive, "push", q)] = {
+                    "island": i, "fragment": q, "delta": delta, "tokens": tokens, "base_version": base_version,
+                    "at_push": at_push, "epoch": st.epoch[i]}
+            next_step(i)
             mean_steps = st.done / K
             if st.done % (K * LOG_EVERY) == 0:
                 log.log("train", step=st.done // K, tokens=st.done * tps, loss=sum(st.last_loss) / K,
@@ -429,18 +470,34 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
             if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < budget:
                 syncer.save(out / "syncer")
                 checkpoint(st.done // K)
-        elif action == "push":
-            delta, tokens, base_version = st.in_flight.pop(i)
-            syncer.push(i, p, delta, tokens, base_version, now=t, round_s=t - st.pulled_at[i][p])
-            params, version = syncer.pull(p)  # the newest global fragment at the push's arrival
-            w.adopt(p, params, version, pending=syncer.is_pending(i, p))
-            st.clock[i] = t + link.transfer_seconds(frag_bytes[p], 1)
-            st.pulled_at[i][p] = st.clock[i]
-            next_step(i)
+        elif action == "push":  # the push reaches the syncer; the newest global fragment goes back
+            msg = st.in_flight.pop(seq)
+            if msg["epoch"] != st.epoch[i]:  # the island failed while it was on the wire: lost (tokens
+                st.lost_pushes += 1           # counted at the failure)
+                continue
+            syncer.push(i, p, msg["delta"], msg["tokens"], msg["base_version"], now=t,
+                        round_s=t - st.pulled_at[i][p])
+            st.last_arrival = max(st.last_arrival, t)
+            params, version = syncer.pull(p)
+            st.downlink_free[i] = arrive = max(t, st.downlink_free[i]) + link.transfer_seconds(frag_bytes[p], 1)
+            st.in_flight[schedule(i, arrive, "pull", p)] = {
+                "island": i, "fragment": p, "params": params, "version": version,
+                "pending": syncer.is_pending(i, p), "at_push": msg["at_push"], "epoch": msg["epoch"]}
+        elif action == "pull":  # the pulled fragment arrives: adopt it, keeping the work done since the push
+            msg = st.in_flight.pop(seq)
+            if msg["epoch"] != st.epoch[i]:
+                continue
+            w.adopt(p, msg["params"], msg["version"], pending=msg["pending"], at_push=msg["at_push"])
+            st.awaiting[i][p] = False
+            st.pulled_at[i][p] = t
         elif action == "fail":
             st.failures[i] += 1
             st.failed_at[i] = t
-            st.lost_tokens += w.lose_work()
+            st.lost_tokens += w.lose_work() + sum(  # pushes still on the wire die with the island
+                m["tokens"] * frag_share[m["fragment"]] for m in st.in_flight.values()
+                if m["island"] == i and m["epoch"] == st.epoch[i] and "tokens" in m)
+            st.epoch[i] += 1
+            st.awaiting[i] = [False] * syncer.fragments
             _, up = trace.next_outage(i, t)  # type: ignore[union-attr]
             st.clock[i] = t
             schedule(i, up, "rejoin")
@@ -448,7 +505,8 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
             if st.started >= budget:
                 continue  # the run is over: the island stays down
             w.rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
-            st.clock[i] = t + link.transfer_seconds(sum(frag_bytes), 1)
+            st.clock[i] = t + link.transfer_seconds(sum(frag_bytes), 1)  # blocking: nothing to train on yet
+            st.uplink_free[i] = st.downlink_free[i] = st.clock[i]
             st.pulled_at[i] = [st.clock[i]] * syncer.fragments
             st.rejoin_s.append(st.clock[i] - st.failed_at[i])  # type: ignore[operator]
             st.rejoins[i] += 1
@@ -462,10 +520,11 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
             if w.tokens_since[p] > 0:
                 delta, tokens, base_version, nbytes = w.make_push(p)
                 st.bytes_sent[i] += nbytes
-                st.clock[i] += link.transfer_seconds(nbytes, 1)
-                syncer.push(i, p, delta, tokens, base_version, now=st.clock[i], round_s=st.clock[i] - st.pulled_at[i][p])
+                st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + link.transfer_seconds(nbytes, 1)
+                syncer.push(i, p, delta, tokens, base_version, now=arrive, round_s=arrive - st.pulled_at[i][p])
+                st.last_arrival = max(st.last_arrival, arrive)
     syncer.flush()
-    sim_wall_s = max([st.clock[i] for i in alive] or [max(st.clock)])
+    sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
     st.eval_loss = evaluate(global_model_now(), job.val)
     log.log("eval", step=config.steps, tokens=st.done * tps, eval_loss=st.eval_loss, perplexity=math.exp(st.eval_loss),
             sim_wall_s=sim_wall_s, bytes_sent_per_island=sum(st.bytes_sent) / K)
@@ -490,7 +549,8 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
         **stats, "skipped_steps": sum(w.island.skipped_steps for w in workers),
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
         "island_speeds": speeds, "sim_step_s": config.sim_step_s, "chaos": config.chaos,
-        "steps_per_island": [w.steps for w in workers],
+        "steps_per_island": [w.steps for w in workers], "deferred_pushes": st.deferred_pushes,
+        "lost_pushes": st.lost_pushes,
         "useful_tokens": syncer.merged_tokens, "lost_tokens": st.lost_tokens,
         "goodput": syncer.merged_tokens / sim_wall_s / ideal_rate if sim_wall_s > 0 else 1.0,
         "island_utilization": [c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
