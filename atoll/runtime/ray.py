@@ -11,9 +11,10 @@ The driver (this process) prepares the data and the initial model, then starts o
 (holding the :class:`~atoll.syncer.Syncer`, on the CPU, 0 CPUs reserved) and ``islands`` island actors
 (each ``ray_cpus_per_island`` CPUs, ``ray_gpus_per_island`` GPUs; Ray places them on the cluster). Every
 island runs :class:`~atoll.strategies.decoupled.IslandWorker` at its own pace: inner steps, then on the
-fragment schedule a push to the syncer and a pull of the newest global fragment. Nobody waits for another
-island. The syncer merges a quorum at once, and closes a buffer's grace window (a multiple of the measured
-round time) on the next call it receives; it checkpoints itself atomically after every merge
+fragment schedule a push to the syncer and a pull of the newest global fragment, which it adopts when it
+arrives while it trains on (communication overlaps compute). Nobody waits for another island. The syncer
+merges a quorum at once, and closes a buffer's grace window (a multiple of the measured round time) on the
+next call it receives; it checkpoints itself atomically after every merge
 (``<out>/syncer/``), so no committed outer step is lost.
 
 Failures: island actors are created with ``max_restarts``; a killed island process (SIGKILL, a lost node)
@@ -153,28 +154,54 @@ class IslandService:
         self.last_loss = float("nan")
 
     def run(self) -> dict[str, Any]:
-        """Train until the shared step budget is spent; return this island's counters."""
+        """Train until the shared step budget is spent; return this island's counters.
+
+        A push is sent without waiting (a Ray call whose result is the pulled fragment); the island trains
+        on and adopts the pulled fragment once it has arrived, keeping the work done meanwhile
+        (:meth:`~atoll.strategies.decoupled.IslandWorker.adopt`). Before the next push of the same fragment
+        it waits for the previous one, so a fragment has at most one exchange on the wire.
+        """
         w, i = self.worker, self.index
         pulled_at = [time.monotonic()] * w.fragments
+        in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # fragment -> (Ray result of push_pull, θ at push)
         while ray.get(self.syncer.reserve_step.remote(i)):
             t = time.perf_counter()
             self.last_loss = w.train_step()
             self.compute_s += time.perf_counter() - t
+            self._adopt(in_flight, pulled_at, wait=False)
             for p in w.due():
-                self._push(p, pulled_at)
+                self._adopt(in_flight, pulled_at, wait=True, only=p)
+                self._push(p, in_flight, pulled_at)
+        self._adopt(in_flight, pulled_at, wait=True)
         for p in range(w.fragments):  # the end: push what was not pushed
             if w.tokens_since[p] > 0:
-                self._push(p, pulled_at)
+                self._push(p, in_flight, pulled_at)
+                self._adopt(in_flight, pulled_at, wait=True)
         return {"island": i, "steps": w.steps, "compute_s": self.compute_s, "bytes_sent": self.bytes_sent,
                 "last_loss": self.last_loss}
 
-    def _push(self, p: int, pulled_at: list[float]) -> None:
+    def _push(self, p: int, in_flight: dict[int, tuple[Any, torch.Tensor]], pulled_at: list[float]) -> None:
+        at_push = self.worker.fragment_params(p)
         delta, tokens, base_version, nbytes = self.worker.make_push(p)
         self.bytes_sent += nbytes
-        _, params, version, pending = ray.get(self.syncer.push_pull.remote(
-            self.index, p, delta, tokens, base_version, time.monotonic() - pulled_at[p]))
-        self.worker.adopt(p, params, version, pending=pending)
-        pulled_at[p] = time.monotonic()
+        in_flight[p] = (self.syncer.push_pull.remote(self.index, p, delta, tokens, base_version,
+                                                     time.monotonic() - pulled_at[p]), at_push)
+
+    def _adopt(self, in_flight: dict[int, tuple[Any, torch.Tensor]], pulled_at: list[float], wait: bool,
+               only: int | None = None) -> None:
+        """Adopt the pulled fragments that have arrived (``wait``: wait for them; ``only``: that fragment)."""
+        frags = [p for p in in_flight if only is None or p == only]
+        if not frags:
+            return
+        refs = [in_flight[p][0] for p in frags]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
+        for p in frags:
+            ref, at_push = in_flight[p]
+            if ref in ready:
+                _, params, version, pending = ray.get(ref)
+                self.worker.adopt(p, params, version, pending=pending, at_push=at_push)
+                pulled_at[p] = time.monotonic()
+                del in_flight[p]
 
     def pid(self) -> int:
         return os.getpid()
