@@ -166,10 +166,6 @@ class Syncer:
         """(a float32 copy of the newest global fragment, shape (numel_p,); its version)."""
         return self.outer[fragment].params.detach().clone(), self.outer[fragment].version
 
-    def is_pending(self, island: int, fragment: int) -> bool:
-        """Whether a push of ``island`` to ``fragment`` is buffered, not merged yet."""
-        return any(p.island == island for p in self.buffers[fragment].pushes)
-
     def global_params(self) -> torch.Tensor:
         """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
         flat = torch.empty(self.numel, dtype=torch.float32)

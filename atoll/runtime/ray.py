@@ -103,8 +103,8 @@ class SyncerService:
         return True
 
     def push_pull(self, island: int, fragment: int, delta: torch.Tensor, tokens: int, base_version: int,
-                  round_s: float) -> tuple[bool, torch.Tensor, int, bool]:
-        """Push fragment ``fragment``'s Δ, then pull it: (accepted, params, version, own push pending)."""
+                  round_s: float) -> tuple[bool, torch.Tensor, int]:
+        """Push fragment ``fragment``'s Δ, then pull it: (accepted, params, version)."""
         now = self._now()
         self.last_seen[island] = now
         self._poll()
@@ -112,7 +112,7 @@ class SyncerService:
         if result.committed:
             self.syncer.save(self.out / "syncer")
         params, version = self.syncer.pull(fragment)
-        return result.accepted, params, version, self.syncer.is_pending(island, fragment)
+        return result.accepted, params, version
 
     def finish(self) -> dict[str, Any]:
         """Merge every open buffer, checkpoint, and return the statistics and the global parameters."""
@@ -198,8 +198,8 @@ class IslandService:
         for p in frags:
             ref, at_push = in_flight[p]
             if ref in ready:
-                _, params, version, pending = ray.get(ref)
-                self.worker.adopt(p, params, version, pending=pending, at_push=at_push)
+                _, params, version = ray.get(ref)
+                self.worker.adopt(p, params, version, at_push=at_push)
                 pulled_at[p] = time.monotonic()
                 del in_flight[p]
 

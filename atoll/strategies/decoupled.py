@@ -3,7 +3,8 @@
 Decoupled DiLoCo (arXiv:2604.21428), in the family of asynchronous local SGD (Liu et al. 2024,
 arXiv:2401.09135). Each island runs inner AdamW steps on its own shard at its own speed. On the staggered
 fragment schedule of Streaming DiLoCo (fragment p after ``offset_p, offset_p + H, ...`` of the island's own
-inner steps; with ``--fragments 1`` every H steps) it pushes that fragment's pseudo-gradient
+inner steps, where an island's H is proportional to its speed, :func:`local_sync_every`; with ``--fragments 1``
+every H steps) it pushes that fragment's pseudo-gradient
 Δ = θ_global(v) − θ_island, with its token count and the version v it started from, to the
 :class:`~atoll.syncer.Syncer` and goes on training while the push and the pull of the newest global fragment
 travel (communication overlaps compute; on arrival the pulled fragment replaces the island's, the work done
@@ -131,6 +132,19 @@ def make_syncer(config: TrainConfig, job: Job) -> Syncer:
                   scale_partial=config.scale_partial_merges)
 
 
+def local_sync_every(config: TrainConfig) -> list[int]:
+    """Each island's H: ``sync_every`` scaled by its speed over the fastest island's, at least ``fragments``.
+
+    Dynamic Local Updates (Liu et al. 2024, arXiv:2401.09135, §4.2): an island at half speed takes half as
+    many inner steps per round, so every island pushes each fragment at about the same wall-clock cadence.
+    Without it a quarter-speed island's push arrives after four rounds of the others' commits: stale enough
+    to be discounted hard or dropped (``max_staleness``), so its compute would be wasted. Its smaller
+    contribution is weighed by its tokens in the merge.
+    """
+    fastest = max(config.speeds)
+    return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
+
+
 def expected_steps(config: TrainConfig) -> list[int]:
     """Each island's share of the ``islands x steps`` budget, proportional to its speed (its LR schedule)."""
     speeds = config.speeds
@@ -147,6 +161,7 @@ class IslandWorker:
         device: where the island's replica and inner optimizer live (exchanged tensors are float32 on the CPU).
 
     Attributes:
+        sync_every: the island's own H (:func:`local_sync_every`: proportional to its speed).
         base, base_version: per fragment, the global fragment (float32, (numel_p,)) the island last pulled,
             and its version; pseudo-gradients are taken against it.
         tokens_since: per fragment, tokens trained since its last push.
@@ -166,6 +181,7 @@ class IslandWorker:
             self.island.optimizer,
             cosine_with_warmup(min(config.warmup_steps, total_steps // 10), total_steps, config.min_lr_ratio))
         self.fragment_index = job.index
+        self.sync_every = local_sync_every(config)[index]
         self.wire = Wire(config, [index])
         self.base = [job.init_flat[idx].clone() for idx in job.index]
         self.base_version = [0] * len(job.index)
@@ -191,7 +207,7 @@ class IslandWorker:
 
     def due(self) -> list[int]:
         """Fragments whose push is due after the step just taken (staggered schedule, own step count)."""
-        return fragments_due(self.round_step - 1, self.fragments, self.config.sync_every) if self.round_step else []
+        return fragments_due(self.round_step - 1, self.fragments, self.sync_every) if self.round_step else []
 
     def make_push(self, p: int) -> tuple[torch.Tensor, int, int, int]:
         """(Δ as the syncer receives it, float32 (numel_p,); tokens; base version; bytes on the wire).
@@ -213,8 +229,7 @@ class IslandWorker:
         """A float32 copy of the island's own parameters of fragment p, shape (numel_p,)."""
         return self.island.flat_params()[self.fragment_index[p]].clone()
 
-    def adopt(self, p: int, params: torch.Tensor, version: int, pending: bool = False,
-              at_push: torch.Tensor | None = None) -> None:
+    def adopt(self, p: int, params: torch.Tensor, version: int, at_push: torch.Tensor | None = None) -> None:
         """A pull of fragment p arrived: take the global fragment (float32 (numel_p,)) as the island's own.
 
         Communication overlaps compute (as in Streaming DiLoCo's overlap, arXiv:2501.18512 §2.2, and the
@@ -222,21 +237,19 @@ class IslandWorker:
         travelled to the syncer and the pulled fragment travelled back. ``at_push`` is the island's fragment
         when it pushed (float32 (numel_p,); None: nothing was trained meanwhile, the blocking case). The
         island's progress since then, θ_now − θ_at_push, is kept on top of the global fragment:
-        θ ← θ_global + (θ_now − θ_at_push), and the base becomes θ_global, so the next Δ holds exactly the
-        work done after the push (nothing is counted twice, nothing is lost).
+        θ ← θ_global + (θ_now − θ_at_push), and the base becomes θ_global at ``version``, so the next Δ holds
+        exactly the work done after the push (nothing is counted twice, nothing is lost).
 
-        If the island's push is still buffered at the syncer (``pending``: no quorum yet), the global
-        fragment lacks the island's own work, and adopting it would throw that progress away until the
-        merge. The island then keeps its parameters and rebases on ``θ_at_push``, so its next Δ holds only
-        the work done after this push; its base version stays, so the syncer sees the next push's staleness
-        correctly. It adopts the global fragment at its next pull.
+        If the island's own push is still buffered at the syncer (no quorum yet), the global fragment lacks
+        that work until the merge; the island adopts it all the same, as asynchronous local SGD does (Liu et
+        al. 2024, arXiv:2401.09135: a worker always continues from the newest global model), and gets its
+        work back, merged, at its next pull. Keeping its own parameters instead would leave its base version
+        behind, and its next push would count as staler than it is (in our 8-island runs, quorum 4, about
+        one push in seven was then dropped at ``max_staleness``).
         """
         own = self.island.flat_params()
         mine = own[self.fragment_index[p]]
         at_push = mine if at_push is None else at_push
-        if pending:
-            self.base[p] = at_push.clone()
-            return
         own[self.fragment_index[p]] = params + (mine - at_push)
         self.island.set_flat_params(own)
         self.base[p] = params.clone()
@@ -292,7 +305,7 @@ class _Sim:
     done: int = 0                           # inner steps finished
     queue: list[tuple[float, int, int, str, int]] = field(default_factory=list)  # (time, island, seq, action, fragment)
     # per transfer in flight, by its event's seq: a push {"delta", "tokens", "base_version", "at_push", "epoch"}
-    # or a pull {"params", "version", "pending", "at_push", "epoch"}
+    # or a pull {"params", "version", "at_push", "epoch"}
     in_flight: dict[int, dict[str, Any]] = field(default_factory=dict)
     uplink_free: list[float] = field(default_factory=list)    # per island: when its uplink is next idle
     downlink_free: list[float] = field(default_factory=list)  # per island: when its downlink is next idle
@@ -481,13 +494,13 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
             params, version = syncer.pull(p)
             st.downlink_free[i] = arrive = max(t, st.downlink_free[i]) + link.transfer_seconds(frag_bytes[p], 1)
             st.in_flight[schedule(i, arrive, "pull", p)] = {
-                "island": i, "fragment": p, "params": params, "version": version,
-                "pending": syncer.is_pending(i, p), "at_push": msg["at_push"], "epoch": msg["epoch"]}
+                "island": i, "fragment": p, "params": params, "version": version, "at_push": msg["at_push"],
+                "epoch": msg["epoch"]}
         elif action == "pull":  # the pulled fragment arrives: adopt it, keeping the work done since the push
             msg = st.in_flight.pop(seq)
             if msg["epoch"] != st.epoch[i]:
                 continue
-            w.adopt(p, msg["params"], msg["version"], pending=msg["pending"], at_push=msg["at_push"])
+            w.adopt(p, msg["params"], msg["version"], at_push=msg["at_push"])
             st.awaiting[i][p] = False
             st.pulled_at[i][p] = t
         elif action == "fail":
