@@ -205,6 +205,13 @@ class TrainConfig(BaseModel):
     ray_gpus_per_island: float = Field(
         0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
     )
+    ray_island_resources: list[dict[str, float]] | None = Field(
+        None,
+        description="ray runtime: custom Ray resources each island actor needs, to pin islands to a region "
+        "or a hardware generation: NAME=AMOUNT[,NAME=AMOUNT] per island, islands separated by ';' "
+        "(e.g. 'us_east=1;us_east=1;eu_west=1;eu_west=1'), or one entry for every island. Nodes declare them "
+        "with ray start --resources; a local Ray started by atoll declares what the islands need.",
+    )
 
     # --- simulated network ---------------------------------------------------------------------------
     link_bandwidth_mbps: float = Field(
@@ -248,6 +255,13 @@ class TrainConfig(BaseModel):
                                  "--island-speeds 1,1,0.5,0.25") from None
         return value
 
+    @field_validator("ray_island_resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [parse_resources(part) for part in value.split(";")]
+        return value
+
     @field_validator("chaos")
     @classmethod
     def _check_chaos(cls, value: str | None) -> str | None:
@@ -273,6 +287,17 @@ class TrainConfig(BaseModel):
             if getattr(self, name) != TrainConfig.model_fields[name].default:
                 raise ValueError(f"{name}: only the ray runtime uses it; add --runtime ray or drop "
                                  f"--{name.replace('_', '-')}")
+        if self.ray_island_resources is not None:
+            if len(self.ray_island_resources) not in (1, self.islands):
+                raise ValueError(f"ray_island_resources: {len(self.ray_island_resources)} entries for "
+                                 f"{self.islands} islands; give one per island (';'-separated) or one for all")
+            for res in self.ray_island_resources:
+                for name, amount in res.items():
+                    if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                        raise ValueError(f"ray_island_resources: '{name}' is not a custom resource name; use "
+                                         "--ray-cpus-per-island / --ray-gpus-per-island for CPUs and GPUs")
+                    if not 0 < amount < float("inf"):
+                        raise ValueError(f"ray_island_resources: {name}={amount} must be a positive number")
         if self.runtime == "ray" and self.strategy != "decoupled":
             raise ValueError("runtime: ray runs only the decoupled strategy; add --strategy decoupled")
         if self.runtime == "ray" and (self.chaos is not None or self.island_speeds is not None):
@@ -332,7 +357,26 @@ DEMO_MIN_LR_RATIO = 1.0  # demo's default cosine floor (see TrainConfig._strateg
 DECOUPLED_OUTER_MOMENTUM = 0.5  # decoupled's default outer Nesterov momentum (see TrainConfig._strategy_defaults)
 _DECOUPLED_TUNING = ("grace_factor", "max_staleness", "staleness_exponent", "update_norm_bound",
                      "scale_partial_merges", "sim_step_s")
-_RAY_ONLY = ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island")
+_RAY_ONLY = ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island", "ray_island_resources")
+
+
+def parse_resources(value: str) -> dict[str, float]:
+    """``"NAME=AMOUNT[,NAME=AMOUNT]"`` -> {name: amount}: one island's custom Ray resources.
+
+    Raises:
+        ValueError: an entry that is not NAME=NUMBER (the message names the fix).
+    """
+    out: dict[str, float] = {}
+    for item in value.split(","):
+        name, sep, amount = item.strip().partition("=")
+        try:
+            out[name.strip()] = float(amount)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"'{item.strip()}' is not NAME=AMOUNT; pass e.g. --ray-island-resources "
+                             "'us_east=1;us_east=1;eu_west=1;eu_west=1'")
+    return out
 
 
 def parse_chaos(value: str) -> tuple[float, float]:

@@ -114,6 +114,11 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     (["--chaos", "0:5"], "chaos: '0:5' is not MTBF_S:DOWNTIME_S"),
     (["--quorum", "5"], "quorum: 5 exceeds islands (4)"),
     (["--runtime", "collective"], "runtime: decoupled runs under local or ray"),
+    (["--runtime", "ray", "--ray-island-resources", "eu=1;eu=1"], "ray_island_resources: 2 entries for 4 islands"),
+    (["--runtime", "ray", "--ray-island-resources", "eu"], "ray_island_resources: 'eu' is not NAME=AMOUNT"),
+    (["--runtime", "ray", "--ray-island-resources", "eu=0"], "ray_island_resources: eu=0.0 must be a positive"),
+    (["--runtime", "ray", "--ray-island-resources", "GPU=1"], "ray_island_resources: 'GPU' is not a custom"),
+    (["--ray-island-resources", "eu=1"], "ray_island_resources: only the ray runtime uses it"),
 ])
 def test_bad_decoupled_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
     r = run_atoll("train", "--strategy", "decoupled", "--islands", "4", *flags, timeout=120)
@@ -132,6 +137,18 @@ def test_decoupled_only_flags_are_refused() -> None:
     with pytest.raises(ConfigError, match="ray_address: only the ray runtime uses it"):
         build_config(overrides={"strategy": "decoupled", "ray_address": "10.0.0.1:6379"})
     build_config(overrides={"strategy": "diloco", "grace_factor": build_config().grace_factor})
+
+
+def test_ray_island_resources_one_entry_or_one_per_island() -> None:
+    pytest.importorskip("ray")
+    from atoll.runtime.ray import island_resources
+
+    base = {"strategy": "decoupled", "runtime": "ray", "islands": 3}
+    one = build_config(overrides={**base, "ray_island_resources": "h100=1, us_east=0.5"})
+    assert island_resources(one) == [{"h100": 1.0, "us_east": 0.5}] * 3
+    each = build_config(overrides={**base, "ray_island_resources": "us=1;us=1;eu=1"})
+    assert island_resources(each) == [{"us": 1.0}, {"us": 1.0}, {"eu": 1.0}]
+    assert island_resources(build_config(overrides=base)) == [{}, {}, {}]
 
 
 def test_failures_faster_than_a_step_stop_with_a_warning(fast_config: dict, capsys) -> None:

@@ -29,7 +29,7 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
            "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", "400", "--model", "micro",
            "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"],
            "--cache-dir", fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress",
-           "--out", str(out)]
+           "--ray-island-resources", "region_a=1;region_b=1", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -58,3 +58,6 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
     assert sum(summary["versions"]) == summary["commits"] == _latest_commits(out)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert sum(summary["steps_per_island"]) == 2 * 400
+    # each island was placed by its custom resource (the local Ray declared them), on this machine's node
+    assert summary["island_resources"] == [{"region_a": 1.0}, {"region_b": 1.0}]
+    assert len(set(summary["island_nodes"])) == 1 and None not in summary["island_nodes"]

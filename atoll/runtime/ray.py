@@ -178,7 +178,7 @@ class IslandService:
                 self._push(p, in_flight, pulled_at)
                 self._adopt(in_flight, pulled_at, wait=True)
         return {"island": i, "steps": w.steps, "compute_s": self.compute_s, "bytes_sent": self.bytes_sent,
-                "last_loss": self.last_loss}
+                "last_loss": self.last_loss, "node_id": ray.get_runtime_context().get_node_id()}
 
     def _push(self, p: int, in_flight: dict[int, tuple[Any, torch.Tensor]], pulled_at: list[float]) -> None:
         at_push = self.worker.fragment_params(p)
@@ -248,10 +248,22 @@ def _init_ray(config: TrainConfig) -> bool:
     paths = [str(Path(atoll.__file__).resolve().parent.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     threads = str(config.threads or 1)
     cpus = max(os.cpu_count() or 1, math.ceil(config.islands * config.ray_cpus_per_island) + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="warning",
+    # a local Ray is one node: it declares the custom resources the islands ask for (regions, hardware
+    # generations), so a run meant for a cluster can be tried on one machine
+    custom: dict[str, float] = {}
+    for res in island_resources(config):
+        for name, amount in res.items():
+            custom[name] = custom.get(name, 0.0) + amount
+    ray.init(num_cpus=cpus, resources=custom or None, include_dashboard=False, logging_level="warning",
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
                                        "OMP_NUM_THREADS": threads}})
     return True
+
+
+def island_resources(config: TrainConfig) -> list[dict[str, float]]:
+    """Each island's custom Ray resources (``ray_island_resources``; one entry applies to every island)."""
+    res = config.ray_island_resources or [{}]
+    return [dict(r) for r in (res * config.islands if len(res) == 1 else res)]
 
 
 def _wait_restarted(actor: Any, timeout_s: float = 120.0) -> None:
@@ -279,7 +291,8 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     syncer = ray.remote(num_cpus=0)(SyncerService).remote(cfg, str(out))
     island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
                             max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
-    islands = [island_cls.remote(cfg, i, syncer, str(out)) for i in range(config.islands)]
+    islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out)) if res else
+               island_cls.remote(cfg, i, syncer, str(out)) for i, res in enumerate(island_resources(config))]
     running = {isl.run.remote(): i for i, isl in enumerate(islands)}
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands
@@ -360,7 +373,8 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
         "goodput": final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
         "island_utilization": [r["compute_s"] / wall_s for r in res], "failures": failures,
         "rejoins": [j - 1 for j in final["joins"]], "rejoin_s": final["rejoin_s"], "versions": final["versions"],
-        "abandoned_islands": final["abandoned"],
+        "abandoned_islands": final["abandoned"], "island_resources": island_resources(config),
+        "island_nodes": [r.get("node_id") for r in res],
         "compute_s": max(r["compute_s"] for r in res), "sim_wall_s": wall_s,
         "compute_utilization": max(r["compute_s"] for r in res) / wall_s, "wall_s": wall_s,
         "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
