@@ -339,11 +339,14 @@ class Syncer:
         self.merged_tokens = float(state["merged_tokens"])
         self.merged_tokens_per_island = [float(x) for x in state["merged_tokens_per_island"]]
 
-    def save(self, folder: Path, keep: int = 2) -> Path:
-        """Write :meth:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return that path."""
+    def save(self, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
+        """Write :meth:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return that path.
+
+        ``extra``: more entries for the same checkpoint (a runtime's own counters), beside ``"syncer"``.
+        """
         from atoll.checkpoint import save_checkpoint
 
-        return save_checkpoint(Path(folder), self.commits, {"syncer": self.state_dict()}, keep=keep)
+        return save_checkpoint(Path(folder), self.commits, {**(extra or {}), "syncer": self.state_dict()}, keep=keep)
 
     def load(self, folder: Path) -> None:
         """Restore the newest complete checkpoint written by :meth:`save` under ``folder``.

@@ -61,3 +61,38 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
     # each island was placed by its custom resource (the local Ray declared them), on this machine's node
     assert summary["island_resources"] == [{"region_a": 1.0}, {"region_b": 1.0}]
     assert len(set(summary["island_nodes"])) == 1 and None not in summary["island_nodes"]
+
+
+def test_killed_syncer_restarts_from_its_checkpoint(fast_config: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ray-syncer"
+    cmd = [sys.executable, "-m", "atoll.cli", "train", "--strategy", "decoupled", "--runtime", "ray",
+           "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", "300", "--model", "micro",
+           "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"],
+           "--cache-dir", fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        pid_file = out / "ray" / "syncer.pid"
+        while _latest_commits(out) < 4 or not pid_file.is_file():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no commit within 240 s"
+            time.sleep(0.2)
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        committed_before = _latest_commits(out)  # on disk when it died: nothing of it may be lost
+        output, _ = proc.communicate(timeout=300)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["syncer_restarts"] == 1, summary
+    assert int(pid_file.read_text()) != pid, "a new process runs the syncer"
+    # it went on from its checkpoint: every commit before the crash is among the final ones
+    assert summary["commits"] > committed_before
+    assert sum(summary["versions"]) == summary["commits"] == _latest_commits(out)
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert sum(summary["steps_per_island"]) >= 2 * 300

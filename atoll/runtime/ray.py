@@ -25,6 +25,12 @@ the process. Once one island has finished (the step budget is spent), the others
 waits forever. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
 pull after the restart.
 
+The syncer actor has ``max_restarts`` too: a syncer process that dies is restarted by Ray from its last
+atomic checkpoint (``<out>/syncer/``, written at every commit with the shared step budget), so no committed
+outer step is lost (``syncer_restarts`` in the summary). The islands' calls wait for it and are retried
+(``max_task_retries``); pushes buffered after its last commit are lost with it, and the steps granted since
+that checkpoint are granted again, so the run may take a few more inner steps than its budget.
+
 Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
 ``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
 ``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
@@ -61,6 +67,9 @@ class SyncerService:
     """
 
     def __init__(self, config_json: str, out: str) -> None:
+        from atoll.checkpoint import latest_checkpoint, load_checkpoint
+        from atoll.errors import CheckpointError
+
         self.config = TrainConfig.model_validate_json(config_json)
         torch.set_num_threads(1)
         job = prepare_job(self.config)
@@ -73,13 +82,36 @@ class SyncerService:
         self.last_seen = [0.0] * self.config.islands
         self.joins = [0] * self.config.islands
         self.rejoin_s: list[float] = []
+        self.restarts = 0
+        try:  # a restart after a crash: continue from the last checkpoint (written at every commit)
+            _, state = load_checkpoint(latest_checkpoint(self.out / "syncer"))
+        except CheckpointError:
+            state = None
+        if state is not None:
+            self.syncer.load_state_dict(state["syncer"])
+            service = state.get("service", {})
+            self.reserved = int(service.get("reserved", 0))
+            self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
+            self.joins = [int(x) for x in service.get("joins", self.joins)]
+            self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
+            self.restarts = int(service.get("restarts", 0)) + 1
+        pid_dir = self.out / "ray"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / ".syncer.pid.tmp").write_text(str(os.getpid()))
+        os.replace(pid_dir / ".syncer.pid.tmp", pid_dir / "syncer.pid")
+
+    def _save(self) -> None:
+        """Checkpoint the syncer and the shared budget atomically (``out/syncer``)."""
+        self.syncer.save(self.out / "syncer", extra={"service": {
+            "reserved": self.reserved, "steps_by_island": self.steps_by_island, "joins": self.joins,
+            "rejoin_s": self.rejoin_s, "restarts": self.restarts}})
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
     def _poll(self) -> None:
         if self.syncer.poll(self._now()):
-            self.syncer.save(self.out / "syncer")
+            self._save()
 
     def join(self, island: int) -> tuple[torch.Tensor, list[int], int]:
         """An island (re)starts: (global params (numel,), versions, its inner steps so far)."""
@@ -110,15 +142,15 @@ class SyncerService:
         self._poll()
         result = self.syncer.push(island, fragment, delta, tokens, base_version, now=now, round_s=round_s)
         if result.committed:
-            self.syncer.save(self.out / "syncer")
+            self._save()
         params, version = self.syncer.pull(fragment)
         return result.accepted, params, version
 
     def finish(self) -> dict[str, Any]:
         """Merge every open buffer, checkpoint, and return the statistics and the global parameters."""
         self.syncer.flush()
-        self.syncer.save(self.out / "syncer")
-        return {"stats": self.syncer.stats(), "global": self.syncer.global_params(),
+        self._save()
+        return {"stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
                 "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
                 "joins": self.joins, "steps_by_island": self.steps_by_island,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
@@ -288,7 +320,8 @@ def _wait_restarted(actor: Any, timeout_s: float = 120.0) -> None:
 def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
     """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
     cfg = config.model_dump_json()
-    syncer = ray.remote(num_cpus=0)(SyncerService).remote(cfg, str(out))
+    # a crashed syncer is restarted by Ray from its last checkpoint; the islands' calls wait and are retried
+    syncer = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=-1)(SyncerService).remote(cfg, str(out))
     island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
                             max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
     islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out)) if res else
@@ -373,7 +406,8 @@ def train_ray(config: TrainConfig) -> dict[str, Any]:
         "goodput": final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
         "island_utilization": [r["compute_s"] / wall_s for r in res], "failures": failures,
         "rejoins": [j - 1 for j in final["joins"]], "rejoin_s": final["rejoin_s"], "versions": final["versions"],
-        "abandoned_islands": final["abandoned"], "island_resources": island_resources(config),
+        "abandoned_islands": final["abandoned"], "syncer_restarts": final["syncer_restarts"],
+        "island_resources": island_resources(config),
         "island_nodes": [r.get("node_id") for r in res],
         "compute_s": max(r["compute_s"] for r in res), "sim_wall_s": wall_s,
         "compute_utilization": max(r["compute_s"] for r in res) / wall_s, "wall_s": wall_s,
