@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sim-step-s", type=float, default=0.1, help="simulated seconds per inner step [0.1]")
     parser.add_argument("--sync-every", type=int, default=25, help="H [25; capped at steps // 2]")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, one core each [1]")
+    parser.add_argument("--train-sync", action="store_true",
+                        help="also train synchronous diloco on 8 islands, for its eval loss (its clock needs no run)")
     parser.add_argument("--fragments", type=int, default=4, help="decoupled fragments [4; micro has 2 layers: 2]")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/decoupled]")
     return parser.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
     specs = {  # largest first, so that --jobs 2 balances the cores
         "a_decoupled_free": dict(islands=8, **dc),
         "a_decoupled_chaos": dict(islands=8, chaos=chaos, **dc),
-        "a_diloco_free": dict(strategy="diloco", islands=8, **common),
+        **({"a_diloco_free": dict(strategy="diloco", islands=8, **common)} if args.train_sync else {}),
         "b_decoupled_homogeneous": dict(islands=4, **dc),
         "b_decoupled_speeds": dict(islands=4, island_speeds=speeds, **dc),
     }
@@ -92,10 +94,11 @@ def main() -> None:
         done = {n: run(suite, n, args.fresh, **s) for n, s in specs.items()}
 
     # (a) failures, 8 islands
-    free, hit, sync = done["a_decoupled_free"], done["a_decoupled_chaos"], done["a_diloco_free"]
+    free, hit, sync = done["a_decoupled_free"], done["a_decoupled_chaos"], done.get("a_diloco_free")
     trace = FailureTrace.from_spec(chaos, 8, 0)
-    sync_free = sync_accounting(sync, [1.0] * 8, None, args.sim_step_s, h)
-    sync_hit = sync_accounting(sync, [1.0] * 8, trace, args.sim_step_s, h)
+    # the synchronous clock needs only the model size, the link and the tokens: the same as decoupled's
+    sync_free = sync_accounting(free, [1.0] * 8, None, args.sim_step_s, h)
+    sync_hit = sync_accounting(free, [1.0] * 8, trace, args.sim_step_s, h)
     down = [sum(min(u, hit["sim_wall_s"]) - d for d, u in trace.until(i, hit["sim_wall_s"])) / hit["sim_wall_s"]
             for i in range(8)]
     results.update(a_decoupled_free=free, a_decoupled_chaos=hit, a_diloco_free=sync,
@@ -126,10 +129,10 @@ def main() -> None:
     rows = [
         row("(a) decoupled, no failures", free, ref_a),
         row(f"(a) decoupled, chaos {chaos}", hit, ref_a),
-        row("(a) diloco, no failures (trained)", sync, ref_a, sync_free),
+        row("(a) diloco, no failures" + (" (trained)" if sync else " (clock)"), sync, ref_a, sync_free),
         row(f"(a) diloco, chaos {chaos} (clock from the trace)"
             + (f", gave up after {sync_hit['steps_done']} steps" if sync_hit["gave_up"] else ""), None, None, sync_hit,
-            eval_loss=sync["final_eval_loss"]),
+            eval_loss=sync["final_eval_loss"] if sync else None),
         row("(b) decoupled, speeds 1,1,1,1", homo, ref_b),
         row("(b) decoupled, speeds 1,1,0.5,0.25", het, ref_b),
         row("(b) diloco, speeds 1,1,0.5,0.25 (clock)", None, None, sync_het),
@@ -138,6 +141,19 @@ def main() -> None:
                ("sim wall s", "sim_wall_s"), ("eval loss", "eval_loss"), ("vs failure-free / homogeneous %", "vs_ref"),
                ("useful tokens", "useful_tokens"), ("rejected", "rejected"), ("mean staleness", "staleness"),
                ("mean quorum", "quorum"), ("failures", "failures"), ("mean rejoin s", "rejoin_s")]
+    checks = {  # the marks, computed from the runs above
+        "failures_goodput": hit["goodput"], "failures_goodput_at_least_85pct": hit["goodput"] >= 0.85,
+        "failures_goodput_vs_sync": hit["goodput"] / sync_hit["goodput"] if sync_hit["goodput"] else None,
+        "failures_goodput_at_least_2x_sync": hit["goodput"] >= 2 * sync_hit["goodput"],
+        "failures_loss_gap_pct": pct(hit["final_eval_loss"], ref_a),
+        "failures_loss_within_3pct": abs(pct(hit["final_eval_loss"], ref_a)) <= 3.0,
+        "speeds_min_utilization": min(het["island_utilization"]),
+        "speeds_every_island_at_least_90pct": min(het["island_utilization"]) >= 0.9,
+        "speeds_loss_gap_pct": pct(het["final_eval_loss"], ref_b),
+        "speeds_loss_within_3pct": abs(pct(het["final_eval_loss"], ref_b)) <= 3.0,
+        "sync_speeds_utilization": sync_het["island_utilization"],
+    }
+    results["checks"] = checks
     notes = [f"model {args.model}, {args.steps} inner steps per island (a budget shared by speed in decoupled), "
              f"H={h}, decoupled with {args.fragments} fragments, simulated step {args.sim_step_s} s, seed 0.",
              "realized down fraction per island of the chaos run: "
@@ -145,7 +161,9 @@ def main() -> None:
              "goodput: useful (merged) tokens per simulated second over the failure-free compute rate "
              "(every island computing all the time); see atoll/strategies/decoupled.py.",
              "diloco rows marked 'clock' are computed from the trace and the step-time model "
-             "(atoll.chaos.synchronous_under_failures), not trained; its weights are those of the failure-free run."]
+             "(atoll.chaos.synchronous_under_failures), not trained; its weights are those of the failure-free run.",
+             "checks: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
+                                    for k, v in checks.items() if not isinstance(v, list))]
     print(write_results(suite, results, columns, rows, "Decoupled DiLoCo: failures and heterogeneous speeds", notes))
 
 
