@@ -152,6 +152,7 @@ class Syncer:
         self.staleness: list[int] = []      # staleness of every merged push
         self.merged_tokens = 0.0            # tokens of merged pushes, each scaled by its fragment's share
         self.merged_tokens_per_island = [0.0] * islands
+        self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -208,7 +209,7 @@ class Syncer:
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
         buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version)))
         if len({p.island for p in buf.pushes}) >= self.quorum:
-            return PushResult(True, committed=self.commit(fragment))
+            return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
     def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base_version: int) -> str:
@@ -247,17 +248,22 @@ class Syncer:
         done = 0
         for p, b in enumerate(self.buffers):
             if b.pushes and b.opened_at + b.grace_s <= now:
-                done += self.commit(p)
+                done += self.commit(p, now)
         return done
 
-    def commit(self, fragment: int) -> int:
+    def commit(self, fragment: int, now: float | None = None) -> int:
         """Merge the fragment's buffer now: one outer step with the token-weighted mean Δ; 1 if it stepped.
+
+        ``now`` (seconds, the clock of :meth:`push`): when given, the buffer's wait (from its first push to
+        this merge) and its grace window are recorded in ``merge_waits`` for :meth:`stats`.
 
         Pushes that turned staler than ``max_staleness`` while buffered are dropped; if none is left, the
         buffer is emptied and nothing steps (a zero Δ would still move the outer momentum).
         """
         buf = self.buffers[fragment]
         pushes, self.buffers[fragment] = buf.pushes, _Buffer()
+        if now is not None and pushes:
+            self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
         version = self.version(fragment)
         kept, weights, stale = [], [], []
         for p in pushes:
@@ -301,6 +307,11 @@ class Syncer:
             "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
             "staleness_mean": sum(st) / len(st) if st else 0.0, "staleness_max": max(st, default=0),
             "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
+            # how long buffers waited for a quorum, and by how much a merge overran its grace window
+            # (> 0 only where the clock only advances with calls, as on Ray: by up to one call's gap)
+            "merge_wait_max_s": max((w for w, _ in self.merge_waits), default=0.0),
+            "grace_window_max_s": max((g for _, g in self.merge_waits), default=0.0),
+            "merge_overrun_max_s": max((w - g for w, g in self.merge_waits if g >= 0), default=0.0),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -315,6 +326,7 @@ class Syncer:
             "stale_updates": self.stale_updates, "accepted_updates": self.accepted_updates,
             "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
             "merged_tokens": self.merged_tokens, "merged_tokens_per_island": list(self.merged_tokens_per_island),
+            "merge_waits": [list(w) for w in self.merge_waits],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -338,6 +350,7 @@ class Syncer:
         self.staleness = [int(x) for x in state["staleness"]]
         self.merged_tokens = float(state["merged_tokens"])
         self.merged_tokens_per_island = [float(x) for x in state["merged_tokens_per_island"]]
+        self.merge_waits = [(float(w), float(g)) for w, g in state.get("merge_waits", [])]
 
     def save(self, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
         """Write :meth:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return that path.

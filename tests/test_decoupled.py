@@ -66,6 +66,8 @@ def test_decoupled_run_with_chaos_finishes_and_every_island_rejoins(fast_config:
     assert len(saved["rejoin_s"]) == sum(rejoins)
     assert all(0.0 < r <= 0.2 + 0.05 for r in saved["rejoin_s"])  # the outage, then one pull of the model
     assert saved["commits"] > 0 and saved["lost_tokens"] > 0
+    # a merge waits for its quorum at most its grace window (the event loop closes windows on time)
+    assert saved["merge_wait_max_s"] > 0 and saved["merge_overrun_max_s"] <= 1e-9
     assert 0 < saved["goodput"] < 1 and saved["useful_tokens"] < saved["tokens"]
     assert len(saved["island_utilization"]) == 4 and all(0 < u <= 1 for u in saved["island_utilization"])
     assert sum(saved["steps_per_island"]) == 4 * 16 and saved["tokens"] == 4 * 16 * 4 * 32

@@ -29,7 +29,7 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
            "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", "400", "--model", "micro",
            "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"],
            "--cache-dir", fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress",
-           "--ray-island-resources", "region_a=1;region_b=1", "--out", str(out)]
+           "--ray-island-resources", "region_a=1;region_b=1", "--quorum", "2", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -56,6 +56,11 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
     # and its last atomic checkpoint holds them all
     assert summary["commits"] > committed_before
     assert sum(summary["versions"]) == summary["commits"] == _latest_commits(out)
+    # a full quorum (2 of 2) is needed to merge at once: while island 1 was down, island 0's pushes were
+    # merged alone when their grace window closed, never held longer than the window (plus the gap between
+    # two calls, which is when the syncer's clock advances on Ray: one inner step; 5 s is generous)
+    assert summary["quorum_size_min"] == 1 and summary["grace_window_max_s"] > 0, summary
+    assert summary["merge_overrun_max_s"] < 5.0, summary
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert sum(summary["steps_per_island"]) == 2 * 400
     # each island was placed by its custom resource (the local Ray declared them), on this machine's node
