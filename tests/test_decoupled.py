@@ -102,7 +102,6 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     # computes all the time but the last push's flight at the end
     util = summary["island_utilization"]
     assert min(util) > 0.9, util
-    assert summary["deferred_pushes"] == 0
 
 
 @pytest.mark.parametrize(("flags", "message"), [

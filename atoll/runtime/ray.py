@@ -124,27 +124,47 @@ class SyncerService:
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 self.steps_by_island[island])
 
-    def reserve_step(self, island: int) -> bool:
-        """Take one inner step from the shared budget of ``islands x steps``; False once it is spent."""
+    def reserve_step(self, island: int) -> tuple[bool, list[int]]:
+        """Take one inner step from the shared budget of ``islands x steps``.
+
+        Returns (False once the budget is spent; the fragments whose buffer still holds a push of
+        ``island``, see :meth:`buffered`).
+        """
         self.last_seen[island] = self._now()
         self._poll()
         if self.reserved >= self.budget:
-            return False
+            return False, self.buffered(island)
         self.reserved += 1
         self.steps_by_island[island] += 1
-        return True
+        return True, self.buffered(island)
 
-    def push_pull(self, island: int, fragment: int, delta: torch.Tensor, tokens: int, base_version: int,
-                  round_s: float) -> tuple[bool, torch.Tensor, int]:
-        """Push fragment ``fragment``'s Δ, then pull it: (accepted, params, version)."""
+    def buffered(self, island: int) -> list[int]:
+        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first)."""
+        self._poll()
+        return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
+
+    def push(self, island: int, fragment: int, delta: torch.Tensor, tokens: int, base_version: int,
+             round_s: float) -> tuple[bool, torch.Tensor | None, int]:
+        """Push fragment ``fragment``'s Δ: (accepted, the global fragment float32 (numel_p,) or None, version).
+
+        The fragment comes back when the push is merged at once (it completed a quorum) or refused; None
+        while it waits in the buffer: the island pulls once :meth:`buffered` no longer lists it.
+        """
         now = self._now()
         self.last_seen[island] = now
         self._poll()
         result = self.syncer.push(island, fragment, delta, tokens, base_version, now=now, round_s=round_s)
         if result.committed:
             self._save()
+        if result.accepted and fragment in self.buffered(island):
+            return True, None, self.syncer.version(fragment)
         params, version = self.syncer.pull(fragment)
         return result.accepted, params, version
+
+    def pull(self, fragment: int) -> tuple[torch.Tensor, int]:
+        """(the newest global fragment, float32 (numel_p,); its version)."""
+        self._poll()
+        return self.syncer.pull(fragment)
 
     def finish(self) -> dict[str, Any]:
         """Merge every open buffer, checkpoint, and return the statistics and the global parameters."""
@@ -188,52 +208,69 @@ class IslandService:
     def run(self) -> dict[str, Any]:
         """Train until the shared step budget is spent; return this island's counters.
 
-        A push is sent without waiting (a Ray call whose result is the pulled fragment); the island trains
-        on and adopts the pulled fragment once it has arrived, keeping the work done meanwhile
-        (:meth:`~atoll.strategies.decoupled.IslandWorker.adopt`). Before the next push of the same fragment
-        it waits for the previous one, so a fragment has at most one exchange on the wire.
+        A push is sent without waiting; the syncer answers it with the merged global fragment once the push
+        is merged (at once if it completes a quorum; else the island learns from its next ``reserve_step``
+        that its push left the buffer, and pulls). The island trains on meanwhile and adopts the merged
+        fragment when it arrives, keeping the work done since the push
+        (:meth:`~atoll.strategies.decoupled.IslandWorker.adopt`). Before the next push of the same fragment it
+        waits for the previous exchange to end, so a fragment has at most one exchange in progress.
         """
         w, i = self.worker, self.index
         pulled_at = [time.monotonic()] * w.fragments
-        in_flight: dict[int, tuple[Any, torch.Tensor]] = {}  # fragment -> (Ray result of push_pull, θ at push)
-        while ray.get(self.syncer.reserve_step.remote(i)):
+        ex: dict[int, dict[str, Any]] = {}  # fragment -> its exchange: {"stage": push|wait|pull, "ref", "at_push"}
+        while True:
+            go, buffered = ray.get(self.syncer.reserve_step.remote(i))
+            if not go:
+                break
             t = time.perf_counter()
             self.last_loss = w.train_step()
             self.compute_s += time.perf_counter() - t
-            self._adopt(in_flight, pulled_at, wait=False)
+            self._advance(ex, pulled_at, buffered, block=False)
             for p in w.due():
-                self._adopt(in_flight, pulled_at, wait=True, only=p)
-                self._push(p, in_flight, pulled_at)
-        self._adopt(in_flight, pulled_at, wait=True)
-        for p in range(w.fragments):  # the end: push what was not pushed
+                while p in ex:  # the previous exchange of p must end first (bounded by the grace window)
+                    self._advance(ex, pulled_at, ray.get(self.syncer.buffered.remote(i)), block=True, only=p)
+                self._push(p, ex, pulled_at)
+        for p in range(w.fragments):  # the end: push what was not pushed (no answer needed)
             if w.tokens_since[p] > 0:
-                self._push(p, in_flight, pulled_at)
-                self._adopt(in_flight, pulled_at, wait=True)
+                while p in ex:
+                    self._advance(ex, pulled_at, ray.get(self.syncer.buffered.remote(i)), block=True, only=p)
+                self._push(p, ex, pulled_at)
+        ray.get([e["ref"] for e in ex.values() if e["stage"] != "wait"])  # every push has reached the syncer
         return {"island": i, "steps": w.steps, "compute_s": self.compute_s, "bytes_sent": self.bytes_sent,
                 "last_loss": self.last_loss, "node_id": ray.get_runtime_context().get_node_id()}
 
-    def _push(self, p: int, in_flight: dict[int, tuple[Any, torch.Tensor]], pulled_at: list[float]) -> None:
+    def _push(self, p: int, ex: dict[int, dict[str, Any]], pulled_at: list[float]) -> None:
         at_push = self.worker.fragment_params(p)
         delta, tokens, base_version, nbytes = self.worker.make_push(p)
         self.bytes_sent += nbytes
-        in_flight[p] = (self.syncer.push_pull.remote(self.index, p, delta, tokens, base_version,
-                                                     time.monotonic() - pulled_at[p]), at_push)
+        ref = self.syncer.push.remote(self.index, p, delta, tokens, base_version, time.monotonic() - pulled_at[p])
+        ex[p] = {"stage": "push", "ref": ref, "at_push": at_push}
 
-    def _adopt(self, in_flight: dict[int, tuple[Any, torch.Tensor]], pulled_at: list[float], wait: bool,
-               only: int | None = None) -> None:
-        """Adopt the pulled fragments that have arrived (``wait``: wait for them; ``only``: that fragment)."""
-        frags = [p for p in in_flight if only is None or p == only]
-        if not frags:
-            return
-        refs = [in_flight[p][0] for p in frags]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
-        for p in frags:
-            ref, at_push = in_flight[p]
-            if ref in ready:
-                _, params, version = ray.get(ref)
-                self.worker.adopt(p, params, version, at_push=at_push)
-                pulled_at[p] = time.monotonic()
-                del in_flight[p]
+    def _advance(self, ex: dict[int, dict[str, Any]], pulled_at: list[float], buffered: list[int], block: bool,
+                 only: int | None = None) -> None:
+        """Move exchanges on: a push answered, a merge seen (not in ``buffered``: pull), a pull adopted.
+
+        ``block``: wait for the Ray results of the exchanges considered; ``only``: consider that fragment.
+        """
+        for p in [q for q in list(ex) if only is None or q == only]:
+            e = ex[p]
+            if e["stage"] == "wait":
+                if p in buffered:
+                    if block:
+                        time.sleep(0.01)  # the syncer merges at the quorum or when the grace window closes
+                    continue
+                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p)
+            ready, _ = ray.wait([e["ref"]], timeout=None if block else 0)
+            if not ready:
+                continue
+            reply = ray.get(e["ref"])
+            if e["stage"] == "push" and reply[1] is None:  # buffered: answered when merged
+                e["stage"] = "wait"
+                continue
+            _, params, version = reply if e["stage"] == "push" else (True, *reply)
+            self.worker.adopt(p, params, version, at_push=e["at_push"])
+            pulled_at[p] = time.monotonic()
+            del ex[p]
 
     def pid(self) -> int:
         return os.getpid()
