@@ -245,6 +245,9 @@ _TERNARY_DECODE = (0, 1, 0, -1)  # 2-bit code -> value: 0b00 -> 0, 0b01 -> +1, 0
 def pack_ternary(values: torch.Tensor) -> torch.Tensor:
     """Pack ternary values {-1, 0, +1} 2 bits each, 4 per byte (DeMo sign values on the wire).
 
+    The values of DeMo's sparse payload ``q_t`` (arXiv:2411.19870, Algorithm 1) reduced to their signs, as
+    Psyche sends them, with zero kept as a third state (module docstring: why 2 bits and not 1).
+
     Codes are the 2-bit two's complement of the value: 0 -> ``0b00``, +1 -> ``0b01``, -1 -> ``0b11``; value
     ``j`` of the flattened input goes to bits ``2*(j % 4)`` and up of byte ``j // 4``; the last byte is
     padded with zero codes. All-zero values pack to all-zero bytes. Lossless: ``unpack_ternary(packed,
