@@ -28,9 +28,10 @@ with tau inner steps; exchanges share the link one after another)::
     T_f = X/P*8/B + 2(K-1)L;   bytes = X/H;   step = max(t_c + P/H * max(0, T_f - tau*t_c), P/H * T_f)
 
 ``demo`` (Peng, Quesnelle, Kingma 2024, arXiv:2411.19870, DeMo; a ring all-gather of each island's top-k
-DCT components every step: k per chunk of c x c elements, each a 2-byte index and a 4-byte value)::
+DCT components every step: k per chunk of c x c elements, each a 2-byte index and a value of v bytes, v = 1/4
+for atoll's default 2-bit sign values, 4 for float32 values)::
 
-    S = N * k*(2+4)/c^2;   bytes = (K-1)S;   step = t_c + bytes*8/B + (K-1)L
+    S = N * k*(2+v)/c^2;   bytes = (K-1)S;   step = t_c + bytes*8/B + (K-1)L
 
 ``decoupled`` (Decoupled DiLoCo, arXiv:2604.21428; async local SGD, arXiv:2401.09135): each island pushes
 its b-bit fragments to a syncer and pulls the merge, never waiting for the other islands; the syncer's link is
@@ -92,6 +93,7 @@ class Setting:
         codec_bits: b, bits per exchanged element of pseudo-gradients (diloco, streaming, decoupled); see
             :data:`CODEC_BITS`.
         demo_topk, demo_chunk: DeMo's k components kept per c x c DCT chunk.
+        demo_sign_values: DeMo values as 2-bit signs (True, atoll's default) or float32 (False).
         mtbf_s: mean time between failures of one island, seconds (inf: no failures).
         downtime_s: seconds from an island's failure to its replacement computing again.
         checkpoint_every_s: seconds between the checkpoints a synchronous job rolls back to.
@@ -109,6 +111,7 @@ class Setting:
     codec_bits: float = 32.0
     demo_topk: int = 32
     demo_chunk: int = 64
+    demo_sign_values: bool = True
     mtbf_s: float = math.inf
     downtime_s: float = 0.0
     checkpoint_every_s: float = 0.0
@@ -169,9 +172,12 @@ def _ring(k: int) -> float:
 
 
 def demo_payload_bytes(s: Setting) -> float:
-    """Bytes one island's DeMo payload holds per step: N/c^2 chunks x k x (2-byte index + 4-byte value)."""
+    """Bytes one island's DeMo payload holds per step: N/c^2 chunks x k x (2-byte index + value bytes).
+
+    Value bytes: 1/4 for 2-bit sign values (``demo_sign_values``), 4 for float32 values.
+    """
     k = min(s.demo_topk, s.demo_chunk ** 2)
-    return s.params / s.demo_chunk ** 2 * k * (2 + 4)
+    return s.params / s.demo_chunk ** 2 * k * (2 + (0.25 if s.demo_sign_values else 4))
 
 
 def _sync_goodput(s: Setting) -> float:
@@ -312,7 +318,7 @@ HEAVY_FAILURES = {"mtbf_s": 40 * 60.0, "downtime_s": 10 * 60.0, "checkpoint_ever
 TABLE_SETTINGS: dict[str, dict[str, Any]] = {
     "ddp": {}, "diloco": {"sync_every": 100, "codec_bits": 32.0},
     "streaming": {"sync_every": 100, "fragments": 4, "overlap_steps": 5, "codec_bits": CODEC_BITS["int4"]},
-    "demo": {"demo_topk": 32, "demo_chunk": 64},
+    "demo": {"demo_topk": 32, "demo_chunk": 64, "demo_sign_values": True},
     "decoupled": {"sync_every": 100, "fragments": 4, "codec_bits": CODEC_BITS["int4"]},
 }
 
@@ -352,7 +358,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "",
         f"Assumptions: 4 islands; t_c = 6*N*tokens / (GPUs * 989 TFLOP/s * MFU): {assumptions}. "
         "ddp not overlapped with backward; diloco H=100 fp32; streaming H=100 P=4 tau=5 int4; demo top-k 32 "
-        "of 64x64 DCT chunks; decoupled H=100 int4, syncer link not the bottleneck. Heavy failures: island "
+        "of 64x64 DCT chunks, 2-bit sign values; decoupled H=100 int4, syncer link not the bottleneck. Heavy failures: island "
         "MTBF 40 min, 10 min to replace, synchronous checkpoints every 30 min.",
         "",
         "Published, beside the projection:",

@@ -5,8 +5,8 @@
 
 Runs (:data:`RUNS`, a table: adding a strategy is one entry): one island alone (``ddp --islands 1``, the
 reference), ``ddp``, ``diloco`` H=50 with fp32, bf16, int8 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
-overlap tau=5, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks) and ``decoupled`` (when the config
-accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
+overlap tau=5, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
+(when the config accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
 runtime; its clock trace (:class:`atoll.runtime.network.ClockTrace`: measured compute per island, bytes
 and rounds of every collective, who waited for which) is then re-timed at 10 Mbit/s, 100 Mbit/s, 1 Gbit/s
 and 5 Gbit/s by :func:`atoll.runtime.network.replay`, overlapped exchanges included: the link changes
@@ -48,7 +48,8 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("streaming_int4", "streaming H={sync_every} P={fragments} int4 tau={overlap_steps} alpha=0.5",
      {"strategy": "streaming", "sync_every": 50, "fragments": 4, "overlap_steps": 5, "mixing_alpha": 0.5,
       "codec": "int4"}),
-    ("demo_topk32", "demo top-k 32", {"strategy": "demo", "demo_topk": 32, "demo_chunk": 64}),
+    ("demo_topk32", "demo top-k 32, 2-bit signs", {"strategy": "demo", "demo_topk": 32, "demo_chunk": 64,
+                                                   "demo_sign_values": True}),
     ("decoupled", "decoupled H={sync_every} P={fragments} int4", {"strategy": "decoupled", "sync_every": 50,
                                                                "fragments": 4, "codec": "int4"}),
     ("decoupled_chaos", "decoupled H={sync_every} P={fragments} int4, standard failure trace",

@@ -84,8 +84,9 @@ def _collective(settings: dict, out: Path, ranks: int, env: dict | None = None,
     # payloads are all-gathered and averaged exactly as the local runtime's average_encoded does
     ("streaming", 1, {"fragments": 2, "overlap_steps": 1, "codec": "int4", "codec_rounding": "stochastic",
                       "error_feedback": True}),
-    ("demo", 2, {}),  # DeMo payloads (indices and values) all-gathered as bytes
-], ids=["ddp-2x1", "ddp-2x2", "diloco-2x1", "diloco-2x2", "streaming-int4-2x1", "demo-2x2"])
+    # DeMo payloads (indices and values) all-gathered as bytes: sign values packed 2 bits each, float32
+    ("demo", 2, {"demo_sign_values": True}), ("demo", 1, {"demo_sign_values": False}),
+], ids=["ddp-2x1", "ddp-2x2", "diloco-2x1", "diloco-2x2", "streaming-int4-2x1", "demo-sign-2x2", "demo-f32-2x1"])
 def test_collective_ends_with_the_weights_of_local(settings: dict, tmp_path: Path, strategy: str, ranks: int,
                                                    extra: dict) -> None:
     local = _local(settings, tmp_path / "local", strategy=strategy, **extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,13 @@ from atoll.algorithms.demo import (
     dct_basis,
     index_dtype_for,
     largest_divisor_at_most,
+    pack_ternary,
     payload_bytes,
+    unpack_ternary,
 )
+from atoll.config import build_config
 from atoll.errors import CheckpointError, ConfigError
+from atoll.train import train
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -216,6 +221,39 @@ def test_bytes_per_step_matches_formula(shape: tuple[int, ...], expected: int) -
     assert isinstance(pl, DemoPayload) and pl.nbytes == expected
 
 
+@pytest.mark.parametrize("sign_values", [False, True])
+@pytest.mark.parametrize(
+    "shape,chunk,topk",
+    [
+        ((128, 4096), 64, 32),
+        ((100, 50), 64, 32),  # 50 x 50 tiles
+        ((97, 64), 64, 32),  # prime rows: 97 tiles of 1 x 64, int8 indices
+        ((128,), 64, 32),  # 1-D
+        ((7,), 64, 32),  # 1-D, k clamped to 7: 7 values, 2 packed bytes
+        ((5,), 64, 3),  # 3 values: one packed byte, one code of padding
+        ((8, 3, 4, 4), 64, 5),  # ndim > 2: one 8 x 48 tile, 5 values
+        ((6, 10), 4, 3),  # 3 x 2 tiles of 2 x 5: 10 chunks x 3 = 30 values, 8 packed bytes
+        ((), 64, 32),  # a scalar: one tile of 1
+    ],
+)
+def test_nbytes_equals_payload_bytes(shape: tuple[int, ...], chunk: int, topk: int, sign_values: bool) -> None:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(shape))
+    opt = DeMo([p], chunk=chunk, topk=topk, sign_values=sign_values)
+    p.grad = torch.randn(shape)
+    (pl,) = opt.encode_step()
+    expected = payload_bytes(shape, chunk=chunk, topk=topk, sign_values=sign_values)
+    assert pl.nbytes == expected == opt.bytes_per_step()
+    t = ChunkedDCT(shape, chunk)
+    n = t.num_chunks * min(topk, t.chunk_elems)
+    index_bytes = pl.indices.element_size()
+    assert expected == n * index_bytes + ((n + 3) // 4 if sign_values else 4 * n)
+    if sign_values:
+        assert pl.values.dtype == torch.uint8 and tuple(pl.values.shape) == ((n + 3) // 4,)
+    else:
+        assert pl.values.dtype == torch.float32 and tuple(pl.values.shape) == (t.num_chunks, pl.k)
+
+
 def test_bytes_per_step_model_and_sign_mode() -> None:
     per_mode = {}
     for sign_values in (False, True):
@@ -224,12 +262,80 @@ def test_bytes_per_step_model_and_sign_mode() -> None:
         _backward(model, 0)
         payloads = opt.encode_step()
         assert sum(pl.nbytes for pl in payloads) == opt.bytes_per_step()
-        value_dtype = torch.int8 if sign_values else torch.float32
-        assert all(pl.values.dtype == value_dtype for pl in payloads)
+        value_dtype = torch.uint8 if sign_values else torch.float32
+        assert all(pl.values.dtype == value_dtype and pl.sign_values == sign_values for pl in payloads)
         per_mode[sign_values] = opt.bytes_per_step()
     assert per_mode[True] < per_mode[False]
-    # per kept coefficient: int16 index + float32 value = 6 bytes vs int16 + int8 sign = 3 bytes
-    assert payload_bytes((128, 128), topk=32, sign_values=True) * 2 == payload_bytes((128, 128), topk=32)
+    # per kept coefficient: int16 index + float32 value = 6 bytes vs int16 + 2-bit sign = 2.25 bytes
+    # (128 x 128: 4 tiles of 64 x 64, 4 x 32 = 128 kept coefficients)
+    assert payload_bytes((128, 128), topk=32) == 128 * 6
+    assert payload_bytes((128, 128), topk=32, sign_values=True) == 128 * 2 + 128 // 4
+
+
+# ---- packed sign values -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 63, 1001])
+def test_pack_ternary_round_trip(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    values = torch.randint(-1, 2, (n,), generator=g, dtype=torch.int8)
+    packed = pack_ternary(values)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == ((n + 3) // 4,)
+    assert torch.equal(unpack_ternary(packed, n), values)
+    # float input of any shape (what torch.sign gives), flattened row-major
+    values2d = torch.randint(-1, 2, (n, 3), generator=g).to(torch.float32)
+    assert torch.equal(unpack_ternary(pack_ternary(values2d), 3 * n), values2d.reshape(-1).to(torch.int8))
+
+
+def test_pack_ternary_layout_and_zeros() -> None:
+    # value j in bits 2j..2j+1; 0 -> 00, +1 -> 01, -1 -> 11; padding codes are 0
+    assert pack_ternary(torch.tensor([1, -1, 0, 1, -1])).tolist() == [0b01_00_11_01, 0b11]
+    for n in (1, 3, 4, 5, 9):  # every single value of each kind, at every position in a byte
+        for v in (-1, 0, 1):
+            values = torch.full((n,), v, dtype=torch.int8)
+            assert torch.equal(unpack_ternary(pack_ternary(values), n), values)
+    # an all-zero chunk stays zero on the wire (no spurious +1 as one bit per value would send)
+    assert torch.count_nonzero(pack_ternary(torch.zeros(10))) == 0
+
+
+def test_unpack_ternary_errors() -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_ternary(torch.zeros(2, dtype=torch.uint8), 9)
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_ternary(torch.zeros(2, dtype=torch.int8), 8)
+    with pytest.raises(ValueError, match="corrupt"):
+        unpack_ternary(torch.tensor([0b10], dtype=torch.uint8), 1)
+    # padding bits beyond numel are not read
+    assert unpack_ternary(torch.tensor([0b10_00_00_01], dtype=torch.uint8), 3).tolist() == [1, 0, 0]
+
+
+def test_packed_signs_decode_like_int8_signs() -> None:
+    # The packed form is a lossless encoding: a sign optimizer's payloads carry the same indices and
+    # sign(values) as a float32 optimizer in the same state, and applying them moves the parameters exactly
+    # as int8 signs sent as values would ("int8": a float32 optimizer whose payloads are replaced by int8
+    # signs, the wire format before packing; it stays in the sign optimizer's state at every step).
+    models = {mode: _model(7) for mode in ("float", "sign", "int8")}
+    opts = {mode: DeMo(m.parameters(), lr=1e-2, beta=0.9, chunk=8, topk=4, sign_values=mode == "sign")
+            for mode, m in models.items()}
+    for step in range(4):
+        payloads = {}
+        for mode, m in models.items():
+            _backward(m, seed=step)
+            payloads[mode] = opts[mode].encode_step()
+        for f, sg in zip(payloads["int8"], payloads["sign"], strict=True):
+            assert torch.equal(f.indices, sg.indices)
+            assert torch.equal(sg.dense_values(), torch.sign(f.values))
+        payloads["int8"] = [DemoPayload(indices=pl.indices, values=torch.sign(pl.values).to(torch.int8),
+                                        shape=pl.shape, chunk_elems=pl.chunk_elems)
+                            for pl in payloads["int8"]]
+        opts["sign"].apply_step([payloads["sign"]])
+        opts["int8"].apply_step([payloads["int8"]])
+        opts["float"].apply_step([payloads["float"]])
+        for a, b in zip(models["sign"].parameters(), models["int8"].parameters(), strict=True):
+            assert torch.equal(a, b)
+    # float values give another trajectory (what the sign step sees differs): the test is not vacuous
+    assert any(not torch.equal(a, b) for a, b in zip(models["sign"].parameters(), models["float"].parameters(),
+                                                      strict=True))
 
 
 def test_index_dtype() -> None:
@@ -343,13 +449,15 @@ def _run(model: torch.nn.Module, opt: DeMo, steps: range) -> None:
         opt.step()
 
 
-def test_state_dict_resume_bitwise() -> None:
+@pytest.mark.parametrize("sign_values", [False, True])
+def test_state_dict_resume_bitwise(sign_values: bool) -> None:
+    kwargs = {"lr": 1e-2, "beta": 0.95, "chunk": 8, "topk": 4, "weight_decay": 0.1, "sign_values": sign_values}
     ref_model = _model(5)
-    ref_opt = DeMo(ref_model.parameters(), lr=1e-2, beta=0.95, chunk=8, topk=4, weight_decay=0.1)
+    ref_opt = DeMo(ref_model.parameters(), **kwargs)
     _run(ref_model, ref_opt, range(0, 10))
 
     a_model = _model(5)
-    a_opt = DeMo(a_model.parameters(), lr=1e-2, beta=0.95, chunk=8, topk=4, weight_decay=0.1)
+    a_opt = DeMo(a_model.parameters(), **kwargs)
     _run(a_model, a_opt, range(0, 4))
     buf = io.BytesIO()
     torch.save({"model": a_model.state_dict(), "opt": a_opt.state_dict()}, buf)
@@ -359,7 +467,7 @@ def test_state_dict_resume_bitwise() -> None:
     assert all(v["momentum"].dtype == torch.float32 for v in saved["opt"]["state"].values())
 
     b_model = _model(99)  # different init: everything must come from the checkpoint
-    b_opt = DeMo(b_model.parameters(), lr=1e-2, beta=0.95, chunk=8, topk=4, weight_decay=0.1)
+    b_opt = DeMo(b_model.parameters(), **kwargs)
     b_model.load_state_dict(saved["model"])
     b_opt.load_state_dict(saved["opt"])
     assert b_opt.step_count == 4
@@ -437,9 +545,35 @@ def test_param_group_cannot_change_wire_format() -> None:
 
 
 def test_demo_defaults_to_a_constant_rate_after_warmup() -> None:
-    from atoll.config import DEMO_MIN_LR_RATIO, build_config
+    from atoll.config import DEMO_MIN_LR_RATIO
 
     # sign-SGD's best schedule in bench/demo_sweep.py; AdamW keeps its cosine decay; an explicit value wins
     assert build_config(overrides={"strategy": "demo"}).min_lr_ratio == DEMO_MIN_LR_RATIO == 1.0
     assert build_config(overrides={"strategy": "diloco"}).min_lr_ratio == 0.1
     assert build_config(overrides={"strategy": "demo", "min_lr_ratio": 0.1}).min_lr_ratio == 0.1
+
+
+@pytest.mark.parametrize("sign_values", [False, True])
+def test_run_bytes_per_step_equal_the_formula(fast_config: dict, sign_values: bool) -> None:
+    # a real run (2 islands, local runtime): each step all-gathers one payload per parameter to K-1 = 1 peer
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(overrides={**fast_config, "strategy": "demo", "steps": 4, "eval_every": 4,
+                                     "checkpoint_every": 4, "demo_sign_values": sign_values})
+    summary = train(config)
+    model = AutoModelForCausalLM.from_pretrained(Path(fast_config["out"]) / "checkpoints" / "step_0000004" / "model")
+    per_step = sum(payload_bytes(p.shape, config.demo_chunk, config.demo_topk, sign_values)
+                   for p in model.parameters())
+    assert summary["bytes_sent_per_island"] == 4 * (config.islands - 1) * per_step
+    assert summary["exchanges"] == 4
+
+
+def test_demo_defaults_to_packed_sign_values_and_a_flag_turns_them_off() -> None:
+    from atoll.cli import build_parser
+
+    # the best of bench/demo_sweep.py; the DeMo optimizer itself keeps DeMo's float32 values by default
+    assert build_config(overrides={"strategy": "demo"}).demo_sign_values is True
+    assert build_config(overrides={"strategy": "demo", "demo_sign_values": False}).demo_sign_values is False
+    assert build_parser().parse_args(["train", "--no-demo-sign-values"]).demo_sign_values is False
+    assert build_parser().parse_args(["train", "--demo-sign-values"]).demo_sign_values is True
+    assert DeMo([torch.nn.Parameter(torch.zeros(2))]).sign_values is False

@@ -87,8 +87,9 @@ def test_limits_of_the_formulas() -> None:
     slow = replace(s, bandwidth_mbps=0.1)
     t_f = 1.5 * 4e6 / 4 * 8 / 1e5 + 6 * 0.01
     assert project(slow, "streaming").step_s == pytest.approx(max(0.1 + 4 / 50 * (t_f - 0.5), 4 / 50 * t_f))
-    # DeMo: k x 6 bytes per 64x64 chunk, all-gathered to K-1 peers
-    assert project(s, "demo").bytes_per_step == pytest.approx(3 * 1e6 / 4096 * 32 * 6)
+    # DeMo: k x (2-byte index + 2-bit sign) per 64x64 chunk, all-gathered to K-1 peers; float32 values: k x 6
+    assert project(s, "demo").bytes_per_step == pytest.approx(3 * 1e6 / 4096 * 32 * 2.25)
+    assert project(replace(s, demo_sign_values=False), "demo").bytes_per_step == pytest.approx(3 * 1e6 / 4096 * 32 * 6)
     # one island sends nothing and computes all the time
     for name in STRATEGIES:
         alone = project(replace(s, islands=1), name)

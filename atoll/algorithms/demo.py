@@ -17,13 +17,20 @@ Usage, several islands in lockstep in one process (what a runtime does)::
     for opt in opts:
         opt.apply_step(payloads)                          # every island gets the same list, same order
 
-Bytes sent per island per step, for one parameter (``payload_bytes``)::
+Bytes sent per island per step, for one parameter (``payload_bytes``), with ``n = num_chunks * k`` kept
+coefficients and ``k = min(topk, chunk_elems)``::
 
-    num_chunks * min(topk, chunk_elems) * (index_bytes + value_bytes)
+    n * index_bytes + n * 4          # float32 values (sign_values=False)
+    n * index_bytes + ceil(n / 4)    # sign values, ternary {-1, 0, +1} packed 2 bits each (sign_values=True)
 
-where ``chunk_elems`` is the tile size (``h * w``), ``index_bytes`` is 1, 2 or 4 (int8 / int16 / int32, the
-smallest signed integer that holds ``chunk_elems - 1``) and ``value_bytes`` is 4 (float32) or 1 (int8 sign
-with ``sign_values=True``). Shapes are not sent: every island knows the model's parameter shapes.
+where ``chunk_elems`` is the tile size (``h * w``) and ``index_bytes`` is 1, 2 or 4 (int8 / int16 / int32,
+the smallest signed integer that holds ``chunk_elems - 1``). Shapes are not sent: every island knows the
+model's parameter shapes.
+
+Sign values: Psyche (Nous Research's DisTrO network) sends 1 bit per value. We keep an exact zero as a third
+state and spend 2 bits: the top-k of an all-zero chunk (the momentum of embedding rows that no token has
+touched yet, a parameter whose gradient is None) has value 0, and one bit would turn it into a spurious +1
+that the sign step then applies as a real update of ``lr`` to parameters that had no gradient.
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ __all__ = [
     "dct_basis",
     "index_dtype_for",
     "largest_divisor_at_most",
+    "pack_ternary",
     "payload_bytes",
+    "unpack_ternary",
 ]
 
 AllGatherFn = Callable[[list["DemoPayload"]], list[list["DemoPayload"]]]
@@ -229,6 +238,68 @@ class ChunkedDCT:
 # --------------------------------------------------------------------------------------------------------
 
 
+_TERNARY_SHIFTS = (0, 2, 4, 6)  # value j of a byte sits in bits 2j, 2j+1 (little-endian within the byte)
+_TERNARY_DECODE = (0, 1, 0, -1)  # 2-bit code -> value: 0b00 -> 0, 0b01 -> +1, 0b11 -> -1 (0b10 unused)
+
+
+def pack_ternary(values: torch.Tensor) -> torch.Tensor:
+    """Pack ternary values {-1, 0, +1} 2 bits each, 4 per byte (DeMo sign values on the wire).
+
+    The values of DeMo's sparse payload ``q_t`` (arXiv:2411.19870, Algorithm 1) reduced to their signs, as
+    Psyche sends them, with zero kept as a third state (module docstring: why 2 bits and not 1).
+
+    Codes are the 2-bit two's complement of the value: 0 -> ``0b00``, +1 -> ``0b01``, -1 -> ``0b11``; value
+    ``j`` of the flattened input goes to bits ``2*(j % 4)`` and up of byte ``j // 4``; the last byte is
+    padded with zero codes. All-zero values pack to all-zero bytes. Lossless: ``unpack_ternary(packed,
+    values.numel())`` gives ``values`` back (as int8, flattened).
+
+    Args:
+        values: any shape, an integer or float dtype, every element in {-1, 0, +1}; not checked here
+            (``torch.sign(x).to(torch.int8)`` gives such values).
+
+    Returns:
+        uint8 tensor of shape ``(ceil(values.numel() / 4),)`` on ``values.device``.
+    """
+    flat = values.detach().reshape(-1).to(torch.int8)
+    n = flat.numel()
+    pad = -n % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    codes = torch.bitwise_and(flat, 3).to(torch.uint8).reshape(-1, 4)  # -1 (0xff) -> 3, +1 -> 1, 0 -> 0
+    shifts = torch.tensor(_TERNARY_SHIFTS, dtype=torch.uint8, device=codes.device)
+    # the four shifted codes occupy disjoint bits, so their sum is their bitwise or (at most 255)
+    return torch.bitwise_left_shift(codes, shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ternary`: the first ``numel`` ternary values of ``packed``.
+
+    Args:
+        packed: uint8 tensor of shape ``(ceil(numel / 4),)``.
+        numel: number of values packed, >= 0.
+
+    Returns:
+        int8 tensor of shape ``(numel,)`` with values in {-1, 0, +1}, on ``packed.device``.
+
+    Raises:
+        ValueError: ``packed`` is not a 1-D uint8 tensor of ``ceil(numel / 4)`` bytes, or holds the unused
+            code ``0b10`` among its first ``numel`` values (a corrupt payload).
+    """
+    expected = -(-numel // 4)
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
+        raise ValueError(
+            f"unpack_ternary: expected a 1-D uint8 tensor of ceil({numel} / 4) = {expected} bytes, got "
+            f"{packed.dtype} of shape {tuple(packed.shape)}"
+        )
+    shifts = torch.tensor(_TERNARY_SHIFTS, dtype=torch.uint8, device=packed.device)
+    codes = torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(1), shifts), 3).reshape(-1)[:numel]
+    if bool((codes == 2).any()):
+        raise ValueError("unpack_ternary: code 0b10 is not a ternary value; the payload is corrupt")
+    table = torch.tensor(_TERNARY_DECODE, dtype=torch.int8, device=packed.device)
+    return table[codes.long()]
+
+
+
 @dataclass(frozen=True)
 class DemoPayload:
     """What one island sends for one parameter in one step (DeMo Algorithm 1, the sparse ``q_t``).
@@ -236,15 +307,19 @@ class DemoPayload:
     Attributes:
         indices: (num_chunks, k) int8 / int16 / int32 (``index_dtype_for(chunk_elems)``), positions within
             each chunk's flattened coefficients.
-        values: (num_chunks, k) float32 coefficients, or int8 in {-1, 0, +1} when ``sign_values``.
+        values: (num_chunks, k) float32 coefficients; or, when ``sign_values``, the signs {-1, 0, +1} of
+            the (num_chunks, k) coefficients in row-major order packed 2 bits each by :func:`pack_ternary`:
+            uint8 of shape ``(ceil(num_chunks * k / 4),)``. :meth:`dense_values` decodes either form.
         shape: the parameter's shape (metadata that every island already knows; not counted in bytes).
         chunk_elems: elements per chunk (metadata; not counted).
+        sign_values: whether ``values`` holds packed signs (metadata, fixed by the optimizer; not counted).
     """
 
     indices: torch.Tensor
     values: torch.Tensor
     shape: tuple[int, ...]
     chunk_elems: int
+    sign_values: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -262,6 +337,17 @@ class DemoPayload:
             + self.values.numel() * self.values.element_size()
         )
 
+    def dense_values(self) -> torch.Tensor:
+        """The kept coefficients as a (num_chunks, k) float32 tensor: the values, or the signs +-1 / 0.
+
+        Raises:
+            ValueError: packed sign values of the wrong size or with a corrupt code.
+        """
+        if self.sign_values:
+            n = self.num_chunks * self.k
+            return unpack_ternary(self.values, n).reshape(self.num_chunks, self.k).to(torch.float32)
+        return self.values.to(torch.float32)
+
 
 def _check_chunk_topk(chunk: Any, topk: Any) -> None:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -274,22 +360,33 @@ def _check_chunk_topk(chunk: Any, topk: Any) -> None:
 
 
 def payload_bytes(shape: Sequence[int], chunk: int = 64, topk: int = 32, sign_values: bool = False) -> int:
-    """Closed-form bytes one island sends for one parameter per step.
+    """Closed-form bytes one island sends for one parameter per step (DeMo Algorithm 1, the payload ``q_t``).
 
-    ``num_chunks * min(topk, chunk_elems) * (index_bytes + value_bytes)`` with the tiling of
-    ``ChunkedDCT(shape, chunk)``, ``index_bytes`` from ``index_dtype_for(chunk_elems)`` (1, 2 or 4) and
-    ``value_bytes`` 4 (float32) or 1 (int8 sign). ``topk`` is clamped to the tile size for tiles smaller
-    than ``chunk x chunk`` (1-D parameters, dimensions that ``chunk`` does not divide).
+    With ``n = num_chunks * min(topk, chunk_elems)`` kept coefficients (the tiling of
+    ``ChunkedDCT(shape, chunk)``; ``topk`` is clamped to the tile size for tiles smaller than
+    ``chunk x chunk``: 1-D parameters, dimensions that ``chunk`` does not divide) and ``index_bytes`` from
+    ``index_dtype_for(chunk_elems)`` (1, 2 or 4): ``n * index_bytes + n * 4`` with float32 values, or
+    ``n * index_bytes + ceil(n / 4)`` with sign values (ternary, 2 bits each, see :func:`pack_ternary`).
+    Equals ``DemoPayload.nbytes`` of ``DeMo.encode_step()``'s payload for that parameter.
+
+    Args:
+        shape: the parameter's shape (any number of dimensions).
+        chunk: DCT tile side, >= 1.
+        topk: coefficients kept per chunk, 1 .. chunk**2.
+        sign_values: price packed sign values instead of float32 values.
+
+    Returns:
+        Bytes (an int).
 
     Raises:
         ConfigError: ``chunk`` or ``topk`` is invalid (``topk > chunk**2``).
     """
     _check_chunk_topk(chunk, topk)
     t = ChunkedDCT(shape, chunk)
-    k = min(topk, t.chunk_elems)
+    n = t.num_chunks * min(topk, t.chunk_elems)
     index_bytes = torch.empty((), dtype=index_dtype_for(t.chunk_elems)).element_size()
-    value_bytes = 1 if sign_values else 4
-    return t.num_chunks * k * (index_bytes + value_bytes)
+    value_bytes = -(-n // 4) if sign_values else 4 * n
+    return n * index_bytes + value_bytes
 
 
 def _single_island(payloads: list[DemoPayload]) -> list[list[DemoPayload]]:
@@ -335,12 +432,13 @@ class DeMo(torch.optim.Optimizer):
         chunk: DCT tile side. Field ``demo_chunk``.
         topk: coefficients kept per chunk, 1 .. chunk**2. Field ``demo_topk``.
         weight_decay: decoupled, ``p *= 1 - lr * weight_decay`` before the sign update, >= 0.
-        sign_values: send ``sign(value)`` as int8 (1 byte each, values in {-1, 0, +1}) instead of float32
-            (4 bytes). Honest cost: 1 byte, not 1 bit, per value; bit packing would save a further
-            7/8 of the value bytes, but the int16 indices (2 bytes) dominate either way (6 -> 3 bytes per
-            kept coefficient here, 6 -> 2.125 with packing). Int8 also keeps an exact 0 for
-            zero coefficients, which one bit cannot. The momentum still loses the full-precision selected
-            components (step c), as with float values.
+        sign_values: send ``sign(value)`` in {-1, 0, +1}, packed 2 bits per value (4 per byte, see
+            :func:`pack_ternary`), instead of float32 (4 bytes). Psyche sends 1 bit; we keep an exact 0
+            as a third state because the top-k of an all-zero chunk (unused embedding rows) would
+            otherwise become spurious +1s that the sign step applies. With int16 indices a kept
+            coefficient costs 2.25 bytes instead of 6; the indices dominate. The momentum still loses
+            the full-precision selected components (step c), as with float values. Default False here
+            (DeMo's reference); the ``demo`` strategy's default is ``TrainConfig.demo_sign_values``.
         all_gather_fn: ``payloads -> gathered[island][param]``; must return the same list, in the same
             island order, on every island. Defaults to a single island (``[payloads]``).
 
@@ -443,7 +541,8 @@ class DeMo(torch.optim.Optimizer):
 
         Returns:
             One ``DemoPayload`` per parameter: indices (num_chunks, k) int8/int16/int32, values
-            (num_chunks, k) float32 (int8 signs with ``sign_values``), on the parameter's device.
+            (num_chunks, k) float32 (with ``sign_values``: the signs packed 2 bits each, uint8 of shape
+            ``(ceil(num_chunks * k / 4),)``), on the parameter's device.
 
         Raises:
             RuntimeError: no parameter has a gradient (call ``backward()`` first), or a gradient is sparse.
@@ -478,13 +577,14 @@ class DeMo(torch.optim.Optimizer):
                 # c. remove what is transmitted; the residual stays for later steps
                 sparse = torch.zeros_like(coeffs).scatter_(1, idx, vals)
                 m.sub_(t.decode(sparse))
-                wire_vals = torch.sign(vals).to(torch.int8) if self.sign_values else vals
+                wire_vals = pack_ternary(torch.sign(vals)) if self.sign_values else vals
                 payloads.append(
                     DemoPayload(
                         indices=idx.to(index_dtype_for(t.chunk_elems)),
                         values=wire_vals,
                         shape=t.shape,
                         chunk_elems=t.chunk_elems,
+                        sign_values=self.sign_values,
                     )
                 )
         return payloads
@@ -502,7 +602,7 @@ class DeMo(torch.optim.Optimizer):
             island_coeffs = torch.zeros_like(total).scatter_(
                 1,
                 pl.indices.to(device=device, dtype=torch.int64),
-                pl.values.to(device=device, dtype=torch.float32),
+                pl.dense_values().to(device=device),
             )
             total.add_(island_coeffs)
         return total
