@@ -33,8 +33,12 @@ full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoC
 
 Every push is **validated** before it can reach a buffer: island and fragment in range, a float32 tensor of
 the fragment's shape, finite values, tokens > 0, a version the syncer has issued, and a norm at most
-``norm_bound`` x the running median norm of the fragment's recently accepted pushes (before 3 accepted
-pushes: ``norm_bound`` x the fragment's parameter norm). A rejected push is counted
+``norm_bound`` x the running median norm of the fragment's recent pushes (before 3 pushes: ``norm_bound``
+x the fragment's parameter norm). The window holds every push that reached the norm check, refused ones
+included: the median ignores a minority of outliers (a hostile island fills 1/K of it), and it follows
+the legitimate growth of the updates after warmup. (A window of accepted pushes only locked itself: once
+the learning rate had warmed up, honest pushes above 10x the warmup-time median were refused, so the
+median never rose; 130 refusals in the first 210 steps of an 8-island run.) A rejected push is counted
 (:attr:`Syncer.rejected_updates`, by reason), logged at WARNING on the ``atoll.syncer`` logger, and never
 touches the global parameters.
 
@@ -60,9 +64,9 @@ from atoll.runtime.comm import weighted_mean
 
 log = logging.getLogger("atoll.syncer")
 
-#: accepted norms kept per fragment for the running median, and round times kept for the grace window
+#: push norms kept per fragment for the running median, and round times kept for the grace window
 WINDOW = 32
-#: accepted pushes of a fragment before its norm bound switches from the parameter norm to the running median
+#: pushes of a fragment before its norm bound switches from the parameter norm to the running median
 NORM_WARMUP = 3
 
 
@@ -112,7 +116,7 @@ class Syncer:
         max_staleness: pushes staler than this many committed versions are dropped (counted in
             ``stale_updates``, not in ``rejected_updates``).
         staleness_exponent: a in the staleness discount ``(1 + s)^(−a)``; 0 disables it.
-        norm_bound: reject a push whose L2 norm exceeds this times the running median accepted norm.
+        norm_bound: reject a push whose L2 norm exceeds this times the running median norm of recent pushes.
         scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
             the module docstring); False: every merge steps with the full mean.
 
@@ -199,7 +203,6 @@ class Syncer:
         if self.version(fragment) - base_version > self.max_staleness:
             self.stale_updates += 1
             return PushResult(False, "stale")
-        self.norms[fragment].append(float(delta.norm()))
         self.accepted_updates += 1
         if round_s is not None and round_s > 0 and math.isfinite(round_s):
             self.round_s.append(float(round_s))
@@ -233,6 +236,7 @@ class Syncer:
         recent = self.norms[fragment]
         reference = (statistics.median(recent) if len(recent) >= NORM_WARMUP
                      else float(self.outer[fragment].params.norm()))
+        recent.append(norm)  # refused or not: the median stays robust and follows honest growth
         if reference > 0 and norm > self.norm_bound * reference:
             return "norm"
         return ""

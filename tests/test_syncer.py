@@ -118,6 +118,20 @@ def test_invalid_pushes_never_reach_the_global_model(bad: object, reason: str) -
         s.outer[0].optimizer.state_dict()["state"][0]["momentum_buffer"])
 
 
+def test_norm_bound_follows_honest_growth_and_keeps_refusing_a_hostile_island() -> None:
+    # updates grow 700x over a run (the learning rate warming up), 3 honest islands and one hostile one
+    # pushing 1000x the honest norm each round: every honest push is merged, every hostile one refused
+    s = Syncer(torch.zeros(16), None, islands=4, outer_lr=0.7, outer_momentum=0.0, quorum=3)
+    direction = torch.randn(16, generator=_gen(3))
+    direction /= direction.norm()
+    for r in range(15):
+        scale = 1e-3 * 1.6 ** r  # 1e-3 .. 0.7
+        for i in range(3):
+            assert s.push(i, 0, scale * direction, 10, s.version(0)).accepted, (r, i)
+        assert s.push(3, 0, 1000 * scale * direction, 10, s.version(0)).reason == "norm", r
+    assert s.version(0) == 15 and s.rejected_updates == 15 and s.accepted_updates == 45
+
+
 def test_other_bad_pushes_are_rejected() -> None:
     s = Syncer(torch.zeros(8), [torch.arange(4), torch.arange(4, 8)], islands=2)
     assert s.push(2, 0, torch.zeros(4), 1, 0).reason == "island"
