@@ -33,9 +33,10 @@ full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoC
 
 Every push is **validated** before it can reach a buffer: island and fragment in range, a float32 tensor of
 the fragment's shape, finite values, tokens > 0, a version the syncer has issued, and a norm at most
-``norm_bound`` x the running median norm of the fragment's recent pushes (before 3 pushes: ``norm_bound``
-x the fragment's parameter norm). The window holds every push that reached the norm check, refused ones
-included: the median ignores a minority of outliers (a hostile island fills 1/K of it), and it follows
+``norm_bound`` x the running median of the fragment's recent pushes, norms compared per token trained
+(a push after a deferral or a slower island's carries more or less work; before ``islands`` pushes, one
+round: ``norm_bound`` x the fragment's parameter norm, per push). The window holds every push that reached
+the norm check, refused ones included: the median ignores a minority of outliers (a hostile island fills 1/K of it), and it follows
 the legitimate growth of the updates after warmup. (A window of accepted pushes only locked itself: once
 the learning rate had warmed up, honest pushes above 10x the warmup-time median were refused, so the
 median never rose; 130 refusals in the first 210 steps of an 8-island run.) A rejected push is counted
@@ -66,8 +67,6 @@ log = logging.getLogger("atoll.syncer")
 
 #: push norms kept per fragment for the running median, and round times kept for the grace window
 WINDOW = 32
-#: pushes of a fragment before its norm bound switches from the parameter norm to the running median
-NORM_WARMUP = 3
 
 
 @dataclass
@@ -234,12 +233,13 @@ class Syncer:
             return "version"
         norm = float(delta.norm())
         recent = self.norms[fragment]
-        reference = (statistics.median(recent) if len(recent) >= NORM_WARMUP
-                     else float(self.outer[fragment].params.norm()))
-        recent.append(norm)  # refused or not: the median stays robust and follows honest growth
-        if reference > 0 and norm > self.norm_bound * reference:
-            return "norm"
-        return ""
+        if len(recent) >= self.islands:  # a round of pushes seen: compare per token with the median
+            too_big = norm / tokens > self.norm_bound * statistics.median(recent)
+        else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
+            reference = float(self.outer[fragment].params.norm())
+            too_big = reference > 0 and norm > self.norm_bound * reference
+        recent.append(norm / tokens)  # refused or not: the median stays robust and follows honest growth
+        return "norm" if too_big else ""
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:
