@@ -36,8 +36,11 @@ the fragment's shape, finite values, tokens > 0, a version the syncer has issued
 ``norm_bound`` x the running median of the fragment's recent pushes, norms compared per token trained
 (a push after a deferral or a slower island's carries more or less work; before ``islands`` pushes, one
 round: ``norm_bound`` x the fragment's parameter norm, per push). The window holds every push that reached
-the norm check, refused ones included: the median ignores a minority of outliers (a hostile island fills 1/K of it), and it follows
-the legitimate growth of the updates after warmup. (A window of accepted pushes only locked itself: once
+the norm check, refused ones included: the median (``statistics.median_low``, so that with 2 islands a
+hostile push never sets the bound) ignores a minority of outliers (a hostile island fills 1/K of it), and
+it follows the legitimate growth of the updates after warmup. Since the norm is compared per token, the
+tokens a push claims are bounded the same way: at most ``norm_bound`` x the median of recent claims
+(refused as ``tokens``). (A window of accepted pushes only locked itself: once
 the learning rate had warmed up, honest pushes above 10x the warmup-time median were refused, so the
 median never rose; 130 refusals in the first 210 steps of an 8-island run.) A rejected push is counted
 (:attr:`Syncer.rejected_updates`, by reason), logged at WARNING on the ``atoll.syncer`` logger, and never
@@ -144,6 +147,7 @@ class Syncer:
         self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
         self.buffers = [_Buffer() for _ in self.index]
         self.norms: list[deque[float]] = [deque(maxlen=WINDOW) for _ in self.index]
+        self.push_tokens: list[deque[int]] = [deque(maxlen=WINDOW) for _ in self.index]
         self.round_s: deque[float] = deque(maxlen=WINDOW)
         # statistics (all in state_dict)
         self.rejected_updates = 0
@@ -233,8 +237,15 @@ class Syncer:
             return "version"
         norm = float(delta.norm())
         recent = self.norms[fragment]
+        tokens_seen = self.push_tokens[fragment]
+        tokens_seen.append(tokens)
         if len(recent) >= self.islands:  # a round of pushes seen: compare per token with the median
-            too_big = norm / tokens > self.norm_bound * statistics.median(recent)
+            # median_low: with 2 islands the median of [honest, hostile] must not be their average; and the
+            # tokens a push claims (unverified) are bounded too, or a push could scale its norm with them
+            if tokens > self.norm_bound * statistics.median_low(tokens_seen):
+                recent.append(norm / tokens)
+                return "tokens"
+            too_big = norm / tokens > self.norm_bound * statistics.median_low(recent)
         else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
             reference = float(self.outer[fragment].params.norm())
             too_big = reference > 0 and norm > self.norm_bound * reference
@@ -326,6 +337,7 @@ class Syncer:
                          "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
                                      "base_version": p.base_version} for p in b.pushes]} for b in self.buffers],
             "norms": [list(n) for n in self.norms], "round_s": list(self.round_s),
+            "push_tokens": [list(n) for n in self.push_tokens],
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
             "stale_updates": self.stale_updates, "accepted_updates": self.accepted_updates,
             "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
@@ -345,6 +357,8 @@ class Syncer:
                                         float(b["opened_at"]), grace if grace >= 0 else math.inf))
         self.norms = [deque((float(x) for x in n), maxlen=WINDOW) for n in state["norms"]]
         self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
+        self.push_tokens = [deque((int(x) for x in n), maxlen=WINDOW)
+                            for n in state.get("push_tokens", [[] for _ in self.index])]
         self.rejected_updates = int(state["rejected_updates"])
         self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
         self.stale_updates = int(state["stale_updates"])

@@ -258,3 +258,23 @@ def test_pushes_on_the_wire_die_with_a_failed_island(fast_config: dict) -> None:
     dropped = summary["stale_updates"] + summary["rejected_updates"]
     assert accounted == pytest.approx(summary["tokens"]) if dropped == 0 else accounted < summary["tokens"]
     assert 0 < summary["goodput"] < 1
+
+
+def test_the_end_answers_every_push_before_the_final_ones(fast_config: dict) -> None:
+    # a quorum of 3 of 4 islands of unequal speeds: pushes are still buffered when the step budget runs out.
+    # The end closes those buffers and answers their islands before the final pushes (which would otherwise
+    # repeat work the syncer already holds), and every live island ends on the final global model, so a
+    # run continued with a longer --steps does not push its final work twice.
+    from atoll.train import load_latest_state
+
+    summary = train(build_config(overrides=_decoupled(fast_config, quorum=3, island_speeds="1,1,0.5,0.25",
+                                                      steps=14)))
+    _, state = load_latest_state(Path(summary["out"]))
+    outer = state["syncer"]["outer"]
+    assert all(not b["pushes"] for b in state["syncer"]["buffers"]), "every buffer merged at the end"
+    for island in state["islands"]:
+        assert island["tokens_since"] == [0, 0]
+        assert island["base_version"] == [int(o["version"]) for o in outer]
+        for base, o in zip(island["base"], outer, strict=True):
+            assert torch.equal(base, o["params"])
+    assert summary["useful_tokens"] == pytest.approx(summary["tokens"])

@@ -132,6 +132,20 @@ def test_norm_bound_follows_honest_growth_and_keeps_refusing_a_hostile_island() 
     assert s.version(0) == 15 and s.rejected_updates == 15 and s.accepted_updates == 45
 
 
+def test_a_push_cannot_buy_a_bigger_norm_by_claiming_more_tokens() -> None:
+    # the norm bound is per token: a push claiming 1000x the tokens with a 1000x Δ is refused on its tokens;
+    # and with 2 islands the median of [honest, hostile] is the honest one (median_low)
+    s = Syncer(torch.zeros(16), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1)
+    delta = 0.01 * torch.randn(16, generator=_gen(5))
+    for _ in range(4):
+        assert s.push(0, 0, delta, 100, s.version(0)).accepted
+    assert s.push(1, 0, 1000 * delta, 100_000, s.version(0)).reason == "tokens"
+    for _ in range(3):
+        assert s.push(1, 0, 100 * delta, 100, s.version(0)).reason == "norm"
+        assert s.push(0, 0, delta, 100, s.version(0)).accepted
+    assert s.rejected_by_reason == {"tokens": 1, "norm": 3}
+
+
 def test_other_bad_pushes_are_rejected() -> None:
     s = Syncer(torch.zeros(8), [torch.arange(4), torch.arange(4, 8)], islands=2)
     assert s.push(2, 0, torch.zeros(4), 1, 0).reason == "island"

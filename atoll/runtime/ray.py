@@ -95,6 +95,8 @@ class SyncerService:
             self.joins = [int(x) for x in service.get("joins", self.joins)]
             self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
             self.restarts = int(service.get("restarts", 0)) + 1
+            # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
+            self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
         pid_dir = self.out / "ray"
         pid_dir.mkdir(parents=True, exist_ok=True)
         (pid_dir / ".syncer.pid.tmp").write_text(str(os.getpid()))
@@ -104,7 +106,7 @@ class SyncerService:
         """Checkpoint the syncer and the shared budget atomically (``out/syncer``)."""
         self.syncer.save(self.out / "syncer", extra={"service": {
             "reserved": self.reserved, "steps_by_island": self.steps_by_island, "joins": self.joins,
-            "rejoin_s": self.rejoin_s, "restarts": self.restarts}})
+            "rejoin_s": self.rejoin_s, "restarts": self.restarts, "clock_s": self._now()}})
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -380,6 +382,8 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
         i = running.pop(ready[0])
         try:
             results[i] = ray.get(ready[0])
+        except ray.exceptions.RayTaskError:  # the island's code raised (e.g. the syncer died for good): its
+            raise                            # process lives, so running it again would fail again at once
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
             _wait_restarted(islands[i])

@@ -455,7 +455,17 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
                 next_step(i)
     give_up_at = GIVE_UP_FACTOR * config.steps * config.sim_step_s / min(speeds)
     gave_up = False
-    while st.queue:
+    while st.queue or syncer.next_deadline() is not None:
+        if not st.queue:  # only open buffers are left: close them and answer the islands they hold, so no
+            close_at = syncer.next_deadline()[0]  # type: ignore[index]  # final push below repeats merged work
+            if math.isfinite(close_at):
+                syncer.poll(close_at)
+            else:  # no round time measured yet: no window to wait for
+                close_at = st.last_arrival
+                syncer.flush()
+            for q in range(syncer.fragments):
+                answer(q, close_at)
+            continue
         t, i, seq, action, p = st.queue[0]
         if t > give_up_at:
             gave_up = True
@@ -558,6 +568,9 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
                 syncer.push(i, p, delta, tokens, base_version, now=arrive, round_s=arrive - st.pulled_at[i][p])
                 st.last_arrival = max(st.last_arrival, arrive)
     syncer.flush()
+    for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with
+        for p in range(syncer.fragments):  # a longer --steps must not push its final work a second time
+            workers[i].adopt(p, *syncer.pull(p))
     sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
     st.eval_loss = evaluate(global_model_now(), job.val)
     log.log("eval", step=config.steps, tokens=st.done * tps, eval_loss=st.eval_loss, perplexity=math.exp(st.eval_loss),
