@@ -242,7 +242,7 @@ class TrainConfig(BaseModel):
         if isinstance(data, dict) and data.get("min_lr_ratio") is None and data.get("strategy") == "demo":
             data = {**data, "min_lr_ratio": DEMO_MIN_LR_RATIO}
         # decoupled merges a partial quorum many times per H: Nesterov 0.9 compounds those steps and
-        # overshoots (300-step tiny benchmark: 6.235 at 0.9 against 5.292 at 0.5, diloco int4 5.422)
+        # overshoots (300-step tiny benchmark, blocking transfers then: 6.235 at 0.9 against 5.292 at 0.5, diloco int4 5.422)
         if isinstance(data, dict) and data.get("outer_momentum") is None and data.get("strategy") == "decoupled":
             data = {**data, "outer_momentum": DECOUPLED_OUTER_MOMENTUM}
         return data
