@@ -68,9 +68,10 @@ class TrainConfig(BaseModel):
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(
-        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming)."
+        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming, decoupled)."
     )
-    steps: int = Field(600, ge=1, description="Inner steps per island (each island sees steps x batch tokens).")
+    steps: int = Field(600, ge=1, description="Inner steps per island (each island sees steps x batch tokens; "
+                       "decoupled: a budget of islands x steps shared by speed).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
 
     # --- model and data ----------------------------------------------------------------------------
@@ -130,7 +131,7 @@ class TrainConfig(BaseModel):
     )
 
     # --- Streaming DiLoCo (arXiv:2501.18512) -----------------------------------------------------------
-    fragments: int = Field(4, ge=1, description="streaming: P, fragments of strided layers synced in turn.")
+    fragments: int = Field(4, ge=1, description="streaming, decoupled: P, fragments of strided layers synced in turn.")
     overlap_steps: int = Field(
         1, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
     )

@@ -138,9 +138,16 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("compute (slowest island)", f"{summary['compute_s']:.1f} s"),
         (f"simulated wall @ {summary['link_bandwidth_mbps']:g} Mbit/s" if summary.get("runtime") not in ("collective", "ray")
          else "wall time on the real network", f"{summary['sim_wall_s']:.1f} s"),
-        ("compute utilization", f"{summary['compute_utilization']:.1%}"),
+        ("compute utilization" + (" (busiest island)" if "island_utilization" in summary else ""),
+         f"{summary['compute_utilization']:.1%}"),
         ("real wall time", f"{summary['wall_s']:.1f} s"),
     ]
+    if "island_utilization" in summary:  # decoupled: what failures and the syncer cost
+        utilization = summary["island_utilization"]
+        rows += [("compute utilization per island", " / ".join(f"{u:.0%}" for u in utilization)),
+                 ("goodput", f"{summary['goodput']:.1%}" if summary.get("goodput") is not None else "-"),
+                 ("failures / rejected / stale pushes", f"{sum(summary.get('failures', []))} / "
+                  f"{summary.get('rejected_updates', 0)} / {summary.get('stale_updates', 0)}")]
     for k, v in rows:
         table.add_row(k, v)
     return table

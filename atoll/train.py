@@ -190,8 +190,8 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         if config.runtime == "ray":
             if resume:
                 raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is "
-                                  "saved, under <out>/syncer); resume under --runtime local, or start a new run "
-                                  "with --init-from RUN_DIR")
+                                  "saved, under <out>/syncer); start a new run from its final model with "
+                                  "--init-from RUN_DIR")
             from atoll.runtime.ray import train_ray  # Ray is imported only here
 
             return train_ray(config)
