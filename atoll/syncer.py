@@ -243,14 +243,14 @@ class Syncer:
             # median_low: with 2 islands the median of [honest, hostile] must not be their average; and the
             # tokens a push claims (unverified) are bounded too, or a push could scale its norm with them
             if tokens > self.norm_bound * statistics.median_low(tokens_seen):
-                recent.append(norm / tokens)
-                return "tokens"
-            too_big = norm / tokens > self.norm_bound * statistics.median_low(recent)
+                reason = "tokens"
+            else:
+                reason = "norm" if norm / tokens > self.norm_bound * statistics.median_low(recent) else ""
         else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
             reference = float(self.outer[fragment].params.norm())
-            too_big = reference > 0 and norm > self.norm_bound * reference
+            reason = "norm" if reference > 0 and norm > self.norm_bound * reference else ""
         recent.append(norm / tokens)  # refused or not: the median stays robust and follows honest growth
-        return "norm" if too_big else ""
+        return reason
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:

@@ -23,31 +23,41 @@ def _latest_commits(out: Path) -> int:
         return -1
 
 
-def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -> None:
-    out = tmp_path / "ray-run"
+def _kill_mid_run(fast_config: dict, out: Path, steps: int, victim: str, min_commits: int,
+                  *flags: str) -> tuple[int, str, int, int]:
+    """A 2-island micro decoupled run on Ray whose process ``victim`` (``island_1`` or ``syncer``) is SIGKILLed
+    once the syncer has committed ``min_commits`` outer steps; returns (exit status, output, the killed pid,
+    commits on disk when it died)."""
     cmd = [sys.executable, "-m", "atoll.cli", "train", "--strategy", "decoupled", "--runtime", "ray",
-           "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", "400", "--model", "micro",
+           "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", str(steps), "--model", "micro",
            "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"],
            "--cache-dir", fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress",
-           "--ray-island-resources", "region_a=1;region_b=1", "--quorum", "2", "--out", str(out)]
+           *flags, "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 240
-        pid_file = out / "ray" / "island_1.pid"
-        while _latest_commits(out) < 2 or not pid_file.is_file():  # both islands up, the syncer committing
+        pid_file = out / "ray" / f"{victim}.pid"
+        while _latest_commits(out) < min_commits or not pid_file.is_file():  # up, the syncer committing
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "no commit within 240 s"
             time.sleep(0.2)
-        committed_before = _latest_commits(out)
         pid = int(pid_file.read_text())
         os.kill(pid, signal.SIGKILL)
+        committed_before = _latest_commits(out)  # on disk when it died: nothing of it may be lost
         output, _ = proc.communicate(timeout=300)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)  # the run and the local Ray it started
         proc.wait()
         raise
-    assert proc.returncode == 0, output[-3000:]
+    return proc.returncode, output, pid, committed_before
+
+
+def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -> None:
+    out = tmp_path / "ray-run"
+    returncode, output, pid, committed_before = _kill_mid_run(
+        fast_config, out, 400, "island_1", 2, "--ray-island-resources", "region_a=1;region_b=1", "--quorum", "2")
+    assert returncode == 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] == [0, 1] and summary["rejoins"] == [0, 1], summary
     assert summary["rejoin_s"] and max(summary["rejoin_s"]) < 30, summary["rejoin_s"]
@@ -70,32 +80,11 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
 
 def test_killed_syncer_restarts_from_its_checkpoint(fast_config: dict, tmp_path: Path) -> None:
     out = tmp_path / "ray-syncer"
-    cmd = [sys.executable, "-m", "atoll.cli", "train", "--strategy", "decoupled", "--runtime", "ray",
-           "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", "300", "--model", "micro",
-           "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"],
-           "--cache-dir", fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress",
-           "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline = time.monotonic() + 240
-        pid_file = out / "ray" / "syncer.pid"
-        while _latest_commits(out) < 4 or not pid_file.is_file():
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "no commit within 240 s"
-            time.sleep(0.2)
-        pid = int(pid_file.read_text())
-        os.kill(pid, signal.SIGKILL)
-        committed_before = _latest_commits(out)  # on disk when it died: nothing of it may be lost
-        output, _ = proc.communicate(timeout=300)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    assert proc.returncode == 0, output[-3000:]
+    returncode, output, pid, committed_before = _kill_mid_run(fast_config, out, 300, "syncer", 4)
+    assert returncode == 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["syncer_restarts"] == 1, summary
-    assert int(pid_file.read_text()) != pid, "a new process runs the syncer"
+    assert int((out / "ray" / "syncer.pid").read_text()) != pid, "a new process runs the syncer"
     # it went on from its checkpoint: every commit before the crash is among the final ones
     assert summary["commits"] > committed_before
     assert sum(summary["versions"]) == summary["commits"] == _latest_commits(out)

@@ -135,14 +135,17 @@ class SyncerService:
         self.last_seen[island] = self._now()
         self._poll()
         if self.reserved >= self.budget:
-            return False, self.buffered(island)
+            return False, self._buffered(island)
         self.reserved += 1
         self.steps_by_island[island] += 1
-        return True, self.buffered(island)
+        return True, self._buffered(island)
 
     def buffered(self, island: int) -> list[int]:
         """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first)."""
         self._poll()
+        return self._buffered(island)
+
+    def _buffered(self, island: int) -> list[int]:
         return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
 
     def push(self, island: int, fragment: int, delta: torch.Tensor, tokens: int, base_version: int,
@@ -158,7 +161,7 @@ class SyncerService:
         result = self.syncer.push(island, fragment, delta, tokens, base_version, now=now, round_s=round_s)
         if result.committed:
             self._save()
-        if result.accepted and fragment in self.buffered(island):
+        if result.accepted and fragment in self._buffered(island):
             return True, None, self.syncer.version(fragment)
         params, version = self.syncer.pull(fragment)
         return result.accepted, params, version
@@ -229,19 +232,19 @@ class IslandService:
             self.compute_s += time.perf_counter() - t
             self._advance(ex, pulled_at, buffered, block=False)
             for p in w.due():
-                while p in ex:  # the previous exchange of p must end first (bounded by the grace window)
-                    self._advance(ex, pulled_at, ray.get(self.syncer.buffered.remote(i)), block=True, only=p)
                 self._push(p, ex, pulled_at)
         for p in range(w.fragments):  # the end: push what was not pushed (no answer needed)
             if w.tokens_since[p] > 0:
-                while p in ex:
-                    self._advance(ex, pulled_at, ray.get(self.syncer.buffered.remote(i)), block=True, only=p)
                 self._push(p, ex, pulled_at)
         ray.get([e["ref"] for e in ex.values() if e["stage"] != "wait"])  # every push has reached the syncer
         return {"island": i, "steps": w.steps, "compute_s": self.compute_s, "bytes_sent": self.bytes_sent,
                 "last_loss": self.last_loss, "node_id": ray.get_runtime_context().get_node_id()}
 
     def _push(self, p: int, ex: dict[int, dict[str, Any]], pulled_at: list[float]) -> None:
+        """Push fragment p without waiting for the answer, once its previous exchange has ended (bounded by
+        the grace window)."""
+        while p in ex:
+            self._advance(ex, pulled_at, ray.get(self.syncer.buffered.remote(self.index)), block=True, only=p)
         at_push = self.worker.fragment_params(p)
         delta, tokens, base_version, nbytes = self.worker.make_push(p)
         self.bytes_sent += nbytes

@@ -102,6 +102,11 @@ class Job:
     index: list[torch.Tensor]
     init_flat: torch.Tensor  # the initial global parameters, float32 (numel,), in model.parameters() order
 
+    @property
+    def shares(self) -> list[float]:
+        """Each fragment's share of the parameters (its numel over the model's), summing to 1."""
+        return [int(idx.numel()) / int(self.init_flat.numel()) for idx in self.index]
+
 
 def prepare_job(config: TrainConfig) -> Job:
     """Data, held-out batches, the initial global model (or ``init_from``'s weights) and the fragments."""
@@ -257,8 +262,7 @@ class IslandWorker:
 
     def lose_work(self) -> float:
         """A failure: forget what was not pushed; return those tokens (scaled by each fragment's share)."""
-        numel = sum(int(i.numel()) for i in self.fragment_index)
-        lost = sum(t * int(i.numel()) / numel for t, i in zip(self.tokens_since, self.fragment_index, strict=True))
+        lost = sum(t * share for t, share in zip(self.tokens_since, self.job.shares, strict=True))
         self.tokens_since = [0] * self.fragments
         return lost
 
@@ -370,7 +374,7 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     trace = FailureTrace.from_spec(config.chaos, K, config.seed) if config.chaos else None
     workers = [IslandWorker(i, job, n) for i, n in enumerate(expected_steps(config))]
     frag_bytes = [int(idx.numel()) * 4 for idx in job.index]
-    frag_share = [int(idx.numel()) / sum(int(j.numel()) for j in job.index) for idx in job.index]
+    frag_share = job.shares
     budget = K * config.steps
     tps = config.tokens_per_step
     if state is not None:
@@ -423,6 +427,16 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
                 "island": i, "fragment": p, "params": params, "version": version, "at_push": m["at_push"],
                 "epoch": m["epoch"]}
 
+    def close_windows(at: float, flush: bool = False) -> None:
+        """Merge the buffers whose grace window has closed by ``at`` (``flush``: every open buffer) and
+        answer the islands whose pushes they held."""
+        if flush:
+            syncer.flush()
+        else:
+            syncer.poll(at)
+        for q in range(syncer.fragments):
+            answer(q, at)
+
     def answer(p: int, t: float) -> None:
         """Fragment p's buffer was merged (or emptied) by time t: answer every island whose push it held."""
         if not syncer.buffers[p].pushes and st.waiting[p]:
@@ -459,12 +473,9 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
         if not st.queue:  # only open buffers are left: close them and answer the islands they hold, so no
             close_at = syncer.next_deadline()[0]  # type: ignore[index]  # final push below repeats merged work
             if math.isfinite(close_at):
-                syncer.poll(close_at)
+                close_windows(close_at)
             else:  # no round time measured yet: no window to wait for
-                close_at = st.last_arrival
-                syncer.flush()
-            for q in range(syncer.fragments):
-                answer(q, close_at)
+                close_windows(st.last_arrival, flush=True)
             continue
         t, i, seq, action, p = st.queue[0]
         if t > give_up_at:
@@ -475,9 +486,7 @@ def train_decoupled(config: TrainConfig, resume: bool = False) -> dict[str, Any]
             break
         deadline = syncer.next_deadline()
         if deadline is not None and deadline[0] <= t:  # a grace window closes: merge without the missing
-            syncer.poll(deadline[0])
-            for q in range(syncer.fragments):
-                answer(q, deadline[0])
+            close_windows(deadline[0])
             continue
         heapq.heappop(st.queue)
         w = workers[i]
