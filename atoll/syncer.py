@@ -63,8 +63,8 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.merge import weighted_mean
 from atoll.algorithms.outer import OuterOptimizer
-from atoll.runtime.comm import weighted_mean
 
 log = logging.getLogger("atoll.syncer")
 
@@ -291,7 +291,7 @@ class Syncer:
             stale.append(s)
         if not kept:
             return 0
-        mean = merge_token_weighted([p.delta for p in kept], weights)
+        mean = weighted_mean([p.delta for p in kept], weights)
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
             mean = mean * (contributors / self.islands)
@@ -389,12 +389,3 @@ class Syncer:
 
         _, state = load_checkpoint(latest_checkpoint(Path(folder)))
         self.load_state_dict(state["syncer"])
-
-
-def merge_token_weighted(deltas: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """Σ_i w_i Δ_i / Σ_i w_i in float32, dividing by the weights of the pushes actually given.
-
-    Raises:
-        ValueError: no deltas, or weights that do not sum to a positive number.
-    """
-    return weighted_mean(deltas, weights)

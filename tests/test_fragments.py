@@ -14,7 +14,6 @@ from atoll.algorithms.fragments import (
     layer_index,
     split_fragments,
 )
-from atoll.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +99,17 @@ def test_no_layers_round_robin() -> None:
     names = ["a", "b", "c", "d", "e"]
     frags = split_fragments(names, 2)
     assert frags[0].param_names == ("a", "c", "e") and frags[1].param_names == ("b", "d")
-    with pytest.raises(ConfigError, match="fragments"):
+    with pytest.raises(ValueError, match="fragments"):
         split_fragments(names, 6)
 
 
 def test_bad_num_fragments(llama_names: list[str]) -> None:
     for bad in (0, -1, 5):
-        with pytest.raises(ConfigError, match="fragments"):
+        with pytest.raises(ValueError, match="fragments"):
             split_fragments(llama_names, bad)
-    with pytest.raises(ConfigError, match="fragments"):
+    with pytest.raises(ValueError, match="fragments"):
         split_fragments([], 1)
-    with pytest.raises(ConfigError, match="fragments"):
+    with pytest.raises(ValueError, match="fragments"):
         split_fragments(["a", "a"], 1)
 
 
@@ -152,15 +151,15 @@ def test_offsets_evenly_spread() -> None:
 
 
 def test_schedule_errors() -> None:
-    with pytest.raises(ConfigError, match="sync_every"):
+    with pytest.raises(ValueError, match="sync_every"):
         fragment_sync_steps(4, 3)
-    with pytest.raises(ConfigError, match="sync_every"):
+    with pytest.raises(ValueError, match="sync_every"):
         fragments_due(0, 4, 3)
-    with pytest.raises(ConfigError, match="sync_every"):
+    with pytest.raises(ValueError, match="sync_every"):
         fragment_sync_steps(1, 0)
-    with pytest.raises(ConfigError, match="fragments"):
+    with pytest.raises(ValueError, match="fragments"):
         fragment_sync_steps(0, 10)
-    with pytest.raises(ConfigError, match="step"):
+    with pytest.raises(ValueError, match="step"):
         fragments_due(-1, 2, 10)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from atoll.algorithms.merge import weighted_mean
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
-from atoll.runtime.comm import weighted_mean
 
 
 def test_outer_step_lr1_momentum0_is_parameter_averaging() -> None:

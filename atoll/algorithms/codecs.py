@@ -50,21 +50,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
-
-from atoll.errors import ConfigError
 
 __all__ = [
     "CODEC_NAMES",
     "ROUNDING_MODES",
     "Codec",
     "Encoded",
-    "ErrorFeedback",
-    "average_encoded",
     "make_codec",
 ]
 
@@ -132,11 +127,11 @@ class Codec(ABC):
             the payload; ``result.nbytes == self.payload_bytes(x.numel())``.
 
         Raises:
-            ConfigError: ``x`` is not a 1-D float32 tensor.
+            ValueError: ``x`` is not a 1-D float32 tensor.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype != torch.float32:
             got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ConfigError(
+            raise ValueError(
                 f"codec: {self.name} encodes a 1-D float32 tensor; got {got} (flatten it first)"
             )
         return Encoded(tensors=self._encode(x, generator), numel=x.numel(), codec=self.name)
@@ -151,17 +146,17 @@ class Codec(ABC):
             float32 tensor of shape ``(enc.numel,)`` on the payload's device (a new tensor).
 
         Raises:
-            ConfigError: the payload was made by another codec, or its tensors do not match
+            ValueError: the payload was made by another codec, or its tensors do not match
                 :meth:`layout` (wrong names, dtypes or lengths).
         """
         if enc.codec != self.name:
-            raise ConfigError(
+            raise ValueError(
                 f"codec: payload was encoded with '{enc.codec}', cannot decode with '{self.name}'"
             )
         expected = self.layout(enc.numel)
         got = [(k, t.dtype, t.numel()) for k, t in enc.tensors.items()]
         if sorted(got, key=lambda e: e[0]) != sorted(expected, key=lambda e: e[0]):
-            raise ConfigError(
+            raise ValueError(
                 f"codec: {self.name} payload for numel={enc.numel} should be {expected}, got {got}"
             )
         return self._decode(enc)
@@ -170,7 +165,7 @@ class Codec(ABC):
         """Bytes sent for a tensor of ``numel`` elements (closed form; equals ``encode(x).nbytes``).
 
         Raises:
-            ConfigError: ``numel`` is negative.
+            ValueError: ``numel`` is negative.
         """
         return sum(n * dtype.itemsize for _, dtype, n in self.layout(numel))
 
@@ -185,11 +180,11 @@ class Codec(ABC):
             the payload; its tensors are views into ``buf`` (copied first if ``buf`` is misaligned).
 
         Raises:
-            ConfigError: ``buf`` is not 1-D uint8 or has the wrong length.
+            ValueError: ``buf`` is not 1-D uint8 or has the wrong length.
         """
         size = self.payload_bytes(numel)
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != size:
-            raise ConfigError(
+            raise ValueError(
                 f"codec: {self.name} payload for numel={numel} is {size} uint8 bytes; "
                 f"got {tuple(buf.shape)} {buf.dtype}"
             )
@@ -208,7 +203,7 @@ class Codec(ABC):
         """The payload's tensors for ``numel`` elements: ``[(key, dtype, length), ...]``, widest first.
 
         Raises:
-            ConfigError: ``numel`` is negative.
+            ValueError: ``numel`` is negative.
         """
 
     @abstractmethod
@@ -223,7 +218,7 @@ class Codec(ABC):
 
 def _check_numel(numel: int) -> int:
     if numel < 0:
-        raise ConfigError(f"codec: numel must be >= 0, got {numel}")
+        raise ValueError(f"codec: numel must be >= 0, got {numel}")
     return int(numel)
 
 
@@ -451,7 +446,7 @@ class _TopKCodec(Codec):
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         if x.numel() > _MAX_INDEX:
-            raise ConfigError(
+            raise ValueError(
                 f"codec: topk indices are int32; split tensors of {x.numel()} elements into buckets"
             )
         k = self.k(x.numel())
@@ -481,18 +476,18 @@ def make_codec(
         the codec; codecs hold no state, so one instance can serve every island and fragment.
 
     Raises:
-        ConfigError: unknown ``name`` or ``rounding``, ``block_size`` < 1, ``topk_fraction`` outside (0, 1].
+        ValueError: unknown ``name`` or ``rounding``, ``block_size`` < 1, ``topk_fraction`` outside (0, 1].
     """
     if name not in CODEC_NAMES:
-        raise ConfigError(f"codec: unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
+        raise ValueError(f"codec: unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     if rounding not in ROUNDING_MODES:
-        raise ConfigError(
+        raise ValueError(
             f"rounding: unknown rounding {rounding!r}; choose one of {', '.join(ROUNDING_MODES)}"
         )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ConfigError(f"block_size: must be a positive integer, got {block_size!r}")
+        raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
     if not isinstance(topk_fraction, (int, float)) or not 0.0 < float(topk_fraction) <= 1.0:
-        raise ConfigError(f"topk_fraction: must be in (0, 1], got {topk_fraction!r}")
+        raise ValueError(f"topk_fraction: must be in (0, 1], got {topk_fraction!r}")
     if name == "fp32":
         return _Fp32Codec()
     if name == "bf16":
@@ -508,139 +503,3 @@ def make_codec(
     if name == "int4":
         return _IntCodec(4, block_size, rounding)
     return _TopKCodec(float(topk_fraction))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# error feedback
-
-
-class ErrorFeedback:
-    """Keeps the residual ``x - decode(encode(x))`` per key and adds it back before the next encode.
-
-    With error feedback nothing a lossy codec drops is lost, only delayed: after T encodes,
-    ``sum(inputs) - sum(decoded) == residual`` (bounded by one step's compression error), so the sum of
-    what was sent tracks the sum of what should have been sent (Seide et al. 2014; Stich et al. 2018,
-    arXiv:1809.07599; Karimireddy et al. 2019, arXiv:1901.09847; 1-bit Adam, arXiv:2102.02888; DeMo,
-    arXiv:2411.19870). Residuals are float32, of shape ``(numel,)``, on the input's device; keys name the
-    tensor (e.g. ``"fragment3"``), one residual each. A lossless codec (``fp32``) stores nothing.
-    """
-
-    def __init__(self, codec: Codec) -> None:
-        """Args: codec: the codec whose error is fed back."""
-        self.codec = codec
-        self._residual: dict[str, torch.Tensor] = {}
-
-    def encode(self, key: str, x: torch.Tensor, generator: torch.Generator | None = None) -> Encoded:
-        """Encode ``x + residual[key]`` and store the new residual.
-
-        Args:
-            key: which tensor this is; the residual of a previous encode under ``key`` is added.
-            x: float32 tensor of shape ``(numel,)``; not modified.
-            generator: passed to :meth:`Codec.encode`.
-
-        Returns:
-            the payload of ``x + residual[key]``.
-
-        Raises:
-            ConfigError: ``x`` is not 1-D float32, or its length differs from the stored residual's.
-        """
-        r = self._residual.get(key)
-        if r is not None and r.shape != x.shape:
-            raise ConfigError(
-                f"error_feedback: tensor {key!r} has shape {tuple(x.shape)}, its residual {tuple(r.shape)}"
-            )
-        target = x if r is None else x + r.to(x.device)
-        enc = self.codec.encode(target, generator)
-        if not self.codec.lossless:
-            self._residual[key] = target - self.codec.decode(enc)
-        return enc
-
-    def residual(self, key: str) -> torch.Tensor | None:
-        """The stored float32 residual for ``key`` (shape ``(numel,)``), or ``None``."""
-        return self._residual.get(key)
-
-    def reset(self, key: str | None = None) -> None:
-        """Forget the residual of ``key``, or all residuals when ``key`` is ``None``."""
-        if key is None:
-            self._residual.clear()
-        else:
-            self._residual.pop(key, None)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The residuals by key (float32 ``(numel,)`` tensors; references, not copies)."""
-        return dict(self._residual)
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Replace all residuals with copies of ``sd``'s (converted to float32).
-
-        Raises:
-            ConfigError: a value is not a 1-D tensor.
-        """
-        for key, value in sd.items():
-            if not isinstance(value, torch.Tensor) or value.dim() != 1:
-                raise ConfigError(f"error_feedback: residual {key!r} must be a 1-D tensor")
-        self._residual = {key: value.detach().float().clone() for key, value in sd.items()}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# what a collective does with encoded payloads
-
-
-def average_encoded(
-    per_island: Sequence[torch.Tensor],
-    codec: Codec,
-    weights: Sequence[float] | None = None,
-    generators: Sequence[torch.Generator | None] | None = None,
-    *,
-    feedback: Sequence[ErrorFeedback] | None = None,
-    key: str = "",
-) -> tuple[torch.Tensor, int]:
-    """Model an all-reduce of encoded tensors: each island encodes, everyone decodes and averages in fp32.
-
-    The result is ``sum_i w_i * decode(encode(x_i)) / sum_i w_i``, accumulated in float32 (the
-    low-precision-communication, fp32-accumulation scheme of Streaming DiLoCo, arXiv:2501.18512).
-
-    Args:
-        per_island: one float32 tensor of shape ``(numel,)`` per contributing island (same shape, device).
-        codec: the codec every island uses.
-        weights: non-negative weights (e.g. token counts), one per island; default equal. Normalised by
-            their sum, so the average divides by what actually contributed; an island of weight 0 is
-            skipped (not encoded: its generator and residual are untouched).
-        generators: per-island random sources for stochastic rounding (or ``None``).
-        feedback: optional per-island :class:`ErrorFeedback` (sharing ``codec``); island i then encodes
-            ``x_i`` plus its residual under ``key`` and updates it.
-        key: the tensor's key for ``feedback``.
-
-    Returns:
-        ``(average, nbytes)``: float32 tensor of shape ``(numel,)``, and the payload bytes of ONE island's
-        encoded tensor (what each island sends).
-
-    Raises:
-        ConfigError: no islands, mismatched shapes, a list of the wrong length, or weights that are
-            negative, non-finite or sum to zero.
-    """
-    n = len(per_island)
-    if n == 0:
-        raise ConfigError("islands: average_encoded needs at least one island's tensor")
-    shape = per_island[0].shape
-    for i, x in enumerate(per_island):
-        if x.shape != shape:
-            raise ConfigError(
-                f"islands: island {i} sent shape {tuple(x.shape)}, island 0 sent {tuple(shape)}"
-            )
-    for field, seq in (("weights", weights), ("generators", generators), ("feedback", feedback)):
-        if seq is not None and len(seq) != n:
-            raise ConfigError(f"{field}: {len(seq)} given for {n} islands")
-    w = [1.0] * n if weights is None else [float(v) for v in weights]
-    if any(not math.isfinite(v) or v < 0 for v in w) or sum(w) <= 0:
-        raise ConfigError(f"weights: must be finite, >= 0 and not all zero, got {w}")
-    total = math.fsum(w)
-    acc = torch.zeros(shape, dtype=torch.float32, device=per_island[0].device)
-    for i, x in enumerate(per_island):
-        if w[i] == 0.0:
-            continue
-        gen = generators[i] if generators is not None else None
-        enc = feedback[i].encode(key, x, gen) if feedback is not None else codec.encode(x, gen)
-        acc.add_(codec.decode(enc), alpha=w[i])
-    acc.div_(total)
-    return acc, codec.payload_bytes(int(acc.numel()))

@@ -43,8 +43,6 @@ from typing import Any
 
 import torch
 
-from atoll.errors import CheckpointError, ConfigError
-
 __all__ = [
     "ChunkedDCT",
     "DeMo",
@@ -89,10 +87,10 @@ def dct_basis(n: int) -> torch.Tensor:
         A fresh (n, n) float32 CPU tensor (a copy of a cached one; safe to modify).
 
     Raises:
-        ConfigError: ``n`` is not a positive integer.
+        ValueError: ``n`` is not a positive integer.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"demo_chunk: DCT size must be a positive integer, got {n!r}")
+        raise ValueError(f"demo_chunk: DCT size must be a positive integer, got {n!r}")
     return _dct_basis_cached(n).clone()
 
 
@@ -154,12 +152,12 @@ class ChunkedDCT:
         chunk_elems: ``h * w``.
 
     Raises:
-        ConfigError: ``chunk`` is not a positive integer.
+        ValueError: ``chunk`` is not a positive integer.
     """
 
     def __init__(self, shape: Sequence[int], chunk: int) -> None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ConfigError(f"demo_chunk must be a positive integer, got {chunk!r}")
+            raise ValueError(f"demo_chunk must be a positive integer, got {chunk!r}")
         self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
         self.chunk = chunk
         self.rows, self.cols = _as_2d_shape(self.shape)
@@ -351,9 +349,9 @@ class DemoPayload:
 
 def _check_chunk_topk(chunk: Any, topk: Any) -> None:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ConfigError(f"demo_chunk must be a positive integer (DeMo uses 64), got {chunk!r}")
+        raise ValueError(f"demo_chunk must be a positive integer (DeMo uses 64), got {chunk!r}")
     if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= chunk * chunk:
-        raise ConfigError(
+        raise ValueError(
             f"demo_topk must be an integer in [1, demo_chunk**2 = {chunk * chunk}] "
             f"(coefficients kept per chunk; DeMo uses 32), got {topk!r}"
         )
@@ -379,7 +377,7 @@ def payload_bytes(shape: Sequence[int], chunk: int = 64, topk: int = 32, sign_va
         Bytes (an int).
 
     Raises:
-        ConfigError: ``chunk`` or ``topk`` is invalid (``topk > chunk**2``).
+        ValueError: ``chunk`` or ``topk`` is invalid (``topk > chunk**2``).
     """
     _check_chunk_topk(chunk, topk)
     t = ChunkedDCT(shape, chunk)
@@ -399,7 +397,7 @@ def _check_scalar(field: str, value: Any, low: float, high: float, high_open: bo
         ok = low <= value < high if high_open else low <= value <= high
     if not ok:
         bracket = ")" if high_open else "]"
-        raise ConfigError(f"{field} must be a number in [{low}, {high}{bracket} ({hint}), got {value!r}")
+        raise ValueError(f"{field} must be a number in [{low}, {high}{bracket} ({hint}), got {value!r}")
     return float(value)
 
 
@@ -446,7 +444,7 @@ class DeMo(torch.optim.Optimizer):
     float32 across ``load_state_dict`` even for bf16 parameters) and ``step`` (int64 scalar tensor).
 
     Raises:
-        ConfigError: a hyperparameter is invalid (message names ``lr``, ``demo_beta``, ``demo_chunk``,
+        ValueError: a hyperparameter is invalid (message names ``lr``, ``demo_beta``, ``demo_chunk``,
             ``demo_topk``, ``weight_decay`` or ``sign_values``).
     """
 
@@ -463,9 +461,9 @@ class DeMo(torch.optim.Optimizer):
     ) -> None:
         _check_chunk_topk(chunk, topk)
         if not isinstance(sign_values, bool):
-            raise ConfigError(f"sign_values must be true or false, got {sign_values!r}")
+            raise ValueError(f"sign_values must be true or false, got {sign_values!r}")
         if all_gather_fn is not None and not callable(all_gather_fn):
-            raise ConfigError(f"all_gather_fn must be callable or None, got {all_gather_fn!r}")
+            raise ValueError(f"all_gather_fn must be callable or None, got {all_gather_fn!r}")
         self.chunk = chunk
         self.topk = topk
         self.sign_values = sign_values
@@ -486,18 +484,18 @@ class DeMo(torch.optim.Optimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         lr = group["lr"]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-            raise ConfigError(f"lr must be a finite number > 0 (sign-SGD step size per step), got {lr!r}")
+            raise ValueError(f"lr must be a finite number > 0 (sign-SGD step size per step), got {lr!r}")
         _check_scalar("demo_beta", group["beta"], 0.0, 1.0, True, "momentum decay; DeMo uses 0.999")
         _check_scalar("weight_decay", group["weight_decay"], 0.0, math.inf, True, "decoupled, >= 0")
         for key, field in (("chunk", "demo_chunk"), ("topk", "demo_topk"), ("sign_values", "sign_values")):
             if group[key] != getattr(self, key) or type(group[key]) is not type(getattr(self, key)):
-                raise ConfigError(
+                raise ValueError(
                     f"{field} is optimizer-wide (it fixes the wire format): a param group has "
                     f"{group[key]!r}, the optimizer {getattr(self, key)!r}"
                 )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (torch semantics) and validate its hyperparameters. Raises ConfigError."""
+        """Add a group (torch semantics) and validate its hyperparameters. Raises ValueError."""
         self._validate_group({**self.defaults, **param_group})  # before adding: a bad group is never kept
         super().add_param_group(param_group)
 
@@ -668,12 +666,12 @@ class DeMo(torch.optim.Optimizer):
         """Load torch-format state; momentum stays float32 (torch would cast it to the parameter dtype).
 
         Raises:
-            CheckpointError: the saved ``chunk``, ``topk`` or ``sign_values`` differ from this optimizer's.
+            ValueError: the saved ``chunk``, ``topk`` or ``sign_values`` differ from this optimizer's.
         """
         for group in state_dict.get("param_groups", []):
             for key in ("chunk", "topk", "sign_values"):
                 if key in group and group[key] != getattr(self, key):
-                    raise CheckpointError(
+                    raise ValueError(
                         f"DeMo state has {key}={group[key]!r} but this optimizer has {getattr(self, key)!r}; "
                         "the momentum of a different wire format cannot be resumed"
                     )

@@ -24,8 +24,6 @@ from functools import lru_cache
 
 import torch
 
-from atoll.errors import ConfigError
-
 __all__ = ["Fragment", "fragment_flat_indices", "fragment_sync_steps", "fragments_due", "layer_index",
            "split_fragments"]
 
@@ -81,22 +79,22 @@ def split_fragments(param_names: list[str], num_fragments: int) -> list[Fragment
         Depends only on the arguments, so identical on every island.
 
     Raises:
-        ConfigError: ``num_fragments`` < 1 or more than the layers (parameters), an empty or duplicated
+        ValueError: ``num_fragments`` < 1 or more than the layers (parameters), an empty or duplicated
             name list.
     """
     names = list(param_names)
     if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ConfigError(f"fragments: must be a positive integer, got {num_fragments!r}")
+        raise ValueError(f"fragments: must be a positive integer, got {num_fragments!r}")
     if not names:
-        raise ConfigError("fragments: cannot split an empty parameter list")
+        raise ValueError("fragments: cannot split an empty parameter list")
     if len(set(names)) != len(names):
         dup = next(n for i, n in enumerate(names) if n in names[:i])
-        raise ConfigError(f"fragments: parameter name {dup!r} appears twice")
+        raise ValueError(f"fragments: parameter name {dup!r} appears twice")
 
     parsed = [layer_index(n) for n in names]
     if all(p is None for p in parsed):
         if num_fragments > len(names):
-            raise ConfigError(
+            raise ValueError(
                 f"fragments: {num_fragments} fragments for {len(names)} parameters (no layers found); use <= "
                 f"{len(names)}"
             )
@@ -108,7 +106,7 @@ def split_fragments(param_names: list[str], num_fragments: int) -> list[Fragment
                 stacks.append(p[0])
         layers = sorted({p for p in parsed if p is not None}, key=lambda p: (stacks.index(p[0]), p[1]))
         if num_fragments > len(layers):
-            raise ConfigError(
+            raise ValueError(
                 f"fragments: {num_fragments} fragments for a model with {len(layers)} layers; use <= {len(layers)}"
             )
         rank = {p: i for i, p in enumerate(layers)}
@@ -151,7 +149,7 @@ def fragment_flat_indices(named_shapes: list[tuple[str, tuple[int, ...]]], num_f
         Depends only on the arguments, so identical on every island.
 
     Raises:
-        ConfigError: as :func:`split_fragments`.
+        ValueError: as :func:`split_fragments`.
     """
     names = [n for n, _ in named_shapes]
     fragments = split_fragments(names, num_fragments)
@@ -178,11 +176,11 @@ def fragment_flat_indices(named_shapes: list[tuple[str, tuple[int, ...]]], num_f
 
 def _check_schedule(num_fragments: int, sync_every: int) -> None:
     if isinstance(num_fragments, bool) or not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ConfigError(f"fragments: must be a positive integer, got {num_fragments!r}")
+        raise ValueError(f"fragments: must be a positive integer, got {num_fragments!r}")
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ConfigError(f"sync_every: must be a positive integer, got {sync_every!r}")
+        raise ValueError(f"sync_every: must be a positive integer, got {sync_every!r}")
     if sync_every < num_fragments:
-        raise ConfigError(
+        raise ValueError(
             f"sync_every: H={sync_every} is smaller than fragments={num_fragments}; each fragment needs its own "
             "step in the H window (raise sync_every or lower fragments)"
         )
@@ -213,7 +211,7 @@ def fragment_sync_steps(num_fragments: int, sync_every: int) -> list[int]:
         list of P offsets, in completed inner steps.
 
     Raises:
-        ConfigError: P < 1 or H < 1 (names ``fragments`` / ``sync_every``), or H < P (``sync_every``).
+        ValueError: P < 1 or H < 1 (names ``fragments`` / ``sync_every``), or H < P (``sync_every``).
     """
     _check_schedule(num_fragments, sync_every)
     return list(_offsets(num_fragments, sync_every))
@@ -234,11 +232,11 @@ def fragments_due(step: int, num_fragments: int, sync_every: int) -> list[int]:
         the due fragment indices, ascending (empty or one element).
 
     Raises:
-        ConfigError: ``step`` < 0 (names ``step``), or the checks of :func:`fragment_sync_steps`.
+        ValueError: ``step`` < 0 (names ``step``), or the checks of :func:`fragment_sync_steps`.
     """
     _check_schedule(num_fragments, sync_every)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"step: must be a non-negative integer, got {step!r}")
+        raise ValueError(f"step: must be a non-negative integer, got {step!r}")
     done = step + 1
     return [
         p

@@ -61,7 +61,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from atoll.algorithms.codecs import Codec, ErrorFeedback
+from atoll.algorithms.merge import average_decoded
+from atoll.algorithms.wire import Wire
 from atoll.checkpoint import new_run_dir
 from atoll.config import TrainConfig
 from atoll.errors import AtollError, CheckpointError, ConfigError, RunFailed
@@ -238,16 +239,15 @@ class DistComm(Comm):
             raise ValueError(f"collective runtime runs one island per process; got {len(per_island)} entries")
 
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor],
-                              weights: Sequence[float] | None = None, codec: Codec | None = None,
-                              feedback: Sequence[ErrorFeedback] | None = None, key: str = "",
-                              generators: Sequence[torch.Generator] | None = None) -> DistWork:
+                              weights: Sequence[float] | None = None, wire: Wire | None = None,
+                              key: str = "") -> DistWork:
         """See :meth:`Comm.start_all_reduce_mean`; the cross-island transfer runs in the background.
 
         Without a codec: a ring all-reduce of ``[w * x, w]`` (float32), then the sum divided by the sum of
         the weights; counted ``2(K-1)/K * 4 * numel`` bytes. With a codec: each island encodes its tensor
         (with its error feedback and random source), the packed payloads are all-gathered, and every
         island decodes them in island order and averages in float32, exactly as
-        :func:`~atoll.algorithms.codecs.average_encoded` does; counted ``(K-1) * payload`` bytes.
+        :func:`~atoll.algorithms.merge.average_encoded` does; counted ``(K-1) * payload`` bytes.
 
         Raises:
             ConfigError: a weight that is negative or not finite; weights of every island summing to zero
@@ -260,6 +260,7 @@ class DistComm(Comm):
         if not math.isfinite(w) or w < 0:
             raise ConfigError(f"weights: must be finite and >= 0, got {w}")
         n = x.numel()
+        codec = wire.codec if wire is not None else None
         if codec is None:
             exchange = _Exchange(self, torch.cat([x * w, x.new_tensor([w])]), gather=False)
             self._count(ring_allreduce_bytes(4 * n, self.islands))
@@ -275,9 +276,7 @@ class DistComm(Comm):
         if w == 0.0:  # like average_encoded: not encoded, its residual and random source untouched
             packed = torch.zeros(codec.payload_bytes(n), dtype=torch.uint8)
         else:
-            gen = generators[0] if generators is not None else None
-            enc = feedback[0].encode(key, x, gen) if feedback is not None else codec.encode(x, gen)
-            packed = enc.pack().cpu()
+            packed = wire.encode(0, x, key).pack().cpu()  # type: ignore[union-attr]
         header = torch.tensor([w], dtype=torch.float64).view(torch.uint8)
         exchange = _Exchange(self, torch.cat([header, packed]), gather=True)
         self._count(ring_allgather_bytes(packed.numel(), self.islands))
@@ -287,11 +286,7 @@ class DistComm(Comm):
             ws = [float(row[:8].clone().view(torch.float64)) for row in rows]
             if sum(ws) <= 0:
                 raise ConfigError("weights: the islands' weights sum to zero; nothing to average")
-            acc = torch.zeros(n, dtype=torch.float32)
-            for row, wi in zip(rows, ws, strict=True):
-                if wi != 0.0:
-                    acc.add_(codec.decode(codec.unpack(row[8:].contiguous(), n)), alpha=wi)
-            return acc.div_(math.fsum(ws))
+            return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws)
 
         return DistWork(finish_decode)
 
@@ -584,17 +579,17 @@ class CollectiveRuntime(Runtime):
         :class:`~atoll.runtime.network.SimClock` state at the real wall time ``extra["wall_s"]``, so the
         ``local`` runtime can resume the checkpoint.
         """
-        strategy_state = strategy.state_dict()
-        mine = ((self.island, [_to_cpu(i.state_dict()) for i in islands], _to_cpu(strategy_state))
-                if self.position == 0 else None)
+        shared = strategy.state_dict()
+        mine = ((self.island, [_to_cpu(i.state_dict()) for i in islands],
+                 [_to_cpu(strategy.island_state(p)) for p in range(len(islands))]) if self.position == 0 else None)
         gathered: list[Any] | None = [None] * self.world if self.is_main else None
         _call(dist.gather_object, mine, gathered, dst=0, group=self.control)
         if gathered is None:
             return None
         entries = sorted((g for g in gathered if g is not None), key=lambda g: g[0])
         wall = float(extra.get("wall_s", 0.0))
-        return {"islands": [s for e in entries for s in e[1]],
-                "strategy": strategy.merge_island_states([e[2] for e in entries]),
+        return {"islands": [s for e in entries for s in e[1]], "strategy": _to_cpu(shared),
+                "strategy_islands": [s for e in entries for s in e[2]],
                 "comm": self.comm.state_dict(),
                 "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
 
@@ -605,7 +600,9 @@ class CollectiveRuntime(Runtime):
                                   f"{self.islands}; resume with the run's own --islands")
         for island in islands:
             island.load_state_dict(state["islands"][island.index])
-        strategy.load_state_dict(strategy.select_island_states(state["strategy"], [i.index for i in islands]))
+        strategy.load_state_dict(state["strategy"])
+        for position, island in enumerate(islands):
+            strategy.load_island_state(position, state["strategy_islands"][island.index])
         self.comm.load_state_dict(state["comm"])
 
 

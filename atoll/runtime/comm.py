@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.codecs import Codec, ErrorFeedback
+from atoll.algorithms.wire import Wire
 
 
 class Work(ABC):
@@ -71,8 +71,7 @@ class Comm(ABC):
         self.peak_bytes_per_exchange = max(self.peak_bytes_per_exchange, bytes_sent)
 
     def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
-                        codec: Codec | None = None, feedback: Sequence[ErrorFeedback] | None = None,
-                        key: str = "", generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+                        wire: Wire | None = None, key: str = "") -> torch.Tensor:
         """Weighted mean of a 1-D tensor across every island; blocks until done.
 
         Args:
@@ -80,21 +79,20 @@ class Comm(ABC):
                 wire carries: without a codec, the element size sets the counted bytes).
             weights: one non-negative weight per local island (e.g. tokens processed); default equal.
                 The mean divides by the sum of the weights of the islands that contributed.
-            codec: encode each island's tensor before sending (bytes counted from the encoded payload:
-                values, scales, indices); decoded and accumulated in float32. None: sent as is.
-            feedback: per local island error-feedback state for ``codec`` (residual kept under ``key``).
+            wire: how the tensors travel (:class:`~atoll.algorithms.wire.Wire`): with a lossy codec each
+                island's tensor is encoded (its error feedback and random source applied; bytes counted from
+                the encoded payload: values, scales, indices), then decoded and accumulated in float32. None,
+                or a wire without a codec: sent as is.
             key: names the tensor for error feedback (e.g. ``"fragment2"``).
-            generators: per local island random sources for stochastic rounding.
 
         Returns:
             The float32 mean, shape of one input, identical on every island.
         """
-        return self.start_all_reduce_mean(per_island, weights, codec, feedback, key, generators).wait()
+        return self.start_all_reduce_mean(per_island, weights, wire, key).wait()
 
     @abstractmethod
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
-                              codec: Codec | None = None, feedback: Sequence[ErrorFeedback] | None = None,
-                              key: str = "", generators: Sequence[torch.Generator] | None = None) -> Work:
+                              wire: Wire | None = None, key: str = "") -> Work:
         """Start :meth:`all_reduce_mean` without blocking (overlapped communication, Streaming DiLoCo).
 
         Returns:
@@ -126,27 +124,3 @@ class Comm(ABC):
         self.bytes_sent_per_island = float(state["bytes_sent_per_island"])
         self.exchanges = int(state["exchanges"])
         self.peak_bytes_per_exchange = float(state["peak_bytes_per_exchange"])
-
-
-def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
-    """Weighted mean of same-shaped tensors, accumulated in float32 in the given order.
-
-    Divides by the sum of the weights of the tensors actually given (never by a configured count), so an
-    island that did not contribute does not dilute the average (DiLoCo §3; Decoupled DiLoCo).
-
-    Raises:
-        ValueError: no tensors, mismatched lengths, or weights summing to zero.
-    """
-    if not tensors:
-        raise ValueError("weighted_mean of no tensors")
-    if weights is None:
-        weights = [1.0] * len(tensors)
-    if len(weights) != len(tensors):
-        raise ValueError(f"{len(tensors)} tensors but {len(weights)} weights")
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError("weights sum to zero")
-    out = torch.zeros_like(tensors[0], dtype=torch.float32)
-    for t, w in zip(tensors, weights, strict=True):
-        out.add_(t.to(torch.float32), alpha=float(w) / total)
-    return out

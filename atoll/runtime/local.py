@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.codecs import Codec, ErrorFeedback, average_encoded
+from atoll.algorithms.merge import average_encoded, weighted_mean
+from atoll.algorithms.wire import Wire
 from atoll.config import TrainConfig
 from atoll.errors import CheckpointError
 from atoll.island import Island
 from atoll.runtime.base import Runtime
-from atoll.runtime.comm import Comm, Work, weighted_mean
+from atoll.runtime.comm import Comm, Work
 from atoll.runtime.network import ClockTrace, Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
 from atoll.strategies.base import Strategy
 
@@ -62,14 +63,14 @@ class LocalComm(Comm):
             raise ValueError(f"local runtime expects one entry per island ({self.islands}), got {len(per_island)}")
 
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
-                              codec: Codec | None = None, feedback: Sequence[ErrorFeedback] | None = None,
-                              key: str = "", generators: Sequence[torch.Generator] | None = None) -> LocalWork:
+                              wire: Wire | None = None, key: str = "") -> LocalWork:
         self._check(per_island)
-        if codec is None:
+        if wire is None or wire.codec is None:
             mean = weighted_mean(per_island, weights)
             payload = per_island[0].numel() * per_island[0].element_size()
         else:
-            mean, payload = average_encoded(per_island, codec, weights, generators, feedback=feedback, key=key)
+            mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators, feedback=wire.feedback,
+                                            key=key)
         done_at = self.charge_allreduce(payload, blocking=False)
         return LocalWork(mean, done_at, self.clock, self.clock.last_collective)
 
@@ -127,6 +128,7 @@ class LocalRuntime(Runtime):
 
     def job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any]:
         return {"islands": [i.state_dict() for i in islands], "strategy": strategy.state_dict(),
+                "strategy_islands": [strategy.island_state(p) for p in range(len(islands))],
                 "comm": self.comm.state_dict(), "clock": self.clock.state_dict(), **extra}
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
@@ -136,5 +138,7 @@ class LocalRuntime(Runtime):
         for island, s in zip(islands, state["islands"], strict=True):
             island.load_state_dict(s)
         strategy.load_state_dict(state["strategy"])
+        for position, s in enumerate(state["strategy_islands"]):
+            strategy.load_island_state(position, s)
         self.comm.load_state_dict(state["comm"])
         self.clock.load_state_dict(state["clock"])

@@ -14,22 +14,21 @@ import torch
 from atoll.config import TrainConfig
 from atoll.island import Island
 from atoll.runtime.comm import Comm
-from atoll.strategies.base import Strategy, Wire
+from atoll.strategies.base import Strategy, make_wire
 
 
 class DDP(Strategy):
     """Ring all-reduce of the full gradient every inner step (float32, or as ``--codec`` encodes it)."""
 
     name = "ddp"
-    per_island_state = ("wire.feedback", "wire.generators")
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
-        self.wire = Wire(config, comm.local_islands)
+        self.wire = make_wire(config, comm.local_islands)
 
     def step(self, step: int) -> None:
         grads = [island.flat_grads() for island in self.islands]
-        mean = self.comm.all_reduce_mean(grads, weights=[1.0] * len(grads), **self.wire.kwargs("grad"))
+        mean = self.comm.all_reduce_mean(grads, weights=[1.0] * len(grads), wire=self.wire, key="grad")
         for island in self.islands:
             island.set_flat_grads(mean)
             island.inner_step()
@@ -37,8 +36,8 @@ class DDP(Strategy):
     def global_params(self) -> torch.Tensor:
         return self.islands[0].flat_params()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"wire": self.wire.state_dict()}
+    def island_state(self, position: int) -> dict[str, Any]:
+        return {"wire": self.wire.island_state(position)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.wire.load_state_dict(state["wire"])
+    def load_island_state(self, position: int, state: dict[str, Any]) -> None:
+        self.wire.load_island_state(position, state["wire"])

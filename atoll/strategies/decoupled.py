@@ -72,8 +72,7 @@ import torch
 import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from atoll.algorithms.codecs import average_encoded
-from atoll.algorithms.fragments import fragment_flat_indices, fragments_due
+from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.chaos import GIVE_UP_FACTOR, FailureTrace
 from atoll.checkpoint import new_run_dir, save_checkpoint
@@ -84,7 +83,7 @@ from atoll.island import Island, copy_flat_into, cosine_with_warmup
 from atoll.metrics import MetricsLog, write_summary
 from atoll.model import build_model, count_parameters, param_bytes
 from atoll.runtime.network import Link, ring_allreduce_bytes
-from atoll.strategies.base import Wire
+from atoll.strategies.base import make_wire, model_fragments
 from atoll.syncer import Syncer
 
 LOG_EVERY = 10  # mean inner steps per island between two ``train`` events
@@ -124,7 +123,7 @@ def prepare_job(config: TrainConfig) -> Job:
         load_init_weights(model, Path(config.init_from))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token="<|endoftext|>",
                                         bos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    index = fragment_flat_indices([(n, tuple(p.shape)) for n, p in model.named_parameters()], config.fragments)
+    index = model_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], config.fragments)
     init_flat = torch.nn.utils.parameters_to_vector([p.detach() for p in model.parameters()]).float().clone()
     return Job(config, data, val, model, tokenizer, index, init_flat)
 
@@ -187,7 +186,7 @@ class IslandWorker:
             cosine_with_warmup(min(config.warmup_steps, total_steps // 10), total_steps, config.min_lr_ratio))
         self.fragment_index = job.index
         self.sync_every = local_sync_every(config)[index]
-        self.wire = Wire(config, [index])
+        self.wire = make_wire(config, [index])
         self.base = [job.init_flat[idx].clone() for idx in job.index]
         self.base_version = [0] * len(job.index)
         self.tokens_since = [0] * len(job.index)
@@ -221,11 +220,7 @@ class IslandWorker:
         with the island's error feedback); the bytes are those of the encoded payload.
         """
         delta = pseudo_gradient(self.base[p], self.island.flat_params()[self.fragment_index[p]])
-        if self.wire.codec is None:
-            nbytes = delta.numel() * delta.element_size()
-        else:
-            delta, nbytes = average_encoded([delta], self.wire.codec, [1.0], self.wire.generators,
-                                            feedback=self.wire.feedback, key=f"fragment{p}")
+        delta, nbytes = self.wire.transmit(0, delta, f"fragment{p}")
         tokens = self.tokens_since[p]
         self.tokens_since[p] = 0
         return delta, tokens, self.base_version[p], int(nbytes)
@@ -270,7 +265,7 @@ class IslandWorker:
         """The island (weights, inner optimizer, schedule) and its exchange state, for checkpoints."""
         return {"island": self.island.state_dict(), "base": [b.clone() for b in self.base],
                 "base_version": list(self.base_version), "tokens_since": list(self.tokens_since),
-                "steps": self.steps, "round_step": self.round_step, "wire": self.wire.state_dict()}
+                "steps": self.steps, "round_step": self.round_step, "wire": self.wire.island_state(0)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.island.load_state_dict(state["island"])
@@ -278,7 +273,7 @@ class IslandWorker:
         self.base_version = [int(v) for v in state["base_version"]]
         self.tokens_since = [int(t) for t in state["tokens_since"]]
         self.steps, self.round_step = int(state["steps"]), int(state["round_step"])
-        self.wire.load_state_dict(state["wire"])
+        self.wire.load_island_state(0, state["wire"])
 
     def rejoin(self, global_flat: torch.Tensor, versions: list[int]) -> None:
         """Restart from the syncer's newest global parameters with a fresh inner optimizer state."""

@@ -16,21 +16,20 @@ from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.config import TrainConfig
 from atoll.island import Island
 from atoll.runtime.comm import Comm
-from atoll.strategies.base import Strategy, Wire, drop_non_finite
+from atoll.strategies.base import Strategy, drop_non_finite, make_wire
 
 
 class DiLoCo(Strategy):
     """Synchronous DiLoCo with one outer optimizer over all parameters."""
 
     name = "diloco"
-    per_island_state = ("tokens_at_sync", "wire.feedback", "wire.generators")
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
         self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum)
         self.tokens_at_sync = [island.tokens for island in islands]
         self.last_sync_step = 0
-        self.wire = Wire(config, comm.local_islands)
+        self.wire = make_wire(config, comm.local_islands)
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
@@ -46,7 +45,7 @@ class DiLoCo(Strategy):
         deltas, weights, dropped = drop_non_finite(deltas, weights)
         self.dropped_updates += sum(dropped)
         if sum(weights) > 0:
-            new_global = self.outer.step(self.comm.all_reduce_mean(deltas, weights=weights, **self.wire.kwargs("all")))
+            new_global = self.outer.step(self.comm.all_reduce_mean(deltas, weights=weights, wire=self.wire, key="all"))
         else:  # nothing usable arrived: keep the global model, restart every island from it
             new_global = self.outer.params.detach()
         for island in self.islands:
@@ -62,11 +61,15 @@ class DiLoCo(Strategy):
         return self.outer.params.detach().clone()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.outer.state_dict(), "tokens_at_sync": list(self.tokens_at_sync),
-                "last_sync_step": self.last_sync_step, "wire": self.wire.state_dict()}
+        return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
-        self.tokens_at_sync = [int(t) for t in state["tokens_at_sync"]]
         self.last_sync_step = int(state["last_sync_step"])
-        self.wire.load_state_dict(state["wire"])
+
+    def island_state(self, position: int) -> dict[str, Any]:
+        return {"tokens_at_sync": self.tokens_at_sync[position], "wire": self.wire.island_state(position)}
+
+    def load_island_state(self, position: int, state: dict[str, Any]) -> None:
+        self.tokens_at_sync[position] = int(state["tokens_at_sync"])
+        self.wire.load_island_state(position, state["wire"])

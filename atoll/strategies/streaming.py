@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.fragments import fragment_flat_indices, fragments_due
+from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.config import TrainConfig
 from atoll.island import Island
 from atoll.runtime.comm import Comm, Work
-from atoll.strategies.base import Strategy, Wire, drop_non_finite
+from atoll.strategies.base import Strategy, drop_non_finite, make_wire, model_fragments
 
 
 @dataclass
@@ -38,19 +38,18 @@ class StreamingDiLoCo(Strategy):
     """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment."""
 
     name = "streaming"
-    per_island_state = ("tokens_at_sync.*", "wire.feedback", "wire.generators")
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
         shapes = [(n, tuple(p.shape)) for n, p in islands[0].named_params.items()]
-        self.index = fragment_flat_indices(shapes, config.fragments)
+        self.index = model_fragments(shapes, config.fragments)
         self.numel = sum(p.numel() for p in islands[0].params)
         start = islands[0].flat_params()
         self.outer = [OuterOptimizer(start[idx], config.outer_lr, config.outer_momentum) for idx in self.index]
         self.tokens_at_sync = [[island.tokens for island in islands] for _ in self.index]
         self.last_sync_step = [0] * len(self.index)
         self.in_flight: list[_InFlight] = []
-        self.wire = Wire(config, comm.local_islands)
+        self.wire = make_wire(config, comm.local_islands)
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
@@ -70,7 +69,7 @@ class StreamingDiLoCo(Strategy):
         self.dropped_updates += sum(dropped)
         if sum(weights) == 0:  # nothing usable: a zero pseudo-gradient still moves the outer momentum
             weights = [1.0] * len(weights)
-        work = self.comm.start_all_reduce_mean(deltas, weights=weights, **self.wire.kwargs(f"fragment{p}"))
+        work = self.comm.start_all_reduce_mean(deltas, weights=weights, wire=self.wire, key=f"fragment{p}")
         self.tokens_at_sync[p] = [island.tokens for island in self.islands]
         self.last_sync_step[p] = step + 1
         tau = self.config.overlap_steps if overlap is None else overlap
@@ -110,15 +109,27 @@ class StreamingDiLoCo(Strategy):
     def state_dict(self) -> dict[str, Any]:
         in_flight = [{"fragment": j.fragment, "merge_after_step": j.merge_after_step, "done_at": j.work.done_at,
                       "result": j.work.result_for_checkpoint()} for j in self.in_flight]
-        return {"outer": [o.state_dict() for o in self.outer], "tokens_at_sync": self.tokens_at_sync,
-                "last_sync_step": self.last_sync_step, "wire": self.wire.state_dict(), "in_flight": in_flight}
+        return {"outer": [o.state_dict() for o in self.outer], "last_sync_step": self.last_sync_step,
+                "in_flight": in_flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for o, s in zip(self.outer, state["outer"], strict=True):
             o.load_state_dict(s)
-        self.tokens_at_sync = [[int(t) for t in ts] for ts in state["tokens_at_sync"]]
         self.last_sync_step = [int(s) for s in state["last_sync_step"]]
-        self.wire.load_state_dict(state["wire"])
         self.in_flight = [_InFlight(int(j["fragment"]), int(j["merge_after_step"]),
-                                   self.comm.restore_work(j["result"], float(j["done_at"])))
-                          for j in state["in_flight"]]
+                                    self.comm.restore_work(j["result"], float(j["done_at"])),
+                                    (False,) * len(self.islands)) for j in state["in_flight"]]
+
+    def island_state(self, position: int) -> dict[str, Any]:
+        # whether this island's contribution to each exchange in flight was left out (not finite): it then
+        # adopts the merged fragment instead of mixing its faulty one in
+        return {"tokens_at_sync": [ts[position] for ts in self.tokens_at_sync],
+                "in_flight_dropped": [j.dropped[position] for j in self.in_flight],
+                "wire": self.wire.island_state(position)}
+
+    def load_island_state(self, position: int, state: dict[str, Any]) -> None:
+        for ts, t in zip(self.tokens_at_sync, state["tokens_at_sync"], strict=True):
+            ts[position] = int(t)
+        for job, dropped in zip(self.in_flight, state["in_flight_dropped"], strict=True):  # after load_state_dict
+            job.dropped = tuple(bool(dropped) if i == position else d for i, d in enumerate(job.dropped))
+        self.wire.load_island_state(position, state["wire"])

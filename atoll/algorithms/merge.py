@@ -1,0 +1,142 @@
+"""Merging what islands send: weighted means in float32, of plain tensors or of codec payloads.
+
+Every average in atoll divides by the weights of the contributions actually given, never by a configured
+island count, so an island that did not contribute (failed, dropped, or of weight 0) does not dilute it
+(DiLoCo, arXiv:2311.08105 §3; Decoupled DiLoCo's token-weighted merge, arXiv:2604.21428). Lossy payloads
+are decoded and accumulated in float32 (Streaming DiLoCo's low-precision communication with fp32
+accumulation, arXiv:2501.18512). Pure tensor math; errors are ValueError.
+
+- :func:`weighted_mean`: plain tensors (an all-reduce of float32 values; the syncer's token-weighted merge).
+- :func:`average_encoded`: each island encodes its tensor with a codec (and its error feedback), every
+  island decodes all of them and averages (an all-reduce of encoded payloads, priced by one payload).
+- :func:`average_decoded`: the receiving half of it, for payloads that arrived packed from other processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from atoll.algorithms.codecs import Codec
+from atoll.algorithms.wire import ErrorFeedback
+
+__all__ = ["average_decoded", "average_encoded", "weighted_mean"]
+
+
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Σ_i w_i x_i / Σ_i w_i of same-shaped tensors, accumulated in float32 in the given order.
+
+    Args:
+        tensors: same-shaped tensors (any float dtype; converted to float32).
+        weights: one non-negative weight per tensor (e.g. tokens trained); default equal.
+
+    Returns:
+        A float32 tensor of the inputs' shape.
+
+    Raises:
+        ValueError: no tensors, mismatched lengths, or weights summing to zero.
+    """
+    if not tensors:
+        raise ValueError("weighted_mean of no tensors")
+    if weights is None:
+        weights = [1.0] * len(tensors)
+    if len(weights) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors but {len(weights)} weights")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError("weights sum to zero")
+    out = torch.zeros_like(tensors[0], dtype=torch.float32)
+    for t, w in zip(tensors, weights, strict=True):
+        out.add_(t.to(torch.float32), alpha=float(w) / total)
+    return out
+
+
+def _check_weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    w = [1.0] * n if weights is None else [float(v) for v in weights]
+    if len(w) != n:
+        raise ValueError(f"weights: {len(w)} given for {n} islands")
+    if any(not math.isfinite(v) or v < 0 for v in w) or sum(w) <= 0:
+        raise ValueError(f"weights: must be finite, >= 0 and not all zero, got {w}")
+    return w
+
+
+def average_decoded(codec: Codec, payloads: Sequence[torch.Tensor], numel: int,
+                    weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Σ_i w_i decode(payload_i) / Σ_i w_i in float32, for payloads packed by :meth:`Encoded.pack`.
+
+    Args:
+        codec: the codec that encoded them.
+        payloads: one packed uint8 payload per island (a payload of weight 0 is not decoded).
+        numel: elements of each decoded tensor.
+        weights: one weight per payload; default equal.
+
+    Returns:
+        A float32 tensor of shape ``(numel,)``.
+
+    Raises:
+        ValueError: weights of the wrong length, negative, not finite or summing to zero; a payload of
+            the wrong size.
+    """
+    w = _check_weights(weights, len(payloads))
+    acc = torch.zeros(numel, dtype=torch.float32)
+    for buf, wi in zip(payloads, w, strict=True):
+        if wi != 0.0:
+            acc.add_(codec.decode(codec.unpack(buf, numel)), alpha=wi)
+    return acc.div_(math.fsum(w))
+
+
+def average_encoded(
+    per_island: Sequence[torch.Tensor],
+    codec: Codec,
+    weights: Sequence[float] | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+    *,
+    feedback: Sequence[ErrorFeedback] | None = None,
+    key: str = "",
+) -> tuple[torch.Tensor, int]:
+    """Model an all-reduce of encoded tensors: each island encodes, everyone decodes and averages in fp32.
+
+    The result is ``sum_i w_i * decode(encode(x_i)) / sum_i w_i``, accumulated in float32 in island order,
+    the same sum as :func:`average_decoded` of the packed payloads.
+
+    Args:
+        per_island: one float32 tensor of shape ``(numel,)`` per contributing island (same shape, device).
+        codec: the codec every island uses.
+        weights: non-negative weights (e.g. token counts), one per island; default equal. Normalised by
+            their sum, so the average divides by what actually contributed; an island of weight 0 is
+            skipped (not encoded: its generator and residual are untouched).
+        generators: per-island random sources for stochastic rounding (or ``None``).
+        feedback: optional per-island :class:`ErrorFeedback` (sharing ``codec``); island i then encodes
+            ``x_i`` plus its residual under ``key`` and updates it.
+        key: the tensor's key for ``feedback``.
+
+    Returns:
+        ``(average, nbytes)``: float32 tensor of shape ``(numel,)``, and the payload bytes of ONE island's
+        encoded tensor (what each island sends).
+
+    Raises:
+        ValueError: no islands, mismatched shapes, a list of the wrong length, or weights that are
+            negative, non-finite or sum to zero.
+    """
+    n = len(per_island)
+    if n == 0:
+        raise ValueError("islands: average_encoded needs at least one island's tensor")
+    shape = per_island[0].shape
+    for i, x in enumerate(per_island):
+        if x.shape != shape:
+            raise ValueError(f"islands: island {i} sent shape {tuple(x.shape)}, island 0 sent {tuple(shape)}")
+    for field, seq in (("generators", generators), ("feedback", feedback)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"{field}: {len(seq)} given for {n} islands")
+    w = _check_weights(weights, n)
+    acc = torch.zeros(shape, dtype=torch.float32, device=per_island[0].device)
+    for i, x in enumerate(per_island):
+        if w[i] == 0.0:
+            continue
+        gen = generators[i] if generators is not None else None
+        enc = feedback[i].encode(key, x, gen) if feedback is not None else codec.encode(x, gen)
+        acc.add_(codec.decode(enc), alpha=w[i])
+    acc.div_(math.fsum(w))
+    return acc, codec.payload_bytes(int(acc.numel()))
