@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     p_report.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write [default: report.png]")
 
-    from atoll import projection, suite, wan  # no torch at import: the parser stays fast
+    from atoll.analysis import projection
+    from atoll.bench import suite, wan  # no torch at import: the parser stays fast
 
     p_project = sub.add_parser("project", help="project step time, utilization, bytes and goodput of each "
                                "strategy to real scale (arithmetic, no training)",
@@ -113,12 +114,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # heavy imports (torch, transformers) only once the settings are known to be valid
     from rich.console import Console
 
-    from atoll.metrics import summary_table
+    from atoll.job.metrics import summary_table
 
     if config.runtime == "collective" and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         from atoll.runtime.collective import launch  # start the ranks on this machine; no model here
 
-        summary = launch(config, resume=args.resume is not None)
+        summary = launch(config, "atoll.train:train", resume=args.resume is not None)
     else:
         from atoll.train import train
 
@@ -131,7 +132,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from atoll.errors import ConfigError
-    from atoll.report import plot_runs
+    from atoll.job.report import plot_runs
 
     if args.out.is_dir() or (args.out.parent.exists() and not args.out.parent.is_dir()):
         raise ConfigError(f"out: '{args.out}' is a folder or lies under a file; pass a PNG path with --out")
@@ -145,16 +146,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "suite":
-        from atoll.suite import run_suite
+        from atoll.bench.suite import run_suite
 
         return run_suite(args)
-    from atoll.wan import run_benchmark
+    from atoll.bench.wan import run_benchmark
 
     return run_benchmark(args)
 
 
 def _cmd_project(args: argparse.Namespace) -> int:
-    from atoll.projection import run_cli
+    from atoll.analysis.projection import run_cli
 
     print(run_cli(args))
     return 0

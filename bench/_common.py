@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from atoll.bench.suite import run_matches
 from atoll.config import build_config
-from atoll.suite import run_matches
 from atoll.train import train
 
 OUT = Path(__file__).resolve().parent / "out"

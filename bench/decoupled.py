@@ -5,12 +5,12 @@
     python bench/decoupled.py --steps 20 --model micro --fragments 2 --out /tmp/dc   # a smoke run
 
 (a) Failures: 8 islands, local runtime, simulated step time ``--sim-step-s`` (0.1 s), H = 25, 4 fragments.
-    One seeded failure trace (:func:`atoll.chaos.standard_chaos`: DOWN = 1/20 of the failure-free compute
+    One seeded failure trace (:func:`atoll.analysis.chaos.standard_chaos`: DOWN = 1/20 of the failure-free compute
     time and MTBF = 9 DOWN: every island down about 10% of the time; the realized fraction is reported).
     An island that fails loses the work it has not pushed, about H/2 inner steps, so H is kept well below
     the MTBF (270 steps at 600 steps per island): at H = 50 that loss alone costs about 4 points of goodput. Runs: decoupled without and with the trace,
     and synchronous diloco without failures. Synchronous diloco *under* the trace is not trained: its
-    wall time follows from the trace on the same simulated clock (:func:`atoll.chaos.synchronous_under_failures`:
+    wall time follows from the trace on the same simulated clock (:func:`atoll.analysis.chaos.synchronous_under_failures`:
     every failure stops every island until the island is back, and the round in progress is redone;
     checkpoints at every outer step, the most favourable case for it; step time ``sim_step_s``, one
     all-reduce of the fp32 model per round at the same link), and its loss is that of the failure-free
@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OUT, pct, run, write_results  # noqa: E402
 
-from atoll.chaos import FailureTrace, standard_chaos, synchronous_under_failures  # noqa: E402
+from atoll.analysis.chaos import FailureTrace, standard_chaos, synchronous_under_failures  # noqa: E402
 from atoll.runtime.network import Link  # noqa: E402
 
 
@@ -164,7 +164,7 @@ def main() -> None:
              "goodput: useful (merged) tokens per simulated second over the failure-free compute rate "
              "(every island computing all the time); see atoll/strategies/decoupled.py.",
              "diloco rows marked 'clock' are computed from the trace and the step-time model "
-             "(atoll.chaos.synchronous_under_failures), not trained; its weights are those of the failure-free run.",
+             "(atoll.analysis.chaos.synchronous_under_failures), not trained; its weights are those of the failure-free run.",
              "command: python bench/decoupled.py " + " ".join(a for a in sys.argv[1:] if a != "--fresh"),
              "checks: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
                                     for k, v in checks.items() if not isinstance(v, list))]

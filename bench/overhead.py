@@ -4,7 +4,7 @@
     python bench/overhead.py --model micro --rounds 3 --steps 5 --out /tmp/overhead    # a smoke run
 
 The atoll side is what the ``local`` runtime does for one island and one inner step
-(:meth:`atoll.island.Island.forward_backward` then :meth:`~atoll.island.Island.inner_step`: the timed
+(:meth:`atoll.job.island.Island.forward_backward` then :meth:`~atoll.job.island.Island.inner_step`: the timed
 forward and backward, the non-finite check and gradient clipping, AdamW with decay/no-decay groups, the
 warmup-cosine schedule, ``zero_grad``). The plain side is the loop a PyTorch user writes: forward,
 cross-entropy, backward, ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. Both start from the same
@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from atoll.config import build_config
-from atoll.island import cosine_with_warmup, next_token_loss
-from atoll.model import build_model, count_parameters
-from atoll.train import make_island
+from atoll.job.island import cosine_with_warmup, make_island, next_token_loss
+from atoll.job.model import build_model, count_parameters
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from atoll.config import build_config, load_run_config
-from atoll.metrics import read_metrics
+from atoll.job.metrics import read_metrics
 from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
 from atoll.train import train
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import run_atoll
 
-from atoll.chaos import FailureTrace, synchronous_under_failures
+from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 from atoll.config import build_config
 from atoll.errors import ConfigError
 from atoll.train import train
@@ -93,7 +93,7 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
         assert abs(got - want) <= 1, steps
     # local steps proportional to speed (H = 4 scaled, at least the 2 fragments): every island pushes each
     # fragment at the same wall-clock cadence, so the slow ones' pushes are not staler than the fast ones'
-    from atoll.strategies.decoupled import local_sync_every
+    from atoll.strategies.decoupled.island import local_sync_every
 
     assert local_sync_every(build_config(overrides=_decoupled(fast_config, island_speeds="1,1,0.5,0.25",
                                                               sync_every=8))) == [8, 8, 4, 2]
@@ -114,7 +114,7 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     (["--chaos", "10"], "chaos: '10' is not MTBF_S:DOWNTIME_S"),
     (["--chaos", "0:5"], "chaos: '0:5' is not MTBF_S:DOWNTIME_S"),
     (["--quorum", "5"], "quorum: 5 exceeds islands (4)"),
-    (["--runtime", "collective"], "runtime: decoupled runs under local or ray"),
+    (["--runtime", "collective"], "runtime: collective runs only the ddp, diloco, streaming and demo strategies, not decoupled"),
     (["--runtime", "ray", "--ray-island-resources", "eu=1;eu=1"], "ray_island_resources: 2 entries for 4 islands"),
     (["--runtime", "ray", "--ray-island-resources", "eu"], "ray_island_resources: 'eu' is not NAME=AMOUNT"),
     (["--runtime", "ray", "--ray-island-resources", "eu=0"], "ray_island_resources: eu=0.0 must be a positive"),
@@ -168,15 +168,15 @@ class _Crash(Exception):
 
 
 def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch) -> None:
-    import atoll.strategies.decoupled as dc
+    import atoll.job.run as run_mod
     from atoll.config import load_run_config
-    from atoll.metrics import read_metrics
+    from atoll.job.metrics import read_metrics
 
     # chaos and speeds: islands are down, pushes in flight and buffers open at the checkpoint
     base = _decoupled(fast_config, chaos="0.6:0.2", island_speeds="1,1,0.5,0.25", checkpoint_every=6,
                       codec="int4", codec_rounding="stochastic", error_feedback=True)
     full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
-    real_save = dc.save_checkpoint
+    real_save = run_mod.save_checkpoint
 
     def save_then_crash(out, step, *args, **kwargs):
         path = real_save(out, step, *args, **kwargs)
@@ -184,10 +184,10 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
             raise _Crash()
         return path
 
-    monkeypatch.setattr(dc, "save_checkpoint", save_then_crash)
+    monkeypatch.setattr(run_mod, "save_checkpoint", save_then_crash)
     with pytest.raises(_Crash):
         train(build_config(overrides={**base, "out": str(tmp_path / "resumed")}))
-    monkeypatch.setattr(dc, "save_checkpoint", real_save)
+    monkeypatch.setattr(run_mod, "save_checkpoint", real_save)
     resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
     for key in ("final_eval_loss", "steps_per_island", "failures", "rejoin_s", "commits", "staleness_counts",
                 "sim_wall_s", "goodput", "bytes_sent_by_island", "rejected_updates"):
@@ -209,43 +209,50 @@ def test_ray_is_imported_only_for_the_ray_runtime() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, atoll.cli, atoll.train, atoll.strategies.decoupled, atoll.syncer; "
+    code = ("import sys, atoll.cli, atoll.train, atoll.strategies.decoupled, atoll.runtime.events; "
             "from atoll.cli import build_parser; build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
 
 
 def test_decoupled_defaults_to_a_lighter_outer_momentum() -> None:
-    from atoll.config import DECOUPLED_OUTER_MOMENTUM
+    from atoll.strategies.registry import spec
 
-    assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == DECOUPLED_OUTER_MOMENTUM == 0.5
+    assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == spec("decoupled").defaults[
+        "outer_momentum"] == 0.5
     assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.9  # the DiLoCo paper's
     assert build_config(overrides={"strategy": "decoupled", "outer_momentum": 0.9}).outer_momentum == 0.9
 
 
 def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -> None:
-    from atoll.strategies.decoupled import IslandWorker, prepare_job
+    from atoll.strategies.decoupled.island import IslandWorker, Job
+    from atoll.strategies.decoupled.protocol import Pull
 
-    job = prepare_job(build_config(overrides=_decoupled(fast_config)))
+    job = Job.prepare(build_config(overrides=_decoupled(fast_config)))
     w = IslandWorker(0, job, total_steps=16)
+
+    def fragment(p: int) -> torch.Tensor:
+        return w.island.flat_params()[w.fragment_index[p]]
+
     for _ in range(3):
         w.train_step()
-    at_push = w.fragment_params(0)
-    delta, tokens, version, _ = w.make_push(0)
-    assert torch.equal(delta, w.base[0] - at_push) and tokens == 3 * job.config.tokens_per_step
+    at_push = fragment(0)
+    push = w.push(0)
+    assert torch.equal(push.delta, w.base[0] - at_push) and push.tokens == 3 * job.config.tokens_per_step
+    assert torch.equal(w.at_push[0], at_push)
     for _ in range(2):  # the island trains on while its push and the pull are on the wire
         w.train_step()
-    now = w.fragment_params(0)
+    now = fragment(0)
     assert not torch.equal(now, at_push)
-    new_global = w.base[0] - 0.5 * delta  # what the syncer sent back, version 1
+    new_global = w.base[0] - 0.5 * push.delta  # what the syncer sent back, version 1
     # the global fragment plus the progress since the push; the next Δ is exactly that progress
-    w.adopt(0, new_global, 1, at_push=at_push)
-    assert torch.allclose(w.fragment_params(0), new_global + (now - at_push), atol=1e-6)
-    assert torch.equal(w.base[0], new_global) and w.base_version[0] == 1
-    assert torch.allclose(w.make_push(0)[0], at_push - now, atol=1e-6)
-    # without at_push (nothing trained since the push) adopting is replacing
-    w.adopt(1, w.base[1] + 1.0, 1)
-    assert torch.equal(w.fragment_params(1), w.base[1])
+    w.adopt(Pull(0, new_global, 1))
+    assert torch.allclose(fragment(0), new_global + (now - at_push), atol=1e-6)
+    assert torch.equal(w.base[0], new_global) and w.base_version[0] == 1 and w.at_push[0] is None
+    assert torch.allclose(w.push(0).delta, at_push - now, atol=1e-6)
+    # with no push in progress (a final pull) adopting is replacing
+    w.adopt(Pull(1, w.base[1] + 1.0, 1))
+    assert torch.equal(fragment(1), w.base[1])
 
 
 def test_pushes_on_the_wire_die_with_a_failed_island(fast_config: dict) -> None:
@@ -265,7 +272,7 @@ def test_the_end_answers_every_push_before_the_final_ones(fast_config: dict) -> 
     # The end closes those buffers and answers their islands before the final pushes (which would otherwise
     # repeat work the syncer already holds), and every live island ends on the final global model, so a
     # run continued with a longer --steps does not push its final work twice.
-    from atoll.train import load_latest_state
+    from atoll.job.run import load_latest_state
 
     summary = train(build_config(overrides=_decoupled(fast_config, quorum=3, island_speeds="1,1,0.5,0.25",
                                                       steps=14)))

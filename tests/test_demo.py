@@ -544,10 +544,10 @@ def test_param_group_cannot_change_wire_format() -> None:
 
 
 def test_demo_defaults_to_a_constant_rate_after_warmup() -> None:
-    from atoll.config import DEMO_MIN_LR_RATIO
+    from atoll.strategies.registry import spec
 
     # sign-SGD's best schedule in bench/demo_sweep.py; AdamW keeps its cosine decay; an explicit value wins
-    assert build_config(overrides={"strategy": "demo"}).min_lr_ratio == DEMO_MIN_LR_RATIO == 1.0
+    assert build_config(overrides={"strategy": "demo"}).min_lr_ratio == spec("demo").defaults["min_lr_ratio"] == 1.0
     assert build_config(overrides={"strategy": "diloco"}).min_lr_ratio == 0.1
     assert build_config(overrides={"strategy": "demo", "min_lr_ratio": 0.1}).min_lr_ratio == 0.1
 

@@ -165,7 +165,7 @@ def test_schedule_errors() -> None:
 
 def test_flat_indices_cover_every_element_once_and_balance_the_tiny_model() -> None:
     from atoll.algorithms.fragments import fragment_flat_indices
-    from atoll.model import build_model
+    from atoll.job.model import build_model
 
     model = build_model("tiny", 4096, 128, seed=0)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]

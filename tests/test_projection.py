@@ -1,4 +1,4 @@
-"""The projection (atoll.projection) against measured runs, its formulas' limits, and ``atoll project``."""
+"""The projection (atoll.analysis.projection) against measured runs, its formulas' limits, and ``atoll project``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import run_atoll
 
-from atoll.projection import (
+from atoll.analysis.projection import (
     CODEC_BITS,
     STRATEGIES,
     Setting,

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from atoll.config import TrainConfig
-from atoll.island import next_token_loss
-from atoll.model import build_model, param_bytes
+from atoll.job.island import make_island, next_token_loss
+from atoll.job.model import build_model, param_bytes
 from atoll.runtime.local import LocalComm
 from atoll.runtime.network import Link, SimClock, ring_allreduce_bytes
 from atoll.strategies.ddp import DDP
 from atoll.strategies.diloco import DiLoCo
-from atoll.train import make_island
 
 VOCAB, SEQ, BATCH = 300, 16, 4
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_strategies import _batch, _setup
 
-from atoll.model import param_bytes
+from atoll.job.model import param_bytes
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.diloco import DiLoCo
 from atoll.strategies.streaming import StreamingDiLoCo

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_atoll
 
-from atoll.suite import BANDWIDTHS_MBPS, RUNS, available, standard_chaos, synchronous_goodput
+from atoll.bench.suite import BANDWIDTHS_MBPS, available, runs, standard_chaos, synchronous_goodput
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
     out, _ = quick_suite
     results = json.loads((out / "results.json").read_text())
     rows = {r["run"]: r for r in results["rows"]}
-    assert [r["run"] for r in results["rows"]] == [name for name, _, _ in RUNS]
+    assert [r["run"] for r in results["rows"]] == [name for name, _, _ in runs()]
     ddp, fp32 = rows["ddp"], rows["diloco_fp32"]
     summary = results["runs"]["ddp"]
     # equal tokens: every 4-island run saw the same tokens, one island a quarter of them

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from atoll.algorithms.outer import pseudo_gradient
-from atoll.syncer import Syncer
+from atoll.strategies.decoupled.protocol import Push
+from atoll.strategies.decoupled.syncer import Syncer
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -22,7 +23,7 @@ def test_token_weighted_merge_equals_the_formula() -> None:
     deltas = [0.01 * torch.randn(100, generator=_gen(i + 1)) for i in range(3)]
     tokens = [100, 300, 600]
     for i in range(3):
-        s.push(i, 0, deltas[i], tokens[i], 0)
+        s.push(Push(i, 0, deltas[i], tokens[i], 0))
     expected = theta - 0.5 * sum(t * d for t, d in zip(tokens, deltas, strict=True)) / sum(tokens)
     torch.testing.assert_close(s.global_params(), expected, rtol=0, atol=1e-6)
     assert s.commits == 1 and s.quorum_sizes == [3] and s.version(0) == 1
@@ -32,13 +33,13 @@ def test_one_island_full_quorum_lr1_momentum0_is_plain_averaging() -> None:
     theta = torch.randn(50, generator=_gen())
     island = theta + 0.1 * torch.randn(50, generator=_gen(1))
     s = Syncer(theta, None, islands=1, outer_lr=1.0, outer_momentum=0.0)
-    assert s.push(0, 0, pseudo_gradient(theta, island), 10, 0).committed == 1
+    assert s.push(Push(0, 0, pseudo_gradient(theta, island), 10, 0)).committed == 1
     torch.testing.assert_close(s.global_params(), island, rtol=0, atol=1e-6)
     # K islands, full quorum, no staleness, equal tokens: the mean of the islands' parameters
     islands = [theta + 0.1 * torch.randn(50, generator=_gen(i + 2)) for i in range(4)]
     s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, quorum=4)
     for i, x in enumerate(islands):
-        s.push(i, 0, pseudo_gradient(theta, x), 7, 0)
+        s.push(Push(i, 0, pseudo_gradient(theta, x), 7, 0))
     torch.testing.assert_close(s.global_params(), torch.stack(islands).mean(0), rtol=0, atol=1e-6)
 
 
@@ -46,7 +47,7 @@ def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     theta = torch.zeros(10)
     s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, grace_factor=0.5, scale_partial=False)
     assert s.quorum == 2  # half of the islands, rounded up
-    r = s.push(0, 0, torch.full((10,), -1.0), 10, 0, now=1.0, round_s=4.0)
+    r = s.push(Push(0, 0, torch.full((10,), -1.0), 10, 0, round_s=4.0), now=1.0)
     assert r.accepted and r.committed == 0 and s.version(0) == 0
     # the grace window is 0.5 x the median measured round time (4 s), opened at the first push
     assert s.next_deadline() == (3.0, 0)
@@ -54,17 +55,17 @@ def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     assert s.poll(3.0) == 1 and s.version(0) == 1 and s.quorum_sizes == [1]
     torch.testing.assert_close(s.global_params(), torch.ones(10))
     # two distinct islands reach the quorum: merged at once, divided by what they contributed
-    s.push(1, 0, torch.full((10,), -1.0), 10, 1, now=5.0, round_s=4.0)
-    assert s.push(1, 0, torch.full((10,), -2.0), 10, 1, now=5.5).committed == 0, "quorum counts distinct islands"
-    assert s.push(2, 0, torch.full((10,), -3.0), 20, 1, now=6.0).committed == 1
+    s.push(Push(1, 0, torch.full((10,), -1.0), 10, 1, round_s=4.0), now=5.0)
+    assert s.push(Push(1, 0, torch.full((10,), -2.0), 10, 1), now=5.5).committed == 0, "quorum counts distinct islands"
+    assert s.push(Push(2, 0, torch.full((10,), -3.0), 20, 1), now=6.0).committed == 1
     torch.testing.assert_close(s.global_params(), torch.full((10,), 1.0 + (10 + 20 + 60) / 40))
     assert s.quorum_sizes == [1, 2] and s.next_deadline() is None
 
 
 def test_partial_merge_is_scaled_by_the_share_of_islands() -> None:
     s = Syncer(torch.zeros(6), None, islands=4, outer_lr=1.0, outer_momentum=0.0, quorum=2)
-    s.push(0, 0, torch.full((6,), -1.0), 10, 0)
-    s.push(1, 0, torch.full((6,), -3.0), 30, 0)  # token-weighted mean -2.5, spoken for 2 of 4 islands
+    s.push(Push(0, 0, torch.full((6,), -1.0), 10, 0))
+    s.push(Push(1, 0, torch.full((6,), -3.0), 30, 0))  # token-weighted mean -2.5, spoken for 2 of 4 islands
     torch.testing.assert_close(s.global_params(), torch.full((6,), 2.5 * 2 / 4))
 
 
@@ -72,21 +73,21 @@ def test_staleness_discount_and_max_staleness() -> None:
     theta = torch.zeros(4)
     s = Syncer(theta, None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1, max_staleness=1,
                staleness_exponent=1.0)
-    s.push(0, 0, torch.full((4,), -1.0), 10, 0)          # version 0 -> 1
-    s.push(0, 0, torch.full((4,), -1.0), 10, 1)          # version 1 -> 2
+    s.push(Push(0, 0, torch.full((4,), -1.0), 10, 0))          # version 0 -> 1
+    s.push(Push(0, 0, torch.full((4,), -1.0), 10, 1))          # version 1 -> 2
     before = s.global_params()
-    r = s.push(1, 0, torch.full((4,), -1.0), 10, 0)      # staleness 2 > max 1: dropped
+    r = s.push(Push(1, 0, torch.full((4,), -1.0), 10, 0))      # staleness 2 > max 1: dropped
     assert not r.accepted and r.reason == "stale" and s.stale_updates == 1 and s.rejected_updates == 0
     assert torch.equal(s.global_params(), before)
     # staleness 1 with exponent 1: weight tokens / 2, alone in its merge so the mean is unchanged;
     # beside a fresh push of equal tokens it counts half
     s2 = Syncer(theta, None, islands=3, outer_lr=1.0, outer_momentum=0.0, quorum=3, staleness_exponent=1.0)
-    s2.push(0, 0, torch.full((4,), -1.0), 10, 0)
-    s2.push(1, 0, torch.full((4,), -1.0), 10, 0)
-    s2.push(2, 0, torch.full((4,), -1.0), 10, 0)  # commit: version 1
-    s2.push(0, 0, torch.full((4,), -3.0), 10, 1)
-    s2.push(1, 0, torch.full((4,), -3.0), 10, 1)
-    s2.push(2, 0, torch.full((4,), 0.0), 10, 0)   # staleness 1: weight 5
+    s2.push(Push(0, 0, torch.full((4,), -1.0), 10, 0))
+    s2.push(Push(1, 0, torch.full((4,), -1.0), 10, 0))
+    s2.push(Push(2, 0, torch.full((4,), -1.0), 10, 0))  # commit: version 1
+    s2.push(Push(0, 0, torch.full((4,), -3.0), 10, 1))
+    s2.push(Push(1, 0, torch.full((4,), -3.0), 10, 1))
+    s2.push(Push(2, 0, torch.full((4,), 0.0), 10, 0))   # staleness 1: weight 5
     expected = 1.0 + (30 + 30 + 0) / 25
     torch.testing.assert_close(s2.global_params(), torch.full((4,), expected))
     assert s2.staleness == [0, 0, 0, 0, 0, 1]
@@ -106,10 +107,10 @@ def test_invalid_pushes_never_reach_the_global_model(bad: object, reason: str) -
     theta = torch.randn(16, generator=_gen())
     s = Syncer(theta, None, islands=2, outer_lr=0.7, outer_momentum=0.9, quorum=1)
     for v in range(4):  # accepted updates: the norm bound follows their running median
-        s.push(0, 0, 0.01 * torch.randn(16, generator=_gen(v + 1)), 10, v)
+        s.push(Push(0, 0, 0.01 * torch.randn(16, generator=_gen(v + 1)), 10, v))
     before = s.state_dict()
     global_before = s.global_params()
-    r = s.push(1, 0, bad, 10, s.version(0))
+    r = s.push(Push(1, 0, bad, 10, s.version(0)))
     assert not r.accepted and r.reason == reason
     assert s.rejected_updates == 1 and s.rejected_by_reason == {reason: 1}
     assert torch.equal(s.global_params(), global_before), "bit-identical after a rejected push"
@@ -127,8 +128,8 @@ def test_norm_bound_follows_honest_growth_and_keeps_refusing_a_hostile_island() 
     for r in range(15):
         scale = 1e-3 * 1.6 ** r  # 1e-3 .. 0.7
         for i in range(3):
-            assert s.push(i, 0, scale * direction, 10, s.version(0)).accepted, (r, i)
-        assert s.push(3, 0, 1000 * scale * direction, 10, s.version(0)).reason == "norm", r
+            assert s.push(Push(i, 0, scale * direction, 10, s.version(0))).accepted, (r, i)
+        assert s.push(Push(3, 0, 1000 * scale * direction, 10, s.version(0))).reason == "norm", r
     assert s.version(0) == 15 and s.rejected_updates == 15 and s.accepted_updates == 45
 
 
@@ -138,20 +139,20 @@ def test_a_push_cannot_buy_a_bigger_norm_by_claiming_more_tokens() -> None:
     s = Syncer(torch.zeros(16), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1)
     delta = 0.01 * torch.randn(16, generator=_gen(5))
     for _ in range(4):
-        assert s.push(0, 0, delta, 100, s.version(0)).accepted
-    assert s.push(1, 0, 1000 * delta, 100_000, s.version(0)).reason == "tokens"
+        assert s.push(Push(0, 0, delta, 100, s.version(0))).accepted
+    assert s.push(Push(1, 0, 1000 * delta, 100_000, s.version(0))).reason == "tokens"
     for _ in range(3):
-        assert s.push(1, 0, 100 * delta, 100, s.version(0)).reason == "norm"
-        assert s.push(0, 0, delta, 100, s.version(0)).accepted
+        assert s.push(Push(1, 0, 100 * delta, 100, s.version(0))).reason == "norm"
+        assert s.push(Push(0, 0, delta, 100, s.version(0))).accepted
     assert s.rejected_by_reason == {"tokens": 1, "norm": 3}
 
 
 def test_other_bad_pushes_are_rejected() -> None:
     s = Syncer(torch.zeros(8), [torch.arange(4), torch.arange(4, 8)], islands=2)
-    assert s.push(2, 0, torch.zeros(4), 1, 0).reason == "island"
-    assert s.push(0, 2, torch.zeros(4), 1, 0).reason == "fragment"
-    assert s.push(0, 0, torch.zeros(4), 0, 0).reason == "tokens"
-    assert s.push(0, 0, torch.zeros(4), 1, 5).reason == "version"
+    assert s.push(Push(2, 0, torch.zeros(4), 1, 0)).reason == "island"
+    assert s.push(Push(0, 2, torch.zeros(4), 1, 0)).reason == "fragment"
+    assert s.push(Push(0, 0, torch.zeros(4), 0, 0)).reason == "tokens"
+    assert s.push(Push(0, 0, torch.zeros(4), 1, 5)).reason == "version"
     assert s.rejected_updates == 4 and s.version(0) == 0
 
 
@@ -159,7 +160,7 @@ def test_fragments_merge_independently() -> None:
     theta = torch.arange(8, dtype=torch.float32)
     index = [torch.tensor([0, 2, 4, 6]), torch.tensor([1, 3, 5, 7])]
     s = Syncer(theta, index, islands=1, outer_lr=1.0, outer_momentum=0.0)
-    s.push(0, 1, torch.full((4,), -1.0), 5, 0)
+    s.push(Push(0, 1, torch.full((4,), -1.0), 5, 0))
     expected = theta.clone()
     expected[index[1]] += 1
     torch.testing.assert_close(s.global_params(), expected)
@@ -172,10 +173,10 @@ def test_state_dict_and_atomic_save_restore_every_committed_step(tmp_path: Path)
     kwargs = {"islands": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "quorum": 2}
     s = Syncer(theta, None, **kwargs)
     for v in range(3):
-        s.push(0, 0, 0.01 * torch.randn(12, generator=_gen(2 * v)), 10, v, now=float(v), round_s=1.0)
-        s.push(1, 0, 0.01 * torch.randn(12, generator=_gen(2 * v + 1)), 20, v, now=float(v), round_s=1.0)
+        s.push(Push(0, 0, 0.01 * torch.randn(12, generator=_gen(2 * v)), 10, v, round_s=1.0), now=float(v))
+        s.push(Push(1, 0, 0.01 * torch.randn(12, generator=_gen(2 * v + 1)), 20, v, round_s=1.0), now=float(v))
         s.save(tmp_path / "syncer")
-    s.push(2, 0, 0.01 * torch.randn(12, generator=_gen(9)), 5, 3, now=3.0, round_s=1.0)  # buffered, not committed
+    s.push(Push(2, 0, 0.01 * torch.randn(12, generator=_gen(9)), 5, 3, round_s=1.0), now=3.0)  # buffered, not committed
     s.save(tmp_path / "syncer")
     restored = Syncer(theta, None, **kwargs)
     restored.load(tmp_path / "syncer")
@@ -183,6 +184,6 @@ def test_state_dict_and_atomic_save_restore_every_committed_step(tmp_path: Path)
     assert len(restored.buffers[0].pushes) == 1 and restored.stats() == s.stats()
     # both take the same next step: outer momentum, buffers and medians were restored
     for x in (s, restored):
-        x.push(1, 0, 0.01 * torch.ones(12), 10, 3, now=4.0)
+        x.push(Push(1, 0, 0.01 * torch.ones(12), 10, 3), now=4.0)
     assert torch.equal(restored.global_params(), s.global_params())
     assert math.isinf(Syncer(theta, None, **kwargs).buffers[0].grace_s)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import run_atoll
 
-import atoll.train as train_mod
+import atoll.job.run as train_mod
 from atoll.config import build_config, load_run_config
-from atoll.metrics import read_metrics
+from atoll.job.metrics import read_metrics
 from atoll.train import train
 
 
@@ -164,7 +164,7 @@ def test_resume_falls_back_to_the_previous_checkpoint_when_the_latest_is_damaged
     train(build_config(overrides={**fast_config, "steps": 20}))
     root = Path(fast_config["out"]) / "checkpoints"
     (root / "step_0000020" / "state.safetensors").write_bytes(b"garbage")
-    from atoll.train import load_latest_state
+    from atoll.job.run import load_latest_state
 
     step, state = load_latest_state(Path(fast_config["out"]))
     assert step == 10 and "islands" in state

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.runtime.wan_emulation import (
+from atoll.bench.netns import (
     NETNS_DIR,
     PREFIX,
     EmulatedWan,
@@ -24,7 +24,7 @@ from atoll.runtime.wan_emulation import (
     namespace_exists,
     unavailable_reason,
 )
-from atoll.wan import run_in_wan
+from atoll.bench.wan import run_in_wan
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")

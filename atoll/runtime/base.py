@@ -20,7 +20,7 @@ from atoll.runtime.comm import Comm
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:  # not at run time: the collective launcher imports this without transformers
-    from atoll.island import Island
+    from atoll.job.island import Island
     from atoll.strategies.base import Strategy
 
 

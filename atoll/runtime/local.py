@@ -9,19 +9,21 @@ This is the runtime of research sweeps and tests. :class:`LocalRuntime` is what 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atoll.algorithms.merge import average_encoded, weighted_mean
 from atoll.algorithms.wire import Wire
-from atoll.config import TrainConfig
 from atoll.errors import CheckpointError
-from atoll.island import Island
 from atoll.runtime.base import Runtime
 from atoll.runtime.comm import Comm, Work
 from atoll.runtime.network import ClockTrace, Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
-from atoll.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+    from atoll.strategies.base import Strategy
 
 
 class LocalWork(Work):

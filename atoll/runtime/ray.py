@@ -10,7 +10,7 @@ Launch::
 The driver (this process) prepares the data and the initial model, then starts one :class:`SyncerActor`
 (holding the :class:`~atoll.syncer.Syncer`, on the CPU, 0 CPUs reserved) and ``islands`` island actors
 (each ``ray_cpus_per_island`` CPUs, ``ray_gpus_per_island`` GPUs; Ray places them on the cluster). Every
-island runs :class:`~atoll.strategies.decoupled.IslandWorker` at its own pace: inner steps, then on the
+island runs :meth:`~atoll.strategies.decoupled.island.IslandWorker.run` (the learner's loop) at its own pace: inner steps, then on the
 fragment schedule a push to the syncer and a pull of the newest global fragment, which it adopts when it
 arrives while it trains on (communication overlaps compute). Nobody waits for another island. The syncer
 merges a quorum at once, and closes a buffer's grace window (a multiple of the measured round time) on the
@@ -52,7 +52,10 @@ import torch
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
-from atoll.strategies.decoupled import IslandWorker, expected_steps, make_syncer, prepare_job
+from atoll.job.run import Run
+from atoll.strategies.decoupled import make_syncer
+from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.protocol import Pull, Push
 
 #: how often an island actor may be restarted after its process died
 MAX_RESTARTS = 4
@@ -67,13 +70,13 @@ class SyncerService:
     """
 
     def __init__(self, config_json: str, out: str) -> None:
-        from atoll.checkpoint import latest_checkpoint, load_checkpoint
         from atoll.errors import CheckpointError
+        from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
         self.config = TrainConfig.model_validate_json(config_json)
         torch.set_num_threads(1)
-        job = prepare_job(self.config)
-        self.syncer = make_syncer(self.config, job)
+        job = Job.prepare(self.config)
+        self.syncer = make_syncer(self.config, job.init_flat, job.index)
         self.out = Path(out)
         self.t0 = time.monotonic()
         self.budget = self.config.islands * self.config.steps
@@ -84,7 +87,7 @@ class SyncerService:
         self.rejoin_s: list[float] = []
         self.restarts = 0
         try:  # a restart after a crash: continue from the last checkpoint (written at every commit)
-            _, state = load_checkpoint(latest_checkpoint(self.out / "syncer"))
+            _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
         except CheckpointError:
             state = None
         if state is not None:
@@ -104,7 +107,7 @@ class SyncerService:
 
     def _save(self) -> None:
         """Checkpoint the syncer and the shared budget atomically (``out/syncer``)."""
-        self.syncer.save(self.out / "syncer", extra={"service": {
+        self.syncer.save(save_path(self.out), extra={"service": {
             "reserved": self.reserved, "steps_by_island": self.steps_by_island, "joins": self.joins,
             "rejoin_s": self.rejoin_s, "restarts": self.restarts, "clock_s": self._now()}})
 
@@ -148,26 +151,24 @@ class SyncerService:
     def _buffered(self, island: int) -> list[int]:
         return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
 
-    def push(self, island: int, fragment: int, delta: torch.Tensor, tokens: int, base_version: int,
-             round_s: float) -> tuple[bool, torch.Tensor | None, int]:
-        """Push fragment ``fragment``'s Δ: (accepted, the global fragment float32 (numel_p,) or None, version).
+    def push(self, msg: Push) -> tuple[bool, Pull | None]:
+        """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
 
-        The fragment comes back when the push is merged at once (it completed a quorum) or refused; None
-        while it waits in the buffer: the island pulls once :meth:`buffered` no longer lists it.
+        The answer comes back at once when the push is merged (it completed a quorum) or refused; while it
+        waits in the buffer the island pulls once :meth:`buffered` no longer lists it.
         """
         now = self._now()
-        self.last_seen[island] = now
+        self.last_seen[msg.island] = now
         self._poll()
-        result = self.syncer.push(island, fragment, delta, tokens, base_version, now=now, round_s=round_s)
+        result = self.syncer.push(msg, now=now)
         if result.committed:
             self._save()
-        if result.accepted and fragment in self._buffered(island):
-            return True, None, self.syncer.version(fragment)
-        params, version = self.syncer.pull(fragment)
-        return result.accepted, params, version
+        if result.accepted and msg.fragment in self._buffered(msg.island):
+            return True, None
+        return result.accepted, self.syncer.pull(msg.fragment)
 
-    def pull(self, fragment: int) -> tuple[torch.Tensor, int]:
-        """(the newest global fragment, float32 (numel_p,); its version)."""
+    def pull(self, fragment: int) -> Pull:
+        """The newest global fragment."""
         self._poll()
         return self.syncer.pull(fragment)
 
@@ -187,6 +188,71 @@ class SyncerService:
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
 
+class RayTransport:
+    """How an island actor reaches the syncer actor (:class:`~atoll.strategies.decoupled.island.Transport`).
+
+    A push is sent without waiting; the syncer answers it with the merged global fragment once the push is
+    merged (at once if it completes a quorum; else the island learns from a later :meth:`reserve_step` that its
+    push left the buffer, and pulls). At most one exchange per fragment is in progress; its stage is
+    ``push`` (sent, answer not read), ``wait`` (buffered at the syncer) or ``pull`` (the merged fragment asked).
+    """
+
+    def __init__(self, syncer: Any, island: int, fragments: int) -> None:
+        self.syncer, self.island = syncer, island
+        self.pulled_at = [time.monotonic()] * fragments
+        self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
+        self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
+        self.bytes_sent = 0.0
+
+    def reserve_step(self) -> bool:
+        go, self.buffered = ray.get(self.syncer.reserve_step.remote(self.island))
+        return go
+
+    def send(self, push: Push) -> None:
+        self.bytes_sent += push.nbytes
+        msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
+                   round_s=time.monotonic() - self.pulled_at[push.fragment])
+        self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
+
+    def arrived(self) -> list[Pull]:
+        return self._advance(block=False)
+
+    def settle(self, fragment: int) -> list[Pull]:
+        pulls: list[Pull] = []
+        while fragment in self.exchanges:  # bounded by the syncer's grace window
+            self.buffered = ray.get(self.syncer.buffered.remote(self.island))
+            pulls += self._advance(block=True, only=fragment)
+        return pulls
+
+    def close(self) -> None:
+        ray.get([e["ref"] for e in self.exchanges.values() if e["stage"] != "wait"])  # every push reached it
+
+    def _advance(self, block: bool, only: int | None = None) -> list[Pull]:
+        """Move exchanges on: a push answered, a merge seen (no longer buffered: pull), a pull arrived."""
+        pulls = []
+        for p in [q for q in list(self.exchanges) if only is None or q == only]:
+            e = self.exchanges[p]
+            if e["stage"] == "wait":
+                if p in self.buffered:
+                    if block:
+                        time.sleep(0.01)  # the syncer merges at the quorum or when the grace window closes
+                    continue
+                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p)
+            ready, _ = ray.wait([e["ref"]], timeout=None if block else 0)
+            if not ready:
+                continue
+            reply = ray.get(e["ref"])
+            if e["stage"] == "push":
+                _, reply = reply
+                if reply is None:  # buffered: answered when merged
+                    e["stage"] = "wait"
+                    continue
+            pulls.append(reply)
+            self.pulled_at[p] = time.monotonic()
+            del self.exchanges[p]
+        return pulls
+
+
 class IslandService:
     """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters."""
 
@@ -194,7 +260,7 @@ class IslandService:
         config = TrainConfig.model_validate_json(config_json)
         self.index = index
         self.syncer = syncer
-        job = prepare_job(config)
+        job = Job.prepare(config)
         # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
         device = "cuda" if config.ray_gpus_per_island > 0 and torch.cuda.is_available() else "cpu"
         self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
@@ -206,76 +272,16 @@ class IslandService:
         tmp = pid_dir / f".island_{index}.pid.tmp"
         tmp.write_text(str(os.getpid()))
         os.replace(tmp, pid_dir / f"island_{index}.pid")  # readers never see a half-written file
-        self.compute_s = 0.0
-        self.bytes_sent = 0.0
-        self.last_loss = float("nan")
 
     def run(self) -> dict[str, Any]:
-        """Train until the shared step budget is spent; return this island's counters.
-
-        A push is sent without waiting; the syncer answers it with the merged global fragment once the push
-        is merged (at once if it completes a quorum; else the island learns from its next ``reserve_step``
-        that its push left the buffer, and pulls). The island trains on meanwhile and adopts the merged
-        fragment when it arrives, keeping the work done since the push
-        (:meth:`~atoll.strategies.decoupled.IslandWorker.adopt`). Before the next push of the same fragment it
-        waits for the previous exchange to end, so a fragment has at most one exchange in progress.
-        """
-        w, i = self.worker, self.index
-        pulled_at = [time.monotonic()] * w.fragments
-        ex: dict[int, dict[str, Any]] = {}  # fragment -> its exchange: {"stage": push|wait|pull, "ref", "at_push"}
-        while True:
-            go, buffered = ray.get(self.syncer.reserve_step.remote(i))
-            if not go:
-                break
-            t = time.perf_counter()
-            self.last_loss = w.train_step()
-            self.compute_s += time.perf_counter() - t
-            self._advance(ex, pulled_at, buffered, block=False)
-            for p in w.due():
-                self._push(p, ex, pulled_at)
-        for p in range(w.fragments):  # the end: push what was not pushed (no answer needed)
-            if w.tokens_since[p] > 0:
-                self._push(p, ex, pulled_at)
-        ray.get([e["ref"] for e in ex.values() if e["stage"] != "wait"])  # every push has reached the syncer
-        return {"island": i, "steps": w.steps, "compute_s": self.compute_s, "bytes_sent": self.bytes_sent,
-                "last_loss": self.last_loss, "node_id": ray.get_runtime_context().get_node_id()}
-
-    def _push(self, p: int, ex: dict[int, dict[str, Any]], pulled_at: list[float]) -> None:
-        """Push fragment p without waiting for the answer, once its previous exchange has ended (bounded by
-        the grace window)."""
-        while p in ex:
-            self._advance(ex, pulled_at, ray.get(self.syncer.buffered.remote(self.index)), block=True, only=p)
-        at_push = self.worker.fragment_params(p)
-        delta, tokens, base_version, nbytes = self.worker.make_push(p)
-        self.bytes_sent += nbytes
-        ref = self.syncer.push.remote(self.index, p, delta, tokens, base_version, time.monotonic() - pulled_at[p])
-        ex[p] = {"stage": "push", "ref": ref, "at_push": at_push}
-
-    def _advance(self, ex: dict[int, dict[str, Any]], pulled_at: list[float], buffered: list[int], block: bool,
-                 only: int | None = None) -> None:
-        """Move exchanges on: a push answered, a merge seen (not in ``buffered``: pull), a pull adopted.
-
-        ``block``: wait for the Ray results of the exchanges considered; ``only``: consider that fragment.
-        """
-        for p in [q for q in list(ex) if only is None or q == only]:
-            e = ex[p]
-            if e["stage"] == "wait":
-                if p in buffered:
-                    if block:
-                        time.sleep(0.01)  # the syncer merges at the quorum or when the grace window closes
-                    continue
-                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p)
-            ready, _ = ray.wait([e["ref"]], timeout=None if block else 0)
-            if not ready:
-                continue
-            reply = ray.get(e["ref"])
-            if e["stage"] == "push" and reply[1] is None:  # buffered: answered when merged
-                e["stage"] = "wait"
-                continue
-            _, params, version = reply if e["stage"] == "push" else (True, *reply)
-            self.worker.adopt(p, params, version, at_push=e["at_push"])
-            pulled_at[p] = time.monotonic()
-            del ex[p]
+        """Train until the shared step budget is spent (the learner's loop,
+        :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
+        transport = RayTransport(self.syncer, self.index, self.worker.fragments)
+        self.worker.run(transport)
+        island = self.worker.island
+        return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
+                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def pid(self) -> int:
         return os.getpid()
@@ -396,70 +402,42 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     return final, results, failures
 
 
-def train_ray(config: TrainConfig) -> dict[str, Any]:
-    """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary."""
-    from atoll.checkpoint import new_run_dir, save_checkpoint
-    from atoll.island import copy_flat_into
-    from atoll.metrics import MetricsLog, write_summary
-    from atoll.model import count_parameters, param_bytes
-    from atoll.report import plot_runs
-    from atoll.runtime.network import ring_allreduce_bytes
-    from atoll.train import evaluate
+def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
+    """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary.
 
-    t0 = time.perf_counter()
+    Raises:
+        ConfigError: ``resume`` (only the syncer's state is saved), or no Ray cluster at ``ray_address``.
+    """
+    if resume:
+        raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is saved, under "
+                          "<out>/syncer); start a new run from its final model with --init-from RUN_DIR")
     check_ray_address(config.ray_address)  # before any folder is made
-    out = new_run_dir(config.out, config.strategy).resolve()
-    job = prepare_job(config)  # fills the tokenizer and token caches before the actors read them
-    (out / "config.json").write_text(config.model_dump_json(indent=2))
-    log = MetricsLog(out / "metrics.jsonl")
-    initial_eval_loss = evaluate(job.model, job.val)
-    log.log("start", step=0, params=count_parameters(job.model), config=config.model_dump(mode="json"))
-    log.log("eval", step=0, tokens=0, eval_loss=initial_eval_loss, perplexity=math.exp(initial_eval_loss),
-            sim_wall_s=0.0, bytes_sent_per_island=0.0)
+    run = Run(config)  # fills the tokenizer and token caches before the actors read them
+    run.begin()
+    out = run.out.resolve()
     started = _init_ray(config)
     try:
         final, results, failures = _run_actors(config, out)
     finally:
         if started:
             ray.shutdown()
-    wall_s = time.perf_counter() - t0
-    copy_flat_into(list(job.model.parameters()), final["global"])
-    eval_loss = evaluate(job.model, job.val)
+    wall_s = run.wall_s()
     tps = config.tokens_per_step
     tokens = sum(final["steps_by_island"]) * tps
-    log.log("eval", step=config.steps, tokens=tokens, eval_loss=eval_loss, perplexity=math.exp(eval_loss),
-            sim_wall_s=wall_s, bytes_sent_per_island=sum(r["bytes_sent"] for r in results.values()) / config.islands)
-    ckpt = save_checkpoint(out, config.steps, {"strategy": "decoupled", "versions": final["versions"]},
-                           model=job.model, tokenizer=job.tokenizer)
-    log.log("checkpoint", step=config.steps, path=str(ckpt))
     idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0}
     res = [results.get(i, idle) for i in range(config.islands)]
-    step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
     bytes_sent = [r["bytes_sent"] for r in res]
-    ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(job.model), config.islands)
-    summary: dict[str, Any] = {
-        "strategy": config.strategy, "runtime": "ray", "islands": config.islands, "sync_every": config.sync_every,
-        "steps": config.steps, "model": config.model, "params": count_parameters(job.model), "data": config.data,
-        "seed": config.seed, "tokens": tokens, "initial_eval_loss": initial_eval_loss, "final_eval_loss": eval_loss,
-        "final_perplexity": math.exp(eval_loss), "bytes_sent_per_island": sum(bytes_sent) / config.islands,
-        "bytes_sent_by_island": bytes_sent, "ddp_bytes_per_island": ddp_bytes,
-        "reduction_vs_ddp": ddp_bytes / max(1.0, sum(bytes_sent) / config.islands),
-        "codec": config.codec, "fragments": config.fragments, **final["stats"],
-        "steps_per_island": final["steps_by_island"], "useful_tokens": final["merged_tokens"],
+    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+    run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
+    step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
+    return run.finish(
+        tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands,
+        compute_s=max(r["compute_s"] for r in res), sim_wall_s=wall_s,
+        bytes_sent_by_island=bytes_sent, fragments=config.fragments, **final["stats"],
+        steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
         # measured: useful tokens per second of wall time over the islands' summed failure-free step rate
-        "goodput": final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
-        "island_utilization": [r["compute_s"] / wall_s for r in res], "failures": failures,
-        "rejoins": [j - 1 for j in final["joins"]], "rejoin_s": final["rejoin_s"], "versions": final["versions"],
-        "abandoned_islands": final["abandoned"], "syncer_restarts": final["syncer_restarts"],
-        "island_resources": island_resources(config),
-        "island_nodes": [r.get("node_id") for r in res],
-        "compute_s": max(r["compute_s"] for r in res), "sim_wall_s": wall_s,
-        "compute_utilization": max(r["compute_s"] for r in res) / wall_s, "wall_s": wall_s,
-        "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
-        "out": str(out),
-    }
-    log.log("end", step=config.steps, **summary)
-    log.close()
-    write_summary(out, summary)
-    plot_runs([out], out / "report.png")
-    return summary
+        goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
+        island_utilization=[r["compute_s"] / wall_s for r in res], failures=failures,
+        rejoins=[j - 1 for j in final["joins"]], rejoin_s=final["rejoin_s"], versions=final["versions"],
+        abandoned_islands=final["abandoned"], syncer_restarts=final["syncer_restarts"],
+        island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res])

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atoll.algorithms.wire import Wire
-from atoll.config import TrainConfig
-from atoll.island import Island
-from atoll.runtime.comm import Comm
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+    from atoll.runtime.comm import Comm
 
 
 class Strategy(ABC):

@@ -7,14 +7,18 @@ gradient with identically initialised AdamW states, so the replicas stay identic
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atoll.config import TrainConfig
-from atoll.island import Island
-from atoll.runtime.comm import Comm
+from atoll.analysis.projection import Cost, Setting, ring_allreduce_bytes
 from atoll.strategies.base import Strategy, make_wire
+from atoll.strategies.registry import StrategySpec, SuiteRun
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+    from atoll.runtime.comm import Comm
 
 
 class DDP(Strategy):
@@ -41,3 +45,22 @@ class DDP(Strategy):
 
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         self.wire.load_island_state(position, state["wire"])
+
+
+def project(s: Setting) -> Cost:
+    """ddp's cost per inner step: a ring all-reduce of the fp32 gradient every step, not overlapped with the
+    backward pass (as the simulated clock prices it)::
+
+        bytes = 2(K-1)/K * 4N;  step = t_c + bytes*8/B + 2(K-1)L
+    """
+    x = ring_allreduce_bytes(4 * s.params, s.islands)
+    t = x * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
+    return Cost(s.step_compute_s + t, x, t)
+
+
+SPEC = StrategySpec(
+    name="ddp", summary="full gradients, ring all-reduce, every inner step (the data-parallel baseline)",
+    runtimes=("local", "collective"), lockstep=DDP, project=project,
+    suite=(SuiteRun("one_island", "one island alone (ddp, K=1)", {"strategy": "ddp", "islands": 1}),
+           SuiteRun("ddp", "ddp", {"strategy": "ddp"})),
+)

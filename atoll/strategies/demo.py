@@ -14,12 +14,49 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field
 
 from atoll.algorithms.demo import DeMo
+from atoll.analysis.projection import Cost, Setting, demo_payload_bytes, ring_allgather_bytes
+from atoll.config.section import Section
 from atoll.strategies.base import Strategy
+from atoll.strategies.registry import StrategySpec, SuiteRun
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+
+
+class DeMoSection(Section):
+    """DeMo's own settings: the sign step's rate, the DCT chunks, the top-k and the momentum decay."""
+
+    demo_lr: float = Field(3e-3, gt=0, le=10, description="demo: peak learning rate of the sign update.")
+    demo_topk: int = Field(32, ge=1, description="demo: DCT components kept per chunk.")
+    demo_chunk: int = Field(64, ge=1, description="demo: DCT chunk size along each axis.")
+    demo_beta: float = Field(0.999, ge=0, lt=1, description="demo: decay of the decoupled momentum.")
+    demo_sign_values: bool = Field(
+        True, description="demo: send only the signs of the kept values, {-1, 0, +1} packed 2 bits each; "
+        "--no-demo-sign-values sends float32 values (2.7x the bytes; bench/demo_sweep.py: signs no worse).",
+    )
+
+
+def validate(config: TrainConfig) -> None:
+    """A chunk must hold the top-k it keeps.
+
+    Raises:
+        ValueError: ``demo_topk`` > ``demo_chunk``².
+    """
+    if config.demo_topk > config.demo_chunk * config.demo_chunk:
+        raise ValueError(f"demo_topk ({config.demo_topk}) exceeds a chunk's {config.demo_chunk}x{config.demo_chunk} "
+                         "components; lower --demo-topk")
+
+
+def make_optimizer(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:
+    """Each island's inner optimizer: :class:`~atoll.algorithms.demo.DeMo` with the section's settings."""
+    return DeMo(groups, lr=config.demo_lr, beta=config.demo_beta, chunk=config.demo_chunk, topk=config.demo_topk,
+                sign_values=config.demo_sign_values)
 
 
 class DeMoStrategy(Strategy):
@@ -47,3 +84,27 @@ class DeMoStrategy(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def project(s: Setting) -> Cost:
+    """demo's cost per inner step: a ring all-gather of each island's top-k DCT components every step (k per
+    chunk of c x c elements, each a 2-byte index and a value of v bytes: 1/4 for 2-bit sign values, 4 for
+    float32)::
+
+        S = N * k*(2+v)/c^2;   bytes = (K-1)S;   step = t_c + bytes*8/B + (K-1)L
+    """
+    x = ring_allgather_bytes(demo_payload_bytes(s), s.islands)
+    t = x * 8 / s.bandwidth_bps + (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
+    return Cost(s.step_compute_s + t, x, t)
+
+
+SPEC = StrategySpec(
+    name="demo",
+    summary="top-k DCT components (indices, 2-bit signs) of a decoupled momentum, every inner step; sign of "
+            "the average applied (DeMo, arXiv:2411.19870)",
+    section=DeMoSection, runtimes=("local", "collective"), validate=validate, lockstep=DeMoStrategy,
+    # sign-SGD learns best at a constant rate after warmup (bench/demo_sweep.py)
+    defaults={"min_lr_ratio": 1.0}, inner_optimizer=make_optimizer, project=project,
+    suite=(SuiteRun("demo_topk32", "demo top-k 32, 2-bit signs", {"strategy": "demo", "demo_topk": 32,
+                                                                 "demo_chunk": 64, "demo_sign_values": True}),),
+)

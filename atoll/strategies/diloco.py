@@ -8,15 +8,19 @@ every island restarts from them. Communication drops by a factor H against ``ddp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
-from atoll.config import TrainConfig
-from atoll.island import Island
-from atoll.runtime.comm import Comm
+from atoll.analysis.projection import Cost, Setting, ring_allreduce_bytes
 from atoll.strategies.base import Strategy, drop_non_finite, make_wire
+from atoll.strategies.registry import StrategySpec, SuiteRun
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+    from atoll.runtime.comm import Comm
 
 
 class DiLoCo(Strategy):
@@ -73,3 +77,22 @@ class DiLoCo(Strategy):
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         self.tokens_at_sync[position] = int(state["tokens_at_sync"])
         self.wire.load_island_state(position, state["wire"])
+
+
+def project(s: Setting) -> Cost:
+    """diloco's cost per inner step: a blocking all-reduce of the b-bit pseudo-gradient every H steps::
+
+        X = 2(K-1)/K * N*b/8;   bytes = X/H;   step = t_c + (X*8/B + 2(K-1)L) / H
+    """
+    x = ring_allreduce_bytes(s.params * s.codec_bits / 8, s.islands)
+    t = x * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
+    return Cost(s.step_compute_s + t / s.sync_every, x / s.sync_every, t, fragments=1)
+
+
+SPEC = StrategySpec(
+    name="diloco", summary="pseudo-gradients averaged every H inner steps; outer SGD-Nesterov (arXiv:2311.08105)",
+    runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
+    suite=tuple(SuiteRun(f"diloco_{c}", f"diloco H={{sync_every}} {c}", {"strategy": "diloco", "sync_every": 50,
+                                                                       "codec": c})
+                for c in ("fp32", "bf16", "int8", "int4")),
+)

@@ -14,16 +14,49 @@ With one fragment, tau = 0 and alpha = 0 this is exactly ``diloco``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field
 
 from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
-from atoll.config import TrainConfig
-from atoll.island import Island
-from atoll.runtime.comm import Comm, Work
+from atoll.analysis.projection import Cost, Setting, ring_allreduce_bytes
+from atoll.config.section import Section
+from atoll.runtime.comm import Work
 from atoll.strategies.base import Strategy, drop_non_finite, make_wire, model_fragments
+from atoll.strategies.registry import StrategySpec, SuiteRun
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+    from atoll.runtime.comm import Comm
+
+
+class StreamingSection(Section):
+    """Streaming DiLoCo's own settings (its fragments are ``fragments``, shared with decoupled)."""
+
+    overlap_steps: int = Field(
+        1, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
+    )
+    mixing_alpha: float = Field(
+        0.5, ge=0, le=1,
+        description="streaming: alpha; after an exchange a fragment becomes alpha*local + (1-alpha)*global.",
+    )
+
+
+def validate(config: TrainConfig) -> None:
+    """Each fragment syncs once per H steps, and an exchange overlaps fewer than H steps.
+
+    Raises:
+        ValueError: H < P or tau >= H (one line naming the fix).
+    """
+    if config.sync_every < config.fragments:
+        raise ValueError(f"sync_every ({config.sync_every}) must be at least fragments ({config.fragments}) "
+                         "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
+    if config.overlap_steps >= config.sync_every:
+        raise ValueError(f"overlap_steps ({config.overlap_steps}) must be below sync_every "
+                         f"({config.sync_every}); lower --overlap-steps")
 
 
 @dataclass
@@ -133,3 +166,29 @@ class StreamingDiLoCo(Strategy):
         for job, dropped in zip(self.in_flight, state["in_flight_dropped"], strict=True):  # after load_state_dict
             job.dropped = tuple(bool(dropped) if i == position else d for i, d in enumerate(job.dropped))
         self.wire.load_island_state(position, state["wire"])
+
+
+def project(s: Setting) -> Cost:
+    """streaming's cost per inner step: one fragment of N/P every H/P steps, overlapped with tau inner steps;
+    exchanges share the link one after another::
+
+        X = 2(K-1)/K * N*b/8;   T_f = X/P*8/B + 2(K-1)L;   bytes = X/H
+        step = max(t_c + P/H * max(0, T_f - tau*t_c), P/H * T_f)
+    """
+    x = ring_allreduce_bytes(s.params * s.codec_bits / 8, s.islands)
+    t = x / s.fragments * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
+    per = s.fragments / s.sync_every
+    step = max(s.step_compute_s + per * max(0.0, t - s.overlap_steps * s.step_compute_s), per * t)
+    return Cost(step, x / s.sync_every, t, fragments=s.fragments, overlapped=True)
+
+
+SPEC = StrategySpec(
+    name="streaming",
+    summary="one fragment's pseudo-gradient at a time, quantized, overlapped with tau inner steps, mixed with "
+            "alpha (arXiv:2501.18512)",
+    section=StreamingSection, runtimes=("local", "collective"), validate=validate, lockstep=StreamingDiLoCo,
+    project=project, syncs_per_h=True,
+    suite=(SuiteRun("streaming_int4", "streaming H={sync_every} P={fragments} int4 tau={overlap_steps} alpha=0.5",
+                    {"strategy": "streaming", "sync_every": 50, "fragments": 4, "overlap_steps": 5,
+                     "mixing_alpha": 0.5, "codec": "int4"}),),
+)

@@ -4,7 +4,7 @@
     atoll bench wan --steps 50 --sync-every 20 --out /tmp/wan-smoke   # a smoke run (minutes)
     python bench/wan.py ...                             # the same, writing bench/out/wan by default
 
-For every bandwidth (``--bandwidths``, Mbit/s) it builds an :class:`~atoll.runtime.wan_emulation.EmulatedWan`
+For every bandwidth (``--bandwidths``, Mbit/s) it builds an :class:`~atoll.bench.netns.EmulatedWan`
 (one network namespace per island, veth pairs to a bridge, ``tc tbf`` both ways, optional ``--delay-ms``)
 and runs ``ddp`` and ``diloco`` at each H (``--sync-every``) on the same tokens, every rank started inside
 its island's namespace (``ip netns exec NS python -m atoll.cli train --runtime collective``) with
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atoll.runtime.wan_emulation import (
+from atoll.bench.netns import (
     IFNAME,
     CounterSampler,
     EmulatedWan,
@@ -290,7 +290,7 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
                            "exit_codes": res["exit_codes"], "ok": res["ok"], "error": res["error"],
                            "wall_s": res["wall_s"], "qdisc": qdisc, "delay_forwarder": delay}
     if res["ok"]:
-        from atoll.metrics import read_metrics
+        from atoll.job.metrics import read_metrics
 
         summary = json.loads((out / "summary.json").read_text())
         events = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]

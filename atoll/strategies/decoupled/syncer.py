@@ -47,7 +47,7 @@ median never rose; 130 refusals in the first 210 steps of an 8-island run.) A re
 touches the global parameters.
 
 :meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
-:meth:`Syncer.save` writes it atomically with :func:`atoll.checkpoint.save_checkpoint`, so a syncer that
+:meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that
 restarts from :meth:`Syncer.load` loses no committed outer step.
 """
 
@@ -65,27 +65,12 @@ import torch
 
 from atoll.algorithms.merge import weighted_mean
 from atoll.algorithms.outer import OuterOptimizer
+from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
 
 log = logging.getLogger("atoll.syncer")
 
 #: push norms kept per fragment for the running median, and round times kept for the grace window
 WINDOW = 32
-
-
-@dataclass
-class PushResult:
-    """What the syncer did with one push.
-
-    Attributes:
-        accepted: the push entered the fragment's buffer (it may still be dropped as too stale later).
-        reason: why it was rejected ("" when accepted): ``island``, ``fragment``, ``type``, ``dtype``,
-            ``shape``, ``non_finite``, ``tokens``, ``version``, ``norm`` or ``stale``.
-        committed: versions of the fragment committed by this push (0 or 1 outer steps).
-    """
-
-    accepted: bool
-    reason: str = ""
-    committed: int = 0
 
 
 @dataclass
@@ -170,9 +155,9 @@ class Syncer:
         """Outer steps committed to ``fragment`` so far."""
         return self.outer[fragment].version
 
-    def pull(self, fragment: int) -> tuple[torch.Tensor, int]:
-        """(a float32 copy of the newest global fragment, shape (numel_p,); its version)."""
-        return self.outer[fragment].params.detach().clone(), self.outer[fragment].version
+    def pull(self, fragment: int) -> Pull:
+        """The newest global fragment: a float32 copy (numel_p,) and its version."""
+        return Pull(fragment, self.outer[fragment].params.detach().clone(), self.outer[fragment].version)
 
     def global_params(self) -> torch.Tensor:
         """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
@@ -181,22 +166,18 @@ class Syncer:
             flat[idx] = outer.params.detach()
         return flat
 
-    def push(self, island: int, fragment: int, delta: Any, tokens: int, base_version: int, now: float = 0.0,
-             round_s: float | None = None) -> PushResult:
+    def push(self, msg: Push, now: float = 0.0) -> PushResult:
         """Offer one fragment's pseudo-gradient; validate it, buffer it, and merge if a quorum is reached.
 
         Args:
-            island: the pushing island, 0-based.
-            fragment: the fragment, 0-based.
-            delta: Δ = θ_global(base_version) − θ_island for the fragment: float32, shape (numel_p,).
-            tokens: training tokens behind this Δ (its merge weight before the staleness discount).
-            base_version: version of the global fragment the island started from (from :meth:`pull`).
+            msg: the push (island, fragment, Δ = θ_global(base_version) − θ_island as float32 (numel_p,),
+                tokens, base version, and the island's measured round time in seconds).
             now: the time of the push, seconds (simulated or real), for the grace window.
-            round_s: seconds the island took from its pull to this push (its measured round time).
 
         Returns:
-            A :class:`PushResult`.
+            A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
         """
+        island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
         reason = self._validate(island, fragment, delta, tokens, base_version)
         if reason:
             self.rejected_updates += 1
@@ -207,6 +188,7 @@ class Syncer:
             self.stale_updates += 1
             return PushResult(False, "stale")
         self.accepted_updates += 1
+        round_s = msg.round_s
         if round_s is not None and round_s > 0 and math.isfinite(round_s):
             self.round_s.append(float(round_s))
         buf = self.buffers[fragment]
@@ -375,7 +357,7 @@ class Syncer:
 
         ``extra``: more entries for the same checkpoint (a runtime's own counters), beside ``"syncer"``.
         """
-        from atoll.checkpoint import save_checkpoint
+        from atoll.job.checkpoint import save_checkpoint
 
         return save_checkpoint(Path(folder), self.commits, {**(extra or {}), "syncer": self.state_dict()}, keep=keep)
 
@@ -385,7 +367,7 @@ class Syncer:
         Raises:
             CheckpointError: ``folder`` holds no readable syncer checkpoint.
         """
-        from atoll.checkpoint import latest_checkpoint, load_checkpoint
+        from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
         _, state = load_checkpoint(latest_checkpoint(Path(folder)))
         self.load_state_dict(state["syncer"])

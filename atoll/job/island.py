@@ -6,13 +6,16 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.utils import parameters_to_vector
 from transformers import PreTrainedModel
 
 from atoll.runtime.network import SimClock
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
 
 
 def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float):
@@ -176,3 +179,28 @@ class Island:
         self.compute_s = float(state["compute_s"])
         self.tokens = int(state["tokens"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:
+    """The inner optimizer of every strategy but those that bring their own: AdamW, betas (0.9, 0.95)."""
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
+                total_steps: int | None = None, speed: float = 1.0) -> Island:
+    """An island with its own replica, inner optimizer and warmup-cosine schedule.
+
+    The inner optimizer is the strategy's (its spec's ``inner_optimizer``, e.g. DeMo), else AdamW; weight
+    decay only on matrices. The schedule warms up over ``warmup_steps`` (at most a tenth of the island's
+    steps) and decays to ``min_lr_ratio`` at ``total_steps`` (default ``steps``).
+    """
+    from atoll.strategies.registry import spec
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = (spec(config.strategy).inner_optimizer or adamw)(groups, config)
+    total = config.steps if total_steps is None else total_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
+    return Island(index, model, optimizer, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed)

@@ -3,7 +3,7 @@
     atoll bench suite                       # tiny model, stdlib corpus, 4 islands, 300 steps: ~35 min on 2 cores
     atoll bench suite --quick --out /tmp/s  # micro model, 20 steps: well under a minute once data is cached
 
-Runs (:data:`RUNS`, a table: adding a strategy is one entry): one island alone (``ddp --islands 1``, the
+Runs (:func:`runs`: each strategy's rows of its spec, so a new strategy brings its own): one island alone (``ddp --islands 1``, the
 reference), ``ddp``, ``diloco`` H=50 with fp32, bf16, int8 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
 overlap tau=5, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
 (when the config accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
@@ -30,33 +30,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from atoll.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
+from atoll.analysis.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
 BANDWIDTHS_MBPS = (10.0, 100.0, 1000.0, 5000.0)
 
-#: the runs, in table order: (name, label, settings). Settings are TrainConfig fields on top of the base; the
-#: label is formatted with the run's final settings (--quick shortens H and P).
-RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("one_island", "one island alone (ddp, K=1)", {"strategy": "ddp", "islands": 1}),
-    ("ddp", "ddp", {"strategy": "ddp"}),
-    ("diloco_fp32", "diloco H={sync_every} fp32", {"strategy": "diloco", "sync_every": 50, "codec": "fp32"}),
-    ("diloco_bf16", "diloco H={sync_every} bf16", {"strategy": "diloco", "sync_every": 50, "codec": "bf16"}),
-    ("diloco_int8", "diloco H={sync_every} int8", {"strategy": "diloco", "sync_every": 50, "codec": "int8"}),
-    ("diloco_int4", "diloco H={sync_every} int4", {"strategy": "diloco", "sync_every": 50, "codec": "int4"}),
-    ("streaming_int4", "streaming H={sync_every} P={fragments} int4 tau={overlap_steps} alpha=0.5",
-     {"strategy": "streaming", "sync_every": 50, "fragments": 4, "overlap_steps": 5, "mixing_alpha": 0.5,
-      "codec": "int4"}),
-    ("demo_topk32", "demo top-k 32, 2-bit signs", {"strategy": "demo", "demo_topk": 32, "demo_chunk": 64,
-                                                   "demo_sign_values": True}),
-    ("decoupled", "decoupled H={sync_every} P={fragments} int4", {"strategy": "decoupled", "sync_every": 50,
-                                                               "fragments": 4, "codec": "int4"}),
-    ("decoupled_chaos", "decoupled H={sync_every} P={fragments} int4, standard failure trace",
-     {"strategy": "decoupled", "sync_every": 50, "fragments": 4, "codec": "int4", "standard_chaos": True}),
-)
+def runs() -> tuple[tuple[str, str, dict[str, Any]], ...]:
+    """The runs, in table order: (name, label, settings), each strategy's rows of its spec
+    (:attr:`atoll.strategies.registry.StrategySpec.suite`). Settings are TrainConfig fields on top of the base;
+    the label is formatted with the run's final settings (--quick shortens H and P)."""
+    from atoll.strategies.registry import specs
 
-#: The standard failure trace is :func:`atoll.chaos.standard_chaos` (also bench/decoupled.py's): ``decoupled``
+    return tuple((r.name, r.label, dict(r.settings)) for s in specs() for r in s.suite)
+
+
+#: The standard failure trace is :func:`atoll.analysis.chaos.standard_chaos` (also bench/decoupled.py's): ``decoupled``
 #: trains under it (``--chaos``, T = steps x sim_step_s) and reports the goodput it measured; a synchronous
 #: strategy's goodput under it is computed from its failure-free clock by :func:`synchronous_goodput`.
 
@@ -64,16 +53,18 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 def synchronous_goodput(summary: dict[str, Any]) -> float:
     """Goodput of a synchronous run (ddp, diloco, streaming, demo) under the standard failure trace.
 
-    Replays the trace (:func:`atoll.chaos.synchronous_under_failures`) on the run's failure-free clock: each
+    Replays the trace (:func:`atoll.analysis.chaos.synchronous_under_failures`) on the run's failure-free clock: each
     inner step takes ``sim_wall_s / steps`` seconds (its exchanges included), a round is H steps (1 for ddp
     and demo), any island's failure stops every island until it is back, and the round in progress is redone
     (a checkpoint at every round: the most favourable case for the synchronous run). Goodput is useful tokens
     per second over the failure-free rate (1.0 without failures).
     """
-    from atoll.chaos import FailureTrace, synchronous_under_failures
+    from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 
     islands, steps, wall = int(summary["islands"]), int(summary["steps"]), float(summary["sim_wall_s"])
-    h = int(summary["sync_every"]) if summary["strategy"] in ("diloco", "streaming") else 1
+    from atoll.strategies.registry import spec
+
+    h = int(summary["sync_every"]) if spec(summary["strategy"]).syncs_per_h else 1
     trace = FailureTrace.from_spec(standard_chaos(wall), islands, int(summary["seed"]))
     tokens_per_step = int(summary["tokens"]) // (islands * steps)
     return float(synchronous_under_failures(trace, steps, h, [wall / steps] * islands, 0.0, tokens_per_step)["goodput"])
@@ -94,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help="tokenizer/token cache (as atoll train)")
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (as atoll train)")
     parser.add_argument("--only", default=None, help="comma-separated run names to run (default: all): "
-                        + ", ".join(name for name, _, _ in RUNS))
+                        + ", ".join(name for name, _, _ in runs()))
     parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring finished ones")
 
 
@@ -150,9 +141,10 @@ def run_matches(out: Path, settings: dict[str, Any]) -> bool:
 def train_once(out: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
     """Train ``settings`` into ``out``, or reuse the finished run there if its config matches."""
     from atoll.config import build_config
+    from atoll.strategies.registry import spec
     from atoll.train import train
 
-    traced = settings["strategy"] != "decoupled"  # decoupled keeps its own event clock, no trace to replay
+    traced = spec(settings["strategy"]).lockstep is not None  # an asynchronous one keeps its own event clock
     if not fresh and (out / "summary.json").is_file() and (not traced or (out / "clock_trace.json").is_file()) \
             and run_matches(out, settings):
         return json.loads((out / "summary.json").read_text())
@@ -173,9 +165,11 @@ def retime(run_dir: Path, summary: dict[str, Any], bandwidth_mbps: float) -> dic
 def collect(suite_dir: Path, names: list[str], summaries: dict[str, dict[str, Any]],
             used: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Rows of the table from the runs' summaries and re-timed clocks (``used``: each run's settings)."""
+    from atoll.strategies.registry import spec
+
     ddp = summaries.get("ddp")
     rows = []
-    for name, label, settings in RUNS:
+    for name, label, settings in runs():
         if name not in names:
             continue
         label = label.format(**used.get(name, settings)) if name in used else label.replace("{", "").replace("}", "")
@@ -193,7 +187,7 @@ def collect(suite_dir: Path, names: list[str], summaries: dict[str, dict[str, An
                                  if ddp and s["bytes_sent_per_island"] else None),
             "compute_s": s["compute_s"],
         }
-        if s["strategy"] == "decoupled":
+        if spec(s["strategy"]).lockstep is None:  # asynchronous: its own event clock, no clock trace
             # its own event clock (fixed sim_step_s per step): goodput measured under the trace when trained
             # under it; its wall time is not comparable with the measured clocks of the others
             row["goodput"] = s.get("goodput")  # failure-free: its exchanges' cost alone
@@ -223,7 +217,7 @@ def _cell(v: Any, kind: str) -> str:
     if kind == "pct":
         return f"{v:+.1f}%"
     if kind == "bytes":
-        from atoll.metrics import human_bytes
+        from atoll.job.metrics import human_bytes
 
         return human_bytes(v)
     if kind == "x":
@@ -256,7 +250,7 @@ def markdown(results: dict[str, Any], command: str) -> str:
               "Wall time: the run's clock trace re-timed at each bandwidth (10 ms latency); decoupled runs on its own "
               "event clock (a fixed simulated step), not re-timed. Goodput under the standard failure trace (each "
               "island down about 10% of the time, seeded): trained for decoupled (its plain row: without failures), "
-              "replayed on the failure-free clock for the synchronous strategies (atoll.suite.synchronous_goodput).",
+              "replayed on the failure-free clock for the synchronous strategies (atoll.bench.suite.synchronous_goodput).",
               f"command: {command}"] if first else [f"command: {command}"]
     return "\n".join(lines) + "\n"
 
@@ -304,7 +298,7 @@ def plot(results: dict[str, Any], out_png: Path) -> Path:
 
 def run_suite(args: argparse.Namespace) -> int:
     """``atoll bench suite``: train (or reuse) every run, write results.json, results.md and the plots."""
-    names = [n for n, _, _ in RUNS]
+    names = [n for n, _, _ in runs()]
     if args.only is not None:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
         if not wanted:
@@ -321,7 +315,7 @@ def run_suite(args: argparse.Namespace) -> int:
         raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); pass another --out") from None
     summaries: dict[str, dict[str, Any]] = {}
     used: dict[str, dict[str, Any]] = {}
-    for name, _, settings in RUNS:
+    for name, _, settings in runs():
         if name not in names:
             continue
         s = used[name] = run_settings(base, settings, args.quick)
@@ -339,7 +333,7 @@ def run_suite(args: argparse.Namespace) -> int:
     table = markdown(results, command)
     (suite_dir / "results.md").write_text(table)
     plot(results, suite_dir / "suite.png")
-    from atoll.report import plot_runs
+    from atoll.job.report import plot_runs
 
     plot_runs([suite_dir / n for n in names if n in summaries], suite_dir / "loss_curves.png")
     print(table)

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from atoll.errors import AtollError  # noqa: E402
-from atoll.metrics import read_metrics  # noqa: E402
+from atoll.job.metrics import read_metrics  # noqa: E402
 
 
 def run_label(run_dir: Path) -> str:

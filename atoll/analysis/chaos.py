@@ -18,7 +18,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from atoll.config import parse_chaos
+from atoll.config.parse import parse_chaos
 
 #: The standard failure trace of the benchmarks (``atoll bench suite``, bench/decoupled.py): every island
 #: fails after exponentially distributed up-times of mean 0.45 T and stays down 0.05 T each time (down about

@@ -10,34 +10,12 @@ seconds of one inner step of one island, K islands, B link bandwidth (bit/s, eac
 L one-way latency (s), H inner steps per outer round, P fragments, tau overlapped inner steps, b bits per
 exchanged element.
 
-Per inner step (steady state), for each strategy:
-
-``ddp`` (data parallel, Patarasuk & Yuan 2009 ring all-reduce of the fp32 gradient every step, not
-overlapped with the backward pass, as atoll's clock prices it)::
-
-    bytes = 2(K-1)/K * 4N;  step = t_c + bytes*8/B + 2(K-1)L
-
-``diloco`` (Douillard et al. 2023, arXiv:2311.08105; a blocking all-reduce of the b-bit pseudo-gradient
-every H steps)::
-
-    X = 2(K-1)/K * N*b/8;   bytes = X/H;   step = t_c + (X*8/B + 2(K-1)L) / H
-
-``streaming`` (Douillard et al. 2025, arXiv:2501.18512; one fragment of N/P every H/P steps, overlapped
-with tau inner steps; exchanges share the link one after another)::
-
-    T_f = X/P*8/B + 2(K-1)L;   bytes = X/H;   step = max(t_c + P/H * max(0, T_f - tau*t_c), P/H * T_f)
-
-``demo`` (Peng, Quesnelle, Kingma 2024, arXiv:2411.19870, DeMo; a ring all-gather of each island's top-k
-DCT components every step: k per chunk of c x c elements, each a 2-byte index and a value of v bytes, v = 1/4
-for atoll's default 2-bit sign values, 4 for float32 values)::
-
-    S = N * k*(2+v)/c^2;   bytes = (K-1)S;   step = t_c + bytes*8/B + (K-1)L
-
-``decoupled`` (Decoupled DiLoCo, arXiv:2604.21428; async local SGD, arXiv:2401.09135): each island pushes
-its b-bit fragments to a syncer and pulls the merge, never waiting for the other islands; the syncer's link is
-assumed not to be the bottleneck (a datacenter link, or one syncer per fragment)::
-
-    bytes = N*b/8 / H;   step = max(t_c, bytes*8/B)
+Per inner step (steady state), each strategy prices itself (``SPEC.project`` in its module under
+:mod:`atoll.strategies`, with the formula in its docstring): a :class:`Cost` of seconds per step, bytes per
+step and seconds per exchange. Exchanges are ring collectives (Patarasuk & Yuan 2009): an all-reduce of B
+bytes sends 2(K-1)/K*B per island in 2(K-1) rounds, an all-gather of B per island (K-1)*B in K-1 rounds
+(:func:`atoll.runtime.network.ring_allreduce_bytes`, :func:`~atoll.runtime.network.ring_allgather_bytes`, the
+formulas of the simulated clock).
 
 Compute utilization = t_c / step. Goodput = useful tokens per second over the failure-free rate, with
 independent island failures at rate 1/MTBF, each taking ``downtime`` seconds to detect and replace:
@@ -45,7 +23,7 @@ independent island failures at rate 1/MTBF, each taking ``downtime`` seconds to 
 - a synchronous strategy (ddp, diloco, streaming, demo) stops every island on any island's failure and
   rolls back to its last checkpoint (every ``checkpoint_every_s``: half an interval lost on average;
   Young 1974, Daly 2006): ``goodput = 1 / (1 + K/MTBF * (downtime + checkpoint_every_s/2))``;
-- ``decoupled`` loses only the failed island's time and its unsent pseudo-gradient (H/2 steps on average),
+- an asynchronous strategy (``decoupled``) loses only the failed island's time and its unsent pseudo-gradient (H/2 steps on average),
   the others keep going and the syncer merges a quorum: ``goodput = 1 / (1 + (downtime + H*step/2)/MTBF)``.
 
 Published figures to hold these against (:data:`PUBLISHED`): DisTrO's 857x fewer bytes than an AdamW
@@ -60,9 +38,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from atoll.errors import ConfigError
-from atoll.metrics import human_bytes
+from atoll.job.metrics import human_bytes
+from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
+from atoll.strategies.registry import STRATEGIES, spec
 
-STRATEGIES = ("ddp", "diloco", "streaming", "demo", "decoupled")
+__all__ = ["CODEC_BITS", "STRATEGIES", "Cost", "Projection", "Setting", "project", "project_run",
+           "ring_allgather_bytes", "ring_allreduce_bytes"]
 
 #: bits per exchanged element of each codec: the value, plus one float32 scale per block of 64 for the
 #: block-scaled codecs (atoll.algorithms.codecs).
@@ -146,6 +127,26 @@ class Setting:
 
 
 @dataclass(frozen=True)
+class Cost:
+    """What one strategy's exchanges cost per inner step of one island, in steady state.
+
+    Attributes:
+        step_s: seconds per inner step, communication included.
+        bytes_per_step: bytes one island sends per inner step.
+        exchange_s: seconds of one exchange (of a fragment where there are several).
+        fragments: fragments on the staggered sync schedule (1: every H steps, all at once; 0: no schedule,
+            an exchange every step or none), for the end of a run (:func:`project_run`).
+        overlapped: whether exchanges overlap compute (their time is inside ``step_s``).
+    """
+
+    step_s: float
+    bytes_per_step: float
+    exchange_s: float
+    fragments: int = 0
+    overlapped: bool = False
+
+
+@dataclass(frozen=True)
 class Projection:
     """What one strategy costs in one :class:`Setting`, per inner step of one island (steady state).
 
@@ -167,10 +168,6 @@ class Projection:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _ring(k: int) -> float:
-    return 2.0 * (k - 1) / k if k > 1 else 0.0
-
-
 def demo_payload_bytes(s: Setting) -> float:
     """Bytes one island's DeMo payload holds per step: N/c^2 chunks x k x (2-byte index + value bytes).
 
@@ -188,42 +185,22 @@ def _sync_goodput(s: Setting) -> float:
 
 
 def project(s: Setting, strategy: str) -> Projection:
-    """Steady-state cost of ``strategy`` in setting ``s`` (formulas in the module docstring).
+    """Steady-state cost of ``strategy`` in setting ``s`` (its spec's formula; goodput as the module says).
 
     Raises:
         ConfigError: an unknown strategy.
     """
-    k, bw, lat, tc = s.islands, s.bandwidth_bps, s.latency_s, s.step_compute_s
-    rounds = 2 * (k - 1)
-    if strategy == "ddp":
-        x = _ring(k) * 4 * s.params
-        t = x * 8 / bw + rounds * lat if k > 1 else 0.0
-        step, sent = tc + t, x
-    elif strategy == "diloco":
-        x = _ring(k) * s.params * s.codec_bits / 8
-        t = x * 8 / bw + rounds * lat if k > 1 else 0.0
-        step, sent = tc + t / s.sync_every, x / s.sync_every
-    elif strategy == "streaming":
-        x = _ring(k) * s.params * s.codec_bits / 8
-        t = x / s.fragments * 8 / bw + rounds * lat if k > 1 else 0.0
-        per = s.fragments / s.sync_every
-        step = max(tc + per * max(0.0, t - s.overlap_steps * tc), per * t)
-        sent = x / s.sync_every
-    elif strategy == "demo":
-        x = (k - 1) * demo_payload_bytes(s)
-        t = x * 8 / bw + (k - 1) * lat if k > 1 else 0.0
-        step, sent = tc + t, x
-    elif strategy == "decoupled":
-        sent = s.params * s.codec_bits / 8 / s.sync_every if k > 1 else 0.0
-        t = s.params * s.codec_bits / s.fragments / bw + lat if k > 1 else 0.0
-        step = max(tc, sent * 8 / bw)
-    else:
-        raise ConfigError(f"strategy: unknown strategy '{strategy}'; use one of {', '.join(STRATEGIES)}")
-    if strategy == "decoupled":
-        goodput = 1.0 if math.isinf(s.mtbf_s) else 1.0 / (1.0 + (s.downtime_s + s.sync_every * step / 2) / s.mtbf_s)
+    try:
+        own = spec(strategy)
+    except KeyError:
+        raise ConfigError(f"strategy: unknown strategy '{strategy}'; use one of {', '.join(STRATEGIES)}") from None
+    assert own.project is not None, f"strategy {strategy} has no cost model"
+    c = own.project(s)
+    if own.lockstep is None:  # asynchronous: only the failed island's time and its unsent work are lost
+        goodput = 1.0 if math.isinf(s.mtbf_s) else 1.0 / (1.0 + (s.downtime_s + s.sync_every * c.step_s / 2) / s.mtbf_s)
     else:
         goodput = _sync_goodput(s)
-    return Projection(strategy, step, tc / step, sent, goodput, t)
+    return Projection(strategy, c.step_s, s.step_compute_s / c.step_s, c.bytes_per_step, goodput, c.exchange_s)
 
 
 def fragment_syncs(steps: int, fragments: int, sync_every: int) -> tuple[int, int]:
@@ -233,9 +210,10 @@ def fragment_syncs(steps: int, fragments: int, sync_every: int) -> tuple[int, in
     (:func:`atoll.algorithms.fragments.fragment_sync_steps`); at the end, every fragment trained since its
     last sync is synced once more, blocking. With P = 1 this is diloco's schedule.
     """
+    from atoll.algorithms.fragments import fragment_sync_steps  # the schedule the strategies run
+
     scheduled = flushes = 0
-    for p in range(fragments):
-        off = (2 * (p + 1) * sync_every + fragments) // (2 * fragments)
+    for off in fragment_sync_steps(fragments, sync_every):
         n = (steps - off) // sync_every + 1 if steps >= off else 0
         last = off + (n - 1) * sync_every if n else 0
         scheduled += n
@@ -247,17 +225,18 @@ def project_run(s: Setting, strategy: str, steps: int) -> dict[str, float]:
     """A whole run of ``steps`` inner steps: ``sim_wall_s``, ``compute_s``, ``compute_utilization``, ``bytes``.
 
     The steady state of :func:`project` times ``steps``, plus the end of the run as atoll's strategies do it:
-    diloco and streaming sync what was trained since the last sync, blocking (:func:`fragment_syncs`).
+    a strategy on the fragment schedule (diloco, streaming) syncs what was trained since the last sync,
+    blocking (:func:`fragment_syncs`).
     """
     p = project(s, strategy)
+    c = spec(strategy).project(s)  # type: ignore[misc]
     compute = steps * s.step_compute_s
     wall, sent = steps * p.step_s, steps * p.bytes_per_step
-    if strategy in ("diloco", "streaming") and s.islands > 1:
-        frags = s.fragments if strategy == "streaming" else 1
-        scheduled, flushes = fragment_syncs(steps, frags, s.sync_every)
-        per_sync = _ring(s.islands) * s.params * s.codec_bits / 8 / frags
+    if c.fragments and s.islands > 1:
+        scheduled, flushes = fragment_syncs(steps, c.fragments, s.sync_every)
+        per_sync = ring_allreduce_bytes(s.params * s.codec_bits / 8 / c.fragments, s.islands)
         sent = (scheduled + flushes) * per_sync
-        if strategy == "diloco":
+        if not c.overlapped:
             wall = compute + (scheduled + flushes) * p.exchange_s
         else:  # the steady state, plus the blocking flushes at the end
             wall += flushes * p.exchange_s
@@ -333,7 +312,7 @@ def real_scale_table(islands: int = 4) -> list[dict[str, Any]]:
                            **HEAVY_FAILURES)
             ddp_step = project(base, "ddp").step_s
             for strategy in STRATEGIES:
-                p = project(replace(base, **TABLE_SETTINGS[strategy]), strategy)
+                p = project(replace(base, **TABLE_SETTINGS.get(strategy, {})), strategy)
                 rows.append({"model": scale.name, "link": label, "strategy": strategy, "step_s": p.step_s,
                              "compute_utilization": p.compute_utilization, "bytes_per_step": p.bytes_per_step,
                              "reduction_vs_ddp": (project(base, "ddp").bytes_per_step / p.bytes_per_step

@@ -1,0 +1,1 @@
+"""Arithmetic about runs, no training: the cost projection to real scale and injected failure traces."""

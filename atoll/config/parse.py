@@ -1,0 +1,66 @@
+"""Parsing of the settings given as text (Ray resources, failure traces) and one-line validation errors.
+
+No torch and no strategy here: the command line and the failure traces (:mod:`atoll.analysis.chaos`) use it.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+def parse_resources(value: str) -> dict[str, float]:
+    """``"NAME=AMOUNT[,NAME=AMOUNT]"`` -> {name: amount}: one island's custom Ray resources.
+
+    Raises:
+        ValueError: an entry that is not NAME=NUMBER (the message names the fix).
+    """
+    out: dict[str, float] = {}
+    for item in value.split(","):
+        name, sep, amount = item.strip().partition("=")
+        try:
+            out[name.strip()] = float(amount)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ValueError(f"'{item.strip()}' is not NAME=AMOUNT; pass e.g. --ray-island-resources "
+                             "'us_east=1;us_east=1;eu_west=1;eu_west=1'")
+    return out
+
+
+def parse_chaos(value: str) -> tuple[float, float]:
+    """``"MTBF_S:DOWNTIME_S"`` -> (mean up-time between failures, downtime), seconds, both > 0.
+
+    Raises:
+        ValueError: not two positive finite numbers separated by a colon (the message names the fix).
+    """
+    parts = value.split(":")
+    try:
+        mtbf, down = (float(x) for x in parts)
+        ok = len(parts) == 2 and 0 < mtbf < float("inf") and 0 < down < float("inf")
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"'{value}' is not MTBF_S:DOWNTIME_S with two positive numbers of seconds; "
+                         "pass e.g. --chaos 90:10 (down about 10% of the time)")
+    return mtbf, down
+
+
+def fix_hint(field: str) -> str:
+    """How to fix a setting: its flag or TOML key."""
+    flag = "--" + field.replace("_", "-")
+    return f"set {flag} (or '{field}' in the TOML file) to a valid value; see 'atoll train --help'"
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """The first error of a pydantic validation as one line: ``field: what is wrong; the fix``."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "config"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        return f"{loc}: unknown setting; remove it (known settings: 'atoll train --help')"
+    if msg.startswith("Value error, "):
+        text = msg[len("Value error, "):]
+        return text if loc == "config" else f"{loc}: {text}"
+    got = first.get("input")
+    got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+    return f"{loc}: {msg[0].lower() + msg[1:]}{got_s}; {fix_hint(loc)}"

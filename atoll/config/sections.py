@@ -1,0 +1,191 @@
+"""The sections of a run's settings that every strategy shares, and the runtimes' own.
+
+Each strategy's own section lives in its module (:mod:`atoll.strategies.streaming`, ``demo``, ``decoupled``)
+and is collected by :mod:`atoll.config.train`. A field's description is its ``--help`` text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from atoll.config.parse import parse_resources
+from atoll.config.section import Section
+
+
+class RunSection(Section):
+    """What runs: the strategy, the runtime, how many islands, how long, which seed."""
+
+    strategy: str = Field(
+        "diloco",
+        description="What islands exchange: ddp (gradients every step), diloco (pseudo-gradients every H "
+        "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum), "
+        "decoupled (Decoupled DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
+        "quorum, token-weighted). The strategies are listed in atoll.strategies.registry.",
+    )
+    runtime: Literal["local", "collective", "ray"] = Field(
+        "local",
+        description="How islands run: local (one process, islands in turn, simulated network clock) or "
+        "collective (real processes over torch.distributed: gloo on CPU, NCCL on GPUs; started by 'atoll "
+        "train' on one machine, or by torchrun across machines) or ray (decoupled only: the syncer and "
+        "every island as Ray actors on real clocks; see ray_address).",
+    )
+    islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
+    sync_every: int = Field(
+        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming, decoupled)."
+    )
+    steps: int = Field(600, ge=1, description="Inner steps per island (each island sees steps x batch tokens; "
+                       "decoupled: a budget of islands x steps shared by speed).")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
+
+
+class ModelSection(Section):
+    """The model: a preset or a Hugging Face folder, and an optional warm start."""
+
+    model: str = Field(
+        "tiny",
+        description="Model size preset (tiny ~2M, 20m, 125m, 1b parameters; Llama-style) or a local path to "
+        "a Hugging Face causal LM folder.",
+    )
+    init_from: Path | None = Field(
+        None, description="Start from the final weights of another atoll run folder (a warm start)."
+    )
+
+
+class DataSection(Section):
+    """The corpus, its tokenizer and what one island consumes per inner step."""
+
+    data: str = Field(
+        "stdlib",
+        description="Corpus: 'stdlib' (the interpreter's standard library source, no download), a local "
+        ".txt/.jsonl/.parquet file or folder, or hf:NAME for a Hugging Face dataset (needs internet).",
+    )
+    text_field: str = Field("text", description="Field holding the text in .jsonl/.parquet/Hugging Face data.")
+    partition: Literal["iid", "non_iid"] = Field(
+        "iid", description="How documents are dealt to islands: iid (shuffled) or non_iid (grouped by source)."
+    )
+    vocab_size: int = Field(4096, ge=257, le=262144, description="Byte-level BPE vocabulary size.")
+    seq_len: int = Field(128, ge=8, le=1 << 20, description="Tokens per training sequence.")
+    batch_size: int = Field(8, ge=1, le=1 << 16, description="Sequences per island per inner step.")
+
+
+class InnerOptimSection(Section):
+    """The inner optimizer of every island (AdamW; DeMo's own rate is in its section) and its schedule."""
+
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
+    warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1,
+        description="Cosine decay floor, as a fraction of the peak rate (lr; demo_lr for demo).",
+    )
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip each island's gradient norm to this (0: off).")
+
+
+class OuterOptimSection(Section):
+    """The outer optimizer on pseudo-gradients: SGD with Nesterov momentum (DiLoCo, arXiv:2311.08105)."""
+
+    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
+    outer_momentum: float = Field(
+        0.9, ge=0, lt=1,
+        description="Outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD).",
+    )
+
+
+class CodecSection(Section):
+    """How exchanged tensors travel (:mod:`atoll.algorithms.codecs`, :class:`atoll.algorithms.wire.Wire`)."""
+
+    codec: Literal["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"] = Field(
+        "fp32",
+        description="Encoding of exchanged tensors (gradients for ddp, pseudo-gradients for diloco and "
+        "streaming): fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int8, int4 (per-block scales), topk.",
+    )
+    codec_block_size: int = Field(64, ge=1, le=1 << 20, description="Elements per scale block of the fp8/int8/int4 codecs.")
+    codec_rounding: Literal["nearest", "stochastic"] = Field(
+        "nearest", description="Rounding of the lossy codecs: nearest, or stochastic (unbiased)."
+    )
+    topk_fraction: float = Field(0.01, gt=0, le=1, description="Fraction of entries the topk codec keeps.")
+    error_feedback: bool = Field(
+        False, description="Keep what the codec lost and add it to the next exchange (error feedback)."
+    )
+
+
+class FragmentsSection(Section):
+    """Fragments of strided layers synced in turn (Streaming DiLoCo, arXiv:2501.18512; Decoupled DiLoCo)."""
+
+    fragments: int = Field(4, ge=1, description="streaming, decoupled: P, fragments of strided layers synced in turn.")
+
+
+class NetworkSection(Section):
+    """The links of the simulated network clock (``local`` runtime)."""
+
+    link_bandwidth_mbps: float = Field(
+        100.0, gt=0, description="Each island's link bandwidth in Mbit/s, for the simulated network clock."
+    )
+    link_latency_ms: float = Field(10.0, ge=0, description="One-way link latency in milliseconds.")
+
+
+class OutputSection(Section):
+    """Evaluation, checkpoints, where outputs go, threads and progress."""
+
+    eval_every: int = Field(100, ge=1, description="Evaluate the global model every N inner steps.")
+    eval_batches: int = Field(16, ge=1, description="Batches of held-out data per evaluation.")
+    checkpoint_every: int = Field(
+        100, ge=0, description="Write a resumable checkpoint every N inner steps (0: only at the end)."
+    )
+    out: Path | None = Field(None, description="Output folder (default: runs/<strategy>-<time>).")
+    cache_dir: Path | None = Field(
+        None, description="Cache for tokenizers and token ids (default: $ATOLL_CACHE_DIR or ~/.cache/atoll)."
+    )
+    threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (default: torch's choice).")
+    progress: bool = Field(True, description="Show the live progress bar.")
+
+
+class CollectiveSection(Section):
+    """The ``collective`` runtime (real processes over torch.distributed)."""
+
+    ranks_per_island: int = Field(
+        1, ge=1, le=1024,
+        description="collective: processes (ranks) per island; they split the island's batch by rows and "
+        "average their gradients every step (data parallel inside the island). batch_size must be divisible "
+        "by it. World size = islands x ranks_per_island.",
+    )
+    collective_timeout_s: float = Field(
+        60.0, gt=0,
+        description="collective: deadline in seconds of every collective and of joining the process groups; "
+        "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
+        "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
+        "driver waits for the other islands once one has finished.",
+    )
+
+
+class RaySection(Section):
+    """The ``ray`` runtime (islands and the syncer as Ray actors); only it may change these."""
+
+    ray_address: str | None = Field(
+        None,
+        description="ray runtime: address of a running Ray cluster to join (ray start --head prints it); "
+        "default: start a local Ray.",
+    )
+    ray_cpus_per_island: float = Field(
+        1.0, gt=0, description="ray runtime: CPUs Ray reserves for each island actor (its placement resource)."
+    )
+    ray_gpus_per_island: float = Field(
+        0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
+    )
+    ray_island_resources: list[dict[str, float]] | None = Field(
+        None,
+        description="ray runtime: custom Ray resources each island actor needs, to pin islands to a region "
+        "or a hardware generation: NAME=AMOUNT[,NAME=AMOUNT] per island, islands separated by ';' "
+        "(e.g. 'us_east=1;us_east=1;eu_west=1;eu_west=1'), or one entry for every island. Nodes declare them "
+        "with ray start --resources; a local Ray started by atoll declares what the islands need.",
+    )
+
+    @field_validator("ray_island_resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [parse_resources(part) for part in value.split(";")]
+        return value

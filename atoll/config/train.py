@@ -1,0 +1,212 @@
+"""Typed, validated configuration of a training run.
+
+One pydantic model, :class:`TrainConfig`, holds every knob. It is assembled from sections
+(:mod:`atoll.config.sections`) and from each strategy's own section, declared in the strategy's module and
+listed by :mod:`atoll.strategies.registry`, so a new strategy brings its flags with it. Values come from
+three places, later ones winning: the defaults (a strategy may give its own for shared settings), a TOML
+file (``atoll train --config run.toml``), and command-line flags (``--sync-every 50``). Every field is
+documented; ``atoll train --help`` prints them all. A component that needs one section asks for it:
+``CodecSection.of(config)``.
+
+A bad value raises :class:`atoll.errors.ConfigError` with one line that names the field and the fix;
+the command line turns it into ``atoll: error: ...`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError, model_validator
+
+from atoll.config.parse import format_validation_error
+from atoll.config.section import Section
+from atoll.config.sections import (
+    CodecSection,
+    CollectiveSection,
+    DataSection,
+    FragmentsSection,
+    InnerOptimSection,
+    ModelSection,
+    NetworkSection,
+    OuterOptimSection,
+    OutputSection,
+    RaySection,
+    RunSection,
+)
+from atoll.errors import ConfigError
+from atoll.strategies.registry import specs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+#: the sections of the whole config, in --help order (each strategy's own after the shared ones)
+SECTIONS: tuple[type[Section], ...] = (
+    RunSection, CollectiveSection, ModelSection, DataSection, InnerOptimSection, OuterOptimSection, CodecSection,
+    FragmentsSection, *(s.section for s in specs() if s.section is not None), RaySection, NetworkSection,
+    OutputSection,
+)
+STRATEGY_NAMES = tuple(s.name for s in specs())
+
+
+class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists the last base's fields first
+    """Every setting of one ``atoll train`` run, flat (each field is a flag and a TOML key).
+
+    Terms follow the DiLoCo literature: an *island* is one model replica with its own data shard;
+    *inner steps* are its local optimizer steps; every ``sync_every`` (H) inner steps the islands
+    exchange *pseudo-gradients* and an *outer optimizer* updates the global parameters.
+    """
+
+    strategy: Literal[STRATEGY_NAMES] = RunSection.model_fields["strategy"]  # type: ignore[valid-type]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_defaults(cls, data: Any) -> Any:
+        """A strategy's own defaults for shared settings the user left unset (its spec's ``defaults``)."""
+        if isinstance(data, dict) and data.get("strategy", "diloco") in STRATEGY_NAMES:
+            from atoll.strategies.registry import spec
+
+            own = spec(data.get("strategy", "diloco")).defaults
+            data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
+        return data
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainConfig:
+        from atoll.strategies.registry import spec
+
+        own = spec(self.strategy)
+        # a strategy's own settings: a changed value under another strategy is a mistake
+        for other in specs():
+            if other.section is None or other.name == self.strategy:
+                continue
+            for name, field in other.section.model_fields.items():
+                if getattr(self, name) != field.default:
+                    raise ValueError(f"{name}: only the {other.name} strategy uses it; add --strategy {other.name} "
+                                     f"or drop --{name.replace('_', '-')}")
+        if self.runtime != "ray":
+            for name, field in RaySection.model_fields.items():
+                if getattr(self, name) != field.default:
+                    raise ValueError(f"{name}: only the ray runtime uses it; add --runtime ray or drop "
+                                     f"--{name.replace('_', '-')}")
+        if self.runtime not in own.runtimes:
+            runs = [s.name for s in specs() if self.runtime in s.runtimes]
+            which = runs[0] + " strategy" if len(runs) == 1 else ", ".join(runs[:-1]) + f" and {runs[-1]} strategies"
+            raise ValueError(f"runtime: {self.runtime} runs only the {which}, not {self.strategy}; add --strategy "
+                             f"{runs[0]} or pass --runtime {own.runtimes[0]}")
+        if self.ray_island_resources is not None:
+            if len(self.ray_island_resources) not in (1, self.islands):
+                raise ValueError(f"ray_island_resources: {len(self.ray_island_resources)} entries for "
+                                 f"{self.islands} islands; give one per island (';'-separated) or one for all")
+            for res in self.ray_island_resources:
+                for name, amount in res.items():
+                    if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                        raise ValueError(f"ray_island_resources: '{name}' is not a custom resource name; use "
+                                         "--ray-cpus-per-island / --ray-gpus-per-island for CPUs and GPUs")
+                    if not 0 < amount < float("inf"):
+                        raise ValueError(f"ray_island_resources: {name}={amount} must be a positive number")
+        if self.runtime == "collective" and self.batch_size % self.ranks_per_island:
+            raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
+                             f"({self.ranks_per_island}), each rank taking an equal share of the island's "
+                             "rows; change --batch-size or --ranks-per-island")
+        if own.validate is not None:
+            own.validate(self)
+        return self
+
+    @property
+    def speeds(self) -> list[float]:
+        """Each island's relative speed (``island_speeds``, default all 1.0)."""
+        return list(self.island_speeds) if self.island_speeds is not None else [1.0] * self.islands
+
+    @property
+    def effective_warmup_steps(self) -> int:
+        """Warmup actually used: ``warmup_steps``, capped at a tenth of ``steps`` for short runs."""
+        return min(self.warmup_steps, self.steps // 10)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens one island consumes per inner step (batch_size x seq_len)."""
+        return self.batch_size * self.seq_len
+
+
+def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None = None,
+                 base: dict[str, Any] | None = None) -> TrainConfig:
+    """Build a :class:`TrainConfig` from defaults, an optional base dict, a TOML file and overrides.
+
+    Args:
+        toml_path: a TOML file whose top-level keys are :class:`TrainConfig` fields (or a ``[train]``
+            table holding them).
+        overrides: field values that win over the file (typically parsed command-line flags); values
+            may be strings, which pydantic converts.
+        base: values applied before the file (a resumed run's saved config).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: a missing or unparsable TOML file, an unknown field, or an invalid value; the
+            one-line message names the field and the fix.
+    """
+    values: dict[str, Any] = dict(base or {})
+    if toml_path is not None:
+        if not Path(toml_path).is_file():  # also a folder
+            raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
+        try:
+            doc = tomllib.loads(Path(toml_path).read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config: '{toml_path}' is not valid UTF-8 TOML ({e}); fix the file") from None
+        table = doc.get("train", doc) if isinstance(doc.get("train"), dict) or "train" not in doc else None
+        if table is None:
+            raise ConfigError(f"config: 'train' in '{toml_path}' must be a table ([train]); fix the file")
+        if table is not doc and set(doc) - {"train"}:
+            extra = ", ".join(sorted(set(doc) - {"train"}))
+            raise ConfigError(f"config: '{toml_path}' has settings outside [train] ({extra}); move them into [train]")
+        values.update(table)
+    values.update(overrides or {})
+    try:
+        return TrainConfig(**values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+#: Settings a resumed run may change: how long it trains, how it reports and how its islands run (a
+#: collective checkpoint resumes under ``local`` and back), never what it computes.
+RESUMABLE_OVERRIDES = frozenset({
+    "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "threads", "cache_dir",
+    "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
+})
+
+
+def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
+
+    Only the settings in :data:`RESUMABLE_OVERRIDES` may differ from the saved ones: the strategy, model,
+    data, islands, optimizers and codec define the run, and changing them mid-run would silently train
+    something else (start a new run with ``--init-from`` instead). Nothing is written here.
+
+    Raises:
+        ConfigError: the folder holds no readable ``config.json`` (field ``resume``), or an override
+            changes a setting that defines the run (names it).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"resume: '{run_dir}' is not an atoll run folder (no config.json); pass a run's --out folder")
+    try:
+        base = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(base, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"resume: '{path}' is unreadable ({e}); restore it from a backup or start a new run") from None
+    saved = build_config(base={k: v for k, v in base.items() if k != "out"}, overrides={"out": str(run_dir)})
+    overrides = {k: v for k, v in (overrides or {}).items() if k != "out"}
+    config = build_config(base=saved.model_dump(), overrides={**overrides, "out": str(run_dir)})
+    for name in overrides:
+        if name not in RESUMABLE_OVERRIDES and getattr(config, name) != getattr(saved, name):
+            raise ConfigError(
+                f"{name}: cannot change on resume (the run has {getattr(saved, name)!r}); start a new run with "
+                f"--init-from {run_dir} instead"
+            )
+    return config

@@ -1,0 +1,273 @@
+"""One training job's bookkeeping, written once for every driver.
+
+A driver (the lockstep loop of :mod:`atoll.train`, the decoupled event simulation of
+:mod:`atoll.runtime.events`, the Ray driver of :mod:`atoll.runtime.ray`, every rank of the collective runtime)
+owns only its loop; a :class:`Run` owns the rest::
+
+    run = Run(config, resume)                     # run folder (new, or the one resumed and its checkpoint),
+                                                  # data, tokenizer, global model (or --init-from's weights)
+    run.begin(restore=load_my_state)              # metrics log; the checkpoint's state, or the initial eval
+    ... the driver's loop: run.log_train(...), run.log_eval(...), run.save_checkpoint(...)
+    summary = run.finish(tokens=..., bytes_sent_per_island=..., compute_s=..., sim_wall_s=..., **own)
+
+Units: tokens, bytes, seconds; losses in nats per token. Only the main process (``is_main``) writes the
+run folder; the others keep the same numbers and write nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from atoll.config import TrainConfig
+from atoll.data import PreparedData, default_cache_dir, eval_batches, prepare_data
+from atoll.errors import CheckpointError, ConfigError, DataError
+from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
+from atoll.job.island import copy_flat_into, next_token_loss
+from atoll.job.metrics import MetricsLog, NullLog, write_summary
+from atoll.job.model import build_model, count_parameters, param_bytes
+from atoll.job.report import plot_runs
+from atoll.runtime.network import ring_allreduce_bytes
+
+
+@torch.no_grad()
+def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
+    """Mean held-out next-token loss (nats per token) of ``model`` over ``batches`` (int64, (b, seq_len + 1))."""
+    model.eval()
+    losses = [float(next_token_loss(model, b)) for b in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
+    """Copy the global weights of another run's latest checkpoint into ``model`` (a warm start).
+
+    Raises:
+        ConfigError: ``init_from`` holds no checkpoint or a model of another shape.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except Exception:
+        raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; pass the --out folder of a finished run") from None
+    try:
+        weights = load_file(str(ckpt / "model" / "model.safetensors"))
+    except Exception as e:  # safetensors raises its own error type for damaged files
+        raise ConfigError(f"init_from: cannot read the weights of '{ckpt}' ({type(e).__name__}); "
+                          "pass a run whose checkpoint is intact") from None
+    own = model.state_dict()
+    mismatched = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
+    missing = [k for k in own if k not in weights and not k.endswith("lm_head.weight")]
+    if mismatched or missing:
+        raise ConfigError(f"init_from: the model in '{ckpt}' does not match --model/--vocab-size of this run "
+                          f"({(mismatched + missing)[0]}); use the same model and vocabulary as that run")
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+
+
+def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones.
+
+    Raises:
+        CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
+    """
+    root = Path(out) / "checkpoints"
+    first = latest_checkpoint(out)
+    candidates = [first] + sorted((p for p in root.glob("step_*") if p != first and (p / "state.json").is_file()),
+                                  key=lambda p: p.name, reverse=True)
+    error: CheckpointError | None = None
+    for path in candidates:
+        try:
+            step, state = load_checkpoint(path)
+            if not isinstance(state, dict) or "islands" not in state:
+                raise CheckpointError(f"resume: checkpoint '{path}' has no island state; start a new run")
+            if error is not None:
+                print(f"atoll: warning: {error}; resuming from {path.name} instead", file=sys.stderr)
+            return step, state
+        except CheckpointError as e:
+            error = error or e
+    raise error  # type: ignore[misc]
+
+
+def prepare_inputs(config: TrainConfig, warm_start: bool = True) -> tuple[PreparedData, PreTrainedModel]:
+    """The corpus prepared for the run's islands (tokenizer, shards, validation tokens; cached) and the
+    initial global model: a preset seeded by ``seed``, or a folder, with ``init_from``'s weights when
+    ``warm_start`` (not on a resume: the checkpoint's weights follow).
+
+    Raises:
+        ConfigError, DataError: bad input (one line naming the field and the fix).
+    """
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
+                        partition=config.partition, text_field=config.text_field)
+    model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
+    if config.init_from is not None and warm_start:
+        load_init_weights(model, Path(config.init_from))
+    return data, model
+
+
+class Run:
+    """A run's folder, data, global model, metrics, evaluation, checkpoints and summary.
+
+    Args:
+        config: the run's settings.
+        resume: continue the run in ``config.out`` from its newest readable checkpoint.
+        is_main: this process writes the run folder (the others of a multi-process run do not).
+
+    Attributes:
+        out: the run folder.
+        start_step: inner steps done at the checkpoint resumed (0 for a new run).
+        state: the checkpoint's state when resuming (None for a new run); the driver restores its part.
+        data: the prepared corpus (tokenizer, island shards, validation tokens).
+        val: held-out batches, int64 tensors (batch_size, seq_len + 1).
+        model: the global model (float32, CPU); :meth:`evaluate` copies the global parameters into it.
+        tokenizer: the run's tokenizer, saved beside every checkpoint's model.
+        n_params: parameters of the model.
+        initial_eval_loss, eval_loss: held-out loss before training and at the last evaluation.
+
+    Raises:
+        ConfigError, DataError, CheckpointError: bad input (one line naming the field and the fix).
+    """
+
+    def __init__(self, config: TrainConfig, resume: bool = False, is_main: bool = True) -> None:
+        self.t0 = time.perf_counter()
+        self.config, self.is_main = config, is_main
+        transformers.utils.logging.disable_progress_bar()  # our own progress display is the one that counts
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.state: dict[str, Any] | None = None
+        self.start_step = 0
+        if resume:
+            self.out = Path(config.out)  # type: ignore[arg-type]
+            self.start_step, self.state = load_latest_state(self.out)
+            if self.start_step > config.steps:
+                raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
+                                  f"pass --steps {self.start_step} or more")
+        else:
+            self.out = new_run_dir(config.out, config.strategy) if is_main else Path(str(config.out))
+        self.data, self.model = prepare_inputs(config, warm_start=not resume)
+        if self.state is not None and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint:
+            raise DataError(f"data: the corpus '{config.data}' changed since this run started, so its tokenizer and "
+                            "shards would differ; restore the data, or start a new run with --init-from")
+        self.val = eval_batches(self.data.val_tokens, config.batch_size, config.seq_len, config.eval_batches)
+        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.data.tokenizer, eos_token="<|endoftext|>",
+                                                 bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        self.n_params = count_parameters(self.model)
+        self.initial_eval_loss = self.eval_loss = math.nan
+        self.prior_wall_s = 0.0
+        self.log: MetricsLog | NullLog = NullLog()
+
+    @property
+    def init_params(self) -> torch.Tensor:
+        """The global model's parameters before training, flat float32 (numel,) in ``parameters()`` order."""
+        return torch.nn.utils.parameters_to_vector([p.detach() for p in self.model.parameters()]).float().clone()
+
+    def wall_s(self) -> float:
+        """Real seconds of this run so far, those before a resume included."""
+        return self.prior_wall_s + time.perf_counter() - self.t0
+
+    def begin(self, restore: Callable[[dict[str, Any]], None] | None = None) -> None:
+        """Open the metrics log; then the checkpoint's state (``restore`` takes the driver's part of it) or,
+        for a new run, the initial evaluation with its ``start`` and ``eval`` events; then ``config.json``.
+
+        Raises:
+            CheckpointError: the checkpoint does not fit this run (the folder is left as it was).
+        """
+        config = self.config
+        if self.is_main:
+            self.log = MetricsLog(self.out / "metrics.jsonl",
+                                  truncate_after_step=self.start_step if self.state is not None else None)
+        if self.state is not None:
+            try:
+                if restore is not None:
+                    restore(self.state)
+                self.initial_eval_loss = float(self.state["initial_eval_loss"])
+                self.eval_loss = float(self.state["eval_loss"])
+                self.prior_wall_s = float(self.state.get("wall_s", 0.0))
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"resume: the checkpoint of '{self.out}' does not fit this run "
+                                      f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); start a new run") from None
+        else:
+            self.initial_eval_loss = self.eval_loss = evaluate(self.model, self.val)
+            self.log.log("start", step=0, params=self.n_params, config=config.model_dump(mode="json"),
+                         train_tokens=self.data.num_train_tokens, val_tokens=self.data.num_val_tokens,
+                         tokenizer_from_cache=self.data.tokenizer_from_cache)
+            self.log.log("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
+                         perplexity=math.exp(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
+        if self.is_main:  # only now: a resume that failed above has left the run folder untouched
+            (self.out / "config.json").write_text(config.model_dump_json(indent=2))
+
+    # --- during the loop ------------------------------------------------------------------------------
+    def set_global(self, params: torch.Tensor) -> PreTrainedModel:
+        """Copy the global parameters (flat float32, (numel,)) into :attr:`model`; return it."""
+        copy_flat_into(list(self.model.parameters()), params)
+        return self.model
+
+    def log_train(self, step: int, tokens: int, loss: float, bytes_sent_per_island: float, sim_wall_s: float,
+                  lr: float) -> None:
+        """A ``train`` event: the islands' mean training loss at inner step ``step`` (1-based count)."""
+        self.log.log("train", step=step, tokens=tokens, loss=loss, bytes_sent_per_island=bytes_sent_per_island,
+                     sim_wall_s=sim_wall_s, lr=lr)
+
+    def log_eval(self, step: int, tokens: int, params: torch.Tensor, bytes_sent_per_island: float,
+                 sim_wall_s: float) -> float:
+        """Evaluate the global parameters ``params`` on the held-out batches; log an ``eval`` event; return it."""
+        self.eval_loss = evaluate(self.set_global(params), self.val)
+        self.log.log("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=math.exp(self.eval_loss),
+                     sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
+        return self.eval_loss
+
+    def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor) -> Path:
+        """Write a checkpoint atomically: the global parameters as a Hugging Face model with the tokenizer, and
+        the driver's ``state`` with what a resume of this run needs (losses, wall time, data fingerprint)."""
+        state = {**state, "initial_eval_loss": self.initial_eval_loss, "eval_loss": self.eval_loss,
+                 "wall_s": self.wall_s(), "data_fingerprint": self.data.fingerprint}
+        path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer)
+        self.log.log("checkpoint", step=step, path=str(path))
+        return path
+
+    # --- the end --------------------------------------------------------------------------------------
+    def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
+               **own: Any) -> dict[str, Any]:
+        """The summary: what every run reports, then the driver's ``own`` entries; the ``end`` event,
+        ``summary.json`` and ``report.png`` (main process). Returns the summary.
+
+        Args:
+            tokens: training tokens of every island.
+            bytes_sent_per_island: bytes one island sent (the mean over islands where they differ).
+            compute_s: compute seconds of the slowest island.
+            sim_wall_s: the run's wall time on its clock (simulated, or real).
+            own: the driver's own entries (codec, fragments, exchanges, goodput, ...), in order.
+        """
+        config = self.config
+        ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(self.model), config.islands)
+        summary: dict[str, Any] = {
+            "strategy": config.strategy, "runtime": config.runtime, "islands": config.islands,
+            "sync_every": config.sync_every, "steps": config.steps, "model": config.model, "params": self.n_params,
+            "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
+            "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": self.eval_loss,
+            "final_perplexity": math.exp(self.eval_loss),
+            "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
+            "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
+            "codec": config.codec, **own,
+            "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
+            "compute_s": compute_s, "sim_wall_s": sim_wall_s,
+            "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,
+            "wall_s": self.wall_s(),
+            "init_from": str(config.init_from) if config.init_from else None, "out": str(self.out),
+        }
+        self.log.log("end", step=config.steps, **summary)
+        self.log.close()
+        if self.is_main:
+            write_summary(self.out, summary)
+            plot_runs([self.out], self.out / "report.png")
+        return summary

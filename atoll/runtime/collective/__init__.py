@@ -1,0 +1,56 @@
+"""The ``collective`` runtime: every island as real processes over ``torch.distributed``.
+
+Launch on one machine (atoll starts the ``islands x ranks_per_island`` processes itself)::
+
+    atoll train --runtime collective --islands 2 --ranks-per-island 2
+
+or across machines with torchrun (run on every node; atoll reads ``RANK``/``WORLD_SIZE`` from it)::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
+
+Process layout: world = ``islands`` x ``ranks_per_island`` (R) ranks; island i is ranks [i*R, (i+1)*R).
+Every rank runs one island (the strategy's ``islands`` list has length 1). Two kinds of process groups:
+
+- an *island group* per island (its R ranks): plain data parallel every inner step. Each rank computes
+  the gradient of its ``batch_size / R`` rows of the island's batch and the ranks average their gradients
+  before the strategy sees them, so an island of R ranks computes what one rank with the whole batch would.
+- a *cross-island group* per position r in an island (ranks r, R + r, 2R + r, ...): it carries only what
+  the strategy sends. A payload is cut into R equal shards; rank r moves shard r over its cross-island
+  group, then the island's ranks all-gather their shards. Every island therefore sends each byte once
+  (spread over its R ranks' links), and every rank of every island ends with bitwise the same result.
+
+Backend: NCCL when CUDA is available (each rank on GPU ``LOCAL_RANK``; a gloo group carries checkpoints and
+counters), gloo otherwise.
+
+Bytes are counted from the tensors handed to the network, with the ring costs of :mod:`atoll.runtime.network`
+(all-reduce of B bytes: 2(K-1)/K*B per island; all-gather of B bytes per island: (K-1)*B). Protocol
+scalars (one weight per exchange, and at most R-1 bytes or elements of padding to cut equal shards) are
+not counted.
+
+Failure: every collective has the deadline ``collective_timeout_s``. A dead rank usually breaks its
+peers' pending collectives at once (gloo: "Connection closed by peer"); a heartbeat through the
+rendezvous store also catches a rank that stops without closing its connections (no heartbeat for
+``min(10 s, collective_timeout_s)``). The surviving ranks then print one line,
+``atoll: error: island J stopped responding at inner step N (<reason>); resume with
+'atoll train --resume OUT'``, and exit with status 3 (:data:`EXIT_PEER_FAILURE`) via ``os._exit``,
+because a backend with a dead peer can hang in its clean-up. The last checkpoint is the resume point.
+The one-machine launcher (:func:`launch`) exits with the status of the first rank that failed.
+
+Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N`` makes global rank RANK kill
+itself with SIGKILL as it starts inner step N (1-based). Read only by this runtime; for fault-injection tests.
+"""
+
+from atoll.runtime.collective.failure import (
+    EXIT_PEER_FAILURE,
+    HEARTBEAT_S,
+    HEARTBEAT_STALE_S,
+    KILL_HOOK_ENV,
+    PeerFailure,
+    in_worker,
+)
+from atoll.runtime.collective.launch import launch
+from atoll.runtime.collective.runtime import CollectiveRuntime
+
+__all__ = ["EXIT_PEER_FAILURE", "HEARTBEAT_S", "HEARTBEAT_STALE_S", "KILL_HOOK_ENV", "CollectiveRuntime",
+           "PeerFailure", "in_worker", "launch"]

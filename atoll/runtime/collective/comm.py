@@ -1,0 +1,219 @@
+"""The collectives of the collective runtime: one payload cut into one shard per rank of an island, moved
+across islands over ``torch.distributed`` (see the package docstring for the layout and the byte counts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from atoll.algorithms.merge import average_decoded
+from atoll.algorithms.wire import Wire
+from atoll.errors import ConfigError
+from atoll.runtime.collective.failure import dist_call
+from atoll.runtime.comm import Comm, Work
+from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
+
+# ----------------------------------------------------------------------------------------------------------
+# the communication layer
+
+
+def _tensors_of(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a payload (tensors, lists, tuples, dicts, dataclasses), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors_of(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors_of(x)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_of(getattr(obj, f.name))]
+    return []
+
+
+def _rebuild(template: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    """``template`` with its tensors replaced, in :func:`_tensors_of` order, by those of ``tensors``."""
+    if isinstance(template, torch.Tensor):
+        return next(tensors)
+    if isinstance(template, list):
+        return [_rebuild(x, tensors) for x in template]
+    if isinstance(template, tuple):
+        return tuple(_rebuild(x, tensors) for x in template)
+    if isinstance(template, dict):
+        return {k: _rebuild(v, tensors) for k, v in template.items()}
+    if dataclasses.is_dataclass(template) and not isinstance(template, type):
+        return dataclasses.replace(template, **{f.name: _rebuild(getattr(template, f.name), tensors)
+                                                for f in dataclasses.fields(template) if f.init})
+    return template
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, as a flat uint8 CPU tensor."""
+    t = t.detach().contiguous().reshape(-1).cpu()
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _from_bytes(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The tensor of ``like``'s dtype and shape whose bytes are ``buf`` (uint8, the right length)."""
+    return buf.clone().view(like.dtype).reshape(like.shape)
+
+
+class DistWork(Work):
+    """A collective in flight over ``torch.distributed``; ``wait()`` finishes it once and keeps the result."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
+        self._finish: Callable[[], torch.Tensor] | None = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result = self._finish()
+            self._finish = None
+        assert self._result is not None
+        return self._result
+
+
+class _Exchange:
+    """One payload moved across islands, cut into one shard per rank of the island (see the module doc).
+
+    Started at construction (the cross-island part runs in the background, ``async_op=True``);
+    :meth:`result` waits for it and all-gathers the shards inside the island.
+    """
+
+    def __init__(self, comm: DistComm, buf: torch.Tensor, gather: bool) -> None:
+        self.comm, self.gather, self.length = comm, gather, buf.numel()
+        r_count = comm.ranks_per_island
+        size = -(-max(1, buf.numel()) // r_count)
+        if size * r_count != buf.numel():
+            buf = torch.cat([buf, buf.new_zeros(size * r_count - buf.numel())])
+        shard = buf[comm.position * size:(comm.position + 1) * size].contiguous().to(comm.device)
+        if gather:
+            self.parts = [torch.empty_like(shard) for _ in range(comm.islands)]
+            self.handle = dist_call(dist.all_gather, self.parts, shard, group=comm.cross_group, async_op=True)
+        else:
+            self.parts = [shard]
+            self.handle = dist_call(dist.all_reduce, shard, group=comm.cross_group, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        """All-reduce: the summed buffer (the input's length). All-gather: (islands, length), island order."""
+        comm = self.comm
+        dist_call(self.handle.wait)
+        local = torch.stack(self.parts)  # (islands or 1, shard)
+        if comm.ranks_per_island > 1:
+            pieces = [torch.empty_like(local) for _ in range(comm.ranks_per_island)]
+            dist_call(dist.all_gather, pieces, local, group=comm.island_group)
+            local = torch.cat(pieces, dim=1)  # shards side by side, in position order
+        local = local[:, :self.length].cpu()
+        return local if self.gather else local[0]
+
+
+class DistComm(Comm):
+    """Collectives across the islands of a job, one island per process, over ``torch.distributed``.
+
+    Args:
+        islands: K, islands in the job.
+        island: the island this process runs.
+        ranks_per_island: R, ranks per island.
+        position: this rank's position in its island (0..R-1).
+        cross_group: the process group of the ranks at ``position`` in every island (island order).
+        island_group: the process group of this island's ranks (None when R = 1).
+        device: where tensors travel from (the GPU of this rank for NCCL, the CPU for gloo).
+
+    All methods are collective: every rank of the job calls them in the same order.
+    """
+
+    def __init__(self, islands: int, island: int, ranks_per_island: int, position: int,
+                 cross_group: Any, island_group: Any, device: torch.device) -> None:
+        super().__init__()
+        self.islands = islands
+        self.local_islands = [island]
+        self.ranks_per_island = ranks_per_island
+        self.position = position
+        self.cross_group = cross_group
+        self.island_group = island_group
+        self.device = device
+
+    def _check(self, per_island: Sequence[Any]) -> None:
+        if len(per_island) != 1:
+            raise ValueError(f"collective runtime runs one island per process; got {len(per_island)} entries")
+
+    def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor],
+                              weights: Sequence[float] | None = None, wire: Wire | None = None,
+                              key: str = "") -> DistWork:
+        """See :meth:`Comm.start_all_reduce_mean`; the cross-island transfer runs in the background.
+
+        Without a codec: a ring all-reduce of ``[w * x, w]`` (float32), then the sum divided by the sum of
+        the weights; counted ``2(K-1)/K * 4 * numel`` bytes. With a codec: each island encodes its tensor
+        (with its error feedback and random source), the packed payloads are all-gathered, and every
+        island decodes them in island order and averages in float32, exactly as
+        :func:`~atoll.algorithms.merge.average_encoded` does; counted ``(K-1) * payload`` bytes.
+
+        Raises:
+            ConfigError: a weight that is negative or not finite; weights of every island summing to zero
+                (at ``wait()``).
+            PeerFailure: another rank failed or the deadline passed (at ``wait()``).
+        """
+        self._check(per_island)
+        x = per_island[0].detach().reshape(-1).to("cpu", torch.float32)
+        w = 1.0 if weights is None else float(weights[0])
+        if not math.isfinite(w) or w < 0:
+            raise ConfigError(f"weights: must be finite and >= 0, got {w}")
+        n = x.numel()
+        codec = wire.codec if wire is not None else None
+        if codec is None:
+            exchange = _Exchange(self, torch.cat([x * w, x.new_tensor([w])]), gather=False)
+            self._count(ring_allreduce_bytes(4 * n, self.islands))
+
+            def finish_sum() -> torch.Tensor:
+                total = exchange.result()
+                if float(total[n]) <= 0:
+                    raise ConfigError("weights: the islands' weights sum to zero; nothing to average")
+                return total[:n] / total[n]
+
+            return DistWork(finish_sum)
+
+        if w == 0.0:  # like average_encoded: not encoded, its residual and random source untouched
+            packed = torch.zeros(codec.payload_bytes(n), dtype=torch.uint8)
+        else:
+            packed = wire.encode(0, x, key).pack().cpu()  # type: ignore[union-attr]
+        header = torch.tensor([w], dtype=torch.float64).view(torch.uint8)
+        exchange = _Exchange(self, torch.cat([header, packed]), gather=True)
+        self._count(ring_allgather_bytes(packed.numel(), self.islands))
+
+        def finish_decode() -> torch.Tensor:
+            rows = exchange.result()  # (islands, 8 + payload bytes)
+            ws = [float(row[:8].clone().view(torch.float64)) for row in rows]
+            if sum(ws) <= 0:
+                raise ConfigError("weights: the islands' weights sum to zero; nothing to average")
+            return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws)
+
+        return DistWork(finish_decode)
+
+    def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
+        """See :meth:`Comm.all_gather`. The payload's tensors travel as one byte buffer.
+
+        Every island's payload must have the same structure, tensor shapes and dtypes (DeMo's do); the
+        gathered payloads are rebuilt on the CPU. Counted ``(K-1) * bytes of the tensors``.
+
+        Raises:
+            PeerFailure: another rank failed or the deadline passed.
+        """
+        self._check(per_island)
+        template = per_island[0]
+        tensors = _tensors_of(template)
+        parts = [_as_bytes(t) for t in tensors]
+        packed = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        self._count(ring_allgather_bytes(packed.numel(), self.islands))
+        rows = _Exchange(self, packed, gather=True).result()
+        sizes = [p.numel() for p in parts]
+        out = []
+        for row in rows:
+            chunks = iter(_from_bytes(c, t) for c, t in zip(torch.split(row, sizes), tensors, strict=True))
+            out.append(_rebuild(template, chunks))
+        return out
+
+

@@ -1,0 +1,50 @@
+"""How a rank of the collective runtime learns that another failed: exit status, test hook, PeerFailure."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+EXIT_PEER_FAILURE = 3  # exit status of a rank that stopped because another rank stopped responding
+KILL_HOOK_ENV = "ATOLL_TEST_KILL_RANK_AT_STEP"
+HEARTBEAT_S = 0.5  # seconds between two heartbeats of a rank
+HEARTBEAT_STALE_S = 10.0  # a rank silent this long (or collective_timeout_s if shorter) is declared dead
+
+
+class PeerFailure(Exception):
+    """A collective failed or timed out: another rank died, hung or became unreachable.
+
+    Args:
+        reason: one line saying what the backend reported.
+        suspect: the global rank known to have failed, if known.
+    """
+
+    def __init__(self, reason: str, suspect: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.suspect = suspect
+
+
+def backend_reason(e: BaseException) -> str:
+    """The backend's message cut to one short line (no source location, no advice)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    text = text.split(". This is typically")[0].rstrip(". ")
+    return text[:160] or type(e).__name__
+
+
+def dist_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a ``torch.distributed`` call; turn a backend failure (RuntimeError) into :class:`PeerFailure`."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        raise PeerFailure(backend_reason(e)) from e
+
+
+def in_worker() -> bool:
+    """True in a process started by torchrun or by :func:`launch` (``RANK`` and ``WORLD_SIZE`` are set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+

@@ -1,0 +1,101 @@
+"""Heartbeats through the rendezvous store: a rank that stops without closing its connections is found."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from atoll.runtime.collective.failure import HEARTBEAT_S, backend_reason
+
+# ----------------------------------------------------------------------------------------------------------
+# failure detection
+
+
+class _Heartbeat:
+    """Each rank bumps a counter in the rendezvous store every :data:`HEARTBEAT_S` seconds and watches the
+    others'; a rank that leaves on purpose (done, or stopping after a failure) says so first.
+
+    Args:
+        rank, world: this rank and the world size.
+        prefix: a key prefix unique to this run.
+        stale_s: a rank whose counter has not moved for this long is declared dead.
+        on_dead: called from the heartbeat thread as ``on_dead(rank or None, reason)``.
+        store_host: the rank hosting the store (0 without a launcher's store), or None.
+    """
+
+    def __init__(self, rank: int, world: int, prefix: str, stale_s: float,
+                 on_dead: Callable[[int | None, str], None], store_host: int | None) -> None:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=min(10.0, stale_s)))
+        self.store = dist.PrefixStore(prefix, client)
+        self.rank, self.world, self.stale_s = rank, world, stale_s
+        self.on_dead, self.store_host = on_dead, store_host
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.keys = [f"hb/{r}" for r in range(world)] + [f"bye/{r}" for r in range(world)]
+        with self.lock:
+            self.store.add(f"hb/{rank}", 1)
+            self.store.add(f"bye/{rank}", 0)
+        self.thread = threading.Thread(target=self._run, name="atoll-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start beating (after every rank created its keys: call it after a barrier)."""
+        self.thread.start()
+
+    def _read(self) -> tuple[list[int], list[int]]:
+        with self.lock:
+            values = [int(v) for v in self.store.multi_get(self.keys)]
+        return values[:self.world], values[self.world:]
+
+    def _run(self) -> None:
+        last = None
+        seen = [time.monotonic()] * self.world
+        store_ok = time.monotonic()
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                with self.lock:
+                    self.store.add(f"hb/{self.rank}", 1)
+                beats, bye = self._read()
+            except Exception as e:  # the store is gone: its host died
+                if time.monotonic() - store_ok > min(3.0, self.stale_s):
+                    self.on_dead(self.store_host, f"rendezvous store unreachable: {backend_reason(e)}")
+                continue
+            now = store_ok = time.monotonic()
+            for r in range(self.world):
+                if last is None or beats[r] != last[r] or bye[r]:
+                    seen[r] = now
+            last = beats
+            silent = [r for r in range(self.world) if r != self.rank and now - seen[r] > self.stale_s]
+            if silent and not self.stopped.is_set():
+                self.on_dead(silent[0], f"no heartbeat for {self.stale_s:.0f} s")
+
+    def leave(self) -> None:
+        """Say this rank leaves on purpose, and stop beating."""
+        self.stopped.set()
+        try:
+            with self.lock:
+                self.store.add(f"bye/{self.rank}", 1)
+        except Exception:
+            pass
+
+    def find_dead(self, wait_s: float = 3.0) -> int | None:
+        """The lowest rank that neither beats nor said goodbye over ``wait_s`` seconds, or None."""
+        try:
+            start, _ = self._read()
+            alive = {self.rank}
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and len(alive) < self.world:
+                time.sleep(0.25)
+                beats, bye = self._read()
+                alive |= {r for r in range(self.world) if beats[r] != start[r] or bye[r]}
+        except Exception:
+            return self.store_host
+        dead = [r for r in range(self.world) if r not in alive]
+        return dead[0] if dead else None
+
+

@@ -1,0 +1,129 @@
+"""Starting the ranks of a collective run on one machine (the launcher); torchrun does it across machines."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from atoll.errors import AtollError, RunFailed
+from atoll.job.checkpoint import new_run_dir
+
+if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
+    from atoll.config import TrainConfig
+
+# ----------------------------------------------------------------------------------------------------------
+# launching on one machine
+
+
+def launch(config: TrainConfig, worker: str, resume: bool = False,
+           grace_s: float = 30.0) -> dict[str, Any]:
+    """Run ``config`` as ``islands x ranks_per_island`` local processes; return rank 0's summary.
+
+    The parent hosts the rendezvous store (as torchrun's agent does, so the store outlives any rank),
+    prepares the data once (the ranks then read it from the cache), and starts the ranks with ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set. The ranks are forked from a
+    ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
+    instead of each importing torch and transformers. No rank is restarted. When a rank fails, the others
+    get ``grace_s`` seconds to notice and stop by themselves (they print why); any still running are then
+    killed.
+
+    Args:
+        config: the run (``runtime="collective"``).
+        worker: what each rank runs, as ``"module:function"`` called ``function(config, resume)``
+            (``"atoll.train:train"``); the fork server imports the module once, this process never does.
+        resume: continue the run in ``config.out`` from its latest checkpoint.
+        grace_s: seconds the other ranks get to stop after the first failure.
+
+    Returns:
+        The summary that rank 0 wrote to ``<out>/summary.json``.
+
+    Raises:
+        ConfigError: ``out`` holds a run already (without ``resume``).
+        RunFailed: a rank failed; ``exit_code`` is its exit status (128 + N when killed by signal N).
+    """
+    import json
+    import multiprocessing
+
+    from atoll.data import default_cache_dir, prepare_data
+
+    out = Path(config.out) if resume else new_run_dir(config.out, config.strategy)  # type: ignore[arg-type]
+    config = config.model_copy(update={"out": out})
+    world = config.islands * config.ranks_per_island
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([worker.split(":")[0]])
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=config.collective_timeout_s),
+                          wait_for_workers=False)
+    env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if config.threads is None and "OMP_NUM_THREADS" not in os.environ:  # as torchrun: no oversubscription
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    procs = [ctx.Process(target=_rank_main, name=f"atoll-rank{r}",
+                         args=(worker, config, resume, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+             for r in range(world)]
+    first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
+    try:
+        cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
+                     partition=config.partition, text_field=config.text_field)
+        for p in procs:
+            p.start()
+        deadline = math.inf
+        while any(p.exitcode is None for p in procs):
+            for rank, p in enumerate(procs):
+                if first is None and p.exitcode not in (None, 0):
+                    first, deadline = (rank, p.exitcode), time.monotonic() + grace_s
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+            time.sleep(0.05)
+        for rank, p in enumerate(procs):
+            if first is None and p.exitcode != 0:
+                first = (rank, p.exitcode)
+    except BaseException:
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=10)
+                if p.exitcode is None:
+                    p.kill()
+        raise
+    finally:
+        del store
+    if first is not None:
+        rank, code = first
+        if code < 0:
+            raise RunFailed(f"rank {rank} (island {rank // config.ranks_per_island}) was killed by "
+                            f"{signal.Signals(-code).name}; resume with 'atoll train --resume {out}'",
+                            128 - code)
+        raise RunFailed("", code)
+    return json.loads((out / "summary.json").read_text())
+
+
+def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, str]) -> None:
+    """One rank started by :func:`launch`: its environment as torchrun would set it, then the job."""
+    os.environ.update(env)
+    if config.threads is None and "OMP_NUM_THREADS" in env:  # torch was imported before the variable was set
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    module, _, name = worker.partition(":")
+    try:
+        getattr(importlib.import_module(module), name)(config, resume)
+    except AtollError as e:
+        print(f"atoll: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+

@@ -1,0 +1,412 @@
+"""The ``local`` runtime of an asynchronous strategy (decoupled): a discrete-event simulation in one process.
+
+Every island runs in this process on its own simulated clock: an inner step costs ``sim_step_s / speed``
+simulated seconds (a fixed cost, so the order of events, hence the run, is deterministic for a seed; the
+real compute is measured and reported beside it); a push or pull of B bytes takes ``B·8/bandwidth + latency``
+on the island's uplink or downlink (:class:`~atoll.runtime.network.Link`; one transfer at a time per
+direction, queued behind the previous one) while the island trains on. Pushes are encoded by the run's codec
+and counted as bytes sent; pulls are float32 downloads, timed but not counted as sent. A fragment whose
+previous push or pull is still on the wire when its next push is due is pushed at the next due step instead
+(``deferred_pushes``; its tokens wait). Events are processed in simulated-time order from a priority queue
+(ties by island index), one method per kind of event: :meth:`Simulation.on_step`, :meth:`~Simulation.on_push`,
+:meth:`~Simulation.on_pull`, :meth:`~Simulation.on_fail`, :meth:`~Simulation.on_rejoin`; the syncer's grace
+windows close in between. ``--steps`` is a budget of ``islands x steps`` inner steps over all islands (the
+tokens of every other strategy at equal ``--steps``), shared by speed.
+
+Failures (``--chaos MTBF_S:DOWNTIME_S``, :class:`~atoll.analysis.chaos.FailureTrace`): a step that an outage
+interrupts is not taken; the island loses the work it has not pushed, stays down for the outage, then rejoins
+by itself: it pulls every global fragment (timed), clears its inner optimizer state and restarts its fragment
+schedule; its pushes still on the wire are lost with it. Failures strike while the island computes (it always
+does, except while it pulls the model to rejoin; one that begins then takes effect when that pull ends). The
+syncer does not wait for a dead island: its grace window closes and it merges without it.
+
+Metrics in ``summary.json`` besides every run's:
+
+- ``goodput``: useful tokens per simulated second over the failure-free rate. Useful tokens are those merged
+  into the global model: every merged push's tokens times its fragment's share of the parameters (pushes
+  rejected, dropped as stale, or lost with a failed island do not count). The failure-free rate is
+  ``Σ_i tokens_per_step · speed_i / sim_step_s``: every island computing all the time, with no failure and no
+  communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
+- ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
+- ``rejected_updates`` (by reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
+  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (trained
+  but never merged: un-pushed at a failure, or pushed but on the wire when the island failed,
+  ``lost_pushes``), ``deferred_pushes``, ``steps_per_island``.
+
+Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
+and at the end, written atomically, hold everything needed to continue exactly (the syncer, every island, the
+clocks and the pending events); ``<out>/syncer/`` holds the syncer's state alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
+from atoll.errors import CheckpointError
+from atoll.job.run import Run
+from atoll.runtime.network import Link
+from atoll.strategies.decoupled import make_syncer
+from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.protocol import Pull, Push
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+
+LOG_EVERY = 10  # mean inner steps per island between two ``train`` events
+
+
+@dataclass
+class Transfer:
+    """A push or a pull on the wire, to or from ``island`` while it was in its ``epoch`` (failures so far)."""
+
+    island: int
+    epoch: int
+    push: Push | None = None
+    pull: Pull | None = None
+
+
+@dataclass
+class Waiter:
+    """An island whose accepted push waits in a buffer for its merge (answered with the merged fragment)."""
+
+    island: int
+    epoch: int
+
+
+@dataclass
+class SimState:
+    """The simulation's state: clocks, counters, and the pending events."""
+
+    clock: list[float]                      # each island's simulated time, seconds
+    compute: list[float]                    # simulated compute seconds (lost work included)
+    pulled_at: list[list[float]]            # per island and fragment: time of the last pull
+    bytes_sent: list[float]
+    failures: list[int]
+    failed_at: list[float | None]
+    rejoins: list[int]
+    last_loss: list[float]
+    rejoin_s: list[float] = field(default_factory=list)
+    lost_tokens: float = 0.0
+    started: int = 0                        # inner steps begun (the budget counts these)
+    done: int = 0                           # inner steps finished
+    queue: list[tuple[float, int, int, str, int]] = field(default_factory=list)  # (time, island, seq, event, fragment)
+    in_flight: dict[int, Transfer] = field(default_factory=dict)  # transfers on the wire, by their event's seq
+    uplink_free: list[float] = field(default_factory=list)    # per island: when its uplink is next idle
+    downlink_free: list[float] = field(default_factory=list)  # per island: when its downlink is next idle
+    awaiting: list[list[bool]] = field(default_factory=list)  # per island and fragment: a push/pull in flight
+    waiting: list[list[Waiter]] = field(default_factory=list)  # per fragment: islands buffered, unanswered
+    epoch: list[int] = field(default_factory=list)            # per island: failures so far (stale transfers die)
+    deferred_pushes: int = 0                # pushes skipped because the fragment's previous one was in flight
+    lost_pushes: int = 0                    # pushes on the wire when their island failed
+    last_arrival: float = 0.0               # simulated time of the last push that reached the syncer
+    seq: int = 0
+
+    @classmethod
+    def new(cls, islands: int, fragments: int) -> SimState:
+        return cls([0.0] * islands, [0.0] * islands, [[0.0] * fragments for _ in range(islands)], [0.0] * islands,
+                   [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands,
+                   uplink_free=[0.0] * islands, downlink_free=[0.0] * islands,
+                   awaiting=[[False] * fragments for _ in range(islands)], waiting=[[] for _ in range(fragments)],
+                   epoch=[0] * islands)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["queue"] = [list(e) for e in self.queue]
+        state["in_flight"] = [[n, asdict(v)] for n, v in self.in_flight.items()]
+        state["waiting"] = [[asdict(w) for w in ws] for ws in self.waiting]
+        state["failed_at"] = [-1.0 if t is None else t for t in self.failed_at]
+        return copy.deepcopy(state)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SimState:
+        state = dict(state)
+        state["queue"] = [(float(t), int(i), int(n), str(a), int(p)) for t, i, n, a, p in state["queue"]]
+        state["in_flight"] = {int(n): Transfer(int(v["island"]), int(v["epoch"]),
+                                               Push(**v["push"]) if v.get("push") else None,
+                                               Pull(**v["pull"]) if v.get("pull") else None)
+                              for n, v in state["in_flight"]}
+        state["waiting"] = [[Waiter(int(w["island"]), int(w["epoch"])) for w in ws] for ws in state["waiting"]]
+        state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
+        return cls(**state)
+
+
+class Simulation:
+    """A decoupled run's islands and syncer in one process, on simulated clocks (see the module docstring).
+
+    Args:
+        config: the run's settings (``strategy="decoupled"``, ``runtime="local"``).
+        run: the run's bookkeeping (its data, model, events and checkpoints).
+
+    Raises:
+        ConfigError: the model cannot be cut into ``fragments``.
+    """
+
+    def __init__(self, config: TrainConfig, run: Run) -> None:
+        self.config, self.run = config, run
+        self.job = Job.of(config, run.data, run.model)
+        self.K, self.speeds = config.islands, config.speeds
+        self.syncer = make_syncer(config, self.job.init_flat, self.job.index)
+        self.link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
+        self.trace = FailureTrace.from_spec(config.chaos, self.K, config.seed) if config.chaos else None
+        self.workers = [IslandWorker(i, self.job, n) for i, n in enumerate(expected_steps(config))]
+        self.frag_bytes = [int(idx.numel()) * 4 for idx in self.job.index]
+        self.budget = self.K * config.steps
+        self.st = SimState.new(self.K, self.syncer.fragments)
+        self.gave_up = False
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
+        if "sim" not in state:
+            raise CheckpointError(f"resume: the checkpoint of '{self.run.out}' holds no decoupled run state; "
+                                  "start a new run")
+        self.syncer.load_state_dict(state["syncer"])
+        for w, s in zip(self.workers, state["islands"], strict=True):
+            w.load_state_dict(s)
+        self.st = SimState.from_state(state["sim"])
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def run_events(self, resumed: bool) -> None:
+        """Process events in simulated-time order until the budget is spent and every buffer is merged."""
+        st, syncer = self.st, self.syncer
+        if not resumed:
+            for i in range(self.K):
+                self.next_step(i)
+        else:  # islands idle at the checkpoint (the end of a shorter run) go on, if the budget grew
+            busy = {e[1] for e in st.queue if e[3] in ("step", "fail", "rejoin")}  # transfers run beside compute
+            for i in range(self.K):
+                if i in busy:
+                    continue
+                if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]:  # down: rejoin after the outage
+                    self.schedule(i, self.trace.next_outage(i, st.failed_at[i])[1], "rejoin")  # type: ignore[union-attr, arg-type]
+                else:
+                    self.next_step(i)
+        give_up_at = GIVE_UP_FACTOR * self.config.steps * self.config.sim_step_s / min(self.speeds)
+        handlers = {"step": self.on_step, "push": self.on_push, "pull": self.on_pull, "fail": self.on_fail,
+                    "rejoin": self.on_rejoin}
+        while st.queue or syncer.next_deadline() is not None:
+            if not st.queue:  # only open buffers are left: close them and answer the islands they hold, so no
+                close_at = syncer.next_deadline()[0]  # type: ignore[index]  # final push repeats merged work
+                if math.isfinite(close_at):
+                    self.close_windows(close_at)
+                else:  # no round time measured yet: no window to wait for
+                    self.close_windows(st.last_arrival, flush=True)
+                continue
+            t, i, seq, event, p = st.queue[0]
+            if t > give_up_at:
+                self.gave_up = True
+                print(f"atoll: warning: chaos: {self.config.chaos} leaves almost no up-time for a step; stopped at "
+                      f"simulated {t:.3g} s ({GIVE_UP_FACTOR:g}x the failure-free time) with {st.done} of "
+                      f"{self.budget} inner steps done (raise MTBF_S or lower DOWNTIME_S)", file=sys.stderr)
+                break
+            deadline = syncer.next_deadline()
+            if deadline is not None and deadline[0] <= t:  # a grace window closes: merge without the missing
+                self.close_windows(deadline[0])
+                continue
+            heapq.heappop(st.queue)
+            handlers[event](i, t, seq, p)
+
+    def schedule(self, i: int, at: float, event: str, p: int = -1) -> int:
+        """Queue island i's ``event`` at simulated time ``at``; return the event's seq (its key in in_flight)."""
+        heapq.heappush(self.st.queue, (at, i, self.st.seq, event, p))
+        self.st.seq += 1
+        return self.st.seq - 1
+
+    def next_step(self, i: int) -> None:
+        """Start island i's next inner step at its clock, or its failure if an outage interrupts it."""
+        st = self.st
+        if st.started >= self.budget:
+            return  # the budget is spent: the island stops
+        t, dur = st.clock[i], self.config.sim_step_s / self.speeds[i]
+        if self.trace is not None:
+            down, _ = self.trace.next_outage(i, t)
+            if down < t + dur:
+                self.schedule(i, max(down, t), "fail")
+                return
+        st.started += 1
+        self.schedule(i, t + dur, "step")
+
+    # --- one method per event ----------------------------------------------------------------------------
+    def on_step(self, i: int, t: float, seq: int, p: int) -> None:
+        """Island i finished an inner step at t: push a due fragment (beside compute), start the next step."""
+        st, w, config = self.st, self.workers[i], self.config
+        st.last_loss[i] = w.train_step()
+        st.clock[i], st.compute[i] = t, st.compute[i] + config.sim_step_s / self.speeds[i]
+        st.done += 1
+        due = w.due()  # at most one fragment is due per step
+        if due and st.awaiting[i][due[0]]:  # its previous push or pull is still on the wire: next time
+            st.deferred_pushes += 1
+        elif due:  # push it on the island's uplink and train on: the transfers overlap compute
+            push = w.push(due[0])
+            st.bytes_sent[i] += push.nbytes
+            st.uplink_free[i] = arrive = max(t, st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
+            st.awaiting[i][push.fragment] = True
+            st.in_flight[self.schedule(i, arrive, "push", push.fragment)] = Transfer(i, st.epoch[i], push=push)
+        self.next_step(i)
+        self.report(w)
+
+    def on_push(self, i: int, t: float, seq: int, p: int) -> None:
+        """Island i's push of fragment p reaches the syncer at t; it is answered once merged (or at once if
+        refused)."""
+        st = self.st
+        msg = st.in_flight.pop(seq)
+        if msg.epoch != st.epoch[i]:  # the island failed while it was on the wire: lost (tokens counted then)
+            st.lost_pushes += 1
+            return
+        push = Push(**{**asdict_shallow(msg.push), "round_s": t - st.pulled_at[i][p]})  # type: ignore[arg-type]
+        result = self.syncer.push(push, now=t)
+        st.last_arrival = max(st.last_arrival, t)
+        waiter = Waiter(i, msg.epoch)
+        if result.accepted:
+            st.waiting[p].append(waiter)
+            self.answer(p, t)  # if it completed a quorum: everyone in the merge gets the new global fragment
+        else:  # refused (invalid or stale): answered at once with the global fragment as it is
+            self.send_pull(p, t, [waiter])
+
+    def on_pull(self, i: int, t: float, seq: int, p: int) -> None:
+        """The answer to island i's push of fragment p arrives at t: adopt it, keeping the work done since."""
+        st = self.st
+        msg = st.in_flight.pop(seq)
+        if msg.epoch != st.epoch[i]:
+            return
+        self.workers[i].adopt(msg.pull)  # type: ignore[arg-type]
+        st.awaiting[i][p] = False
+        st.pulled_at[i][p] = t
+
+    def on_fail(self, i: int, t: float, seq: int, p: int) -> None:
+        """Island i fails at t: its un-pushed work and its pushes on the wire are lost; it rejoins later."""
+        st = self.st
+        st.failures[i] += 1
+        st.failed_at[i] = t
+        shares = self.job.shares
+        st.lost_tokens += self.workers[i].lose_work() + sum(  # pushes still on the wire die with the island
+            m.push.tokens * shares[m.push.fragment] for m in st.in_flight.values()
+            if m.island == i and m.epoch == st.epoch[i] and m.push is not None)
+        st.epoch[i] += 1
+        st.awaiting[i] = [False] * self.syncer.fragments
+        _, up = self.trace.next_outage(i, t)  # type: ignore[union-attr]
+        st.clock[i] = t
+        self.schedule(i, up, "rejoin")
+
+    def on_rejoin(self, i: int, t: float, seq: int, p: int) -> None:
+        """Island i is back at t: it pulls every global fragment (blocking), then trains on."""
+        st, syncer = self.st, self.syncer
+        if st.started >= self.budget:
+            return  # the run is over: the island stays down
+        self.workers[i].rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
+        st.clock[i] = t + self.link.transfer_seconds(sum(self.frag_bytes), 1)  # nothing to train on yet
+        st.uplink_free[i] = st.downlink_free[i] = st.clock[i]
+        st.pulled_at[i] = [st.clock[i]] * syncer.fragments
+        st.rejoin_s.append(st.clock[i] - st.failed_at[i])  # type: ignore[operator]
+        st.rejoins[i] += 1
+        self.next_step(i)
+
+    # --- the syncer's answers ------------------------------------------------------------------------
+    def send_pull(self, p: int, t: float, waiters: list[Waiter]) -> None:
+        """Send the global fragment p as it is at time t to each waiting island, over its downlink."""
+        st = self.st
+        pull = self.syncer.pull(p)
+        for m in waiters:
+            i = m.island
+            st.downlink_free[i] = arrive = max(t, st.downlink_free[i]) + self.link.transfer_seconds(self.frag_bytes[p], 1)
+            st.in_flight[self.schedule(i, arrive, "pull", p)] = Transfer(i, m.epoch, pull=pull)
+
+    def close_windows(self, at: float, flush: bool = False) -> None:
+        """Merge the buffers whose grace window has closed by ``at`` (``flush``: every open buffer) and
+        answer the islands whose pushes they held."""
+        if flush:
+            self.syncer.flush()
+        else:
+            self.syncer.poll(at)
+        for q in range(self.syncer.fragments):
+            self.answer(q, at)
+
+    def answer(self, p: int, t: float) -> None:
+        """Fragment p's buffer was merged (or emptied) by time t: answer every island whose push it held."""
+        st = self.st
+        if not self.syncer.buffers[p].pushes and st.waiting[p]:
+            waiters, st.waiting[p] = st.waiting[p], []
+            self.send_pull(p, t, [m for m in waiters if m.epoch == st.epoch[m.island]])
+
+    # --- events, checkpoints and the end -----------------------------------------------------------------
+    def report(self, w: IslandWorker) -> None:
+        """The ``train``/``eval`` events and checkpoints due after a finished inner step."""
+        st, config, run, K = self.st, self.config, self.run, self.K
+        tps = config.tokens_per_step
+        if st.done % (K * LOG_EVERY) == 0:
+            run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
+                          w.island.scheduler.get_last_lr()[0])
+        if st.done % (K * config.eval_every) == 0 and st.done < self.budget:
+            run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(), sum(st.bytes_sent) / K,
+                         max(st.clock))
+        if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
+            self.checkpoint(st.done // K)
+
+    def checkpoint(self, step: int) -> None:
+        """Everything to continue exactly: syncer, islands, clocks and pending events (atomic)."""
+        self.syncer.save(save_path(self.run.out))
+        self.run.save_checkpoint(step, {"strategy": "decoupled", "syncer": self.syncer.state_dict(),
+                                        "islands": [w.state_dict() for w in self.workers],
+                                        "sim": self.st.state_dict()}, self.syncer.global_params())
+
+    def finish(self) -> dict[str, Any]:
+        """Every live island pushes what it has not pushed, the syncer merges every buffer; the summary."""
+        st, syncer, config, K = self.st, self.syncer, self.config, self.K
+        alive = [i for i in range(K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i]]
+        for i in sorted(alive, key=lambda j: (st.clock[j], j)):
+            w = self.workers[i]
+            for p in range(syncer.fragments):
+                if w.tokens_since[p] > 0:
+                    push = w.push(p)
+                    st.bytes_sent[i] += push.nbytes
+                    st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
+                    syncer.push(Push(**{**asdict_shallow(push), "round_s": arrive - st.pulled_at[i][p]}), now=arrive)
+                    st.last_arrival = max(st.last_arrival, arrive)
+        syncer.flush()
+        for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with
+            for p in range(syncer.fragments):  # a longer --steps must not push its final work a second time
+                self.workers[i].adopt(syncer.pull(p))
+        sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
+        tps = config.tokens_per_step
+        self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
+        self.checkpoint(config.steps)
+        ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
+        stats = syncer.stats()
+        return self.run.finish(
+            tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K, compute_s=max(st.compute),
+            sim_wall_s=sim_wall_s,
+            bytes_sent_by_island=st.bytes_sent, fragments=config.fragments, overlap_steps=0,
+            exchanges=stats["accepted_updates"],
+            peak_bytes_per_exchange=float(max(self.frag_bytes)) if config.codec == "fp32" else None,
+            **stats, skipped_steps=sum(w.island.skipped_steps for w in self.workers),
+            island_speeds=self.speeds, sim_step_s=config.sim_step_s, chaos=config.chaos,
+            steps_per_island=[w.steps for w in self.workers], deferred_pushes=st.deferred_pushes,
+            lost_pushes=st.lost_pushes, useful_tokens=syncer.merged_tokens, lost_tokens=st.lost_tokens,
+            goodput=syncer.merged_tokens / sim_wall_s / ideal_rate if sim_wall_s > 0 else 1.0,
+            island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
+            failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
+            down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up,
+            measured_compute_s=[w.island.compute_s for w in self.workers])
+
+
+def asdict_shallow(record: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, its tensors shared (not copied, as :func:`dataclasses.asdict` does)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
+    """Run an asynchronous (decoupled) job as a discrete-event simulation in this process; return its summary.
+
+    Writes the usual run folder: metrics.jsonl, summary.json, report.png, config.json, checkpoints/ (the
+    global model and the whole simulation) and syncer/ (the syncer's state alone).
+    """
+    run = Run(config, resume)
+    sim = Simulation(config, run)
+    run.begin(restore=sim.restore)
+    sim.run_events(resumed=resume)
+    return sim.finish()

@@ -1,0 +1,164 @@
+"""``decoupled``: Decoupled DiLoCo. Islands on their own clocks push fragments to a syncer; nobody waits.
+
+Decoupled DiLoCo (arXiv:2604.21428), in the family of asynchronous local SGD (Liu et al. 2024,
+arXiv:2401.09135). Each island (a learner, :mod:`~atoll.strategies.decoupled.island`) runs inner steps at its
+own speed and, on the staggered fragment schedule, pushes a fragment's pseudo-gradient to the syncer
+(:mod:`~atoll.strategies.decoupled.syncer`), which merges a quorum of pushes (or what arrived when the grace
+window closes), token-weighted and staleness-discounted, with one outer Nesterov step per fragment, and
+answers each push with the merged fragment. The messages are typed records
+(:mod:`~atoll.strategies.decoupled.protocol`). No lockstep loop: the ``local`` runtime simulates the islands'
+clocks (:mod:`atoll.runtime.events`), the ``ray`` runtime runs them as actors (:mod:`atoll.runtime.ray`).
+
+Launch::
+
+    atoll train --strategy decoupled --islands 4 --island-speeds 1,1,0.5,0.25 --chaos 90:10
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import Field, field_validator
+
+from atoll.analysis.projection import Cost, Setting
+from atoll.config.parse import parse_chaos
+from atoll.config.section import Section
+from atoll.strategies.decoupled.syncer import Syncer
+from atoll.strategies.registry import StrategySpec, SuiteRun
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+
+
+class DecoupledSection(Section):
+    """Decoupled DiLoCo's own settings: the syncer (quorum, grace window, staleness, bounds), the islands'
+    speeds, and the simulated failures and step of the ``local`` runtime."""
+
+    quorum: int | None = Field(
+        None, ge=1,
+        description="decoupled: distinct islands whose pushes of a fragment make the syncer merge at once "
+        "(default: half the islands, rounded up); fewer are merged when the grace window closes.",
+    )
+    grace_factor: float = Field(
+        1.0, gt=0, le=100,
+        description="decoupled: the grace window, as a multiple of the median round time the islands "
+        "measured (pull to next push); a buffer short of a quorum is merged when it closes, so a dead "
+        "island delays a merge by about one round at most.",
+    )
+    max_staleness: int = Field(
+        4, ge=0,
+        description="decoupled: a push computed from a global fragment more than this many outer steps old "
+        "is dropped (bounded staleness).",
+    )
+    staleness_exponent: float = Field(
+        0.5, ge=0, le=10,
+        description="decoupled: a in the staleness discount of a push's token weight, (1 + staleness)^-a "
+        "(FedAsync, arXiv:1903.03934); 0: none.",
+    )
+    update_norm_bound: float = Field(
+        10.0, gt=1,
+        description="decoupled: the syncer rejects a push whose norm exceeds this times the running median "
+        "norm of recently accepted pushes of its fragment.",
+    )
+    scale_partial_merges: bool = Field(
+        True,
+        description="decoupled: scale a merge of n < islands distinct islands by n/islands before the outer "
+        "step (each partial merge speaks for part of the islands; unscaled, Nesterov 0.7/0.9 overshoots).",
+    )
+    island_speeds: list[float] | None = Field(
+        None,
+        description="decoupled: relative speed of each island, comma separated, one per island, each in "
+        "(0, 1] (e.g. 1,1,0.5,0.25): an island of speed s takes 1/s as long per inner step. Default: all 1.",
+    )
+    sim_step_s: float = Field(
+        0.1, gt=0,
+        description="decoupled, local runtime: simulated compute seconds of one inner step on a speed-1 "
+        "island (a fixed cost keeps the event order, hence the run, deterministic for a seed).",
+    )
+    chaos: str | None = Field(
+        None,
+        description="decoupled: inject failures, MTBF_S:DOWNTIME_S (e.g. 90:10): each island fails after "
+        "exponentially distributed up-times of mean MTBF_S (seeded per island), loses its un-pushed work, "
+        "and rejoins from the syncer's newest global parameters DOWNTIME_S later.",
+    )
+
+    @field_validator("island_speeds", mode="before")
+    @classmethod
+    def _parse_speeds(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return [float(x) for x in value.split(",")]
+            except ValueError:
+                raise ValueError(f"'{value}' is not a comma-separated list of numbers; pass e.g. "
+                                 "--island-speeds 1,1,0.5,0.25") from None
+        return value
+
+    @field_validator("chaos")
+    @classmethod
+    def _check_chaos(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_chaos(value)
+        return value
+
+
+def validate(config: TrainConfig) -> None:
+    """The quorum, the speeds and the fragment schedule fit the run; failures and speeds are simulated only.
+
+    Raises:
+        ValueError: one line naming the field and the fix.
+    """
+    if config.runtime == "ray" and (config.chaos is not None or config.island_speeds is not None):
+        name = "chaos" if config.chaos is not None else "island_speeds"
+        raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
+                         f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
+                         "or pass --runtime local")
+    if config.quorum is not None and config.quorum > config.islands:
+        raise ValueError(f"quorum: {config.quorum} exceeds islands ({config.islands}); lower --quorum")
+    if config.island_speeds is not None:
+        if len(config.island_speeds) != config.islands:
+            raise ValueError(f"island_speeds: {len(config.island_speeds)} values for {config.islands} islands; "
+                             "give one speed per island, e.g. --island-speeds 1,1,0.5,0.25")
+        bad = [s for s in config.island_speeds if not 0 < s <= 1]
+        if bad:
+            raise ValueError(f"island_speeds: {bad[0]} is outside (0, 1]; the fastest island is 1, a "
+                             "half-speed one 0.5")
+    if config.sync_every < config.fragments:
+        raise ValueError(f"sync_every ({config.sync_every}) must be at least fragments ({config.fragments}) "
+                         "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
+
+
+def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[torch.Tensor]) -> Syncer:
+    """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
+    ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer)."""
+    return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
+                  quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
+                  staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
+                  scale_partial=config.scale_partial_merges)
+
+
+def project(s: Setting) -> Cost:
+    """decoupled's cost per inner step: each island pushes its b-bit fragments to a syncer and pulls the
+    merge, never waiting for the other islands; the syncer's link is assumed not to be the bottleneck (a
+    datacenter link, or one syncer per fragment)::
+
+        bytes = N*b/8 / H;   step = max(t_c, bytes*8/B)
+    """
+    sent = s.params * s.codec_bits / 8 / s.sync_every if s.islands > 1 else 0.0
+    t = s.params * s.codec_bits / s.fragments / s.bandwidth_bps + s.latency_s if s.islands > 1 else 0.0
+    return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps), sent, t)
+
+
+SPEC = StrategySpec(
+    name="decoupled",
+    summary="fragments' pseudo-gradients pushed asynchronously to a syncer, merged at a quorum, token-weighted "
+            "(Decoupled DiLoCo, arXiv:2604.21428)",
+    section=DecoupledSection, runtimes=("local", "ray"), validate=validate, lockstep=None,
+    # the syncer steps at every partial merge, several per H: momentum 0.9 compounds them into an overshoot
+    defaults={"outer_momentum": 0.5}, project=project,
+    suite=(SuiteRun("decoupled", "decoupled H={sync_every} P={fragments} int4",
+                    {"strategy": "decoupled", "sync_every": 50, "fragments": 4, "codec": "int4"}),
+           SuiteRun("decoupled_chaos", "decoupled H={sync_every} P={fragments} int4, standard failure trace",
+                    {"strategy": "decoupled", "sync_every": 50, "fragments": 4, "codec": "int4",
+                     "standard_chaos": True})),
+)

@@ -1,0 +1,261 @@
+"""One island (a learner) of Decoupled DiLoCo: inner steps, pushes and pulls, the same under every runtime.
+
+Each island runs inner AdamW steps on its own shard at its own speed. On the staggered fragment schedule of
+Streaming DiLoCo (fragment p after ``offset_p, offset_p + H, ...`` of the island's own inner steps, where an
+island's H is proportional to its speed, :func:`local_sync_every`) it pushes that fragment's
+pseudo-gradient Δ = θ_global(v) − θ_island with its token count and the version v it started from, and
+trains on while the push travels, waits for its merge, and the merged fragment travels back; on arrival the
+merged fragment replaces the island's own, the work done meanwhile kept on top (:meth:`IslandWorker.adopt`).
+:meth:`IslandWorker.run` is that loop on a real clock (the ``ray`` runtime); the ``local`` runtime's event
+simulation (:mod:`atoll.runtime.events`) calls the same steps in simulated time.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from atoll.algorithms.fragments import fragments_due
+from atoll.algorithms.outer import pseudo_gradient
+from atoll.data import PreparedData, sample_batch
+from atoll.job.island import Island, make_island
+from atoll.strategies.base import make_wire, model_fragments
+from atoll.strategies.decoupled.protocol import Pull, Push
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+
+
+@dataclass
+class Job:
+    """What every island and the syncer of a decoupled run share: settings, data, the initial model, fragments.
+
+    Attributes:
+        index: per fragment, the int64 flat positions of its elements (the same on every island).
+        init_flat: the initial global parameters, float32 (numel,), in ``model.parameters()`` order.
+    """
+
+    config: TrainConfig
+    data: PreparedData
+    model: PreTrainedModel
+    index: list[torch.Tensor]
+    init_flat: torch.Tensor
+
+    @classmethod
+    def of(cls, config: TrainConfig, data: PreparedData, model: PreTrainedModel) -> Job:
+        """The job of a run's data and initial model (its fragments cut from the model's layers).
+
+        Raises:
+            ConfigError: the model has fewer layers than ``fragments``.
+        """
+        index = model_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], config.fragments)
+        init_flat = torch.nn.utils.parameters_to_vector([p.detach() for p in model.parameters()]).float().clone()
+        return cls(config, data, model, index, init_flat)
+
+    @classmethod
+    def prepare(cls, config: TrainConfig) -> Job:
+        """The job prepared from the settings alone (a Ray actor's: the same data and model as the driver's)."""
+        from atoll.job.run import prepare_inputs
+
+        data, model = prepare_inputs(config)
+        return cls.of(config, data, model)
+
+    @property
+    def shares(self) -> list[float]:
+        """Each fragment's share of the parameters (its numel over the model's), summing to 1."""
+        return [int(idx.numel()) / int(self.init_flat.numel()) for idx in self.index]
+
+
+def local_sync_every(config: TrainConfig) -> list[int]:
+    """Each island's H: ``sync_every`` scaled by its speed over the fastest island's, at least ``fragments``.
+
+    Dynamic Local Updates (Liu et al. 2024, arXiv:2401.09135, §4.2): an island at half speed takes half as
+    many inner steps per round, so every island pushes each fragment at about the same wall-clock cadence.
+    Without it a quarter-speed island's push arrives after four rounds of the others' commits: stale enough
+    to be discounted hard or dropped (``max_staleness``), so its compute would be wasted. Its smaller
+    contribution is weighed by its tokens in the merge.
+    """
+    fastest = max(config.speeds)
+    return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
+
+
+def expected_steps(config: TrainConfig) -> list[int]:
+    """Each island's share of the ``islands x steps`` budget, proportional to its speed (its LR schedule)."""
+    speeds = config.speeds
+    return [max(1, math.ceil(config.islands * config.steps * s / sum(speeds))) for s in speeds]
+
+
+class Transport(Protocol):
+    """How an island on a real clock reaches the syncer (:meth:`IslandWorker.run`; the ``ray`` runtime's)."""
+
+    def reserve_step(self) -> bool:
+        """Take one inner step from the run's shared budget; False once it is spent."""
+
+    def send(self, push: Push) -> None:
+        """Send a push without waiting for its answer."""
+
+    def arrived(self) -> list[Pull]:
+        """The answers (merged global fragments) that arrived since the last call, without waiting."""
+
+    def settle(self, fragment: int) -> list[Pull]:
+        """Wait until the fragment's exchange in progress (if any) has ended; return the answers it brought."""
+
+    def close(self) -> None:
+        """Wait until every push sent has reached the syncer."""
+
+
+class IslandWorker:
+    """One island of a decoupled run: inner steps, pushes and pulls.
+
+    Args:
+        index: the island's index.
+        job: the shared job (its model is copied).
+        total_steps: the island's expected inner steps (sets its learning-rate schedule).
+        device: where the island's replica and inner optimizer live (exchanged tensors are float32 on the CPU).
+
+    Attributes:
+        sync_every: the island's own H (:func:`local_sync_every`: proportional to its speed).
+        base, base_version: per fragment, the global fragment (float32, (numel_p,)) the island last pulled,
+            and its version; pseudo-gradients are taken against it.
+        at_push: per fragment, the island's own parameters when it last pushed (float32 (numel_p,); None
+            with no exchange in progress): its work since then is kept on top of the answer.
+        tokens_since: per fragment, tokens trained since its last push.
+        steps: inner steps taken (lost ones included); it also indexes the island's batches.
+        round_step: inner steps since the island last (re)joined; drives the fragment schedule.
+    """
+
+    def __init__(self, index: int, job: Job, total_steps: int, device: torch.device | str = "cpu") -> None:
+        config = job.config
+        self.config = config
+        self.index = index
+        self.job = job
+        self.island: Island = make_island(index, copy.deepcopy(job.model).to(device), config, None,
+                                          total_steps=total_steps)
+        self.fragment_index = job.index
+        self.sync_every = local_sync_every(config)[index]
+        self.wire = make_wire(config, [index])
+        self.base = [job.init_flat[idx].clone() for idx in job.index]
+        self.base_version = [0] * len(job.index)
+        self.at_push: list[torch.Tensor | None] = [None] * len(job.index)
+        self.tokens_since = [0] * len(job.index)
+        self.steps = 0
+        self.round_step = 0
+
+    @property
+    def fragments(self) -> int:
+        return len(self.fragment_index)
+
+    def run(self, transport: Transport) -> None:
+        """The island's loop on a real clock (Decoupled DiLoCo's learner), until the shared budget is spent."""
+        while transport.reserve_step():
+            self.train_step()                              # an inner step on the island's own shard
+            for pull in transport.arrived():               # merged fragments that came back meanwhile
+                self.adopt(pull)
+            for p in self.due():                           # this fragment's turn on the staggered schedule
+                for pull in transport.settle(p):           # at most one exchange per fragment in progress
+                    self.adopt(pull)
+                transport.send(self.push(p))               # and train on while it travels
+        for p in range(self.fragments):                    # the end: push what was not pushed yet
+            if self.tokens_since[p] > 0:
+                for pull in transport.settle(p):
+                    self.adopt(pull)
+                transport.send(self.push(p))
+        transport.close()
+
+    def train_step(self) -> float:
+        """One inner step on the island's next batch; returns its training loss."""
+        c = self.config
+        batch = sample_batch(self.job.data.island_tokens[self.index], c.batch_size, c.seq_len, c.seed,
+                             self.index, self.steps)
+        loss = self.island.forward_backward(batch)
+        self.island.inner_step()
+        self.steps += 1
+        self.round_step += 1
+        self.tokens_since = [t + c.tokens_per_step for t in self.tokens_since]
+        return loss
+
+    def due(self) -> list[int]:
+        """Fragments whose push is due after the step just taken (staggered schedule, own step count)."""
+        return fragments_due(self.round_step - 1, self.fragments, self.sync_every) if self.round_step else []
+
+    def push(self, p: int) -> Push:
+        """Fragment p's push: Δ = base − θ_island passed through the run's codec (encoded, then decoded in
+        float32, with the island's error feedback), the tokens since its last push, its base version and the
+        encoded payload's bytes. Remembers θ_island of the fragment for :meth:`adopt`."""
+        mine = self.island.flat_params()[self.fragment_index[p]]
+        self.at_push[p] = mine.clone()
+        delta, nbytes = self.wire.transmit(0, pseudo_gradient(self.base[p], mine), f"fragment{p}")
+        tokens, self.tokens_since[p] = self.tokens_since[p], 0
+        return Push(self.index, p, delta, tokens, self.base_version[p], int(nbytes))
+
+    def adopt(self, pull: Pull) -> None:
+        """An answer arrived: take the global fragment (float32 (numel_p,)) as the island's own.
+
+        Communication overlaps compute (as in Streaming DiLoCo's overlap, arXiv:2501.18512 §2.2, and the
+        eager outer updates of Kale et al. 2025, arXiv:2502.12996): the island went on training while its push
+        travelled to the syncer and the pulled fragment travelled back. Its progress since the push,
+        θ_now − θ_at_push, is kept on top of the global fragment: θ ← θ_global + (θ_now − θ_at_push), and the
+        base becomes θ_global at the pull's version, so the next Δ holds exactly the work done after the push
+        (nothing is counted twice, nothing is lost). With no push in progress (a final pull) the island simply
+        takes the global fragment.
+
+        The syncer answers a push with the global fragment of the merge that took it in (at the quorum or
+        when the grace window closes), so the answer holds the island's own pushed work. Answering at once
+        with the global fragment as it was would throw the island's round of work away for every push that
+        waits for a quorum; keeping its own parameters instead would leave its base version behind, so that
+        its next push counted as staler than it is.
+        """
+        p = pull.fragment
+        own = self.island.flat_params()
+        mine = own[self.fragment_index[p]]
+        at_push = self.at_push[p]
+        at_push = mine if at_push is None else at_push
+        own[self.fragment_index[p]] = pull.params + (mine - at_push)
+        self.island.set_flat_params(own)
+        self.base[p] = pull.params.clone()
+        self.base_version[p] = pull.version
+        self.at_push[p] = None
+
+    def lose_work(self) -> float:
+        """A failure: forget what was not pushed; return those tokens (scaled by each fragment's share)."""
+        lost = sum(t * share for t, share in zip(self.tokens_since, self.job.shares, strict=True))
+        self.tokens_since = [0] * self.fragments
+        return lost
+
+    def rejoin(self, global_flat: torch.Tensor, versions: list[int]) -> None:
+        """Restart from the syncer's newest global parameters with a fresh inner optimizer state."""
+        self.island.set_flat_params(global_flat)
+        self.base = [global_flat[idx].clone() for idx in self.fragment_index]
+        self.base_version = list(versions)
+        self.at_push = [None] * self.fragments
+        self.island.optimizer.state.clear()
+        self.island.optimizer.zero_grad(set_to_none=True)
+        self.tokens_since = [0] * self.fragments
+        self.round_step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The island (weights, inner optimizer, schedule) and its exchange state, for checkpoints."""
+        return {"island": self.island.state_dict(), "base": [b.clone() for b in self.base],
+                "base_version": list(self.base_version), "tokens_since": list(self.tokens_since),
+                "at_push": [None if t is None else t.clone() for t in self.at_push],
+                "steps": self.steps, "round_step": self.round_step, "wire": self.wire.island_state(0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.island.load_state_dict(state["island"])
+        self.base = [b.clone() for b in state["base"]]
+        self.base_version = [int(v) for v in state["base_version"]]
+        self.tokens_since = [int(t) for t in state["tokens_since"]]
+        self.at_push = [None if t is None else t.clone() for t in state["at_push"]]
+        self.steps, self.round_step = int(state["steps"]), int(state["round_step"])
+        self.wire.load_island_state(0, state["wire"])
+
+
+def save_path(out: Path) -> Path:
+    """Where a decoupled run's syncer saves its state alone: ``<out>/syncer``."""
+    return Path(out) / "syncer"

@@ -1,0 +1,63 @@
+"""What islands and the syncer of Decoupled DiLoCo say to each other: typed records, the same in every runtime.
+
+An island *pushes* one fragment's pseudo-gradient (:class:`Push`) and is answered with the merged global
+fragment (:class:`Pull`) once its push was merged, or at once if it was refused; the syncer reports what it
+did with each push (:class:`PushResult`). Tensors are float32 on the CPU; token counts are tokens trained;
+versions count the outer steps committed to a fragment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Push:
+    """One fragment's pseudo-gradient from one island.
+
+    Attributes:
+        island: the pushing island, 0-based.
+        fragment: the fragment, 0-based.
+        delta: Δ = θ_global(base_version) − θ_island for the fragment, as the syncer receives it (decoded
+            from the wire), float32 of shape (numel_p,).
+        tokens: training tokens behind Δ (its merge weight before the staleness discount).
+        base_version: the version of the global fragment the island started from.
+        nbytes: bytes the push occupied on the wire (the encoded payload).
+        round_s: seconds from the island's last pull of the fragment to this push, on the island's clock
+            (its measured round time, for the grace window); None: not measured.
+    """
+
+    island: int
+    fragment: int
+    delta: torch.Tensor
+    tokens: int
+    base_version: int
+    nbytes: int = 0
+    round_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A global fragment sent to an island: float32 parameters (numel_p,) at ``version``."""
+
+    fragment: int
+    params: torch.Tensor
+    version: int
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What the syncer did with one push.
+
+    Attributes:
+        accepted: the push entered the fragment's buffer (it may still be dropped as too stale later).
+        reason: why it was rejected ("" when accepted): ``island``, ``fragment``, ``type``, ``dtype``,
+            ``shape``, ``non_finite``, ``tokens``, ``version``, ``norm`` or ``stale``.
+        committed: versions of the fragment committed by this push (0 or 1 outer steps).
+    """
+
+    accepted: bool
+    reason: str = ""
+    committed: int = 0
