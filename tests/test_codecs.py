@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from atoll.algorithms.codecs import CODEC_NAMES, Codec, make_codec
+from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.codecs import CODEC_NAMES, make_codec
 from atoll.algorithms.merge import average_encoded
 from atoll.algorithms.wire import ErrorFeedback
 
@@ -230,7 +231,7 @@ def _all_finite_values(dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_stochastic_float_lands_on_a_neighbour(dtype: torch.dtype) -> None:
-    from atoll.algorithms.codecs import _round_float
+    from atoll.algorithms.quantize import _round_float
 
     grid = _all_finite_values(dtype)
     g = torch.Generator().manual_seed(0)

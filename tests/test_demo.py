@@ -1,4 +1,4 @@
-"""Tests for the DeMo optimizer and its tiled DCT (atoll/algorithms/demo.py)."""
+"""Tests for DeMo (atoll/algorithms/demo.py), its tiled DCT (dct.py) and its payload (demo_payload.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from atoll.algorithms.demo import (
-    ChunkedDCT,
-    DeMo,
-    DemoPayload,
-    dct_basis,
-    index_dtype_for,
-    largest_divisor_at_most,
-    pack_ternary,
-    payload_bytes,
-    unpack_ternary,
-)
+from atoll.algorithms.dct import ChunkedDCT, dct_basis, index_dtype_for, largest_divisor_at_most
+from atoll.algorithms.demo import DeMo
+from atoll.algorithms.demo_payload import DemoPayload, pack_ternary, payload_bytes, unpack_ternary
 from atoll.config import build_config
 from atoll.train import train
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from atoll.algorithms.codecs import Codec
+from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.wire import ErrorFeedback
 
 __all__ = ["average_decoded", "average_encoded", "weighted_mean"]

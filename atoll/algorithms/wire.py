@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.codecs import Codec, Encoded, make_codec
+from atoll.algorithms.codec_base import Codec, Encoded
+from atoll.algorithms.codecs import make_codec
 
 __all__ = ["ErrorFeedback", "Wire"]
 

@@ -6,8 +6,8 @@ only its fast-moving components (top-k per DCT chunk); every island decodes all 
 the same order, averages them and applies the sign. All islands apply the same update and stay identical,
 so the inner optimizer *is* the exchange: no outer step. The per-step payload is ``n`` indices (int16
 for a 64 x 64 tile) plus ``ceil(n / 4)`` bytes of 2-bit signs per tensor (``n = chunks x k``; ``4n``
-bytes of float32 values with ``--no-demo-sign-values``; see :func:`atoll.algorithms.demo.payload_bytes`),
-instead of ddp's 4 bytes per parameter.
+bytes of float32 values with ``--no-demo-sign-values``; see
+:func:`atoll.algorithms.demo_payload.payload_bytes`), instead of ddp's 4 bytes per parameter.
 """
 
 from __future__ import annotations
