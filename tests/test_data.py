@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import atoll.data as data_mod
+import atoll.data.sources as sources_mod
 from atoll.data import (
     Document,
     corpus_fingerprint,
@@ -208,7 +209,9 @@ def test_directory_loading_is_recursive_and_sorted(tmp_path: Path) -> None:
 
 
 def test_hf_offline_is_a_fast_one_line_data_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data_mod, "_hub_unreachable_reason", lambda: "cannot reach huggingface.co:443: test")
+    monkeypatch.setattr(
+        sources_mod, "_hub_unreachable_reason", lambda: "cannot reach huggingface.co:443: test"
+    )
     for spec in ("hf:roneneldan/TinyStories", "hf:wikitext:wikitext-2-raw-v1", "owner/name"):
         with pytest.raises(DataError) as info:
             load_documents(spec)
@@ -226,7 +229,7 @@ def test_hf_load_failure_becomes_data_error(monkeypatch: pytest.MonkeyPatch) -> 
         calls.append((name, config, split))
         raise ConnectionError("Couldn't reach 'x/y' on the Hub\n(LocalEntryNotFoundError)")
 
-    monkeypatch.setattr(data_mod, "_hub_unreachable_reason", lambda: None)
+    monkeypatch.setattr(sources_mod, "_hub_unreachable_reason", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(
         DataError, match=r"^data: cannot load Hugging Face dataset 'x/y' .*Couldn't reach"

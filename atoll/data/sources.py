@@ -1,0 +1,404 @@
+"""Corpus sources: read documents and hold out a validation split.
+
+The default corpus needs no download: the running interpreter's standard library source (without its tests)
+plus the ``pydoc_data`` topics, about 11 MB of text. Users can point at their own ``.txt`` / ``.jsonl`` /
+``.parquet`` files (or a directory of them), or at a Hugging Face dataset when online.
+
+1. ``load_documents``: read the corpus into ``Document`` s (text, source, doc_id).
+2. ``split_documents``: hold out validation documents by a sha256 of their ``doc_id``, so the split is
+   the same on every machine and in every run (Python's ``hash`` is salted per process; we avoid it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from atoll.errors import DataError
+
+# A .txt file that is one huge document is cut into pieces of about this many characters.
+TXT_CHUNK_CHARS = 20_000
+# Standard library modules longer than this are cut into pieces (before a top-level statement if possible).
+STDLIB_CHUNK_CHARS = 16_000
+SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+_STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
+# pydoc_data/topics.py holds the same text as the pydoc topics, which are added one document per topic.
+_STDLIB_SKIP_FILES = frozenset({"pydoc_data/topics.py"})
+_HF_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Two or more blank lines (blank = only spaces or tabs) separate documents in a .txt file.
+_TXT_DOC_SEP_RE = re.compile(r"\n(?:[ \t]*\n){2,}")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of the corpus.
+
+    Attributes:
+        text: the document's text (never empty or only whitespace).
+        source: grouping key for the non-iid partition. stdlib: the top-level module or package name
+            (``"email"``, ``"os"``) or ``"pydoc_topics"``; .txt/.parquet: the file name (relative to the
+            directory when a directory was given); .jsonl: the object's ``"source"`` field if it is a
+            string, else the file name; Hugging Face: the dataset name.
+        doc_id: stable unique id: a relative path, or ``"<path>#<piece>"`` for a long module cut into pieces
+            (stdlib), ``"pydoc_topics:<topic>"``, ``"<file>:<line>"`` (.jsonl), ``"<file>:<row>"`` (.parquet),
+            ``"<file>#<index>"`` (.txt), ``"<dataset>:<row>"`` (Hugging Face).
+    """
+
+    text: str
+    source: str
+    doc_id: str
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading documents
+
+
+def load_documents(spec: str, text_field: str = "text") -> list[Document]:
+    """Read a corpus into documents.
+
+    Args:
+        spec: where the text is:
+            ``"stdlib"``: the running interpreter's standard library ``*.py`` files (tests excluded; a
+            module longer than 16,000 characters is cut into pieces, preferably before a top-level
+            statement) plus one document per ``pydoc_data.topics`` entry, about 11 MB, ~1,100 documents;
+            an existing path: a ``.txt`` file (documents separated by two or more blank lines; a single
+            document longer than 20,000 characters is cut at line boundaries into ~20,000-character pieces),
+            a ``.jsonl`` file (one JSON object per line), a ``.parquet`` file, or a directory searched
+            recursively for those three kinds;
+            ``"hf:NAME"`` / ``"hf:NAME:CONFIG"`` / ``"owner/name"`` (not an existing path): the ``train``
+            split of a Hugging Face dataset (needs the network or a cached copy with ``HF_HUB_OFFLINE=1``).
+        text_field: the JSON field / Parquet column / dataset column that holds the text.
+
+    Returns:
+        The non-empty documents in a deterministic order (sorted by file, then position in the file).
+
+    Raises:
+        DataError: the path does not exist, has an unsupported extension, a JSON line is invalid or lacks
+            ``text_field``, the Hugging Face dataset cannot be loaded, or the corpus has no non-empty text.
+    """
+    if spec == "stdlib":
+        docs = _load_stdlib()
+    elif spec.startswith("hf:"):
+        name, _, config = spec[3:].partition(":")
+        if not name:
+            raise DataError(f"data: '{spec}' names no dataset; use hf:NAME or hf:NAME:CONFIG")
+        docs = _load_hf(name, config or None, text_field, spec)
+    else:
+        path = Path(spec).expanduser()
+        if path.exists():
+            docs = _load_path(path, text_field)
+        elif _HF_REPO_RE.match(spec) and not spec.endswith(SUPPORTED_SUFFIXES):
+            docs = _load_hf(spec, None, text_field, spec, not_a_path=True)
+        elif "/" in spec or os.sep in spec or spec.endswith(SUPPORTED_SUFFIXES):
+            raise DataError(
+                f"data: path '{spec}' does not exist; pass an existing .txt/.jsonl/.parquet file or directory, "
+                "or 'stdlib'"
+            )
+        else:
+            raise DataError(
+                f"data: unknown data source '{spec}'; pass 'stdlib', an existing .txt/.jsonl/.parquet file or "
+                "directory, or hf:NAME for a Hugging Face dataset"
+            )
+    if not docs:
+        raise DataError(f"data: '{spec}' contains no non-empty documents; pass a corpus with some text")
+    return docs
+
+
+def _load_stdlib() -> list[Document]:
+    """The standard library's source files (no tests) and the pydoc topics, sorted by doc_id per kind."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataError(
+            f"data: the standard library source is not at '{root}' in this Python; "
+            "pass a .txt/.jsonl/.parquet path instead of 'stdlib'"
+        )
+    rel_paths: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("."))
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith("test_"):
+                rel = (rel_dir / name).as_posix()
+                if rel not in _STDLIB_SKIP_FILES:
+                    rel_paths.append(rel)
+    docs = []
+    for rel in sorted(rel_paths):
+        text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            continue
+        source = rel.split("/", 1)[0].removesuffix(".py")
+        if len(text) <= STDLIB_CHUNK_CHARS:
+            docs.append(Document(text=text, source=source, doc_id=rel))
+            continue
+        # Long modules become several documents: a finer validation split and better balanced shards.
+        pieces = [p for p in _chunk_lines(text, STDLIB_CHUNK_CHARS, _is_top_level_statement) if p.strip()]
+        docs.extend(Document(text=p, source=source, doc_id=f"{rel}#{i}") for i, p in enumerate(pieces))
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip pydoc_data; the source files are plenty
+        topics = {}
+    for key in sorted(topics):
+        text = topics[key]
+        if isinstance(text, str) and text.strip():
+            docs.append(Document(text=text, source="pydoc_topics", doc_id=f"pydoc_topics:{key}"))
+    return docs
+
+
+def _load_path(path: Path, text_field: str) -> list[Document]:
+    """Documents from an existing file or directory (recursively every .txt/.jsonl/.parquet, sorted)."""
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED_SUFFIXES),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        if not files:
+            raise DataError(
+                f"data: directory '{path}' has no .txt/.jsonl/.parquet files; add some or pass another path"
+            )
+        docs: list[Document] = []
+        for file in files:
+            docs.extend(_load_file(file, file.relative_to(path).as_posix(), text_field))
+        return docs
+    return _load_file(path, path.name, text_field)
+
+
+def _load_file(path: Path, name: str, text_field: str) -> list[Document]:
+    """Documents from one file; ``name`` is its display name, used for ``source`` and ``doc_id``."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".txt":
+            return _load_txt(path, name)
+        if suffix == ".jsonl":
+            return _load_jsonl(path, name, text_field)
+        if suffix == ".parquet":
+            return _load_parquet(path, name, text_field)
+    except OSError as exc:
+        raise DataError(
+            f"data: cannot read '{path}' ({_one_line(exc)}); check the file and its permissions"
+        ) from exc
+    raise DataError(
+        f"data: unsupported file type '{path.suffix or '(none)'}' for '{path}'; pass a .txt, .jsonl or .parquet "
+        "file or a directory of them"
+    )
+
+
+def _load_txt(path: Path, name: str) -> list[Document]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    pieces = [p.strip("\n") for p in _TXT_DOC_SEP_RE.split(text)]
+    pieces = [p for p in pieces if p.strip()]
+    if len(pieces) == 1 and len(pieces[0]) > TXT_CHUNK_CHARS:
+        pieces = [p for p in _chunk_lines(pieces[0], TXT_CHUNK_CHARS) if p.strip()]
+    return [Document(text=p, source=name, doc_id=f"{name}#{i}") for i, p in enumerate(pieces)]
+
+
+def _chunk_lines(text: str, max_chars: int, prefer: Callable[[str], bool] | None = None) -> Iterator[str]:
+    """Cut text at line boundaries into pieces of about ``max_chars`` (a longer single line stays whole).
+
+    With ``prefer``, a piece that has reached ``max_chars`` ends before the next line for which
+    ``prefer(line)`` is true (for code: a top-level statement), or at 1.5 x ``max_chars`` at the latest.
+    """
+    piece: list[str] = []
+    size = 0
+    for line in text.splitlines(keepends=True):
+        new_size = size + len(line)
+        if piece and new_size > max_chars and (prefer is None or prefer(line) or new_size > 1.5 * max_chars):
+            yield "".join(piece)
+            piece, size = [], 0
+        piece.append(line)
+        size += len(line)
+    if piece:
+        yield "".join(piece)
+
+
+def _is_top_level_statement(line: str) -> bool:
+    """True for a line of Python source that starts a statement at column 0 (not a comment or a bracket)."""
+    return line[:1] not in ("", " ", "\t", "\n", "\r", "#", ")", "]", "}")
+
+
+def _load_jsonl(path: Path, name: str, text_field: str) -> list[Document]:
+    docs = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"data: '{path}' line {lineno} is not valid JSON ({exc.msg}); write one JSON object per line"
+                ) from exc
+            if not isinstance(obj, dict) or text_field not in obj:
+                raise DataError(
+                    f"data: '{path}' line {lineno} has no field '{text_field}'; set text_field to the field "
+                    "that holds the text"
+                )
+            text = obj[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(
+                    f"data: '{path}' line {lineno} field '{text_field}' is {type(text).__name__}, not a string; "
+                    "set text_field to a text field"
+                )
+            source = obj.get("source")
+            if text.strip():
+                docs.append(
+                    Document(
+                        text=text,
+                        source=source if isinstance(source, str) else name,
+                        doc_id=f"{name}:{lineno}",
+                    )
+                )
+    return docs
+
+
+def _load_parquet(path: Path, name: str, text_field: str) -> list[Document]:
+    import pyarrow.parquet as pq
+
+    try:
+        schema_names = pq.read_schema(path).names
+    except Exception as exc:  # pyarrow raises ArrowInvalid and friends for a file that is not parquet
+        raise DataError(
+            f"data: '{path}' is not a readable Parquet file ({_one_line(exc)}); check the file"
+        ) from exc
+    if text_field not in schema_names:
+        raise DataError(
+            f"data: '{path}' has no column '{text_field}' (columns: {', '.join(schema_names[:10])}); set text_field "
+            "to the column that holds the text"
+        )
+    columns = [text_field] + (["source"] if "source" in schema_names and text_field != "source" else [])
+    table = pq.read_table(path, columns=columns)
+    texts = table.column(text_field).to_pylist()
+    sources = table.column("source").to_pylist() if "source" in columns else [None] * len(texts)
+    docs = []
+    for row, (text, source) in enumerate(zip(texts, sources, strict=True)):
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise DataError(
+                f"data: '{path}' column '{text_field}' holds {type(text).__name__}, not strings; set text_field "
+                "to a text column"
+            )
+        if text.strip():
+            docs.append(
+                Document(
+                    text=text, source=source if isinstance(source, str) else name, doc_id=f"{name}:{row}"
+                )
+            )
+    return docs
+
+
+def _load_hf(
+    name: str, config: str | None, text_field: str, spec: str, not_a_path: bool = False
+) -> list[Document]:
+    """The ``train`` split of a Hugging Face dataset, failing fast (no 20 s of retries) when offline."""
+    head = (
+        f"data: '{spec}' is not an existing path and cannot be loaded as a Hugging Face dataset"
+        if not_a_path
+        else f"data: cannot load Hugging Face dataset '{name}'"
+    )
+    fix = "pass a local .txt/.jsonl/.parquet path or --data stdlib"
+    reason = _hub_unreachable_reason()
+    if reason is not None:
+        raise DataError(f"{head} (offline or not found: {reason}); {fix}")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split="train")
+    except Exception as exc:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError...)
+        raise DataError(f"{head} (offline or not found: {_one_line(exc)}); {fix}") from exc
+    if text_field not in ds.column_names:
+        raise DataError(
+            f"data: Hugging Face dataset '{name}' has no column '{text_field}' (columns: "
+            f"{', '.join(ds.column_names[:10])}); set text_field to the column that holds the text"
+        )
+    docs = []
+    for row, text in enumerate(ds[text_field]):
+        if isinstance(text, str) and text.strip():
+            docs.append(Document(text=text, source=name, doc_id=f"{name}:{row}"))
+    return docs
+
+
+def _hub_unreachable_reason(timeout_s: float = 3.0) -> str | None:
+    """Why the Hub cannot be reached, or None when it can (or when we cannot tell: offline mode, a proxy).
+
+    ``datasets`` retries a failed HEAD request five times with backoff (about 23 s); a TCP probe with a
+    short timeout turns "no network" into an immediate, clear error instead.
+    """
+    env = os.environ
+    if env.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None  # datasets will use its local cache; let it report a miss itself
+    if any(
+        env.get(k)
+        for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    ):
+        return None  # a direct probe says nothing about the proxy's reachability
+    endpoint = env.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"cannot reach {host}:{port}: {_one_line(exc)}"
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one short line for an error message."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Split
+
+
+def _doc_hash_unit(doc_id: str) -> float:
+    """A deterministic number in [0, 1) from sha256(doc_id): the same in every process and on every machine."""
+    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def split_documents(
+    docs: list[Document], val_fraction: float = 0.05
+) -> tuple[list[Document], list[Document]]:
+    """Hold out validation documents, chosen by a sha256 of each ``doc_id``.
+
+    A document goes to validation when ``sha256(doc_id)`` maps below ``val_fraction``, so the split does not
+    depend on the order of ``docs`` nor on which other documents exist. With two or more documents each side
+    gets at least one (the lowest-hash document is moved to validation, or the highest to training).
+
+    Args:
+        docs: the corpus; ``doc_id`` values should be unique.
+        val_fraction: expected fraction of documents held out, in (0, 1).
+
+    Returns:
+        ``(train_docs, val_docs)``, disjoint, each in the input order. With one document: ``([doc], [])``.
+
+    Raises:
+        DataError: ``val_fraction`` is not in (0, 1).
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction: {val_fraction} is not between 0 and 1 (exclusive); use e.g. 0.05")
+    units = [_doc_hash_unit(d.doc_id) for d in docs]
+    is_val = [u < val_fraction for u in units]
+    if len(docs) == 1:
+        is_val = [False]  # one document cannot be split; it trains
+    elif docs:
+        if not any(is_val):
+            is_val[min(range(len(docs)), key=units.__getitem__)] = True
+        elif all(is_val):
+            is_val[max(range(len(docs)), key=units.__getitem__)] = False
+    train = [d for d, v in zip(docs, is_val, strict=True) if not v]
+    val = [d for d, v in zip(docs, is_val, strict=True) if v]
+    return train, val
