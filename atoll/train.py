@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from atoll.config import TrainConfig
-from atoll.data import sample_batch
+from atoll.job.data import sample_batch
 from atoll.job.island import make_island
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run

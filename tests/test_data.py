@@ -1,4 +1,4 @@
-"""Tests for atoll.data: loaders, split, tokenizer cache, shards, batches. CPU only, small corpora, fast."""
+"""Tests for atoll.job.data: loaders, split, tokenizer cache, shards, batches. CPU only, small corpora, fast."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import atoll.data as data_mod
-import atoll.data.sources as sources_mod
-from atoll.data import (
+import atoll.job.data as data_mod
+import atoll.job.data.sources as sources_mod
+from atoll.errors import DataError
+from atoll.job.data import (
     Document,
     corpus_fingerprint,
     default_cache_dir,
@@ -25,7 +26,6 @@ from atoll.data import (
     sample_batch,
     split_documents,
 )
-from atoll.errors import DataError
 
 WORDS = (
     "the",

@@ -390,8 +390,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         print(f"atoll: error: {problem}", file=sys.stderr)
         return 2
     from atoll.config import build_config
-    from atoll.data import default_cache_dir, prepare_data
     from atoll.errors import AtollError
+    from atoll.job.data import default_cache_dir, prepare_data
 
     try:  # validate the settings and prepare the data once (the ranks then read the cache)
         config = build_config(overrides={**_settings(args, "diloco", args.sync_every[0]), "runtime": "collective"})

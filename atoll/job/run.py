@@ -28,9 +28,9 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
-from atoll.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
+from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.metrics import MetricsLog, NullLog, write_summary
 from atoll.job.model import build_model, count_parameters, param_bytes

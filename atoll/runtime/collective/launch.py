@@ -54,7 +54,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     import json
     import multiprocessing
 
-    from atoll.data import default_cache_dir, prepare_data
+    from atoll.job.data import default_cache_dir, prepare_data
 
     out = Path(config.out) if resume else new_run_dir(config.out, config.strategy)  # type: ignore[arg-type]
     config = config.model_copy(update={"out": out})

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import pseudo_gradient
-from atoll.data import PreparedData, sample_batch
+from atoll.job.data import PreparedData, sample_batch
 from atoll.job.island import Island, make_island
 from atoll.strategies.base import make_wire, model_fragments
 from atoll.strategies.decoupled.protocol import Pull, Push

@@ -11,7 +11,7 @@
 
 What preparing the default corpus costs: README, Data. ::
 
-    from atoll.data import prepare_data, sample_batch, eval_batches, default_cache_dir
+    from atoll.job.data import prepare_data, sample_batch, eval_batches, default_cache_dir
 
     data = prepare_data("stdlib", num_islands=4, vocab_size=4096, seed=0, cache_dir=default_cache_dir())
     batch = sample_batch(data.island_tokens[0], batch_size=8, seq_len=256, seed=0, island=0, step=0)
@@ -19,8 +19,8 @@ What preparing the default corpus costs: README, Data. ::
     val = eval_batches(data.val_tokens, batch_size=8, seq_len=256, max_batches=4)
 """
 
-from atoll.data.batches import eval_batches, sample_batch
-from atoll.data.shards import (
+from atoll.job.data.batches import eval_batches, sample_batch
+from atoll.job.data.shards import (
     ENCODE_CHUNK_DOCS,
     MIN_ISLAND_TOKENS,
     TOKENS_FORMAT,
@@ -28,7 +28,7 @@ from atoll.data.shards import (
     corpus_fingerprint,
     prepare_data,
 )
-from atoll.data.sources import (
+from atoll.job.data.sources import (
     STDLIB_CHUNK_CHARS,
     SUPPORTED_SUFFIXES,
     TXT_CHUNK_CHARS,
@@ -36,7 +36,7 @@ from atoll.data.sources import (
     load_documents,
     split_documents,
 )
-from atoll.data.tokenizer import EOS_TOKEN, TOKENIZER_FORMAT, default_cache_dir, load_or_train_tokenizer
+from atoll.job.data.tokenizer import EOS_TOKEN, TOKENIZER_FORMAT, default_cache_dir, load_or_train_tokenizer
 
 __all__ = [
     "ENCODE_CHUNK_DOCS",

@@ -1,7 +1,7 @@
 """Token shards: every document encoded to token ids (cached), training documents dealt to islands.
 
-``prepare_data`` runs the whole pipeline: ``load_documents`` and ``split_documents`` (``atoll.data.sources``),
-``load_or_train_tokenizer`` (``atoll.data.tokenizer``), then
+``prepare_data`` runs the whole pipeline: ``load_documents`` and ``split_documents`` (``atoll.job.data.sources``),
+``load_or_train_tokenizer`` (``atoll.job.data.tokenizer``), then
 
 1. tokenize every document with ``encode_batch_fast`` and cache the ids under a key of the corpus
    fingerprint and the tokenizer, or load them;
@@ -25,9 +25,9 @@ from typing import Literal
 import numpy as np
 import tokenizers
 
-from atoll.data.sources import Document, _one_line, load_documents, split_documents
-from atoll.data.tokenizer import EOS_TOKEN, _atomic_write, load_or_train_tokenizer
 from atoll.errors import DataError
+from atoll.job.data.sources import Document, _one_line, load_documents, split_documents
+from atoll.job.data.tokenizer import EOS_TOKEN, _atomic_write, load_or_train_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from atoll.data.sources import Document, _one_line
 from atoll.errors import DataError
+from atoll.job.data.sources import Document, _one_line
 
 log = logging.getLogger(__name__)
 
