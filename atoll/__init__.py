@@ -4,16 +4,24 @@
     summary = train(TrainConfig(strategy="diloco", islands=4, sync_every=50, steps=600))
 """
 
-from atoll.config import TrainConfig, build_config
+from typing import Any
+
 from atoll.errors import AtollError, CheckpointError, ConfigError, DataError
 
+__all__ = ["TrainConfig", "build_config", "train", "AtollError", "ConfigError", "DataError", "CheckpointError"]
+__version__ = "0.1.0"
 
-def train(config: TrainConfig, resume: bool = False) -> dict:
+
+def train(config: Any, resume: bool = False) -> dict:
     """Run one training job; see :func:`atoll.train.train`."""
     from atoll.train import train as _train
 
     return _train(config, resume=resume)
 
 
-__all__ = ["TrainConfig", "build_config", "train", "AtollError", "ConfigError", "DataError", "CheckpointError"]
-__version__ = "0.1.0"
+def __getattr__(name: str) -> Any:  # the config is assembled from every strategy (and imports torch): on use
+    if name in ("TrainConfig", "build_config"):
+        import atoll.config
+
+        return getattr(atoll.config, name)
+    raise AttributeError(f"module 'atoll' has no attribute {name!r}")

@@ -25,7 +25,6 @@ import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
-from atoll.config import TrainConfig, build_config, load_run_config
 from atoll.errors import AtollError, RunFailed
 
 
@@ -47,12 +46,17 @@ def _metavar(annotation: Any) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--flag`` per :class:`TrainConfig` field, documented from the field's description."""
+    """Add one ``--flag`` per :class:`TrainConfig` field, documented from the field's description, with the
+    strategies' own defaults for it (their specs' ``defaults``)."""
+    from atoll.config import TrainConfig
+    from atoll.strategies.registry import specs
+
     group = parser.add_argument_group("run settings (each also a key of the TOML file)")
     for name, field in TrainConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = field.default
-        help_text = f"{field.description} [default: {default}]"
+        own = "; ".join(f"{s.name}: {s.defaults[name]}" for s in specs() if name in s.defaults)
+        help_text = f"{field.description} [default: {default}{'; ' + own if own else ''}]"
         if field.annotation is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
@@ -61,7 +65,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
+    """The ``atoll`` command's parser; ``train_flags=False`` leaves out the run settings of ``atoll train``
+    (they need the whole config, and with it every strategy and torch: other commands start faster)."""
     parser = _Parser(prog="atoll", description="Train language models across islands of compute joined by slow links.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -71,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                          help="continue the run in RUN_DIR from its latest checkpoint (flags given override "
                          "its saved settings, e.g. --steps to train longer)")
-    add_config_flags(p_train)
+    if train_flags:
+        add_config_flags(p_train)
 
     p_report = sub.add_parser("report", help="plot eval loss of one or several runs side by side")
     p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -104,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from atoll.config import TrainConfig, build_config, load_run_config
+
     overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
     if args.resume is not None:
         if args.config is not None:
@@ -163,7 +172,8 @@ def _cmd_project(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(train_flags="train" in words[:1] or not words).parse_args(argv)
     try:
         if args.command == "train":
             return _cmd_train(args)

@@ -94,9 +94,10 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     """The loop of a lockstep strategy: every island's forward and backward pass, then the strategy's step."""
     run = Run(config, resume, is_main=runtime.is_main)
     runtime.start()
-    islands = [make_island(i, copy.deepcopy(run.model).to(runtime.device), config, runtime.clock)
-               for i in runtime.local_islands]
-    strategy = spec(config.strategy).lockstep(config, islands, runtime.comm)  # type: ignore[misc]
+    own = spec(config.strategy)
+    islands = [make_island(i, copy.deepcopy(run.model).to(runtime.device), config, runtime.clock,
+                           optimizer=own.inner_optimizer) for i in runtime.local_islands]
+    strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 

@@ -1,13 +1,26 @@
-"""Shared fixtures: a small real-text corpus, a fast config, and a CLI runner with a timeout."""
+"""Shared fixtures: a small real-text corpus, a fast config, and the ``atoll`` command run in this process
+(:func:`run_cli`) or in a subprocess with a timeout (:func:`run_atoll`, for what needs a process of its own).
+
+Tests marked ``slow`` train models, start processes or run benchmarks; ``python -m pytest -m "not slow"`` is
+the fast tier (under a minute), ``python -m pytest`` runs everything.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+# one thread: tiny models gain nothing from more, and two OpenMP pools spinning on a busy 2-core machine (the
+# tests beside other jobs) slow every step many-fold
+torch.set_num_threads(1)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -36,6 +49,20 @@ def fast_config(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> dict:
         "eval_batches": 2, "checkpoint_every": 10, "progress": False, "out": str(tmp_path / "run"),
         "threads": 1,
     }
+
+
+def run_cli(*args: str) -> SimpleNamespace:
+    """Run ``atoll ARGS`` in this process: its exit status and what it printed (``returncode``, ``stdout``,
+    ``stderr``, as :func:`run_atoll`). For commands that fail fast (bad input): a valid ``train`` would train."""
+    from atoll.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own errors
+            code = e.code if isinstance(e.code, int) else 1
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def run_atoll(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -42,6 +42,7 @@ def test_cross_field_error_names_the_field() -> None:
         build_config(overrides={"strategy": "streaming", "fragments": 4, "sync_every": 2})
 
 
+@pytest.mark.slow
 def test_report_draws_several_runs(fast_config: dict, tmp_path: Path) -> None:
     from atoll.train import train
 

@@ -24,6 +24,8 @@ from atoll.job.metrics import read_metrics
 from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
 from atoll.train import train
 
+pytestmark = pytest.mark.slow  # real processes (and Ray) in every test
+
 STEPS = 12
 
 

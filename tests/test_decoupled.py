@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_atoll
+from conftest import run_cli
 
 from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 from atoll.config import build_config
@@ -55,6 +55,7 @@ def test_synchronous_accounting_under_the_same_trace() -> None:
     assert hopeless["gave_up"] and hopeless["wall_s"] >= 100 * 11 and hopeless["goodput"] < 0.05
 
 
+@pytest.mark.slow
 def test_decoupled_run_with_chaos_finishes_and_every_island_rejoins(fast_config: dict) -> None:
     summary = train(build_config(overrides=_decoupled(fast_config, chaos="0.6:0.2", sim_step_s=0.1)))
     saved = json.loads((Path(fast_config["out"]) / "summary.json").read_text())
@@ -76,6 +77,7 @@ def test_decoupled_run_with_chaos_finishes_and_every_island_rejoins(fast_config:
     assert (Path(fast_config["out"]) / "syncer" / "checkpoints" / "latest").is_file()
 
 
+@pytest.mark.slow
 def test_decoupled_is_deterministic_for_a_seed(fast_config: dict, tmp_path: Path) -> None:
     runs = [train(build_config(overrides=_decoupled(fast_config, chaos="0.6:0.2", out=str(tmp_path / f"r{k}"))))
             for k in range(2)]
@@ -84,6 +86,7 @@ def test_decoupled_is_deterministic_for_a_seed(fast_config: dict, tmp_path: Path
         assert runs[0][key] == runs[1][key], key
 
 
+@pytest.mark.slow
 def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     summary = train(build_config(overrides=_decoupled(fast_config, island_speeds="1,1,0.5,0.25", steps=22)))
     steps = summary["steps_per_island"]
@@ -122,7 +125,7 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     (["--ray-island-resources", "eu=1"], "ray_island_resources: only the ray runtime uses it"),
 ])
 def test_bad_decoupled_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
-    r = run_atoll("train", "--strategy", "decoupled", "--islands", "4", *flags, timeout=120)
+    r = run_cli("train", "--strategy", "decoupled", "--islands", "4", *flags)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
 
@@ -152,6 +155,7 @@ def test_ray_island_resources_one_entry_or_one_per_island() -> None:
     assert island_resources(build_config(overrides=base)) == [{}, {}, {}]
 
 
+@pytest.mark.slow
 def test_failures_faster_than_a_step_stop_with_a_warning(fast_config: dict, capsys) -> None:
     # a rejoin plus one step needs more up-time than an MTBF of 0.01 s almost ever gives: without a bound
     # the event loop would fail and rejoin for ever
@@ -167,6 +171,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch) -> None:
     import atoll.job.run as run_mod
     from atoll.config import load_run_config
@@ -199,12 +204,14 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
     assert sum(longer["steps_per_island"]) == 4 * 20
 
 
+@pytest.mark.slow
 def test_ray_decoupled_resume_is_refused(fast_config: dict) -> None:
     config = build_config(overrides=_decoupled(fast_config, runtime="ray"))
     with pytest.raises(ConfigError, match="resume: a decoupled run on Ray cannot be resumed"):
         train(config, resume=True)
 
 
+@pytest.mark.slow
 def test_ray_is_imported_only_for_the_ray_runtime() -> None:
     import subprocess
     import sys
@@ -255,6 +262,7 @@ def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -
     assert torch.equal(fragment(1), w.base[1])
 
 
+@pytest.mark.slow
 def test_pushes_on_the_wire_die_with_a_failed_island(fast_config: dict) -> None:
     # a slow link (pushes take several steps) and frequent failures: some pushes are in flight at a failure
     summary = train(build_config(overrides=_decoupled(fast_config, chaos="0.6:0.2", sim_step_s=0.1,
@@ -267,6 +275,7 @@ def test_pushes_on_the_wire_die_with_a_failed_island(fast_config: dict) -> None:
     assert 0 < summary["goodput"] < 1
 
 
+@pytest.mark.slow
 def test_the_end_answers_every_push_before_the_final_ones(fast_config: dict) -> None:
     # a quorum of 3 of 4 islands of unequal speeds: pushes are still buffered when the step budget runs out.
     # The end closes those buffers and answers their islands before the final pushes (which would otherwise

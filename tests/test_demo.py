@@ -544,6 +544,7 @@ def test_demo_defaults_to_a_constant_rate_after_warmup() -> None:
     assert build_config(overrides={"strategy": "demo", "min_lr_ratio": 0.1}).min_lr_ratio == 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sign_values", [False, True])
 def test_run_bytes_per_step_equal_the_formula(fast_config: dict, sign_values: bool) -> None:
     # a real run (2 islands, local runtime): each step all-gathers one payload per parameter to K-1 = 1 peer

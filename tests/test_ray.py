@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real processes (and Ray) in every test
+
 pytest.importorskip("ray")
 
 

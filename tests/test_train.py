@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_atoll
+from conftest import run_cli
 
 import atoll.job.run as train_mod
 from atoll.config import build_config, load_run_config
@@ -14,6 +14,7 @@ from atoll.job.metrics import read_metrics
 from atoll.train import train
 
 
+@pytest.mark.slow
 def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:
     summary = train(build_config(overrides=fast_config))
     out = Path(fast_config["out"])
@@ -37,6 +38,7 @@ def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:
     assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "model" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_checkpoint_model_loads_with_transformers(fast_config: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,6 +54,7 @@ class _Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "extra"), [
     ("diloco", {}), ("ddp", {}), ("demo", {}),
     # fragment 0 starts an exchange after step 10 that merges after step 11: in flight at the checkpoint;
@@ -85,6 +88,7 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
     assert evals == [0, 10, 20], "the log of a resumed run reads as one run"
 
 
+@pytest.mark.slow
 def test_init_from_starts_from_another_runs_weights(fast_config: dict, tmp_path: Path) -> None:
     warm = train(build_config(overrides={**fast_config, "strategy": "ddp", "out": str(tmp_path / "warm")}))
     cont = train(build_config(overrides={**fast_config, "steps": 10, "init_from": str(tmp_path / "warm"),
@@ -92,6 +96,7 @@ def test_init_from_starts_from_another_runs_weights(fast_config: dict, tmp_path:
     assert cont["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_tokenizer_cache_is_reused_between_runs(fast_config: dict, tmp_path: Path) -> None:
     cfg = {**fast_config, "steps": 2, "eval_every": 2, "cache_dir": str(tmp_path / "cache")}
     train(build_config(overrides={**cfg, "out": str(tmp_path / "a")}))
@@ -113,7 +118,7 @@ def test_tokenizer_cache_is_reused_between_runs(fast_config: dict, tmp_path: Pat
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_the_field(args: list[str], field: str) -> None:
-    r = run_atoll("train", *args, timeout=120)
+    r = run_cli("train", *args)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("atoll: error: ") and field in lines[0], r.stderr
@@ -122,28 +127,30 @@ def test_bad_config_exits_2_with_one_line_naming_the_field(args: list[str], fiel
 def test_bad_toml_key_exits_2(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text('strategy = "diloco"\nsync_evry = 10\n')
-    r = run_atoll("train", "--config", str(toml), timeout=120)
+    r = run_cli("train", "--config", str(toml))
     assert r.returncode == 2 and "sync_evry" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_missing_data_path_exits_2(tmp_path: Path) -> None:
-    r = run_atoll("train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "run"), timeout=120)
+    r = run_cli("train", "--data", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "run"))
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("atoll: error: data:") and "nope.txt" in line
 
 
 def test_resume_of_a_folder_without_a_run_exits_2(tmp_path: Path) -> None:
-    r = run_atoll("train", "--resume", str(tmp_path), timeout=120)
+    r = run_cli("train", "--resume", str(tmp_path))
     assert r.returncode == 2 and "resume" in r.stderr
 
 
+@pytest.mark.slow
 def test_out_folder_of_existing_run_is_not_overwritten(fast_config: dict) -> None:
     train(build_config(overrides={**fast_config, "steps": 2, "eval_every": 2}))
-    r = run_atoll("train", "--out", fast_config["out"], timeout=120)
+    r = run_cli("train", "--out", fast_config["out"])
     assert r.returncode == 2 and "--resume" in r.stderr
 
 
+@pytest.mark.slow
 def test_resume_refuses_changes_that_define_the_run_and_leaves_the_folder_untouched(fast_config: dict) -> None:
     from atoll.errors import ConfigError
 
@@ -153,13 +160,14 @@ def test_resume_refuses_changes_that_define_the_run_and_leaves_the_folder_untouc
     for change in ({"strategy": "ddp"}, {"vocab_size": "1024"}, {"model": "tiny"}, {"islands": "3"}):
         with pytest.raises(ConfigError, match=f"^{next(iter(change))}: cannot change on resume"):
             load_run_config(out, change)
-    r = run_atoll("train", "--resume", str(out), "--steps", "5", timeout=120)
+    r = run_cli("train", "--resume", str(out), "--steps", "5")
     assert r.returncode == 2 and "below the checkpoint's step 10" in r.stderr
     assert (out / "config.json").read_text() == before
     resumed = train(load_run_config(out, {"steps": "20"}), resume=True)
     assert resumed["steps"] == 20 and resumed["tokens"] == 2 * 20 * 4 * 32
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_the_previous_checkpoint_when_the_latest_is_damaged(fast_config: dict) -> None:
     train(build_config(overrides={**fast_config, "steps": 20}))
     root = Path(fast_config["out"]) / "checkpoints"
@@ -172,12 +180,12 @@ def test_resume_falls_back_to_the_previous_checkpoint_when_the_latest_is_damaged
 
 @pytest.mark.parametrize("args", [["--lr", "inf"], ["--outer-lr", "nan"], ["--seed", "99999999999999999999"]])
 def test_non_finite_or_huge_values_exit_2(args: list[str]) -> None:
-    r = run_atoll("train", *args, timeout=120)
+    r = run_cli("train", *args)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_out_that_is_a_file_exits_2(tmp_path: Path) -> None:
     f = tmp_path / "file"
     f.write_text("x")
-    r = run_atoll("train", "--out", str(f), "--model", "micro", "--steps", "2", timeout=120)
+    r = run_cli("train", "--out", str(f), "--model", "micro", "--steps", "2")
     assert r.returncode == 2 and r.stderr.startswith("atoll: error: out:"), r.stderr

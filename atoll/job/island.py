@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -187,20 +187,21 @@ def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Opti
 
 
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
-                total_steps: int | None = None, speed: float = 1.0) -> Island:
+                total_steps: int | None = None, speed: float = 1.0,
+                optimizer: Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer] | None = None,
+                ) -> Island:
     """An island with its own replica, inner optimizer and warmup-cosine schedule.
 
-    The inner optimizer is the strategy's (its spec's ``inner_optimizer``, e.g. DeMo), else AdamW; weight
-    decay only on matrices. The schedule warms up over ``warmup_steps`` (at most a tenth of the island's
-    steps) and decays to ``min_lr_ratio`` at ``total_steps`` (default ``steps``).
+    The inner optimizer is ``optimizer(param_groups, config)`` (a strategy's own, e.g. DeMo; its spec's
+    ``inner_optimizer``), else AdamW (:func:`adamw`); weight decay only on matrices. The schedule warms up
+    over ``warmup_steps`` (at most a tenth of the island's steps) and decays to ``min_lr_ratio`` at
+    ``total_steps`` (default ``steps``).
     """
-    from atoll.strategies.registry import spec
-
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = (spec(config.strategy).inner_optimizer or adamw)(groups, config)
+    inner = (optimizer or adamw)(groups, config)
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
-    return Island(index, model, optimizer, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed)
+        inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
+    return Island(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atoll.analysis.projection import Cost, Setting, ring_allreduce_bytes
+from atoll.analysis.cost import Cost, Setting
+from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import Strategy, make_wire
-from atoll.strategies.registry import StrategySpec, SuiteRun
+from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig

@@ -20,10 +20,11 @@ import torch
 from pydantic import Field
 
 from atoll.algorithms.demo import DeMo
-from atoll.analysis.projection import Cost, Setting, demo_payload_bytes, ring_allgather_bytes
+from atoll.analysis.cost import Cost, Setting, demo_payload_bytes
 from atoll.config.section import Section
+from atoll.runtime.network import ring_allgather_bytes
 from atoll.strategies.base import Strategy
-from atoll.strategies.registry import StrategySpec, SuiteRun
+from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -38,7 +39,7 @@ class DeMoSection(Section):
     demo_beta: float = Field(0.999, ge=0, lt=1, description="demo: decay of the decoupled momentum.")
     demo_sign_values: bool = Field(
         True, description="demo: send only the signs of the kept values, {-1, 0, +1} packed 2 bits each; "
-        "--no-demo-sign-values sends float32 values (2.7x the bytes; bench/demo_sweep.py: signs no worse).",
+        "--no-demo-sign-values sends float32 values (about 2.7x the bytes; README, DeMo).",
     )
 
 

@@ -1,7 +1,7 @@
 """The strategies atoll knows: one module each, listed once here.
 
 Adding a strategy is one file plus one line: write ``atoll/strategies/<name>.py`` (or a package) with a
-module-level ``SPEC = StrategySpec(...)`` and add ``<name>`` to :data:`STRATEGIES`. The spec carries
+module-level ``SPEC = StrategySpec(...)`` (:mod:`atoll.strategies.spec`) and add ``<name>`` to :data:`STRATEGIES`. The spec carries
 everything the rest of atoll asks of a strategy: its own config section (flags and TOML keys), the
 runtimes it runs under, its checks of a whole config, its defaults for shared settings, the lockstep
 strategy class (or none, for an asynchronous one that the runtimes' own event loops drive), its cost in
@@ -14,69 +14,14 @@ strategy without naming any.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from functools import cache
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from torch.optim import Optimizer
+from atoll.strategies.spec import StrategySpec, SuiteRun
 
-    from atoll.analysis.projection import Cost, Setting
-    from atoll.config.section import Section
-    from atoll.strategies.base import Strategy
+__all__ = ["STRATEGIES", "StrategySpec", "SuiteRun", "spec", "specs"]
 
 #: one line per strategy: its module under atoll.strategies, in the order of --help, tables and plots
 STRATEGIES: tuple[str, ...] = ("ddp", "diloco", "streaming", "demo", "decoupled")
-
-
-@dataclass(frozen=True)
-class SuiteRun:
-    """One row of ``atoll bench suite``: a run name, its label (formatted with the run's settings) and the
-    settings on top of the suite's base (``standard_chaos``: train under the standard failure trace)."""
-
-    name: str
-    label: str
-    settings: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """What atoll needs to know of one strategy.
-
-    Attributes:
-        name: the ``--strategy`` value.
-        summary: one line for ``--help`` and the README's table.
-        section: the strategy's own settings (a :class:`~atoll.config.section.Section`); setting one of its
-            fields away from its default under another strategy is an error.
-        runtimes: the runtimes it runs under; the first is the default one for it.
-        validate: checks of a whole config once its values are known; raises ValueError with a one-line
-            message naming the field and the fix.
-        defaults: values of shared settings for this strategy when the user gives none (e.g. demo's constant
-            learning rate after warmup).
-        lockstep: the :class:`~atoll.strategies.base.Strategy` the lockstep loop (``atoll.train``) runs;
-            None for an asynchronous strategy, which the ``local`` runtime's event simulation
-            (:mod:`atoll.runtime.events`) and the ``ray`` runtime drive instead.
-        inner_optimizer: ``(param_groups, config) -> torch.optim.Optimizer`` for an island's inner steps;
-            None: AdamW (:func:`atoll.job.island.adamw`).
-        project: the steady-state cost per inner step of one island in a
-            :class:`~atoll.analysis.projection.Setting` (:func:`atoll.analysis.projection.project`).
-        suite: its rows of ``atoll bench suite``.
-        syncs_per_h: the H of its exchanges for the synchronous failure accounting (``True``: every
-            ``sync_every`` steps; ``False``: every step).
-    """
-
-    name: str
-    summary: str
-    section: type[Section] | None = None
-    runtimes: tuple[str, ...] = ("local", "collective")
-    validate: Callable[[Any], None] | None = None
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    lockstep: Callable[..., Strategy] | None = None
-    inner_optimizer: Callable[[list[dict[str, Any]], Any], Optimizer] | None = None
-    project: Callable[[Setting], Cost] | None = None
-    suite: tuple[SuiteRun, ...] = ()
-    syncs_per_h: bool = False
 
 
 @cache

@@ -21,11 +21,12 @@ from pydantic import Field
 
 from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
-from atoll.analysis.projection import Cost, Setting, ring_allreduce_bytes
+from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import Section
 from atoll.runtime.comm import Work
+from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import Strategy, drop_non_finite, make_wire, model_fragments
-from atoll.strategies.registry import StrategySpec, SuiteRun
+from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import Field, field_validator
 
-from atoll.analysis.projection import Cost, Setting
+from atoll.analysis.cost import Cost, Setting
 from atoll.config.parse import parse_chaos
 from atoll.config.section import Section
 from atoll.strategies.decoupled.syncer import Syncer
-from atoll.strategies.registry import StrategySpec, SuiteRun
+from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig

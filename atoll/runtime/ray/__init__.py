@@ -1,0 +1,132 @@
+"""The ``ray`` runtime of ``decoupled``: the syncer and every island as Ray actors, on real clocks.
+
+Launch::
+
+    atoll train --strategy decoupled --runtime ray --islands 4            # starts a local Ray by itself
+    ray start --head --port 6379                                           # or: a cluster, on the head node
+    ray start --address HEAD_IP:6379                                       # on every other node
+    atoll train --strategy decoupled --runtime ray --ray-address HEAD_IP:6379 --islands 8
+
+The driver (this process) prepares the data and the initial model, then starts one :class:`SyncerActor`
+(holding the :class:`~atoll.syncer.Syncer`, on the CPU, 0 CPUs reserved) and ``islands`` island actors
+(each ``ray_cpus_per_island`` CPUs, ``ray_gpus_per_island`` GPUs; Ray places them on the cluster). Every
+island runs :meth:`~atoll.strategies.decoupled.island.IslandWorker.run` (the learner's loop) at its own pace: inner steps, then on the
+fragment schedule a push to the syncer and a pull of the newest global fragment, which it adopts when it
+arrives while it trains on (communication overlaps compute). Nobody waits for another island. The syncer
+merges a quorum at once, and closes a buffer's grace window (a multiple of the measured round time) on the
+next call it receives; it checkpoints itself atomically after every merge
+(``<out>/syncer/``), so no committed outer step is lost.
+
+Failures: island actors are created with ``max_restarts``; a killed island process (SIGKILL, a lost node)
+is restarted by Ray, pulls the newest global parameters from the syncer, and rejoins with a fresh inner
+optimizer; its un-pushed work is lost. The driver re-issues the island's ``run`` call, which failed with
+the process. Once one island has finished (the step budget is spent), the others must finish within
+``collective_timeout_s``; a hung island is then killed and reported (``abandoned_islands``), so a run never
+waits forever. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
+pull after the restart.
+
+The syncer actor has ``max_restarts`` too: a syncer process that dies is restarted by Ray from its last
+atomic checkpoint (``<out>/syncer/``, written at every commit with the shared step budget), so no committed
+outer step is lost (``syncer_restarts`` in the summary). The islands' calls wait for it and are retried
+(``max_task_retries``); pushes buffered after its last commit are lost with it, and the steps granted since
+that checkpoint are granted again, so the run may take a few more inner steps than its budget.
+
+Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
+``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
+``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
+and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from atoll.config import TrainConfig
+from atoll.errors import ConfigError
+from atoll.job.run import Run
+from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
+from atoll.runtime.ray.cluster import check_ray_address, init_ray, island_resources, wait_restarted
+
+__all__ = ["check_ray_address", "island_resources", "train_ray"]
+
+
+def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
+    """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
+    cfg = config.model_dump_json()
+    # a crashed syncer is restarted by Ray from its last checkpoint; the islands' calls wait and are retried
+    syncer = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=-1)(SyncerService).remote(cfg, str(out))
+    island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
+                            max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
+    islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out)) if res else
+               island_cls.remote(cfg, i, syncer, str(out)) for i, res in enumerate(island_resources(config))]
+    running = {isl.run.remote(): i for i, isl in enumerate(islands)}
+    results: dict[int, dict[str, Any]] = {}
+    failures = [0] * config.islands
+    abandoned: list[int] = []
+    while running:
+        # once one island has finished, the budget is spent: the others must finish within the deadline
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
+        if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
+            for i in running.values():
+                abandoned.append(i)
+                ray.kill(islands[i], no_restart=True)
+            print(f"atoll: warning: islands {sorted(abandoned)} did not finish within {config.collective_timeout_s:g} s "
+                  "of the others; their un-pushed work is lost", file=sys.stderr)
+            break
+        i = running.pop(ready[0])
+        try:
+            results[i] = ray.get(ready[0])
+        except ray.exceptions.RayTaskError:  # the island's code raised (e.g. the syncer died for good): its
+            raise                            # process lives, so running it again would fail again at once
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
+            wait_restarted(islands[i])
+            running[islands[i].run.remote()] = i
+    final = ray.get(syncer.finish.remote())
+    final["abandoned"] = sorted(abandoned)
+    return final, results, failures
+
+
+def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
+    """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary.
+
+    Raises:
+        ConfigError: ``resume`` (only the syncer's state is saved), or no Ray cluster at ``ray_address``.
+    """
+    if resume:
+        raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is saved, under "
+                          "<out>/syncer); start a new run from its final model with --init-from RUN_DIR")
+    check_ray_address(config.ray_address)  # before any folder is made
+    run = Run(config)  # fills the tokenizer and token caches before the actors read them
+    run.begin()
+    out = run.out.resolve()
+    started = init_ray(config)
+    try:
+        final, results, failures = _run_actors(config, out)
+    finally:
+        if started:
+            ray.shutdown()
+    wall_s = run.wall_s()
+    tps = config.tokens_per_step
+    tokens = sum(final["steps_by_island"]) * tps
+    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0}
+    res = [results.get(i, idle) for i in range(config.islands)]
+    bytes_sent = [r["bytes_sent"] for r in res]
+    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+    run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
+    step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
+    return run.finish(
+        tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands,
+        compute_s=max(r["compute_s"] for r in res), sim_wall_s=wall_s,
+        bytes_sent_by_island=bytes_sent, fragments=config.fragments, **final["stats"],
+        steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
+        # measured: useful tokens per second of wall time over the islands' summed failure-free step rate
+        goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
+        island_utilization=[r["compute_s"] / wall_s for r in res], failures=failures,
+        rejoins=[j - 1 for j in final["joins"]], rejoin_s=final["rejoin_s"], versions=final["versions"],
+        abandoned_islands=final["abandoned"], syncer_restarts=final["syncer_restarts"],
+        island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res])

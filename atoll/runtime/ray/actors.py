@@ -1,0 +1,253 @@
+"""The actors of a decoupled run on Ray: the syncer (:class:`SyncerService`) and the islands
+(:class:`IslandService`, which reach the syncer through :class:`RayTransport`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from atoll.config import TrainConfig
+from atoll.strategies.decoupled import make_syncer
+from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.protocol import Pull, Push
+
+#: how often an actor may be restarted after its process died
+MAX_RESTARTS = 4
+
+
+class SyncerService:
+    """The syncer as a Ray actor: pushes, pulls, the shared step budget and atomic checkpoints.
+
+    Args:
+        config_json: the run's :class:`TrainConfig` as JSON.
+        out: the run folder (checkpoints go to ``out/syncer``).
+    """
+
+    def __init__(self, config_json: str, out: str) -> None:
+        from atoll.errors import CheckpointError
+        from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
+
+        self.config = TrainConfig.model_validate_json(config_json)
+        torch.set_num_threads(1)
+        job = Job.prepare(self.config)
+        self.syncer = make_syncer(self.config, job.init_flat, job.index)
+        self.out = Path(out)
+        self.t0 = time.monotonic()
+        self.budget = self.config.islands * self.config.steps
+        self.reserved = 0
+        self.steps_by_island = [0] * self.config.islands
+        self.last_seen = [0.0] * self.config.islands
+        self.joins = [0] * self.config.islands
+        self.rejoin_s: list[float] = []
+        self.restarts = 0
+        try:  # a restart after a crash: continue from the last checkpoint (written at every commit)
+            _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
+        except CheckpointError:
+            state = None
+        if state is not None:
+            self.syncer.load_state_dict(state["syncer"])
+            service = state.get("service", {})
+            self.reserved = int(service.get("reserved", 0))
+            self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
+            self.joins = [int(x) for x in service.get("joins", self.joins)]
+            self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
+            self.restarts = int(service.get("restarts", 0)) + 1
+            # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
+            self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
+        pid_dir = self.out / "ray"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / ".syncer.pid.tmp").write_text(str(os.getpid()))
+        os.replace(pid_dir / ".syncer.pid.tmp", pid_dir / "syncer.pid")
+
+    def _save(self) -> None:
+        """Checkpoint the syncer and the shared budget atomically (``out/syncer``)."""
+        self.syncer.save(save_path(self.out), extra={"service": {
+            "reserved": self.reserved, "steps_by_island": self.steps_by_island, "joins": self.joins,
+            "rejoin_s": self.rejoin_s, "restarts": self.restarts, "clock_s": self._now()}})
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _poll(self) -> None:
+        if self.syncer.poll(self._now()):
+            self._save()
+
+    def join(self, island: int) -> tuple[torch.Tensor, list[int], int]:
+        """An island (re)starts: (global params (numel,), versions, its inner steps so far)."""
+        now = self._now()
+        self.joins[island] += 1
+        if self.joins[island] > 1:
+            self.rejoin_s.append(now - self.last_seen[island])
+        self.last_seen[island] = now
+        self._poll()
+        return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
+                self.steps_by_island[island])
+
+    def reserve_step(self, island: int) -> tuple[bool, list[int]]:
+        """Take one inner step from the shared budget of ``islands x steps``.
+
+        Returns (False once the budget is spent; the fragments whose buffer still holds a push of
+        ``island``, see :meth:`buffered`).
+        """
+        self.last_seen[island] = self._now()
+        self._poll()
+        if self.reserved >= self.budget:
+            return False, self._buffered(island)
+        self.reserved += 1
+        self.steps_by_island[island] += 1
+        return True, self._buffered(island)
+
+    def buffered(self, island: int) -> list[int]:
+        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first)."""
+        self._poll()
+        return self._buffered(island)
+
+    def _buffered(self, island: int) -> list[int]:
+        return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
+
+    def push(self, msg: Push) -> tuple[bool, Pull | None]:
+        """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
+
+        The answer comes back at once when the push is merged (it completed a quorum) or refused; while it
+        waits in the buffer the island pulls once :meth:`buffered` no longer lists it.
+        """
+        now = self._now()
+        self.last_seen[msg.island] = now
+        self._poll()
+        result = self.syncer.push(msg, now=now)
+        if result.committed:
+            self._save()
+        if result.accepted and msg.fragment in self._buffered(msg.island):
+            return True, None
+        return result.accepted, self.syncer.pull(msg.fragment)
+
+    def pull(self, fragment: int) -> Pull:
+        """The newest global fragment."""
+        self._poll()
+        return self.syncer.pull(fragment)
+
+    def finish(self) -> dict[str, Any]:
+        """Merge every open buffer, checkpoint, and return the statistics and the global parameters."""
+        self.syncer.flush()
+        self._save()
+        return {"stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
+                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
+                "joins": self.joins, "steps_by_island": self.steps_by_island,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
+
+    def progress(self) -> dict[str, Any]:
+        """Commits and versions so far (for the driver and tests)."""
+        self._poll()
+        return {"commits": self.syncer.commits, "reserved": self.reserved,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
+
+
+class RayTransport:
+    """How an island actor reaches the syncer actor (:class:`~atoll.strategies.decoupled.island.Transport`).
+
+    A push is sent without waiting; the syncer answers it with the merged global fragment once the push is
+    merged (at once if it completes a quorum; else the island learns from a later :meth:`reserve_step` that its
+    push left the buffer, and pulls). At most one exchange per fragment is in progress; its stage is
+    ``push`` (sent, answer not read), ``wait`` (buffered at the syncer) or ``pull`` (the merged fragment asked).
+    """
+
+    def __init__(self, syncer: Any, island: int, fragments: int) -> None:
+        self.syncer, self.island = syncer, island
+        self.pulled_at = [time.monotonic()] * fragments
+        self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
+        self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
+        self.bytes_sent = 0.0
+
+    def reserve_step(self) -> bool:
+        go, self.buffered = ray.get(self.syncer.reserve_step.remote(self.island))
+        return go
+
+    def send(self, push: Push) -> None:
+        self.bytes_sent += push.nbytes
+        msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
+                   round_s=time.monotonic() - self.pulled_at[push.fragment])
+        self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
+
+    def arrived(self) -> list[Pull]:
+        return self._advance(block=False)
+
+    def settle(self, fragment: int) -> list[Pull]:
+        pulls: list[Pull] = []
+        while fragment in self.exchanges:  # bounded by the syncer's grace window
+            self.buffered = ray.get(self.syncer.buffered.remote(self.island))
+            pulls += self._advance(block=True, only=fragment)
+        return pulls
+
+    def close(self) -> None:
+        ray.get([e["ref"] for e in self.exchanges.values() if e["stage"] != "wait"])  # every push reached it
+
+    def _advance(self, block: bool, only: int | None = None) -> list[Pull]:
+        """Move exchanges on: a push answered, a merge seen (no longer buffered: pull), a pull arrived."""
+        pulls = []
+        for p in [q for q in list(self.exchanges) if only is None or q == only]:
+            e = self.exchanges[p]
+            if e["stage"] == "wait":
+                if p in self.buffered:
+                    if block:
+                        time.sleep(0.01)  # the syncer merges at the quorum or when the grace window closes
+                    continue
+                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p)
+            ready, _ = ray.wait([e["ref"]], timeout=None if block else 0)
+            if not ready:
+                continue
+            reply = ray.get(e["ref"])
+            if e["stage"] == "push":
+                _, reply = reply
+                if reply is None:  # buffered: answered when merged
+                    e["stage"] = "wait"
+                    continue
+            pulls.append(reply)
+            self.pulled_at[p] = time.monotonic()
+            del self.exchanges[p]
+        return pulls
+
+
+class IslandService:
+    """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters."""
+
+    def __init__(self, config_json: str, index: int, syncer: Any, out: str) -> None:
+        config = TrainConfig.model_validate_json(config_json)
+        self.index = index
+        self.syncer = syncer
+        job = Job.prepare(config)
+        # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
+        device = "cuda" if config.ray_gpus_per_island > 0 and torch.cuda.is_available() else "cpu"
+        self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
+        flat, versions, steps = ray.get(syncer.join.remote(index))
+        self.worker.rejoin(flat, versions)
+        self.worker.steps = steps
+        pid_dir = Path(out) / "ray"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        tmp = pid_dir / f".island_{index}.pid.tmp"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, pid_dir / f"island_{index}.pid")  # readers never see a half-written file
+
+    def run(self) -> dict[str, Any]:
+        """Train until the shared step budget is spent (the learner's loop,
+        :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
+        transport = RayTransport(self.syncer, self.index, self.worker.fragments)
+        self.worker.run(transport)
+        island = self.worker.island
+        return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
+                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def kill_self(self) -> None:
+        """SIGKILL this actor's process (for tests of failures)."""
+        os.kill(os.getpid(), signal.SIGKILL)
+
+

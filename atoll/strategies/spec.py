@@ -1,0 +1,64 @@
+"""What a strategy declares about itself (:class:`StrategySpec`), in its module's ``SPEC``; read by the
+registry (:mod:`atoll.strategies.registry`), the config, the training loop, the projection and the suite."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from atoll.analysis.cost import Cost, Setting
+    from atoll.config.section import Section
+    from atoll.strategies.base import Strategy
+
+
+@dataclass(frozen=True)
+class SuiteRun:
+    """One row of ``atoll bench suite``: a run name, its label (formatted with the run's settings) and the
+    settings on top of the suite's base (``standard_chaos``: train under the standard failure trace)."""
+
+    name: str
+    label: str
+    settings: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """What atoll needs to know of one strategy.
+
+    Attributes:
+        name: the ``--strategy`` value.
+        summary: one line for ``--help`` and the README's table.
+        section: the strategy's own settings (a :class:`~atoll.config.section.Section`); setting one of its
+            fields away from its default under another strategy is an error.
+        runtimes: the runtimes it runs under; the first is the default one for it.
+        validate: checks of a whole config once its values are known; raises ValueError with a one-line
+            message naming the field and the fix.
+        defaults: values of shared settings for this strategy when the user gives none (e.g. demo's constant
+            learning rate after warmup).
+        lockstep: the :class:`~atoll.strategies.base.Strategy` the lockstep loop (``atoll.train``) runs;
+            None for an asynchronous strategy, which the ``local`` runtime's event simulation
+            (:mod:`atoll.runtime.events`) and the ``ray`` runtime drive instead.
+        inner_optimizer: ``(param_groups, config) -> torch.optim.Optimizer`` for an island's inner steps;
+            None: AdamW (:func:`atoll.job.island.adamw`).
+        project: the steady-state cost per inner step of one island in a
+            :class:`~atoll.analysis.projection.Setting` (:func:`atoll.analysis.projection.project`).
+        suite: its rows of ``atoll bench suite``.
+        syncs_per_h: the H of its exchanges for the synchronous failure accounting (``True``: every
+            ``sync_every`` steps; ``False``: every step).
+    """
+
+    name: str
+    summary: str
+    section: type[Section] | None = None
+    runtimes: tuple[str, ...] = ("local", "collective")
+    validate: Callable[[Any], None] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    lockstep: Callable[..., Strategy] | None = None
+    inner_optimizer: Callable[[list[dict[str, Any]], Any], Optimizer] | None = None
+    project: Callable[[Setting], Cost] | None = None
+    suite: tuple[SuiteRun, ...] = ()
+    syncs_per_h: bool = False
