@@ -135,9 +135,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
         sim_wall_s=sim_wall_s(),
-        fragments=config.fragments if config.strategy == "streaming" else 1,
-        overlap_steps=config.overlap_steps if config.strategy == "streaming" else 0,
-        exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
+        **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
         rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands))
     if runtime.is_main:
         trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None

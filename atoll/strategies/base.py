@@ -48,6 +48,10 @@ class Strategy(ABC):
     def global_params(self) -> torch.Tensor:
         """The global model's parameters, a flat float32 CPU vector in ``model.parameters()`` order."""
 
+    def summary(self) -> dict[str, Any]:
+        """The strategy's own entries of the run summary (its exchange layout)."""
+        return {"fragments": 1, "overlap_steps": 0}
+
     # --- checkpoint state: what every island shares, and what each island holds alone ----------------
     def state_dict(self) -> dict[str, Any]:
         """The state every island holds alike (global parameters, outer momentum, exchanges in flight).

@@ -134,6 +134,9 @@ class StreamingDiLoCo(Strategy):
             if self.last_sync_step[p] != steps_done:
                 self._start(p, steps_done - 1, overlap=0)
 
+    def summary(self) -> dict[str, Any]:
+        return {"fragments": len(self.index), "overlap_steps": self.config.overlap_steps}
+
     def global_params(self) -> torch.Tensor:
         flat = torch.empty(self.numel, dtype=torch.float32)
         for idx, outer in zip(self.index, self.outer, strict=True):
