@@ -122,6 +122,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 run.log_train(done, tokens, train_loss, comm.bytes_sent_per_island, sim_wall_s(),
                               islands[0].scheduler.get_last_lr()[0])
             if eval_now:
+                if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
+                    runtime.clock.mark(done)
                 run.log_eval(done, tokens, strategy.global_params(), comm.bytes_sent_per_island, sim_wall_s())
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
                 job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from atoll.config import build_config
+from atoll.job.metrics import read_metrics
 from atoll.runtime.network import ClockTrace, Link, SimClock, load_trace, replay
 from atoll.train import train
 
@@ -48,7 +49,7 @@ def test_incomplete_trace_is_refused() -> None:
     ("streaming", {"fragments": 2, "overlap_steps": 2, "codec": "int4"}),
 ])
 def test_run_trace_replays_to_its_own_sim_wall(fast_config: dict, strategy: str, extra: dict) -> None:
-    cfg = {**fast_config, "steps": 10, "eval_every": 10, "checkpoint_every": 0, "strategy": strategy,
+    cfg = {**fast_config, "steps": 10, "eval_every": 5, "checkpoint_every": 0, "strategy": strategy,
            "link_bandwidth_mbps": 1.0, **extra}
     summary = train(build_config(overrides=cfg))
     trace = load_trace(Path(cfg["out"]) / "clock_trace.json")
@@ -63,3 +64,13 @@ def test_run_trace_replays_to_its_own_sim_wall(fast_config: dict, strategy: str,
         assert faster["sim_wall_s"] == pytest.approx(summary["sim_wall_s"] - bits / 1e6 + bits / 1e9, rel=1e-9)
     saved = json.loads((Path(cfg["out"]) / "summary.json").read_text())
     assert saved["sim_wall_s"] == summary["sim_wall_s"]
+    # the evaluations are marks of the trace: re-timed at the link it trained on, they fall where they did
+    evals = {e["step"]: e["sim_wall_s"] for e in read_metrics(Path(cfg["out"]) / "metrics.jsonl")
+             if e["event"] == "eval" and e["step"] > 0}
+    assert set(same["marks"]) == set(evals) == {5, 10}
+    for step, t in evals.items():
+        assert same["marks"][step] == pytest.approx(t, rel=1e-9)
+        assert faster["marks"][step] <= t
+    # scaled compute: a reference step time moves the compute, not the exchanges
+    double = replay(trace, Link.from_config(1.0, 10.0), compute_scale=2.0)
+    assert double["compute_s"] == pytest.approx(2 * same["compute_s"], rel=1e-9)

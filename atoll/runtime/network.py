@@ -81,7 +81,8 @@ class ClockTrace:
     ``events`` holds lists:
     ``["c", [s_0, ..., s_K-1]]``: compute seconds of each island since the previous event;
     ``["x", bytes_sent, rounds]``: a collective starts (its id is its index among the ``"x"`` events);
-    ``["w", island, id]``: ``island`` waits for collective ``id``.
+    ``["w", island, id]``: ``island`` waits for collective ``id``;
+    ``["m", label]``: a mark (the loop's evaluations, by inner step), whose time :func:`replay` reports.
 
     Attributes:
         islands: K.
@@ -117,6 +118,11 @@ class ClockTrace:
         self._flush()
         self.events.append(["w", island, ident])
 
+    def mark(self, label: int) -> None:
+        """Record a point of the run (an evaluation after inner step ``label``) to re-time with the rest."""
+        self._flush()
+        self.events.append(["m", int(label)])
+
     def to_dict(self) -> dict[str, Any]:
         self._flush()
         return {"islands": self.islands, "complete": self.complete, "events": self.events}
@@ -131,7 +137,7 @@ def load_trace(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def replay(trace: dict[str, Any], link: Link) -> dict[str, float]:
+def replay(trace: dict[str, Any], link: Link, compute_scale: float = 1.0) -> dict[str, Any]:
     """Re-time a recorded run on ``link``: the same compute and collectives, another bandwidth and latency.
 
     The clock rules are :class:`SimClock`'s: a collective starts once the last island has arrived at it
@@ -142,9 +148,13 @@ def replay(trace: dict[str, Any], link: Link) -> dict[str, float]:
         trace: :meth:`ClockTrace.to_dict` (or :func:`load_trace`) of a run.
         link: the link to re-time at.
 
+        compute_scale: multiplies every recorded compute second (e.g. to compare runs measured on a machine
+            under different loads at one reference step time).
+
     Returns:
         ``sim_wall_s`` (seconds), ``compute_s`` (the slowest island's compute seconds),
-        ``compute_utilization`` (compute_s / sim_wall_s) and ``comm_s`` (seconds of collectives in flight).
+        ``compute_utilization`` (compute_s / sim_wall_s), ``comm_s`` (seconds of collectives in flight) and
+        ``marks``: {label: simulated seconds at that mark} (the evaluations' times).
 
     Raises:
         ValueError: an incomplete trace (a resumed run).
@@ -155,19 +165,22 @@ def replay(trace: dict[str, Any], link: Link) -> dict[str, float]:
     clock = SimClock(k)
     compute = [0.0] * k
     ends: list[float] = []
+    marks: dict[int, float] = {}
     for event in trace["events"]:
         if event[0] == "c":
             for i, s in enumerate(event[1]):
-                clock.compute(i, s)
-                compute[i] += s
+                clock.compute(i, s * compute_scale)
+                compute[i] += s * compute_scale
         elif event[0] == "x":
             ends.append(clock.start_collective(link.transfer_seconds(event[1], event[2])))
+        elif event[0] == "m":
+            marks[int(event[1])] = clock.wall_s
         else:
             clock.wait_until(int(event[1]), ends[int(event[2])])
     compute_s = max(compute)
     wall = clock.wall_s
     return {"sim_wall_s": wall, "compute_s": compute_s, "comm_s": clock.comm_busy_s,
-            "compute_utilization": compute_s / wall if wall > 0 else 1.0}
+            "compute_utilization": compute_s / wall if wall > 0 else 1.0, "marks": marks}
 
 
 @dataclass
@@ -242,6 +255,11 @@ class SimClock:
         for i in range(self.islands):
             self.wait_until(i, end, ident)
         return end
+
+    def mark(self, label: int) -> None:
+        """Mark a point of the run (an evaluation after inner step ``label``) in the trace, for :func:`replay`."""
+        if self.trace is not None:
+            self.trace.mark(label)
 
     @property
     def wall_s(self) -> float:
