@@ -28,6 +28,8 @@ every packet from it, holds it ``delay_ms`` (one-way), and sends it out of the i
 packet socket addressed to the destination island's MAC, so it then passes the island's upload ``tbf``. The
 replies take the same path in the other island, so a round trip costs ``2 x delay_ms``. The forwarder is
 Python (two threads per island), about 10-20 us of CPU per packet: some percent of a core at 100 Mbit/s.
+It lives in :mod:`atoll.bench.delay`; the interface counters over time in :mod:`atoll.bench.counters`;
+running ``ip``/``tc`` and entering a namespace in :mod:`atoll.bench.namespaces`.
 
 Clean-up: :meth:`EmulatedWan.close` (run by the ``with`` block, also on Ctrl-C, on an exception, and on
 SIGTERM, which the context manager turns into ``SystemExit`` in the main thread) stops the forwarder,
@@ -38,295 +40,42 @@ harness whose process died (``kill -9``) are deleted by the next harness, once t
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
-import ctypes
-import fcntl
-import functools
 import os
 import re
 import secrets
-import select
-import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-NETNS_DIR = Path("/var/run/netns")
-PREFIX = "atoll-wan"
-IFNAME = "wan0"  # each island's link, the same name in every island's namespace (for GLOO_SOCKET_IFNAME)
-TUN_IFNAME = "lat0"  # the delay forwarder's TUN device in each island's namespace
+from atoll.bench.counters import CounterSampler
+from atoll.bench.delay import TUN_IFNAME, DelayLine, open_tun
+from atoll.bench.namespaces import (
+    IFNAME,
+    NETNS_DIR,
+    PREFIX,
+    WanError,
+    WanUnavailable,
+    in_netns,
+    namespace_exists,
+    netns_pids,
+    read_netdev,
+    remove_stale_namespaces,
+    run_command,
+    unavailable_reason,
+)
+
+__all__ = ["IFNAME", "NETNS_DIR", "PREFIX", "SUBNET", "CounterSampler", "EmulatedWan", "LinkShape", "WanError",
+           "WanUnavailable", "namespace_exists", "remove_stale_namespaces", "unavailable_reason"]
+
 SUBNET = "10.77.0"  # island i is 10.77.0.(i+1)/24; private, and only inside this module's namespaces
 MAX_ISLANDS = 250
-
-_CLONE_NEWNET = 0x40000000
-_TUNSETIFF = 0x400454CA
-_IFF_TUN = 0x0001
-_IFF_NO_PI = 0x1000
-_ETH_P_IP = 0x0800
-_STALE = re.compile(rf"^{PREFIX}-(?:probe-)?(\d+)-[0-9a-f]+(?:-|$)")
-
-T = TypeVar("T")
-
-
-class WanUnavailable(Exception):
-    """The emulated WAN cannot be built on this machine; the message is one line saying why."""
-
-
-class WanError(RuntimeError):
-    """A command that builds or removes the emulated WAN failed; the message names it and its error."""
-
-
-def _run(*cmd: str, check: bool = True) -> str:
-    """Run an iproute2 command; return its stdout. Raises :class:`WanError` when it fails (``check``)."""
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise WanError(f"'{' '.join(cmd)}' failed: {e}") from None
-    if check and r.returncode != 0:
-        raise WanError(f"'{' '.join(cmd)}' failed: {(r.stderr or r.stdout).strip() or r.returncode}")
-    return r.stdout
-
-
-@functools.lru_cache(maxsize=1)
-def unavailable_reason() -> str | None:
-    """Why an emulated WAN cannot be built here (one line), or None when it can.
-
-    Checks root, the ``ip`` and ``tc`` commands, and then really builds a scratch namespace with a veth
-    pair, a bridge and a ``tbf`` qdisc (and removes it), since containers often refuse one of them.
-    """
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth pairs and tc); run it as root, e.g. with sudo"
-    missing = [c for c in ("ip", "tc") if shutil.which(c) is None]
-    if missing:
-        return f"needs iproute2 ('{' and '.join(missing)}' not found); install iproute2"
-    name = f"{PREFIX}-probe-{os.getpid()}-{secrets.token_hex(2)}"
-    try:
-        _run("ip", "netns", "add", name)
-    except WanError as e:
-        return f"'ip netns' is unavailable here ({e})"
-    try:
-        _run("ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
-        _run("ip", "-n", name, "link", "add", "br0", "type", "bridge")
-        _run("tc", "-n", name, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "10mbit", "burst", "32768",
-             "latency", "100ms")
-    except WanError as e:
-        return f"namespaces work but veth, bridge or tc tbf do not ({e})"
-    finally:
-        _run("ip", "netns", "del", name, check=False)
-    return None
-
-
-# ----------------------------------------------------------------------------------------------------------
-# entering a namespace from one thread (network namespaces are per thread)
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    if _libc().setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-def _open_netns(name: str) -> int:
-    return os.open(NETNS_DIR / name, os.O_RDONLY)
-
-
-def in_netns(name: str, fn: Callable[[], T]) -> T:
-    """``fn()`` called on a short-lived thread that joined network namespace ``name``; its result.
-
-    Sockets and TUN devices it creates belong to that namespace (and stay usable from any thread).
-    """
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            fd = _open_netns(name)
-            try:
-                _setns(fd)
-            finally:
-                os.close(fd)
-            box["value"] = fn()
-        except BaseException as e:  # handed to the caller
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name=f"atoll-netns-{name}", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _read_netdev() -> dict[str, dict[str, int]]:
-    """``/proc/net/dev`` of the calling thread's namespace: per interface rx/tx bytes and packets."""
-    out: dict[str, dict[str, int]] = {}
-    with open("/proc/thread-self/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, _, rest = line.partition(":")
-            v = [int(x) for x in rest.split()]
-            out[name.strip()] = {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8], "tx_packets": v[9]}
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the delay forwarder
-
-
-class _DelayLine:
-    """One island's one-way delay: packets read from its TUN device leave through its veth ``delay_s`` later.
-
-    A reader thread takes packets from the TUN device as the kernel routes them there; a sender thread
-    sends each at its due time through a packet socket on ``wan0`` (so it passes the island's ``tbf``),
-    addressed to the MAC of the island that owns the destination address. A packet the ``tbf`` queue
-    refuses is dropped, as on a real link, and counted.
-    """
-
-    def __init__(self, island: int, tun: int, sock: socket.socket, delay_s: float,
-                 macs: dict[bytes, bytes]) -> None:
-        self.island, self.tun, self.sock, self.delay_s, self.macs = island, tun, sock, delay_s, macs
-        self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
-        self.ready = threading.Condition()
-        self.stopped = threading.Event()
-        self.forwarded = self.dropped = self.unroutable = 0
-        self.threads = [threading.Thread(target=self._read, name=f"atoll-delay-read{island}", daemon=True),
-                        threading.Thread(target=self._send, name=f"atoll-delay-send{island}", daemon=True)]
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def _read(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                readable, _, _ = select.select([self.tun], [], [], 0.2)
-            except (OSError, ValueError):
-                return
-            while readable:
-                try:
-                    packet = os.read(self.tun, 65536)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    return
-                with self.ready:
-                    self.queue.append((time.monotonic() + self.delay_s, packet))
-                    self.ready.notify()
-
-    def _send(self) -> None:
-        while True:
-            with self.ready:
-                while not self.queue and not self.stopped.is_set():
-                    self.ready.wait(0.2)
-                if self.stopped.is_set():
-                    return
-                due, packet = self.queue[0]
-            wait = due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            with self.ready:
-                self.queue.popleft()
-            mac = self.macs.get(packet[16:20]) if len(packet) >= 20 and packet[0] >> 4 == 4 else None
-            if mac is None:
-                self.unroutable += 1
-                continue
-            try:
-                self.sock.sendto(packet, (IFNAME, _ETH_P_IP, 0, 1, mac))
-                self.forwarded += 1
-            except OSError:
-                self.dropped += 1
-
-    def stop(self) -> None:
-        self.stopped.set()
-        with self.ready:
-            self.ready.notify_all()
-        for t in self.threads:
-            t.join(timeout=5)
-        with contextlib.suppress(OSError):
-            os.close(self.tun)
-        self.sock.close()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# interface counters over time
-
-
-class CounterSampler:
-    """Samples every island's ``wan0`` counters every ``interval_s`` seconds on a thread of its own.
-
-    ``samples`` holds ``(time.time(), [tx_bytes per island], [rx_bytes per island])``; :meth:`at` reads a
-    counter at any moment by linear interpolation (the clock is the one ``metrics.jsonl`` uses).
-    """
-
-    def __init__(self, namespaces: Sequence[str], interval_s: float = 0.05) -> None:
-        self.namespaces, self.interval_s = list(namespaces), interval_s
-        self.samples: list[tuple[float, list[int], list[int]]] = []
-        self.stopped = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="atoll-wan-sampler", daemon=True)
-
-    def start(self) -> CounterSampler:
-        self.thread.start()
-        while not self.samples and self.thread.is_alive():
-            time.sleep(0.01)
-        if self.error is not None:
-            raise WanError(f"reading interface counters failed: {self.error}")
-        return self
-
-    def _run(self) -> None:
-        fds = [_open_netns(n) for n in self.namespaces]
-        try:
-            while True:
-                tx, rx = [], []
-                for fd in fds:
-                    _setns(fd)  # this thread only
-                    dev = _read_netdev()[IFNAME]
-                    tx.append(dev["tx_bytes"])
-                    rx.append(dev["rx_bytes"])
-                self.samples.append((time.time(), tx, rx))
-                if self.stopped.wait(self.interval_s):
-                    return
-        except BaseException as e:
-            self.error = e
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(timeout=10)
-
-    def at(self, t: float, island: int, key: str = "tx", after: bool = False) -> float:
-        """The ``tx`` (or ``rx``) byte counter of ``island`` at time ``t``.
-
-        Interpolated linearly between the samples around ``t``; with ``after``, the first sample taken at
-        or after ``t`` (right for a moment the link falls idle: everything sent before it is counted).
-        """
-        if not self.samples:
-            raise WanError("no interface counter samples were taken")
-        idx = 1 if key == "tx" else 2
-        times = [s[0] for s in self.samples]
-        j = bisect.bisect_left(times, t)
-        if j >= len(times):
-            return float(self.samples[-1][idx][island])
-        if j == 0 or after:
-            return float(self.samples[j][idx][island])
-        (t0, *a), (t1, *b) = self.samples[j - 1], self.samples[j]
-        v0, v1 = a[idx - 1][island], b[idx - 1][island]
-        return v0 + (v1 - v0) * (t - t0) / max(1e-9, t1 - t0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -359,31 +108,6 @@ class LinkShape:
                 "latency", f"{self.tbf_latency_ms:g}ms"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _netns_pids(name: str) -> list[int]:
-    return [int(p) for p in _run("ip", "netns", "pids", name, check=False).split()]
-
-
-def remove_stale_namespaces() -> list[str]:
-    """Delete namespaces of this module whose creating process is gone and that hold no process; their names."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in sorted(os.listdir(NETNS_DIR)):
-            m = _STALE.match(entry)
-            if m and not _alive(int(m.group(1))) and not _netns_pids(entry):
-                _run("ip", "netns", "del", entry, check=False)
-                removed.append(entry)
-    return removed
-
 
 class EmulatedWan:
     """One namespace per island, each joined to a bridge by a shaped veth pair (see the module docstring).
@@ -411,7 +135,7 @@ class EmulatedWan:
         self.island_ns = [f"{self.prefix}-i{i}" for i in range(islands)]
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
-        self._delay: list[_DelayLine] = []
+        self._delay: list[DelayLine] = []
         self._samplers: list[CounterSampler] = []
         self._old_sigterm: Any = None
         self._closed = False
@@ -453,29 +177,29 @@ class EmulatedWan:
         self.close()
 
     def _add_netns(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
+        run_command("ip", "netns", "add", name)
         self._created.append(name)
 
     def _build(self) -> None:
         shape, br = self.shape, self.bridge_ns
         self._add_netns(br)
-        _run("ip", "-n", br, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", br, "link", "set", "br0", "up")
+        run_command("ip", "-n", br, "link", "add", "br0", "type", "bridge")
+        run_command("ip", "-n", br, "link", "set", "br0", "up")
         for i, ns in enumerate(self.island_ns):
             self._add_netns(ns)
             peer = f"i{i}"
-            _run("ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", peer, "netns", br)
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            run_command("ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", peer, "netns", br)
+            run_command("ip", "-n", ns, "link", "set", "lo", "up")
             # no segmentation offload: the link carries and counts MTU-sized packets, as a real one does
-            _run("ip", "-n", ns, "link", "set", IFNAME, "address", self.island_mac(i), "mtu", str(shape.mtu),
-                 "gso_max_segs", "1")
-            _run("ip", "-n", br, "link", "set", peer, "mtu", str(shape.mtu), "gso_max_segs", "1", "master", "br0")
+            run_command("ip", "-n", ns, "link", "set", IFNAME, "address", self.island_mac(i), "mtu",
+                        str(shape.mtu), "gso_max_segs", "1")
+            run_command("ip", "-n", br, "link", "set", peer, "mtu", str(shape.mtu), "gso_max_segs", "1", "master", "br0")
             addr = ["ip", "-n", ns, "addr", "add", f"{self.island_ip(i)}/24", "dev", IFNAME]
-            _run(*addr, *(["noprefixroute"] if shape.delay_ms > 0 else []))
-            _run("tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", *shape.tbf_args())  # upload
-            _run("tc", "-n", br, "qdisc", "add", "dev", peer, "root", *shape.tbf_args())  # download
-            _run("ip", "-n", ns, "link", "set", IFNAME, "up")
-            _run("ip", "-n", br, "link", "set", peer, "up")
+            run_command(*addr, *(["noprefixroute"] if shape.delay_ms > 0 else []))
+            run_command("tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", *shape.tbf_args())  # upload
+            run_command("tc", "-n", br, "qdisc", "add", "dev", peer, "root", *shape.tbf_args())  # download
+            run_command("ip", "-n", ns, "link", "set", IFNAME, "up")
+            run_command("ip", "-n", br, "link", "set", peer, "up")
         if shape.delay_ms > 0:
             self._build_delay()
 
@@ -483,25 +207,12 @@ class EmulatedWan:
         macs = {socket.inet_aton(self.island_ip(i)): bytes.fromhex(self.island_mac(i).replace(":", ""))
                 for i in range(self.islands)}
 
-        def make_tun() -> tuple[int, socket.socket]:
-            tun = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
-            try:
-                fcntl.ioctl(tun, _TUNSETIFF, struct.pack("16sH", TUN_IFNAME.encode(), _IFF_TUN | _IFF_NO_PI))
-                sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, 0)  # protocol 0: sends only
-            except BaseException:
-                os.close(tun)
-                raise
-            # replies arrive on wan0 but the route back is lat0: loose reverse-path filtering
-            for conf in ("all", "default", IFNAME):
-                Path(f"/proc/sys/net/ipv4/conf/{conf}/rp_filter").write_text("0")
-            return tun, sock
-
         for i, ns in enumerate(self.island_ns):
-            tun, sock = in_netns(ns, make_tun)
-            line = _DelayLine(i, tun, sock, self.shape.delay_ms / 1000.0, macs)
+            tun, sock = in_netns(ns, open_tun)
+            line = DelayLine(i, tun, sock, self.shape.delay_ms / 1000.0, macs)
             self._delay.append(line)
-            _run("ip", "-n", ns, "link", "set", TUN_IFNAME, "mtu", str(self.shape.mtu), "up")
-            _run("ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", TUN_IFNAME, "src", self.island_ip(i))
+            run_command("ip", "-n", ns, "link", "set", TUN_IFNAME, "mtu", str(self.shape.mtu), "up")
+            run_command("ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", TUN_IFNAME, "src", self.island_ip(i))
             line.start()
 
     # --- using ---------------------------------------------------------------------------------------
@@ -517,7 +228,7 @@ class EmulatedWan:
 
     def counters(self) -> list[dict[str, int]]:
         """Each island's ``wan0`` counters now: ``rx_bytes``, ``rx_packets``, ``tx_bytes``, ``tx_packets``."""
-        return [in_netns(ns, lambda: _read_netdev()[IFNAME]) for ns in self.island_ns]
+        return [in_netns(ns, lambda: read_netdev()[IFNAME]) for ns in self.island_ns]
 
     def qdisc_stats(self) -> list[dict[str, int]]:
         """Bytes, packets and drops of each island's upload and download ``tbf``."""
@@ -525,7 +236,7 @@ class EmulatedWan:
         for i, ns in enumerate(self.island_ns):
             row = {}
             for side, where, dev in (("up", ns, IFNAME), ("down", self.bridge_ns, f"i{i}")):
-                text = _run("tc", "-n", where, "-s", "qdisc", "show", "dev", dev)
+                text = run_command("tc", "-n", where, "-s", "qdisc", "show", "dev", dev)
                 m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+)", text)
                 if m:
                     row.update({f"{side}_bytes": int(m[1]), f"{side}_packets": int(m[2]),
@@ -559,14 +270,14 @@ class EmulatedWan:
             d.stop()
         _end_processes(self._procs)
         for ns in self._created:
-            pids = _netns_pids(ns)  # anything else left in our namespaces (started through them)
+            pids = netns_pids(ns)  # anything else left in our namespaces (started through them)
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         for ns in reversed(self._created):
             for attempt in range(20):
                 try:
-                    _run("ip", "netns", "del", ns)
+                    run_command("ip", "netns", "del", ns)
                     break
                 except WanError as e:
                     if not (NETNS_DIR / ns).exists():
@@ -598,8 +309,3 @@ def _end_processes(procs: Sequence[subprocess.Popen], grace_s: float = 5.0) -> N
 
 def _sigterm_to_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def namespace_exists(name: str) -> bool:
-    """True when ``ip netns`` still lists ``name``."""
-    return (NETNS_DIR / name).exists()

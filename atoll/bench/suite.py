@@ -17,20 +17,20 @@ Writes into ``--out`` (default ``bench/out/suite``): one atoll run folder per ru
 against ddp, simulated wall time and compute utilization at each bandwidth, goodput under the standard
 failure trace where the strategy reports one), ``suite.png`` (loss, bytes, utilization and wall time
 against bandwidth) and ``loss_curves.png`` (held-out loss of every run against tokens and simulated time).
-A finished run whose ``config.json`` matches is reused; ``--fresh`` reruns all.
+A finished run whose ``config.json`` matches (with its clock trace) is reused
+(:func:`atoll.bench.common.train_once`); ``--fresh`` reruns all. A folder in ``--out`` named like a run but
+not written by atoll is never removed: the suite stops with one line (status 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from atoll.analysis.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
+from atoll.bench.common import Column, train_once, write_results
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
@@ -129,31 +129,6 @@ def available(settings: dict[str, Any]) -> bool:
         return False
 
 
-def run_matches(out: Path, settings: dict[str, Any]) -> bool:
-    """Whether the run folder ``out`` was trained with ``settings`` (each key equal in its ``config.json``)."""
-    try:
-        config = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return all(config.get(k) == (str(v) if isinstance(v, Path) else v) for k, v in settings.items())
-
-
-def train_once(out: Path, settings: dict[str, Any], fresh: bool) -> dict[str, Any]:
-    """Train ``settings`` into ``out``, or reuse the finished run there if its config matches."""
-    from atoll.config import build_config
-    from atoll.strategies.registry import spec
-    from atoll.train import train
-
-    traced = spec(settings["strategy"]).lockstep is not None  # an asynchronous one keeps its own event clock
-    if not fresh and (out / "summary.json").is_file() and (not traced or (out / "clock_trace.json").is_file()) \
-            and run_matches(out, settings):
-        return json.loads((out / "summary.json").read_text())
-    if out.exists():
-        shutil.rmtree(out)
-    print(f"[suite] {out.name}: {settings}", file=sys.stderr, flush=True)
-    return train(build_config(overrides={**settings, "out": str(out)}))
-
-
 def retime(run_dir: Path, summary: dict[str, Any], bandwidth_mbps: float) -> dict[str, float]:
     """Simulated wall time and compute utilization of a finished run at ``bandwidth_mbps`` (same latency)."""
     from atoll.runtime.network import Link, load_trace, replay
@@ -209,50 +184,59 @@ def _bw_label(bw: float) -> str:
     return f"{bw / 1000:g} Gbit/s" if bw >= 1000 else f"{bw:g} Mbit/s"
 
 
-def _cell(v: Any, kind: str) -> str:
-    if v is None:
-        return "-"
-    if kind == "loss":
-        return f"{v:.3f}"
-    if kind == "pct":
-        return f"{v:+.1f}%"
-    if kind == "bytes":
-        from atoll.job.metrics import human_bytes
-
-        return human_bytes(v)
-    if kind == "x":
-        return f"{v:,.0f}x"
-    if kind == "s":
-        return f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
-    if kind == "util":
-        return f"{v:.0%}"
-    return str(v)
+def _loss(v: float) -> str:
+    return f"{v:.3f}"
 
 
-def markdown(results: dict[str, Any], command: str) -> str:
-    """The table of ``results.md``."""
+def _pct(v: float) -> str:
+    return f"{v:+.1f}%"
+
+
+def _bytes(v: float) -> str:
+    from atoll.job.metrics import human_bytes
+
+    return human_bytes(v)
+
+
+def _times(v: float) -> str:
+    return f"{v:,.0f}x"
+
+
+def _seconds(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _wall_util(v: tuple[float | None, float | None]) -> str:
+    return f"{_seconds(v[0])} / {_share(v[1])}"
+
+
+def table(results: dict[str, Any], command: str) -> tuple[list[Column], list[dict[str, Any]], list[str]]:
+    """The columns, rows and notes of ``results.md`` (:func:`atoll.bench.common.markdown_table`)."""
     bws = results["bandwidths_mbps"]
-    head = ["run", "eval loss", "vs ddp", "bytes/island", "less than ddp"]
-    head += [f"wall s / util @{_bw_label(b)}" for b in bws] + ["goodput (failure trace)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    columns: list[Column] = [("run", "label"), ("eval loss", "final_eval_loss", _loss),
+                             ("vs ddp", "gap_vs_ddp_pct", _pct), ("bytes/island", "bytes_sent_per_island", _bytes),
+                             ("less than ddp", "reduction_vs_ddp", _times)]
+    columns += [(f"wall s / util @{_bw_label(b)}", f"wall_util@{b:g}", _wall_util) for b in bws]
+    columns.append(("goodput (failure trace)", "goodput", _share))
+    rows = []
     for r in results["rows"]:
-        if not r["available"]:
-            lines.append(f"| {r['label']} | not available (strategy '{r['strategy']}' not in this atoll) |"
-                         + " |" * (len(head) - 2))
+        if not r["available"]:  # one cell across: the others empty
+            rows.append({"label": r["label"], "final_eval_loss": f"not available (strategy '{r['strategy']}' not in "
+                         "this atoll)", **{c[1]: "" for c in columns[2:]}})
             continue
-        cells = [r["label"], _cell(r["final_eval_loss"], "loss"), _cell(r["gap_vs_ddp_pct"], "pct"),
-                 _cell(r["bytes_sent_per_island"], "bytes"), _cell(r["reduction_vs_ddp"], "x")]
-        cells += [f"{_cell(r[f'sim_wall_s@{b:g}'], 's')} / {_cell(r[f'utilization@{b:g}'], 'util')}" for b in bws]
-        cells.append(_cell(r["goodput"], "util") if r["goodput"] is not None else "-")
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append({**r, **{f"wall_util@{b:g}": (r[f"sim_wall_s@{b:g}"], r[f"utilization@{b:g}"]) for b in bws}})
     first = next((r for r in results["rows"] if r["available"] and r["islands"] > 1), None)
-    lines += ["", f"Equal tokens: {first['steps']} inner steps per island ({first['tokens']:,} tokens for {first['islands']} islands). "
-              "Wall time: the run's clock trace re-timed at each bandwidth (10 ms latency); decoupled runs on its own "
-              "event clock (a fixed simulated step), not re-timed. Goodput under the standard failure trace (each "
-              "island down about 10% of the time, seeded): trained for decoupled (its plain row: without failures), "
-              "replayed on the failure-free clock for the synchronous strategies (atoll.bench.suite.synchronous_goodput).",
-              f"command: {command}"] if first else [f"command: {command}"]
-    return "\n".join(lines) + "\n"
+    notes = [f"Equal tokens: {first['steps']} inner steps per island ({first['tokens']:,} tokens for "
+             f"{first['islands']} islands). Wall time: the run's clock trace re-timed at each bandwidth (10 ms "
+             "latency); decoupled runs on its own event clock (a fixed simulated step), not re-timed. Goodput under "
+             "the standard failure trace (each island down about 10% of the time, seeded): trained for decoupled "
+             "(its plain row: without failures), replayed on the failure-free clock for the synchronous strategies "
+             "(atoll.bench.suite.synchronous_goodput)."] if first else []
+    return columns, rows, [*notes, f"command: {command}"]
 
 
 def plot(results: dict[str, Any], out_png: Path) -> Path:
@@ -322,26 +306,20 @@ def run_suite(args: argparse.Namespace) -> int:
         if not available(s):
             print(f"[suite] {name}: not available (strategy '{s['strategy']}' is not in this atoll)", file=sys.stderr)
             continue
-        summaries[name] = train_once(suite_dir / name, s, args.fresh)
+        summaries[name] = train_once(suite_dir, name, args.fresh, tag="suite", **s)
     if not summaries:
         raise AtollError("suite: no run was available to run; check --only")
     command = "atoll bench suite" + (" --quick" if args.quick else "") + (
         f" --steps {args.steps}" if args.steps else "")
     results = collect(suite_dir, names, summaries, used)
     results["command"] = command
-    (suite_dir / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
-    table = markdown(results, command)
-    (suite_dir / "results.md").write_text(table)
+    columns, rows, notes = table(results, command)
+    text = write_results(suite_dir, results, columns, rows, notes=notes, bullets=False)
     plot(results, suite_dir / "suite.png")
     from atoll.job.report import plot_runs
 
     plot_runs([suite_dir / n for n in names if n in summaries], suite_dir / "loss_curves.png")
-    print(table)
+    print(text)
     print(f"wrote {suite_dir}/results.json, results.md, suite.png, loss_curves.png")
     return 0
 
-
-def _json_default(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return str(v)

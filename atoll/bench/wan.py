@@ -18,37 +18,37 @@ benchmark) and the last H boundary, so start-up and the first round are left out
 pro rata of steps); bytes per island counted by atoll (``bytes_sent_per_island``) over the window; and the
 bytes each island's interface sent over the same window (``/proc/net/dev`` of its namespace, sampled every
 0.05 s; at the events' timestamps the first sample after them for diloco, whose link is then idle,
-interpolated for ddp, whose link never is), with their ratio. The interfaces also carry TCP/IP and
-Ethernet headers (about 5% at a 1500-byte MTU), the ACKs of the bytes received, heartbeats and the counters
-that atoll does not count. Events come every 10 inner steps, so H must be a multiple of 10; two outer rounds
-in the window need ``steps >= 3 H``.
+interpolated for ddp, whose link never is), with their ratio (:mod:`atoll.bench.wan_report`). The interfaces
+also carry TCP/IP and Ethernet headers (about 5% at a 1500-byte MTU), the ACKs of the bytes received,
+heartbeats and the counters that atoll does not count. Events come every 10 inner steps, so H must be a
+multiple of 10; two outer rounds in the window need ``steps >= 3 H``.
 
 Writes ``<out>/<run>/`` (an atoll run folder, plus ``rank<N>.log`` and ``wan.json``), ``<out>/results.json``
 and ``<out>/results.md``, and prints the table. A run whose ``wan.json`` exists is reused (``--fresh``
-reruns it). Not root, or no usable ``ip netns``: one line, ``atoll bench wan: skipped: <why>``, status 0.
+reruns it); a run's folder is removed before a rerun only if atoll wrote it (otherwise: one line, status 2).
+Not root, or no usable ``ip netns``: one line, ``atoll bench wan: skipped: <why>``, status 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from atoll.bench.common import clear_run_dir, default_out
 from atoll.bench.netns import (
     IFNAME,
-    CounterSampler,
     EmulatedWan,
     LinkShape,
     WanError,
     WanUnavailable,
     unavailable_reason,
 )
+from atoll.bench.wan_report import steady_state, write_report
 
 LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
 MASTER_PORT = 29500  # free: island 0's namespace holds nothing else
@@ -175,62 +175,6 @@ def run_in_wan(wan: EmulatedWan, settings: dict[str, Any], out: Path, timeout_s:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# steady state
-
-
-def steady_state(events: list[dict[str, Any]], summary: dict[str, Any], sampler: CounterSampler,
-                 strategy: str, sync_every: int, warmup_step: int) -> dict[str, Any]:
-    """Tokens/s, utilization and bytes over the steady-state window of one run (see the module docstring).
-
-    Args:
-        events: the run's ``train`` events (``step``, ``time``, ``tokens``, ``bytes_sent_per_island``).
-        summary: its ``summary.json`` (``steps``, ``compute_s``, ``islands``).
-        sampler: its interface counters.
-        strategy, sync_every: the run's strategy and H.
-        warmup_step: for ``ddp``, the step the window starts at (the benchmark's smallest H).
-    """
-    by_step = {int(e["step"]): e for e in events}
-    logged = sorted(by_step)
-    if strategy == "diloco":
-        bounds = [s for s in logged if s % sync_every == 0]
-        start, end = (bounds[0], bounds[-1]) if bounds else (logged[0], logged[-1])
-        round_steps = sync_every
-    else:
-        start = next((s for s in logged if s >= warmup_step), logged[0])
-        end, round_steps = logged[-1], 1
-    note = "steady state"
-    if start >= end:  # too few steps for a window past the first round: the whole logged run
-        start, end, note = logged[0], logged[-1], "whole run (too few steps for a steady-state window)"
-    if start == end:
-        return {"window": "none (fewer than two train events: run more steps)", "window_steps": [start, end],
-                "tokens_per_s": None, "steady_utilization": None, "iface_over_atoll": []}
-    a, b = by_step[start], by_step[end]
-    dt = max(1e-9, b["time"] - a["time"])
-    islands = int(summary["islands"])
-    counted = b["bytes_sent_per_island"] - a["bytes_sent_per_island"]
-    # diloco's link is idle after a boundary event (both islands finished the exchange, then the counters'
-    # all-reduce): read the first sample after it. ddp's is always busy: interpolate.
-    after = strategy == "diloco" and note == "steady state"
-
-    def delta(i: int, key: str) -> float:
-        return sampler.at(b["time"], i, key, after) - sampler.at(a["time"], i, key, after)
-
-    seen = [delta(i, "tx") for i in range(islands)]
-    seen_rx = [delta(i, "rx") for i in range(islands)]
-    compute = summary["compute_s"] * (end - start) / summary["steps"]
-    first, last = sampler.samples[0], sampler.samples[-1]
-    return {
-        "window": note, "window_steps": [start, end], "window_rounds": (end - start) / round_steps,
-        "window_s": dt, "tokens_per_s": (b["tokens"] - a["tokens"]) / dt,
-        "steady_utilization": min(1.0, compute / dt),
-        "atoll_bytes_per_island": counted,
-        "iface_tx_bytes_per_island": seen, "iface_rx_bytes_per_island": seen_rx,
-        "iface_over_atoll": [s / counted if counted else None for s in seen],
-        "run_iface_tx_bytes_per_island": [last[1][i] - first[1][i] for i in range(islands)],
-    }
-
-
-# ----------------------------------------------------------------------------------------------------------
 # the benchmark
 
 
@@ -274,8 +218,7 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
     cached = out / "wan.json"
     if cached.is_file() and not args.fresh:
         return json.loads(cached.read_text())
-    if out.exists():
-        shutil.rmtree(out)
+    clear_run_dir(out, markers=("wan.json", "rank0.log"))  # never a folder atoll did not write
     settings = _settings(args, strategy, h)
     print(f"[wan] {name}: {settings['steps']} steps at {mbps:g} Mbit/s"
           + (f", {args.delay_ms:g} ms one-way" if args.delay_ms else ""), file=sys.stderr, flush=True)
@@ -302,75 +245,6 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
     else:
         print(f"[wan] {name} failed: {res['error']}", file=sys.stderr, flush=True)
     return row
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        if abs(v) >= 1e6:
-            return f"{v / 1e6:,.2f} M"
-        if abs(v) >= 100:
-            return f"{v:,.0f}"
-        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-    if isinstance(v, list):
-        return " / ".join(_fmt(x) for x in v)
-    return str(v)
-
-
-COLUMNS = [("run", "run"), ("Mbit/s", "mbps"), ("H", "H"), ("steps", "steps"), ("window steps", "window_steps"),
-           ("rounds", "window_rounds"), ("tokens/s", "tokens_per_s"), ("x ddp", "speedup_vs_ddp"),
-           ("utilization", "steady_utilization"), ("bytes/island (atoll)", "atoll_bytes_per_island"),
-           ("bytes/island (iface tx)", "iface_tx_bytes_per_island"), ("iface/atoll", "iface_over_atoll"),
-           ("eval loss", "final_eval_loss"), ("wall s", "wall_s")]
-
-
-def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, where the runs they need exist: ratio, speed-up at 10 Mbit/s, utilization at 100."""
-    out: dict[str, Any] = {}
-    ok = [r for r in rows if r.get("ok") and r.get("tokens_per_s")]
-    for r in ok:
-        if r["strategy"] == "diloco" and r["mbps"] == 10:
-            out[f"10mbit_diloco_H{r['H']}_speedup_vs_ddp"] = r.get("speedup_vs_ddp")
-        if r["strategy"] == "diloco" and r["mbps"] == 100:
-            out[f"100mbit_diloco_H{r['H']}_utilization"] = r["steady_utilization"]
-    ratios = [x for r in ok for x in r["iface_over_atoll"] if x is not None]
-    if ratios:
-        out["iface_over_atoll_range"] = [min(ratios), max(ratios)]
-    pass_: dict[str, bool] = {}
-    if "10mbit_diloco_H100_speedup_vs_ddp" in out and out["10mbit_diloco_H100_speedup_vs_ddp"] is not None:
-        pass_["10mbit_diloco_H100_at_least_15x_ddp"] = out["10mbit_diloco_H100_speedup_vs_ddp"] >= 15
-    if "100mbit_diloco_H100_utilization" in out:
-        pass_["100mbit_diloco_H100_utilization_at_least_90pct"] = out["100mbit_diloco_H100_utilization"] >= 0.9
-    if ratios:
-        pass_["iface_within_10pct_of_atoll"] = all(abs(x - 1) <= 0.10 for x in ratios)
-    out["pass"] = pass_
-    return out
-
-
-def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """``results.json`` and ``results.md`` in ``out``; returns the Markdown table."""
-    out.mkdir(parents=True, exist_ok=True)
-    found = checks(rows)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows, "checks": found}, indent=2))
-    delay = f", {meta['delay_ms']:g} ms one-way delay" if meta["delay_ms"] else ""
-    lines = [f"### Emulated WAN: {meta['islands']} islands of the {meta['model']} model, collective runtime, "
-             f"tc tbf links{delay}", "",
-             "| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    for r in rows:
-        cells = [_fmt(r.get(k)) if r.get("ok") or k in ("run", "mbps", "H", "steps") else
-                 ("FAILED" if k == "window_steps" else "-") for _, k in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"- checks: {json.dumps(found)}",
-              "- tokens/s, utilization and bytes over the steady-state window (from the end of the first "
-              "outer round to the last H boundary; ddp: from the smallest H); iface = bytes the island's "
-              "veth sent (with TCP/IP headers, ACKs, heartbeats), one value per island",
-              f"- command: {meta['command']}"]
-    table = "\n".join(lines) + "\n"
-    (out / "results.md").write_text(table)
-    return table
 
 
 def _command_line() -> str:
@@ -418,6 +292,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     except (WanUnavailable, WanError) as e:
         print(f"atoll bench wan: {'skipped' if isinstance(e, WanUnavailable) else 'error'}: {e}")
         return 0 if isinstance(e, WanUnavailable) else 1
+    except AtollError as e:  # e.g. a run's folder in --out that atoll did not write
+        print(f"atoll: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("atoll bench wan: interrupted; the emulated network was removed; finished runs are kept and "
               "reused by the next call", file=sys.stderr)
@@ -425,15 +302,15 @@ def run_benchmark(args: argparse.Namespace) -> int:
     meta = {"islands": args.islands, "model": args.model, "delay_ms": args.delay_ms,
             "tbf_latency_ms": args.tbf_latency_ms, "mtu": args.mtu,
             "command": _command_line()}
-    table = write_results(args.out, rows, meta)
+    table = write_report(args.out, rows, meta)
     print(table)
     return 0 if all(r["ok"] for r in rows) else 1
 
 
-def main(argv: list[str] | None = None, default_out: Path | None = None) -> int:
-    """``python bench/wan.py``: parse the flags, run the benchmark; the exit status."""
+def main(argv: list[str] | None = None) -> int:
+    """``python bench/wan.py``: parse the flags (``--out`` defaults to the repository's ``bench/out/wan``), run
+    the benchmark; the exit status."""
     parser = argparse.ArgumentParser(prog="bench/wan.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    if default_out is not None:
-        parser.set_defaults(out=default_out)
+    parser.set_defaults(out=default_out("wan"))
     return run_benchmark(parser.parse_args(argv))

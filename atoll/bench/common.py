@@ -1,0 +1,275 @@
+"""What every benchmark shares: one run cache, one results writer, the common flags.
+
+Not launched by itself; used by ``atoll bench suite`` (:mod:`atoll.bench.suite`), ``atoll bench wan``
+(:mod:`atoll.bench.wan`) and the scripts under the repository's ``bench/`` folder (``python bench/<name>.py``,
+whose bodies are :mod:`atoll.bench.diloco_vs_ddp`, ``streaming_codecs``, ``demo_sweep``, ``decoupled``,
+``overhead`` and ``same_numbers``).
+
+A benchmark writes ``<out>/<run>/`` (a normal atoll run folder) for every run, then ``<out>/results.json``
+and ``<out>/results.md``. :func:`train_once` trains a run or reuses the finished one already there when
+its ``config.json`` matches, so an interrupted benchmark continues where it stopped (``--fresh`` reruns
+everything); two benchmark processes that need the same run take turns through a lock file, and the second
+reuses the first's run. It never deletes a folder that atoll did not write (:func:`clear_run_dir`).
+:func:`write_results` writes ``results.json`` and the Markdown table of ``results.md``.
+
+It imports the training code only when a run trains: ``atoll --help`` reaches it through the suite's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from atoll.errors import ConfigError
+
+#: files and folders that only an atoll run folder holds; a folder with none of them is not atoll's
+RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+
+#: a column of a results table: (header, key) or (header, key, formatter of the key's value)
+Column = tuple[str, str] | tuple[str, str, Callable[[Any], str]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# where results go
+
+
+def default_out(name: str) -> Path:
+    """``bench/out/<name>`` of the repository: the default output folder of the script ``bench/<name>.py``.
+
+    The repository is the one of the launcher being run (``python bench/<script>.py``: the folder beside it),
+    else the checkout this package is imported from (an editable install), else ``bench/out/<name>`` under
+    the current folder.
+    """
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else Path()
+    if script.parent.name == "bench" and (script.parent.parent / "pyproject.toml").is_file():
+        return script.parent / "out" / name
+    repo = Path(__file__).resolve().parents[2]
+    if (repo / "bench").is_dir() and (repo / "pyproject.toml").is_file():
+        return repo / "bench" / "out" / name
+    return Path("bench") / "out" / name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# flags
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, name: str, steps: int = 600,
+                         steps_help: str = "inner steps per island") -> None:
+    """``--fresh``, ``--steps`` (default ``steps``) and ``--out`` (default None: :func:`default_out` ``(name)``)."""
+    parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring cached summaries")
+    parser.add_argument("--steps", type=int, default=steps, help=f"{steps_help} [{steps}]")
+    parser.add_argument("--out", type=Path, default=None, help=f"output folder [bench/out/{name}]")
+
+
+def parse_args(description: str, name: str, argv: Sequence[str] | None = None, table_steps: bool = False,
+               sweep_steps: bool = False) -> argparse.Namespace:
+    """The flags of a script that trains runs: optionally ``--sweep-steps`` and ``--table-steps``, then
+    :func:`add_common_arguments`. ``argv``: the arguments (default ``sys.argv[1:]``)."""
+    parser = argparse.ArgumentParser(description=description)
+    if sweep_steps:
+        parser.add_argument("--sweep-steps", type=int, default=None, help="inner steps of the sweeps")
+    if table_steps:
+        parser.add_argument("--table-steps", type=int, default=None, help="inner steps of the codec table")
+    add_common_arguments(parser, name)
+    return parser.parse_args(argv)
+
+
+def script_error(prog: str, error: Exception) -> int:
+    """Print ``<prog>: error: <message>`` (one line) on stderr; return 2, the exit status of bad input."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    return 2
+
+
+def pct(a: float, b: float) -> float:
+    """Relative gap of ``a`` against ``b`` in percent (positive: ``a`` is worse for a loss)."""
+    return 100.0 * (a - b) / b
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the run cache
+
+
+def is_atoll_run(path: Path) -> bool:
+    """Whether the folder ``path`` holds an atoll run's files (:data:`RUN_MARKERS`: ``config.json``,
+    ``metrics.jsonl`` or ``checkpoints/``)."""
+    return path.is_dir() and not path.is_symlink() and any((path / m).exists() for m in RUN_MARKERS)
+
+
+def clear_run_dir(path: Path, markers: Sequence[str] = ()) -> None:
+    """Remove the run folder ``path`` before training it again, if it exists.
+
+    Only a folder that atoll wrote is removed: one holding an atoll run's files (:data:`RUN_MARKERS`, or
+    one of ``markers``, names of files a benchmark writes there itself), or an empty one. Anything else is
+    left untouched.
+
+    Raises:
+        ConfigError: ``path`` exists and is not an atoll run folder (one line, naming it).
+    """
+    if not path.exists() and not path.is_symlink():
+        return
+    ours = is_atoll_run(path) or (path.is_dir() and not path.is_symlink()
+                                  and (not any(path.iterdir()) or any((path / m).exists() for m in markers)))
+    if not ours:
+        raise ConfigError(f"out: '{path}' exists and is not an atoll run folder (no config.json, metrics.jsonl or "
+                          "checkpoints/), so it was left untouched; move it away or pass another --out")
+    shutil.rmtree(path)
+
+
+def run_matches(out: Path, settings: dict[str, Any]) -> bool:
+    """Whether the run folder ``out`` was trained with ``settings`` (each key equal in its ``config.json``)."""
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return all(config.get(k) == (str(v) if isinstance(v, Path) else v) for k, v in settings.items())
+
+
+def finished(out: Path, settings: dict[str, Any]) -> bool:
+    """Whether ``out`` holds a finished run of ``settings``: its ``summary.json``, a matching ``config.json``
+    and, for a lockstep strategy on the ``local`` runtime, its ``clock_trace.json`` (which re-timing needs; an
+    asynchronous strategy keeps its own event clock)."""
+    from atoll.config import TrainConfig
+    from atoll.strategies.registry import spec
+
+    strategy = settings.get("strategy", TrainConfig.model_fields["strategy"].default)
+    runtime = settings.get("runtime", TrainConfig.model_fields["runtime"].default)
+    traced = spec(strategy).lockstep is not None and runtime == "local"
+    return (out / "summary.json").is_file() and (not traced or (out / "clock_trace.json").is_file()) \
+        and run_matches(out, settings)
+
+
+def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "bench",
+               **settings: Any) -> dict[str, Any]:
+    """Train ``settings`` into ``suite_dir/name``, or reuse the finished run there; return its summary.
+
+    The run is reused when :func:`finished` (and not ``fresh``). Another process training the same run holds
+    the lock file ``suite_dir/.<name>.lock`` (its pid); this one waits for it, then reuses its run. Before
+    training, a previous folder is removed only if atoll wrote it (:func:`clear_run_dir`). Every run trains
+    with one torch thread and no progress bar unless ``settings`` say otherwise: benchmarks often share the
+    cores with another run, and two OpenMP pools spinning on 2 cores slow both many-fold.
+
+    Args:
+        suite_dir: the benchmark's output folder.
+        name: the run's folder name in it.
+        fresh: train again even when a finished run matches.
+        tag: the prefix of the line printed on stderr before training (``[tag] name: settings``).
+        settings: TrainConfig fields (``out`` is set here); they are what ``config.json`` must match.
+
+    Raises:
+        ConfigError: ``suite_dir`` cannot be made, ``suite_dir/name`` is not an atoll run folder, or a setting
+            is invalid.
+    """
+    out = suite_dir / name
+    try:
+        suite_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); "
+                          "pass another --out") from None
+    lock = suite_dir / f".{name}.lock"
+    while True:  # another benchmark process may be training the same run: wait for it, then reuse it
+        if not fresh and finished(out, settings):
+            return json.loads((out / "summary.json").read_text())
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            break
+        except FileExistsError:
+            if not _lock_alive(lock):
+                lock.unlink(missing_ok=True)
+            else:
+                time.sleep(10)
+    try:
+        clear_run_dir(out)
+        print(f"[{tag}] {name}: {settings}", file=sys.stderr, flush=True)
+        from atoll.config import build_config
+        from atoll.train import train
+
+        return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _lock_alive(lock: Path) -> bool:
+    """Whether the process named in ``lock`` still runs."""
+    try:
+        pid = int(lock.read_text() or "0")
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)
+        return True
+    except (ValueError, ProcessLookupError, FileNotFoundError):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the results writer
+
+
+def cell(v: Any, mega_digits: int = 1) -> str:
+    """A table cell: ``-`` for None; a float as ``1.234``, ``12.3``, ``1,234``, and from a million on ``1.2 M``
+    (``mega_digits`` decimals); a list's cells joined by `` / ``; anything else as ``str``."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if abs(v) >= 1e6:
+            return f"{v / 1e6:,.{mega_digits}f} M"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    if isinstance(v, list):
+        return " / ".join(cell(x, mega_digits) for x in v)
+    return str(v)
+
+
+def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]], title: str | None = None,
+                   notes: Sequence[str] = (), bullets: bool = True, fmt: Callable[[Any], str] = cell) -> str:
+    """A Markdown table: ``### title`` (if any), the header and one line per row, then the notes.
+
+    Args:
+        columns: (header, key) or (header, key, formatter): the cell of a row is its value at ``key``,
+            formatted by the column's formatter, else by ``fmt``. None is written ``-`` and a ``str`` as it
+            is (a pre-formatted cell; ``""`` leaves the cell empty).
+        rows: the rows, in order.
+        notes: lines after the table and a blank line; Markdown bullets (``- note``) unless not ``bullets``.
+        fmt: the formatter of columns that name none (default :func:`cell`).
+    """
+
+    def text(row: dict[str, Any], column: Column) -> str:
+        v = row.get(column[1])
+        if v is None:
+            return "-"
+        if isinstance(v, str):
+            return v
+        return (column[2] if len(column) > 2 else fmt)(v)  # type: ignore[misc]
+
+    def line(cells: Sequence[str]) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    lines = [f"### {title}", ""] if title is not None else []
+    lines += [line([c[0] for c in columns]), "|" + "|".join("---" for _ in columns) + "|"]
+    lines += [line([text(row, c) for c in columns]) for row in rows]
+    lines += [""] + [f"- {n}" if bullets else n for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, results: dict[str, Any], columns: Sequence[Column], rows: Sequence[dict[str, Any]],
+                  title: str | None = None, notes: Sequence[str] = (), bullets: bool = True,
+                  fmt: Callable[[Any], str] = cell) -> str:
+    """Write ``results.json`` (``results``, indented; objects JSON cannot hold as strings) and ``results.md``
+    (:func:`markdown_table` of the other arguments) into ``out``; return the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    table = markdown_table(columns, rows, title, notes, bullets, fmt)
+    (out / "results.md").write_text(table)
+    return table

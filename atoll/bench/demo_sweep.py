@@ -1,0 +1,125 @@
+"""DeMo / DisTrO: learning-rate sweep, top-k sweep, against one island, diloco and ddp (issue: DeMo).
+
+    python bench/demo_sweep.py --sweep-steps 150    # about 40 minutes on one core
+
+On the default benchmark (tiny Llama, stdlib corpus, 4 islands), with the ``demo`` strategy's defaults
+(value format ``demo_sign_values``, chunk 64) except what is swept:
+1. sign-SGD needs its own step size: ``demo_lr`` in {1e-3, 3e-3, 1e-2}, top-k 32, at the default cosine floor
+   and ``--sweep-steps`` (default half the steps);
+2. and its own schedule: at the best step size, the floor ``min_lr_ratio`` in {0.1, 1} (1 is a constant rate
+   after warmup);
+3. at the best step size and schedule and ``--sweep-steps``: top-k in {4, 8, 16, 32}, with eval loss and
+   bytes per island per step; and top-k 32 with the other value format (float32 values when sign values
+   are the default, sign values otherwise) for comparison;
+4. at the best step size and schedule and the full steps: top-k 32;
+5. beside them, from bench/diloco_vs_ddp: one island alone, diloco H=50 (about the same bytes as
+   top-k 32) and ddp (run here if missing).
+Run names carry the value format (``sign_...``, ``f32_...``): a run is reused only if its config.json
+matches, and names keep runs of the two formats apart. Writes bench/out/demo_sweep/results.json and
+results.md (``--out``: elsewhere), one atoll run folder per run; a finished run is reused
+(:func:`atoll.bench.common.train_once`), ``--fresh`` reruns all.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from atoll.bench.common import default_out, parse_args, pct, script_error, train_once, write_results
+from atoll.config import build_config
+from atoll.errors import AtollError
+
+LRS = (1e-3, 3e-3, 1e-2)
+TOPKS = (4, 8, 16, 32)
+FLOORS = (0.1, 1.0)
+
+
+def _tag(sign_values: bool) -> str:
+    return "sign" if sign_values else "f32"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python bench/demo_sweep.py [--sweep-steps N] [--steps N] [--out DIR] [--fresh]``; the exit status
+    (2: bad input)."""
+    args = parse_args(__doc__.splitlines()[0], "demo_sweep", argv, sweep_steps=True)
+    try:
+        benchmark(args)
+    except AtollError as e:
+        return script_error("demo_sweep", e)
+    return 0
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    """Train (or reuse) every run, write results.json and results.md, print the table."""
+    suite = args.out or default_out("demo_sweep")
+    steps = args.steps
+    half = args.sweep_steps or steps // 2
+    defaults = build_config(overrides={"strategy": "demo"})
+    sign, floor0, chunk = defaults.demo_sign_values, defaults.min_lr_ratio, defaults.demo_chunk
+
+    def demo(sign_values: bool, lr: float, floor: float, topk: int, n_steps: int) -> dict:
+        name = f"{_tag(sign_values)}_topk_{topk}_lr_{lr:g}_floor_{floor:g}_{n_steps}"
+        return train_once(suite, name, args.fresh, strategy="demo", demo_sign_values=sign_values, demo_lr=lr,
+                          min_lr_ratio=floor, demo_topk=topk, demo_chunk=chunk, steps=n_steps)
+
+    sweep = {lr: demo(sign, lr, floor0, 32, half) for lr in LRS}
+    best_lr = min(sweep, key=lambda lr: sweep[lr]["final_eval_loss"])
+    schedules = {floor: demo(sign, best_lr, floor, 32, half) for floor in FLOORS}
+    best_floor = min(schedules, key=lambda f: schedules[f]["final_eval_loss"])
+    topk_runs = [(sign, k, demo(sign, best_lr, best_floor, k, half)) for k in TOPKS]
+    topk_runs.append((not sign, 32, demo(not sign, best_lr, best_floor, 32, half)))  # the other value format
+    runs = {"topk_32": demo(sign, best_lr, best_floor, 32, steps)}
+
+    # references from bench/diloco_vs_ddp (waits for that benchmark if it is training them)
+    ref_suite = default_out("diloco_vs_ddp")
+    ddp = train_once(ref_suite, "ddp", False, strategy="ddp", steps=steps)
+    one = train_once(ref_suite, "one_island", False, strategy="ddp", islands=1, steps=steps)
+    diloco = train_once(ref_suite, "default_cli" if (ref_suite / "default_cli").exists() else "diloco_H50", False,
+                        strategy="diloco", sync_every=50, steps=steps)
+
+    fmt = _tag(sign)
+    rows = [{"run": f"{fmt}, lr {lr:g}, floor {floor0:g}, top-k 32 ({half} steps)",
+             "final_eval_loss": r["final_eval_loss"]} for lr, r in sweep.items()]
+    rows += [{"run": f"{fmt}, lr {best_lr:g}, floor {floor:g}, top-k 32 ({half} steps)",
+              "final_eval_loss": r["final_eval_loss"]} for floor, r in schedules.items() if floor != floor0]
+    rows += [{"run": f"{_tag(sv)}, lr {best_lr:g}, floor {best_floor:g}, top-k {k} ({half} steps)",
+              "final_eval_loss": r["final_eval_loss"], "bytes_sent_per_island": r["bytes_sent_per_island"],
+              "bytes_per_step": r["bytes_sent_per_island"] / half,
+              "reduction_vs_ddp": r["ddp_bytes_per_island"] / r["bytes_sent_per_island"]}
+             for sv, k, r in topk_runs]
+    for name, r in {f"{fmt} topk_32": runs["topk_32"], "one_island": one, "diloco_H50": diloco, "ddp": ddp}.items():
+        per_step = r["bytes_sent_per_island"] / r["steps"]
+        rows.append({
+            "run": name, "final_eval_loss": r["final_eval_loss"],
+            "gap_vs_ddp_pct": pct(r["final_eval_loss"], ddp["final_eval_loss"]),
+            "bytes_sent_per_island": r["bytes_sent_per_island"], "bytes_per_step": per_step,
+            "reduction_vs_ddp": ddp["bytes_sent_per_island"] / r["bytes_sent_per_island"]
+            if r["bytes_sent_per_island"] else None,
+        })
+    t32 = runs["topk_32"]
+    checks = {
+        "sign_values": sign,
+        "best_demo_lr": best_lr,
+        "best_min_lr_ratio": best_floor,
+        "topk32_loss_by_values_sweep_steps": {_tag(sv): r["final_eval_loss"] for sv, k, r in topk_runs if k == 32},
+        "topk32_beats_one_island": t32["final_eval_loss"] < one["final_eval_loss"],
+        "topk32_beats_diloco_H50": t32["final_eval_loss"] < diloco["final_eval_loss"],
+        "topk32_bytes_vs_diloco_H50": t32["bytes_sent_per_island"] / diloco["bytes_sent_per_island"],
+        "topk32_reduction_vs_ddp_per_step": ddp["bytes_sent_per_island"] / t32["bytes_sent_per_island"],
+        "topk32_at_least_50x_less_than_ddp": ddp["bytes_sent_per_island"] / t32["bytes_sent_per_island"] >= 50,
+        "topk32_gap_vs_ddp_pct": pct(t32["final_eval_loss"], ddp["final_eval_loss"]),
+    }
+    command = "python bench/demo_sweep.py" + (f" --sweep-steps {args.sweep_steps}" if args.sweep_steps else "")
+    table = write_results(
+        suite, {"lr_sweep": {str(k): v for k, v in sweep.items()},
+                "schedule_sweep": {str(k): v for k, v in schedules.items()},
+                "topk_sweep": {f"{_tag(sv)} {k}": r for sv, k, r in topk_runs}, "runs": runs, "rows": rows, "checks": checks},
+        [("run", "run"), ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
+         ("bytes/island", "bytes_sent_per_island"), ("bytes/island/step", "bytes_per_step"),
+         ("reduction vs ddp", "reduction_vs_ddp")],
+        rows, f"DeMo: tiny model, 4 islands, {steps} inner steps (sweeps at {half}); values: "
+              f"{'sign, 2 bits' if sign else 'float32'} unless the row says otherwise",
+        notes=[f"checks: {checks}", f"command: {command}"],
+    )
+    print(table)
+

@@ -1,0 +1,123 @@
+"""Framework overhead: atoll's inner step against a plain PyTorch AdamW loop on the same model and batch.
+
+    python bench/overhead.py                    # tiny model, batch 8 x 128 tokens, 7 rounds of 20 steps each
+    python bench/overhead.py --model micro --rounds 3 --steps 5 --out /tmp/overhead    # a smoke run
+
+The atoll side is what the ``local`` runtime does for one island and one inner step
+(:meth:`atoll.job.island.Island.forward_backward` then :meth:`~atoll.job.island.Island.inner_step`: the timed
+forward and backward, the non-finite check and gradient clipping, AdamW with decay/no-decay groups, the
+warmup-cosine schedule, ``zero_grad``). The plain side is the loop a PyTorch user writes: forward,
+cross-entropy, backward, ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. Both start from the same
+weights, the same batch and the same learning-rate schedule (so their weights agree to round-off, which
+the script checks). Rounds interleave (atoll, plain, plain, atoll, ...: which goes first alternates) so
+machine load hits both alike; the first round of each is a warm-up and is discarded; each reports the
+median seconds per step.
+Writes ``results.json`` and ``results.md`` into ``--out`` (default ``bench/out/overhead`` of the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from atoll.bench.common import default_out, write_results
+from atoll.config import build_config
+from atoll.job.island import cosine_with_warmup, make_island, next_token_loss
+from atoll.job.model import build_model, count_parameters
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="model preset [tiny]")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step [8]")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence [128]")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary [4096]")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds per side, the first discarded [7]")
+    parser.add_argument("--steps", type=int, default=20, help="inner steps per round [20]")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads [1]")
+    parser.add_argument("--out", type=Path, default=default_out("overhead"),
+                        help="output folder [bench/out/overhead]")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python bench/overhead.py [--model M] [--rounds N] [--steps N] [--out DIR] ...``; the exit status."""
+    args = parse_args(argv)
+    if args.rounds < 2 or args.steps < 1:
+        print("overhead: error: rounds: need --rounds >= 2 (the first is a warm-up) and --steps >= 1", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    config = build_config(overrides={"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                                     "vocab_size": args.vocab_size, "steps": 10_000, "islands": 1})
+    model = build_model(config.model, config.vocab_size, config.seq_len, config.seed)
+    island = make_island(0, copy.deepcopy(model), config, clock=None)
+
+    plain = copy.deepcopy(model)
+    decay = [p for p in plain.parameters() if p.ndim >= 2]
+    no_decay = [p for p in plain.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    # the same schedule as the island's, so both loops compute the same maths step for step
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio))
+
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
+
+    def atoll_step() -> None:
+        island.forward_backward(batch)
+        island.inner_step()
+
+    def plain_step() -> None:
+        loss = next_token_loss(plain, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), config.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    per_step: dict[str, list[float]] = {"atoll": [], "plain": []}
+    sides = (("atoll", atoll_step), ("plain", plain_step))
+    for r in range(args.rounds):
+        for name, fn in (sides if r % 2 == 0 else sides[::-1]):  # alternate which side goes first
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                fn()
+            dt = (time.perf_counter() - t0) / args.steps
+            if r > 0:  # round 0 warms up allocators and kernels
+                per_step[name].append(dt)
+    med = {k: statistics.median(v) for k, v in per_step.items()}
+    # both loops took the same steps on the same batch: their weights must agree (float round-off)
+    max_weight_diff = max(float((a.detach() - b.detach()).abs().max())
+                          for a, b in zip(island.model.parameters(), plain.parameters(), strict=True))
+    result = {
+        "model": args.model, "params": count_parameters(model), "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "threads": args.threads, "rounds_kept": args.rounds - 1, "steps_per_round": args.steps,
+        "atoll_median_s_per_step": med["atoll"], "plain_median_s_per_step": med["plain"],
+        "overhead_pct": 100 * (med["atoll"] - med["plain"]) / med["plain"],
+        "max_weight_diff": max_weight_diff,
+        "atoll_rounds_s_per_step": per_step["atoll"], "plain_rounds_s_per_step": per_step["plain"],
+        "command": "python bench/overhead.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+    }
+    rows = [{"loop": "plain PyTorch (forward, backward, clip, AdamW, zero_grad)", "s": med["plain"], "vs": "0"},
+            {"loop": "atoll Island (the local runtime's inner step)", "s": med["atoll"],
+             "vs": result["overhead_pct"]}]
+    table = write_results(
+        args.out, result,
+        [("loop", "loop"), ("median s/step", "s", lambda v: f"{v * 1e3:.2f} ms"),
+         ("vs plain", "vs", lambda v: f"{v:+.1f}%")],
+        rows, f"atoll inner step vs plain PyTorch AdamW ({args.model}, {result['params']:,} parameters, batch "
+        f"{args.batch_size} x {args.seq_len}, {args.threads} thread)",
+        [f"Median of {args.rounds - 1} interleaved rounds of {args.steps} steps each (first round discarded; "
+         f"which side goes first alternates). Largest weight difference after both: {max_weight_diff:.1e}. "
+         f"command: {result['command']}"], bullets=False)
+    print(table)
+    return 0

@@ -1,0 +1,127 @@
+"""What every benchmark shares (atoll.bench.common): the run cache, the folder guard, the results writer, and
+the launchers under bench/."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_atoll
+
+from atoll.bench.common import clear_run_dir, default_out, markdown_table, train_once, write_results
+from atoll.errors import ConfigError
+
+REPO = Path(__file__).parents[1]
+
+
+def test_clear_run_dir_removes_only_what_atoll_wrote(tmp_path: Path) -> None:
+    clear_run_dir(tmp_path / "absent")  # nothing there: nothing to do
+    for marker in ("config.json", "metrics.jsonl", "checkpoints"):
+        run = tmp_path / f"run-{marker}"
+        (run / "checkpoints").mkdir(parents=True) if marker == "checkpoints" else run.mkdir()
+        if marker != "checkpoints":
+            (run / marker).write_text("{}")
+        (run / "report.png").write_text("")
+        clear_run_dir(run)
+        assert not run.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    clear_run_dir(empty)
+    assert not empty.exists()
+    wan = tmp_path / "wan-run"  # a benchmark's own files count when it names them
+    wan.mkdir()
+    (wan / "rank0.log").write_text("")
+    clear_run_dir(wan, markers=("rank0.log",))
+    assert not wan.exists()
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_clear_run_dir_never_deletes_a_users_folder(tmp_path: Path, kind: str) -> None:
+    user = tmp_path / "mine"
+    if kind == "folder":
+        user.mkdir()
+        (user / "thesis.tex").write_text("precious")
+    else:
+        user.write_text("precious")
+    with pytest.raises(ConfigError, match="not an atoll run folder") as e:
+        clear_run_dir(user)
+    assert "\n" not in str(e.value)
+    assert (user / "thesis.tex" if kind == "folder" else user).read_text() == "precious"
+
+
+def test_suite_out_keeps_a_users_folder(tmp_path: Path) -> None:
+    """The reported bug: a folder under --out named like a run was deleted before training."""
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "ddp" / "notes.txt").write_text("precious")
+    r = run_atoll("bench", "suite", "--quick", "--out", str(tmp_path), "--only", "ddp")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atoll: error: out:") and "left untouched" in lines[0]
+    assert (tmp_path / "ddp" / "notes.txt").read_text() == "precious"
+    assert not list(tmp_path.glob(".*.lock"))
+
+
+def test_script_out_keeps_a_users_folder(tmp_path: Path) -> None:
+    (tmp_path / "a_decoupled_free").mkdir()
+    (tmp_path / "a_decoupled_free" / "notes.txt").write_text("precious")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "decoupled.py"), "--steps", "20", "--model", "micro",
+                        "--fragments", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("decoupled: error: out:")
+    assert (tmp_path / "a_decoupled_free" / "notes.txt").read_text() == "precious"
+
+
+def test_train_once_reuses_a_finished_run(fast_config: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    settings = {k: v for k, v in fast_config.items() if k != "out"}
+    suite = tmp_path / "suite"
+    first = train_once(suite, "run", **settings)
+    assert "[bench] run:" in capsys.readouterr().err
+    assert json.loads((suite / "run" / "config.json").read_text())["threads"] == 1
+    assert train_once(suite, "run", **settings) == first  # reused: nothing trained
+    assert "[bench] run:" not in capsys.readouterr().err
+    assert not list(suite.glob(".*.lock"))
+    # a lockstep run is reused only with its clock trace (re-timing needs it); other settings: trained again
+    (suite / "run" / "clock_trace.json").unlink()
+    train_once(suite, "run", tag="suite", **settings)
+    assert "[suite] run:" in capsys.readouterr().err and (suite / "run" / "clock_trace.json").is_file()
+    train_once(suite, "run", **{**settings, "seed": 1})
+    assert "[bench] run:" in capsys.readouterr().err
+    assert json.loads((suite / "run" / "config.json").read_text())["seed"] == 1
+
+
+def test_markdown_table_formats() -> None:
+    columns = [("run", "run"), ("loss", "loss"), ("bytes", "bytes"), ("pair", "pair"), ("gap", "gap", lambda v: f"{v:+.1f}%")]
+    rows = [{"run": "a", "loss": 4.81234, "bytes": 138_700_000.0, "pair": [100, 130], "gap": 2.25},
+            {"run": "b", "loss": 12.345, "bytes": 1234.5, "pair": None, "gap": "n/a"},
+            {"run": "c", "loss": "", "bytes": "", "pair": "", "gap": ""}]
+    table = markdown_table(columns, rows, "Title", ["one", "two"])
+    assert table == ("### Title\n\n| run | loss | bytes | pair | gap |\n|---|---|---|---|---|\n"
+                     "| a | 4.812 | 138.7 M | 100 / 130 | +2.2% |\n| b | 12.3 | 1,234 | - | n/a |\n| c | | | | |\n"
+                     "\n- one\n- two\n")
+    plain = markdown_table(columns[:1], rows[:1], notes=["command: x"], bullets=False)
+    assert plain == "| run |\n|---|\n| a |\n\ncommand: x\n"
+
+
+def test_write_results_writes_json_and_table(tmp_path: Path) -> None:
+    table = write_results(tmp_path / "out", {"rows": [{"run": "a"}], "path": Path("x")}, [("run", "run")],
+                          [{"run": "a"}], "T")
+    assert json.loads((tmp_path / "out" / "results.json").read_text()) == {"rows": [{"run": "a"}], "path": "x"}
+    assert (tmp_path / "out" / "results.md").read_text() == table
+
+
+def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "decoupled.py")])
+    assert default_out("decoupled") == REPO / "bench" / "out" / "decoupled"
+
+
+@pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
+                                  "same_numbers", "wan"])
+def test_launchers_run_their_module(name: str) -> None:
+    r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--out" in r.stdout
