@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_atoll
+from conftest import run_cli
 
 from atoll.bench.common import clear_run_dir, default_out, markdown_table, train_once, write_results
 from atoll.errors import ConfigError
@@ -52,11 +52,12 @@ def test_clear_run_dir_never_deletes_a_users_folder(tmp_path: Path, kind: str) -
     assert (user / "thesis.tex" if kind == "folder" else user).read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_suite_out_keeps_a_users_folder(tmp_path: Path) -> None:
     """The reported bug: a folder under --out named like a run was deleted before training."""
     (tmp_path / "ddp").mkdir()
     (tmp_path / "ddp" / "notes.txt").write_text("precious")
-    r = run_atoll("bench", "suite", "--quick", "--out", str(tmp_path), "--only", "ddp")
+    r = run_cli("bench", "suite", "--quick", "--out", str(tmp_path), "--only", "ddp")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("atoll: error: out:") and "left untouched" in lines[0]
@@ -64,6 +65,7 @@ def test_suite_out_keeps_a_users_folder(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*.lock"))
 
 
+@pytest.mark.slow
 def test_script_out_keeps_a_users_folder(tmp_path: Path) -> None:
     (tmp_path / "a_decoupled_free").mkdir()
     (tmp_path / "a_decoupled_free" / "notes.txt").write_text("precious")
@@ -75,6 +77,7 @@ def test_script_out_keeps_a_users_folder(tmp_path: Path) -> None:
     assert (tmp_path / "a_decoupled_free" / "notes.txt").read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_train_once_reuses_a_finished_run(fast_config: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     settings = {k: v for k, v in fast_config.items() if k != "out"}
     suite = tmp_path / "suite"
@@ -118,6 +121,7 @@ def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatc
     assert default_out("decoupled") == REPO / "bench" / "out" / "decoupled"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
                                   "same_numbers", "wan"])
 def test_launchers_run_their_module(name: str) -> None:

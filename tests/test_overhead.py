@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "bench" / "overhead.py"
 
 
+@pytest.mark.slow
 def test_overhead_smoke(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(BENCH), "--model", "micro", "--rounds", "2", "--steps", "1",
                         "--batch-size", "2", "--seq-len", "16", "--vocab-size", "300", "--out", str(tmp_path)],

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import run_atoll
+from conftest import run_atoll, run_cli
 
 from atoll.analysis.projection import (
     CODEC_BITS,
@@ -129,12 +129,13 @@ def test_real_scale_table() -> None:
     assert "857x" in text and "88%" in text and "27%" in text and "t_c =" in text
 
 
+@pytest.mark.slow
 def test_project_cli() -> None:
     r = run_atoll("project", "--params", "12e9", "--step-compute-s", "6", "--bandwidth-mbps", "2000",
                   "--codec", "int4", "--sync-every", "100")
     assert r.returncode == 0, r.stderr
     assert "| decoupled |" in r.stdout and "| ddp |" in r.stdout
-    r = run_atoll("project", "--table")
+    r = run_cli("project", "--table")
     assert r.returncode == 0 and "100B" in r.stdout and "consumer 10 Mbit/s" in r.stdout
 
 
@@ -146,7 +147,7 @@ def test_project_cli() -> None:
     (["--params", "1e9", "--step-compute-s", "1", "--strategy", "nope"], "strategy"),
 ])
 def test_project_cli_bad_input_one_line_exit_2(args: list[str], field: str) -> None:
-    r = run_atoll("project", *args)
+    r = run_cli("project", *args)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"atoll: error: {field}")

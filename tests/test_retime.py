@@ -44,6 +44,7 @@ def test_incomplete_trace_is_refused() -> None:
         replay(clock.trace.to_dict(), Link.from_config(10, 5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,extra", [
     ("ddp", {}), ("diloco", {}), ("demo", {}),
     ("streaming", {"fragments": 2, "overlap_steps": 2, "codec": "int4"}),

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_atoll
+from conftest import run_atoll, run_cli
 
 from atoll.bench.suite import BANDWIDTHS_MBPS, available, runs, standard_chaos, synchronous_goodput
 
@@ -20,6 +20,7 @@ def quick_suite(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path, cac
     return out, r.stdout
 
 
+@pytest.mark.slow
 def test_quick_suite_writes_its_outputs(quick_suite: tuple[Path, str]) -> None:
     out, stdout = quick_suite
     for name in ("results.json", "results.md", "suite.png", "loss_curves.png"):
@@ -30,6 +31,7 @@ def test_quick_suite_writes_its_outputs(quick_suite: tuple[Path, str]) -> None:
         assert "not available" in md
 
 
+@pytest.mark.slow
 def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
     out, _ = quick_suite
     results = json.loads((out / "results.json").read_text())
@@ -79,9 +81,10 @@ def test_synchronous_goodput_replays_the_standard_trace() -> None:
     assert standard_chaos(100.0) == "45:5"
 
 
+@pytest.mark.slow
 def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_file: Path, cache_dir: Path) -> None:
     out, _ = quick_suite
-    r = run_atoll("bench", "suite", "--quick", "--out", str(out), "--data", str(corpus_file), "--cache-dir",
+    r = run_cli("bench", "suite", "--quick", "--out", str(out), "--data", str(corpus_file), "--cache-dir",
                   str(cache_dir), "--vocab-size", "512", "--only", "ddp,diloco_int4")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "[suite] ddp:" not in r.stderr  # nothing trained again
@@ -90,12 +93,12 @@ def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_
 @pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps"), (["--only", ","], "only"),
                                         (["--out", "/dev/null/x"], "out")])
 def test_suite_bad_input_one_line_exit_2(tmp_path: Path, args: list[str], field: str) -> None:
-    r = run_atoll("bench", "suite", "--quick", "--out", str(tmp_path), *args)
+    r = run_cli("bench", "suite", "--quick", "--out", str(tmp_path), *args)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"atoll: error: {field}")
 
 
 def test_bench_help_lists_suite_and_wan() -> None:
-    r = run_atoll("bench", "--help")
+    r = run_cli("bench", "--help")
     assert r.returncode == 0 and "suite" in r.stdout and "wan" in r.stdout

@@ -73,6 +73,7 @@ def _serve(wan: EmulatedWan, island: int, code: str) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_harness_removes_everything_after_a_failure() -> None:
     with pytest.raises(RuntimeError, match="injected"), EmulatedWan(2, rate_mbps=100) as wan:
         names = wan.namespaces
@@ -84,6 +85,7 @@ def test_harness_removes_everything_after_a_failure() -> None:
     assert not _ours(os.getpid())
 
 
+@pytest.mark.slow
 def test_links_are_rate_limited_both_ways() -> None:
     nbytes = 1_250_000  # 1 s at 10 Mbit/s, plus headers
     with EmulatedWan(2, LinkShape(rate_mbps=10)) as wan:
@@ -101,6 +103,7 @@ def test_links_are_rate_limited_both_ways() -> None:
     assert qdisc[0]["up_bytes"] >= nbytes and qdisc[1]["down_bytes"] >= nbytes  # both ends shaped
 
 
+@pytest.mark.slow
 def test_delay_forwarder_adds_one_way_delay() -> None:
     with EmulatedWan(2, LinkShape(rate_mbps=100, delay_ms=40)) as wan:
         names = wan.namespaces
@@ -120,6 +123,7 @@ def _bench_flags(corpus: Path, cache: Path) -> list[str]:
             "--bandwidths", "100", "--collective-timeout-s", "60", "--run-timeout-s", "240"]
 
 
+@pytest.mark.slow
 def test_bench_wan_smoke(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "wan"
     proc = subprocess.Popen([sys.executable, "-m", "atoll.cli", "bench", "wan", *_bench_flags(corpus_file, cache_dir),
@@ -145,6 +149,7 @@ def test_bench_wan_smoke(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> 
     assert "| ddp-100mbit |" in stdout and (out / "results.md").is_file()
 
 
+@pytest.mark.slow
 def test_failed_run_is_reported_and_cleaned_up(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> None:
     settings = {"strategy": "ddp", "islands": 2, "steps": 20, "model": "micro", "data": str(corpus_file),
                 "cache_dir": str(cache_dir), "vocab_size": 512, "seq_len": 32, "batch_size": 4,

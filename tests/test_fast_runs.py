@@ -1,0 +1,57 @@
+"""The smallest whole runs, in the fast tier: every driver once end to end (the lockstep loop, the decoupled
+event simulation, the collective runtime's processes), and every benchmark module's command line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from atoll.config import build_config
+from atoll.job.metrics import read_metrics
+from atoll.train import train
+
+BENCHES = ("suite", "diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead", "same_numbers")
+
+
+def _tiny(fast_config: dict, **extra) -> dict:
+    return {**fast_config, "steps": 4, "sync_every": 2, "eval_every": 2, "checkpoint_every": 2, "seq_len": 16,
+            "batch_size": 2, "eval_batches": 1, **extra}
+
+
+def test_a_lockstep_run_end_to_end(fast_config: dict) -> None:
+    summary = train(build_config(overrides=_tiny(fast_config)))
+    out = Path(summary["out"])
+    assert json.loads((out / "summary.json").read_text())["final_eval_loss"] == summary["final_eval_loss"]
+    assert [e["step"] for e in read_metrics(out / "metrics.jsonl") if e["event"] == "eval"] == [0, 2, 4]
+    assert (out / "report.png").is_file() and (out / "clock_trace.json").is_file()
+    assert summary["bytes_sent_per_island"] > 0 and summary["tokens"] == 2 * 4 * 2 * 16
+
+
+def test_a_decoupled_run_end_to_end(fast_config: dict) -> None:
+    summary = train(build_config(overrides=_tiny(fast_config, strategy="decoupled", fragments=2,
+                                                 island_speeds="1,0.5")))
+    assert summary["commits"] > 0 and summary["useful_tokens"] > 0 and 0 < summary["goodput"] <= 1
+    assert (Path(summary["out"]) / "syncer").is_dir()
+
+
+def test_a_collective_run_end_to_end(fast_config: dict) -> None:
+    summary = train(build_config(overrides=_tiny(fast_config, runtime="collective", steps=2, eval_every=2,
+                                                 checkpoint_every=0)))
+    assert summary["runtime"] == "collective" and summary["bytes_sent_per_island"] > 0
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_benchmark_command_lines(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = importlib.import_module(f"atoll.bench.{name}")
+    if name == "suite":  # a subcommand of atoll bench
+        from atoll.cli import main
+
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "suite", "--help"])
+    else:
+        with pytest.raises(SystemExit) as info:
+            module.main(["--help"])
+    assert info.value.code == 0 and "--out" in capsys.readouterr().out
