@@ -115,7 +115,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
             if done == config.steps:
                 strategy.finish(done)
             log_now = done % LOG_EVERY == 0 or done == config.steps
-            eval_now = done % config.eval_every == 0 or done == config.steps
+            eval_now = done % config.evaluate_every == 0 or done == config.steps
             if log_now or eval_now:
                 train_loss, tokens = runtime.totals(islands)  # over every island of the job
             if log_now:

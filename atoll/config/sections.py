@@ -130,8 +130,12 @@ class NetworkSection(Section):
 class OutputSection(Section):
     """Evaluation, checkpoints, where outputs go, threads and progress."""
 
-    eval_every: int = Field(100, ge=1, description="Evaluate the global model every N inner steps.")
-    eval_batches: int = Field(16, ge=1, description="Batches of held-out data per evaluation.")
+    eval_every: int | None = Field(
+        None, ge=1, description="Evaluate the global model every N inner steps (default: about 20 evaluations "
+        "per run, every steps // 20).")
+    eval_batches: int = Field(
+        16, ge=1, description="Batches of 8 held-out windows of seq_len tokens per evaluation (the same windows "
+        "whatever --batch-size, so runs of different batch sizes are compared on the same text).")
     checkpoint_every: int = Field(
         100, ge=0, description="Write a resumable checkpoint every N inner steps (0: only at the end)."
     )

@@ -127,6 +127,11 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
         return min(self.warmup_steps, self.steps // 10)
 
     @property
+    def evaluate_every(self) -> int:
+        """Inner steps between two evaluations: ``eval_every``, or about 20 per run (``steps // 20``)."""
+        return self.eval_every if self.eval_every is not None else max(1, self.steps // 20)
+
+    @property
     def tokens_per_step(self) -> int:
         """Training tokens one island consumes per inner step (batch_size x seq_len)."""
         return self.batch_size * self.seq_len

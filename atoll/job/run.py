@@ -37,6 +37,9 @@ from atoll.job.model import build_model, count_parameters, param_bytes
 from atoll.job.report import plot_runs
 from atoll.runtime.network import ring_allreduce_bytes
 
+#: held-out windows per evaluation batch, whatever the run's batch size (runs are compared on the same text)
+EVAL_ROWS = 8
+
 
 @torch.no_grad()
 def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
@@ -158,7 +161,7 @@ class Run:
         if self.state is not None and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint:
             raise DataError(f"data: the corpus '{config.data}' changed since this run started, so its tokenizer and "
                             "shards would differ; restore the data, or start a new run with --init-from")
-        self.val = eval_batches(self.data.val_tokens, config.batch_size, config.seq_len, config.eval_batches)
+        self.val = eval_batches(self.data.val_tokens, EVAL_ROWS, config.seq_len, config.eval_batches)
         self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.data.tokenizer, eos_token="<|endoftext|>",
                                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
         self.n_params = count_parameters(self.model)

@@ -341,7 +341,7 @@ class Simulation:
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0])
-        if st.done % (K * config.eval_every) == 0 and st.done < self.budget:
+        if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
             run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(), sum(st.bytes_sent) / K,
                          max(st.clock))
         if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
