@@ -4,6 +4,7 @@
     atoll train --resume RUN_DIR [--steps 1200]
     atoll train --runtime collective --islands 2 --ranks-per-island 2    # real processes, this machine
     torchrun --nproc-per-node 4 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
+    atoll sweep --outer-lr 0.5,0.7,1 --sync-every 25,50 --at-mbps 100 [--out DIR]   # a grid, compared
     atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
     atoll bench wan [--steps 600] [--bandwidths 10,100] [--sync-every 100,200] ...   # as root
     atoll bench suite [--quick] [--steps 300] [--out bench/out/suite]   # every strategy, one report
@@ -45,7 +46,7 @@ def _metavar(annotation: Any) -> str:
     return {int: "N", float: "X", str: "TEXT", Path: "PATH"}.get(base, "VALUE")
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """Add one ``--flag`` per :class:`TrainConfig` field, documented from the field's description, with the
     strategies' own defaults for it (their specs' ``defaults``)."""
     from atoll.config import TrainConfig
@@ -53,6 +54,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("run settings (each also a key of the TOML file)")
     for name, field in TrainConfig.model_fields.items():
+        if name in exclude:
+            continue
         flag = "--" + name.replace("_", "-")
         default = field.default
         own = "; ".join(f"{s.name}: {s.defaults[name]}" for s in specs() if name in s.defaults)
@@ -79,6 +82,18 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
                          "its saved settings, e.g. --steps to train longer)")
     if train_flags:
         add_config_flags(p_train)
+
+    p_sweep = sub.add_parser("sweep", help="a grid of runs (any train flag as a comma-separated list), compared at "
+                             "equal tokens and at equal wall time on a link", description=_sweep_doc())
+    p_sweep.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
+    p_sweep.add_argument("--out", type=Path, default=None, metavar="DIR",
+                         help="the sweep's folder: one run folder per point, results.json, results.md, sweep.png "
+                         "[default: runs/sweep-<time>]")
+    from atoll.bench import sweep
+
+    sweep.add_arguments(p_sweep)
+    if train_flags:
+        add_config_flags(p_sweep, exclude=("out",))
 
     p_report = sub.add_parser("report", help="plot eval loss of one or several runs side by side")
     p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
@@ -163,6 +178,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmark(args)
 
 
+def _sweep_doc() -> str:
+    from atoll.bench import sweep
+
+    return (sweep.__doc__ or "").split("\n\n")[0]
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    import time
+
+    from atoll.bench.sweep import run_sweep
+    from atoll.config import TrainConfig, build_config
+
+    values = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and k != "out"}
+    if args.config is not None:  # the file's settings, then the flags (whose lists are swept)
+        values = {**build_config(args.config).model_dump(exclude_defaults=True, mode="json"), **values}
+    out = args.out or Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    return run_sweep(args, values, out)
+
+
 def _cmd_project(args: argparse.Namespace) -> int:
     from atoll.analysis.projection import run_cli
 
@@ -173,10 +207,12 @@ def _cmd_project(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
     words = sys.argv[1:] if argv is None else argv
-    args = build_parser(train_flags="train" in words[:1] or not words).parse_args(argv)
+    args = build_parser(train_flags=words[:1] in (["train"], ["sweep"]) or not words).parse_args(argv)
     try:
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "sweep":
+            return _cmd_sweep(args)
         if args.command == "report":
             return _cmd_report(args)
         if args.command == "bench":

@@ -1,0 +1,172 @@
+"""``atoll sweep``: a grid of runs on your own setting, compared at equal tokens and at equal wall time on a link.
+
+    atoll sweep --outer-lr 0.5,0.7,1.0 --outer-momentum 0,0.5,0.9 --sync-every 10,25,50 --at-mbps 100
+    atoll sweep --model PATH --data FILE --sync-every 25,50,100 --codec fp32,int4 --at-mbps 1000 --step-s 2.5
+
+Every ``atoll train`` flag may be given a comma-separated list; the grid is every combination of the flags
+given several values (the others are shared by every run). Each point trains once into ``<out>/<point>/``
+(a finished run whose settings match is reused, so a sweep can be extended or interrupted and resumed; its
+runs are normal atoll run folders), then the sweep compares them:
+
+- at equal tokens: each run's final held-out loss (every point sees the same tokens unless the grid varies
+  ``steps``, ``batch_size``, ``seq_len`` or ``islands``);
+- at equal wall time on the chosen link (``--at-mbps``, ``--at-latency-ms``): each lockstep run's clock trace
+  re-timed there (:func:`atoll.analysis.curves.loss_vs_time`), with every inner step's compute set to
+  ``--step-s`` seconds (default: the median of the runs' measured step times, so that the machine's load
+  does not pick the winner), and the loss each reached when the fastest run finished;
+- the time each needs to reach the worst final loss of the grid (a quality every point reaches).
+
+An asynchronous strategy (decoupled) runs on its own simulated clock; its times are shown at the link it
+trained on only. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
+``sweep.png`` (loss against tokens and against time on the link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from atoll.bench.common import train_once, write_results
+from atoll.errors import ConfigError
+
+#: settings whose single value is itself a comma-separated list: not sweepable
+NOT_SWEPT = ("island_speeds", "ray_island_resources")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sweep's own flags (every ``atoll train`` flag is added by the command line, as lists)."""
+    parser.add_argument("--at-mbps", type=float, default=100.0, help="the link to compare wall times on, "
+                        "Mbit/s per island [default: 100]")
+    parser.add_argument("--at-latency-ms", type=float, default=10.0, help="its one-way latency [default: 10]")
+    parser.add_argument("--step-s", type=float, default=None, help="seconds of compute of one inner step of one "
+                        "island to time every run with (your hardware's) [default: the runs' median, measured]")
+    parser.add_argument("--fresh", action="store_true", help="train every point again")
+
+
+def grid(values: dict[str, str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(settings shared by every point, one dict of swept settings per point) from flag values as given.
+
+    Raises:
+        ConfigError: an empty value in a list, or a list given to a setting that cannot be swept.
+    """
+    shared: dict[str, Any] = {}
+    swept: dict[str, list[str]] = {}
+    for name, value in values.items():
+        parts = [p.strip() for p in str(value).split(",")] if isinstance(value, str) else [value]
+        if len(parts) > 1 and name not in NOT_SWEPT:
+            if any(p == "" for p in parts):
+                raise ConfigError(f"{name}: '{value}' has an empty value; give a comma-separated list such as 1,2")
+            swept[name] = list(dict.fromkeys(parts))
+        else:
+            shared[name] = value
+    points = [dict(zip(swept, combo, strict=True)) for combo in itertools.product(*swept.values())]
+    return shared, points or [{}]
+
+
+def point_name(point: dict[str, Any]) -> str:
+    """A run folder name for a point of the grid: ``sync_every-25_outer_lr-0.7``, or ``run`` for no grid."""
+    return "_".join(f"{k}-{v}" for k, v in point.items()).replace("/", "-") or "run"
+
+
+def compare(out: Path, points: list[dict[str, Any]], summaries: list[dict[str, Any]], link_mbps: float,
+            latency_ms: float, step_s: float | None) -> dict[str, Any]:
+    """The comparison of a grid's finished runs (see the module docstring); rows in the points' order."""
+    from atoll.analysis.curves import loss_vs_time, loss_vs_tokens
+    from atoll.strategies.registry import spec
+
+    dirs = [out / point_name(p) for p in points]
+    measured = [s["compute_s"] / s["steps"] for s in summaries]
+    step = step_s if step_s is not None else statistics.median(measured)
+    timed = [spec(s["strategy"]).lockstep is not None for s in summaries]
+    curves = [loss_vs_time(d, link_mbps, latency_ms, step_s=step) if t else loss_vs_time(d)
+              for d, t in zip(dirs, timed, strict=True)]
+    finish = [c.xs[-1] for c in curves]
+    t_equal = min(f for f, t in zip(finish, timed, strict=True) if t) if any(timed) else math.nan
+    target = max(s["final_eval_loss"] for s in summaries)
+    rows = []
+    for point, s, curve, t in zip(points, summaries, curves, timed, strict=True):
+        rows.append({"point": point_name(point), **{k: v for k, v in point.items()}, "strategy": s["strategy"],
+                     "tokens": s["tokens"], "final_eval_loss": s["final_eval_loss"],
+                     "bytes_sent_per_island": s["bytes_sent_per_island"],
+                     "wall_s_on_link": curve.xs[-1] if t else None,
+                     "loss_at_equal_time": curve.at(t_equal) if t else None,
+                     "time_to_target_s": curve.first_below(target) if t else None,
+                     "tokens_curve": list(zip(*(lambda c: (c.xs, c.losses))(loss_vs_tokens(out / point_name(point))),
+                                              strict=True)),
+                     "time_curve": list(zip(curve.xs, curve.losses, strict=True))})
+    best = {key: min((r for r in rows if r[key] is not None), key=lambda r: r[key])["point"]
+            for key in ("final_eval_loss", "loss_at_equal_time", "time_to_target_s")
+            if any(r[key] is not None for r in rows)}
+    return {"link_mbps": link_mbps, "link_latency_ms": latency_ms, "step_s": step, "step_s_measured": measured,
+            "equal_time_s": t_equal, "target_loss": target, "best": best, "rows": rows}
+
+
+def plot(results: dict[str, Any], out_png: Path) -> None:
+    """Loss against tokens and against time on the link, one line per point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for r in results["rows"]:
+        a.plot(*zip(*r["tokens_curve"], strict=True), marker=".", label=r["point"])
+        b.plot(*zip(*r["time_curve"], strict=True), marker=".", label=r["point"])
+    a.set_xlabel("training tokens (all islands)")
+    b.set_xlabel(f"seconds at {results['link_mbps']:g} Mbit/s, {results['step_s']:.3g} s per inner step")
+    for ax in (a, b):
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.grid(alpha=0.3)
+    b.axvline(results["equal_time_s"], color="grey", lw=0.8)
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> int:
+    """``atoll sweep``: train (or reuse) every point, compare, write the results; return the exit status."""
+    shared, points = grid(values)
+    from atoll.config import build_config
+
+    settings = []
+    for p in points:  # every point valid before anything trains (one line naming the setting otherwise)
+        config = build_config(overrides={**shared, **p})  # typed values: a finished run's config.json matches
+        settings.append(json.loads(config.model_dump_json(include={*shared, *p})))
+    summaries = [train_once(out, point_name(p), args.fresh, tag="sweep", **s) for p, s in zip(points, settings,
+                                                                                             strict=True)]
+    results = compare(out, points, summaries, args.at_mbps, args.at_latency_ms, args.step_s)
+    results["shared"] = {k: str(v) for k, v in shared.items()}
+    results["command"] = "atoll sweep " + " ".join(sys.argv[2:])
+    swept = list(points[0])
+    best = results["best"]
+
+    def shown(r: dict[str, Any], key: str, digits: int) -> str | None:
+        if r[key] is None:
+            return None
+        text = f"{r[key]:.{digits}f}" if math.isfinite(r[key]) else "never"
+        return f"**{text}**" if best.get(key) == r["point"] else text
+
+    table_rows = [{**r, **{f"{k}_shown": shown(r, k, d) for k, d in (("final_eval_loss", 4),
+                                                                     ("loss_at_equal_time", 4),
+                                                                     ("time_to_target_s", 1))}}
+                  for r in results["rows"]]
+    columns = [(k, k) for k in swept] + [
+        ("strategy", "strategy"), ("tokens", "tokens"), ("bytes/island", "bytes_sent_per_island"),
+        ("eval loss (equal tokens)", "final_eval_loss_shown"), (f"wall s @{args.at_mbps:g} Mbit/s", "wall_s_on_link"),
+        (f"loss at {results['equal_time_s']:.4g} s", "loss_at_equal_time_shown"),
+        (f"s to reach {results['target_loss']:.4f}", "time_to_target_s_shown")]
+    table = write_results(out, results, columns, table_rows, title=f"atoll sweep ({len(points)} points)",
+                          notes=[f"every inner step timed at {results['step_s']:.4g} s of compute; link "
+                                 f"{args.at_mbps:g} Mbit/s, {args.at_latency_ms:g} ms; best in bold",
+                                 f"command: {results['command']}"])
+    plot(results, out / "sweep.png")
+    print(table)
+    print(f"wrote {out}/results.json, results.md, sweep.png")
+    return 0
