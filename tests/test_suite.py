@@ -23,9 +23,9 @@ def quick_suite(tmp_path_factory: pytest.TempPathFactory, corpus_file: Path, cac
 @pytest.mark.slow
 def test_quick_suite_writes_its_outputs(quick_suite: tuple[Path, str]) -> None:
     out, stdout = quick_suite
-    for name in ("results.json", "results.md", "suite.png", "loss_curves.png"):
+    for name in ("results.json", "results.md", "suite.png", "loss_curves.png", "time_to_target.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
-    assert "| ddp |" in stdout and "5 Gbit/s" in stdout
+    assert "| ddp |" in stdout and "10 Gbit/s" in stdout and "### Time to a target loss" in stdout
     md = (out / "results.md").read_text()
     if not available({"strategy": "decoupled"}):
         assert "not available" in md
@@ -39,6 +39,11 @@ def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
     assert [r["run"] for r in results["rows"]] == [name for name, _, _ in runs()]
     ddp, fp32 = rows["ddp"], rows["diloco_fp32"]
     summary = results["runs"]["ddp"]
+    # the target is reached by ddp itself at half its tokens, sooner on a faster link
+    ttt = results["time_to_target"]
+    assert ttt["target_tokens"] == ddp["tokens"] / 2
+    times = [ttt["runs"]["ddp"][f"{r:g}"] for r in ttt["rates_mbps"]]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
     # equal tokens: every 4-island run saw the same tokens, one island a quarter of them
     for r in results["rows"]:
         if r["available"]:

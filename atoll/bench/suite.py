@@ -34,7 +34,7 @@ from atoll.bench.common import Column, train_once, write_results
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
-BANDWIDTHS_MBPS = (10.0, 100.0, 1000.0, 5000.0)
+BANDWIDTHS_MBPS = (10.0, 100.0, 1000.0, 10000.0)
 
 def runs() -> tuple[tuple[str, str, dict[str, Any]], ...]:
     """The runs, in table order: (name, label, settings), each strategy's rows of its spec
@@ -314,12 +314,20 @@ def run_suite(args: argparse.Namespace) -> int:
     results = collect(suite_dir, names, summaries, used)
     results["command"] = command
     columns, rows, notes = table(results, command)
+    from atoll.bench import targets
+
+    results["time_to_target"] = targets.time_to_target(suite_dir, summaries)
     text = write_results(suite_dir, results, columns, rows, notes=notes, bullets=False)
     plot(results, suite_dir / "suite.png")
+    labels = {r["run"]: r["label"] for r in results["rows"]}
+    if results["time_to_target"]:
+        text += "\n### Time to a target loss\n\n" + targets.markdown(results["time_to_target"], labels)
+        (suite_dir / "results.md").write_text(text)
+        targets.plot(results["time_to_target"], suite_dir / "time_to_target.png", labels)
     from atoll.job.report import plot_runs
 
     plot_runs([suite_dir / n for n in names if n in summaries], suite_dir / "loss_curves.png")
     print(text)
-    print(f"wrote {suite_dir}/results.json, results.md, suite.png, loss_curves.png")
+    print(f"wrote {suite_dir}/results.json, results.md, suite.png, time_to_target.png, loss_curves.png")
     return 0
 
