@@ -17,7 +17,7 @@ from atoll.train import train
 
 def _decoupled(fast_config: dict, **extra: object) -> dict:
     return {**fast_config, "strategy": "decoupled", "islands": 4, "fragments": 2, "sync_every": 4,
-            "steps": 16, "eval_every": 8, "checkpoint_every": 8, **extra}
+            "steps": 16, "eval_every": 8, "checkpoint_every": 8, "codec": "fp32", **extra}
 
 
 def test_seeded_chaos_trace_is_deterministic() -> None:
@@ -222,13 +222,12 @@ def test_ray_is_imported_only_for_the_ray_runtime() -> None:
     assert r.returncode == 0, r.stderr
 
 
-def test_decoupled_defaults_to_a_lighter_outer_momentum() -> None:
-    from atoll.strategies.registry import spec
-
-    assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == spec("decoupled").defaults[
-        "outer_momentum"] == 0.5
-    assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.9  # the DiLoCo paper's
+def test_strategy_defaults_outer_momentum_and_codec() -> None:
+    assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == 0.5
+    assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.5  # not the paper's 0.9: README
     assert build_config(overrides={"strategy": "decoupled", "outer_momentum": 0.9}).outer_momentum == 0.9
+    assert build_config(overrides={"strategy": "decoupled"}).codec == "int4" == build_config(
+        overrides={"strategy": "streaming"}).codec and build_config().codec == "fp32"
 
 
 def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -> None:

@@ -19,7 +19,8 @@ VOCAB, SEQ, BATCH = 300, 16, 4
 
 
 def _setup(strategy_cls, k: int, **cfg):
-    config = TrainConfig(islands=k, steps=12, lr=1e-2, warmup_steps=0, seq_len=SEQ, batch_size=BATCH, **cfg)
+    config = TrainConfig(islands=k, steps=12, lr=1e-2, warmup_steps=0, seq_len=SEQ, batch_size=BATCH,
+                         **{"codec": "fp32", **cfg})
     model = build_model("micro", VOCAB, SEQ, seed=0)
     clock = SimClock(k)
     comm = LocalComm(k, Link.from_config(100, 10), clock)

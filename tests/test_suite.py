@@ -37,7 +37,7 @@ def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
     results = json.loads((out / "results.json").read_text())
     rows = {r["run"]: r for r in results["rows"]}
     assert [r["run"] for r in results["rows"]] == [name for name, _, _ in runs()]
-    ddp, fp32 = rows["ddp"], rows["diloco_fp32"]
+    ddp, fp32 = rows["ddp"], rows["diloco"]
     summary = results["runs"]["ddp"]
     # the target is reached by ddp itself at half its tokens, sooner on a faster link
     ttt = results["time_to_target"]

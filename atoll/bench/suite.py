@@ -1,6 +1,6 @@
 """Every strategy and the main codecs on the default benchmark at equal tokens: one table, one set of plots.
 
-    atoll bench suite                       # tiny model, stdlib corpus, 4 islands, 300 steps: ~35 min on 2 cores
+    atoll bench suite                       # the default run of every strategy (about 2 hours on 2 cores)
     atoll bench suite --quick --out /tmp/s  # micro model, 20 steps: well under a minute once data is cached
 
 Runs (:func:`runs`: each strategy's rows of its spec, so a new strategy brings its own): one island alone (``ddp --islands 1``, the
@@ -69,8 +69,8 @@ def synchronous_goodput(summary: dict[str, Any]) -> float:
     tokens_per_step = int(summary["tokens"]) // (islands * steps)
     return float(synchronous_under_failures(trace, steps, h, [wall / steps] * islands, 0.0, tokens_per_step)["goodput"])
 
-#: the default benchmark: tiny model, stdlib corpus, 4 islands (TrainConfig defaults), one torch thread
-FULL = {"steps": 300}
+#: the default benchmark: the TrainConfig defaults (model, corpus, 4 islands, steps), one torch thread
+FULL: dict[str, Any] = {}
 #: --quick: the micro model and a few steps (used by tests)
 QUICK = {"model": "micro", "steps": 20, "seq_len": 32, "batch_size": 4, "eval_batches": 2, "eval_every": 10}
 
@@ -78,7 +78,7 @@ QUICK = {"model": "micro", "steps": 20, "seq_len": 32, "batch_size": 4, "eval_ba
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="micro model, 20 steps, H=10, 2 fragments "
                         "(a smoke run)")
-    parser.add_argument("--steps", type=int, default=None, help="inner steps per island [300; --quick: 20]")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps per island [the default; --quick: 20]")
     parser.add_argument("--out", type=Path, default=Path("bench/out/suite"), help="output folder "
                         "[default: bench/out/suite]")
     parser.add_argument("--data", default=None, help="corpus (as atoll train --data) [default: stdlib]")
@@ -106,15 +106,15 @@ def base_settings(args: argparse.Namespace) -> dict[str, Any]:
 def run_settings(base: dict[str, Any], settings: dict[str, Any], quick: bool) -> dict[str, Any]:
     """One run's settings, plus failure settings for its strategy; --quick: H=10 and 2 fragments (the micro
     model has 2 layers)."""
-    s = {**base, **settings}
-    if quick and "sync_every" in s:
-        s["sync_every"] = 10
-    if quick and "fragments" in s:
-        s["fragments"] = 2
-    if s.pop("standard_chaos", False):
-        from atoll.config import TrainConfig
+    from atoll.config import TrainConfig
 
-        s["chaos"] = standard_chaos(s["steps"] * TrainConfig.model_fields["sim_step_s"].default)
+    s = {**base, **settings}
+    if quick:  # read only by the strategies that sync every H steps, fragment by fragment
+        s.setdefault("sync_every", 10)
+        s.setdefault("fragments", 2)
+    if s.pop("standard_chaos", False):
+        steps = s.get("steps", TrainConfig.model_fields["steps"].default)
+        s["chaos"] = standard_chaos(steps * TrainConfig.model_fields["sim_step_s"].default)
     return s
 
 
@@ -137,6 +137,16 @@ def retime(run_dir: Path, summary: dict[str, Any], bandwidth_mbps: float) -> dic
     return replay(trace, Link.from_config(bandwidth_mbps, summary["link_latency_ms"]))
 
 
+def _label(label: str, settings: dict[str, Any] | None) -> str:
+    """A row's label formatted with the run's resolved settings (its strategy's defaults included)."""
+    from atoll.config import build_config
+
+    if settings is None:
+        return label
+    config = build_config(overrides={k: v for k, v in settings.items() if k not in ("progress", "out")})
+    return label.format(**config.model_dump())
+
+
 def collect(suite_dir: Path, names: list[str], summaries: dict[str, dict[str, Any]],
             used: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Rows of the table from the runs' summaries and re-timed clocks (``used``: each run's settings)."""
@@ -147,7 +157,7 @@ def collect(suite_dir: Path, names: list[str], summaries: dict[str, dict[str, An
     for name, label, settings in runs():
         if name not in names:
             continue
-        label = label.format(**used.get(name, settings)) if name in used else label.replace("{", "").replace("}", "")
+        label = _label(label, used.get(name)) if name in used else label.replace("{", "").replace("}", "")
         s = summaries.get(name)
         if s is None:
             rows.append({"run": name, "label": label, "strategy": settings["strategy"], "available": False})

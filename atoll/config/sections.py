@@ -36,7 +36,7 @@ class RunSection(Section):
     sync_every: int = Field(
         50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming, decoupled)."
     )
-    steps: int = Field(600, ge=1, description="Inner steps per island (each island sees steps x batch tokens; "
+    steps: int = Field(800, ge=1, description="Inner steps per island (each island sees steps x batch tokens; "
                        "decoupled: a budget of islands x steps shared by speed).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
 
@@ -45,9 +45,9 @@ class ModelSection(Section):
     """The model: a preset or a Hugging Face folder, and an optional warm start."""
 
     model: str = Field(
-        "tiny",
-        description="Model size preset (tiny ~2M, 20m, 125m, 1b parameters; Llama-style) or a local path to "
-        "a Hugging Face causal LM folder.",
+        "nano",
+        description="Model size preset (Llama-style: nano ~0.27M with the default vocabulary, tiny ~2M, 20m, "
+        "125m, 1b parameters; micro for tests) or a local path to a Hugging Face causal LM folder.",
     )
     init_from: Path | None = Field(
         None, description="Start from the final weights of another atoll run folder (a warm start)."
@@ -66,16 +66,17 @@ class DataSection(Section):
     partition: Literal["iid", "non_iid"] = Field(
         "iid", description="How documents are dealt to islands: iid (shuffled) or non_iid (grouped by source)."
     )
-    vocab_size: int = Field(4096, ge=257, le=262144, description="Byte-level BPE vocabulary size.")
+    vocab_size: int = Field(1024, ge=257, le=262144, description="Byte-level BPE vocabulary size (a model folder "
+                            "brings its own embeddings: at least this many).")
     seq_len: int = Field(128, ge=8, le=1 << 20, description="Tokens per training sequence.")
-    batch_size: int = Field(8, ge=1, le=1 << 16, description="Sequences per island per inner step.")
+    batch_size: int = Field(32, ge=1, le=1 << 16, description="Sequences per island per inner step.")
 
 
 class InnerOptimSection(Section):
     """The inner optimizer of every island (AdamW; DeMo's own rate is in its section) and its schedule."""
 
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
-    warmup_steps: int = Field(50, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
+    warmup_steps: int = Field(40, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1,
         description="Cosine decay floor, as a fraction of the peak rate (lr; demo_lr for demo).",
@@ -89,8 +90,9 @@ class OuterOptimSection(Section):
 
     outer_lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
     outer_momentum: float = Field(
-        0.9, ge=0, lt=1,
-        description="Outer Nesterov momentum (DiLoCo: 0.9; 0 = plain SGD).",
+        0.5, ge=0, lt=1,
+        description="Outer Nesterov momentum (0 = plain SGD; the DiLoCo paper's 0.9, tuned for H=500 from a "
+        "pretrained model, overshoots in short runs from scratch: README, \"DiLoCo's defining result\").",
     )
 
 

@@ -106,6 +106,6 @@ SPEC = StrategySpec(
     section=DeMoSection, runtimes=("local", "collective"), validate=validate, lockstep=DeMoStrategy,
     # sign-SGD learns best at a constant rate after warmup (bench/demo_sweep.py)
     defaults={"min_lr_ratio": 1.0}, inner_optimizer=make_optimizer, project=project,
-    suite=(SuiteRun("demo_topk32", "demo top-k 32, 2-bit signs", {"strategy": "demo", "demo_topk": 32,
-                                                                 "demo_chunk": 64, "demo_sign_values": True}),),
+    suite=(SuiteRun("demo", "demo top-k {demo_topk} of {demo_chunk}x{demo_chunk}, 2-bit signs",
+                    {"strategy": "demo"}),),
 )

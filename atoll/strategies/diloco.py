@@ -93,7 +93,7 @@ def project(s: Setting) -> Cost:
 SPEC = StrategySpec(
     name="diloco", summary="pseudo-gradients averaged every H inner steps; outer SGD-Nesterov (arXiv:2311.08105)",
     runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
-    suite=tuple(SuiteRun(f"diloco_{c}", f"diloco H={{sync_every}} {c}", {"strategy": "diloco", "sync_every": 50,
-                                                                       "codec": c})
-                for c in ("fp32", "bf16", "int8", "int4")),
+    suite=(SuiteRun("diloco", "diloco H={sync_every} {codec} (default)", {"strategy": "diloco"}),
+           *(SuiteRun(f"diloco_{c}", f"diloco H={{sync_every}} {c}", {"strategy": "diloco", "codec": c})
+             for c in ("bf16", "int8", "int4"))),
 )

@@ -38,7 +38,7 @@ class StreamingSection(Section):
     """Streaming DiLoCo's own settings (its fragments are ``fragments``, shared with decoupled)."""
 
     overlap_steps: int = Field(
-        1, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
+        5, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
     )
     mixing_alpha: float = Field(
         0.5, ge=0, le=1,
@@ -191,8 +191,8 @@ SPEC = StrategySpec(
     summary="one fragment's pseudo-gradient at a time, quantized, overlapped with tau inner steps, mixed with "
             "alpha (arXiv:2501.18512)",
     section=StreamingSection, runtimes=("local", "collective"), validate=validate, lockstep=StreamingDiLoCo,
-    project=project, syncs_per_h=True,
-    suite=(SuiteRun("streaming_int4", "streaming H={sync_every} P={fragments} int4 tau={overlap_steps} alpha=0.5",
-                    {"strategy": "streaming", "sync_every": 50, "fragments": 4, "overlap_steps": 5,
-                     "mixing_alpha": 0.5, "codec": "int4"}),),
+    # the Streaming DiLoCo paper's 4-bit outer gradients (fp32 accumulation)
+    defaults={"codec": "int4"}, project=project, syncs_per_h=True,
+    suite=(SuiteRun("streaming", "streaming H={sync_every} P={fragments} {codec} tau={overlap_steps} "
+                    "alpha={mixing_alpha}", {"strategy": "streaming"}),),
 )
