@@ -4,6 +4,12 @@
     python bench/decoupled.py --jobs 2 --model micro --fragments 2   # the measured run (about 20 minutes)
     python bench/decoupled.py --steps 20 --model micro --fragments 2 --out /tmp/dc   # a smoke run
 
+Measured on the earlier default benchmark setting, the TrainConfig defaults before the nano regime (model
+from ``--model``, default tiny; 4096-token vocabulary, batch 8 of 128 tokens per island, warmup 50, fp32
+exchanges, outer Nesterov momentum 0.5 for decoupled and 0.9 for synchronous diloco; stdlib corpus), now
+pinned in every run (:data:`EARLIER_SETTING`) so the committed results reproduce; the current default setting
+is measured by ``python bench/fidelity.py``.
+
 (a) Failures: 8 islands, local runtime, simulated step time ``--sim-step-s`` (0.1 s), H = 25, 4 fragments.
     One seeded failure trace (:func:`atoll.analysis.chaos.standard_chaos`: DOWN = 1/20 of the failure-free compute
     time and MTBF = 9 DOWN: every island down about 10% of the time; the realized fraction is reported).
@@ -39,6 +45,20 @@ from atoll.bench.common import add_common_arguments, default_out, pct, script_er
 from atoll.errors import AtollError
 from atoll.runtime.network import Link
 
+SPEEDS = [1.0, 1.0, 0.5, 0.25]  # (b): relative speeds of the 4 islands
+
+#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's and that the
+#: runs do not set themselves (model, steps, H, evaluation and checkpoints are the flags'): the committed results
+#: were measured on them, so every run takes them under its own settings and the results reproduce. Decoupled
+#: exchanged fp32 by default then (int4 now); its outer momentum was 0.5 then as now, and synchronous diloco's
+#: (``--train-sync``) 0.9 (:data:`EARLIER_DILOCO`). The evaluation now takes 8 held-out windows per batch whatever
+#: the batch size, where it took batch_size windows: at batch 8 that is the same evaluation set as before, so
+#: final_eval_loss stays comparable. Not pinned: overlap_steps, streaming's own setting (1 then, 5 now), which
+#: neither strategy here reads or may set.
+EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_steps": 50, "codec": "fp32"}
+#: what synchronous diloco's runs add to :data:`EARLIER_SETTING`: its outer momentum then
+EARLIER_DILOCO: dict[str, Any] = {"outer_momentum": 0.9}
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,6 +71,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="also train synchronous diloco on 8 islands, for its eval loss (its clock needs no run)")
     parser.add_argument("--fragments", type=int, default=4, help="decoupled fragments [4; micro has 2 layers: 2]")
     return parser.parse_args(argv)
+
+
+def shared_settings(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]:
+    """H, the settings every run shares (its own, from the flags ``args``) and the failure trace's spec."""
+    h = max(4, min(args.sync_every, args.steps // 2))
+    common = {"steps": args.steps, "model": args.model, "sync_every": h, "sim_step_s": args.sim_step_s,
+              "eval_every": max(1, args.steps // 6), "checkpoint_every": 0}
+    chaos = standard_chaos(args.steps * args.sim_step_s)  # down 1/20 of the run, MTBF 9x that
+    return h, common, chaos
+
+
+def pinned(settings: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings over :data:`EARLIER_SETTING` (and :data:`EARLIER_DILOCO` for diloco): what it trains with."""
+    earlier = {**EARLIER_SETTING, **(EARLIER_DILOCO if settings.get("strategy") == "diloco" else {})}
+    return {**earlier, **settings}
+
+
+def planned_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(name, own settings) of every run the flags ``args`` train, largest first (so that ``--jobs 2``
+    balances the cores), to train with :func:`pinned`; no training."""
+    _, common, chaos = shared_settings(args)
+    dc = {"strategy": "decoupled", "fragments": args.fragments, **common}
+    return [
+        ("a_decoupled_free", dict(islands=8, **dc)),
+        ("a_decoupled_chaos", dict(islands=8, chaos=chaos, **dc)),
+        *([("a_diloco_free", dict(strategy="diloco", islands=8, **common))] if args.train_sync else []),
+        ("b_decoupled_homogeneous", dict(islands=4, **dc)),
+        ("b_decoupled_speeds", dict(islands=4, island_speeds=list(SPEEDS), **dc)),
+    ]
 
 
 def sync_accounting(r: dict[str, Any], speeds: list[float], trace: FailureTrace | None, sim_step_s: float,
@@ -83,21 +132,11 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> None:
     """Train (or reuse) every run, write results.json and results.md, print the table; ``argv`` for its
     command line."""
     suite = args.out or default_out("decoupled")
-    h = max(4, min(args.sync_every, args.steps // 2))
-    common = {"steps": args.steps, "model": args.model, "sync_every": h, "sim_step_s": args.sim_step_s,
-              "eval_every": max(1, args.steps // 6), "checkpoint_every": 0}
-    chaos = standard_chaos(args.steps * args.sim_step_s)  # down 1/20 of the run, MTBF 9x that
-    dc = {"strategy": "decoupled", "fragments": args.fragments, **common}
+    h, common, chaos = shared_settings(args)
     results: dict[str, Any] = {"settings": {**common, "chaos": chaos, "seed": 0}}
 
-    speeds = [1.0, 1.0, 0.5, 0.25]
-    specs = {  # largest first, so that --jobs 2 balances the cores
-        "a_decoupled_free": dict(islands=8, **dc),
-        "a_decoupled_chaos": dict(islands=8, chaos=chaos, **dc),
-        **({"a_diloco_free": dict(strategy="diloco", islands=8, **common)} if args.train_sync else {}),
-        "b_decoupled_homogeneous": dict(islands=4, **dc),
-        "b_decoupled_speeds": dict(islands=4, island_speeds=speeds, **dc),
-    }
+    speeds = SPEEDS
+    specs = {name: pinned(own) for name, own in planned_runs(args)}  # largest first: --jobs 2 balances the cores
     if args.jobs > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             done = dict(zip(specs, pool.map(_train, [(suite, n, args.fresh, s) for n, s in specs.items()]),

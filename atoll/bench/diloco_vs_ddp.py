@@ -2,8 +2,13 @@
 
     python bench/diloco_vs_ddp.py            # about 35 minutes on 2 CPU cores
 
-Runs, on the default benchmark (tiny ~1.8M Llama, stdlib corpus, 4 islands, 600 inner steps each):
-1. ``atoll train`` with no argument (diloco, H=50), timed as a user runs it;
+Measured on the earlier default benchmark setting, the TrainConfig defaults before the nano regime (tiny
+~1.8M Llama, 4096-token vocabulary, batch 8 of 128 tokens per island, 600 inner steps, warmup 50, outer
+Nesterov momentum 0.9, an evaluation every 100 steps; stdlib corpus, 4 islands), now pinned in every run
+(:data:`EARLIER_SETTING`) so the committed results reproduce. The current default setting is measured by
+``python bench/fidelity.py``. Runs:
+1. ``atoll train`` with the earlier defaults as flags (diloco, H=50; no argument when it was measured),
+   timed as a user runs it;
 2. one island alone (``--strategy ddp --islands 1``: plain AdamW, the DiLoCo paper's baseline);
 3. ``ddp`` with 4 islands (the same tokens as diloco);
 4. ``diloco`` with H = 10, 25, 100 (H=50 is run 1);
@@ -25,12 +30,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from atoll.bench.common import (
     clear_run_dir,
     default_out,
     parse_args,
     pct,
+    run_matches,
     script_error,
     train_once,
     write_results,
@@ -38,6 +45,56 @@ from atoll.bench.common import (
 from atoll.errors import AtollError
 
 OUTER_SWEEP = ((1.0, 0.0), (0.7, 0.5))  # (outer lr, outer momentum); run 1 is (0.7, 0.9)
+
+#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's: the committed
+#: results were measured on them, so every run takes them under its own settings and the results reproduce
+#: (``steps``: the length of run 1, ``atoll train`` with no argument then; the others set their own). The
+#: evaluation now takes 8 held-out windows per batch whatever the batch size, where it took batch_size windows:
+#: at batch 8 that is the same evaluation set as before, so final_eval_loss stays comparable. Left out:
+#: overlap_steps, streaming's own setting (1 then, 5 now), which no other strategy reads or may set.
+EARLIER_SETTING: dict[str, Any] = {"model": "tiny", "vocab_size": 4096, "batch_size": 8, "steps": 600,
+                                   "warmup_steps": 50, "outer_momentum": 0.9, "eval_every": 100}
+
+
+def pinned(settings: dict[str, Any]) -> dict[str, Any]:
+    """A run's settings over :data:`EARLIER_SETTING`: what it trains with."""
+    return {**EARLIER_SETTING, **settings}
+
+
+def planned_runs(steps: int, suite: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(name, own settings) of every run, in training order (to train with :func:`pinned`); no training.
+
+    ``default_cli`` (at the earlier default of 600 steps) is ``atoll train`` with no setting of its own: its
+    flags are :data:`EARLIER_SETTING`; at other steps ``diloco_H50`` is trained as the other runs. The warm
+    starts read ``suite/ddp``.
+    """
+    s = {"steps": steps}
+    first = ("default_cli", {}) if steps == EARLIER_SETTING["steps"] else \
+        ("diloco_H50", {"strategy": "diloco", "sync_every": 50, **s})
+    warm = {"steps": steps // 2, "init_from": str(suite / "ddp")}
+    return [
+        first,
+        ("one_island", {"strategy": "ddp", "islands": 1, **s}),
+        ("ddp", {"strategy": "ddp", **s}),
+        *[(f"diloco_H{h}", {"strategy": "diloco", "sync_every": h, **s}) for h in (10, 25, 100)],
+        *[(f"diloco_H50_outer_{lr:g}_{m:g}", {"strategy": "diloco", "sync_every": 50, "outer_lr": lr,
+                                               "outer_momentum": m, **s}) for lr, m in OUTER_SWEEP],
+        ("warm_then_ddp", {"strategy": "ddp", **warm}),
+        ("warm_then_diloco_H50", {"strategy": "diloco", "sync_every": 50, **warm}),
+    ]
+
+
+def reference(name: str, steps: int) -> dict[str, Any]:
+    """The pinned settings other benchmarks reuse a run of this one with (``ddp``, ``one_island``, and
+    ``diloco_H50`` or ``default_cli``: diloco at H=50), at ``steps``."""
+    own = {"ddp": {"strategy": "ddp"}, "one_island": {"strategy": "ddp", "islands": 1}}.get(
+        name, {"strategy": "diloco", "sync_every": 50})
+    return pinned({**own, "steps": steps})
+
+
+def cli_flags(settings: dict[str, Any]) -> list[str]:
+    """``atoll train`` flags of ``settings`` (``--model tiny``, ...)."""
+    return [x for k, v in settings.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
 def outer_setting(run_dir: Path) -> str:
@@ -49,19 +106,20 @@ def outer_setting(run_dir: Path) -> str:
 
 
 def default_cli_run(suite: Path, fresh: bool) -> dict:
-    """``atoll train`` with no argument, in a scratch folder; its run folder is moved into the suite."""
+    """``atoll train`` with the earlier defaults as flags (:data:`EARLIER_SETTING`; it had no argument when
+    measured), in a scratch folder; its run folder is moved into the suite."""
     import json
     import shutil
 
     target = suite / "default_cli"
-    if (target / "summary.json").is_file() and not fresh:
+    if (target / "summary.json").is_file() and not fresh and run_matches(target, pinned({})):
         return json.loads((target / "summary.json").read_text())
     clear_run_dir(target)  # only a run folder (atoll's files), never another folder
     with tempfile.TemporaryDirectory() as cwd:
         t0 = time.perf_counter()
-        # one OpenMP thread (as the other benchmark runs): the command line itself stays argument-free
-        r = subprocess.run(["atoll", "train", "--no-progress"], cwd=cwd, capture_output=True, text=True,
-                           timeout=3600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # one OpenMP thread (as the other benchmark runs): the command line itself holds only the settings
+        r = subprocess.run(["atoll", "train", "--no-progress", *cli_flags(pinned({}))], cwd=cwd,
+                           capture_output=True, text=True, timeout=3600, env={**os.environ, "OMP_NUM_THREADS": "1"})
         elapsed = time.perf_counter() - t0
         if r.returncode != 0:
             raise SystemExit(f"atoll train failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -87,25 +145,12 @@ def benchmark(args: argparse.Namespace) -> None:
     """Train (or reuse) every run, write results.json and results.md, print the table."""
     suite = args.out or default_out("diloco_vs_ddp")
     steps = args.steps
-    s = {"steps": steps}
     results: dict[str, dict] = {}
-    results["diloco_H50"] = default_cli_run(suite, args.fresh) if steps == 600 else train_once(
-        suite, "diloco_H50", args.fresh, strategy="diloco", sync_every=50, **s)
-    results["one_island"] = train_once(suite, "one_island", args.fresh, strategy="ddp", islands=1, **s)
-    results["ddp"] = train_once(suite, "ddp", args.fresh, strategy="ddp", **s)
-    for h in (10, 25, 100):
-        results[f"diloco_H{h}"] = train_once(suite, f"diloco_H{h}", args.fresh, strategy="diloco", sync_every=h,
-                                             **s)
-    for lr, m in OUTER_SWEEP:
-        results[f"diloco_H50_outer_{lr:g}_{m:g}"] = train_once(suite, f"diloco_H50_outer_{lr:g}_{m:g}", args.fresh,
-                                                               strategy="diloco", sync_every=50, outer_lr=lr,
-                                                               outer_momentum=m, **s)
-    half = steps // 2
-    warm_dir = str(suite / "ddp")
-    results["warm_then_ddp"] = train_once(suite, "warm_then_ddp", args.fresh, strategy="ddp", steps=half,
-                                          init_from=warm_dir)
-    results["warm_then_diloco_H50"] = train_once(suite, "warm_then_diloco_H50", args.fresh, strategy="diloco",
-                                                 sync_every=50, steps=half, init_from=warm_dir)
+    for name, own in planned_runs(steps, suite):
+        if name == "default_cli":
+            results["diloco_H50"] = default_cli_run(suite, args.fresh)
+        else:
+            results[name] = train_once(suite, name, args.fresh, **pinned(own))
 
     ddp_loss = results["ddp"]["final_eval_loss"]
     one_loss = results["one_island"]["final_eval_loss"]
