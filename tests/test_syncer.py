@@ -45,8 +45,9 @@ def test_one_island_full_quorum_lr1_momentum0_is_plain_averaging() -> None:
 
 def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     theta = torch.zeros(10)
-    s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, grace_factor=0.5, scale_partial=False)
-    assert s.quorum == 2  # half of the islands, rounded up
+    assert Syncer(theta, None, islands=4).quorum == 4  # every island by default
+    s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, grace_factor=0.5, scale_partial=False,
+               quorum=2)
     r = s.push(Push(0, 0, torch.full((10,), -1.0), 10, 0, round_s=4.0), now=1.0)
     assert r.accepted and r.committed == 0 and s.version(0) == 0
     # the grace window is 0.5 x the median measured round time (4 s), opened at the first push

@@ -83,8 +83,13 @@ def shared_settings(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]
 
 
 def pinned(settings: dict[str, Any]) -> dict[str, Any]:
-    """A run's settings over :data:`EARLIER_SETTING` (and :data:`EARLIER_DILOCO` for diloco): what it trains with."""
+    """A run's settings over :data:`EARLIER_SETTING` (and :data:`EARLIER_DILOCO` for diloco): what it trains with.
+
+    A decoupled run's quorum is pinned to the earlier default, half the islands rounded up (now: every island).
+    """
     earlier = {**EARLIER_SETTING, **(EARLIER_DILOCO if settings.get("strategy") == "diloco" else {})}
+    if settings.get("strategy", "decoupled") == "decoupled" and "quorum" not in settings:
+        earlier["quorum"] = -(-int(settings.get("islands", 4)) // 2)
     return {**earlier, **settings}
 
 

@@ -38,7 +38,8 @@ class DecoupledSection(Section):
     quorum: int | None = Field(
         None, ge=1,
         description="decoupled: distinct islands whose pushes of a fragment make the syncer merge at once "
-        "(default: half the islands, rounded up); fewer are merged when the grace window closes.",
+        "(default: every island; a dead or late one delays a merge by one grace window at most, then those that "
+        "pushed are merged; a smaller quorum merges sooner, in parts that weigh each other's pushes as stale).",
     )
     grace_factor: float = Field(
         1.0, gt=0, le=100,

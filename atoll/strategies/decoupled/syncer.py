@@ -97,7 +97,8 @@ class Syncer:
             ``init`` when None.
         islands: number of islands that may push (K).
         outer_lr: outer learning rate; ``outer_momentum``: Nesterov momentum (0: plain SGD).
-        quorum: distinct islands whose pushes merge a fragment at once; default ``ceil(K / 2)``.
+        quorum: distinct islands whose pushes merge a fragment at once; default every island (``K``): with
+            failures, the grace window closes and merges those that pushed.
         grace_factor: the grace window is this times the median recent round time (seconds).
         max_staleness: pushes staler than this many committed versions are dropped (counted in
             ``stale_updates``, not in ``rejected_updates``).
@@ -119,7 +120,7 @@ class Syncer:
         if sum(int(i.numel()) for i in self.index) != flat.numel():
             raise ValueError(f"fragment index covers {sum(int(i.numel()) for i in self.index)} of {flat.numel()} elements")
         self.islands = islands
-        self.quorum = quorum if quorum is not None else math.ceil(islands / 2)
+        self.quorum = quorum if quorum is not None else islands
         if not 1 <= self.quorum <= islands:
             raise ValueError(f"quorum {self.quorum} outside 1..{islands}")
         self.grace_factor = grace_factor
