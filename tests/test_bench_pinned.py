@@ -43,9 +43,6 @@ OLD_STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {"demo": {"min_lr_ratio": 1.0
 #: Fields that do not change what a run computes or measures: where it writes, its progress bar, its cache and
 #: its torch threads (benchmark runs take 1 where ``atoll train`` took torch's choice under OMP_NUM_THREADS=1).
 IGNORED = frozenset({"out", "progress", "cache_dir", "threads"})
-#: Streaming's own setting (tau: 1 then, 5 now). Another strategy neither reads it nor may set it (a value off
-#: its default is an error there), so outside streaming it cannot be pinned and differs harmlessly.
-STREAMING_ONLY = frozenset({"overlap_steps"})
 
 
 def old_resolved(own: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +59,7 @@ def assert_same(new: TrainConfig, own: dict[str, Any], run: str) -> None:
     if got["strategy"] == "decoupled" and want["quorum"] is None:  # None meant half the islands then (now: all)
         want["quorum"] = -(-want["islands"] // 2)
     assert set(got) == set(want), f"{run}: fields added or removed since the earlier setting: {set(got) ^ set(want)}"
-    skip = IGNORED | (STREAMING_ONLY if got["strategy"] != "streaming" else frozenset())
+    skip = IGNORED
     diff = {k: (want[k], got[k]) for k in got if k not in skip and got[k] != want[k]}
     assert not diff, f"{run}: (earlier, now) differ: {diff}"
 

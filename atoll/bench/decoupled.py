@@ -53,8 +53,7 @@ SPEEDS = [1.0, 1.0, 0.5, 0.25]  # (b): relative speeds of the 4 islands
 #: exchanged fp32 by default then (int4 now); its outer momentum was 0.5 then as now, and synchronous diloco's
 #: (``--train-sync``) 0.9 (:data:`EARLIER_DILOCO`). The evaluation now takes 8 held-out windows per batch whatever
 #: the batch size, where it took batch_size windows: at batch 8 that is the same evaluation set as before, so
-#: final_eval_loss stays comparable. Not pinned: overlap_steps, streaming's own setting (1 then, 5 now), which
-#: neither strategy here reads or may set.
+#: final_eval_loss stays comparable.
 EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_steps": 50, "codec": "fp32"}
 #: what synchronous diloco's runs add to :data:`EARLIER_SETTING`: its outer momentum then
 EARLIER_DILOCO: dict[str, Any] = {"outer_momentum": 0.9}

@@ -42,8 +42,7 @@ FLOORS = (0.1, 1.0)
 #: results were measured on them, so every run takes them under its own settings and the results reproduce
 #: (demo's own defaults, sign values, chunk 64 and a constant rate after warmup, are unchanged). The evaluation
 #: now takes 8 held-out windows per batch whatever the batch size, where it took batch_size windows: at batch 8
-#: that is the same evaluation set as before, so final_eval_loss stays comparable. Not pinned: overlap_steps,
-#: streaming's own setting (1 then, 5 now), which demo neither reads nor may set.
+#: that is the same evaluation set as before, so final_eval_loss stays comparable.
 EARLIER_SETTING: dict[str, Any] = {"model": "tiny", "vocab_size": 4096, "batch_size": 8, "warmup_steps": 50,
                                    "outer_momentum": 0.9, "eval_every": 100}
 

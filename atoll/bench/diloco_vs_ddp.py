@@ -50,8 +50,7 @@ OUTER_SWEEP = ((1.0, 0.0), (0.7, 0.5))  # (outer lr, outer momentum); run 1 is (
 #: results were measured on them, so every run takes them under its own settings and the results reproduce
 #: (``steps``: the length of run 1, ``atoll train`` with no argument then; the others set their own). The
 #: evaluation now takes 8 held-out windows per batch whatever the batch size, where it took batch_size windows:
-#: at batch 8 that is the same evaluation set as before, so final_eval_loss stays comparable. Left out:
-#: overlap_steps, streaming's own setting (1 then, 5 now), which no other strategy reads or may set.
+#: at batch 8 that is the same evaluation set as before, so final_eval_loss stays comparable.
 EARLIER_SETTING: dict[str, Any] = {"model": "tiny", "vocab_size": 4096, "batch_size": 8, "steps": 600,
                                    "warmup_steps": 50, "outer_momentum": 0.9, "eval_every": 100}
 

@@ -62,8 +62,7 @@ LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
 #: were measured on them, so every run takes them under its own settings (and ``--train-arg``) and the results
 #: reproduce. The evaluation (once, at the end: eval_every = steps) now takes 8 held-out windows per batch
 #: whatever the batch size, where it took batch_size windows: at batch 8 that is the same evaluation set as
-#: before, so final_eval_loss stays comparable. Not pinned: overlap_steps, streaming's own setting (1 then, 5
-#: now), which neither ddp nor diloco reads or may set.
+#: before, so final_eval_loss stays comparable.
 EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_steps": 50, "outer_momentum": 0.9}
 
 MASTER_PORT = 29500  # free: island 0's namespace holds nothing else

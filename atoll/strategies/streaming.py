@@ -38,7 +38,7 @@ class StreamingSection(Section):
     """Streaming DiLoCo's own settings (its fragments are ``fragments``, shared with decoupled)."""
 
     overlap_steps: int = Field(
-        5, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
+        1, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
     )
     mixing_alpha: float = Field(
         0.5, ge=0, le=1,
