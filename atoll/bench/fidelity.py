@@ -40,13 +40,16 @@ from atoll.bench.common import default_out, pct, script_error, train_once
 
 #: the studies, in the order of results.md
 STUDIES = ("default", "h", "outer", "lr", "batch", "tokens", "warm")
+#: H of the h study; (outer lr, momentum) of the outer study besides FedAvg (1, 0)
+H_VALUES = (1, 5, 50, 100)
+OUTER_VALUES = ((0.7, 0.9), (1.0, 0.5))
 
 
-def defaults() -> dict[str, Any]:
-    """The default run's settings that the studies vary."""
+def defaults(base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The default run's settings that the studies vary (``base``: settings over the defaults, e.g. --quick's)."""
     from atoll.config import build_config
 
-    c = build_config()
+    c = build_config(overrides={k: v for k, v in (base or {}).items() if k != "progress"})
     return {"steps": c.steps, "batch_size": c.batch_size, "sync_every": c.sync_every, "lr": c.lr,
             "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum, "warmup_steps": c.warmup_steps}
 
@@ -60,13 +63,12 @@ def runs(study: str, d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
                 ("decoupled_speeds", {"strategy": "decoupled", "island_speeds": [1.0, 1.0, 0.5, 0.25]}),
                 ("demo", {"strategy": "demo"})]
     if study == "h":
-        return ([(f"diloco_h{h}", {"strategy": "diloco", "sync_every": h}) for h in (1, 5, 50, 100)]
+        return ([(f"diloco_h{h}", {"strategy": "diloco", "sync_every": h}) for h in H_VALUES if h != d["sync_every"]]
                 + [(f"fedavg_h{h}", {"strategy": "diloco", "sync_every": h, "outer_lr": 1.0, "outer_momentum": 0.0})
-                   for h in (1, d["sync_every"], 100)])
-    if study == "outer":
+                   for h in (1, d["sync_every"])])
+    if study == "outer":  # plain averaging (FedAvg) is the h study's run at the default H
         return [(f"outer_{lr:g}_{m:g}", {"strategy": "diloco", "outer_lr": lr, "outer_momentum": m})
-                for lr, m in ((1.0, 0.0), (0.7, 0.9), (1.0, 0.5), (0.5, 0.5)) if (lr, m) != (d["outer_lr"],
-                                                                                            d["outer_momentum"])]
+                for lr, m in OUTER_VALUES if (lr, m) != (d["outer_lr"], d["outer_momentum"])]
     if study == "lr":
         return [(f"{kind}_lr{lr:g}", {**settings, "lr": lr}) for lr in (d["lr"] / 3, d["lr"] * 3)
                 for kind, settings in (("one_island", one), ("ddp", ddp), ("diloco", {"strategy": "diloco"}))]
@@ -106,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--suite", type=Path, default=None, help="the suite's folder, whose runs the default "
                         "study shares [bench/out/suite]")
     parser.add_argument("--fresh", action="store_true", help="train every run again")
+    parser.add_argument("--quick", action="store_true", help="the suite's --quick setting (micro model, 20 "
+                        "steps): a smoke run of the script, not a measurement")
     args = parser.parse_args(argv)
     try:
         return benchmark(args)
@@ -124,14 +128,16 @@ def benchmark(args: argparse.Namespace) -> int:
         from atoll.errors import ConfigError
 
         raise ConfigError(f"only: unknown study '{unknown[0]}'; use some of {', '.join(STUDIES)}")
-    d = defaults()
     from atoll.bench import suite as suite_mod
 
     # every run as the suite trains its own (one thread, no checkpoints, the suite's link): the default study's
     # runs that are the suite's rows are its very folders, trained once for both
-    base = suite_mod.base_settings(argparse.Namespace(quick=False, steps=None, data=None, cache_dir=None,
+    base = suite_mod.base_settings(argparse.Namespace(quick=args.quick, steps=None, data=None, cache_dir=None,
                                                       vocab_size=None))
-    suite_rows = {name: suite_mod.run_settings(base, settings, False) for name, _, settings in suite_mod.runs()}
+    if args.quick:
+        base.update(sync_every=10, fragments=2)
+    d = defaults(base)
+    suite_rows = {name: suite_mod.run_settings(base, settings, args.quick) for name, _, settings in suite_mod.runs()}
     todo: list[tuple[Path, str, dict[str, Any], bool]] = []
     warm: list[tuple[Path, str, dict[str, Any], bool]] = []
     for study in ["default"] + [s for s in studies if s != "default"]:  # the references of every study

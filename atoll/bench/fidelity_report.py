@@ -52,8 +52,10 @@ def _triple(summaries: dict[str, dict[str, Any]], one: str, ddp: str, dil: str, 
 def study_rows(study: str, summaries: dict[str, dict[str, Any]], d: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per setting of a study: one island, ddp and diloco (or the study's variants) side by side."""
     if study == "h":
+        from atoll.bench.fidelity import H_VALUES
+
         rows = []
-        for h in (1, 5, d["sync_every"], 50, 100):
+        for h in sorted({*H_VALUES, d["sync_every"]}):
             dil = "diloco" if h == d["sync_every"] else f"diloco_h{h}"
             row = _triple(summaries, "one_island", "ddp", dil, f"H={h}")
             fed = summaries.get(f"fedavg_h{h}")
@@ -62,12 +64,14 @@ def study_rows(study: str, summaries: dict[str, dict[str, Any]], d: dict[str, An
             rows.append(row)
         return rows
     if study == "outer":
-        rows = [_triple(summaries, "one_island", "ddp", "diloco", f"{d['outer_lr']:g} / {d['outer_momentum']:g} (default)")]
-        for lr, m in ((1.0, 0.0), (0.7, 0.9), (1.0, 0.5), (0.5, 0.5)):
+        from atoll.bench.fidelity import OUTER_VALUES
+
+        rows = [_triple(summaries, "one_island", "ddp", "diloco", f"{d['outer_lr']:g} / {d['outer_momentum']:g} (default)"),
+                _triple(summaries, "one_island", "ddp", f"fedavg_h{d['sync_every']}", "1 / 0 (FedAvg, plain averaging)")]
+        for lr, m in OUTER_VALUES:
             if (lr, m) != (d["outer_lr"], d["outer_momentum"]):
                 rows.append(_triple(summaries, "one_island", "ddp", f"outer_{lr:g}_{m:g}",
-                                    f"{lr:g} / {m:g}" + (" (FedAvg)" if m == 0 and lr == 1 else
-                                                          " (DiLoCo paper)" if (lr, m) == (0.7, 0.9) else "")))
+                                    f"{lr:g} / {m:g}" + (" (DiLoCo paper)" if (lr, m) == (0.7, 0.9) else "")))
         return rows
     if study == "lr":
         rows = []

@@ -95,5 +95,5 @@ SPEC = StrategySpec(
     runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
     suite=(SuiteRun("diloco", "diloco H={sync_every} {codec} (default)", {"strategy": "diloco"}),
            *(SuiteRun(f"diloco_{c}", f"diloco H={{sync_every}} {c}", {"strategy": "diloco", "codec": c})
-             for c in ("bf16", "int8", "int4"))),
+             for c in ("int8", "int4"))),
 )
