@@ -25,7 +25,8 @@ def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:
                 "final_eval_loss", "bytes_sent_per_island", "ddp_bytes_per_island", "compute_s", "sim_wall_s",
                 "wall_s"):
         assert key in saved, key
-    assert saved["final_eval_loss"] < saved["initial_eval_loss"] - 0.5
+    # 20 steps of 2 islands: from uniform over 512 tokens (6.24 nats) down by more than 0.4
+    assert saved["final_eval_loss"] < saved["initial_eval_loss"] - 0.4
     assert saved["tokens"] == 2 * 20 * 4 * 32
     # 20 steps, H=5: 4 outer steps, each a ring all-reduce of the fp32 parameters; ddp would do 20
     assert saved["exchanges"] == 4

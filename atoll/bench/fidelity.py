@@ -13,12 +13,17 @@ steps, optimizers, 4 islands) with one factor changed, so each study isolates on
   50x fewer bytes than ddp, at least 5% below one island and within 10% of ddp; streaming and decoupled within
   2% of diloco; decoupled's unequal speeds within 2% of its equal speeds; demo below one island). These runs
   are the suite's (``atoll bench suite``): the same folders, trained once.
-- ``h``: the sync interval H (1 to 100), with the default outer optimizer and with plain averaging (FedAvg:
-  outer lr 1, momentum 0). At H = 1 averaging AdamW updates is all but ddp: the gap opens with H.
-- ``outer``: the outer optimizer at the default H: plain averaging, DiLoCo's 0.7/0.9, lighter momentum.
-- ``lr``: the inner learning rate, for one island, ddp and diloco alike.
-- ``batch``: tokens per island per inner step at equal total tokens (and equal tokens per outer round).
-- ``tokens``: tokens per parameter: half and twice the default steps (the scaling-law view of the gap).
+
+The other studies train half the default steps (:func:`study_steps`), so that all of them fit in an afternoon
+on 2 cores; their references are one island, ddp and diloco at that length (``*_x0.5``, trained once for all):
+
+- ``h``: the sync interval H (5 to 100) with the default outer optimizer, and plain averaging (FedAvg: outer
+  lr 1, momentum 0) at H = 1 and the default H. At H = 1 averaging AdamW updates is all but ddp.
+- ``outer``: the outer optimizer at the default H: plain averaging, DiLoCo's 0.7/0.9, a heavier step 1/0.5.
+- ``lr``: the inner learning rate (a third, three times), for one island, ddp and diloco alike.
+- ``batch``: tokens per island per inner step (a quarter, four times) at equal total tokens and equal tokens
+  per outer round (steps and H the other way).
+- ``tokens``: tokens per parameter: a quarter, half and all of the default steps (the scaling-law view).
 - ``warm``: a warm start, as the DiLoCo paper's: ddp for half the steps, then ddp or diloco for the other half.
 
 Writes ``bench/out/fidelity/results.json``, ``results.md`` (the targets, then one table per study: the loss of
@@ -29,7 +34,6 @@ one island, ddp and diloco, diloco's gain over one island and gap to ddp) and ``
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -37,12 +41,24 @@ from pathlib import Path
 from typing import Any
 
 from atoll.bench.common import default_out, pct, script_error, train_once
+from atoll.bench.fidelity_report import report, triple
 
 #: the studies, in the order of results.md
 STUDIES = ("default", "h", "outer", "lr", "batch", "tokens", "warm")
-#: H of the h study; (outer lr, momentum) of the outer study besides FedAvg (1, 0)
-H_VALUES = (1, 5, 50, 100)
+#: H of the h study with the default outer optimizer (the default H is the references' diloco) and with FedAvg
+H_VALUES = (5, 100)
+FEDAVG_H = (1,)  # and the default H
+#: (outer lr, momentum) of the outer study besides the default and FedAvg (1, 0)
 OUTER_VALUES = ((0.7, 0.9), (1.0, 0.5))
+#: the other factors: inner lr, per-island batch and steps, each as a multiple of the default
+LR_FACTORS = (1 / 3, 3.0)
+BATCH_FACTORS = (0.25, 4.0)
+TOKEN_FACTORS = (0.25,)
+
+
+def study_steps(d: dict[str, Any]) -> int:
+    """The inner steps of every study but ``default``: half the default's."""
+    return max(2, d["steps"] // 2)
 
 
 def defaults(base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -55,42 +71,53 @@ def defaults(base: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def runs(study: str, d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The (name, settings) of a study's runs; settings are TrainConfig fields over the defaults."""
-    one, ddp = {"strategy": "ddp", "islands": 1}, {"strategy": "ddp"}
+    """The (name, settings) of a study's runs; settings are TrainConfig fields over the defaults ``d``.
+
+    ``references`` is one island, ddp and diloco at the studies' length (:func:`study_steps`), which every
+    study but ``default`` compares with.
+
+    Raises:
+        ValueError: an unknown study.
+    """
+    one, ddp, dil = {"strategy": "ddp", "islands": 1}, {"strategy": "ddp"}, {"strategy": "diloco"}
     if study == "default":
-        return [("one_island", one), ("ddp", ddp), ("diloco", {"strategy": "diloco"}),
+        return [("one_island", one), ("ddp", ddp), ("diloco", dil),
                 ("streaming", {"strategy": "streaming"}), ("decoupled", {"strategy": "decoupled"}),
                 ("decoupled_speeds", {"strategy": "decoupled", "island_speeds": [1.0, 1.0, 0.5, 0.25]}),
                 ("demo", {"strategy": "demo"})]
+    steps = study_steps(d)
+    s = {"steps": steps}
+    if study == "references":
+        return [("one_island_x0.5", {**one, **s}), ("ddp_x0.5", {**ddp, **s}), ("diloco_x0.5", {**dil, **s})]
     if study == "h":
-        return ([(f"diloco_h{h}", {"strategy": "diloco", "sync_every": h}) for h in H_VALUES if h != d["sync_every"]]
-                + [(f"fedavg_h{h}", {"strategy": "diloco", "sync_every": h, "outer_lr": 1.0, "outer_momentum": 0.0})
-                   for h in (1, d["sync_every"])])
+        return ([(f"diloco_h{h}", {**dil, **s, "sync_every": h}) for h in H_VALUES]
+                + [(f"fedavg_h{h}", {**dil, **s, "sync_every": h, "outer_lr": 1.0, "outer_momentum": 0.0})
+                   for h in (*FEDAVG_H, d["sync_every"])])
     if study == "outer":  # plain averaging (FedAvg) is the h study's run at the default H
-        return [(f"outer_{lr:g}_{m:g}", {"strategy": "diloco", "outer_lr": lr, "outer_momentum": m})
-                for lr, m in OUTER_VALUES if (lr, m) != (d["outer_lr"], d["outer_momentum"])]
+        return [(f"outer_{lr:g}_{m:g}", {**dil, **s, "outer_lr": lr, "outer_momentum": m})
+                for lr, m in OUTER_VALUES]
     if study == "lr":
-        return [(f"{kind}_lr{lr:g}", {**settings, "lr": lr}) for lr in (d["lr"] / 3, d["lr"] * 3)
-                for kind, settings in (("one_island", one), ("ddp", ddp), ("diloco", {"strategy": "diloco"}))]
+        return [(f"{kind}_lr{d['lr'] * f:.2g}", {**settings, **s, "lr": d["lr"] * f}) for f in LR_FACTORS
+                for kind, settings in (("one_island", one), ("ddp", ddp), ("diloco", dil))]
     if study == "batch":
         out = []
-        for factor in (0.25, 4.0):  # the batch; steps, warmup and H the other way: equal tokens, equal rounds
-            b = int(d["batch_size"] * factor)
-            s = {"batch_size": b, "steps": int(d["steps"] / factor), "warmup_steps": int(d["warmup_steps"] / factor)}
-            out += [(f"one_island_b{b}", {**one, **s}), (f"ddp_b{b}", {**ddp, **s}),
-                    (f"diloco_b{b}", {"strategy": "diloco", **s, "sync_every": max(1, int(d["sync_every"] / factor))})]
+        for f in BATCH_FACTORS:  # the batch; steps, warmup and H the other way: equal tokens, equal rounds
+            b = int(d["batch_size"] * f)
+            sb = {"batch_size": b, "steps": int(steps / f), "warmup_steps": int(d["warmup_steps"] / f)}
+            out += [(f"one_island_b{b}", {**one, **sb}), (f"ddp_b{b}", {**ddp, **sb}),
+                    (f"diloco_b{b}", {**dil, **sb, "sync_every": max(1, int(d["sync_every"] / f))})]
         return out
     if study == "tokens":
         out = []
-        for factor in (0.5, 2.0):
-            s = {"steps": int(d["steps"] * factor)}
-            out += [(f"one_island_x{factor:g}", {**one, **s}), (f"ddp_x{factor:g}", {**ddp, **s}),
-                    (f"diloco_x{factor:g}", {"strategy": "diloco", **s})]
+        for f in TOKEN_FACTORS:
+            st = {"steps": max(2, int(d["steps"] * f))}
+            out += [(f"one_island_x{f:g}", {**one, **st}), (f"ddp_x{f:g}", {**ddp, **st}),
+                    (f"diloco_x{f:g}", {**dil, **st})]
         return out
     if study == "warm":
-        half = {"steps": d["steps"] // 2}
+        half = {"steps": max(1, steps // 2)}
         return [("warm_ddp_first_half", {**ddp, **half}), ("warm_then_ddp", {**ddp, **half, "init_from": "@"}),
-                ("warm_then_diloco", {"strategy": "diloco", **half, "init_from": "@"})]
+                ("warm_then_diloco", {**dil, **half, "init_from": "@"})]
     raise ValueError(f"unknown study {study!r}")
 
 
@@ -100,13 +127,17 @@ def _train(args: tuple[Path, str, dict[str, Any], bool]) -> tuple[str, dict[str,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python bench/fidelity.py [--only a,b] [--jobs N] [--out DIR] [--suite DIR] [--fresh]``."""
+    """``python bench/fidelity.py [--only a,b] [--jobs N] [--out DIR] [--suite DIR] [--data ...] [--fresh]``;
+    returns the exit status (2: bad input, one line on stderr)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(STUDIES), help=f"studies to run [{','.join(STUDIES)}]")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (one torch thread each) [1]")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/fidelity]")
     parser.add_argument("--suite", type=Path, default=None, help="the suite's folder, whose runs the default "
                         "study shares [bench/out/suite]")
+    parser.add_argument("--data", default=None, help="corpus (as atoll train --data) [default: stdlib]")
+    parser.add_argument("--cache-dir", default=None, help="tokenizer/token cache (as atoll train)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (as atoll train)")
     parser.add_argument("--fresh", action="store_true", help="train every run again")
     parser.add_argument("--quick", action="store_true", help="the suite's --quick setting (micro model, 20 "
                         "steps): a smoke run of the script, not a measurement")
@@ -118,8 +149,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def benchmark(args: argparse.Namespace) -> int:
-    from atoll.bench.fidelity_report import report
-
     out = args.out or default_out("fidelity")
     suite = args.suite or default_out("suite")
     studies = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -132,15 +161,16 @@ def benchmark(args: argparse.Namespace) -> int:
 
     # every run as the suite trains its own (one thread, no checkpoints, the suite's link): the default study's
     # runs that are the suite's rows are its very folders, trained once for both
-    base = suite_mod.base_settings(argparse.Namespace(quick=args.quick, steps=None, data=None, cache_dir=None,
-                                                      vocab_size=None))
+    base = suite_mod.base_settings(argparse.Namespace(quick=args.quick, steps=None, data=args.data,
+                                                      cache_dir=args.cache_dir, vocab_size=args.vocab_size))
     if args.quick:
         base.update(sync_every=10, fragments=2)
     d = defaults(base)
     suite_rows = {name: suite_mod.run_settings(base, settings, args.quick) for name, _, settings in suite_mod.runs()}
     todo: list[tuple[Path, str, dict[str, Any], bool]] = []
     warm: list[tuple[Path, str, dict[str, Any], bool]] = []
-    for study in ["default"] + [s for s in studies if s != "default"]:  # the references of every study
+    order = ["default"] + (["references"] if set(studies) - {"default"} else [])  # every study's references
+    for study in order + [s for s in studies if s != "default"]:
         for name, settings in runs(study, d):
             if study == "default" and name in suite_rows:
                 todo.append((suite, name, suite_rows[name], args.fresh))
@@ -156,15 +186,60 @@ def benchmark(args: argparse.Namespace) -> int:
     for folder, name, settings, fresh in warm:  # after the run they start from
         settings = {**settings, "init_from": str(out / "warm_ddp_first_half")}
         summaries[name] = _train((folder, name, settings, fresh))[1]
-    text = report(out, suite, studies, summaries, d)
+    rows = {s: study_rows(s, summaries, d) for s in studies if s != "default"}
+    text = report(out, suite, rows, summaries, d)
     print(text)
     print(f"wrote {out}/results.json, results.md, fidelity.png")
     return 0
 
 
-def gap(a: float, b: float) -> float:
-    """``a`` against ``b`` in percent (negative: ``a`` is the lower loss)."""
-    return pct(a, b) if b and not math.isnan(b) else math.nan
+def study_rows(study: str, summaries: dict[str, dict[str, Any]], d: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per setting of a study: one island, ddp and diloco (or the study's variant) side by side, at
+    the studies' length (:func:`study_steps`) and otherwise the default setting ``d``. Missing runs: NaN."""
+    def row(one: str, ddp: str, dil: str, label: str, x: float | None = None) -> dict[str, Any]:
+        return {**triple(summaries, one, ddp, dil, label), "x": x}  # x: the plotted value of the factor
+
+    ref = ("one_island_x0.5", "ddp_x0.5", "diloco_x0.5")
+    if study == "h":
+        rows = []
+        for h in sorted({*H_VALUES, *FEDAVG_H, d["sync_every"]}):  # diloco at H=1: FedAvg only
+            dil = ref[2] if h == d["sync_every"] else f"diloco_h{h}"
+            r = row(ref[0], ref[1], dil, f"H={h}" + (" (default)" if h == d["sync_every"] else ""), h)
+            fed = summaries.get(f"fedavg_h{h}")
+            r["fedavg"] = float(fed["final_eval_loss"]) if fed else None
+            r["fedavg_vs_ddp"] = pct(r["fedavg"], r["ddp"]) if fed and r["ddp"] else None
+            rows.append(r)
+        return rows
+    if study == "outer":
+        rows = [row(*ref, f"{d['outer_lr']:g} / {d['outer_momentum']:g} (default)"),
+                row(ref[0], ref[1], f"fedavg_h{d['sync_every']}", "1 / 0 (FedAvg, plain averaging)")]
+        return rows + [row(ref[0], ref[1], f"outer_{lr:g}_{m:g}",
+                           f"{lr:g} / {m:g}" + (" (DiLoCo paper)" if (lr, m) == (0.7, 0.9) else ""))
+                       for lr, m in OUTER_VALUES]
+    if study == "lr":
+        rows = [row(*(f"{k}_lr{d['lr'] * f:.2g}" for k in ("one_island", "ddp", "diloco")), f"lr {d['lr'] * f:.2g}")
+                for f in LR_FACTORS]
+        return sorted([*rows, row(*ref, f"lr {d['lr']:.2g} (default)")], key=lambda r: float(r["setting"].split()[1]))
+    if study == "batch":
+        rows = [row(*ref, f"batch {d['batch_size']} x {study_steps(d)} steps (default)", d["batch_size"])]
+        for f in BATCH_FACTORS:
+            b = int(d["batch_size"] * f)
+            rows.append(row(f"one_island_b{b}", f"ddp_b{b}", f"diloco_b{b}", f"batch {b} x {int(study_steps(d) / f)} steps", b))
+        return sorted(rows, key=lambda r: int(r["setting"].split()[1]))
+    if study == "tokens":
+        kinds = ("one_island", "ddp", "diloco")
+        sets = [(f, tuple(f"{k}_x{f:g}" for k in kinds)) for f in TOKEN_FACTORS] + [(0.5, ref), (1.0, kinds)]
+        rows = []
+        for f, names in sets:
+            s = summaries.get(names[1])
+            label = f"{int(d['steps'] * f)} steps" + (f", {s['tokens'] / s['params']:.0f} tokens/param" if s else "")
+            rows.append(row(*names, label, s["tokens"] / s["params"] if s else None))
+        return rows
+    if study == "warm":
+        return [row(*ref, "cold start (for comparison)"),
+                row("warm_ddp_first_half", "warm_then_ddp", "warm_then_diloco",
+                    "warm start (one island column: the ddp run it starts from)")]
+    return []
 
 
 if __name__ == "__main__":  # pragma: no cover
