@@ -27,6 +27,7 @@ from typing import Any
 
 from atoll.config import TrainConfig
 from atoll.job.data import sample_batch
+from atoll.job.device import resolve_device
 from atoll.job.island import make_island
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
@@ -72,6 +73,8 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
         RunFailed: (collective launcher) a rank failed; carries its exit status.
     """
+    if config.runtime != "ray":  # a device that is not here is bad input before anything is written (Ray:
+        resolve_device(config.device)  # the islands' nodes decide)
     if spec(config.strategy).lockstep is None:  # asynchronous: islands on their own clocks, a syncer
         if config.runtime == "ray":
             from atoll.runtime.ray import train_ray  # Ray is imported only here
@@ -95,11 +98,13 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     run = Run(config, resume, is_main=runtime.is_main)
     runtime.start()
     own = spec(config.strategy)
-    islands = [make_island(i, copy.deepcopy(run.model).to(runtime.device), config, runtime.clock,
+    islands = [make_island(i, copy.deepcopy(run.model).to(runtime.device_of(i)), config, runtime.clock,
                            optimizer=own.inner_optimizer) for i in runtime.local_islands]
     strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
+
+    strategy_s = 0.0  # real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it)
 
     def sim_wall_s() -> float:
         return runtime.run_wall_s(run.wall_s())
@@ -110,7 +115,9 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 batch = sample_batch(run.data.island_tokens[island.index], config.batch_size, config.seq_len,
                                      config.seed, island.index, step)
                 runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
+            t_strategy = time.perf_counter()
             strategy.step(step)
+            strategy_s += time.perf_counter() - t_strategy
             done = step + 1
             if done == config.steps:
                 strategy.finish(done)
@@ -136,7 +143,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     _, tokens = runtime.totals(islands)
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
-        sim_wall_s=sim_wall_s(),
+        sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
         rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands))
     if runtime.is_main:

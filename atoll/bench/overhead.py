@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from atoll.bench.common import default_out, write_results
-from atoll.config import build_config
-from atoll.job.island import cosine_with_warmup, make_island, next_token_loss
+from atoll.config import TrainConfig, build_config
+from atoll.job.device import autocast, synchronize
+from atoll.job.island import adamw, cosine_with_warmup, make_island, next_token_loss
 from atoll.job.model import build_model, count_parameters
 
 #: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's and that the
@@ -74,6 +76,64 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
                           "vocab_size": args.vocab_size, "steps": 10_000, "islands": 1})]
 
 
+def compare_loops(config: TrainConfig, model: PreTrainedModel, device: torch.device, rounds: int, steps: int,
+                  ) -> dict[str, Any]:
+    """Seconds per step of atoll's inner step and of the plain PyTorch loop on the same model, batch, schedule
+    and device, in interleaved rounds (the first discarded); both in ``config.precision``.
+
+    The plain loop is what a PyTorch user writes: forward (under bf16 autocast for ``bf16``), cross-entropy,
+    backward, ``clip_grad_norm_``, AdamW (fused on CUDA, as the island's), the same warmup-cosine schedule,
+    ``zero_grad``. Device work is waited for at the end of each round.
+
+    Returns:
+        ``median_s`` and ``rounds_s`` ({"atoll", "plain"}: seconds per step), ``max_weight_diff`` (the largest
+        absolute difference of the two models' weights after the same steps; round-off only).
+    """
+    island = make_island(0, copy.deepcopy(model).to(device), config, clock=None)
+    plain = copy.deepcopy(model).to(device)
+    decay = [p for p in plain.parameters() if p.ndim >= 2]
+    no_decay = [p for p in plain.parameters() if p.ndim < 2]
+    opt = adamw([{"params": decay, "weight_decay": config.weight_decay},
+                 {"params": no_decay, "weight_decay": 0.0}], config)
+    # the same schedule as the island's, so both loops compute the same maths step for step
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio))
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
+    on_device = batch.to(device)
+
+    def atoll_step() -> None:
+        island.forward_backward(batch)
+        island.inner_step()
+
+    def plain_step() -> None:
+        with autocast(device, config.precision):
+            loss = next_token_loss(plain, on_device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), config.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    per_step: dict[str, list[float]] = {"atoll": [], "plain": []}
+    sides = (("atoll", atoll_step), ("plain", plain_step))
+    for r in range(rounds):
+        for name, fn in (sides if r % 2 == 0 else sides[::-1]):  # alternate which side goes first
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            synchronize(device)
+            dt = (time.perf_counter() - t0) / steps
+            if r > 0:  # round 0 warms up allocators and kernels
+                per_step[name].append(dt)
+    # both loops took the same steps on the same batch: their weights must agree (float round-off)
+    max_weight_diff = max(float((a.detach() - b.detach()).abs().max())
+                          for a, b in zip(island.model.parameters(), plain.parameters(), strict=True))
+    return {"median_s": {k: statistics.median(v) for k, v in per_step.items()}, "rounds_s": per_step,
+            "max_weight_diff": max_weight_diff}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python bench/overhead.py [--model M] [--rounds N] [--steps N] [--out DIR] ...``; the exit status."""
     args = parse_args(argv)
@@ -84,46 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (_, own), = planned_runs(args)
     config = build_config(overrides=pinned(own))
     model = build_model(config.model, config.vocab_size, config.seq_len, config.seed)
-    island = make_island(0, copy.deepcopy(model), config, clock=None)
-
-    plain = copy.deepcopy(model)
-    decay = [p for p in plain.parameters() if p.ndim >= 2]
-    no_decay = [p for p in plain.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
-    # the same schedule as the island's, so both loops compute the same maths step for step
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio))
-
-    g = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1), generator=g)
-
-    def atoll_step() -> None:
-        island.forward_backward(batch)
-        island.inner_step()
-
-    def plain_step() -> None:
-        loss = next_token_loss(plain, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), config.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-
-    per_step: dict[str, list[float]] = {"atoll": [], "plain": []}
-    sides = (("atoll", atoll_step), ("plain", plain_step))
-    for r in range(args.rounds):
-        for name, fn in (sides if r % 2 == 0 else sides[::-1]):  # alternate which side goes first
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                fn()
-            dt = (time.perf_counter() - t0) / args.steps
-            if r > 0:  # round 0 warms up allocators and kernels
-                per_step[name].append(dt)
-    med = {k: statistics.median(v) for k, v in per_step.items()}
-    # both loops took the same steps on the same batch: their weights must agree (float round-off)
-    max_weight_diff = max(float((a.detach() - b.detach()).abs().max())
-                          for a, b in zip(island.model.parameters(), plain.parameters(), strict=True))
+    cmp = compare_loops(config, model, torch.device("cpu"), args.rounds, args.steps)
+    med, per_step, max_weight_diff = cmp["median_s"], cmp["rounds_s"], cmp["max_weight_diff"]
     result = {
         "model": args.model, "params": count_parameters(model), "batch_size": args.batch_size,
         "seq_len": args.seq_len, "threads": args.threads, "rounds_kept": args.rounds - 1, "steps_per_round": args.steps,

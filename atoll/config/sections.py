@@ -54,6 +54,18 @@ class ModelSection(Section):
     )
 
 
+class DeviceSection(Section):
+    """Where islands compute and in which precision (atoll.job.device)."""
+
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="Where islands compute: auto (CUDA when present, then MPS, else the CPU), cpu, cuda "
+        "(local runtime: islands on the visible GPUs round-robin, several may share one; collective: one GPU "
+        "per rank, NCCL) or mps. The global model, the outer optimizer and the codecs stay float32 on the CPU.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Forward and backward precision: fp32, or bf16 autocast with float32 weights, "
+        "gradients and optimizer state (the outer step and codecs stay float32).")
+
+
 class DataSection(Section):
     """The corpus, its tokenizer and what one island consumes per inner step."""
 

@@ -27,6 +27,7 @@ from atoll.config.sections import (
     CodecSection,
     CollectiveSection,
     DataSection,
+    DeviceSection,
     FragmentsSection,
     InnerOptimSection,
     ModelSection,
@@ -46,7 +47,7 @@ else:  # pragma: no cover
 
 #: the sections of the whole config, in --help order (each strategy's own after the shared ones)
 SECTIONS: tuple[type[Section], ...] = (
-    RunSection, CollectiveSection, ModelSection, DataSection, InnerOptimSection, OuterOptimSection, CodecSection,
+    RunSection, CollectiveSection, ModelSection, DeviceSection, DataSection, InnerOptimSection, OuterOptimSection, CodecSection,
     FragmentsSection, *(s.section for s in specs() if s.section is not None), RaySection, NetworkSection,
     OutputSection,
 )

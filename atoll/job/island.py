@@ -12,6 +12,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from transformers import PreTrainedModel
 
+from atoll.job.device import autocast, synchronize
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class Island:
         grad_clip: clip the gradient norm to this before each inner step (0: off).
         clock: simulated clock charged with this island's measured compute time (None: not simulated).
         speed: relative hardware speed (1.0 = as measured; 0.5 = charged twice the measured time).
+        precision: ``fp32``, or ``bf16`` for a bfloat16-autocast forward and backward pass (float32 weights,
+            gradients and optimizer state; :func:`atoll.job.device.autocast`).
 
     Attributes:
         compute_s: measured compute seconds (divided by ``speed``).
@@ -77,7 +80,7 @@ class Island:
 
     def __init__(self, index: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float = 1.0,
-                 clock: SimClock | None = None, speed: float = 1.0) -> None:
+                 clock: SimClock | None = None, speed: float = 1.0, precision: str = "fp32") -> None:
         self.index = index
         self.model = model
         self.optimizer = optimizer
@@ -85,7 +88,9 @@ class Island:
         self.grad_clip = grad_clip
         self.clock = clock
         self.speed = speed
+        self.precision = precision
         self.params = [p for p in model.parameters()]
+        self.device = self.params[0].device
         self.named_params = dict(model.named_parameters())
         self.compute_s = 0.0
         self.tokens = 0
@@ -94,9 +99,12 @@ class Island:
 
     @contextmanager
     def timed(self) -> Iterator[None]:
-        """Measure the enclosed compute and charge it to this island (and its simulated clock)."""
+        """Measure the enclosed compute and charge it to this island (and its simulated clock); on an
+        accelerator the queued work is waited for at both ends, so the time is the work's."""
+        synchronize(self.device)
         t0 = time.perf_counter()
         yield
+        synchronize(self.device)
         dt = (time.perf_counter() - t0) / self.speed
         self.compute_s += dt
         if self.clock is not None:
@@ -105,8 +113,9 @@ class Island:
     def forward_backward(self, batch: torch.Tensor) -> float:
         """Next-token loss of ``batch`` (LongTensor, (batch, seq_len + 1)) and its gradient; returns the loss."""
         with self.timed():
-            batch = batch.to(self.params[0].device)
-            loss = next_token_loss(self.model, batch)
+            batch = batch.to(self.device, non_blocking=True)
+            with autocast(self.device, self.precision):
+                loss = next_token_loss(self.model, batch)
             loss.backward()
         self.tokens += batch[:, 1:].numel()
         self.last_loss = float(loss.detach())
@@ -182,8 +191,10 @@ class Island:
 
 
 def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:
-    """The inner optimizer of every strategy but those that bring their own: AdamW, betas (0.9, 0.95)."""
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+    """The inner optimizer of every strategy but those that bring their own: AdamW, betas (0.9, 0.95); the
+    fused CUDA kernel when the parameters are on a GPU (one launch for all of them), else PyTorch's default."""
+    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), **({"fused": True} if on_cuda else {}))
 
 
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
@@ -204,4 +215,5 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
-    return Island(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed)
+    return Island(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
+                  precision=config.precision)

@@ -79,6 +79,7 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
             eos_token_id=0,
             pad_token_id=0,
         )
+        config._attn_implementation = "sdpa"  # PyTorch's fused attention (flash / memory-efficient kernels on GPUs)
         model = LlamaForCausalLM(config)
     elif Path(name_or_path).is_dir():
         try:

@@ -31,6 +31,7 @@ from atoll.config import TrainConfig
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
+from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.metrics import MetricsLog, NullLog, write_summary
 from atoll.job.model import build_model, count_parameters, param_bytes
@@ -261,7 +262,8 @@ class Run:
             "final_perplexity": math.exp(self.eval_loss),
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
-            "codec": config.codec, **own,
+            "codec": config.codec, "device": config.device if config.runtime == "ray" else resolve_device(config.device),
+            "precision": config.precision, **own,
             "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
             "compute_s": compute_s, "sim_wall_s": sim_wall_s,
             "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,

@@ -42,6 +42,10 @@ class Runtime(ABC):
     device: torch.device = torch.device("cpu")
     is_main: bool = True
 
+    def device_of(self, island: int) -> torch.device:
+        """Where island ``island`` of this process computes (default: :attr:`device`)."""
+        return self.device
+
     def start(self) -> None:  # noqa: B027 - optional hook
         """Join the job (process groups, heartbeats); called once, after the data is ready."""
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
 from atoll.errors import CheckpointError
+from atoll.job.device import island_devices
 from atoll.job.run import Run
 from atoll.runtime.network import Link
 from atoll.strategies.decoupled import make_syncer
@@ -154,7 +155,8 @@ class Simulation:
         self.syncer = make_syncer(config, self.job.init_flat, self.job.index)
         self.link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
         self.trace = FailureTrace.from_spec(config.chaos, self.K, config.seed) if config.chaos else None
-        self.workers = [IslandWorker(i, self.job, n) for i, n in enumerate(expected_steps(config))]
+        devices = island_devices(self.K, config.device)  # GPUs round-robin, or all on one device
+        self.workers = [IslandWorker(i, self.job, n, devices[i]) for i, n in enumerate(expected_steps(config))]
         self.frag_bytes = [int(idx.numel()) * 4 for idx in self.job.index]
         self.budget = self.K * config.steps
         self.st = SimState.new(self.K, self.syncer.fragments)

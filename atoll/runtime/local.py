@@ -16,6 +16,7 @@ import torch
 from atoll.algorithms.merge import average_encoded, weighted_mean
 from atoll.algorithms.wire import Wire
 from atoll.errors import CheckpointError
+from atoll.job.device import island_devices
 from atoll.runtime.base import Runtime
 from atoll.runtime.comm import Comm, Work
 from atoll.runtime.network import ClockTrace, Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
@@ -105,7 +106,10 @@ class LocalRuntime(Runtime):
     """Every island in this process, run in turn, on a simulated network clock (:class:`LocalComm`).
 
     Args:
-        config: the run's configuration (``islands``, ``link_bandwidth_mbps``, ``link_latency_ms``).
+        config: the run's configuration (``islands``, ``link_bandwidth_mbps``, ``link_latency_ms``, ``device``).
+
+    Raises:
+        ConfigError: ``device`` names a device that is not there.
     """
 
     def __init__(self, config: TrainConfig) -> None:
@@ -115,6 +119,11 @@ class LocalRuntime(Runtime):
         self.clock = SimClock(config.islands, trace=ClockTrace(config.islands))
         link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
         self.comm = LocalComm(config.islands, link, self.clock)
+        self.devices = island_devices(config.islands, config.device)  # GPUs round-robin, or all on one device
+        self.device = self.devices[0]
+
+    def device_of(self, island: int) -> torch.device:
+        return self.devices[island]
 
     def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
         island.forward_backward(batch)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.errors import CheckpointError, ConfigError
+from atoll.job.device import resolve_device
 from atoll.runtime.base import Runtime
 from atoll.runtime.collective.comm import DistComm
 from atoll.runtime.collective.failure import (
@@ -84,7 +85,11 @@ class CollectiveRuntime(Runtime):
         self.island, self.position = divmod(self.rank, self.ranks_per_island)
         self.local_islands = [self.island]
         self.is_main = self.rank == 0
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        kind = resolve_device(config.device)
+        if kind == "mps":
+            raise ConfigError("device: the collective runtime runs on CPUs (gloo) or CUDA GPUs (NCCL), not mps; "
+                              "pass --device cpu or use the local runtime")
+        self.backend = "nccl" if kind == "cuda" else "gloo"
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("cuda", local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timedelta(seconds=config.collective_timeout_s)

@@ -222,7 +222,9 @@ class IslandService:
         self.syncer = syncer
         job = Job.prepare(config)
         # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
-        device = "cuda" if config.ray_gpus_per_island > 0 and torch.cuda.is_available() else "cpu"
+        # a GPU when Ray gave the actor one and the run does not pin the CPU (--device cpu)
+        device = "cuda" if config.ray_gpus_per_island > 0 and config.device != "cpu" and torch.cuda.is_available() \
+            else "cpu"
         self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
         flat, versions, steps = ray.get(syncer.join.remote(index))
         self.worker.rejoin(flat, versions)

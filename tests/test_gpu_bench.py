@@ -1,0 +1,47 @@
+"""bench/gpu.py runs on the CPU at the micro size (its smoke mode), so that it runs first time on a GPU box."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from atoll.bench.gpu import PEAK_TFLOPS, flops_per_token, main
+from atoll.job.model import build_model
+
+
+def test_flops_per_token_is_palm_formula() -> None:
+    model = build_model("micro", 512, 32, seed=0)
+    n = sum(p.numel() for p in model.parameters())  # tied head: the embedding matrix multiplies once
+    assert flops_per_token(model, 32) == 6 * n + 12 * 2 * 32 * 32  # micro: 2 layers, width 32; T = 32
+    assert PEAK_TFLOPS["H100"] == PEAK_TFLOPS["H200"] == 989.0
+
+
+@pytest.mark.slow
+def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Path) -> None:
+    out = tmp_path / "gpu"
+    rc = main(["--device", "cpu", "--quick", "--out", str(out), "--data", str(corpus_file), "--cache-dir",
+               str(cache_dir), "--peak-tflops", "1"])
+    assert rc == 0
+    result = json.loads((out / "results.json").read_text())
+    (row,) = result["rows"]
+    assert result["device"] == "cpu" and row["model"] == "micro" and row["precision"] == "bf16"
+    # the two loops took the same steps on the same batch: the same weights up to round-off
+    assert row["max_weight_diff"] < 1e-4
+    assert row["island_step_s"] > 0 and row["plain_step_s"] > 0
+    # MFU from the stated formula and the given peak
+    want = 100 * row["flops_per_token"] * row["batch"] * row["seq_len"] / row["island_step_s"] / 1e12
+    assert row["mfu_pct"] == pytest.approx(want)
+    # the diloco job: 4 islands x 2 rounds of H=3 steps of 4 x 32 tokens; its outer steps were timed
+    assert row["job_tokens"] == 4 * 6 * 4 * 32 and row["outer_step_s"] > 0
+    assert "| micro |" in (out / "results.md").read_text()
+
+
+def test_gpu_bench_refuses_a_missing_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["--device", "cuda", "--quick", "--out", str(tmp_path)]) == 2
+    assert "device: cuda" in capsys.readouterr().err
