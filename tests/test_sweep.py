@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.bench.sweep import grid, point_name
+from atoll.bench.sweep import distinct, grid, point_name
 from atoll.errors import ConfigError
 
 
@@ -26,6 +26,79 @@ def test_grid_is_every_combination_of_the_lists() -> None:
 def test_a_bad_point_stops_before_anything_trains(tmp_path: Path) -> None:
     r = run_cli("sweep", "--sync-every", "10,0", "--out", str(tmp_path / "sw"))
     assert r.returncode == 2 and r.stderr.startswith("atoll: error: sync_every") and not (tmp_path / "sw").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--at-mbps", "0"), ("--at-mbps", "-5"), ("--at-mbps", "nan"),
+                                         ("--at-mbps", "inf"), ("--at-latency-ms", "-1"), ("--at-latency-ms", "nan"),
+                                         ("--step-s", "-1"), ("--step-s", "0"), ("--step-s", "inf")])
+def test_a_bad_link_or_step_time_stops_before_anything_trains(tmp_path: Path, flag: str, value: str) -> None:
+    r = run_cli("sweep", "--sync-every", "5,10", flag, value, "--out", str(tmp_path / "sw"))
+    name = flag[2:].replace("-", "_")
+    assert r.returncode == 2 and not (tmp_path / "sw").exists()
+    assert r.stderr.startswith(f"atoll: error: {name}: {flag} ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_points_the_same_once_parsed_train_once() -> None:
+    points = [{"outer_lr": "0.7", "sync_every": "5"}, {"outer_lr": "0.70", "sync_every": "5"},
+              {"outer_lr": "0.7", "sync_every": "10"}, {"outer_lr": "0.70", "sync_every": "10"}]
+    settings = [{"outer_lr": 0.7, "sync_every": 5}, {"outer_lr": 0.7, "sync_every": 5},
+                {"outer_lr": 0.7, "sync_every": 10}, {"outer_lr": 0.7, "sync_every": 10}]
+    assert distinct(points, settings) == ([0, 2], ["outer_lr 0.70 = 0.7"])
+    assert distinct(points[:1], settings[:1]) == ([0], [])
+
+
+def strict_json(path: Path) -> dict:
+    """``path`` read as strict JSON: NaN and Infinity refused."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{path} holds {constant}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+TINY = ["--model", "micro", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--threads", "1",
+        "--no-progress", "--islands", "2", "--steps", "20", "--fragments", "2"]
+
+
+@pytest.mark.slow
+def test_a_mixed_grid_times_lockstep_runs_at_their_own_median(corpus_file: Path, cache_dir: Path,
+                                                               tmp_path: Path) -> None:
+    r = run_cli("sweep", "--data", str(corpus_file), "--cache-dir", str(cache_dir), *TINY, "--sync-every", "5",
+                "--strategy", "diloco,decoupled", "--outer-lr", "0.7,0.70", "--out", str(tmp_path / "sw"))
+    assert r.returncode == 0, r.stderr
+    dropped = [line for line in r.stderr.splitlines() if "duplicate" in line]
+    assert dropped == ["atoll: warning: 2 duplicate points dropped, the same settings once parsed "
+                       "(outer_lr 0.70 = 0.7): each trains once"]
+    assert r.stderr.count("[sweep]") == 2  # diloco and decoupled at 0.7, once each
+    results = strict_json(tmp_path / "sw" / "results.json")
+    assert [row["point"] for row in results["rows"]] == ["strategy-diloco_outer_lr-0.7", "strategy-decoupled_outer_lr-0.7"]
+    diloco = json.loads((tmp_path / "sw" / "strategy-diloco_outer_lr-0.7" / "summary.json").read_text())
+    # decoupled's simulated step (sim_step_s) is not a measured step time: diloco is timed at its own
+    assert results["step_s_measured"] == [diloco["compute_s"] / diloco["steps"], None]
+    assert results["step_s"] == diloco["compute_s"] / diloco["steps"]
+    assert results["equal_time_s"] == results["rows"][0]["wall_s_on_link"]
+    assert results["rows"][1]["wall_s_on_link"] is None and results["rows"][1]["loss_at_equal_time"] is None
+    header = (tmp_path / "sw" / "results.md").read_text().splitlines()[2]
+    assert header.count("| strategy |") == 1 and header.startswith("| strategy | outer_lr |")
+    assert "(2 points)" in r.stdout
+
+
+@pytest.mark.slow
+def test_asynchronous_runs_alone_have_no_equal_time(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> None:
+    r = run_cli("sweep", "--data", str(corpus_file), "--cache-dir", str(cache_dir), *TINY, "--strategy", "decoupled",
+                "--sync-every", "1000", "--out", str(tmp_path / "sw"))
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if "sync_every" in line and "warning" in line]
+    assert warned == ["atoll: warning: sync_every is larger than steps (run: 1000 > 20): no outer sync before the "
+                      "final one; pass --sync-every at most --steps"]
+    results = strict_json(tmp_path / "sw" / "results.json")
+    assert results["equal_time_s"] is None and results["step_s"] is None and results["best"] == {
+        "final_eval_loss": "run"}
+    assert results["rows"][0]["loss_at_equal_time"] is None and results["rows"][0]["time_curve"]
+    table = (tmp_path / "sw" / "results.md").read_text()
+    assert table.startswith("### atoll sweep (1 point)\n") and "loss at equal time" in table and "nan" not in table
+    assert "no equal-time comparison" in table and "timed at" not in table
+    assert (tmp_path / "sw" / "sweep.png").is_file()
 
 
 @pytest.mark.slow

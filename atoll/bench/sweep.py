@@ -12,12 +12,13 @@ runs are normal atoll run folders), then the sweep compares them:
   ``steps``, ``batch_size``, ``seq_len`` or ``islands``);
 - at equal wall time on the chosen link (``--at-mbps``, ``--at-latency-ms``): each lockstep run's clock trace
   re-timed there (:func:`atoll.analysis.curves.loss_vs_time`), with every inner step's compute set to
-  ``--step-s`` seconds (default: the median of the runs' measured step times, so that the machine's load
-  does not pick the winner), and the loss each reached when the fastest run finished;
+  ``--step-s`` seconds (default: the median of the lockstep runs' measured step times, so that the machine's
+  load does not pick the winner), and the loss each reached when the fastest run finished;
 - the time each needs to reach the worst final loss of the grid (a quality every point reaches).
 
 An asynchronous strategy (decoupled) runs on its own simulated clock; its times are shown at the link it
-trained on only. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
+trained on only, and a grid of such runs alone has no equal-time comparison. Points whose settings are the
+same once parsed (``--outer-lr 0.7,0.70``) train once. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
 ``sweep.png`` (loss against tokens and against time on the link).
 """
 
@@ -69,6 +70,37 @@ def grid(values: dict[str, str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return shared, points or [{}]
 
 
+def check_link(args: argparse.Namespace) -> None:
+    """The sweep's own numbers, before anything trains: ``--at-mbps`` finite above 0, ``--at-latency-ms`` finite
+    and 0 or more, ``--step-s`` (when given) finite above 0.
+
+    Raises:
+        ConfigError: one of them is not (one line naming the flag and what to pass).
+    """
+    for name, value, zero_ok, what in (
+            ("at_mbps", args.at_mbps, False, "a finite number of Mbit/s above 0, e.g. --at-mbps 100"),
+            ("at_latency_ms", args.at_latency_ms, True, "a finite number of ms, 0 or more, e.g. --at-latency-ms 10"),
+            ("step_s", args.step_s, False, "a finite number of seconds above 0, e.g. --step-s 0.5, or leave it out "
+             "(the runs' median)")):
+        if value is not None and not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+            raise ConfigError(f"{name}: --{name.replace('_', '-')} {value:g} is not allowed; pass {what}")
+
+
+def distinct(points: list[dict[str, Any]], settings: list[dict[str, Any]]) -> tuple[list[int], list[str]]:
+    """(indices of the points to train: the first of those whose parsed settings are the same, the
+    duplicates each dropped point differs by as text: ``outer_lr 0.70 = 0.7``)."""
+    first: dict[str, int] = {}
+    keep: list[int] = []
+    dropped: dict[str, None] = {}
+    for i, s in enumerate(settings):
+        j = first.setdefault(json.dumps(s, sort_keys=True), i)
+        if j == i:
+            keep.append(i)
+        else:
+            dropped.update({f"{k} {v} = {points[j][k]}": None for k, v in points[i].items() if v != points[j][k]})
+    return keep, list(dropped)
+
+
 def point_name(point: dict[str, Any]) -> str:
     """A run folder name for a point of the grid: ``sync_every-25_outer_lr-0.7``, or ``run`` for no grid."""
     return "_".join(f"{k}-{v}" for k, v in point.items()).replace("/", "-") or "run"
@@ -81,21 +113,22 @@ def compare(out: Path, points: list[dict[str, Any]], summaries: list[dict[str, A
     from atoll.strategies.registry import spec
 
     dirs = [out / point_name(p) for p in points]
-    measured = [s["compute_s"] / s["steps"] for s in summaries]
-    step = step_s if step_s is not None else statistics.median(measured)
-    timed = [spec(s["strategy"]).lockstep is not None for s in summaries]
+    timed = [spec(s["strategy"]).lockstep is not None for s in summaries]  # an asynchronous run keeps its clock
+    measured = [s["compute_s"] / s["steps"] if t else None for s, t in zip(summaries, timed, strict=True)]
+    lockstep = [m for m in measured if m is not None]
+    step = (step_s if step_s is not None else statistics.median(lockstep)) if lockstep else None
     curves = [loss_vs_time(d, link_mbps, latency_ms, step_s=step) if t else loss_vs_time(d)
               for d, t in zip(dirs, timed, strict=True)]
     finish = [c.xs[-1] for c in curves]
-    t_equal = min(f for f, t in zip(finish, timed, strict=True) if t) if any(timed) else math.nan
+    t_equal = min(f for f, t in zip(finish, timed, strict=True) if t) if any(timed) else None
     target = max(s["final_eval_loss"] for s in summaries)
     rows = []
     for point, s, curve, t in zip(points, summaries, curves, timed, strict=True):
-        rows.append({"point": point_name(point), **{k: v for k, v in point.items()}, "strategy": s["strategy"],
+        rows.append({"point": point_name(point), **point, "strategy": s["strategy"],
                      "tokens": s["tokens"], "final_eval_loss": s["final_eval_loss"],
                      "bytes_sent_per_island": s["bytes_sent_per_island"],
                      "wall_s_on_link": curve.xs[-1] if t else None,
-                     "loss_at_equal_time": curve.at(t_equal) if t else None,
+                     "loss_at_equal_time": curve.at(t_equal) if t and t_equal is not None else None,
                      "time_to_target_s": curve.first_below(target) if t else None,
                      "tokens_curve": list(zip(*(lambda c: (c.xs, c.losses))(loss_vs_tokens(out / point_name(point))),
                                               strict=True)),
@@ -119,11 +152,13 @@ def plot(results: dict[str, Any], out_png: Path) -> None:
         a.plot(*zip(*r["tokens_curve"], strict=True), marker=".", label=r["point"])
         b.plot(*zip(*r["time_curve"], strict=True), marker=".", label=r["point"])
     a.set_xlabel("training tokens (all islands)")
-    b.set_xlabel(f"seconds at {results['link_mbps']:g} Mbit/s, {results['step_s']:.3g} s per inner step")
+    b.set_xlabel(f"seconds at {results['link_mbps']:g} Mbit/s, {results['step_s']:.3g} s per inner step"
+                 if results["step_s"] is not None else "seconds on each run's own simulated clock")
     for ax in (a, b):
         ax.set_ylabel("held-out loss (nats/token)")
         ax.grid(alpha=0.3)
-    b.axvline(results["equal_time_s"], color="grey", lw=0.8)
+    if results["equal_time_s"] is not None:
+        b.axvline(results["equal_time_s"], color="grey", lw=0.8)
     a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
@@ -132,13 +167,27 @@ def plot(results: dict[str, Any], out_png: Path) -> None:
 
 def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> int:
     """``atoll sweep``: train (or reuse) every point, compare, write the results; return the exit status."""
+    check_link(args)
     shared, points = grid(values)
     from atoll.config import build_config
+    from atoll.strategies.registry import spec
 
-    settings = []
+    settings, configs = [], []
     for p in points:  # every point valid before anything trains (one line naming the setting otherwise)
-        config = build_config(overrides={**shared, **p})  # typed values: a finished run's config.json matches
-        settings.append(json.loads(config.model_dump_json(include={*shared, *p})))
+        configs.append(build_config(overrides={**shared, **p}))  # typed values: a finished run's config matches
+        settings.append(json.loads(configs[-1].model_dump_json(include={*shared, *p})))
+    keep, dropped = distinct(points, settings)
+    if dropped:
+        print(f"atoll: warning: {len(points) - len(keep)} duplicate point{'s' * (len(points) - len(keep) != 1)} "
+              f"dropped, the same settings once parsed ({', '.join(dropped)}): each trains once", file=sys.stderr)
+    points, settings, configs = ([x[i] for i in keep] for x in (points, settings, configs))
+    long_h = [(point_name(p), c) for p, c in zip(points, configs, strict=True) if c.sync_every > c.steps
+              and (spec(c.strategy).syncs_per_h or spec(c.strategy).lockstep is None)]
+    if long_h:
+        name, c = long_h[0]
+        print(f"atoll: warning: sync_every is larger than steps ({name}: {c.sync_every} > {c.steps}"
+              f"{f' and {len(long_h) - 1} more' if len(long_h) > 1 else ''}): no outer sync before the final one; "
+              "pass --sync-every at most --steps", file=sys.stderr)
     summaries = [train_once(out, point_name(p), args.fresh, tag="sweep", **s) for p, s in zip(points, settings,
                                                                                              strict=True)]
     results = compare(out, points, summaries, args.at_mbps, args.at_latency_ms, args.step_s)
@@ -146,6 +195,7 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
     results["command"] = "atoll sweep " + " ".join(sys.argv[2:])
     swept = list(points[0])
     best = results["best"]
+    timed = results["equal_time_s"] is not None
 
     def shown(r: dict[str, Any], key: str, digits: int) -> str | None:
         if r[key] is None:
@@ -157,15 +207,19 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
                                                                      ("loss_at_equal_time", 4),
                                                                      ("time_to_target_s", 1))}}
                   for r in results["rows"]]
-    columns = [(k, k) for k in swept] + [
+    columns = [(k, k) for k in swept] + [c for c in [
         ("strategy", "strategy"), ("tokens", "tokens"), ("bytes/island", "bytes_sent_per_island"),
         ("eval loss (equal tokens)", "final_eval_loss_shown"), (f"wall s @{args.at_mbps:g} Mbit/s", "wall_s_on_link"),
-        (f"loss at {results['equal_time_s']:.4g} s", "loss_at_equal_time_shown"),
-        (f"s to reach {results['target_loss']:.4f}", "time_to_target_s_shown")]
-    table = write_results(out, results, columns, table_rows, title=f"atoll sweep ({len(points)} points)",
-                          notes=[f"every inner step timed at {results['step_s']:.4g} s of compute; link "
-                                 f"{args.at_mbps:g} Mbit/s, {args.at_latency_ms:g} ms; best in bold",
-                                 f"command: {results['command']}"])
+        (f"loss at {results['equal_time_s']:.4g} s" if timed else "loss at equal time", "loss_at_equal_time_shown"),
+        (f"s to reach {results['target_loss']:.4f}", "time_to_target_s_shown")] if c[1] not in swept]
+    link = f"link {args.at_mbps:g} Mbit/s, {args.at_latency_ms:g} ms; best in bold"
+    note = (f"every inner step timed at {results['step_s']:.4g} s of compute; {link}" if timed else
+            f"no lockstep run to re-time on the link, so no equal-time comparison (an asynchronous run keeps "
+            f"its own simulated clock); {link}")
+    if timed and not all(r["wall_s_on_link"] is not None for r in results["rows"]):
+        note += "; asynchronous runs keep their own simulated clock and are not compared in time"
+    table = write_results(out, results, columns, table_rows, notes=[note, f"command: {results['command']}"],
+                          title=f"atoll sweep ({len(points)} point{'s' * (len(points) != 1)})")
     plot(results, out / "sweep.png")
     print(table)
     print(f"wrote {out}/results.json, results.md, sweep.png")
