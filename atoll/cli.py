@@ -74,7 +74,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     parser = _Parser(prog="atoll", description="Train language models across islands of compute joined by slow links.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p_train = sub.add_parser("train", help="train a model (default: diloco, 4 islands, tiny model, stdlib corpus)",
+    p_train = sub.add_parser("train", help="train a model (default: diloco, 4 islands, nano model, stdlib corpus)",
                              description="Train a model across islands. Settings: defaults < --config TOML < flags.")
     p_train.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
     p_train.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -110,11 +110,11 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     p_bench = sub.add_parser("bench", help="run a benchmark: suite (every strategy and codec, one report) or "
                              "wan (ddp vs diloco over emulated links, as root)",
                              description="Benchmarks. 'atoll bench suite' (every strategy and the main codecs on "
-                             "the default benchmark at equal tokens, re-timed at 10 Mbit/s to 5 Gbit/s; "
+                             "the default benchmark at equal tokens, re-timed at 10 Mbit/s to 10 Gbit/s; "
                              "results.json, results.md, plots); 'atoll bench wan' (real shaped links, root).")
     benches = p_bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     p_suite = benches.add_parser("suite", help="every strategy and the main codecs at equal tokens; one "
-                                 "table and plots, re-timed at 10 Mbit/s, 100 Mbit/s, 1 and 5 Gbit/s",
+                                 "table and plots, re-timed at 10 Mbit/s, 100 Mbit/s, 1 and 10 Gbit/s",
                                  description=suite.__doc__.split("\n\n")[0])
     suite.add_arguments(p_suite)
     p_wan = benches.add_parser("wan", help="ddp vs diloco, collective runtime, each island in a network "

@@ -4,6 +4,7 @@ the launchers under bench/."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,15 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.bench.common import clear_run_dir, default_out, markdown_table, train_once, write_results
+from atoll.bench import common
+from atoll.bench.common import (
+    check_out_folder,
+    clear_run_dir,
+    default_out,
+    markdown_table,
+    train_once,
+    write_results,
+)
 from atoll.errors import ConfigError
 
 REPO = Path(__file__).parents[1]
@@ -96,6 +105,69 @@ def test_train_once_reuses_a_finished_run(fast_config: dict, tmp_path: Path, cap
     assert json.loads((suite / "run" / "config.json").read_text())["seed"] == 1
 
 
+def test_clear_run_dir_keeps_a_run_with_a_users_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "my_analysis.txt").write_text("precious")
+    with pytest.raises(ConfigError, match=r"files atoll did not write \('my_analysis.txt'\)"):
+        clear_run_dir(run)
+    assert (run / "my_analysis.txt").read_text() == "precious" and (run / "config.json").is_file()
+
+
+def test_check_out_folder(tmp_path: Path) -> None:
+    check_out_folder(tmp_path / "new")  # absent: fine
+    (tmp_path / "empty").mkdir()
+    check_out_folder(tmp_path / "empty")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "results.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="^out: .* left untouched"):
+        check_out_folder(user)
+    (tmp_path / "bench" / "run").mkdir(parents=True)
+    (tmp_path / "bench" / "run" / "config.json").write_text("{}")
+    check_out_folder(tmp_path / "bench")  # holds an atoll run
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_out_folder(tmp_path / "afile", "suite")
+
+
+def test_a_lock_whose_pid_was_reused_is_stale(tmp_path: Path) -> None:
+    import os
+
+    lock = tmp_path / ".run.lock"
+    lock.write_text(common._lock_text(os.getpid()))
+    assert common._lock_alive(lock)  # this very process
+    lock.write_text(f"{os.getpid()} 1")  # the same pid, started at another time: another process
+    assert not common._lock_alive(lock)
+    lock.write_text("999999999 5")
+    assert not common._lock_alive(lock)
+
+
+@pytest.mark.slow
+def test_train_once_never_loses_a_run(fast_config: dict, tmp_path: Path) -> None:
+    settings = {k: v for k, v in fast_config.items() if k != "out"}
+    suite = tmp_path / "suite"
+    first = train_once(suite, "run", **settings)
+    before = (suite / "run" / "summary.json").read_text()
+    # bad settings are refused before the finished run is touched
+    with pytest.raises(ConfigError, match="vocab_size"):
+        train_once(suite, "run", **{**settings, "vocab_size": 10})
+    # a run that fails while training (here: its corpus is missing) gives the previous run back
+    with pytest.raises(Exception, match="data"):
+        train_once(suite, "run", **{**settings, "data": str(tmp_path / "missing.txt")})
+    assert (suite / "run" / "summary.json").read_text() == before
+    assert not list(suite.glob(".run.previous")) and not list(suite.glob(".*.lock"))
+    assert train_once(suite, "run", **settings) == first  # still reused
+    # a run this folder's benchmarks did not train (the user's own) is never replaced
+    (suite / "theirs").mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        (suite / "theirs" / name).write_text((suite / "run" / name).read_text())
+    with pytest.raises(ConfigError, match="no atoll benchmark trained"):
+        train_once(suite, "theirs", **settings)
+    assert (suite / "theirs" / "config.json").is_file()
+
+
 def test_markdown_table_formats() -> None:
     columns = [("run", "run"), ("loss", "loss"), ("bytes", "bytes"), ("pair", "pair"), ("gap", "gap", lambda v: f"{v:+.1f}%")]
     rows = [{"run": "a", "loss": 4.81234, "bytes": 138_700_000.0, "pair": [100, 130], "gap": 2.25},
@@ -116,6 +188,18 @@ def test_write_results_writes_json_and_table(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "results.md").read_text() == table
 
 
+def test_write_results_writes_strict_json(tmp_path: Path) -> None:
+    results = {"a": math.nan, "b": [math.inf, 1.5, {"c": -math.inf, "d": (math.nan, 2)}], "e": "nan", "f": 3}
+    write_results(tmp_path, results, [("a", "a")], [{"a": math.nan}])
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    assert json.loads((tmp_path / "results.json").read_text(), parse_constant=refuse) == {
+        "a": None, "b": [None, 1.5, {"c": None, "d": [None, 2]}], "e": "nan", "f": 3}
+    assert results["a"] != results["a"]  # the caller's results are left as they were
+
+
 def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", [str(REPO / "bench" / "decoupled.py")])
     assert default_out("decoupled") == REPO / "bench" / "out" / "decoupled"
@@ -123,7 +207,7 @@ def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
-                                  "same_numbers", "wan"])
+                                  "same_numbers", "wan", "fidelity", "gpu"])
 def test_launchers_run_their_module(name: str) -> None:
     r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"], capture_output=True,
                        text=True, timeout=120)

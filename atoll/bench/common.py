@@ -32,6 +32,12 @@ from atoll.errors import ConfigError
 
 #: files and folders that only an atoll run folder holds; a folder with none of them is not atoll's
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+#: every name atoll writes into a run folder (a run's, the decoupled syncer's, the WAN benchmark's)
+RUN_FILES = (*RUN_MARKERS, "summary.json", "report.png", "clock_trace.json", "syncer", "wan.json")
+#: the benchmark folder's list of the runs its benchmarks trained (only those may be cleared and retrained)
+REGISTRY = ".atoll-bench.json"
+#: what a benchmark writes at the top of its folder
+RESULT_FILES = ("results.json", "results.md", REGISTRY)
 
 #: a column of a results table: (header, key) or (header, key, formatter of the key's value)
 Column = tuple[str, str] | tuple[str, str, Callable[[Any], str]]
@@ -103,24 +109,80 @@ def is_atoll_run(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and any((path / m).exists() for m in RUN_MARKERS)
 
 
+def foreign_files(path: Path, markers: Sequence[str] = ()) -> list[str]:
+    """Names in the folder ``path`` that atoll does not write into a run folder (:data:`RUN_FILES`, ``rank*.log``
+    and ``markers``), sorted; empty for a folder that holds only atoll's files."""
+    known = {*RUN_FILES, *markers}
+    return sorted(e.name for e in path.iterdir() if e.name not in known
+                  and not (e.name.startswith("rank") and e.name.endswith(".log")))
+
+
 def clear_run_dir(path: Path, markers: Sequence[str] = ()) -> None:
     """Remove the run folder ``path`` before training it again, if it exists.
 
     Only a folder that atoll wrote is removed: one holding an atoll run's files (:data:`RUN_MARKERS`, or
-    one of ``markers``, names of files a benchmark writes there itself), or an empty one. Anything else is
-    left untouched.
+    one of ``markers``, names of files a benchmark writes there itself), or an empty one, and nothing else
+    (:func:`foreign_files`). Anything else is left untouched.
 
     Raises:
-        ConfigError: ``path`` exists and is not an atoll run folder (one line, naming it).
+        ConfigError: ``path`` exists and is not an atoll run folder, or holds files atoll did not write
+            (one line, naming it).
+    """
+    if check_run_dir(path, markers):
+        shutil.rmtree(path)
+
+
+def check_run_dir(path: Path, markers: Sequence[str] = ()) -> bool:
+    """Whether ``path`` exists and may be removed (:func:`clear_run_dir`'s rule); False when it does not exist.
+
+    Raises:
+        ConfigError: as :func:`clear_run_dir`.
     """
     if not path.exists() and not path.is_symlink():
-        return
+        return False
     ours = is_atoll_run(path) or (path.is_dir() and not path.is_symlink()
                                   and (not any(path.iterdir()) or any((path / m).exists() for m in markers)))
     if not ours:
         raise ConfigError(f"out: '{path}' exists and is not an atoll run folder (no config.json, metrics.jsonl or "
                           "checkpoints/), so it was left untouched; move it away or pass another --out")
-    shutil.rmtree(path)
+    foreign = foreign_files(path, markers)
+    if foreign:
+        raise ConfigError(f"out: '{path}' holds files atoll did not write ('{foreign[0]}'"
+                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}), so it was left "
+                          "untouched; move them away or pass another --out")
+    return True
+
+
+def check_out_folder(out: Path, prog: str = "out") -> None:
+    """Refuse a benchmark's output folder that is not atoll's: an existing non-empty folder must hold a
+    benchmark's results (:data:`RESULT_FILES`) or atoll run folders; a file is refused too.
+
+    Raises:
+        ConfigError: ``out`` is a file, or a non-empty folder with none of atoll's files (field ``prog``).
+    """
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{prog}: '{out}' is a file; pass a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if any((out / f).exists() for f in RESULT_FILES) or any(is_atoll_run(e) for e in out.iterdir()):
+        return
+    raise ConfigError(f"{prog}: '{out}' is a folder of other files (no results.json and no atoll run in it), so "
+                      "it was left untouched; pass an empty or new folder")
+
+
+def _registry(suite_dir: Path) -> set[str]:
+    try:
+        return set(json.loads((suite_dir / REGISTRY).read_text()))
+    except (OSError, ValueError, TypeError):
+        return set()
+
+
+def _register(suite_dir: Path, name: str) -> None:
+    """Add ``name`` to the folder's list of runs a benchmark trained (written atomically)."""
+    names = sorted(_registry(suite_dir) | {name})
+    tmp = suite_dir / f"{REGISTRY}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(names))
+    os.replace(tmp, suite_dir / REGISTRY)
 
 
 def run_matches(out: Path, settings: dict[str, Any]) -> bool:
@@ -173,41 +235,79 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
     except OSError as e:
         raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); "
                           "pass another --out") from None
+    from atoll.config import build_config
+
+    # bad settings fail here, before anything is waited for, moved or deleted
+    config = build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)})
     lock = suite_dir / f".{name}.lock"
+    said = False
     while True:  # another benchmark process may be training the same run: wait for it, then reuse it
         if not fresh and finished(out, settings):
             return json.loads((out / "summary.json").read_text())
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.write(fd, str(os.getpid()).encode())
+            os.write(fd, _lock_text(os.getpid()).encode())
             os.close(fd)
             break
         except FileExistsError:
             if not _lock_alive(lock):
                 lock.unlink(missing_ok=True)
             else:
+                if not said:
+                    print(f"[{tag}] {name}: waiting for process {lock.read_text().split()[0]}, which trains it "
+                          f"(lock file {lock})", file=sys.stderr, flush=True)
+                    said = True
                 time.sleep(10)
+    previous = suite_dir / f".{name}.previous"  # the run being replaced, until the new one has trained
     try:
-        clear_run_dir(out)
+        if check_run_dir(out):  # refuses a folder that is not an atoll run's, or with files atoll did not write
+            if name not in _registry(suite_dir) and any(out.iterdir()):
+                raise ConfigError(f"out: '{out}' holds a run that no atoll benchmark trained in this folder (it is "
+                                  f"not in {REGISTRY}), so it was left untouched; move it away or pass another --out")
+            clear_run_dir(previous)
+            out.rename(previous)
+        _register(suite_dir, name)
         print(f"[{tag}] {name}: {settings}", file=sys.stderr, flush=True)
-        from atoll.config import build_config
         from atoll.train import train
 
-        return train(build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)}))
+        try:
+            summary = train(config)
+        except BaseException:  # bad input found while training, a crash or Ctrl-C: the previous run comes back
+            if previous.exists():
+                clear_run_dir(out)
+                previous.rename(out)
+            raise
+        clear_run_dir(previous)
+        return summary
     finally:
         lock.unlink(missing_ok=True)
 
 
-def _lock_alive(lock: Path) -> bool:
-    """Whether the process named in ``lock`` still runs."""
+def _start_time(pid: int) -> str:
+    """The start time of process ``pid`` (clock ticks since boot, from /proc; '' where there is no /proc)."""
     try:
-        pid = int(lock.read_text() or "0")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _lock_text(pid: int) -> str:
+    """A lock's content: the pid and its start time, so that a pid reused by another process is not taken
+    for the benchmark that left the lock."""
+    return f"{pid} {_start_time(pid)}".strip()
+
+
+def _lock_alive(lock: Path) -> bool:
+    """Whether the process that wrote ``lock`` still runs (the same pid, started at the same time)."""
+    try:
+        fields = lock.read_text().split()
+        pid = int(fields[0]) if fields else 0
         if pid <= 0:
             return False
         os.kill(pid, 0)
-        return True
-    except (ValueError, ProcessLookupError, FileNotFoundError):
+    except (ValueError, ProcessLookupError, FileNotFoundError, PermissionError):
         return False
+    return len(fields) < 2 or fields[1] == _start_time(pid)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,13 +363,26 @@ def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]], ti
     return "\n".join(lines) + "\n"
 
 
+def finite_or_none(v: Any) -> Any:
+    """``v`` with every float that strict JSON cannot hold (NaN, infinities) replaced by None, through dicts,
+    lists and tuples (as lists); anything else unchanged."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [finite_or_none(x) for x in v]
+    return v
+
+
 def write_results(out: Path, results: dict[str, Any], columns: Sequence[Column], rows: Sequence[dict[str, Any]],
                   title: str | None = None, notes: Sequence[str] = (), bullets: bool = True,
                   fmt: Callable[[Any], str] = cell) -> str:
-    """Write ``results.json`` (``results``, indented; objects JSON cannot hold as strings) and ``results.md``
-    (:func:`markdown_table` of the other arguments) into ``out``; return the table."""
+    """Write ``results.json`` (``results``, indented; NaN and infinities as null, other objects JSON cannot hold
+    as strings: strict JSON) and ``results.md`` (:func:`markdown_table` of the other arguments) into ``out``;
+    return the table."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.json").write_text(json.dumps(finite_or_none(results), indent=2, default=str))
     table = markdown_table(columns, rows, title, notes, bullets, fmt)
     (out / "results.md").write_text(table)
     return table

@@ -40,8 +40,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import default_out, pct, script_error, train_once
+from atoll.bench.common import check_out_folder, default_out, pct, script_error, train_once
 from atoll.bench.fidelity_report import report, triple
+from atoll.errors import AtollError, ConfigError
 
 #: the studies, in the order of results.md
 STUDIES = ("default", "h", "outer", "lr", "batch", "tokens", "warm")
@@ -144,18 +145,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return benchmark(args)
-    except Exception as e:  # one line for bad input (e.g. a folder that is not atoll's)
+    except AtollError as e:  # one line for bad input (a bug keeps its traceback)
         return script_error("fidelity", e)
 
 
 def benchmark(args: argparse.Namespace) -> int:
     out = args.out or default_out("fidelity")
-    suite = args.suite or default_out("suite")
+    suite = args.suite or default_out("suite-quick" if args.quick else "suite")
+    if out.resolve() == suite.resolve():
+        raise ConfigError(f"out: '{out}' is also --suite; the studies and the suite's runs need folders of their own")
+    check_out_folder(out, "out")
+    check_out_folder(suite, "suite")
+    if args.jobs < 1:
+        raise ConfigError(f"jobs: must be at least 1 (got {args.jobs}); set --jobs")
     studies = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in studies if s not in STUDIES]
+    if not studies:
+        raise ConfigError(f"only: no study named; use some of {', '.join(STUDIES)}")
     if unknown:
-        from atoll.errors import ConfigError
-
         raise ConfigError(f"only: unknown study '{unknown[0]}'; use some of {', '.join(STUDIES)}")
     from atoll.bench import suite as suite_mod
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from atoll.bench.common import default_out, script_error, write_results
+from atoll.errors import AtollError
 
 #: dense bfloat16 peak TFLOP/s by device name (vendor data sheets, without sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0,
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             setattr(args, k, v)
     try:
         return benchmark(args)
-    except Exception as e:  # one line for bad input; a bug keeps its traceback
+    except AtollError as e:  # one line for bad input (a bug keeps its traceback)
         return script_error("gpu", e)
 
 

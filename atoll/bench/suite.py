@@ -1,18 +1,18 @@
 """Every strategy and the main codecs on the default benchmark at equal tokens: one table, one set of plots.
 
     atoll bench suite                       # the default run of every strategy (about 2 hours on 2 cores)
-    atoll bench suite --quick --out /tmp/s  # micro model, 20 steps: well under a minute once data is cached
+    atoll bench suite --quick               # micro model, 20 steps, into bench/out/suite-quick: about a minute
 
 Runs (:func:`runs`: each strategy's rows of its spec, so a new strategy brings its own): one island alone (``ddp --islands 1``, the
-reference), ``ddp``, ``diloco`` H=50 with fp32, bf16, int8 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
-overlap tau=5, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
+reference), ``ddp``, ``diloco`` H=50 with fp32, int8 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
+overlap tau=1, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
 (when the config accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
 runtime; its clock trace (:class:`atoll.runtime.network.ClockTrace`: measured compute per island, bytes
 and rounds of every collective, who waited for which) is then re-timed at 10 Mbit/s, 100 Mbit/s, 1 Gbit/s
-and 5 Gbit/s by :func:`atoll.runtime.network.replay`, overlapped exchanges included: the link changes
+and 10 Gbit/s by :func:`atoll.runtime.network.replay`, overlapped exchanges included: the link changes
 only the clock, never the training maths.
 
-Writes into ``--out`` (default ``bench/out/suite``): one atoll run folder per run, ``results.json``,
+Writes into ``--out`` (default ``bench/out/suite``, ``bench/out/suite-quick`` with ``--quick``): one atoll run folder per run, ``results.json``,
 ``results.md`` (a Markdown table: final eval loss and its gap to ddp, bytes per island and the reduction
 against ddp, simulated wall time and compute utilization at each bandwidth, goodput under the standard
 failure trace where the strategy reports one), ``suite.png`` (loss, bytes, utilization and wall time
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.analysis.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
-from atoll.bench.common import Column, train_once, write_results
+from atoll.bench.common import Column, check_out_folder, default_out, train_once, write_results
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="micro model, 20 steps, H=10, 2 fragments "
                         "(a smoke run)")
     parser.add_argument("--steps", type=int, default=None, help="inner steps per island [the default; --quick: 20]")
-    parser.add_argument("--out", type=Path, default=Path("bench/out/suite"), help="output folder "
-                        "[default: bench/out/suite]")
+    parser.add_argument("--out", type=Path, default=None, help="output folder "
+                        "[default: bench/out/suite of the repository; --quick: bench/out/suite-quick]")
     parser.add_argument("--data", default=None, help="corpus (as atoll train --data) [default: stdlib]")
     parser.add_argument("--cache-dir", type=Path, default=None, help="tokenizer/token cache (as atoll train)")
     parser.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (as atoll train)")
@@ -302,25 +302,32 @@ def run_suite(args: argparse.Namespace) -> int:
             raise ConfigError(f"only: unknown run '{unknown[0]}'; use some of {', '.join(names)}")
         names = [n for n in names if n in wanted]
     base = base_settings(args)
-    suite_dir = Path(args.out)
+    # --quick never writes over the committed results of the full suite
+    suite_dir = Path(args.out) if args.out is not None else default_out("suite-quick" if args.quick else "suite")
+    check_out_folder(suite_dir)
     try:
         suite_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); pass another --out") from None
+    from atoll.config import build_config
+
     summaries: dict[str, dict[str, Any]] = {}
     used: dict[str, dict[str, Any]] = {}
     for name, _, settings in runs():
-        if name not in names:
-            continue
-        s = used[name] = run_settings(base, settings, args.quick)
+        if name in names:
+            used[name] = run_settings(base, settings, args.quick)
+            build_config(overrides={k: v for k, v in used[name].items() if k != "progress"})  # every run checked
+    for name, s in used.items():  # before any is trained or replaced
         if not available(s):
             print(f"[suite] {name}: not available (strategy '{s['strategy']}' is not in this atoll)", file=sys.stderr)
             continue
         summaries[name] = train_once(suite_dir, name, args.fresh, tag="suite", **s)
     if not summaries:
         raise AtollError("suite: no run was available to run; check --only")
-    command = "atoll bench suite" + (" --quick" if args.quick else "") + (
-        f" --steps {args.steps}" if args.steps else "")
+    flags = [("--steps", args.steps), ("--data", args.data), ("--cache-dir", args.cache_dir),
+             ("--vocab-size", args.vocab_size), ("--out", args.out)]
+    command = "atoll bench suite" + (" --quick" if args.quick else "") + "".join(
+        f" {flag} {value}" for flag, value in flags if value is not None)
     results = collect(suite_dir, names, summaries, used)
     results["command"] = command
     columns, rows, notes = table(results, command)
