@@ -151,6 +151,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         Console().print(summary_table(summary))
         print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")
+    if summary.get("gave_up"):  # the failure trace left no time to train: not a result (exit status 1)
+        print(f"atoll: error: chaos: the run stopped early with {summary.get('tokens', 0):,} tokens trained (see the "
+              "warning above); raise MTBF_S or lower DOWNTIME_S", file=sys.stderr)
+        return 1
     return 0
 
 

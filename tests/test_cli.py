@@ -53,3 +53,43 @@ def test_report_draws_several_runs(fast_config: dict, tmp_path: Path) -> None:
     assert main(["report", a["out"], b["out"], "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def _metrics(folder: Path, lines: list[str]) -> Path:
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+EVAL = '{"event": "eval", "step": %d, "tokens": %d, "eval_loss": %.2f, "sim_wall_s": %.1f, "bytes_sent_per_island": 0}'
+
+
+def test_report_reads_a_torn_last_line_and_refuses_a_damaged_file(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    start = '{"event": "start", "step": 0, "config": {"strategy": "diloco", "islands": 2}}'
+    torn = _metrics(tmp_path / "torn", [start, EVAL % (0, 0, 6.2, 0.0), EVAL % (10, 640, 5.1, 1.0), '{"event": "ev'])
+    assert main(["report", str(torn), "--out", str(tmp_path / "a.png")]) == 0  # the writer was killed mid-line
+    garbage = _metrics(tmp_path / "garbage", [start, "garbage", EVAL % (10, 640, 5.1, 1.0)])
+    nokey = _metrics(tmp_path / "nokey", [start, '{"event": "eval", "step": 3, "eval_loss": 5.0}'])
+    empty = _metrics(tmp_path / "empty", [start])
+    for folder, message in ((garbage, "line 2 of"), (nokey, "lacks tokens"), (empty, "no evaluation yet")):
+        assert main(["report", str(folder), "--out", str(tmp_path / "b.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+def test_fragments_beyond_a_presets_layers_are_refused_at_config_time() -> None:
+    for strategy in ("streaming", "decoupled"):
+        with pytest.raises(ConfigError, match="^fragments: 4 fragments for the micro model's 2 layers"):
+            build_config(overrides={"strategy": strategy, "model": "micro"})
+    build_config(overrides={"strategy": "streaming", "model": "micro", "fragments": 2})
+
+
+@pytest.mark.slow
+def test_a_run_that_never_trained_exits_1(fast_config: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["--data", fast_config["data"], "--cache-dir", fast_config["cache_dir"], "--model", "micro",
+             "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--threads", "1", "--no-progress"]
+    rc = main(["train", *flags, "--strategy", "decoupled", "--fragments", "2", "--islands", "2", "--steps", "20",
+               "--chaos", "0.000001:1", "--out", str(tmp_path / "run")])
+    assert rc == 1 and "stopped early with 0 tokens" in capsys.readouterr().err
+    assert (tmp_path / "run" / "summary.json").is_file()  # the folder keeps what happened

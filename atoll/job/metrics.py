@@ -25,6 +25,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from atoll.errors import DataError
+
 
 class MetricsLog:
     """Append-only JSONL event log.
@@ -71,8 +73,29 @@ class NullLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All events of a ``metrics.jsonl`` file, in order."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """All events of a ``metrics.jsonl`` file, in order (each a dict with at least ``event``).
+
+    A last line cut short (the writer was killed mid-line) is skipped, as the run's resume does.
+
+    Raises:
+        DataError: another line is not a JSON object with an ``event`` (the file is damaged; names the line).
+    """
+    lines = Path(path).read_text(errors="replace").splitlines()
+    events = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            if n == len(lines):  # torn last line
+                break
+            event = None
+        if not isinstance(event, dict) or "event" not in event:
+            raise DataError(f"metrics: line {n} of '{path}' is not an atoll event (the file is damaged); restore "
+                            "it or remove that line")
+        events.append(event)
+    return events
 
 
 def write_summary(out: Path, summary: dict[str, Any]) -> None:

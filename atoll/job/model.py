@@ -47,6 +47,19 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def check_fragments(model: str, fragments: int) -> None:
+    """Refuse more Streaming DiLoCo fragments than a preset has layers (fragments are strided layers), at
+    config time; a model folder is checked when it is loaded (:mod:`atoll.algorithms.fragments`).
+
+    Raises:
+        ValueError: ``fragments`` exceeds the preset's layers (one line naming the fix).
+    """
+    preset = PRESETS.get(model)
+    if preset is not None and fragments > preset.num_hidden_layers:
+        raise ValueError(f"fragments: {fragments} fragments for the {model} model's {preset.num_hidden_layers} "
+                         f"layers; pass --fragments {preset.num_hidden_layers} or fewer")
+
+
 def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> PreTrainedModel:
     """Build a preset model with a seeded initialisation, or load one from a local folder.
 

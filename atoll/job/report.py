@@ -41,7 +41,8 @@ def plot_runs(run_dirs: list[Path], out_png: Path) -> Path:
         out_png: where to write the figure.
 
     Raises:
-        AtollError: a folder without ``metrics.jsonl``.
+        AtollError: a folder without ``metrics.jsonl``, without an evaluation, or with a damaged one
+            (DataError, a subclass: a line that is not an event).
     """
     fig, (ax_tok, ax_time, ax_bytes) = plt.subplots(1, 3, figsize=(15, 4.2))
     for run in run_dirs:
@@ -49,6 +50,14 @@ def plot_runs(run_dirs: list[Path], out_png: Path) -> Path:
         if not path.is_file():
             raise AtollError(f"report: '{run}' has no metrics.jsonl; pass atoll run folders")
         evals = [e for e in read_metrics(path) if e["event"] == "eval"]
+        needed = ("tokens", "eval_loss", "sim_wall_s")
+        bad = next((e for e in evals if not all(isinstance(e.get(k), (int, float)) for k in needed)), None)
+        if bad is not None:
+            raise AtollError(f"report: an eval event of '{path}' lacks {', '.join(needed)} (step {bad.get('step')}); "
+                             "the file is damaged or not atoll's")
+        if not evals:
+            raise AtollError(f"report: '{run}' has no evaluation yet (its metrics.jsonl holds none); pass a run "
+                             "that has evaluated at least once")
         label = run_label(Path(run))
         ax_tok.plot([e["tokens"] for e in evals], [e["eval_loss"] for e in evals], marker=".", label=label)
         ax_time.plot([e["sim_wall_s"] for e in evals], [e["eval_loss"] for e in evals], marker=".", label=label)

@@ -52,6 +52,9 @@ def validate(config: TrainConfig) -> None:
     Raises:
         ValueError: H < P or tau >= H (one line naming the fix).
     """
+    from atoll.job.model import check_fragments  # transformers only when a config is checked
+
+    check_fragments(config.model, config.fragments)
     if config.sync_every < config.fragments:
         raise ValueError(f"sync_every ({config.sync_every}) must be at least fragments ({config.fragments}) "
                          "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")

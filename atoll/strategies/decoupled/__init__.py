@@ -109,6 +109,9 @@ def validate(config: TrainConfig) -> None:
     Raises:
         ValueError: one line naming the field and the fix.
     """
+    from atoll.job.model import check_fragments  # transformers only when a config is checked
+
+    check_fragments(config.model, config.fragments)
     if config.runtime == "ray" and (config.chaos is not None or config.island_speeds is not None):
         name = "chaos" if config.chaos is not None else "island_speeds"
         raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
