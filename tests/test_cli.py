@@ -93,3 +93,10 @@ def test_a_run_that_never_trained_exits_1(fast_config: dict, tmp_path: Path, cap
                "--chaos", "0.000001:1", "--out", str(tmp_path / "run")])
     assert rc == 1 and "stopped early with 0 tokens" in capsys.readouterr().err
     assert (tmp_path / "run" / "summary.json").is_file()  # the folder keeps what happened
+
+
+def test_perplexity_of_a_diverged_loss_is_none() -> None:
+    from atoll.job.metrics import perplexity
+
+    assert perplexity(1.0) == pytest.approx(2.718281828)
+    assert perplexity(1e6) is None and perplexity(float("nan")) is None

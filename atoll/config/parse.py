@@ -54,8 +54,10 @@ def fix_hint(field: str) -> str:
 def format_validation_error(err: ValidationError) -> str:
     """The first error of a pydantic validation as one line: ``field: what is wrong; the fix``."""
     first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "config"
-    msg = first["msg"]
+    names = [str(p) for p in first["loc"] if not isinstance(p, int)]  # a list's item: its setting, which item
+    items = [p for p in first["loc"] if isinstance(p, int)]
+    loc = ".".join(names) or "config"
+    msg = first["msg"] + (f" (item {items[0] + 1} of the list)" if items else "")
     if first["type"] == "extra_forbidden":
         return f"{loc}: unknown setting; remove it (known settings: 'atoll train --help')"
     if msg.startswith("Value error, "):

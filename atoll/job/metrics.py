@@ -72,6 +72,16 @@ class NullLog:
         pass
 
 
+def perplexity(loss: float) -> float | None:
+    """``exp(loss)`` of a held-out loss in nats per token; None where it is not a finite number (a diverged
+    run's loss overflows ``exp``), so that metrics and summaries stay strict JSON."""
+    try:
+        value = math.exp(loss)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All events of a ``metrics.jsonl`` file, in order (each a dict with at least ``event``).
 

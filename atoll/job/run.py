@@ -33,7 +33,7 @@ from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
-from atoll.job.metrics import MetricsLog, NullLog, write_summary
+from atoll.job.metrics import MetricsLog, NullLog, perplexity, write_summary
 from atoll.job.model import build_model, count_parameters, param_bytes
 from atoll.job.report import plot_runs
 from atoll.runtime.network import ring_allreduce_bytes
@@ -206,7 +206,7 @@ class Run:
                          train_tokens=self.data.num_train_tokens, val_tokens=self.data.num_val_tokens,
                          tokenizer_from_cache=self.data.tokenizer_from_cache)
             self.log.log("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
-                         perplexity=math.exp(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
+                         perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
         if self.is_main:  # only now: a resume that failed above has left the run folder untouched
             (self.out / "config.json").write_text(config.model_dump_json(indent=2))
 
@@ -226,7 +226,7 @@ class Run:
                  sim_wall_s: float) -> float:
         """Evaluate the global parameters ``params`` on the held-out batches; log an ``eval`` event; return it."""
         self.eval_loss = evaluate(self.set_global(params), self.val)
-        self.log.log("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=math.exp(self.eval_loss),
+        self.log.log("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=perplexity(self.eval_loss),
                      sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
         return self.eval_loss
 
@@ -259,7 +259,7 @@ class Run:
             "sync_every": config.sync_every, "steps": config.steps, "model": config.model, "params": self.n_params,
             "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
             "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": self.eval_loss,
-            "final_perplexity": math.exp(self.eval_loss),
+            "final_perplexity": perplexity(self.eval_loss),
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
             "codec": config.codec, "device": config.device if config.runtime == "ray" else resolve_device(config.device),
