@@ -175,3 +175,19 @@ def test_batch_not_divisible_by_ranks_is_a_config_error() -> None:
                timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("atoll: error: batch_size (6) must be divisible by ranks_per_island (4)")
+
+
+def test_launcher_store_listens_on_the_loopback_only() -> None:
+    from atoll.runtime.collective.launch import loopback_interface, loopback_store
+
+    store = loopback_store(5.0)
+    try:
+        store.set("k", "v")
+        port = f"{store.port:04X}"
+        listening = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     + Path("/proc/net/tcp6").read_text().splitlines()[1:]]
+        mine = [f[1] for f in listening if f[1].endswith(":" + port) and f[3] == "0A"]  # 0A: LISTEN
+        assert mine == ["0100007F:" + port]  # 127.0.0.1 only, no wildcard (0.0.0.0 or ::)
+    finally:
+        del store
+    assert loopback_interface().startswith("lo")

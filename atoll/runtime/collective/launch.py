@@ -6,6 +6,7 @@ import importlib
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -23,6 +24,29 @@ if TYPE_CHECKING:  # the launcher (parent process) runs without importing transf
 
 # ----------------------------------------------------------------------------------------------------------
 # launching on one machine
+
+
+def loopback_store(timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a one-machine launch, listening on 127.0.0.1 only.
+
+    ``TCPStore`` binds every interface by itself, so that any host that reaches this one could list, read, set
+    and delete its keys; here it serves a socket bound to the loopback (``master_listen_fd``, which the store
+    then owns and closes).
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def loopback_interface() -> str:
+    """The name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    try:
+        return next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    except (OSError, StopIteration):
+        return "lo"
 
 
 def launch(config: TrainConfig, worker: str, resume: bool = False,
@@ -61,10 +85,11 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     world = config.islands * config.ranks_per_island
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([worker.split(":")[0]])
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=config.collective_timeout_s),
-                          wait_for_workers=False)
+    store = loopback_store(config.collective_timeout_s)
     env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # one machine: gloo's pairs on the loopback too
+        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
     if config.threads is None and "OMP_NUM_THREADS" not in os.environ:  # as torchrun: no oversubscription
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     procs = [ctx.Process(target=_rank_main, name=f"atoll-rank{r}",
