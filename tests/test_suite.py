@@ -49,9 +49,8 @@ def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
         if r["available"]:
             assert r["tokens"] == ddp["tokens"] // (4 if r["run"] == "one_island" else 1)
     assert ddp["gap_vs_ddp_pct"] == 0 and ddp["reduction_vs_ddp"] == 1
-    # diloco fp32 with H=10 sends 10x less than ddp; int8 and int4 carry 64-value scales
+    # diloco fp32 with H=10 sends 10x less than ddp; int4 carries a float32 scale per 64 values
     assert fp32["reduction_vs_ddp"] == pytest.approx(10.0)
-    assert rows["diloco_int8"]["reduction_vs_ddp"] == pytest.approx(10 * 32 / 8.5, rel=0.01)
     assert rows["diloco_int4"]["reduction_vs_ddp"] == pytest.approx(10 * 32 / 4.5, rel=0.01)
     assert rows["one_island"]["bytes_sent_per_island"] == 0
     # the clock re-timed at the link the runs trained on (100 Mbit/s) is the run's own clock
@@ -126,7 +125,7 @@ def test_quick_fidelity_shares_the_suite_runs(quick_suite: tuple[Path, str], cor
     # the studies train half the default steps, their references too
     assert runs_["diloco"]["steps"] == 20 and runs_["diloco_x0.5"]["steps"] == runs_["fedavg_h1"]["steps"] == 10
     h = {r["x"]: r for r in results["studies"]["h"]}
-    assert sorted(h) == [1, 5, 10, 100]
+    assert sorted(h) == [1, 5, 10]
     assert h[10]["diloco"] == runs_["diloco_x0.5"]["final_eval_loss"]
     assert h[1]["diloco"] is None and h[1]["fedavg"] == runs_["fedavg_h1"]["final_eval_loss"]
     assert h[1]["fedavg_vs_ddp"] == pytest.approx(
@@ -135,7 +134,7 @@ def test_quick_fidelity_shares_the_suite_runs(quick_suite: tuple[Path, str], cor
     assert runs_["fedavg_h1"]["reduction_vs_ddp"] == pytest.approx(1.0)
     assert runs_["fedavg_h10"]["reduction_vs_ddp"] == pytest.approx(10.0)
     outer = results["studies"]["outer"]
-    assert [r["setting"].split()[0] for r in outer] == ["0.7", "1", "0.7", "1"]
+    assert [r["setting"].split()[0] for r in outer] == ["0.7", "1", "0.7"]
     # every target is checked against its measured value
     checks = {c["target"]: c for c in results["checks"]}
     assert len(checks) == 7

@@ -59,10 +59,10 @@ COLUMNS = [("setting", "setting"), ("one island", "one_island"), ("ddp", "ddp"),
 #: every study but ``tokens`` trains half the default steps (atoll.bench.fidelity.study_steps)
 TITLES = {"h": "The sync interval H (default outer optimizer; FedAvg: outer lr 1, momentum 0), half the steps",
           "outer": "The outer optimizer (outer lr / Nesterov momentum) at the default H, half the steps",
-          "lr": "The inner learning rate (every strategy alike), half the steps",
+          "lr": "The inner learning rate (one island and diloco alike; ddp at the default), half the steps",
           "batch": "Tokens per island per inner step at equal total tokens and equal tokens per outer round "
                    "(steps and H the other way), half the steps",
-          "tokens": "Tokens per parameter (a quarter, half and all of the default steps)",
+          "tokens": "Tokens per parameter (half and all of the default steps)",
           "warm": "A warm start: ddp for a quarter of the steps, then ddp or diloco for another quarter, against "
                   "a cold start of half the steps (equal tokens)"}
 

@@ -4,7 +4,7 @@
     atoll bench suite --quick               # micro model, 20 steps, into bench/out/suite-quick: about a minute
 
 Runs (:func:`runs`: each strategy's rows of its spec, so a new strategy brings its own): one island alone (``ddp --islands 1``, the
-reference), ``ddp``, ``diloco`` H=50 with fp32, int8 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
+reference), ``ddp``, ``diloco`` H=50 with fp32 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
 overlap tau=1, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
 (when the config accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
 runtime; its clock trace (:class:`atoll.runtime.network.ClockTrace`: measured compute per island, bytes
