@@ -7,7 +7,7 @@
     atoll sweep --outer-lr 0.5,0.7,1 --sync-every 25,50 --at-mbps 100 [--out DIR]   # a grid, compared
     atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
     atoll bench wan [--steps 600] [--bandwidths 10,100] [--sync-every 100,200] ...   # as root
-    atoll bench suite [--quick] [--steps 300] [--out bench/out/suite]   # every strategy, one report
+    atoll bench suite [--quick] [--steps 800] [--out bench/out/suite]   # every strategy, one report
     atoll project --table                     # projection to 1B/12B/100B models (no training)
     atoll project --params 12e9 --step-compute-s 6 --bandwidth-mbps 2000 [--islands 4] ...
 
@@ -68,10 +68,20 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
                                help=help_text)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atoll")
+    except PackageNotFoundError:  # run from a checkout without installing it
+        return "(not installed)"
+
+
 def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     """The ``atoll`` command's parser; ``train_flags=False`` leaves out the run settings of ``atoll train``
     (they need the whole config, and with it every strategy and torch: other commands start faster)."""
     parser = _Parser(prog="atoll", description="Train language models across islands of compute joined by slow links.")
+    parser.add_argument("--version", action="version", version=f"atoll {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p_train = sub.add_parser("train", help="train a model (default: diloco, 4 islands, nano model, stdlib corpus)",
@@ -231,9 +241,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"atoll: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("atoll: interrupted; resume with 'atoll train --resume RUN_DIR'", file=sys.stderr)
+        print(f"atoll: interrupted; {_resume_hint(args)}", file=sys.stderr)
         return 130
     return 0
+
+
+def _resume_hint(args: argparse.Namespace) -> str:
+    """What an interrupted command can do next: resume the run it trained, naming its folder."""
+    from atoll.job import checkpoint
+
+    run = Path(args.resume) if getattr(args, "resume", None) else checkpoint.last_run_dir
+    if args.command != "train" or run is None:
+        return "run the command again (finished runs are reused)" if args.command in ("sweep", "bench") else \
+            "nothing to resume"
+    try:
+        checkpoint.latest_checkpoint(run)
+    except AtollError:
+        return f"no checkpoint was written yet in '{run}'; remove it and start again"
+    return f"resume with 'atoll train --resume {run}'"
 
 
 if __name__ == "__main__":

@@ -266,9 +266,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--latency-ms", type=float, default=10.0, help="one-way latency ms [default: 10]")
     parser.add_argument("--sync-every", type=int, default=50, help="H [default: 50]")
     parser.add_argument("--fragments", type=int, default=4, help="P (streaming, decoupled) [default: 4]")
-    parser.add_argument("--overlap-steps", type=int, default=5, help="tau (streaming) [default: 5]")
-    parser.add_argument("--codec", default="fp32", help=f"pseudo-gradient codec: {', '.join(CODEC_BITS)} "
-                        "[default: fp32]")
+    parser.add_argument("--overlap-steps", type=int, default=1, help="tau (streaming) [default: 1, as atoll train]")
+    parser.add_argument("--codec", default=None, help=f"pseudo-gradient codec: {', '.join(CODEC_BITS)} "
+                        "[default: each strategy's, as atoll train: int4 for streaming and decoupled, else fp32]")
     parser.add_argument("--mtbf-h", type=float, default=math.inf, help="island MTBF, hours [default: inf]")
     parser.add_argument("--downtime-min", type=float, default=0.0, help="minutes to replace a failed island")
     parser.add_argument("--checkpoint-min", type=float, default=0.0,
@@ -285,22 +285,23 @@ def run_cli(args: Any) -> str:
         return format_table(real_scale_table())
     if args.params is None or args.step_compute_s is None:
         raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
-    if args.codec not in CODEC_BITS:
+    if args.codec is not None and args.codec not in CODEC_BITS:
         raise ConfigError(f"codec: unknown codec '{args.codec}'; use one of {', '.join(CODEC_BITS)}")
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise ConfigError(f"strategy: unknown strategy '{args.strategy}'; use all or one of {', '.join(STRATEGIES)}")
     s = Setting(params=args.params, step_compute_s=args.step_compute_s, islands=args.islands,
                 bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms, sync_every=args.sync_every,
-                fragments=args.fragments, overlap_steps=args.overlap_steps, codec_bits=CODEC_BITS[args.codec],
+                fragments=args.fragments, overlap_steps=args.overlap_steps, codec_bits=CODEC_BITS[args.codec or "fp32"],
                 mtbf_s=args.mtbf_h * 3600, downtime_s=args.downtime_min * 60,
                 checkpoint_every_s=args.checkpoint_min * 60)
     ddp = project(s, "ddp")
-    lines = ["| strategy | step s | utilization | bytes/island/step | less than ddp | goodput |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| strategy | codec | step s | utilization | bytes/island/step | less than ddp | goodput |",
+             "|---|---|---|---|---|---|---|"]
     for name in strategies:
-        p = project(s, name)
+        codec = args.codec or str(spec(name).defaults.get("codec", "fp32"))  # the strategy's own, as atoll train
+        p = project(replace(s, codec_bits=CODEC_BITS[codec]), name)
         red = f"{ddp.bytes_per_step / p.bytes_per_step:.0f}x" if p.bytes_per_step else "-"
-        lines.append(f"| {name} | {p.step_s:.3f} | {p.compute_utilization:.1%} | {human_bytes(p.bytes_per_step)} | "
+        lines.append(f"| {name} | {codec if name not in ('ddp', 'demo') else '-'} | {p.step_s:.3f} | {p.compute_utilization:.1%} | {human_bytes(p.bytes_per_step)} | "
                      f"{red} | {p.goodput:.1%} |")
     return "\n".join(lines)

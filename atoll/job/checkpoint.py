@@ -124,6 +124,10 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     return final
 
 
+#: the folder of the run this process last started (None before any): what an interrupted command names
+last_run_dir: Path | None = None
+
+
 def new_run_dir(out: Path | None, strategy: str) -> Path:
     """The folder of a new run, created: ``out``, or ``runs/<strategy>-<time>`` when None.
 
@@ -147,6 +151,8 @@ def new_run_dir(out: Path | None, strategy: str) -> Path:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"out: cannot write to '{out}' ({e.strerror or e}); choose a writable folder") from None
+    global last_run_dir
+    last_run_dir = out
     return out
 
 
