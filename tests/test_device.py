@@ -41,7 +41,8 @@ def test_islands_go_round_robin_over_the_visible_gpus() -> None:
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
 def test_cli_refuses_cuda_without_a_gpu(tmp_path) -> None:
-    r = run_cli("train", "--device", "cuda", "--model", "micro", "--steps", "2", "--out", str(tmp_path / "run"))
+    r = run_cli("train", "--device", "cuda", "--model", "micro", "--steps", "2", "--sync-every", "1", "--out",
+                str(tmp_path / "run"))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "device: cuda" in r.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written
 

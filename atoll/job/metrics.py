@@ -162,13 +162,15 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("value", justify="right")
     rows = [
         ("parameters", f"{summary['params']:,}"),
+        ("device / precision", f"{summary.get('device', 'cpu')} / {summary.get('precision', 'fp32')}"),
         ("tokens (all islands)", f"{summary['tokens']:,}"),
         ("eval loss: initial -> final", f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f}"),
         ("final perplexity", f"{math.exp(min(summary['final_eval_loss'], 50)):.2f}"),
         ("bytes sent per island", human_bytes(summary["bytes_sent_per_island"])),
         ("ddp would send per island", human_bytes(summary["ddp_bytes_per_island"])),
         ("reduction vs ddp", f"{summary['reduction_vs_ddp']:.1f}x" if summary["reduction_vs_ddp"] else "-"),
-        ("compute (slowest island)", f"{summary['compute_s']:.1f} s"),
+        ("compute (slowest island)" + (", simulated" if "island_utilization" in summary else ""),
+         f"{summary['compute_s']:.1f} s"),
         (f"simulated wall @ {summary['link_bandwidth_mbps']:g} Mbit/s" if summary.get("runtime") not in ("collective", "ray")
          else "wall time on the real network", f"{summary['sim_wall_s']:.1f} s"),
         ("compute utilization" + (" (busiest island)" if "island_utilization" in summary else ""),
