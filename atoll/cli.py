@@ -254,11 +254,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     if args.command != "train" or run is None:
         return "run the command again (finished runs are reused)" if args.command in ("sweep", "bench") else \
             "nothing to resume"
-    try:
-        checkpoint.latest_checkpoint(run)
-    except AtollError:
-        return f"no checkpoint was written yet in '{run}'; remove it and start again"
-    return f"resume with 'atoll train --resume {run}'"
+    return checkpoint.resume_advice(run)
 
 
 if __name__ == "__main__":

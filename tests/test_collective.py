@@ -145,7 +145,7 @@ def test_killed_rank_stops_the_others_with_a_clear_line_under_torchrun_env(setti
     assert time.monotonic() - killed_at < 60
     line = err.strip().splitlines()[-1]
     assert line.startswith("atoll: error: island 1 stopped responding at inner step 8 (")
-    assert line.endswith(f"resume with 'atoll train --resume {out}'")
+    assert line.endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
     assert (out / "checkpoints" / "step_0000005").is_dir()
 
 
@@ -191,3 +191,17 @@ def test_launcher_store_listens_on_the_loopback_only() -> None:
     finally:
         del store
     assert loopback_interface().startswith("lo")
+
+
+def test_resume_advice_names_what_exists(tmp_path: Path) -> None:
+    from atoll.job.checkpoint import resume_advice
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert resume_advice(run) == (f"no checkpoint was written yet in '{run}' (see --checkpoint-every); remove it "
+                                  "and start again")
+    step = run / "checkpoints" / "step_0000040"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_0000040")
+    assert resume_advice(run) == f"resume with 'atoll train --resume {run}' (from step 40)"

@@ -186,6 +186,18 @@ def latest_checkpoint(out: Path) -> Path:
     return candidates[-1]
 
 
+def resume_advice(out: Path | str | None) -> str:
+    """What to tell a user whose run in ``out`` stopped: resume from its latest checkpoint (naming its step),
+    or, when none was written yet, start again (a resume would only say there is none)."""
+    if out is None:
+        return "resume with 'atoll train --resume OUT' (the run's --out)"
+    try:
+        step = _step_of(latest_checkpoint(Path(out)))
+    except CheckpointError:
+        return f"no checkpoint was written yet in '{out}' (see --checkpoint-every); remove it and start again"
+    return f"resume with 'atoll train --resume {out}' (from step {step})"
+
+
 def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
     """Read a checkpoint folder; return (step, state) with tensors on the CPU.
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.errors import AtollError, RunFailed
-from atoll.job.checkpoint import new_run_dir
+from atoll.job.checkpoint import new_run_dir, resume_advice
 
 if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
     from atoll.config import TrainConfig
@@ -131,7 +131,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
         rank, code = first
         if code < 0:
             raise RunFailed(f"rank {rank} (island {rank // config.ranks_per_island}) was killed by "
-                            f"{signal.Signals(-code).name}; resume with 'atoll train --resume {out}'",
+                            f"{signal.Signals(-code).name}; {resume_advice(out)}",
                             128 - code)
         raise RunFailed("", code)
     return json.loads((out / "summary.json").read_text())

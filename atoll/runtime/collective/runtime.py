@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.errors import CheckpointError, ConfigError
+from atoll.job.checkpoint import resume_advice
 from atoll.job.device import resolve_device
 from atoll.runtime.base import Runtime
 from atoll.runtime.collective.comm import DistComm
@@ -156,8 +157,7 @@ class CollectiveRuntime(Runtime):
             if suspect is None:
                 suspect = self.heartbeat.find_dead()
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
-        resume = f"resume with 'atoll train --resume {self.config.out}'" if self.config.out else \
-            "resume with 'atoll train --resume OUT'"
+        resume = resume_advice(self.config.out)
         if signalled and suspect is None:
             line = f"atoll: error: stopped by SIGTERM {where}; {resume}"
         else:
