@@ -185,15 +185,16 @@ def benchmark(args: argparse.Namespace) -> int:
                 continue
             job = (out, name, {**base, **settings}, args.fresh)
             (warm if settings.get("init_from") == "@" else todo).append(job)
-    summaries: dict[str, dict[str, Any]] = {}
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            summaries.update(pool.map(_train, todo))
-    else:
-        summaries.update(map(_train, todo))
-    for folder, name, settings, fresh in warm:  # after the run they start from
-        settings = {**settings, "init_from": str(out / "warm_ddp_first_half")}
-        summaries[name] = _train((folder, name, settings, fresh))[1]
+    def train_all(jobs: list[tuple[Path, str, dict[str, Any], bool]]) -> dict[str, dict[str, Any]]:
+        if args.jobs > 1 and len(jobs) > 1:
+            with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
+                return dict(pool.map(_train, jobs))
+        return dict(map(_train, jobs))
+
+    summaries = train_all(todo)
+    # the warm starts, side by side, once the run they start from has trained
+    summaries.update(train_all([(f, n, {**s, "init_from": str(out / "warm_ddp_first_half")}, fresh)
+                                for f, n, s, fresh in warm]))
     rows = {s: study_rows(s, summaries, d) for s in studies if s != "default"}
     text = report(out, suite, rows, summaries, d)
     print(text)
