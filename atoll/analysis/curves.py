@@ -88,3 +88,15 @@ def loss_vs_time(run_dir: Path, bandwidth_mbps: float | None = None, latency_ms:
     points = [(0.0, float(ev[0]["eval_loss"]))] + [(marks[int(e["step"])], float(e["eval_loss"]))
                                                   for e in ev[1:] if int(e["step"]) in marks]
     return Curve(tuple(p[0] for p in points), tuple(p[1] for p in points))
+
+
+def reference_step_s(summaries: list[dict[str, Any]]) -> float | None:
+    """The compute seconds of one inner step to re-time runs measured on a shared machine with: the median of
+    the lockstep runs' measured ``compute_s / steps`` (an asynchronous run's step is simulated, not measured),
+    so that the machine's load does not pick the winner; None without a lockstep run."""
+    import statistics
+
+    from atoll.strategies.registry import spec
+
+    measured = [s["compute_s"] / s["steps"] for s in summaries if spec(s["strategy"]).lockstep is not None]
+    return statistics.median(measured) if measured else None

@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -109,14 +108,13 @@ def point_name(point: dict[str, Any]) -> str:
 def compare(out: Path, points: list[dict[str, Any]], summaries: list[dict[str, Any]], link_mbps: float,
             latency_ms: float, step_s: float | None) -> dict[str, Any]:
     """The comparison of a grid's finished runs (see the module docstring); rows in the points' order."""
-    from atoll.analysis.curves import loss_vs_time, loss_vs_tokens
+    from atoll.analysis.curves import loss_vs_time, loss_vs_tokens, reference_step_s
     from atoll.strategies.registry import spec
 
     dirs = [out / point_name(p) for p in points]
     timed = [spec(s["strategy"]).lockstep is not None for s in summaries]  # an asynchronous run keeps its clock
     measured = [s["compute_s"] / s["steps"] if t else None for s, t in zip(summaries, timed, strict=True)]
-    lockstep = [m for m in measured if m is not None]
-    step = (step_s if step_s is not None else statistics.median(lockstep)) if lockstep else None
+    step = (step_s if step_s is not None else reference_step_s(summaries)) if any(timed) else None
     curves = [loss_vs_time(d, link_mbps, latency_ms, step_s=step) if t else loss_vs_time(d)
               for d, t in zip(dirs, timed, strict=True)]
     finish = [c.xs[-1] for c in curves]

@@ -14,7 +14,6 @@ scaled to the same reference step time. "never": the run did not reach the targe
 from __future__ import annotations
 
 import math
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ def time_to_target(suite_dir: Path, summaries: dict[str, dict[str, Any]], latenc
         ``{"target_loss", "target_tokens", "step_s", "rates_mbps", "runs": {name: {rate: seconds}}}``; an
         empty dict without a ddp run.
     """
-    from atoll.analysis.curves import loss_vs_time, loss_vs_tokens
+    from atoll.analysis.curves import loss_vs_time, loss_vs_tokens, reference_step_s
     from atoll.strategies.registry import spec
 
     ddp = summaries.get("ddp")
@@ -45,7 +44,7 @@ def time_to_target(suite_dir: Path, summaries: dict[str, dict[str, Any]], latenc
     target_tokens = ddp["tokens"] / 2
     target = loss_vs_tokens(suite_dir / "ddp").at(target_tokens)
     lockstep = {n: s for n, s in summaries.items() if spec(s["strategy"]).lockstep is not None}
-    step_s = statistics.median(s["compute_s"] / s["steps"] for s in lockstep.values())
+    step_s = reference_step_s(list(summaries.values()))  # ddp is lockstep: never None here
     runs: dict[str, dict[str, float | None]] = {}
     for name, s in summaries.items():
         if name in lockstep:
