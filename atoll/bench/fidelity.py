@@ -18,7 +18,7 @@ The other studies train half the default steps (:func:`study_steps`), so that al
 on 2 cores; their references are one island, ddp and diloco at that length (``*_x0.5``, trained once for all):
 
 - ``h``: the sync interval H (5 and the default 50) with the default outer optimizer, and plain averaging (FedAvg: outer
-  lr 1, momentum 0) at H = 1 and the default H. At H = 1 averaging AdamW updates is all but ddp.
+  lr 1, momentum 0) at H = 1 and the default H: whether averaging every step closes the gap to ddp.
 - ``outer``: the outer optimizer at the default H: plain averaging (the h study's run), DiLoCo's 0.7/0.9.
 - ``lr``: the inner learning rate (a third, three times), for one island and diloco (ddp at the default).
 - ``batch``: tokens per island per inner step (a quarter, four times) at equal total tokens and equal tokens
