@@ -28,7 +28,7 @@ from typing import Any
 from atoll.config import TrainConfig
 from atoll.job.data import sample_batch
 from atoll.job.device import resolve_device
-from atoll.job.island import make_island
+from atoll.job.island import compile_skipped, make_island
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.base import Runtime
@@ -145,7 +145,9 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
         sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
-        rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands))
+        rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands),
+        **({"compile_skipped": compile_skipped(islands), "compile_s": max(i.compile_s for i in islands)}
+           if config.compile else {}))
     if runtime.is_main:
         trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None
         if trace is not None:  # local runtime: lets the run be re-timed at other links (network.replay)

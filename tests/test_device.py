@@ -12,7 +12,7 @@ from conftest import run_cli
 from atoll.config import TrainConfig, build_config
 from atoll.errors import ConfigError
 from atoll.job.device import autocast, island_devices, resolve_device
-from atoll.job.island import adamw, make_island
+from atoll.job.island import Island, adamw, compile_skipped, make_island
 from atoll.job.model import build_model
 
 CUDA = torch.cuda.is_available()
@@ -104,3 +104,48 @@ def test_cuda_run_places_islands_on_the_gpus(tmp_path, corpus_file, cache_dir) -
         "precision": "bf16", "out": str(tmp_path / "run")}))
     assert summary["device"] == "cuda" and summary["precision"] == "bf16"
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def _compiled_island() -> Island:
+    config = TrainConfig(model="micro", vocab_size=512, seq_len=16, batch_size=4, steps=10, compile=True)
+    return make_island(0, build_model("micro", 512, 16, seed=0), config)
+
+
+def test_compile_falls_back_to_eager_and_says_why(monkeypatch) -> None:
+    def broken(model):  # what torch.compile gives where no C++ compiler exists: it fails at the first call
+        def call(*a, **k):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore lines")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    batch = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(0))
+    eager, compiled = _island("fp32"), _compiled_island()
+    with pytest.warns(RuntimeWarning, match="--compile skipped.*No working C"):
+        loss = compiled.forward_backward(batch)
+    assert loss == eager.forward_backward(batch)  # the same eager maths, bit for bit
+    assert compiled.forward.skipped == "RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
+    assert compile_skipped([eager, compiled]) == compiled.forward.skipped and compile_skipped([eager]) is None
+
+
+def test_the_compiling_step_is_start_up_not_compute(monkeypatch) -> None:
+    monkeypatch.setattr(torch, "compile", lambda model: model)  # a compiler that returns the model unchanged
+    batch = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(0))
+    island = _compiled_island()
+    island.forward_backward(batch)
+    assert island.compute_s == 0.0 and island.compile_s > 0.0  # the first call (compilation) is set apart
+    island.inner_step()
+    first = island.compute_s
+    island.forward_backward(batch)
+    assert island.compute_s > first and island.forward.skipped is None
+
+
+@pytest.mark.slow
+def test_compiled_run_matches_eager(fast_config) -> None:  # torch.compile for real: Inductor on the CPU
+    from atoll.train import train
+
+    base = {**fast_config, "islands": 2, "steps": 4, "sync_every": 2, "threads": 1}
+    eager = train(build_config(overrides={**base, "out": fast_config["out"] + "-eager"}))
+    compiled = train(build_config(overrides={**base, "compile": True}))
+    assert compiled["compile"] is True and eager["compile"] is False
+    assert compiled["compile_skipped"] is None and compiled["compile_s"] > 0
+    assert compiled["final_eval_loss"] == pytest.approx(eager["final_eval_loss"], abs=1e-4)

@@ -91,6 +91,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, data: dic
 
     batch, seq = (args.batch, args.seq) if args.batch else SHAPES.get(name, (8, 256))
     own = {"model": name, "batch_size": batch, "seq_len": seq, "precision": args.precision, "device": args.device,
+           "compile": args.compile,
            "vocab_size": args.vocab, **data}
     config = build_config(overrides={**own, "steps": 10_000, "islands": 1, "progress": False})
     model = build_model(name, config.vocab_size, seq, config.seed)
@@ -101,7 +102,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, data: dic
     tokens_per_step = batch * seq
     row: dict[str, Any] = {
         "model": name, "params": count_parameters(model), "batch": batch, "seq_len": seq,
-        "precision": args.precision, "flops_per_token": fpt,
+        "precision": args.precision, "compile": args.compile, "flops_per_token": fpt,
         "island_step_s": atoll_s, "plain_step_s": plain_s, "overhead_pct": 100 * (atoll_s - plain_s) / plain_s,
         "island_tokens_per_s": tokens_per_step / atoll_s,
         "mfu_pct": 100 * fpt * tokens_per_step / atoll_s / (peak * 1e12) if peak else None,
@@ -134,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="20m,125m,1b", help="model presets [20m,125m,1b; 1b if it fits]")
     parser.add_argument("--device", default="auto", help="auto, cuda, cpu or mps [auto]")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16"), help="[bf16]")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile both loops' and the islands' forward passes [off]")
     parser.add_argument("--islands", type=int, default=4, help="islands of the diloco job on one device [4]")
     parser.add_argument("--sync-every", type=int, default=50, help="H of the diloco job (two rounds) [50]")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the loops (first discarded) [4]")

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from atoll.bench.common import default_out, write_results
 from atoll.config import TrainConfig, build_config
-from atoll.job.device import autocast, synchronize
+from atoll.job.device import CompiledForward, autocast, synchronize
 from atoll.job.island import adamw, cosine_with_warmup, make_island, next_token_loss
 from atoll.job.model import build_model, count_parameters
 
@@ -106,9 +106,11 @@ def compare_loops(config: TrainConfig, model: PreTrainedModel, device: torch.dev
         island.forward_backward(batch)
         island.inner_step()
 
+    forward = CompiledForward(plain) if config.compile else plain  # compiled as the island's is
+
     def plain_step() -> None:
         with autocast(device, config.precision):
-            loss = next_token_loss(plain, on_device)
+            loss = next_token_loss(forward, on_device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), config.grad_clip)
         opt.step()

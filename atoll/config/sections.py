@@ -64,6 +64,9 @@ class DeviceSection(Section):
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="Forward and backward precision: fp32, or bf16 autocast with float32 weights, "
         "gradients and optimizer state (the outer step and codecs stay float32).")
+    compile: bool = Field(
+        False, description="Compile each island's forward pass with torch.compile; when compilation fails "
+        "the island trains in eager mode and the run says why (summary.json compile_skipped).")
 
 
 class DataSection(Section):

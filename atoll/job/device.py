@@ -10,10 +10,16 @@ to and from its device around an exchange.
 (Micikevicius et al. 2018, mixed precision; bfloat16 needs no loss scaling): the weights, their gradients
 and the optimizer's state stay float32 (the master weights), so the pseudo-gradients, the outer step and
 the codecs see float32 exactly as with ``fp32``.
+
+``--compile`` compiles each island's forward pass with ``torch.compile`` (TorchInductor; Ansel et al.
+2024, PyTorch 2). Compilation happens at the first call; when it fails (no C++ compiler or Triton, an
+unsupported platform or Python) the island falls back to eager mode with one warning saying why, and the
+run records the reason (``compile_skipped`` in summary.json).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -103,3 +109,41 @@ def peak_memory(device: torch.device) -> Iterator[Callable[[], int]]:
     else:
         yield lambda: 0
 
+
+
+class CompiledForward:
+    """An island's forward pass compiled with ``torch.compile``, falling back to eager at the first failure.
+
+    Calls take the model's arguments (e.g. ``input_ids``: LongTensor (batch, seq_len)) and return its output.
+    The compiled module shares the model's parameters, so optimizers, pseudo-gradients and checkpoints see
+    the model unchanged.
+
+    Attributes:
+        called: whether the forward pass has run (the first call compiles).
+        skipped: why compilation was given up (the exception's one-line summary), or None while compiled.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.skipped: str | None = None
+        self.called = False
+        self._compiled: Callable[..., Any] | None
+        try:
+            self._compiled = torch.compile(model)
+        except Exception as e:  # noqa: BLE001 - any failure means eager mode, said once
+            self._give_up(e)
+
+    def _give_up(self, e: BaseException) -> None:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        self.skipped = f"{type(e).__name__}: {first}"
+        self._compiled = None
+        warnings.warn(f"--compile skipped, training in eager mode: {self.skipped}", RuntimeWarning, stacklevel=3)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.called = True
+        if self._compiled is not None:
+            try:
+                return self._compiled(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - compilation errors surface at the first call
+                self._give_up(e)
+        return self.model(*args, **kwargs)

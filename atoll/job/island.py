@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from transformers import PreTrainedModel
 
-from atoll.job.device import autocast, synchronize
+from atoll.job.device import CompiledForward, autocast, synchronize
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
-def next_token_loss(model: PreTrainedModel, batch: torch.Tensor) -> torch.Tensor:
+def next_token_loss(model: Callable[..., Any], batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats) of ``batch``, a LongTensor (batch, seq_len + 1); a 0-d float32."""
     logits = model(input_ids=batch[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
@@ -73,6 +73,7 @@ class Island:
 
     Attributes:
         compute_s: measured compute seconds (divided by ``speed``).
+        compile_s: seconds of the first, compiling step with ``--compile`` (not in ``compute_s``).
         tokens: training tokens processed.
         last_loss: the training loss of the last forward pass.
         skipped_steps: inner steps skipped because the gradient was not finite.
@@ -92,19 +93,26 @@ class Island:
         self.params = [p for p in model.parameters()]
         self.device = self.params[0].device
         self.named_params = dict(model.named_parameters())
+        self.forward: Callable[..., Any] = model  # the training forward pass (CompiledForward with --compile)
         self.compute_s = 0.0
+        self.compile_s = 0.0
         self.tokens = 0
         self.skipped_steps = 0
         self.last_loss = float("nan")
 
     @contextmanager
-    def timed(self) -> Iterator[None]:
+    def timed(self, compiling: bool = False) -> Iterator[None]:
         """Measure the enclosed compute and charge it to this island (and its simulated clock); on an
-        accelerator the queued work is waited for at both ends, so the time is the work's."""
+        accelerator the queued work is waited for at both ends, so the time is the work's. With
+        ``compiling`` (the first step of a ``--compile`` island) the seconds go to ``compile_s`` instead:
+        a one-off start-up cost, not training compute."""
         synchronize(self.device)
         t0 = time.perf_counter()
         yield
         synchronize(self.device)
+        if compiling:
+            self.compile_s += time.perf_counter() - t0
+            return
         dt = (time.perf_counter() - t0) / self.speed
         self.compute_s += dt
         if self.clock is not None:
@@ -112,10 +120,11 @@ class Island:
 
     def forward_backward(self, batch: torch.Tensor) -> float:
         """Next-token loss of ``batch`` (LongTensor, (batch, seq_len + 1)) and its gradient; returns the loss."""
-        with self.timed():
+        compiling = isinstance(self.forward, CompiledForward) and not self.forward.called
+        with self.timed(compiling):
             batch = batch.to(self.device, non_blocking=True)
             with autocast(self.device, self.precision):
-                loss = next_token_loss(self.model, batch)
+                loss = next_token_loss(self.forward, batch)
             loss.backward()
         self.tokens += batch[:, 1:].numel()
         self.last_loss = float(loss.detach())
@@ -215,5 +224,13 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
-    return Island(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
-                  precision=config.precision)
+    island = Island(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
+                    precision=config.precision)
+    if config.compile:
+        island.forward = CompiledForward(model)
+    return island
+
+
+def compile_skipped(islands: list[Island]) -> str | None:
+    """Why ``--compile`` fell back to eager mode on any of ``islands`` (the first reason), or None."""
+    return next((r for r in (getattr(i.forward, "skipped", None) for i in islands) if r), None)

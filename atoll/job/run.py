@@ -263,7 +263,7 @@ class Run:
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
             "codec": config.codec, "device": config.device if config.runtime == "ray" else resolve_device(config.device),
-            "precision": config.precision, **own,
+            "precision": config.precision, "compile": config.compile, **own,
             "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
             "compute_s": compute_s, "sim_wall_s": sim_wall_s,
             "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,
