@@ -167,3 +167,26 @@ def test_failed_run_is_reported_and_cleaned_up(corpus_file: Path, cache_dir: Pat
     assert (tmp_path / "run" / "checkpoints" / "step_0000005").is_dir()  # resumable
     assert not any(namespace_exists(n) for n in names)
     assert time.monotonic() - t0 < 200
+
+
+@pytest.mark.slow
+def test_a_killed_runs_namespaces_and_ranks_are_removed_at_the_next_start() -> None:
+    """A run killed with SIGKILL cannot clean up: its namespaces and the rank processes inside them stay,
+    named after its pid; the next harness ends those processes, deletes the namespaces and says so."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended: the "killed run"
+    name = f"{PREFIX}-{pid}-{os.urandom(3).hex()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    rank = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "600"])
+    try:
+        time.sleep(0.3)
+        from atoll.bench.namespaces import netns_pids, remove_stale_namespaces
+
+        assert netns_pids(name)
+        removed, ended = remove_stale_namespaces()
+        assert name in removed and ended >= 1 and not namespace_exists(name)
+        assert rank.wait(timeout=10) != 0  # the left-over "rank" was ended
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)

@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import threading
 from collections.abc import Callable
@@ -151,16 +152,23 @@ def netns_pids(name: str) -> list[int]:
     return [int(p) for p in run_command("ip", "netns", "pids", name, check=False).split()]
 
 
-def remove_stale_namespaces() -> list[str]:
-    """Delete namespaces of this module whose creating process is gone and that hold no process; their names."""
-    removed = []
+def remove_stale_namespaces() -> tuple[list[str], int]:
+    """Delete the namespaces of this module whose creating process is gone (a run killed with SIGKILL, which
+    could not clean up), ending the processes still inside them first: those are that run's ranks, started
+    through its namespaces. Returns the namespaces' names and how many processes were ended."""
+    removed, ended = [], 0
     with contextlib.suppress(FileNotFoundError):
         for entry in sorted(os.listdir(NETNS_DIR)):
             m = _STALE.match(entry)
-            if m and not _alive(int(m.group(1))) and not netns_pids(entry):
-                run_command("ip", "netns", "del", entry, check=False)
-                removed.append(entry)
-    return removed
+            if not m or _alive(int(m.group(1))):
+                continue
+            for pid in netns_pids(entry):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    ended += 1
+            run_command("ip", "netns", "del", entry, check=False)
+            removed.append(entry)
+    return removed, ended
 
 
 def namespace_exists(name: str) -> bool:

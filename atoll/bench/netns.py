@@ -166,7 +166,10 @@ class EmulatedWan:
                 signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
         try:
-            remove_stale_namespaces()
+            removed, ended = remove_stale_namespaces()
+            if removed:
+                print(f"[wan] removed {len(removed)} network namespaces and ended {ended} processes left by a "
+                      "killed earlier run", file=sys.stderr, flush=True)
             self._build()
         except BaseException:
             self.close()

@@ -214,3 +214,15 @@ def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
             f"resume: checkpoint '{path}' is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
             "resume from an earlier checkpoint or start a new run"
         ) from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a torn one (a
+    temporary file beside it, then ``os.replace``).
+
+    Raises:
+        OSError: the folder is not writable.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -29,10 +29,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
 from atoll.errors import CheckpointError, ConfigError, DataError
-from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
+from atoll.job.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    new_run_dir,
+    save_checkpoint,
+    write_text_atomic,
+)
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
+from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, write_summary
 from atoll.job.model import build_model, count_parameters, param_bytes
 from atoll.job.report import plot_runs
@@ -150,14 +157,18 @@ class Run:
             torch.set_num_threads(config.threads)
         self.state: dict[str, Any] | None = None
         self.start_step = 0
+        self.lock: RunLock | None = None  # the collective runtime's launcher holds its ranks' folder
+        if is_main and config.runtime != "collective":
+            self.out, self.lock = claim_run_folder(config.out, config.strategy, resume)
+        elif resume or not is_main:
+            self.out = Path(str(config.out))
+        else:
+            self.out = new_run_dir(config.out, config.strategy)
         if resume:
-            self.out = Path(config.out)  # type: ignore[arg-type]
             self.start_step, self.state = load_latest_state(self.out)
             if self.start_step > config.steps:
                 raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
                                   f"pass --steps {self.start_step} or more")
-        else:
-            self.out = new_run_dir(config.out, config.strategy) if is_main else Path(str(config.out))
         self.data, self.model = prepare_inputs(config, warm_start=not resume)
         if self.state is not None and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint:
             raise DataError(f"data: the corpus '{config.data}' changed since this run started, so its tokenizer and "
@@ -208,7 +219,7 @@ class Run:
             self.log.log("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
                          perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
         if self.is_main:  # only now: a resume that failed above has left the run folder untouched
-            (self.out / "config.json").write_text(config.model_dump_json(indent=2))
+            write_text_atomic(self.out / "config.json", config.model_dump_json(indent=2))
 
     # --- during the loop ------------------------------------------------------------------------------
     def set_global(self, params: torch.Tensor) -> PreTrainedModel:
@@ -275,4 +286,6 @@ class Run:
         if self.is_main:
             write_summary(self.out, summary)
             plot_runs([self.out], self.out / "report.png")
+        if self.lock is not None:
+            self.lock.release()
         return summary

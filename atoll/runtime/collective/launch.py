@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from atoll.errors import AtollError, RunFailed
-from atoll.job.checkpoint import new_run_dir, resume_advice
+from atoll.job.checkpoint import resume_advice
+from atoll.job.lock import claim_run_folder
 
 if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
     from atoll.config import TrainConfig
@@ -80,7 +81,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
 
     from atoll.job.data import default_cache_dir, prepare_data
 
-    out = Path(config.out) if resume else new_run_dir(config.out, config.strategy)  # type: ignore[arg-type]
+    out, lock = claim_run_folder(config.out, config.strategy, resume)  # held by the launcher for its ranks
     config = config.model_copy(update={"out": out})
     world = config.islands * config.ranks_per_island
     ctx = multiprocessing.get_context("forkserver")
@@ -127,6 +128,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
         raise
     finally:
         del store
+        lock.release()
     if first is not None:
         rank, code = first
         if code < 0:

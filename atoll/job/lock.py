@@ -1,0 +1,77 @@
+"""One process per run folder: an advisory lock held for the run's lifetime.
+
+Two ``atoll train`` processes writing the same folder (the same ``--out`` twice, or ``--resume`` of a run
+that is still training) would interleave their ``metrics.jsonl`` lines and race on checkpoints. The process
+that owns a run holds an exclusive ``flock`` on ``<out>/.atoll.lock`` (which also names its pid); a second
+one is refused with one line naming that pid. The kernel drops the lock when the owner exits, however it
+exits (a crash or SIGKILL leaves no stale lock behind). On platforms without ``fcntl`` (Windows) no lock is
+taken.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from atoll.errors import ConfigError
+
+LOCK_NAME = ".atoll.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held until :meth:`release` or the process's exit.
+
+    Args:
+        out: the run folder (must exist).
+
+    Raises:
+        ConfigError: another live process holds the folder (field ``out``: its pid and the fix).
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.path = Path(out) / LOCK_NAME
+        self.fd: int | None = None
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory lock
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"out: '{out}' is in use by another atoll process (pid {owner}); wait for it to end "
+                              "or stop it, or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (closing the file releases it); a second call does nothing."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def claim_run_folder(out: Path | None, strategy: str, resume: bool) -> tuple[Path, RunLock]:
+    """The run folder of this process, locked: ``out`` to resume, or a new one (:func:`new_run_dir`).
+
+    The lock is taken before the folder's contents are judged, so a live run is named as such (not as an
+    unfinished one).
+
+    Raises:
+        ConfigError: the folder is in use by another process, or (new runs) already holds a run or is not
+            writable.
+    """
+    from atoll.job.checkpoint import new_run_dir
+
+    if resume or (out is not None and Path(out).is_dir()):
+        lock = RunLock(Path(out))  # type: ignore[arg-type]
+        try:
+            return (Path(out) if resume else new_run_dir(out, strategy)), lock  # type: ignore[arg-type]
+        except BaseException:
+            lock.release()
+            raise
+    path = new_run_dir(out, strategy)
+    return path, RunLock(path)

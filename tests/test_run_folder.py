@@ -1,0 +1,96 @@
+"""One process per run folder (the lock), and config.json written atomically."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from atoll.errors import ConfigError
+from atoll.job.checkpoint import write_text_atomic
+from atoll.job.lock import LOCK_NAME, RunLock, claim_run_folder
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from atoll.job.lock import RunLock
+lock = RunLock(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(out: Path) -> subprocess.Popen:
+    """Another process that holds ``out`` as a live run would."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _train_args(fast_config: dict, out: Path) -> list[str]:
+    c = fast_config
+    return ["train", "--data", c["data"], "--cache-dir", c["cache_dir"], "--model", "micro", "--vocab-size", "512",
+            "--seq-len", "32", "--batch-size", "4", "--islands", "2", "--steps", "4", "--sync-every", "2",
+            "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--out", str(out)]
+
+
+def test_a_folder_in_use_is_refused_for_a_new_run_and_for_resume(fast_config, tmp_path) -> None:
+    out = tmp_path / "run"
+    assert run_cli(*_train_args(fast_config, out)).returncode == 0
+    holder = _holder(out)
+    try:
+        metrics = (out / "metrics.jsonl").read_bytes()
+        for args in (_train_args(fast_config, out), ["train", "--resume", str(out), "--steps", "6"]):
+            r = run_cli(*args)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+            assert f"in use by another atoll process (pid {holder.pid})" in r.stderr
+        assert (out / "metrics.jsonl").read_bytes() == metrics  # nothing written by the refused processes
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    # the holder died without cleaning up (SIGKILL): the kernel dropped its lock, so the resume goes on
+    r = run_cli("train", "--resume", str(out), "--steps", "6")
+    assert r.returncode == 0, r.stderr
+
+
+def test_lock_is_exclusive_and_released(tmp_path) -> None:
+    first = RunLock(tmp_path)
+    with pytest.raises(ConfigError, match=rf"pid {os.getpid()}"):
+        RunLock(tmp_path)  # a second open file description conflicts, even in the same process
+    first.release()
+    first.release()  # twice is harmless
+    RunLock(tmp_path).release()
+    assert (tmp_path / LOCK_NAME).read_text() == str(os.getpid())
+
+
+def test_a_new_run_in_a_live_runs_folder_is_named_as_in_use(tmp_path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # a live run that has not checkpointed yet
+    holder = _holder(out)
+    try:
+        with pytest.raises(ConfigError, match="in use"):  # not "holds an unfinished run"
+            claim_run_folder(out, "diloco", resume=False)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    with pytest.raises(ConfigError, match="unfinished run"):
+        claim_run_folder(out, "diloco", resume=False)
+
+
+def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "config.json"
+    write_text_atomic(path, '{"steps": 800}')
+
+    def torn_replace(src, dst):  # the process dies between writing the new file and renaming it
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", torn_replace)
+    with pytest.raises(OSError):
+        write_text_atomic(path, '{"steps": 1600}')
+    assert path.read_text() == '{"steps": 800}'  # the old file, whole
