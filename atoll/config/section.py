@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 S = TypeVar("S", bound="Section")
 
@@ -19,6 +19,18 @@ class Section(BaseModel):
     """A group of settings of one component (a pydantic model: typed, validated, each field documented)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse ``true``/``false`` for a field that is not a switch (pydantic would read ``true`` as 1)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation is not bool and "bool" not in str(annotation):
+                text = str(annotation)
+                kind = "a whole number" if "int" in text else "a number" if "float" in text else "a value"
+                raise ValueError(f"expected {kind}, not true/false (a switch); write the value itself")
+        return value
 
     @classmethod
     def of(cls: type[S], config: Any) -> S:

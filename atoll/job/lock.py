@@ -31,6 +31,7 @@ class RunLock:
     def __init__(self, out: Path) -> None:
         self.path = Path(out) / LOCK_NAME
         self.fd: int | None = None
+        self.created = False  # set by claim_run_folder when this process made the folder
         try:
             import fcntl
         except ImportError:  # pragma: no cover - Windows: no advisory lock
@@ -53,6 +54,15 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
 
+    def abandon(self) -> None:
+        """Drop the lock of a run that failed before writing anything: a folder this process created and
+        that holds only the lock file is removed again, so bad input leaves nothing behind."""
+        self.release()
+        folder = self.path.parent
+        if self.created and folder.is_dir() and {e.name for e in folder.iterdir()} <= {LOCK_NAME}:
+            self.path.unlink(missing_ok=True)
+            folder.rmdir()
+
 
 def claim_run_folder(out: Path | None, strategy: str, resume: bool) -> tuple[Path, RunLock]:
     """The run folder of this process, locked: ``out`` to resume, or a new one (:func:`new_run_dir`).
@@ -74,4 +84,6 @@ def claim_run_folder(out: Path | None, strategy: str, resume: bool) -> tuple[Pat
             lock.release()
             raise
     path = new_run_dir(out, strategy)
-    return path, RunLock(path)
+    lock = RunLock(path)
+    lock.created = True
+    return path, lock

@@ -164,6 +164,23 @@ class Run:
             self.out = Path(str(config.out))
         else:
             self.out = new_run_dir(config.out, config.strategy)
+        try:
+            self._load_inputs(resume)
+        except BaseException:
+            if self.lock is not None:  # bad input: a folder made for this run is removed again
+                self.lock.abandon()
+            raise
+        self.val = eval_batches(self.data.val_tokens, EVAL_ROWS, config.seq_len, config.eval_batches)
+        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.data.tokenizer, eos_token="<|endoftext|>",
+                                                 bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        self.n_params = count_parameters(self.model)
+        self.initial_eval_loss = self.eval_loss = math.nan
+        self.prior_wall_s = 0.0
+        self.log: MetricsLog | NullLog = NullLog()
+
+    def _load_inputs(self, resume: bool) -> None:
+        """The checkpoint's state (resume), then the data and the model (a fresh one, or ``init_from``'s)."""
+        config = self.config
         if resume:
             self.start_step, self.state = load_latest_state(self.out)
             if self.start_step > config.steps:
@@ -173,13 +190,6 @@ class Run:
         if self.state is not None and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint:
             raise DataError(f"data: the corpus '{config.data}' changed since this run started, so its tokenizer and "
                             "shards would differ; restore the data, or start a new run with --init-from")
-        self.val = eval_batches(self.data.val_tokens, EVAL_ROWS, config.seq_len, config.eval_batches)
-        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.data.tokenizer, eos_token="<|endoftext|>",
-                                                 bos_token="<|endoftext|>", pad_token="<|endoftext|>")
-        self.n_params = count_parameters(self.model)
-        self.initial_eval_loss = self.eval_loss = math.nan
-        self.prior_wall_s = 0.0
-        self.log: MetricsLog | NullLog = NullLog()
 
     @property
     def init_params(self) -> torch.Tensor:

@@ -1,0 +1,50 @@
+"""Bad input, table-driven: each kind exits with status 2, one line that names the field, and writes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+M = ["--model", "micro", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--steps", "2",
+     "--threads", "1", "--no-progress"]
+
+#: (id, TOML text or None, command-line arguments, the field the one line must name)
+CASES: list[tuple[str, str | None, list[str], str]] = [
+    ("toml-true-for-an-int", "checkpoint_every = true\n", [], "checkpoint_every"),
+    ("toml-false-for-a-float", "lr = false\n", [], "lr"),
+    ("toml-true-for-a-path", "cache_dir = true\n", [], "cache_dir"),
+    ("toml-unknown-key", "sync_evry = 5\n", [], "sync_evry"),
+    ("toml-string-for-an-int", 'eval_every = "many"\n', [], "eval_every"),
+    ("toml-syntax", "steps = \n", [], "config"),
+    ("infinite-lr", None, ["--lr", "inf"], "lr"),
+    ("nan-outer-lr", None, ["--outer-lr", "nan"], "outer_lr"),
+    ("huge-seed", None, ["--seed", "99999999999999999999"], "seed"),
+    ("zero-islands", None, ["--islands", "0"], "islands"),
+    ("negative-steps", None, ["--steps", "-3"], "steps"),
+    ("unknown-codec", None, ["--codec", "int3"], "codec"),
+    ("missing-data", None, ["--data", "/nonexistent/corpus.txt"], "data"),
+    ("unknown-data-type", None, ["--data", "__FILE__.bin"], "data"),
+    ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
+    ("speeds-count", None,
+     ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
+]
+
+
+@pytest.mark.parametrize(("toml", "args", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: str | None, args: list[str],
+                                                         field: str) -> None:
+    out = tmp_path / "run"
+    argv = ["train", *M, "--out", str(out)]
+    if toml is not None:
+        (tmp_path / "run.toml").write_text(toml)
+        argv += ["--config", str(tmp_path / "run.toml")]
+    bad = tmp_path / "corpus.bin"
+    bad.write_bytes(b"\x00\x01" * 100)
+    argv += [a.replace("__FILE__.bin", str(bad)) for a in args]
+    r = run_cli(*argv)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atoll: error: ") and field in lines[0], r.stderr
+    assert not out.exists()  # refused before anything was written
