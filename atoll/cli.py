@@ -243,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"atoll: interrupted; {_resume_hint(args)}", file=sys.stderr)
         return 130
+    except OSError as e:  # the disk filled up, a folder became read-only: checkpoints are atomic, none is torn
+        where = f" ('{e.filename}')" if e.filename else ""
+        print(f"atoll: error: {e.strerror or e}{where}; free disk space or make the folder writable, then "
+              f"{_resume_hint(args)}", file=sys.stderr)
+        return 1
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower():
+            raise
+        print("atoll: error: out of memory; lower --batch-size, --islands or --model, or use --precision bf16, "
+              f"then {_resume_hint(args)}", file=sys.stderr)
+        return 1
     return 0
 
 

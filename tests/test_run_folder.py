@@ -94,3 +94,54 @@ def test_config_json_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch) -> N
     with pytest.raises(OSError):
         write_text_atomic(path, '{"steps": 1600}')
     assert path.read_text() == '{"steps": 800}'  # the old file, whole
+
+
+def test_disk_full_mid_run_is_one_line_and_the_last_checkpoint_stays(fast_config, tmp_path, monkeypatch) -> None:
+    import errno
+
+    from atoll.job import run as run_module
+
+    real = run_module.save_checkpoint
+    calls = []
+
+    def full_disk(out, step, *args, **kwargs):  # the second checkpoint finds the disk full
+        calls.append(step)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(out / "checkpoints"))
+        return real(out, step, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "save_checkpoint", full_disk)
+    out = tmp_path / "run"
+    r = run_cli(*_train_args(fast_config, out))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "No space left on device" in r.stderr and f"--resume {out}' (from step 2)" in r.stderr
+    monkeypatch.setattr(run_module, "save_checkpoint", real)
+    r = run_cli("train", "--resume", str(out))  # the step-2 checkpoint is whole: the run goes on from it
+    assert r.returncode == 0, r.stderr
+
+
+def test_out_of_memory_is_one_line(fast_config, tmp_path, monkeypatch) -> None:
+    import torch
+
+    from atoll.job.island import Island
+
+    def oom(self, batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(Island, "forward_backward", oom)
+    r = run_cli(*_train_args(fast_config, tmp_path / "run"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "out of memory; lower --batch-size" in r.stderr
+
+
+def test_summary_json_is_strict_json_when_a_figure_is_not_finite(tmp_path) -> None:
+    import json
+
+    from atoll.job.metrics import write_summary
+
+    write_summary(tmp_path, {"final_eval_loss": float("inf"), "losses": [2.5, float("nan")], "steps": 3})
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert summary == {"final_eval_loss": None, "losses": [2.5, None], "steps": 3}

@@ -30,6 +30,7 @@ from typing import Any
 
 from atoll.errors import ConfigError
 from atoll.job.lock import LOCK_NAME
+from atoll.job.metrics import finite_or_none
 
 #: files and folders that only an atoll run folder holds; a folder with none of them is not atoll's
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
@@ -362,18 +363,6 @@ def markdown_table(columns: Sequence[Column], rows: Sequence[dict[str, Any]], ti
     lines += [line([text(row, c) for c in columns]) for row in rows]
     lines += [""] + [f"- {n}" if bullets else n for n in notes]
     return "\n".join(lines) + "\n"
-
-
-def finite_or_none(v: Any) -> Any:
-    """``v`` with every float that strict JSON cannot hold (NaN, infinities) replaced by None, through dicts,
-    lists and tuples (as lists); anything else unchanged."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: finite_or_none(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [finite_or_none(x) for x in v]
-    return v
 
 
 def write_results(out: Path, results: dict[str, Any], columns: Sequence[Column], rows: Sequence[dict[str, Any]],

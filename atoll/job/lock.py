@@ -54,6 +54,9 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
 
+    def __del__(self) -> None:  # a Run dropped after an exception (in-process callers, tests) frees its folder
+        self.release()
+
     def abandon(self) -> None:
         """Drop the lock of a run that failed before writing anything: a folder this process created and
         that holds only the lock file is removed again, so bad input leaves nothing behind."""

@@ -108,14 +108,27 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return events
 
 
+def finite_or_none(v: Any) -> Any:
+    """``v`` with every float that strict JSON cannot hold (NaN, infinities) replaced by None, through dicts,
+    lists and tuples (as lists); anything else unchanged."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [finite_or_none(x) for x in v]
+    return v
+
+
 def write_summary(out: Path, summary: dict[str, Any]) -> None:
-    """Write ``summary`` to ``<out>/summary.json`` atomically (a temporary file, then ``os.replace``).
+    """Write ``summary`` to ``<out>/summary.json`` atomically (a temporary file, then ``os.replace``), as strict
+    JSON: a NaN or infinite figure (a diverged loss) is written as null (:func:`finite_or_none`).
 
     Raises:
         OSError: the folder is not writable.
     """
     tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.write_text(json.dumps(finite_or_none(summary), indent=2, allow_nan=False))
     os.replace(tmp, out / "summary.json")
 
 
