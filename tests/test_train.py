@@ -190,3 +190,29 @@ def test_out_that_is_a_file_exits_2(tmp_path: Path) -> None:
     f.write_text("x")
     r = run_cli("train", "--out", str(f), "--model", "micro", "--steps", "2")
     assert r.returncode == 2 and r.stderr.startswith("atoll: error: out:"), r.stderr
+
+
+def test_init_from_a_decoupled_run_stopped_before_its_first_checkpoint(tmp_path: Path) -> None:
+    """A Ray decoupled run killed early leaves only its syncer's checkpoint (``<out>/syncer``, written at every
+    commit): --init-from the run folder, or that folder itself, starts from the syncer's global model."""
+    import torch
+
+    from atoll.config import TrainConfig
+    from atoll.errors import ConfigError
+    from atoll.job.model import build_model
+    from atoll.strategies.base import model_fragments
+    from atoll.strategies.decoupled import make_syncer
+
+    config = TrainConfig(strategy="decoupled", model="micro", vocab_size=512, seq_len=32, islands=2, fragments=2)
+    trained = build_model("micro", 512, 32, seed=7)
+    flat = torch.nn.utils.parameters_to_vector(trained.parameters()).detach()
+    index = model_fragments([(n, tuple(p.shape)) for n, p in trained.named_parameters()], 2)
+    syncer = make_syncer(config, flat, index)
+    syncer.save(tmp_path / "killed" / "syncer")
+    for source in (tmp_path / "killed", tmp_path / "killed" / "syncer"):
+        fresh = build_model("micro", 512, 32, seed=0)
+        assert not torch.equal(torch.nn.utils.parameters_to_vector(fresh.parameters()), flat)
+        train_mod.load_init_weights(fresh, source)
+        assert torch.equal(torch.nn.utils.parameters_to_vector(fresh.parameters()).detach(), syncer.global_params())
+    with pytest.raises(ConfigError, match="init_from: the syncer's model"):
+        train_mod.load_init_weights(build_model("micro", 1024, 32, seed=0), tmp_path / "killed")

@@ -59,7 +59,8 @@ def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
 
 
 def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
-    """Copy the global weights of another run's latest checkpoint into ``model`` (a warm start).
+    """Copy the global weights of another run's latest checkpoint into ``model`` (a warm start); for a
+    decoupled run stopped before its first checkpoint, those of its syncer's last commit.
 
     Raises:
         ConfigError: ``init_from`` holds no checkpoint or a model of another shape.
@@ -69,7 +70,11 @@ def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
     try:
         ckpt = latest_checkpoint(run_dir)
     except Exception:
+        if _load_syncer_weights(model, run_dir):
+            return
         raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; pass the --out folder of a finished run") from None
+    if not (ckpt / "model").is_dir() and _load_syncer_weights(model, run_dir):  # a syncer's own folder
+        return
     try:
         weights = load_file(str(ckpt / "model" / "model.safetensors"))
     except Exception as e:  # safetensors raises its own error type for damaged files
@@ -83,6 +88,36 @@ def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
                           f"({(mismatched + missing)[0]}); use the same model and vocabulary as that run")
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
+
+
+def _load_syncer_weights(model: PreTrainedModel, run_dir: Path) -> bool:
+    """Copy the global model of a decoupled run's syncer checkpoint (``<run>/syncer/``, written at every
+    commit; a Ray run killed before its own checkpoint leaves only that) into ``model``; False when there is
+    none. The fragments' global parameters are put back in place with the same fragment layout the run used.
+
+    Raises:
+        ConfigError: the syncer's model does not match this run's model.
+    """
+    from atoll.strategies.base import model_fragments
+
+    for folder in (run_dir / "syncer", run_dir):
+        try:
+            _, state = load_checkpoint(latest_checkpoint(folder))
+            outer = state["syncer"]["outer"]
+        except (CheckpointError, KeyError, TypeError):
+            continue
+        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        try:
+            index = model_fragments(shapes, len(outer))
+            flat = torch.empty(sum(p.numel() for p in model.parameters()), dtype=torch.float32)
+            for idx, frag in zip(index, outer, strict=True):
+                flat[idx] = frag["params"]
+        except (ConfigError, RuntimeError, IndexError, ValueError):
+            raise ConfigError(f"init_from: the syncer's model in '{folder}' does not match --model/--vocab-size of "
+                              "this run; use the same model and vocabulary as that run") from None
+        copy_flat_into(list(model.parameters()), flat)
+        return True
+    return False
 
 
 def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
