@@ -117,7 +117,7 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     (["--chaos", "10"], "chaos: '10' is not MTBF_S:DOWNTIME_S"),
     (["--chaos", "0:5"], "chaos: '0:5' is not MTBF_S:DOWNTIME_S"),
     (["--quorum", "5"], "quorum: 5 exceeds islands (4)"),
-    (["--runtime", "collective"], "runtime: collective runs only the ddp, diloco, streaming and demo strategies, not decoupled"),
+    (["--runtime", "collective"], "runtime: collective runs only the ddp, diloco, streaming, demo and sparseloco strategies, not decoupled"),
     (["--runtime", "ray", "--ray-island-resources", "eu=1;eu=1"], "ray_island_resources: 2 entries for 4 islands"),
     (["--runtime", "ray", "--ray-island-resources", "eu"], "ray_island_resources: 'eu' is not NAME=AMOUNT"),
     (["--runtime", "ray", "--ray-island-resources", "eu=0"], "ray_island_resources: eu=0.0 must be a positive"),

@@ -33,8 +33,10 @@ from atoll.algorithms.dct import ChunkedDCT, index_dtype_for
 
 __all__ = [
     "DemoPayload",
+    "pack_2bit",
     "pack_ternary",
     "payload_bytes",
+    "unpack_2bit",
     "unpack_ternary",
 ]
 
@@ -61,15 +63,39 @@ def pack_ternary(values: torch.Tensor) -> torch.Tensor:
     Returns:
         uint8 tensor of shape ``(ceil(values.numel() / 4),)`` on ``values.device``.
     """
-    flat = values.detach().reshape(-1).to(torch.int8)
-    n = flat.numel()
-    pad = -n % 4
+    return pack_2bit(torch.bitwise_and(values.detach().reshape(-1).to(torch.int8), 3))  # -1 -> 3, +1 -> 1
+
+
+def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 2-bit codes (integers in 0..3, any shape) 4 per byte: code ``j`` of the flattened input in bits
+    ``2*(j % 4)`` and up of byte ``j // 4``, the last byte padded with zero codes.
+
+    Returns:
+        uint8 tensor of shape ``(ceil(codes.numel() / 4),)`` on ``codes.device``.
+    """
+    flat = codes.detach().reshape(-1).to(torch.uint8)
+    pad = -flat.numel() % 4
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    codes = torch.bitwise_and(flat, 3).to(torch.uint8).reshape(-1, 4)  # -1 (0xff) -> 3, +1 -> 1, 0 -> 0
-    shifts = torch.tensor(_TERNARY_SHIFTS, dtype=torch.uint8, device=codes.device)
+    shifts = torch.tensor(_TERNARY_SHIFTS, dtype=torch.uint8, device=flat.device)
     # the four shifted codes occupy disjoint bits, so their sum is their bitwise or (at most 255)
-    return torch.bitwise_left_shift(codes, shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    return torch.bitwise_left_shift(flat.reshape(-1, 4), shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_2bit(packed: torch.Tensor, numel: int, who: str = "unpack_2bit") -> torch.Tensor:
+    """Inverse of :func:`pack_2bit`: the first ``numel`` codes (uint8 in 0..3, shape ``(numel,)``).
+
+    Raises:
+        ValueError: ``packed`` is not a 1-D uint8 tensor of ``ceil(numel / 4)`` bytes (``who`` names the caller).
+    """
+    expected = -(-numel // 4)
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
+        raise ValueError(
+            f"{who}: expected a 1-D uint8 tensor of ceil({numel} / 4) = {expected} bytes, got "
+            f"{packed.dtype} of shape {tuple(packed.shape)}"
+        )
+    shifts = torch.tensor(_TERNARY_SHIFTS, dtype=torch.uint8, device=packed.device)
+    return torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(1), shifts), 3).reshape(-1)[:numel]
 
 
 def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -86,14 +112,7 @@ def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
         ValueError: ``packed`` is not a 1-D uint8 tensor of ``ceil(numel / 4)`` bytes, or holds the unused
             code ``0b10`` among its first ``numel`` values (a corrupt payload).
     """
-    expected = -(-numel // 4)
-    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != expected:
-        raise ValueError(
-            f"unpack_ternary: expected a 1-D uint8 tensor of ceil({numel} / 4) = {expected} bytes, got "
-            f"{packed.dtype} of shape {tuple(packed.shape)}"
-        )
-    shifts = torch.tensor(_TERNARY_SHIFTS, dtype=torch.uint8, device=packed.device)
-    codes = torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(1), shifts), 3).reshape(-1)[:numel]
+    codes = unpack_2bit(packed, numel, "unpack_ternary")
     if bool((codes == 2).any()):
         raise ValueError("unpack_ternary: code 0b10 is not a ternary value; the payload is corrupt")
     table = torch.tensor(_TERNARY_DECODE, dtype=torch.int8, device=packed.device)

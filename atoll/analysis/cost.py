@@ -35,6 +35,8 @@ class Setting:
             :data:`CODEC_BITS`.
         demo_topk, demo_chunk: DeMo's k components kept per c x c DCT chunk.
         demo_sign_values: DeMo values as 2-bit signs (True, atoll's default) or float32 (False).
+        sparseloco_topk, sparseloco_chunk, sparseloco_bits: SparseLoCo's k entries kept per chunk of c
+            elements, and the bits per kept value (2 or 32).
         mtbf_s: mean time between failures of one island, seconds (inf: no failures).
         downtime_s: seconds from an island's failure to its replacement computing again.
         checkpoint_every_s: seconds between the checkpoints a synchronous job rolls back to.
@@ -53,6 +55,9 @@ class Setting:
     demo_topk: int = 32
     demo_chunk: int = 64
     demo_sign_values: bool = True
+    sparseloco_topk: int = 64
+    sparseloco_chunk: int = 4096
+    sparseloco_bits: int = 2
     mtbf_s: float = math.inf
     downtime_s: float = 0.0
     checkpoint_every_s: float = 0.0
@@ -65,7 +70,8 @@ class Setting:
             if not value > 0 or (name != "mtbf_s" and not math.isfinite(value)):
                 raise ConfigError(f"{name}: must be positive and finite (got {value!r}); "
                                   f"set {flags.get(name, '--' + name.replace('_', '-'))}")
-        for name in ("islands", "sync_every", "fragments", "demo_topk", "demo_chunk"):
+        for name in ("islands", "sync_every", "fragments", "demo_topk", "demo_chunk", "sparseloco_topk",
+                     "sparseloco_chunk"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1 (got {getattr(self, name)!r}); "
                                   f"set --{name.replace('_', '-')}")

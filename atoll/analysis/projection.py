@@ -198,6 +198,7 @@ TABLE_SETTINGS: dict[str, dict[str, Any]] = {
     "ddp": {}, "diloco": {"sync_every": 100, "codec_bits": 32.0},
     "streaming": {"sync_every": 100, "fragments": 4, "overlap_steps": 5, "codec_bits": CODEC_BITS["int4"]},
     "demo": {"demo_topk": 32, "demo_chunk": 64, "demo_sign_values": True},
+    "sparseloco": {"sync_every": 100, "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_bits": 2},
     "decoupled": {"sync_every": 100, "fragments": 4, "codec_bits": CODEC_BITS["int4"]},
 }
 

@@ -21,7 +21,7 @@ from atoll.strategies.spec import StrategySpec, SuiteRun
 __all__ = ["STRATEGIES", "StrategySpec", "SuiteRun", "spec", "specs"]
 
 #: one line per strategy: its module under atoll.strategies, in the order of --help, tables and plots
-STRATEGIES: tuple[str, ...] = ("ddp", "diloco", "streaming", "demo", "decoupled")
+STRATEGIES: tuple[str, ...] = ("ddp", "diloco", "streaming", "demo", "sparseloco", "decoupled")
 
 
 @cache

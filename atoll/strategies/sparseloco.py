@@ -1,0 +1,186 @@
+"""``sparseloco``: DiLoCo's rounds with a sparse, 2-bit exchange and local error feedback instead of outer momentum.
+
+Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-training with SparseLoCo"
+(arXiv:2508.15706), Algorithm 1. Every ``sync_every`` (H) inner steps each island i forms its pseudo-gradient
+Δ_i = θ_global − θ_i and folds it into its own error-feedback accumulator, ``e_i ← β e_i + Δ_i``; it sends
+only the chunk-wise top-k of ``e_i`` with 2-bit values (:class:`~atoll.algorithms.sparse.SparseCompressor`)
+and keeps the rest, ``e_i ← e_i − C(e_i)``. The islands all-gather the sparse payloads, average them
+(weighted by the tokens each trained since the last round) and take a plain descent step,
+``θ_global ← θ_global − α · mean_i C(e_i)``: the decayed accumulator plays the part of DiLoCo's outer
+momentum (SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island restarts from
+the new global parameters.
+
+Bytes per island per round: a ring all-gather of one payload, ``(K − 1) × payload`` (plus 4 bytes for the
+token weight), with the payload's exact size from
+:meth:`~atoll.algorithms.sparse.SparseCompressor.payload_bytes`.
+
+With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32`` and ``sparseloco_beta = 0``
+the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a round is plain parameter
+averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from pydantic import Field
+
+from atoll.algorithms.dct import index_dtype_for
+from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
+from atoll.algorithms.sparse import SparseCompressor
+from atoll.analysis.cost import Cost, Setting
+from atoll.config.section import Section
+from atoll.runtime.network import ring_allgather_bytes
+from atoll.strategies.base import Strategy
+from atoll.strategies.spec import StrategySpec, SuiteRun
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+    from atoll.runtime.comm import Comm
+
+WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
+
+
+class SparseLoCoSection(Section):
+    """SparseLoCo's own settings: the top-k per chunk, the chunk, the accumulator's decay and the value bits."""
+
+    sparseloco_topk: int = Field(64, ge=1, description="sparseloco: entries kept per chunk of the error-feedback "
+                                 "accumulator (64 of 4096: a density of 1.6 percent).")
+    sparseloco_chunk: int = Field(4096, ge=1, le=2 ** 30, description="sparseloco: elements per chunk; chunks "
+                                  "never straddle two parameters.")
+    sparseloco_beta: float = Field(0.95, ge=0, le=1, description="sparseloco: decay of each island's "
+                                   "error-feedback accumulator (it replaces the outer momentum).")
+    sparseloco_bits: Literal[2, 32] = Field(2, description="sparseloco: bits per kept value: 2 (sign and one of "
+                                            "two per-chunk levels) or 32 (float32).")
+
+
+def validate(config: TrainConfig) -> None:
+    """A chunk must hold the top-k it keeps.
+
+    Raises:
+        ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``.
+    """
+    if config.sparseloco_topk > config.sparseloco_chunk:
+        raise ValueError(f"sparseloco_topk ({config.sparseloco_topk}) exceeds a chunk's {config.sparseloco_chunk} "
+                         "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
+
+
+class SparseLoCo(Strategy):
+    """Synchronous SparseLoCo: per-island error feedback, sparse 2-bit all-gather, plain averaged outer descent.
+
+    Attributes:
+        error: each local island's error-feedback accumulator, float32 (numel,) on the CPU.
+        dropped_updates: rounds in which an island's pseudo-gradient was not finite (it sent nothing, weight 0).
+    """
+
+    name = "sparseloco"
+
+    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
+        super().__init__(config, islands, comm)
+        self.compressor = SparseCompressor([p.numel() for p in islands[0].params], config.sparseloco_chunk,
+                                           config.sparseloco_topk, config.sparseloco_bits)
+        self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum)
+        self.error = [torch.zeros(self.compressor.numel) for _ in islands]
+        self.tokens_at_sync = [island.tokens for island in islands]
+        self.last_sync_step = 0
+        self.dropped_updates = 0
+
+    def step(self, step: int) -> None:
+        for island in self.islands:
+            island.inner_step()
+        if (step + 1) % self.config.sync_every == 0:
+            self.outer_step(step + 1)
+
+    def outer_step(self, steps_done: int) -> None:
+        """Accumulate, compress and all-gather every island's pseudo-gradient; one averaged descent step."""
+        beta = self.config.sparseloco_beta
+        payloads = []
+        for i, island in enumerate(self.islands):
+            delta = pseudo_gradient(self.outer.params, island.flat_params())
+            weight = float(island.tokens - self.tokens_at_sync[i])
+            if torch.isfinite(delta).all():
+                self.error[i].mul_(beta).add_(delta)
+                payload = self.compressor.compress(self.error[i])
+                self.error[i].sub_(self.compressor.decompress(payload))
+            else:  # a diverged island sends an empty update with no weight; its accumulator is untouched
+                self.dropped_updates += 1
+                payload, weight = self.compressor.compress(torch.zeros_like(delta)), 0.0
+            payloads.append({**payload, "weight": torch.tensor([weight], dtype=torch.float32)})
+        gathered = self.comm.all_gather(payloads, payload_bytes=self.compressor.payload_bytes() + WEIGHT_BYTES)
+        total = sum(float(p["weight"][0]) for p in gathered)
+        if total > 0:
+            mean = torch.zeros(self.compressor.numel)
+            for p in gathered:
+                w = float(p["weight"][0])
+                if w > 0:
+                    mean.add_(self.compressor.decompress(p), alpha=w / total)
+            new_global = self.outer.step(mean)
+        else:  # nothing usable arrived: keep the global model, restart every island from it
+            new_global = self.outer.params.detach()
+        for island in self.islands:
+            island.set_flat_params(new_global)
+        self.tokens_at_sync = [island.tokens for island in self.islands]
+        self.last_sync_step = steps_done
+
+    def finish(self, steps_done: int) -> None:
+        if self.last_sync_step != steps_done:
+            self.outer_step(steps_done)
+
+    def global_params(self) -> torch.Tensor:
+        return self.outer.params.detach().clone()
+
+    def summary(self) -> dict[str, Any]:
+        c = self.compressor
+        return {"sparseloco_density": c.kept / c.numel, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step,
+                "dropped_updates": self.dropped_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.outer.load_state_dict(state["outer"])
+        self.last_sync_step = int(state["last_sync_step"])
+        self.dropped_updates = int(state.get("dropped_updates", 0))
+
+    def island_state(self, position: int) -> dict[str, Any]:
+        return {"tokens_at_sync": self.tokens_at_sync[position], "error": self.error[position].clone()}
+
+    def load_island_state(self, position: int, state: dict[str, Any]) -> None:
+        self.tokens_at_sync[position] = int(state["tokens_at_sync"])
+        self.error[position].copy_(state["error"])
+
+
+def payload_bytes(s: Setting) -> float:
+    """Bytes of one island's SparseLoCo payload, for N parameters in N/c chunks of k kept entries each: an
+    index (1, 2 or 4 bytes: the smallest integer that holds c - 1) and, at 2 bits, a quarter byte per entry
+    plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact when
+    every parameter is a whole number of chunks (a chunk never straddles two parameters)."""
+    k, c = min(s.sparseloco_topk, s.sparseloco_chunk), s.sparseloco_chunk
+    chunks = math.ceil(s.params / c)
+    per_entry = index_dtype_for(c).itemsize + (0.25 if s.sparseloco_bits == 2 else 4)
+    return chunks * (k * per_entry + (8 if s.sparseloco_bits == 2 else 0)) + WEIGHT_BYTES
+
+
+def project(s: Setting) -> Cost:
+    """sparseloco's cost per inner step: a ring all-gather of one sparse payload S every H steps::
+
+        bytes = (K-1)S/H;   step = t_c + ((K-1)S*8/B + (K-1)L) / H
+    """
+    x = ring_allgather_bytes(payload_bytes(s), s.islands)
+    t = x * 8 / s.bandwidth_bps + (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
+    return Cost(s.step_compute_s + t / s.sync_every, x / s.sync_every, t, fragments=1)
+
+
+SPEC = StrategySpec(
+    name="sparseloco",
+    summary="error-feedback accumulators' chunk-wise top-k, 2-bit values, all-gathered every H inner steps; "
+            "plain averaged outer descent (arXiv:2508.15706)",
+    section=SparseLoCoSection, runtimes=("local", "collective"), validate=validate, lockstep=SparseLoCo,
+    # the accumulator replaces the outer momentum; the step is plain averaged descent (SparseLoCo §3)
+    defaults={"outer_lr": 1.0, "outer_momentum": 0.0}, project=project, syncs_per_h=True,
+    suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
+                    {"strategy": "sparseloco"}),),
+)
