@@ -6,7 +6,7 @@ the rounding contract are in :mod:`atoll.algorithms.codecs`' docstring); every c
 
 - ``bf16`` / ``fp16``: a cast to the 16-bit float, no scale.
 - ``fp8-e4m3`` / ``fp8-e5m2``, ``int8``, ``int4``: the flat tensor is cut into blocks of ``block_size``
-  elements (the last one possibly partial, zero-padded for the arithmetic only), each block gets one float32
+  elements (the last one possibly partial: nothing is padded), each block gets one float32
   scale ``absmax / vmax`` (``vmax`` the format's largest finite value, or ``qmax`` for integers), and the
   scaled values are rounded to the format. Block-wise absmax quantization: Dettmers et al. 2022
   (arXiv:2110.02861); FP8 formats: Micikevicius et al. 2022 (arXiv:2209.05433).
