@@ -45,10 +45,7 @@ def _ref_encode(name: str, x: torch.Tensor, block: int, rounding: str,
 
 def _ref_decode(name: str, tensors: dict[str, torch.Tensor], n: int, block: int) -> torch.Tensor:
     v = tensors["values"]
-    if name == "int4":
-        q = torch.stack([v & 0x0F, v >> 4], dim=1).reshape(-1)[:n].float() - 8.0
-    else:
-        q = v.float()
+    q = torch.stack([v & 0x0F, v >> 4], dim=1).reshape(-1)[:n].float() - 8.0 if name == "int4" else v.float()
     nb = -(-n // block)
     qb = torch.cat([q, q.new_zeros(nb * block - n)]).view(nb, block)
     return (qb * tensors["scales"].float().unsqueeze(1)).reshape(-1)[:n].contiguous()
@@ -156,3 +153,22 @@ def test_overlapped_exchange_charges_decode_when_waited_for() -> None:
     work.wait()
     assert clock.codec_s == [3.0, 3.0]
     assert clock.island_time == pytest.approx([13.0, 13.0])
+
+
+def test_codec_speed_bench_writes_throughputs_and_link_ratios(tmp_path) -> None:
+    """bench/codec_speed.py: a row per codec with its payload ratio, GB/s and codec seconds per link second
+    (consistent with each other); an unknown codec is bad input (exit status 2)."""
+    import json
+
+    from atoll.bench.codec_speed import main
+
+    assert main(["--numel", "1000", "--repeats", "1", "--codecs", "int4,int8", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["codec"] for r in rows] == ["int4", "int8"]
+    int4 = rows[0]
+    assert int4["payload_bytes"] == make_codec("int4").payload_bytes(1000) == 500 + 4 * 16
+    link_s = int4["payload_bytes"] * 8 / 10e9
+    assert int4["per_link_s_10"] == pytest.approx((int4["encode_s"] + int4["decode_s"]) / link_s)
+    assert int4["encode_gbps"] == pytest.approx(4000 / 1e9 / int4["encode_s"])
+    assert "| int4 |" in (tmp_path / "results.md").read_text()
+    assert main(["--codecs", "int5", "--out", str(tmp_path)]) == 2
