@@ -146,6 +146,9 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
         sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
         rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands),
+        # the slowest island's codec seconds charged on the simulated clock (in sim_wall_s, not in compute_s);
+        # None where time is real (the codec's time is in the wall time itself)
+        codec_s=max(runtime.clock.codec_s) if runtime.clock is not None else None,
         **({"compile_skipped": compile_skipped(islands), "compile_s": max(i.compile_s for i in islands)}
            if config.compile else {}))
     if runtime.is_main:

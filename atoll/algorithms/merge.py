@@ -15,14 +15,32 @@ accumulation, arXiv:2501.18512). Pure tensor math; errors are ValueError.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.wire import ErrorFeedback
 
-__all__ = ["average_decoded", "average_encoded", "weighted_mean"]
+__all__ = ["CodecTimes", "average_decoded", "average_encoded", "weighted_mean"]
+
+
+@dataclass
+class CodecTimes:
+    """Seconds each island spent on the codec in one :func:`average_encoded`, measured with ``timer``.
+
+    Attributes:
+        timer: a clock in seconds (``time.perf_counter``; tests give a fake one).
+        encode_s: per island, seconds to encode its tensor (its error feedback's decode included); 0 for an
+            island of weight 0, which encodes nothing.
+        decode_s: per island, seconds to decode its payload (every island decodes every payload).
+    """
+
+    timer: Callable[[], float] = time.perf_counter
+    encode_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
@@ -95,6 +113,7 @@ def average_encoded(
     *,
     feedback: Sequence[ErrorFeedback] | None = None,
     key: str = "",
+    times: CodecTimes | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Model an all-reduce of encoded tensors: each island encodes, everyone decodes and averages in fp32.
 
@@ -111,6 +130,7 @@ def average_encoded(
         feedback: optional per-island :class:`ErrorFeedback` (sharing ``codec``); island i then encodes
             ``x_i`` plus its residual under ``key`` and updates it.
         key: the tensor's key for ``feedback``.
+        times: if given, filled with each island's encode and decode seconds (replacing what it held).
 
     Returns:
         ``(average, nbytes)``: float32 tensor of shape ``(numel,)``, and the payload bytes of ONE island's
@@ -127,16 +147,24 @@ def average_encoded(
     for i, x in enumerate(per_island):
         if x.shape != shape:
             raise ValueError(f"islands: island {i} sent shape {tuple(x.shape)}, island 0 sent {tuple(shape)}")
-    for field, seq in (("generators", generators), ("feedback", feedback)):
+    for name, seq in (("generators", generators), ("feedback", feedback)):
         if seq is not None and len(seq) != n:
-            raise ValueError(f"{field}: {len(seq)} given for {n} islands")
+            raise ValueError(f"{name}: {len(seq)} given for {n} islands")
     w = _check_weights(weights, n)
     acc = torch.zeros(shape, dtype=torch.float32, device=per_island[0].device)
+    timer = times.timer if times is not None else time.perf_counter
+    encode_s, decode_s = [0.0] * n, [0.0] * n
     for i, x in enumerate(per_island):
         if w[i] == 0.0:
             continue
         gen = generators[i] if generators is not None else None
+        t0 = timer()
         enc = feedback[i].encode(key, x, gen) if feedback is not None else codec.encode(x, gen)
-        acc.add_(codec.decode(enc), alpha=w[i])
+        t1 = timer()
+        decoded = codec.decode(enc)
+        encode_s[i], decode_s[i] = t1 - t0, timer() - t1
+        acc.add_(decoded, alpha=w[i])
+    if times is not None:
+        times.encode_s, times.decode_s = encode_s, decode_s
     acc.div_(math.fsum(w))
     return acc, codec.payload_bytes(int(acc.numel()))

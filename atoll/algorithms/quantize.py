@@ -6,7 +6,7 @@ the rounding contract are in :mod:`atoll.algorithms.codecs`' docstring); every c
 
 - ``bf16`` / ``fp16``: a cast to the 16-bit float, no scale.
 - ``fp8-e4m3`` / ``fp8-e5m2``, ``int8``, ``int4``: the flat tensor is cut into blocks of ``block_size``
-  elements (the last one possibly partial, zero-padded for the arithmetic only), each block gets one float32
+  elements (the last one possibly partial: nothing is padded), each block gets one float32
   scale ``absmax / vmax`` (``vmax`` the format's largest finite value, or ``qmax`` for integers), and the
   scaled values are rounded to the format. Block-wise absmax quantization: Dettmers et al. 2022
   (arXiv:2110.02861); FP8 formats: Micikevicius et al. 2022 (arXiv:2209.05433).
@@ -19,6 +19,8 @@ value.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -60,18 +62,17 @@ def _round_float(
     """
     if rounding == "nearest":
         return y.to(dtype)
+    return _stochastic_float(y, dtype, _uniform(y, generator))
+
+
+def _stochastic_float(y: torch.Tensor, dtype: torch.dtype, u: torch.Tensor) -> torch.Tensor:
+    """:func:`_round_float`'s stochastic rounding of float32 ``y`` to ``dtype`` with the draws ``u`` (y's shape)."""
     mant_bits, emin = _FLOAT_FORMATS[dtype]
     fmax = float(torch.finfo(dtype).max)
     _, exp = torch.frexp(y)  # |y| = m * 2**exp with m in [0.5, 1): y's binade is 2**(exp - 1)
     ulp = _pow2((exp.to(torch.int32) - 1).clamp_(min=emin) - mant_bits)
-    q = torch.floor(y / ulp + _uniform(y, generator)) * ulp
+    q = torch.floor(y / ulp + u) * ulp
     return q.clamp_(-fmax, fmax).to(dtype)
-
-
-def _round_int(y: torch.Tensor, qmax: int, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Round float32 ``y`` to integers in ``[-qmax, qmax]`` (returned as float32)."""
-    q = torch.round(y) if rounding == "nearest" else torch.floor(y + _uniform(y, generator))
-    return q.clamp_(-qmax, qmax)
 
 
 class _CastCodec(Codec):
@@ -97,7 +98,13 @@ class _CastCodec(Codec):
 
 
 class _BlockCodec(Codec):
-    """Shared block bookkeeping: ``ceil(numel / block_size)`` blocks, the last one possibly partial."""
+    """Shared block bookkeeping: ``ceil(numel / block_size)`` blocks, the last one possibly partial.
+
+    The element-wise passes run chunk by chunk on the CPU (whole blocks, about 1 MiB of float32 each: the
+    intermediates stay in cache, and no float32 tensor of the input's size is allocated but the decoded
+    output); on an accelerator in one chunk. Every element gets the same float32 operations in either case,
+    so the payload and the decoded values do not depend on the chunking.
+    """
 
     def __init__(self, block_size: int, rounding: str) -> None:
         self.block_size = block_size
@@ -107,22 +114,78 @@ class _BlockCodec(Codec):
         """Number of blocks (and of scales) for ``numel`` elements: ``ceil(numel / block_size)``."""
         return -(-_check_numel(numel) // self.block_size)
 
-    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` of shape ``(n,)`` zero-padded and viewed as ``(num_blocks, block_size)``."""
-        nb = self.num_blocks(x.numel())
-        pad = nb * self.block_size - x.numel()
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad)])
-        return x.view(nb, self.block_size)
+    def _chunks(self, numel: int, device: torch.device) -> list[tuple[int, int]]:
+        """Element ranges ``[start, end)`` covering ``numel``; each starts on a block boundary at an even index."""
+        if device.type != "cpu":
+            return [(0, numel)] if numel else []
+        step = self.block_size * max(2, _CHUNK_ELEMENTS // self.block_size // 2 * 2)
+        return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
-    def _scale(self, xb: torch.Tensor, vmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-block scale ``absmax / vmax`` (float32, ``(B,)``) and a safe divisor (1 where the block is 0)."""
-        scale = xb.abs().amax(dim=1) / vmax if xb.numel() else xb.new_zeros(xb.shape[0])
+    def _scale(self, x: torch.Tensor, vmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-block scale ``absmax / vmax`` of ``x`` (float32, ``(n,)``) as float32 ``(B,)``, and a safe
+        divisor (1 where the block is 0). ``absmax = max(max(x), -min(x))`` per block (no ``|x|`` tensor)."""
+        n, bs = x.numel(), self.block_size
+        full = n // bs
+        head = x[: full * bs].view(full, bs)
+        parts = [torch.maximum(head.amax(dim=1), head.amin(dim=1).neg())] if full else []
+        if n > full * bs:
+            tail = x[full * bs:]
+            parts.append(torch.maximum(tail.amax(), tail.amin().neg()).reshape(1))
+        absmax = torch.cat(parts).abs() if parts else x.new_zeros(0)  # abs: -0.0 of an all-zero block to 0.0
+        scale = absmax / vmax
         return scale, torch.where(scale > 0, scale, torch.ones_like(scale))
 
-    def _unscale(self, values: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-        """``values`` (float32, ``(numel,)``) times their block's scale."""
-        return (self._blocks(values) * scales.float().unsqueeze(1)).reshape(-1)[:numel].contiguous()
+    def _per_block_(self, y: torch.Tensor, scales: torch.Tensor, start: int, divide: bool) -> torch.Tensor:
+        """In place: the float32 chunk ``y`` (elements ``start..``, ``start`` on a block boundary) divided
+        (or multiplied) by its blocks' ``scales``; returns ``y``."""
+        bs = self.block_size
+        b0, full = start // bs, y.numel() // bs
+        head, s = y[: full * bs].view(full, bs), scales[b0 : b0 + full].unsqueeze(1)
+        head.div_(s) if divide else head.mul_(s)
+        if y.numel() > full * bs:
+            tail, t = y[full * bs:], scales[b0 + full : b0 + full + 1]
+            tail.div_(t) if divide else tail.mul_(t)
+        return y
+
+    def _quantize(self, x: torch.Tensor, vmax: float, out: torch.Tensor,
+                  rnd: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+                  generator: torch.Generator | None) -> torch.Tensor:
+        """Scale ``x`` (float32 ``(n,)``) per block to ``[-vmax, vmax]``, round each chunk with ``rnd(y, u)``
+        (``u``: its slice of one ``U[0, 1)`` draw of ``n`` values for stochastic rounding, else None) into
+        ``out[:n]``; return the float32 scales ``(B,)``."""
+        scale, safe = self._scale(x, vmax)
+        u = _uniform(x, generator) if self.rounding == "stochastic" else None
+        scratch = torch.empty(0, dtype=torch.float32, device=x.device)
+        for a, b in self._chunks(x.numel(), x.device):
+            if scratch.numel() < b - a:
+                scratch = torch.empty(b - a, dtype=torch.float32, device=x.device)
+            y = self._per_block_(scratch[: b - a].copy_(x[a:b]), safe, a, divide=True)
+            out[a:b] = rnd(y, None if u is None else u[a:b])
+        return scale.to(_SCALE_DTYPE)
+
+    def _dequantize(self, values: torch.Tensor, scales: torch.Tensor, numel: int,
+                    widen: Callable[[torch.Tensor, int, int, torch.Tensor], object] | None = None) -> torch.Tensor:
+        """Float32 ``(numel,)``: each value times its block's scale; ``widen(values, a, b, dst)`` writes the
+        chunk ``[a, b)`` as float32 into ``dst`` (default ``dst.copy_(values[a:b])``)."""
+        out = torch.empty(numel, dtype=torch.float32, device=scales.device)
+        scales = scales.float()
+        for a, b in self._chunks(numel, out.device):
+            if widen is None:
+                out[a:b].copy_(values[a:b])
+            else:
+                widen(values, a, b, out[a:b])
+            self._per_block_(out[a:b], scales, a, divide=False)
+        return out
+
+
+#: elements per chunk of the block-wise passes on the CPU (1 MiB of float32)
+_CHUNK_ELEMENTS = 1 << 18
+
+# the float32 value of each of the 256 fp8 codes: decoding by table lookup (a cast of fp8 on the CPU is slow)
+_FP8_TABLES: dict[torch.dtype, torch.Tensor] = {
+    dtype: torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+}
 
 
 class _Fp8Codec(_BlockCodec):
@@ -144,16 +207,28 @@ class _Fp8Codec(_BlockCodec):
         return [("scales", _SCALE_DTYPE, self.num_blocks(numel)), ("values", self.dtype, numel)]
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-        xb = self._blocks(x.detach())
-        scale, safe = self._scale(xb, self.fmax)
-        y = (xb / safe.unsqueeze(1)).clamp_(-self.fmax, self.fmax).reshape(-1)[: x.numel()]
-        return {
-            "scales": scale.to(_SCALE_DTYPE),
-            "values": _round_float(y, self.dtype, self.rounding, generator),
-        }
+        values = torch.empty(x.numel(), dtype=self.dtype, device=x.device)
+
+        def rnd(y: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+            y.clamp_(-self.fmax, self.fmax)
+            return y.to(self.dtype) if u is None else _stochastic_float(y, self.dtype, u)
+
+        scales = self._quantize(x.detach(), self.fmax, values, rnd, generator)
+        return {"scales": scales, "values": values}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
-        return self._unscale(enc.tensors["values"].float(), enc.tensors["scales"], enc.numel)
+        values = enc.tensors["values"]
+        if values.device.type != "cpu":
+            return self._dequantize(values.float(), enc.tensors["scales"], enc.numel)
+        table = _FP8_TABLES[self.dtype]
+        index = [torch.empty(0, dtype=torch.int32)]  # one chunk's codes as int32, reused
+
+        def widen(v: torch.Tensor, a: int, b: int, dst: torch.Tensor) -> None:
+            if index[0].numel() < b - a:
+                index[0] = torch.empty(b - a, dtype=torch.int32)
+            torch.index_select(table, 0, index[0][: b - a].copy_(v[a:b]), out=dst)
+
+        return self._dequantize(values.view(torch.uint8), enc.tensors["scales"], enc.numel, widen)
 
 
 class _IntCodec(_BlockCodec):
@@ -179,24 +254,29 @@ class _IntCodec(_BlockCodec):
         return [("scales", _SCALE_DTYPE, nb), ("values", torch.uint8, (numel + 1) // 2)]
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-        xb = self._blocks(x.detach())
-        scale, safe = self._scale(xb, float(self.qmax))
-        y = (xb / safe.unsqueeze(1)).reshape(-1)[: x.numel()]
-        q = _round_int(y, self.qmax, self.rounding, generator)
+        n, qmax = x.numel(), self.qmax
+        q = torch.empty(n + n % 2 if self.bits == 4 else n, dtype=torch.int8, device=x.device)
+
+        def rnd(y: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+            return (y.round_() if u is None else y.add_(u).floor_()).clamp_(-qmax, qmax)
+
+        scales = self._quantize(x.detach(), float(qmax), q, rnd, generator)
         if self.bits == 8:
-            values = q.to(torch.int8)
-        else:
-            nib = (q + 8).to(torch.uint8)
-            if nib.numel() % 2:
-                nib = torch.cat([nib, nib.new_full((1,), 8)])  # pad nibble encodes 0
-            pairs = nib.view(-1, 2)
-            values = pairs[:, 0] | (pairs[:, 1] << 4)
-        return {"scales": scale.to(_SCALE_DTYPE), "values": values.contiguous()}
+            return {"scales": scales, "values": q}
+        q[n:] = 0  # the pad nibble encodes 0
+        pairs = q.add_(8).view(torch.uint8).view(-1, 2)  # offset-binary nibbles 1..15, two per byte
+        return {"scales": scales, "values": torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])}
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         v = enc.tensors["values"]
         if self.bits == 8:
-            q = v.float()
-        else:
-            q = torch.stack([v & 0x0F, v >> 4], dim=1).reshape(-1)[: enc.numel].float() - 8.0
-        return self._unscale(q, enc.tensors["scales"], enc.numel)
+            return self._dequantize(v, enc.tensors["scales"], enc.numel)
+        return self._dequantize(v, enc.tensors["scales"], enc.numel, _unpack_nibbles)
+
+
+def _unpack_nibbles(v: torch.Tensor, a: int, b: int, dst: torch.Tensor) -> None:
+    """Write elements ``[a, b)`` (``a`` even) of int4's packed bytes ``v`` (uint8), ``q`` in ``[-8, 7]``, into the
+    float32 ``dst``."""
+    byte = v[a // 2 : (b + 1) // 2]
+    nib = torch.stack([byte & 0x0F, byte >> 4], dim=1).view(-1)[: b - a]
+    dst.copy_(nib.view(torch.int8).sub_(8))

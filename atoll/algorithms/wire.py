@@ -8,6 +8,7 @@ its collectives (:class:`atoll.runtime.comm.Comm`). Pure tensor math; errors are
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -100,6 +101,10 @@ class Wire:
         error_feedback: keep each island's residual per tensor key (lossy codecs only).
         seed: the run's seed (stochastic rounding draws from ``seed * 1_000_003 + island``).
 
+    Attributes:
+        codec_s: per local island, measured seconds :meth:`transmit` spent encoding and decoding (wall clock;
+            on an accelerator the launches only).
+
     Raises:
         ValueError: the codec settings are invalid.
     """
@@ -114,6 +119,7 @@ class Wire:
         self.generators = None
         if self.codec is not None and rounding == "stochastic":
             self.generators = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in local_islands]
+        self.codec_s = [0.0] * len(local_islands)
 
     def encode(self, position: int, x: torch.Tensor, key: str) -> Encoded:
         """Encode the 1-D float32 ``x`` of the local island at ``position`` (its error feedback under
@@ -131,7 +137,10 @@ class Wire:
         """
         if self.codec is None:
             return x, x.numel() * x.element_size()
-        return self.codec.decode(self.encode(position, x, key)), self.codec.payload_bytes(int(x.numel()))
+        t0 = time.perf_counter()
+        decoded = self.codec.decode(self.encode(position, x, key))
+        self.codec_s[position] += time.perf_counter() - t0
+        return decoded, self.codec.payload_bytes(int(x.numel()))
 
     def state_dict(self) -> dict[str, Any]:
         """Per local island: error-feedback residuals and random-source states (lists, island order)."""
@@ -141,7 +150,8 @@ class Wire:
     def island_state(self, position: int) -> dict[str, Any]:
         """The state of the local island at ``position`` alone (what :meth:`load_island_state` takes)."""
         return {"feedback": self.feedback[position].state_dict() if self.feedback else None,
-                "generator": self.generators[position].get_state() if self.generators else None}
+                "generator": self.generators[position].get_state() if self.generators else None,
+                "codec_s": self.codec_s[position]}
 
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         """Restore one local island's :meth:`island_state`."""
@@ -149,3 +159,4 @@ class Wire:
             self.feedback[position].load_state_dict(state["feedback"])
         if self.generators is not None and state.get("generator") is not None:
             self.generators[position].set_state(state["generator"])
+        self.codec_s[position] = float(state.get("codec_s", 0.0))

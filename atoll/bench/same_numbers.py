@@ -9,8 +9,8 @@ failures and unequal speeds, the collective runtime with 2 islands x 2 ranks, an
 run's folder as it was at its half-way checkpoint, then ``--resume`` to the end, which must give the whole
 run's numbers). Every number of every ``summary.json``
 that does not measure time is compared exactly (floats as their ``repr``); measured seconds (``wall_s``,
-``compute_s``, the real-clock ``sim_wall_s`` and utilization of the lockstep strategies) differ from run to
-run and are left out. The reference lives in ``bench/out/same_numbers/reference.json`` of the repository
+``compute_s``, ``codec_s``, ``startup_s``, and the ``sim_wall_s`` and utilization of the lockstep strategies,
+whose clock adds measured compute and codec seconds) differ from run to run and are left out. The reference lives in ``bench/out/same_numbers/reference.json`` of the repository
 (``--out``: another folder); the comparison is written to ``bench/out/same_numbers/results.md``. Exit status 1
 when a number differs.
 """
@@ -51,7 +51,8 @@ RUNS: dict[str, list[str]] = {
 }
 
 #: summary keys that hold measured time (or depend on it) in the runs where time is real or measured
-TIMED = {"wall_s", "compute_s", "sim_wall_s", "compute_utilization", "measured_compute_s", "strategy_s", "out"}
+TIMED = {"wall_s", "compute_s", "sim_wall_s", "compute_utilization", "measured_compute_s", "strategy_s", "out",
+         "codec_s", "startup_s"}
 #: decoupled's clock is simulated with a fixed step: its times are deterministic and compared
 DETERMINISTIC_CLOCK = {"decoupled"}
 

@@ -32,6 +32,8 @@ Metrics in ``summary.json`` besides every run's:
   ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (trained
   but never merged: un-pushed at a failure, or pushed but on the wire when the island failed,
   ``lost_pushes``), ``deferred_pushes``, ``steps_per_island``.
+- ``codec_s``: per island, measured seconds of encoding and decoding its pushes; not on the simulated clock,
+  whose fixed step keeps the run, hence its numbers, deterministic.
 
 Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
 and at the end, written atomically, hold everything needed to continue exactly (the syncer, every island, the
@@ -393,7 +395,7 @@ class Simulation:
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up,
-            measured_compute_s=[w.island.compute_s for w in self.workers])
+            measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers])
 
 
 def asdict_shallow(record: Any) -> dict[str, Any]:

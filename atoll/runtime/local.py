@@ -2,21 +2,24 @@
 
 Collectives are computed in memory (deterministic, in island order). Their cost is not paid in real time:
 the bytes each island would send are counted, and :class:`~atoll.runtime.network.Link` turns them into
-seconds on each island's :class:`~atoll.runtime.network.SimClock`. Compute time is measured for real.
+seconds on each island's :class:`~atoll.runtime.network.SimClock`. Compute time is measured for real, and
+so is a lossy codec's: each island is charged the seconds it took to encode its tensor before the collective
+starts, and the seconds to decode every island's payload once it waits for the result.
 This is the runtime of research sweeps and tests. :class:`LocalRuntime` is what the training loop sees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atoll.algorithms.merge import average_encoded, weighted_mean
+from atoll.algorithms.merge import CodecTimes, average_encoded, weighted_mean
 from atoll.algorithms.wire import Wire
 from atoll.errors import CheckpointError
-from atoll.job.device import island_devices
+from atoll.job.device import island_devices, synchronize
 from atoll.runtime.base import Runtime
 from atoll.runtime.comm import Comm, Work
 from atoll.runtime.network import ClockTrace, Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
@@ -28,17 +31,25 @@ if TYPE_CHECKING:
 
 
 class LocalWork(Work):
-    """A simulated collective: its result is known at once, but islands wait for ``done_at`` to use it."""
+    """A simulated collective: its result is known at once, but islands wait for ``done_at`` to use it.
 
-    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock, ident: int | None = None) -> None:
+    ``decode_s``: per island, the codec seconds of decoding the payloads, charged once, after the first wait.
+    """
+
+    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock, ident: int | None = None,
+                 decode_s: list[float] | None = None) -> None:
         self.result = result
         self.done_at = done_at
         self.clock = clock
         self.ident = ident  # the collective's id in the clock's trace
+        self.decode_s = decode_s
 
     def wait(self) -> torch.Tensor:
         for i in range(self.clock.islands):
             self.clock.wait_until(i, self.done_at, self.ident)
+        if self.decode_s is not None:
+            self.clock.charge_codec(self.decode_s)
+            self.decode_s = None
         return self.result
 
     def result_for_checkpoint(self) -> torch.Tensor:
@@ -52,6 +63,9 @@ class LocalComm(Comm):
         islands: number of islands (all local).
         link: each island's link, used to turn bytes into seconds.
         clock: the islands' simulated clocks; a blocking collective advances all of them.
+
+    Attributes:
+        timer: the clock (seconds) that measures the codec's encode and decode time charged on ``clock``.
     """
 
     def __init__(self, islands: int, link: Link, clock: SimClock) -> None:
@@ -60,6 +74,7 @@ class LocalComm(Comm):
         self.local_islands = list(range(islands))
         self.link = link
         self.clock = clock
+        self.timer: Callable[[], float] = time.perf_counter
 
     def _check(self, per_island: Sequence[Any]) -> None:
         if len(per_island) != self.islands:
@@ -71,11 +86,21 @@ class LocalComm(Comm):
         if wire is None or wire.codec is None:
             mean = weighted_mean(per_island, weights)
             payload = per_island[0].numel() * per_island[0].element_size()
-        else:
-            mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators, feedback=wire.feedback,
-                                            key=key)
+            done_at = self.charge_allreduce(payload, blocking=False)
+            return LocalWork(mean, done_at, self.clock, self.clock.last_collective)
+        device = per_island[0].device
+
+        def timer() -> float:  # the codec's queued work on an accelerator is waited for
+            synchronize(device)
+            return self.timer()
+
+        times = CodecTimes(timer)
+        mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators, feedback=wire.feedback,
+                                        key=key, times=times)
+        self.clock.charge_codec(times.encode_s)  # each island encodes its tensor before sending it
         done_at = self.charge_allreduce(payload, blocking=False)
-        return LocalWork(mean, done_at, self.clock, self.clock.last_collective)
+        decode = sum(times.decode_s)  # and decodes every island's payload once they arrived
+        return LocalWork(mean, done_at, self.clock, self.clock.last_collective, [decode] * self.islands)
 
     def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
         """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.

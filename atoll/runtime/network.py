@@ -9,9 +9,13 @@ island sends ``(K-1) * B`` bytes per island in ``K-1`` rounds.
 Each island's link is the bottleneck (its upload bandwidth, as for volunteers on home internet or a region
 behind a WAN gateway); links are full duplex.
 
+Encoding and decoding an exchange's payload with a lossy codec is charged on the clock too, as each
+island's measured codec seconds (:meth:`SimClock.charge_codec`): it delays the island like compute, but is
+not counted as compute, so ``compute_utilization`` shows it as overhead.
+
 A run trains once, but its clock can be re-timed at any other link: :class:`ClockTrace` records what the
-clock was asked (each island's compute seconds, each collective's bytes and rounds, who waited for which
-collective), and :func:`replay` runs the same clock again with another :class:`Link`. The training maths
+clock was asked (each island's compute and codec seconds, each collective's bytes and rounds, who waited for
+which collective), and :func:`replay` runs the same clock again with another :class:`Link`. The training maths
 does not depend on the link, so the replayed wall time is exactly what the run would have measured there
 (overlapped exchanges, e.g. Streaming DiLoCo's, included).
 """
@@ -82,7 +86,8 @@ class ClockTrace:
     ``["c", [s_0, ..., s_K-1]]``: compute seconds of each island since the previous event;
     ``["x", bytes_sent, rounds]``: a collective starts (its id is its index among the ``"x"`` events);
     ``["w", island, id]``: ``island`` waits for collective ``id``;
-    ``["m", label]``: a mark (the loop's evaluations, by inner step), whose time :func:`replay` reports.
+    ``["m", label]``: a mark (the loop's evaluations, by inner step), whose time :func:`replay` reports;
+    ``["k", [s_0, ..., s_K-1]]``: codec seconds (encoding or decoding a payload) of each island.
 
     Attributes:
         islands: K.
@@ -123,6 +128,11 @@ class ClockTrace:
         self._flush()
         self.events.append(["m", int(label)])
 
+    def codec(self, seconds: list[float]) -> None:
+        """Record each island's codec seconds (encoding or decoding one exchange's payload)."""
+        self._flush()
+        self.events.append(["k", [float(x) for x in seconds]])
+
     def to_dict(self) -> dict[str, Any]:
         self._flush()
         return {"islands": self.islands, "complete": self.complete, "events": self.events}
@@ -148,13 +158,14 @@ def replay(trace: dict[str, Any], link: Link, compute_scale: float = 1.0) -> dic
         trace: :meth:`ClockTrace.to_dict` (or :func:`load_trace`) of a run.
         link: the link to re-time at.
 
-        compute_scale: multiplies every recorded compute second (e.g. to compare runs measured on a machine
-            under different loads at one reference step time).
+        compute_scale: multiplies every recorded compute and codec second (e.g. to compare runs measured on
+            a machine under different loads at one reference step time; the codec ran on the same machine).
 
     Returns:
         ``sim_wall_s`` (seconds), ``compute_s`` (the slowest island's compute seconds),
-        ``compute_utilization`` (compute_s / sim_wall_s), ``comm_s`` (seconds of collectives in flight) and
-        ``marks``: {label: simulated seconds at that mark} (the evaluations' times).
+        ``compute_utilization`` (compute_s / sim_wall_s), ``comm_s`` (seconds of collectives in flight),
+        ``codec_s`` (the slowest island's codec seconds, not counted in ``compute_s``) and ``marks``:
+        {label: simulated seconds at that mark} (the evaluations' times).
 
     Raises:
         ValueError: an incomplete trace (a resumed run).
@@ -175,11 +186,13 @@ def replay(trace: dict[str, Any], link: Link, compute_scale: float = 1.0) -> dic
             ends.append(clock.start_collective(link.transfer_seconds(event[1], event[2])))
         elif event[0] == "m":
             marks[int(event[1])] = clock.wall_s
+        elif event[0] == "k":
+            clock.charge_codec([s * compute_scale for s in event[1]])
         else:
             clock.wait_until(int(event[1]), ends[int(event[2])])
     compute_s = max(compute)
     wall = clock.wall_s
-    return {"sim_wall_s": wall, "compute_s": compute_s, "comm_s": clock.comm_busy_s,
+    return {"sim_wall_s": wall, "compute_s": compute_s, "comm_s": clock.comm_busy_s, "codec_s": max(clock.codec_s),
             "compute_utilization": compute_s / wall if wall > 0 else 1.0, "marks": marks}
 
 
@@ -196,6 +209,7 @@ class SimClock:
         island_time: the current simulated time of each island, seconds.
         comm_busy_s: total seconds during which a collective was in flight (for reports).
         blocked_s: per island, seconds spent waiting for collectives or slower islands.
+        codec_s: per island, seconds charged for encoding and decoding payloads (:meth:`charge_codec`).
         trace: records the requests, for :func:`replay` at another link (None: not recorded).
     """
 
@@ -205,18 +219,32 @@ class SimClock:
     blocked_s: list[float] = field(default_factory=list)
     link_free_at: float = 0.0
     trace: ClockTrace | None = None
+    codec_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.island_time:
             self.island_time = [0.0] * self.islands
         if not self.blocked_s:
             self.blocked_s = [0.0] * self.islands
+        if not self.codec_s:
+            self.codec_s = [0.0] * self.islands
 
     def compute(self, island: int, seconds: float) -> None:
         """Advance ``island``'s clock by ``seconds`` of compute."""
         self.island_time[island] += seconds
         if self.trace is not None:
             self.trace.compute(island, seconds)
+
+    def charge_codec(self, seconds: list[float]) -> None:
+        """Advance each island's clock by its codec seconds (``seconds[i]`` for island ``i``: encoding its
+        payload before a collective, or decoding the payloads after it); not counted as compute."""
+        if len(seconds) != self.islands:
+            raise ValueError(f"charge_codec: {len(seconds)} values for {self.islands} islands")
+        for i, s in enumerate(seconds):
+            self.island_time[i] += s
+            self.codec_s[i] += s
+        if self.trace is not None:
+            self.trace.codec(list(seconds))
 
     def start_collective(self, duration_s: float, cost: tuple[float, int] | None = None) -> float:
         """Start a collective once the last island arrives and the links are free; return its end time.
@@ -268,12 +296,13 @@ class SimClock:
 
     def state_dict(self) -> dict:
         return {"island_time": list(self.island_time), "comm_busy_s": self.comm_busy_s,
-                "blocked_s": list(self.blocked_s), "link_free_at": self.link_free_at}
+                "blocked_s": list(self.blocked_s), "link_free_at": self.link_free_at, "codec_s": list(self.codec_s)}
 
     def load_state_dict(self, state: dict) -> None:
         self.island_time = [float(x) for x in state["island_time"]]
         self.comm_busy_s = float(state["comm_busy_s"])
         self.blocked_s = [float(x) for x in state["blocked_s"]]
         self.link_free_at = float(state["link_free_at"])
+        self.codec_s = [float(x) for x in state.get("codec_s", [0.0] * self.islands)]  # older checkpoints: none
         if self.trace is not None:  # what ran before the checkpoint was not recorded by this process
             self.trace.complete = False

@@ -31,6 +31,15 @@ outer step is lost (``syncer_restarts`` in the summary). The islands' calls wait
 (``max_task_retries``); pushes buffered after its last commit are lost with it, and the steps granted since
 that checkpoint are granted again, so the run may take a few more inner steps than its budget.
 
+The run's clock (``sim_wall_s``, and the ``island_utilization`` and ``goodput`` measured on it) starts at the
+first inner step any island takes and stops when the syncer has merged the last push; it is the syncer
+process's clock. What came before (preparing the data, starting Ray, creating the actors, each of which
+prepares the data and the model again) is reported apart as ``startup_s``: this process's seconds from the
+start of the run to the first inner step (its wall time when the syncer finished, minus the run's clock,
+so within one call's latency). ``island_start_s``: per island, seconds from the first inner step to its own
+(an island whose actor started later). ``codec_s``: per island, measured seconds of encoding and decoding its
+pushes (part of the wall time, not of ``compute_s``).
+
 Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
 ``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
 ``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
@@ -107,13 +116,16 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     started = init_ray(config)
     try:
         final, results, failures = _run_actors(config, out)
+        driver_s = run.wall_s()  # when the syncer finished (within one call's latency), before Ray shuts down
     finally:
         if started:
             ray.shutdown()
-    wall_s = run.wall_s()
+    # the run's clock: from the first inner step (the syncer's clock); what came before is start-up
+    wall_s = final["run_s"]
+    startup_s = max(0.0, driver_s - wall_s)
     tps = config.tokens_per_step
     tokens = sum(final["steps_by_island"]) * tps
-    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0}
+    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0, "codec_s": 0.0}
     res = [results.get(i, idle) for i in range(config.islands)]
     bytes_sent = [r["bytes_sent"] for r in res]
     run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
@@ -125,8 +137,9 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         bytes_sent_by_island=bytes_sent, fragments=config.fragments, **final["stats"],
         steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
         # measured: useful tokens per second of wall time over the islands' summed failure-free step rate
-        goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 else None,
-        island_utilization=[r["compute_s"] / wall_s for r in res], failures=failures,
+        goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 and wall_s > 0 else None,
+        island_utilization=[r["compute_s"] / wall_s if wall_s > 0 else 0.0 for r in res], failures=failures,
         rejoins=[j - 1 for j in final["joins"]], rejoin_s=final["rejoin_s"], versions=final["versions"],
         abandoned_islands=final["abandoned"], syncer_restarts=final["syncer_restarts"],
-        island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res])
+        island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
+        startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res])

@@ -22,7 +22,11 @@ MAX_RESTARTS = 4
 
 
 class SyncerService:
-    """The syncer as a Ray actor: pushes, pulls, the shared step budget and atomic checkpoints.
+    """The syncer as a Ray actor: pushes, pulls, the shared step budget, atomic checkpoints, and the run's clock.
+
+    The run's clock starts when the first inner step of any island is granted (:meth:`reserve_step`), not when
+    the actors start: preparing the data and the model in every actor, and Ray's start-up, are not training
+    time. It is this process's monotonic clock, so no clocks of different nodes are compared.
 
     Args:
         config_json: the run's :class:`TrainConfig` as JSON.
@@ -46,6 +50,9 @@ class SyncerService:
         self.joins = [0] * self.config.islands
         self.rejoin_s: list[float] = []
         self.restarts = 0
+        # on _now()'s clock: when the first inner step of the run, and of each island, was granted
+        self.first_step_s: float | None = None
+        self.island_first_step_s: list[float | None] = [None] * self.config.islands
         try:  # a restart after a crash: continue from the last checkpoint (written at every commit)
             _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
         except CheckpointError:
@@ -58,6 +65,8 @@ class SyncerService:
             self.joins = [int(x) for x in service.get("joins", self.joins)]
             self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
             self.restarts = int(service.get("restarts", 0)) + 1
+            self.first_step_s = service.get("first_step_s")
+            self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
             self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
         pid_dir = self.out / "ray"
@@ -69,7 +78,8 @@ class SyncerService:
         """Checkpoint the syncer and the shared budget atomically (``out/syncer``)."""
         self.syncer.save(save_path(self.out), extra={"service": {
             "reserved": self.reserved, "steps_by_island": self.steps_by_island, "joins": self.joins,
-            "rejoin_s": self.rejoin_s, "restarts": self.restarts, "clock_s": self._now()}})
+            "rejoin_s": self.rejoin_s, "restarts": self.restarts, "clock_s": self._now(),
+            "first_step_s": self.first_step_s, "island_first_step_s": self.island_first_step_s}})
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -101,6 +111,10 @@ class SyncerService:
             return False, self._buffered(island)
         self.reserved += 1
         self.steps_by_island[island] += 1
+        if self.island_first_step_s[island] is None:
+            self.island_first_step_s[island] = self.last_seen[island]
+            if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
+                self.first_step_s = self.last_seen[island]
         return True, self._buffered(island)
 
     def buffered(self, island: int) -> list[int]:
@@ -133,10 +147,19 @@ class SyncerService:
         return self.syncer.pull(fragment)
 
     def finish(self) -> dict[str, Any]:
-        """Merge every open buffer, checkpoint, and return the statistics and the global parameters."""
+        """Merge every open buffer, checkpoint, and return the statistics and the global parameters.
+
+        Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was), and
+        ``island_start_s``, per island the seconds from that first step to the island's own first step (None:
+        it took none).
+        """
         self.syncer.flush()
         self._save()
-        return {"stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
+        start = self.first_step_s
+        run_s = self._now() - start if start is not None else 0.0
+        island_start_s = [None if t is None or start is None else t - start for t in self.island_first_step_s]
+        return {"run_s": run_s, "island_start_s": island_start_s,
+                "stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
                 "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
                 "joins": self.joins, "steps_by_island": self.steps_by_island,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
@@ -242,7 +265,7 @@ class IslandService:
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
-                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss,
+                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss, "codec_s": self.worker.wire.codec_s[0],
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def pid(self) -> int:
