@@ -98,6 +98,9 @@ class InnerOptimSection(Section):
     )
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
     grad_clip: float = Field(1.0, ge=0, description="Clip each island's gradient norm to this (0: off).")
+    inner_optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="Each island's inner optimizer: adamw, or muon (torch.optim.Muon on the hidden "
+        "matrices at the same lr and weight decay, AdamW on embeddings, head and vectors; MuLoCo).")
 
 
 class OuterOptimSection(Section):

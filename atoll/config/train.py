@@ -113,6 +113,9 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
+        if self.inner_optimizer != "adamw" and own.inner_optimizer is not None:
+            raise ValueError(f"inner_optimizer: the {self.strategy} strategy brings its own inner optimizer; drop "
+                             f"--inner-optimizer {self.inner_optimizer}")
         if own.validate is not None:
             own.validate(self)
         return self

@@ -12,6 +12,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 from transformers import PreTrainedModel
 
+from atoll.algorithms.muon import muon_with_adamw
 from atoll.job.device import CompiledForward, autocast, synchronize
 from atoll.runtime.network import SimClock
 
@@ -213,14 +214,20 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
     """An island with its own replica, inner optimizer and warmup-cosine schedule.
 
     The inner optimizer is ``optimizer(param_groups, config)`` (a strategy's own, e.g. DeMo; its spec's
-    ``inner_optimizer``), else AdamW (:func:`adamw`); weight decay only on matrices. The schedule warms up
+    ``inner_optimizer``), else AdamW (:func:`adamw`) or, with ``inner_optimizer = "muon"``, Muon on the hidden
+    matrices and AdamW on the rest (:func:`atoll.algorithms.muon.muon_with_adamw`); weight decay only on
+    matrices. The schedule warms up
     over ``warmup_steps`` (at most a tenth of the island's steps) and decays to ``min_lr_ratio`` at
     ``total_steps`` (default ``steps``).
     """
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    inner = (optimizer or adamw)(groups, config)
+    if optimizer is None and config.inner_optimizer == "muon":
+        inner: torch.optim.Optimizer = muon_with_adamw(list(model.named_parameters()), config.lr,
+                                                       config.weight_decay)
+    else:
+        inner = (optimizer or adamw)(groups, config)
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
