@@ -27,6 +27,8 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("missing-data", None, ["--data", "/nonexistent/corpus.txt"], "data"),
     ("unknown-data-type", None, ["--data", "__FILE__.bin"], "data"),
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
+    ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
+    ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
     ("speeds-count", None,
      ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
 ]

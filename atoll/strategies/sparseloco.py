@@ -22,7 +22,7 @@ averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field
@@ -53,16 +53,19 @@ class SparseLoCoSection(Section):
                                   "never straddle two parameters.")
     sparseloco_beta: float = Field(0.95, ge=0, le=1, description="sparseloco: decay of each island's "
                                    "error-feedback accumulator (it replaces the outer momentum).")
-    sparseloco_bits: Literal[2, 32] = Field(2, description="sparseloco: bits per kept value: 2 (sign and one of "
+    sparseloco_bits: int = Field(2, description="sparseloco: bits per kept value: 2 (sign and one of "
                                             "two per-chunk levels) or 32 (float32).")
 
 
 def validate(config: TrainConfig) -> None:
-    """A chunk must hold the top-k it keeps.
+    """A chunk must hold the top-k it keeps; values are 2 or 32 bits.
 
     Raises:
-        ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``.
+        ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, or ``sparseloco_bits`` not 2 or 32.
     """
+    if config.sparseloco_bits not in (2, 32):
+        raise ValueError(f"sparseloco_bits: {config.sparseloco_bits} is not 2 or 32; pass --sparseloco-bits 2 "
+                         "(sign and two levels per chunk) or 32 (float32 values)")
     if config.sparseloco_topk > config.sparseloco_chunk:
         raise ValueError(f"sparseloco_topk ({config.sparseloco_topk}) exceeds a chunk's {config.sparseloco_chunk} "
                          "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
