@@ -104,11 +104,12 @@ def test_torchrun_on_two_hosts_trains_as_one_host(settings: dict, tmp_path: Path
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "1", "--master-addr", wan.island_ip(0), "--master-port", "29400",
                    "-m", "atoll.cli", "train", *argv]
-            procs.append(wan.popen(node, cmd, env=_env(GLOO_SOCKET_IFNAME=IFNAME), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True))
+            with open(tmp_path / f"host{node}.log", "w") as log:  # a file: a pipe nobody reads could fill up
+                procs.append(wan.popen(node, cmd, env=_env(GLOO_SOCKET_IFNAME=IFNAME), stdout=log,
+                                       stderr=subprocess.STDOUT))
         codes = _wait_all(procs, 150)
         after = wan.counters()
-        logs = [p.communicate()[0] if p.poll() is not None else "(still running)" for p in procs]
+    logs = [(tmp_path / f"host{node}.log").read_text() for node in range(2)]
     assert codes == [0, 0], "\n".join(f"host {n}: {log[-2000:]}" for n, log in enumerate(logs))
     assert "run folder:" in logs[0] and "run folder:" not in logs[1]  # rank 0 (host 0) speaks for the run
 
@@ -181,15 +182,17 @@ def test_ray_cluster_on_two_hosts_survives_losing_the_worker_node(settings: dict
                 log = start.communicate(timeout=120)[0]
                 assert start.returncode == 0, log[-3000:]
             # island 0 on the head, island 1 on the worker; the driver runs on the head
-            driver = wan.popen(0, [sys.executable, "-m", "atoll.cli", "train", *_flags({
-                **settings, "strategy": "decoupled", "runtime": "ray", "ray_address": f"{head}:6379",
-                "ray_island_resources": "host_a=1;host_b=1", "fragments": 2, "sync_every": 4, "steps": steps,
-                "out": str(out)})], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            driver_log = tmp_path / "driver.log"  # a file: a pipe nobody reads could fill up
+            with open(driver_log, "w") as log:
+                driver = wan.popen(0, [sys.executable, "-m", "atoll.cli", "train", *_flags({
+                    **settings, "strategy": "decoupled", "runtime": "ray", "ray_address": f"{head}:6379",
+                    "ray_island_resources": "host_a=1;host_b=1", "fragments": 2, "sync_every": 4, "steps": steps,
+                    "out": str(out)})], env=env, stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 150
             pid_files = [out / "ray" / f"island_{i}.pid" for i in range(2)]
             while not all(f.is_file() for f in pid_files) or (state := _syncer_state(out)) is None \
                     or state["syncer"]["commits"] < 2:  # both islands up, the syncer committing
-                assert driver.poll() is None, driver.communicate()[0][-3000:]
+                assert driver.poll() is None, driver_log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "no commit within 150 s"
                 time.sleep(0.2)
             pids = [int(f.read_text()) for f in pid_files]
@@ -201,11 +204,13 @@ def test_ray_cluster_on_two_hosts_survives_losing_the_worker_node(settings: dict
                 os.kill(pid, signal.SIGKILL)
             merged_at_kill = state["syncer"]["merged_tokens_per_island"]
             try:
-                output = driver.communicate(timeout=150)[0]
+                driver.wait(timeout=150)
             except subprocess.TimeoutExpired:
-                pytest.fail("the run did not finish within 150 s of the worker node's loss")
+                pytest.fail(f"the run did not finish within 150 s of the worker node's loss: "
+                            f"{driver_log.read_text()[-3000:]}")
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+    output = driver_log.read_text()
     assert driver.returncode == 0, output[-3000:]
     assert "atoll: warning: island 1 lost its node and cannot be restarted (no live node has CPU=1, host_b=1)" in output
     summary = json.loads((out / "summary.json").read_text())
