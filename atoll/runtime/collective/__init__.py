@@ -4,10 +4,12 @@ Launch on one machine (atoll starts the ``islands x ranks_per_island`` processes
 
     atoll train --runtime collective --islands 2 --ranks-per-island 2
 
-or across machines with torchrun (run on every node; atoll reads ``RANK``/``WORLD_SIZE`` from it)::
+or across machines with torchrun (run on every node, ``--node-rank`` its number; atoll reads ``RANK``/``WORLD_SIZE``
+from it; node 0 hosts the rendezvous store at ``--master-addr``; tested on two network namespaces standing for
+two hosts, ``tests/test_multinode.py``)::
 
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
+    GLOO_SOCKET_IFNAME=eth1 torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr NODE0_IP \\
+        --master-port 29400 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
 
 Process layout: world = ``islands`` x ``ranks_per_island`` (R) ranks; island i is ranks [i*R, (i+1)*R).
 Every rank runs one island (the strategy's ``islands`` list has length 1). Two kinds of process groups:

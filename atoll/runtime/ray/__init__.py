@@ -20,13 +20,17 @@ next call it receives; it checkpoints itself atomically after every merge
 Failures: island actors are created with ``max_restarts``; a killed island process (SIGKILL, a lost node)
 is restarted by Ray, pulls the newest global parameters from the syncer, and rejoins with a fresh inner
 optimizer; its un-pushed work is lost. The driver re-issues the island's ``run`` call, which failed with
-the process. Once one island has finished (the step budget is spent), the others must finish within
+the process. When a node dies, Ray restarts its islands on another node that has the resources they ask
+for; an island that no live node can run (:func:`~atoll.runtime.ray.cluster.placeable`) is reported lost
+once Ray declares the node dead (one warning line, ``lost_islands``), and the others go on without it.
+Once one island has finished (the step budget is spent), the others must finish within
 ``collective_timeout_s``; a hung island is then killed and reported (``abandoned_islands``), so a run never
 waits forever. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
 pull after the restart.
 
-The syncer actor has ``max_restarts`` too: a syncer process that dies is restarted by Ray from its last
-atomic checkpoint (``<out>/syncer/``, written at every commit with the shared step budget), so no committed
+The syncer actor runs on the driver's node, beside the run folder (Ray would place an actor of 0 CPUs on any
+node, and a worker node's loss would take it). It has ``max_restarts`` too: a syncer process that dies is
+restarted by Ray from its last atomic checkpoint (``<out>/syncer/``, written at every commit with the shared step budget), so no committed
 outer step is lost (``syncer_restarts`` in the summary). The islands' calls wait for it and are retried
 (``max_task_retries``); pushes buffered after its last commit are lost with it, and the steps granted since
 that checkpoint are granted again, so the run may take a few more inner steps than its budget.
@@ -53,21 +57,33 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
-from atoll.runtime.ray.cluster import check_ray_address, init_ray, island_resources, wait_restarted
+from atoll.runtime.ray.cluster import (
+    IslandLost,
+    check_ray_address,
+    init_ray,
+    island_demand,
+    island_resources,
+    wait_restarted,
+)
 
-__all__ = ["check_ray_address", "island_resources", "train_ray"]
+__all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
 
 
 def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
     """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
     cfg = config.model_dump_json()
-    # a crashed syncer is restarted by Ray from its last checkpoint; the islands' calls wait and are retried
-    syncer = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=-1)(SyncerService).remote(cfg, str(out))
+    # a crashed syncer is restarted by Ray from its last checkpoint; the islands' calls wait and are retried. It
+    # runs on this process's node, beside the run folder that holds its checkpoints (<out>/syncer); Ray would
+    # place an actor of 0 CPUs on any node, even with a soft affinity, and a worker node's loss would take it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    syncer = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=-1,
+                        scheduling_strategy=here)(SyncerService).remote(cfg, str(out))
     island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
                             max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
     islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out)) if res else
@@ -76,6 +92,7 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands
     abandoned: list[int] = []
+    lost: list[int] = []  # islands whose node died and that no live node can run
     while running:
         # once one island has finished, the budget is spent: the others must finish within the deadline
         ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
@@ -93,10 +110,17 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
             raise                            # process lives, so running it again would fail again at once
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
-            wait_restarted(islands[i])
+            try:
+                wait_restarted(islands[i], island_demand(config, i))
+            except IslandLost as e:  # its node died and no other can run it: the others go on without it
+                lost.append(i)
+                ray.kill(islands[i], no_restart=True)
+                print(f"atoll: warning: island {i} lost its node and cannot be restarted ({e}); the other islands "
+                      "go on without it, its un-pushed work is lost", file=sys.stderr)
+                continue
             running[islands[i].run.remote()] = i
     final = ray.get(syncer.finish.remote())
-    final["abandoned"] = sorted(abandoned)
+    final["abandoned"], final["lost"] = sorted(abandoned), sorted(lost)
     return final, results, failures
 
 
@@ -140,6 +164,6 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 and wall_s > 0 else None,
         island_utilization=[r["compute_s"] / wall_s if wall_s > 0 else 0.0 for r in res], failures=failures,
         rejoins=[j - 1 for j in final["joins"]], rejoin_s=final["rejoin_s"], versions=final["versions"],
-        abandoned_islands=final["abandoned"], syncer_restarts=final["syncer_restarts"],
+        abandoned_islands=final["abandoned"], lost_islands=final["lost"], syncer_restarts=final["syncer_restarts"],
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res])

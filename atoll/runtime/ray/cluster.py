@@ -67,22 +67,48 @@ def island_resources(config: TrainConfig) -> list[dict[str, float]]:
     return [dict(r) for r in (res * config.islands if len(res) == 1 else res)]
 
 
-def wait_restarted(actor: Any, timeout_s: float = 120.0) -> None:
+class IslandLost(Exception):
+    """An island actor cannot be restarted: no live node of the cluster has the resources it asks for (its node
+    is gone, and with it the only place it could run); the message says which resources."""
+
+
+def island_demand(config: TrainConfig, island: int) -> dict[str, float]:
+    """What island ``island``'s actor asks Ray for: ``CPU``, ``GPU`` (when > 0) and its custom resources."""
+    demand = {"CPU": config.ray_cpus_per_island, "GPU": config.ray_gpus_per_island, **island_resources(config)[island]}
+    return {name: amount for name, amount in demand.items() if amount > 0}
+
+
+def placeable(demand: dict[str, float]) -> bool:
+    """True when some live node of the cluster has at least ``demand`` of every resource in total (in use or
+    not): an actor restarted with that demand will run once the resources are free."""
+    return any(node["Alive"] and all(node["Resources"].get(name, 0.0) >= amount for name, amount in demand.items())
+               for node in ray.nodes())
+
+
+def wait_restarted(actor: Any, demand: dict[str, float], timeout_s: float = 120.0) -> None:
     """Block until a restarting island actor answers again (calls fail while Ray restarts it).
 
+    Args:
+        actor: the island's actor handle.
+        demand: the resources it asks for (:func:`island_demand`), checked against the live nodes while waiting.
+        timeout_s: the longest wait, seconds.
+
     Raises:
+        IslandLost: no live node has ``demand`` any more (its node died and no other offers the resources), so
+            Ray cannot restart it; seen as soon as Ray declares the node dead.
         RayActorError: the actor died for good (its restarts are used up) or did not answer in time.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            ray.get(actor.pid.remote(), timeout=max(1.0, min(2.0, deadline - time.monotonic())))
             return
         except ray.exceptions.ActorDiedError:
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            if not placeable(demand):
+                wanted = ", ".join(f"{name}={amount:g}" for name, amount in demand.items())
+                raise IslandLost(f"no live node has {wanted}") from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)
-
-
