@@ -113,6 +113,17 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
+        if self.shard_island:
+            if self.runtime != "collective":
+                raise ValueError("shard_island: only the collective runtime shards islands; add --runtime "
+                                 "collective or drop --shard-island")
+            if self.ranks_per_island < 2:
+                raise ValueError("shard_island: an island of one rank has nothing to shard; pass "
+                                 "--ranks-per-island 2 or more, or drop --shard-island")
+            if not own.shards:
+                which = " and ".join(s.name for s in specs() if s.shards)
+                raise ValueError(f"shard_island: the {self.strategy} strategy does not run on shards (only "
+                                 f"{which} do); pass --strategy diloco or drop --shard-island")
         if own.validate is not None:
             own.validate(self)
         return self
