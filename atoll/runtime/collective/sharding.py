@@ -1,8 +1,8 @@
 """Sharded islands: an island's model, gradients and inner optimizer state sharded over its R ranks with
 PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), the strategy's exchange run per shard across islands.
 
-This is hybrid sharding (HSDP; Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, section 3.2, hybrid sharding): sharded
-inside an island, replicated across islands. Every parameter is cut along its first dimension into R
+This is hybrid sharding (HSDP; Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, section 3.2, hybrid
+sharding): sharded inside an island, replicated across islands. Every parameter is cut along its first dimension into R
 pieces (``Shard(0)``, FSDP2's placement); rank r of an island holds piece r of each parameter, its gradient
 and its AdamW moments. FSDP2 all-gathers a block's parameters for its forward and backward pass and
 reduce-scatters the gradient, so each rank ends an inner step with the island's mean gradient of its piece.
