@@ -28,7 +28,7 @@ from typing import Any
 from atoll.config import TrainConfig
 from atoll.job.data import sample_batch
 from atoll.job.device import resolve_device
-from atoll.job.island import compile_skipped, make_island
+from atoll.job.island import compile_skipped
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.base import Runtime
@@ -98,8 +98,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     run = Run(config, resume, is_main=runtime.is_main)
     runtime.start()
     own = spec(config.strategy)
-    islands = [make_island(i, copy.deepcopy(run.model).to(runtime.device_of(i)), config, runtime.clock,
-                           optimizer=own.inner_optimizer) for i in runtime.local_islands]
+    islands = [runtime.make_island(i, copy.deepcopy(run.model), config, optimizer=own.inner_optimizer)
+               for i in runtime.local_islands]
     strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
@@ -131,11 +131,13 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
             if eval_now:
                 if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
                     runtime.clock.mark(done)
-                run.log_eval(done, tokens, strategy.global_params(), comm.bytes_sent_per_island, sim_wall_s())
+                run.log_eval(done, tokens, runtime.full_params(strategy.global_params()), comm.bytes_sent_per_island,
+                             sim_wall_s())
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
                 job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
+                params = runtime.full_params(strategy.global_params())
                 if job is not None:
-                    run.save_checkpoint(done, job, strategy.global_params())
+                    run.save_checkpoint(done, job, params)
             session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
             bar.update(done, sum(i.last_loss for i in islands) / len(islands),
                        session_tokens / max(1e-9, time.perf_counter() - run.t0), comm.bytes_sent_per_island)
@@ -150,7 +152,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
         # None where time is real (the codec's time is in the wall time itself)
         codec_s=max(runtime.clock.codec_s) if runtime.clock is not None else None,
         **({"compile_skipped": compile_skipped(islands), "compile_s": max(i.compile_s for i in islands)}
-           if config.compile else {}))
+           if config.compile else {}),
+        **runtime.summary())
     if runtime.is_main:
         trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None
         if trace is not None:  # local runtime: lets the run be re-timed at other links (network.replay)

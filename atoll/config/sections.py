@@ -176,6 +176,13 @@ class CollectiveSection(Section):
         "average their gradients every step (data parallel inside the island). batch_size must be divisible "
         "by it. World size = islands x ranks_per_island.",
     )
+    shard_island: bool = Field(
+        False,
+        description="collective: shard each island's model, gradients and AdamW state over its ranks with "
+        "PyTorch FSDP2 (fully_shard), each rank holding 1/R; the strategy exchanges each rank's shard with the "
+        "ranks at its position in the other islands (HSDP-like). ddp and diloco; needs --ranks-per-island 2 "
+        "or more.",
+    )
     collective_timeout_s: float = Field(
         60.0, gt=0,
         description="collective: deadline in seconds of every collective and of joining the process groups; "

@@ -116,6 +116,20 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
         if self.inner_optimizer != "adamw" and own.inner_optimizer is not None:
             raise ValueError(f"inner_optimizer: the {self.strategy} strategy brings its own inner optimizer; drop "
                              f"--inner-optimizer {self.inner_optimizer}")
+        if self.shard_island:
+            if self.runtime != "collective":
+                raise ValueError("shard_island: only the collective runtime shards islands; add --runtime "
+                                 "collective or drop --shard-island")
+            if self.ranks_per_island < 2:
+                raise ValueError("shard_island: an island of one rank has nothing to shard; pass "
+                                 "--ranks-per-island 2 or more, or drop --shard-island")
+            if self.inner_optimizer == "muon":
+                raise ValueError("shard_island: Muon orthogonalizes whole matrices, not shards; drop "
+                                 "--inner-optimizer muon or --shard-island")
+            if not own.shards:
+                which = " and ".join(s.name for s in specs() if s.shards)
+                raise ValueError(f"shard_island: the {self.strategy} strategy does not run on shards (only "
+                                 f"{which} do); pass --strategy diloco or drop --shard-island")
         if own.validate is not None:
             own.validate(self)
         return self

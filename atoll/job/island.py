@@ -210,7 +210,7 @@ def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Opti
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
                 total_steps: int | None = None, speed: float = 1.0,
                 optimizer: Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer] | None = None,
-                ) -> Island:
+                island_type: type[Island] = Island) -> Island:
     """An island with its own replica, inner optimizer and warmup-cosine schedule.
 
     The inner optimizer is ``optimizer(param_groups, config)`` (a strategy's own, e.g. DeMo; its spec's
@@ -218,7 +218,8 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
     matrices and AdamW on the rest (:func:`atoll.algorithms.muon.muon_with_adamw`); weight decay only on
     matrices. The schedule warms up
     over ``warmup_steps`` (at most a tenth of the island's steps) and decays to ``min_lr_ratio`` at
-    ``total_steps`` (default ``steps``).
+    ``total_steps`` (default ``steps``). ``island_type`` is the class built (a
+    :class:`~atoll.runtime.collective.sharding.ShardedIsland` for a model sharded beforehand).
     """
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -231,8 +232,8 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
-    island = Island(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
-                    precision=config.precision)
+    island = island_type(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
+                         precision=config.precision)
     if config.compile:
         island.forward = CompiledForward(model)
     return island

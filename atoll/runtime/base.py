@@ -10,7 +10,7 @@ whatever the runtime, and says which process writes the run's outputs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,24 @@ class Runtime(ABC):
     def device_of(self, island: int) -> torch.device:
         """Where island ``island`` of this process computes (default: :attr:`device`)."""
         return self.device
+
+    def make_island(self, index: int, model: torch.nn.Module, config: Any,
+                    optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> Island:
+        """Island ``index`` of this process around ``model`` (a CPU copy of the global model it may keep):
+        moved to :meth:`device_of` and given its inner optimizer (:func:`atoll.job.island.make_island`).
+        Called after :meth:`start`."""
+        from atoll.job.island import make_island
+
+        return make_island(index, model.to(self.device_of(index)), config, self.clock, optimizer=optimizer)
+
+    def full_params(self, params: torch.Tensor) -> torch.Tensor:
+        """The whole flat parameter vector from what the strategy holds (``global_params()``); the same
+        vector unless islands are sharded; collective call."""
+        return params
+
+    def summary(self) -> dict[str, Any]:
+        """The runtime's own entries of the run summary (none unless islands are sharded); collective call."""
+        return {}
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Join the job (process groups, heartbeats); called once, after the data is ready."""

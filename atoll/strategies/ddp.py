@@ -61,7 +61,7 @@ def project(s: Setting) -> Cost:
 
 SPEC = StrategySpec(
     name="ddp", summary="full gradients, ring all-reduce, every inner step (the data-parallel baseline)",
-    runtimes=("local", "collective"), lockstep=DDP, project=project,
+    runtimes=("local", "collective"), lockstep=DDP, project=project, shards=True,
     suite=(SuiteRun("one_island", "one island alone (ddp, K=1)", {"strategy": "ddp", "islands": 1}),
            SuiteRun("ddp", "ddp", {"strategy": "ddp"})),
 )

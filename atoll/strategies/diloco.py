@@ -93,6 +93,7 @@ def project(s: Setting) -> Cost:
 SPEC = StrategySpec(
     name="diloco", summary="pseudo-gradients averaged every H inner steps; outer SGD-Nesterov (arXiv:2311.08105)",
     runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
+    shards=True,
     # fp32 (the default) and int4 (the codec of streaming and decoupled); every codec: bench/streaming_codecs.py
     suite=(SuiteRun("diloco", "diloco H={sync_every} {codec} (default)", {"strategy": "diloco"}),
            SuiteRun("diloco_int4", "diloco H={sync_every} int4", {"strategy": "diloco", "codec": "int4"})),

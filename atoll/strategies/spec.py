@@ -49,6 +49,8 @@ class StrategySpec:
         suite: its rows of ``atoll bench suite``.
         syncs_per_h: the H of its exchanges for the synchronous failure accounting (``True``: every
             ``sync_every`` steps; ``False``: every step).
+        shards: it runs on sharded islands (``shard_island``): its exchanges and state are per flat
+            position, so they work on each rank's shard of the flat parameter vector.
     """
 
     name: str
@@ -62,3 +64,4 @@ class StrategySpec:
     project: Callable[[Setting], Cost] | None = None
     suite: tuple[SuiteRun, ...] = ()
     syncs_per_h: bool = False
+    shards: bool = False

@@ -86,11 +86,12 @@ class _Exchange:
 
     def __init__(self, comm: DistComm, buf: torch.Tensor, gather: bool) -> None:
         self.comm, self.gather, self.length = comm, gather, buf.numel()
-        r_count = comm.ranks_per_island
+        r_count = comm.cut
         size = -(-max(1, buf.numel()) // r_count)
         if size * r_count != buf.numel():
             buf = torch.cat([buf, buf.new_zeros(size * r_count - buf.numel())])
-        shard = buf[comm.position * size:(comm.position + 1) * size].contiguous().to(comm.device)
+        part = comm.position if r_count > 1 else 0
+        shard = buf[part * size:(part + 1) * size].contiguous().to(comm.device)
         if gather:
             self.parts = [torch.empty_like(shard) for _ in range(comm.islands)]
             self.handle = dist_call(dist.all_gather, self.parts, shard, group=comm.cross_group, async_op=True)
@@ -103,8 +104,8 @@ class _Exchange:
         comm = self.comm
         dist_call(self.handle.wait)
         local = torch.stack(self.parts)  # (islands or 1, shard)
-        if comm.ranks_per_island > 1:
-            pieces = [torch.empty_like(local) for _ in range(comm.ranks_per_island)]
+        if comm.cut > 1:
+            pieces = [torch.empty_like(local) for _ in range(comm.cut)]
             dist_call(dist.all_gather, pieces, local, group=comm.island_group)
             local = torch.cat(pieces, dim=1)  # shards side by side, in position order
         local = local[:, :self.length].cpu()
@@ -122,12 +123,15 @@ class DistComm(Comm):
         cross_group: the process group of the ranks at ``position`` in every island (island order).
         island_group: the process group of this island's ranks (None when R = 1).
         device: where tensors travel from (the GPU of this rank for NCCL, the CPU for gloo).
+        sharded: the island is sharded (``shard_island``): each rank's payload is its own shard of the
+            island's, moved whole over its cross-island group (no cut, no all-gather inside the island), and
+            the bytes counted are the sum over the island's ranks (one scalar all-reduce per exchange).
 
     All methods are collective: every rank of the job calls them in the same order.
     """
 
     def __init__(self, islands: int, island: int, ranks_per_island: int, position: int,
-                 cross_group: Any, island_group: Any, device: torch.device) -> None:
+                 cross_group: Any, island_group: Any, device: torch.device, sharded: bool = False) -> None:
         super().__init__()
         self.islands = islands
         self.local_islands = [island]
@@ -136,6 +140,15 @@ class DistComm(Comm):
         self.cross_group = cross_group
         self.island_group = island_group
         self.device = device
+        self.sharded = sharded
+        self.cut = 1 if sharded else ranks_per_island  # shards one payload is cut into, one per rank
+
+    def _count(self, bytes_sent: float) -> None:
+        if self.sharded:  # the island's bytes: what each of its ranks sent for its shard, summed
+            total = torch.tensor([bytes_sent], dtype=torch.float64, device=self.device)
+            dist_call(dist.all_reduce, total, group=self.island_group)
+            bytes_sent = float(total)
+        super()._count(bytes_sent)
 
     def _check(self, per_island: Sequence[Any]) -> None:
         if len(per_island) != 1:

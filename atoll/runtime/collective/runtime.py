@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -115,7 +115,7 @@ class CollectiveRuntime(Runtime):
                         if self.backend == "nccl" else dist.group.WORLD)
         self.island_group = island_groups[self.island]
         self.comm = DistComm(k, self.island, r_count, self.position, cross_groups[self.position],
-                             self.island_group, self.device)
+                             self.island_group, self.device, sharded=self.config.shard_island)
         nonce = [uuid.uuid4().hex if self.is_main else None]
         dist_call(dist.broadcast_object_list, nonce, src=0, group=self.control)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -169,9 +169,35 @@ class CollectiveRuntime(Runtime):
         finally:
             os._exit(EXIT_PEER_FAILURE)
 
+    # --- sharded islands (shard_island; atoll.runtime.collective.sharding) ---------------------------
+    def make_island(self, index: int, model: torch.nn.Module, config: Any,
+                    optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> Island:
+        """The island of this rank; with ``shard_island`` its model is sharded over the island's ranks
+        (FSDP2) before the inner optimizer is built, so the optimizer holds this rank's shard only."""
+        if not self.config.shard_island:
+            return super().make_island(index, model, config, optimizer)
+        from atoll.job.island import make_island
+        from atoll.runtime.collective.sharding import ShardedIsland, ShardLayout, shard_model
+
+        shard_model(model, self.island_group, self.device)
+        island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
+        self.layout = ShardLayout(island.params, self.island_group, self.device)
+        return island
+
+    def full_params(self, params: torch.Tensor) -> torch.Tensor:
+        """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""
+        return self.layout.gather(params) if self.config.shard_island else params
+
+    def summary(self) -> dict[str, Any]:
+        """Sharded islands: ``shard_island`` and ``params_per_rank`` (elements of each position's shard)."""
+        if not self.config.shard_island:
+            return {}
+        return {"shard_island": True, "params_per_rank": self.layout.numel_per_rank}
+
     # --- what the loop asks ------------------------------------------------------------------------
     def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
-        """This rank's rows of the island's batch, then the gradient averaged over the island's ranks."""
+        """This rank's rows of the island's batch, then the gradient averaged over the island's ranks
+        (all-reduced here; reduce-scattered by FSDP2 in the backward pass of a sharded island)."""
         self.step = step
         if self.kill_at == (self.rank, step + 1):
             os.kill(os.getpid(), signal.SIGKILL)  # test hook (see the module docstring)
@@ -182,6 +208,11 @@ class CollectiveRuntime(Runtime):
         if r_count == 1:
             return
         island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
+        if self.config.shard_island:
+            loss = torch.tensor([island.last_loss], dtype=torch.float32, device=self.device)
+            dist_call(dist.all_reduce, loss, group=self.island_group)
+            island.last_loss = float(loss.div_(r_count)[0])
+            return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in island.params]
         loss = torch.tensor([island.last_loss], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
@@ -216,6 +247,8 @@ class CollectiveRuntime(Runtime):
         :class:`~atoll.runtime.network.SimClock` state at the real wall time ``extra["wall_s"]``, so the
         ``local`` runtime can resume the checkpoint.
         """
+        if self.config.shard_island:
+            return self._sharded_job_state(islands, strategy, **extra)
         shared = strategy.state_dict()
         mine = ((self.island, [_to_cpu(i.state_dict()) for i in islands],
                  [_to_cpu(strategy.island_state(p)) for p in range(len(islands))]) if self.position == 0 else None)
@@ -230,11 +263,50 @@ class CollectiveRuntime(Runtime):
                 "comm": self.comm.state_dict(),
                 "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
 
+    def _sharded_job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any] | None:
+        """:meth:`job_state` of sharded islands: the islands' whole states (gathered by the island's ranks
+        together), the strategy's state per rank position (each holds its shard's): ``strategy_shards``
+        [position] and ``strategy_islands`` [island][position], and ``shard_ranks`` = R."""
+        states = [_to_cpu(i.state_dict()) for i in islands]  # every rank of the island: a collective
+        shared = _to_cpu(strategy.state_dict()) if self.island == 0 else None
+        mine = (self.island, self.position, states if self.position == 0 else None,
+                [_to_cpu(strategy.island_state(p)) for p in range(len(islands))], shared)
+        gathered: list[Any] | None = [None] * self.world if self.is_main else None
+        dist_call(dist.gather_object, mine, gathered, dst=0, group=self.control)
+        if gathered is None:
+            return None
+        entries = sorted(gathered, key=lambda g: (g[0], g[1]))  # (island, position)
+        r_count = self.ranks_per_island
+        wall = float(extra.get("wall_s", 0.0))
+        return {"islands": [s for e in entries if e[1] == 0 for s in e[2]],
+                "strategy_shards": [e[4] for e in entries if e[0] == 0],
+                "strategy_islands": [[e[3][0] for e in entries[i * r_count:(i + 1) * r_count]]
+                                     for i in range(self.islands)],
+                "shard_ranks": r_count, "comm": self.comm.state_dict(),
+                "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
+
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
-        """Each rank loads its own island's entry (the checkpoint must be readable on every node)."""
+        """Each rank loads its own island's entry (the checkpoint must be readable on every node); a sharded
+        island's ranks each keep their pieces of the whole tensors, and their position's strategy state.
+
+        Raises:
+            CheckpointError: another number of islands, or sharded over another number of ranks.
+        """
         if len(state["islands"]) != self.islands:
             raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
                                   f"{self.islands}; resume with the run's own --islands")
+        saved = state.get("shard_ranks")
+        if self.config.shard_island:
+            if saved != self.ranks_per_island:
+                raise CheckpointError(f"resume: the checkpoint's islands are sharded over {saved} ranks, this "
+                                      f"run's over {self.ranks_per_island}; resume with --ranks-per-island {saved}")
+            for island in islands:
+                island.load_state_dict(state["islands"][island.index])
+            strategy.load_state_dict(state["strategy_shards"][self.position])
+            for position, island in enumerate(islands):
+                strategy.load_island_state(position, state["strategy_islands"][island.index][self.position])
+            self.comm.load_state_dict(state["comm"])
+            return
         for island in islands:
             island.load_state_dict(state["islands"][island.index])
         strategy.load_state_dict(state["strategy"])

@@ -1,0 +1,186 @@
+"""Sharded islands: an island's model, gradients and inner optimizer state sharded over its R ranks with
+PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``), the strategy's exchange run per shard across islands.
+
+This is hybrid sharding (HSDP; Zhao et al. 2023, "PyTorch FSDP", arXiv:2304.11277, section 3.2, hybrid
+sharding): sharded inside an island, replicated across islands. Every parameter is cut along its first dimension into R
+pieces (``Shard(0)``, FSDP2's placement); rank r of an island holds piece r of each parameter, its gradient
+and its AdamW moments. FSDP2 all-gathers a block's parameters for its forward and backward pass and
+reduce-scatters the gradient, so each rank ends an inner step with the island's mean gradient of its piece.
+
+What the strategy sees is the rank's *local shard*: ``flat_params()`` is the concatenation of this rank's
+pieces (``DTensor.to_local()``), shape (numel of the pieces,); the pseudo-gradient, the codec and the
+outer optimizer act on it, and the cross-island exchange moves it between the ranks at the same position in
+every island. Element-wise maths (AdamW, the outer Nesterov step, fp32 averaging) is therefore the same as
+on the whole vector; only the order of floating-point sums changes (gradient reduce-scatter, clip norm).
+
+The full model is assembled where it is needed: evaluation and the checkpoint's Hugging Face model
+(:meth:`ShardLayout.gather`), and the islands' checkpoint states (``get_model_state_dict`` with
+``full_state_dict``, and the optimizer's moments gathered into its ordinary, index-keyed state dict), so a
+checkpoint holds the same full tensors as an unsharded run's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.utils import parameters_to_vector
+
+from atoll.job.island import Island, copy_flat_into
+from atoll.runtime.collective.failure import dist_call
+
+_FULL = StateDictOptions(full_state_dict=True)
+
+
+def shard_model(model: torch.nn.Module, group: Any, device: torch.device) -> None:
+    """Shard ``model`` in place over the ranks of ``group`` (an island's process group) with FSDP2.
+
+    Each block the model names in ``_no_split_modules`` (a Hugging Face model's decoder layers) is its own
+    FSDP unit, so only one block's parameters are whole at a time; the root holds the rest (embeddings,
+    final norm, head; tied weights stay tied). Parameters become ``DTensor`` s placed ``Shard(0)`` on a
+    one-dimensional mesh of the group, on ``device``. Collective over ``group``.
+    """
+    mesh = DeviceMesh.from_group(group, device.type)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tensors, scalars) with every ``DTensor`` replaced by its whole tensor.
+
+    Collective over each DTensor's mesh: every rank of the island calls it on a state of the same layout.
+    """
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: full_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [full_tensors(v) for v in obj]
+    return obj
+
+
+class ShardedIsland(Island):
+    """An :class:`~atoll.job.island.Island` whose model was sharded by :func:`shard_model` before its
+    optimizer was built (so AdamW's moments are sharded too). Its flat vectors are this rank's shard.
+
+    State dicts hold the *full* tensors (the same keys, shapes and optimizer layout as an unsharded
+    island's); :meth:`state_dict` and :meth:`load_state_dict` are collective over the island's ranks.
+    """
+
+    def local_params(self) -> list[torch.Tensor]:
+        """This rank's piece of each parameter (views: writing them writes the parameter), in order."""
+        with torch.no_grad():
+            return [_local(p) for p in self.params]
+
+    def flat_params(self) -> torch.Tensor:
+        """This rank's shard, float32 on the CPU: its pieces concatenated, shape (numel of the pieces,)."""
+        return parameters_to_vector([_local(p.detach()) for p in self.params]).to("cpu", torch.float32)
+
+    def set_flat_params(self, flat: torch.Tensor) -> None:
+        """Overwrite this rank's pieces from a flat float32 vector shaped as :meth:`flat_params`."""
+        copy_flat_into(self.local_params(), flat)
+
+    def flat_grads(self) -> torch.Tensor:
+        """This rank's pieces of the island's mean gradient, float32 on the CPU (missing ones: zeros)."""
+        return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)))
+                          .reshape(-1).to("cpu", torch.float32) for p in self.params])
+
+    def set_flat_grads(self, flat: torch.Tensor) -> None:
+        """Overwrite the gradients' pieces from a flat float32 vector shaped as :meth:`flat_params`."""
+        offset = 0
+        for p in self.params:
+            piece = _local(p.detach())
+            n = piece.numel()
+            local = flat[offset:offset + n].view_as(piece).to(piece.device, piece.dtype).clone()
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+            offset += n
+
+    def state_dict(self) -> dict[str, Any]:
+        """The island's state with whole tensors (collective over the island's ranks; each gets it all)."""
+        return {
+            "model": {k: v.detach().clone() for k, v in get_model_state_dict(self.model, options=_FULL).items()},
+            "optimizer": full_tensors(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "compute_s": self.compute_s,
+            "tokens": self.tokens,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state with whole tensors (an unsharded or a sharded island's): each rank keeps its pieces."""
+        set_model_state_dict(self.model, state["model"], options=_FULL)
+        optimizer = state["optimizer"]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        own = {}
+        for index, entry in optimizer["state"].items():
+            p = params[int(index)]
+            own[index] = {k: (distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements,
+                                                src_data_rank=None)
+                              if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape else v)
+                          for k, v in entry.items()}
+        self.optimizer.load_state_dict({**optimizer, "state": own})
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.compute_s = float(state["compute_s"])
+        self.tokens = int(state["tokens"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class ShardLayout:
+    """Where each rank's shard sits in the whole flat parameter vector of a sharded island.
+
+    Args:
+        params: the island's parameters, ``DTensor`` s placed ``Shard(0)`` (in ``model.parameters()`` order).
+        group: the island's process group; position r is group rank r.
+        device: where the group's collectives take their tensors (the rank's GPU for NCCL, else the CPU).
+
+    Attributes:
+        counts: (R, P) int64, elements of parameter j held by position r.
+
+    Raises:
+        ValueError: a parameter is not a ``DTensor`` placed ``Shard(0)``.
+    """
+
+    def __init__(self, params: list[torch.Tensor], group: Any, device: torch.device) -> None:
+        for p in params:
+            if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+                raise ValueError("sharded island: every parameter must be a DTensor placed Shard(0)")
+        self.group, self.device = group, device
+        mine = torch.tensor([_local(p).numel() for p in params], dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist_call(dist.all_gather, rows, mine, group=group)
+        self.counts = torch.stack(rows).cpu()
+
+    @property
+    def numel_per_rank(self) -> list[int]:
+        """Elements of each position's shard: R integers summing to the model's parameter count."""
+        return [int(n) for n in self.counts.sum(dim=1)]
+
+    def gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """The whole flat vector (numel,) in ``model.parameters()`` order from every rank's ``shard``
+        (float32, shaped as :meth:`ShardedIsland.flat_params`); float32 on the CPU. Collective over the island."""
+        sizes = self.numel_per_rank
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=torch.float32, device=self.device)
+        padded[:shard.numel()] = shard.to(self.device, torch.float32)
+        rows = [torch.empty_like(padded) for _ in sizes]
+        dist_call(dist.all_gather, rows, padded, group=self.group)
+        pieces = [torch.split(row[:n].cpu(), counts.tolist())
+                  for row, n, counts in zip(rows, sizes, self.counts, strict=True)]
+        return torch.cat([pieces[r][j] for j in range(self.counts.shape[1]) for r in range(len(sizes))])
