@@ -340,8 +340,8 @@ class Simulation:
     # --- events, checkpoints and the end -----------------------------------------------------------------
     def on_the_wire(self, i: int) -> float:
         """Tokens (times fragment share) of island i's pushes on the wire in its present epoch."""
-        return sum(m.push.tokens * self.job.shares[m.push.fragment] for m in self.st.in_flight.values()
-                   if m.island == i and m.epoch == self.st.epoch[i] and m.push is not None)
+        return sum((m.push.tokens * self.job.shares[m.push.fragment] for m in self.st.in_flight.values()
+                    if m.island == i and m.epoch == self.st.epoch[i] and m.push is not None), 0.0)
 
     def report(self, w: IslandWorker) -> None:
         """The ``train``/``eval`` events and checkpoints due after a finished inner step."""
