@@ -29,9 +29,10 @@ Metrics in ``summary.json`` besides every run's:
   communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
 - ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
 - ``rejected_updates`` (by reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
-  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (trained
-  but never merged: un-pushed at a failure, or pushed but on the wire when the island failed,
-  ``lost_pushes``), ``deferred_pushes``, ``steps_per_island``.
+  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (lost to
+  failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
+  ``deferred_pushes``, ``steps_per_island``, and every trained token in one bucket per island
+  (:mod:`atoll.strategies.decoupled.accounting`: merged, stale, rejected, lost, in flight).
 
 Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
 and at the end, written atomically, hold everything needed to continue exactly (the syncer, every island, the
@@ -385,9 +386,9 @@ class Simulation:
         self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
         self.checkpoint(config.steps)
         ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
-        stats = syncer.stats()  # with the buckets of every token trained: merged, stale, rejected (the syncer's),
-        buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,  # lost, and
-                                [self.on_the_wire(i) for i in range(K)])  # on the wire if the run gave up
+        stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)
+        buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
+                                [self.on_the_wire(i) for i in range(K)])
         return self.run.finish(
             tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K, compute_s=max(st.compute),
             sim_wall_s=sim_wall_s,

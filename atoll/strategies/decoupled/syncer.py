@@ -42,10 +42,10 @@ the islands run alike (a slower link, or only the order of ties): with a tight `
 dropped every round while the others merge. So each island earns one commit of **staleness credit** per
 fragment for every push of its dropped as stale, kept, at most ``islands``: its limit is ``max_staleness`` +
 its credit. An island that is always one commit late is dropped once and merged ever after; no island is
-starved, and no push is ever staler than ``max_staleness + islands`` (the most commits the other islands can
-make in one round with a quorum of one). Paying the credit back as soon as an island pushes fresh (tried)
-moves the starvation to the others in turn: 3 islands, quorum 2, ``max_staleness`` 0 merged 57%, 57% and 93%
-of their tokens, against 90%, 90% and 72% with the credit kept.
+starved, and no push is ever staler than ``max_staleness + islands``. Paying the credit back as soon as
+an island pushes fresh (tried) moves the starvation to the others in turn: 3 islands, quorum 2,
+``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
+the credit kept (0% for the last island without any credit).
 
 **Token accounting.** Every token a push claims ends in one bucket per island: ``merged``, ``stale``
 (dropped as too stale) or ``rejected`` (:meth:`Syncer.stats`); like ``merged_tokens`` each is counted times
