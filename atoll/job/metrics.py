@@ -168,6 +168,25 @@ class ProgressDisplay:
                              sent=human_bytes(bytes_sent))
 
 
+#: the per-island token buckets of a decoupled run's summary (atoll.strategies.decoupled.accounting), in order
+TOKEN_BUCKETS = ("merged", "stale", "rejected", "lost", "in_flight")
+
+
+def token_bucket_rows(summary: dict[str, Any], most: int = 8) -> list[tuple[str, str]]:
+    """Rows of a decoupled run's token buckets: a header naming them, then one row per island (the sum over
+    the islands past ``most`` islands), and the tokens no bucket holds when it is not 0."""
+    buckets = [(k.replace("_", " "), summary[f"{k}_tokens_by_island"]) for k in TOKEN_BUCKETS
+               if summary.get(f"{k}_tokens_by_island") is not None]
+    islands = [(f"  island {i}", [b[i] for _, b in buckets]) for i in range(len(buckets[0][1]))]
+    if len(islands) > most:
+        islands = [("  all islands", [sum(b) for _, b in buckets])]
+    rows = [("tokens per island", " / ".join(name for name, _ in buckets))]
+    rows += [(label, " / ".join(f"{v:,.0f}" for v in values)) for label, values in islands]
+    if summary.get("unaccounted_tokens"):
+        rows.append(("tokens in no bucket", f"{summary['unaccounted_tokens']:,.1f}"))
+    return rows
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
     """A two-column table of the run summary, with units."""
     table = Table(title=f"atoll {summary['strategy']} x{summary['islands']} islands", show_header=False)
@@ -196,6 +215,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
                  ("goodput", f"{summary['goodput']:.1%}" if summary.get("goodput") is not None else "-"),
                  ("failures / rejected / stale pushes", f"{sum(summary.get('failures', []))} / "
                   f"{summary.get('rejected_updates', 0)} / {summary.get('stale_updates', 0)}")]
+    if "merged_tokens_by_island" in summary:  # decoupled: where every island's tokens went
+        rows += token_bucket_rows(summary)
     for k, v in rows:
         table.add_row(k, v)
     return table

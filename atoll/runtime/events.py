@@ -29,11 +29,11 @@ Metrics in ``summary.json`` besides every run's:
   communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
 - ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
 - ``rejected_updates`` (by reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
-  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (trained
-  but never merged: un-pushed at a failure, or pushed but on the wire when the island failed,
-  ``lost_pushes``), ``deferred_pushes``, ``steps_per_island``.
-- ``codec_s``: per island, measured seconds of encoding and decoding its pushes; not on the simulated clock,
-  whose fixed step keeps the run, hence its numbers, deterministic.
+  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (lost to
+  failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
+  ``deferred_pushes``, ``steps_per_island``, and every trained token in one bucket per island
+  (:mod:`atoll.strategies.decoupled.accounting`: merged, stale, rejected, lost, in flight).
+- ``codec_s``: per island, measured encode and decode seconds (not on the fixed-step, deterministic clock).
 
 Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
 and at the end, written atomically, hold everything needed to continue exactly (the syncer, every island, the
@@ -46,7 +46,7 @@ import copy
 import heapq
 import math
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
@@ -55,6 +55,7 @@ from atoll.job.device import island_devices
 from atoll.job.run import Run
 from atoll.runtime.network import Link
 from atoll.strategies.decoupled import make_syncer
+from atoll.strategies.decoupled.accounting import token_buckets
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
 from atoll.strategies.decoupled.protocol import Pull, Push
 
@@ -96,6 +97,7 @@ class SimState:
     last_loss: list[float]
     rejoin_s: list[float] = field(default_factory=list)
     lost_tokens: float = 0.0
+    lost_by_island: list[float] = field(default_factory=list)  # lost_tokens per island
     started: int = 0                        # inner steps begun (the budget counts these)
     done: int = 0                           # inner steps finished
     queue: list[tuple[float, int, int, str, int]] = field(default_factory=list)  # (time, island, seq, event, fragment)
@@ -116,7 +118,7 @@ class SimState:
                    [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands,
                    uplink_free=[0.0] * islands, downlink_free=[0.0] * islands,
                    awaiting=[[False] * fragments for _ in range(islands)], waiting=[[] for _ in range(fragments)],
-                   epoch=[0] * islands)
+                   epoch=[0] * islands, lost_by_island=[0.0] * islands)
 
     def state_dict(self) -> dict[str, Any]:
         state = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -136,6 +138,7 @@ class SimState:
                               for n, v in state["in_flight"]}
         state["waiting"] = [[Waiter(int(w["island"]), int(w["epoch"])) for w in ws] for ws in state["waiting"]]
         state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
+        state.setdefault("lost_by_island", [0.0] * len(state["clock"]))  # a checkpoint from before the buckets
         return cls(**state)
 
 
@@ -233,6 +236,7 @@ class Simulation:
                 self.schedule(i, max(down, t), "fail")
                 return
         st.started += 1
+        self.syncer.grant(i, self.config.tokens_per_step)  # the ledger that bounds the island's token claims
         self.schedule(i, t + dur, "step")
 
     # --- one method per event ----------------------------------------------------------------------------
@@ -262,8 +266,7 @@ class Simulation:
         if msg.epoch != st.epoch[i]:  # the island failed while it was on the wire: lost (tokens counted then)
             st.lost_pushes += 1
             return
-        push = Push(**{**asdict_shallow(msg.push), "round_s": t - st.pulled_at[i][p]})  # type: ignore[arg-type]
-        result = self.syncer.push(push, now=t)
+        result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p]), now=t)  # type: ignore[type-var]
         st.last_arrival = max(st.last_arrival, t)
         waiter = Waiter(i, msg.epoch)
         if result.accepted:
@@ -287,10 +290,9 @@ class Simulation:
         st = self.st
         st.failures[i] += 1
         st.failed_at[i] = t
-        shares = self.job.shares
-        st.lost_tokens += self.workers[i].lose_work() + sum(  # pushes still on the wire die with the island
-            m.push.tokens * shares[m.push.fragment] for m in st.in_flight.values()
-            if m.island == i and m.epoch == st.epoch[i] and m.push is not None)
+        lost = self.workers[i].lose_work() + self.on_the_wire(i)  # pushes still on the wire die with the island
+        st.lost_tokens += lost
+        st.lost_by_island[i] += lost
         st.epoch[i] += 1
         st.awaiting[i] = [False] * self.syncer.fragments
         _, up = self.trace.next_outage(i, t)  # type: ignore[union-attr]
@@ -338,6 +340,11 @@ class Simulation:
             self.send_pull(p, t, [m for m in waiters if m.epoch == st.epoch[m.island]])
 
     # --- events, checkpoints and the end -----------------------------------------------------------------
+    def on_the_wire(self, i: int) -> float:
+        """Tokens (times fragment share) of island i's pushes on the wire in its present epoch."""
+        return sum((m.push.tokens * self.job.shares[m.push.fragment] for m in self.st.in_flight.values()
+                    if m.island == i and m.epoch == self.st.epoch[i] and m.push is not None), 0.0)
+
     def report(self, w: IslandWorker) -> None:
         """The ``train``/``eval`` events and checkpoints due after a finished inner step."""
         st, config, run, K = self.st, self.config, self.run, self.K
@@ -369,7 +376,7 @@ class Simulation:
                     push = w.push(p)
                     st.bytes_sent[i] += push.nbytes
                     st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
-                    syncer.push(Push(**{**asdict_shallow(push), "round_s": arrive - st.pulled_at[i][p]}), now=arrive)
+                    syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p]), now=arrive)
                     st.last_arrival = max(st.last_arrival, arrive)
         syncer.flush()
         for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with
@@ -380,7 +387,9 @@ class Simulation:
         self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
         self.checkpoint(config.steps)
         ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
-        stats = syncer.stats()
+        stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)
+        buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
+                                [self.on_the_wire(i) for i in range(K)])
         return self.run.finish(
             tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K, compute_s=max(st.compute),
             sim_wall_s=sim_wall_s,
@@ -394,13 +403,8 @@ class Simulation:
             goodput=syncer.merged_tokens / sim_wall_s / ideal_rate if sim_wall_s > 0 else 1.0,
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
-            down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up,
+            down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
             measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers])
-
-
-def asdict_shallow(record: Any) -> dict[str, Any]:
-    """A dataclass's fields as a dict, its tensors shared (not copied, as :func:`dataclasses.asdict` does)."""
-    return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]:

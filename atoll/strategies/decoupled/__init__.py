@@ -16,6 +16,7 @@ Launch::
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,7 +51,8 @@ class DecoupledSection(Section):
     max_staleness: int = Field(
         4, ge=0,
         description="decoupled: a push computed from a global fragment more than this many outer steps old "
-        "is dropped (bounded staleness).",
+        "is dropped (bounded staleness); an island earns one step of credit per drop (at most islands), so "
+        "the one that arrives last is not starved.",
     )
     staleness_exponent: float = Field(
         0.5, ge=0, le=10,
@@ -59,8 +61,9 @@ class DecoupledSection(Section):
     )
     update_norm_bound: float = Field(
         10.0, gt=1,
-        description="decoupled: the syncer rejects a push whose norm exceeds this times the running median "
-        "norm of recently accepted pushes of its fragment.",
+        description="decoupled: the syncer rejects a push whose norm exceeds this times what the recent pushes "
+        "of its fragment vouch for (scaled by tokens, speed-free), or that claims more than this times its "
+        "island's own push of tokens (where no ledger counts them).",
     )
     scale_partial_merges: bool = Field(
         True,
@@ -70,7 +73,8 @@ class DecoupledSection(Section):
     island_speeds: list[float] | None = Field(
         None,
         description="decoupled: relative speed of each island, comma separated, one per island, each in "
-        "(0, 1] (e.g. 1,1,0.5,0.25): an island of speed s takes 1/s as long per inner step. Default: all 1.",
+        "(0, 1] (e.g. 1,1,0.5,0.25): an island of speed s takes 1/s as long per inner step; sync_every x the "
+        "slowest (over the fastest) must be at least fragments. Default: all 1.",
     )
     sim_step_s: float = Field(
         0.1, gt=0,
@@ -130,15 +134,42 @@ def validate(config: TrainConfig) -> None:
     if config.sync_every < config.fragments:
         raise ValueError(f"sync_every ({config.sync_every}) must be at least fragments ({config.fragments}) "
                          "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
+    if config.island_speeds is not None:  # an island at relative speed s takes s x H inner steps per round:
+        # fewer than P cannot push every fragment once a round, so it falls behind and its pushes go stale
+        slow, fastest = min(config.island_speeds), max(config.island_speeds)
+        if config.sync_every * slow / fastest < config.fragments - 1e-9:
+            need = math.ceil(config.fragments * fastest / slow - 1e-9)
+            raise ValueError(f"island_speeds: an island at {slow:g} of the fastest's speed takes "
+                             f"{config.sync_every * slow / fastest:g} inner steps per round of --sync-every "
+                             f"{config.sync_every}, fewer than --fragments {config.fragments}, so it cannot push at "
+                             f"the others' cadence; raise --sync-every to {need} or more (fragments / slowest speed) or "
+                             "lower --fragments")
+
+
+def local_sync_every(config: TrainConfig) -> list[int]:
+    """Each island's H: ``sync_every`` scaled by its speed over the fastest island's, at least ``fragments``.
+
+    Dynamic Local Updates (Liu et al. 2024, arXiv:2401.09135, §4.2): an island at half speed takes half as
+    many inner steps per round, so every island pushes each fragment at about the same wall-clock cadence.
+    Without it a quarter-speed island's push arrives after four rounds of the others' commits: stale enough
+    to be discounted hard or dropped (``max_staleness``), so its compute would be wasted. Its smaller
+    contribution is weighed by its tokens in the merge. :func:`validate` refuses speeds whose s x H falls
+    below ``fragments`` (the cadence could not hold: at most one fragment is pushed per inner step), so the
+    floor at ``fragments`` never lengthens an island's round.
+    """
+    fastest = max(config.speeds)
+    return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
 
 
 def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[torch.Tensor]) -> Syncer:
     """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
-    ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer)."""
+    ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer), each island's
+    push declared as its own H (:func:`local_sync_every`) of inner steps."""
     return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
                   quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
                   staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
-                  scale_partial=config.scale_partial_merges)
+                  scale_partial=config.scale_partial_merges,
+                  push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)])
 
 
 def project(s: Setting) -> Cost:

@@ -26,6 +26,7 @@ from atoll.algorithms.outer import pseudo_gradient
 from atoll.job.data import PreparedData, sample_batch
 from atoll.job.island import Island, make_island
 from atoll.strategies.base import make_wire, model_fragments
+from atoll.strategies.decoupled import local_sync_every
 from atoll.strategies.decoupled.protocol import Pull, Push
 
 if TYPE_CHECKING:
@@ -70,19 +71,6 @@ class Job:
     def shares(self) -> list[float]:
         """Each fragment's share of the parameters (its numel over the model's), summing to 1."""
         return [int(idx.numel()) / int(self.init_flat.numel()) for idx in self.index]
-
-
-def local_sync_every(config: TrainConfig) -> list[int]:
-    """Each island's H: ``sync_every`` scaled by its speed over the fastest island's, at least ``fragments``.
-
-    Dynamic Local Updates (Liu et al. 2024, arXiv:2401.09135, §4.2): an island at half speed takes half as
-    many inner steps per round, so every island pushes each fragment at about the same wall-clock cadence.
-    Without it a quarter-speed island's push arrives after four rounds of the others' commits: stale enough
-    to be discounted hard or dropped (``max_staleness``), so its compute would be wasted. Its smaller
-    contribution is weighed by its tokens in the merge.
-    """
-    fastest = max(config.speeds)
-    return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
 
 
 def expected_steps(config: TrainConfig) -> list[int]:

@@ -1,0 +1,91 @@
+"""What a push may claim at the syncer of Decoupled DiLoCo: its tokens, per island, and its norm, speed-free.
+
+Islands of different speeds push different amounts of work at the same cadence (an island at speed s takes
+s·H inner steps per round, :func:`~atoll.strategies.decoupled.local_sync_every`), so nothing a push
+claims may be compared with the pushes of *other* islands as if they were alike. :class:`PushBounds` holds
+two bounds, each checked per push before it can reach a buffer:
+
+- **Tokens, per island.** With a ledger (the runtime calls :meth:`PushBounds.grant` for every inner step it
+  gives an island), the tokens an island claims for a fragment, summed over its pushes, never exceed the
+  tokens it was granted: exact, whatever its speed, its deferred pushes or its failures (a failed island
+  claims less). Without one, a push may claim at most ``norm_bound`` x the island's declared push size
+  (``push_tokens``: its own H x tokens per step). Refused as ``tokens``.
+- **Norm, per fragment.** An honest pseudo-gradient's L2 norm grows with the inner steps behind it, at most
+  linearly (steps all aligned) and at least not at all (a saturated random walk): n(k) <= n(j) max(1, k/j)
+  for two honest pushes of k and j tokens, whatever the speeds. So each recent push j (a window of
+  :data:`WINDOW` per fragment, refused ones included, so the reference follows the honest growth of the
+  updates after warmup) vouches for a push of k tokens up to n_j max(1, k/k_j), and a push is refused
+  (``norm``) beyond ``norm_bound`` x the ``statistics.median_low`` of those allowances: a minority of
+  hostile pushes in the window never sets the bound (with 2 islands, median_low picks the honest one). Before
+  a round of pushes has been seen (``islands`` of them), the bound is ``norm_bound`` x the fragment's
+  parameter norm. Claiming more tokens buys at most the declared size (or the ledger), claiming fewer buys
+  nothing (the allowance never falls below n_j).
+
+This replaces norms per token compared with the median of recent pushes, which, across islands of unequal
+speeds, refused the honest pushes of the fast (tokens) or of the slow (norm per token) islands.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+#: recent pushes kept per fragment for the norm bound (and round times kept for the grace window)
+WINDOW = 32
+
+
+class PushBounds:
+    """The token and norm bounds of the pushes of ``islands`` islands to ``fragments`` fragments.
+
+    Args:
+        islands: K; fragments: P.
+        norm_bound: the factor of both bounds (> 1).
+        push_tokens: per island, the tokens of one honest push at its own H (declared, without a ledger);
+            None: no declared size (only a ledger bounds the tokens).
+    """
+
+    def __init__(self, islands: int, fragments: int, norm_bound: float,
+                 push_tokens: Sequence[int] | None = None) -> None:
+        self.islands, self.norm_bound = islands, norm_bound
+        self.push_tokens = list(push_tokens) if push_tokens is not None else None
+        self.window: list[deque[tuple[float, int]]] = [deque(maxlen=WINDOW) for _ in range(fragments)]
+        self.granted: list[int] | None = None          # per island: tokens granted (None: no ledger)
+        self.claimed = [[0] * fragments for _ in range(islands)]  # per island and fragment: tokens claimed
+
+    def grant(self, island: int, tokens: int) -> None:
+        """The runtime gave ``island`` ``tokens`` more tokens to train on (one inner step's): the ledger."""
+        if self.granted is None:
+            self.granted = [0] * self.islands
+        self.granted[island] += int(tokens)
+
+    def check(self, island: int, fragment: int, norm: float, tokens: int, params_norm: float) -> str:
+        """Why a push of ``tokens`` tokens and L2 norm ``norm`` is refused ("tokens", "norm"), or "".
+
+        ``params_norm``: the fragment's global parameter norm (the bound of the first round). A push that
+        reaches the norm check enters the window, refused or not; its tokens count as claimed.
+        """
+        if self.granted is not None:
+            if self.claimed[island][fragment] + tokens > self.granted[island]:
+                return "tokens"
+        elif self.push_tokens is not None and tokens > self.norm_bound * self.push_tokens[island]:
+            return "tokens"
+        self.claimed[island][fragment] += tokens
+        recent = self.window[fragment]
+        if len(recent) >= self.islands:  # a round of pushes seen: what the recent ones vouch for
+            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k in recent)
+        else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
+            bound = self.norm_bound * params_norm if params_norm > 0 else math.inf
+        recent.append((norm, tokens))
+        return "norm" if norm > bound else ""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": [[list(x) for x in w] for w in self.window], "granted": self.granted,
+                "claimed": [list(c) for c in self.claimed]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window = [deque(((float(n), int(k)) for n, k in w), maxlen=WINDOW) for w in state["window"]]
+        self.granted = None if state["granted"] is None else [int(x) for x in state["granted"]]
+        self.claimed = [[int(x) for x in c] for c in state["claimed"]]
