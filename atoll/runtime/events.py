@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
 from atoll.errors import CheckpointError
 from atoll.job.device import island_devices
+from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
 from atoll.job.run import Run
 from atoll.runtime.network import Link
 from atoll.strategies.decoupled import make_syncer
@@ -161,6 +162,7 @@ class Simulation:
         self.budget = self.K * config.steps
         self.st = SimState.new(self.K, self.syncer.fragments)
         self.gave_up = False
+        self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -343,9 +345,10 @@ class Simulation:
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0])
+            check_resets(st.done // K, sum(w.island.reset_count for w in self.workers), K)
         if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
-            run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(), sum(st.bytes_sent) / K,
-                         max(st.clock))
+            check_eval(st.done // K, run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
+                                                  sum(st.bytes_sent) / K, max(st.clock)), run.data.vocab_size)
         if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
             self.checkpoint(st.done // K)
 
@@ -360,7 +363,7 @@ class Simulation:
         """Every live island pushes what it has not pushed, the syncer merges every buffer; the summary."""
         st, syncer, config, K = self.st, self.syncer, self.config, self.K
         alive = [i for i in range(K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i]]
-        for i in sorted(alive, key=lambda j: (st.clock[j], j)):
+        for i in sorted(alive if self.diverged is None else [], key=lambda j: (st.clock[j], j)):
             w = self.workers[i]
             for p in range(syncer.fragments):
                 if w.tokens_since[p] > 0:
@@ -376,7 +379,8 @@ class Simulation:
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
         tps = config.tokens_per_step
         self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
-        self.checkpoint(config.steps)
+        if self.diverged is None:  # a diverged run keeps its last good checkpoint
+            self.checkpoint(config.steps)
         ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
         stats = syncer.stats()
         return self.run.finish(
@@ -393,7 +397,8 @@ class Simulation:
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up,
-            measured_compute_s=[w.island.compute_s for w in self.workers])
+            measured_compute_s=[w.island.compute_s for w in self.workers],
+            **island_extras(config, [w.island for w in self.workers], self.diverged))
 
 
 def asdict_shallow(record: Any) -> dict[str, Any]:
@@ -410,5 +415,5 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     run = Run(config, resume)
     sim = Simulation(config, run)
     run.begin(restore=sim.restore)
-    sim.run_events(resumed=resume)
+    sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where
     return sim.finish()

@@ -8,6 +8,7 @@ This is the runtime of research sweeps and tests. :class:`LocalRuntime` is what 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
 class LocalWork(Work):
     """A simulated collective: its result is known at once, but islands wait for ``done_at`` to use it."""
 
-    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock, ident: int | None = None) -> None:
+    def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock, ident: int | None = None,
+                 weight: float = math.nan) -> None:
         self.result = result
+        self.weight = weight
         self.done_at = done_at
         self.clock = clock
         self.ident = ident  # the collective's id in the clock's trace
@@ -68,14 +71,19 @@ class LocalComm(Comm):
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
                               wire: Wire | None = None, key: str = "") -> LocalWork:
         self._check(per_island)
-        if wire is None or wire.codec is None:
+        total = float(sum(weights)) if weights is not None else float(len(per_island))
+        if total <= 0:  # no island contributed: the mean is undefined (NaN), as DistComm's
+            mean = torch.full((per_island[0].numel(),), math.nan).reshape(per_island[0].shape)
+            payload = (per_island[0].numel() * per_island[0].element_size() if wire is None or wire.codec is None
+                       else wire.codec.payload_bytes(per_island[0].numel()))
+        elif wire is None or wire.codec is None:
             mean = weighted_mean(per_island, weights)
             payload = per_island[0].numel() * per_island[0].element_size()
         else:
             mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators, feedback=wire.feedback,
                                             key=key)
         done_at = self.charge_allreduce(payload, blocking=False)
-        return LocalWork(mean, done_at, self.clock, self.clock.last_collective)
+        return LocalWork(mean, done_at, self.clock, self.clock.last_collective, weight=total)
 
     def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
         """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.
@@ -130,6 +138,9 @@ class LocalRuntime(Runtime):
 
     def totals(self, islands: list[Island]) -> tuple[float, int]:
         return sum(i.last_loss for i in islands) / len(islands), sum(i.tokens for i in islands)
+
+    def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
+        return [i.skipped_steps for i in islands], [i.reset_count for i in islands]
 
     def compute_s(self, islands: list[Island]) -> float:
         return max(i.compute_s for i in islands)

@@ -242,8 +242,8 @@ class IslandService:
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
-                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss, "resets": island.reset_count,
+                "skipped_steps": island.skipped_steps, "node_id": ray.get_runtime_context().get_node_id()}
 
     def pid(self) -> int:
         return os.getpid()
