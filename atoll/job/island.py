@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -149,6 +151,13 @@ class Island:
         """Advance the learning-rate schedule and clear the gradients, after an optimizer step."""
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        """Advance the learning-rate schedule without an optimizer step (a step lost to a reset), so every
+        island's schedule stays at its step count; clear the gradients."""
+        with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.finish_step()
 
     @property
     def diverged(self) -> bool:

@@ -42,7 +42,7 @@ class DiLoCo(Strategy):
         for position, island in enumerate(self.islands):
             if island.diverged:  # its loss is not finite: restart it from the global model (README, "Reliability")
                 self.reset_island(position, self.outer.params.detach())
-                island.finish_step()
+                island.skip_step()
             else:
                 island.inner_step()
         if (step + 1) % self.config.sync_every == 0:

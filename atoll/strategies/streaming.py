@@ -95,7 +95,7 @@ class StreamingDiLoCo(Strategy):
                 island.reset_to(self.global_params())  # a fresh inner optimizer; its work since each sync is lost
                 for ts in self.tokens_at_sync:
                     ts[position] = island.tokens
-                island.finish_step()
+                island.skip_step()
             else:
                 island.inner_step()
         for job in [j for j in self.in_flight if j.merge_after_step == step]:

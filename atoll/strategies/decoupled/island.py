@@ -180,7 +180,7 @@ class IslandWorker:
         diverged = self.island.diverged
         if diverged:  # its weights are lost: restart from the global model it last pulled
             self.reset()
-            self.island.finish_step()
+            self.island.skip_step()
         else:
             self.island.inner_step()
         self.steps += 1
