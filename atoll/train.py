@@ -68,7 +68,8 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
     Returns:
         The summary dict (see README, "Output"): strategy, islands, tokens, initial and final eval loss,
-        bytes sent per island, what ddp would send, compute, simulated and real wall seconds.
+        bytes sent per island, what ddp would send, compute, simulated and real wall seconds; ``diverged``
+        (step, reason, fix) when the job diverged and stopped early (:mod:`atoll.job.divergence`).
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
