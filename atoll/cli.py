@@ -15,6 +15,8 @@ Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (`
 ``--sync-every``); ``atoll train --help`` lists them with their documentation. Bad input prints one line,
 ``atoll: error: <field>: <what is wrong>; <fix>``, and exits with status 2. A collective run whose rank
 failed exits with that rank's status (3: another island stopped responding; 128 + N: killed by signal N).
+A run that diverged (README, "Reliability") writes its summary, prints one line
+``atoll: error: training diverged at step N: <what>; <fix>`` and exits with status 1.
 """
 
 from __future__ import annotations
@@ -161,6 +163,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         Console().print(summary_table(summary))
         print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")
+    if summary.get("diverged"):  # the run stopped: not a result (exit status 1); summary.json says where
+        from atoll.job.divergence import message
+
+        if os.environ.get("RANK", "0") == "0":
+            print(f"atoll: error: {message(summary['diverged'])}", file=sys.stderr)
+        return 1
     if summary.get("gave_up"):  # the failure trace left no time to train: not a result (exit status 1)
         print(f"atoll: error: chaos: the run stopped early with {summary.get('tokens', 0):,} tokens trained (see the "
               "warning above); raise MTBF_S or lower DOWNTIME_S", file=sys.stderr)

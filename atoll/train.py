@@ -28,6 +28,7 @@ from typing import Any
 from atoll.config import TrainConfig
 from atoll.job.data import sample_batch
 from atoll.job.device import resolve_device
+from atoll.job.divergence import Diverged, check_eval, check_resets, inject_fault, record
 from atoll.job.island import compile_skipped
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
@@ -67,7 +68,8 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
     Returns:
         The summary dict (see README, "Output"): strategy, islands, tokens, initial and final eval loss,
-        bytes sent per island, what ddp would send, compute, simulated and real wall seconds.
+        bytes sent per island, what ddp would send, compute, simulated and real wall seconds; ``diverged``
+        (step, reason, fix) when the job diverged and stopped early (:mod:`atoll.job.divergence`).
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
@@ -109,50 +111,61 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     def sim_wall_s() -> float:
         return runtime.run_wall_s(run.wall_s())
 
+    diverged: Diverged | None = None
     with ProgressDisplay(config.steps, run.start_step, config.progress and runtime.is_main) as bar:
-        for step in range(run.start_step, config.steps):
-            for island in islands:
-                batch = sample_batch(run.data.island_tokens[island.index], config.batch_size, config.seq_len,
-                                     config.seed, island.index, step)
-                runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
-            t_strategy = time.perf_counter()
-            strategy.step(step)
-            strategy_s += time.perf_counter() - t_strategy
-            done = step + 1
-            if done == config.steps:
-                strategy.finish(done)
-            log_now = done % LOG_EVERY == 0 or done == config.steps
-            eval_now = done % config.evaluate_every == 0 or done == config.steps
-            if log_now or eval_now:
-                train_loss, tokens = runtime.totals(islands)  # over every island of the job
-            if log_now:
-                run.log_train(done, tokens, train_loss, comm.bytes_sent_per_island, sim_wall_s(),
-                              islands[0].scheduler.get_last_lr()[0])
-            if eval_now:
-                if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
-                    runtime.clock.mark(done)
-                run.log_eval(done, tokens, runtime.full_params(strategy.global_params()), comm.bytes_sent_per_island,
-                             sim_wall_s())
-            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
-                job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
-                params = runtime.full_params(strategy.global_params())
-                if job is not None:
-                    run.save_checkpoint(done, job, params)
-            session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
-            bar.update(done, sum(i.last_loss for i in islands) / len(islands),
-                       session_tokens / max(1e-9, time.perf_counter() - run.t0), comm.bytes_sent_per_island)
+        try:
+            for step in range(run.start_step, config.steps):
+                for island in islands:
+                    batch = sample_batch(run.data.island_tokens[island.index], config.batch_size, config.seq_len,
+                                         config.seed, island.index, step)
+                    inject_fault(island, step, "weights")  # test hook (atoll.job.divergence)
+                    runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
+                    inject_fault(island, step, "grad")
+                t_strategy = time.perf_counter()
+                strategy.step(step)  # resets a diverged island; raises Diverged when none is left
+                strategy_s += time.perf_counter() - t_strategy
+                done = step + 1
+                if done == config.steps:
+                    strategy.finish(done)
+                log_now = done % LOG_EVERY == 0 or done == config.steps
+                eval_now = done % config.evaluate_every == 0 or done == config.steps
+                if log_now or eval_now:
+                    train_loss, tokens = runtime.totals(islands)  # over every island of the job
+                if log_now:
+                    run.log_train(done, tokens, train_loss, comm.bytes_sent_per_island, sim_wall_s(),
+                                  islands[0].scheduler.get_last_lr()[0])
+                    check_resets(done, sum(runtime.island_counts(islands)[1]), config.islands)
+                if eval_now:
+                    if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
+                        runtime.clock.mark(done)
+                    loss = run.log_eval(done, tokens, runtime.full_params(strategy.global_params()),
+                                        comm.bytes_sent_per_island, sim_wall_s())
+                    check_eval(done, loss, run.data.vocab_size)  # every process evaluates the same model
+                if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
+                    job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
+                    params = runtime.full_params(strategy.global_params())
+                    if job is not None:
+                        run.save_checkpoint(done, job, params)
+                session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
+                bar.update(done, sum(i.last_loss for i in islands) / len(islands),
+                           session_tokens / max(1e-9, time.perf_counter() - run.t0), comm.bytes_sent_per_island)
+        except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)
+            diverged = e
 
     _, tokens = runtime.totals(islands)
+    skipped, resets = runtime.island_counts(islands)
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
         sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
-        rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands),
+        rejected_updates=strategy.dropped_updates, skipped_steps=sum(skipped),
         # the slowest island's codec seconds charged on the simulated clock (in sim_wall_s, not in compute_s);
         # None where time is real (the codec's time is in the wall time itself)
         codec_s=max(runtime.clock.codec_s) if runtime.clock is not None else None,
         **({"compile_skipped": compile_skipped(islands), "compile_s": max(i.compile_s for i in islands)}
            if config.compile else {}),
+        **({"island_resets": resets} if any(resets) else {}),
+        **({"diverged": record(config, diverged)} if diverged is not None else {}),
         **runtime.summary())
     if runtime.is_main:
         trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None

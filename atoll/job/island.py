@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -78,6 +80,7 @@ class Island:
         tokens: training tokens processed.
         last_loss: the training loss of the last forward pass.
         skipped_steps: inner steps skipped because the gradient was not finite.
+        reset_count: times the island was reset because it diverged (:meth:`reset_to`).
     """
 
     def __init__(self, index: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
@@ -99,6 +102,7 @@ class Island:
         self.compile_s = 0.0
         self.tokens = 0
         self.skipped_steps = 0
+        self.reset_count = 0
         self.last_loss = float("nan")
 
     @contextmanager
@@ -158,6 +162,28 @@ class Island:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def skip_step(self) -> None:
+        """Advance the learning-rate schedule without an optimizer step (a step lost to a reset), so every
+        island's schedule stays at its step count; clear the gradients."""
+        with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.finish_step()
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the last training loss was not finite: the weights are lost (:mod:`atoll.job.divergence`)."""
+        return not math.isfinite(self.last_loss)
+
+    def reset_to(self, flat: torch.Tensor, keep_optimizer: bool = False) -> None:
+        """Reset a diverged island: weights from ``flat`` (float32, (numel,)), gradients cleared, the inner
+        optimizer's state cleared (``keep_optimizer``: kept, where it is every replica's alike, as in ddp);
+        counted in ``reset_count``. The learning-rate schedule goes on."""
+        self.set_flat_params(flat)
+        if not keep_optimizer:
+            self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.reset_count += 1
+
     # --- flat views, for exchanging ---------------------------------------------------------------
     def flat_params(self) -> torch.Tensor:
         """A float32 CPU copy of all parameters, concatenated in ``model.parameters()`` order: (numel,)."""
@@ -189,6 +215,7 @@ class Island:
             "compute_s": self.compute_s,
             "tokens": self.tokens,
             "skipped_steps": self.skipped_steps,
+            "reset_count": self.reset_count,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,6 +225,7 @@ class Island:
         self.compute_s = float(state["compute_s"])
         self.tokens = int(state["tokens"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.reset_count = int(state.get("reset_count", 0))
 
 
 def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:

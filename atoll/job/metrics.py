@@ -187,6 +187,12 @@ def token_bucket_rows(summary: dict[str, Any], most: int = 8) -> list[tuple[str,
     return rows
 
 
+def _perplexity_text(value: float | None) -> str:
+    if value is None:
+        return "- (exp of the loss overflows)"
+    return f"{value:.2f}" if value < 1e6 else f"{value:.3g}"
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
     """A two-column table of the run summary, with units."""
     table = Table(title=f"atoll {summary['strategy']} x{summary['islands']} islands", show_header=False)
@@ -197,7 +203,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("device / precision", f"{summary.get('device', 'cpu')} / {summary.get('precision', 'fp32')}"),
         ("tokens (all islands)", f"{summary['tokens']:,}"),
         ("eval loss: initial -> final", f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f}"),
-        ("final perplexity", f"{math.exp(min(summary['final_eval_loss'], 50)):.2f}"),
+        ("final perplexity", _perplexity_text(summary.get("final_perplexity"))),
         ("bytes sent per island", human_bytes(summary["bytes_sent_per_island"])),
         ("ddp would send per island", human_bytes(summary["ddp_bytes_per_island"])),
         ("reduction vs ddp", f"{summary['reduction_vs_ddp']:.1f}x" if summary["reduction_vs_ddp"] else "-"),
@@ -217,6 +223,12 @@ def summary_table(summary: dict[str, Any]) -> Table:
                   f"{summary.get('rejected_updates', 0)} / {summary.get('stale_updates', 0)}")]
     if "merged_tokens_by_island" in summary:  # decoupled: where every island's tokens went
         rows += token_bucket_rows(summary)
+    if summary.get("skipped_steps"):  # README, "Reliability"
+        rows.append(("steps skipped (gradient not finite)", f"{summary['skipped_steps']:,}"))
+    if summary.get("island_resets"):
+        rows.append(("islands reset (diverged), per island", " / ".join(str(n) for n in summary["island_resets"])))
+    if summary.get("diverged"):
+        rows.append(("diverged at step", f"{summary['diverged']['step']:,}"))
     for k, v in rows:
         table.add_row(k, v)
     return table

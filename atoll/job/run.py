@@ -306,7 +306,9 @@ class Run:
             bytes_sent_per_island: bytes one island sent (the mean over islands where they differ).
             compute_s: compute seconds of the slowest island.
             sim_wall_s: the run's wall time on its clock (simulated, or real).
-            own: the driver's own entries (codec, fragments, exchanges, goodput, ...), in order.
+            own: the driver's own entries (codec, fragments, exchanges, goodput, ...), in order; a run that
+                diverged passes ``diverged`` (:func:`atoll.job.divergence.record`): its ``end`` event is at
+                that step.
         """
         config = self.config
         ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(self.model), config.islands)
@@ -326,7 +328,8 @@ class Run:
             "wall_s": self.wall_s(),
             "init_from": str(config.init_from) if config.init_from else None, "out": str(self.out),
         }
-        self.log.log("end", step=config.steps, **summary)
+        end = own["diverged"]["step"] if own.get("diverged") else config.steps
+        self.log.log("end", step=end, **summary)
         self.log.close()
         if self.is_main:
             write_summary(self.out, summary)

@@ -85,6 +85,10 @@ class Runtime(ABC):
         """(mean last training loss, tokens processed) over every island of the job; collective call."""
 
     @abstractmethod
+    def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
+        """Per island of the job, in index order: (``skipped_steps``, ``reset_count``); collective call."""
+
+    @abstractmethod
     def compute_s(self, islands: list[Island]) -> float:
         """Measured compute seconds of the slowest island of the job; collective call."""
 

@@ -8,6 +8,7 @@ unchanged whether the reduction happens in memory or over ``torch.distributed``.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -22,9 +23,12 @@ class Work(ABC):
 
     Attributes:
         done_at: simulated completion time in seconds (0 where time is real).
+        weight: of an all-reduce mean, the sum of the weights of every island (known after ``wait()``);
+            0 when no island contributed, and the mean is then NaN.
     """
 
     done_at: float = 0.0
+    weight: float = math.nan
 
     @abstractmethod
     def wait(self) -> torch.Tensor:
@@ -86,9 +90,18 @@ class Comm(ABC):
             key: names the tensor for error feedback (e.g. ``"fragment2"``).
 
         Returns:
-            The float32 mean, shape of one input, identical on every island.
+            The float32 mean, shape of one input, identical on every island; NaN where every weight of the
+            job is 0 (nothing to average).
         """
         return self.start_all_reduce_mean(per_island, weights, wire, key).wait()
+
+    def all_reduce_mean_and_weight(self, per_island: Sequence[torch.Tensor], weights: Sequence[float],
+                                   wire: Wire | None = None, key: str = "") -> tuple[torch.Tensor, float]:
+        """:meth:`all_reduce_mean`, and the sum of the weights of every island of the job (the same on every
+        island: it tells each island whether every other one contributed)."""
+        work = self.start_all_reduce_mean(per_island, weights, wire, key)
+        mean = work.wait()
+        return mean, work.weight
 
     @abstractmethod
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,

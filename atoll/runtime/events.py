@@ -42,104 +42,27 @@ clocks and the pending events); ``<out>/syncer/`` holds the syncer's state alone
 
 from __future__ import annotations
 
-import copy
 import heapq
 import math
 import sys
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
 from atoll.errors import CheckpointError
 from atoll.job.device import island_devices
+from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
 from atoll.job.run import Run
 from atoll.runtime.network import Link
+from atoll.runtime.sim_state import SimState, Transfer, Waiter
 from atoll.strategies.decoupled import make_syncer
 from atoll.strategies.decoupled.accounting import token_buckets
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
-from atoll.strategies.decoupled.protocol import Pull, Push
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
 
 LOG_EVERY = 10  # mean inner steps per island between two ``train`` events
-
-
-@dataclass
-class Transfer:
-    """A push or a pull on the wire, to or from ``island`` while it was in its ``epoch`` (failures so far)."""
-
-    island: int
-    epoch: int
-    push: Push | None = None
-    pull: Pull | None = None
-
-
-@dataclass
-class Waiter:
-    """An island whose accepted push waits in a buffer for its merge (answered with the merged fragment)."""
-
-    island: int
-    epoch: int
-
-
-@dataclass
-class SimState:
-    """The simulation's state: clocks, counters, and the pending events."""
-
-    clock: list[float]                      # each island's simulated time, seconds
-    compute: list[float]                    # simulated compute seconds (lost work included)
-    pulled_at: list[list[float]]            # per island and fragment: time of the last pull
-    bytes_sent: list[float]
-    failures: list[int]
-    failed_at: list[float | None]
-    rejoins: list[int]
-    last_loss: list[float]
-    rejoin_s: list[float] = field(default_factory=list)
-    lost_tokens: float = 0.0
-    lost_by_island: list[float] = field(default_factory=list)  # lost_tokens per island
-    started: int = 0                        # inner steps begun (the budget counts these)
-    done: int = 0                           # inner steps finished
-    queue: list[tuple[float, int, int, str, int]] = field(default_factory=list)  # (time, island, seq, event, fragment)
-    in_flight: dict[int, Transfer] = field(default_factory=dict)  # transfers on the wire, by their event's seq
-    uplink_free: list[float] = field(default_factory=list)    # per island: when its uplink is next idle
-    downlink_free: list[float] = field(default_factory=list)  # per island: when its downlink is next idle
-    awaiting: list[list[bool]] = field(default_factory=list)  # per island and fragment: a push/pull in flight
-    waiting: list[list[Waiter]] = field(default_factory=list)  # per fragment: islands buffered, unanswered
-    epoch: list[int] = field(default_factory=list)            # per island: failures so far (stale transfers die)
-    deferred_pushes: int = 0                # pushes skipped because the fragment's previous one was in flight
-    lost_pushes: int = 0                    # pushes on the wire when their island failed
-    last_arrival: float = 0.0               # simulated time of the last push that reached the syncer
-    seq: int = 0
-
-    @classmethod
-    def new(cls, islands: int, fragments: int) -> SimState:
-        return cls([0.0] * islands, [0.0] * islands, [[0.0] * fragments for _ in range(islands)], [0.0] * islands,
-                   [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands,
-                   uplink_free=[0.0] * islands, downlink_free=[0.0] * islands,
-                   awaiting=[[False] * fragments for _ in range(islands)], waiting=[[] for _ in range(fragments)],
-                   epoch=[0] * islands, lost_by_island=[0.0] * islands)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {f.name: getattr(self, f.name) for f in fields(self)}
-        state["queue"] = [list(e) for e in self.queue]
-        state["in_flight"] = [[n, asdict(v)] for n, v in self.in_flight.items()]
-        state["waiting"] = [[asdict(w) for w in ws] for ws in self.waiting]
-        state["failed_at"] = [-1.0 if t is None else t for t in self.failed_at]
-        return copy.deepcopy(state)
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> SimState:
-        state = dict(state)
-        state["queue"] = [(float(t), int(i), int(n), str(a), int(p)) for t, i, n, a, p in state["queue"]]
-        state["in_flight"] = {int(n): Transfer(int(v["island"]), int(v["epoch"]),
-                                               Push(**v["push"]) if v.get("push") else None,
-                                               Pull(**v["pull"]) if v.get("pull") else None)
-                              for n, v in state["in_flight"]}
-        state["waiting"] = [[Waiter(int(w["island"]), int(w["epoch"])) for w in ws] for ws in state["waiting"]]
-        state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
-        state.setdefault("lost_by_island", [0.0] * len(state["clock"]))  # a checkpoint from before the buckets
-        return cls(**state)
 
 
 class Simulation:
@@ -166,6 +89,7 @@ class Simulation:
         self.budget = self.K * config.steps
         self.st = SimState.new(self.K, self.syncer.fragments)
         self.gave_up = False
+        self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -352,9 +276,10 @@ class Simulation:
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0])
+            check_resets(st.done // K, sum(w.island.reset_count for w in self.workers), K)
         if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
-            run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(), sum(st.bytes_sent) / K,
-                         max(st.clock))
+            check_eval(st.done // K, run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
+                                                  sum(st.bytes_sent) / K, max(st.clock)), run.data.vocab_size)
         if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
             self.checkpoint(st.done // K)
 
@@ -369,7 +294,7 @@ class Simulation:
         """Every live island pushes what it has not pushed, the syncer merges every buffer; the summary."""
         st, syncer, config, K = self.st, self.syncer, self.config, self.K
         alive = [i for i in range(K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i]]
-        for i in sorted(alive, key=lambda j: (st.clock[j], j)):
+        for i in sorted(alive if self.diverged is None else [], key=lambda j: (st.clock[j], j)):
             w = self.workers[i]
             for p in range(syncer.fragments):
                 if w.tokens_since[p] > 0:
@@ -385,7 +310,8 @@ class Simulation:
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
         tps = config.tokens_per_step
         self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
-        self.checkpoint(config.steps)
+        if self.diverged is None:  # a diverged run keeps its last good checkpoint
+            self.checkpoint(config.steps)
         ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
         stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)
         buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
@@ -404,7 +330,8 @@ class Simulation:
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
-            measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers])
+            measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers],
+            **island_extras(config, [w.island for w in self.workers], self.diverged))
 
 
 def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -416,5 +343,5 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     run = Run(config, resume)
     sim = Simulation(config, run)
     run.begin(restore=sim.restore)
-    sim.run_events(resumed=resume)
+    sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where
     return sim.finish()

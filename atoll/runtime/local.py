@@ -10,6 +10,7 @@ This is the runtime of research sweeps and tests. :class:`LocalRuntime` is what 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,11 +35,13 @@ class LocalWork(Work):
     """A simulated collective: its result is known at once, but islands wait for ``done_at`` to use it.
 
     ``decode_s``: per island, the codec seconds of decoding the payloads, charged once, after the first wait.
+    ``weight``: the sum of the contributors' weights (0: nobody contributed; NaN: not known).
     """
 
     def __init__(self, result: torch.Tensor, done_at: float, clock: SimClock, ident: int | None = None,
-                 decode_s: list[float] | None = None) -> None:
+                 decode_s: list[float] | None = None, weight: float = math.nan) -> None:
         self.result = result
+        self.weight = weight
         self.done_at = done_at
         self.clock = clock
         self.ident = ident  # the collective's id in the clock's trace
@@ -83,11 +86,16 @@ class LocalComm(Comm):
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
                               wire: Wire | None = None, key: str = "") -> LocalWork:
         self._check(per_island)
-        if wire is None or wire.codec is None:
-            mean = weighted_mean(per_island, weights)
-            payload = per_island[0].numel() * per_island[0].element_size()
+        total = float(sum(weights)) if weights is not None else float(len(per_island))
+        if total <= 0 or wire is None or wire.codec is None:
+            if total <= 0:  # no island contributed: the mean is undefined (NaN), as DistComm's
+                mean = torch.full((per_island[0].numel(),), math.nan).reshape(per_island[0].shape)
+            else:
+                mean = weighted_mean(per_island, weights)
+            payload = (per_island[0].numel() * per_island[0].element_size() if wire is None or wire.codec is None
+                       else wire.codec.payload_bytes(per_island[0].numel()))
             done_at = self.charge_allreduce(payload, blocking=False)
-            return LocalWork(mean, done_at, self.clock, self.clock.last_collective)
+            return LocalWork(mean, done_at, self.clock, self.clock.last_collective, weight=total)
         device = per_island[0].device
 
         def timer() -> float:  # the codec's queued work on an accelerator is waited for
@@ -100,7 +108,8 @@ class LocalComm(Comm):
         self.clock.charge_codec(times.encode_s)  # each island encodes its tensor before sending it
         done_at = self.charge_allreduce(payload, blocking=False)
         decode = sum(times.decode_s)  # and decodes every island's payload once they arrived
-        return LocalWork(mean, done_at, self.clock, self.clock.last_collective, [decode] * self.islands)
+        return LocalWork(mean, done_at, self.clock, self.clock.last_collective, [decode] * self.islands,
+                         weight=total)
 
     def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
         """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.
@@ -155,6 +164,9 @@ class LocalRuntime(Runtime):
 
     def totals(self, islands: list[Island]) -> tuple[float, int]:
         return sum(i.last_loss for i in islands) / len(islands), sum(i.tokens for i in islands)
+
+    def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
+        return [i.skipped_steps for i in islands], [i.reset_count for i in islands]
 
     def compute_s(self, islands: list[Island]) -> float:
         return max(i.compute_s for i in islands)

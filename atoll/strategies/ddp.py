@@ -3,6 +3,11 @@
 The maths is that of one model trained with K times the batch: the mean of the islands' mean-loss
 gradients is the gradient of the mean loss over all K batches. Every island applies the same averaged
 gradient with identically initialised AdamW states, so the replicas stay identical.
+
+An island whose gradient is not finite weighs 0 in the mean (the others' mean is applied everywhere); one
+whose loss is not finite (its weights are lost) is then reset from a healthy replica
+(:mod:`atoll.strategies.repair`; its AdamW state is every replica's already). Every island sees that
+something went wrong in the all-reduce's total weight, so the healthy path costs no extra exchange.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from atoll.analysis.cost import Cost, Setting
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import Strategy, make_wire
+from atoll.strategies.repair import BAD_GRADIENT, DIVERGED, HEALTHY, gather_status, reset_from_peer
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -30,13 +36,22 @@ class DDP(Strategy):
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
         self.wire = make_wire(config, comm.local_islands)
+        self.dropped_updates = 0
 
     def step(self, step: int) -> None:
         grads = [island.flat_grads() for island in self.islands]
-        mean = self.comm.all_reduce_mean(grads, weights=[1.0] * len(grads), wire=self.wire, key="grad")
-        for island in self.islands:
+        status = [DIVERGED if island.diverged else HEALTHY if bool(torch.isfinite(g).all()) else BAD_GRADIENT
+                  for island, g in zip(self.islands, grads, strict=True)]
+        weights = [1.0 if s == HEALTHY else 0.0 for s in status]
+        grads = [g if s == HEALTHY else torch.zeros_like(g) for g, s in zip(grads, status, strict=True)]
+        mean, total = self.comm.all_reduce_mean_and_weight(grads, weights=weights, wire=self.wire, key="grad")
+        for island in self.islands:  # no island contributed: the mean is NaN and every island skips the step
             island.set_flat_grads(mean)
             island.inner_step()
+        if total < self.comm.islands:  # an island of the job contributed nothing: who, and is it diverged?
+            job_status = gather_status(self.comm, status)
+            self.dropped_updates += sum(s != HEALTHY for s in job_status)
+            reset_from_peer(self.comm, self.islands, job_status, step, keep_optimizer=True)
 
     def global_params(self) -> torch.Tensor:
         return self.islands[0].flat_params()

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import Field
 
-from atoll.algorithms.demo import DeMo
+from atoll.algorithms.demo import DeMo, DemoPayload
 from atoll.analysis.cost import Cost, Setting, demo_payload_bytes
 from atoll.config.section import Section
 from atoll.runtime.network import ring_allgather_bytes
 from atoll.strategies.base import Strategy
+from atoll.strategies.repair import DIVERGED, HEALTHY, reset_from_peer
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -60,25 +61,50 @@ def make_optimizer(groups: list[dict[str, Any]], config: TrainConfig) -> torch.o
                 sign_values=config.demo_sign_values)
 
 
+def mark_diverged(payloads: list[DemoPayload]) -> None:
+    """Mark a diverged island's payloads as empty, in place: the first one's indices become -1 (no index
+    is negative), so the payload keeps its size and layout on the wire (every island all-gathers the same
+    shapes) and travels as any other."""
+    payloads[0].indices.fill_(-1)
+
+
+def is_marked(payloads: list[DemoPayload]) -> bool:
+    """Whether an island's payloads were marked by :func:`mark_diverged`."""
+    return bool(payloads) and payloads[0].indices.numel() > 0 and int(payloads[0].indices.reshape(-1)[0]) == -1
+
+
 class DeMoStrategy(Strategy):
     """Runs each island's :class:`~atoll.algorithms.demo.DeMo` optimizer in lockstep through ``comm``."""
 
     name = "demo"
 
     def step(self, step: int) -> None:
+        """Encode, all-gather, apply. A gradient that is not finite counts as zero (the island still sends
+        its momentum's components); an island whose loss is not finite sends a payload marked as empty
+        (:func:`mark_diverged`), which nobody applies, and is then reset from a healthy replica with a zero
+        momentum (:mod:`atoll.strategies.repair`)."""
         payloads = []
         for island in self.islands:
             with island.timed():
-                island.clip_gradients()
+                if island.diverged or not island.clip_gradients():  # a gradient not finite counts as zero
+                    for p in island.params:
+                        p.grad = torch.zeros_like(p)
                 payloads.append(island.optimizer.encode_step())
+                if island.diverged:
+                    mark_diverged(payloads[-1])
         optimizer: DeMo = self.islands[0].optimizer  # type: ignore[assignment]
         gathered = self.comm.all_gather(payloads, payload_bytes=optimizer.bytes_per_step())
+        job_status = [DIVERGED if is_marked(pls) else HEALTHY for pls in gathered]
+        applied = [pls for pls, s in zip(gathered, job_status, strict=True) if s == HEALTHY]
         for island in self.islands:
             with island.timed(), warnings.catch_warnings():
                 # the scheduler cannot see apply_step() as an optimizer step; the schedule is unaffected
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-                island.optimizer.apply_step(gathered)  # type: ignore[attr-defined]
+                if applied:  # the mean of the healthy islands' components (none: the job diverged)
+                    island.optimizer.apply_step(applied)  # type: ignore[attr-defined]
                 island.finish_step()
+        self.dropped_updates += job_status.count(DIVERGED)
+        reset_from_peer(self.comm, self.islands, job_status, step, keep_optimizer=False)
 
     def global_params(self) -> torch.Tensor:
         return self.islands[0].flat_params()

@@ -14,6 +14,7 @@ import torch
 
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.analysis.cost import Cost, Setting
+from atoll.job.divergence import Diverged
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import Strategy, drop_non_finite, make_wire
 from atoll.strategies.spec import StrategySpec, SuiteRun
@@ -38,23 +39,43 @@ class DiLoCo(Strategy):
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
-        for island in self.islands:
-            island.inner_step()
+        for position, island in enumerate(self.islands):
+            if island.diverged:  # its loss is not finite: restart it from the global model (README, "Reliability")
+                self.reset_island(position, self.outer.params.detach())
+                island.skip_step()
+            else:
+                island.inner_step()
         if (step + 1) % self.config.sync_every == 0:
             self.outer_step(step + 1)
 
+    def reset_island(self, position: int, params: torch.Tensor) -> None:
+        """Reset a diverged local island to ``params`` with a fresh inner optimizer; what it trained since the
+        last sync is lost (its weight at the next sync counts its tokens from now)."""
+        self.islands[position].reset_to(params)
+        self.tokens_at_sync[position] = self.islands[position].tokens
+
     def outer_step(self, steps_done: int) -> None:
-        """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step."""
+        """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step.
+
+        Raises:
+            Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
+        """
         deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
         deltas, weights, dropped = drop_non_finite(deltas, weights)
         self.dropped_updates += sum(dropped)
-        if sum(weights) > 0:
-            new_global = self.outer.step(self.comm.all_reduce_mean(deltas, weights=weights, wire=self.wire, key="all"))
-        else:  # nothing usable arrived: keep the global model, restart every island from it
-            new_global = self.outer.params.detach()
-        for island in self.islands:
-            island.set_flat_params(new_global)
+        mean, total = self.comm.all_reduce_mean_and_weight(deltas, weights=weights, wire=self.wire, key="all")
+        if total <= 0:
+            raise Diverged(steps_done, "no island had a finite pseudo-gradient to average (every island diverged "
+                                       "since the last sync)")
+        new_global = self.outer.step(mean)
+        if not bool(torch.isfinite(new_global).all()):
+            raise Diverged(steps_done, "the global model is not finite after the outer step")
+        for position, island in enumerate(self.islands):
+            if dropped[position]:  # its weights are lost: reset it, with a fresh inner optimizer
+                self.reset_island(position, new_global)
+            else:
+                island.set_flat_params(new_global)
         self.tokens_at_sync = [island.tokens for island in self.islands]
         self.last_sync_step = steps_done
 

@@ -90,8 +90,14 @@ class StreamingDiLoCo(Strategy):
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
-        for island in self.islands:
-            island.inner_step()
+        for position, island in enumerate(self.islands):
+            if island.diverged:  # its loss is not finite: restart it from the global model (README, "Reliability")
+                island.reset_to(self.global_params())  # a fresh inner optimizer; its work since each sync is lost
+                for ts in self.tokens_at_sync:
+                    ts[position] = island.tokens
+                island.skip_step()
+            else:
+                island.inner_step()
         for job in [j for j in self.in_flight if j.merge_after_step == step]:
             self._merge(job)
         for p in fragments_due(step, len(self.index), self.config.sync_every):

@@ -65,13 +65,13 @@ def _from_bytes(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class DistWork(Work):
     """A collective in flight over ``torch.distributed``; ``wait()`` finishes it once and keeps the result."""
 
-    def __init__(self, finish: Callable[[], torch.Tensor]) -> None:
-        self._finish: Callable[[], torch.Tensor] | None = finish
+    def __init__(self, finish: Callable[[], tuple[torch.Tensor, float]]) -> None:
+        self._finish: Callable[[], tuple[torch.Tensor, float]] | None = finish
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
-            self._result = self._finish()
+            self._result, self.weight = self._finish()
             self._finish = None
         assert self._result is not None
         return self._result
@@ -166,8 +166,8 @@ class DistComm(Comm):
         :func:`~atoll.algorithms.merge.average_encoded` does; counted ``(K-1) * payload`` bytes.
 
         Raises:
-            ConfigError: a weight that is negative or not finite; weights of every island summing to zero
-                (at ``wait()``).
+            ConfigError: a weight that is negative or not finite (weights of every island summing to zero
+                give a NaN mean, as the local runtime's).
             PeerFailure: another rank failed or the deadline passed (at ``wait()``).
         """
         self._check(per_island)
@@ -181,11 +181,10 @@ class DistComm(Comm):
             exchange = _Exchange(self, torch.cat([x * w, x.new_tensor([w])]), gather=False)
             self._count(ring_allreduce_bytes(4 * n, self.islands))
 
-            def finish_sum() -> torch.Tensor:
+            def finish_sum() -> tuple[torch.Tensor, float]:
                 total = exchange.result()
-                if float(total[n]) <= 0:
-                    raise ConfigError("weights: the islands' weights sum to zero; nothing to average")
-                return total[:n] / total[n]
+                weight = float(total[n])
+                return (total[:n] / total[n] if weight > 0 else torch.full((n,), math.nan)), weight
 
             return DistWork(finish_sum)
 
@@ -197,12 +196,12 @@ class DistComm(Comm):
         exchange = _Exchange(self, torch.cat([header, packed]), gather=True)
         self._count(ring_allgather_bytes(packed.numel(), self.islands))
 
-        def finish_decode() -> torch.Tensor:
+        def finish_decode() -> tuple[torch.Tensor, float]:
             rows = exchange.result()  # (islands, 8 + payload bytes)
             ws = [float(row[:8].clone().view(torch.float64)) for row in rows]
             if sum(ws) <= 0:
-                raise ConfigError("weights: the islands' weights sum to zero; nothing to average")
-            return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws)
+                return torch.full((n,), math.nan), 0.0
+            return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws), sum(ws)
 
         return DistWork(finish_decode)
 

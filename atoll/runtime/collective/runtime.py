@@ -231,6 +231,14 @@ class CollectiveRuntime(Runtime):
         dist_call(dist.all_reduce, buf, group=self.control)
         return float(buf[0]) / self.islands, int(buf[1])
 
+    def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
+        buf = torch.zeros(2 * self.islands, dtype=torch.float64)
+        if self.position == 0:  # one rank per island reports it
+            for i in islands:
+                buf[i.index], buf[self.islands + i.index] = i.skipped_steps, i.reset_count
+        dist_call(dist.all_reduce, buf, group=self.control)
+        return [int(x) for x in buf[:self.islands]], [int(x) for x in buf[self.islands:]]
+
     def compute_s(self, islands: list[Island]) -> float:
         buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
         dist_call(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=self.control)

@@ -61,6 +61,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
+from atoll.job.divergence import Diverged, check_eval, check_resets, record
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
 from atoll.runtime.ray.cluster import (
@@ -152,8 +153,16 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0, "codec_s": 0.0}
     res = [results.get(i, idle) for i in range(config.islands)]
     bytes_sent = [r["bytes_sent"] for r in res]
-    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
-    run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
+    loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+    resets = [int(r.get("resets", 0)) for r in res]  # the islands reset themselves (atoll.job.divergence)
+    diverged: Diverged | None = None  # checked at the end only: the driver sees the islands when they finish
+    try:
+        check_resets(config.steps, sum(resets), config.islands)
+        check_eval(config.steps, loss, run.data.vocab_size)
+    except Diverged as e:
+        diverged = e
+    if diverged is None:  # a diverged run's model is not saved
+        run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
     step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
     return run.finish(
         tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands,
@@ -166,4 +175,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         rejoins=[j - 1 for j in final["joins"]], rejoin_s=final["rejoin_s"], versions=final["versions"],
         abandoned_islands=final["abandoned"], lost_islands=final["lost"], syncer_restarts=final["syncer_restarts"],
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
-        startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res])
+        startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
+        skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
+        **({"island_resets": resets} if any(resets) else {}),
+        **({"diverged": record(config, diverged)} if diverged is not None else {}))

@@ -266,6 +266,7 @@ class IslandService:
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
                 "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss, "codec_s": self.worker.wire.codec_s[0],
+                "resets": island.reset_count, "skipped_steps": island.skipped_steps,
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def pid(self) -> int:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.job.data import PreparedData, sample_batch
+from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, make_island
 from atoll.strategies.base import make_wire, model_fragments
 from atoll.strategies.decoupled import local_sync_every
@@ -161,11 +162,19 @@ class IslandWorker:
         c = self.config
         batch = sample_batch(self.job.data.island_tokens[self.index], c.batch_size, c.seq_len, c.seed,
                              self.index, self.steps)
+        inject_fault(self.island, self.steps, "weights")  # test hook (atoll.job.divergence)
         loss = self.island.forward_backward(batch)
-        self.island.inner_step()
+        inject_fault(self.island, self.steps, "grad")
+        diverged = self.island.diverged
+        if diverged:  # its weights are lost: restart from the global model it last pulled
+            self.reset()
+            self.island.skip_step()
+        else:
+            self.island.inner_step()
         self.steps += 1
         self.round_step += 1
-        self.tokens_since = [t + c.tokens_per_step for t in self.tokens_since]
+        if not diverged:
+            self.tokens_since = [t + c.tokens_per_step for t in self.tokens_since]
         return loss
 
     def due(self) -> list[int]:
@@ -209,6 +218,17 @@ class IslandWorker:
         self.base[p] = pull.params.clone()
         self.base_version[p] = pull.version
         self.at_push[p] = None
+
+    def reset(self) -> None:
+        """A diverged island (its loss not finite): back to the global fragments it last pulled, with a fresh
+        inner optimizer, counted in ``island.reset_count``. Its work since its last pushes is lost (nothing
+        of it is pushed); an answer still on the way replaces its fragment as a final pull would."""
+        flat = torch.empty_like(self.job.init_flat)
+        for idx, base in zip(self.fragment_index, self.base, strict=True):
+            flat[idx] = base
+        self.island.reset_to(flat)
+        self.at_push = [None] * self.fragments
+        self.tokens_since = [0] * self.fragments
 
     def lose_work(self) -> float:
         """A failure: forget what was not pushed; return those tokens (scaled by each fragment's share)."""

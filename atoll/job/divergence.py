@@ -1,0 +1,152 @@
+"""Divergence: an island whose weights went bad is reset; a job that diverged stops with its summary.
+
+An island has *diverged* when its training loss is not finite (NaN or infinite weights make every loss
+NaN): its weights are lost, so it is reset (:meth:`atoll.job.island.Island.reset_to`) from the global model
+(``diloco``, ``streaming``, ``decoupled``) or from a healthy peer's replica (``ddp``, ``demo``), and counted
+in ``island_resets``. A gradient that is not finite on weights that are (an overflow) only skips that
+island's step (``skipped_steps``, :meth:`~atoll.job.island.Island.clip_gradients`).
+
+The *job* has diverged when no island is left to copy from (every island diverged at once, or every
+pseudo-gradient of an exchange was not finite), when the global model's held-out loss is not finite or
+above :data:`LOSS_BOUND_FACTOR` x ln(vocabulary) (far worse than a uniform guess), or when the islands were
+reset more than :data:`RESET_LIMIT` times each on average. It then stops: :class:`Diverged` carries the
+step and what went wrong; the driver writes the summary with a ``diverged`` entry and the ``atoll``
+command prints :func:`message` and exits with status 1.
+
+Tests inject faults with :data:`FAULT_HOOK_ENV` (``weights:ISLAND:STEP`` or ``grad:ISLAND:STEP``, 1-based
+inner step, comma separated): that island's weights or gradient become NaN at that step, under every
+runtime (one process or many).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atoll.errors import ConfigError
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+    from atoll.job.island import Island
+
+#: resets per island, on average over the job's islands, past which the job counts as diverged
+RESET_LIMIT = 5
+#: a held-out loss (nats per token) above this many times ln(vocabulary size) counts as diverged
+LOSS_BOUND_FACTOR = 10.0
+#: test hook: ``weights:ISLAND:STEP`` or ``grad:ISLAND:STEP`` (comma separated) make that island's
+#: weights (before its forward pass) or gradient (after its backward pass) NaN at that 1-based inner step
+FAULT_HOOK_ENV = "ATOLL_TEST_NAN_AT"
+
+
+class Diverged(Exception):
+    """The job diverged at inner step ``step`` (1-based): ``what`` says how (one clause, no advice)."""
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"step {step}: {what}")
+        self.step = step
+        self.what = what
+
+
+def eval_diverged(loss: float, vocab_size: int) -> str | None:
+    """Why a held-out loss (nats per token) means the global model diverged, or None when it does not."""
+    if not math.isfinite(loss):
+        return f"the global model's held-out loss is {loss}"
+    bound = LOSS_BOUND_FACTOR * math.log(vocab_size)
+    if loss > bound:
+        return (f"the global model's held-out loss is {loss:.4g}, above {LOSS_BOUND_FACTOR:g} x ln(vocabulary) = "
+                f"{bound:.4g} (a uniform guess scores {math.log(vocab_size):.4g})")
+    return None
+
+
+def resets_diverged(resets: int, islands: int) -> str | None:
+    """Why ``resets`` island resets over a job of ``islands`` islands mean it diverged, or None."""
+    if resets > RESET_LIMIT * islands:
+        return f"the islands were reset {resets} times, more than {RESET_LIMIT} per island"
+    return None
+
+
+def check_eval(step: int, loss: float, vocab_size: int) -> None:
+    """Raise :class:`Diverged` at ``step`` when the held-out loss ``loss`` says so (:func:`eval_diverged`)."""
+    why = eval_diverged(loss, vocab_size)
+    if why:
+        raise Diverged(step, why)
+
+
+def check_resets(step: int, resets: int, islands: int) -> None:
+    """Raise :class:`Diverged` at ``step`` when the job's island resets are past the limit."""
+    why = resets_diverged(resets, islands)
+    if why:
+        raise Diverged(step, why)
+
+
+def advice(config: TrainConfig) -> str:
+    """What to change before starting again: the learning rates the strategy uses, and the warmup."""
+    if config.strategy == "demo":
+        rates = f"--demo-lr (it is {config.demo_lr:g})"
+    elif config.strategy == "ddp":
+        rates = f"--lr (it is {config.lr:g})"
+    else:
+        rates = f"--lr (it is {config.lr:g}) or --outer-lr (it is {config.outer_lr:g})"
+    clip = "" if config.grad_clip > 0 else ", keep --grad-clip on"
+    return f"lower {rates}, raise --warmup-steps (it is {config.warmup_steps}){clip}, and start again"
+
+
+def record(config: TrainConfig, error: Diverged) -> dict[str, Any]:
+    """The summary's ``diverged`` entry: ``step`` (1-based inner step), ``reason``, ``fix``."""
+    return {"step": error.step, "reason": error.what, "fix": advice(config)}
+
+
+def until_diverged(run: Callable[..., Any], *args: Any) -> Diverged | None:
+    """Call ``run(*args)`` (a driver's loop); return the :class:`Diverged` that stopped it, or None."""
+    try:
+        run(*args)
+    except Diverged as e:
+        return e
+    return None
+
+
+def island_extras(config: TrainConfig, islands: list[Island], diverged: Diverged | None) -> dict[str, Any]:
+    """The summary's entries of a driver that holds every island: ``island_resets`` (per island, when one
+    was reset) and ``diverged`` (:func:`record`, when the job diverged)."""
+    resets = [i.reset_count for i in islands]
+    return {**({"island_resets": resets} if any(resets) else {}),
+            **({"diverged": record(config, diverged)} if diverged is not None else {})}
+
+
+def message(diverged: dict[str, Any]) -> str:
+    """The one line a diverged run ends with: ``training diverged at step N: <reason>; <fix>``."""
+    return f"training diverged at step {diverged['step']}: {diverged['reason']}; {diverged['fix']}"
+
+
+def _parse_faults() -> list[tuple[str, int, int]]:
+    value = os.environ.get(FAULT_HOOK_ENV)
+    if not value:
+        return []
+    faults = []
+    for item in value.split(","):
+        try:
+            kind, island, step = item.split(":")
+            if kind not in ("weights", "grad"):
+                raise ValueError(kind)
+            faults.append((kind, int(island), int(step)))
+        except ValueError:
+            raise ConfigError(f"{FAULT_HOOK_ENV}: expected weights|grad:ISLAND:STEP (e.g. grad:1:3), got "
+                              f"{item!r}") from None
+    return faults
+
+
+def inject_fault(island: Island, step: int, kind: str) -> None:
+    """Test hook (:data:`FAULT_HOOK_ENV`): make ``island``'s weights (``kind="weights"``, call before its
+    forward pass) or gradient (``"grad"``, after its backward pass) NaN at 0-based inner step ``step``."""
+    if (kind, island.index, step + 1) not in _parse_faults():
+        return
+    with torch.no_grad():
+        for p in island.params:
+            if kind == "weights":
+                p.fill_(math.nan)
+            elif p.grad is not None:
+                p.grad.fill_(math.nan)
