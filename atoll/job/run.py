@@ -138,6 +138,8 @@ class Run:
         tokenizer: the run's tokenizer, saved beside every checkpoint's model.
         n_params: parameters of the model.
         initial_eval_loss, eval_loss: held-out loss before training and at the last evaluation.
+        trackers: the experiment trackers of ``config.tracker`` (main process, from :meth:`begin`), which
+            receive every event :meth:`emit` writes.
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input (one line naming the field and the fix).
