@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def test_checkpoints_are_readable_by_other_users_and_latest_is_a_link(tmp_path: 
     latest.unlink()  # a run folder of an earlier atoll: latest was a text file naming the folder
     latest.write_text("step_0000010\n")
     assert latest_checkpoint(tmp_path) == first
+    # a copy of the run folder that followed the link (cp -r): latest is a folder; the next checkpoint mends it
+    latest.unlink()
+    shutil.copytree(second, latest)
+    assert latest_checkpoint(tmp_path) == second
+    third = save_checkpoint(tmp_path, 30, {"w": torch.arange(4.0)})
+    assert latest.is_symlink() and latest_checkpoint(tmp_path) == third
 
 
 def test_a_clock_trace_restored_from_a_checkpoint_replays_as_the_whole_run() -> None:

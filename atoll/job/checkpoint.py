@@ -103,7 +103,10 @@ def _point_latest(root: Path, name: str) -> None:
         os.symlink(name, tmp, target_is_directory=True)
     except (OSError, NotImplementedError):  # no symlinks here (some Windows setups): the text file
         tmp.write_text(name + "\n")
-    os.replace(tmp, root / "latest")
+    latest = root / "latest"
+    if latest.is_dir() and not latest.is_symlink():  # a copy of the run folder that followed the link
+        shutil.rmtree(latest)
+    os.replace(tmp, latest)
 
 
 def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | None = None,
