@@ -222,3 +222,16 @@ def test_a_run_logging_to_a_file_says_what_it_does(fast_config: dict, tmp_path: 
     assert lines[0].startswith("atoll: training a 512-token BPE tokenizer on ")
     steps = [line.split(" | ")[0] for line in lines if line.startswith("atoll: step")]
     assert steps == [f"atoll: step {s}/20 ({s / 20:.0%})" for s in (5, 10, 15, 20)]
+
+
+def test_time_left_is_this_sessions_mean_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    import atoll.job.metrics as metrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    bar = ProgressDisplay(100, 20, False, console=Console(file=io.StringIO()))  # resumed at step 20
+    assert bar.eta_s(20) is None  # no step yet: no estimate
+    now[0] = 130.0  # a slow first step (compilation, a cold cache) weighs as one step of many
+    assert bar.eta_s(21) == pytest.approx(30.0 * 79)
+    now[0] = 160.0
+    assert bar.eta_s(40) == pytest.approx(60.0 / 20 * 60)
