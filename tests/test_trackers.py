@@ -235,3 +235,30 @@ def test_time_left_is_this_sessions_mean_pace(monkeypatch: pytest.MonkeyPatch) -
     assert bar.eta_s(21) == pytest.approx(30.0 * 79)
     now[0] = 160.0
     assert bar.eta_s(40) == pytest.approx(60.0 / 20 * 60)
+
+
+def test_a_resumed_tensorboard_folder_reads_as_one_run(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from atoll.job.trackers import TensorBoardTracker
+
+    def ev(step: int, loss: float) -> dict:
+        return {"event": "eval", "step": step, "tokens": 100 * step, "eval_loss": loss,
+                "bytes_sent_per_island": 1000.0 * step, "sim_wall_s": step / 10}
+
+    first = TensorBoardTracker(tmp_path, {})
+    before = [ev(0, 6.0), ev(5, 5.5), ev(10, 5.0)]
+    for record in [*before, ev(15, 4.5)]:  # the run stopped after step 15; its checkpoint is step 10's
+        first.log(record)
+    first.close()
+    resumed = TensorBoardTracker(tmp_path, {}, start_step=10, history=before)
+    for record in (ev(15, 4.25), ev(20, 4.0)):
+        resumed.log(record)
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    expected = [(0, 6.0), (5, 5.5), (10, 5.0), (15, 4.25), (20, 4.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == expected
+    assert [(e.step, e.value) for e in acc.Scalars("eval_vs_bytes/loss")] == [(1000 * s, v) for s, v in expected]
+    assert [(e.step, e.value) for e in acc.Scalars("eval_vs_tokens/loss")] == [(100 * s, v) for s, v in expected]

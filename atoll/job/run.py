@@ -33,7 +33,7 @@ from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
-from atoll.job.metrics import MetricsLog, NullLog, perplexity, write_summary
+from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
 from atoll.job.model import build_model, count_parameters, param_bytes
 from atoll.job.report import plot_runs
 from atoll.job.trackers import Tracker, open_trackers
@@ -194,8 +194,10 @@ class Run:
         if self.is_main:
             self.log = MetricsLog(self.out / "metrics.jsonl",
                                   truncate_after_step=self.start_step if self.state is not None else None)
+            resuming = self.state is not None
             self.trackers = open_trackers(config.tracker, self.out, config.model_dump(mode="json"),
-                                          self.start_step if self.state is not None else None)
+                                          self.start_step if resuming else None,
+                                          read_metrics(self.out / "metrics.jsonl") if resuming and config.tracker else None)
         if self.state is not None:
             try:
                 if restore is not None:

@@ -87,9 +87,13 @@ class TensorBoardTracker:
         out: the run folder.
         config: the run's settings (JSON-able), written once as the text ``config``.
         start_step: a resumed run's checkpoint step: events of later steps in the folder are purged.
+        history: a resumed run's events up to its checkpoint (``metrics.jsonl`` as kept): the purge also
+            drops the ``eval_vs_*`` points, whose steps are bytes, milliseconds and tokens, so they are
+            written again.
     """
 
-    def __init__(self, out: Path, config: dict[str, Any], start_step: int | None = None) -> None:
+    def __init__(self, out: Path, config: dict[str, Any], start_step: int | None = None,
+                 history: list[dict[str, Any]] | None = None) -> None:
         import json
 
         from torch.utils.tensorboard import SummaryWriter
@@ -98,20 +102,29 @@ class TensorBoardTracker:
                                     purge_step=start_step + 1 if start_step is not None else None)
         if start_step is None:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", 0)
+        for record in history or []:  # the purge dropped the points whose step is past the checkpoint's
+            if record.get("event") == "eval":
+                self._eval_axes(record, scalars(record), above=start_step)
+
+    def _eval_axes(self, record: dict[str, Any], values: dict[str, float], above: int | None = None) -> None:
+        """The held-out loss against bytes, simulated milliseconds and tokens (each its step); only the
+        points whose step is past ``above`` when given."""
+        if "eval/loss" not in values:
+            return
+        axes = (("eval_vs_bytes/loss", values.get("comm/bytes_sent_per_island")),
+                ("eval_vs_sim_time/loss", 1000 * values["time/sim_wall_s"] if "time/sim_wall_s" in values else None),
+                ("eval_vs_tokens/loss", float(record.get("tokens", 0))))
+        for tag, x in axes:
+            if x is not None and (above is None or round(x) > above):
+                self.writer.add_scalar(tag, values["eval/loss"], round(x))
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
         values = scalars(record)
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
-        if record["event"] == "eval" and "eval/loss" in values:
-            loss = values["eval/loss"]
-            axes = (("eval_vs_bytes/loss", values.get("comm/bytes_sent_per_island")),
-                    ("eval_vs_sim_time/loss", 1000 * values["time/sim_wall_s"] if "time/sim_wall_s" in values else None),
-                    ("eval_vs_tokens/loss", float(record.get("tokens", 0))))
-            for tag, x in axes:
-                if x is not None:
-                    self.writer.add_scalar(tag, loss, round(x))
+        if record["event"] == "eval":
+            self._eval_axes(record, values)
         self.writer.flush()
 
     def close(self) -> None:
@@ -130,7 +143,8 @@ class WandbTracker:
         start_step: a resumed run's checkpoint step: the same W&B run continues.
     """
 
-    def __init__(self, out: Path, config: dict[str, Any], start_step: int | None = None) -> None:
+    def __init__(self, out: Path, config: dict[str, Any], start_step: int | None = None,
+                 history: list[dict[str, Any]] | None = None) -> None:
         import wandb
 
         self.wandb = wandb
@@ -170,9 +184,10 @@ class WandbTracker:
 TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
 
 
-def open_trackers(names: list[str], out: Path, config: dict[str, Any],
-                  start_step: int | None = None) -> list[Tracker]:
-    """The trackers ``names`` of the run in ``out`` (its ``config``; ``start_step`` when resuming).
+def open_trackers(names: list[str], out: Path, config: dict[str, Any], start_step: int | None = None,
+                  history: list[dict[str, Any]] | None = None) -> list[Tracker]:
+    """The trackers ``names`` of the run in ``out`` (its ``config``; when resuming, the checkpoint's
+    ``start_step`` and the ``history`` of events kept up to it).
 
     Raises:
         ConfigError: a tracker's package is missing (names the ``pip install``).
@@ -181,4 +196,4 @@ def open_trackers(names: list[str], out: Path, config: dict[str, Any],
         check_installed(names)
     except ValueError as e:
         raise ConfigError(f"tracker: {e}") from None
-    return [TRACKERS[name](out, config, start_step) for name in names]
+    return [TRACKERS[name](out, config, start_step, history) for name in names]
