@@ -20,7 +20,9 @@ The x-axis of every metric is the inner step, except the ``eval_vs_*`` ones. Ten
 integer x-axis, so those take bytes, simulated milliseconds and tokens as their step; in W&B they are
 plotted against ``x/bytes_sent_per_island``, ``x/sim_wall_s`` and ``x/tokens`` (``wandb.define_metric``).
 A resumed run continues the same TensorBoard folder (events after the checkpoint's step are purged, as
-``metrics.jsonl`` drops them) and the same W&B run (its id is kept in ``<out>/wandb/atoll-run-id``).
+``metrics.jsonl`` drops them) and the same W&B run (its id is kept in ``<out>/wandb/atoll-run-id``; W&B
+keeps the history it holds, so the steps it received past the checkpoint are not rewritten: it warns and
+skips them).
 """
 
 from __future__ import annotations
