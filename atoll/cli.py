@@ -5,7 +5,7 @@
     atoll train --runtime collective --islands 2 --ranks-per-island 2    # real processes, this machine
     torchrun --nproc-per-node 4 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
     atoll sweep --outer-lr 0.5,0.7,1 --sync-every 25,50 --at-mbps 100 [--out DIR]   # a grid, compared
-    atoll report RUN_DIR [RUN_DIR ...] [--out report.png]
+    atoll report RUN_DIR [RUN_DIR ...] [--names A,B] [--out report.png]
     atoll bench wan [--steps 600] [--bandwidths 10,100] [--sync-every 100,200] ...   # as root
     atoll bench suite [--quick] [--steps 800] [--out bench/out/suite]   # every strategy, one report
     atoll project --table                     # projection to 1B/12B/100B models (no training)
@@ -107,9 +107,19 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     if train_flags:
         add_config_flags(p_sweep, exclude=("out",))
 
-    p_report = sub.add_parser("report", help="plot eval loss of one or several runs side by side")
-    p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
-    p_report.add_argument("--out", type=Path, default=Path("report.png"), help="PNG to write [default: report.png]")
+    p_report = sub.add_parser("report", help="plot held-out and training loss of one or several runs side by side",
+                              description="Plot held-out loss (markers) and training loss (thin lines) of atoll runs "
+                              "against training tokens, simulated wall time and bytes sent per island; each run is "
+                              "labelled by its strategy and the settings in which the runs differ.")
+    p_report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR",
+                          help="the folder of an atoll run (its --out: metrics.jsonl, config.json, summary.json), "
+                          "finished or not")
+    p_report.add_argument("--out", type=Path, default=None, metavar="PNG",
+                          help="PNG to write [default: RUN_DIR/report.png for one run, else report.png in the "
+                          "folder that holds the runs]")
+    p_report.add_argument("--names", default=None, metavar="NAME[,NAME...]",
+                          help="legend labels, one per RUN_DIR, comma-separated [default: what differs between "
+                          "the runs]")
 
     from atoll.analysis import projection
     from atoll.bench import suite, wan  # no torch at import: the parser stays fast
@@ -178,14 +188,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from atoll.errors import ConfigError
-    from atoll.job.report import plot_runs
+    from atoll.job.report import default_out, plot_runs
 
-    if args.out.is_dir() or (args.out.parent.exists() and not args.out.parent.is_dir()):
-        raise ConfigError(f"out: '{args.out}' is a folder or lies under a file; pass a PNG path with --out")
+    out = args.out if args.out is not None else default_out(args.runs)
+    if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
+        raise ConfigError(f"out: '{out}' is a folder or lies under a file; pass a PNG path with --out")
+    names = [n.strip() for n in args.names.split(",")] if args.names is not None else None
     try:
-        path = plot_runs(args.runs, args.out)
+        path = plot_runs(args.runs, out, labels=names)
     except OSError as e:
-        raise ConfigError(f"out: cannot write '{args.out}' ({e.strerror or e}); pass another --out") from None
+        raise ConfigError(f"out: cannot write '{out}' ({e.strerror or e}); pass another --out") from None
     print(f"wrote {path}")
     return 0
 

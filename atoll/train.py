@@ -112,7 +112,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
         return runtime.run_wall_s(run.wall_s())
 
     diverged: Diverged | None = None
-    with ProgressDisplay(config.steps, run.start_step, config.progress and runtime.is_main) as bar:
+    with ProgressDisplay(config.steps, run.start_step, config.progress and runtime.is_main,
+                         every=config.progress_every) as bar:
         try:
             for step in range(run.start_step, config.steps):
                 for island in islands:
@@ -131,16 +132,18 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 eval_now = done % config.evaluate_every == 0 or done == config.steps
                 if log_now or eval_now:
                     train_loss, tokens = runtime.totals(islands)  # over every island of the job
-                if log_now:
+                if log_now:  # each island's own loss where this process runs every island (not collective)
+                    own_losses = [i.last_loss for i in islands] if len(islands) == config.islands else None
                     run.log_train(done, tokens, train_loss, comm.bytes_sent_per_island, sim_wall_s(),
-                                  islands[0].scheduler.get_last_lr()[0])
+                                  islands[0].scheduler.get_last_lr()[0], island_loss=own_losses)
                     check_resets(done, sum(runtime.island_counts(islands)[1]), config.islands)
+                eval_loss = None
                 if eval_now:
                     if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
                         runtime.clock.mark(done)
-                    loss = run.log_eval(done, tokens, runtime.full_params(strategy.global_params()),
-                                        comm.bytes_sent_per_island, sim_wall_s())
-                    check_eval(done, loss, run.data.vocab_size)  # every process evaluates the same model
+                    eval_loss = run.log_eval(done, tokens, runtime.full_params(strategy.global_params()),
+                                             comm.bytes_sent_per_island, sim_wall_s())
+                    check_eval(done, eval_loss, run.data.vocab_size)  # every process evaluates the same model
                 if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
                     job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
                     params = runtime.full_params(strategy.global_params())
@@ -148,7 +151,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                         run.save_checkpoint(done, job, params)
                 session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
                 bar.update(done, sum(i.last_loss for i in islands) / len(islands),
-                           session_tokens / max(1e-9, time.perf_counter() - run.t0), comm.bytes_sent_per_island)
+                           session_tokens / max(1e-9, time.perf_counter() - bar.t0), comm.bytes_sent_per_island,
+                           eval_loss=eval_loss)
         except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)
             diverged = e
 

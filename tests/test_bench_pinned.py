@@ -24,8 +24,11 @@ from atoll.config import TrainConfig, build_config
 #: Every TrainConfig field's default at commit 568f3bb (the code the committed results were measured with).
 OLD_DEFAULTS: dict[str, Any] = {
     # added since: the device (auto is the CPU on a machine without a GPU, where the results come from) and the
-    # precision (fp32 then and by default now); compile, sharded islands (off then and by default now)
-    "device": "auto", "precision": "fp32", "compile": False, "inner_optimizer": "adamw", "shard_island": False,
+    # precision (fp32 then and by default now)
+    "device": "auto", "precision": "fp32",
+    # added since, off by default: torch.compile, experiment trackers, the plain progress lines' interval, the
+    # inner optimizer (adamw then and by default now), sharded islands
+    "compile": False, "tracker": [], "progress_every": None, "inner_optimizer": "adamw", "shard_island": False,
     # the sparseloco strategy's own settings (a strategy added since; they apply to it alone)
     "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_beta": 0.95, "sparseloco_bits": 2,
     "batch_size": 8, "cache_dir": None, "chaos": None, "checkpoint_every": 100, "codec": "fp32",

@@ -174,7 +174,7 @@ def test_jsonl_loading(tmp_path: Path) -> None:
 
 def test_jsonl_errors_name_the_field(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", ["a", "b"], field="body")
-    with pytest.raises(DataError, match="line 1 has no field 'text'; set text_field"):
+    with pytest.raises(DataError, match="line 1 has no field 'text'; set --text-field"):
         load_documents(str(path))
     assert [d.text for d in load_documents(str(path), text_field="body")] == ["a", "b"]
     bad = tmp_path / "bad.jsonl"
@@ -428,6 +428,10 @@ def test_prepare_rejects_a_corpus_too_small_for_the_islands(corpus, tmp_path: Pa
     path, _, _ = corpus
     with pytest.raises(DataError, match="^data: corpus too small for 40 islands"):
         prepare_data(str(path), 40, 300, seed=0, cache_dir=tmp_path)
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("\n\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(40)))
+    with pytest.raises(DataError, match="^data: corpus too small for 1 island: .*; use a larger corpus$"):
+        prepare_data(str(tiny), 1, 300, seed=0, cache_dir=tmp_path)
     with pytest.raises(DataError, match="^partition: unknown value"):
         prepare_data(str(path), 2, 300, seed=0, cache_dir=tmp_path, partition="random")  # type: ignore[arg-type]
 

@@ -74,7 +74,7 @@ def test_decoupled_run_with_chaos_finishes_and_every_island_rejoins(fast_config:
     assert sum(saved["steps_per_island"]) == 4 * 16 and saved["tokens"] == 4 * 16 * 4 * 32
     for key in ("rejected_updates", "stale_updates", "quorum_size_mean", "staleness_mean", "staleness_max"):
         assert key in saved, key
-    assert (Path(fast_config["out"]) / "syncer" / "checkpoints" / "latest").is_file()
+    assert (Path(fast_config["out"]) / "syncer" / "checkpoints" / "latest" / "state.json").is_file()
 
 
 @pytest.mark.slow

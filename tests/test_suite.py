@@ -141,3 +141,24 @@ def test_quick_fidelity_shares_the_suite_runs(quick_suite: tuple[Path, str], cor
     demo = checks["demo below one island"]
     assert demo["holds"] == (runs_["demo"]["final_eval_loss"] < runs_["one_island"]["final_eval_loss"])
     assert (out / "fidelity.png").stat().st_size > 0 and "### The default run's targets" in (out / "results.md").read_text()
+
+
+def test_quick_suite_writes_beside_the_full_suite_not_over_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from atoll.bench import suite
+    from atoll.cli import build_parser
+
+    class _Stop(Exception):
+        pass
+
+    folders: list[Path] = []
+    monkeypatch.setattr(suite, "default_out", lambda name: tmp_path / name)
+
+    def record(suite_dir: Path, *args: object, **kwargs: object) -> None:
+        folders.append(suite_dir)
+        raise _Stop
+
+    monkeypatch.setattr(suite, "train_once", record)
+    for flags, name in ((["--quick"], "suite-quick"), ([], "suite")):
+        with pytest.raises(_Stop):
+            suite.run_suite(build_parser(train_flags=False).parse_args(["bench", "suite", *flags, "--only", "ddp"]))
+        assert folders[-1] == tmp_path / name

@@ -35,8 +35,9 @@ def test_diloco_run_writes_outputs_and_learns(fast_config: dict) -> None:
     events = read_metrics(out / "metrics.jsonl")
     assert [e["step"] for e in events if e["event"] == "eval"] == [0, 10, 20]
     assert summary["final_eval_loss"] == saved["final_eval_loss"]
-    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
-    assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "model" / "tokenizer.json").is_file()
+    latest = out / "checkpoints" / "latest"
+    assert latest.is_symlink() and latest.resolve() == (out / "checkpoints" / "step_0000020").resolve()
+    assert (latest / "model" / "model.safetensors").is_file() and (latest / "model" / "tokenizer.json").is_file()
 
 
 @pytest.mark.slow
@@ -44,7 +45,7 @@ def test_checkpoint_model_loads_with_transformers(fast_config: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     train(build_config(overrides={**fast_config, "steps": 10}))
-    ckpt = Path(fast_config["out"]) / "checkpoints" / "step_0000010" / "model"
+    ckpt = Path(fast_config["out"]) / "checkpoints" / "latest" / "model"  # a stable path to the newest model
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     tok = AutoTokenizer.from_pretrained(ckpt)
     ids = tok("def main():", return_tensors="pt").input_ids
@@ -87,6 +88,14 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
     assert resumed["tokens"] == full["tokens"]
     evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
     assert evals == [0, 10, 20], "the log of a resumed run reads as one run"
+    # the clock trace continues the checkpoint's: whole, with the same collectives, waits and marks (compute
+    # seconds are measured, so they differ), so the resumed run can be re-timed at another link
+    from atoll.runtime.network import Link, load_trace, replay
+
+    traces = [load_trace(tmp_path / name / "clock_trace.json") for name in ("full", "resumed")]
+    assert traces[1]["complete"] is True
+    assert [e for e in traces[1]["events"] if e[0] != "c"] == [e for e in traces[0]["events"] if e[0] != "c"]
+    assert sorted(replay(traces[1], Link.from_config(10.0, 50.0))["marks"]) == [10, 20]
 
 
 @pytest.mark.slow

@@ -66,7 +66,8 @@ def loss_vs_time(run_dir: Path, bandwidth_mbps: float | None = None, latency_ms:
     ``step_s`` seconds on average (default: as measured).
 
     Raises:
-        ValueError: re-timing asked of a run without a complete clock trace (an asynchronous or resumed run).
+        ValueError: re-timing asked of a run without a complete clock trace (an asynchronous run, or one resumed
+            from a checkpoint of an older atoll).
     """
     from atoll.runtime.network import Link, load_trace, replay
 

@@ -35,7 +35,8 @@ from atoll.job.metrics import finite_or_none
 #: files and folders that only an atoll run folder holds; a folder with none of them is not atoll's
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
 #: every name atoll writes into a run folder (a run's, the decoupled syncer's, the WAN benchmark's)
-RUN_FILES = (*RUN_MARKERS, "summary.json", "report.png", "clock_trace.json", "syncer", "wan.json", LOCK_NAME)
+RUN_FILES = (*RUN_MARKERS, "summary.json", "report.png", "clock_trace.json", "syncer", "wan.json", "tensorboard",
+             "wandb", LOCK_NAME)
 #: the benchmark folder's list of the runs its benchmarks trained (only those may be cleared and retrained)
 REGISTRY = ".atoll-bench.json"
 #: what a benchmark writes at the top of its folder

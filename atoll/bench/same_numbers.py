@@ -100,7 +100,7 @@ def run_all(cwd: Path) -> dict[str, dict[str, str]]:
         # the resume: the same run's folder as it was at its half-way checkpoint (later ones removed), then
         # --resume; an exact resume ends with the whole run's numbers
         half = cwd / f"{name}_resumed"
-        shutil.copytree(cwd / name, half)
+        shutil.copytree(cwd / name, half, symlinks=True)  # checkpoints/latest is a link
         for ckpt in (half / "checkpoints").glob("step_*"):
             if int(ckpt.name.split("_")[1]) > STEPS // 2:
                 shutil.rmtree(ckpt)

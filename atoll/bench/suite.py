@@ -343,7 +343,8 @@ def run_suite(args: argparse.Namespace) -> int:
         targets.plot(results["time_to_target"], suite_dir / "time_to_target.png", labels)
     from atoll.job.report import plot_runs
 
-    plot_runs([suite_dir / n for n in names if n in summaries], suite_dir / "loss_curves.png")
+    trained = [n for n in names if n in summaries]
+    plot_runs([suite_dir / n for n in trained], suite_dir / "loss_curves.png", labels=[labels[n] for n in trained])
     print(text)
     print(f"wrote {suite_dir}/results.json, results.md, suite.png, time_to_target.png, loss_curves.png")
     return 0

@@ -36,7 +36,7 @@ from atoll.bench.common import train_once, write_results
 from atoll.errors import ConfigError
 
 #: settings whose single value is itself a comma-separated list: not sweepable
-NOT_SWEPT = ("island_speeds", "ray_island_resources")
+NOT_SWEPT = ("island_speeds", "ray_island_resources", "tracker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -164,7 +164,32 @@ class OutputSection(Section):
         None, description="Cache for tokenizers and token ids (default: $ATOLL_CACHE_DIR or ~/.cache/atoll)."
     )
     threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (default: torch's choice).")
-    progress: bool = Field(True, description="Show the live progress bar.")
+    progress: bool = Field(True, description="Show progress on stderr: a live bar on a terminal, otherwise (a log "
+                           "file, a cluster job) one plain line every progress_every steps and at evaluations.")
+    progress_every: int | None = Field(
+        None, ge=1, description="Inner steps between two plain progress lines when stderr is not a terminal "
+        "(default: a twentieth of the run).")
+    tracker: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list, description="Experiment trackers that also receive the run's metrics: tensorboard "
+        "(event files in <out>/tensorboard), wandb (Weights & Biases; offline with WANDB_MODE=offline), a "
+        "comma-separated list, or none. Each is an extra: pip install atoll[tensorboard] / atoll[wandb].")
+
+    @field_validator("tracker", mode="before")
+    @classmethod
+    def _parse_tracker(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, (list, tuple)):
+            value = list(dict.fromkeys(v for v in value if v != "none"))
+        return value
+
+    @field_validator("tracker")
+    @classmethod
+    def _tracker_installed(cls, value: list[str]) -> list[str]:
+        from atoll.job.trackers import check_installed  # importlib only: nothing heavy
+
+        check_installed(value)
+        return value
 
 
 class CollectiveSection(Section):

@@ -198,7 +198,8 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
 #: Settings a resumed run may change: how long it trains, how it reports and how its islands run (a
 #: collective checkpoint resumes under ``local`` and back), never what it computes.
 RESUMABLE_OVERRIDES = frozenset({
-    "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "threads", "cache_dir",
+    "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "progress_every", "tracker",
+    "threads", "cache_dir",
     "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
 })
 

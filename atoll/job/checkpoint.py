@@ -8,8 +8,11 @@ A checkpoint is a folder ``<out>/checkpoints/step_<N>/`` holding
   outer optimizer, residuals), under dotted keys;
 - ``state.json``: the rest of the state (step, counters, clocks) with references to those tensors.
 
-The folder is written under a temporary name, flushed, and renamed into place; then ``latest`` (a text
-file naming it) is replaced atomically. A crash at any point leaves the previous checkpoint intact.
+The folder is written under a temporary name, flushed, and renamed into place; then ``latest`` (a relative
+symbolic link to it, so ``checkpoints/latest/model`` is a path ``from_pretrained`` takes; a text file naming it
+where the file system has no links) is replaced atomically. A crash at any point leaves the previous
+checkpoint intact. Files and folders get the modes the process's umask gives new ones (0644 and 0755 under
+the usual 022), as the rest of the run folder, so that a process of another user can read the exported model.
 """
 
 from __future__ import annotations
@@ -75,6 +78,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # read it (os.umask only sets); put it back at once
+    os.umask(mask)
+    return mask
+
+
+def _open_modes(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes of new files under the umask (``mkdtemp`` makes 0700 and
+    safetensors writes 0600)."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """Make ``root/latest`` name the checkpoint folder ``name`` atomically: a relative symlink, or a text file
+    where links cannot be made."""
+    tmp = root / ".latest.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    try:
+        os.symlink(name, tmp, target_is_directory=True)
+    except (OSError, NotImplementedError):  # no symlinks here (some Windows setups): the text file
+        tmp.write_text(name + "\n")
+    latest = root / "latest"
+    if latest.is_dir() and not latest.is_symlink():  # a copy of the run folder that followed the link
+        shutil.rmtree(latest)
+    os.replace(tmp, latest)
+
+
 def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | None = None,
                     tokenizer: Any | None = None, keep: int = 2) -> Path:
     """Write a checkpoint of ``state`` at inner step ``step`` atomically; return its folder.
@@ -108,6 +142,7 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
+        _open_modes(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -115,9 +150,7 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+    _point_latest(root, final.name)
     _fsync_dir(root)
     for old in sorted(root.glob("step_*"), key=_step_of)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -171,9 +204,9 @@ def latest_checkpoint(out: Path) -> Path:
     """
     root = Path(out) / "checkpoints"
     latest = root / "latest"
-    if latest.is_file():
+    if latest.is_symlink() or latest.is_file():
         try:
-            name = latest.read_text(encoding="utf-8").strip()
+            name = os.readlink(latest) if latest.is_symlink() else latest.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError):
             name = ""
         path = root / name

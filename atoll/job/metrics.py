@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 
@@ -141,20 +141,53 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-class ProgressDisplay:
-    """A live progress bar of inner steps with loss, tokens/s and bytes sent; silent when disabled."""
+def status(message: str) -> None:
+    """Say what a long step of a run is doing before it starts, as one plain line on stderr,
+    ``atoll: <message>`` (e.g. that a tokenizer is being trained, a minute before the first step).
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None) -> None:
+    For any module of a run; printed whatever the progress setting (it is one line), flushed at once.
+    """
+    print(f"atoll: {message}", file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    """``3723.4`` -> ``'1:02:03'``."""
+    s = max(0, int(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class ProgressDisplay:
+    """Training progress on stderr: a live bar on a terminal; where stderr is not one (a log file, a cluster
+    job's output) one plain line every ``every`` inner steps, at every evaluation and at the last step;
+    nothing when disabled.
+
+    The estimate of the time left is this session's mean seconds per step (evaluations and checkpoints
+    included) times the steps left; none before the first step.
+
+    Args:
+        total_steps: inner steps of the run.
+        start_step: inner steps done before this session (a resumed run).
+        enabled: show anything at all.
+        console: where to draw (default: stderr); its ``is_terminal`` picks the bar or the lines.
+        every: inner steps between two plain lines (default: a twentieth of the run).
+    """
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, console: Console | None = None,
+                 every: int | None = None) -> None:
         self.console = console or Console(stderr=True)
         self.enabled = enabled
+        self.live = enabled and self.console.is_terminal
+        self.total, self.start_step = total_steps, start_step
+        self.every = every or max(1, total_steps // 20)
+        self.t0 = time.perf_counter()
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TextColumn("sent {task.fields[sent]}/island"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=self.console, disable=not enabled, transient=False,
+            TextColumn("sent {task.fields[sent]}/island"), TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
+            console=self.console, disable=not self.live, transient=False,
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
-                                           loss="-", tps="-", sent="0 B")
+                                           loss="-", tps="-", sent="0 B", eta="-")
 
     def __enter__(self) -> ProgressDisplay:
         self.progress.start()
@@ -163,9 +196,67 @@ class ProgressDisplay:
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
 
-    def update(self, step: int, loss: float, tokens_per_s: float, bytes_sent: float) -> None:
-        self.progress.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
-                             sent=human_bytes(bytes_sent))
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left after ``step`` at this session's mean pace; None before its first step."""
+        done = step - self.start_step
+        return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else None
+
+    def update(self, step: int, loss: float, tokens_per_s: float, bytes_sent: float,
+               eval_loss: float | None = None) -> None:
+        """Inner step ``step`` done (1-based): the islands' mean training loss, this session's tokens per
+        second, bytes one island sent so far, and the held-out loss when this step evaluated."""
+        eta = self.eta_s(step)
+        eta_text = _clock(eta) if eta is not None else "-"
+        if self.live:
+            self.progress.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
+                                 sent=human_bytes(bytes_sent), eta=eta_text)
+        elif self.enabled and (step % self.every == 0 or eval_loss is not None or step == self.total):
+            line = (f"atoll: step {step}/{self.total} ({step / self.total:.0%}) | loss {loss:.3f}"
+                    + (f" | eval {eval_loss:.3f}" if eval_loss is not None else "")
+                    + f" | {tokens_per_s:,.0f} tok/s | sent {human_bytes(bytes_sent)}/island"
+                    + f" | {_clock(time.perf_counter() - self.t0)} elapsed, eta {eta_text}")
+            self.console.file.write(line + "\n")
+            self.console.file.flush()
+
+
+Row = tuple[str, str]
+
+
+def _model_rows(s: dict[str, Any]) -> list[Row]:
+    return [("parameters", f"{s['params']:,}"),
+            ("device / precision", f"{s.get('device', 'cpu')} / {s.get('precision', 'fp32')}"),
+            ("tokens (all islands)", f"{s['tokens']:,}"),
+            ("eval loss: initial -> final", f"{s['initial_eval_loss']:.4f} -> {s['final_eval_loss']:.4f}"),
+            ("final perplexity", _perplexity_text(s.get("final_perplexity")))]
+
+
+def _bytes_rows(s: dict[str, Any]) -> list[Row]:
+    return [("bytes sent per island", human_bytes(s["bytes_sent_per_island"])),
+            ("ddp would send per island", human_bytes(s["ddp_bytes_per_island"])),
+            ("reduction vs ddp", f"{s['reduction_vs_ddp']:.1f}x" if s["reduction_vs_ddp"] else "-")]
+
+
+def _time_rows(s: dict[str, Any]) -> list[Row]:
+    per_island = "island_utilization" in s
+    rows = [("compute (slowest island)" + (", simulated" if per_island else ""), f"{s['compute_s']:.1f} s")]
+    if s.get("runtime") in ("collective", "ray"):  # the run's clock is the real one: one wall time
+        rows.append(("real wall time", f"{s['wall_s']:.1f} s"))
+        rows.append(("compute utilization" + (" (busiest island)" if per_island else ""),
+                     f"{s['compute_utilization']:.1%}"))
+        return rows
+    return rows + [(f"simulated wall @ {s['link_bandwidth_mbps']:g} Mbit/s", f"{s['sim_wall_s']:.1f} s"),
+                   ("compute utilization" + (" (busiest island)" if per_island else ""),
+                    f"{s['compute_utilization']:.1%}"),
+                   ("real wall time", f"{s['wall_s']:.1f} s")]
+
+
+def _island_rows(s: dict[str, Any]) -> list[Row]:
+    if "island_utilization" not in s:  # decoupled only: what failures and the syncer cost
+        return []
+    return [("compute utilization per island", " / ".join(f"{u:.0%}" for u in s["island_utilization"])),
+            ("goodput", f"{s['goodput']:.1%}" if s.get("goodput") is not None else "-"),
+            ("failures / rejected / stale pushes", f"{sum(s.get('failures', []))} / "
+             f"{s.get('rejected_updates', 0)} / {s.get('stale_updates', 0)}")]
 
 
 #: the per-island token buckets of a decoupled run's summary (atoll.strategies.decoupled.accounting), in order
@@ -193,42 +284,36 @@ def _perplexity_text(value: float | None) -> str:
     return f"{value:.2f}" if value < 1e6 else f"{value:.3g}"
 
 
+def _bucket_rows(s: dict[str, Any]) -> list[Row]:
+    return token_bucket_rows(s) if "merged_tokens_by_island" in s else []  # decoupled: where tokens went
+
+
+def _health_rows(s: dict[str, Any]) -> list[Row]:
+    rows = []  # README, "Reliability notes"
+    if s.get("skipped_steps"):
+        rows.append(("steps skipped (gradient not finite)", f"{s['skipped_steps']:,}"))
+    if s.get("island_resets"):
+        rows.append(("islands reset (diverged), per island", " / ".join(str(n) for n in s["island_resets"])))
+    if s.get("diverged"):
+        rows.append(("diverged at step", f"{s['diverged']['step']:,}"))
+    return rows
+
+
+#: the groups of rows of the final table, in order: each takes the summary and returns (name, value) rows
+#: (none when its entries are absent); a new group is one function and one entry here
+SUMMARY_ROWS = (_model_rows, _bytes_rows, _time_rows, _island_rows, _bucket_rows, _health_rows)
+
+
+def summary_rows(summary: dict[str, Any]) -> list[Row]:
+    """The rows of the final table: (metric with its unit, value as text)."""
+    return [row for group in SUMMARY_ROWS for row in group(summary)]
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
-    """A two-column table of the run summary, with units."""
+    """A two-column table of the run summary, with units (:func:`summary_rows`)."""
     table = Table(title=f"atoll {summary['strategy']} x{summary['islands']} islands", show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
-    rows = [
-        ("parameters", f"{summary['params']:,}"),
-        ("device / precision", f"{summary.get('device', 'cpu')} / {summary.get('precision', 'fp32')}"),
-        ("tokens (all islands)", f"{summary['tokens']:,}"),
-        ("eval loss: initial -> final", f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']:.4f}"),
-        ("final perplexity", _perplexity_text(summary.get("final_perplexity"))),
-        ("bytes sent per island", human_bytes(summary["bytes_sent_per_island"])),
-        ("ddp would send per island", human_bytes(summary["ddp_bytes_per_island"])),
-        ("reduction vs ddp", f"{summary['reduction_vs_ddp']:.1f}x" if summary["reduction_vs_ddp"] else "-"),
-        ("compute (slowest island)" + (", simulated" if "island_utilization" in summary else ""),
-         f"{summary['compute_s']:.1f} s"),
-        (f"simulated wall @ {summary['link_bandwidth_mbps']:g} Mbit/s" if summary.get("runtime") not in ("collective", "ray")
-         else "wall time on the real network", f"{summary['sim_wall_s']:.1f} s"),
-        ("compute utilization" + (" (busiest island)" if "island_utilization" in summary else ""),
-         f"{summary['compute_utilization']:.1%}"),
-        ("real wall time", f"{summary['wall_s']:.1f} s"),
-    ]
-    if "island_utilization" in summary:  # decoupled: what failures and the syncer cost
-        utilization = summary["island_utilization"]
-        rows += [("compute utilization per island", " / ".join(f"{u:.0%}" for u in utilization)),
-                 ("goodput", f"{summary['goodput']:.1%}" if summary.get("goodput") is not None else "-"),
-                 ("failures / rejected / stale pushes", f"{sum(summary.get('failures', []))} / "
-                  f"{summary.get('rejected_updates', 0)} / {summary.get('stale_updates', 0)}")]
-    if "merged_tokens_by_island" in summary:  # decoupled: where every island's tokens went
-        rows += token_bucket_rows(summary)
-    if summary.get("skipped_steps"):  # README, "Reliability"
-        rows.append(("steps skipped (gradient not finite)", f"{summary['skipped_steps']:,}"))
-    if summary.get("island_resets"):
-        rows.append(("islands reset (diverged), per island", " / ".join(str(n) for n in summary["island_resets"])))
-    if summary.get("diverged"):
-        rows.append(("diverged at step", f"{summary['diverged']['step']:,}"))
-    for k, v in rows:
+    for k, v in summary_rows(summary):
         table.add_row(k, v)
     return table

@@ -40,9 +40,10 @@ from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepar
 from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.lock import RunLock, claim_run_folder
-from atoll.job.metrics import MetricsLog, NullLog, perplexity, write_summary
+from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
 from atoll.job.model import build_model, count_parameters, param_bytes
 from atoll.job.report import plot_runs
+from atoll.job.trackers import Tracker, open_trackers
 from atoll.runtime.network import ring_allreduce_bytes
 
 #: held-out windows per evaluation batch, whatever the run's batch size (runs are compared on the same text)
@@ -179,6 +180,8 @@ class Run:
         tokenizer: the run's tokenizer, saved beside every checkpoint's model.
         n_params: parameters of the model.
         initial_eval_loss, eval_loss: held-out loss before training and at the last evaluation.
+        trackers: the experiment trackers of ``config.tracker`` (main process, from :meth:`begin`), which
+            receive every event :meth:`emit` writes.
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input (one line naming the field and the fix).
@@ -212,6 +215,7 @@ class Run:
         self.initial_eval_loss = self.eval_loss = math.nan
         self.prior_wall_s = 0.0
         self.log: MetricsLog | NullLog = NullLog()
+        self.trackers: list[Tracker] = []  # TensorBoard, W&B (config.tracker), main process only
 
     def _load_inputs(self, resume: bool) -> None:
         """The checkpoint's state (resume), then the data and the model (a fresh one, or ``init_from``'s)."""
@@ -236,7 +240,7 @@ class Run:
         return self.prior_wall_s + time.perf_counter() - self.t0
 
     def begin(self, restore: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """Open the metrics log; then the checkpoint's state (``restore`` takes the driver's part of it) or,
+        """Open the metrics log and the trackers; then the checkpoint's state (``restore`` takes the driver's part of it) or,
         for a new run, the initial evaluation with its ``start`` and ``eval`` events; then ``config.json``.
 
         Raises:
@@ -246,6 +250,10 @@ class Run:
         if self.is_main:
             self.log = MetricsLog(self.out / "metrics.jsonl",
                                   truncate_after_step=self.start_step if self.state is not None else None)
+            resuming = self.state is not None
+            self.trackers = open_trackers(config.tracker, self.out, config.model_dump(mode="json"),
+                                          self.start_step if resuming else None,
+                                          read_metrics(self.out / "metrics.jsonl") if resuming and config.tracker else None)
         if self.state is not None:
             try:
                 if restore is not None:
@@ -261,10 +269,17 @@ class Run:
             self.log.log("start", step=0, params=self.n_params, config=config.model_dump(mode="json"),
                          train_tokens=self.data.num_train_tokens, val_tokens=self.data.num_val_tokens,
                          tokenizer_from_cache=self.data.tokenizer_from_cache)
-            self.log.log("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
-                         perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
+            self.emit("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
+                      perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
         if self.is_main:  # only now: a resume that failed above has left the run folder untouched
             write_text_atomic(self.out / "config.json", config.model_dump_json(indent=2))
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Log one event to ``metrics.jsonl`` and to every tracker; return it."""
+        record = self.log.log(event, **fields)
+        for tracker in self.trackers:
+            tracker.log(record)
+        return record
 
     # --- during the loop ------------------------------------------------------------------------------
     def set_global(self, params: torch.Tensor) -> PreTrainedModel:
@@ -273,17 +288,24 @@ class Run:
         return self.model
 
     def log_train(self, step: int, tokens: int, loss: float, bytes_sent_per_island: float, sim_wall_s: float,
-                  lr: float) -> None:
-        """A ``train`` event: the islands' mean training loss at inner step ``step`` (1-based count)."""
-        self.log.log("train", step=step, tokens=tokens, loss=loss, bytes_sent_per_island=bytes_sent_per_island,
-                     sim_wall_s=sim_wall_s, lr=lr)
+                  lr: float, island_loss: list[float] | None = None,
+                  island_bytes_sent: list[float] | None = None) -> None:
+        """A ``train`` event: the islands' mean training loss at inner step ``step`` (1-based count); with
+        each island's own loss (nats per token) and bytes sent where the driver has them."""
+        extra: dict[str, Any] = {}
+        if island_loss is not None:
+            extra["island_loss"] = [float(x) for x in island_loss]
+        if island_bytes_sent is not None:
+            extra["island_bytes_sent"] = [float(x) for x in island_bytes_sent]
+        self.emit("train", step=step, tokens=tokens, loss=loss, bytes_sent_per_island=bytes_sent_per_island,
+                  sim_wall_s=sim_wall_s, lr=lr, **extra)
 
     def log_eval(self, step: int, tokens: int, params: torch.Tensor, bytes_sent_per_island: float,
                  sim_wall_s: float) -> float:
         """Evaluate the global parameters ``params`` on the held-out batches; log an ``eval`` event; return it."""
         self.eval_loss = evaluate(self.set_global(params), self.val)
-        self.log.log("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=perplexity(self.eval_loss),
-                     sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
+        self.emit("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=perplexity(self.eval_loss),
+                  sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
         return self.eval_loss
 
     def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor) -> Path:
@@ -329,8 +351,10 @@ class Run:
             "init_from": str(config.init_from) if config.init_from else None, "out": str(self.out),
         }
         end = own["diverged"]["step"] if own.get("diverged") else config.steps
-        self.log.log("end", step=end, **summary)
+        self.emit("end", step=end, **summary)
         self.log.close()
+        for tracker in self.trackers:
+            tracker.close()
         if self.is_main:
             write_summary(self.out, summary)
             plot_runs([self.out], self.out / "report.png")

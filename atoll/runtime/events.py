@@ -275,7 +275,8 @@ class Simulation:
         tps = config.tokens_per_step
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
-                          w.island.scheduler.get_last_lr()[0])
+                          w.island.scheduler.get_last_lr()[0], island_loss=list(st.last_loss),
+                          island_bytes_sent=list(st.bytes_sent))
             check_resets(st.done // K, sum(w.island.reset_count for w in self.workers), K)
         if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
             check_eval(st.done // K, run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),

@@ -91,8 +91,9 @@ class ClockTrace:
 
     Attributes:
         islands: K.
-        complete: False once the trace misses part of the run (a run resumed from a checkpoint records
-            only what followed the resume): :func:`replay` refuses it.
+        complete: False once the trace misses part of the run (a wait it cannot attribute, or a resume from
+            a checkpoint written without its trace): :func:`replay` refuses it. A checkpoint holds the trace
+            so far (:meth:`SimClock.state_dict`), so a resumed run's trace is whole.
     """
 
     islands: int
@@ -137,6 +138,20 @@ class ClockTrace:
         self._flush()
         return {"islands": self.islands, "complete": self.complete, "events": self.events}
 
+    def snapshot(self) -> dict[str, Any]:
+        """What :meth:`to_dict` gives, without flushing the compute pending since the last event (so that a
+        checkpoint does not split it and change the replay's sums): for checkpoints."""
+        pending = [["c", list(self._pending)]] if any(self._pending) else []
+        return {"islands": self.islands, "complete": self.complete, "events": [*self.events, *pending],
+                "collectives": self.collectives}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Continue the trace of :meth:`snapshot` (a resumed run)."""
+        self.events = [list(e) for e in snapshot["events"]]
+        self.complete = bool(snapshot["complete"])
+        self.collectives = int(snapshot["collectives"])
+        self._pending = [0.0] * self.islands
+
     def save(self, path: Path, **meta: Any) -> None:
         """Write the trace as JSON, with ``meta`` (e.g. the link it ran at) beside it."""
         Path(path).write_text(json.dumps({**meta, **self.to_dict()}))
@@ -168,10 +183,11 @@ def replay(trace: dict[str, Any], link: Link, compute_scale: float = 1.0) -> dic
         {label: simulated seconds at that mark} (the evaluations' times).
 
     Raises:
-        ValueError: an incomplete trace (a resumed run).
+        ValueError: an incomplete trace (a run resumed from a checkpoint written without its trace).
     """
     if not trace.get("complete", False):
-        raise ValueError("the clock trace misses part of the run (resumed from a checkpoint); cannot re-time it")
+        raise ValueError("the clock trace misses part of the run (resumed from a checkpoint written without its "
+                         "trace, by an older atoll); cannot re-time it")
     k = int(trace["islands"])
     clock = SimClock(k)
     compute = [0.0] * k
@@ -295,8 +311,11 @@ class SimClock:
         return max(self.island_time) if self.island_time else 0.0
 
     def state_dict(self) -> dict:
-        return {"island_time": list(self.island_time), "comm_busy_s": self.comm_busy_s,
-                "blocked_s": list(self.blocked_s), "link_free_at": self.link_free_at, "codec_s": list(self.codec_s)}
+        state = {"island_time": list(self.island_time), "comm_busy_s": self.comm_busy_s,
+                 "blocked_s": list(self.blocked_s), "link_free_at": self.link_free_at, "codec_s": list(self.codec_s)}
+        if self.trace is not None:
+            state["trace"] = self.trace.snapshot()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.island_time = [float(x) for x in state["island_time"]]
@@ -304,5 +323,8 @@ class SimClock:
         self.blocked_s = [float(x) for x in state["blocked_s"]]
         self.link_free_at = float(state["link_free_at"])
         self.codec_s = [float(x) for x in state.get("codec_s", [0.0] * self.islands)]  # older checkpoints: none
-        if self.trace is not None:  # what ran before the checkpoint was not recorded by this process
-            self.trace.complete = False
+        if self.trace is not None:
+            if "trace" in state:  # the trace up to the checkpoint, continued by this process
+                self.trace.restore(state["trace"])
+            else:  # a checkpoint written without it: what ran before is not recorded
+                self.trace.complete = False

@@ -266,9 +266,11 @@ def prepare_data(
     ]
     for island, shard in enumerate(island_tokens):
         if len(shard) < MIN_ISLAND_TOKENS:
+            islands = f"{num_islands} islands" if num_islands != 1 else "1 island"
             raise DataError(
-                f"data: corpus too small for {num_islands} islands: island {island} gets {len(shard)} training "
-                f"tokens (need >= {MIN_ISLAND_TOKENS}); use a larger corpus or fewer islands"
+                f"data: corpus too small for {islands}: island {island} gets {len(shard)} training "
+                f"tokens (need >= {MIN_ISLAND_TOKENS}); use a larger corpus"
+                + (" or fewer islands" if num_islands > 1 else "")
             )
     val_tokens = _concat_with_eos(tokens, offsets, val_idx, eos_id)
     island_sources = [sorted({docs[train_idx[j]].source for j in island_docs}) for island_docs in assignment]

@@ -238,7 +238,7 @@ def _load_jsonl(path: Path, name: str, text_field: str) -> list[Document]:
                 ) from exc
             if not isinstance(obj, dict) or text_field not in obj:
                 raise DataError(
-                    f"data: '{path}' line {lineno} has no field '{text_field}'; set text_field to the field "
+                    f"data: '{path}' line {lineno} has no field '{text_field}'; set --text-field to the field "
                     "that holds the text"
                 )
             text = obj[text_field]
@@ -247,7 +247,7 @@ def _load_jsonl(path: Path, name: str, text_field: str) -> list[Document]:
             if not isinstance(text, str):
                 raise DataError(
                     f"data: '{path}' line {lineno} field '{text_field}' is {type(text).__name__}, not a string; "
-                    "set text_field to a text field"
+                    "set --text-field to a text field"
                 )
             source = obj.get("source")
             if text.strip():
@@ -272,7 +272,7 @@ def _load_parquet(path: Path, name: str, text_field: str) -> list[Document]:
         ) from exc
     if text_field not in schema_names:
         raise DataError(
-            f"data: '{path}' has no column '{text_field}' (columns: {', '.join(schema_names[:10])}); set text_field "
+            f"data: '{path}' has no column '{text_field}' (columns: {', '.join(schema_names[:10])}); set --text-field "
             "to the column that holds the text"
         )
     columns = [text_field] + (["source"] if "source" in schema_names and text_field != "source" else [])
@@ -285,7 +285,7 @@ def _load_parquet(path: Path, name: str, text_field: str) -> list[Document]:
             continue
         if not isinstance(text, str):
             raise DataError(
-                f"data: '{path}' column '{text_field}' holds {type(text).__name__}, not strings; set text_field "
+                f"data: '{path}' column '{text_field}' holds {type(text).__name__}, not strings; set --text-field "
                 "to a text column"
             )
         if text.strip():
@@ -319,7 +319,7 @@ def _load_hf(
     if text_field not in ds.column_names:
         raise DataError(
             f"data: Hugging Face dataset '{name}' has no column '{text_field}' (columns: "
-            f"{', '.join(ds.column_names[:10])}); set text_field to the column that holds the text"
+            f"{', '.join(ds.column_names[:10])}); set --text-field to the column that holds the text"
         )
     docs = []
     for row, text in enumerate(ds[text_field]):

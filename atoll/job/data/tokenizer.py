@@ -21,6 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from atoll.errors import DataError
 from atoll.job.data.sources import Document, _one_line
+from atoll.job.metrics import status
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def load_or_train_tokenizer(
                 return tok, True
         except Exception as exc:  # a truncated or foreign file: retrain and overwrite it
             log.warning("ignoring unreadable tokenizer cache %s: %s", path, _one_line(exc))
+    chars = sum(len(d.text) for d in train_docs)
+    status(f"training a {vocab_size}-token BPE tokenizer on {len(train_docs):,} documents ({chars / 1e6:.1f}M "
+           f"characters; once per corpus and vocabulary, then read from {cache_dir}) ...")
     t0 = time.perf_counter()
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
