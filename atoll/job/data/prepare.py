@@ -22,6 +22,7 @@ from atoll.job.data.shards import (
 from atoll.job.data.sources import load_documents
 from atoll.job.data.split import doc_unit, val_mask
 from atoll.job.data.stream import prepare_streamed
+from atoll.job.data.tokenizer import _ensure_dir
 
 
 def prepare_data(
@@ -75,6 +76,7 @@ def prepare_data(
     if stream:
         return prepare_streamed(spec, num_islands, vocab_size, seed, cache_dir, partition, val_fraction,
                                 text_field, tokenizer, max_documents)
+    _ensure_dir(cache_dir)
     docs = load_documents(spec, text_field=text_field)
     if len(docs) < 2:
         raise DataError(

@@ -36,13 +36,13 @@ def has_tokenizer(folder: str | Path) -> bool:
     return any((Path(folder).expanduser() / f).is_file() for f in TOKENIZER_FILES)
 
 
-def tokenizer_source(model: str, tokenizer: str | None, presets: tuple[str, ...] = ()) -> str | None:
+def tokenizer_source(model: str, tokenizer: str | None) -> str | None:
     """Where the run's tokenizer comes from: a folder or Hub id to load, or None for atoll's BPE.
 
     Args:
         model: ``--model``: a preset name, a local folder, or a Hub id.
-        tokenizer: ``--tokenizer``: ``"bpe"``, a folder / Hub id, or None (default: the model's own).
-        presets: the preset names (a preset brings no tokenizer).
+        tokenizer: ``--tokenizer``: ``"bpe"``, a folder / Hub id, or None (default: the model's own; a preset
+            brings none).
 
     Returns:
         ``tokenizer`` when it names one; with None, the model folder when it holds a tokenizer, the Hub id
@@ -52,7 +52,9 @@ def tokenizer_source(model: str, tokenizer: str | None, presets: tuple[str, ...]
         return None
     if tokenizer:
         return tokenizer
-    if model in presets:
+    from atoll.job.model import PRESETS
+
+    if model in PRESETS:
         return None
     if Path(model).expanduser().is_dir():
         return model if has_tokenizer(model) else None
@@ -81,7 +83,8 @@ def load_pretrained_tokenizer(source: str) -> Any:
             raise ConfigError(f"tokenizer: '{source}' is neither a folder nor a Hugging Face id; {fix}")
         reason = _hub_unreachable_reason()
         if reason is not None:
-            raise ConfigError(f"tokenizer: cannot download '{source}' from the Hugging Face Hub ({reason}); {fix}")
+            raise ConfigError(f"tokenizer: cannot download '{source}' from the Hugging Face Hub ({reason}); download "
+                              f"it once (hf download {source} --local-dir DIR) and pass DIR, or {fix}")
     from transformers import AutoTokenizer
 
     try:
