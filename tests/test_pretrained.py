@@ -25,7 +25,13 @@ TOKENIZER_TEXTS = [f"the {w} of island {i} trains a model while links carry byte
 def make_model_folder(path: Path, arch: str = "llama", tokenizer_vocab: int = 300, model_vocab: int = 320) -> Path:
     """A random causal LM of ``model_vocab`` embedding rows and a ``tokenizer_vocab``-token BPE, in ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -104,8 +104,7 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
         model = LlamaForCausalLM(config)
         model.train()
         return model
-    from atoll.job.data.pretrained import is_hub_id
-    from atoll.job.data.sources import _hub_unreachable_reason
+    from atoll.job.data.sources import _hub_unreachable_reason, is_hub_id
 
     if not Path(name_or_path).is_dir():
         if not is_hub_id(name_or_path):

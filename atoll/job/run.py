@@ -31,10 +31,10 @@ from atoll.config import TrainConfig
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import latest_checkpoint, load_checkpoint, new_run_dir, save_checkpoint
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
+from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, write_summary
-from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
 from atoll.job.report import plot_runs
 from atoll.runtime.network import ring_allreduce_bytes

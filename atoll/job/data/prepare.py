@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from atoll.errors import DataError
-from atoll.job.data.pretrained import is_hub_id, load_pretrained_tokenizer
+from atoll.job.data.pretrained import load_pretrained_tokenizer
 from atoll.job.data.shards import (
     PreparedData,
     _check_islands,
@@ -19,7 +19,7 @@ from atoll.job.data.shards import (
     resolve_tokenizer,
     with_tokenizer,
 )
-from atoll.job.data.sources import load_documents
+from atoll.job.data.sources import is_hub_id, load_documents
 from atoll.job.data.split import doc_unit, val_mask
 from atoll.job.data.stream import prepare_streamed
 from atoll.job.data.tokenizer import _ensure_dir

@@ -10,25 +10,18 @@ corpus (the same ids as calling the ``AutoTokenizer`` with ``add_special_tokens=
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from atoll.errors import ConfigError
-from atoll.job.data.sources import _hub_unreachable_reason, _one_line
+from atoll.job.data.sources import _hub_unreachable_reason, _one_line, is_hub_id
 
 #: ``--tokenizer bpe``: train atoll's byte-level BPE on the corpus even when the model brings a tokenizer.
 BPE = "bpe"
 # Files one of which a folder saved with ``tokenizer.save_pretrained`` holds.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-def is_hub_id(name: str) -> bool:
-    """True for ``owner/name`` that is not an existing path: a Hugging Face Hub repository id."""
-    return bool(_HF_ID_RE.match(name)) and not Path(name).expanduser().exists()
 
 
 def has_tokenizer(folder: str | Path) -> bool:

@@ -326,6 +326,11 @@ def _load_hf(
     return docs
 
 
+def is_hub_id(name: str) -> bool:
+    """True for ``owner/name`` that is not an existing path: a Hugging Face Hub repository id."""
+    return bool(_HF_REPO_RE.match(name)) and not Path(name).expanduser().exists()
+
+
 def _hub_unreachable_reason(timeout_s: float = 3.0) -> str | None:
     """Why the Hub cannot be reached, or None when it can (or when we cannot tell: offline mode, a proxy).
 

@@ -52,6 +52,7 @@ from atoll.job.data.sources import (
     _hub_unreachable_reason,
     _load_file,
     _one_line,
+    is_hub_id,
 )
 from atoll.job.data.split import doc_unit, val_mask
 from atoll.job.data.tokenizer import _atomic_write, _ensure_dir
@@ -195,8 +196,6 @@ def prepare_streamed(spec: str, num_islands: int, vocab_size: int, seed: int, ca
 
 
 def _is_hf(spec: str) -> bool:
-    from atoll.job.data.pretrained import is_hub_id
-
     return spec.startswith("hf:") or is_hub_id(spec)
 
 
