@@ -610,3 +610,34 @@ def test_hf_dataset_is_streamed_into_cached_shards(tmp_path: Path, monkeypatch: 
     assert len(calls) == 1 and again.fingerprint == data.fingerprint and again.tokens_from_cache
     with pytest.raises(DataError, match=r"^data: cannot stream Hugging Face dataset 'org/other' \(offline"):
         prepare_data("hf:org/other", 2, 300, seed=0, cache_dir=tmp_path)
+
+
+def test_atoll_prepare_fills_the_cache_that_train_reads(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    write_shards(tmp_path / "shards")
+    flags = ["--data", str(tmp_path / "shards"), "--cache-dir", str(tmp_path / "c"), "--islands", "2",
+             "--vocab-size", "300"]
+    cold = run_cli("prepare", *flags)
+    assert cold.returncode == 0, cold.stderr
+    assert "200 documents" in cold.stdout and "300-token vocabulary (atoll's BPE, trained); tokens tokenized" in cold.stdout
+    warm = run_cli("prepare", *flags)
+    assert "(atoll's BPE, cached); tokens from the cache" in warm.stdout
+    data = prepare_data(str(tmp_path / "shards"), 2, 300, seed=0, cache_dir=tmp_path / "c")
+    assert data.tokens_from_cache and data.tokenizer_from_cache
+    assert f"{data.num_train_tokens:,} training" in warm.stdout
+
+
+def test_streamed_copies_of_a_shard_keep_their_own_split(tmp_path: Path) -> None:
+    """Two files of the same bytes share nothing in the cache: their documents' ids, hence split, differ."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    texts = make_texts(80, seed=7)
+    write_jsonl(folder / "x.jsonl", texts)
+    write_jsonl(folder / "y.jsonl", texts)
+    mem = prepare_data(str(folder), 2, 300, seed=0, cache_dir=tmp_path / "m", stream=False)
+    streamed = prepare_data(str(folder), 2, 300, seed=0, cache_dir=tmp_path / "s")
+    assert streamed.num_val_documents == mem.num_val_documents
+    assert np.array_equal(streamed.val_tokens, mem.val_tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(streamed.island_tokens, mem.island_tokens, strict=True))
+    assert len(list((tmp_path / "s").glob("stream-*.npz"))) == 2

@@ -9,7 +9,7 @@ as :func:`atoll.job.data.sources.load_documents` reads a folder), and
    (read shard by shard), and is cached under the fingerprint;
 3. each shard is tokenized on its own and cached as one ``stream-<key>.npz`` (token ids, offsets, each
    document's split number and source; numeric and fixed-width text arrays, never pickles), keyed by the
-   shard's bytes and the tokenizer (with a pretrained tokenizer, a shard added to the folder costs only its
+   shard's name and bytes and the tokenizer (with a pretrained tokenizer, a shard added to the folder costs only its
    own tokenization; atoll's BPE is retrained on the new corpus, so every shard is tokenized again);
 4. the documents are split and dealt to islands exactly as in memory (:func:`atoll.job.data.shards.assemble`):
    the same tokenizer and the same documents give the same island shards and validation tokens.
@@ -157,7 +157,8 @@ def prepare_streamed(spec: str, num_islands: int, vocab_size: int, seed: int, ca
     paths, cached = [], 0
     meta: list[dict[str, np.ndarray]] = []  # per shard: lengths, units, sources (the tokens stay on disk)
     for (path, name), digest in zip(files, digests, strict=True):
-        key = hashlib.sha256(f"{TOKENS_FORMAT}|{STREAM_FORMAT}|{text_field}|{digest}|{tok_hash}".encode())
+        # The name is part of the key: documents' ids, hence their split, derive from it.
+        key = hashlib.sha256(f"{TOKENS_FORMAT}|{STREAM_FORMAT}|{text_field}|{name}|{digest}|{tok_hash}".encode())
         cache = cache_dir / f"stream-{key.hexdigest()[:24]}.npz"
         arrays = _load_shard(cache)
         if arrays is None or arrays["tokens"].dtype != dtype:
