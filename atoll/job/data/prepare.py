@@ -73,6 +73,9 @@ def prepare_data(
         tokenizer = load_pretrained_tokenizer(tokenizer)
     if stream is None:
         stream = spec.startswith("hf:") or Path(spec).expanduser().is_dir() or is_hub_id(spec)
+    if max_documents is not None and not (spec.startswith("hf:") or is_hub_id(spec)):
+        raise DataError(f"max_documents: applies to hf: datasets only, not to '{spec}'; leave it out, or keep "
+                        "fewer files in the folder")
     if stream:
         return prepare_streamed(spec, num_islands, vocab_size, seed, cache_dir, partition, val_fraction,
                                 text_field, tokenizer, max_documents)
