@@ -62,7 +62,8 @@ def prepare_data(
     Raises:
         DataError: any ``load_documents`` / ``load_or_train_tokenizer`` error; ``partition`` unknown, or
             ``non_iid`` with fewer sources than islands; fewer than 2 documents; an island with fewer than
-            2048 training tokens (corpus too small for that many islands).
+            2048 training tokens (corpus too small for that many islands); ``max_documents`` for a source
+            other than a Hugging Face dataset.
         ConfigError: the pretrained tokenizer cannot be loaded (field ``tokenizer``).
     """
     if num_islands < 1:
