@@ -641,6 +641,9 @@ def test_streamed_copies_of_a_shard_keep_their_own_split(tmp_path: Path) -> None
     assert np.array_equal(streamed.val_tokens, mem.val_tokens)
     assert all(np.array_equal(a, b) for a, b in zip(streamed.island_tokens, mem.island_tokens, strict=True))
     assert len(list((tmp_path / "s").glob("stream-*.npz"))) == 2
+    # A changed shard changes the fingerprint a resumed run checks.
+    write_jsonl(folder / "y.jsonl", texts[:-1])
+    assert prepare_data(str(folder), 2, 300, seed=0, cache_dir=tmp_path / "s").fingerprint != streamed.fingerprint
 
 
 def test_max_documents_is_for_hf_datasets_only(corpus, tmp_path: Path) -> None:  # noqa: ANN001
