@@ -2,6 +2,7 @@
 
     atoll train [--config run.toml] [--strategy diloco] [--islands 4] [--sync-every 50] ...
     atoll train --resume RUN_DIR [--steps 1200]
+    atoll prepare --data DIR [--tokenizer FOLDER] [--islands 4] ...   # read, tokenize and cache a corpus once
     atoll train --runtime collective --islands 2 --ranks-per-island 2    # real processes, this machine
     torchrun --nproc-per-node 4 -m atoll.cli train --runtime collective --islands 2 --ranks-per-island 2
     atoll sweep --outer-lr 0.5,0.7,1 --sync-every 25,50 --at-mbps 100 [--out DIR]   # a grid, compared
@@ -95,6 +96,14 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     if train_flags:
         add_config_flags(p_train)
 
+    p_prepare = sub.add_parser("prepare", help="read, tokenize and cache a corpus as 'atoll train' with the same "
+                               "flags would, without training (a large corpus prepared once)",
+                               description="Prepare the data of a run (tokenizer, token cache, island shards) and "
+                               "say what it holds; a later 'atoll train' with the same data flags reads the cache.")
+    p_prepare.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
+    if train_flags:
+        add_config_flags(p_prepare)
+
     p_sweep = sub.add_parser("sweep", help="a grid of runs (any train flag as a comma-separated list), compared at "
                              "equal tokens and at equal wall time on a link", description=_sweep_doc())
     p_sweep.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
@@ -186,6 +195,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    import time
+
+    from atoll.config import TrainConfig, build_config
+    from atoll.job.data import default_cache_dir, prepare_data
+    from atoll.job.data.pretrained import tokenizer_source
+
+    config = build_config(args.config, {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields})
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    t0 = time.perf_counter()
+    source = tokenizer_source(config.model, config.tokenizer)
+    data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
+                        partition=config.partition, text_field=config.text_field, tokenizer=source,
+                        max_documents=config.max_documents)
+    tokenizer = f"'{source}'" if source else ("atoll's BPE, cached" if data.tokenizer_from_cache else "atoll's BPE, trained")
+    print(f"{config.data}: {data.num_documents:,} documents ({data.num_val_documents:,} held out), "
+          f"{data.num_train_tokens:,} training and {data.num_val_tokens:,} validation tokens for {config.islands} "
+          f"islands; {data.vocab_size:,}-token vocabulary ({tokenizer}); tokens "
+          f"{'from the cache' if data.tokens_from_cache else 'tokenized'} in {time.perf_counter() - t0:.1f} s; "
+          f"cache: {cache_dir}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from atoll.errors import ConfigError
     from atoll.job.report import default_out, plot_runs
@@ -241,12 +273,14 @@ def _cmd_project(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
     words = sys.argv[1:] if argv is None else argv
-    args = build_parser(train_flags=words[:1] in (["train"], ["sweep"]) or not words).parse_args(argv)
+    args = build_parser(train_flags=words[:1] in (["train"], ["sweep"], ["prepare"]) or not words).parse_args(argv)
     try:
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "sweep":
             return _cmd_sweep(args)
+        if args.command == "prepare":
+            return _cmd_prepare(args)
         if args.command == "report":
             return _cmd_report(args)
         if args.command == "bench":

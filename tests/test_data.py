@@ -125,15 +125,40 @@ def test_unknown_source_and_unsupported_extension(tmp_path: Path) -> None:
         load_documents(str(tmp_path / "emptydir"))
 
 
-def test_txt_documents_split_by_two_blank_lines(tmp_path: Path) -> None:
+def test_txt_documents_split_by_blank_lines(tmp_path: Path) -> None:
     path = tmp_path / "book.txt"
     path.write_text(
-        "first doc line 1\n\nstill first\n\n\nsecond doc\n \n\t\n\n\nthird doc\n", encoding="utf-8"
+        "first doc line 1\nstill first\n\nsecond doc\n \n\t\n\n\nthird doc\n", encoding="utf-8"
     )
     docs = load_documents(str(path))
-    assert [d.text for d in docs] == ["first doc line 1\n\nstill first", "second doc", "third doc"]
+    assert [d.text for d in docs] == ["first doc line 1\nstill first", "second doc", "third doc"]
     assert [d.doc_id for d in docs] == ["book.txt#0", "book.txt#1", "book.txt#2"]
     assert {d.source for d in docs} == {"book.txt"}
+
+
+def test_txt_with_one_blank_line_between_paragraphs_trains(tmp_path: Path) -> None:
+    """A normal prose file (one blank line between paragraphs) is many documents, about 5% held out."""
+    path = tmp_path / "essay.txt"
+    path.write_text("\n\n".join(make_texts(300, seed=3)) + "\n", encoding="utf-8")
+    data = prepare_data(str(path), 1, 300, seed=0, cache_dir=tmp_path)
+    assert data.num_documents == 300 and 5 <= data.num_val_documents <= 30
+    assert data.num_val_tokens < 0.12 * (data.num_train_tokens + data.num_val_tokens)
+
+
+def test_txt_too_small_says_how_much_is_needed(tmp_path: Path) -> None:
+    path = tmp_path / "short.txt"
+    path.write_text("\n\n".join(make_texts(4, seed=4)) + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as one:
+        prepare_data(str(path), 1, 300, seed=0, cache_dir=tmp_path)
+    msg = str(one.value)
+    assert msg.startswith("data: corpus too small for 1 island:") and "\n" not in msg
+    assert "at least 2,048 training tokens" in msg and "fewer islands" not in msg and "validation tokens" in msg
+    with pytest.raises(DataError, match=r"at least 8,192 training tokens, or fewer islands"):
+        prepare_data(str(path), 4, 300, seed=0, cache_dir=tmp_path)
+    single = tmp_path / "single.txt"
+    single.write_text("one paragraph\nof two lines\n", encoding="utf-8")
+    with pytest.raises(DataError, match="separate documents in a .txt file by a blank line"):
+        prepare_data(str(single), 1, 300, seed=0, cache_dir=tmp_path)
 
 
 def test_txt_single_long_document_is_cut_at_line_boundaries(tmp_path: Path) -> None:
@@ -430,7 +455,7 @@ def test_prepare_rejects_a_corpus_too_small_for_the_islands(corpus, tmp_path: Pa
         prepare_data(str(path), 40, 300, seed=0, cache_dir=tmp_path)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("\n\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(40)))
-    with pytest.raises(DataError, match="^data: corpus too small for 1 island: .*; use a larger corpus$"):
+    with pytest.raises(DataError, match=r"^data: corpus too small for 1 island: .*; use a corpus of at least 2,048 training tokens \(README, Data\)$"):
         prepare_data(str(tiny), 1, 300, seed=0, cache_dir=tmp_path)
     with pytest.raises(DataError, match="^partition: unknown value"):
         prepare_data(str(path), 2, 300, seed=0, cache_dir=tmp_path, partition="random")  # type: ignore[arg-type]
@@ -481,3 +506,151 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("ATOLL_CACHE_DIR")
     assert default_cache_dir() == Path.home() / ".cache" / "atoll"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Streaming: a folder of shards, a Hugging Face dataset
+
+
+def write_shards(folder: Path) -> None:
+    """Five shards of three kinds, 200 documents in all (sources as file names or a jsonl field)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = make_texts(200, seed=5)
+    write_jsonl(folder / "a.jsonl", texts[:50], [f"web{i % 3}" for i in range(50)])
+    (folder / "b").mkdir()
+    write_jsonl(folder / "b" / "c.jsonl", texts[50:90])
+    pq.write_table(pa.table({"text": texts[90:150]}), folder / "d.parquet")
+    (folder / "e.txt").write_text("\n\n".join(texts[150:180]) + "\n", encoding="utf-8")
+    write_jsonl(folder / "f.jsonl", texts[180:])
+
+
+@pytest.mark.parametrize("partition", ["iid", "non_iid"])
+def test_streamed_folder_gives_the_in_memory_tokens(tmp_path: Path, partition: str) -> None:
+    write_shards(tmp_path / "shards")
+    spec = str(tmp_path / "shards")
+    mem = prepare_data(spec, 3, 300, seed=2, cache_dir=tmp_path / "mem", partition=partition, stream=False)
+    streamed = prepare_data(spec, 3, 300, seed=2, cache_dir=tmp_path / "st", partition=partition)
+    assert streamed.streamed and not mem.streamed
+    assert streamed.tokenizer.to_str() == mem.tokenizer.to_str() and streamed.vocab_size == mem.vocab_size == 300
+    for a, b in zip(mem.island_tokens + [mem.val_tokens], streamed.island_tokens + [streamed.val_tokens], strict=True):
+        assert a.dtype == b.dtype == np.uint16 and np.array_equal(a, b)
+    assert streamed.num_documents == mem.num_documents == 200
+    assert streamed.num_val_documents == mem.num_val_documents >= 1
+    assert streamed.island_sources == mem.island_sources
+    assert len(list((tmp_path / "st").glob("stream-*.npz"))) == 5  # one token cache per shard
+    warm = prepare_data(spec, 3, 300, seed=2, cache_dir=tmp_path / "st", partition=partition)
+    assert warm.tokens_from_cache and warm.tokenizer_from_cache and warm.fingerprint == streamed.fingerprint
+    assert all(np.array_equal(a, b) for a, b in zip(warm.island_tokens, streamed.island_tokens, strict=True))
+
+
+def test_streaming_holds_one_shard_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import atoll.job.data.stream as stream_mod
+
+    write_shards(tmp_path / "shards")
+    files = stream_mod.shard_files(tmp_path / "shards")
+    reads: list[str] = []
+    real_load = stream_mod._load_file
+    monkeypatch.setattr(stream_mod, "_load_file", lambda p, n, f: reads.append(n) or real_load(p, n, f))
+    shards = stream_mod.iter_shards(files, "text")
+    assert reads == []  # a generator: nothing read before it is asked
+    first = next(shards)
+    assert reads == ["a.jsonl"] and len(first) == 50
+    next(shards)
+    assert reads == ["a.jsonl", "b/c.jsonl"]
+    # prepare: the BPE reads the shards once in turn, the tokenization once more; each encode call sees one shard.
+    reads.clear()
+    encoded: list[int] = []
+    real_encode = stream_mod._encode_documents
+    monkeypatch.setattr(stream_mod, "_encode_documents",
+                        lambda tok, texts, dtype: encoded.append(len(texts)) or real_encode(tok, texts, dtype))
+    data = prepare_data(str(tmp_path / "shards"), 2, 300, seed=0, cache_dir=tmp_path / "c")
+    names = [n for _, n in files]
+    assert reads == names + names and encoded == [50, 40, 60, 30, 20] and data.num_documents == 200
+    # A changed shard invalidates the BPE (trained on the corpus), so every shard is tokenized again; an
+    # unchanged corpus reads no text at all.
+    reads.clear()
+    prepare_data(str(tmp_path / "shards"), 2, 300, seed=0, cache_dir=tmp_path / "c")
+    assert reads == []
+
+
+def test_hf_dataset_is_streamed_into_cached_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    import atoll.job.data.stream as stream_mod
+
+    texts = make_texts(250, seed=6)
+    pulled: list[int] = []
+    calls: list[tuple] = []
+
+    def fake_load_dataset(name, config=None, split=None, streaming=False):  # noqa: ANN001, ANN202
+        calls.append((name, config, split, streaming))
+
+        def rows():  # noqa: ANN202
+            for i, t in enumerate(texts):
+                pulled.append(i)
+                yield {"content": t, "id": i}
+
+        return rows()
+
+    monkeypatch.setattr(stream_mod, "_hub_unreachable_reason", lambda: None)
+    monkeypatch.setattr(stream_mod, "HF_SHARD_DOCS", 64)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    with pytest.raises(DataError, match=r"^data: Hugging Face dataset 'org/web' has no column 'body'"):
+        prepare_data("hf:org/web:en", 2, 300, seed=0, cache_dir=tmp_path, text_field="body")
+    calls.clear()
+    pulled.clear()
+    data = prepare_data("hf:org/web:en", 2, 300, seed=0, cache_dir=tmp_path, text_field="content",
+                        max_documents=200)
+    assert calls == [("org/web", "en", "train", True)] and len(pulled) == 200  # stops at max_documents
+    folder = next(tmp_path.glob("hf-*"))
+    assert sorted(p.name for p in folder.glob("*.parquet")) == [f"shard-0000{i}.parquet" for i in range(4)]
+    assert data.streamed and data.num_documents == 200 and data.island_sources == [["org/web"], ["org/web"]]
+    decoded = {data.tokenizer.decode(d.tolist()) for s in data.island_tokens + [data.val_tokens]
+               for d in split_at_eos(s, data.eos_id)}
+    assert decoded == set(texts[:200])
+    monkeypatch.setattr(stream_mod, "_hub_unreachable_reason", lambda: "cannot reach huggingface.co:443: test")
+    again = prepare_data("hf:org/web:en", 2, 300, seed=0, cache_dir=tmp_path, text_field="content",
+                         max_documents=200)  # the cached shards: no network
+    assert len(calls) == 1 and again.fingerprint == data.fingerprint and again.tokens_from_cache
+    with pytest.raises(DataError, match=r"^data: cannot stream Hugging Face dataset 'org/other' \(offline"):
+        prepare_data("hf:org/other", 2, 300, seed=0, cache_dir=tmp_path)
+
+
+def test_atoll_prepare_fills_the_cache_that_train_reads(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    write_shards(tmp_path / "shards")
+    flags = ["--data", str(tmp_path / "shards"), "--cache-dir", str(tmp_path / "c"), "--islands", "2",
+             "--vocab-size", "300"]
+    cold = run_cli("prepare", *flags)
+    assert cold.returncode == 0, cold.stderr
+    assert "200 documents" in cold.stdout and "300-token vocabulary (atoll's BPE, trained); tokens tokenized" in cold.stdout
+    warm = run_cli("prepare", *flags)
+    assert "(atoll's BPE, cached); tokens from the cache" in warm.stdout
+    data = prepare_data(str(tmp_path / "shards"), 2, 300, seed=0, cache_dir=tmp_path / "c")
+    assert data.tokens_from_cache and data.tokenizer_from_cache
+    assert f"{data.num_train_tokens:,} training" in warm.stdout
+
+
+def test_streamed_copies_of_a_shard_keep_their_own_split(tmp_path: Path) -> None:
+    """Two files of the same bytes share nothing in the cache: their documents' ids, hence split, differ."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    texts = make_texts(80, seed=7)
+    write_jsonl(folder / "x.jsonl", texts)
+    write_jsonl(folder / "y.jsonl", texts)
+    mem = prepare_data(str(folder), 2, 300, seed=0, cache_dir=tmp_path / "m", stream=False)
+    streamed = prepare_data(str(folder), 2, 300, seed=0, cache_dir=tmp_path / "s")
+    assert streamed.num_val_documents == mem.num_val_documents
+    assert np.array_equal(streamed.val_tokens, mem.val_tokens)
+    assert all(np.array_equal(a, b) for a, b in zip(streamed.island_tokens, mem.island_tokens, strict=True))
+    assert len(list((tmp_path / "s").glob("stream-*.npz"))) == 2
+    # A changed shard changes the fingerprint a resumed run checks.
+    write_jsonl(folder / "y.jsonl", texts[:-1])
+    assert prepare_data(str(folder), 2, 300, seed=0, cache_dir=tmp_path / "s").fingerprint != streamed.fingerprint
+
+
+def test_max_documents_is_for_hf_datasets_only(corpus, tmp_path: Path) -> None:  # noqa: ANN001
+    path, _, _ = corpus
+    with pytest.raises(DataError, match="^max_documents: applies to hf: datasets only"):
+        prepare_data(str(path), 2, 300, seed=0, cache_dir=tmp_path, max_documents=10)

@@ -305,12 +305,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     from atoll.config import build_config
     from atoll.errors import AtollError
     from atoll.job.data import default_cache_dir, prepare_data
+    from atoll.job.data.pretrained import tokenizer_source
 
     try:  # validate the settings and prepare the data once (the ranks then read the cache)
         config = build_config(overrides={**_settings(args, "diloco", args.sync_every[0]), "runtime": "collective"})
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache,
-                     partition=config.partition, text_field=config.text_field)
+                     partition=config.partition, text_field=config.text_field,
+                     tokenizer=tokenizer_source(config.model, config.tokenizer), max_documents=config.max_documents)
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2

@@ -47,7 +47,8 @@ class ModelSection(Section):
     model: str = Field(
         "nano",
         description="Model size preset (Llama-style: nano ~0.27M with the default vocabulary, tiny ~2M, 20m, "
-        "125m, 1b parameters; micro for tests) or a local path to a Hugging Face causal LM folder.",
+        "125m, 1b parameters; micro for tests), a local Hugging Face causal LM folder, or a Hub id (owner/name; "
+        "needs internet or HF_HUB_OFFLINE=1 with a cached copy). A pretrained model trains on its own tokenizer.",
     )
     init_from: Path | None = Field(
         None, description="Start from the final weights of another atoll run folder (a warm start)."
@@ -75,14 +76,22 @@ class DataSection(Section):
     data: str = Field(
         "stdlib",
         description="Corpus: 'stdlib' (the interpreter's standard library source, no download), a local "
-        ".txt/.jsonl/.parquet file or folder, or hf:NAME for a Hugging Face dataset (needs internet).",
+        ".txt/.jsonl/.parquet file, a folder of them (read and tokenized one shard at a time, cached per shard), "
+        "or hf:NAME[:CONFIG] for a Hugging Face dataset (streamed once into the cache; needs internet then).",
     )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer: 'bpe' (a byte-level BPE of vocab_size tokens trained on the corpus), or a "
+        "folder / Hugging Face id loaded with AutoTokenizer. Default: the --model folder's own tokenizer when it "
+        "has one, else bpe.")
+    max_documents: int | None = Field(
+        None, ge=2, description="hf: datasets: stream at most this many documents of the train split (default: "
+        "all of it).")
     text_field: str = Field("text", description="Field holding the text in .jsonl/.parquet/Hugging Face data.")
     partition: Literal["iid", "non_iid"] = Field(
         "iid", description="How documents are dealt to islands: iid (shuffled) or non_iid (grouped by source)."
     )
-    vocab_size: int = Field(1024, ge=257, le=262144, description="Byte-level BPE vocabulary size (a model folder "
-                            "brings its own embeddings: at least this many).")
+    vocab_size: int = Field(1024, ge=257, le=262144, description="Byte-level BPE vocabulary size (atoll's BPE only: "
+                            "a pretrained tokenizer brings its own).")
     seq_len: int = Field(128, ge=8, le=1 << 20, description="Tokens per training sequence.")
     batch_size: int = Field(32, ge=1, le=1 << 16, description="Sequences per island per inner step.")
 

@@ -2,18 +2,22 @@
 
 atoll does not define a transformer of its own; it builds :class:`transformers.LlamaForCausalLM` from a
 :class:`transformers.LlamaConfig` preset sized for the machine at hand, or loads any causal LM saved with
-``save_pretrained`` from a local path.
+``save_pretrained`` from a local path or the Hugging Face Hub (continued pretraining; the run then uses the
+model's own tokenizer, :mod:`atoll.job.data.pretrained`). ``transformers`` is imported when a model is built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from atoll.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,13 @@ def check_fragments(model: str, fragments: int) -> None:
 
 
 def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> PreTrainedModel:
-    """Build a preset model with a seeded initialisation, or load one from a local folder.
+    """Build a preset model with a seeded initialisation, or load a pretrained one.
 
     Args:
-        name_or_path: a key of :data:`PRESETS` or a folder saved with ``save_pretrained``.
-        vocab_size: the tokenizer's vocabulary size (presets only; a loaded model keeps its own).
+        name_or_path: a key of :data:`PRESETS`, a folder saved with ``save_pretrained``, or a Hugging Face Hub
+            id (``owner/name``; needs the network, or a cached copy with ``HF_HUB_OFFLINE=1``).
+        vocab_size: the tokenizer's vocabulary size: a preset's embeddings; a loaded model keeps its own and
+            must embed at least this many tokens (0: no check).
         seq_len: training sequence length in tokens; sets ``max_position_embeddings`` of presets.
         seed: seeds ``torch`` before initialisation so every island and every run start identical.
 
@@ -73,9 +79,11 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
         A float32 causal LM on the CPU in training mode.
 
     Raises:
-        ConfigError: the name is neither a preset nor an existing folder (field ``model``), or a loaded
-            model's vocabulary is smaller than the tokenizer's.
+        ConfigError: the name is neither a preset nor an existing folder nor a reachable Hub id (field
+            ``model``), or a loaded model's vocabulary is smaller than the tokenizer's.
     """
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     if name_or_path in PRESETS:
         p = PRESETS[name_or_path]
@@ -94,25 +102,60 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
         )
         config._attn_implementation = "sdpa"  # PyTorch's fused attention (flash / memory-efficient kernels on GPUs)
         model = LlamaForCausalLM(config)
-    elif Path(name_or_path).is_dir():
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model: '{name_or_path}' is not a Hugging Face causal LM folder "
-                              f"({str(e).splitlines()[0][:120]}); pass a folder saved with save_pretrained "
-                              "or a preset") from None
-        if model.get_input_embeddings().num_embeddings < vocab_size:
+        model.train()
+        return model
+    from atoll.job.data.sources import _hub_unreachable_reason, is_hub_id
+
+    if not Path(name_or_path).is_dir():
+        if not is_hub_id(name_or_path):
             raise ConfigError(
-                f"model: '{name_or_path}' has a vocabulary of {model.get_input_embeddings().num_embeddings} "
-                f"tokens, below the tokenizer's {vocab_size}; lower --vocab-size or use a preset"
+                f"model: '{name_or_path}' is neither a preset ({', '.join(PRESETS)}) nor an existing folder; "
+                "pass a preset name or a local Hugging Face model path"
             )
-    else:
-        raise ConfigError(
-            f"model: '{name_or_path}' is neither a preset ({', '.join(PRESETS)}) nor an existing folder; "
-            "pass a preset name or a local Hugging Face model path"
-        )
+        reason = _hub_unreachable_reason()
+        if reason is not None:
+            raise ConfigError(f"model: cannot download '{name_or_path}' from the Hugging Face Hub ({reason}); "
+                              f"pass a local folder (hf download {name_or_path} --local-dir DIR) or a preset")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model: '{name_or_path}' is not a Hugging Face causal LM folder "
+                          f"({str(e).splitlines()[0][:120]}); pass a folder saved with save_pretrained "
+                          "or a preset") from None
+    check_vocab(model, vocab_size, name_or_path)
     model.train()
     return model
+
+
+def check_vocab(model: PreTrainedModel, vocab_size: int, name: str, tokenizer: str = "") -> str | None:
+    """Refuse a tokenizer whose ids the model cannot embed; describe a harmless difference.
+
+    Args:
+        model: the loaded model; its input embeddings have ``num_embeddings`` rows.
+        vocab_size: the tokenizer's size (ids ``0 .. vocab_size - 1``); 0: nothing to check.
+        name: ``--model`` as given, for the message.
+        tokenizer: where a pretrained tokenizer came from ('' for atoll's BPE).
+
+    Returns:
+        None when the sizes are equal (or unchecked); else a one-line note (the tokenizer is smaller: rows of
+        the embeddings no id reaches, common where a vocabulary is padded to a multiple of 64 or 128).
+
+    Raises:
+        ConfigError: the tokenizer has more tokens than the model embeds (field ``tokenizer``, or
+            ``vocab_size`` for atoll's BPE).
+    """
+    rows = model.get_input_embeddings().num_embeddings
+    if not vocab_size or vocab_size == rows:
+        return None
+    if vocab_size > rows:
+        if tokenizer:
+            raise ConfigError(f"tokenizer: '{tokenizer}' has {vocab_size} tokens but the model '{name}' embeds only "
+                              f"{rows}, so some ids have no embedding; pass --tokenizer with the tokenizer the model "
+                              "was trained with")
+        raise ConfigError(f"model: '{name}' has a vocabulary of {rows} tokens, below the tokenizer's {vocab_size}; "
+                          "lower --vocab-size or use a preset")
+    return (f"the tokenizer has {vocab_size} tokens and the model '{name}' embeds {rows}: {rows - vocab_size} "
+            "rows no token id reaches (harmless)")
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -37,11 +37,12 @@ from atoll.job.checkpoint import (
     write_text_atomic,
 )
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
+from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
-from atoll.job.model import build_model, count_parameters, param_bytes
+from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
 from atoll.job.report import plot_runs
 from atoll.job.trackers import Tracker, open_trackers
 from atoll.runtime.network import ring_allreduce_bytes
@@ -145,18 +146,37 @@ def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
     raise error  # type: ignore[misc]
 
 
-def prepare_inputs(config: TrainConfig, warm_start: bool = True) -> tuple[PreparedData, PreTrainedModel]:
+def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:
     """The corpus prepared for the run's islands (tokenizer, shards, validation tokens; cached) and the
-    initial global model: a preset seeded by ``seed``, or a folder, with ``init_from``'s weights when
-    ``warm_start`` (not on a resume: the checkpoint's weights follow).
+    initial global model: a preset seeded by ``seed``, or a pretrained model (loaded first, so that a tokenizer
+    it cannot embed fails before the corpus is tokenized), with ``init_from``'s weights when ``warm_start``
+    (not on a resume: the checkpoint's weights follow).
+
+    The tokenizer is ``--tokenizer``'s, else the model folder's own, else atoll's BPE trained on the corpus
+    (:func:`atoll.job.data.pretrained.tokenizer_source`). With ``notes``, a tokenizer that differs from the
+    model (a BPE for a pretrained model, fewer tokens than its embeddings) is said in one line on stderr.
 
     Raises:
         ConfigError, DataError: bad input (one line naming the field and the fix).
     """
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    source = tokenizer_source(config.model, config.tokenizer)
+    pretrained = load_pretrained_tokenizer(source) if source else None
+    model = None
+    if config.model not in PRESETS:
+        model = build_model(config.model, 0, config.seq_len, config.seed)  # the vocabulary is checked below
+        note = check_vocab(model, len(pretrained), config.model, source) if pretrained is not None else (
+            f"'{config.model}' brings no tokenizer (or --tokenizer bpe): training a {config.vocab_size}-token BPE on "
+            "--data, whose ids mean nothing to the loaded embeddings; pass --tokenizer FOLDER for the model's own")
+        if note and notes:
+            print(f"atoll: note: {note}", file=sys.stderr)
     data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
-                        partition=config.partition, text_field=config.text_field)
-    model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
+                        partition=config.partition, text_field=config.text_field, tokenizer=pretrained,
+                        max_documents=config.max_documents)
+    if model is None:
+        model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
+    elif pretrained is None:
+        check_vocab(model, data.vocab_size, config.model)
     if config.init_from is not None and warm_start:
         load_init_weights(model, Path(config.init_from))
     return data, model
@@ -209,8 +229,9 @@ class Run:
                 self.lock.abandon()
             raise
         self.val = eval_batches(self.data.val_tokens, EVAL_ROWS, config.seq_len, config.eval_batches)
-        self.tokenizer = PreTrainedTokenizerFast(tokenizer_object=self.data.tokenizer, eos_token="<|endoftext|>",
-                                                 bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        self.tokenizer = self.data.pretrained or PreTrainedTokenizerFast(  # saved with every checkpoint
+            tokenizer_object=self.data.tokenizer, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+            pad_token="<|endoftext|>")
         self.n_params = count_parameters(self.model)
         self.initial_eval_loss = self.eval_loss = math.nan
         self.prior_wall_s = 0.0
@@ -225,9 +246,9 @@ class Run:
             if self.start_step > config.steps:
                 raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
                                   f"pass --steps {self.start_step} or more")
-        self.data, self.model = prepare_inputs(config, warm_start=not resume)
+        self.data, self.model = prepare_inputs(config, warm_start=not resume, notes=self.is_main)
         if self.state is not None and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint:
-            raise DataError(f"data: the corpus '{config.data}' changed since this run started, so its tokenizer and "
+            raise DataError(f"data: the corpus '{config.data}' or its tokenizer changed since this run started, so the "
                             "shards would differ; restore the data, or start a new run with --init-from")
 
     @property

@@ -1,11 +1,12 @@
-"""Data: corpus -> byte-level BPE tokenizer -> token shards per island -> batches.
+"""Data: corpus -> tokenizer (atoll's byte-level BPE or a pretrained one) -> token shards per island -> batches.
 
 1. ``sources``: read a corpus (``"stdlib"``, the default, needs no download; ``.txt`` / ``.jsonl`` /
-   ``.parquet`` files or a directory of them; a Hugging Face dataset) into ``Document`` s, and hold out
-   validation documents by a hash of their id.
-2. ``tokenizer``: train a byte-level BPE on the training documents, or load it from the cache.
+   ``.parquet`` files) into ``Document`` s; ``split``: hold out validation documents by a hash of their id.
+2. ``tokenizer``: train a byte-level BPE on the training documents, or load it from the cache;
+   ``pretrained``: or use a model's own tokenizer (``AutoTokenizer``).
 3. ``shards``: tokenize every document (cached) and deal the training documents to islands (``iid`` or
-   ``non_iid``); ``prepare_data`` runs steps 1 to 3.
+   ``non_iid``); ``prepare_data`` runs steps 1 to 3. ``stream``: the same for a folder of shards or a
+   Hugging Face dataset, one shard in memory at a time, the tokens cached per shard.
 4. ``batches``: random training windows, a pure function of ``(seed, island, step)``, and evenly spread
    validation windows.
 
@@ -20,13 +21,13 @@ What preparing the default corpus costs: README, Data. ::
 """
 
 from atoll.job.data.batches import eval_batches, sample_batch
+from atoll.job.data.prepare import prepare_data
 from atoll.job.data.shards import (
     ENCODE_CHUNK_DOCS,
     MIN_ISLAND_TOKENS,
     TOKENS_FORMAT,
     PreparedData,
     corpus_fingerprint,
-    prepare_data,
 )
 from atoll.job.data.sources import (
     STDLIB_CHUNK_CHARS,
@@ -34,8 +35,8 @@ from atoll.job.data.sources import (
     TXT_CHUNK_CHARS,
     Document,
     load_documents,
-    split_documents,
 )
+from atoll.job.data.split import split_documents
 from atoll.job.data.tokenizer import EOS_TOKEN, TOKENIZER_FORMAT, default_cache_dir, load_or_train_tokenizer
 
 __all__ = [

@@ -1,7 +1,9 @@
 """Token shards: every document encoded to token ids (cached), training documents dealt to islands.
 
-``prepare_data`` runs the whole pipeline: ``load_documents`` and ``split_documents`` (``atoll.job.data.sources``),
-``load_or_train_tokenizer`` (``atoll.job.data.tokenizer``), then
+:func:`atoll.job.data.prepare.prepare_data` runs the whole pipeline: ``load_documents``
+(``atoll.job.data.sources``), the split (``atoll.job.data.split``), the tokenizer (atoll's BPE,
+``atoll.job.data.tokenizer``, or a pretrained one, ``atoll.job.data.pretrained``), then, with the helpers
+here (a folder or a Hugging Face dataset: ``atoll.job.data.stream``),
 
 1. tokenize every document with ``encode_batch_fast`` and cache the ids under a key of the corpus
    fingerprint and the tokenizer, or load them;
@@ -17,16 +19,16 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 import tokenizers
 
 from atoll.errors import DataError
-from atoll.job.data.sources import Document, _one_line, load_documents, split_documents
+from atoll.job.data.sources import Document, _one_line
 from atoll.job.data.tokenizer import EOS_TOKEN, _atomic_write, load_or_train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,9 +46,11 @@ class PreparedData:
     """Everything the training loop needs from the data: tokenizer and token shards.
 
     Attributes:
-        tokenizer: the byte-level BPE tokenizer (``tokenizers.Tokenizer``).
+        tokenizer: the ``tokenizers.Tokenizer`` that encoded the corpus: atoll's byte-level BPE, or the backend
+            of a pretrained tokenizer.
         vocab_size: ``tokenizer.get_vocab_size()``; may be below the requested size on a tiny corpus.
-        eos_id: id of ``<|endoftext|>`` (0), appended after every document.
+        eos_id: id of the end-of-sequence token (``<|endoftext|>``, 0, for atoll's BPE), appended after every
+            document.
         island_tokens: one 1-D array per island, that island's training shard: its documents concatenated,
             each followed by ``eos_id``. dtype ``uint16`` when ``vocab_size <= 65535`` else ``int32``.
         val_tokens: 1-D array, the validation documents concatenated the same way, same dtype.
@@ -56,8 +60,13 @@ class PreparedData:
         num_val_tokens: ``len(val_tokens)``.
         num_val_documents: documents held out for validation.
         tokens_from_cache: True when the token ids were loaded from the cache instead of tokenized.
-        fingerprint: ``corpus_fingerprint`` of the whole corpus (to check a resumed run uses the same data).
+        fingerprint: identifies the corpus and a pretrained tokenizer (a resumed run checks it is unchanged):
+            ``corpus_fingerprint`` of the documents (in memory) or of the shard files' bytes (streamed),
+            with the pretrained tokenizer's hash folded in.
         island_sources: per island, the sorted distinct ``Document.source`` values of its shard.
+        pretrained: the ``transformers`` tokenizer loaded with ``AutoTokenizer`` (None for atoll's BPE); saved
+            with checkpoints as it is.
+        streamed: True when the corpus was read and tokenized shard by shard (a folder, a Hugging Face dataset).
     """
 
     tokenizer: tokenizers.Tokenizer
@@ -73,6 +82,8 @@ class PreparedData:
     tokens_from_cache: bool = False
     fingerprint: str = ""
     island_sources: list[list[str]] = field(default_factory=list)
+    pretrained: Any = None
+    streamed: bool = False
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -119,11 +130,16 @@ def _encode_documents(
     return tokens, offsets
 
 
+def tokenizer_hash(tok: tokenizers.Tokenizer) -> str:
+    """sha256 hex digest of the tokenizer's JSON: part of every token cache key."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
 def _load_or_encode(
     tok: tokenizers.Tokenizer, docs: list[Document], fingerprint: str, cache_dir: Path
 ) -> tuple[np.ndarray, np.ndarray, bool]:
     """Per-document token ids, from the cache when present: ``(tokens, offsets, from_cache)``."""
-    tok_hash = hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+    tok_hash = tokenizer_hash(tok)
     key = hashlib.sha256(f"{TOKENS_FORMAT}|{fingerprint}|{tok_hash}".encode()).hexdigest()[:24]
     tokens_path = cache_dir / f"tokens-{key}.npy"
     offsets_path = cache_dir / f"offsets-{key}.npy"
@@ -194,98 +210,91 @@ def _partition(
     return assigned
 
 
-def _concat_with_eos(
-    tokens: np.ndarray, offsets: np.ndarray, indices: Iterable[int], eos_id: int
-) -> np.ndarray:
-    """The documents ``indices`` concatenated, each followed by ``eos_id``; same dtype as ``tokens``."""
-    eos = np.array([eos_id], dtype=tokens.dtype)
-    parts: list[np.ndarray] = []
-    for i in indices:
-        parts.append(tokens[offsets[i] : offsets[i + 1]])
-        parts.append(eos)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=tokens.dtype)
-
-
-def prepare_data(
-    spec: str,
-    num_islands: int,
-    vocab_size: int,
-    seed: int,
-    cache_dir: Path,
-    partition: Literal["iid", "non_iid"] = "iid",
-    val_fraction: float = 0.05,
-    text_field: str = "text",
-) -> PreparedData:
-    """Load, split, tokenize and shard a corpus for ``num_islands`` islands (cached; see the module docstring).
-
-    Args:
-        spec: the corpus, as for ``load_documents`` (``"stdlib"``, a path, ``"hf:NAME[:CONFIG]"``).
-        num_islands: number of training shards, >= 1.
-        vocab_size: requested tokenizer size, >= 257.
-        seed: shuffles the ``iid`` assignment of documents to islands.
-        cache_dir: where the tokenizer and token ids are cached (see ``default_cache_dir``).
-        partition: ``"iid"`` (shuffled documents, balanced token counts) or ``"non_iid"`` (whole sources per
-            island, balanced greedily).
-        val_fraction: fraction of documents held out for validation, in (0, 1).
-        text_field: field / column with the text for .jsonl, .parquet and Hugging Face data.
-
-    Returns:
-        A ``PreparedData``; shards hold token ids (``uint16`` when the vocabulary fits, else ``int32``).
-
-    Raises:
-        DataError: any ``load_documents`` / ``load_or_train_tokenizer`` error; ``partition`` unknown, or
-            ``non_iid`` with fewer sources than islands; fewer than 2 documents; an island with fewer than
-            2048 training tokens (corpus too small for that many islands).
-    """
-    if num_islands < 1:
-        raise DataError(f"islands: {num_islands} islands requested; use at least 1")
-    if partition not in ("iid", "non_iid"):
-        raise DataError(f"partition: unknown value '{partition}'; use 'iid' or 'non_iid'")
-    docs = load_documents(spec, text_field=text_field)
-    if len(docs) < 2:
-        raise DataError(
-            f"data: '{spec}' holds a single document; at least 2 are needed for a validation split "
-            "(separate documents in a .txt file by two blank lines)"
-        )
-    fingerprint = corpus_fingerprint(docs)
-    train_docs, val_docs = split_documents(docs, val_fraction)
-    tok, tok_cached = load_or_train_tokenizer(
-        train_docs, vocab_size, cache_dir, corpus_fingerprint(train_docs)
-    )
-    eos_id = tok.token_to_id(EOS_TOKEN)
-    tokens, offsets, tokens_cached = _load_or_encode(tok, docs, fingerprint, cache_dir)
-
-    val_ids = {d.doc_id for d in val_docs}
-    train_idx = [i for i, d in enumerate(docs) if d.doc_id not in val_ids]
-    val_idx = [i for i, d in enumerate(docs) if d.doc_id in val_ids]
-    lengths = np.diff(offsets)[train_idx] + 1  # + eos
-    assignment = _partition([docs[i].source for i in train_idx], lengths, num_islands, partition, seed)
-    island_tokens = [
-        _concat_with_eos(tokens, offsets, (train_idx[j] for j in island_docs), eos_id)
-        for island_docs in assignment
-    ]
+def _check_islands(island_tokens: list[np.ndarray], num_val_tokens: int, spec: str) -> None:
+    """Refuse an island with fewer than ``MIN_ISLAND_TOKENS`` training tokens, saying what the corpus holds."""
+    n = len(island_tokens)
     for island, shard in enumerate(island_tokens):
         if len(shard) < MIN_ISLAND_TOKENS:
-            islands = f"{num_islands} islands" if num_islands != 1 else "1 island"
+            fix = (f"use a corpus of at least {n * MIN_ISLAND_TOKENS:,} training tokens, or fewer islands" if n > 1
+                   else f"use a corpus of at least {MIN_ISLAND_TOKENS:,} training tokens (README, Data)")
             raise DataError(
-                f"data: corpus too small for {islands}: island {island} gets {len(shard)} training "
-                f"tokens (need >= {MIN_ISLAND_TOKENS}); use a larger corpus"
-                + (" or fewer islands" if num_islands > 1 else "")
+                f"data: corpus too small for {n} island{'s' if n > 1 else ''}: island {island} gets {len(shard)} "
+                f"training tokens (need >= {MIN_ISLAND_TOKENS}; '{spec}' holds "
+                f"{sum(len(s) for s in island_tokens):,} training and {num_val_tokens:,} validation tokens); {fix}"
             )
-    val_tokens = _concat_with_eos(tokens, offsets, val_idx, eos_id)
-    island_sources = [sorted({docs[train_idx[j]].source for j in island_docs}) for island_docs in assignment]
-    return PreparedData(
-        tokenizer=tok,
-        vocab_size=tok.get_vocab_size(),
-        eos_id=eos_id,
-        island_tokens=island_tokens,
-        val_tokens=val_tokens,
-        tokenizer_from_cache=tok_cached,
-        num_documents=len(docs),
-        num_train_tokens=sum(len(s) for s in island_tokens),
-        num_val_tokens=len(val_tokens),
-        num_val_documents=len(val_docs),
-        tokens_from_cache=tokens_cached,
-        fingerprint=fingerprint,
-        island_sources=island_sources,
-    )
+
+
+def assemble(
+    shards: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]],
+    lengths: np.ndarray,
+    is_val: np.ndarray,
+    sources: list[str],
+    num_islands: int,
+    partition: str,
+    seed: int,
+    eos_id: int,
+) -> tuple[list[np.ndarray], np.ndarray, list[list[str]]]:
+    """Deal the training documents to islands and concatenate every shard, each document followed by eos.
+
+    Args:
+        shards: returns an iterator over the corpus in document order, one part at a time:
+            ``(tokens, offsets)`` of consecutive documents (``offsets`` int64, documents + 1); a single part
+            for the in-memory path, one per shard file when streaming (only that part is held).
+        lengths: tokens per document without eos, int64, (documents,).
+        is_val: which documents are held out, bool (documents,).
+        sources: ``Document.source`` per document (the ``non_iid`` grouping key).
+
+    Returns:
+        ``(island_tokens, val_tokens, island_sources)`` as in :class:`PreparedData`.
+    """
+    train_idx = np.flatnonzero(~is_val)
+    val_idx = np.flatnonzero(is_val)
+    assignment = _partition([sources[i] for i in train_idx], lengths[train_idx] + 1, num_islands, partition, seed)
+    orders = [[int(train_idx[j]) for j in island_docs] for island_docs in assignment] + [val_idx.tolist()]
+    dest = np.full(len(lengths), -1, dtype=np.int64)
+    pos = np.zeros(len(lengths), dtype=np.int64)
+    sizes: list[int] = []
+    for k, order in enumerate(orders):
+        idx = np.asarray(order, dtype=np.int64)
+        dest[idx] = k
+        if len(idx):
+            pos[idx[1:]] = np.cumsum(lengths[idx] + 1)[:-1]
+        sizes.append(int((lengths[idx] + 1).sum()))
+    outs: list[np.ndarray] = []
+    first = 0
+    for tokens, offsets in shards():
+        if not outs:  # the token dtype is known with the first part
+            outs = [np.empty(n, dtype=tokens.dtype) for n in sizes]
+        for i in range(len(offsets) - 1):
+            g, lo, hi = first + i, int(offsets[i]), int(offsets[i + 1])
+            out, p = outs[dest[g]], int(pos[g])
+            out[p : p + hi - lo] = tokens[lo:hi]
+            out[p + hi - lo] = eos_id
+        first += len(offsets) - 1
+    island_sources = [sorted({sources[i] for i in order}) for order in orders[:-1]]
+    return outs[:-1], outs[-1], island_sources
+
+
+def resolve_tokenizer(
+    pretrained: Any, train_docs: Any, vocab_size: int, cache_dir: Path, key: Callable[[], str]
+) -> tuple[tokenizers.Tokenizer, int, bool]:
+    """The tokenizer that encodes the corpus: ``(tokenizer, eos_id, from_cache)``.
+
+    With ``pretrained`` (an ``AutoTokenizer``), its backend and eos id (``from_cache`` True: nothing trained);
+    else atoll's BPE (``load_or_train_tokenizer``) on ``train_docs`` (a list of documents, or a function
+    returning an iterator of texts), cached under ``key()``.
+    """
+    if pretrained is not None:
+        from atoll.job.data.pretrained import backend_of
+
+        return backend_of(pretrained), int(pretrained.eos_token_id), True
+    tok, cached = load_or_train_tokenizer(train_docs, vocab_size, cache_dir, key())
+    return tok, tok.token_to_id(EOS_TOKEN), cached
+
+
+def with_tokenizer(fingerprint: str, pretrained: Any, tok: tokenizers.Tokenizer) -> str:
+    """The corpus fingerprint, with a pretrained tokenizer's hash folded in (atoll's BPE: unchanged, as it
+    follows from the corpus)."""
+    if pretrained is None:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}|{tokenizer_hash(tok)}".encode()).hexdigest()

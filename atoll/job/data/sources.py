@@ -5,13 +5,12 @@ plus the ``pydoc_data`` topics, about 11 MB of text. Users can point at their ow
 ``.parquet`` files (or a directory of them), or at a Hugging Face dataset when online.
 
 1. ``load_documents``: read the corpus into ``Document`` s (text, source, doc_id).
-2. ``split_documents``: hold out validation documents by a sha256 of their ``doc_id``, so the split is
-   the same on every machine and in every run (Python's ``hash`` is salted per process; we avoid it).
+2. ``split_documents`` (``atoll.job.data.split``): hold out validation documents by a sha256 of their
+   ``doc_id``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -34,8 +33,8 @@ _STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "sit
 # pydoc_data/topics.py holds the same text as the pydoc topics, which are added one document per topic.
 _STDLIB_SKIP_FILES = frozenset({"pydoc_data/topics.py"})
 _HF_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-# Two or more blank lines (blank = only spaces or tabs) separate documents in a .txt file.
-_TXT_DOC_SEP_RE = re.compile(r"\n(?:[ \t]*\n){2,}")
+# One or more blank lines (blank = only spaces or tabs) separate documents in a .txt file.
+_TXT_DOC_SEP_RE = re.compile(r"\n(?:[ \t]*\n)+")
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,8 @@ def load_documents(spec: str, text_field: str = "text") -> list[Document]:
             ``"stdlib"``: the running interpreter's standard library ``*.py`` files (tests excluded; a
             module longer than 16,000 characters is cut into pieces, preferably before a top-level
             statement) plus one document per ``pydoc_data.topics`` entry, about 11 MB, ~1,100 documents;
-            an existing path: a ``.txt`` file (documents separated by two or more blank lines; a single
-            document longer than 20,000 characters is cut at line boundaries into ~20,000-character pieces),
+            an existing path: a ``.txt`` file (documents separated by one or more blank lines; a document
+            longer than 20,000 characters is cut at line boundaries into ~20,000-character pieces),
             a ``.jsonl`` file (one JSON object per line), a ``.parquet`` file, or a directory searched
             recursively for those three kinds;
             ``"hf:NAME"`` / ``"hf:NAME:CONFIG"`` / ``"owner/name"`` (not an existing path): the ``train``
@@ -194,9 +193,8 @@ def _load_file(path: Path, name: str, text_field: str) -> list[Document]:
 def _load_txt(path: Path, name: str) -> list[Document]:
     text = path.read_text(encoding="utf-8", errors="replace")
     pieces = [p.strip("\n") for p in _TXT_DOC_SEP_RE.split(text)]
-    pieces = [p for p in pieces if p.strip()]
-    if len(pieces) == 1 and len(pieces[0]) > TXT_CHUNK_CHARS:
-        pieces = [p for p in _chunk_lines(pieces[0], TXT_CHUNK_CHARS) if p.strip()]
+    pieces = [c for p in pieces if p.strip() for c in (_chunk_lines(p, TXT_CHUNK_CHARS) if len(p) > TXT_CHUNK_CHARS
+                                                       else (p,)) if c.strip()]
     return [Document(text=p, source=name, doc_id=f"{name}#{i}") for i, p in enumerate(pieces)]
 
 
@@ -328,6 +326,11 @@ def _load_hf(
     return docs
 
 
+def is_hub_id(name: str) -> bool:
+    """True for ``owner/name`` that is not an existing path: a Hugging Face Hub repository id."""
+    return bool(_HF_REPO_RE.match(name)) and not Path(name).expanduser().exists()
+
+
 def _hub_unreachable_reason(timeout_s: float = 3.0) -> str | None:
     """Why the Hub cannot be reached, or None when it can (or when we cannot tell: offline mode, a proxy).
 
@@ -357,48 +360,3 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
     """An exception as one short line for an error message."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Split
-
-
-def _doc_hash_unit(doc_id: str) -> float:
-    """A deterministic number in [0, 1) from sha256(doc_id): the same in every process and on every machine."""
-    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
-def split_documents(
-    docs: list[Document], val_fraction: float = 0.05
-) -> tuple[list[Document], list[Document]]:
-    """Hold out validation documents, chosen by a sha256 of each ``doc_id``.
-
-    A document goes to validation when ``sha256(doc_id)`` maps below ``val_fraction``, so the split does not
-    depend on the order of ``docs`` nor on which other documents exist. With two or more documents each side
-    gets at least one (the lowest-hash document is moved to validation, or the highest to training).
-
-    Args:
-        docs: the corpus; ``doc_id`` values should be unique.
-        val_fraction: expected fraction of documents held out, in (0, 1).
-
-    Returns:
-        ``(train_docs, val_docs)``, disjoint, each in the input order. With one document: ``([doc], [])``.
-
-    Raises:
-        DataError: ``val_fraction`` is not in (0, 1).
-    """
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val_fraction: {val_fraction} is not between 0 and 1 (exclusive); use e.g. 0.05")
-    units = [_doc_hash_unit(d.doc_id) for d in docs]
-    is_val = [u < val_fraction for u in units]
-    if len(docs) == 1:
-        is_val = [False]  # one document cannot be split; it trains
-    elif docs:
-        if not any(is_val):
-            is_val[min(range(len(docs)), key=units.__getitem__)] = True
-        elif all(is_val):
-            is_val[max(range(len(docs)), key=units.__getitem__)] = False
-    train = [d for d, v in zip(docs, is_val, strict=True) if not v]
-    val = [d for d, v in zip(docs, is_val, strict=True) if v]
-    return train, val

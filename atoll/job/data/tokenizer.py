@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -35,7 +35,7 @@ def _tokenizer_key(fingerprint: str, vocab_size: int) -> str:
 
 
 def load_or_train_tokenizer(
-    train_docs: list[Document], vocab_size: int, cache_dir: Path, fingerprint: str
+    train_docs: Sequence[Document] | Callable[[], Iterable[str]], vocab_size: int, cache_dir: Path, fingerprint: str
 ) -> tuple[tokenizers.Tokenizer, bool]:
     """Load the cached byte-level BPE tokenizer for this corpus and size, or train and cache it.
 
@@ -44,7 +44,8 @@ def load_or_train_tokenizer(
     unknown token), ``<|endoftext|>`` at id 0. Training the stdlib at 4096 tokens takes a few seconds.
 
     Args:
-        train_docs: the documents to train on (training split only, so validation stays unseen).
+        train_docs: the documents to train on (training split only, so validation stays unseen), or a function
+            returning an iterator of their texts (the streaming path: one shard in memory at a time).
         vocab_size: requested vocabulary size including the 256 bytes and ``<|endoftext|>``; >= 257. A small
             corpus may yield fewer tokens (``get_vocab_size()`` tells the real size).
         cache_dir: directory for ``tokenizer-<key>.json``; created if missing.
@@ -60,7 +61,7 @@ def load_or_train_tokenizer(
         raise DataError(
             f"vocab_size: {vocab_size} is too small for a byte-level tokenizer; use at least 257 (256 bytes + eos)"
         )
-    if not train_docs:
+    if not callable(train_docs) and not train_docs:
         raise DataError("data: no training documents to train the tokenizer on; pass a larger corpus")
     _ensure_dir(cache_dir)
     path = cache_dir / f"tokenizer-{_tokenizer_key(fingerprint, vocab_size)}.json"
@@ -71,9 +72,13 @@ def load_or_train_tokenizer(
                 return tok, True
         except Exception as exc:  # a truncated or foreign file: retrain and overwrite it
             log.warning("ignoring unreadable tokenizer cache %s: %s", path, _one_line(exc))
-    chars = sum(len(d.text) for d in train_docs)
-    status(f"training a {vocab_size}-token BPE tokenizer on {len(train_docs):,} documents ({chars / 1e6:.1f}M "
-           f"characters; once per corpus and vocabulary, then read from {cache_dir}) ...")
+    if callable(train_docs):  # streamed shards: their size is not known before reading them
+        what = "the corpus's shards, read one at a time"
+    else:
+        what = f"{len(train_docs):,} documents ({sum(len(d.text) for d in train_docs) / 1e6:.1f}M characters"
+        what += ")"
+    status(f"training a {vocab_size}-token BPE tokenizer on {what}; once per corpus and vocabulary, then read from "
+           f"{cache_dir} ...")
     t0 = time.perf_counter()
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -84,13 +89,9 @@ def load_or_train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator((d.text for d in train_docs), trainer=trainer, length=len(train_docs))
-    log.info(
-        "trained a %d-token BPE on %d documents in %.1f s",
-        tok.get_vocab_size(),
-        len(train_docs),
-        time.perf_counter() - t0,
-    )
+    texts = train_docs() if callable(train_docs) else (d.text for d in train_docs)
+    tok.train_from_iterator(texts, trainer=trainer)
+    log.info("trained a %d-token BPE in %.1f s", tok.get_vocab_size(), time.perf_counter() - t0)
     _atomic_write(path, lambda f: f.write(tok.to_str().encode("utf-8")))
     return tok, False
 

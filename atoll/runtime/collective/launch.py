@@ -80,6 +80,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     import multiprocessing
 
     from atoll.job.data import default_cache_dir, prepare_data
+    from atoll.job.data.pretrained import tokenizer_source
 
     out, lock = claim_run_folder(config.out, config.strategy, resume)  # held by the launcher for its ranks
     config = config.model_copy(update={"out": out})
@@ -100,7 +101,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     try:
         cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
-                     partition=config.partition, text_field=config.text_field)
+                     partition=config.partition, text_field=config.text_field,
+                     tokenizer=tokenizer_source(config.model, config.tokenizer), max_documents=config.max_documents)
         for p in procs:
             p.start()
         deadline = math.inf

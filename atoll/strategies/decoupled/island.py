@@ -65,7 +65,7 @@ class Job:
         """The job prepared from the settings alone (a Ray actor's: the same data and model as the driver's)."""
         from atoll.job.run import prepare_inputs
 
-        data, model = prepare_inputs(config)
+        data, model = prepare_inputs(config, notes=False)  # the driver said any note already
         return cls.of(config, data, model)
 
     @property
