@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("unknown-codec", None, ["--codec", "int3"], "codec"),
     ("missing-data", None, ["--data", "/nonexistent/corpus.txt"], "data"),
     ("unknown-data-type", None, ["--data", "__FILE__.bin"], "data"),
+    ("latin-1-text", None, ["--data", "__LATIN1__"], "data"),
+    ("random-bytes-as-text", None, ["--data", "__RANDOM__"], "data"),
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
     ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
     ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
@@ -44,7 +47,11 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
         argv += ["--config", str(tmp_path / "run.toml")]
     bad = tmp_path / "corpus.bin"
     bad.write_bytes(b"\x00\x01" * 100)
-    argv += [a.replace("__FILE__.bin", str(bad)) for a in args]
+    latin1, noise = tmp_path / "latin1.txt", tmp_path / "noise.txt"
+    latin1.write_bytes("\n\n".join(f"caf\u00e9 gar\u00e7on na\u00efve {i}" for i in range(300)).encode("latin-1"))
+    noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(50_000)))
+    places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
+    argv += [places.get(a, a) for a in args]
     r = run_cli(*argv)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()

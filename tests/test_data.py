@@ -654,3 +654,25 @@ def test_max_documents_is_for_hf_datasets_only(corpus, tmp_path: Path) -> None: 
     path, _, _ = corpus
     with pytest.raises(DataError, match="^max_documents: applies to hf: datasets only"):
         prepare_data(str(path), 2, 300, seed=0, cache_dir=tmp_path, max_documents=10)
+
+
+def test_a_few_invalid_bytes_read_as_replacement_characters(tmp_path: Path) -> None:
+    from atoll.job.data.sources import read_utf8
+
+    path = tmp_path / "scraped.txt"
+    path.write_bytes(("word " * 2000).encode() + b"\xff" + b" tail")  # one bad byte in 10,006
+    text = read_utf8(path)
+    assert text.count("\ufffd") == 1 and text.endswith(" tail")
+    path.write_bytes(("word " * 200).encode() + b"\xff" * 5)  # 5 bad bytes in 1,005: not text
+    with pytest.raises(DataError, match=r"is not UTF-8 text \(5 invalid bytes, the first 0xff at byte 1,000\)"):
+        read_utf8(path)
+
+
+def test_a_vocabulary_the_corpus_cannot_fill_is_said_and_recorded(fast_config, capsys) -> None:
+    from atoll.config import build_config
+    from atoll.job.run import prepare_inputs
+
+    data, model = prepare_inputs(build_config(overrides={**fast_config, "vocab_size": 60_000}))
+    note = [line for line in capsys.readouterr().err.splitlines() if line.startswith("atoll: note: vocab_size")]
+    assert data.vocab_size < 60_000 and model.get_input_embeddings().weight.shape[0] == data.vocab_size
+    assert len(note) == 1 and f"{data.vocab_size:,}-token BPE, not the 60,000 asked for" in note[0]

@@ -173,6 +173,10 @@ def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = T
     data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
                         partition=config.partition, text_field=config.text_field, tokenizer=pretrained,
                         max_documents=config.max_documents)
+    if pretrained is None and data.vocab_size < config.vocab_size and notes:  # the corpus ran out of merges
+        print(f"atoll: note: vocab_size: the corpus yields a {data.vocab_size:,}-token BPE, not the "
+              f"{config.vocab_size:,} asked for; the model embeds {data.vocab_size:,} tokens (summary.json "
+              "vocab_size); pass a larger corpus for more", file=sys.stderr)
     if model is None:
         model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
     elif pretrained is None:
@@ -358,6 +362,7 @@ class Run:
         summary: dict[str, Any] = {
             "strategy": config.strategy, "runtime": config.runtime, "islands": config.islands,
             "sync_every": config.sync_every, "steps": config.steps, "model": config.model, "params": self.n_params,
+            "vocab_size": self.data.vocab_size,
             "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
             "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": self.eval_loss,
             "final_perplexity": perplexity(self.eval_loss),

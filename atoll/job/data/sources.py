@@ -190,8 +190,32 @@ def _load_file(path: Path, name: str, text_field: str) -> list[Document]:
     )
 
 
+#: the share of a text file's bytes that may be invalid UTF-8 (read as U+FFFD) before it is refused as not text
+MAX_INVALID_UTF8 = 0.001
+
+
+def read_utf8(path: Path) -> str:
+    """A text file's content as UTF-8; a few invalid bytes (a scraped corpus) read as U+FFFD.
+
+    Raises:
+        DataError: more than :data:`MAX_INVALID_UTF8` of the bytes are not UTF-8 (Latin-1 text, a binary
+            file), naming the first bad byte and the fix.
+    """
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+        if bad > MAX_INVALID_UTF8 * max(1, len(raw)):
+            raise DataError(f"data: '{path}' is not UTF-8 text ({bad:,} invalid bytes, the first 0x{raw[exc.start]:02x} at "
+                            f"byte {exc.start:,}); convert it (e.g. iconv -f latin1 -t utf-8) or pass another "
+                            "file") from None
+        return text
+
+
 def _load_txt(path: Path, name: str) -> list[Document]:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_utf8(path)
     pieces = [p.strip("\n") for p in _TXT_DOC_SEP_RE.split(text)]
     pieces = [c for p in pieces if p.strip() for c in (_chunk_lines(p, TXT_CHUNK_CHARS) if len(p) > TXT_CHUNK_CHARS
                                                        else (p,)) if c.strip()]
