@@ -29,12 +29,32 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("unknown-data-type", None, ["--data", "__FILE__.bin"], "data"),
     ("latin-1-text", None, ["--data", "__LATIN1__"], "data"),
     ("random-bytes-as-text", None, ["--data", "__RANDOM__"], "data"),
+    ("model-config-wrong-type", None, ["--model", "__BADCONFIG__", "--tokenizer", "bpe"], "model"),
+    ("model-weights-truncated", None, ["--model", "__TRUNCATED__", "--tokenizer", "bpe"], "model"),
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
     ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
     ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
     ("speeds-count", None,
      ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
 ]
+
+
+def _damaged_model_folders(root: Path) -> dict[str, str]:
+    """A saved model whose config.json has a string for a number, and one whose weights are cut in half."""
+    import json
+
+    from atoll.job.model import build_model
+
+    folders = {}
+    for name in ("__BADCONFIG__", "__TRUNCATED__"):
+        folder = root / name.strip("_").lower()
+        build_model("micro", 512, 32, seed=0).save_pretrained(folder)
+        folders[name] = str(folder)
+    config = json.loads((root / "badconfig" / "config.json").read_text())
+    (root / "badconfig" / "config.json").write_text(json.dumps({**config, "hidden_size": "sixty-four"}))
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folders
 
 
 @pytest.mark.parametrize(("toml", "args", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -51,6 +71,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     latin1.write_bytes("\n\n".join(f"caf\u00e9 gar\u00e7on na\u00efve {i}" for i in range(300)).encode("latin-1"))
     noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(50_000)))
     places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
+    if "__BADCONFIG__" in args or "__TRUNCATED__" in args:
+        places.update(_damaged_model_folders(tmp_path))
     argv += [places.get(a, a) for a in args]
     r = run_cli(*argv)
     assert r.returncode == 2, r.stderr

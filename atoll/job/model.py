@@ -118,10 +118,10 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
                               f"pass a local folder (hf download {name_or_path} --local-dir DIR) or a preset")
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model: '{name_or_path}' is not a Hugging Face causal LM folder "
-                          f"({str(e).splitlines()[0][:120]}); pass a folder saved with save_pretrained "
-                          "or a preset") from None
+    except Exception as e:  # noqa: BLE001 - a damaged folder fails in transformers, safetensors or the hub's checks
+        detail = " ".join(str(e).split())[:160] or type(e).__name__
+        raise ConfigError(f"model: '{name_or_path}' cannot be loaded as a Hugging Face causal LM ({detail}); pass a "
+                          "folder saved with save_pretrained (config.json and intact weights) or a preset") from None
     check_vocab(model, vocab_size, name_or_path)
     model.train()
     return model
