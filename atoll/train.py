@@ -104,6 +104,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     comm = runtime.comm
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 
+    early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
     strategy_s = 0.0  # real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it)
 
     def sim_wall_s() -> float:
@@ -132,7 +133,9 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
                     runtime.clock.mark(done)
                 run.log_eval(done, tokens, strategy.global_params(), comm.bytes_sent_per_island, sim_wall_s())
-            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
+            first_sync = early and comm.exchanges > 0
+            if first_sync or (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
+                early = False
                 job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
                 if job is not None:
                     run.save_checkpoint(done, job, strategy.global_params())
@@ -145,7 +148,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
         sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
-        rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands))
+        rejected_updates=strategy.dropped_updates, skipped_steps=sum(i.skipped_steps for i in islands),
+        **runtime.summary())
     if runtime.is_main:
         trace = getattr(runtime.clock, "trace", None) if runtime.clock is not None else None
         if trace is not None:  # local runtime: lets the run be re-timed at other links (network.replay)

@@ -177,6 +177,13 @@ class CollectiveSection(Section):
         "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
         "driver waits for the other islands once one has finished.",
     )
+    min_islands: int = Field(
+        1, ge=1, le=4096,
+        description="collective: keep training while at least this many islands are alive. A lost island "
+        "(any of its ranks) is dropped, the survivors re-form their groups and average over the islands that "
+        "contributed; below this (or when island 0, which writes the run folder, is lost) the run stops with "
+        "status 3. Set it to --islands to stop at any loss.",
+    )
 
 
 class RaySection(Section):

@@ -113,6 +113,9 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
+        if self.min_islands > self.islands:
+            raise ValueError(f"min_islands ({self.min_islands}) exceeds islands ({self.islands}); set "
+                             "--min-islands to at most --islands")
         if own.validate is not None:
             own.validate(self)
         return self
@@ -183,6 +186,7 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
 RESUMABLE_OVERRIDES = frozenset({
     "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "threads", "cache_dir",
     "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
+    "min_islands",
 })
 
 

@@ -34,6 +34,8 @@ class Runtime(ABC):
         device: where this process's island replicas live (CPU, or this rank's GPU).
         is_main: whether this process writes the run's outputs (metrics, checkpoints, summary, report) and
             shows progress.
+        early_checkpoint: whether a new run also checkpoints right after its first exchange (a run whose
+            processes can be lost then has something to resume from before ``checkpoint_every``).
     """
 
     comm: Comm
@@ -41,10 +43,15 @@ class Runtime(ABC):
     local_islands: list[int]
     device: torch.device = torch.device("cpu")
     is_main: bool = True
+    early_checkpoint: bool = False
 
     def device_of(self, island: int) -> torch.device:
         """Where island ``island`` of this process computes (default: :attr:`device`)."""
         return self.device
+
+    def summary(self) -> dict[str, Any]:
+        """What the runtime adds to ``summary.json`` (the collective runtime: the islands it lost)."""
+        return {}
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Join the job (process groups, heartbeats); called once, after the data is ready."""

@@ -11,6 +11,8 @@ EXIT_PEER_FAILURE = 3  # exit status of a rank that stopped because another rank
 KILL_HOOK_ENV = "ATOLL_TEST_KILL_RANK_AT_STEP"
 HEARTBEAT_S = 0.5  # seconds between two heartbeats of a rank
 HEARTBEAT_STALE_S = 10.0  # a rank silent this long (or collective_timeout_s if shorter) is declared dead
+REPORT_KEY = "atoll/reported/"  # + global rank, in the rendezvous store: peers found it silent (the launcher
+# kills such a rank at once: a frozen process holds its connections open and would stall the others)
 
 
 class PeerFailure(Exception):

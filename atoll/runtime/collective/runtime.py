@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import sys
 import threading
+import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +31,7 @@ from atoll.runtime.collective.failure import (
     dist_call,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
+from atoll.runtime.collective.quorum import Quorum, store_client
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -51,15 +55,18 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _parse_kill_hook() -> tuple[int, int] | None:
+def _parse_kill_hook() -> tuple[int, int, signal.Signals] | None:
     value = os.environ.get(KILL_HOOK_ENV)
     if not value:
         return None
     try:
-        rank, step = value.split(":")
-        return int(rank), int(step)
+        rank, step, *how = value.split(":")
+        sig = signal.SIGSTOP if how == ["STOP"] else signal.SIGKILL
+        if how not in ([], ["STOP"], ["KILL"]):
+            raise ValueError(value)
+        return int(rank), int(step), sig
     except ValueError:
-        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP (e.g. 1:7), got {value!r}") from None
+        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP[:STOP] (e.g. 1:7), got {value!r}") from None
 
 
 class CollectiveRuntime(Runtime):
@@ -86,6 +93,7 @@ class CollectiveRuntime(Runtime):
         self.island, self.position = divmod(self.rank, self.ranks_per_island)
         self.local_islands = [self.island]
         self.is_main = self.rank == 0
+        self.early_checkpoint = True  # a rank can be lost before checkpoint_every: resume from the first sync
         kind = resolve_device(config.device)
         if kind == "mps":
             raise ConfigError("device: the collective runtime runs on CPUs (gloo) or CUDA GPUs (NCCL), not mps; "
@@ -98,6 +106,11 @@ class CollectiveRuntime(Runtime):
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
         self._aborting = threading.Lock()
+        self.alive = list(range(self.islands))  # the islands in the job (all, until one is lost)
+        self.epoch = 0  # one more per loss survived
+        self.quorum: Quorum | None = None
+        self.lost: dict[int, int] = {}  # island -> the inner step at which the others went on without it
+        self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
 
     # --- joining and leaving ----------------------------------------------------------------------
     def start(self) -> None:
@@ -105,29 +118,112 @@ class CollectiveRuntime(Runtime):
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
-        r_count, k = self.ranks_per_island, self.islands
-        island_groups = ([dist_call(dist.new_group, list(range(i * r_count, (i + 1) * r_count)),
-                                timeout=self.timeout) for i in range(k)] if r_count > 1 else [None] * k)
-        cross_groups = [dist_call(dist.new_group, [i * r_count + p for i in range(k)], timeout=self.timeout)
-                        for p in range(r_count)]
-        # checkpoints and counters travel as CPU objects: a gloo group even when the collectives use NCCL
-        self.control = (dist_call(dist.new_group, backend="gloo", timeout=self.timeout)
-                        if self.backend == "nccl" else dist.group.WORLD)
-        self.island_group = island_groups[self.island]
-        self.comm = DistComm(k, self.island, r_count, self.position, cross_groups[self.position],
+        self._form_groups()
+        self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, self.cross_group,
                              self.island_group, self.device)
         nonce = [uuid.uuid4().hex if self.is_main else None]
         dist_call(dist.broadcast_object_list, nonce, src=0, group=self.control)
+        self.prefix = f"atoll/{nonce[0]}/"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        self.heartbeat = _Heartbeat(self.rank, self.world, f"atoll/{nonce[0]}/",
+        self.heartbeat = _Heartbeat(self.rank, self.world, self.prefix,
                                     min(HEARTBEAT_STALE_S, self.config.collective_timeout_s),
-                                    lambda rank, reason: self.abort(reason, rank, wait=False),
-                                    store_host=None if agent_store else 0)
+                                    self._on_silent, store_host=None if agent_store else 0,
+                                    on_store_lost=lambda reason: self.abort(reason, wait=False,
+                                                                            who="the launcher's rendezvous store"))
+        if self.config.min_islands < self.islands:  # losses can be survived: agree through the store
+            self.store = store_client(self.config.collective_timeout_s)
+            self.quorum = Quorum(dist.PrefixStore(self.prefix + "quorum/", self.store), self.rank,
+                                 self.ranks_per_island, self.heartbeat.is_gone, self.config.collective_timeout_s)
+            self.comm.recover = self.recover
         dist_call(dist.barrier, group=self.control)
         self.heartbeat.start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM,
                           lambda *_: self.abort("stopped by SIGTERM", wait=False, signalled=True))
+
+    def _form_groups(self) -> None:
+        """The island, cross-island and control groups of the islands alive, over the current default group.
+
+        Island ``alive[j]`` is ranks [j*R, (j+1)*R) of the default group; every rank creates every group,
+        in the same order (``new_group`` is collective).
+        """
+        r_count, k = self.ranks_per_island, len(self.alive)
+        island_groups = ([dist_call(dist.new_group, list(range(j * r_count, (j + 1) * r_count)),
+                                    timeout=self.timeout) for j in range(k)] if r_count > 1 else [None] * k)
+        cross_groups = [dist_call(dist.new_group, [j * r_count + p for j in range(k)], timeout=self.timeout)
+                        for p in range(r_count)]
+        # checkpoints and counters travel as CPU objects: a gloo group even when the collectives use NCCL
+        self.control = (dist_call(dist.new_group, backend="gloo", timeout=self.timeout)
+                        if self.backend == "nccl" else dist.group.WORLD)
+        self.island_group = island_groups[self.alive.index(self.island)]
+        self.cross_group = cross_groups[self.position]
+
+    def _close_groups(self) -> None:
+        """Close this rank's connections at once (peers blocked on it fail now, not at the deadline)."""
+        from torch.distributed import distributed_c10d
+
+        for group in list(distributed_c10d._world.pg_map):
+            with contextlib.suppress(Exception):
+                group.abort()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self.cross_group = self.island_group = self.control = None
+        self.comm.regroup(self.comm.islands, None, None)
+        for exchange in self.comm.pending:
+            exchange.handle = None
+        gc.collect()
+
+    def _on_silent(self, rank: int | None, reason: str) -> None:
+        """The heartbeat found ``rank`` silent: stop, unless losses are survived (the failed collective, or
+        the launcher killing the reported rank, then brings the survivors to :meth:`recover`)."""
+        if self.quorum is None:
+            self.abort(reason, rank, wait=False)
+
+    def recover(self, failure: PeerFailure, op: int) -> None:
+        """Go on with the islands alive after ``failure`` in operation ``op``, or end this process.
+
+        The survivors agree on who is alive (:class:`~atoll.runtime.collective.quorum.Quorum`), drop every
+        island that lost a rank, and re-form the default group over ``PrefixStore(f"epoch{n}/", store)``
+        with ranks renumbered in island order; the comm then starts its pending collectives again. The run
+        stops (one line, status 3) if fewer than ``min_islands`` islands are left, if island 0 (which writes
+        the run folder) is lost, or if the survivors failed in different operations; a rank of a dropped
+        island that is still alive stops the same way.
+        """
+        assert self.quorum is not None and self.heartbeat is not None
+        for exc in (failure, failure.__cause__, failure.__context__):  # their frames hold the failed work
+            if exc is not None and exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__)
+        self._close_groups()
+        epoch = self.epoch + 1
+        decided = self.quorum.agree(epoch, op, self.alive)
+        if decided is None:
+            self.abort(failure.reason, failure.suspect)
+        alive, dead = decided  # type: ignore[misc]
+        self.heartbeat.report(dead)
+        lost = [i for i in self.alive if i not in alive]
+        where = f"inner step {self.step + 1}" if self.step is not None else "start"
+        culprit = (f"island {lost[0]} (rank {', '.join(map(str, dead))})" if lost and dead else "")
+        if self.island not in alive:  # a live rank of an island that lost another
+            self.abort(failure.reason, dead[0] if dead else None,
+                       advice=f"island {self.island} is dropped and the other islands go on without it")
+        if 0 not in alive:
+            self.abort(f"{failure.reason}; island 0 writes the run folder", dead[0] if dead else None)
+        if len(alive) < self.config.min_islands:
+            self.abort(f"{failure.reason}; {len(alive)} of {self.islands} islands left, --min-islands "
+                       f"{self.config.min_islands}", dead[0] if dead else None)
+        for i in lost:
+            self.lost[i] = self.step + 1 if self.step is not None else 0
+        self.heartbeat.drop([i * self.ranks_per_island + p for i in lost for p in range(self.ranks_per_island)])
+        self.alive, self.epoch = alive, epoch
+        r_count = self.ranks_per_island
+        dist_call(dist.init_process_group, self.backend, timeout=self.timeout,
+                  store=dist.PrefixStore(f"{self.prefix}epoch{epoch}/", self.store),
+                  rank=alive.index(self.island) * r_count + self.position, world_size=len(alive) * r_count)
+        self._form_groups()
+        self.comm.regroup(len(alive), self.cross_group, self.island_group)
+        if self.is_main and culprit:
+            print(f"atoll: warning: {culprit} stopped responding at {where} ({failure.reason}); going on with "
+                  f"{len(alive)} of {self.islands} islands", file=sys.stderr, flush=True)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -136,7 +232,11 @@ class CollectiveRuntime(Runtime):
             yield
             if self.heartbeat is not None:
                 self.heartbeat.leave()
-                dist_call(dist.barrier, group=self.control)  # every rank is done: nobody needs the store
+                try:
+                    dist_call(dist.barrier, group=self.control)  # every rank is done: nobody needs the store
+                except PeerFailure:
+                    if self.quorum is None:  # going on without islands: a loss after the summary is no failure
+                        raise
                 dist.destroy_process_group()
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -144,8 +244,11 @@ class CollectiveRuntime(Runtime):
             self.abort(e.reason, e.suspect)
 
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
-              signalled: bool = False) -> None:
+              signalled: bool = False, who: str | None = None, advice: str | None = None) -> None:
         """Print why this rank stops and exit with :data:`EXIT_PEER_FAILURE` (does not return).
+
+        ``who`` names the culprit when it is not a rank (the launcher's store); else ``suspect``'s island,
+        or the first rank the heartbeats find dead. ``advice`` ends the line (default: how to resume).
 
         Called from the main thread (a failed collective), the heartbeat thread or the SIGTERM handler;
         the first caller wins, later callers return at once (``wait=False``) or block until the exit.
@@ -154,14 +257,16 @@ class CollectiveRuntime(Runtime):
             return
         if self.heartbeat is not None:
             self.heartbeat.leave()
-            if suspect is None:
+            if suspect is None and who is None:
                 suspect = self.heartbeat.find_dead()
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
-        resume = resume_advice(self.config.out)
+        resume = advice or resume_advice(self.config.out)
         if signalled and suspect is None:
             line = f"atoll: error: stopped by SIGTERM {where}; {resume}"
         else:
-            who = f"island {suspect // self.ranks_per_island}" if suspect is not None else "another island"
+            if who is None:
+                who = (f"island {suspect // self.ranks_per_island} (rank {suspect})" if suspect is not None
+                       else "another island")
             line = f"atoll: error: {who} stopped responding {where} ({reason}); {resume}"
         try:
             sys.stdout.flush()
@@ -173,8 +278,8 @@ class CollectiveRuntime(Runtime):
     def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
         """This rank's rows of the island's batch, then the gradient averaged over the island's ranks."""
         self.step = step
-        if self.kill_at == (self.rank, step + 1):
-            os.kill(os.getpid(), signal.SIGKILL)  # test hook (see the module docstring)
+        if self.kill_at is not None and self.kill_at[:2] == (self.rank, step + 1):
+            os.kill(os.getpid(), self.kill_at[2])  # test hook (see the package docstring)
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
@@ -185,7 +290,7 @@ class CollectiveRuntime(Runtime):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in island.params]
         loss = torch.tensor([island.last_loss], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
-        dist_call(dist.all_reduce, flat, group=self.island_group)
+        flat = self.comm.resilient(lambda: self._island_sum(flat))
         flat.div_(r_count)
         offset = 0
         for p in island.params:
@@ -193,17 +298,42 @@ class CollectiveRuntime(Runtime):
             offset += p.numel()
         island.last_loss = float(flat[-1])
 
+    def _island_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.clone()
+        dist_call(dist.all_reduce, out, group=self.island_group)
+        return out
+
     def totals(self, islands: list[Island]) -> tuple[float, int]:
-        first = self.position == 0  # one rank per island reports it
-        buf = torch.tensor([sum(i.last_loss for i in islands) if first else 0.0,
-                            sum(i.tokens for i in islands) if first else 0.0], dtype=torch.float64)
-        dist_call(dist.all_reduce, buf, group=self.control)
-        return float(buf[0]) / self.islands, int(buf[1])
+        """Mean loss over the islands alive; tokens of every island (a lost one's as last reported)."""
+        def op() -> torch.Tensor:
+            buf = torch.zeros(1 + self.islands, dtype=torch.float64)
+            if self.position == 0:  # one rank per island reports it
+                buf[0] = sum(i.last_loss for i in islands)
+                buf[1 + self.island] = sum(i.tokens for i in islands)
+            dist_call(dist.all_reduce, buf, group=self.control)
+            return buf
+
+        buf = self.comm.resilient(op)
+        for i in self.alive:
+            self.tokens_of[i] = int(buf[1 + i])
+        return float(buf[0]) / len(self.alive), sum(self.tokens_of)
 
     def compute_s(self, islands: list[Island]) -> float:
-        buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
-        dist_call(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=self.control)
-        return float(buf[0])
+        def op() -> float:
+            buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
+            dist_call(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=self.control)
+            return float(buf[0])
+
+        return self.comm.resilient(op)
+
+    def summary(self) -> dict[str, Any]:
+        """``lost_islands`` (island -> the inner step the others went on without it) and
+        ``degraded_exchanges`` (exchanges with fewer contributors than ``islands``), once an island was lost."""
+        if not self.lost:
+            return {}
+        return {"lost_islands": {str(i): s for i, s in sorted(self.lost.items())},
+                "islands_alive": len(self.alive),
+                "degraded_exchanges": self.comm.degraded_exchanges}
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
@@ -219,11 +349,18 @@ class CollectiveRuntime(Runtime):
         shared = strategy.state_dict()
         mine = ((self.island, [_to_cpu(i.state_dict()) for i in islands],
                  [_to_cpu(strategy.island_state(p)) for p in range(len(islands))]) if self.position == 0 else None)
-        gathered: list[Any] | None = [None] * self.world if self.is_main else None
-        dist_call(dist.gather_object, mine, gathered, dst=0, group=self.control)
+        def op() -> list[Any] | None:
+            gathered: list[Any] | None = ([None] * len(self.alive) * self.ranks_per_island if self.is_main
+                                          else None)
+            dist_call(dist.gather_object, mine, gathered, dst=0, group=self.control)
+            return gathered
+
+        gathered = self.comm.resilient(op)
         if gathered is None:
             return None
-        entries = sorted((g for g in gathered if g is not None), key=lambda g: g[0])
+        got = {g[0]: g for g in gathered if g is not None}
+        donor = got[min(got)]  # a lost island resumes from a live island's state (its own is gone)
+        entries = [got.get(i, (i, *donor[1:])) for i in range(self.islands)]
         wall = float(extra.get("wall_s", 0.0))
         return {"islands": [s for e in entries for s in e[1]], "strategy": _to_cpu(shared),
                 "strategy_islands": [s for e in entries for s in e[2]],
