@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -91,6 +92,7 @@ class _Exchange:
     def __init__(self, comm: DistComm, buf: torch.Tensor, gather: bool, cost: Callable[[int], float]) -> None:
         self.comm, self.buf, self.gather, self.length, self.cost = comm, buf, gather, buf.numel(), cost
         self.counted = cost(comm.islands)
+        self.started, self.relaunched = time.perf_counter(), False
         comm._count(self.counted)
         comm.resilient(self.launch)
         comm.pending.append(self)
@@ -99,6 +101,7 @@ class _Exchange:
         """Start the cross-island part over the comm's current groups (recounting the bytes if they changed)."""
         comm, buf = self.comm, self.buf
         counted = self.cost(comm.islands)
+        self.relaunched = self.relaunched or counted != self.counted
         comm.bytes_sent_per_island += counted - self.counted
         self.counted = counted
         r_count = comm.ranks_per_island
@@ -119,6 +122,8 @@ class _Exchange:
         out = comm.resilient(self._finish)
         comm.pending.remove(self)
         comm.degraded_exchanges += comm.islands < comm.full_islands
+        if self.relaunched:  # the exchange a loss interrupted: its wall time, failure and recovery included
+            comm.interrupted_s.append(time.perf_counter() - self.started)
         return out
 
     def _finish(self) -> torch.Tensor:
@@ -167,6 +172,7 @@ class DistComm(Comm):
         self.pending: list[_Exchange] = []
         self.full_islands = islands
         self.degraded_exchanges = 0  # exchanges finished with fewer islands than the job started with
+        self.interrupted_s: list[float] = []  # wall seconds of each exchange that a loss interrupted
 
     def resilient(self, op: Callable[[], T]) -> T:
         """``op()``, run again over the survivors' groups after a lost island (see the class doc).

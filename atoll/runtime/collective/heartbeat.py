@@ -46,6 +46,7 @@ class _Heartbeat:
             self.store.add(f"bye/{rank}", 0)
         self.seen = [time.monotonic()] * world  # when each rank's counter last moved (or it said goodbye)
         self.left = [False] * world  # said goodbye
+        self.read_at = time.monotonic()  # when this rank last read the others' counters
         self.dropped: set[int] = set()  # ranks of islands the job went on without: not watched
         self.thread = threading.Thread(target=self._run, name="atoll-heartbeat", daemon=True)
 
@@ -76,7 +77,7 @@ class _Heartbeat:
                     else:
                         self.on_dead(self.store_host, reason)
                 continue
-            now = store_ok = time.monotonic()
+            now = store_ok = self.read_at = time.monotonic()
             for r in range(self.world):
                 self.left[r] = bool(bye[r])
                 if last is None or beats[r] != last[r] or bye[r]:
@@ -99,8 +100,9 @@ class _Heartbeat:
             pass
 
     def is_gone(self, rank: int, silent_s: float) -> bool:
-        """Whether ``rank`` said goodbye, or its counter has not moved for ``silent_s`` seconds."""
-        return self.left[rank] or time.monotonic() - self.seen[rank] > silent_s
+        """Whether ``rank`` said goodbye, or its counter had not moved for ``silent_s`` seconds at this rank's
+        last reading (a reader that was itself stalled judges nobody)."""
+        return self.left[rank] or self.read_at - self.seen[rank] > silent_s
 
     def drop(self, ranks: list[int]) -> None:
         """Stop watching ``ranks`` (their island was dropped from the job)."""

@@ -41,6 +41,11 @@ class Quorum:
         self.store, self.rank, self.r_count = store, rank, ranks_per_island
         self.is_gone, self.timeout_s = is_gone, timeout_s
 
+    def register(self, epoch: int, op: int) -> None:
+        """Say this rank is alive in ``epoch`` and failed in operation ``op`` (first thing after a failure:
+        a registered rank is never taken for dead, even if its heartbeat stalls while it closes its groups)."""
+        self.store.set(f"{epoch}/op/{self.rank}", str(op))
+
     def agree(self, epoch: int, op: int, alive: list[int]) -> tuple[list[int], list[int]] | None:
         """The islands alive in ``epoch`` and the global ranks found dead, or None if the survivors failed
         in different operations (or the others did not register in time): then nothing can be redone.
@@ -51,7 +56,7 @@ class Quorum:
             alive: the islands of the job before this loss, ascending.
         """
         store, e = self.store, epoch
-        store.set(f"{e}/op/{self.rank}", str(op))
+        self.register(epoch, op)
         ranks = [i * self.r_count + p for i in alive for p in range(self.r_count)]
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:

@@ -8,11 +8,13 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,6 +111,8 @@ class CollectiveRuntime(Runtime):
         self.alive = list(range(self.islands))  # the islands in the job (all, until one is lost)
         self.epoch = 0  # one more per loss survived
         self.quorum: Quorum | None = None
+        self.recovery_s: list[float] = []
+        self.resumed_at: list[float] = []  # wall clock (Unix seconds) at each re-formed group
         self.lost: dict[int, int] = {}  # island -> the inner step at which the others went on without it
         self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
 
@@ -128,8 +132,7 @@ class CollectiveRuntime(Runtime):
         self.heartbeat = _Heartbeat(self.rank, self.world, self.prefix,
                                     min(HEARTBEAT_STALE_S, self.config.collective_timeout_s),
                                     self._on_silent, store_host=None if agent_store else 0,
-                                    on_store_lost=lambda reason: self.abort(reason, wait=False,
-                                                                            who="the launcher's rendezvous store"))
+                                    on_store_lost=self._on_store_lost)
         if self.config.min_islands < self.islands:  # losses can be survived: agree through the store
             self.store = store_client(self.config.collective_timeout_s)
             self.quorum = Quorum(dist.PrefixStore(self.prefix + "quorum/", self.store), self.rank,
@@ -173,6 +176,10 @@ class CollectiveRuntime(Runtime):
             exchange.handle = None
         gc.collect()
 
+    def _on_store_lost(self, reason: str) -> None:
+        """The launcher (or torchrun's agent) is gone with its store: stop; rank 0 alone says so (one line)."""
+        self.abort(reason, wait=False, who="the launcher's rendezvous store", quiet=not self.is_main)
+
     def _on_silent(self, rank: int | None, reason: str) -> None:
         """The heartbeat found ``rank`` silent: stop, unless losses are survived (the failed collective, or
         the launcher killing the reported rank, then brings the survivors to :meth:`recover`)."""
@@ -193,8 +200,10 @@ class CollectiveRuntime(Runtime):
         for exc in (failure, failure.__cause__, failure.__context__):  # their frames hold the failed work
             if exc is not None and exc.__traceback__ is not None:
                 traceback.clear_frames(exc.__traceback__)
-        self._close_groups()
+        t0 = time.perf_counter()
         epoch = self.epoch + 1
+        self.quorum.register(epoch, op)
+        self._close_groups()
         decided = self.quorum.agree(epoch, op, self.alive)
         if decided is None:
             self.abort(failure.reason, failure.suspect)
@@ -221,6 +230,8 @@ class CollectiveRuntime(Runtime):
                   rank=alive.index(self.island) * r_count + self.position, world_size=len(alive) * r_count)
         self._form_groups()
         self.comm.regroup(len(alive), self.cross_group, self.island_group)
+        self.recovery_s.append(time.perf_counter() - t0)
+        self.resumed_at.append(time.time())
         if self.is_main and culprit:
             print(f"atoll: warning: {culprit} stopped responding at {where} ({failure.reason}); going on with "
                   f"{len(alive)} of {self.islands} islands", file=sys.stderr, flush=True)
@@ -244,11 +255,13 @@ class CollectiveRuntime(Runtime):
             self.abort(e.reason, e.suspect)
 
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
-              signalled: bool = False, who: str | None = None, advice: str | None = None) -> None:
+              signalled: bool = False, who: str | None = None, advice: str | None = None,
+              quiet: bool = False) -> None:
         """Print why this rank stops and exit with :data:`EXIT_PEER_FAILURE` (does not return).
 
         ``who`` names the culprit when it is not a rank (the launcher's store); else ``suspect``'s island,
-        or the first rank the heartbeats find dead. ``advice`` ends the line (default: how to resume).
+        or the first rank the heartbeats find dead. ``advice`` ends the line (default: how to resume);
+        ``quiet`` exits without it (another rank says it).
 
         Called from the main thread (a failed collective), the heartbeat thread or the SIGTERM handler;
         the first caller wins, later callers return at once (``wait=False``) or block until the exit.
@@ -270,7 +283,8 @@ class CollectiveRuntime(Runtime):
             line = f"atoll: error: {who} stopped responding {where} ({reason}); {resume}"
         try:
             sys.stdout.flush()
-            print(line, file=sys.stderr, flush=True)
+            if not quiet:
+                print(line, file=sys.stderr, flush=True)
         finally:
             os._exit(EXIT_PEER_FAILURE)
 
@@ -279,6 +293,8 @@ class CollectiveRuntime(Runtime):
         """This rank's rows of the island's batch, then the gradient averaged over the island's ranks."""
         self.step = step
         if self.kill_at is not None and self.kill_at[:2] == (self.rank, step + 1):
+            if os.environ.get("ATOLL_TEST_KILL_STAMP"):  # when it died, for bench/survivors.py
+                Path(os.environ["ATOLL_TEST_KILL_STAMP"]).write_text(repr(time.time()))
             os.kill(os.getpid(), self.kill_at[2])  # test hook (see the package docstring)
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
@@ -328,12 +344,17 @@ class CollectiveRuntime(Runtime):
 
     def summary(self) -> dict[str, Any]:
         """``lost_islands`` (island -> the inner step the others went on without it) and
-        ``degraded_exchanges`` (exchanges with fewer contributors than ``islands``), once an island was lost."""
+        ``degraded_exchanges`` (exchanges with fewer contributors than ``islands``), once an island was lost;
+        ``recovery_s``: wall seconds from each failure to the re-formed groups; ``interrupted_exchange_s``:
+        wall seconds of each exchange a loss interrupted, from its start to its result over the survivors."""
         if not self.lost:
             return {}
         return {"lost_islands": {str(i): s for i, s in sorted(self.lost.items())},
                 "islands_alive": len(self.alive),
-                "degraded_exchanges": self.comm.degraded_exchanges}
+                "degraded_exchanges": self.comm.degraded_exchanges,
+                "recovery_s": [round(t, 3) for t in self.recovery_s],
+                "interrupted_exchange_s": [round(t, 3) for t in self.comm.interrupted_s],
+                "resumed_at": self.resumed_at}
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
