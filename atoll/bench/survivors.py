@@ -8,10 +8,10 @@ SIGKILLed as it starts inner step ``--kill-step``. atoll runs ``atoll train --ru
 5 s (torchft's default), in the Python given by ``--torchft-python`` (a venv where ``pip install torchft==0.2.0``
 worked; torchft is no dependency of atoll).
 
-Measured, per framework: ``resume_s``, wall seconds from the kill (the victim's clock, same machine) to the
-end of the first sync round that completes without it (training goes on from there); ``degraded_sync_s``,
-the wall seconds of that round (from its start on a survivor to its end: the failure, the recovery and the
-averaging over the survivors); ``final_eval_loss`` on the held-out batches; whether the survivors finished
+Measured, per framework, on island 0: ``resume_s``, wall seconds from the kill (the victim's clock, same
+machine) to the end of the first sync round that completes without it (training goes on from there);
+``degraded_sync_s``, the wall seconds of that round (from its start to its end: the failure, the recovery
+and the averaging over the survivors); ``final_eval_loss`` on the held-out batches; whether the survivors finished
 every step. Writes ``OUT/survivors.json`` and ``OUT/survivors.md``.
 """
 
@@ -61,6 +61,9 @@ def _torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         config["cache_dir"] = args.cache_dir
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     code = "from atoll.bench.survivors_torchft import lighthouse_main; lighthouse_main()"
+    import torch.distributed as dist
+
+    starter = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # see replica_main
     t0 = time.time()
     lighthouse = subprocess.Popen([args.torchft_python, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -70,7 +73,8 @@ def _torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             with open(out / "torchft" / f"replica{i}.log", "w") as log:
                 procs.append(subprocess.Popen(
                     [args.torchft_python, "-m", "atoll.bench.survivors_torchft", address, str(i), json.dumps(config),
-                     str(args.kill_step if i == 2 else -1), str(out / "torchft" / f"replica{i}.json")],
+                     str(args.kill_step if i == 2 else -1), str(out / "torchft" / f"replica{i}.json"),
+                     str(starter.port)],
                     env=env, stdout=subprocess.DEVNULL, stderr=log))
         codes = [p.wait(timeout=args.timeout_s) for p in procs]
     finally:
@@ -80,13 +84,14 @@ def _torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                if (out / "torchft" / f"replica{i}.json").exists() else {} for i in range(2)]
     killed = float((out / "torchft" / "replica2.json.kill").read_text())
     first = results[0]
-    syncs = [s for s in first.get("syncs", []) if s["end"] > killed and s["committed"]]
     degraded = [s for s in first.get("syncs", []) if s["end"] > killed]
+    syncs = [s for s in degraded if s["committed"]]
     return {"framework": "torchft 0.2.0 (DiLoCo)", "exit": codes[0], "wall_s": time.time() - t0,
             "finished_all_steps": codes[:2] == [0, 0] and first.get("steps") == args.steps,
             "resume_s": syncs[0]["end"] - killed if syncs else None,
             "degraded_sync_s": degraded[0]["end"] - degraded[0]["start"] if degraded else None,
             "final_eval_loss": first.get("final_eval_loss"), "islands_at_end": first.get("participants"),
+            "participants_per_round": [s["participants"] for s in first.get("syncs", [])],
             "uncommitted_rounds": sum(not s["committed"] for s in first.get("syncs", [])), "error": ""}
 
 

@@ -28,8 +28,13 @@ def lighthouse_main() -> None:
     server.shutdown()
 
 
-def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int, out: str) -> None:
-    """One replica: ``kill_step`` > 0 makes it SIGKILL itself as it starts that (1-based) inner step."""
+def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int, out: str,
+                 start_port: int) -> None:
+    """One replica: ``kill_step`` > 0 makes it SIGKILL itself as it starts that (1-based) inner step.
+
+    The replicas start training together (a counter in the driver's store at ``start_port``), so the
+    first quorum holds all of them and the kill hits a replica of the running quorum.
+    """
     import torch
     import torch.distributed as dist
     from torchft import Manager
@@ -53,6 +58,10 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
         replica_id=f"island{replica}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=lighthouse, timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=30))
+    start = dist.TCPStore("127.0.0.1", start_port, is_master=False, timeout=timedelta(seconds=120))
+    start.add("ready", 1)
+    while int(start.add("ready", 0)) < config.islands:
+        time.sleep(0.05)
     outer = torch.optim.SGD(island.model.parameters(), lr=config.outer_lr, momentum=config.outer_momentum,
                             nesterov=config.outer_momentum > 0)
     syncs: list[dict[str, Any]] = []
@@ -67,10 +76,10 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
             island.forward_backward(batch)
             island.clip_gradients()
             committed_before = manager.current_step()
-            start = time.time()
+            began = time.time()
             island.optimizer.step()  # DiLoCo's hook syncs every sync_every steps
             if (step + 1) % config.sync_every == 0:
-                syncs.append({"step": step + 1, "start": start, "end": time.time(),
+                syncs.append({"step": step + 1, "start": began, "end": time.time(),
                               "committed": manager.current_step() > committed_before,
                               "participants": manager.num_participants()})
             island.finish_step()
@@ -83,4 +92,4 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
 
 
 if __name__ == "__main__":
-    replica_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    replica_main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], int(sys.argv[6]))

@@ -124,6 +124,7 @@ class _Exchange:
         comm.degraded_exchanges += comm.islands < comm.full_islands
         if self.relaunched:  # the exchange a loss interrupted: its wall time, failure and recovery included
             comm.interrupted_s.append(time.perf_counter() - self.started)
+            comm.resumed_at.append(time.time())
         return out
 
     def _finish(self) -> torch.Tensor:
@@ -173,6 +174,7 @@ class DistComm(Comm):
         self.full_islands = islands
         self.degraded_exchanges = 0  # exchanges finished with fewer islands than the job started with
         self.interrupted_s: list[float] = []  # wall seconds of each exchange that a loss interrupted
+        self.resumed_at: list[float] = []  # wall clock (Unix seconds) when each of them finished
 
     def resilient(self, op: Callable[[], T]) -> T:
         """``op()``, run again over the survivors' groups after a lost island (see the class doc).

@@ -112,7 +112,6 @@ class CollectiveRuntime(Runtime):
         self.epoch = 0  # one more per loss survived
         self.quorum: Quorum | None = None
         self.recovery_s: list[float] = []
-        self.resumed_at: list[float] = []  # wall clock (Unix seconds) at each re-formed group
         self.lost: dict[int, int] = {}  # island -> the inner step at which the others went on without it
         self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
 
@@ -231,7 +230,6 @@ class CollectiveRuntime(Runtime):
         self._form_groups()
         self.comm.regroup(len(alive), self.cross_group, self.island_group)
         self.recovery_s.append(time.perf_counter() - t0)
-        self.resumed_at.append(time.time())
         if self.is_main and culprit:
             print(f"atoll: warning: {culprit} stopped responding at {where} ({failure.reason}); going on with "
                   f"{len(alive)} of {self.islands} islands", file=sys.stderr, flush=True)
@@ -346,7 +344,8 @@ class CollectiveRuntime(Runtime):
         """``lost_islands`` (island -> the inner step the others went on without it) and
         ``degraded_exchanges`` (exchanges with fewer contributors than ``islands``), once an island was lost;
         ``recovery_s``: wall seconds from each failure to the re-formed groups; ``interrupted_exchange_s``:
-        wall seconds of each exchange a loss interrupted, from its start to its result over the survivors."""
+        wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
+        ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
         if not self.lost:
             return {}
         return {"lost_islands": {str(i): s for i, s in sorted(self.lost.items())},
@@ -354,7 +353,7 @@ class CollectiveRuntime(Runtime):
                 "degraded_exchanges": self.comm.degraded_exchanges,
                 "recovery_s": [round(t, 3) for t in self.recovery_s],
                 "interrupted_exchange_s": [round(t, 3) for t in self.comm.interrupted_s],
-                "resumed_at": self.resumed_at}
+                "resumed_at": self.comm.resumed_at}
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
