@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,30 @@ def test_survivors_of_a_killed_island_finish_the_run(settings: dict, tmp_path: P
     if ranks == 2:  # the live rank of the dropped island says so, and stops
         assert any(ln.endswith("island 1 is dropped and the other islands go on without it")
                    for ln in r.stderr.splitlines())
+
+
+@pytest.mark.slow
+def test_survivors_go_on_under_torchruns_environment(settings: dict, tmp_path: Path) -> None:
+    """Ranks started as torchrun starts them, without an agent store: rank 0's default group hosts the store,
+    which must outlive the group that the survivors destroy."""
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3",
+           KILL_HOOK_ENV: "2:8"}
+    flags = _flags({**settings, "strategy": "diloco", "out": str(out)})
+    procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(3)]
+    try:
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, -9], errs[0][-3000:]
+    assert json.loads((out / "summary.json").read_text())["lost_islands"] == {"2": 10}
+    assert errs[0].strip().startswith("atoll: warning: island 2 (rank 2) stopped responding at inner step 10")
 
 
 @pytest.mark.slow

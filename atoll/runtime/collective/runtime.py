@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from atoll.errors import CheckpointError, ConfigError
 from atoll.job.checkpoint import resume_advice
@@ -133,6 +134,8 @@ class CollectiveRuntime(Runtime):
                                     self._on_silent, store_host=None if agent_store else 0,
                                     on_store_lost=self._on_store_lost)
         if self.config.min_islands < self.islands:  # losses can be survived: agree through the store
+            # without an agent store, rank 0's default group owns the store's server: keep it past that group
+            self.rendezvous = distributed_c10d._get_default_store()
             self.store = store_client(self.config.collective_timeout_s)
             self.quorum = Quorum(dist.PrefixStore(self.prefix + "quorum/", self.store), self.rank,
                                  self.ranks_per_island, self.heartbeat.is_gone, self.config.collective_timeout_s)
@@ -162,8 +165,6 @@ class CollectiveRuntime(Runtime):
 
     def _close_groups(self) -> None:
         """Close this rank's connections at once (peers blocked on it fail now, not at the deadline)."""
-        from torch.distributed import distributed_c10d
-
         for group in list(distributed_c10d._world.pg_map):
             with contextlib.suppress(Exception):
                 group.abort()
@@ -201,9 +202,12 @@ class CollectiveRuntime(Runtime):
                 traceback.clear_frames(exc.__traceback__)
         t0 = time.perf_counter()
         epoch = self.epoch + 1
-        self.quorum.register(epoch, op)
-        self._close_groups()
-        decided = self.quorum.agree(epoch, op, self.alive)
+        try:
+            self.quorum.register(epoch, op)
+            self._close_groups()
+            decided = self.quorum.agree(epoch, op, self.alive)
+        except RuntimeError:  # the store is gone too (its host died): nobody to agree with
+            decided = None
         if decided is None:
             self.abort(failure.reason, failure.suspect)
         alive, dead = decided  # type: ignore[misc]
