@@ -102,6 +102,9 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                            optimizer=own.inner_optimizer) for i in runtime.local_islands]
     strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
+    joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
+    if joined is not None:
+        run.start_step, run.state = joined["step"], joined["job"]
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 
     early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
@@ -139,6 +142,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
                 if job is not None:
                     run.save_checkpoint(done, job, strategy.global_params())
+            runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss, eval_loss=run.eval_loss,
+                          wall_s=run.wall_s())
             session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
             bar.update(done, sum(i.last_loss for i in islands) / len(islands),
                        session_tokens / max(1e-9, time.perf_counter() - run.t0), comm.bytes_sent_per_island)

@@ -26,7 +26,7 @@ OLD_DEFAULTS: dict[str, Any] = {
     # added since: the device (auto is the CPU on a machine without a GPU, where the results come from) and the
     # precision (fp32 then and by default now); min_islands (the collective runtime's survivors going on, which
     # no pinned run meets)
-    "device": "auto", "precision": "fp32", "min_islands": 1,
+    "device": "auto", "precision": "fp32", "min_islands": 1, "max_restarts": 0,
     "batch_size": 8, "cache_dir": None, "chaos": None, "checkpoint_every": 100, "codec": "fp32",
     "codec_block_size": 64, "codec_rounding": "nearest", "collective_timeout_s": 60.0, "data": "stdlib",
     "demo_beta": 0.999, "demo_chunk": 64, "demo_lr": 0.003, "demo_sign_values": True, "demo_topk": 32,

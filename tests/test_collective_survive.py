@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from atoll.config import build_config
@@ -107,6 +108,46 @@ def test_survivors_go_on_under_torchruns_environment(settings: dict, tmp_path: P
     assert [p.returncode for p in procs] == [0, 0, -9], errs[0][-3000:]
     assert json.loads((out / "summary.json").read_text())["lost_islands"] == {"2": 10}
     assert errs[0].strip().startswith("atoll: warning: island 2 (rank 2) stopped responding at inner step 10")
+
+
+@pytest.mark.slow
+def test_a_restarted_island_rejoins_with_a_live_islands_state(settings: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = _train({**settings, "strategy": "diloco", "steps": 40, "eval_every": 40, "max_restarts": 1, "out": str(out)},
+               env={KILL_HOOK_ENV: "1:8"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_islands"] == {"1": 8}  # found at the end of step 8 by the per-step check for joiners
+    (rejoined,) = summary["rejoined_islands"].values()
+    assert list(summary["rejoined_islands"]) == ["1"] and 8 <= rejoined < 40
+    assert summary["islands_alive"] == 3
+    # island 1's tokens: every step after it rejoined, none of the state it took; its 7 steps before the kill
+    # were never reported (totals run every 10 steps) and are not counted
+    per_step = settings["batch_size"] * settings["seq_len"]
+    assert summary["tokens"] == per_step * (2 * 40 + 40 - rejoined)
+    # bytes: each exchange at the number of islands that made it
+    n = summary["params"]
+    k2 = summary["degraded_exchanges"]
+    assert summary["bytes_sent_per_island"] == pytest.approx(
+        (summary["exchanges"] - k2) * ring_allreduce_bytes(4 * n, 3) + k2 * ring_allreduce_bytes(4 * n, 2))
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_max_restarts_needs_survivors_and_one_rank_per_island() -> None:
+    with pytest.raises(ConfigError, match="max_restarts: a restarted island rejoins survivors"):
+        build_config(overrides={"islands": 3, "max_restarts": 1, "ranks_per_island": 2, "batch_size": 4})
+    with pytest.raises(ConfigError, match="max_restarts"):
+        build_config(overrides={"islands": 3, "max_restarts": 1, "min_islands": 3})
+
+
+def test_a_state_travels_as_safetensors_and_json() -> None:
+    from atoll.runtime.collective.rejoin import decode_state, encode_state
+
+    state = {"step": 9, "w": torch.arange(6.0).reshape(2, 3), "opt": {"state": {0: {"m": torch.ones(2)}},
+                                                                      "param_groups": [{"lr": 0.1}]}}
+    got = decode_state(encode_state(state))
+    assert got["step"] == 9 and got["opt"]["param_groups"] == [{"lr": 0.1}]
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["opt"]["state"][0]["m"], torch.ones(2))
 
 
 @pytest.mark.slow

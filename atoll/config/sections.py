@@ -184,6 +184,12 @@ class CollectiveSection(Section):
         "contributed; below this (or when island 0, which writes the run folder, is lost) the run stops with "
         "status 3. Set it to --islands to stop at any loss.",
     )
+    max_restarts: int = Field(
+        0, ge=0, le=1000,
+        description="collective, one-machine launcher: restart a lost island's rank up to this many times; it "
+        "rejoins the running job at the end of an inner step with the state of a live island (not from disk). "
+        "Needs --min-islands below --islands and one rank per island.",
+    )
 
 
 class RaySection(Section):

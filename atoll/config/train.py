@@ -116,6 +116,9 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
         if self.min_islands > self.islands:
             raise ValueError(f"min_islands ({self.min_islands}) exceeds islands ({self.islands}); set "
                              "--min-islands to at most --islands")
+        if self.max_restarts and (self.min_islands >= self.islands or self.ranks_per_island > 1):
+            raise ValueError("max_restarts: a restarted island rejoins survivors that went on without it; it needs "
+                             "--min-islands below --islands and --ranks-per-island 1")
         if own.validate is not None:
             own.validate(self)
         return self
@@ -186,7 +189,7 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
 RESUMABLE_OVERRIDES = frozenset({
     "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "threads", "cache_dir",
     "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
-    "min_islands",
+    "min_islands", "max_restarts",
 })
 
 

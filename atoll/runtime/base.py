@@ -53,6 +53,14 @@ class Runtime(ABC):
         """What the runtime adds to ``summary.json`` (the collective runtime: the islands it lost)."""
         return {}
 
+    def joined_state(self) -> dict[str, Any] | None:
+        """``{"step": inner steps done, "job": state in :meth:`job_state`'s format}`` when this process joined a
+        running job (a restarted island of the collective runtime); None otherwise."""
+        return None
+
+    def admit(self, done: int, islands: list[Island], strategy: Strategy, **extra: Any) -> None:  # noqa: B027
+        """Let restarted islands join at the end of inner step ``done`` (collective runtime); collective call."""
+
     def start(self) -> None:  # noqa: B027 - optional hook
         """Join the job (process groups, heartbeats); called once, after the data is ready."""
 

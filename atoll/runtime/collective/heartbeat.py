@@ -108,6 +108,13 @@ class _Heartbeat:
         """Stop watching ``ranks`` (their island was dropped from the job)."""
         self.dropped.update(ranks)
 
+    def undrop(self, ranks: list[int]) -> None:
+        """Watch ``ranks`` again (their island rejoined), as if they had just beaten."""
+        now = time.monotonic()
+        for r in ranks:
+            self.seen[r], self.left[r] = now, False
+        self.dropped.difference_update(ranks)
+
     def leave(self) -> None:
         """Say this rank leaves on purpose, and stop beating."""
         self.stopped.set()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from atoll.errors import AtollError, RunFailed
 from atoll.job.checkpoint import new_run_dir, resume_advice
 from atoll.runtime.collective.failure import REPORT_KEY
+from atoll.runtime.collective.rejoin import REJOIN_ENV
 
 if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
     from atoll.config import TrainConfig
@@ -58,7 +59,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     prepares the data once (the ranks then read it from the cache), and starts the ranks with ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set. The ranks are forked from a
     ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
-    instead of each importing torch and transformers. No rank is restarted. A rank that its peers report
+    instead of each importing torch and transformers. A rank killed by a signal is started again, up to
+    ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers report
     silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once.
     With ``min_islands`` below ``islands`` the survivors of a lost island go on by themselves; otherwise,
     after the first failure (and in any case once rank 0 has exited), the others get ``grace_s`` seconds to
@@ -103,6 +105,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
     killed: set[int] = set()  # ranks reported silent by their peers, and killed here
     survive = config.min_islands < config.islands
+    restarts = [config.max_restarts] * world
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
     try:
         cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
@@ -119,6 +122,13 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
                         deadline = min(deadline, time.monotonic() + grace_s)
             if procs[0].exitcode is not None:
                 deadline = min(deadline, time.monotonic() + grace_s)
+            for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
+                if rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0 and procs[0].exitcode is None:
+                    restarts[rank] -= 1
+                    killed.add(rank)  # the survivors' report of the lost one must not kill the new one
+                    procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
+                        worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), REJOIN_ENV: "1"}))
+                    procs[rank].start()
             for rank in _reported(store, world, killed):
                 killed.add(rank)
                 if procs[rank].exitcode is None:

@@ -15,12 +15,19 @@ without an agent store, rank 0 hosts it, and its loss cannot be survived.
 from __future__ import annotations
 
 import json
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+from atoll.runtime.collective.failure import PeerFailure
+
+if TYPE_CHECKING:
+    from atoll.runtime.collective.runtime import CollectiveRuntime
 
 DEAD_S = 3.0  # a rank of the failed job whose heartbeat has not moved for this long is dead
 
@@ -86,3 +93,52 @@ def store_client(timeout_s: float) -> dist.TCPStore:
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                          timeout=timedelta(seconds=timeout_s))
+
+
+def recover(rt: CollectiveRuntime, failure: PeerFailure, op: int) -> None:
+    """Go on with the islands alive after ``failure`` in operation ``op``, or end this process.
+
+    The survivors agree on who is alive (:class:`~atoll.runtime.collective.quorum.Quorum`), drop every
+    island that lost a rank, and re-form the default group over ``PrefixStore(f"epoch{n}/", store)``
+    with ranks renumbered in island order; the comm then starts its pending collectives again. The run
+    stops (one line, status 3) if fewer than ``min_islands`` islands are left, if island 0 (which writes
+    the run folder) is lost, or if the survivors failed in different operations; a rank of a dropped
+    island that is still alive stops the same way.
+    """
+    assert rt.quorum is not None and rt.heartbeat is not None
+    for exc in (failure, failure.__cause__, failure.__context__):  # their frames hold the failed work
+        if exc is not None and exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+    t0 = time.perf_counter()
+    epoch = rt.epoch + 1
+    try:
+        rt.quorum.register(epoch, op)
+        rt.close_groups()
+        decided = rt.quorum.agree(epoch, op, rt.alive)
+    except RuntimeError:  # the store is gone too (its host died): nobody to agree with
+        decided = None
+    if decided is None:
+        rt.abort(failure.reason, failure.suspect)
+    alive, dead = decided  # type: ignore[misc]
+    rt.heartbeat.report(dead)
+    lost = [i for i in rt.alive if i not in alive]
+    where = f"inner step {rt.step + 1}" if rt.step is not None else "start"
+    culprit = (f"island {lost[0]} (rank {', '.join(map(str, dead))})" if lost and dead else "")
+    if rt.island not in alive:  # a live rank of an island that lost another
+        rt.abort(failure.reason, dead[0] if dead else None,
+                   advice=f"island {rt.island} is dropped and the other islands go on without it")
+    if 0 not in alive:
+        rt.abort(f"{failure.reason}; island 0 writes the run folder", dead[0] if dead else None)
+    if len(alive) < rt.config.min_islands:
+        rt.abort(f"{failure.reason}; {len(alive)} of {rt.islands} islands left, --min-islands "
+                   f"{rt.config.min_islands}", dead[0] if dead else None)
+    for i in lost:
+        rt.lost[i] = rt.step + 1 if rt.step is not None else 0
+    rt.heartbeat.drop([i * rt.ranks_per_island + p for i in lost for p in range(rt.ranks_per_island)])
+    rt.alive, rt.epoch = alive, epoch
+    rt.init_epoch()
+    rt.recovery_s.append(time.perf_counter() - t0)
+    if rt.is_main and culprit:
+        print(f"atoll: warning: {culprit} stopped responding at {where} ({failure.reason}); going on with "
+              f"{len(alive)} of {rt.islands} islands", file=sys.stderr, flush=True)
+

@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +33,8 @@ from atoll.runtime.collective.failure import (
     dist_call,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
-from atoll.runtime.collective.quorum import Quorum, store_client
+from atoll.runtime.collective.quorum import Quorum, recover, store_client
+from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -113,6 +113,9 @@ class CollectiveRuntime(Runtime):
         self.epoch = 0  # one more per loss survived
         self.quorum: Quorum | None = None
         self.recovery_s: list[float] = []
+        self.rejoined: dict[int, int] = {}  # island -> the inner steps done when it rejoined
+        self._joined: dict[str, Any] | None = None  # the state received on rejoining
+        self.token_offset = 0  # a rejoined island: its tokens before the loss, less those of the state it took
         self.lost: dict[int, int] = {}  # island -> the inner step at which the others went on without it
         self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
 
@@ -121,13 +124,21 @@ class CollectiveRuntime(Runtime):
         """Join the default group, one island group per island, one cross-island group per position."""
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
-        self._form_groups()
-        self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, self.cross_group,
-                             self.island_group, self.device)
-        nonce = [uuid.uuid4().hex if self.is_main else None]
-        dist_call(dist.broadcast_object_list, nonce, src=0, group=self.control)
-        self.prefix = f"atoll/{nonce[0]}/"
+        self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, None, None,
+                             self.device)
+        if os.environ.get(REJOIN_ENV):  # restarted by the launcher: join the running job
+            self.store = store_client(self.config.collective_timeout_s)
+            self._joined = join(self)
+            self.tokens_of = [int(t) for t in self._joined["tokens_of"]]
+            self.lost = {int(k): v for k, v in self._joined["lost"].items()}
+            self.rejoined = {int(k): v for k, v in self._joined["rejoined"].items()}
+        else:
+            dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
+            self._form_groups()
+            self.comm.regroup(self.islands, self.cross_group, self.island_group)
+            nonce = [uuid.uuid4().hex if self.is_main else None]
+            dist_call(dist.broadcast_object_list, nonce, src=0, group=self.control)
+            self.prefix = f"atoll/{nonce[0]}/"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.heartbeat = _Heartbeat(self.rank, self.world, self.prefix,
                                     min(HEARTBEAT_STALE_S, self.config.collective_timeout_s),
@@ -136,11 +147,15 @@ class CollectiveRuntime(Runtime):
         if self.config.min_islands < self.islands:  # losses can be survived: agree through the store
             # without an agent store, rank 0's default group owns the store's server: keep it past that group
             self.rendezvous = distributed_c10d._get_default_store()
-            self.store = store_client(self.config.collective_timeout_s)
+            if self._joined is None:
+                self.store = store_client(self.config.collective_timeout_s)
+            if self.is_main:  # where a restarted rank finds this job's keys
+                self.store.set(PREFIX_KEY, self.prefix)
             self.quorum = Quorum(dist.PrefixStore(self.prefix + "quorum/", self.store), self.rank,
                                  self.ranks_per_island, self.heartbeat.is_gone, self.config.collective_timeout_s)
             self.comm.recover = self.recover
-        dist_call(dist.barrier, group=self.control)
+        if self._joined is None:  # (a restarted rank's keys exist: the others are training, not waiting)
+            dist_call(dist.barrier, group=self.control)
         self.heartbeat.start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM,
@@ -163,7 +178,7 @@ class CollectiveRuntime(Runtime):
         self.island_group = island_groups[self.alive.index(self.island)]
         self.cross_group = cross_groups[self.position]
 
-    def _close_groups(self) -> None:
+    def close_groups(self) -> None:
         """Close this rank's connections at once (peers blocked on it fail now, not at the deadline)."""
         for group in list(distributed_c10d._world.pg_map):
             with contextlib.suppress(Exception):
@@ -187,56 +202,34 @@ class CollectiveRuntime(Runtime):
             self.abort(reason, rank, wait=False)
 
     def recover(self, failure: PeerFailure, op: int) -> None:
-        """Go on with the islands alive after ``failure`` in operation ``op``, or end this process.
+        """Go on with the islands alive after ``failure`` in operation ``op``, or end this process
+        (:func:`~atoll.runtime.collective.quorum.recover`)."""
+        recover(self, failure, op)
 
-        The survivors agree on who is alive (:class:`~atoll.runtime.collective.quorum.Quorum`), drop every
-        island that lost a rank, and re-form the default group over ``PrefixStore(f"epoch{n}/", store)``
-        with ranks renumbered in island order; the comm then starts its pending collectives again. The run
-        stops (one line, status 3) if fewer than ``min_islands`` islands are left, if island 0 (which writes
-        the run folder) is lost, or if the survivors failed in different operations; a rank of a dropped
-        island that is still alive stops the same way.
-        """
-        assert self.quorum is not None and self.heartbeat is not None
-        for exc in (failure, failure.__cause__, failure.__context__):  # their frames hold the failed work
-            if exc is not None and exc.__traceback__ is not None:
-                traceback.clear_frames(exc.__traceback__)
-        t0 = time.perf_counter()
-        epoch = self.epoch + 1
-        try:
-            self.quorum.register(epoch, op)
-            self._close_groups()
-            decided = self.quorum.agree(epoch, op, self.alive)
-        except RuntimeError:  # the store is gone too (its host died): nobody to agree with
-            decided = None
-        if decided is None:
-            self.abort(failure.reason, failure.suspect)
-        alive, dead = decided  # type: ignore[misc]
-        self.heartbeat.report(dead)
-        lost = [i for i in self.alive if i not in alive]
-        where = f"inner step {self.step + 1}" if self.step is not None else "start"
-        culprit = (f"island {lost[0]} (rank {', '.join(map(str, dead))})" if lost and dead else "")
-        if self.island not in alive:  # a live rank of an island that lost another
-            self.abort(failure.reason, dead[0] if dead else None,
-                       advice=f"island {self.island} is dropped and the other islands go on without it")
-        if 0 not in alive:
-            self.abort(f"{failure.reason}; island 0 writes the run folder", dead[0] if dead else None)
-        if len(alive) < self.config.min_islands:
-            self.abort(f"{failure.reason}; {len(alive)} of {self.islands} islands left, --min-islands "
-                       f"{self.config.min_islands}", dead[0] if dead else None)
-        for i in lost:
-            self.lost[i] = self.step + 1 if self.step is not None else 0
-        self.heartbeat.drop([i * self.ranks_per_island + p for i in lost for p in range(self.ranks_per_island)])
-        self.alive, self.epoch = alive, epoch
+    def init_epoch(self) -> None:
+        """Join the default group of epoch :attr:`epoch` (the islands :attr:`alive`, renumbered in island order,
+        over ``PrefixStore(f"epoch{n}/", store)``) and form its groups; the comm uses them from now on."""
         r_count = self.ranks_per_island
         dist_call(dist.init_process_group, self.backend, timeout=self.timeout,
-                  store=dist.PrefixStore(f"{self.prefix}epoch{epoch}/", self.store),
-                  rank=alive.index(self.island) * r_count + self.position, world_size=len(alive) * r_count)
+                  store=dist.PrefixStore(f"{self.prefix}epoch{self.epoch}/", self.store),
+                  rank=self.alive.index(self.island) * r_count + self.position, world_size=len(self.alive) * r_count)
         self._form_groups()
-        self.comm.regroup(len(alive), self.cross_group, self.island_group)
-        self.recovery_s.append(time.perf_counter() - t0)
-        if self.is_main and culprit:
-            print(f"atoll: warning: {culprit} stopped responding at {where} ({failure.reason}); going on with "
-                  f"{len(alive)} of {self.islands} islands", file=sys.stderr, flush=True)
+        self.comm.regroup(len(self.alive), self.cross_group, self.island_group)
+
+    def admit(self, done: int, islands: list[Island], strategy: Strategy, **extra: Any) -> None:
+        """Let restarted islands rejoin at the end of inner step ``done`` (:func:`~.rejoin.admit`)."""
+        if self.config.max_restarts:
+            admit(self, done, islands, strategy, extra)
+
+    def joined_state(self) -> dict[str, Any] | None:
+        """For a restarted rank that rejoined: ``{"step": S, "job": the state, checkpoint format}``; else None."""
+        got = self._joined
+        if got is None:
+            return None
+        k = self.islands
+        job = {"islands": [got["island"]] * k, "strategy": got["strategy"], "strategy_islands": [got["strategy_island"]] * k,
+               "comm": got["comm"], **{key: got[key] for key in ("initial_eval_loss", "eval_loss", "wall_s")}}
+        return {"step": int(got["step"]), "job": job}
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -327,7 +320,7 @@ class CollectiveRuntime(Runtime):
             buf = torch.zeros(1 + self.islands, dtype=torch.float64)
             if self.position == 0:  # one rank per island reports it
                 buf[0] = sum(i.last_loss for i in islands)
-                buf[1 + self.island] = sum(i.tokens for i in islands)
+                buf[1 + self.island] = sum(i.tokens for i in islands) + self.token_offset
             dist_call(dist.all_reduce, buf, group=self.control)
             return buf
 
@@ -350,14 +343,15 @@ class CollectiveRuntime(Runtime):
         ``recovery_s``: wall seconds from each failure to the re-formed groups; ``interrupted_exchange_s``:
         wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
         ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
-        if not self.lost:
+        if not self.lost and not self.rejoined:
             return {}
         return {"lost_islands": {str(i): s for i, s in sorted(self.lost.items())},
                 "islands_alive": len(self.alive),
                 "degraded_exchanges": self.comm.degraded_exchanges,
                 "recovery_s": [round(t, 3) for t in self.recovery_s],
                 "interrupted_exchange_s": [round(t, 3) for t in self.comm.interrupted_s],
-                "resumed_at": self.comm.resumed_at}
+                "resumed_at": self.comm.resumed_at,
+                **({"rejoined_islands": {str(i): s for i, s in sorted(self.rejoined.items())}} if self.rejoined else {})}
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
@@ -402,5 +396,7 @@ class CollectiveRuntime(Runtime):
         for position, island in enumerate(islands):
             strategy.load_island_state(position, state["strategy_islands"][island.index])
         self.comm.load_state_dict(state["comm"])
+        if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
+            self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
 
 
