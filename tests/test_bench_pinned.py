@@ -24,8 +24,8 @@ from atoll.config import TrainConfig, build_config
 #: Every TrainConfig field's default at commit 568f3bb (the code the committed results were measured with).
 OLD_DEFAULTS: dict[str, Any] = {
     # added since: the device (auto is the CPU on a machine without a GPU, where the results come from) and the
-    # precision (fp32 then and by default now); min_islands (the collective runtime's survivors going on, which
-    # no pinned run meets)
+    # precision (fp32 then and by default now); min_islands and max_restarts (the collective runtime's survivors
+    # going on and a lost island rejoining, which no pinned run meets)
     "device": "auto", "precision": "fp32", "min_islands": 1, "max_restarts": 0,
     "batch_size": 8, "cache_dir": None, "chaos": None, "checkpoint_every": 100, "codec": "fp32",
     "codec_block_size": 64, "codec_rounding": "nearest", "collective_timeout_s": 60.0, "data": "stdlib",
