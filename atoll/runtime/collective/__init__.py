@@ -39,6 +39,8 @@ surviving ranks print one line, ``atoll: error: island J (rank R) stopped respon
 (<reason>); resume with 'atoll train --resume OUT' (from step S)``, and exit with status 3
 (:data:`EXIT_PEER_FAILURE`) via ``os._exit``, because a backend with a dead peer can hang in its clean-up.
 A new run checkpoints after its first exchange, so there is a resume point before ``checkpoint_every``.
+With ``max_restarts``, the launcher starts a killed rank again and it rejoins the running job with a live
+island's state (:mod:`~atoll.runtime.collective.rejoin`).
 The one-machine launcher (:func:`launch`) exits with the status of the first rank that failed.
 
 Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N[:STOP]`` makes global rank RANK

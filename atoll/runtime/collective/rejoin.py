@@ -88,9 +88,7 @@ def admit(rt: CollectiveRuntime, done: int, islands: list[Island], strategy: Str
     their tokens count from what they had processed before they were lost.
     """
     flags = torch.zeros(rt.islands, dtype=torch.float64)
-    if rt.comm.pending:  # an exchange in flight: the joiners could not take part in it; next step
-        pass
-    elif rt.is_main:
+    if rt.is_main and not rt.comm.pending:  # (with an exchange in flight, which a joiner could not finish: later)
         flags += torch.tensor([float(i not in rt.alive and rt.store.check([f"{rt.prefix}join/{i}"]))
                                for i in range(rt.islands)], dtype=torch.float64)
 
