@@ -206,8 +206,8 @@ def test_a_frozen_rank_is_killed_as_soon_as_its_peers_report_it(settings: dict, 
     assert r.returncode == EXIT_PEER_FAILURE, r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, lines
-    assert lines[0].startswith("atoll: error: island 1 (rank 1) stopped responding at inner step 8 "
-                               "(no heartbeat for 5 s)")
+    # (the heartbeat's "no heartbeat for 5 s" or gloo's 5 s deadline, whichever comes first)
+    assert lines[0].startswith("atoll: error: island 1 (rank 1) stopped responding at inner step 8 (")
 
 
 @pytest.mark.slow

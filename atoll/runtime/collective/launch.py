@@ -103,7 +103,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
                          args=(worker, config, resume, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
              for r in range(world)]
     first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
-    killed: set[int] = set()  # ranks reported silent by their peers, and killed here
+    reported: set[int] = set()  # ranks reported silent by their peers
+    killed: set[int] = set()  # ranks killed here (reported while running, or restarted)
     survive = config.min_islands < config.islands
     restarts = [config.max_restarts] * world
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
@@ -125,13 +126,15 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
             for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
                 if rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0 and procs[0].exitcode is None:
                     restarts[rank] -= 1
-                    killed.add(rank)  # the survivors' report of the lost one must not kill the new one
+                    reported.add(rank)  # the survivors' report of the lost one must not kill the new one
+                    killed.add(rank)
                     procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
                         worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), REJOIN_ENV: "1"}))
                     procs[rank].start()
-            for rank in _reported(store, world, killed):
-                killed.add(rank)
-                if procs[rank].exitcode is None:
+            for rank in _reported(store, world, reported):
+                reported.add(rank)
+                if procs[rank].exitcode is None:  # frozen: its peers are done with it
+                    killed.add(rank)
                     procs[rank].kill()
             if time.monotonic() > deadline:
                 for p in procs:

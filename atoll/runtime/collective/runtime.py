@@ -267,6 +267,8 @@ class CollectiveRuntime(Runtime):
             self.heartbeat.leave()
             if suspect is None and who is None:
                 suspect = self.heartbeat.find_dead()
+            if suspect is not None:  # the launcher kills it if it still runs (frozen)
+                self.heartbeat.report([suspect])
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
         resume = advice or resume_advice(self.config.out)
         if signalled and suspect is None:
