@@ -104,8 +104,12 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                for i in runtime.local_islands]
     strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
+    joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
+    if joined is not None:
+        run.start_step, run.state = joined["step"], joined["job"]
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 
+    early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
     strategy_s = 0.0  # real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it)
 
     def sim_wall_s() -> float:
@@ -144,11 +148,16 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                     eval_loss = run.log_eval(done, tokens, runtime.full_params(strategy.global_params()),
                                              comm.bytes_sent_per_island, sim_wall_s())
                     check_eval(done, eval_loss, run.data.vocab_size)  # every process evaluates the same model
-                if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
+                first_sync = early and comm.exchanges > 0
+                if first_sync or (config.checkpoint_every and done % config.checkpoint_every == 0) \
+                        or done == config.steps:
+                    early = False
                     job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
                     params = runtime.full_params(strategy.global_params())
                     if job is not None:
                         run.save_checkpoint(done, job, params)
+                runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss,
+                              eval_loss=run.eval_loss, wall_s=run.wall_s())
                 session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
                 bar.update(done, sum(i.last_loss for i in islands) / len(islands),
                            session_tokens / max(1e-9, time.perf_counter() - bar.t0), comm.bytes_sent_per_island,

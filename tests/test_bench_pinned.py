@@ -28,9 +28,10 @@ OLD_DEFAULTS: dict[str, Any] = {
     "device": "auto", "precision": "fp32",
     # added since, off by default: torch.compile, experiment trackers, the plain progress lines' interval, the
     # inner optimizer (adamw then and by default now), sharded islands, the tokenizer (None: atoll's BPE for a
-    # preset, as then), hf: datasets' document cap
+    # preset, as then), hf: datasets' document cap; min_islands and max_restarts (the collective runtime's
+    # survivors going on and a lost island rejoining, which no pinned run meets)
     "compile": False, "tracker": [], "progress_every": None, "inner_optimizer": "adamw", "shard_island": False,
-    "tokenizer": None, "max_documents": None,
+    "tokenizer": None, "max_documents": None, "min_islands": 1, "max_restarts": 0,
     # the sparseloco strategy's own settings (a strategy added since; they apply to it alone)
     "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_beta": 0.95, "sparseloco_bits": 2,
     "batch_size": 8, "cache_dir": None, "chaos": None, "checkpoint_every": 100, "codec": "fp32",

@@ -127,7 +127,7 @@ def test_killed_rank_stops_the_others_with_a_clear_line_under_torchrun_env(setti
                                                                            tmp_path: Path) -> None:
     """Ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT); rank 1 is SIGKILLed."""
     out = tmp_path / "run"
-    flags = _flags({**settings, "strategy": "ddp", "runtime": "collective", "out": str(out)})
+    flags = _flags({**settings, "strategy": "ddp", "runtime": "collective", "out": str(out), "min_islands": 2})
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            KILL_HOOK_ENV: "1:8"}
     procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.PIPE,
@@ -145,7 +145,7 @@ def test_killed_rank_stops_the_others_with_a_clear_line_under_torchrun_env(setti
     assert procs[0].returncode == EXIT_PEER_FAILURE, err[-3000:]
     assert time.monotonic() - killed_at < 60
     line = err.strip().splitlines()[-1]
-    assert line.startswith("atoll: error: island 1 stopped responding at inner step 8 (")
+    assert line.startswith("atoll: error: island 1 (rank 1) stopped responding at inner step 8 (")
     assert line.endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
     assert (out / "checkpoints" / "step_0000005").is_dir()
 
@@ -153,13 +153,13 @@ def test_killed_rank_stops_the_others_with_a_clear_line_under_torchrun_env(setti
 def test_killed_rank_under_the_launcher_then_resume_finishes_the_run(settings: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     started = time.monotonic()
-    r = _collective(settings, out, 2, env={KILL_HOOK_ENV: "3:8"}, strategy="diloco")
+    r = _collective(settings, out, 2, env={KILL_HOOK_ENV: "3:8"}, strategy="diloco", min_islands=2)
     assert r.returncode == 128 + 9, r.stderr[-3000:]  # the first rank to fail: killed by SIGKILL
     assert time.monotonic() - started < 120
     lines = r.stderr.strip().splitlines()
     survivors = [ln for ln in lines if "stopped responding" in ln]
     assert len(survivors) == 3
-    assert all(ln.startswith("atoll: error: island 1 stopped responding") for ln in survivors)
+    assert all(ln.startswith("atoll: error: island 1 (rank 3) stopped responding") for ln in survivors)
     assert any("rank 3 (island 1) was killed by SIGKILL" in ln for ln in lines)
     assert os.readlink(out / "checkpoints" / "latest") == "step_0000005"
 

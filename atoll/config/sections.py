@@ -224,6 +224,19 @@ class CollectiveSection(Section):
         "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
         "driver waits for the other islands once one has finished.",
     )
+    min_islands: int = Field(
+        1, ge=1, le=4096,
+        description="collective: keep training while at least this many islands are alive. A lost island "
+        "(any of its ranks) is dropped, the survivors re-form their groups and average over the islands that "
+        "contributed; below this (or when island 0, which writes the run folder, is lost) the run stops with "
+        "status 3. Set it to --islands to stop at any loss.",
+    )
+    max_restarts: int = Field(
+        0, ge=0, le=1000,
+        description="collective, one-machine launcher: restart a lost island's rank up to this many times; it "
+        "rejoins the running job at the end of an inner step with the state of a live island (not from disk). "
+        "Needs --min-islands below --islands and one rank per island.",
+    )
 
 
 class RaySection(Section):

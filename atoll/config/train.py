@@ -130,6 +130,12 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
                 which = " and ".join(s.name for s in specs() if s.shards)
                 raise ValueError(f"shard_island: the {self.strategy} strategy does not run on shards (only "
                                  f"{which} do); pass --strategy diloco or drop --shard-island")
+        if self.min_islands > self.islands:
+            raise ValueError(f"min_islands ({self.min_islands}) exceeds islands ({self.islands}); set "
+                             "--min-islands to at most --islands")
+        if self.max_restarts and (self.min_islands >= self.islands or self.ranks_per_island > 1):
+            raise ValueError("max_restarts: a restarted island rejoins survivors that went on without it; it needs "
+                             "--min-islands below --islands and --ranks-per-island 1")
         if own.validate is not None:
             own.validate(self)
         return self
@@ -201,6 +207,7 @@ RESUMABLE_OVERRIDES = frozenset({
     "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "progress_every", "tracker",
     "threads", "cache_dir",
     "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
+    "min_islands", "max_restarts",
 })
 
 

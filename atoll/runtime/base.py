@@ -34,6 +34,8 @@ class Runtime(ABC):
         device: where this process's island replicas live (CPU, or this rank's GPU).
         is_main: whether this process writes the run's outputs (metrics, checkpoints, summary, report) and
             shows progress.
+        early_checkpoint: whether a new run also checkpoints right after its first exchange (a run whose
+            processes can be lost then has something to resume from before ``checkpoint_every``).
     """
 
     comm: Comm
@@ -41,6 +43,7 @@ class Runtime(ABC):
     local_islands: list[int]
     device: torch.device = torch.device("cpu")
     is_main: bool = True
+    early_checkpoint: bool = False
 
     def device_of(self, island: int) -> torch.device:
         """Where island ``island`` of this process computes (default: :attr:`device`)."""
@@ -61,8 +64,17 @@ class Runtime(ABC):
         return params
 
     def summary(self) -> dict[str, Any]:
-        """The runtime's own entries of the run summary (none unless islands are sharded); collective call."""
+        """What the runtime adds to ``summary.json`` (the collective runtime: sharded islands, the islands it
+        lost); collective call."""
         return {}
+
+    def joined_state(self) -> dict[str, Any] | None:
+        """``{"step": inner steps done, "job": state in :meth:`job_state`'s format}`` when this process joined a
+        running job (a restarted island of the collective runtime); None otherwise."""
+        return None
+
+    def admit(self, done: int, islands: list[Island], strategy: Strategy, **extra: Any) -> None:  # noqa: B027
+        """Let restarted islands join at the end of inner step ``done`` (collective runtime); collective call."""
 
     def start(self) -> None:  # noqa: B027 - optional hook
         """Join the job (process groups, heartbeats); called once, after the data is ready."""

@@ -33,14 +33,20 @@ not counted.
 Failure: every collective has the deadline ``collective_timeout_s``. A dead rank usually breaks its
 peers' pending collectives at once (gloo: "Connection closed by peer"); a heartbeat through the
 rendezvous store also catches a rank that stops without closing its connections (no heartbeat for
-``min(10 s, collective_timeout_s)``). The surviving ranks then print one line,
-``atoll: error: island J stopped responding at inner step N (<reason>); resume with
-'atoll train --resume OUT'``, and exit with status 3 (:data:`EXIT_PEER_FAILURE`) via ``os._exit``,
-because a backend with a dead peer can hang in its clean-up. The last checkpoint is the resume point.
+``min(10 s, collective_timeout_s)``), and reports it in the store, where the one-machine launcher kills it.
+With ``min_islands`` below ``islands`` (the default), the survivors go on: they agree on the islands alive
+(:mod:`~atoll.runtime.collective.quorum`), re-form their groups and redo the failed collective
+(:meth:`CollectiveRuntime.recover`). Otherwise, or when island 0 is lost, or below ``min_islands``, the
+surviving ranks print one line, ``atoll: error: island J (rank R) stopped responding at inner step N
+(<reason>); resume with 'atoll train --resume OUT' (from step S)``, and exit with status 3
+(:data:`EXIT_PEER_FAILURE`) via ``os._exit``, because a backend with a dead peer can hang in its clean-up.
+A new run checkpoints after its first exchange, so there is a resume point before ``checkpoint_every``.
+With ``max_restarts``, the launcher starts a killed rank again and it rejoins the running job with a live
+island's state (:mod:`~atoll.runtime.collective.rejoin`).
 The one-machine launcher (:func:`launch`) exits with the status of the first rank that failed.
 
-Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N`` makes global rank RANK kill
-itself with SIGKILL as it starts inner step N (1-based). Read only by this runtime; for fault-injection tests.
+Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N[:STOP]`` makes global rank RANK
+kill itself with SIGKILL (or freeze with SIGSTOP) as it starts inner step N (1-based). Read only by this runtime; for fault-injection tests.
 """
 
 from atoll.runtime.collective.failure import (

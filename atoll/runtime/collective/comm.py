@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,9 +15,11 @@ import torch.distributed as dist
 from atoll.algorithms.merge import average_decoded
 from atoll.algorithms.wire import Wire
 from atoll.errors import ConfigError
-from atoll.runtime.collective.failure import dist_call
+from atoll.runtime.collective.failure import PeerFailure, dist_call
 from atoll.runtime.comm import Comm, Work
 from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
+
+T = TypeVar("T")
 
 # ----------------------------------------------------------------------------------------------------------
 # the communication layer
@@ -80,19 +83,34 @@ class DistWork(Work):
 class _Exchange:
     """One payload moved across islands, cut into one shard per rank of the island (see the module doc).
 
-    Started at construction (the cross-island part runs in the background, ``async_op=True``);
-    :meth:`result` waits for it and all-gathers the shards inside the island.
+    Started at construction (the cross-island part runs in the background, ``async_op=True``) and counted
+    ``cost(islands)`` bytes; :meth:`result` waits for it and all-gathers the shards inside the island. While
+    it is pending, a lost island makes the comm start it again over the survivors' groups (recounted at
+    their number).
     """
 
-    def __init__(self, comm: DistComm, buf: torch.Tensor, gather: bool) -> None:
-        self.comm, self.gather, self.length = comm, gather, buf.numel()
+    def __init__(self, comm: DistComm, buf: torch.Tensor, gather: bool, cost: Callable[[int], float]) -> None:
+        self.comm, self.buf, self.gather, self.length, self.cost = comm, buf, gather, buf.numel(), cost
+        self.counted = cost(comm.islands)
+        self.started, self.relaunched = time.perf_counter(), False
+        comm._count(self.counted)
+        comm.resilient(self.launch)
+        comm.pending.append(self)
+
+    def launch(self) -> None:
+        """Start the cross-island part over the comm's current groups (recounting the bytes if they changed)."""
+        comm, buf = self.comm, self.buf
+        counted = self.cost(comm.islands)
+        self.relaunched = self.relaunched or counted != self.counted
+        comm.bytes_sent_per_island += counted - self.counted
+        self.counted = counted
         r_count = comm.cut
         size = -(-max(1, buf.numel()) // r_count)
         if size * r_count != buf.numel():
             buf = torch.cat([buf, buf.new_zeros(size * r_count - buf.numel())])
         part = comm.position if r_count > 1 else 0
         shard = buf[part * size:(part + 1) * size].contiguous().to(comm.device)
-        if gather:
+        if self.gather:
             self.parts = [torch.empty_like(shard) for _ in range(comm.islands)]
             self.handle = dist_call(dist.all_gather, self.parts, shard, group=comm.cross_group, async_op=True)
         else:
@@ -100,7 +118,17 @@ class _Exchange:
             self.handle = dist_call(dist.all_reduce, shard, group=comm.cross_group, async_op=True)
 
     def result(self) -> torch.Tensor:
-        """All-reduce: the summed buffer (the input's length). All-gather: (islands, length), island order."""
+        """All-reduce: the summed buffer (the input's length). All-gather: (islands alive, length), island order."""
+        comm = self.comm
+        out = comm.resilient(self._finish)
+        comm.pending.remove(self)
+        comm.degraded_exchanges += comm.islands < comm.full_islands
+        if self.relaunched:  # the exchange a loss interrupted: its wall time, failure and recovery included
+            comm.interrupted_s.append(time.perf_counter() - self.started)
+            comm.resumed_at.append(time.time())
+        return out
+
+    def _finish(self) -> torch.Tensor:
         comm = self.comm
         dist_call(self.handle.wait)
         local = torch.stack(self.parts)  # (islands or 1, shard)
@@ -116,7 +144,7 @@ class DistComm(Comm):
     """Collectives across the islands of a job, one island per process, over ``torch.distributed``.
 
     Args:
-        islands: K, islands in the job.
+        islands: K, islands in the job (the islands alive, once one was lost).
         island: the island this process runs.
         ranks_per_island: R, ranks per island.
         position: this rank's position in its island (0..R-1).
@@ -127,7 +155,11 @@ class DistComm(Comm):
             island's, moved whole over its cross-island group (no cut, no all-gather inside the island), and
             the bytes counted are the sum over the island's ranks (one scalar all-reduce per exchange).
 
-    All methods are collective: every rank of the job calls them in the same order.
+    All methods are collective: every rank of the job calls them in the same order. :meth:`resilient` runs
+    each one; when ``recover`` is set, a :class:`PeerFailure` calls ``recover(failure, op)`` (``op``: the
+    number of the operation that failed, the same on every rank), which re-forms the groups with the
+    islands alive (:meth:`regroup`) or ends the process; the collectives pending are then started again
+    and the operation is retried.
     """
 
     def __init__(self, islands: int, island: int, ranks_per_island: int, position: int,
@@ -142,6 +174,37 @@ class DistComm(Comm):
         self.device = device
         self.sharded = sharded
         self.cut = 1 if sharded else ranks_per_island  # shards one payload is cut into, one per rank
+        self.recover: Callable[[PeerFailure, int], None] | None = None
+        self.ops = 0  # operations run through resilient(), the same count on every rank
+        self.pending: list[_Exchange] = []
+        self.full_islands = islands
+        self.degraded_exchanges = 0  # exchanges finished with fewer islands than the job started with
+        self.interrupted_s: list[float] = []  # wall seconds of each exchange that a loss interrupted
+        self.resumed_at: list[float] = []  # wall clock (Unix seconds) when each of them finished
+
+    def resilient(self, op: Callable[[], T]) -> T:
+        """``op()``, run again over the survivors' groups after a lost island (see the class doc).
+
+        Raises:
+            PeerFailure: a rank failed and nothing recovers (``recover`` is None).
+        """
+        seq, self.ops = self.ops, self.ops + 1
+        relaunch = False
+        while True:
+            try:
+                if relaunch:
+                    for exchange in list(self.pending):
+                        exchange.launch()
+                return op()
+            except PeerFailure as e:
+                if self.recover is None:
+                    raise
+                self.recover(e, seq)
+                relaunch = True
+
+    def regroup(self, islands: int, cross_group: Any, island_group: Any) -> None:
+        """Use the survivors' groups from now on (``islands`` alive; this rank's position is unchanged)."""
+        self.islands, self.cross_group, self.island_group = islands, cross_group, island_group
 
     def _count(self, bytes_sent: float) -> None:
         if self.sharded:  # the island's bytes: what each of its ranks sent for its shard, summed
@@ -178,8 +241,8 @@ class DistComm(Comm):
         n = x.numel()
         codec = wire.codec if wire is not None else None
         if codec is None:
-            exchange = _Exchange(self, torch.cat([x * w, x.new_tensor([w])]), gather=False)
-            self._count(ring_allreduce_bytes(4 * n, self.islands))
+            exchange = _Exchange(self, torch.cat([x * w, x.new_tensor([w])]), gather=False,
+                                 cost=lambda k: ring_allreduce_bytes(4 * n, k))
 
             def finish_sum() -> tuple[torch.Tensor, float]:
                 total = exchange.result()
@@ -193,8 +256,8 @@ class DistComm(Comm):
         else:
             packed = wire.encode(0, x, key).pack().cpu()  # type: ignore[union-attr]
         header = torch.tensor([w], dtype=torch.float64).view(torch.uint8)
-        exchange = _Exchange(self, torch.cat([header, packed]), gather=True)
-        self._count(ring_allgather_bytes(packed.numel(), self.islands))
+        exchange = _Exchange(self, torch.cat([header, packed]), gather=True,
+                             cost=lambda k: ring_allgather_bytes(packed.numel(), k))
 
         def finish_decode() -> tuple[torch.Tensor, float]:
             rows = exchange.result()  # (islands, 8 + payload bytes)
@@ -219,8 +282,7 @@ class DistComm(Comm):
         tensors = _tensors_of(template)
         parts = [_as_bytes(t) for t in tensors]
         packed = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-        self._count(ring_allgather_bytes(packed.numel(), self.islands))
-        rows = _Exchange(self, packed, gather=True).result()
+        rows = _Exchange(self, packed, gather=True, cost=lambda k: ring_allgather_bytes(packed.numel(), k)).result()
         sizes = [p.numel() for p in parts]
         out = []
         for row in rows:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Callable
 from typing import Any
+
+from atoll.errors import ConfigError
 
 EXIT_PEER_FAILURE = 3  # exit status of a rank that stopped because another rank stopped responding
 KILL_HOOK_ENV = "ATOLL_TEST_KILL_RANK_AT_STEP"
 HEARTBEAT_S = 0.5  # seconds between two heartbeats of a rank
 HEARTBEAT_STALE_S = 10.0  # a rank silent this long (or collective_timeout_s if shorter) is declared dead
+REPORT_KEY = "atoll/reported/"  # + global rank, in the rendezvous store: peers found it silent (the launcher
+# kills such a rank at once: a frozen process holds its connections open and would stall the others)
 
 
 class PeerFailure(Exception):
@@ -48,3 +53,22 @@ def in_worker() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+
+
+def parse_kill_hook() -> tuple[int, int, signal.Signals] | None:
+    """The test hook's (rank, inner step, signal) from ``KILL_HOOK_ENV`` (``RANK:STEP[:STOP|KILL]``), or None.
+
+    Raises:
+        ConfigError: a malformed value.
+    """
+    value = os.environ.get(KILL_HOOK_ENV)
+    if not value:
+        return None
+    try:
+        rank, step, *how = value.split(":")
+        sig = signal.SIGSTOP if how == ["STOP"] else signal.SIGKILL
+        if how not in ([], ["STOP"], ["KILL"]):
+            raise ValueError(value)
+        return int(rank), int(step), sig
+    except ValueError:
+        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP[:STOP] (e.g. 1:7), got {value!r}") from None

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from atoll.runtime.collective.failure import HEARTBEAT_S, backend_reason
+from atoll.runtime.collective.failure import HEARTBEAT_S, REPORT_KEY, backend_reason
 
 # ----------------------------------------------------------------------------------------------------------
 # failure detection
@@ -24,23 +24,30 @@ class _Heartbeat:
         rank, world: this rank and the world size.
         prefix: a key prefix unique to this run.
         stale_s: a rank whose counter has not moved for this long is declared dead.
-        on_dead: called from the heartbeat thread as ``on_dead(rank or None, reason)``.
-        store_host: the rank hosting the store (0 without a launcher's store), or None.
+        on_dead: called from the heartbeat thread as ``on_dead(rank or None, reason)``: once per silent rank,
+            or (rank = ``store_host``) when the store has been unreachable for ``min(3 s, stale_s)``.
+        store_host: the rank hosting the store (0 without a launcher's store), or None: a launcher's or
+            torchrun agent's store, whose loss calls ``on_store_lost(reason)``.
     """
 
     def __init__(self, rank: int, world: int, prefix: str, stale_s: float,
-                 on_dead: Callable[[int | None, str], None], store_host: int | None) -> None:
+                 on_dead: Callable[[int | None, str], None], store_host: int | None,
+                 on_store_lost: Callable[[str], None]) -> None:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         client = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=min(10.0, stale_s)))
-        self.store = dist.PrefixStore(prefix, client)
+        self.client, self.store = client, dist.PrefixStore(prefix, client)
         self.rank, self.world, self.stale_s = rank, world, stale_s
-        self.on_dead, self.store_host = on_dead, store_host
+        self.on_dead, self.store_host, self.on_store_lost = on_dead, store_host, on_store_lost
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.keys = [f"hb/{r}" for r in range(world)] + [f"bye/{r}" for r in range(world)]
         with self.lock:
             self.store.add(f"hb/{rank}", 1)
             self.store.add(f"bye/{rank}", 0)
+        self.seen = [time.monotonic()] * world  # when each rank's counter last moved (or it said goodbye)
+        self.left = [False] * world  # said goodbye
+        self.read_at = time.monotonic()  # when this rank last read the others' counters
+        self.dropped: set[int] = set()  # ranks of islands the job went on without: not watched
         self.thread = threading.Thread(target=self._run, name="atoll-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -54,8 +61,9 @@ class _Heartbeat:
 
     def _run(self) -> None:
         last = None
-        seen = [time.monotonic()] * self.world
+        seen = self.seen
         store_ok = time.monotonic()
+        reported: set[int] = set()
         while not self.stopped.wait(HEARTBEAT_S):
             try:
                 with self.lock:
@@ -63,16 +71,49 @@ class _Heartbeat:
                 beats, bye = self._read()
             except Exception as e:  # the store is gone: its host died
                 if time.monotonic() - store_ok > min(3.0, self.stale_s):
-                    self.on_dead(self.store_host, f"rendezvous store unreachable: {backend_reason(e)}")
+                    reason = f"rendezvous store unreachable: {backend_reason(e)}"
+                    if self.store_host is None:
+                        self.on_store_lost(reason)
+                    else:
+                        self.on_dead(self.store_host, reason)
                 continue
-            now = store_ok = time.monotonic()
+            now = store_ok = self.read_at = time.monotonic()
             for r in range(self.world):
+                self.left[r] = bool(bye[r])
                 if last is None or beats[r] != last[r] or bye[r]:
                     seen[r] = now
             last = beats
-            silent = [r for r in range(self.world) if r != self.rank and now - seen[r] > self.stale_s]
+            silent = [r for r in range(self.world) if r != self.rank and now - seen[r] > self.stale_s
+                      and r not in self.dropped and r not in reported]
             if silent and not self.stopped.is_set():
+                reported.update(silent)
+                self.report(silent)
                 self.on_dead(silent[0], f"no heartbeat for {self.stale_s:.0f} s")
+
+    def report(self, ranks: list[int]) -> None:
+        """Tell the launcher (through the store) that ``ranks`` stopped responding: it kills them if they run."""
+        try:
+            with self.lock:
+                for r in ranks:
+                    self.client.set(f"{REPORT_KEY}{r}", "1")
+        except Exception:
+            pass
+
+    def is_gone(self, rank: int, silent_s: float) -> bool:
+        """Whether ``rank`` said goodbye, or its counter had not moved for ``silent_s`` seconds at this rank's
+        last reading (a reader that was itself stalled judges nobody)."""
+        return self.left[rank] or self.read_at - self.seen[rank] > silent_s
+
+    def drop(self, ranks: list[int]) -> None:
+        """Stop watching ``ranks`` (their island was dropped from the job)."""
+        self.dropped.update(ranks)
+
+    def undrop(self, ranks: list[int]) -> None:
+        """Watch ``ranks`` again (their island rejoined), as if they had just beaten."""
+        now = time.monotonic()
+        for r in ranks:
+            self.seen[r], self.left[r] = now, False
+        self.dropped.difference_update(ranks)
 
     def leave(self) -> None:
         """Say this rank leaves on purpose, and stop beating."""

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from atoll.errors import AtollError, RunFailed
 from atoll.job.checkpoint import resume_advice
 from atoll.job.lock import claim_run_folder
+from atoll.runtime.collective.failure import REPORT_KEY
+from atoll.runtime.collective.rejoin import REJOIN_ENV
 
 if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
     from atoll.config import TrainConfig
@@ -58,16 +60,21 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     prepares the data once (the ranks then read it from the cache), and starts the ranks with ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set. The ranks are forked from a
     ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
-    instead of each importing torch and transformers. No rank is restarted. When a rank fails, the others
-    get ``grace_s`` seconds to notice and stop by themselves (they print why); any still running are then
-    killed.
+    instead of each importing torch and transformers. A rank killed by a signal is started again, up to
+    ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers report
+    silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once.
+    With ``min_islands`` below ``islands`` the survivors of a lost island go on by themselves; otherwise,
+    after the first failure (and in any case once rank 0 has exited), the others get ``grace_s`` seconds to
+    stop by themselves (they print why) and any still running are then killed. The ranks run with
+    ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a lost store would otherwise make c10d print a warning
+    per reconnection attempt.
 
     Args:
         config: the run (``runtime="collective"``).
         worker: what each rank runs, as ``"module:function"`` called ``function(config, resume)``
             (``"atoll.train:train"``); the fork server imports the module once, this process never does.
         resume: continue the run in ``config.out`` from its latest checkpoint.
-        grace_s: seconds the other ranks get to stop after the first failure.
+        grace_s: seconds the other ranks get to stop after the first failure (or rank 0's exit).
 
     Returns:
         The summary that rank 0 wrote to ``<out>/summary.json``.
@@ -98,6 +105,11 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
                          args=(worker, config, resume, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
              for r in range(world)]
     first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
+    reported: set[int] = set()  # ranks reported silent by their peers
+    killed: set[int] = set()  # ranks killed here (reported while running, or restarted)
+    survive = config.min_islands < config.islands
+    restarts = [config.max_restarts] * world
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
     try:
         cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
@@ -108,15 +120,32 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
         deadline = math.inf
         while any(p.exitcode is None for p in procs):
             for rank, p in enumerate(procs):
-                if first is None and p.exitcode not in (None, 0):
-                    first, deadline = (rank, p.exitcode), time.monotonic() + grace_s
+                if first is None and rank not in killed and p.exitcode not in (None, 0):
+                    first = (rank, p.exitcode)
+                    if not survive:
+                        deadline = min(deadline, time.monotonic() + grace_s)
+            if procs[0].exitcode is not None:
+                deadline = min(deadline, time.monotonic() + grace_s)
+            for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
+                if rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0 and procs[0].exitcode is None:
+                    restarts[rank] -= 1
+                    reported.add(rank)  # the survivors' report of the lost one must not kill the new one
+                    killed.add(rank)
+                    procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
+                        worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), REJOIN_ENV: "1"}))
+                    procs[rank].start()
+            for rank in _reported(store, world, reported):
+                reported.add(rank)
+                if procs[rank].exitcode is None:  # frozen: its peers are done with it
+                    killed.add(rank)
+                    procs[rank].kill()
             if time.monotonic() > deadline:
                 for p in procs:
                     if p.exitcode is None:
                         p.kill()
             time.sleep(0.05)
         for rank, p in enumerate(procs):
-            if first is None and p.exitcode != 0:
+            if first is None and rank not in killed and p.exitcode != 0:
                 first = (rank, p.exitcode)
     except BaseException:
         for p in procs:
@@ -131,6 +160,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     finally:
         del store
         lock.release()
+    if survive and procs[0].exitcode == 0 and (out / "summary.json").is_file():
+        return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
     if first is not None:
         rank, code = first
         if code < 0:
@@ -139,6 +170,11 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
                             128 - code)
         raise RunFailed("", code)
     return json.loads((out / "summary.json").read_text())
+
+
+def _reported(store: dist.TCPStore, world: int, known: set[int]) -> list[int]:
+    """Ranks that their peers reported silent (:data:`REPORT_KEY`) and are not in ``known``."""
+    return [r for r in range(world) if r not in known and store.check([f"{REPORT_KEY}{r}"])]
 
 
 def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, str]) -> None:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from atoll.errors import CheckpointError, ConfigError
 from atoll.job.checkpoint import resume_advice
@@ -23,11 +28,14 @@ from atoll.runtime.collective.comm import DistComm
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
     HEARTBEAT_STALE_S,
-    KILL_HOOK_ENV,
     PeerFailure,
     dist_call,
+    parse_kill_hook,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
+from atoll.runtime.collective.quorum import Quorum, recover, store_client
+from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
+from atoll.runtime.collective.transfer import gather_states, to_cpu
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -37,29 +45,6 @@ if TYPE_CHECKING:
 
 # ----------------------------------------------------------------------------------------------------------
 # the runtime
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _parse_kill_hook() -> tuple[int, int] | None:
-    value = os.environ.get(KILL_HOOK_ENV)
-    if not value:
-        return None
-    try:
-        rank, step = value.split(":")
-        return int(rank), int(step)
-    except ValueError:
-        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP (e.g. 1:7), got {value!r}") from None
 
 
 class CollectiveRuntime(Runtime):
@@ -86,6 +71,7 @@ class CollectiveRuntime(Runtime):
         self.island, self.position = divmod(self.rank, self.ranks_per_island)
         self.local_islands = [self.island]
         self.is_main = self.rank == 0
+        self.early_checkpoint = True  # a rank can be lost before checkpoint_every: resume from the first sync
         kind = resolve_device(config.device)
         if kind == "mps":
             raise ConfigError("device: the collective runtime runs on CPUs (gloo) or CUDA GPUs (NCCL), not mps; "
@@ -94,40 +80,126 @@ class CollectiveRuntime(Runtime):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("cuda", local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timedelta(seconds=config.collective_timeout_s)
-        self.kill_at = _parse_kill_hook()
+        self.kill_at = parse_kill_hook()
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
         self._aborting = threading.Lock()
+        self.alive = list(range(self.islands))  # the islands in the job (all, until one is lost)
+        self.epoch = 0  # one more per loss survived
+        self.quorum: Quorum | None = None
+        self.recovery_s: list[float] = []
+        self.rejoined: dict[int, int] = {}  # island -> the inner steps done when it rejoined
+        self._joined: dict[str, Any] | None = None  # the state received on rejoining
+        self.token_offset = 0  # a rejoined island: its tokens before the loss, less those of the state it took
+        self.lost: dict[int, int] = {}  # island -> the inner step at which the others went on without it
+        self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
 
     # --- joining and leaving ----------------------------------------------------------------------
     def start(self) -> None:
         """Join the default group, one island group per island, one cross-island group per position."""
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
-        r_count, k = self.ranks_per_island, self.islands
-        island_groups = ([dist_call(dist.new_group, list(range(i * r_count, (i + 1) * r_count)),
-                                timeout=self.timeout) for i in range(k)] if r_count > 1 else [None] * k)
-        cross_groups = [dist_call(dist.new_group, [i * r_count + p for i in range(k)], timeout=self.timeout)
-                        for p in range(r_count)]
-        # checkpoints and counters travel as CPU objects: a gloo group even when the collectives use NCCL
-        self.control = (dist_call(dist.new_group, backend="gloo", timeout=self.timeout)
-                        if self.backend == "nccl" else dist.group.WORLD)
-        self.island_group = island_groups[self.island]
-        self.comm = DistComm(k, self.island, r_count, self.position, cross_groups[self.position],
-                             self.island_group, self.device, sharded=self.config.shard_island)
-        nonce = [uuid.uuid4().hex if self.is_main else None]
-        dist_call(dist.broadcast_object_list, nonce, src=0, group=self.control)
+        self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, None, None,
+                             self.device, sharded=self.config.shard_island)
+        if os.environ.get(REJOIN_ENV):  # restarted by the launcher: join the running job
+            self.store = store_client(self.config.collective_timeout_s)
+            self._joined = join(self)
+            self.tokens_of = [int(t) for t in self._joined["tokens_of"]]
+            self.lost = {int(k): v for k, v in self._joined["lost"].items()}
+            self.rejoined = {int(k): v for k, v in self._joined["rejoined"].items()}
+        else:
+            dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
+            self._form_groups()
+            self.comm.regroup(self.islands, self.cross_group, self.island_group)
+            nonce = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8)  # a tensor, not pickle
+            dist_call(dist.broadcast, nonce, src=0, group=self.control)
+            self.prefix = f"atoll/{bytes(nonce.tolist()).hex()}/"
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        self.heartbeat = _Heartbeat(self.rank, self.world, f"atoll/{nonce[0]}/",
+        self.heartbeat = _Heartbeat(self.rank, self.world, self.prefix,
                                     min(HEARTBEAT_STALE_S, self.config.collective_timeout_s),
-                                    lambda rank, reason: self.abort(reason, rank, wait=False),
-                                    store_host=None if agent_store else 0)
-        dist_call(dist.barrier, group=self.control)
+                                    self._on_silent, store_host=None if agent_store else 0,
+                                    on_store_lost=self._on_store_lost)
+        # losses can be survived (agree through the store); not by sharded islands, whose FSDP groups stay
+        if self.config.min_islands < self.islands and not self.config.shard_island:
+            # without an agent store, rank 0's default group owns the store's server: keep it past that group
+            self.rendezvous = distributed_c10d._get_default_store()
+            if self._joined is None:
+                self.store = store_client(self.config.collective_timeout_s)
+            if self.is_main:  # where a restarted rank finds this job's keys
+                self.store.set(PREFIX_KEY, self.prefix)
+            self.quorum = Quorum(dist.PrefixStore(self.prefix + "quorum/", self.store), self.rank,
+                                 self.ranks_per_island, self.heartbeat.is_gone, self.config.collective_timeout_s)
+            self.comm.recover = self.recover
+        if self._joined is None:  # (a restarted rank's keys exist: the others are training, not waiting)
+            dist_call(dist.barrier, group=self.control)
         self.heartbeat.start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM,
                           lambda *_: self.abort("stopped by SIGTERM", wait=False, signalled=True))
+
+    def _form_groups(self) -> None:
+        """The island, cross-island and control groups of the islands alive, over the current default group.
+
+        Island ``alive[j]`` is ranks [j*R, (j+1)*R) of the default group; every rank creates every group,
+        in the same order (``new_group`` is collective).
+        """
+        r_count, k = self.ranks_per_island, len(self.alive)
+        island_groups = ([dist_call(dist.new_group, list(range(j * r_count, (j + 1) * r_count)),
+                                    timeout=self.timeout) for j in range(k)] if r_count > 1 else [None] * k)
+        cross_groups = [dist_call(dist.new_group, [j * r_count + p for j in range(k)], timeout=self.timeout)
+                        for p in range(r_count)]
+        # checkpoints and counters travel as CPU objects: a gloo group even when the collectives use NCCL
+        self.control = (dist_call(dist.new_group, backend="gloo", timeout=self.timeout)
+                        if self.backend == "nccl" else dist.group.WORLD)
+        self.island_group = island_groups[self.alive.index(self.island)]
+        self.cross_group = cross_groups[self.position]
+
+    def close_groups(self) -> None:
+        """Close this rank's connections at once (peers blocked on it fail now, not at the deadline)."""
+        for group in list(distributed_c10d._world.pg_map):
+            with contextlib.suppress(Exception):
+                group.abort()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self.cross_group = self.island_group = self.control = None
+        self.comm.regroup(self.comm.islands, None, None)
+        for exchange in self.comm.pending:
+            exchange.handle = None
+        gc.collect()
+
+    def _on_store_lost(self, reason: str) -> None:
+        """The launcher (or torchrun's agent) is gone with its store: stop; rank 0 alone says so (one line)."""
+        self.abort(reason, wait=False, who="the launcher's rendezvous store", quiet=not self.is_main)
+
+    def _on_silent(self, rank: int | None, reason: str) -> None:
+        """The heartbeat found ``rank`` silent: stop, unless losses are survived (the failed collective, or
+        the launcher killing the reported rank, then brings the survivors to :meth:`recover`)."""
+        if self.quorum is None:
+            self.abort(reason, rank, wait=False)
+
+    def recover(self, failure: PeerFailure, op: int) -> None:
+        """Go on with the islands alive after ``failure`` in operation ``op``, or end this process
+        (:func:`~atoll.runtime.collective.quorum.recover`)."""
+        recover(self, failure, op)
+
+    def init_epoch(self) -> None:
+        """Join the default group of epoch :attr:`epoch` (the islands :attr:`alive`, renumbered in island order,
+        over ``PrefixStore(f"epoch{n}/", store)``) and form its groups; the comm uses them from now on."""
+        r_count = self.ranks_per_island
+        dist_call(dist.init_process_group, self.backend, timeout=self.timeout,
+                  store=dist.PrefixStore(f"{self.prefix}epoch{self.epoch}/", self.store),
+                  rank=self.alive.index(self.island) * r_count + self.position, world_size=len(self.alive) * r_count)
+        self._form_groups()
+        self.comm.regroup(len(self.alive), self.cross_group, self.island_group)
+
+    def admit(self, done: int, islands: list[Island], strategy: Strategy, **extra: Any) -> None:
+        """Let restarted islands rejoin at the end of inner step ``done`` (:func:`~.rejoin.admit`)."""
+        if self.config.max_restarts:
+            admit(self, done, islands, strategy, extra)
+
+    def joined_state(self) -> dict[str, Any] | None:
+        """For a restarted rank that rejoined: ``{"step": S, "job": the state, checkpoint format}``; else None."""
+        return joined_job(self._joined, self.islands) if self._joined is not None else None
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -136,7 +208,11 @@ class CollectiveRuntime(Runtime):
             yield
             if self.heartbeat is not None:
                 self.heartbeat.leave()
-                dist_call(dist.barrier, group=self.control)  # every rank is done: nobody needs the store
+                try:
+                    dist_call(dist.barrier, group=self.control)  # every rank is done: nobody needs the store
+                except PeerFailure:
+                    if self.quorum is None:  # going on without islands: a loss after the summary is no failure
+                        raise
                 dist.destroy_process_group()
                 if threading.current_thread() is threading.main_thread():
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -144,8 +220,13 @@ class CollectiveRuntime(Runtime):
             self.abort(e.reason, e.suspect)
 
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
-              signalled: bool = False) -> None:
+              signalled: bool = False, who: str | None = None, advice: str | None = None,
+              quiet: bool = False) -> None:
         """Print why this rank stops and exit with :data:`EXIT_PEER_FAILURE` (does not return).
+
+        ``who`` names the culprit when it is not a rank (the launcher's store); else ``suspect``'s island,
+        or the first rank the heartbeats find dead. ``advice`` ends the line (default: how to resume);
+        ``quiet`` exits without it (another rank says it).
 
         Called from the main thread (a failed collective), the heartbeat thread or the SIGTERM handler;
         the first caller wins, later callers return at once (``wait=False``) or block until the exit.
@@ -154,18 +235,23 @@ class CollectiveRuntime(Runtime):
             return
         if self.heartbeat is not None:
             self.heartbeat.leave()
-            if suspect is None:
+            if suspect is None and who is None:
                 suspect = self.heartbeat.find_dead()
+            if suspect is not None:  # the launcher kills it if it still runs (frozen)
+                self.heartbeat.report([suspect])
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
-        resume = resume_advice(self.config.out)
+        resume = advice or resume_advice(self.config.out)
         if signalled and suspect is None:
             line = f"atoll: error: stopped by SIGTERM {where}; {resume}"
         else:
-            who = f"island {suspect // self.ranks_per_island}" if suspect is not None else "another island"
+            if who is None:
+                who = (f"island {suspect // self.ranks_per_island} (rank {suspect})" if suspect is not None
+                       else "another island")
             line = f"atoll: error: {who} stopped responding {where} ({reason}); {resume}"
         try:
             sys.stdout.flush()
-            print(line, file=sys.stderr, flush=True)
+            if not quiet:
+                print(line, file=sys.stderr, flush=True)
         finally:
             os._exit(EXIT_PEER_FAILURE)
 
@@ -176,31 +262,24 @@ class CollectiveRuntime(Runtime):
         (FSDP2) before the inner optimizer is built, so the optimizer holds this rank's shard only."""
         if not self.config.shard_island:
             return super().make_island(index, model, config, optimizer)
-        from atoll.job.island import make_island
-        from atoll.runtime.collective.sharding import ShardedIsland, ShardLayout, shard_model
+        from atoll.runtime.collective.sharding import make_sharded_island
 
-        shard_model(model, self.island_group, self.device)
-        island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
-        self.layout = ShardLayout(island.params, self.island_group, self.device)
+        island, self.layout = make_sharded_island(index, model, config, optimizer, self.island_group, self.device)
         return island
 
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""
         return self.layout.gather(params) if self.config.shard_island else params
 
-    def summary(self) -> dict[str, Any]:
-        """Sharded islands: ``shard_island`` and ``params_per_rank`` (elements of each position's shard)."""
-        if not self.config.shard_island:
-            return {}
-        return {"shard_island": True, "params_per_rank": self.layout.numel_per_rank}
-
     # --- what the loop asks ------------------------------------------------------------------------
     def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
         """This rank's rows of the island's batch, then the gradient averaged over the island's ranks
         (all-reduced here; reduce-scattered by FSDP2 in the backward pass of a sharded island)."""
         self.step = step
-        if self.kill_at == (self.rank, step + 1):
-            os.kill(os.getpid(), signal.SIGKILL)  # test hook (see the module docstring)
+        if self.kill_at is not None and self.kill_at[:2] == (self.rank, step + 1):
+            if os.environ.get("ATOLL_TEST_KILL_STAMP"):  # when it died, for bench/survivors.py
+                Path(os.environ["ATOLL_TEST_KILL_STAMP"]).write_text(repr(time.time()))
+            os.kill(os.getpid(), self.kill_at[2])  # test hook (see the package docstring)
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
@@ -216,7 +295,7 @@ class CollectiveRuntime(Runtime):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in island.params]
         loss = torch.tensor([island.last_loss], dtype=grads[0].dtype, device=grads[0].device)
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
-        dist_call(dist.all_reduce, flat, group=self.island_group)
+        flat = self.comm.resilient(lambda: self._island_sum(flat))
         flat.div_(r_count)
         offset = 0
         for p in island.params:
@@ -224,31 +303,70 @@ class CollectiveRuntime(Runtime):
             offset += p.numel()
         island.last_loss = float(flat[-1])
 
+    def _island_sum(self, flat: torch.Tensor) -> torch.Tensor:
+        out = flat.clone()
+        dist_call(dist.all_reduce, out, group=self.island_group)
+        return out
+
     def totals(self, islands: list[Island]) -> tuple[float, int]:
-        first = self.position == 0  # one rank per island reports it
-        buf = torch.tensor([sum(i.last_loss for i in islands) if first else 0.0,
-                            sum(i.tokens for i in islands) if first else 0.0], dtype=torch.float64)
-        dist_call(dist.all_reduce, buf, group=self.control)
-        return float(buf[0]) / self.islands, int(buf[1])
+        """Mean loss over the islands alive; tokens of every island (a lost one's as last reported)."""
+        def op() -> torch.Tensor:
+            buf = torch.zeros(1 + self.islands, dtype=torch.float64)
+            if self.position == 0:  # one rank per island reports it
+                buf[0] = sum(i.last_loss for i in islands)
+                buf[1 + self.island] = sum(i.tokens for i in islands) + self.token_offset
+            dist_call(dist.all_reduce, buf, group=self.control)
+            return buf
+
+        buf = self.comm.resilient(op)
+        for i in self.alive:
+            self.tokens_of[i] = int(buf[1 + i])
+        return float(buf[0]) / len(self.alive), sum(self.tokens_of)
 
     def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
-        buf = torch.zeros(2 * self.islands, dtype=torch.float64)
-        if self.position == 0:  # one rank per island reports it
-            for i in islands:
-                buf[i.index], buf[self.islands + i.index] = i.skipped_steps, i.reset_count
-        dist_call(dist.all_reduce, buf, group=self.control)
+        def op() -> torch.Tensor:
+            buf = torch.zeros(2 * self.islands, dtype=torch.float64)
+            if self.position == 0:  # one rank per island reports it
+                for i in islands:
+                    buf[i.index], buf[self.islands + i.index] = i.skipped_steps, i.reset_count
+            dist_call(dist.all_reduce, buf, group=self.control)
+            return buf
+
+        buf = self.comm.resilient(op)
         return [int(x) for x in buf[:self.islands]], [int(x) for x in buf[self.islands:]]
 
     def compute_s(self, islands: list[Island]) -> float:
-        buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
-        dist_call(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=self.control)
-        return float(buf[0])
+        def op() -> float:
+            buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
+            dist_call(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=self.control)
+            return float(buf[0])
+
+        return self.comm.resilient(op)
+
+    def summary(self) -> dict[str, Any]:
+        """``lost_islands`` (island -> the inner step the others went on without it) and
+        ``degraded_exchanges`` (exchanges with fewer contributors than ``islands``), once an island was lost;
+        ``recovery_s``: wall seconds from each failure to the re-formed groups; ``interrupted_exchange_s``:
+        wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
+        ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
+        shard = ({"shard_island": True, "params_per_rank": self.layout.numel_per_rank} if self.config.shard_island
+                 else {})
+        if not self.lost and not self.rejoined:
+            return shard
+        return {**shard, "lost_islands": {str(i): s for i, s in sorted(self.lost.items())},
+                "islands_alive": len(self.alive),
+                "degraded_exchanges": self.comm.degraded_exchanges,
+                "recovery_s": [round(t, 3) for t in self.recovery_s],
+                "interrupted_exchange_s": [round(t, 3) for t in self.comm.interrupted_s],
+                "resumed_at": self.comm.resumed_at,
+                **({"rejoined_islands": {str(i): s for i, s in sorted(self.rejoined.items())}} if self.rejoined else {})}
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
 
     def job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any] | None:
-        """Gather every island's state on rank 0 (``gather_object``), in the ``local`` runtime's format.
+        """Gather every island's state on rank 0 (as safetensors + JSON, :func:`~.transfer.gather_states`; no
+        pickle), in the ``local`` runtime's format.
 
         Every rank takes the strategy's state (it may finish an exchange in flight, an island collective);
         one rank per island sends it with its islands' states. The clock entry is a
@@ -256,64 +374,34 @@ class CollectiveRuntime(Runtime):
         ``local`` runtime can resume the checkpoint.
         """
         if self.config.shard_island:
-            return self._sharded_job_state(islands, strategy, **extra)
+            from atoll.runtime.collective.sharding import sharded_job_state
+
+            return sharded_job_state(self, islands, strategy, **extra)
         shared = strategy.state_dict()
-        mine = ((self.island, [_to_cpu(i.state_dict()) for i in islands],
-                 [_to_cpu(strategy.island_state(p)) for p in range(len(islands))]) if self.position == 0 else None)
-        gathered: list[Any] | None = [None] * self.world if self.is_main else None
-        dist_call(dist.gather_object, mine, gathered, dst=0, group=self.control)
+        mine = ({"island": self.island, "states": [to_cpu(i.state_dict()) for i in islands],
+                 "strategy": [to_cpu(strategy.island_state(p)) for p in range(len(islands))]}
+                if self.position == 0 else None)
+        gathered = self.comm.resilient(lambda: gather_states(mine, self.control, self.is_main))
         if gathered is None:
             return None
-        entries = sorted((g for g in gathered if g is not None), key=lambda g: g[0])
+        got = {int(g["island"]): (int(g["island"]), g["states"], g["strategy"]) for g in gathered if g is not None}
+        donor = got[min(got)]  # a lost island resumes from a live island's state (its own is gone)
+        entries = [got.get(i, (i, *donor[1:])) for i in range(self.islands)]
         wall = float(extra.get("wall_s", 0.0))
-        return {"islands": [s for e in entries for s in e[1]], "strategy": _to_cpu(shared),
+        return {"islands": [s for e in entries for s in e[1]], "strategy": to_cpu(shared),
                 "strategy_islands": [s for e in entries for s in e[2]],
                 "comm": self.comm.state_dict(),
                 "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
 
-    def _sharded_job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any] | None:
-        """:meth:`job_state` of sharded islands: the islands' whole states (gathered by the island's ranks
-        together), the strategy's state per rank position (each holds its shard's): ``strategy_shards``
-        [position] and ``strategy_islands`` [island][position], and ``shard_ranks`` = R."""
-        states = [_to_cpu(i.state_dict()) for i in islands]  # every rank of the island: a collective
-        shared = _to_cpu(strategy.state_dict()) if self.island == 0 else None
-        mine = (self.island, self.position, states if self.position == 0 else None,
-                [_to_cpu(strategy.island_state(p)) for p in range(len(islands))], shared)
-        gathered: list[Any] | None = [None] * self.world if self.is_main else None
-        dist_call(dist.gather_object, mine, gathered, dst=0, group=self.control)
-        if gathered is None:
-            return None
-        entries = sorted(gathered, key=lambda g: (g[0], g[1]))  # (island, position)
-        r_count = self.ranks_per_island
-        wall = float(extra.get("wall_s", 0.0))
-        return {"islands": [s for e in entries if e[1] == 0 for s in e[2]],
-                "strategy_shards": [e[4] for e in entries if e[0] == 0],
-                "strategy_islands": [[e[3][0] for e in entries[i * r_count:(i + 1) * r_count]]
-                                     for i in range(self.islands)],
-                "shard_ranks": r_count, "comm": self.comm.state_dict(),
-                "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
-
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
-        """Each rank loads its own island's entry (the checkpoint must be readable on every node); a sharded
-        island's ranks each keep their pieces of the whole tensors, and their position's strategy state.
-
-        Raises:
-            CheckpointError: another number of islands, or sharded over another number of ranks.
-        """
+        """Each rank loads its own island's entry (the checkpoint must be readable on every node)."""
         if len(state["islands"]) != self.islands:
             raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
                                   f"{self.islands}; resume with the run's own --islands")
-        saved = state.get("shard_ranks")
         if self.config.shard_island:
-            if saved != self.ranks_per_island:
-                raise CheckpointError(f"resume: the checkpoint's islands are sharded over {saved} ranks, this "
-                                      f"run's over {self.ranks_per_island}; resume with --ranks-per-island {saved}")
-            for island in islands:
-                island.load_state_dict(state["islands"][island.index])
-            strategy.load_state_dict(state["strategy_shards"][self.position])
-            for position, island in enumerate(islands):
-                strategy.load_island_state(position, state["strategy_islands"][island.index][self.position])
-            self.comm.load_state_dict(state["comm"])
+            from atoll.runtime.collective.sharding import load_sharded_job_state
+
+            load_sharded_job_state(self, state, islands, strategy)
             return
         for island in islands:
             island.load_state_dict(state["islands"][island.index])
@@ -321,5 +409,7 @@ class CollectiveRuntime(Runtime):
         for position, island in enumerate(islands):
             strategy.load_island_state(position, state["strategy_islands"][island.index])
         self.comm.load_state_dict(state["comm"])
+        if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
+            self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
 
 

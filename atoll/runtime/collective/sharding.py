@@ -184,3 +184,61 @@ class ShardLayout:
         pieces = [torch.split(row[:n].cpu(), counts.tolist())
                   for row, n, counts in zip(rows, sizes, self.counts, strict=True)]
         return torch.cat([pieces[r][j] for j in range(self.counts.shape[1]) for r in range(len(sizes))])
+
+
+# --- the collective runtime's sharded islands: building, checkpoint state ------------------------------
+def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
+                        device: torch.device) -> tuple[Island, ShardLayout]:
+    """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
+    so the optimizer holds this rank's shard only; and the layout of the shards."""
+    from atoll.job.island import make_island
+
+    shard_model(model, group, device)
+    island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
+    return island, ShardLayout(island.params, group, device)
+
+
+def sharded_job_state(rt: Any, islands: list[Island], strategy: Any, **extra: Any) -> dict[str, Any] | None:
+    """The collective runtime's ``job_state`` for sharded islands (on rank 0; None elsewhere): the islands'
+    whole states (gathered by the island's ranks together), the strategy's state per rank position (each
+    holds its shard's): ``strategy_shards`` [position] and ``strategy_islands`` [island][position], and
+    ``shard_ranks`` = R. States travel as safetensors + JSON (:func:`~.transfer.gather_states`)."""
+    from atoll.runtime.collective.transfer import gather_states, to_cpu
+    from atoll.runtime.network import SimClock
+
+    states = [to_cpu(i.state_dict()) for i in islands]  # every rank of the island: a collective
+    mine = {"island": rt.island, "position": rt.position,
+            "strategy_islands": [to_cpu(strategy.island_state(p)) for p in range(len(islands))],
+            **({"states": states} if rt.position == 0 else {}),
+            **({"shared": to_cpu(strategy.state_dict())} if rt.island == 0 else {})}
+    gathered = gather_states(mine, rt.control, rt.is_main)
+    if gathered is None:
+        return None
+    entries = sorted((g for g in gathered if g is not None), key=lambda g: (g["island"], g["position"]))
+    r_count, wall = rt.ranks_per_island, float(extra.get("wall_s", 0.0))
+    return {"islands": [s for e in entries if e["position"] == 0 for s in e["states"]],
+            "strategy_shards": [e["shared"] for e in entries if e["island"] == 0],
+            "strategy_islands": [[e["strategy_islands"][0] for e in entries[i * r_count:(i + 1) * r_count]]
+                                 for i in range(rt.islands)],
+            "shard_ranks": r_count, "comm": rt.comm.state_dict(),
+            "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(), **extra}
+
+
+def load_sharded_job_state(rt: Any, state: dict[str, Any], islands: list[Island], strategy: Any) -> None:
+    """Each rank of a sharded island keeps its pieces of the whole tensors, and its position's strategy state.
+
+    Raises:
+        CheckpointError: the checkpoint's islands were sharded over another number of ranks (or not at all).
+    """
+    from atoll.errors import CheckpointError
+
+    saved = state.get("shard_ranks")
+    if saved != rt.ranks_per_island:
+        raise CheckpointError(f"resume: the checkpoint's islands are sharded over {saved} ranks, this "
+                              f"run's over {rt.ranks_per_island}; resume with --ranks-per-island {saved}")
+    for island in islands:
+        island.load_state_dict(state["islands"][island.index])
+    strategy.load_state_dict(state["strategy_shards"][rt.position])
+    for position, island in enumerate(islands):
+        strategy.load_island_state(position, state["strategy_islands"][island.index][rt.position])
+    rt.comm.load_state_dict(state["comm"])

@@ -1,0 +1,262 @@
+"""The collective runtime's failure handling: survivors go on without a lost island, a frozen rank is killed
+as soon as its peers report it, a killed launcher stops the ranks with one line, an early checkpoint.
+
+Every run is a subprocess with a timeout, and every exit status is checked (micro model, 12 steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atoll.config import build_config
+from atoll.errors import ConfigError
+from atoll.job.metrics import read_metrics
+from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
+from atoll.runtime.collective.quorum import Quorum
+from atoll.runtime.network import ring_allreduce_bytes
+
+STEPS = 12
+
+
+@pytest.fixture()
+def settings(corpus_file: Path, cache_dir: Path) -> dict:
+    return {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+            "seq_len": 32, "batch_size": 4, "islands": 3, "steps": STEPS, "sync_every": 5, "eval_every": 12,
+            "eval_batches": 2, "progress": False, "threads": 1, "runtime": "collective"}
+
+
+def _flags(settings: dict) -> list[str]:
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        flags += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)])
+    return flags
+
+
+def _train(settings: dict, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "atoll.cli", "train", *_flags(settings)], capture_output=True,
+                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+# --- item 8: the survivors go on ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "ranks", "kill", "extra"), [
+    ("diloco", 1, 1, {}), ("ddp", 1, 1, {}), ("diloco", 2, 3, {}),
+    # an exchange in flight over an inner step, int4 payloads all-gathered; DeMo's all-gathered components
+    ("streaming", 1, 1, {"fragments": 2, "overlap_steps": 1, "codec": "int4"}), ("demo", 1, 1, {}),
+], ids=["diloco-3x1", "ddp-3x1", "diloco-3x2", "streaming-int4-3x1", "demo-3x1"])
+def test_survivors_of_a_killed_island_finish_the_run(settings: dict, tmp_path: Path, strategy: str, ranks: int,
+                                                     kill: int, extra: dict) -> None:
+    out = tmp_path / "run"
+    r = _train({**settings, "strategy": strategy, "ranks_per_island": ranks, "out": str(out), **extra},
+               env={KILL_HOOK_ENV: f"{kill}:8"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["lost_islands"]) == ["1"] and summary["lost_islands"]["1"] >= 8
+    assert summary["islands_alive"] == 2
+    # every exchange from the loss on averaged the two survivors: ddp's and demo's steps 8..12, diloco's
+    # at 10 and 12, streaming's fragments started at 8 and 10 and both fragments' final syncs at 12
+    assert summary["degraded_exchanges"] == {"ddp": 5, "demo": 5, "diloco": 2, "streaming": 4}[strategy]
+    if strategy in ("ddp", "diloco"):  # bytes: K = 3 before the loss, 2 after (the failed one recounted at 2)
+        n = summary["params"]
+        full = summary["exchanges"] - summary["degraded_exchanges"]
+        assert summary["bytes_sent_per_island"] == pytest.approx(
+            full * ring_allreduce_bytes(4 * n, 3) + summary["degraded_exchanges"] * ring_allreduce_bytes(4 * n, 2))
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    assert [e["step"] for e in read_metrics(out / "metrics.jsonl") if e["event"] == "eval"] == [0, STEPS]
+    warning = [ln for ln in r.stderr.splitlines() if ln.startswith("atoll: warning:")]
+    assert len(warning) == 1 and warning[0].startswith(f"atoll: warning: island 1 (rank {kill}) stopped responding")
+    assert warning[0].endswith("going on with 2 of 3 islands")
+    if ranks == 2:  # the live rank of the dropped island says so, and stops
+        assert any(ln.endswith("island 1 is dropped and the other islands go on without it")
+                   for ln in r.stderr.splitlines())
+
+
+@pytest.mark.slow
+def test_survivors_go_on_under_torchruns_environment(settings: dict, tmp_path: Path) -> None:
+    """Ranks started as torchrun starts them, without an agent store: rank 0's default group hosts the store,
+    which must outlive the group that the survivors destroy."""
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3",
+           KILL_HOOK_ENV: "2:8"}
+    flags = _flags({**settings, "strategy": "diloco", "out": str(out)})
+    procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(3)]
+    try:
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, -9], errs[0][-3000:]
+    assert json.loads((out / "summary.json").read_text())["lost_islands"] == {"2": 10}
+    assert errs[0].strip().startswith("atoll: warning: island 2 (rank 2) stopped responding at inner step 10")
+
+
+@pytest.mark.slow
+def test_a_restarted_island_rejoins_with_a_live_islands_state(settings: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = _train({**settings, "strategy": "diloco", "steps": 40, "eval_every": 40, "max_restarts": 1, "out": str(out)},
+               env={KILL_HOOK_ENV: "1:8"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_islands"] == {"1": 8}  # found at the end of step 8 by the per-step check for joiners
+    (rejoined,) = summary["rejoined_islands"].values()
+    assert list(summary["rejoined_islands"]) == ["1"] and 8 <= rejoined < 40
+    assert summary["islands_alive"] == 3
+    # island 1's tokens: every step after it rejoined, none of the state it took; its 7 steps before the kill
+    # were never reported (totals run every 10 steps) and are not counted
+    per_step = settings["batch_size"] * settings["seq_len"]
+    assert summary["tokens"] == per_step * (2 * 40 + 40 - rejoined)
+    # bytes: each exchange at the number of islands that made it
+    n = summary["params"]
+    k2 = summary["degraded_exchanges"]
+    assert summary["bytes_sent_per_island"] == pytest.approx(
+        (summary["exchanges"] - k2) * ring_allreduce_bytes(4 * n, 3) + k2 * ring_allreduce_bytes(4 * n, 2))
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_max_restarts_needs_survivors_and_one_rank_per_island() -> None:
+    with pytest.raises(ConfigError, match="max_restarts: a restarted island rejoins survivors"):
+        build_config(overrides={"islands": 3, "max_restarts": 1, "ranks_per_island": 2, "batch_size": 4})
+    with pytest.raises(ConfigError, match="max_restarts"):
+        build_config(overrides={"islands": 3, "max_restarts": 1, "min_islands": 3})
+
+
+def test_a_state_travels_as_safetensors_and_json() -> None:
+    from atoll.runtime.collective.transfer import decode_state, encode_state
+
+    state = {"step": 9, "w": torch.arange(6.0).reshape(2, 3), "opt": {"state": {0: {"m": torch.ones(2)}},
+                                                                      "param_groups": [{"lr": 0.1}]}}
+    got = decode_state(encode_state(state))
+    assert got["step"] == 9 and got["opt"]["param_groups"] == [{"lr": 0.1}]
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["opt"]["state"][0]["m"], torch.ones(2))
+
+
+@pytest.mark.slow
+def test_losing_island_0_or_going_below_min_islands_stops_the_run(settings: dict, tmp_path: Path) -> None:
+    r = _train({**settings, "strategy": "ddp", "min_islands": 3, "out": str(tmp_path / "a")},
+               env={KILL_HOOK_ENV: "2:4"})
+    assert r.returncode == 128 + 9, r.stderr[-3000:]
+    stopped = [ln for ln in r.stderr.splitlines() if "stopped responding" in ln]  # stop mode: no quorum
+    assert len(stopped) == 2 and all(ln.startswith("atoll: error: island 2 (rank 2) stopped responding at "
+                                                   "inner step 4 (") for ln in stopped)
+    r = _train({**settings, "strategy": "ddp", "out": str(tmp_path / "b")}, env={KILL_HOOK_ENV: "0:4"})
+    assert r.returncode == 128 + 9, r.stderr[-3000:]
+    survivors = [ln for ln in r.stderr.splitlines() if "stopped responding" in ln]
+    assert len(survivors) == 2
+    assert all(ln.startswith("atoll: error: island 0 (rank 0) stopped responding at inner step 4 (") and
+               "island 0 writes the run folder" in ln for ln in survivors)
+
+
+def test_quorum_drops_every_island_that_lost_a_rank_and_agrees_once() -> None:
+    store = dist.HashStore()
+    dead = {3}
+    quorums = [Quorum(store, r, 2, lambda rank, _s: rank in dead, timeout_s=5) for r in range(6)]
+    for r in (0, 1, 4, 5, 2):
+        store.set(f"1/op/{r}", "14" if r != 2 else "10")  # rank 2 (island 1) failed in another operation
+    assert quorums[0].agree(1, 14, [0, 1, 2]) == ([0, 2], [3])
+    # decided once: a rank that had another view adopts the stored membership
+    assert quorums[5].agree(1, 14, [0, 1, 2]) == ([0, 2], [3])
+    # survivors that failed in different operations cannot redo the same one: nothing is agreed
+    store2 = dist.HashStore()
+    q = [Quorum(store2, r, 1, lambda rank, _s: rank == 2, timeout_s=5) for r in range(3)]
+    store2.set("1/op/1", "7")
+    assert q[0].agree(1, 6, [0, 1, 2]) is None
+
+
+def test_min_islands_above_islands_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"min_islands \(3\) exceeds islands \(2\); set --min-islands"):
+        build_config(overrides={"islands": 2, "min_islands": 3})
+
+
+# --- item 7: a frozen rank, a killed launcher -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_killed_as_soon_as_its_peers_report_it(settings: dict, tmp_path: Path) -> None:
+    """The launcher is given a grace of hours: only the report can end the frozen rank (SIGSTOP)."""
+    out = tmp_path / "run"
+    overrides = {**settings, "islands": 2, "min_islands": 2, "strategy": "ddp", "collective_timeout_s": 5,
+                 "out": str(out)}
+    code = ("import sys\nfrom atoll.config import build_config\nfrom atoll.errors import RunFailed\n"
+            "from atoll.runtime.collective import launch\n"
+            f"config = build_config(overrides={overrides!r})\n"
+            "try:\n    launch(config, 'atoll.train:train', grace_s=36000)\n"
+            "except RunFailed as e:\n    print(e, file=sys.stderr)\n    sys.exit(e.exit_code)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                       env={**os.environ, KILL_HOOK_ENV: "1:8:STOP"})
+    assert r.returncode == EXIT_PEER_FAILURE, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    # (the heartbeat's "no heartbeat for 5 s" or gloo's 5 s deadline, whichever comes first)
+    assert lines[0].startswith("atoll: error: island 1 (rank 1) stopped responding at inner step 8 (")
+
+
+@pytest.mark.slow
+def test_survivors_go_on_after_a_frozen_island_is_reported_and_killed(settings: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = _train({**settings, "strategy": "ddp", "collective_timeout_s": 5, "out": str(out)},
+               env={KILL_HOOK_ENV: "2:8:STOP"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["lost_islands"] == {"2": 8} and summary["degraded_exchanges"] == 5
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    flags = _flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
+                    "strategy": "diloco", "out": str(out)})
+    p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
+        os.kill(p.pid, signal.SIGKILL)  # the launcher, and with it the rendezvous store
+        _, err = p.communicate(timeout=90)  # returns once every rank has closed its stderr: they all exited
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # anything of this test's session still running
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines[:5]  # no c10d warnings (TORCH_CPP_LOG_LEVEL=ERROR in the ranks)
+    assert lines[0].startswith("atoll: error: the launcher's rendezvous store stopped responding at inner step ")
+    assert lines[0].endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
+
+
+# --- item 9: something to resume from early -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_collective_run_checkpoints_after_its_first_exchange(settings: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run"  # checkpoint_every stays 100: only the early checkpoint is there by step 8
+    r = _train({**settings, "islands": 2, "strategy": "diloco", "min_islands": 2, "out": str(out)},
+               env={KILL_HOOK_ENV: "1:8"})
+    assert r.returncode == 128 + 9, r.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000005"
+    line = next(ln for ln in r.stderr.splitlines() if "stopped responding" in ln)
+    assert line.endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
+    r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", "--resume", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
+    assert "lost_islands" not in json.loads((out / "summary.json").read_text())
