@@ -155,13 +155,14 @@ def test_losing_island_0_or_going_below_min_islands_stops_the_run(settings: dict
     r = _train({**settings, "strategy": "ddp", "min_islands": 3, "out": str(tmp_path / "a")},
                env={KILL_HOOK_ENV: "2:4"})
     assert r.returncode == 128 + 9, r.stderr[-3000:]
-    stopped = [ln for ln in r.stderr.splitlines() if "stopped responding" in ln]  # stop mode: no quorum
-    assert len(stopped) == 2 and all(ln.startswith("atoll: error: island 2 (rank 2) stopped responding at "
+    # stop mode, no quorum: each survivor that sees the loss before the launcher ends it says so, naming it
+    stopped = [ln for ln in r.stderr.splitlines() if "stopped responding" in ln]
+    assert 1 <= len(stopped) <= 2 and all(ln.startswith("atoll: error: island 2 (rank 2) stopped responding at "
                                                    "inner step 4 (") for ln in stopped)
     r = _train({**settings, "strategy": "ddp", "out": str(tmp_path / "b")}, env={KILL_HOOK_ENV: "0:4"})
     assert r.returncode == 128 + 9, r.stderr[-3000:]
     survivors = [ln for ln in r.stderr.splitlines() if "stopped responding" in ln]
-    assert len(survivors) == 2
+    assert 1 <= len(survivors) <= 2
     assert all(ln.startswith("atoll: error: island 0 (rank 0) stopped responding at inner step 4 (") and
                "island 0 writes the run folder" in ln for ln in survivors)
 
