@@ -91,6 +91,10 @@ def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_
                   str(cache_dir), "--vocab-size", "512", "--only", "ddp,diloco_int4")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "[suite] ddp:" not in r.stderr  # nothing trained again
+    import json
+
+    rows = [row["run"] for row in json.loads((out / "results.json").read_text())["rows"]]
+    assert "ddp" in rows and "one_island" in rows and len(rows) > 2  # --only keeps the other finished rows
 
 
 @pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps"), (["--only", ","], "only"),

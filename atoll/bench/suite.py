@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.analysis.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
-from atoll.bench.common import Column, check_out_folder, default_out, train_once, write_results
+from atoll.bench.common import Column, check_out_folder, default_out, finished, train_once, write_results
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
@@ -324,6 +324,14 @@ def run_suite(args: argparse.Namespace) -> int:
         summaries[name] = train_once(suite_dir, name, args.fresh, tag="suite", **s)
     if not summaries:
         raise AtollError("suite: no run was available to run; check --only")
+    if args.only is not None:  # the table still holds every other run already finished here (none is trained)
+        for name, _, settings in runs():
+            s = run_settings(base, settings, args.quick)
+            if name not in used and available(s) and finished(suite_dir / name, s):
+                used[name] = s
+                summaries[name] = train_once(suite_dir, name, False, tag="suite", **s)
+        names = [n for n, _, _ in runs() if n in used]
+        summaries = {n: summaries[n] for n in names if n in summaries}  # in the suite's order
     flags = [("--steps", args.steps), ("--data", args.data), ("--cache-dir", args.cache_dir),
              ("--vocab-size", args.vocab_size), ("--out", args.out)]
     command = "atoll bench suite" + (" --quick" if args.quick else "") + "".join(
