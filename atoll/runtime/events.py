@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import secrets
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,8 @@ class Simulation:
         self.config, self.run = config, run
         self.job = Job.of(config, run.data, run.model)
         self.K, self.speeds = config.islands, config.speeds
-        self.syncer = make_syncer(config, self.job.init_flat, self.job.index)
+        self.credentials = [secrets.token_hex(16) for _ in range(self.K)]  # each island pushes only as itself
+        self.syncer = make_syncer(config, self.job.init_flat, self.job.index, self.credentials)
         self.link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
         self.trace = FailureTrace.from_spec(config.chaos, self.K, config.seed) if config.chaos else None
         devices = island_devices(self.K, config.device)  # GPUs round-robin, or all on one device
@@ -190,7 +192,8 @@ class Simulation:
         if msg.epoch != st.epoch[i]:  # the island failed while it was on the wire: lost (tokens counted then)
             st.lost_pushes += 1
             return
-        result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p]), now=t)  # type: ignore[type-var]
+        result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p], credential=self.credentials[i]),  # type: ignore[type-var]
+                                  now=t)
         st.last_arrival = max(st.last_arrival, t)
         waiter = Waiter(i, msg.epoch)
         if result.accepted:
@@ -302,7 +305,7 @@ class Simulation:
                     push = w.push(p)
                     st.bytes_sent[i] += push.nbytes
                     st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
-                    syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p]), now=arrive)
+                    syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p], credential=self.credentials[i]), now=arrive)
                     st.last_arrival = max(st.last_arrival, arrive)
         syncer.flush()
         for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with

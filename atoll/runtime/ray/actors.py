@@ -31,16 +31,19 @@ class SyncerService:
     Args:
         config_json: the run's :class:`TrainConfig` as JSON.
         out: the run folder (checkpoints go to ``out/syncer``).
+        credentials: per island its secret, issued by the driver (each island actor is given only its own): a
+            push counts only as the island whose secret it carries
+            (:class:`~atoll.strategies.decoupled.trust.Admission`).
     """
 
-    def __init__(self, config_json: str, out: str) -> None:
+    def __init__(self, config_json: str, out: str, credentials: list[str] | None = None) -> None:
         from atoll.errors import CheckpointError
         from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
         self.config = TrainConfig.model_validate_json(config_json)
         torch.set_num_threads(1)
         job = Job.prepare(self.config)
-        self.syncer = make_syncer(self.config, job.init_flat, job.index)
+        self.syncer = make_syncer(self.config, job.init_flat, job.index, credentials)
         self.out = Path(out)
         self.t0 = time.monotonic()
         self.budget = self.config.islands * self.config.steps
@@ -180,8 +183,8 @@ class RayTransport:
     ``push`` (sent, answer not read), ``wait`` (buffered at the syncer) or ``pull`` (the merged fragment asked).
     """
 
-    def __init__(self, syncer: Any, island: int, fragments: int) -> None:
-        self.syncer, self.island = syncer, island
+    def __init__(self, syncer: Any, island: int, fragments: int, credential: str = "") -> None:
+        self.syncer, self.island, self.credential = syncer, island, credential
         self.pulled_at = [time.monotonic()] * fragments
         self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
         self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
@@ -194,7 +197,7 @@ class RayTransport:
     def send(self, push: Push) -> None:
         self.bytes_sent += push.nbytes
         msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
-                   round_s=time.monotonic() - self.pulled_at[push.fragment])
+                   round_s=time.monotonic() - self.pulled_at[push.fragment], credential=self.credential)
         self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
 
     def arrived(self) -> list[Pull]:
@@ -237,11 +240,13 @@ class RayTransport:
 
 
 class IslandService:
-    """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters."""
+    """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters.
 
-    def __init__(self, config_json: str, index: int, syncer: Any, out: str) -> None:
+    ``credential``: this island's secret (from the driver), carried by each of its pushes."""
+
+    def __init__(self, config_json: str, index: int, syncer: Any, out: str, credential: str = "") -> None:
         config = TrainConfig.model_validate_json(config_json)
-        self.index = index
+        self.index, self.credential = index, credential
         self.syncer = syncer
         job = Job.prepare(config)
         # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
@@ -261,7 +266,7 @@ class IslandService:
     def run(self) -> dict[str, Any]:
         """Train until the shared step budget is spent (the learner's loop,
         :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
-        transport = RayTransport(self.syncer, self.index, self.worker.fragments)
+        transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential)
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,

@@ -30,12 +30,17 @@ overshoots (measured: README, "Asynchronous islands"). So by default (``scale_pa
 share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
 full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
 
-Every push is **validated** before it can reach a buffer: island and fragment in range, a float32 tensor of
-the fragment's shape, finite values, tokens > 0, a version the syncer has issued, and the bounds of
+Every push is **validated** before it can reach a buffer: island in range and, with credentials, its own
+(:class:`~atoll.strategies.decoupled.trust.Admission`), fragment in range, a float32 tensor of the
+fragment's shape, finite values, tokens > 0, a version the syncer has issued and newer than the island's last
+accepted push of the fragment (no replay), and the bounds of
 :class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (claims within what the island was
 granted, or within ``norm_bound`` x its declared push size) and a norm that the recent pushes of the fragment
 vouch for, whatever the islands' speeds. A rejected push is counted (:attr:`Syncer.rejected_updates`, by
-reason), logged at WARNING on the ``atoll.syncer`` logger, and never touches the global parameters.
+reason, and per island in ``rejected_by_island``), logged at WARNING on the ``atoll.syncer`` logger, and
+never touches the global parameters. A push that passes is still a claim of its sender's: ``robust_merge``
+(:func:`~atoll.algorithms.robust.robust_mean`: norm clipping, trimmed mean, median) bounds what a minority
+of in-bound hostile pushes can do to a merge; ``none`` (default) is the token-weighted mean.
 
 **Fairness of staleness.** Who arrives after a quorum has merged is the same island round after round when
 the islands run alike (a slower link, or only the order of ties): with a tight ``max_staleness`` it would be
@@ -61,6 +66,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,10 +75,11 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.merge import weighted_mean
 from atoll.algorithms.outer import OuterOptimizer
+from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
+from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
 
@@ -117,15 +124,21 @@ class Syncer:
         push_tokens: per island, the tokens of one honest push at its own H (tokens per step x
             :func:`~atoll.strategies.decoupled.local_sync_every`), for the token bound where the runtime
             keeps no ledger (:meth:`grant`); None: none declared.
+        credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
+        robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
+        cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm.
 
     Raises:
-        ValueError: a quorum outside ``1..islands`` or an index that does not fit ``init``.
+        ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, or credentials that
+            are not one per island.
     """
 
     def __init__(self, init: torch.Tensor, index: list[torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, quorum: int | None = None, grace_factor: float = 1.0,
                  max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
-                 scale_partial: bool = True, push_tokens: Sequence[int] | None = None) -> None:
+                 scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
+                 credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
+                 cold_bound: float = 1.0) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = index if index is not None else [torch.arange(flat.numel())]
         if sum(int(i.numel()) for i in self.index) != flat.numel():
@@ -139,10 +152,12 @@ class Syncer:
         self.staleness_exponent = staleness_exponent
         self.norm_bound = norm_bound
         self.scale_partial = scale_partial
+        self.robust_merge, self.trim = robust_merge, trim
         self.numel = flat.numel()
         self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
         self.buffers = [_Buffer() for _ in self.index]
-        self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens)
+        self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
+        self.admission = Admission(islands, len(self.index), credentials)
         self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
         self.round_s: deque[float] = deque(maxlen=WINDOW)
         # statistics (all in state_dict)
@@ -157,6 +172,7 @@ class Syncer:
         self.merged_tokens_per_island = [0.0] * islands
         self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}  # per island, times fragment share
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
+        self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -190,20 +206,22 @@ class Syncer:
             A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
         """
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
-        reason = self._validate(island, fragment, delta, tokens, base_version)
+        reason = self._validate(island, fragment, delta, tokens, base_version, msg.credential)
         if reason:
+            if reason != "island":
+                self.admission.rejected(island, reason)
             self.rejected_updates += 1
             self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
             log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
             if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
                 self._count("rejected", island, fragment, tokens)
             return PushResult(False, reason)
+        self.admission.accepted(island, fragment, base_version)
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
         self.accepted_updates += 1
-        round_s = msg.round_s
-        if round_s is not None and round_s > 0 and math.isfinite(round_s):
-            self.round_s.append(float(round_s))
+        if msg.round_s is not None and msg.round_s > 0 and math.isfinite(msg.round_s):
+            self.round_s.append(float(msg.round_s))
         buf = self.buffers[fragment]
         if not buf.pushes:
             buf.opened_at = now
@@ -231,9 +249,11 @@ class Syncer:
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
         self.tokens_by_outcome[outcome][island] += tokens * int(self.index[fragment].numel()) / self.numel
 
-    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base_version: int) -> str:
+    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, credential: Any) -> str:
         if not (isinstance(island, int) and 0 <= island < self.islands):
             return "island"
+        if not self.admission.identity(island, credential):
+            return "identity"
         if not (isinstance(fragment, int) and 0 <= fragment < self.fragments):
             return "fragment"
         if not isinstance(delta, torch.Tensor):
@@ -246,8 +266,10 @@ class Syncer:
             return "non_finite"
         if not (isinstance(tokens, int) and tokens > 0):
             return "tokens"
-        if not (isinstance(base_version, int) and 0 <= base_version <= self.version(fragment)):
+        if not (isinstance(base, int) and 0 <= base <= self.version(fragment)):
             return "version"
+        if not self.admission.fresh(island, fragment, base):
+            return "replay"
         return self.bounds.check(island, fragment, float(delta.norm()), tokens, float(self.outer[fragment].params.norm()))
 
     # --- merging ------------------------------------------------------------------------------------
@@ -288,7 +310,9 @@ class Syncer:
             stale.append(s)
         if not kept:
             return 0
-        mean = weighted_mean([p.delta for p in kept], weights)
+        t0 = time.perf_counter()
+        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim)  # none: weighted_mean
+        self.merge_s += time.perf_counter() - t0
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
             mean = mean * (contributors / self.islands)
@@ -314,6 +338,8 @@ class Syncer:
         return {
             "commits": self.commits, "accepted_updates": self.accepted_updates,
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
+            "rejected_by_island": {k: list(v) for k, v in self.admission.rejected_by_island.items()},
+            "robust_merge": self.robust_merge, "merge_s": self.merge_s,
             "stale_updates": self.stale_updates, "quorum": self.quorum,
             "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0, "quorum_size_min": min(qs, default=0),
             "quorum_size_max": max(qs, default=0),
@@ -336,7 +362,8 @@ class Syncer:
             "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
                          "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
                                      "base_version": p.base_version} for p in b.pushes]} for b in self.buffers],
-            "bounds": self.bounds.state_dict(), "round_s": list(self.round_s),
+            "bounds": self.bounds.state_dict(), "admission": self.admission.state_dict(), "merge_s": self.merge_s,
+            "round_s": list(self.round_s),
             "stale_credit": [list(c) for c in self.stale_credit],
             "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
@@ -357,14 +384,15 @@ class Syncer:
                                                   int(p["base_version"])) for p in b["pushes"]],
                                         float(b["opened_at"]), grace if grace >= 0 else math.inf))
         self.bounds.load_state_dict(state["bounds"])
+        if "admission" in state:
+            self.admission.load_state_dict(state["admission"])
+        self.merge_s = float(state.get("merge_s", 0.0))
         self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
         self.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
         self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
-        self.rejected_updates = int(state["rejected_updates"])
+        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits"):
+            setattr(self, name, int(state[name]))
         self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
-        self.stale_updates = int(state["stale_updates"])
-        self.accepted_updates = int(state["accepted_updates"])
-        self.commits = int(state["commits"])
         self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
         self.staleness = [int(x) for x in state["staleness"]]
         self.merged_tokens = float(state["merged_tokens"])
