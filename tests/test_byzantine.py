@@ -89,3 +89,31 @@ def test_a_sign_flipped_in_bound_push_is_outvoted_by_a_robust_merge(robust: str)
     assert 0.3 < float(step.norm() / clean.norm()) < 1.5
     # a clean merge stays close to the plain one
     assert float(cos(_attacked_step(robust, attack=False), clean, dim=0)) > 0.9
+
+
+def test_a_rejoined_island_pushes_from_the_same_version_in_a_new_session() -> None:
+    # an island fails while its push waits in a buffer and rejoins at the same version: its new work is not a
+    # replay (a new session), but a copy of its push before the failure is
+    theta = torch.randn(200, generator=_gen(0))
+    s = Syncer(theta, None, islands=2, quorum=2)
+    before = Push(0, 0, _honest(0), 100, 0)
+    assert s.push(before).accepted
+    assert s.rejoin(0) == 1
+    assert s.push(Push(0, 0, _honest(0, seed=5), 100, 0, session=1)).accepted
+    assert s.push(before).reason == "replay"
+    assert s.push(Push(0, 0, _honest(0, seed=6), 100, 0, session=1)).reason == "replay"
+    restored = Syncer(theta, None, islands=2, quorum=2)
+    restored.load_state_dict(s.state_dict())
+    assert restored.push(Push(0, 0, _honest(0, seed=7), 100, 0, session=1)).reason == "replay"
+    assert restored.push(Push(1, 0, _honest(1), 100, 0)).committed == 1
+
+
+def test_refusals_per_island_and_the_robust_merge_are_rows_of_the_final_table() -> None:
+    from atoll.job.metrics import _trust_rows
+
+    summary = {"robust_merge": "median", "merge_s": 0.25,
+               "rejected_by_island": {"replay": [0, 2, 0], "identity": [1, 0, 0], "norm": [0, 0, 0]}}
+    assert _trust_rows(summary) == [("robust merge (seconds merging)", "median (0.25 s)"),
+                                    ("pushes refused per island", "by reason"), ("  identity", "1 / 0 / 0"),
+                                    ("  replay", "0 / 2 / 0")]
+    assert _trust_rows({"robust_merge": "none", "rejected_by_island": {}}) == []

@@ -176,7 +176,7 @@ class Simulation:
         if due and st.awaiting[i][due[0]]:  # its previous push or pull is still on the wire: next time
             st.deferred_pushes += 1
         elif due:  # push it on the island's uplink and train on: the transfers overlap compute
-            push = w.push(due[0])
+            push = replace(w.push(due[0]), session=self.syncer.admission.session[i])  # its session: not a replay
             st.bytes_sent[i] += push.nbytes
             st.uplink_free[i] = arrive = max(t, st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
             st.awaiting[i][push.fragment] = True
@@ -232,6 +232,7 @@ class Simulation:
         if st.started >= self.budget:
             return  # the run is over: the island stays down
         self.workers[i].rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
+        syncer.rejoin(i)  # a new session: it may push from the versions of its pushes before the failure
         st.clock[i] = t + self.link.transfer_seconds(sum(self.frag_bytes), 1)  # nothing to train on yet
         st.uplink_free[i] = st.downlink_free[i] = st.clock[i]
         st.pulled_at[i] = [st.clock[i]] * syncer.fragments
@@ -302,7 +303,7 @@ class Simulation:
             w = self.workers[i]
             for p in range(syncer.fragments):
                 if w.tokens_since[p] > 0:
-                    push = w.push(p)
+                    push = replace(w.push(p), session=syncer.admission.session[i])
                     st.bytes_sent[i] += push.nbytes
                     st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
                     syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p], credential=self.credentials[i]), now=arrive)

@@ -91,8 +91,15 @@ class SyncerService:
         if self.syncer.poll(self._now()):
             self._save()
 
-    def join(self, island: int) -> tuple[torch.Tensor, list[int], int]:
-        """An island (re)starts: (global params (numel,), versions, its inner steps so far)."""
+    def join(self, island: int, credential: str = "") -> tuple[torch.Tensor, list[int], int, int]:
+        """An island (re)starts: (global params (numel,), versions, its inner steps so far, its new session
+        for its pushes: :meth:`~atoll.strategies.decoupled.syncer.Syncer.rejoin`).
+
+        Raises:
+            PermissionError: ``credential`` is not the island's (only the island may open its sessions).
+        """
+        if not self.syncer.admission.identity(island, credential):
+            raise PermissionError(f"join: island {island}'s credential does not match; an island joins only as itself")
         now = self._now()
         self.joins[island] += 1
         if self.joins[island] > 1:
@@ -100,7 +107,7 @@ class SyncerService:
         self.last_seen[island] = now
         self._poll()
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                self.steps_by_island[island])
+                self.steps_by_island[island], self.syncer.rejoin(island))
 
     def reserve_step(self, island: int) -> tuple[bool, list[int]]:
         """Take one inner step from the shared budget of ``islands x steps``.
@@ -183,8 +190,8 @@ class RayTransport:
     ``push`` (sent, answer not read), ``wait`` (buffered at the syncer) or ``pull`` (the merged fragment asked).
     """
 
-    def __init__(self, syncer: Any, island: int, fragments: int, credential: str = "") -> None:
-        self.syncer, self.island, self.credential = syncer, island, credential
+    def __init__(self, syncer: Any, island: int, fragments: int, credential: str = "", session: int = 0) -> None:
+        self.syncer, self.island, self.credential, self.session = syncer, island, credential, session
         self.pulled_at = [time.monotonic()] * fragments
         self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
         self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
@@ -197,7 +204,7 @@ class RayTransport:
     def send(self, push: Push) -> None:
         self.bytes_sent += push.nbytes
         msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
-                   round_s=time.monotonic() - self.pulled_at[push.fragment], credential=self.credential)
+                   round_s=time.monotonic() - self.pulled_at[push.fragment], session=self.session, credential=self.credential)
         self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
 
     def arrived(self) -> list[Pull]:
@@ -254,7 +261,7 @@ class IslandService:
         device = "cuda" if config.ray_gpus_per_island > 0 and config.device != "cpu" and torch.cuda.is_available() \
             else "cpu"
         self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
-        flat, versions, steps = ray.get(syncer.join.remote(index))
+        flat, versions, steps, self.session = ray.get(syncer.join.remote(index, credential))
         self.worker.rejoin(flat, versions)
         self.worker.steps = steps
         pid_dir = Path(out) / "ray"
@@ -266,7 +273,7 @@ class IslandService:
     def run(self) -> dict[str, Any]:
         """Train until the shared step budget is spent (the learner's loop,
         :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
-        transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential)
+        transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential, self.session)
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,

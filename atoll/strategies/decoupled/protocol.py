@@ -27,6 +27,8 @@ class Push:
         nbytes: bytes the push occupied on the wire (the encoded payload).
         round_s: seconds from the island's last pull of the fragment to this push, on the island's clock
             (its measured round time, for the grace window); None: not measured.
+        session: the island's session at the syncer (its joins so far, :meth:`Syncer.rejoin
+            <atoll.strategies.decoupled.syncer.Syncer.rejoin>`): a push of an earlier session is a replay.
         credential: the island's secret, proving the push is its own
             (:class:`~atoll.strategies.decoupled.trust.Admission`); "" where islands are not authenticated.
     """
@@ -38,6 +40,7 @@ class Push:
     base_version: int
     nbytes: int = 0
     round_s: float | None = None
+    session: int = 0
     credential: str = field(default="", repr=False)
 
 

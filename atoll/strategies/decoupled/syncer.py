@@ -52,9 +52,8 @@ an island pushes fresh (tried) moves the starvation to the others in turn: 3 isl
 ``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
 the credit kept (0% for the last island without any credit).
 
-**Token accounting.** Every token a push claims ends in one bucket per island: ``merged``, ``stale``
-(dropped as too stale) or ``rejected`` (:meth:`Syncer.stats`); like ``merged_tokens`` each is counted times
-its fragment's share of the parameters, so the buckets of one island's pushes sum to the tokens it pushed.
+**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` or
+``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`).
 
 :meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
 :meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that
@@ -206,7 +205,7 @@ class Syncer:
             A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
         """
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
-        reason = self._validate(island, fragment, delta, tokens, base_version, msg.credential)
+        reason = self._validate(island, fragment, delta, tokens, base_version, msg)
         if reason:
             if reason != "island":
                 self.admission.rejected(island, reason)
@@ -231,9 +230,12 @@ class Syncer:
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
+    def rejoin(self, island: int) -> int:
+        """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``)."""
+        return self.admission.rejoin(island)
+
     def grant(self, island: int, tokens: int) -> None:
-        """The runtime gave ``island`` ``tokens`` more tokens to train on (an inner step): the token ledger
-        that bounds its claims (:meth:`PushBounds.grant <atoll.strategies.decoupled.bounds.PushBounds.grant>`)."""
+        """The runtime gave ``island`` ``tokens`` more to train on: the ledger of its claims (:class:`PushBounds`)."""
         self.bounds.grant(island, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
@@ -249,7 +251,8 @@ class Syncer:
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
         self.tokens_by_outcome[outcome][island] += tokens * int(self.index[fragment].numel()) / self.numel
 
-    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, credential: Any) -> str:
+    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, msg: Push) -> str:
+        session, credential = msg.session, msg.credential
         if not (isinstance(island, int) and 0 <= island < self.islands):
             return "island"
         if not self.admission.identity(island, credential):
@@ -268,7 +271,7 @@ class Syncer:
             return "tokens"
         if not (isinstance(base, int) and 0 <= base <= self.version(fragment)):
             return "version"
-        if not self.admission.fresh(island, fragment, base):
+        if not self.admission.fresh(island, fragment, base, session):
             return "replay"
         return self.bounds.check(island, fragment, float(delta.norm()), tokens, float(self.outer[fragment].params.norm()))
 
@@ -339,15 +342,12 @@ class Syncer:
             "commits": self.commits, "accepted_updates": self.accepted_updates,
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
             "rejected_by_island": {k: list(v) for k, v in self.admission.rejected_by_island.items()},
-            "robust_merge": self.robust_merge, "merge_s": self.merge_s,
-            "stale_updates": self.stale_updates, "quorum": self.quorum,
-            "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0, "quorum_size_min": min(qs, default=0),
-            "quorum_size_max": max(qs, default=0),
-            "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
+            "robust_merge": self.robust_merge, "merge_s": self.merge_s, "stale_updates": self.stale_updates,
+            "quorum": self.quorum, "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0,
+            "quorum_size_min": min(qs, default=0), "quorum_size_max": max(qs, default=0), "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
             "staleness_mean": sum(st) / len(st) if st else 0.0, "staleness_max": max(st, default=0),
             "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
-            # how long buffers waited for a quorum, and by how much a merge overran its grace window
-            # (> 0 only where the clock only advances with calls, as on Ray: by up to one call's gap)
+            # buffers' waits for a quorum; merges' overruns of their window (> 0 only on Ray's call-driven clock)
             "merge_wait_max_s": max((w for w, _ in self.merge_waits), default=0.0),
             "grace_window_max_s": max((g for _, g in self.merge_waits), default=0.0),
             "merge_overrun_max_s": max((w - g for w, g in self.merge_waits if g >= 0), default=0.0),

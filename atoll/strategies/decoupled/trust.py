@@ -10,7 +10,10 @@ compared in constant time (:func:`hmac.compare_digest`), is refused (``identity`
 **Replays.** An honest island pushes a fragment once per version it started from: after a push it waits for
 the answer (the merged fragment, of a newer version) before it pushes that fragment again. So a push whose
 base version is not newer than the island's last accepted push of the fragment is refused (``replay``): the
-same push sent twice is merged once.
+same push sent twice is merged once. Only a restart breaks the rule (an island that failed while its push
+waited in a buffer rejoins at the same version and pushes new work from it): the runtime opens a new
+**session** for the island when it (re)joins (:meth:`Admission.rejoin`), pushes carry their session, and a push
+of an earlier session is a replay too.
 
 Rejections are counted per island and reason (:attr:`Admission.rejected_by_island`), for the summary.
 """
@@ -37,6 +40,7 @@ class Admission:
         self.islands = islands
         self.credentials = list(credentials) if credentials is not None else None
         self.last_base = [[-1] * fragments for _ in range(islands)]  # per island, fragment: last accepted base
+        self.session = [0] * islands                                 # per island: its joins so far
         self.rejected_by_island: dict[str, list[int]] = {}           # reason -> per island
 
     def identity(self, island: int, credential: Any) -> bool:
@@ -46,9 +50,16 @@ class Admission:
         return isinstance(credential, str) and hmac.compare_digest(credential.encode(),
                                                                    self.credentials[island].encode())
 
-    def fresh(self, island: int, fragment: int, base_version: int) -> bool:
-        """Is ``base_version`` newer than the island's last accepted push of ``fragment`` (not a replay)?"""
-        return base_version > self.last_base[island][fragment]
+    def fresh(self, island: int, fragment: int, base_version: int, session: Any) -> bool:
+        """Is the push of the island's present session, from a ``base_version`` newer than its last accepted
+        push of ``fragment`` in it (not a replay)?"""
+        return session == self.session[island] and base_version > self.last_base[island][fragment]
+
+    def rejoin(self, island: int) -> int:
+        """``island`` (re)joins: a new session, in which any base version is new; return the session."""
+        self.session[island] += 1
+        self.last_base[island] = [-1] * len(self.last_base[island])
+        return self.session[island]
 
     def accepted(self, island: int, fragment: int, base_version: int) -> None:
         """A push of ``island`` from ``base_version`` was accepted: an equal or older one is a replay."""
@@ -60,9 +71,10 @@ class Admission:
 
     def state_dict(self) -> dict[str, Any]:
         """Last accepted base versions and rejection counts (never the credentials)."""
-        return {"last_base": [list(b) for b in self.last_base],
+        return {"last_base": [list(b) for b in self.last_base], "session": list(self.session),
                 "rejected_by_island": {k: list(v) for k, v in self.rejected_by_island.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_base = [[int(x) for x in b] for b in state["last_base"]]
+        self.session = [int(x) for x in state["session"]]
         self.rejected_by_island = {str(k): [int(x) for x in v] for k, v in state["rejected_by_island"].items()}
