@@ -22,11 +22,23 @@ def _honest(i: int, n: int = 200, seed: int = 0) -> torch.Tensor:
 
 
 def test_cold_start_push_cannot_negate_the_parameters() -> None:
+    # before any history, a push that negates the parameters (θ − 2θ = −θ) among the first round's 3 honest
+    # ones: refused when the buffer merges (over 10x what the pushes merged with it vouch for)
     theta = torch.randn(200, generator=_gen(0))
-    s = Syncer(theta, None, islands=4, quorum=1, outer_lr=1.0, outer_momentum=0.0)
-    result = s.push(Push(0, 0, 2 * theta, 100, 0))  # θ − 2θ = −θ, before any honest push
-    assert not result.accepted and result.reason == "norm"
-    torch.testing.assert_close(s.global_params(), theta)
+    kw = {"islands": 4, "outer_lr": 1.0, "outer_momentum": 0.0, "scale_partial": False}
+    s = Syncer(theta, None, quorum=4, **kw)
+    s.push(Push(3, 0, 2 * theta, 100, 0))
+    for i in range(3):
+        s.push(Push(i, 0, _honest(i), 100, 0))
+    honest = Syncer(theta, None, quorum=3, **kw)
+    for i in range(3):
+        honest.push(Push(i, 0, _honest(i), 100, 0))
+    assert s.commits == honest.commits == 1
+    torch.testing.assert_close(s.global_params(), honest.global_params())
+    assert s.stats()["rejected_by_island"] == {"norm": [0, 0, 0, 1]}
+    assert s.stats()["rejected_tokens_by_island"] == [0.0, 0.0, 0.0, 100.0]
+    # a push 11x the parameters' norm is refused at once
+    assert Syncer(theta, None, quorum=1, **kw).push(Push(0, 0, 11 * theta, 100, 0)).reason == "norm"
 
 
 def test_refused_pushes_do_not_move_the_norm_bound() -> None:

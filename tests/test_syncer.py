@@ -47,7 +47,7 @@ def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     theta = torch.zeros(10)
     assert Syncer(theta, None, islands=4).quorum == 4  # every island by default
     s = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, grace_factor=0.5, scale_partial=False,
-               quorum=2, cold_bound=10.0)  # zero parameters: pushes far larger than them are this test's own
+               quorum=2)
     r = s.push(Push(0, 0, torch.full((10,), -1.0), 10, 0, round_s=4.0), now=1.0)
     assert r.accepted and r.committed == 0 and s.version(0) == 0
     # the grace window is 0.5 x the median measured round time (4 s), opened at the first push
@@ -73,7 +73,7 @@ def test_partial_merge_is_scaled_by_the_share_of_islands() -> None:
 def test_staleness_discount_and_max_staleness() -> None:
     theta = torch.zeros(4)
     s = Syncer(theta, None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1, max_staleness=1,
-               staleness_exponent=1.0, cold_bound=10.0)
+               staleness_exponent=1.0)
     s.push(Push(0, 0, torch.full((4,), -1.0), 10, 0))          # version 0 -> 1
     s.push(Push(0, 0, torch.full((4,), -1.0), 10, 1))          # version 1 -> 2
     before = s.global_params()
@@ -83,7 +83,7 @@ def test_staleness_discount_and_max_staleness() -> None:
     # staleness 1 with exponent 1: weight tokens / 2, alone in its merge so the mean is unchanged;
     # beside a fresh push of equal tokens it counts half
     s2 = Syncer(theta, None, islands=4, outer_lr=1.0, outer_momentum=0.0, quorum=3, staleness_exponent=1.0,
-                scale_partial=False, cold_bound=10.0)
+                scale_partial=False)
     s2.push(Push(0, 0, torch.full((4,), -1.0), 10, 0))
     s2.push(Push(1, 0, torch.full((4,), -1.0), 10, 0))
     s2.push(Push(3, 0, torch.full((4,), -1.0), 10, 0))  # commit: version 1
@@ -138,8 +138,7 @@ def test_norm_bound_follows_honest_growth_and_keeps_refusing_a_hostile_island() 
 def test_a_push_cannot_buy_a_bigger_norm_by_claiming_more_tokens() -> None:
     # the norm allowance grows with the tokens claimed, so the claims are bounded per island: by its declared
     # push (norm_bound x H tokens) without a ledger; and with 2 islands median_low picks the honest norm
-    s = Syncer(torch.zeros(16), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1, push_tokens=[100, 100],
-               cold_bound=10.0)
+    s = Syncer(torch.zeros(16), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1, push_tokens=[100, 100])
     delta = 0.01 * torch.randn(16, generator=_gen(5))
     for _ in range(4):
         assert s.push(Push(0, 0, delta, 100, s.version(0))).accepted
@@ -150,8 +149,7 @@ def test_a_push_cannot_buy_a_bigger_norm_by_claiming_more_tokens() -> None:
     assert s.rejected_by_reason == {"tokens": 1, "norm": 3}
     # with a ledger, exactly what the island was granted: a push deferred 20 rounds (20 x H tokens, beyond
     # the declared bound) is honest and accepted, one token more than granted is not
-    led = Syncer(torch.zeros(16), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1, push_tokens=[100, 100],
-                 cold_bound=10.0)
+    led = Syncer(torch.zeros(16), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=1, push_tokens=[100, 100])
     for _ in range(20):
         led.grant(0, 100)
     assert led.push(Push(0, 0, delta, 1500, 0)).accepted and led.push(Push(0, 0, delta, 500, 1)).accepted
@@ -219,7 +217,7 @@ def _merged_shares(islands: int, quorum: int, max_staleness: int, rounds: int) -
     island is answered (and pulls) when its push is merged or refused, and one whose push still waits in the
     buffer skips its turn (the push is deferred, its tokens carried). Each island's merged share of its tokens."""
     s = Syncer(torch.zeros(8), None, islands=islands, outer_lr=0.5, outer_momentum=0.0, quorum=quorum,
-               max_staleness=max_staleness, staleness_exponent=0.0, cold_bound=10.0)
+               max_staleness=max_staleness, staleness_exponent=0.0)
     base, carried, trained = [0] * islands, [0] * islands, [0] * islands
     for _ in range(rounds):
         for i in range(islands):

@@ -76,6 +76,7 @@ import torch
 
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.algorithms.robust import robust_mean
+from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
 from atoll.strategies.decoupled.trust import Admission
@@ -92,6 +93,7 @@ class _Pending:
     delta: torch.Tensor
     tokens: int
     base_version: int
+    vetted: bool = True  # checked against a warm window (else vetted at the merge: PushBounds.vet)
 
 
 @dataclass
@@ -125,7 +127,7 @@ class Syncer:
             keeps no ledger (:meth:`grant`); None: none declared.
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
-        cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm.
+        cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
 
     Raises:
         ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, or credentials that
@@ -137,7 +139,7 @@ class Syncer:
                  max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
                  scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
                  credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
-                 cold_bound: float = 1.0) -> None:
+                 cold_bound: float | None = None) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = index if index is not None else [torch.arange(flat.numel())]
         if sum(int(i.numel()) for i in self.index) != flat.numel():
@@ -205,15 +207,10 @@ class Syncer:
             A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
         """
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
+        warm = isinstance(fragment, int) and 0 <= fragment < self.fragments and self.bounds.warm(fragment)
         reason = self._validate(island, fragment, delta, tokens, base_version, msg)
         if reason:
-            if reason != "island":
-                self.admission.rejected(island, reason)
-            self.rejected_updates += 1
-            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
-            log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
-            if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
-                self._count("rejected", island, fragment, tokens)
+            self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
         self.admission.accepted(island, fragment, base_version)
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
@@ -225,7 +222,7 @@ class Syncer:
         if not buf.pushes:
             buf.opened_at = now
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
-        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version)))
+        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm))
         if len({p.island for p in buf.pushes}) >= self.quorum:
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
@@ -237,6 +234,16 @@ class Syncer:
     def grant(self, island: int, tokens: int) -> None:
         """The runtime gave ``island`` ``tokens`` more to train on: the ledger of its claims (:class:`PushBounds`)."""
         self.bounds.grant(island, tokens)
+
+    def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
+        """Count and log a refused push (its tokens in the ``rejected`` bucket where they can be placed)."""
+        if reason != "island":
+            self.admission.rejected(island, reason)
+        self.rejected_updates += 1
+        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+        log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
+        if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
+            self._count("rejected", island, fragment, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
         """Within the island's staleness limit (``max_staleness`` + its credit)? Drops (and credits) it if not."""
@@ -302,6 +309,11 @@ class Syncer:
         pushes, self.buffers[fragment] = buf.pushes, _Buffer()
         if now is not None and pushes:
             self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+        if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
+            ok = self.bounds.vet(fragment, [(float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
+            for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
+                self._refuse(p.island, fragment, "norm", p.tokens)
+            pushes = [p for p, good in zip(pushes, ok, strict=True) if good]
         version = self.version(fragment)
         kept, weights, stale = [], [], []
         for p in pushes:
@@ -336,24 +348,9 @@ class Syncer:
 
     # --- statistics and state -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counts for the run summary: commits, rejections, staleness and quorum sizes."""
-        st, qs = self.staleness, self.quorum_sizes
-        return {
-            "commits": self.commits, "accepted_updates": self.accepted_updates,
-            "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
-            "rejected_by_island": {k: list(v) for k, v in self.admission.rejected_by_island.items()},
-            "robust_merge": self.robust_merge, "merge_s": self.merge_s, "stale_updates": self.stale_updates,
-            "quorum": self.quorum, "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0,
-            "quorum_size_min": min(qs, default=0), "quorum_size_max": max(qs, default=0), "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
-            "staleness_mean": sum(st) / len(st) if st else 0.0, "staleness_max": max(st, default=0),
-            "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
-            # buffers' waits for a quorum; merges' overruns of their window (> 0 only on Ray's call-driven clock)
-            "merge_wait_max_s": max((w for w, _ in self.merge_waits), default=0.0),
-            "grace_window_max_s": max((g for _, g in self.merge_waits), default=0.0),
-            "merge_overrun_max_s": max((w - g for w, g in self.merge_waits if g >= 0), default=0.0),
-            # per island, the tokens pushed by what became of them (times fragment share, as merged_tokens)
-            **{f"{k}_tokens_by_island": list(v) for k, v in self.tokens_by_outcome.items()},
-        }
+        """Counts for the run summary: commits, rejections, staleness, quorum sizes, token buckets
+        (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
+        return syncer_stats(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything: globals and outer momentum per fragment, open buffers, medians, statistics."""
@@ -361,7 +358,8 @@ class Syncer:
             "outer": [o.state_dict() for o in self.outer],
             "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
                          "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
-                                     "base_version": p.base_version} for p in b.pushes]} for b in self.buffers],
+                                     "base_version": p.base_version, "vetted": p.vetted} for p in b.pushes]}
+                        for b in self.buffers],
             "bounds": self.bounds.state_dict(), "admission": self.admission.state_dict(), "merge_s": self.merge_s,
             "round_s": list(self.round_s),
             "stale_credit": [list(c) for c in self.stale_credit],
@@ -381,7 +379,8 @@ class Syncer:
         for b in state["buffers"]:
             grace = float(b["grace_s"])
             self.buffers.append(_Buffer([_Pending(int(p["island"]), p["delta"], int(p["tokens"]),
-                                                  int(p["base_version"])) for p in b["pushes"]],
+                                                  int(p["base_version"]), bool(p.get("vetted", True)))
+                                        for p in b["pushes"]],
                                         float(b["opened_at"]), grace if grace >= 0 else math.inf))
         self.bounds.load_state_dict(state["bounds"])
         if "admission" in state:
