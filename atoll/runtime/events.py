@@ -28,7 +28,7 @@ Metrics in ``summary.json`` besides every run's:
   ``Σ_i tokens_per_step · speed_i / sim_step_s``: every island computing all the time, with no failure and no
   communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
 - ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
-- ``rejected_updates`` (by reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
+- ``rejected_updates`` (by reason, and per island and reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
   ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (lost to
   failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
   ``deferred_pushes``, ``steps_per_island``, and every trained token in one bucket per island

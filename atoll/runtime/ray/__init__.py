@@ -44,7 +44,10 @@ so within one call's latency). ``island_start_s``: per island, seconds from the 
 (an island whose actor started later). ``codec_s``: per island, measured seconds of encoding and decoding its
 pushes (part of the wall time, not of ``compute_s``).
 
-Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
+Identity: the driver issues each island a secret (:func:`secrets.token_hex`), given to that island's actor and
+to the syncer only; its pushes carry it and the syncer counts a push only as the island whose secret it
+carries, and lets only that island open a new session (:mod:`atoll.strategies.decoupled.trust`; README,
+"Security and trust"). Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
 ``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
 ``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
 and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.
