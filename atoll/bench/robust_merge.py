@@ -9,7 +9,9 @@ and one where island 4 is hostile (:func:`flip_pushes`): every push of its carri
 sign-flipped and scaled by ``--scale`` (5: within the syncer's norm bound of 10x, so each push is accepted,
 as the finite, in-bound attack of issue 12). Reported: the final eval loss of each, the syncer's seconds
 computing merges (``merge_s``, measured: the robust merge's cost; not the simulated clock) and pushes
-accepted and refused. The data are ``--data`` (default the stdlib corpus of the benchmarks).
+accepted and refused. Beside them, each merge alone: the median seconds of 21 merges of 5 float32 pushes of
+one fragment's size (``merge_one_s``, one thread), less noisy than a run's total on a shared machine. The
+data are ``--data`` (default the stdlib corpus of the benchmarks).
 
 Writes ``results.json`` and ``results.md`` into ``--out`` (default ``bench/out/robust_merge``).
 """
@@ -39,6 +41,30 @@ def flip_pushes(syncer: Any, island: int, scale: float) -> None:
         return honest_push(msg, now)
 
     syncer.push = push
+
+
+def time_merges(numel: int, pushes: int = 5, repeats: int = 21) -> dict[str, float]:
+    """Per merge method, the median seconds of ``repeats`` merges of ``pushes`` float32 tensors (numel,)."""
+    import statistics
+    import time
+
+    import torch
+
+    from atoll.algorithms.robust import robust_mean
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(numel, generator=gen) for _ in range(pushes)]
+    weights = [1.0] * pushes
+    out = {}
+    for merge in MERGES:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            robust_mean(deltas, weights, merge)
+            times.append(time.perf_counter() - t0)
+        out[merge] = statistics.median(times)
+    return out
 
 
 def train(settings: dict[str, Any], hostile: int | None, scale: float) -> dict[str, Any]:
@@ -87,10 +113,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append({"run": name, "robust_merge": merge, "hostile_island": hostile,
                              "final_eval_loss": s["final_eval_loss"], "merge_s": s["merge_s"],
                              "commits": s["commits"], "accepted_updates": s["accepted_updates"],
-                             "rejected_updates": s["rejected_updates"]})
+                             "rejected_updates": s["rejected_updates"],
+                             "fragment_numel": round(s["params"] / base["fragments"])})
                 print(f"{name}: loss {s['final_eval_loss']:.4f}, merge {s['merge_s'] * 1e3:.1f} ms", flush=True)
-        results = {"settings": {**base, "scale": args.scale}, "runs": rows}
+        numel = rows[0].pop("fragment_numel")
+        one = time_merges(numel)
+        for row in rows:
+            row.pop("fragment_numel", None)
+            row["merge_one_s"] = one[row["robust_merge"]]
+            row["merge_one_ms"] = 1e3 * row["merge_one_s"]
+        results = {"settings": {**base, "scale": args.scale}, "fragment_numel": numel, "runs": rows}
         columns = [("run", "run"), ("final eval loss", "final_eval_loss"), ("merge s", "merge_s"),
+                   ("one merge ms", "merge_one_ms"),
                    ("commits", "commits"), ("accepted", "accepted_updates"), ("refused", "rejected_updates")]
         print(write_results(out, results, columns, rows, title="robust merges: clean and with island 4 hostile"))
         return 0
