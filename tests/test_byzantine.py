@@ -118,6 +118,9 @@ def test_a_rejoined_island_pushes_from_the_same_version_in_a_new_session() -> No
     restored.load_state_dict(s.state_dict())
     assert restored.push(Push(0, 0, _honest(0, seed=7), 100, 0, session=1)).reason == "replay"
     assert restored.push(Push(1, 0, _honest(1), 100, 0)).committed == 1
+    # a syncer restarted from a checkpoint older than the island's join: its pushes of the later session count
+    assert restored.push(Push(0, 0, _honest(0, seed=8), 100, 1, session=3)).accepted
+    assert restored.push(Push(0, 0, _honest(0, seed=9), 100, 1, session=1)).reason == "replay"
 
 
 def test_refusals_per_island_and_the_robust_merge_are_rows_of_the_final_table() -> None:

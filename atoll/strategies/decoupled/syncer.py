@@ -212,7 +212,7 @@ class Syncer:
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
-        self.admission.accepted(island, fragment, base_version)
+        self.admission.accepted(island, fragment, base_version, msg.session)
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
         self.accepted_updates += 1

@@ -13,7 +13,9 @@ base version is not newer than the island's last accepted push of the fragment i
 same push sent twice is merged once. Only a restart breaks the rule (an island that failed while its push
 waited in a buffer rejoins at the same version and pushes new work from it): the runtime opens a new
 **session** for the island when it (re)joins (:meth:`Admission.rejoin`), pushes carry their session, and a push
-of an earlier session is a replay too.
+of an earlier session is a replay too. A push of a later session than the syncer's (a syncer restarted from a
+checkpoint older than the island's join) opens that session: only the island's own pushes can, and a replay
+of any of them is still refused.
 
 Rejections are counted per island and reason (:attr:`Admission.rejected_by_island`), for the summary.
 """
@@ -51,9 +53,11 @@ class Admission:
                                                                    self.credentials[island].encode())
 
     def fresh(self, island: int, fragment: int, base_version: int, session: Any) -> bool:
-        """Is the push of the island's present session, from a ``base_version`` newer than its last accepted
-        push of ``fragment`` in it (not a replay)?"""
-        return session == self.session[island] and base_version > self.last_base[island][fragment]
+        """Is the push of a later session than the island's present one, or of the present one from a
+        ``base_version`` newer than its last accepted push of ``fragment`` in it (not a replay)?"""
+        if not isinstance(session, int) or session < self.session[island]:
+            return False
+        return session > self.session[island] or base_version > self.last_base[island][fragment]
 
     def rejoin(self, island: int) -> int:
         """``island`` (re)joins: a new session, in which any base version is new; return the session."""
@@ -61,8 +65,12 @@ class Admission:
         self.last_base[island] = [-1] * len(self.last_base[island])
         return self.session[island]
 
-    def accepted(self, island: int, fragment: int, base_version: int) -> None:
-        """A push of ``island`` from ``base_version`` was accepted: an equal or older one is a replay."""
+    def accepted(self, island: int, fragment: int, base_version: int, session: int) -> None:
+        """A push of ``island`` from ``base_version`` in ``session`` was accepted: an equal or older one is a
+        replay."""
+        if session > self.session[island]:
+            self.session[island] = session
+            self.last_base[island] = [-1] * len(self.last_base[island])
         self.last_base[island][fragment] = base_version
 
     def rejected(self, island: int, reason: str) -> None:
