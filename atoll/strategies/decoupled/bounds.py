@@ -23,8 +23,8 @@ two bounds, each checked per push before it can reach a buffer:
   push is checked against ``cold_bound`` x the fragment's parameter norm only (default ``norm_bound``: an
   honest first push can be close to the parameters' own norm, 0.5-0.8x in micro at H = 100), and again
   when its buffer merges, against the pushes merged with it (:meth:`PushBounds.vet`: ``norm_bound`` x the
-  median_low of their allowances), so a first-round push that would negate the parameters is refused
-  unless it is merged alone (a quorum of 1). Claiming more tokens buys at most the
+  median_low of their allowances), as later pushes are against the recently accepted ones (a push merged
+  alone, with a quorum of 1, meets the parameters' bound only). Claiming more tokens buys at most the
   declared size (or the ledger), claiming fewer buys nothing (the allowance never falls below n_j).
 
 This replaces norms per token compared with the median of recent pushes, which, across islands of unequal
