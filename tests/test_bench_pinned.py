@@ -34,6 +34,8 @@ OLD_DEFAULTS: dict[str, Any] = {
     "tokenizer": None, "max_documents": None, "min_islands": 1, "max_restarts": 0,
     # the sparseloco strategy's own settings (a strategy added since; they apply to it alone)
     "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_beta": 0.95, "sparseloco_bits": 2,
+    # decoupled's robust merge (added since; none is the token-weighted mean of then)
+    "robust_merge": "none",
     "batch_size": 8, "cache_dir": None, "chaos": None, "checkpoint_every": 100, "codec": "fp32",
     "codec_block_size": 64, "codec_rounding": "nearest", "collective_timeout_s": 60.0, "data": "stdlib",
     "demo_beta": 0.999, "demo_chunk": 64, "demo_lr": 0.003, "demo_sign_values": True, "demo_topk": 32,

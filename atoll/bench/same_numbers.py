@@ -52,7 +52,7 @@ RUNS: dict[str, list[str]] = {
 
 #: summary keys that hold measured time (or depend on it) in the runs where time is real or measured
 TIMED = {"wall_s", "compute_s", "sim_wall_s", "compute_utilization", "measured_compute_s", "strategy_s", "out",
-         "codec_s", "startup_s"}
+         "codec_s", "startup_s", "merge_s"}
 #: decoupled's clock is simulated with a fixed step: its times are deterministic and compared
 DETERMINISTIC_CLOCK = {"decoupled"}
 

@@ -299,9 +299,21 @@ def _health_rows(s: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _trust_rows(s: dict[str, Any]) -> list[Row]:
+    """decoupled: the syncer's refusals per island and reason, and its robust merge (README, Security and trust)."""
+    rows = []
+    if s.get("robust_merge", "none") != "none":
+        rows.append(("robust merge (seconds merging)", f"{s['robust_merge']} ({s.get('merge_s', 0.0):.3g} s)"))
+    refused = {k: v for k, v in (s.get("rejected_by_island") or {}).items() if any(v)}
+    if refused:
+        rows.append(("pushes refused per island", "by reason"))
+        rows += [(f"  {reason}", " / ".join(str(n) for n in counts)) for reason, counts in sorted(refused.items())]
+    return rows
+
+
 #: the groups of rows of the final table, in order: each takes the summary and returns (name, value) rows
 #: (none when its entries are absent); a new group is one function and one entry here
-SUMMARY_ROWS = (_model_rows, _bytes_rows, _time_rows, _island_rows, _bucket_rows, _health_rows)
+SUMMARY_ROWS = (_model_rows, _bytes_rows, _time_rows, _island_rows, _bucket_rows, _trust_rows, _health_rows)
 
 
 def summary_rows(summary: dict[str, Any]) -> list[Row]:

@@ -28,7 +28,7 @@ Metrics in ``summary.json`` besides every run's:
   ``Σ_i tokens_per_step · speed_i / sim_step_s``: every island computing all the time, with no failure and no
   communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
 - ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
-- ``rejected_updates`` (by reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
+- ``rejected_updates`` (by reason, and per island and reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
   ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (lost to
   failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
   ``deferred_pushes``, ``steps_per_island``, and every trained token in one bucket per island
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import secrets
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -80,7 +81,8 @@ class Simulation:
         self.config, self.run = config, run
         self.job = Job.of(config, run.data, run.model)
         self.K, self.speeds = config.islands, config.speeds
-        self.syncer = make_syncer(config, self.job.init_flat, self.job.index)
+        self.credentials = [secrets.token_hex(16) for _ in range(self.K)]  # each island pushes only as itself
+        self.syncer = make_syncer(config, self.job.init_flat, self.job.index, self.credentials)
         self.link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
         self.trace = FailureTrace.from_spec(config.chaos, self.K, config.seed) if config.chaos else None
         devices = island_devices(self.K, config.device)  # GPUs round-robin, or all on one device
@@ -174,7 +176,7 @@ class Simulation:
         if due and st.awaiting[i][due[0]]:  # its previous push or pull is still on the wire: next time
             st.deferred_pushes += 1
         elif due:  # push it on the island's uplink and train on: the transfers overlap compute
-            push = w.push(due[0])
+            push = replace(w.push(due[0]), session=self.syncer.admission.session[i])  # its session: not a replay
             st.bytes_sent[i] += push.nbytes
             st.uplink_free[i] = arrive = max(t, st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
             st.awaiting[i][push.fragment] = True
@@ -190,7 +192,8 @@ class Simulation:
         if msg.epoch != st.epoch[i]:  # the island failed while it was on the wire: lost (tokens counted then)
             st.lost_pushes += 1
             return
-        result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p]), now=t)  # type: ignore[type-var]
+        result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p], credential=self.credentials[i]),  # type: ignore[type-var]
+                                  now=t)
         st.last_arrival = max(st.last_arrival, t)
         waiter = Waiter(i, msg.epoch)
         if result.accepted:
@@ -229,6 +232,7 @@ class Simulation:
         if st.started >= self.budget:
             return  # the run is over: the island stays down
         self.workers[i].rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
+        syncer.rejoin(i)  # a new session: it may push from the versions of its pushes before the failure
         st.clock[i] = t + self.link.transfer_seconds(sum(self.frag_bytes), 1)  # nothing to train on yet
         st.uplink_free[i] = st.downlink_free[i] = st.clock[i]
         st.pulled_at[i] = [st.clock[i]] * syncer.fragments
@@ -299,10 +303,10 @@ class Simulation:
             w = self.workers[i]
             for p in range(syncer.fragments):
                 if w.tokens_since[p] > 0:
-                    push = w.push(p)
+                    push = replace(w.push(p), session=syncer.admission.session[i])
                     st.bytes_sent[i] += push.nbytes
                     st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
-                    syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p]), now=arrive)
+                    syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p], credential=self.credentials[i]), now=arrive)
                     st.last_arrival = max(st.last_arrival, arrive)
         syncer.flush()
         for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with

@@ -44,7 +44,10 @@ so within one call's latency). ``island_start_s``: per island, seconds from the 
 (an island whose actor started later). ``codec_s``: per island, measured seconds of encoding and decoding its
 pushes (part of the wall time, not of ``compute_s``).
 
-Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
+Identity: the driver issues each island a secret (:func:`secrets.token_hex`), given to that island's actor and
+to the syncer only; its pushes carry it and the syncer counts a push only as the island whose secret it
+carries, and lets only that island open a new session (:mod:`atoll.strategies.decoupled.trust`; README,
+"Security and trust"). Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
 ``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
 ``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
 and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.
@@ -52,6 +55,7 @@ and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the sa
 
 from __future__ import annotations
 
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,16 +83,18 @@ __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
 def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
     """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
     cfg = config.model_dump_json()
+    # one secret per island, given to that island's actor and to the syncer only: a push counts only as its own
+    credentials = [secrets.token_hex(16) for _ in range(config.islands)]
     # a crashed syncer is restarted by Ray from its last checkpoint; the islands' calls wait and are retried. It
     # runs on this process's node, beside the run folder that holds its checkpoints (<out>/syncer); Ray would
     # place an actor of 0 CPUs on any node, even with a soft affinity, and a worker node's loss would take it
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     syncer = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=-1,
-                        scheduling_strategy=here)(SyncerService).remote(cfg, str(out))
+                        scheduling_strategy=here)(SyncerService).remote(cfg, str(out), credentials)
     island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
                             max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
-    islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out)) if res else
-               island_cls.remote(cfg, i, syncer, str(out)) for i, res in enumerate(island_resources(config))]
+    islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out), credentials[i]) if res else
+               island_cls.remote(cfg, i, syncer, str(out), credentials[i]) for i, res in enumerate(island_resources(config))]
     running = {isl.run.remote(): i for i, isl in enumerate(islands)}
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands

@@ -31,16 +31,19 @@ class SyncerService:
     Args:
         config_json: the run's :class:`TrainConfig` as JSON.
         out: the run folder (checkpoints go to ``out/syncer``).
+        credentials: per island its secret, issued by the driver (each island actor is given only its own): a
+            push counts only as the island whose secret it carries
+            (:class:`~atoll.strategies.decoupled.trust.Admission`).
     """
 
-    def __init__(self, config_json: str, out: str) -> None:
+    def __init__(self, config_json: str, out: str, credentials: list[str] | None = None) -> None:
         from atoll.errors import CheckpointError
         from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
         self.config = TrainConfig.model_validate_json(config_json)
         torch.set_num_threads(1)
         job = Job.prepare(self.config)
-        self.syncer = make_syncer(self.config, job.init_flat, job.index)
+        self.syncer = make_syncer(self.config, job.init_flat, job.index, credentials)
         self.out = Path(out)
         self.t0 = time.monotonic()
         self.budget = self.config.islands * self.config.steps
@@ -88,8 +91,15 @@ class SyncerService:
         if self.syncer.poll(self._now()):
             self._save()
 
-    def join(self, island: int) -> tuple[torch.Tensor, list[int], int]:
-        """An island (re)starts: (global params (numel,), versions, its inner steps so far)."""
+    def join(self, island: int, credential: str = "") -> tuple[torch.Tensor, list[int], int, int]:
+        """An island (re)starts: (global params (numel,), versions, its inner steps so far, its new session
+        for its pushes: :meth:`~atoll.strategies.decoupled.syncer.Syncer.rejoin`).
+
+        Raises:
+            PermissionError: ``credential`` is not the island's (only the island may open its sessions).
+        """
+        if not self.syncer.admission.identity(island, credential):
+            raise PermissionError(f"join: island {island}'s credential does not match; an island joins only as itself")
         now = self._now()
         self.joins[island] += 1
         if self.joins[island] > 1:
@@ -97,7 +107,7 @@ class SyncerService:
         self.last_seen[island] = now
         self._poll()
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                self.steps_by_island[island])
+                self.steps_by_island[island], self.syncer.rejoin(island))
 
     def reserve_step(self, island: int) -> tuple[bool, list[int]]:
         """Take one inner step from the shared budget of ``islands x steps``.
@@ -180,8 +190,8 @@ class RayTransport:
     ``push`` (sent, answer not read), ``wait`` (buffered at the syncer) or ``pull`` (the merged fragment asked).
     """
 
-    def __init__(self, syncer: Any, island: int, fragments: int) -> None:
-        self.syncer, self.island = syncer, island
+    def __init__(self, syncer: Any, island: int, fragments: int, credential: str = "", session: int = 0) -> None:
+        self.syncer, self.island, self.credential, self.session = syncer, island, credential, session
         self.pulled_at = [time.monotonic()] * fragments
         self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
         self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
@@ -194,7 +204,7 @@ class RayTransport:
     def send(self, push: Push) -> None:
         self.bytes_sent += push.nbytes
         msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
-                   round_s=time.monotonic() - self.pulled_at[push.fragment])
+                   round_s=time.monotonic() - self.pulled_at[push.fragment], session=self.session, credential=self.credential)
         self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
 
     def arrived(self) -> list[Pull]:
@@ -237,11 +247,13 @@ class RayTransport:
 
 
 class IslandService:
-    """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters."""
+    """One island as a Ray actor; on a restart it rejoins from the syncer's newest global parameters.
 
-    def __init__(self, config_json: str, index: int, syncer: Any, out: str) -> None:
+    ``credential``: this island's secret (from the driver), carried by each of its pushes."""
+
+    def __init__(self, config_json: str, index: int, syncer: Any, out: str, credential: str = "") -> None:
         config = TrainConfig.model_validate_json(config_json)
-        self.index = index
+        self.index, self.credential = index, credential
         self.syncer = syncer
         job = Job.prepare(config)
         # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
@@ -249,7 +261,7 @@ class IslandService:
         device = "cuda" if config.ray_gpus_per_island > 0 and config.device != "cpu" and torch.cuda.is_available() \
             else "cpu"
         self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
-        flat, versions, steps = ray.get(syncer.join.remote(index))
+        flat, versions, steps, self.session = ray.get(syncer.join.remote(index, credential))
         self.worker.rejoin(flat, versions)
         self.worker.steps = steps
         pid_dir = Path(out) / "ray"
@@ -261,7 +273,7 @@ class IslandService:
     def run(self) -> dict[str, Any]:
         """Train until the shared step budget is spent (the learner's loop,
         :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
-        transport = RayTransport(self.syncer, self.index, self.worker.fragments)
+        transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential, self.session)
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,

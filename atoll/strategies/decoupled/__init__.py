@@ -17,7 +17,7 @@ Launch::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -69,6 +69,13 @@ class DecoupledSection(Section):
         True,
         description="decoupled: scale a merge of n < islands distinct islands by n/islands before the outer "
         "step (each partial merge speaks for part of the islands; unscaled, Nesterov 0.7/0.9 overshoots).",
+    )
+    robust_merge: Literal["none", "clip", "trimmed_mean", "median"] = Field(
+        "none",
+        description="decoupled: how the syncer merges a buffer's pushes: none (the token-weighted mean), clip "
+        "(each push scaled to at most the merge's median norm), trimmed_mean (per coordinate, the top and bottom "
+        "quarter dropped) or median (per coordinate); the robust ones bound what a minority of hostile islands "
+        "can do to a merge (README, Security and trust).",
     )
     island_speeds: list[float] | None = Field(
         None,
@@ -161,14 +168,16 @@ def local_sync_every(config: TrainConfig) -> list[int]:
     return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
 
 
-def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[torch.Tensor]) -> Syncer:
+def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[torch.Tensor],
+                credentials: list[str] | None = None) -> Syncer:
     """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
-    ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer), each island's
-    push declared as its own H (:func:`local_sync_every`) of inner steps."""
+    ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer, robust merge),
+    each island's push declared as its own H (:func:`local_sync_every`) of inner steps; ``credentials``: per
+    island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated."""
     return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
                   quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
                   staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
-                  scale_partial=config.scale_partial_merges,
+                  scale_partial=config.scale_partial_merges, credentials=credentials, robust_merge=config.robust_merge,
                   push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)])
 
 

@@ -12,14 +12,20 @@ two bounds, each checked per push before it can reach a buffer:
   (``push_tokens``: its own H x tokens per step). Refused as ``tokens``.
 - **Norm, per fragment.** An honest pseudo-gradient's L2 norm grows with the inner steps behind it, at most
   linearly (steps all aligned) and at least not at all (a saturated random walk): n(k) <= n(j) max(1, k/j)
-  for two honest pushes of k and j tokens, whatever the speeds. So each recent push j (a window of
-  :data:`WINDOW` per fragment, refused ones included, so the reference follows the honest growth of the
-  updates after warmup) vouches for a push of k tokens up to n_j max(1, k/k_j), and a push is refused
-  (``norm``) beyond ``norm_bound`` x the ``statistics.median_low`` of those allowances: a minority of
-  hostile pushes in the window never sets the bound (with 2 islands, median_low picks the honest one). Before
-  a round of pushes has been seen (``islands`` of them), the bound is ``norm_bound`` x the fragment's
-  parameter norm. Claiming more tokens buys at most the declared size (or the ledger), claiming fewer buys
-  nothing (the allowance never falls below n_j).
+  for two honest pushes of k and j tokens, whatever the speeds. So each recent *accepted* push j (the
+  last ``islands`` of them per fragment: one round) vouches for a push of k tokens up to n_j max(1, k/k_j), and a push is
+  refused (``norm``) beyond ``norm_bound`` x the ``statistics.median_low`` of those allowances: a minority
+  of hostile pushes in the window never sets the bound (with 2 islands, median_low picks the honest one),
+  and refused pushes never enter the window, so pushes over the bound, however many, cannot raise it. The
+  honest growth of the updates (a learning-rate warmup) is followed by the accepted pushes, each within
+  ``norm_bound`` x its predecessors. Before a majority's round of pushes has been accepted (``islands`` // 2 +
+  1 of them; a dead or hostile island never holds the bound cold), there is no history to compare with: a
+  push is checked against ``cold_bound`` x the fragment's parameter norm only (default ``norm_bound``: an
+  honest first push can be close to the parameters' own norm, 0.5-0.8x in micro at H = 100), and again
+  when its buffer merges, against the pushes merged with it (:meth:`PushBounds.vet`: ``norm_bound`` x the
+  median_low of their allowances), as later pushes are against the recently accepted ones (a push merged
+  alone, with a quorum of 1, meets the parameters' bound only). Claiming more tokens buys at most the
+  declared size (or the ledger), claiming fewer buys nothing (the allowance never falls below n_j).
 
 This replaces norms per token compared with the median of recent pushes, which, across islands of unequal
 speeds, refused the honest pushes of the fast (tokens) or of the slow (norm per token) islands.
@@ -43,13 +49,16 @@ class PushBounds:
     Args:
         islands: K; fragments: P.
         norm_bound: the factor of both bounds (> 1).
+        cold_bound: the norm bound before a round of pushes was accepted, times the fragment's parameter norm
+            (None: ``norm_bound``).
         push_tokens: per island, the tokens of one honest push at its own H (declared, without a ledger);
             None: no declared size (only a ledger bounds the tokens).
     """
 
     def __init__(self, islands: int, fragments: int, norm_bound: float,
-                 push_tokens: Sequence[int] | None = None) -> None:
+                 push_tokens: Sequence[int] | None = None, cold_bound: float | None = None) -> None:
         self.islands, self.norm_bound = islands, norm_bound
+        self.cold_bound = norm_bound if cold_bound is None else cold_bound
         self.push_tokens = list(push_tokens) if push_tokens is not None else None
         self.window: list[deque[tuple[float, int]]] = [deque(maxlen=WINDOW) for _ in range(fragments)]
         self.granted: list[int] | None = None          # per island: tokens granted (None: no ledger)
@@ -64,8 +73,10 @@ class PushBounds:
     def check(self, island: int, fragment: int, norm: float, tokens: int, params_norm: float) -> str:
         """Why a push of ``tokens`` tokens and L2 norm ``norm`` is refused ("tokens", "norm"), or "".
 
-        ``params_norm``: the fragment's global parameter norm (the bound of the first round). A push that
-        reaches the norm check enters the window, refused or not; its tokens count as claimed.
+        ``params_norm``: the fragment's global parameter norm (the bound of the first round). The tokens of a
+        push that reaches the norm check count as claimed; a push within the norm bound enters the window
+        (the caller refuses it for no other reason after this check) if the fragment is :meth:`warm`; before,
+        the caller vets it when it merges (:meth:`vet`).
         """
         if self.granted is not None:
             if self.claimed[island][fragment] + tokens > self.granted[island]:
@@ -74,12 +85,35 @@ class PushBounds:
             return "tokens"
         self.claimed[island][fragment] += tokens
         recent = self.window[fragment]
-        if len(recent) >= self.islands:  # a round of pushes seen: what the recent ones vouch for
-            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k in recent)
+        if self.warm(fragment):  # a majority's round of pushes accepted: what the recent ones vouch for
+            last = list(recent)[-self.islands:]  # the last round's: a warmup's growth lags one round at most
+            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k in last)
         else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
-            bound = self.norm_bound * params_norm if params_norm > 0 else math.inf
-        recent.append((norm, tokens))
-        return "norm" if norm > bound else ""
+            bound = self.cold_bound * params_norm if params_norm > 0 else math.inf
+        if norm > bound:
+            return "norm"
+        if self.warm(fragment):
+            recent.append((norm, tokens))
+        return ""
+
+    def warm(self, fragment: int) -> bool:
+        """Has a majority's round of pushes (``islands`` // 2 + 1) of ``fragment`` been accepted?"""
+        return len(self.window[fragment]) >= self.islands // 2 + 1
+
+    def vet(self, fragment: int, pushes: Sequence[tuple[float, int, bool]]) -> list[bool]:
+        """At a merge: which of the buffer's ``pushes`` (L2 norm, tokens, checked by a warm window) pass.
+
+        A push accepted before the fragment was warm passes if its norm is within ``norm_bound`` x the
+        ``statistics.median_low`` of what the buffer's pushes vouch for (n_j max(1, k/k_j)); those that pass
+        enter the window. Pushes checked by a warm window pass.
+        """
+        ok = []
+        for norm, tokens, checked in pushes:
+            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k, _ in pushes)
+            ok.append(checked or norm <= bound)
+            if ok[-1] and not checked:
+                self.window[fragment].append((norm, tokens))
+        return ok
 
     def state_dict(self) -> dict[str, Any]:
         return {"window": [[list(x) for x in w] for w in self.window], "granted": self.granted,

@@ -8,7 +8,7 @@ versions count the outer steps committed to a fragment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,10 @@ class Push:
         nbytes: bytes the push occupied on the wire (the encoded payload).
         round_s: seconds from the island's last pull of the fragment to this push, on the island's clock
             (its measured round time, for the grace window); None: not measured.
+        session: the island's session at the syncer (its joins so far, :meth:`Syncer.rejoin
+            <atoll.strategies.decoupled.syncer.Syncer.rejoin>`): a push of an earlier session is a replay.
+        credential: the island's secret, proving the push is its own
+            (:class:`~atoll.strategies.decoupled.trust.Admission`); "" where islands are not authenticated.
     """
 
     island: int
@@ -36,6 +40,8 @@ class Push:
     base_version: int
     nbytes: int = 0
     round_s: float | None = None
+    session: int = 0
+    credential: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,8 @@ class PushResult:
 
     Attributes:
         accepted: the push entered the fragment's buffer (it may still be dropped as too stale later).
-        reason: why it was rejected ("" when accepted): ``island``, ``fragment``, ``type``, ``dtype``,
-            ``shape``, ``non_finite``, ``tokens``, ``version``, ``norm`` or ``stale``.
+        reason: why it was rejected ("" when accepted): ``island``, ``identity``, ``fragment``, ``type``,
+            ``dtype``, ``shape``, ``non_finite``, ``tokens``, ``version``, ``replay``, ``norm`` or ``stale``.
         committed: versions of the fragment committed by this push (0 or 1 outer steps).
     """
 

@@ -30,12 +30,17 @@ overshoots (measured: README, "Asynchronous islands"). So by default (``scale_pa
 share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
 full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
 
-Every push is **validated** before it can reach a buffer: island and fragment in range, a float32 tensor of
-the fragment's shape, finite values, tokens > 0, a version the syncer has issued, and the bounds of
+Every push is **validated** before it can reach a buffer: island in range and, with credentials, its own
+(:class:`~atoll.strategies.decoupled.trust.Admission`), fragment in range, a float32 tensor of the
+fragment's shape, finite values, tokens > 0, a version the syncer has issued and newer than the island's last
+accepted push of the fragment (no replay), and the bounds of
 :class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (claims within what the island was
 granted, or within ``norm_bound`` x its declared push size) and a norm that the recent pushes of the fragment
 vouch for, whatever the islands' speeds. A rejected push is counted (:attr:`Syncer.rejected_updates`, by
-reason), logged at WARNING on the ``atoll.syncer`` logger, and never touches the global parameters.
+reason, and per island in ``rejected_by_island``), logged at WARNING on the ``atoll.syncer`` logger, and
+never touches the global parameters. A push that passes is still a claim of its sender's: ``robust_merge``
+(:func:`~atoll.algorithms.robust.robust_mean`: norm clipping, trimmed mean, median) bounds what a minority
+of in-bound hostile pushes can do to a merge; ``none`` (default) is the token-weighted mean.
 
 **Fairness of staleness.** Who arrives after a quorum has merged is the same island round after round when
 the islands run alike (a slower link, or only the order of ties): with a tight ``max_staleness`` it would be
@@ -47,9 +52,8 @@ an island pushes fresh (tried) moves the starvation to the others in turn: 3 isl
 ``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
 the credit kept (0% for the last island without any credit).
 
-**Token accounting.** Every token a push claims ends in one bucket per island: ``merged``, ``stale``
-(dropped as too stale) or ``rejected`` (:meth:`Syncer.stats`); like ``merged_tokens`` each is counted times
-its fragment's share of the parameters, so the buckets of one island's pushes sum to the tokens it pushed.
+**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` or
+``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`).
 
 :meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
 :meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that
@@ -61,6 +65,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,10 +74,12 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.merge import weighted_mean
 from atoll.algorithms.outer import OuterOptimizer
+from atoll.algorithms.robust import robust_mean
+from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
+from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
 
@@ -86,6 +93,7 @@ class _Pending:
     delta: torch.Tensor
     tokens: int
     base_version: int
+    vetted: bool = True  # checked against a warm window (else vetted at the merge: PushBounds.vet)
 
 
 @dataclass
@@ -117,15 +125,21 @@ class Syncer:
         push_tokens: per island, the tokens of one honest push at its own H (tokens per step x
             :func:`~atoll.strategies.decoupled.local_sync_every`), for the token bound where the runtime
             keeps no ledger (:meth:`grant`); None: none declared.
+        credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
+        robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
+        cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
 
     Raises:
-        ValueError: a quorum outside ``1..islands`` or an index that does not fit ``init``.
+        ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, or credentials that
+            are not one per island.
     """
 
     def __init__(self, init: torch.Tensor, index: list[torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, quorum: int | None = None, grace_factor: float = 1.0,
                  max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
-                 scale_partial: bool = True, push_tokens: Sequence[int] | None = None) -> None:
+                 scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
+                 credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
+                 cold_bound: float | None = None) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = index if index is not None else [torch.arange(flat.numel())]
         if sum(int(i.numel()) for i in self.index) != flat.numel():
@@ -139,10 +153,12 @@ class Syncer:
         self.staleness_exponent = staleness_exponent
         self.norm_bound = norm_bound
         self.scale_partial = scale_partial
+        self.robust_merge, self.trim = robust_merge, trim
         self.numel = flat.numel()
         self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
         self.buffers = [_Buffer() for _ in self.index]
-        self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens)
+        self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
+        self.admission = Admission(islands, len(self.index), credentials)
         self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
         self.round_s: deque[float] = deque(maxlen=WINDOW)
         # statistics (all in state_dict)
@@ -157,6 +173,7 @@ class Syncer:
         self.merged_tokens_per_island = [0.0] * islands
         self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}  # per island, times fragment share
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
+        self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -190,33 +207,43 @@ class Syncer:
             A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
         """
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
-        reason = self._validate(island, fragment, delta, tokens, base_version)
+        warm = isinstance(fragment, int) and 0 <= fragment < self.fragments and self.bounds.warm(fragment)
+        reason = self._validate(island, fragment, delta, tokens, base_version, msg)
         if reason:
-            self.rejected_updates += 1
-            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
-            log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
-            if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
-                self._count("rejected", island, fragment, tokens)
+            self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
+        self.admission.accepted(island, fragment, base_version, msg.session)
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
         self.accepted_updates += 1
-        round_s = msg.round_s
-        if round_s is not None and round_s > 0 and math.isfinite(round_s):
-            self.round_s.append(float(round_s))
+        if msg.round_s is not None and msg.round_s > 0 and math.isfinite(msg.round_s):
+            self.round_s.append(float(msg.round_s))
         buf = self.buffers[fragment]
         if not buf.pushes:
             buf.opened_at = now
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
-        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version)))
+        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm))
         if len({p.island for p in buf.pushes}) >= self.quorum:
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
+    def rejoin(self, island: int) -> int:
+        """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``)."""
+        return self.admission.rejoin(island)
+
     def grant(self, island: int, tokens: int) -> None:
-        """The runtime gave ``island`` ``tokens`` more tokens to train on (an inner step): the token ledger
-        that bounds its claims (:meth:`PushBounds.grant <atoll.strategies.decoupled.bounds.PushBounds.grant>`)."""
+        """The runtime gave ``island`` ``tokens`` more to train on: the ledger of its claims (:class:`PushBounds`)."""
         self.bounds.grant(island, tokens)
+
+    def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
+        """Count and log a refused push (its tokens in the ``rejected`` bucket where they can be placed)."""
+        if reason != "island":
+            self.admission.rejected(island, reason)
+        self.rejected_updates += 1
+        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+        log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
+        if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
+            self._count("rejected", island, fragment, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
         """Within the island's staleness limit (``max_staleness`` + its credit)? Drops (and credits) it if not."""
@@ -231,9 +258,12 @@ class Syncer:
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
         self.tokens_by_outcome[outcome][island] += tokens * int(self.index[fragment].numel()) / self.numel
 
-    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base_version: int) -> str:
+    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, msg: Push) -> str:
+        session, credential = msg.session, msg.credential
         if not (isinstance(island, int) and 0 <= island < self.islands):
             return "island"
+        if not self.admission.identity(island, credential):
+            return "identity"
         if not (isinstance(fragment, int) and 0 <= fragment < self.fragments):
             return "fragment"
         if not isinstance(delta, torch.Tensor):
@@ -246,8 +276,10 @@ class Syncer:
             return "non_finite"
         if not (isinstance(tokens, int) and tokens > 0):
             return "tokens"
-        if not (isinstance(base_version, int) and 0 <= base_version <= self.version(fragment)):
+        if not (isinstance(base, int) and 0 <= base <= self.version(fragment)):
             return "version"
+        if not self.admission.fresh(island, fragment, base, session):
+            return "replay"
         return self.bounds.check(island, fragment, float(delta.norm()), tokens, float(self.outer[fragment].params.norm()))
 
     # --- merging ------------------------------------------------------------------------------------
@@ -277,6 +309,11 @@ class Syncer:
         pushes, self.buffers[fragment] = buf.pushes, _Buffer()
         if now is not None and pushes:
             self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+        if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
+            ok = self.bounds.vet(fragment, [(float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
+            for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
+                self._refuse(p.island, fragment, "norm", p.tokens)
+            pushes = [p for p, good in zip(pushes, ok, strict=True) if good]
         version = self.version(fragment)
         kept, weights, stale = [], [], []
         for p in pushes:
@@ -288,7 +325,9 @@ class Syncer:
             stale.append(s)
         if not kept:
             return 0
-        mean = weighted_mean([p.delta for p in kept], weights)
+        t0 = time.perf_counter()
+        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim)  # none: weighted_mean
+        self.merge_s += time.perf_counter() - t0
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
             mean = mean * (contributors / self.islands)
@@ -309,25 +348,9 @@ class Syncer:
 
     # --- statistics and state -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counts for the run summary: commits, rejections, staleness and quorum sizes."""
-        st, qs = self.staleness, self.quorum_sizes
-        return {
-            "commits": self.commits, "accepted_updates": self.accepted_updates,
-            "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
-            "stale_updates": self.stale_updates, "quorum": self.quorum,
-            "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0, "quorum_size_min": min(qs, default=0),
-            "quorum_size_max": max(qs, default=0),
-            "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
-            "staleness_mean": sum(st) / len(st) if st else 0.0, "staleness_max": max(st, default=0),
-            "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
-            # how long buffers waited for a quorum, and by how much a merge overran its grace window
-            # (> 0 only where the clock only advances with calls, as on Ray: by up to one call's gap)
-            "merge_wait_max_s": max((w for w, _ in self.merge_waits), default=0.0),
-            "grace_window_max_s": max((g for _, g in self.merge_waits), default=0.0),
-            "merge_overrun_max_s": max((w - g for w, g in self.merge_waits if g >= 0), default=0.0),
-            # per island, the tokens pushed by what became of them (times fragment share, as merged_tokens)
-            **{f"{k}_tokens_by_island": list(v) for k, v in self.tokens_by_outcome.items()},
-        }
+        """Counts for the run summary: commits, rejections, staleness, quorum sizes, token buckets
+        (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
+        return syncer_stats(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything: globals and outer momentum per fragment, open buffers, medians, statistics."""
@@ -335,8 +358,10 @@ class Syncer:
             "outer": [o.state_dict() for o in self.outer],
             "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
                          "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
-                                     "base_version": p.base_version} for p in b.pushes]} for b in self.buffers],
-            "bounds": self.bounds.state_dict(), "round_s": list(self.round_s),
+                                     "base_version": p.base_version, "vetted": p.vetted} for p in b.pushes]}
+                        for b in self.buffers],
+            "bounds": self.bounds.state_dict(), "admission": self.admission.state_dict(), "merge_s": self.merge_s,
+            "round_s": list(self.round_s),
             "stale_credit": [list(c) for c in self.stale_credit],
             "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
@@ -354,17 +379,19 @@ class Syncer:
         for b in state["buffers"]:
             grace = float(b["grace_s"])
             self.buffers.append(_Buffer([_Pending(int(p["island"]), p["delta"], int(p["tokens"]),
-                                                  int(p["base_version"])) for p in b["pushes"]],
+                                                  int(p["base_version"]), bool(p.get("vetted", True)))
+                                        for p in b["pushes"]],
                                         float(b["opened_at"]), grace if grace >= 0 else math.inf))
         self.bounds.load_state_dict(state["bounds"])
+        if "admission" in state:
+            self.admission.load_state_dict(state["admission"])
+        self.merge_s = float(state.get("merge_s", 0.0))
         self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
         self.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
         self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
-        self.rejected_updates = int(state["rejected_updates"])
+        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits"):
+            setattr(self, name, int(state[name]))
         self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
-        self.stale_updates = int(state["stale_updates"])
-        self.accepted_updates = int(state["accepted_updates"])
-        self.commits = int(state["commits"])
         self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
         self.staleness = [int(x) for x in state["staleness"]]
         self.merged_tokens = float(state["merged_tokens"])
