@@ -253,7 +253,7 @@ def test_a_collective_run_checkpoints_after_its_first_exchange(settings: dict, t
     r = _train({**settings, "islands": 2, "strategy": "diloco", "min_islands": 2, "out": str(out)},
                env={KILL_HOOK_ENV: "1:8"})
     assert r.returncode == 128 + 9, r.stderr[-3000:]
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_0000005"
+    assert (out / "checkpoints" / "latest").resolve().name == "step_0000005"
     line = next(ln for ln in r.stderr.splitlines() if "stopped responding" in ln)
     assert line.endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
     r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", "--resume", str(out)], capture_output=True,

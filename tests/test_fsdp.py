@@ -111,9 +111,10 @@ def test_sharded_codec_bytes_are_the_sum_of_the_shards_payloads(runs: dict) -> N
 def test_sharded_checkpoint_resumes_bit_for_bit(runs: dict, tmp_path: Path) -> None:
     source, _ = runs["diloco-sharded"]
     out = tmp_path / "resumed"
-    shutil.copytree(source, out)
+    shutil.copytree(source, out, symlinks=True)  # checkpoints/latest is a link to the newest
     shutil.rmtree(out / "checkpoints" / f"step_{STEPS:07d}")
-    (out / "checkpoints" / "latest").write_text("step_0000010\n")
+    (out / "checkpoints" / "latest").unlink()
+    (out / "checkpoints" / "latest").symlink_to("step_0000010")
     r = _atoll("train", "--resume", str(out))  # the saved config: collective, sharded, 2 ranks per island
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("model", "state"):
