@@ -94,7 +94,8 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
 
     traces = [load_trace(tmp_path / name / "clock_trace.json") for name in ("full", "resumed")]
     assert traces[1]["complete"] is True
-    assert [e for e in traces[1]["events"] if e[0] != "c"] == [e for e in traces[0]["events"] if e[0] != "c"]
+    # the same events in the same order (their seconds are measured: compute, and with a codec its encode time)
+    assert [e[0] for e in traces[1]["events"]] == [e[0] for e in traces[0]["events"]]
     assert sorted(replay(traces[1], Link.from_config(10.0, 50.0))["marks"]) == [10, 20]
 
 
