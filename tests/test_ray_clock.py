@@ -55,8 +55,11 @@ def test_ray_run_reports_startup_apart_from_its_clock(fast_config: dict, tmp_pat
     s = json.loads((out / "summary.json").read_text())
     assert s["startup_s"] > 0 and s["sim_wall_s"] > 0
     assert s["sim_wall_s"] + s["startup_s"] <= s["wall_s"]
-    assert min(s["island_start_s"]) == 0.0 and all(t >= 0 for t in s["island_start_s"])
-    assert len(s["codec_s"]) == 2 and all(c > 0 for c in s["codec_s"])
+    # None for an island that started after the shared 24-step budget was spent (a slow start-up)
+    starts = [t for t in s["island_start_s"] if t is not None]
+    assert starts and min(starts) == 0.0 and all(t >= 0 for t in starts)
+    assert len(s["codec_s"]) == 2 and all(c > 0 for c, t in zip(s["codec_s"], s["island_start_s"], strict=True)
+                                          if t is not None)
     assert s["compute_utilization"] == pytest.approx(s["compute_s"] / s["sim_wall_s"])
     assert max(s["island_utilization"]) == pytest.approx(s["compute_s"] / s["sim_wall_s"])
     last_eval = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
