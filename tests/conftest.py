@@ -51,6 +51,16 @@ def fast_config(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> dict:
     }
 
 
+def cli_flags(settings: dict) -> list[str]:
+    """The command-line flags of a settings dict: ``{"sync_every": 5, "progress": False}`` ->
+    ``["--sync-every", "5", "--no-progress"]``."""
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        flags += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)])
+    return flags
+
+
 def run_cli(*args: str) -> SimpleNamespace:
     """Run ``atoll ARGS`` in this process: its exit status and what it printed (``returncode``, ``stdout``,
     ``stderr``, as :func:`run_atoll`). For commands that fail fast (bad input): a valid ``train`` would train."""

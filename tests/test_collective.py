@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_flags
 from safetensors.torch import load_file
 
 from atoll.config import build_config, load_run_config
@@ -34,14 +35,6 @@ def settings(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> dict:
     return {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
             "seq_len": 32, "batch_size": 4, "islands": 2, "steps": STEPS, "sync_every": 5, "eval_every": 12,
             "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1}
-
-
-def _flags(settings: dict) -> list[str]:
-    flags = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        flags += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)])
-    return flags
 
 
 def _atoll(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -76,7 +69,7 @@ def _local(settings: dict, out: Path, **extra) -> dict:
 
 def _collective(settings: dict, out: Path, ranks: int, env: dict | None = None,
                 **extra) -> subprocess.CompletedProcess:
-    flags = _flags({**settings, **extra, "runtime": "collective", "ranks_per_island": ranks, "out": str(out)})
+    flags = cli_flags({**settings, **extra, "runtime": "collective", "ranks_per_island": ranks, "out": str(out)})
     return _atoll("train", *flags, env=env)
 
 
@@ -127,7 +120,7 @@ def test_killed_rank_stops_the_others_with_a_clear_line_under_torchrun_env(setti
                                                                            tmp_path: Path) -> None:
     """Ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT); rank 1 is SIGKILLed."""
     out = tmp_path / "run"
-    flags = _flags({**settings, "strategy": "ddp", "runtime": "collective", "out": str(out), "min_islands": 2})
+    flags = cli_flags({**settings, "strategy": "ddp", "runtime": "collective", "out": str(out), "min_islands": 2})
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
            KILL_HOOK_ENV: "1:8"}
     procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.PIPE,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cli_flags
 
 from atoll.config import build_config
 from atoll.errors import ConfigError
@@ -37,16 +38,8 @@ def settings(corpus_file: Path, cache_dir: Path) -> dict:
             "eval_batches": 2, "progress": False, "threads": 1, "runtime": "collective"}
 
 
-def _flags(settings: dict) -> list[str]:
-    flags = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        flags += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)])
-    return flags
-
-
 def _train(settings: dict, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "atoll.cli", "train", *_flags(settings)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings)], capture_output=True,
                            text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -96,7 +89,7 @@ def test_survivors_go_on_under_torchruns_environment(settings: dict, tmp_path: P
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3",
            KILL_HOOK_ENV: "2:8"}
-    flags = _flags({**settings, "strategy": "diloco", "out": str(out)})
+    flags = cli_flags({**settings, "strategy": "diloco", "out": str(out)})
     procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(3)]
@@ -224,7 +217,7 @@ def test_survivors_go_on_after_a_frozen_island_is_reported_and_killed(settings: 
 @pytest.mark.slow
 def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    flags = _flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
+    flags = cli_flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
                     "strategy": "diloco", "out": str(out)})
     p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)

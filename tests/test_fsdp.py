@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import cli_flags, run_cli
 from safetensors.torch import load_file
 
 from atoll.algorithms.codecs import make_codec
@@ -32,21 +32,13 @@ def _settings(corpus: Path, cache: Path) -> dict:
             "runtime": "collective", "ranks_per_island": 2}
 
 
-def _flags(settings: dict) -> list[str]:
-    flags = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        flags += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
-    return flags
-
-
 def _atoll(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "atoll.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ))
 
 
 def _train(settings: dict, out: Path, **extra) -> dict:
-    r = _atoll("train", *_flags({**settings, **extra, "out": str(out)}))
+    r = _atoll("train", *cli_flags({**settings, **extra, "out": str(out)}))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_flags
 from safetensors.torch import load_file
 
 from atoll.bench.namespaces import netns_pids, unavailable_reason
@@ -49,14 +50,6 @@ RATE_MBPS = 1000  # fast links: the tests are about where the bytes go, not how 
 def settings(corpus_file: Path, cache_dir: Path) -> dict:
     return {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
             "seq_len": 32, "batch_size": 4, "islands": 2, "threads": 1, "eval_batches": 2, "progress": False}
-
-
-def _flags(settings: dict) -> list[str]:
-    flags = []
-    for key, value in settings.items():
-        flag = "--" + key.replace("_", "-")
-        flags += ([flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)])
-    return flags
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -91,12 +84,12 @@ def test_torchrun_on_two_hosts_trains_as_one_host(settings: dict, tmp_path: Path
     run = {**settings, "strategy": "diloco", "runtime": "collective", "steps": STEPS, "sync_every": 5,
            "eval_every": STEPS, "checkpoint_every": 0}
     # the same job on one host (atoll's launcher); it also fills the data cache both hosts then read
-    one = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *_flags({**run, "out": str(tmp_path / "one")})],
+    one = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**run, "out": str(tmp_path / "one")})],
                          capture_output=True, text=True, timeout=180, env=_env())
     assert one.returncode == 0, one.stderr[-3000:]
 
     out = tmp_path / "two"
-    argv = [*_flags({**run, "out": str(out)})]
+    argv = [*cli_flags({**run, "out": str(out)})]
     with EmulatedWan(islands=2, rate_mbps=RATE_MBPS) as wan:
         before = wan.counters()
         procs = []
@@ -184,7 +177,7 @@ def test_ray_cluster_on_two_hosts_survives_losing_the_worker_node(settings: dict
             # island 0 on the head, island 1 on the worker; the driver runs on the head
             driver_log = tmp_path / "driver.log"  # a file: a pipe nobody reads could fill up
             with open(driver_log, "w") as log:
-                driver = wan.popen(0, [sys.executable, "-m", "atoll.cli", "train", *_flags({
+                driver = wan.popen(0, [sys.executable, "-m", "atoll.cli", "train", *cli_flags({
                     **settings, "strategy": "decoupled", "runtime": "ray", "ray_address": f"{head}:6379",
                     "ray_island_resources": "host_a=1;host_b=1", "fragments": 2, "sync_every": 4, "steps": steps,
                     "out": str(out)})], env=env, stdout=log, stderr=subprocess.STDOUT)
