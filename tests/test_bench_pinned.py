@@ -36,6 +36,8 @@ OLD_DEFAULTS: dict[str, Any] = {
     "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_beta": 0.95, "sparseloco_bits": 2,
     # decoupled's robust merge (added since; none is the token-weighted mean of then)
     "robust_merge": "none",
+    # the adaptive outer step (added since; none is the fixed outer step of then)
+    "outer_adapt": "none",
     "batch_size": 8, "cache_dir": None, "chaos": None, "checkpoint_every": 100, "codec": "fp32",
     "codec_block_size": 64, "codec_rounding": "nearest", "collective_timeout_s": 60.0, "data": "stdlib",
     "demo_beta": 0.999, "demo_chunk": 64, "demo_lr": 0.003, "demo_sign_values": True, "demo_topk": 32,

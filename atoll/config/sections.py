@@ -121,6 +121,10 @@ class OuterOptimSection(Section):
         description="Outer Nesterov momentum (0 = plain SGD; the DiLoCo paper's 0.9, tuned for H=500 from a "
         "pretrained model, overshoots in short runs from scratch: README, \"DiLoCo's defining result\").",
     )
+    outer_adapt: Literal["none", "agreement"] = Field(
+        "none", description="diloco: an adaptive outer step. agreement: each tensor's share of the outer step "
+        "follows how much the islands agree on its pseudo-gradient (its estimated signal share over the "
+        "model's mean, at most 2x); the overall outer rate stays outer_lr (atoll.algorithms.agreement).")
 
 
 class CodecSection(Section):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atoll.algorithms.agreement import AgreementScaler
 from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
 from atoll.analysis.cost import Cost, Setting
 from atoll.job.divergence import Diverged
@@ -37,6 +38,8 @@ class DiLoCo(Strategy):
         self.last_sync_step = 0
         self.wire = make_wire(config, comm.local_islands)
         self.dropped_updates = 0
+        self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
+                          if config.outer_adapt == "agreement" else None)
 
     def step(self, step: int) -> None:
         for position, island in enumerate(self.islands):
@@ -68,6 +71,9 @@ class DiLoCo(Strategy):
         if total <= 0:
             raise Diverged(steps_done, "no island had a finite pseudo-gradient to average (every island diverged "
                                        "since the last sync)")
+        if self.agreement is not None:
+            stats = [self.agreement.statistics(d, w / total) for d, w in zip(deltas, weights, strict=True)]
+            mean = self.agreement.weigh(mean, self.comm.all_reduce_mean(stats, weights=weights))
         new_global = self.outer.step(mean)
         if not bool(torch.isfinite(new_global).all()):
             raise Diverged(steps_done, "the global model is not finite after the outer step")
@@ -86,12 +92,18 @@ class DiLoCo(Strategy):
     def global_params(self) -> torch.Tensor:
         return self.outer.params.detach().clone()
 
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), **(self.agreement.summary() if self.agreement is not None else {})}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step}
+        state = {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step}
+        return state if self.agreement is None else {**state, "agreement": self.agreement.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
         self.last_sync_step = int(state["last_sync_step"])
+        if self.agreement is not None and "agreement" in state:
+            self.agreement.load_state_dict(state["agreement"])
 
     def island_state(self, position: int) -> dict[str, Any]:
         return {"tokens_at_sync": self.tokens_at_sync[position], "wire": self.wire.island_state(position)}
