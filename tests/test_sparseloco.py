@@ -109,7 +109,16 @@ def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -
     torch.testing.assert_close(strategy.global_params(), before - torch.stack(sent).mean(0), rtol=0, atol=1e-6)
     assert comm.bytes_sent_per_island == ring_allgather_bytes(strategy.compressor.payload_bytes() + WEIGHT_BYTES, k)
     density = strategy.summary()["sparseloco_density"]
-    assert density == pytest.approx(strategy.compressor.kept / strategy.compressor.numel)
+    assert density == pytest.approx(strategy.compressor.kept_real / strategy.compressor.numel)
+
+
+def test_density_counts_real_entries_not_a_chunks_padding() -> None:
+    assert SparseCompressor(NUMELS, 4096, 4096, bits=32).density == 1.0  # dense: every entry, once
+    c = SparseCompressor(NUMELS, 64, 8)  # 100 -> 2 chunks (8 + 8), 5000 -> 79 (78 x 8 + 8 of 8 real), 30 -> 8
+    assert c.kept_real == 16 + 79 * 8 + 8 + 64 * 8
+    assert c.density == pytest.approx(c.kept_real / sum(NUMELS))
+    tiny = SparseCompressor([3, 64], 64, 8)  # a 3-element parameter can take 3 entries, not 8
+    assert tiny.kept_real == 3 + 8 and tiny.kept == 16
 
 
 def test_projection_prices_the_payload_exactly() -> None:

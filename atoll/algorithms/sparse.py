@@ -64,12 +64,20 @@ class SparseCompressor:
             offset += n
         self.gather = torch.cat(rows)  # (C, chunk) int64
         self.chunks = int(self.gather.shape[0])
+        # entries that can carry a value: at most the real (unpadded) elements of each chunk
+        self.kept_real = int((self.gather < self.numel).sum(dim=1).clamp(max=topk).sum())
         self.index_dtype = index_dtype_for(chunk)
 
     @property
     def kept(self) -> int:
-        """Entries kept per payload, ``C * k``."""
+        """Entries sent per payload, ``C * k`` (padded positions of a parameter's last chunk included)."""
         return self.chunks * self.topk
+
+    @property
+    def density(self) -> float:
+        """The share of the model's entries a payload can update: ``sum over chunks of min(k, real elements)``
+        over ``numel`` (at most 1; padding is sent but never counted)."""
+        return self.kept_real / self.numel
 
     def payload_bytes(self) -> int:
         """Bytes of one payload on the wire (module docstring)."""

@@ -137,7 +137,7 @@ class SparseLoCo(Strategy):
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor
-        return {"sparseloco_density": c.kept / c.numel, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES}
+        return {"sparseloco_density": c.density, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES}
 
     def state_dict(self) -> dict[str, Any]:
         return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step,
