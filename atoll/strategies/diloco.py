@@ -129,5 +129,12 @@ SPEC = StrategySpec(
     shards=True,
     # fp32 (the default) and int4 (the codec of streaming and decoupled); every codec: bench/streaming_codecs.py
     suite=(SuiteRun("diloco", "diloco H={sync_every} {codec} (default)", {"strategy": "diloco"}),
-           SuiteRun("diloco_int4", "diloco H={sync_every} int4", {"strategy": "diloco", "codec": "int4"})),
+           SuiteRun("diloco_int4", "diloco H={sync_every} int4", {"strategy": "diloco", "codec": "int4"}),
+           SuiteRun("diloco_agreement", "diloco H={sync_every} {codec}, agreement-weighted outer step",
+                    {"strategy": "diloco", "outer_adapt": "agreement"}),
+           # MuLoCo (arXiv:2505.23725): Muon inner steps, at fp32 and int4 against the AdamW rows above
+           SuiteRun("diloco_muon", "diloco H={sync_every} {codec}, Muon islands",
+                    {"strategy": "diloco", "inner_optimizer": "muon"}),
+           SuiteRun("diloco_muon_int4", "diloco H={sync_every} int4, Muon islands",
+                    {"strategy": "diloco", "codec": "int4", "inner_optimizer": "muon"})),
 )
