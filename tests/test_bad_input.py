@@ -31,12 +31,36 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("random-bytes-as-text", None, ["--data", "__RANDOM__"], "data"),
     ("model-config-wrong-type", None, ["--model", "__BADCONFIG__", "--tokenizer", "bpe"], "model"),
     ("model-weights-truncated", None, ["--model", "__TRUNCATED__", "--tokenizer", "bpe"], "model"),
+    # The folder's own tokenizer is loaded first: a damaged config.json is still the model's, not the tokenizer's.
+    ("model-config-syntax-with-tokenizer", None, ["--model", "__SYNTAX_TOK__"], "model: '__SYNTAX_TOK__/config.json'"),
+    ("model-config-wrong-type-with-tokenizer", None, ["--model", "__TYPES_TOK__"], "model: '__TYPES_TOK__/config.json'"),
+    ("model-config-missing-with-tokenizer", None, ["--model", "__NOCONFIG_TOK__"], "model: '__NOCONFIG_TOK__' has no config.json"),
+    ("model-weights-truncated-with-tokenizer", None, ["--model", "__TRUNC_TOK__"], "model: '__TRUNC_TOK__'"),
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
     ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
     ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
     ("speeds-count", None,
      ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
 ]
+
+
+def _damaged_folders_with_tokenizer(root: Path) -> dict[str, str]:
+    """Model folders with their own tokenizer: config.json cut short, with a string for a number, missing;
+    weights cut in half."""
+    import json
+
+    from test_pretrained import make_model_folder
+
+    folders = {name: str(make_model_folder(root / name.strip("_").lower()))
+               for name in ("__SYNTAX_TOK__", "__TYPES_TOK__", "__NOCONFIG_TOK__", "__TRUNC_TOK__")}
+    config = Path(folders["__SYNTAX_TOK__"]) / "config.json"
+    config.write_text(config.read_text()[:-20])
+    config = Path(folders["__TYPES_TOK__"]) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": "sixty-four"}))
+    (Path(folders["__NOCONFIG_TOK__"]) / "config.json").unlink()
+    weights = Path(folders["__TRUNC_TOK__"]) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folders
 
 
 def _damaged_model_folders(root: Path) -> dict[str, str]:
@@ -73,6 +97,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
     if "__BADCONFIG__" in args or "__TRUNCATED__" in args:
         places.update(_damaged_model_folders(tmp_path))
+    if any(a.endswith("_TOK__") for a in args):
+        places.update(_damaged_folders_with_tokenizer(tmp_path))
+        for name, folder in places.items():
+            field = field.replace(name, folder)
     argv += [places.get(a, a) for a in args]
     r = run_cli(*argv)
     assert r.returncode == 2, r.stderr
