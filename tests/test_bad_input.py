@@ -39,6 +39,24 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
     ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
     ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
+    # a setting the strategy or runtime does not read, given explicitly (even at its default value)
+    ("fragments-under-diloco", None, ["--strategy", "diloco", "--fragments", "4"],
+     "fragments: the diloco strategy does not use it (only streaming, decoupled); drop --fragments or use "
+     "--strategy streaming|decoupled"),
+    ("fragments-in-toml-under-ddp", 'strategy = "ddp"\nfragments = 2\n', [], "fragments: the ddp strategy"),
+    ("fragments-under-sparseloco", None, ["--strategy", "sparseloco", "--fragments", "2"], "fragments: the sparseloco"),
+    ("outer-momentum-under-ddp", None, ["--strategy", "ddp", "--outer-momentum", "0.9"], "outer_momentum: the ddp"),
+    ("outer-lr-under-demo", None, ["--strategy", "demo", "--outer-lr", "0.5"], "outer_lr: the demo strategy"),
+    ("codec-under-sparseloco", None, ["--strategy", "sparseloco", "--codec", "int8"], "codec: the sparseloco"),
+    ("overlap-steps-at-default-under-diloco", None, ["--overlap-steps", "1"], "overlap_steps: the diloco strategy"),
+    ("ranks-per-island-under-local", None, ["--ranks-per-island", "2"],
+     "ranks_per_island: the local runtime does not use it (only collective); drop --ranks-per-island or use "
+     "--runtime collective"),
+    ("ranks-per-island-under-ray", None, ["--strategy", "decoupled", "--runtime", "ray", "--fragments", "2", "--ranks-per-island", "1"],
+     "ranks_per_island: the ray runtime"),
+    ("min-islands-in-toml-under-local", "min_islands = 1\n", [], "min_islands: the local runtime"),
+    ("link-under-collective", None, ["--runtime", "collective", "--link-bandwidth-mbps", "10"],
+     "link_bandwidth_mbps: the collective runtime"),
     ("speeds-count", None,
      ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
 ]

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError, model_validator
 
+from atoll.config.applies import unused_setting
 from atoll.config.parse import format_validation_error
 from atoll.config.section import Section
 from atoll.config.sections import (
@@ -176,10 +177,12 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         The validated config.
 
     Raises:
-        ConfigError: a missing or unparsable TOML file, an unknown field, or an invalid value; the
-            one-line message names the field and the fix.
+        ConfigError: a missing or unparsable TOML file, an unknown field, an invalid value, or a setting of
+            the file or the overrides that the strategy or runtime does not read
+            (:mod:`atoll.config.applies`); the one-line message names the field and the fix.
     """
     values: dict[str, Any] = dict(base or {})
+    given = {k for k, v in (overrides or {}).items() if v is not None}  # set by the user, not a saved run's
     if toml_path is not None:
         if not Path(toml_path).is_file():  # also a folder
             raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
@@ -194,11 +197,16 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
             extra = ", ".join(sorted(set(doc) - {"train"}))
             raise ConfigError(f"config: '{toml_path}' has settings outside [train] ({extra}); move them into [train]")
         values.update(table)
+        given |= {k for k, v in table.items() if v is not None}
     values.update(overrides or {})
     try:
-        return TrainConfig(**values)
+        config = TrainConfig(**values)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    unused = unused_setting(config.strategy, config.runtime, sorted(given))
+    if unused is not None:
+        raise ConfigError(unused)
+    return config
 
 
 #: Settings a resumed run may change: how long it trains, how it reports and how its islands run (a
