@@ -125,3 +125,30 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("atoll: error: ") and field in lines[0], r.stderr
     assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(("name", "damage"), [
+    ("string-for-a-number", {"steps": "many"}),
+    ("out-of-range", {"islands": -1}),
+    ("unknown-strategy", {"strategy": "nope"}),
+    ("unknown-key", {"bogus": 1}),
+    ("emptied", None),
+])
+def test_resume_of_a_run_whose_config_json_is_damaged_says_so(tmp_path: Path, name: str, damage: dict | None) -> None:
+    """A run folder's config.json that parses but is not a run's settings: the one line names that file and the
+    fix (restore it, or a new run), not a flag to set."""
+    import json
+
+    from atoll.config import build_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = json.loads(build_config(overrides={"model": "micro", "steps": 4, "out": str(run)}).model_dump_json())
+    text = json.dumps({**saved, **damage}) if damage is not None else "{}"
+    (run / "config.json").write_text(text)
+    r = run_cli("train", "--resume", str(run), "--steps", "6")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"atoll: error: resume: '{run / 'config.json'}' "), r.stderr
+    assert "TOML" not in lines[0] and "start a new run" in lines[0] and "restore" in lines[0], r.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"] and (run / "config.json").read_text() == text
