@@ -152,3 +152,13 @@ def test_resume_of_a_run_whose_config_json_is_damaged_says_so(tmp_path: Path, na
     assert len(lines) == 1 and lines[0].startswith(f"atoll: error: resume: '{run / 'config.json'}' "), r.stderr
     assert "TOML" not in lines[0] and "start a new run" in lines[0] and "restore" in lines[0], r.stderr
     assert sorted(p.name for p in run.iterdir()) == ["config.json"] and (run / "config.json").read_text() == text
+
+
+def test_report_of_a_file_names_the_run_not_the_png(tmp_path: Path) -> None:
+    """``atoll report FILE``: the run given is what is wrong, not the report.png that would lie under it."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    r = run_cli("report", str(notes))
+    assert r.returncode == 2 and r.stderr.strip() == (f"atoll: error: report: '{notes}' has no metrics.jsonl; pass "
+                                                       "atoll run folders"), r.stderr
+    assert notes.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

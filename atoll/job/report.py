@@ -116,6 +116,17 @@ def default_out(run_dirs: list[Path]) -> Path:
     return common / "report.png"
 
 
+def check_runs(run_dirs: list[Path]) -> None:
+    """Refuse a path that is not a run folder (no ``metrics.jsonl``): before anything else is checked.
+
+    Raises:
+        AtollError: the first such path, named, with the fix.
+    """
+    for run in run_dirs:
+        if not (Path(run) / "metrics.jsonl").is_file():
+            raise AtollError(f"report: '{run}' has no metrics.jsonl; pass atoll run folders")
+
+
 def plot_runs(run_dirs: list[Path], out_png: Path, labels: list[str] | None = None) -> Path:
     """Draw held-out loss (markers) and training loss (thin line, the islands' mean) against tokens, simulated
     wall time (s) and bytes sent per island; save a PNG.
@@ -133,10 +144,9 @@ def plot_runs(run_dirs: list[Path], out_png: Path, labels: list[str] | None = No
     """
     needed = ("tokens", "eval_loss", "sim_wall_s")
     curves = []
+    check_runs(run_dirs)
     for run in run_dirs:
         path = Path(run) / "metrics.jsonl"
-        if not path.is_file():
-            raise AtollError(f"report: '{run}' has no metrics.jsonl; pass atoll run folders")
         events = read_metrics(path)
         evals = [e for e in events if e["event"] == "eval"]
         bad = next((e for e in evals if not all(isinstance(e.get(k), (int, float)) for k in needed)), None)
