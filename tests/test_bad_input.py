@@ -162,3 +162,17 @@ def test_report_of_a_file_names_the_run_not_the_png(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.strip() == (f"atoll: error: report: '{notes}' has no metrics.jsonl; pass "
                                                        "atoll run folders"), r.stderr
     assert notes.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resume_with_another_out_is_refused_not_ignored(tmp_path: Path) -> None:
+    """``--resume RUN --out OTHER`` used to resume RUN in place and drop --out without a word."""
+    from atoll.config import build_config, load_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(build_config(overrides={"model": "micro", "out": str(run)}).model_dump_json())
+    r = run_cli("train", "--resume", str(run), "--out", str(tmp_path / "elsewhere"), "--steps", "6")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith(f"atoll: error: out: a resumed run stays in its folder '{run}'; drop --out"), r.stderr
+    assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in run.iterdir()) == ["config.json"]
+    assert load_run_config(run, {"out": str(run / ".")}).out == run  # the same folder: nothing to refuse

@@ -235,7 +235,8 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> T
     Raises:
         ConfigError: the folder holds no readable ``config.json``, or one that is not a run's settings (a
             value of the wrong type or out of range, an unknown key, a missing :data:`SAVED_KEYS` entry; field
-            ``resume``, naming the file), or an override changes a setting that defines the run (names it).
+            ``resume``, naming the file), an override changes a setting that defines the run (names it), or
+            ``out`` names another folder (a run resumes in its own).
     """
     path = Path(run_dir) / "config.json"
     if not path.is_file():
@@ -257,6 +258,10 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> T
     except ConfigError as e:  # its one line says how to fix a flag; here the file is what is wrong
         raise ConfigError(f"resume: '{path}' holds a setting atoll cannot use ({str(e).split('; ')[0]}); "
                           f"{fix}") from None
+    out = (overrides or {}).get("out")
+    if out is not None and Path(out).resolve() != Path(run_dir).resolve():
+        raise ConfigError(f"out: a resumed run stays in its folder '{run_dir}'; drop --out (to resume the run in "
+                          f"'{out}', pass --resume {out})")
     overrides = {k: v for k, v in (overrides or {}).items() if k != "out"}
     config = build_config(base=saved.model_dump(), overrides={**overrides, "out": str(run_dir)})
     for name in overrides:
