@@ -176,3 +176,12 @@ def test_resume_with_another_out_is_refused_not_ignored(tmp_path: Path) -> None:
     assert r.stderr.startswith(f"atoll: error: out: a resumed run stays in its folder '{run}'; drop --out"), r.stderr
     assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in run.iterdir()) == ["config.json"]
     assert load_run_config(run, {"out": str(run / ".")}).out == run  # the same folder: nothing to refuse
+
+
+def test_sweep_into_a_file_is_one_line_before_any_warning(tmp_path: Path) -> None:
+    """A bad --out is said alone, not after warnings about points that will never train."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    r = run_cli("sweep", *M, "--sync-every", "5,10", "--out", str(notes))
+    assert r.returncode == 2 and r.stderr.strip() == f"atoll: error: out: '{notes}' is a file; pass a folder", r.stderr
+    assert notes.read_text() == "precious"
