@@ -57,6 +57,13 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("min-islands-in-toml-under-local", "min_islands = 1\n", [], "min_islands: the local runtime"),
     ("link-under-collective", None, ["--runtime", "collective", "--link-bandwidth-mbps", "10"],
      "link_bandwidth_mbps: the collective runtime"),
+    # an empty path (an unset shell variable) meant the current folder: a run, a cache or a corpus there
+    ("empty-out", None, ["--out="], "out: empty"),
+    ("empty-data", None, ["--data="], "data: empty"),
+    ("empty-cache-dir", 'cache_dir = ""\n', [], "cache_dir: empty"),
+    ("empty-model", None, ["--model="], "model: empty"),
+    ("empty-tokenizer", None, ["--tokenizer="], "tokenizer: empty"),
+    ("empty-init-from", None, ["--init-from", " "], "init_from: empty"),
     ("speeds-count", None,
      ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
 ]
@@ -101,7 +108,8 @@ def _damaged_model_folders(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(("toml", "args", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: str | None, args: list[str],
-                                                         field: str) -> None:
+                                                         field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # what a bad path might write in the current folder lands here, and is checked
     out = tmp_path / "run"
     argv = ["train", *M, "--out", str(out)]
     if toml is not None:
@@ -125,6 +133,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("atoll: error: ") and field in lines[0], r.stderr
     assert not out.exists()  # refused before anything was written
+    assert not [p.name for p in tmp_path.iterdir() if p.suffix in (".npy", ".jsonl", ".json") or p.is_symlink()]
 
 
 @pytest.mark.parametrize(("name", "damage"), [
