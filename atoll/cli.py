@@ -220,8 +220,9 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from atoll.errors import ConfigError
-    from atoll.job.report import default_out, plot_runs
+    from atoll.job.report import check_runs, default_out, plot_runs
 
+    check_runs(args.runs)  # a path that is not a run is what is wrong, not the report.png beside it
     out = args.out if args.out is not None else default_out(args.runs)
     if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
         raise ConfigError(f"out: '{out}' is a folder or lies under a file; pass a PNG path with --out")

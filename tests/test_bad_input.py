@@ -31,12 +31,61 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("random-bytes-as-text", None, ["--data", "__RANDOM__"], "data"),
     ("model-config-wrong-type", None, ["--model", "__BADCONFIG__", "--tokenizer", "bpe"], "model"),
     ("model-weights-truncated", None, ["--model", "__TRUNCATED__", "--tokenizer", "bpe"], "model"),
+    # The folder's own tokenizer is loaded first: a damaged config.json is still the model's, not the tokenizer's.
+    ("model-config-syntax-with-tokenizer", None, ["--model", "__SYNTAX_TOK__"], "model: '__SYNTAX_TOK__/config.json'"),
+    ("model-config-wrong-type-with-tokenizer", None, ["--model", "__TYPES_TOK__"], "model: '__TYPES_TOK__/config.json'"),
+    ("model-config-missing-with-tokenizer", None, ["--model", "__NOCONFIG_TOK__"], "model: '__NOCONFIG_TOK__' has no config.json"),
+    ("model-weights-truncated-with-tokenizer", None, ["--model", "__TRUNC_TOK__"], "model: '__TRUNC_TOK__'"),
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
     ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
     ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
+    # a setting the strategy or runtime does not read, given explicitly (even at its default value)
+    ("fragments-under-diloco", None, ["--strategy", "diloco", "--fragments", "4"],
+     "fragments: the diloco strategy does not use it (only streaming, decoupled); drop --fragments or use "
+     "--strategy streaming|decoupled"),
+    ("fragments-in-toml-under-ddp", 'strategy = "ddp"\nfragments = 2\n', [], "fragments: the ddp strategy"),
+    ("fragments-under-sparseloco", None, ["--strategy", "sparseloco", "--fragments", "2"], "fragments: the sparseloco"),
+    ("outer-momentum-under-ddp", None, ["--strategy", "ddp", "--outer-momentum", "0.9"], "outer_momentum: the ddp"),
+    ("outer-lr-under-demo", None, ["--strategy", "demo", "--outer-lr", "0.5"], "outer_lr: the demo strategy"),
+    ("codec-under-sparseloco", None, ["--strategy", "sparseloco", "--codec", "int8"], "codec: the sparseloco"),
+    ("overlap-steps-at-default-under-diloco", None, ["--overlap-steps", "1"], "overlap_steps: the diloco strategy"),
+    ("ranks-per-island-under-local", None, ["--ranks-per-island", "2"],
+     "ranks_per_island: the local runtime does not use it (only collective); drop --ranks-per-island or use "
+     "--runtime collective"),
+    ("ranks-per-island-under-ray", None, ["--strategy", "decoupled", "--runtime", "ray", "--fragments", "2", "--ranks-per-island", "1"],
+     "ranks_per_island: the ray runtime"),
+    ("min-islands-in-toml-under-local", "min_islands = 1\n", [], "min_islands: the local runtime"),
+    ("link-under-collective", None, ["--runtime", "collective", "--link-bandwidth-mbps", "10"],
+     "link_bandwidth_mbps: the collective runtime"),
+    # an empty path (an unset shell variable) meant the current folder: a run, a cache or a corpus there
+    ("empty-out", None, ["--out="], "out: empty"),
+    ("empty-data", None, ["--data="], "data: empty"),
+    ("empty-cache-dir", 'cache_dir = ""\n', [], "cache_dir: empty"),
+    ("empty-model", None, ["--model="], "model: empty"),
+    ("empty-tokenizer", None, ["--tokenizer="], "tokenizer: empty"),
+    ("empty-init-from", None, ["--init-from", " "], "init_from: empty"),
     ("speeds-count", None,
      ["--strategy", "decoupled", "--islands", "2", "--fragments", "2", "--island-speeds", "1,1,1"], "island_speeds"),
 ]
+
+
+def _damaged_folders_with_tokenizer(root: Path) -> dict[str, str]:
+    """Model folders with their own tokenizer: config.json cut short, with a string for a number, missing;
+    weights cut in half."""
+    import json
+
+    from test_pretrained import make_model_folder
+
+    folders = {name: str(make_model_folder(root / name.strip("_").lower()))
+               for name in ("__SYNTAX_TOK__", "__TYPES_TOK__", "__NOCONFIG_TOK__", "__TRUNC_TOK__")}
+    config = Path(folders["__SYNTAX_TOK__"]) / "config.json"
+    config.write_text(config.read_text()[:-20])
+    config = Path(folders["__TYPES_TOK__"]) / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": "sixty-four"}))
+    (Path(folders["__NOCONFIG_TOK__"]) / "config.json").unlink()
+    weights = Path(folders["__TRUNC_TOK__"]) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folders
 
 
 def _damaged_model_folders(root: Path) -> dict[str, str]:
@@ -59,7 +108,8 @@ def _damaged_model_folders(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(("toml", "args", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: str | None, args: list[str],
-                                                         field: str) -> None:
+                                                         field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # what a bad path might write in the current folder lands here, and is checked
     out = tmp_path / "run"
     argv = ["train", *M, "--out", str(out)]
     if toml is not None:
@@ -73,9 +123,74 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
     if "__BADCONFIG__" in args or "__TRUNCATED__" in args:
         places.update(_damaged_model_folders(tmp_path))
+    if any(a.endswith("_TOK__") for a in args):
+        places.update(_damaged_folders_with_tokenizer(tmp_path))
+        for name, folder in places.items():
+            field = field.replace(name, folder)
     argv += [places.get(a, a) for a in args]
     r = run_cli(*argv)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("atoll: error: ") and field in lines[0], r.stderr
     assert not out.exists()  # refused before anything was written
+    assert not [p.name for p in tmp_path.iterdir() if p.suffix in (".npy", ".jsonl", ".json") or p.is_symlink()]
+
+
+@pytest.mark.parametrize(("name", "damage"), [
+    ("string-for-a-number", {"steps": "many"}),
+    ("out-of-range", {"islands": -1}),
+    ("unknown-strategy", {"strategy": "nope"}),
+    ("unknown-key", {"bogus": 1}),
+    ("emptied", None),
+])
+def test_resume_of_a_run_whose_config_json_is_damaged_says_so(tmp_path: Path, name: str, damage: dict | None) -> None:
+    """A run folder's config.json that parses but is not a run's settings: the one line names that file and the
+    fix (restore it, or a new run), not a flag to set."""
+    import json
+
+    from atoll.config import build_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = json.loads(build_config(overrides={"model": "micro", "steps": 4, "out": str(run)}).model_dump_json())
+    text = json.dumps({**saved, **damage}) if damage is not None else "{}"
+    (run / "config.json").write_text(text)
+    r = run_cli("train", "--resume", str(run), "--steps", "6")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"atoll: error: resume: '{run / 'config.json'}' "), r.stderr
+    assert "TOML" not in lines[0] and "start a new run" in lines[0] and "restore" in lines[0], r.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"] and (run / "config.json").read_text() == text
+
+
+def test_report_of_a_file_names_the_run_not_the_png(tmp_path: Path) -> None:
+    """``atoll report FILE``: the run given is what is wrong, not the report.png that would lie under it."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    r = run_cli("report", str(notes))
+    assert r.returncode == 2 and r.stderr.strip() == (f"atoll: error: report: '{notes}' has no metrics.jsonl; pass "
+                                                       "atoll run folders"), r.stderr
+    assert notes.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resume_with_another_out_is_refused_not_ignored(tmp_path: Path) -> None:
+    """``--resume RUN --out OTHER`` used to resume RUN in place and drop --out without a word."""
+    from atoll.config import build_config, load_run_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(build_config(overrides={"model": "micro", "out": str(run)}).model_dump_json())
+    r = run_cli("train", "--resume", str(run), "--out", str(tmp_path / "elsewhere"), "--steps", "6")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith(f"atoll: error: out: a resumed run stays in its folder '{run}'; drop --out"), r.stderr
+    assert not (tmp_path / "elsewhere").exists() and sorted(p.name for p in run.iterdir()) == ["config.json"]
+    assert load_run_config(run, {"out": str(run / ".")}).out == run  # the same folder: nothing to refuse
+
+
+def test_sweep_into_a_file_is_one_line_before_any_warning(tmp_path: Path) -> None:
+    """A bad --out is said alone, not after warnings about points that will never train."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    r = run_cli("sweep", *M, "--sync-every", "5,10", "--out", str(notes))
+    assert r.returncode == 2 and r.stderr.strip() == f"atoll: error: out: '{notes}' is a file; pass a folder", r.stderr
+    assert notes.read_text() == "precious"

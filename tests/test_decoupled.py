@@ -136,12 +136,15 @@ def test_decoupled_only_flags_are_refused() -> None:
         build_config(overrides={"chaos": "9:1"})
     with pytest.raises(ConfigError, match="runtime: ray runs only the decoupled strategy"):
         build_config(overrides={"runtime": "ray"})
-    # tuning that only decoupled (or only Ray) reads: a changed value elsewhere is refused, the default is not
+    # tuning that only decoupled (or only Ray) reads: a changed value elsewhere is refused, and so is the default
+    # given explicitly (atoll.config.applies); the default in a saved run's config.json (a base) is not
     with pytest.raises(ConfigError, match="grace_factor: only the decoupled strategy uses it"):
         build_config(overrides={"strategy": "diloco", "grace_factor": 3.0})
     with pytest.raises(ConfigError, match="ray_address: only the ray runtime uses it"):
         build_config(overrides={"strategy": "decoupled", "ray_address": "10.0.0.1:6379"})
-    build_config(overrides={"strategy": "diloco", "grace_factor": build_config().grace_factor})
+    with pytest.raises(ConfigError, match="grace_factor: the diloco strategy does not use it .*--strategy decoupled"):
+        build_config(overrides={"strategy": "diloco", "grace_factor": build_config().grace_factor})
+    build_config(base={"strategy": "diloco", "grace_factor": build_config().grace_factor})
 
 
 def test_ray_island_resources_one_entry_or_one_per_island() -> None:

@@ -76,3 +76,15 @@ def test_report_draws_training_loss_beside_held_out_loss(tmp_path: Path, monkeyp
     assert list(held_out.get_ydata()) == [6.2, 5.8, 5.4] and list(training.get_ydata()) == [5.9, 5.5]
     assert list(time.lines[1].get_xdata()) == [1.0, 2.0] and list(sent.lines[1].get_xdata()) == [10000.0, 20000.0]
     assert training.get_color() == held_out.get_color()
+
+
+def test_report_out_of_a_format_matplotlib_cannot_write_is_one_line(tmp_path: Path) -> None:
+    run = _run(tmp_path / "a")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep")
+    r = run_cli("report", str(run), "--out", str(notes))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"atoll: error: out: '{notes}' is not an image file name") and "report.png" in r.stderr
+    assert notes.read_text() == "keep"
+    r = run_cli("report", str(run), "--out", str(tmp_path / "plot"))  # no suffix: a PNG, and the line says where
+    assert r.returncode == 0 and r.stdout.strip() == f"wrote {tmp_path / 'plot.png'}" and (tmp_path / "plot.png").is_file()

@@ -240,8 +240,10 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
                           "pass another --out") from None
     from atoll.config import build_config
 
-    # bad settings fail here, before anything is waited for, moved or deleted
-    config = build_config(overrides={"progress": False, "threads": 1, **settings, "out": str(out)})
+    # bad settings fail here, before anything is waited for, moved or deleted; a benchmark's settings are a base
+    # shared by runs of several strategies (e.g. one outer momentum for ddp and diloco), which the runs that do
+    # not read a setting ignore, as they always did (atoll.config.applies refuses only a user's own settings)
+    config = build_config(base={"progress": False, "threads": 1, **settings}, overrides={"out": str(out)})
     lock = suite_dir / f".{name}.lock"
     said = False
     while True:  # another benchmark process may be training the same run: wait for it, then reuse it

@@ -58,7 +58,7 @@ def _tag(sign_values: bool) -> str:
 
 def demo_defaults() -> tuple[bool, float, int]:
     """The ``demo`` strategy's value format, cosine floor and chunk by default (the sweeps start from them)."""
-    defaults = build_config(overrides=pinned({"strategy": "demo"}))
+    defaults = build_config(base=pinned({"strategy": "demo"}))
     return defaults.demo_sign_values, defaults.min_lr_ratio, defaults.demo_chunk
 
 

@@ -67,7 +67,7 @@ def defaults(base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The default run's settings that the studies vary (``base``: settings over the defaults, e.g. --quick's)."""
     from atoll.config import build_config
 
-    c = build_config(overrides={k: v for k, v in (base or {}).items() if k != "progress"})
+    c = build_config(base={k: v for k, v in (base or {}).items() if k != "progress"})
     return {"steps": c.steps, "batch_size": c.batch_size, "sync_every": c.sync_every, "lr": c.lr,
             "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum, "warmup_steps": c.warmup_steps}
 

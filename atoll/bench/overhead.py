@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     torch.set_num_threads(args.threads)
     (_, own), = planned_runs(args)
-    config = build_config(overrides=pinned(own))
+    config = build_config(base=pinned(own))
     model = build_model(config.model, config.vocab_size, config.seq_len, config.seed)
     cmp = compare_loops(config, model, torch.device("cpu"), args.rounds, args.steps)
     med, per_step, max_weight_diff = cmp["median_s"], cmp["rounds_s"], cmp["max_weight_diff"]

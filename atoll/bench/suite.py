@@ -143,7 +143,7 @@ def _label(label: str, settings: dict[str, Any] | None) -> str:
 
     if settings is None:
         return label
-    config = build_config(overrides={k: v for k, v in settings.items() if k not in ("progress", "out")})
+    config = build_config(base={k: v for k, v in settings.items() if k not in ("progress", "out")})
     return label.format(**config.model_dump())
 
 
@@ -316,7 +316,7 @@ def run_suite(args: argparse.Namespace) -> int:
     for name, _, settings in runs():
         if name in names:
             used[name] = run_settings(base, settings, args.quick)
-            build_config(overrides={k: v for k, v in used[name].items() if k != "progress"})  # every run checked
+            build_config(base={k: v for k, v in used[name].items() if k != "progress"})  # every run checked
     for name, s in used.items():  # before any is trained or replaced
         if not available(s):
             print(f"[suite] {name}: not available (strategy '{s['strategy']}' is not in this atoll)", file=sys.stderr)

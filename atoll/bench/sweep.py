@@ -172,8 +172,12 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
 
     settings, configs = [], []
     for p in points:  # every point valid before anything trains (one line naming the setting otherwise)
-        configs.append(build_config(overrides={**shared, **p}))  # typed values: a finished run's config matches
+        # typed values: a finished run's config matches; the shared settings are a base (a grid of strategies
+        # shares --fragments with the points that read it), a point's own value must be read by its strategy
+        configs.append(build_config(base=shared, overrides=p))
         settings.append(json.loads(configs[-1].model_dump_json(include={*shared, *p})))
+    if out.exists() and not out.is_dir():  # said before the warnings below, alone
+        raise ConfigError(f"out: '{out}' is a file; pass a folder")
     keep, dropped = distinct(points, settings)
     if dropped:
         print(f"atoll: warning: {len(points) - len(keep)} duplicate point{'s' * (len(points) - len(keep) != 1)} "

@@ -54,6 +54,7 @@ from atoll.bench.netns import (
     unavailable_reason,
 )
 from atoll.bench.wan_report import steady_state, write_report
+from atoll.config.applies import applicable
 
 LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
 
@@ -148,8 +149,8 @@ def run_in_wan(wan: EmulatedWan, settings: dict[str, Any], out: Path, timeout_s:
     env.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(r_count), "MASTER_ADDR": wan.island_ip(0),
                 "MASTER_PORT": str(MASTER_PORT), "GLOO_SOCKET_IFNAME": IFNAME, "OMP_NUM_THREADS": "1",
                 "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **(extra_env or {})})
-    argv = [sys.executable, "-m", "atoll.cli", "train",
-            *_flags({**settings, "runtime": "collective", "progress": False, "out": str(out)})]
+    argv = [sys.executable, "-m", "atoll.cli", "train",  # the flags its strategy reads (ddp: no H, no outer step)
+            *_flags(applicable({**settings, "runtime": "collective", "progress": False, "out": str(out)}))]
     sampler = wan.sampler(sampler_interval_s)
     procs, logs = [], []
     t0 = time.time()

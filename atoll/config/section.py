@@ -32,6 +32,17 @@ class Section(BaseModel):
                 raise ValueError(f"expected {kind}, not true/false (a switch); write the value itself")
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_empty_text(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse an empty or blank string for a text or path setting: ``--out ""`` (an unset shell variable)
+        would mean the current folder, ``--tokenizer ""`` the default."""
+        if isinstance(value, str) and not value.strip() and info.field_name is not None:
+            annotation = str(cls.model_fields[info.field_name].annotation)
+            if ("str" in annotation or "Path" in annotation) and "list" not in annotation:
+                raise ValueError("empty; pass a value, or leave the setting out for its default")
+        return value
+
     @classmethod
     def of(cls: type[S], config: Any) -> S:
         """This section's values taken from a whole config (any object with these attributes)."""

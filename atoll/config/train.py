@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError, model_validator
 
+from atoll.config.applies import unused_setting
 from atoll.config.parse import format_validation_error
 from atoll.config.section import Section
 from atoll.config.sections import (
@@ -170,16 +171,20 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
             table holding them).
         overrides: field values that win over the file (typically parsed command-line flags); values
             may be strings, which pydantic converts.
-        base: values applied before the file (a resumed run's saved config).
+        base: values applied before the file (a resumed run's saved config, a benchmark's settings shared by
+            runs of several strategies); unlike the file's and the overrides', a setting of the base that the
+            strategy or runtime does not read is not refused.
 
     Returns:
         The validated config.
 
     Raises:
-        ConfigError: a missing or unparsable TOML file, an unknown field, or an invalid value; the
-            one-line message names the field and the fix.
+        ConfigError: a missing or unparsable TOML file, an unknown field, an invalid value, or a setting of
+            the file or the overrides that the strategy or runtime does not read
+            (:mod:`atoll.config.applies`); the one-line message names the field and the fix.
     """
     values: dict[str, Any] = dict(base or {})
+    given = {k for k, v in (overrides or {}).items() if v is not None}  # set by the user, not a saved run's
     if toml_path is not None:
         if not Path(toml_path).is_file():  # also a folder
             raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
@@ -194,11 +199,16 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
             extra = ", ".join(sorted(set(doc) - {"train"}))
             raise ConfigError(f"config: '{toml_path}' has settings outside [train] ({extra}); move them into [train]")
         values.update(table)
+        given |= {k for k, v in table.items() if v is not None}
     values.update(overrides or {})
     try:
-        return TrainConfig(**values)
+        config = TrainConfig(**values)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    unused = unused_setting(config.strategy, config.runtime, sorted(given))
+    if unused is not None:
+        raise ConfigError(unused)
+    return config
 
 
 #: Settings a resumed run may change: how long it trains, how it reports and how its islands run (a
@@ -211,6 +221,10 @@ RESUMABLE_OVERRIDES = frozenset({
 })
 
 
+#: Settings every ``config.json`` atoll writes holds (it writes them all; older runs lack only later fields).
+SAVED_KEYS = ("strategy", "islands", "model", "data", "steps", "seed")
+
+
 def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
 
@@ -219,19 +233,35 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> T
     something else (start a new run with ``--init-from`` instead). Nothing is written here.
 
     Raises:
-        ConfigError: the folder holds no readable ``config.json`` (field ``resume``), or an override
-            changes a setting that defines the run (names it).
+        ConfigError: the folder holds no readable ``config.json``, or one that is not a run's settings (a
+            value of the wrong type or out of range, an unknown key, a missing :data:`SAVED_KEYS` entry; field
+            ``resume``, naming the file), an override changes a setting that defines the run (names it), or
+            ``out`` names another folder (a run resumes in its own).
     """
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"resume: '{run_dir}' is not an atoll run folder (no config.json); pass a run's --out folder")
+    fix = (f"restore the run's config.json from a backup, or start a new run (--out ANOTHER_DIR; --init-from "
+           f"{run_dir} starts from its latest checkpoint's weights)")
     try:
         base = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(base, dict):
             raise ValueError("not a JSON object")
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"resume: '{path}' is unreadable ({e}); restore it from a backup or start a new run") from None
-    saved = build_config(base={k: v for k, v in base.items() if k != "out"}, overrides={"out": str(run_dir)})
+        raise ConfigError(f"resume: '{path}' is unreadable ({e}); {fix}") from None
+    missing = [k for k in SAVED_KEYS if k not in base]
+    if missing:
+        raise ConfigError(f"resume: '{path}' lacks the run's {', '.join(missing)} (not the config.json atoll wrote); "
+                          f"{fix}")
+    try:
+        saved = build_config(base={k: v for k, v in base.items() if k != "out"}, overrides={"out": str(run_dir)})
+    except ConfigError as e:  # its one line says how to fix a flag; here the file is what is wrong
+        raise ConfigError(f"resume: '{path}' holds a setting atoll cannot use ({str(e).split('; ')[0]}); "
+                          f"{fix}") from None
+    out = (overrides or {}).get("out")
+    if out is not None and Path(out).resolve() != Path(run_dir).resolve():
+        raise ConfigError(f"out: a resumed run stays in its folder '{run_dir}'; drop --out (to resume the run in "
+                          f"'{out}', pass --resume {out})")
     overrides = {k: v for k, v in (overrides or {}).items() if k != "out"}
     config = build_config(base=saved.model_dump(), overrides={**overrides, "out": str(run_dir)})
     for name in overrides:

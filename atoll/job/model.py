@@ -64,6 +64,33 @@ def check_fragments(model: str, fragments: int) -> None:
                          f"layers; pass --fragments {preset.num_hidden_layers} or fewer")
 
 
+def check_model_config(folder: str | Path) -> None:
+    """Refuse a model folder whose ``config.json`` is missing or unreadable, naming that file.
+
+    Run before anything else reads the folder: ``AutoTokenizer`` reads ``config.json`` too, and its error
+    would blame the tokenizer. Nothing happens for a preset name or a Hub id (not a folder).
+
+    Raises:
+        ConfigError: ``config.json`` is missing, not JSON, not an object, or has a value of the wrong type
+            for ``transformers.AutoConfig`` (field ``model``).
+    """
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return
+    from transformers import AutoConfig
+
+    fix = "restore it (save_pretrained writes it) or pass another --model folder or a preset"
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: '{folder}' has no config.json, so it is not a model saved with "
+                          f"save_pretrained; {fix}")
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - JSONDecodeError, TypeError, ValueError, OSError from transformers
+        detail = " ".join(str(e).split())[:160] or type(e).__name__
+        raise ConfigError(f"model: '{path / 'config.json'}' cannot be read as a model configuration ({detail}); "
+                          f"{fix}") from None
+
+
 def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> PreTrainedModel:
     """Build a preset model with a seeded initialisation, or load a pretrained one.
 
@@ -116,6 +143,7 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
         if reason is not None:
             raise ConfigError(f"model: cannot download '{name_or_path}' from the Hugging Face Hub ({reason}); "
                               f"pass a local folder (hf download {name_or_path} --local-dir DIR) or a preset")
+    check_model_config(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - a damaged folder fails in transformers, safetensors or the hub's checks

@@ -116,6 +116,34 @@ def default_out(run_dirs: list[Path]) -> Path:
     return common / "report.png"
 
 
+def check_runs(run_dirs: list[Path]) -> None:
+    """Refuse a path that is not a run folder (no ``metrics.jsonl``): before anything else is checked.
+
+    Raises:
+        AtollError: the first such path, named, with the fix.
+    """
+    for run in run_dirs:
+        if not (Path(run) / "metrics.jsonl").is_file():
+            raise AtollError(f"report: '{run}' has no metrics.jsonl; pass atoll run folders")
+
+
+def image_path(out: Path) -> Path:
+    """``out`` as the figure's file: with ``.png`` added when it has no suffix (matplotlib's default format).
+
+    Raises:
+        ConfigError: a suffix matplotlib writes no image for (``.txt``, ``.json``, ...; field ``out``).
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    out = Path(out)
+    if not out.suffix:
+        return out.with_suffix(".png")
+    if out.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+        raise ConfigError(f"out: '{out}' is not an image file name (matplotlib writes no '{out.suffix}'); pass "
+                          "e.g. --out report.png (or .svg, .pdf)")
+    return out
+
+
 def plot_runs(run_dirs: list[Path], out_png: Path, labels: list[str] | None = None) -> Path:
     """Draw held-out loss (markers) and training loss (thin line, the islands' mean) against tokens, simulated
     wall time (s) and bytes sent per island; save a PNG.
@@ -129,14 +157,15 @@ def plot_runs(run_dirs: list[Path], out_png: Path, labels: list[str] | None = No
 
     Raises:
         AtollError: a folder without ``metrics.jsonl``, without an evaluation, or with a damaged one
-            (DataError, a subclass: a line that is not an event); ``labels`` of another length (ConfigError).
+            (DataError, a subclass: a line that is not an event); ``labels`` of another length, or ``out_png``
+            not an image file name (ConfigError; without a suffix, ``.png`` is added).
     """
     needed = ("tokens", "eval_loss", "sim_wall_s")
     curves = []
+    check_runs(run_dirs)
+    out_png = image_path(out_png)
     for run in run_dirs:
         path = Path(run) / "metrics.jsonl"
-        if not path.is_file():
-            raise AtollError(f"report: '{run}' has no metrics.jsonl; pass atoll run folders")
         events = read_metrics(path)
         evals = [e for e in events if e["event"] == "eval"]
         bad = next((e for e in evals if not all(isinstance(e.get(k), (int, float)) for k in needed)), None)
@@ -173,7 +202,6 @@ def plot_runs(run_dirs: list[Path], out_png: Path, labels: list[str] | None = No
         ax.legend(fontsize=8)
     fig.suptitle("atoll: held-out loss of the global model (markers) and training loss, islands' mean (thin)")
     fig.tight_layout()
-    out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)

@@ -40,12 +40,18 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str | None:
     Returns:
         ``tokenizer`` when it names one; with None, the model folder when it holds a tokenizer, the Hub id
         when ``model`` is one; else None (train the BPE).
+
+    Raises:
+        ConfigError: ``model`` is a folder whose ``config.json`` is missing or unreadable (field ``model``;
+            checked here, the first place every runtime reads the folder, before its tokenizer is loaded).
     """
+    from atoll.job.model import PRESETS, check_model_config
+
+    check_model_config(model)
     if tokenizer == BPE:
         return None
     if tokenizer:
         return tokenizer
-    from atoll.job.model import PRESETS
 
     if model in PRESETS:
         return None

@@ -1,0 +1,87 @@
+"""Which settings a strategy or a runtime reads: a setting the user gave that has no effect is refused.
+
+``atoll train --strategy diloco --fragments 8`` used to train as if ``--fragments`` were not there. Each
+setting below is read by some strategies or runtimes only (found by reading where each is used); a setting
+the user set explicitly (a flag, a TOML key, an override of :func:`atoll.config.build_config`) under another
+one is refused in one line naming it, the strategy or runtime, and the fix. A setting left at its default, or
+carried by a resumed run's saved ``config.json``, is never refused. A strategy's own section
+(``--demo-topk``...) is read by that strategy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: shared settings read only by some strategies: setting -> the strategies that read it
+BY_STRATEGY: dict[str, tuple[str, ...]] = {
+    "fragments": ("streaming", "decoupled"),
+    "outer_lr": ("diloco", "streaming", "decoupled", "sparseloco"),  # ddp and demo have no outer optimizer
+    "outer_momentum": ("diloco", "streaming", "decoupled", "sparseloco"),
+    # demo and sparseloco compress in their own way (their own sections), not with the run's codec
+    **{name: ("ddp", "diloco", "streaming", "decoupled")
+       for name in ("codec", "codec_block_size", "codec_rounding", "topk_fraction", "error_feedback")},
+}
+
+#: settings read only by some runtimes: setting -> the runtimes that read it
+BY_RUNTIME: dict[str, tuple[str, ...]] = {
+    **{name: ("collective",) for name in ("ranks_per_island", "shard_island", "min_islands", "max_restarts")},
+    "collective_timeout_s": ("collective", "ray"),
+    # the simulated network clock; collective and ray runs measure real links
+    "link_bandwidth_mbps": ("local",),
+    "link_latency_ms": ("local",),
+    **{name: ("ray",) for name in ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island",
+                                   "ray_island_resources")},
+}
+
+
+def _own_sections() -> dict[str, tuple[str, ...]]:
+    """Each strategy's own settings (its section's fields) -> that strategy."""
+    from atoll.strategies.registry import specs
+
+    return {name: (s.name,) for s in specs() if s.section is not None for name in s.section.model_fields}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _which(names: tuple[str, ...], kind: str) -> str:
+    return f"--{kind} {'|'.join(names)}"
+
+
+def unused_setting(strategy: str, runtime: str, given: Iterable[str]) -> str | None:
+    """The one-line refusal of the first setting in ``given`` that ``strategy`` under ``runtime`` ignores.
+
+    Args:
+        strategy: the run's ``--strategy``.
+        runtime: the run's ``--runtime``.
+        given: the settings the user set explicitly (flags, TOML keys), not the defaults.
+
+    Returns:
+        None when every given setting is read; else ``"<setting>: the <strategy> strategy does not use it;
+        drop --<setting> or use --strategy a|b"`` (or the same for a runtime).
+    """
+    by_strategy = {**BY_STRATEGY, **_own_sections()}
+    for name in given:
+        readers = by_strategy.get(name)
+        if readers is not None and strategy not in readers:
+            return (f"{name}: the {strategy} strategy does not use it (only {', '.join(readers)}); drop "
+                    f"{_flag(name)} or use {_which(readers, 'strategy')}")
+        readers = BY_RUNTIME.get(name)
+        if readers is not None and runtime not in readers:
+            return (f"{name}: the {runtime} runtime does not use it (only {', '.join(readers)}); drop "
+                    f"{_flag(name)} or use {_which(readers, 'runtime')}")
+    return None
+
+
+def applicable(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` without those its strategy and runtime do not read (for the benchmarks' shared settings,
+    e.g. one outer momentum pinned for a suite of ddp and diloco runs; the trained numbers are the same)."""
+    from atoll.config.sections import RunSection
+
+    strategy = settings.get("strategy", RunSection.model_fields["strategy"].default)
+    runtime = settings.get("runtime", RunSection.model_fields["runtime"].default)
+    by_strategy = {**BY_STRATEGY, **_own_sections()}
+    return {k: v for k, v in settings.items()
+            if strategy in by_strategy.get(k, (strategy,)) and runtime in BY_RUNTIME.get(k, (runtime,))}
