@@ -18,6 +18,7 @@ BY_STRATEGY: dict[str, tuple[str, ...]] = {
     "fragments": ("streaming", "decoupled"),
     "outer_lr": ("diloco", "streaming", "decoupled", "sparseloco"),  # ddp and demo have no outer optimizer
     "outer_momentum": ("diloco", "streaming", "decoupled", "sparseloco"),
+    "outer_adapt": ("diloco",),  # the agreement-weighted outer step (atoll.algorithms.agreement)
     # demo and sparseloco compress in their own way (their own sections), not with the run's codec
     **{name: ("ddp", "diloco", "streaming", "decoupled")
        for name in ("codec", "codec_block_size", "codec_rounding", "topk_fraction", "error_feedback")},
