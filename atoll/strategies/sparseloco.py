@@ -185,5 +185,8 @@ SPEC = StrategySpec(
     # the accumulator replaces the outer momentum; the step is plain averaged descent (SparseLoCo §3)
     defaults={"outer_lr": 1.0, "outer_momentum": 0.0}, project=project, syncs_per_h=True,
     suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
-                    {"strategy": "sparseloco"}),),
+                    {"strategy": "sparseloco"}),
+           # ten times the rounds (and the bytes): does SparseLoCo catch diloco when rounds are no limit?
+           SuiteRun("sparseloco_h5", "sparseloco H=5 top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
+                    {"strategy": "sparseloco", "sync_every": 5})),
 )
