@@ -311,9 +311,21 @@ def _trust_rows(s: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _method_rows(s: dict[str, Any]) -> list[Row]:
+    """What a strategy's own method did: sparseloco's density, diloco's agreement-weighted outer step."""
+    rows = []
+    if "sparseloco_density" in s:
+        rows.append(("sparseloco density (entries a payload updates)", f"{s['sparseloco_density']:.2%}"))
+    if "outer_agreement_mean" in s:
+        rows.append(("outer agreement f̄ (mean / last round)",
+                     f"{s['outer_agreement_mean']:.3f} / {s['outer_agreement_last']:.3f}"))
+    return rows
+
+
 #: the groups of rows of the final table, in order: each takes the summary and returns (name, value) rows
 #: (none when its entries are absent); a new group is one function and one entry here
-SUMMARY_ROWS = (_model_rows, _bytes_rows, _time_rows, _island_rows, _bucket_rows, _trust_rows, _health_rows)
+SUMMARY_ROWS = (_model_rows, _bytes_rows, _method_rows, _time_rows, _island_rows, _bucket_rows, _trust_rows,
+                _health_rows)
 
 
 def summary_rows(summary: dict[str, Any]) -> list[Row]:
