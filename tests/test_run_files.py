@@ -97,8 +97,10 @@ def test_the_final_table_of_a_real_clock_shows_its_wall_time_once(runtime: str) 
 def test_the_final_table_shows_what_a_method_did() -> None:
     rows = dict(summary_rows({**_summary("local"), "outer_agreement_mean": 0.6123, "outer_agreement_last": 0.5}))
     assert rows["outer agreement f̄ (mean / last round)"] == "0.612 / 0.500"
-    rows = dict(summary_rows({**_summary("local"), "strategy": "sparseloco", "sparseloco_density": 0.0185}))
+    rows = dict(summary_rows({**_summary("local"), "strategy": "sparseloco", "sparseloco_density": 0.0185,
+                              "sparseloco_sent_energy": 0.2345}))
     assert rows["sparseloco density (entries a payload updates)"] == "1.85%"
+    assert rows["sparseloco energy sent (share of the accumulator per round)"] == "23.4%"
     assert not any("agreement" in k or "density" in k for k in dict(summary_rows(_summary("local"))))
 
 

@@ -90,6 +90,7 @@ def test_density_one_no_quantization_no_memory_is_parameter_averaging() -> None:
     torch.testing.assert_close(strategy.global_params(), expected, rtol=0, atol=1e-6)
     assert all(torch.equal(i.flat_params(), strategy.global_params()) for i in islands)
     assert all(float(e.abs().max()) == 0.0 for e in strategy.error)  # nothing carried over
+    assert strategy.summary()["sparseloco_sent_energy"] == pytest.approx(1.0)  # a lossless payload sends it all
 
 
 def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -> None:
@@ -108,6 +109,10 @@ def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -
         torch.testing.assert_close(e + s, beta * p + d, rtol=0, atol=1e-6)  # accumulated = sent + kept
     torch.testing.assert_close(strategy.global_params(), before - torch.stack(sent).mean(0), rtol=0, atol=1e-6)
     assert comm.bytes_sent_per_island == ring_allgather_bytes(strategy.compressor.payload_bytes() + WEIGHT_BYTES, k)
+    shares = [1 - float(e.square().sum()) / float((beta * p + d).square().sum())
+              for e, p, d in zip(strategy.error, previous, deltas, strict=True)]
+    assert strategy.summary()["sparseloco_sent_energy"] == pytest.approx(sum(shares) / k, rel=1e-5)
+    assert 0 < strategy.summary()["sparseloco_sent_energy"] < 1  # 4 of 64 per chunk: a part, not all
     density = strategy.summary()["sparseloco_density"]
     assert density == pytest.approx(strategy.compressor.kept_real / strategy.compressor.numel)
 

@@ -316,6 +316,9 @@ def _method_rows(s: dict[str, Any]) -> list[Row]:
     rows = []
     if "sparseloco_density" in s:
         rows.append(("sparseloco density (entries a payload updates)", f"{s['sparseloco_density']:.2%}"))
+        if "sparseloco_sent_energy" in s:
+            rows.append(("sparseloco energy sent (share of the accumulator per round)",
+                         f"{s['sparseloco_sent_energy']:.1%}"))
     if "outer_agreement_mean" in s:
         rows.append(("outer agreement f̄ (mean / last round)",
                      f"{s['outer_agreement_mean']:.3f} / {s['outer_agreement_last']:.3f}"))

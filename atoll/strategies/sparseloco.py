@@ -77,6 +77,9 @@ class SparseLoCo(Strategy):
     Attributes:
         error: each local island's error-feedback accumulator, float32 (numel,) on the CPU.
         dropped_updates: rounds in which an island's pseudo-gradient was not finite (it sent nothing, weight 0).
+        sent_energy_sum: the sum, over rounds and local islands that sent, of the share of the accumulator's
+            energy its payload delivered, ``1 − ‖e − C(e)‖² / ‖e‖²`` (1 for a lossless payload); over
+            ``sent_rounds`` it is the summary's ``sparseloco_sent_energy``.
     """
 
     name = "sparseloco"
@@ -90,6 +93,7 @@ class SparseLoCo(Strategy):
         self.tokens_at_sync = [island.tokens for island in islands]
         self.last_sync_step = 0
         self.dropped_updates = 0
+        self.sent_energy_sum, self.sent_rounds = 0.0, 0
 
     def step(self, step: int) -> None:
         for island in self.islands:
@@ -106,8 +110,12 @@ class SparseLoCo(Strategy):
             weight = float(island.tokens - self.tokens_at_sync[i])
             if torch.isfinite(delta).all():
                 self.error[i].mul_(beta).add_(delta)
+                before = float(self.error[i].square().sum())
                 payload = self.compressor.compress(self.error[i])
                 self.error[i].sub_(self.compressor.decompress(payload))
+                if before > 0:
+                    self.sent_energy_sum += 1.0 - float(self.error[i].square().sum()) / before
+                    self.sent_rounds += 1
             else:  # a diverged island sends an empty update with no weight; its accumulator is untouched
                 self.dropped_updates += 1
                 payload, weight = self.compressor.compress(torch.zeros_like(delta)), 0.0
@@ -137,16 +145,20 @@ class SparseLoCo(Strategy):
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor
-        return {"sparseloco_density": c.density, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES}
+        return {"sparseloco_density": c.density, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES,
+                "sparseloco_sent_energy": self.sent_energy_sum / self.sent_rounds if self.sent_rounds else 1.0}
 
     def state_dict(self) -> dict[str, Any]:
         return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step,
-                "dropped_updates": self.dropped_updates}
+                "dropped_updates": self.dropped_updates, "sent_energy_sum": self.sent_energy_sum,
+                "sent_rounds": self.sent_rounds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
         self.last_sync_step = int(state["last_sync_step"])
         self.dropped_updates = int(state.get("dropped_updates", 0))
+        self.sent_energy_sum = float(state.get("sent_energy_sum", 0.0))
+        self.sent_rounds = int(state.get("sent_rounds", 0))
 
     def island_state(self, position: int) -> dict[str, Any]:
         return {"tokens_at_sync": self.tokens_at_sync[position], "error": self.error[position].clone()}
