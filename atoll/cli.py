@@ -60,7 +60,7 @@ def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
         if name in exclude:
             continue
         flag = "--" + name.replace("_", "-")
-        default = field.default
+        default = field.get_default(call_default_factory=True)  # a list field's factory: [] (none), not a sentinel
         own = "; ".join(f"{s.name}: {s.defaults[name]}" for s in specs() if name in s.defaults)
         help_text = f"{field.description} [default: {default}{'; ' + own if own else ''}]"
         if field.annotation is bool:

@@ -34,7 +34,8 @@ def measured_runs() -> dict[str, dict]:
             runs.update({f"{p.parent.name}/{k}": v for k, v in json.loads(p.read_text())["runs"].items()})
     else:
         runs = json.loads(FIXTURE.read_text())["runs"]
-    return {k: r for k, r in runs.items() if r["codec"] in CODEC_BITS}  # topk: not a fixed bits-per-element codec
+    # topk: not a fixed bits-per-element codec; None: a strategy with its own encoding (demo, sparseloco)
+    return {k: r for k, r in runs.items() if r["codec"] in CODEC_BITS or r["codec"] is None}
 
 
 def _err(predicted: float, measured: float) -> float:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.errors import ConfigError
-from atoll.job.checkpoint import write_text_atomic
+from atoll.errors import CheckpointError, ConfigError
+from atoll.job.checkpoint import latest_checkpoint, write_text_atomic
 from atoll.job.lock import LOCK_NAME, RunLock, claim_run_folder
 
 HOLD = """
@@ -145,3 +145,12 @@ def test_summary_json_is_strict_json_when_a_figure_is_not_finite(tmp_path) -> No
 
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
     assert summary == {"final_eval_loss": None, "losses": [2.5, None], "steps": 3}
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_so(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint in"):  # not a run at all
+        latest_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(CheckpointError, match="stopped before its first checkpoint.*start again"):
+        latest_checkpoint(tmp_path)

@@ -22,7 +22,7 @@ class RunSection(Section):
         "diloco",
         description="What islands exchange: ddp (gradients every step), diloco (pseudo-gradients every H "
         "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum), "
-        "decoupled (Decoupled DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
+        "sparseloco (top-k of error-feedback accumulators, 2-bit values, every H steps), decoupled (Decoupled DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
         "quorum, token-weighted). The strategies are listed in atoll.strategies.registry.",
     )
     runtime: Literal["local", "collective", "ray"] = Field(
@@ -34,7 +34,7 @@ class RunSection(Section):
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(
-        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming, decoupled)."
+        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, decoupled)."
     )
     steps: int = Field(800, ge=1, description="Inner steps per island (each island sees steps x batch tokens; "
                        "decoupled: a budget of islands x steps shared by speed).")

@@ -215,6 +215,9 @@ def latest_checkpoint(out: Path) -> Path:
     candidates = (sorted((p for p in root.glob("step_*") if (p / "state.json").is_file()), key=_step_of)
                   if root.is_dir() else [])
     if not candidates:
+        if (Path(out) / "config.json").is_file():  # an atoll run that stopped before its first checkpoint
+            raise CheckpointError(f"resume: the run in '{out}' stopped before its first checkpoint (see "
+                                  "--checkpoint-every); nothing to resume: remove the folder and start again")
         raise CheckpointError(f"resume: no checkpoint in '{out}'; pass the folder of an atoll run (its --out)")
     return candidates[-1]
 

@@ -28,6 +28,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
+from atoll.config.applies import BY_STRATEGY
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import (
     latest_checkpoint,
@@ -368,7 +369,8 @@ class Run:
             "final_perplexity": perplexity(self.eval_loss),
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
-            "codec": config.codec, "device": config.device if config.runtime == "ray" else resolve_device(config.device),
+            # demo and sparseloco encode in their own way (their sections), not with the run's codec
+            "codec": config.codec if config.strategy in BY_STRATEGY["codec"] else None, "device": config.device if config.runtime == "ray" else resolve_device(config.device),
             "precision": config.precision, "compile": config.compile, **own,
             "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
             "compute_s": compute_s, "sim_wall_s": sim_wall_s,
