@@ -8,6 +8,7 @@ import pytest
 
 from atoll.cli import build_parser, main
 from atoll.config import TrainConfig, build_config
+from atoll.config.applies import applicable
 from atoll.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +48,8 @@ def test_report_draws_several_runs(fast_config: dict, tmp_path: Path) -> None:
     from atoll.train import train
 
     a = train(build_config(overrides={**fast_config, "steps": 4, "eval_every": 2, "out": str(tmp_path / "a")}))
-    b = train(build_config(overrides={**fast_config, "steps": 4, "eval_every": 2, "strategy": "ddp",
-                                      "out": str(tmp_path / "b")}))
+    b = train(build_config(overrides=applicable({**fast_config, "steps": 4, "eval_every": 2, "strategy": "ddp",
+                                                 "out": str(tmp_path / "b")})))
     png = tmp_path / "cmp.png"
     assert main(["report", a["out"], b["out"], "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

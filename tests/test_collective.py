@@ -21,6 +21,7 @@ from conftest import cli_flags
 from safetensors.torch import load_file
 
 from atoll.config import build_config, load_run_config
+from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
 from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
 from atoll.train import train
@@ -64,7 +65,7 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
 
 
 def _local(settings: dict, out: Path, **extra) -> dict:
-    return train(build_config(overrides={**settings, **extra, "out": str(out)}))
+    return train(build_config(overrides=applicable({**settings, **extra, "out": str(out)})))
 
 
 def _collective(settings: dict, out: Path, ranks: int, env: dict | None = None,

@@ -13,6 +13,7 @@ from atoll.algorithms.dct import ChunkedDCT, dct_basis, index_dtype_for, largest
 from atoll.algorithms.demo import DeMo
 from atoll.algorithms.demo_payload import DemoPayload, pack_ternary, payload_bytes, unpack_ternary
 from atoll.config import build_config
+from atoll.config.applies import applicable
 from atoll.train import train
 
 
@@ -550,8 +551,8 @@ def test_run_bytes_per_step_equal_the_formula(fast_config: dict, sign_values: bo
     # a real run (2 islands, local runtime): each step all-gathers one payload per parameter to K-1 = 1 peer
     from transformers import AutoModelForCausalLM
 
-    config = build_config(overrides={**fast_config, "strategy": "demo", "steps": 4, "eval_every": 4,
-                                     "checkpoint_every": 4, "demo_sign_values": sign_values})
+    config = build_config(overrides=applicable({**fast_config, "strategy": "demo", "steps": 4, "eval_every": 4,
+                                                "checkpoint_every": 4, "demo_sign_values": sign_values}))
     summary = train(config)
     model = AutoModelForCausalLM.from_pretrained(Path(fast_config["out"]) / "checkpoints" / "step_0000004" / "model")
     per_step = sum(payload_bytes(p.shape, config.demo_chunk, config.demo_topk, sign_values)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from atoll.config import build_config
+from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
 from atoll.runtime.network import ClockTrace, Link, SimClock, load_trace, replay
 from atoll.train import train
@@ -52,7 +53,7 @@ def test_incomplete_trace_is_refused() -> None:
 def test_run_trace_replays_to_its_own_sim_wall(fast_config: dict, strategy: str, extra: dict) -> None:
     cfg = {**fast_config, "steps": 10, "eval_every": 5, "checkpoint_every": 0, "strategy": strategy,
            "link_bandwidth_mbps": 1.0, **extra}
-    summary = train(build_config(overrides=cfg))
+    summary = train(build_config(overrides=applicable(cfg)))
     trace = load_trace(Path(cfg["out"]) / "clock_trace.json")
     assert trace["link_bandwidth_mbps"] == 1.0
     same = replay(trace, Link.from_config(1.0, 10.0))

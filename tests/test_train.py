@@ -10,6 +10,7 @@ from conftest import run_cli
 
 import atoll.job.run as train_mod
 from atoll.config import build_config, load_run_config
+from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
 from atoll.train import train
 
@@ -72,6 +73,7 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
                                                   extra: dict) -> None:
     # sync_every=3 so the crash at step 10 falls mid-round: islands have diverged and must be restored
     base = {**fast_config, "strategy": strategy, "sync_every": 3, **extra}
+    base = applicable(base)  # sync_every: not read by ddp and demo
     full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
 
     real_save = train_mod.save_checkpoint
@@ -107,7 +109,7 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
 
 @pytest.mark.slow
 def test_init_from_starts_from_another_runs_weights(fast_config: dict, tmp_path: Path) -> None:
-    warm = train(build_config(overrides={**fast_config, "strategy": "ddp", "out": str(tmp_path / "warm")}))
+    warm = train(build_config(overrides=applicable({**fast_config, "strategy": "ddp", "out": str(tmp_path / "warm")})))
     cont = train(build_config(overrides={**fast_config, "steps": 10, "init_from": str(tmp_path / "warm"),
                                          "out": str(tmp_path / "cont")}))
     assert cont["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], abs=1e-5)

@@ -16,6 +16,11 @@ from typing import Any
 #: shared settings read only by some strategies: setting -> the strategies that read it
 BY_STRATEGY: dict[str, tuple[str, ...]] = {
     "fragments": ("streaming", "decoupled"),
+    # ddp and demo exchange every step: H is the strategies' with outer rounds
+    "sync_every": ("diloco", "streaming", "decoupled", "sparseloco"),
+    # demo steps with its own optimizer (--demo-lr; no weight decay): the AdamW settings are the others'
+    "lr": ("ddp", "diloco", "streaming", "decoupled", "sparseloco"),
+    "weight_decay": ("ddp", "diloco", "streaming", "decoupled", "sparseloco"),
     "outer_lr": ("diloco", "streaming", "decoupled", "sparseloco"),  # ddp and demo have no outer optimizer
     "outer_momentum": ("diloco", "streaming", "decoupled", "sparseloco"),
     "outer_adapt": ("diloco",),  # the agreement-weighted outer step (atoll.algorithms.agreement)
