@@ -57,6 +57,7 @@ def test_on_ray_an_island_can_only_push_as_itself_and_once_per_version(fast_conf
         stats = ray.get(syncer.finish.remote())["stats"]
         assert stats["rejected_by_reason"] == {"identity": 2, "replay": 1}
         assert stats["rejected_by_island"] == {"identity": [1, 1], "replay": [0, 1]}
-        assert stats["commits"] == 1  # the two accepted pushes of island 1, merged at the end
+        assert stats["commits"] == 1 and stats["replaced_updates"] == 1  # island 1's second push replaced its first
+        assert stats["quorum_size_max"] == 1
     finally:
         ray.shutdown()

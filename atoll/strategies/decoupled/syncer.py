@@ -13,7 +13,9 @@ accepted pushes. It merges the buffer (one outer step) when
 - the buffer's **grace window** closes: ``grace_factor`` x the median of the recent round times the
   islands measured on their own clocks (seconds from their pull to their next push), counted from the
   buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
-  a merge up by at most about one round, never indefinitely.
+  a merge up by at most about one round, never indefinitely. A round time is taken once per island and
+  buffer (a push that replaces the island's waiting one adds none and leaves the window as it was), so one
+  island's repeated pushes do not fill the recent round times with its own claims.
 
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
 ``w_i = tokens_i · (1 + s_i)^(−a)``; the staleness ``s_i`` is how many outer steps of that fragment were
@@ -165,6 +167,7 @@ class Syncer:
         self.rejected_updates = 0
         self.rejected_by_reason: dict[str, int] = {}
         self.stale_updates = 0
+        self.replaced_updates = 0  # accepted pushes replaced in their buffer by a newer one of the same island
         self.accepted_updates = 0
         self.commits = 0
         self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
@@ -216,14 +219,21 @@ class Syncer:
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
         self.accepted_updates += 1
-        if msg.round_s is not None and msg.round_s > 0 and math.isfinite(msg.round_s):
-            self.round_s.append(float(msg.round_s))
         buf = self.buffers[fragment]
+        pending = _Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
+        mine = [j for j, p in enumerate(buf.pushes) if p.island == island]
+        if mine:  # one vote per island per merge: its newer push replaces the one waiting (same islands, window)
+            replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
+            self.replaced_updates += 1
+            self._count("stale", island, fragment, replaced.tokens)
+            return PushResult(True)
+        if msg.round_s is not None and msg.round_s > 0 and math.isfinite(msg.round_s):  # once per island and buffer
+            self.round_s.append(float(msg.round_s))
         if not buf.pushes:
             buf.opened_at = now
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
-        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm))
-        if len({p.island for p in buf.pushes}) >= self.quorum:
+        buf.pushes.append(pending)
+        if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
@@ -365,8 +375,8 @@ class Syncer:
             "stale_credit": [list(c) for c in self.stale_credit],
             "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
-            "stale_updates": self.stale_updates, "accepted_updates": self.accepted_updates,
-            "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
+            "stale_updates": self.stale_updates, "replaced_updates": self.replaced_updates,
+            "accepted_updates": self.accepted_updates, "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
             "merged_tokens": self.merged_tokens, "merged_tokens_per_island": list(self.merged_tokens_per_island),
             "merge_waits": [list(w) for w in self.merge_waits],
         }
@@ -391,6 +401,7 @@ class Syncer:
         self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
         for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits"):
             setattr(self, name, int(state[name]))
+        self.replaced_updates = int(state.get("replaced_updates", 0))
         self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
         self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
         self.staleness = [int(x) for x in state["staleness"]]

@@ -1,0 +1,83 @@
+"""One island that opens sessions itself (``Push.session`` + 1, or ``join`` again) to push many times per
+fragment version: it gets one vote per merge, never sets the norm bound, never outvotes a robust merge, and
+on Ray claims only the tokens it was granted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atoll.strategies.decoupled.protocol import Push
+from atoll.strategies.decoupled.syncer import Syncer
+
+CREDS = ["a" * 32, "b" * 32, "c" * 32]
+N, TOK = 200, 100
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _honest(i: int, seed: int = 0) -> torch.Tensor:
+    """An honest Δ: a shared direction plus island noise, norm about 0.07."""
+    base = torch.randn(N, generator=_gen(1000 + seed))
+    return 0.005 * (base + 0.3 * torch.randn(N, generator=_gen(seed * 10 + i)))
+
+
+def _syncer(**kw: object) -> Syncer:
+    theta = torch.randn(N, generator=_gen(0))
+    return Syncer(theta, None, 3, **{"outer_lr": 1.0, "outer_momentum": 0.0, "credentials": CREDS,
+                                     "push_tokens": [TOK] * 3, **kw})  # type: ignore[arg-type]
+
+
+def _push(s: Syncer, i: int, delta: torch.Tensor, session: int = 0, tokens: int = TOK) -> Push:
+    return Push(i, 0, delta, tokens, s.version(0), session=session, credential=CREDS[i])
+
+
+def test_session_bumps_leave_one_push_per_island_in_a_buffer() -> None:
+    s = _syncer()
+    for session in range(5):  # the same island, the same base version, a new session each time
+        assert s.push(_push(s, 2, _honest(2, seed=session), session)).accepted
+    assert [p.island for p in s.buffers[0].pushes] == [2]
+    torch.testing.assert_close(s.buffers[0].pushes[0].delta, _honest(2, seed=4))  # the newest one
+    assert s.push(_push(s, 0, _honest(0))).accepted
+    assert s.push(_push(s, 1, _honest(1))).committed == 1
+    assert s.quorum_sizes == [3] and s.replaced_updates == 4
+    stats = s.stats()
+    assert stats["merged_tokens_by_island"] == [TOK, TOK, TOK]  # island 2's tokens merged once
+    assert stats["stale_tokens_by_island"] == [0.0, 0.0, 4.0 * TOK]  # the replaced ones: every token in a bucket
+    assert stats["replaced_updates"] == 4 and stats["rejected_updates"] == 0
+    # the merge is the plain mean of the three islands' (last) pushes
+    step = torch.randn(N, generator=_gen(0)) - s.global_params()
+    torch.testing.assert_close(step, torch.stack([_honest(0), _honest(1), _honest(2, seed=4)]).mean(0))
+
+
+def test_a_replaced_push_keeps_its_buffers_window_and_survives_a_checkpoint() -> None:
+    s = _syncer(grace_factor=1.0)
+    assert s.push(Push(2, 0, _honest(2), TOK, 0, round_s=10.0, credential=CREDS[2]), now=0.0).accepted
+    # a replacement neither reopens the window nor adds a round time (one per island and buffer)
+    assert s.push(Push(2, 0, _honest(2, 1), TOK, 0, round_s=1e-6, session=1, credential=CREDS[2]), now=5.0).accepted
+    assert list(s.round_s) == [10.0] and s.buffers[0].opened_at == 0.0 and s.buffers[0].grace_s == 10.0
+    restored = _syncer()
+    restored.load_state_dict(s.state_dict())
+    assert restored.replaced_updates == 1 and [p.island for p in restored.buffers[0].pushes] == [2]
+    assert restored.poll(10.0) == 1 and restored.quorum_sizes == [1]
+
+
+@pytest.mark.parametrize("robust", ["median", "trimmed_mean", "clip"])
+def test_a_robust_merge_is_not_outvoted_by_one_islands_sessions(robust: str) -> None:
+    # islands 0 and 1 push honestly; island 2 pushes their mean sign-flipped x5, in three sessions
+    honest = [_honest(i) for i in range(3)]
+    theta = torch.randn(N, generator=_gen(0))
+    clean = _syncer(robust_merge=robust)
+    for i in range(3):
+        clean.push(_push(clean, i, honest[i]))
+    clean_step = theta - clean.global_params()
+    s = _syncer(robust_merge=robust)
+    for session in range(3):
+        assert s.push(_push(s, 2, -5 * torch.stack(honest[:2]).mean(0), session)).accepted
+    s.push(_push(s, 0, honest[0]))
+    assert s.push(_push(s, 1, honest[1])).committed == 1
+    step = theta - s.global_params()
+    assert float(torch.nn.functional.cosine_similarity(step, clean_step, dim=0)) > 0.9
+    assert 0.25 < float(step.norm() / clean_step.norm()) < 1.5  # clip: about a third (one of three outvoted)
