@@ -64,6 +64,51 @@ def test_a_replaced_push_keeps_its_buffers_window_and_survives_a_checkpoint() ->
     assert restored.poll(10.0) == 1 and restored.quorum_sizes == [1]
 
 
+def test_the_norm_bound_does_not_follow_one_islands_pushes_however_many_sessions() -> None:
+    s = _syncer()
+    for v in range(3):  # three honest rounds: every island has an entry
+        for i in range(3):
+            s.push(_push(s, i, _honest(i, seed=v + 1)))
+    assert s.version(0) == 3
+    before = s.global_params()
+    honest = float(_honest(0).norm())
+    session, scale = 0, 8.0
+    for _ in range(6):  # escalate: 9x what was accepted last, from 8x an honest push, three sessions per step
+        results = []
+        for _ in range(3):
+            session += 1
+            results.append(s.push(_push(s, 2, scale * _honest(2, seed=session), session)))
+        assert all(r.accepted == (scale < 10) for r in results), (scale, results)
+        scale *= 9
+    for _ in range(20):  # 1000x an honest push: refused in every new session
+        session += 1
+        assert s.push(_push(s, 2, 1000 * _honest(2, seed=session), session)).reason == "norm"
+    assert [p.island for p in s.buffers[0].pushes] == [2]
+    assert all(e is not None and e[0] < 10 * honest for e in s.bounds.latest[0])  # one entry per island
+    assert s.push(_push(s, 0, _honest(0, seed=50))).accepted
+    assert s.push(_push(s, 1, _honest(1, seed=50))).committed == 1
+    # the merge moved the globals by the mean of two honest pushes and one at 8x: a few honest steps
+    assert float((s.global_params() - before).norm()) < 5 * honest
+    assert s.rejected_by_reason["norm"] == 5 * 3 + 20
+
+
+def test_the_norm_history_survives_a_checkpoint_and_an_old_one_loads_cold() -> None:
+    s = _syncer()
+    for i in range(3):
+        s.push(_push(s, i, _honest(i)))
+    assert s.bounds.warm(0) and all(e is not None for e in s.bounds.latest[0])
+    restored = _syncer()
+    restored.load_state_dict(s.state_dict())
+    assert restored.bounds.latest == s.bounds.latest
+    assert restored.push(_push(restored, 2, 50 * _honest(2, seed=1))).reason == "norm"  # the warm bound
+    old = s.state_dict()
+    old["bounds"] = {"window": [[[0.07, TOK]] * 3], "granted": None, "claimed": [[TOK]] * 3}  # before per island
+    cold = _syncer()
+    cold.load_state_dict(old)
+    assert not cold.bounds.warm(0) and cold.bounds.latest == [[None] * 3]
+    assert cold.push(_push(cold, 2, 50 * _honest(2, seed=1))).accepted  # the cold bound: 10x the parameters' norm
+
+
 @pytest.mark.parametrize("robust", ["median", "trimmed_mean", "clip"])
 def test_a_robust_merge_is_not_outvoted_by_one_islands_sessions(robust: str) -> None:
     # islands 0 and 1 push honestly; island 2 pushes their mean sign-flipped x5, in three sessions

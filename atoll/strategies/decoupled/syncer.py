@@ -320,7 +320,7 @@ class Syncer:
         if now is not None and pushes:
             self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
-            ok = self.bounds.vet(fragment, [(float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
+            ok = self.bounds.vet(fragment, [(p.island, float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
             for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
                 self._refuse(p.island, fragment, "norm", p.tokens)
             pushes = [p for p, good in zip(pushes, ok, strict=True) if good]
