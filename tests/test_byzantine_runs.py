@@ -46,6 +46,10 @@ def test_on_ray_an_island_can_only_push_as_itself_and_once_per_version(fast_conf
         def push(island: int, credential: str) -> bool:
             return ray.get(syncer.push.remote(Push(island, 0, delta, tokens, 0, credential=credential)))[0]
 
+        with pytest.raises(ray.exceptions.RayTaskError, match="PermissionError"):  # a step granted to another
+            ray.get(syncer.reserve_step.remote(1, creds[0]))
+        for _ in range(2):  # the ledger: island 1 may claim the tokens of the steps it was granted
+            assert ray.get(syncer.reserve_step.remote(1, creds[1]))[0]
         assert not push(0, creds[1]), "island 1 pushing as island 0"
         assert not push(1, "")
         assert push(1, creds[1])

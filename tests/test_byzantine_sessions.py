@@ -126,3 +126,54 @@ def test_a_robust_merge_is_not_outvoted_by_one_islands_sessions(robust: str) -> 
     step = theta - s.global_params()
     assert float(torch.nn.functional.cosine_similarity(step, clean_step, dim=0)) > 0.9
     assert 0.25 < float(step.norm() / clean_step.norm()) < 1.5  # clip: about a third (one of three outvoted)
+
+
+# --- the Ray syncer actor's class, used in this process (no Ray started) -------------------------------------
+def _service(fast_config: dict, creds: list[str]):  # noqa: ANN202
+    pytest.importorskip("ray")
+    from atoll.config import build_config
+    from atoll.runtime.ray.actors import SyncerService
+
+    config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2})
+    return config, SyncerService(config.model_dump_json(), fast_config["out"], creds)
+
+
+def test_on_ray_token_claims_are_bounded_by_the_steps_granted(fast_config: dict) -> None:
+    from atoll.runtime.ray.actors import SyncerService
+
+    creds = CREDS[:2]
+    config, svc = _service(fast_config, creds)
+    tps = config.tokens_per_step
+    delta = 1e-3 * svc.syncer.pull(0).params
+    with pytest.raises(PermissionError, match="reserve_step: island 1's credential does not match"):
+        svc.reserve_step(1, creds[0])
+    with pytest.raises(PermissionError):
+        svc.reserve_step(1)
+    assert svc.syncer.bounds.granted == [0, 0]  # the ledger is open before any step: nothing granted yet
+    assert not svc.push(Push(1, 0, delta, tps, 0, credential=creds[1]))[0]  # a claim before any step granted
+    for _ in range(5):
+        assert svc.reserve_step(1, creds[1])[0]
+    assert svc.syncer.bounds.granted == [0, 5 * tps]
+    claims = []
+    for _ in range(20):  # island 1 opens 20 sessions and claims its push size x10 in each
+        session = svc.join(1, creds[1])[3]
+        claims.append(svc.push(Push(1, 0, delta, 10 * 5 * tps, 0, session=session, credential=creds[1]))[0])
+    assert not any(claims)
+    assert svc.push(Push(1, 0, delta, 5 * tps, 0, session=session, credential=creds[1]))[0]  # its 5 steps, once
+    session = svc.join(1, creds[1])[3]
+    assert not svc.push(Push(1, 0, delta, tps, 0, session=session, credential=creds[1]))[0]  # claimed already
+    svc.reserve_step(0, creds[0])
+    assert svc.push(Push(0, 0, delta, tps, 0, credential=creds[0]))[0]  # completes the quorum: commit, checkpoint
+    stats = svc.syncer.stats()
+    assert svc.syncer.commits == 1 and stats["rejected_by_reason"] == {"tokens": 22}
+    share = int(svc.syncer.index[0].numel()) / svc.syncer.numel
+    assert stats["merged_tokens_by_island"] == pytest.approx([tps * share, 5 * tps * share])
+    # a syncer restarted from its checkpoint keeps the ledger (plus one push per island at its own H: the steps
+    # granted since the checkpoint), and the claims
+    restarted = SyncerService(config.model_dump_json(), fast_config["out"], creds)
+    h = config.sync_every * tps
+    assert restarted.syncer.bounds.granted == [tps + h, 5 * tps + h]
+    assert restarted.syncer.bounds.claimed == svc.syncer.bounds.claimed
+    pull = restarted.syncer.pull(0)
+    assert not restarted.push(Push(1, 0, delta, h + 1, pull.version, session=session + 1, credential=creds[1]))[0]
+    assert restarted.push(Push(1, 0, delta, h, pull.version, session=session + 1, credential=creds[1]))[0]

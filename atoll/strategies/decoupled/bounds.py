@@ -6,9 +6,11 @@ claims may be compared with the pushes of *other* islands as if they were alike.
 two bounds, each checked per push before it can reach a buffer:
 
 - **Tokens, per island.** With a ledger (the runtime calls :meth:`PushBounds.grant` for every inner step it
-  gives an island), the tokens an island claims for a fragment, summed over its pushes, never exceed the
-  tokens it was granted: exact, whatever its speed, its deferred pushes or its failures (a failed island
-  claims less). Without one, a push may claim at most ``norm_bound`` x the island's declared push size
+  gives an island: the local simulation's event loop, and on Ray the syncer's ``reserve_step``, which only
+  the island's credential opens), the tokens an island claims for a fragment, summed over its pushes (those
+  later replaced in a buffer or refused for their norm included), never exceed the tokens it was granted:
+  exact, whatever its speed, its deferred pushes, its failures (a failed island claims less) or the
+  sessions it opens. Without one, a push may claim at most ``norm_bound`` x the island's declared push size
   (``push_tokens``: its own H x tokens per step). Refused as ``tokens``.
 - **Norm, per fragment, one entry per island.** An honest pseudo-gradient's L2 norm grows with the inner
   steps behind it, at most linearly (steps all aligned) and at least not at all (a saturated random walk):
@@ -75,10 +77,21 @@ class PushBounds:
         self.claimed = [[0] * fragments for _ in range(islands)]  # per island and fragment: tokens claimed
 
     def grant(self, island: int, tokens: int) -> None:
-        """The runtime gave ``island`` ``tokens`` more tokens to train on (one inner step's): the ledger."""
+        """The runtime gave ``island`` ``tokens`` more tokens to train on (one inner step's): the ledger.
+
+        The first grant opens the ledger for every island (until then only ``push_tokens`` bounds a claim);
+        ``tokens`` 0 opens it without granting anything."""
         if self.granted is None:
             self.granted = [0] * self.islands
         self.granted[island] += int(tokens)
+
+    def reopen(self, tokens: Sequence[int]) -> None:
+        """After a restart from a checkpoint: grant each island ``tokens[i]`` more (the steps granted since the
+        checkpoint); without a ledger in the checkpoint, open one at each island's largest claim so far."""
+        if self.granted is None:
+            self.granted = [max(c, default=0) for c in self.claimed]
+        for island, t in enumerate(tokens):
+            self.granted[island] += int(t)
 
     def check(self, island: int, fragment: int, norm: float, tokens: int, params_norm: float) -> str:
         """Why a push of ``tokens`` tokens and L2 norm ``norm`` is refused ("tokens", "norm"), or "".

@@ -125,8 +125,8 @@ class Syncer:
         scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
             the module docstring); False: every merge steps with the full mean.
         push_tokens: per island, the tokens of one honest push at its own H (tokens per step x
-            :func:`~atoll.strategies.decoupled.local_sync_every`), for the token bound where the runtime
-            keeps no ledger (:meth:`grant`); None: none declared.
+            :func:`~atoll.strategies.decoupled.local_sync_every`), for the token bound until the runtime
+            opens a ledger (:meth:`grant`: both runtimes do); None: none declared.
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
         cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
@@ -244,6 +244,13 @@ class Syncer:
     def grant(self, island: int, tokens: int) -> None:
         """The runtime gave ``island`` ``tokens`` more to train on: the ledger of its claims (:class:`PushBounds`)."""
         self.bounds.grant(island, tokens)
+
+    def grant_since_checkpoint(self, tokens: Sequence[int]) -> None:
+        """After a restart from a checkpoint: grant each island ``tokens[i]`` more, the steps its runtime
+        granted since the checkpoint (taken, and not in it); a checkpoint without a ledger opens it at each
+        island's claims so far (:meth:`PushBounds.reopen
+        <atoll.strategies.decoupled.bounds.PushBounds.reopen>`)."""
+        self.bounds.reopen(tokens)
 
     def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
         """Count and log a refused push (its tokens in the ``rejected`` bucket where they can be placed)."""
