@@ -1,6 +1,6 @@
 """One island that opens sessions itself (``Push.session`` + 1, or ``join`` again) to push many times per
 fragment version: it gets one vote per merge, never sets the norm bound, never outvotes a robust merge, and
-on Ray claims only the tokens it was granted."""
+on Ray claims only the tokens it was granted. Bad pushes are refused and counted, never raised."""
 
 from __future__ import annotations
 
@@ -128,6 +128,47 @@ def test_a_robust_merge_is_not_outvoted_by_one_islands_sessions(robust: str) -> 
     assert 0.25 < float(step.norm() / clean_step.norm()) < 1.5  # clip: about a third (one of three outvoted)
 
 
+@pytest.mark.parametrize("delta, reason", [
+    (torch.empty(N, device="meta"), "type"),
+    (torch.zeros(N).to_sparse(), "type"),
+    (torch.nested.nested_tensor([torch.zeros(N)], layout=torch.jagged), "type"),
+    (torch.nn.Parameter(torch.zeros(N)), "type"),
+    ([0.0] * N, "type"),
+    (torch.zeros(N, dtype=torch.float64), "dtype"),
+    (torch.full((N,), 3e37), "norm"),
+])
+def test_bad_tensors_are_refused_and_counted(delta: object, reason: str) -> None:
+    s = _syncer()
+    result = s.push(Push(0, 0, delta, TOK, 0, credential=CREDS[0]))  # type: ignore[arg-type]
+    assert not result.accepted and result.reason == reason
+    assert s.rejected_by_reason == {reason: 1} and s.stats()["rejected_by_island"] == {reason: [1, 0, 0]}
+    assert s.stats()["rejected_tokens_by_island"] == [TOK, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("island", [True, -1, 3, 99, "x", None, 1.0])
+def test_pushes_naming_no_island_are_refused_and_counted(island: object) -> None:
+    s = _syncer()
+    result = s.push(Push(island, 0, _honest(0), TOK, 0, credential=CREDS[0]))  # type: ignore[arg-type]
+    assert result.reason == "island"
+    assert s.rejected_by_reason == {"island": 1} and s.stats()["rejected_by_island"] == {}
+    assert s.stats()["rejected_tokens_by_island"] == [0.0] * 3
+
+
+def test_not_a_push_and_forged_pushes_leave_no_tokens_in_a_bucket() -> None:
+    s = _syncer()
+    assert s.push({"island": 0}).reason == "type"  # type: ignore[arg-type]
+    assert s.push(Push(0, 0, _honest(0), TOK, 0, credential=CREDS[1])).reason == "identity"
+    for fragment in (1, -1, True, "0"):
+        assert s.push(Push(0, fragment, _honest(0), TOK, 0, credential=CREDS[0])).reason == "fragment"  # type: ignore[arg-type]
+    assert s.push(Push(0, 0, _honest(0), True, 0, credential=CREDS[0])).reason == "tokens"
+    stats = s.stats()
+    assert stats["rejected_by_reason"] == {"type": 1, "identity": 1, "fragment": 4, "tokens": 1}
+    assert all(stats[f"{k}_tokens_by_island"] == [0.0] * 3 for k in ("merged", "stale", "rejected"))
+    # an authenticated push of a bad version is its island's claim: its tokens are rejected ones
+    assert s.push(Push(0, 0, _honest(0), TOK, True, credential=CREDS[0])).reason == "version"
+    assert s.stats()["rejected_tokens_by_island"] == [TOK, 0.0, 0.0]
+
+
 # --- the Ray syncer actor's class, used in this process (no Ray started) -------------------------------------
 def _service(fast_config: dict, creds: list[str]):  # noqa: ANN202
     pytest.importorskip("ray")
@@ -177,3 +218,25 @@ def test_on_ray_token_claims_are_bounded_by_the_steps_granted(fast_config: dict)
     pull = restarted.syncer.pull(0)
     assert not restarted.push(Push(1, 0, delta, h + 1, pull.version, session=session + 1, credential=creds[1]))[0]
     assert restarted.push(Push(1, 0, delta, h, pull.version, session=session + 1, credential=creds[1]))[0]
+
+
+def test_on_ray_bad_calls_are_refused_never_raised_as_index_errors(fast_config: dict) -> None:
+    creds = CREDS[:2]
+    config, svc = _service(fast_config, creds)
+    svc.reserve_step(1, creds[1])
+    delta = 1e-3 * svc.syncer.pull(0).params
+    seen = list(svc.last_seen)
+    for island in (99, 2, -1, "x", None, True):
+        assert svc.push(Push(island, 0, delta, 10, 0, credential=creds[1])) == (False, None)  # type: ignore[arg-type]
+        for call in (svc.reserve_step, svc.buffered):
+            with pytest.raises(ValueError, match=f"island {island!r} is not one of this run's islands 0..1"):
+                call(island)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="join: island"):
+            svc.join(island, creds[1])  # type: ignore[arg-type]
+    assert svc.push(Push(1, 5, delta, 10, 0, credential=creds[1])) == (False, None)  # no such fragment
+    assert svc.push(Push(0, 0, delta, 10, 0, credential=creds[1]))[0] is False  # forged: refused, answered
+    assert svc.push("not a push") == (False, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pull: fragment 7"):
+        svc.pull(7)
+    assert svc.last_seen == seen  # island -1 did not overwrite island 1's entry, a forged push not island 0's
+    assert svc.syncer.rejected_by_reason == {"island": 6, "fragment": 1, "identity": 1, "type": 1}

@@ -117,10 +117,10 @@ class SyncerService:
         for its pushes: :meth:`~atoll.strategies.decoupled.syncer.Syncer.rejoin`).
 
         Raises:
+            ValueError: ``island`` is not one of the run's.
             PermissionError: ``credential`` is not the island's (only the island may open its sessions).
         """
-        if not self.syncer.admission.identity(island, credential):
-            raise PermissionError(f"join: island {island}'s credential does not match; an island joins only as itself")
+        self._island("join", island, credential)
         now = self._now()
         self.joins[island] += 1
         if self.joins[island] > 1:
@@ -156,7 +156,12 @@ class SyncerService:
         return True, self._buffered(island)
 
     def buffered(self, island: int) -> list[int]:
-        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first)."""
+        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+        """
+        self._island("buffered", island)
         self._poll()
         return self._buffered(island)
 
@@ -166,13 +171,17 @@ class SyncerService:
     def push(self, msg: Push) -> tuple[bool, Pull | None]:
         """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
 
-        The answer comes back at once when the push is merged (it completed a quorum) or refused; while it
-        waits in the buffer the island pulls once :meth:`buffered` no longer lists it.
+        The answer comes back at once when the push is merged (it completed a quorum) or refused (None if it
+        named no island or fragment of the run); while it waits in the buffer the island pulls once
+        :meth:`buffered` no longer lists it. A bad push is refused and counted, never raised.
         """
         now = self._now()
-        self.last_seen[msg.island] = now
         self._poll()
         result = self.syncer.push(msg, now=now)
+        if result.reason in ("type", "island", "fragment"):
+            return False, None
+        if result.reason != "identity":  # the island's own call
+            self.last_seen[msg.island] = now
         if result.committed:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
@@ -180,7 +189,13 @@ class SyncerService:
         return result.accepted, self.syncer.pull(msg.fragment)
 
     def pull(self, fragment: int) -> Pull:
-        """The newest global fragment."""
+        """The newest global fragment.
+
+        Raises:
+            ValueError: ``fragment`` is not one of the run's.
+        """
+        if not (isinstance(fragment, int) and not isinstance(fragment, bool) and 0 <= fragment < self.syncer.fragments):
+            raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments 0..{self.syncer.fragments - 1}")
         self._poll()
         return self.syncer.pull(fragment)
 

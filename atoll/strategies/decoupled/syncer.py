@@ -105,6 +105,11 @@ class _Buffer:
     grace_s: float = math.inf
 
 
+def _index(x: Any, n: float) -> bool:
+    """Is ``x`` an int (not a bool) in ``0..n-1``?"""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n
+
+
 class Syncer:
     """Global parameters per fragment, merged asynchronously from validated, token-weighted island pushes.
 
@@ -207,10 +212,15 @@ class Syncer:
             now: the time of the push, seconds (simulated or real), for the grace window.
 
         Returns:
-            A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
+            A :class:`~atoll.strategies.decoupled.protocol.PushResult`: refused (with its reason) if it fails
+            validation; accepted if it entered the buffer, where it replaces the island's push still waiting
+            there if any (one push per island per merge). Never raises for what ``msg`` holds.
         """
+        if not isinstance(msg, Push):  # not a push at all (a runtime that deserializes anything it is sent)
+            self._refuse(None, None, "type", None)
+            return PushResult(False, "type")
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
-        warm = isinstance(fragment, int) and 0 <= fragment < self.fragments and self.bounds.warm(fragment)
+        warm = _index(fragment, self.fragments) and self.bounds.warm(fragment)
         reason = self._validate(island, fragment, delta, tokens, base_version, msg)
         if reason:
             self._refuse(island, fragment, reason, tokens)
@@ -253,13 +263,16 @@ class Syncer:
         self.bounds.reopen(tokens)
 
     def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
-        """Count and log a refused push (its tokens in the ``rejected`` bucket where they can be placed)."""
-        if reason != "island":
+        """Count and log a refused push: per island where it names one in range, and its tokens in the
+        ``rejected`` bucket where they are that island's claim (not a forged push's: ``identity``)."""
+        named = _index(island, self.islands)
+        if named:
             self.admission.rejected(island, reason)
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
-        log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
-        if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
+        log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
+        if named and reason != "identity" and _index(fragment, self.fragments) and _index(tokens, math.inf) \
+                and tokens > 0:
             self._count("rejected", island, fragment, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
@@ -277,27 +290,31 @@ class Syncer:
 
     def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, msg: Push) -> str:
         session, credential = msg.session, msg.credential
-        if not (isinstance(island, int) and 0 <= island < self.islands):
+        if not _index(island, self.islands):
             return "island"
         if not self.admission.identity(island, credential):
             return "identity"
-        if not (isinstance(fragment, int) and 0 <= fragment < self.fragments):
+        if not _index(fragment, self.fragments):
             return "fragment"
-        if not isinstance(delta, torch.Tensor):
+        # a plain dense tensor in CPU memory: a meta, sparse, nested or CUDA tensor, or a subclass, would make the
+        # checks below raise or run foreign code
+        if type(delta) is not torch.Tensor or delta.layout != torch.strided or delta.is_nested \
+                or delta.device.type != "cpu":
             return "type"
         if delta.dtype != torch.float32:
             return "dtype"
         if tuple(delta.shape) != (int(self.index[fragment].numel()),):
             return "shape"
-        if not bool(torch.isfinite(delta).all()):
+        if not bool(torch.isfinite(delta.detach()).all()):
             return "non_finite"
-        if not (isinstance(tokens, int) and tokens > 0):
+        if not (_index(tokens, math.inf) and tokens > 0):
             return "tokens"
-        if not (isinstance(base, int) and 0 <= base <= self.version(fragment)):
+        if not _index(base, self.version(fragment) + 1):
             return "version"
         if not self.admission.fresh(island, fragment, base, session):
             return "replay"
-        return self.bounds.check(island, fragment, float(delta.norm()), tokens, float(self.outer[fragment].params.norm()))
+        return self.bounds.check(island, fragment, float(delta.detach().norm()), tokens,
+                                 float(self.outer[fragment].params.norm()))
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:

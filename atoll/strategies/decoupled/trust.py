@@ -54,8 +54,11 @@ class Admission:
 
     def fresh(self, island: int, fragment: int, base_version: int, session: Any) -> bool:
         """Is the push of a later session than the island's present one, or of the present one from a
-        ``base_version`` newer than its last accepted push of ``fragment`` in it (not a replay)?"""
-        if not isinstance(session, int) or session < self.session[island]:
+        ``base_version`` newer than its last accepted push of ``fragment`` in it (not a replay)?
+
+        A later session is the island's to open (see the module docstring: this bounds replays by others,
+        not how often the island pushes)."""
+        if not isinstance(session, int) or isinstance(session, bool) or session < self.session[island]:
             return False
         return session > self.session[island] or base_version > self.last_base[island][fragment]
 
