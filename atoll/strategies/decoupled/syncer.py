@@ -32,17 +32,29 @@ overshoots (measured: README, "Asynchronous islands"). So by default (``scale_pa
 share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
 full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
 
-Every push is **validated** before it can reach a buffer: island in range and, with credentials, its own
-(:class:`~atoll.strategies.decoupled.trust.Admission`), fragment in range, a float32 tensor of the
-fragment's shape, finite values, tokens > 0, a version the syncer has issued and newer than the island's last
-accepted push of the fragment (no replay), and the bounds of
+Every push is checked as if it came from a stranger, and **validated** before it can reach a buffer: a
+:class:`~atoll.strategies.decoupled.protocol.Push` (else ``type``), island an int in range (not a bool) and,
+with credentials, its own (:class:`~atoll.strategies.decoupled.trust.Admission`), fragment an int in range, a
+plain dense tensor in CPU memory (a meta, sparse, nested or CUDA tensor, or a tensor subclass, is ``type``:
+the checks that follow would raise on it or run its code) of float32 and of the fragment's shape, finite
+values, tokens an int > 0, a version the syncer has issued and newer than the island's last accepted push of
+the fragment in its session (no replay), and the bounds of
 :class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (claims within what the island was
-granted, or within ``norm_bound`` x its declared push size) and a norm that the recent pushes of the fragment
-vouch for, whatever the islands' speeds. A rejected push is counted (:attr:`Syncer.rejected_updates`, by
-reason, and per island in ``rejected_by_island``), logged at WARNING on the ``atoll.syncer`` logger, and
-never touches the global parameters. A push that passes is still a claim of its sender's: ``robust_merge``
-(:func:`~atoll.algorithms.robust.robust_mean`: norm clipping, trimmed mean, median) bounds what a minority
-of in-bound hostile pushes can do to a merge; ``none`` (default) is the token-weighted mean.
+granted, or within ``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes
+of the fragment vouch for (one entry per island), whatever the islands' speeds. A refused push is counted
+(:attr:`Syncer.rejected_updates`, by reason, and per island in ``rejected_by_island`` where it names one),
+logged at WARNING on the ``atoll.syncer`` logger, and never touches the global parameters; no push, however
+malformed, makes :meth:`Syncer.push` raise.
+
+**One vote per island per merge.** An island may open sessions itself (a restarted island must be able to,
+:mod:`~atoll.strategies.decoupled.trust`), so its sessions do not limit how often it pushes. What it pushes
+is bounded per island instead: a fragment's buffer holds at most one push per island, and a newer accepted
+push of an island replaces the one it has waiting (counted in ``replaced_updates``; the replaced push's
+tokens go to the ``stale`` bucket), so however many pushes it sends, an island is one of the merge's
+islands, once; the norm bound is taken over the islands' entries, one each, so its pushes never set it;
+its token claims are bounded by its ledger. A push that passes is still a claim of its sender's:
+``robust_merge`` (:func:`~atoll.algorithms.robust.robust_mean`: norm clipping, trimmed mean, median) bounds
+what a minority of in-bound hostile islands can do to a merge; ``none`` (default) is the token-weighted mean.
 
 **Fairness of staleness.** Who arrives after a quorum has merged is the same island round after round when
 the islands run alike (a slower link, or only the order of ties): with a tight ``max_staleness`` it would be
@@ -54,8 +66,10 @@ an island pushes fresh (tried) moves the starvation to the others in turn: 3 isl
 ``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
 the credit kept (0% for the last island without any credit).
 
-**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` or
-``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`).
+**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` (dropped
+as stale, or replaced in its buffer) or ``rejected`` (:meth:`Syncer.stats`,
+:mod:`~atoll.strategies.decoupled.accounting`); a push that names no island of the run, or that is refused
+as forged (``identity``), is not the named island's claim and is counted in no bucket.
 
 :meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
 :meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that

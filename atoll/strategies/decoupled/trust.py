@@ -17,6 +17,15 @@ of an earlier session is a replay too. A push of a later session than the syncer
 checkpoint older than the island's join) opens that session: only the island's own pushes can, and a replay
 of any of them is still refused.
 
+**What sessions do not guard.** The island holds its credential, so it can open a session whenever it likes
+(a push of a later session, or ``join`` again on Ray), and push again from a version it has pushed from:
+the replay rule keeps a third party's copy of a push out, not the island's own repeated pushes. Those are
+bounded per island by the syncer instead (:mod:`~atoll.strategies.decoupled.syncer`): a buffer holds one push
+per island (a newer one replaces it), the norm bound keeps one entry per island
+(:mod:`~atoll.strategies.decoupled.bounds`), and the token ledger bounds its claims by the steps it was
+granted. So no session trick gives an island a second vote in a merge, a say in the norm bound beyond its
+own entry, or tokens it was not granted; this module stays the check of *who* pushes and of replays.
+
 Rejections are counted per island and reason (:attr:`Admission.rejected_by_island`), for the summary.
 """
 
