@@ -164,6 +164,9 @@ def test_not_a_push_and_forged_pushes_leave_no_tokens_in_a_bucket() -> None:
     stats = s.stats()
     assert stats["rejected_by_reason"] == {"type": 1, "identity": 1, "fragment": 4, "tokens": 1}
     assert all(stats[f"{k}_tokens_by_island"] == [0.0] * 3 for k in ("merged", "stale", "rejected"))
+    for i, round_s in ((1, "x"), (2, float("nan"))):  # a round time that is no number: taken as not measured
+        assert s.push(Push(i, 0, _honest(i), TOK, 0, round_s=round_s, credential=CREDS[i])).accepted  # type: ignore[arg-type]
+    assert not s.round_s
     # an authenticated push of a bad version is its island's claim: its tokens are rejected ones
     assert s.push(Push(0, 0, _honest(0), TOK, True, credential=CREDS[0])).reason == "version"
     assert s.stats()["rejected_tokens_by_island"] == [TOK, 0.0, 0.0]

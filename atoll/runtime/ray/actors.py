@@ -15,7 +15,7 @@ import torch
 from atoll.config import TrainConfig
 from atoll.strategies.decoupled import local_sync_every, make_syncer
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
-from atoll.strategies.decoupled.protocol import Pull, Push
+from atoll.strategies.decoupled.protocol import Pull, Push, is_index
 
 #: how often an actor may be restarted after its process died
 MAX_RESTARTS = 4
@@ -107,7 +107,7 @@ class SyncerService:
     def _island(self, call: str, island: Any, credential: Any = None) -> None:
         """Refuse a call that names no island of the run (ValueError) or, given a ``credential``, not its own
         (PermissionError); one-line messages."""
-        if not (isinstance(island, int) and not isinstance(island, bool) and 0 <= island < self.config.islands):
+        if not is_index(island, self.config.islands):
             raise ValueError(f"{call}: island {island!r} is not one of this run's islands 0..{self.config.islands - 1}")
         if credential is not None and not self.syncer.admission.identity(island, credential):
             raise PermissionError(f"{call}: island {island}'s credential does not match; an island calls only as itself")
@@ -194,7 +194,7 @@ class SyncerService:
         Raises:
             ValueError: ``fragment`` is not one of the run's.
         """
-        if not (isinstance(fragment, int) and not isinstance(fragment, bool) and 0 <= fragment < self.syncer.fragments):
+        if not is_index(fragment, self.syncer.fragments):
             raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments 0..{self.syncer.fragments - 1}")
         self._poll()
         return self.syncer.pull(fragment)

@@ -14,8 +14,7 @@ accepted pushes. It merges the buffer (one outer step) when
   islands measured on their own clocks (seconds from their pull to their next push), counted from the
   buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
   a merge up by at most about one round, never indefinitely. A round time is taken once per island and
-  buffer (a push that replaces the island's waiting one adds none and leaves the window as it was), so one
-  island's repeated pushes do not fill the recent round times with its own claims.
+  buffer, so one island's repeated pushes do not fill the recent ones.
 
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
 ``w_i = tokens_i · (1 + s_i)^(−a)``; the staleness ``s_i`` is how many outer steps of that fragment were
@@ -32,29 +31,22 @@ overshoots (measured: README, "Asynchronous islands"). So by default (``scale_pa
 share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
 full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
 
-Every push is checked as if it came from a stranger, and **validated** before it can reach a buffer: a
-:class:`~atoll.strategies.decoupled.protocol.Push` (else ``type``), island an int in range (not a bool) and,
-with credentials, its own (:class:`~atoll.strategies.decoupled.trust.Admission`), fragment an int in range, a
-plain dense tensor in CPU memory (a meta, sparse, nested or CUDA tensor, or a tensor subclass, is ``type``:
-the checks that follow would raise on it or run its code) of float32 and of the fragment's shape, finite
-values, tokens an int > 0, a version the syncer has issued and newer than the island's last accepted push of
-the fragment in its session (no replay), and the bounds of
-:class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (claims within what the island was
-granted, or within ``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes
-of the fragment vouch for (one entry per island), whatever the islands' speeds. A refused push is counted
-(:attr:`Syncer.rejected_updates`, by reason, and per island in ``rejected_by_island`` where it names one),
-logged at WARNING on the ``atoll.syncer`` logger, and never touches the global parameters; no push, however
-malformed, makes :meth:`Syncer.push` raise.
+Every push is checked as if from a stranger before it can reach a buffer: its form, sender and freshness
+(:meth:`Admission.refusal <atoll.strategies.decoupled.trust.Admission.refusal>`: an island and a fragment of
+the run, a plain float32 CPU tensor of the fragment's shape with finite values, tokens > 0, a version issued
+and newer than the island's last accepted push of the fragment in its session), then the bounds of
+:class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (within what it was granted, or
+``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes of the fragment
+vouch for (one entry per island), whatever the islands' speeds. A refused push is counted
+(:attr:`Syncer.rejected_updates`, by reason, and per island in ``rejected_by_island``), logged at WARNING on
+the ``atoll.syncer`` logger, and never touches the global parameters; no push makes :meth:`Syncer.push` raise.
 
-**One vote per island per merge.** An island may open sessions itself (a restarted island must be able to,
-:mod:`~atoll.strategies.decoupled.trust`), so its sessions do not limit how often it pushes. What it pushes
-is bounded per island instead: a fragment's buffer holds at most one push per island, and a newer accepted
-push of an island replaces the one it has waiting (counted in ``replaced_updates``; the replaced push's
-tokens go to the ``stale`` bucket), so however many pushes it sends, an island is one of the merge's
-islands, once; the norm bound is taken over the islands' entries, one each, so its pushes never set it;
-its token claims are bounded by its ledger. A push that passes is still a claim of its sender's:
-``robust_merge`` (:func:`~atoll.algorithms.robust.robust_mean`: norm clipping, trimmed mean, median) bounds
-what a minority of in-bound hostile islands can do to a merge; ``none`` (default) is the token-weighted mean.
+**One vote per island per merge.** A fragment's buffer holds one push per island: a newer accepted one
+replaces the one waiting (``replaced_updates``; its tokens go to the ``stale`` bucket), so an island that opens
+sessions itself gains no second vote (:mod:`~atoll.strategies.decoupled.trust`). A push that passes is still
+a claim of its sender's: ``robust_merge`` (:func:`~atoll.algorithms.robust.robust_mean`: clipping, trimmed
+mean, median) bounds what a minority of in-bound hostile islands can do to a merge; ``none`` (default) is the
+token-weighted mean.
 
 **Fairness of staleness.** Who arrives after a quorum has merged is the same island round after round when
 the islands run alike (a slower link, or only the order of ties): with a tight ``max_staleness`` it would be
@@ -66,10 +58,9 @@ an island pushes fresh (tried) moves the starvation to the others in turn: 3 isl
 ``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
 the credit kept (0% for the last island without any credit).
 
-**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` (dropped
-as stale, or replaced in its buffer) or ``rejected`` (:meth:`Syncer.stats`,
-:mod:`~atoll.strategies.decoupled.accounting`); a push that names no island of the run, or that is refused
-as forged (``identity``), is not the named island's claim and is counted in no bucket.
+**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` (or
+replaced) or ``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`); a forged push
+(``identity``) or one naming no island is no island's claim, and in no bucket.
 
 :meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
 :meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that
@@ -95,6 +86,7 @@ from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
+from atoll.strategies.decoupled.protocol import is_index as _index
 from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
@@ -119,11 +111,6 @@ class _Buffer:
     grace_s: float = math.inf
 
 
-def _index(x: Any, n: float) -> bool:
-    """Is ``x`` an int (not a bool) in ``0..n-1``?"""
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n
-
-
 class Syncer:
     """Global parameters per fragment, merged asynchronously from validated, token-weighted island pushes.
 
@@ -143,9 +130,8 @@ class Syncer:
         norm_bound: the factor of the token and norm bounds (:class:`~atoll.strategies.decoupled.bounds.PushBounds`).
         scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
             the module docstring); False: every merge steps with the full mean.
-        push_tokens: per island, the tokens of one honest push at its own H (tokens per step x
-            :func:`~atoll.strategies.decoupled.local_sync_every`), for the token bound until the runtime
-            opens a ledger (:meth:`grant`: both runtimes do); None: none declared.
+        push_tokens: per island, the tokens of one honest push at its own H, the token bound until the runtime
+            opens a ledger (:meth:`grant`); None: none declared.
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
         cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
@@ -176,6 +162,7 @@ class Syncer:
         self.scale_partial = scale_partial
         self.robust_merge, self.trim = robust_merge, trim
         self.numel = flat.numel()
+        self.numels = [int(i.numel()) for i in self.index]  # per fragment
         self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
         self.buffers = [_Buffer() for _ in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
@@ -226,16 +213,16 @@ class Syncer:
             now: the time of the push, seconds (simulated or real), for the grace window.
 
         Returns:
-            A :class:`~atoll.strategies.decoupled.protocol.PushResult`: refused (with its reason) if it fails
-            validation; accepted if it entered the buffer, where it replaces the island's push still waiting
-            there if any (one push per island per merge). Never raises for what ``msg`` holds.
+            A :class:`~atoll.strategies.decoupled.protocol.PushResult` (never raises for what ``msg`` holds);
+            accepted: it entered the buffer, replacing the island's push waiting there if any.
         """
         if not isinstance(msg, Push):  # not a push at all (a runtime that deserializes anything it is sent)
             self._refuse(None, None, "type", None)
             return PushResult(False, "type")
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
         warm = _index(fragment, self.fragments) and self.bounds.warm(fragment)
-        reason = self._validate(island, fragment, delta, tokens, base_version, msg)
+        reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
+            island, fragment, float(delta.detach().norm()), tokens, float(self.outer[fragment].params.norm()))
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
@@ -245,14 +232,13 @@ class Syncer:
         self.accepted_updates += 1
         buf = self.buffers[fragment]
         pending = _Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
-        mine = [j for j, p in enumerate(buf.pushes) if p.island == island]
-        if mine:  # one vote per island per merge: its newer push replaces the one waiting (same islands, window)
+        if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
             replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
             self.replaced_updates += 1
             self._count("stale", island, fragment, replaced.tokens)
             return PushResult(True)
-        if msg.round_s is not None and msg.round_s > 0 and math.isfinite(msg.round_s):  # once per island and buffer
-            self.round_s.append(float(msg.round_s))
+        if isinstance(r := msg.round_s, int | float) and not isinstance(r, bool) and 0 < r < math.inf:  # once per buffer
+            self.round_s.append(float(r))
         if not buf.pushes:
             buf.opened_at = now
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
@@ -270,23 +256,18 @@ class Syncer:
         self.bounds.grant(island, tokens)
 
     def grant_since_checkpoint(self, tokens: Sequence[int]) -> None:
-        """After a restart from a checkpoint: grant each island ``tokens[i]`` more, the steps its runtime
-        granted since the checkpoint (taken, and not in it); a checkpoint without a ledger opens it at each
-        island's claims so far (:meth:`PushBounds.reopen
-        <atoll.strategies.decoupled.bounds.PushBounds.reopen>`)."""
+        """Restarted from a checkpoint: ``tokens[i]`` granted to island i since (:class:`PushBounds` reopen)."""
         self.bounds.reopen(tokens)
 
     def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
-        """Count and log a refused push: per island where it names one in range, and its tokens in the
-        ``rejected`` bucket where they are that island's claim (not a forged push's: ``identity``)."""
+        """Count and log a refused push (per island if it names one; its tokens if its island's, not forged)."""
         named = _index(island, self.islands)
         if named:
             self.admission.rejected(island, reason)
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
         log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
-        if named and reason != "identity" and _index(fragment, self.fragments) and _index(tokens, math.inf) \
-                and tokens > 0:
+        if named and reason != "identity" and _index(fragment, self.fragments) and _index(tokens, math.inf):
             self._count("rejected", island, fragment, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
@@ -301,34 +282,6 @@ class Syncer:
 
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
         self.tokens_by_outcome[outcome][island] += tokens * int(self.index[fragment].numel()) / self.numel
-
-    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, msg: Push) -> str:
-        session, credential = msg.session, msg.credential
-        if not _index(island, self.islands):
-            return "island"
-        if not self.admission.identity(island, credential):
-            return "identity"
-        if not _index(fragment, self.fragments):
-            return "fragment"
-        # a plain dense tensor in CPU memory: a meta, sparse, nested or CUDA tensor, or a subclass, would make the
-        # checks below raise or run foreign code
-        if type(delta) is not torch.Tensor or delta.layout != torch.strided or delta.is_nested \
-                or delta.device.type != "cpu":
-            return "type"
-        if delta.dtype != torch.float32:
-            return "dtype"
-        if tuple(delta.shape) != (int(self.index[fragment].numel()),):
-            return "shape"
-        if not bool(torch.isfinite(delta.detach()).all()):
-            return "non_finite"
-        if not (_index(tokens, math.inf) and tokens > 0):
-            return "tokens"
-        if not _index(base, self.version(fragment) + 1):
-            return "version"
-        if not self.admission.fresh(island, fragment, base, session):
-            return "replay"
-        return self.bounds.check(island, fragment, float(delta.detach().norm()), tokens,
-                                 float(self.outer[fragment].params.norm()))
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:
@@ -396,8 +349,7 @@ class Syncer:
 
     # --- statistics and state -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counts for the run summary: commits, rejections, staleness, quorum sizes, token buckets
-        (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
+        """Counts for the run summary (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
         return syncer_stats(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -414,7 +366,8 @@ class Syncer:
             "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
             "stale_updates": self.stale_updates, "replaced_updates": self.replaced_updates,
-            "accepted_updates": self.accepted_updates, "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
+            "accepted_updates": self.accepted_updates, "commits": self.commits,
+            "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
             "merged_tokens": self.merged_tokens, "merged_tokens_per_island": list(self.merged_tokens_per_island),
             "merge_waits": [list(w) for w in self.merge_waits],
         }
@@ -437,9 +390,8 @@ class Syncer:
         self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
         self.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
         self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
-        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits"):
-            setattr(self, name, int(state[name]))
-        self.replaced_updates = int(state.get("replaced_updates", 0))
+        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
+            setattr(self, name, int(state.get(name, 0)))  # replaced_updates: absent from older checkpoints
         self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
         self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
         self.staleness = [int(x) for x in state["staleness"]]
