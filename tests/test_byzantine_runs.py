@@ -46,6 +46,10 @@ def test_on_ray_an_island_can_only_push_as_itself_and_once_per_version(fast_conf
         def push(island: int, credential: str) -> bool:
             return ray.get(syncer.push.remote(Push(island, 0, delta, tokens, 0, credential=credential)))[0]
 
+        with pytest.raises(ray.exceptions.RayTaskError, match="PermissionError"):  # a step granted to another
+            ray.get(syncer.reserve_step.remote(1, creds[0]))
+        for _ in range(2):  # the ledger: island 1 may claim the tokens of the steps it was granted
+            assert ray.get(syncer.reserve_step.remote(1, creds[1]))[0]
         assert not push(0, creds[1]), "island 1 pushing as island 0"
         assert not push(1, "")
         assert push(1, creds[1])
@@ -57,6 +61,7 @@ def test_on_ray_an_island_can_only_push_as_itself_and_once_per_version(fast_conf
         stats = ray.get(syncer.finish.remote())["stats"]
         assert stats["rejected_by_reason"] == {"identity": 2, "replay": 1}
         assert stats["rejected_by_island"] == {"identity": [1, 1], "replay": [0, 1]}
-        assert stats["commits"] == 1  # the two accepted pushes of island 1, merged at the end
+        assert stats["commits"] == 1 and stats["replaced_updates"] == 1  # island 1's second push replaced its first
+        assert stats["quorum_size_max"] == 1
     finally:
         ray.shutdown()

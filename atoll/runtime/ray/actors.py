@@ -13,9 +13,9 @@ import ray
 import torch
 
 from atoll.config import TrainConfig
-from atoll.strategies.decoupled import make_syncer
+from atoll.strategies.decoupled import local_sync_every, make_syncer
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
-from atoll.strategies.decoupled.protocol import Pull, Push
+from atoll.strategies.decoupled.protocol import Pull, Push, is_index
 
 #: how often an actor may be restarted after its process died
 MAX_RESTARTS = 4
@@ -27,6 +27,16 @@ class SyncerService:
     The run's clock starts when the first inner step of any island is granted (:meth:`reserve_step`), not when
     the actors start: preparing the data and the model in every actor, and Ray's start-up, are not training
     time. It is this process's monotonic clock, so no clocks of different nodes are compared.
+
+    Every call is checked as if from a stranger: an island index that is not one of the run's is refused
+    before anything is recorded for it (a push is refused and counted, as ``island``; :meth:`join`,
+    :meth:`reserve_step` and :meth:`buffered` raise ValueError), and only the island's credential opens a
+    session (:meth:`join`) or takes a step (:meth:`reserve_step`, else PermissionError). Each step granted is
+    entered in the syncer's token ledger (:meth:`~atoll.strategies.decoupled.syncer.Syncer.grant`, open from
+    the start), so an island's token claims are bounded by the steps it was granted, as in the local
+    simulation. The ledger is checkpointed with the syncer; a syncer restarted from its checkpoint grants
+    each island one push of tokens at its own H more (the steps it granted since that checkpoint were taken
+    and are not in it), so an honest push after a restart is not refused for its tokens.
 
     Args:
         config_json: the run's :class:`TrainConfig` as JSON.
@@ -56,12 +66,15 @@ class SyncerService:
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
         self.island_first_step_s: list[float | None] = [None] * self.config.islands
+        for island in range(self.config.islands):  # the token ledger holds from the first push on
+            self.syncer.grant(island, 0)
         try:  # a restart after a crash: continue from the last checkpoint (written at every commit)
             _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
         except CheckpointError:
             state = None
         if state is not None:
             self.syncer.load_state_dict(state["syncer"])
+            self.syncer.grant_since_checkpoint([h * self.config.tokens_per_step for h in local_sync_every(self.config)])
             service = state.get("service", {})
             self.reserved = int(service.get("reserved", 0))
             self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
@@ -91,15 +104,23 @@ class SyncerService:
         if self.syncer.poll(self._now()):
             self._save()
 
+    def _island(self, call: str, island: Any, credential: Any = None) -> None:
+        """Refuse a call that names no island of the run (ValueError) or, given a ``credential``, not its own
+        (PermissionError); one-line messages."""
+        if not is_index(island, self.config.islands):
+            raise ValueError(f"{call}: island {island!r} is not one of this run's islands 0..{self.config.islands - 1}")
+        if credential is not None and not self.syncer.admission.identity(island, credential):
+            raise PermissionError(f"{call}: island {island}'s credential does not match; an island calls only as itself")
+
     def join(self, island: int, credential: str = "") -> tuple[torch.Tensor, list[int], int, int]:
         """An island (re)starts: (global params (numel,), versions, its inner steps so far, its new session
         for its pushes: :meth:`~atoll.strategies.decoupled.syncer.Syncer.rejoin`).
 
         Raises:
+            ValueError: ``island`` is not one of the run's.
             PermissionError: ``credential`` is not the island's (only the island may open its sessions).
         """
-        if not self.syncer.admission.identity(island, credential):
-            raise PermissionError(f"join: island {island}'s credential does not match; an island joins only as itself")
+        self._island("join", island, credential)
         now = self._now()
         self.joins[island] += 1
         if self.joins[island] > 1:
@@ -109,18 +130,25 @@ class SyncerService:
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 self.steps_by_island[island], self.syncer.rejoin(island))
 
-    def reserve_step(self, island: int) -> tuple[bool, list[int]]:
-        """Take one inner step from the shared budget of ``islands x steps``.
+    def reserve_step(self, island: int, credential: str = "") -> tuple[bool, list[int]]:
+        """Take one inner step from the shared budget of ``islands x steps``; its tokens are granted to
+        ``island`` in the syncer's ledger (the bound of its token claims).
 
         Returns (False once the budget is spent; the fragments whose buffer still holds a push of
         ``island``, see :meth:`buffered`).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+            PermissionError: ``credential`` is not the island's.
         """
+        self._island("reserve_step", island, credential)
         self.last_seen[island] = self._now()
         self._poll()
         if self.reserved >= self.budget:
             return False, self._buffered(island)
         self.reserved += 1
         self.steps_by_island[island] += 1
+        self.syncer.grant(island, self.config.tokens_per_step)
         if self.island_first_step_s[island] is None:
             self.island_first_step_s[island] = self.last_seen[island]
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
@@ -128,7 +156,12 @@ class SyncerService:
         return True, self._buffered(island)
 
     def buffered(self, island: int) -> list[int]:
-        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first)."""
+        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+        """
+        self._island("buffered", island)
         self._poll()
         return self._buffered(island)
 
@@ -138,13 +171,17 @@ class SyncerService:
     def push(self, msg: Push) -> tuple[bool, Pull | None]:
         """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
 
-        The answer comes back at once when the push is merged (it completed a quorum) or refused; while it
-        waits in the buffer the island pulls once :meth:`buffered` no longer lists it.
+        The answer comes back at once when the push is merged (it completed a quorum) or refused (None if it
+        named no island or fragment of the run); while it waits in the buffer the island pulls once
+        :meth:`buffered` no longer lists it. A bad push is refused and counted, never raised.
         """
         now = self._now()
-        self.last_seen[msg.island] = now
         self._poll()
         result = self.syncer.push(msg, now=now)
+        if result.reason in ("type", "island", "fragment"):
+            return False, None
+        if result.reason != "identity":  # the island's own call
+            self.last_seen[msg.island] = now
         if result.committed:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
@@ -152,7 +189,13 @@ class SyncerService:
         return result.accepted, self.syncer.pull(msg.fragment)
 
     def pull(self, fragment: int) -> Pull:
-        """The newest global fragment."""
+        """The newest global fragment.
+
+        Raises:
+            ValueError: ``fragment`` is not one of the run's.
+        """
+        if not is_index(fragment, self.syncer.fragments):
+            raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments 0..{self.syncer.fragments - 1}")
         self._poll()
         return self.syncer.pull(fragment)
 
@@ -198,7 +241,7 @@ class RayTransport:
         self.bytes_sent = 0.0
 
     def reserve_step(self) -> bool:
-        go, self.buffered = ray.get(self.syncer.reserve_step.remote(self.island))
+        go, self.buffered = ray.get(self.syncer.reserve_step.remote(self.island, self.credential))
         return go
 
     def send(self, push: Push) -> None:

@@ -4,7 +4,8 @@ The buckets, per island, in tokens (each push's tokens times its fragment's shar
 ``useful_tokens``: a push of fragment p speaks for that share of the model):
 
 - ``merged_tokens_by_island``: merged into the global model (the syncer's ``merged`` bucket);
-- ``stale_tokens_by_island``: pushed, but dropped as staler than the island's limit;
+- ``stale_tokens_by_island``: pushed, but dropped as staler than the island's limit, or replaced in its
+  buffer by a newer push of the same island (one push per island per merge);
 - ``rejected_tokens_by_island``: pushed, but refused by validation (norm, tokens, shape, ...);
 - ``lost_tokens_by_island``: lost to a failure: not pushed yet when the island failed, or on the wire then;
 - ``in_flight_tokens_by_island``: pushed but still on the wire when the run stopped (only a run that gave
@@ -58,6 +59,7 @@ def syncer_stats(s: Any) -> dict[str, Any]:
         "rejected_updates": s.rejected_updates, "rejected_by_reason": dict(s.rejected_by_reason),
         "rejected_by_island": {k: list(v) for k, v in s.admission.rejected_by_island.items()},
         "robust_merge": s.robust_merge, "merge_s": s.merge_s, "stale_updates": s.stale_updates,
+        "replaced_updates": s.replaced_updates,
         "quorum": s.quorum, "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0,
         "quorum_size_min": min(qs, default=0), "quorum_size_max": max(qs, default=0),
         "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},

@@ -6,40 +6,51 @@ claims may be compared with the pushes of *other* islands as if they were alike.
 two bounds, each checked per push before it can reach a buffer:
 
 - **Tokens, per island.** With a ledger (the runtime calls :meth:`PushBounds.grant` for every inner step it
-  gives an island), the tokens an island claims for a fragment, summed over its pushes, never exceed the
-  tokens it was granted: exact, whatever its speed, its deferred pushes or its failures (a failed island
-  claims less). Without one, a push may claim at most ``norm_bound`` x the island's declared push size
+  gives an island: the local simulation's event loop, and on Ray the syncer's ``reserve_step``, which only
+  the island's credential opens), the tokens an island claims for a fragment, summed over its pushes (those
+  later replaced in a buffer or refused for their norm included), never exceed the tokens it was granted:
+  exact, whatever its speed, its deferred pushes, its failures (a failed island claims less) or the
+  sessions it opens. Without one, a push may claim at most ``norm_bound`` x the island's declared push size
   (``push_tokens``: its own H x tokens per step). Refused as ``tokens``.
-- **Norm, per fragment.** An honest pseudo-gradient's L2 norm grows with the inner steps behind it, at most
-  linearly (steps all aligned) and at least not at all (a saturated random walk): n(k) <= n(j) max(1, k/j)
-  for two honest pushes of k and j tokens, whatever the speeds. So each recent *accepted* push j (the
-  last ``islands`` of them per fragment: one round) vouches for a push of k tokens up to n_j max(1, k/k_j), and a push is
-  refused (``norm``) beyond ``norm_bound`` x the ``statistics.median_low`` of those allowances: a minority
-  of hostile pushes in the window never sets the bound (with 2 islands, median_low picks the honest one),
-  and refused pushes never enter the window, so pushes over the bound, however many, cannot raise it. The
-  honest growth of the updates (a learning-rate warmup) is followed by the accepted pushes, each within
-  ``norm_bound`` x its predecessors. Before a majority's round of pushes has been accepted (``islands`` // 2 +
-  1 of them; a dead or hostile island never holds the bound cold), there is no history to compare with: a
-  push is checked against ``cold_bound`` x the fragment's parameter norm only (default ``norm_bound``: an
-  honest first push can be close to the parameters' own norm, 0.5-0.8x in micro at H = 100), and again
-  when its buffer merges, against the pushes merged with it (:meth:`PushBounds.vet`: ``norm_bound`` x the
-  median_low of their allowances), as later pushes are against the recently accepted ones (a push merged
-  alone, with a quorum of 1, meets the parameters' bound only). Claiming more tokens buys at most the
-  declared size (or the ledger), claiming fewer buys nothing (the allowance never falls below n_j).
+- **Norm, per fragment, one entry per island.** An honest pseudo-gradient's L2 norm grows with the inner
+  steps behind it, at most linearly (steps all aligned) and at least not at all (a saturated random walk):
+  n(k) <= n(j) max(1, k/j) for two honest pushes of k and j tokens, whatever the speeds. So the history of a
+  fragment holds, per island, its most recent *accepted* push (n_j, k_j), which vouches for a push of k
+  tokens up to n_j max(1, k/k_j), and a push is refused (``norm``) beyond ``norm_bound`` x the
+  ``statistics.median_low`` over the islands' entries of those allowances. An island's pushes, however many
+  (it may open new sessions itself, :mod:`~atoll.strategies.decoupled.trust`), only replace its own entry,
+  so a minority of islands never sets the bound (with 2 islands, median_low picks the smaller entry), and
+  refused pushes never enter the history, so pushes over the bound cannot raise it. The honest growth of
+  the updates (a learning-rate warmup) is followed by the accepted pushes, each within ``norm_bound`` x the
+  islands' previous ones. An entry stays until its island's next accepted push (a dead island's last entry
+  still counts; median_low lets a minority of such entries set nothing either).
+
+  Before a majority of distinct islands (``islands`` // 2 + 1) has an entry (a dead or hostile island never
+  holds the bound cold), there is no history to compare with: a push is checked against ``cold_bound`` x
+  the fragment's parameter norm only (default ``norm_bound``: an honest first push can be close to the
+  parameters' own norm), and again when its buffer merges, against the pushes merged with it
+  (:meth:`PushBounds.vet`: ``norm_bound`` x the median_low of their allowances; the buffer holds one push
+  per island), as later pushes are against the islands' entries (a push merged alone, with a quorum of 1,
+  meets the parameters' bound only). Claiming more tokens buys at most the declared size (or the ledger),
+  claiming fewer buys nothing (the allowance never falls below n_j).
+
+The history is part of :meth:`PushBounds.state_dict` (``latest``); a checkpoint written before it was kept
+per island (a ``window`` of the last pushes, whoever sent them) loads with an empty history: the fragments
+are cold again until a majority of islands has pushed, and the cold bound applies meanwhile.
 
 This replaces norms per token compared with the median of recent pushes, which, across islands of unequal
-speeds, refused the honest pushes of the fast (tokens) or of the slow (norm per token) islands.
+speeds, refused the honest pushes of the fast (tokens) or of the slow (norm per token) islands, and a window
+of the last pushes of a fragment, whoever sent them, which one island filled with its own pushes.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-#: recent pushes kept per fragment for the norm bound (and round times kept for the grace window)
+#: round times kept for the grace window (:class:`~atoll.strategies.decoupled.syncer.Syncer`)
 WINDOW = 32
 
 
@@ -60,23 +71,35 @@ class PushBounds:
         self.islands, self.norm_bound = islands, norm_bound
         self.cold_bound = norm_bound if cold_bound is None else cold_bound
         self.push_tokens = list(push_tokens) if push_tokens is not None else None
-        self.window: list[deque[tuple[float, int]]] = [deque(maxlen=WINDOW) for _ in range(fragments)]
+        # per fragment and island: its most recent accepted push (L2 norm, tokens), None before its first
+        self.latest: list[list[tuple[float, int] | None]] = [[None] * islands for _ in range(fragments)]
         self.granted: list[int] | None = None          # per island: tokens granted (None: no ledger)
         self.claimed = [[0] * fragments for _ in range(islands)]  # per island and fragment: tokens claimed
 
     def grant(self, island: int, tokens: int) -> None:
-        """The runtime gave ``island`` ``tokens`` more tokens to train on (one inner step's): the ledger."""
+        """The runtime gave ``island`` ``tokens`` more tokens to train on (one inner step's): the ledger.
+
+        The first grant opens the ledger for every island (until then only ``push_tokens`` bounds a claim);
+        ``tokens`` 0 opens it without granting anything."""
         if self.granted is None:
             self.granted = [0] * self.islands
         self.granted[island] += int(tokens)
+
+    def reopen(self, tokens: Sequence[int]) -> None:
+        """After a restart from a checkpoint: grant each island ``tokens[i]`` more (the steps granted since the
+        checkpoint); without a ledger in the checkpoint, open one at each island's largest claim so far."""
+        if self.granted is None:
+            self.granted = [max(c, default=0) for c in self.claimed]
+        for island, t in enumerate(tokens):
+            self.granted[island] += int(t)
 
     def check(self, island: int, fragment: int, norm: float, tokens: int, params_norm: float) -> str:
         """Why a push of ``tokens`` tokens and L2 norm ``norm`` is refused ("tokens", "norm"), or "".
 
         ``params_norm``: the fragment's global parameter norm (the bound of the first round). The tokens of a
-        push that reaches the norm check count as claimed; a push within the norm bound enters the window
-        (the caller refuses it for no other reason after this check) if the fragment is :meth:`warm`; before,
-        the caller vets it when it merges (:meth:`vet`).
+        push that reaches the norm check count as claimed; a push within the norm bound becomes its island's
+        entry of the history (the caller refuses it for no other reason after this check) if the fragment is
+        :meth:`warm`; before, the caller vets it when it merges (:meth:`vet`).
         """
         if self.granted is not None:
             if self.claimed[island][fragment] + tokens > self.granted[island]:
@@ -84,42 +107,49 @@ class PushBounds:
         elif self.push_tokens is not None and tokens > self.norm_bound * self.push_tokens[island]:
             return "tokens"
         self.claimed[island][fragment] += tokens
-        recent = self.window[fragment]
-        if self.warm(fragment):  # a majority's round of pushes accepted: what the recent ones vouch for
-            last = list(recent)[-self.islands:]  # the last round's: a warmup's growth lags one round at most
-            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k in last)
+        warm = self.warm(fragment)
+        if warm:  # a majority of islands has an entry: what their most recent pushes vouch for
+            entries = [e for e in self.latest[fragment] if e is not None]
+            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k in entries)
         else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
             bound = self.cold_bound * params_norm if params_norm > 0 else math.inf
         if norm > bound:
             return "norm"
-        if self.warm(fragment):
-            recent.append((norm, tokens))
+        if warm:
+            self.latest[fragment][island] = (norm, tokens)
         return ""
 
     def warm(self, fragment: int) -> bool:
-        """Has a majority's round of pushes (``islands`` // 2 + 1) of ``fragment`` been accepted?"""
-        return len(self.window[fragment]) >= self.islands // 2 + 1
+        """Has a majority of distinct islands (``islands`` // 2 + 1) an accepted push of ``fragment``?"""
+        return sum(e is not None for e in self.latest[fragment]) >= self.islands // 2 + 1
 
-    def vet(self, fragment: int, pushes: Sequence[tuple[float, int, bool]]) -> list[bool]:
-        """At a merge: which of the buffer's ``pushes`` (L2 norm, tokens, checked by a warm window) pass.
+    def vet(self, fragment: int, pushes: Sequence[tuple[int, float, int, bool]]) -> list[bool]:
+        """At a merge: which of the buffer's ``pushes`` (island, L2 norm, tokens, checked against a warm
+        history; one per island) pass.
 
         A push accepted before the fragment was warm passes if its norm is within ``norm_bound`` x the
         ``statistics.median_low`` of what the buffer's pushes vouch for (n_j max(1, k/k_j)); those that pass
-        enter the window. Pushes checked by a warm window pass.
+        become their islands' entries. Pushes checked against a warm history pass.
         """
         ok = []
-        for norm, tokens, checked in pushes:
-            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k, _ in pushes)
+        for island, norm, tokens, checked in pushes:
+            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for _, n, k, _ in pushes)
             ok.append(checked or norm <= bound)
             if ok[-1] and not checked:
-                self.window[fragment].append((norm, tokens))
+                self.latest[fragment][island] = (norm, tokens)
         return ok
 
     def state_dict(self) -> dict[str, Any]:
-        return {"window": [[list(x) for x in w] for w in self.window], "granted": self.granted,
-                "claimed": [list(c) for c in self.claimed]}
+        return {"latest": [[None if e is None else list(e) for e in f] for f in self.latest],
+                "granted": self.granted, "claimed": [list(c) for c in self.claimed]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window = [deque(((float(n), int(k)) for n, k in w), maxlen=WINDOW) for w in state["window"]]
+        """Restore :meth:`state_dict`; an older checkpoint's ``window`` (not per island) loads as no history
+        (cold: the fragments' cold bound until a majority of islands has pushed again)."""
+        fragments = len(self.latest)
+        if "latest" in state:
+            self.latest = [[None if e is None else (float(e[0]), int(e[1])) for e in f] for f in state["latest"]]
+        else:
+            self.latest = [[None] * self.islands for _ in range(fragments)]
         self.granted = None if state["granted"] is None else [int(x) for x in state["granted"]]
         self.claimed = [[int(x) for x in c] for c in state["claimed"]]

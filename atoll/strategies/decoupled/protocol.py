@@ -3,12 +3,14 @@
 An island *pushes* one fragment's pseudo-gradient (:class:`Push`) and is answered with the merged global
 fragment (:class:`Pull`) once its push was merged, or at once if it was refused; the syncer reports what it
 did with each push (:class:`PushResult`). Tensors are float32 on the CPU; token counts are tokens trained;
-versions count the outer steps committed to a fragment.
+versions count the outer steps committed to a fragment. A push is checked as if from a stranger: its indices
+and counts must be ints (:func:`is_index`, never bools) and its Δ a plain tensor (:func:`tensor_refusal`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,3 +69,24 @@ class PushResult:
     accepted: bool
     reason: str = ""
     committed: int = 0
+
+
+def is_index(x: Any, n: float) -> bool:
+    """Is ``x`` an int (not a bool) in ``0..n-1`` (an island, a fragment, a count or a version)?"""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n
+
+
+def tensor_refusal(delta: Any, numel: int) -> str:
+    """Why ``delta`` is not a push's Δ of ``numel`` values (``type``, ``dtype``, ``shape``, ``non_finite``), or "".
+
+    Only a plain dense float32 tensor in CPU memory is taken: a meta, sparse, nested or CUDA tensor, or a
+    tensor subclass, is ``type`` (checking its values would raise, or run the subclass's code).
+    """
+    if type(delta) is not torch.Tensor or delta.layout != torch.strided or delta.is_nested \
+            or delta.device.type != "cpu":
+        return "type"
+    if delta.dtype != torch.float32:
+        return "dtype"
+    if tuple(delta.shape) != (numel,):
+        return "shape"
+    return "" if bool(torch.isfinite(delta.detach()).all()) else "non_finite"

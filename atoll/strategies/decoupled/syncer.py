@@ -13,7 +13,8 @@ accepted pushes. It merges the buffer (one outer step) when
 - the buffer's **grace window** closes: ``grace_factor`` x the median of the recent round times the
   islands measured on their own clocks (seconds from their pull to their next push), counted from the
   buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
-  a merge up by at most about one round, never indefinitely.
+  a merge up by at most about one round, never indefinitely. A round time is taken once per island and
+  buffer, so one island's repeated pushes do not fill the recent ones.
 
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
 ``w_i = tokens_i · (1 + s_i)^(−a)``; the staleness ``s_i`` is how many outer steps of that fragment were
@@ -30,17 +31,22 @@ overshoots (measured: README, "Asynchronous islands"). So by default (``scale_pa
 share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
 full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
 
-Every push is **validated** before it can reach a buffer: island in range and, with credentials, its own
-(:class:`~atoll.strategies.decoupled.trust.Admission`), fragment in range, a float32 tensor of the
-fragment's shape, finite values, tokens > 0, a version the syncer has issued and newer than the island's last
-accepted push of the fragment (no replay), and the bounds of
-:class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (claims within what the island was
-granted, or within ``norm_bound`` x its declared push size) and a norm that the recent pushes of the fragment
-vouch for, whatever the islands' speeds. A rejected push is counted (:attr:`Syncer.rejected_updates`, by
-reason, and per island in ``rejected_by_island``), logged at WARNING on the ``atoll.syncer`` logger, and
-never touches the global parameters. A push that passes is still a claim of its sender's: ``robust_merge``
-(:func:`~atoll.algorithms.robust.robust_mean`: norm clipping, trimmed mean, median) bounds what a minority
-of in-bound hostile pushes can do to a merge; ``none`` (default) is the token-weighted mean.
+Every push is checked as if from a stranger before it can reach a buffer: its form, sender and freshness
+(:meth:`Admission.refusal <atoll.strategies.decoupled.trust.Admission.refusal>`: an island and a fragment of
+the run, a plain float32 CPU tensor of the fragment's shape with finite values, tokens > 0, a version issued
+and newer than the island's last accepted push of the fragment in its session), then the bounds of
+:class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (within what it was granted, or
+``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes of the fragment
+vouch for (one entry per island), whatever the islands' speeds. A refused push is counted
+(:attr:`Syncer.rejected_updates`, by reason, and per island in ``rejected_by_island``), logged at WARNING on
+the ``atoll.syncer`` logger, and never touches the global parameters; no push makes :meth:`Syncer.push` raise.
+
+**One vote per island per merge.** A fragment's buffer holds one push per island: a newer accepted one
+replaces the one waiting (``replaced_updates``; its tokens go to the ``stale`` bucket), so an island that opens
+sessions itself gains no second vote (:mod:`~atoll.strategies.decoupled.trust`). A push that passes is still
+a claim of its sender's: ``robust_merge`` (:func:`~atoll.algorithms.robust.robust_mean`: clipping, trimmed
+mean, median) bounds what a minority of in-bound hostile islands can do to a merge; ``none`` (default) is the
+token-weighted mean.
 
 **Fairness of staleness.** Who arrives after a quorum has merged is the same island round after round when
 the islands run alike (a slower link, or only the order of ties): with a tight ``max_staleness`` it would be
@@ -52,8 +58,9 @@ an island pushes fresh (tried) moves the starvation to the others in turn: 3 isl
 ``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
 the credit kept (0% for the last island without any credit).
 
-**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` or
-``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`).
+**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` (or
+replaced) or ``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`); a forged push
+(``identity``) or one naming no island is no island's claim, and in no bucket.
 
 :meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
 :meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that
@@ -79,6 +86,7 @@ from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
+from atoll.strategies.decoupled.protocol import is_index as _index
 from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
@@ -122,9 +130,8 @@ class Syncer:
         norm_bound: the factor of the token and norm bounds (:class:`~atoll.strategies.decoupled.bounds.PushBounds`).
         scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
             the module docstring); False: every merge steps with the full mean.
-        push_tokens: per island, the tokens of one honest push at its own H (tokens per step x
-            :func:`~atoll.strategies.decoupled.local_sync_every`), for the token bound where the runtime
-            keeps no ledger (:meth:`grant`); None: none declared.
+        push_tokens: per island, the tokens of one honest push at its own H, the token bound until the runtime
+            opens a ledger (:meth:`grant`); None: none declared.
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
         cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
@@ -155,6 +162,7 @@ class Syncer:
         self.scale_partial = scale_partial
         self.robust_merge, self.trim = robust_merge, trim
         self.numel = flat.numel()
+        self.numels = [int(i.numel()) for i in self.index]  # per fragment
         self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
         self.buffers = [_Buffer() for _ in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
@@ -165,6 +173,7 @@ class Syncer:
         self.rejected_updates = 0
         self.rejected_by_reason: dict[str, int] = {}
         self.stale_updates = 0
+        self.replaced_updates = 0  # accepted pushes replaced in their buffer by a newer one of the same island
         self.accepted_updates = 0
         self.commits = 0
         self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
@@ -204,11 +213,16 @@ class Syncer:
             now: the time of the push, seconds (simulated or real), for the grace window.
 
         Returns:
-            A :class:`~atoll.strategies.decoupled.protocol.PushResult`.
+            A :class:`~atoll.strategies.decoupled.protocol.PushResult` (never raises for what ``msg`` holds);
+            accepted: it entered the buffer, replacing the island's push waiting there if any.
         """
+        if not isinstance(msg, Push):  # not a push at all (a runtime that deserializes anything it is sent)
+            self._refuse(None, None, "type", None)
+            return PushResult(False, "type")
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
-        warm = isinstance(fragment, int) and 0 <= fragment < self.fragments and self.bounds.warm(fragment)
-        reason = self._validate(island, fragment, delta, tokens, base_version, msg)
+        warm = _index(fragment, self.fragments) and self.bounds.warm(fragment)
+        reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
+            island, fragment, float(delta.detach().norm()), tokens, float(self.outer[fragment].params.norm()))
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
@@ -216,14 +230,20 @@ class Syncer:
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
         self.accepted_updates += 1
-        if msg.round_s is not None and msg.round_s > 0 and math.isfinite(msg.round_s):
-            self.round_s.append(float(msg.round_s))
         buf = self.buffers[fragment]
+        pending = _Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
+        if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
+            replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
+            self.replaced_updates += 1
+            self._count("stale", island, fragment, replaced.tokens)
+            return PushResult(True)
+        if isinstance(r := msg.round_s, int | float) and not isinstance(r, bool) and 0 < r < math.inf:  # once per buffer
+            self.round_s.append(float(r))
         if not buf.pushes:
             buf.opened_at = now
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
-        buf.pushes.append(_Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm))
-        if len({p.island for p in buf.pushes}) >= self.quorum:
+        buf.pushes.append(pending)
+        if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
@@ -235,14 +255,19 @@ class Syncer:
         """The runtime gave ``island`` ``tokens`` more to train on: the ledger of its claims (:class:`PushBounds`)."""
         self.bounds.grant(island, tokens)
 
+    def grant_since_checkpoint(self, tokens: Sequence[int]) -> None:
+        """Restarted from a checkpoint: ``tokens[i]`` granted to island i since (:class:`PushBounds` reopen)."""
+        self.bounds.reopen(tokens)
+
     def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
-        """Count and log a refused push (its tokens in the ``rejected`` bucket where they can be placed)."""
-        if reason != "island":
+        """Count and log a refused push (per island if it names one; its tokens if its island's, not forged)."""
+        named = _index(island, self.islands)
+        if named:
             self.admission.rejected(island, reason)
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
-        log.warning("syncer: rejected a push of island %s, fragment %s: %s", island, fragment, reason)
-        if reason not in ("island", "fragment") and isinstance(tokens, int) and tokens > 0:
+        log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
+        if named and reason != "identity" and _index(fragment, self.fragments) and _index(tokens, math.inf):
             self._count("rejected", island, fragment, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
@@ -257,30 +282,6 @@ class Syncer:
 
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
         self.tokens_by_outcome[outcome][island] += tokens * int(self.index[fragment].numel()) / self.numel
-
-    def _validate(self, island: int, fragment: int, delta: Any, tokens: int, base: int, msg: Push) -> str:
-        session, credential = msg.session, msg.credential
-        if not (isinstance(island, int) and 0 <= island < self.islands):
-            return "island"
-        if not self.admission.identity(island, credential):
-            return "identity"
-        if not (isinstance(fragment, int) and 0 <= fragment < self.fragments):
-            return "fragment"
-        if not isinstance(delta, torch.Tensor):
-            return "type"
-        if delta.dtype != torch.float32:
-            return "dtype"
-        if tuple(delta.shape) != (int(self.index[fragment].numel()),):
-            return "shape"
-        if not bool(torch.isfinite(delta).all()):
-            return "non_finite"
-        if not (isinstance(tokens, int) and tokens > 0):
-            return "tokens"
-        if not (isinstance(base, int) and 0 <= base <= self.version(fragment)):
-            return "version"
-        if not self.admission.fresh(island, fragment, base, session):
-            return "replay"
-        return self.bounds.check(island, fragment, float(delta.norm()), tokens, float(self.outer[fragment].params.norm()))
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:
@@ -310,7 +311,7 @@ class Syncer:
         if now is not None and pushes:
             self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
-            ok = self.bounds.vet(fragment, [(float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
+            ok = self.bounds.vet(fragment, [(p.island, float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
             for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
                 self._refuse(p.island, fragment, "norm", p.tokens)
             pushes = [p for p, good in zip(pushes, ok, strict=True) if good]
@@ -348,8 +349,7 @@ class Syncer:
 
     # --- statistics and state -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counts for the run summary: commits, rejections, staleness, quorum sizes, token buckets
-        (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
+        """Counts for the run summary (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
         return syncer_stats(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -365,8 +365,9 @@ class Syncer:
             "stale_credit": [list(c) for c in self.stale_credit],
             "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
-            "stale_updates": self.stale_updates, "accepted_updates": self.accepted_updates,
-            "commits": self.commits, "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
+            "stale_updates": self.stale_updates, "replaced_updates": self.replaced_updates,
+            "accepted_updates": self.accepted_updates, "commits": self.commits,
+            "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
             "merged_tokens": self.merged_tokens, "merged_tokens_per_island": list(self.merged_tokens_per_island),
             "merge_waits": [list(w) for w in self.merge_waits],
         }
@@ -389,8 +390,8 @@ class Syncer:
         self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
         self.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
         self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
-        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits"):
-            setattr(self, name, int(state[name]))
+        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
+            setattr(self, name, int(state.get(name, 0)))  # replaced_updates: absent from older checkpoints
         self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
         self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
         self.staleness = [int(x) for x in state["staleness"]]

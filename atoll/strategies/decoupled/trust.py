@@ -17,14 +17,29 @@ of an earlier session is a replay too. A push of a later session than the syncer
 checkpoint older than the island's join) opens that session: only the island's own pushes can, and a replay
 of any of them is still refused.
 
-Rejections are counted per island and reason (:attr:`Admission.rejected_by_island`), for the summary.
+**What sessions do not guard.** The island holds its credential, so it can open a session whenever it likes
+(a push of a later session, or ``join`` again on Ray), and push again from a version it has pushed from:
+the replay rule keeps a third party's copy of a push out, not the island's own repeated pushes. Those are
+bounded per island by the syncer instead (:mod:`~atoll.strategies.decoupled.syncer`): a buffer holds one push
+per island (a newer one replaces it), the norm bound keeps one entry per island
+(:mod:`~atoll.strategies.decoupled.bounds`), and the token ledger bounds its claims by the steps it was
+granted. So no session trick gives an island a second vote in a merge, a say in the norm bound beyond its
+own entry, or tokens it was not granted; this module stays the check of *who* pushes and of replays.
+
+:meth:`Admission.refusal` is the syncer's check of a push before its bounds: its form (an island and a
+fragment of the run, :func:`~atoll.strategies.decoupled.protocol.tensor_refusal`, ints for its counts and
+version, never bools), then who sent it, then whether it is a replay. Rejections are counted per island and
+reason (:attr:`Admission.rejected_by_island`), for the summary.
 """
 
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Sequence
 from typing import Any
+
+from atoll.strategies.decoupled.protocol import Push, is_index, tensor_refusal
 
 
 class Admission:
@@ -52,10 +67,33 @@ class Admission:
         return isinstance(credential, str) and hmac.compare_digest(credential.encode(),
                                                                    self.credentials[island].encode())
 
+    def refusal(self, msg: Push, numels: Sequence[int], versions: Sequence[int]) -> str:
+        """Why the syncer refuses ``msg`` before its bounds, or "": ``island`` (not an index of the run),
+        ``identity``, ``fragment``, its Δ's (``type``, ``dtype``, ``shape``, ``non_finite``), ``tokens``,
+        ``version`` (not one the syncer issued) or ``replay``. ``numels``, ``versions``: per fragment, its
+        values and outer steps committed."""
+        island, fragment, base = msg.island, msg.fragment, msg.base_version
+        if not is_index(island, self.islands):
+            return "island"
+        if not self.identity(island, msg.credential):
+            return "identity"
+        if not is_index(fragment, len(numels)):
+            return "fragment"
+        if reason := tensor_refusal(msg.delta, numels[fragment]):
+            return reason
+        if not (is_index(msg.tokens, math.inf) and msg.tokens > 0):
+            return "tokens"
+        if not is_index(base, versions[fragment] + 1):
+            return "version"
+        return "" if self.fresh(island, fragment, base, msg.session) else "replay"
+
     def fresh(self, island: int, fragment: int, base_version: int, session: Any) -> bool:
         """Is the push of a later session than the island's present one, or of the present one from a
-        ``base_version`` newer than its last accepted push of ``fragment`` in it (not a replay)?"""
-        if not isinstance(session, int) or session < self.session[island]:
+        ``base_version`` newer than its last accepted push of ``fragment`` in it (not a replay)?
+
+        A later session is the island's to open (see the module docstring: this bounds replays by others,
+        not how often the island pushes)."""
+        if not isinstance(session, int) or isinstance(session, bool) or session < self.session[island]:
             return False
         return session > self.session[island] or base_version > self.last_base[island][fragment]
 
