@@ -24,6 +24,8 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("huge-seed", None, ["--seed", "99999999999999999999"], "seed"),
     ("zero-islands", None, ["--islands", "0"], "islands"),
     ("negative-steps", None, ["--steps", "-3"], "steps"),
+    ("huge-steps", None, ["--steps", "99999999999999999999"], "steps: input should be less than or equal to 1000000000"),
+    ("huge-sync-every", None, ["--sync-every", "99999999999999999999"], "sync_every"),
     ("unknown-codec", None, ["--codec", "int3"], "codec"),
     ("missing-data", None, ["--data", "/nonexistent/corpus.txt"], "data"),
     ("unknown-data-type", None, ["--data", "__FILE__.bin"], "data"),
