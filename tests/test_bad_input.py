@@ -18,6 +18,13 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("toml-true-for-a-path", "cache_dir = true\n", [], "cache_dir"),
     ("toml-unknown-key", "sync_evry = 5\n", [], "sync_evry"),
     ("toml-string-for-an-int", 'eval_every = "many"\n', [], "eval_every"),
+    # a TOML value has a type: a number in quotes, a float for a whole number, text for a switch are refused
+    ("toml-string-for-a-float", 'lr = "1e-3"\n', [], "lr: the string '1e-3' in '"),
+    ("toml-number-in-quotes-for-an-int", 'warmup_steps = "0"\n', [], "warmup_steps: the string '0' in '"),
+    ("toml-float-for-an-int", "eval_batches = 2.0\n", [], "eval_batches: the float 2.0 in '"),
+    ("toml-float-for-an-int-set-by-a-flag", "seq_len = 32.0\n", [], "seq_len: the float 32.0 in '"),
+    ("toml-string-for-a-switch", 'compile = "yes"\n', [], "compile: the string 'yes' in '"),
+    ("toml-number-for-a-switch", "compile = 1\n", [], "compile: the number 1 in '"),
     ("toml-syntax", "steps = \n", [], "config"),
     ("infinite-lr", None, ["--lr", "inf"], "lr"),
     ("nan-outer-lr", None, ["--outer-lr", "nan"], "outer_lr"),
