@@ -182,6 +182,19 @@ def test_report_of_a_file_names_the_run_not_the_png(tmp_path: Path) -> None:
     assert notes.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_report_into_a_missing_folder_is_refused_not_made(tmp_path: Path) -> None:
+    """``atoll report RUN --out /nonexistent/dir/x.png`` made the missing folders; a typo should not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"event": "eval", "step": 1, "tokens": 8, "eval_loss": 5.0}\n')
+    out = tmp_path / "no" / "such" / "x.png"
+    r = run_cli("report", str(run), "--out", str(out))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"atoll: error: out: the folder '{out.parent}' does not exist; make it first (mkdir -p '{out.parent}') or "
+        "pass --out in an existing folder"), r.stderr
+    assert not (tmp_path / "no").exists() and sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
 def test_resume_with_another_out_is_refused_not_ignored(tmp_path: Path) -> None:
     """``--resume RUN --out OTHER`` used to resume RUN in place and drop --out without a word."""
     from atoll.config import build_config, load_run_config
