@@ -40,6 +40,13 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("random-bytes-as-text", None, ["--data", "__RANDOM__"], "data"),
     ("model-config-wrong-type", None, ["--model", "__BADCONFIG__", "--tokenizer", "bpe"], "model"),
     ("model-weights-truncated", None, ["--model", "__TRUNCATED__", "--tokenizer", "bpe"], "model"),
+    # weights that lack tensors the config names: transformers would start them at random
+    ("model-weights-lack-a-layer", None, ["--model", "__MISSING__", "--tokenizer", "bpe"],
+     "model: '__MISSING__' lacks 9 of the model's weight tensors (model.layers.1.input_layernorm.weight, "
+     "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight and 6 more), which would start at "
+     "random"),
+    ("model-config-deeper-than-its-weights", None, ["--model", "__DEEPER__", "--tokenizer", "bpe"],
+     "model: '__DEEPER__' lacks 18 of the model's weight tensors (model.layers.2."),
     # The folder's own tokenizer is loaded first: a damaged config.json is still the model's, not the tokenizer's.
     ("model-config-syntax-with-tokenizer", None, ["--model", "__SYNTAX_TOK__"], "model: '__SYNTAX_TOK__/config.json'"),
     ("model-config-wrong-type-with-tokenizer", None, ["--model", "__TYPES_TOK__"], "model: '__TYPES_TOK__/config.json'"),
@@ -98,13 +105,16 @@ def _damaged_folders_with_tokenizer(root: Path) -> dict[str, str]:
 
 
 def _damaged_model_folders(root: Path) -> dict[str, str]:
-    """A saved model whose config.json has a string for a number, and one whose weights are cut in half."""
+    """Saved micro models (2 layers, tied embeddings): config.json with a string for a number; weights cut in
+    half; weights without layer 1's 9 tensors; config.json naming 4 layers for weights of 2."""
     import json
+
+    from safetensors.torch import load_file, save_file
 
     from atoll.job.model import build_model
 
     folders = {}
-    for name in ("__BADCONFIG__", "__TRUNCATED__"):
+    for name in ("__BADCONFIG__", "__TRUNCATED__", "__MISSING__", "__DEEPER__"):
         folder = root / name.strip("_").lower()
         build_model("micro", 512, 32, seed=0).save_pretrained(folder)
         folders[name] = str(folder)
@@ -112,6 +122,11 @@ def _damaged_model_folders(root: Path) -> dict[str, str]:
     (root / "badconfig" / "config.json").write_text(json.dumps({**config, "hidden_size": "sixty-four"}))
     weights = root / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    weights = root / "missing" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.1.")}, weights,
+              metadata={"format": "pt"})
+    config = json.loads((root / "deeper" / "config.json").read_text())
+    (root / "deeper" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
     return folders
 
 
@@ -130,12 +145,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     latin1.write_bytes("\n\n".join(f"caf\u00e9 gar\u00e7on na\u00efve {i}" for i in range(300)).encode("latin-1"))
     noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(50_000)))
     places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
-    if "__BADCONFIG__" in args or "__TRUNCATED__" in args:
+    if {"__BADCONFIG__", "__TRUNCATED__", "__MISSING__", "__DEEPER__"} & set(args):
         places.update(_damaged_model_folders(tmp_path))
     if any(a.endswith("_TOK__") for a in args):
         places.update(_damaged_folders_with_tokenizer(tmp_path))
-        for name, folder in places.items():
-            field = field.replace(name, folder)
+    for name, folder in places.items():
+        field = field.replace(name, folder)
     argv += [places.get(a, a) for a in args]
     r = run_cli(*argv)
     assert r.returncode == 2, r.stderr
