@@ -115,6 +115,73 @@ def test_clear_run_dir_keeps_a_run_with_a_users_file(tmp_path: Path) -> None:
     assert (run / "my_analysis.txt").read_text() == "precious" and (run / "config.json").is_file()
 
 
+#: a run folder as atoll writes it: a run with two checkpoints (one being written), the decoupled syncer's,
+#: TensorBoard's events, a W&B run, the Ray runtime's pid files, the WAN benchmark's logs
+ATOLL_TREE = (
+    "config.json", "metrics.jsonl", "summary.json", "report.png", "clock_trace.json", ".atoll.lock",
+    ".summary.json.tmp", "checkpoints/.latest.tmp", "wan.json", "rank0.log", "rank1.log",
+    *(f"checkpoints/step_000000{n}/{f}" for n in (2, 4) for f in (
+        "state.json", "state.safetensors", "model/config.json", "model/generation_config.json",
+        "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json")),
+    "checkpoints/.tmp-step_0000006-ab_3x9/state.safetensors",
+    "syncer/checkpoints/step_0000002/state.json", "syncer/checkpoints/step_0000002/state.safetensors",
+    "tensorboard/events.out.tfevents.1733000000.host.123.0",
+    "wandb/atoll-run-id", "wandb/debug.log", "wandb/run-20241201_120000-abc/files/config.yaml",
+    "ray/syncer.pid", "ray/island_0.pid", "ray/.island_1.pid.tmp",
+)
+
+
+def _atoll_tree(run: Path) -> None:
+    import os
+
+    for rel in ATOLL_TREE:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("")
+    os.symlink("step_0000004", run / "checkpoints" / "latest")
+
+
+def test_clear_run_dir_removes_every_file_atoll_writes_at_any_depth(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _atoll_tree(run)
+    assert common.foreign_files(run, ("wan.json", "rank0.log"), (r"rank\d+\.log",)) == []
+    clear_run_dir(run, markers=("wan.json", "rank0.log"), patterns=(r"rank\d+\.log",))
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("mine", ["checkpoints/MY_NOTES.txt", "tensorboard/my_own_log.txt", "rank_my_notes.log",
+                                  "checkpoints/step_0000004/model/notes.md", "syncer/notes", "wandb/notes.txt",
+                                  "checkpoints/step_0000004/my_dir/a.txt", "checkpoints/my_empty_dir/"])
+def test_clear_run_dir_keeps_a_users_file_nested_in_a_run(tmp_path: Path, mine: str) -> None:
+    """The reported bug: a user's file inside checkpoints/ or tensorboard/, or a rank*.log of theirs, was deleted
+    with the run (only the top-level names were checked, and any rank*.log counted as atoll's)."""
+    run = tmp_path / "run"
+    _atoll_tree(run)
+    if mine.endswith("/"):
+        (run / mine).mkdir()
+    else:
+        (run / mine).parent.mkdir(parents=True, exist_ok=True)
+        (run / mine).write_text("precious")
+    first = mine.rstrip("/") if "my_dir" not in mine else "checkpoints/step_0000004/my_dir"
+    with pytest.raises(ConfigError) as e:
+        clear_run_dir(run, markers=("wan.json", "rank0.log"), patterns=(r"rank\d+\.log",))
+    assert str(e.value) == (f"out: '{run}' holds files atoll did not write ('{first}'), so it was left untouched; "
+                            "move them away or pass another --out")
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == sorted(
+        [*ATOLL_TREE, *([] if mine.endswith("/") else [mine])])  # nothing was removed
+
+
+def test_a_trained_run_folder_holds_only_files_atoll_writes(fast_config: dict, tmp_path: Path) -> None:
+    """The list of atoll's files (RUN_PATHS) stays true to what a run writes: a run with checkpoints is cleared."""
+    from atoll.config import build_config
+    from atoll.train import train
+
+    out = tmp_path / "run"
+    train(build_config(overrides={**fast_config, "steps": 4, "checkpoint_every": 2, "eval_every": 4,
+                                  "out": str(out)}))
+    assert (out / "checkpoints" / "step_0000004" / "model" / "model.safetensors").is_file()
+    assert common.foreign_files(out) == []
+
+
 def test_check_out_folder(tmp_path: Path) -> None:
     check_out_folder(tmp_path / "new")  # absent: fine
     (tmp_path / "empty").mkdir()

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -34,9 +35,28 @@ from atoll.job.metrics import finite_or_none
 
 #: files and folders that only an atoll run folder holds; a folder with none of them is not atoll's
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
-#: every name atoll writes into a run folder (a run's, the decoupled syncer's, the WAN benchmark's)
-RUN_FILES = (*RUN_MARKERS, "summary.json", "report.png", "clock_trace.json", "syncer", "wan.json", "tensorboard",
-             "wandb", LOCK_NAME)
+
+_CHECKPOINTS = r"(?:syncer/)?checkpoints"  # a run's, and the decoupled syncer's
+_STEP = _CHECKPOINTS + r"/(?:step_\d+|\.tmp-step_\d+-\w+)"  # a checkpoint, or one being written
+#: what save_pretrained writes for a model and its tokenizer (the checkpoint's model/ folder)
+_MODEL_FILES = (r"(?:config\.json|generation_config\.json|model(?:-\d+-of-\d+)?\.safetensors|"
+                r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|"
+                r"added_tokens\.json|chat_template\.(?:jinja|json)|vocab\.(?:json|txt)|merges\.txt|tokenizer\.model|"
+                r"spiece\.model|sentencepiece\.bpe\.model)")
+#: every path atoll writes into a run folder, relative, as regular expressions over the whole path: the run's
+#: files and their temporary names, checkpoints (the syncer's too), the trackers' folders (wandb's run folders
+#: are wandb's own tree) and the Ray runtime's pid files; a file or folder that matches none is not atoll's
+RUN_PATHS = (
+    r"config\.json", r"metrics\.jsonl", r"summary\.json", r"report\.png", r"clock_trace\.json",
+    re.escape(LOCK_NAME), r"\.(?:config|summary)\.json\.tmp", r"\.atoll-write-test",
+    r"syncer", _CHECKPOINTS, _CHECKPOINTS + r"/(?:latest|\.latest\.tmp)", _STEP,
+    _STEP + r"/(?:state\.json|state\.safetensors|model)", _STEP + r"/model/" + _MODEL_FILES,
+    r"tensorboard", r"tensorboard/events\.out\.tfevents\.[^/]+",
+    r"wandb", r"wandb/(?:atoll-run-id|latest-run|debug\.log|debug-internal\.log|debug-cli\.[^/]+\.log)",
+    r"wandb/(?:offline-)?run-[^/]+(?:/.+)?",
+    r"ray", r"ray/\.?(?:syncer|island_\d+)\.pid(?:\.tmp)?",
+)
+_RUN_PATH = re.compile("|".join(f"(?:{p})" for p in RUN_PATHS))
 #: the benchmark folder's list of the runs its benchmarks trained (only those may be cleared and retrained)
 REGISTRY = ".atoll-bench.json"
 #: what a benchmark writes at the top of its folder
@@ -112,30 +132,40 @@ def is_atoll_run(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and any((path / m).exists() for m in RUN_MARKERS)
 
 
-def foreign_files(path: Path, markers: Sequence[str] = ()) -> list[str]:
-    """Names in the folder ``path`` that atoll does not write into a run folder (:data:`RUN_FILES`, ``rank*.log``
-    and ``markers``), sorted; empty for a folder that holds only atoll's files."""
-    known = {*RUN_FILES, *markers}
-    return sorted(e.name for e in path.iterdir() if e.name not in known
-                  and not (e.name.startswith("rank") and e.name.endswith(".log")))
+def foreign_files(path: Path, markers: Sequence[str] = (), patterns: Sequence[str] = ()) -> list[str]:
+    """Paths in the folder ``path``, at any depth, relative to it, that atoll does not write into a run folder
+    (:data:`RUN_PATHS`; the names ``markers`` and the regular expressions ``patterns`` at the top: a benchmark's
+    own files), sorted; empty for a folder that holds only atoll's files. Symbolic links are not followed (the
+    checkpoints' ``latest`` is one of atoll's)."""
+    own = re.compile("|".join([_RUN_PATH.pattern, *(re.escape(m) for m in markers), *(f"(?:{p})" for p in patterns)]))
+    foreign = []
+    for folder, dirs, files in os.walk(path):
+        here = Path(folder).relative_to(path)
+        for name in sorted(dirs) + sorted(files):
+            rel = (here / name).as_posix()
+            if own.fullmatch(rel) is None:
+                foreign.append(rel)
+        dirs[:] = [d for d in dirs if own.fullmatch((here / d).as_posix()) is not None]  # a foreign one: named
+    return sorted(foreign)
 
 
-def clear_run_dir(path: Path, markers: Sequence[str] = ()) -> None:
+def clear_run_dir(path: Path, markers: Sequence[str] = (), patterns: Sequence[str] = ()) -> None:
     """Remove the run folder ``path`` before training it again, if it exists.
 
     Only a folder that atoll wrote is removed: one holding an atoll run's files (:data:`RUN_MARKERS`, or
-    one of ``markers``, names of files a benchmark writes there itself), or an empty one, and nothing else
-    (:func:`foreign_files`). Anything else is left untouched.
+    one of ``markers``, names of files a benchmark writes there itself), or an empty one, and nothing else:
+    every file and folder in it, at any depth, must be one atoll writes (:func:`foreign_files`, with
+    ``patterns``: more names of a benchmark's own). Anything else is left untouched.
 
     Raises:
         ConfigError: ``path`` exists and is not an atoll run folder, or holds files atoll did not write
-            (one line, naming it).
+            (one line, naming the first).
     """
-    if check_run_dir(path, markers):
+    if check_run_dir(path, markers, patterns):
         shutil.rmtree(path)
 
 
-def check_run_dir(path: Path, markers: Sequence[str] = ()) -> bool:
+def check_run_dir(path: Path, markers: Sequence[str] = (), patterns: Sequence[str] = ()) -> bool:
     """Whether ``path`` exists and may be removed (:func:`clear_run_dir`'s rule); False when it does not exist.
 
     Raises:
@@ -148,7 +178,7 @@ def check_run_dir(path: Path, markers: Sequence[str] = ()) -> bool:
     if not ours:
         raise ConfigError(f"out: '{path}' exists and is not an atoll run folder (no config.json, metrics.jsonl or "
                           "checkpoints/), so it was left untouched; move it away or pass another --out")
-    foreign = foreign_files(path, markers)
+    foreign = foreign_files(path, markers, patterns)
     if foreign:
         raise ConfigError(f"out: '{path}' holds files atoll did not write ('{foreign[0]}'"
                           f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}), so it was left "

@@ -68,6 +68,11 @@ EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_
 
 MASTER_PORT = 29500  # free: island 0's namespace holds nothing else
 
+#: what the benchmark writes into a run folder besides the run's own files: files that mark the folder as
+#: the benchmark's (names), and every such file (regular expressions); :func:`atoll.bench.common.clear_run_dir`
+WAN_MARKERS = ("wan.json", "rank0.log")
+WAN_FILES = (r"wan\.json", r"rank\d+\.log")
+
 
 def _csv(kind: type) -> Any:
     def parse(text: str) -> list:
@@ -258,7 +263,7 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
     cached = out / "wan.json"
     if cached.is_file() and not args.fresh:
         return json.loads(cached.read_text())
-    clear_run_dir(out, markers=("wan.json", "rank0.log"))  # never a folder atoll did not write
+    clear_run_dir(out, markers=WAN_MARKERS, patterns=WAN_FILES)  # never a folder atoll did not write
     settings = _settings(args, strategy, h)
     print(f"[wan] {name}: {settings['steps']} steps at {mbps:g} Mbit/s"
           + (f", {args.delay_ms:g} ms one-way" if args.delay_ms else ""), file=sys.stderr, flush=True)
