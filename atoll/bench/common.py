@@ -188,19 +188,58 @@ def check_run_dir(path: Path, markers: Sequence[str] = (), patterns: Sequence[st
 
 def check_out_folder(out: Path, prog: str = "out") -> None:
     """Refuse a benchmark's output folder that is not atoll's: an existing non-empty folder must hold a
-    benchmark's results (:data:`RESULT_FILES`) or atoll run folders; a file is refused too.
+    benchmark's results (:data:`RESULT_FILES`) or atoll run folders, and a ``results.json`` or ``results.md`` in
+    it (which the benchmark writes over) must be a benchmark's; a file is refused too.
 
     Raises:
-        ConfigError: ``out`` is a file, or a non-empty folder with none of atoll's files (field ``prog``).
+        ConfigError: ``out`` is a file, a non-empty folder with none of atoll's files, or one whose results.json
+            is not a JSON object or results.md holds no Markdown table (field ``prog``; nothing is written).
     """
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{prog}: '{out}' is a file; pass a folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    if any((out / f).exists() for f in RESULT_FILES) or any(is_atoll_run(e) for e in out.iterdir()):
-        return
-    raise ConfigError(f"{prog}: '{out}' is a folder of other files (no results.json and no atoll run in it), so "
-                      "it was left untouched; pass an empty or new folder")
+    if not (any((out / f).exists() for f in RESULT_FILES) or any(is_atoll_run(e) for e in out.iterdir())):
+        raise ConfigError(f"{prog}: '{out}' is a folder of other files (no results.json and no atoll run in it), "
+                          "so it was left untouched; pass an empty or new folder")
+    for name in ("results.json", "results.md"):  # about to be written over: they must be a benchmark's
+        if not _benchmark_results(out / name):
+            raise ConfigError(f"{prog}: '{out / name}' is not a benchmark's results file ("
+                              f"{'not a JSON object' if name.endswith('.json') else 'no Markdown table'}), so it "
+                              "was left untouched; move it away or pass another --out")
+
+
+def _benchmark_results(path: Path) -> bool:
+    """Whether ``path`` is absent or a results file a benchmark wrote (:func:`write_results`): ``results.json`` a
+    JSON object, ``results.md`` a Markdown table (a ``|---`` line); a benchmark writes over those only."""
+    if not path.exists() and not path.is_symlink():
+        return True
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        text = path.read_text(encoding="utf-8")
+        return isinstance(json.loads(text), dict) if path.suffix == ".json" else \
+            any(line.startswith("|---") for line in text.splitlines())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+
+
+def check_benchmark_run(suite_dir: Path, name: str, markers: Sequence[str] = (), patterns: Sequence[str] = ()) -> bool:
+    """Whether the run folder ``suite_dir/name`` exists and may be replaced by a benchmark: an atoll run folder
+    holding only atoll's files (:func:`check_run_dir`, with a benchmark's own ``markers`` and ``patterns``) that
+    a benchmark of this folder trained (its :data:`REGISTRY` names it), or an empty folder. False when absent.
+
+    Raises:
+        ConfigError: a folder that is not an atoll run's, holds files atoll did not write, or holds a run that
+            no benchmark trained here (one line, naming it).
+    """
+    out = suite_dir / name
+    if not check_run_dir(out, markers, patterns):
+        return False
+    if name not in _registry(suite_dir) and any(out.iterdir()):
+        raise ConfigError(f"out: '{out}' holds a run that no atoll benchmark trained in this folder (it is "
+                          f"not in {REGISTRY}), so it was left untouched; move it away or pass another --out")
+    return True
 
 
 def _registry(suite_dir: Path) -> set[str]:
@@ -210,7 +249,7 @@ def _registry(suite_dir: Path) -> set[str]:
         return set()
 
 
-def _register(suite_dir: Path, name: str) -> None:
+def register(suite_dir: Path, name: str) -> None:
     """Add ``name`` to the folder's list of runs a benchmark trained (written atomically)."""
     names = sorted(_registry(suite_dir) | {name})
     tmp = suite_dir / f"{REGISTRY}.{os.getpid()}.tmp"
@@ -295,13 +334,10 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
                 time.sleep(10)
     previous = suite_dir / f".{name}.previous"  # the run being replaced, until the new one has trained
     try:
-        if check_run_dir(out):  # refuses a folder that is not an atoll run's, or with files atoll did not write
-            if name not in _registry(suite_dir) and any(out.iterdir()):
-                raise ConfigError(f"out: '{out}' holds a run that no atoll benchmark trained in this folder (it is "
-                                  f"not in {REGISTRY}), so it was left untouched; move it away or pass another --out")
-            clear_run_dir(previous)
+        if check_benchmark_run(suite_dir, name):  # refuses a folder atoll did not write, or a run no benchmark
+            clear_run_dir(previous)                # of this folder trained
             out.rename(previous)
-        _register(suite_dir, name)
+        register(suite_dir, name)
         print(f"[{tag}] {name}: {settings}", file=sys.stderr, flush=True)
         from atoll.train import train
 
