@@ -47,7 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import check_benchmark_run, check_out_folder, clear_run_dir, default_out, register
+from atoll.bench.common import default_out
+from atoll.bench.folders import check_benchmark_run, check_out_folder, clear_run_dir, register
 from atoll.bench.netns import (
     IFNAME,
     EmulatedWan,
@@ -73,7 +74,7 @@ EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_
 MASTER_PORT = 29500  # free: island 0's namespace holds nothing else
 
 #: what the benchmark writes into a run folder besides the run's own files: files that mark the folder as
-#: the benchmark's (names), and every such file (regular expressions); :func:`atoll.bench.common.clear_run_dir`
+#: the benchmark's (names), and every such file (regular expressions); :func:`atoll.bench.folders.clear_run_dir`
 WAN_MARKERS = ("wan.json", "rank0.log")
 WAN_FILES = (r"wan\.json", r"rank\d+\.log")
 
@@ -306,7 +307,7 @@ def check_out(args: argparse.Namespace) -> None:
     """Refuse ``--out`` before anything is trained, deleted or written: it must be new, empty or a benchmark's
     folder, with a benchmark's results.json and results.md (written over at the end), and every run folder the
     flags would train (not reused: no ``wan.json`` yet, or ``--fresh``) must be absent or one that this
-    benchmark trained there, holding only atoll's files (:func:`atoll.bench.common.check_benchmark_run`).
+    benchmark trained there, holding only atoll's files (:func:`atoll.bench.folders.check_benchmark_run`).
 
     Raises:
         ConfigError: the first folder or file that is not atoll's, named, with the fix.
