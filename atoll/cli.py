@@ -226,6 +226,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else default_out(args.runs)
     if out.is_dir() or (out.parent.exists() and not out.parent.is_dir()):
         raise ConfigError(f"out: '{out}' is a folder or lies under a file; pass a PNG path with --out")
+    if not out.parent.is_dir():  # a mistyped folder is not made: bad input writes nothing
+        raise ConfigError(f"out: the folder '{out.parent}' does not exist; make it first (mkdir -p '{out.parent}') "
+                          "or pass --out in an existing folder")
     names = [n.strip() for n in args.names.split(",")] if args.names is not None else None
     try:
         path = plot_runs(args.runs, out, labels=names)

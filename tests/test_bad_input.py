@@ -18,12 +18,21 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("toml-true-for-a-path", "cache_dir = true\n", [], "cache_dir"),
     ("toml-unknown-key", "sync_evry = 5\n", [], "sync_evry"),
     ("toml-string-for-an-int", 'eval_every = "many"\n', [], "eval_every"),
+    # a TOML value has a type: a number in quotes, a float for a whole number, text for a switch are refused
+    ("toml-string-for-a-float", 'lr = "1e-3"\n', [], "lr: the string '1e-3' in '"),
+    ("toml-number-in-quotes-for-an-int", 'warmup_steps = "0"\n', [], "warmup_steps: the string '0' in '"),
+    ("toml-float-for-an-int", "eval_batches = 2.0\n", [], "eval_batches: the float 2.0 in '"),
+    ("toml-float-for-an-int-set-by-a-flag", "seq_len = 32.0\n", [], "seq_len: the float 32.0 in '"),
+    ("toml-string-for-a-switch", 'compile = "yes"\n', [], "compile: the string 'yes' in '"),
+    ("toml-number-for-a-switch", "compile = 1\n", [], "compile: the number 1 in '"),
     ("toml-syntax", "steps = \n", [], "config"),
     ("infinite-lr", None, ["--lr", "inf"], "lr"),
     ("nan-outer-lr", None, ["--outer-lr", "nan"], "outer_lr"),
     ("huge-seed", None, ["--seed", "99999999999999999999"], "seed"),
     ("zero-islands", None, ["--islands", "0"], "islands"),
     ("negative-steps", None, ["--steps", "-3"], "steps"),
+    ("huge-steps", None, ["--steps", "99999999999999999999"], "steps: input should be less than or equal to 1000000000"),
+    ("huge-sync-every", None, ["--sync-every", "99999999999999999999"], "sync_every"),
     ("unknown-codec", None, ["--codec", "int3"], "codec"),
     ("missing-data", None, ["--data", "/nonexistent/corpus.txt"], "data"),
     ("unknown-data-type", None, ["--data", "__FILE__.bin"], "data"),
@@ -31,6 +40,13 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("random-bytes-as-text", None, ["--data", "__RANDOM__"], "data"),
     ("model-config-wrong-type", None, ["--model", "__BADCONFIG__", "--tokenizer", "bpe"], "model"),
     ("model-weights-truncated", None, ["--model", "__TRUNCATED__", "--tokenizer", "bpe"], "model"),
+    # weights that lack tensors the config names: transformers would start them at random
+    ("model-weights-lack-a-layer", None, ["--model", "__MISSING__", "--tokenizer", "bpe"],
+     "model: '__MISSING__' lacks 9 of the model's weight tensors (model.layers.1.input_layernorm.weight, "
+     "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight and 6 more), which would start at "
+     "random"),
+    ("model-config-deeper-than-its-weights", None, ["--model", "__DEEPER__", "--tokenizer", "bpe"],
+     "model: '__DEEPER__' lacks 18 of the model's weight tensors (model.layers.2."),
     # The folder's own tokenizer is loaded first: a damaged config.json is still the model's, not the tokenizer's.
     ("model-config-syntax-with-tokenizer", None, ["--model", "__SYNTAX_TOK__"], "model: '__SYNTAX_TOK__/config.json'"),
     ("model-config-wrong-type-with-tokenizer", None, ["--model", "__TYPES_TOK__"], "model: '__TYPES_TOK__/config.json'"),
@@ -93,13 +109,16 @@ def _damaged_folders_with_tokenizer(root: Path) -> dict[str, str]:
 
 
 def _damaged_model_folders(root: Path) -> dict[str, str]:
-    """A saved model whose config.json has a string for a number, and one whose weights are cut in half."""
+    """Saved micro models (2 layers, tied embeddings): config.json with a string for a number; weights cut in
+    half; weights without layer 1's 9 tensors; config.json naming 4 layers for weights of 2."""
     import json
+
+    from safetensors.torch import load_file, save_file
 
     from atoll.job.model import build_model
 
     folders = {}
-    for name in ("__BADCONFIG__", "__TRUNCATED__"):
+    for name in ("__BADCONFIG__", "__TRUNCATED__", "__MISSING__", "__DEEPER__"):
         folder = root / name.strip("_").lower()
         build_model("micro", 512, 32, seed=0).save_pretrained(folder)
         folders[name] = str(folder)
@@ -107,6 +126,11 @@ def _damaged_model_folders(root: Path) -> dict[str, str]:
     (root / "badconfig" / "config.json").write_text(json.dumps({**config, "hidden_size": "sixty-four"}))
     weights = root / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    weights = root / "missing" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.1.")}, weights,
+              metadata={"format": "pt"})
+    config = json.loads((root / "deeper" / "config.json").read_text())
+    (root / "deeper" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
     return folders
 
 
@@ -125,12 +149,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     latin1.write_bytes("\n\n".join(f"caf\u00e9 gar\u00e7on na\u00efve {i}" for i in range(300)).encode("latin-1"))
     noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(50_000)))
     places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
-    if "__BADCONFIG__" in args or "__TRUNCATED__" in args:
+    if {"__BADCONFIG__", "__TRUNCATED__", "__MISSING__", "__DEEPER__"} & set(args):
         places.update(_damaged_model_folders(tmp_path))
     if any(a.endswith("_TOK__") for a in args):
         places.update(_damaged_folders_with_tokenizer(tmp_path))
-        for name, folder in places.items():
-            field = field.replace(name, folder)
+    for name, folder in places.items():
+        field = field.replace(name, folder)
     argv += [places.get(a, a) for a in args]
     r = run_cli(*argv)
     assert r.returncode == 2, r.stderr
@@ -175,6 +199,19 @@ def test_report_of_a_file_names_the_run_not_the_png(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.strip() == (f"atoll: error: report: '{notes}' has no metrics.jsonl; pass "
                                                        "atoll run folders"), r.stderr
     assert notes.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_report_into_a_missing_folder_is_refused_not_made(tmp_path: Path) -> None:
+    """``atoll report RUN --out /nonexistent/dir/x.png`` made the missing folders; a typo should not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"event": "eval", "step": 1, "tokens": 8, "eval_loss": 5.0}\n')
+    out = tmp_path / "no" / "such" / "x.png"
+    r = run_cli("report", str(run), "--out", str(out))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"atoll: error: out: the folder '{out.parent}' does not exist; make it first (mkdir -p '{out.parent}') or "
+        "pass --out in an existing folder"), r.stderr
+    assert not (tmp_path / "no").exists() and sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
 def test_resume_with_another_out_is_refused_not_ignored(tmp_path: Path) -> None:

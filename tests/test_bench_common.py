@@ -115,6 +115,73 @@ def test_clear_run_dir_keeps_a_run_with_a_users_file(tmp_path: Path) -> None:
     assert (run / "my_analysis.txt").read_text() == "precious" and (run / "config.json").is_file()
 
 
+#: a run folder as atoll writes it: a run with two checkpoints (one being written), the decoupled syncer's,
+#: TensorBoard's events, a W&B run, the Ray runtime's pid files, the WAN benchmark's logs
+ATOLL_TREE = (
+    "config.json", "metrics.jsonl", "summary.json", "report.png", "clock_trace.json", ".atoll.lock",
+    ".summary.json.tmp", "checkpoints/.latest.tmp", "wan.json", "rank0.log", "rank1.log",
+    *(f"checkpoints/step_000000{n}/{f}" for n in (2, 4) for f in (
+        "state.json", "state.safetensors", "model/config.json", "model/generation_config.json",
+        "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json")),
+    "checkpoints/.tmp-step_0000006-ab_3x9/state.safetensors",
+    "syncer/checkpoints/step_0000002/state.json", "syncer/checkpoints/step_0000002/state.safetensors",
+    "tensorboard/events.out.tfevents.1733000000.host.123.0",
+    "wandb/atoll-run-id", "wandb/debug.log", "wandb/run-20241201_120000-abc/files/config.yaml",
+    "ray/syncer.pid", "ray/island_0.pid", "ray/.island_1.pid.tmp",
+)
+
+
+def _atoll_tree(run: Path) -> None:
+    import os
+
+    for rel in ATOLL_TREE:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("")
+    os.symlink("step_0000004", run / "checkpoints" / "latest")
+
+
+def test_clear_run_dir_removes_every_file_atoll_writes_at_any_depth(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _atoll_tree(run)
+    assert common.foreign_files(run, ("wan.json", "rank0.log"), (r"rank\d+\.log",)) == []
+    clear_run_dir(run, markers=("wan.json", "rank0.log"), patterns=(r"rank\d+\.log",))
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("mine", ["checkpoints/MY_NOTES.txt", "tensorboard/my_own_log.txt", "rank_my_notes.log",
+                                  "checkpoints/step_0000004/model/notes.md", "syncer/notes", "wandb/notes.txt",
+                                  "checkpoints/step_0000004/my_dir/a.txt", "checkpoints/my_empty_dir/"])
+def test_clear_run_dir_keeps_a_users_file_nested_in_a_run(tmp_path: Path, mine: str) -> None:
+    """The reported bug: a user's file inside checkpoints/ or tensorboard/, or a rank*.log of theirs, was deleted
+    with the run (only the top-level names were checked, and any rank*.log counted as atoll's)."""
+    run = tmp_path / "run"
+    _atoll_tree(run)
+    if mine.endswith("/"):
+        (run / mine).mkdir()
+    else:
+        (run / mine).parent.mkdir(parents=True, exist_ok=True)
+        (run / mine).write_text("precious")
+    first = mine.rstrip("/") if "my_dir" not in mine else "checkpoints/step_0000004/my_dir"
+    with pytest.raises(ConfigError) as e:
+        clear_run_dir(run, markers=("wan.json", "rank0.log"), patterns=(r"rank\d+\.log",))
+    assert str(e.value) == (f"out: '{run}' holds files atoll did not write ('{first}'), so it was left untouched; "
+                            "move them away or pass another --out")
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == sorted(
+        [*ATOLL_TREE, *([] if mine.endswith("/") else [mine])])  # nothing was removed
+
+
+def test_a_trained_run_folder_holds_only_files_atoll_writes(fast_config: dict, tmp_path: Path) -> None:
+    """The list of atoll's files (RUN_PATHS) stays true to what a run writes: a run with checkpoints is cleared."""
+    from atoll.config import build_config
+    from atoll.train import train
+
+    out = tmp_path / "run"
+    train(build_config(overrides={**fast_config, "steps": 4, "checkpoint_every": 2, "eval_every": 4,
+                                  "out": str(out)}))
+    assert (out / "checkpoints" / "step_0000004" / "model" / "model.safetensors").is_file()
+    assert common.foreign_files(out) == []
+
+
 def test_check_out_folder(tmp_path: Path) -> None:
     check_out_folder(tmp_path / "new")  # absent: fine
     (tmp_path / "empty").mkdir()
@@ -130,6 +197,94 @@ def test_check_out_folder(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         check_out_folder(tmp_path / "afile", "suite")
+
+
+def test_check_out_folder_keeps_results_files_no_benchmark_wrote(tmp_path: Path) -> None:
+    """results.json and results.md are written over at the end: only a benchmark's (a JSON object, a table)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "results.md").write_text("important")
+    with pytest.raises(ConfigError) as e:
+        check_out_folder(tmp_path)
+    assert str(e.value) == (f"out: '{tmp_path / 'results.md'}' is not a benchmark's results file (no Markdown "
+                            "table), so it was left untouched; move it away or pass another --out")
+    (tmp_path / "results.md").write_text(markdown_table([("run", "run")], [{"run": "a"}], "T"))
+    (tmp_path / "results.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"results.json' is not a benchmark's results file \(not a JSON object\)"):
+        check_out_folder(tmp_path)
+    write_results(tmp_path, {"rows": []}, [("run", "run")], [{"run": "a"}])
+    check_out_folder(tmp_path)  # a benchmark's own: written over
+    assert (tmp_path / "run" / "config.json").read_text() == "{}"
+
+
+def _wan_args(out: Path, fresh: bool = False):  # noqa: ANN202
+    import argparse
+
+    from atoll.bench.wan import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--steps", "10", "--sync-every", "10", "--strategies", "ddp", "--bandwidths", "100", "--model", "micro",
+            "--out", str(out)]
+    return parser.parse_args(argv + (["--fresh"] if fresh else []))
+
+
+def _users_wan_folder(out: Path) -> None:
+    """The reported case: a folder named like a run of the benchmark, with the user's config.json and log."""
+    (out / "ddp-100mbit").mkdir(parents=True)
+    (out / "ddp-100mbit" / "config.json").write_text('{"mine":1}')
+    (out / "ddp-100mbit" / "rank0.log").write_text("mine")
+
+
+def test_bench_wan_checks_its_out_folder_as_the_suite_does(tmp_path: Path) -> None:
+    """bench wan deleted a folder it did not write and wrote over the user's results.md: every run folder it
+    would train must be one it trained there (its registry), holding only atoll's files; checked up front."""
+    from atoll.bench.wan import check_out
+
+    out = tmp_path / "wan"
+    check_out(_wan_args(out))  # new: fine
+    _users_wan_folder(out)
+    with pytest.raises(ConfigError) as e:
+        check_out(_wan_args(out))
+    assert str(e.value) == (f"out: '{out / 'ddp-100mbit'}' holds a run that no atoll benchmark trained in this "
+                            "folder (it is not in .atoll-bench.json), so it was left untouched; move it away or "
+                            "pass another --out")
+    (out / "results.md").write_text("important")
+    with pytest.raises(ConfigError, match="results.md' is not a benchmark's results file"):
+        check_out(_wan_args(out))
+    assert (out / "results.md").read_text() == "important"
+    assert (out / "ddp-100mbit" / "config.json").read_text() == '{"mine":1}'
+    (out / "results.md").unlink()
+    (out / "ddp-100mbit" / "wan.json").write_text("{}")  # a finished run: reused, not replaced, so not refused
+    check_out(_wan_args(out))
+    with pytest.raises(ConfigError, match="no atoll benchmark trained"):
+        check_out(_wan_args(out, fresh=True))
+    common.register(out, "ddp-100mbit")  # a run this benchmark trained there: replaced by --fresh
+    check_out(_wan_args(out, fresh=True))
+    (out / "ddp-100mbit" / "rank0_notes.txt").write_text("mine")  # but never with a user's file in it
+    with pytest.raises(ConfigError, match=r"files atoll did not write \('rank0_notes.txt'\)"):
+        check_out(_wan_args(out, fresh=True))
+
+
+def test_bench_wan_refuses_a_users_folder_before_anything_runs(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command: one line, status 2, the user's files as they were, nothing written (no namespace needed)."""
+    from atoll.bench import wan
+
+    monkeypatch.setattr(wan, "unavailable_reason", lambda: None)  # as root with network namespaces
+    monkeypatch.setattr(wan, "EmulatedWan", None)  # reached only if a run started
+    out = tmp_path / "wan"
+    _users_wan_folder(out)
+    (out / "results.md").write_text("important")
+    r = run_cli("bench", "wan", "--steps", "10", "--sync-every", "10", "--strategies", "ddp", "--bandwidths", "100",
+                "--model", "micro", "--train-arg", "vocab_size=512", "--out", str(out))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"atoll: error: out: '{out / 'results.md'}' is not a benchmark's results file (no Markdown table), so it "
+        "was left untouched; move it away or pass another --out"), r.stderr
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "ddp-100mbit", "ddp-100mbit/config.json", "ddp-100mbit/rank0.log", "results.md"]
+    assert (out / "results.md").read_text() == "important"
+    assert (out / "ddp-100mbit" / "config.json").read_text() == '{"mine":1}'
 
 
 def test_a_lock_whose_pid_was_reused_is_stale(tmp_path: Path) -> None:

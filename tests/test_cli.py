@@ -38,6 +38,18 @@ def test_flags_override_toml(tmp_path: Path) -> None:
     assert config.strategy == "ddp" and config.islands == 3
 
 
+def test_toml_types_are_strict_but_a_whole_number_is_a_float(tmp_path: Path) -> None:
+    """A TOML file has types (a flag is text, converted): lr = 1 is a float, seq_len = "32" is not a number."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("lr = 1\nlink_bandwidth_mbps = 10\ncompile = false\nsteps = 5\n")
+    config = build_config(toml)
+    assert config.lr == 1.0 and config.link_bandwidth_mbps == 10.0 and config.compile is False
+    toml.write_text('seq_len = "32"\n')
+    with pytest.raises(ConfigError) as e:
+        build_config(toml, {"seq_len": "32"})  # refused even where a flag overrides it: the file is wrong
+    assert str(e.value) == f"seq_len: the string '32' in '{toml}' is not a whole number; write seq_len = 32 (no quotes)"
+
+
 def test_cross_field_error_names_the_field() -> None:
     with pytest.raises(ConfigError, match="^sync_every"):
         build_config(overrides={"strategy": "streaming", "fragments": 4, "sync_every": 2})

@@ -93,6 +93,39 @@ def test_a_model_folder_trains_on_its_own_tokenizer(tmp_path: Path, jsonl_corpus
     assert len(notes) == 1 and "300 tokens" in notes[0] and "embeds 320" in notes[0] and "harmless" in notes[0]
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_complete_folder_loads_its_weights_and_a_lacking_one_is_refused(tmp_path: Path, tied: bool,
+                                                                          capfd: pytest.CaptureFixture[str]) -> None:
+    """Complete weights load exactly (a tied lm_head, absent from the file by design, is not missing); weights
+    that lack tensors are refused in one line, without transformers' LOAD REPORT on either stream."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from atoll.errors import ConfigError
+    from atoll.job.model import build_model
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=tied)).save_pretrained(tmp_path / "model")
+    saved = load_file(tmp_path / "model" / "model.safetensors")
+    assert ("lm_head.weight" in saved) is not tied
+    model = build_model(str(tmp_path / "model"), 0, 32, seed=1)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items())
+    assert torch.equal(state["lm_head.weight"], saved["lm_head.weight" if not tied else "model.embed_tokens.weight"])
+    lacking = {k: v for k, v in saved.items() if k != "model.norm.weight" and not k.startswith("model.layers.0.mlp")}
+    save_file(lacking, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    capfd.readouterr()
+    with pytest.raises(ConfigError) as e:
+        build_model(str(tmp_path / "model"), 0, 32, seed=1)
+    assert str(e.value).startswith(f"model: '{tmp_path / 'model'}' lacks 4 of the model's weight tensors "
+                                   "(model.layers.0.mlp.down_proj.weight, model.layers.0.mlp.gate_proj.weight, "
+                                   "model.layers.0.mlp.up_proj.weight and 1 more), which would start at random")
+    printed = capfd.readouterr()
+    assert "LOAD REPORT" not in printed.out + printed.err and "MISSING" not in printed.out + printed.err
+
+
 def test_tokenizer_bpe_and_a_folder_without_tokenizer_say_so(tmp_path: Path, jsonl_corpus,  # noqa: ANN001
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     folder = make_model_folder(tmp_path / "model")

@@ -39,6 +39,14 @@ def _train_args(fast_config: dict, out: Path) -> list[str]:
             "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--out", str(out)]
 
 
+def _one_error_line(stderr: str) -> str:
+    """The one line of an error that stopped a run: the last line, and the only ``atoll: error:`` one (a first
+    run in a fresh cache says first that it trains the tokenizer)."""
+    errors = [line for line in stderr.strip().splitlines() if line.startswith("atoll: error:")]
+    assert len(errors) == 1 and stderr.strip().splitlines()[-1] == errors[0], stderr
+    return errors[0]
+
+
 def test_a_folder_in_use_is_refused_for_a_new_run_and_for_resume(fast_config, tmp_path) -> None:
     out = tmp_path / "run"
     assert run_cli(*_train_args(fast_config, out)).returncode == 0
@@ -113,11 +121,55 @@ def test_disk_full_mid_run_is_one_line_and_the_last_checkpoint_stays(fast_config
     monkeypatch.setattr(run_module, "save_checkpoint", full_disk)
     out = tmp_path / "run"
     r = run_cli(*_train_args(fast_config, out))
-    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
-    assert "No space left on device" in r.stderr and f"--resume {out}' (from step 2)" in r.stderr
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 1 and "No space left on device" in line and f"--resume {out}' (from step 2)" in line
     monkeypatch.setattr(run_module, "save_checkpoint", real)
     r = run_cli("train", "--resume", str(out))  # the step-2 checkpoint is whole: the run goes on from it
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("writer", ["state", "model"])
+def test_disk_full_in_safetensors_is_one_line_and_the_last_checkpoint_stays(fast_config, tmp_path, monkeypatch,
+                                                                           writer: str) -> None:
+    """safetensors raises its own SafetensorError (not an OSError) for a full disk, when atoll writes the run's
+    state and when transformers writes the model's weights: the same one line with the resume advice, exit 1."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    from atoll.job import checkpoint
+
+    module, name = (checkpoint, "save_file") if writer == "state" else (transformers.modeling_utils, "safe_save_file")
+    real, calls = getattr(module, name), []
+
+    def full_disk(tensors, filename, *args, **kwargs):  # the second checkpoint finds the disk full
+        calls.append(filename)
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, full_disk)
+    out = tmp_path / "run"
+    r = run_cli(*_train_args(fast_config, out))
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 1 and line.startswith("atoll: error: No space left on device ('") and "checkpoints" in line
+    assert line.endswith(f"free disk space or make the folder writable, then resume with 'atoll train --resume {out}' "
+                         "(from step 2)"), line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_0000002"]  # no torn one
+    monkeypatch.setattr(module, name, real)
+    r = run_cli("train", "--resume", str(out))  # the step-2 checkpoint is whole: the run goes on from it
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_safetensors_error_that_is_not_io_is_not_taken_for_a_full_disk() -> None:
+    from safetensors import SafetensorError
+
+    from atoll.job.checkpoint import _writing
+
+    with pytest.raises(OSError) as e, _writing(Path("/run/state.safetensors")):
+        raise SafetensorError("Error while serializing: I/O error: Read-only file system (os error 30)")
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (30, os.strerror(30), "/run/state.safetensors")
+    with pytest.raises(SafetensorError), _writing(Path("/run/state.safetensors")):
+        raise SafetensorError("Error while serializing: tensor is not contiguous")
 
 
 def test_out_of_memory_is_one_line(fast_config, tmp_path, monkeypatch) -> None:

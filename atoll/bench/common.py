@@ -9,7 +9,8 @@ A benchmark writes ``<out>/<run>/`` (a normal atoll run folder) for every run, t
 and ``<out>/results.md``. :func:`train_once` trains a run or reuses the finished one already there when
 its ``config.json`` matches, so an interrupted benchmark continues where it stopped (``--fresh`` reruns
 everything); two benchmark processes that need the same run take turns through a lock file, and the second
-reuses the first's run. It never deletes a folder that atoll did not write (:func:`clear_run_dir`).
+reuses the first's run. It never deletes a folder that atoll did not write (:mod:`atoll.bench.folders`, whose
+guard is re-exported here: :func:`clear_run_dir`, :func:`check_out_folder`, ...).
 :func:`write_results` writes ``results.json`` and the Markdown table of ``results.md``.
 
 It imports the training code only when a run trains: ``atoll --help`` reaches it through the suite's flags.
@@ -21,26 +22,28 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from atoll.bench.folders import (  # noqa: F401 - the folder guard, re-exported for the benchmarks
+    REGISTRY,
+    RESULT_FILES,
+    RUN_MARKERS,
+    RUN_PATHS,
+    _registry,
+    check_benchmark_run,
+    check_out_folder,
+    check_run_dir,
+    clear_run_dir,
+    foreign_files,
+    is_atoll_run,
+    register,
+)
 from atoll.errors import ConfigError
-from atoll.job.lock import LOCK_NAME
 from atoll.job.metrics import finite_or_none
-
-#: files and folders that only an atoll run folder holds; a folder with none of them is not atoll's
-RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
-#: every name atoll writes into a run folder (a run's, the decoupled syncer's, the WAN benchmark's)
-RUN_FILES = (*RUN_MARKERS, "summary.json", "report.png", "clock_trace.json", "syncer", "wan.json", "tensorboard",
-             "wandb", LOCK_NAME)
-#: the benchmark folder's list of the runs its benchmarks trained (only those may be cleared and retrained)
-REGISTRY = ".atoll-bench.json"
-#: what a benchmark writes at the top of its folder
-RESULT_FILES = ("results.json", "results.md", REGISTRY)
 
 #: a column of a results table: (header, key) or (header, key, formatter of the key's value)
 Column = tuple[str, str] | tuple[str, str, Callable[[Any], str]]
@@ -105,87 +108,6 @@ def pct(a: float, b: float) -> float:
 # ----------------------------------------------------------------------------------------------------------
 # the run cache
 
-
-def is_atoll_run(path: Path) -> bool:
-    """Whether the folder ``path`` holds an atoll run's files (:data:`RUN_MARKERS`: ``config.json``,
-    ``metrics.jsonl`` or ``checkpoints/``)."""
-    return path.is_dir() and not path.is_symlink() and any((path / m).exists() for m in RUN_MARKERS)
-
-
-def foreign_files(path: Path, markers: Sequence[str] = ()) -> list[str]:
-    """Names in the folder ``path`` that atoll does not write into a run folder (:data:`RUN_FILES`, ``rank*.log``
-    and ``markers``), sorted; empty for a folder that holds only atoll's files."""
-    known = {*RUN_FILES, *markers}
-    return sorted(e.name for e in path.iterdir() if e.name not in known
-                  and not (e.name.startswith("rank") and e.name.endswith(".log")))
-
-
-def clear_run_dir(path: Path, markers: Sequence[str] = ()) -> None:
-    """Remove the run folder ``path`` before training it again, if it exists.
-
-    Only a folder that atoll wrote is removed: one holding an atoll run's files (:data:`RUN_MARKERS`, or
-    one of ``markers``, names of files a benchmark writes there itself), or an empty one, and nothing else
-    (:func:`foreign_files`). Anything else is left untouched.
-
-    Raises:
-        ConfigError: ``path`` exists and is not an atoll run folder, or holds files atoll did not write
-            (one line, naming it).
-    """
-    if check_run_dir(path, markers):
-        shutil.rmtree(path)
-
-
-def check_run_dir(path: Path, markers: Sequence[str] = ()) -> bool:
-    """Whether ``path`` exists and may be removed (:func:`clear_run_dir`'s rule); False when it does not exist.
-
-    Raises:
-        ConfigError: as :func:`clear_run_dir`.
-    """
-    if not path.exists() and not path.is_symlink():
-        return False
-    ours = is_atoll_run(path) or (path.is_dir() and not path.is_symlink()
-                                  and (not any(path.iterdir()) or any((path / m).exists() for m in markers)))
-    if not ours:
-        raise ConfigError(f"out: '{path}' exists and is not an atoll run folder (no config.json, metrics.jsonl or "
-                          "checkpoints/), so it was left untouched; move it away or pass another --out")
-    foreign = foreign_files(path, markers)
-    if foreign:
-        raise ConfigError(f"out: '{path}' holds files atoll did not write ('{foreign[0]}'"
-                          f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}), so it was left "
-                          "untouched; move them away or pass another --out")
-    return True
-
-
-def check_out_folder(out: Path, prog: str = "out") -> None:
-    """Refuse a benchmark's output folder that is not atoll's: an existing non-empty folder must hold a
-    benchmark's results (:data:`RESULT_FILES`) or atoll run folders; a file is refused too.
-
-    Raises:
-        ConfigError: ``out`` is a file, or a non-empty folder with none of atoll's files (field ``prog``).
-    """
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{prog}: '{out}' is a file; pass a folder")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    if any((out / f).exists() for f in RESULT_FILES) or any(is_atoll_run(e) for e in out.iterdir()):
-        return
-    raise ConfigError(f"{prog}: '{out}' is a folder of other files (no results.json and no atoll run in it), so "
-                      "it was left untouched; pass an empty or new folder")
-
-
-def _registry(suite_dir: Path) -> set[str]:
-    try:
-        return set(json.loads((suite_dir / REGISTRY).read_text()))
-    except (OSError, ValueError, TypeError):
-        return set()
-
-
-def _register(suite_dir: Path, name: str) -> None:
-    """Add ``name`` to the folder's list of runs a benchmark trained (written atomically)."""
-    names = sorted(_registry(suite_dir) | {name})
-    tmp = suite_dir / f"{REGISTRY}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(names))
-    os.replace(tmp, suite_dir / REGISTRY)
 
 
 def run_matches(out: Path, settings: dict[str, Any]) -> bool:
@@ -265,13 +187,10 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
                 time.sleep(10)
     previous = suite_dir / f".{name}.previous"  # the run being replaced, until the new one has trained
     try:
-        if check_run_dir(out):  # refuses a folder that is not an atoll run's, or with files atoll did not write
-            if name not in _registry(suite_dir) and any(out.iterdir()):
-                raise ConfigError(f"out: '{out}' holds a run that no atoll benchmark trained in this folder (it is "
-                                  f"not in {REGISTRY}), so it was left untouched; move it away or pass another --out")
-            clear_run_dir(previous)
+        if check_benchmark_run(suite_dir, name):  # refuses a folder atoll did not write, or a run no benchmark
+            clear_run_dir(previous)                # of this folder trained
             out.rename(previous)
-        _register(suite_dir, name)
+        register(suite_dir, name)
         print(f"[{tag}] {name}: {settings}", file=sys.stderr, flush=True)
         from atoll.train import train
 

@@ -30,7 +30,10 @@ multiple of 10; two outer rounds in the window need ``steps >= 3 H``.
 
 Writes ``<out>/<run>/`` (an atoll run folder, plus ``rank<N>.log`` and ``wan.json``), ``<out>/results.json``
 and ``<out>/results.md``, and prints the table. A run whose ``wan.json`` exists is reused (``--fresh``
-reruns it); a run's folder is removed before a rerun only if atoll wrote it (otherwise: one line, status 2).
+reruns it). Before anything runs, ``--out`` is checked as the suite's is (:func:`check_out`): a folder of
+other files, a results.json or results.md that no benchmark wrote, or a run folder to retrain that holds a
+file atoll did not write or that this benchmark did not train there (``.atoll-bench.json``) is refused in one
+line, status 2, and nothing is deleted or written.
 Not root, or no usable ``ip netns``: one line, ``atoll bench wan: skipped: <why>``, status 0.
 """
 
@@ -44,7 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import clear_run_dir, default_out
+from atoll.bench.common import default_out
+from atoll.bench.folders import check_benchmark_run, check_out_folder, clear_run_dir, register
 from atoll.bench.netns import (
     IFNAME,
     EmulatedWan,
@@ -55,6 +59,7 @@ from atoll.bench.netns import (
 )
 from atoll.bench.wan_report import steady_state, write_report
 from atoll.config.applies import applicable
+from atoll.errors import ConfigError
 
 LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
 
@@ -67,6 +72,11 @@ LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
 EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_steps": 50, "outer_momentum": 0.9}
 
 MASTER_PORT = 29500  # free: island 0's namespace holds nothing else
+
+#: what the benchmark writes into a run folder besides the run's own files: files that mark the folder as
+#: the benchmark's (names), and every such file (regular expressions); :func:`atoll.bench.folders.clear_run_dir`
+WAN_MARKERS = ("wan.json", "rank0.log")
+WAN_FILES = (r"wan\.json", r"rank\d+\.log")
 
 
 def _csv(kind: type) -> Any:
@@ -258,7 +268,13 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
     cached = out / "wan.json"
     if cached.is_file() and not args.fresh:
         return json.loads(cached.read_text())
-    clear_run_dir(out, markers=("wan.json", "rank0.log"))  # never a folder atoll did not write
+    if check_benchmark_run(args.out, name, WAN_MARKERS, WAN_FILES):  # never a folder atoll did not write
+        clear_run_dir(out, WAN_MARKERS, WAN_FILES)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out: cannot make the folder '{args.out}' ({e.strerror or e}); pass another --out") from None
+    register(args.out, name)  # this benchmark trains it: a later --fresh may replace it
     settings = _settings(args, strategy, h)
     print(f"[wan] {name}: {settings['steps']} steps at {mbps:g} Mbit/s"
           + (f", {args.delay_ms:g} ms one-way" if args.delay_ms else ""), file=sys.stderr, flush=True)
@@ -287,6 +303,21 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
     return row
 
 
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse ``--out`` before anything is trained, deleted or written: it must be new, empty or a benchmark's
+    folder, with a benchmark's results.json and results.md (written over at the end), and every run folder the
+    flags would train (not reused: no ``wan.json`` yet, or ``--fresh``) must be absent or one that this
+    benchmark trained there, holding only atoll's files (:func:`atoll.bench.folders.check_benchmark_run`).
+
+    Raises:
+        ConfigError: the first folder or file that is not atoll's, named, with the fix.
+    """
+    check_out_folder(args.out)
+    for name, _ in planned_runs(args):
+        if args.fresh or not (args.out / name / "wan.json").is_file():
+            check_benchmark_run(args.out, name, WAN_MARKERS, WAN_FILES)
+
+
 def _command_line() -> str:
     script = Path(sys.argv[0]).name
     head = "python bench/wan.py" if script == "wan.py" else "atoll" if script in ("atoll", "cli.py") else script
@@ -308,7 +339,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     from atoll.job.data import default_cache_dir, prepare_data
     from atoll.job.data.pretrained import tokenizer_source
 
-    try:  # validate the settings and prepare the data once (the ranks then read the cache)
+    try:  # refuse an --out that is not atoll's, validate the settings, prepare the data once (the ranks read the cache)
+        check_out(args)
         config = build_config(overrides={**_settings(args, "diloco", args.sync_every[0]), "runtime": "collective"})
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache,

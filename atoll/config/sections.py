@@ -14,6 +14,10 @@ from pydantic import Field, field_validator
 from atoll.config.parse import parse_resources
 from atoll.config.section import Section
 
+#: the most inner steps a step count may name (``steps``, H, warmup, evaluation and checkpoint intervals): a
+#: billion is years of training at any speed atoll reaches; a larger number is a typo
+MAX_STEPS = 10**9
+
 
 class RunSection(Section):
     """What runs: the strategy, the runtime, how many islands, how long, which seed."""
@@ -34,9 +38,9 @@ class RunSection(Section):
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(
-        50, ge=1, description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, decoupled)."
+        50, ge=1, le=MAX_STEPS, description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, decoupled)."
     )
-    steps: int = Field(800, ge=1, description="Inner steps per island (each island sees steps x batch tokens; "
+    steps: int = Field(800, ge=1, le=MAX_STEPS, description="Inner steps per island (each island sees steps x batch tokens; "
                        "decoupled: a budget of islands x steps shared by speed).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
 
@@ -100,7 +104,7 @@ class InnerOptimSection(Section):
     """The inner optimizer of every island (AdamW; DeMo's own rate is in its section) and its schedule."""
 
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
-    warmup_steps: int = Field(40, ge=0, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
+    warmup_steps: int = Field(40, ge=0, le=MAX_STEPS, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1,
         description="Cosine decay floor, as a fraction of the peak rate (lr; demo_lr for demo).",
@@ -164,13 +168,13 @@ class OutputSection(Section):
     """Evaluation, checkpoints, where outputs go, threads and progress."""
 
     eval_every: int | None = Field(
-        None, ge=1, description="Evaluate the global model every N inner steps (default: about 20 evaluations "
+        None, ge=1, le=MAX_STEPS, description="Evaluate the global model every N inner steps (default: about 20 evaluations "
         "per run, every steps // 20).")
     eval_batches: int = Field(
         16, ge=1, description="Batches of 8 held-out windows of seq_len tokens per evaluation (the same windows "
         "whatever --batch-size, so runs of different batch sizes are compared on the same text).")
     checkpoint_every: int = Field(
-        100, ge=0, description="Write a resumable checkpoint every N inner steps (0: only at the end)."
+        100, ge=0, le=MAX_STEPS, description="Write a resumable checkpoint every N inner steps (0: only at the end)."
     )
     out: Path | None = Field(None, description="Output folder (default: runs/<strategy>-<time>).")
     cache_dir: Path | None = Field(
@@ -180,7 +184,7 @@ class OutputSection(Section):
     progress: bool = Field(True, description="Show progress on stderr: a live bar on a terminal, otherwise (a log "
                            "file, a cluster job) one plain line every progress_every steps and at evaluations.")
     progress_every: int | None = Field(
-        None, ge=1, description="Inner steps between two plain progress lines when stderr is not a terminal "
+        None, ge=1, le=MAX_STEPS, description="Inner steps between two plain progress lines when stderr is not a terminal "
         "(default: a twentieth of the run).")
     tracker: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="Experiment trackers that also receive the run's metrics: tensorboard "

@@ -17,15 +17,20 @@ the usual 022), as the rest of the run folder, so that a process of another user
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from atoll.errors import CheckpointError
@@ -93,6 +98,22 @@ def _open_modes(folder: Path) -> None:
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Raise the I/O failure of a safetensors write under it (a full disk, a read-only folder) as the
+    ``OSError`` it is, naming ``path``: safetensors' own ``SafetensorError`` is not an ``OSError``, so the
+    command line's one line with the resume advice missed it. Any other ``SafetensorError`` passes unchanged."""
+    try:
+        yield
+    except SafetensorError as e:
+        text = str(e)
+        code = re.search(r"\(os error (\d+)\)", text)
+        if code is None and "I/O error" not in text:
+            raise
+        number = int(code.group(1)) if code is not None else errno.EIO
+        raise OSError(number, os.strerror(number) if code is not None else text, str(path)) from e
+
+
 def _point_latest(root: Path, name: str) -> None:
     """Make ``root/latest`` name the checkpoint folder ``name`` atomically: a relative symlink, or a text file
     where links cannot be made."""
@@ -120,6 +141,10 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
         model: the global model (a ``PreTrainedModel`` holding the global weights), saved to ``model/``.
         tokenizer: a ``PreTrainedTokenizerFast`` saved beside the model.
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
+
+    Raises:
+        OSError: the disk is full or the folder not writable (also where safetensors writes the tensors); the
+            temporary folder is removed and the previous checkpoints are left as they were.
     """
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -129,13 +154,15 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
     try:
         tree, tensors = flatten_state(state)
-        save_file(tensors, str(tmp / "state.safetensors"))
+        with _writing(tmp / "state.safetensors"):
+            save_file(tensors, str(tmp / "state.safetensors"))
         with open(tmp / "state.json", "w") as f:
             json.dump({"step": step, "state": tree}, f)
             f.flush()
             os.fsync(f.fileno())
         if model is not None:
-            model.save_pretrained(tmp / "model")
+            with _writing(tmp / "model"):  # transformers writes the weights with safetensors too
+                model.save_pretrained(tmp / "model")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
         for p in tmp.rglob("*"):

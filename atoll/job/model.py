@@ -8,6 +8,10 @@ model's own tokenizer, :mod:`atoll.job.data.pretrained`). ``transformers`` is im
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,6 +95,34 @@ def check_model_config(folder: str | Path) -> None:
                           f"{fix}") from None
 
 
+class _HeldRecords(logging.Filter):
+    """Holds the records of transformers' loading logger (its LOAD REPORT of missing or unexpected weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def _held_load_report() -> Iterator[None]:
+    """While a pretrained model loads, hold what transformers logs about it: a load that atoll refuses (an
+    exception out of the block) says so in one line, not after transformers' multi-line report; an accepted
+    one logs it afterwards, as transformers would have."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    held = _HeldRecords()
+    logger.addFilter(held)
+    try:
+        yield
+    finally:
+        logger.removeFilter(held)
+    for record in held.records:  # reached only when the block raised nothing
+        logger.handle(record)
+
+
 def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> PreTrainedModel:
     """Build a preset model with a seeded initialisation, or load a pretrained one.
 
@@ -107,7 +139,9 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
 
     Raises:
         ConfigError: the name is neither a preset nor an existing folder nor a reachable Hub id (field
-            ``model``), or a loaded model's vocabulary is smaller than the tokenizer's.
+            ``model``), a loaded model lacks weight tensors that its config.json names (transformers'
+            ``missing_keys``, which it would initialise at random; a tied ``lm_head`` is not missing), or its
+            vocabulary is smaller than the tokenizer's.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -144,12 +178,22 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
             raise ConfigError(f"model: cannot download '{name_or_path}' from the Hugging Face Hub ({reason}); "
                               f"pass a local folder (hf download {name_or_path} --local-dir DIR) or a preset")
     check_model_config(name_or_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - a damaged folder fails in transformers, safetensors or the hub's checks
-        detail = " ".join(str(e).split())[:160] or type(e).__name__
-        raise ConfigError(f"model: '{name_or_path}' cannot be loaded as a Hugging Face causal LM ({detail}); pass a "
-                          "folder saved with save_pretrained (config.json and intact weights) or a preset") from None
+    with _held_load_report():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
+                                                               output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - a damaged folder fails in transformers, safetensors or the hub's checks
+            detail = " ".join(str(e).split())[:160] or type(e).__name__
+            raise ConfigError(f"model: '{name_or_path}' cannot be loaded as a Hugging Face causal LM ({detail}); "
+                              "pass a folder saved with save_pretrained (config.json and intact weights) or a "
+                              "preset") from None
+        missing = sorted(info.get("missing_keys") or (), key=lambda k: [int(t) if t.isdigit() else t
+                                                                         for t in re.split(r"(\d+)", k)])
+        if missing:  # transformers would start them at random and only say so in its report
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise ConfigError(f"model: '{name_or_path}' lacks {len(missing)} of the model's weight tensors ({shown}), "
+                              "which would start at random; pass a folder whose weights match its config.json "
+                              "(save_pretrained writes both) or a preset")
     check_vocab(model, vocab_size, name_or_path)
     model.train()
     return model
