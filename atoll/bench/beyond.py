@@ -1,9 +1,9 @@
 """SparseLoCo against DiLoCo by number of outer rounds, and Muon islands against AdamW islands (issue: beyond).
 
-    python bench/beyond.py            # about 10 minutes on 2 idle CPU cores
+    python bench/beyond.py            # about an hour on one idle CPU core (the tiny runs: about half of it)
 
 The micro Llama (37K parameters, 512-token BPE, 8 x 32 tokens per island per step), 4 islands, on the
-stdlib corpus; one torch thread per run. Four studies:
+stdlib corpus; one torch thread per run. Five studies:
 
 1. SparseLoCo (arXiv:2508.15706; chunk-wise top-k of an error-feedback accumulator, 2-bit values) against
    DiLoCo fp32 at H = 10, 30 outer rounds (300 steps) and 120 (1,200 steps), at the default 64 of 4096 and
@@ -13,10 +13,15 @@ stdlib corpus; one torch thread per run. Four studies:
 2. SparseLoCo at 1,200 steps in 1,024-element chunks (one per hidden matrix, so k/chunk is the density)
    against DiLoCo fp32 at H = 40 (30 rounds): within the issue's byte budget (at least 30x fewer bytes than
    that DiLoCo: H = 30 at 1.6%, H = 60 at 3.1%, H = 15 at 0.8%) and beyond it (H = 5 and H = 1: the most
-   rounds SparseLoCo can have), to tell rounds from the method.
+   rounds SparseLoCo can have), to tell rounds from the method; and SparseLoCo's knobs (32-bit values, the
+   accumulator's decay, the outer rate, an outer momentum on top) at 120 rounds and at the budget.
 3. MuLoCo (Muon inner steps, arXiv:2505.23725) against AdamW islands under diloco at fp32 and int4, 300 steps.
 4. The agreement-weighted outer step (``--outer-adapt agreement``, :mod:`atoll.algorithms.agreement`) against
    the fixed outer step: H = 40 at 1,200 steps (two seeds, and int4) and H = 10 at 300 steps.
+5. SparseLoCo by model size: micro (hidden 32), nano (64, the default) and tiny (160) on the default
+   benchmark's data and schedule (1,024-token BPE, 32 x 128 tokens per step, 800 steps, H = 50), 16 of
+   1,024 entries per chunk (1.6%), against diloco fp32 and one island alone at the same size; the
+   ``energy sent`` column is the share of the error-feedback accumulator each round's payload delivers.
 
 Writes bench/out/beyond/results.json and results.md (``--out``: elsewhere); a finished run is reused
 (:func:`atoll.bench.common.train_once`), ``--fresh`` reruns all.
@@ -33,6 +38,10 @@ from atoll.errors import AtollError
 
 BASE: dict[str, Any] = {"model": "micro", "vocab_size": 512, "seq_len": 32, "batch_size": 8, "islands": 4,
                         "sync_every": 10, "warmup_steps": 30, "eval_every": 100}
+
+#: the default benchmark's data and schedule (atoll train's defaults), for the study by model size
+SIZE_BASE: dict[str, Any] = {"vocab_size": 1024, "seq_len": 128, "batch_size": 32, "warmup_steps": 40,
+                             "eval_every": 40, "steps": 800, "sync_every": 50}
 
 #: (name, reference run it is compared with, settings)
 RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -53,6 +62,13 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     *[(f"sparseloco_c1024_k{k}_h{h}", "diloco_h40", {"strategy": "sparseloco", "steps": 1200, "sync_every": h,
                                                   "sparseloco_chunk": 1024, "sparseloco_topk": k})
       for k, h in ((8, 15), (16, 30), (32, 60), (16, 5), (32, 1))],
+    # SparseLoCo's knobs: at 120 rounds (H = 10, 64 of 4096) and at the byte budget (16 of 1024, H = 30)
+    *[(f"sparseloco_1200_{tag}", "diloco_1200", {"strategy": "sparseloco", "steps": 1200, **knob})
+      for tag, knob in (("bits32", {"sparseloco_bits": 32}), ("beta099", {"sparseloco_beta": 0.99}),
+                        ("beta08", {"sparseloco_beta": 0.8}), ("lr2", {"outer_lr": 2.0}))],
+    *[(f"sparseloco_c1024_k16_h30_{tag}", "diloco_h40", {"strategy": "sparseloco", "steps": 1200, "sync_every": 30,
+                                                      "sparseloco_chunk": 1024, "sparseloco_topk": 16, **knob})
+      for tag, knob in (("lr2", {"outer_lr": 2.0}), ("momentum05", {"outer_momentum": 0.5}))],
     # 4. the agreement-weighted outer step against the fixed one
     ("agreement_h40", "diloco_h40", {"strategy": "diloco", "steps": 1200, "sync_every": 40,
                                      "outer_adapt": "agreement"}),
@@ -63,6 +79,14 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("agreement_h40_int4", "diloco_h40_int4", {"strategy": "diloco", "steps": 1200, "sync_every": 40,
                                                "codec": "int4", "outer_adapt": "agreement"}),
     ("agreement_300", "diloco_300", {"strategy": "diloco", "steps": 300, "outer_adapt": "agreement"}),
+    # 5. by model size: micro, nano (the default) and tiny on the default data settings, 800 steps, H = 50,
+    # 16 of 1024 (1.6%) against diloco fp32 and one island alone at each size
+    *[run for model in ("micro", "nano", "tiny") for run in (
+        (f"size_{model}_diloco", f"size_{model}_diloco", {**SIZE_BASE, "model": model, "strategy": "diloco"}),
+        (f"size_{model}_sparseloco", f"size_{model}_diloco",
+         {**SIZE_BASE, "model": model, "strategy": "sparseloco", "sparseloco_chunk": 1024, "sparseloco_topk": 16}),
+        (f"size_{model}_one_island", f"size_{model}_diloco",
+         {**SIZE_BASE, "model": model, "strategy": "ddp", "islands": 1}))],
 )
 
 
@@ -90,14 +114,15 @@ def benchmark(args: argparse.Namespace) -> None:
         r, base = runs[name], runs[ref]
         rows.append({"run": name, "steps": r["steps"], "H": r["sync_every"], "rounds": r["steps"] // r["sync_every"],
                      "strategy": r["strategy"], "inner": own.get("inner_optimizer", "adamw"), "codec": r["codec"],
-                     "density": r.get("sparseloco_density"), "final_eval_loss": r["final_eval_loss"], "vs": ref,
+                     "density": r.get("sparseloco_density"), "sent_energy": r.get("sparseloco_sent_energy"),
+                     "params": r.get("params"), "final_eval_loss": r["final_eval_loss"], "vs": ref,
                      "gap_pct": pct(r["final_eval_loss"], base["final_eval_loss"]),
                      "bytes_sent_per_island": r["bytes_sent_per_island"],
                      "fewer_bytes_than_ref": base["bytes_sent_per_island"] / r["bytes_sent_per_island"]})
     table = write_results(
         out, {"settings": BASE, "runs": runs, "rows": rows},
-        [("run", "run"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"), ("density", "density"),
-         ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("bytes/island", "bytes_sent_per_island"),
+        [("run", "run"), ("params", "params"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"), ("density", "density"),
+         ("energy sent", "sent_energy"), ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("bytes/island", "bytes_sent_per_island"),
          ("x fewer bytes than vs", "fewer_bytes_than_ref")],
         rows, "sparseloco by rounds and at a byte budget, Muon islands, the agreement-weighted outer step: "
         "micro model, 4 islands",
