@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atoll.bench.common import default_out, pct, script_error, train_once, write_results
-from atoll.errors import AtollError
+from atoll.errors import AtollError, ConfigError
 
 BASE: dict[str, Any] = {"model": "micro", "vocab_size": 512, "seq_len": 32, "batch_size": 8, "islands": 4,
                         "sync_every": 10, "warmup_steps": 30, "eval_every": 100}
@@ -81,20 +81,39 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("agreement_300", "diloco_300", {"strategy": "diloco", "steps": 300, "outer_adapt": "agreement"}),
     # 5. by model size: micro, nano (the default) and tiny on the default data settings, 800 steps, H = 50,
     # 16 of 1024 (1.6%) against diloco fp32 and one island alone at each size
-    *[run for model in ("micro", "nano", "tiny") for run in (
-        (f"size_{model}_diloco", f"size_{model}_diloco", {**SIZE_BASE, "model": model, "strategy": "diloco"}),
-        (f"size_{model}_sparseloco", f"size_{model}_diloco",
-         {**SIZE_BASE, "model": model, "strategy": "sparseloco", "sparseloco_chunk": 1024, "sparseloco_topk": 16}),
-        (f"size_{model}_one_island", f"size_{model}_diloco",
-         {**SIZE_BASE, "model": model, "strategy": "ddp", "islands": 1}))],
 )
+
+#: the models of the study by size on a CPU (``--size-models``: e.g. 20m,125m on a GPU)
+SIZE_MODELS = ("micro", "nano", "tiny")
+
+
+def size_runs(models: Sequence[str], extra: dict[str, Any] | None = None) -> list[tuple[str, str, dict[str, Any]]]:
+    """Study 5's runs for ``models``: diloco fp32, sparseloco at 16 of 1024 and one island alone at each, on
+    the default benchmark's data and schedule; ``extra`` settings (``device``, ``precision``) for all."""
+    extra = extra or {}
+    runs = []
+    for model in models:
+        own = {**SIZE_BASE, "model": model, **extra}
+        runs += [(f"size_{model}_diloco", f"size_{model}_diloco", {**own, "strategy": "diloco"}),
+                 (f"size_{model}_sparseloco", f"size_{model}_diloco",
+                  {**own, "strategy": "sparseloco", "sparseloco_chunk": 1024, "sparseloco_topk": 16}),
+                 (f"size_{model}_one_island", f"size_{model}_diloco", {**own, "strategy": "ddp", "islands": 1})]
+    return runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python bench/beyond.py [--out DIR] [--fresh]``; the exit status (2: bad input)."""
+    """``python bench/beyond.py [--out DIR] [--fresh] [--size-only --size-models M,M --device D --precision P]``;
+    the exit status (2: bad input)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fresh", action="store_true", help="rerun every run, ignoring cached summaries")
-    parser.add_argument("--out", default=None, help="output folder [bench/out/beyond]")
+    parser.add_argument("--out", default=None, help="output folder [bench/out/beyond; with --size-only: "
+                        "bench/out/beyond_size]")
+    parser.add_argument("--size-only", action="store_true", help="only study 5, SparseLoCo by model size")
+    parser.add_argument("--size-models", default=",".join(SIZE_MODELS),
+                        help=f"the models of study 5, comma-separated presets [default: {','.join(SIZE_MODELS)}; "
+                        "on a GPU e.g. 20m,125m]")
+    parser.add_argument("--device", default=None, help="study 5's --device (auto|cpu|cuda|mps) [default: atoll's]")
+    parser.add_argument("--precision", default=None, help="study 5's --precision (fp32|bf16) [default: atoll's]")
     args = parser.parse_args(argv)
     try:
         benchmark(args)
@@ -103,30 +122,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def argv_of(args: argparse.Namespace) -> list[str]:
+    """The flags that change what runs (for the results' command line)."""
+    flags = ["--size-only"] if args.size_only else []
+    if args.size_models != ",".join(SIZE_MODELS):
+        flags += ["--size-models", args.size_models]
+    return flags + [f for k in ("device", "precision") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
+
+
 def benchmark(args: argparse.Namespace) -> None:
     """Train (or reuse) every run, write results.json and results.md, print the table."""
     from pathlib import Path
 
-    out = Path(args.out) if args.out else default_out("beyond")
-    runs = {name: train_once(out, name, args.fresh, **{**BASE, **own}) for name, _, own in RUNS}
+    extra = {k: v for k, v in (("device", args.device), ("precision", args.precision)) if v is not None}
+    models = [m.strip() for m in args.size_models.split(",") if m.strip()]
+    from atoll.job.model import PRESETS
+
+    unknown = [m for m in models if m not in PRESETS]
+    if unknown or not models:
+        raise ConfigError(f"size_models: {unknown[0] if unknown else 'none'} is not a model preset; pass "
+                          f"--size-models with some of {', '.join(PRESETS)}")
+    plan = [*([] if args.size_only else RUNS), *size_runs(models, extra)]
+    out = Path(args.out) if args.out else default_out("beyond_size" if args.size_only else "beyond")
+    runs = {name: train_once(out, name, args.fresh, **{**BASE, **own}) for name, _, own in plan}
     rows = []
-    for name, ref, own in RUNS:
+    for name, ref, own in plan:
         r, base = runs[name], runs[ref]
+        alone = runs.get(ref.replace("_diloco", "_one_island")) if name.startswith("size_") else None
         rows.append({"run": name, "steps": r["steps"], "H": r["sync_every"], "rounds": r["steps"] // r["sync_every"],
                      "strategy": r["strategy"], "inner": own.get("inner_optimizer", "adamw"), "codec": r["codec"],
                      "density": r.get("sparseloco_density"), "sent_energy": r.get("sparseloco_sent_energy"),
                      "params": r.get("params"), "final_eval_loss": r["final_eval_loss"], "vs": ref,
                      "gap_pct": pct(r["final_eval_loss"], base["final_eval_loss"]),
+                     "gap_one_island_pct": pct(r["final_eval_loss"], alone["final_eval_loss"]) if alone else None,
                      "bytes_sent_per_island": r["bytes_sent_per_island"],
                      "fewer_bytes_than_ref": base["bytes_sent_per_island"] / r["bytes_sent_per_island"]})
     table = write_results(
         out, {"settings": BASE, "runs": runs, "rows": rows},
         [("run", "run"), ("params", "params"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"), ("density", "density"),
-         ("energy sent", "sent_energy"), ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("bytes/island", "bytes_sent_per_island"),
+         ("energy sent", "sent_energy"), ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("gap % vs one island", "gap_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
          ("x fewer bytes than vs", "fewer_bytes_than_ref")],
-        rows, "sparseloco by rounds and at a byte budget, Muon islands, the agreement-weighted outer step: "
-        "micro model, 4 islands",
+        rows, "sparseloco by rounds, at a byte budget and by model size, Muon islands, the agreement-weighted "
+        "outer step: 4 islands",
         notes=["one seed unless named, one torch thread per run; gap and bytes against the run in 'vs' (same "
                "steps)",
-               "command: python bench/beyond.py"])
+               "command: python bench/beyond.py" + (" " + " ".join(argv_of(args)) if argv_of(args) else "")])
     print(table)
