@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atoll.bench.common import default_out, pct, script_error, train_once, write_results
+from atoll.config.applies import BY_STRATEGY
 from atoll.errors import AtollError, ConfigError
 
 BASE: dict[str, Any] = {"model": "micro", "vocab_size": 512, "seq_len": 32, "batch_size": 8, "islands": 4,
@@ -150,13 +151,16 @@ def benchmark(args: argparse.Namespace) -> None:
         r, base = runs[name], runs[ref]
         alone = runs.get(ref.replace("_diloco", "_one_island")) if name.startswith("size_") else None
         rows.append({"run": name, "steps": r["steps"], "H": r["sync_every"], "rounds": r["steps"] // r["sync_every"],
-                     "strategy": r["strategy"], "inner": own.get("inner_optimizer", "adamw"), "codec": r["codec"],
+                     "strategy": r["strategy"], "inner": own.get("inner_optimizer", "adamw"),
+                     # sparseloco encodes in its own way (runs trained before summaries said so recorded fp32)
+                     "codec": r["codec"] if r["strategy"] in BY_STRATEGY["codec"] else None,
                      "density": r.get("sparseloco_density"), "sent_energy": r.get("sparseloco_sent_energy"),
                      "params": r.get("params"), "final_eval_loss": r["final_eval_loss"], "vs": ref,
                      "gap_pct": pct(r["final_eval_loss"], base["final_eval_loss"]),
                      "gap_one_island_pct": pct(r["final_eval_loss"], alone["final_eval_loss"]) if alone else None,
                      "bytes_sent_per_island": r["bytes_sent_per_island"],
-                     "fewer_bytes_than_ref": base["bytes_sent_per_island"] / r["bytes_sent_per_island"]})
+                     "fewer_bytes_than_ref": (base["bytes_sent_per_island"] / r["bytes_sent_per_island"]
+                                              if r["bytes_sent_per_island"] else None)})  # one island: none
     table = write_results(
         out, {"settings": BASE, "runs": runs, "rows": rows},
         [("run", "run"), ("params", "params"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"), ("density", "density"),
