@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.bench import common
-from atoll.bench.common import (
-    check_out_folder,
-    clear_run_dir,
-    default_out,
-    markdown_table,
-    train_once,
-    write_results,
-)
+from atoll.bench import common, folders
+from atoll.bench.common import default_out, markdown_table, train_once, write_results
+from atoll.bench.folders import check_out_folder, clear_run_dir
 from atoll.errors import ConfigError
 
 REPO = Path(__file__).parents[1]
@@ -143,7 +137,7 @@ def _atoll_tree(run: Path) -> None:
 def test_clear_run_dir_removes_every_file_atoll_writes_at_any_depth(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _atoll_tree(run)
-    assert common.foreign_files(run, ("wan.json", "rank0.log"), (r"rank\d+\.log",)) == []
+    assert folders.foreign_files(run, ("wan.json", "rank0.log"), (r"rank\d+\.log",)) == []
     clear_run_dir(run, markers=("wan.json", "rank0.log"), patterns=(r"rank\d+\.log",))
     assert not run.exists()
 
@@ -179,7 +173,7 @@ def test_a_trained_run_folder_holds_only_files_atoll_writes(fast_config: dict, t
     train(build_config(overrides={**fast_config, "steps": 4, "checkpoint_every": 2, "eval_every": 4,
                                   "out": str(out)}))
     assert (out / "checkpoints" / "step_0000004" / "model" / "model.safetensors").is_file()
-    assert common.foreign_files(out) == []
+    assert folders.foreign_files(out) == []
 
 
 def test_check_out_folder(tmp_path: Path) -> None:
@@ -259,7 +253,7 @@ def test_bench_wan_checks_its_out_folder_as_the_suite_does(tmp_path: Path) -> No
     check_out(_wan_args(out))
     with pytest.raises(ConfigError, match="no atoll benchmark trained"):
         check_out(_wan_args(out, fresh=True))
-    common.register(out, "ddp-100mbit")  # a run this benchmark trained there: replaced by --fresh
+    folders.register(out, "ddp-100mbit")  # a run this benchmark trained there: replaced by --fresh
     check_out(_wan_args(out, fresh=True))
     (out / "ddp-100mbit" / "rank0_notes.txt").write_text("mine")  # but never with a user's file in it
     with pytest.raises(ConfigError, match=r"files atoll did not write \('rank0_notes.txt'\)"):

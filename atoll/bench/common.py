@@ -9,8 +9,8 @@ A benchmark writes ``<out>/<run>/`` (a normal atoll run folder) for every run, t
 and ``<out>/results.md``. :func:`train_once` trains a run or reuses the finished one already there when
 its ``config.json`` matches, so an interrupted benchmark continues where it stopped (``--fresh`` reruns
 everything); two benchmark processes that need the same run take turns through a lock file, and the second
-reuses the first's run. It never deletes a folder that atoll did not write (:mod:`atoll.bench.folders`, whose
-guard is re-exported here: :func:`clear_run_dir`, :func:`check_out_folder`, ...).
+reuses the first's run. It never deletes a folder that atoll did not write (the guard of
+:mod:`atoll.bench.folders`).
 :func:`write_results` writes ``results.json`` and the Markdown table of ``results.md``.
 
 It imports the training code only when a run trains: ``atoll --help`` reaches it through the suite's flags.
@@ -28,21 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.folders import (  # noqa: F401 - the folder guard, re-exported for the benchmarks
-    REGISTRY,
-    RESULT_FILES,
-    RUN_MARKERS,
-    RUN_PATHS,
-    _registry,
-    check_benchmark_run,
-    check_out_folder,
-    check_run_dir,
-    clear_run_dir,
-    foreign_files,
-    is_atoll_run,
-    register,
-)
-from atoll.errors import ConfigError
+from atoll.bench.folders import check_benchmark_run, clear_run_dir, make_folder, register
 from atoll.job.metrics import finite_or_none
 
 #: a column of a results table: (header, key) or (header, key, formatter of the key's value)
@@ -155,11 +141,7 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
             is invalid.
     """
     out = suite_dir / name
-    try:
-        suite_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); "
-                          "pass another --out") from None
+    make_folder(suite_dir)
     from atoll.config import build_config
 
     # bad settings fail here, before anything is waited for, moved or deleted; a benchmark's settings are a base

@@ -40,8 +40,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import check_out_folder, default_out, pct, script_error, train_once
+from atoll.bench.common import default_out, pct, script_error, train_once
 from atoll.bench.fidelity_report import report, triple
+from atoll.bench.folders import check_out_folder
 from atoll.errors import AtollError, ConfigError
 
 #: the studies, in the order of results.md

@@ -166,6 +166,18 @@ def check_benchmark_run(suite_dir: Path, name: str, markers: Sequence[str] = (),
     return True
 
 
+def make_folder(path: Path) -> None:
+    """Make the benchmark folder ``path`` (and its parents) if it is not there.
+
+    Raises:
+        ConfigError: it cannot be made (one line naming it).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out: cannot make the folder '{path}' ({e.strerror or e}); pass another --out") from None
+
+
 def _registry(suite_dir: Path) -> set[str]:
     try:
         return set(json.loads((suite_dir / REGISTRY).read_text()))

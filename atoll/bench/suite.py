@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from atoll.analysis.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
-from atoll.bench.common import Column, check_out_folder, default_out, finished, train_once, write_results
+from atoll.bench.common import Column, default_out, finished, train_once, write_results
+from atoll.bench.folders import check_out_folder
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s

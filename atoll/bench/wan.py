@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.bench.common import default_out
-from atoll.bench.folders import check_benchmark_run, check_out_folder, clear_run_dir, register
+from atoll.bench.folders import check_benchmark_run, check_out_folder, clear_run_dir, make_folder, register
 from atoll.bench.netns import (
     IFNAME,
     EmulatedWan,
@@ -59,7 +59,6 @@ from atoll.bench.netns import (
 )
 from atoll.bench.wan_report import steady_state, write_report
 from atoll.config.applies import applicable
-from atoll.errors import ConfigError
 
 LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
 
@@ -270,10 +269,7 @@ def one_run(args: argparse.Namespace, strategy: str, h: int, mbps: float, warmup
         return json.loads(cached.read_text())
     if check_benchmark_run(args.out, name, WAN_MARKERS, WAN_FILES):  # never a folder atoll did not write
         clear_run_dir(out, WAN_MARKERS, WAN_FILES)
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"out: cannot make the folder '{args.out}' ({e.strerror or e}); pass another --out") from None
+    make_folder(args.out)
     register(args.out, name)  # this benchmark trains it: a later --fresh may replace it
     settings = _settings(args, strategy, h)
     print(f"[wan] {name}: {settings['steps']} steps at {mbps:g} Mbit/s"
