@@ -135,10 +135,10 @@ def benchmark(args: argparse.Namespace) -> None:
     """Train (or reuse) every run, write results.json and results.md, print the table."""
     from pathlib import Path
 
-    extra = {k: v for k, v in (("device", args.device), ("precision", args.precision)) if v is not None}
-    models = [m.strip() for m in args.size_models.split(",") if m.strip()]
     from atoll.job.model import PRESETS
 
+    extra = {k: v for k, v in (("device", args.device), ("precision", args.precision)) if v is not None}
+    models = [m.strip() for m in args.size_models.split(",") if m.strip()]
     unknown = [m for m in models if m not in PRESETS]
     if unknown or not models:
         raise ConfigError(f"size_models: {unknown[0] if unknown else 'none'} is not a model preset; pass "
@@ -170,5 +170,5 @@ def benchmark(args: argparse.Namespace) -> None:
         "outer step: 4 islands",
         notes=["one seed unless named, one torch thread per run; gap and bytes against the run in 'vs' (same "
                "steps)",
-               "command: python bench/beyond.py" + (" " + " ".join(argv_of(args)) if argv_of(args) else "")])
+               " ".join(["command: python bench/beyond.py", *argv_of(args)])])
     print(table)

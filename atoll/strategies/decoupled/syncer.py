@@ -85,8 +85,7 @@ from atoll.algorithms.outer import OuterOptimizer
 from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
-from atoll.strategies.decoupled.protocol import Pull, Push, PushResult
-from atoll.strategies.decoupled.protocol import is_index as _index
+from atoll.strategies.decoupled.protocol import Pull, Push, PushResult, is_index
 from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
@@ -220,7 +219,7 @@ class Syncer:
             self._refuse(None, None, "type", None)
             return PushResult(False, "type")
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
-        warm = _index(fragment, self.fragments) and self.bounds.warm(fragment)
+        warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
             island, fragment, float(delta.detach().norm()), tokens, float(self.outer[fragment].params.norm()))
         if reason:
@@ -261,13 +260,13 @@ class Syncer:
 
     def _refuse(self, island: Any, fragment: Any, reason: str, tokens: Any) -> None:
         """Count and log a refused push (per island if it names one; its tokens if its island's, not forged)."""
-        named = _index(island, self.islands)
+        named = is_index(island, self.islands)
         if named:
             self.admission.rejected(island, reason)
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
         log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
-        if named and reason != "identity" and _index(fragment, self.fragments) and _index(tokens, math.inf):
+        if named and reason != "identity" and is_index(fragment, self.fragments) and is_index(tokens, math.inf):
             self._count("rejected", island, fragment, tokens)
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
