@@ -183,3 +183,75 @@ def test_flat_indices_cover_every_element_once_and_balance_the_tiny_model() -> N
         if ".layers.1." in name:
             assert offset in idx1 and offset + param.numel() - 1 in idx1
         offset += param.numel()
+
+
+def _old_pseudo_gradient_and_mix(global_frag, flat, idx, alpha):
+    """The index path at d2f719d: Δ from a full copy indexed by int64 positions, the mix on a full copy."""
+    delta = global_frag.to(torch.float32) - flat[idx].to(torch.float32)
+    mixed = flat.clone()
+    mixed[idx] = alpha * mixed[idx] + (1 - alpha) * global_frag
+    return delta, mixed
+
+
+@pytest.mark.parametrize("fragments", [1, 2, 3, 4])
+def test_fragment_views_equal_the_index_path_bit_for_bit(fragments: int) -> None:
+    from atoll.algorithms.fragments import FlatFragment, fragment_flat_indices, fragment_slices
+    from atoll.job.island import Island
+    from atoll.job.model import build_model
+
+    model = build_model("tiny", 4096, 128, seed=0)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    index, views = fragment_flat_indices(shapes, fragments), fragment_slices(shapes, fragments)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    island = Island(0, model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    gen = torch.Generator().manual_seed(fragments)
+    for idx, frag in zip(index, views, strict=True):
+        assert torch.equal(frag.positions(), idx), "the same elements in the same order"
+        assert FlatFragment.of_positions(idx) == FlatFragment(tuple(
+            r for r in _merged(frag.ranges))), "ranges recovered from positions (adjacent ones joined)"
+        flat = island.flat_params()
+        assert torch.equal(frag.gather(flat), flat[idx])
+        assert torch.equal(island.flat_params(frag), flat[idx])
+        values = torch.randn(frag.numel(), generator=gen)
+        expected = flat.clone()
+        expected[idx] = values
+        scattered = flat.clone()
+        frag.scatter_(scattered, values)
+        assert torch.equal(scattered, expected)
+        # the exchange on the island's views against the old copy-and-index path, for every bit
+        global_frag = flat[idx] + 1e-3 * torch.randn(frag.numel(), generator=gen)
+        delta_old, mixed_old = _old_pseudo_gradient_and_mix(global_frag, flat, idx, 0.5)
+        delta = island.pseudo_gradient(global_frag, frag)
+        assert delta.dtype == torch.float32 and torch.equal(delta, delta_old)
+        island.mix_params(global_frag, 0.5, frag)
+        assert torch.equal(island.flat_params(), mixed_old)
+        island.set_flat_params(global_frag, frag)
+        expected = mixed_old.clone()
+        expected[idx] = global_frag
+        assert torch.equal(island.flat_params(), expected)
+        island.set_flat_params(flat)
+    with pytest.raises(ValueError, match="values"):
+        views[0].scatter_(torch.zeros(sum(p.numel() for p in model.parameters())), torch.zeros(3))
+    with pytest.raises(ValueError, match="fit"):
+        views[-1].gather(torch.zeros(10))
+
+
+def _merged(ranges):
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def test_fragment_views_hold_ranges_not_an_index_per_element() -> None:
+    from atoll.algorithms.fragments import fragment_slices
+    from atoll.job.model import build_model
+
+    model = build_model("tiny", 4096, 128, seed=0)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    frags = fragment_slices(shapes, 4)
+    assert sum(len(f.ranges) for f in frags) <= len(shapes) + 2 * 4, "about one range per parameter"
+    assert sum(f.numel() for f in frags) == sum(p.numel() for p in model.parameters())

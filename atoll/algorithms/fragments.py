@@ -18,14 +18,16 @@ Example (4 layers, P = 2, H = 10)::
 
 from __future__ import annotations
 
+import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-__all__ = ["Fragment", "fragment_flat_indices", "fragment_sync_steps", "fragments_due", "layer_index",
-           "split_fragments"]
+__all__ = ["FlatFragment", "Fragment", "fragment_flat_indices", "fragment_slices", "fragment_sync_steps",
+           "fragments_due", "layer_index", "split_fragments"]
 
 # ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -172,6 +174,139 @@ def fragment_flat_indices(named_shapes: list[tuple[str, tuple[int, ...]]], num_f
                 parts[p].append(torch.arange(start, stop))
         offset += numel
     return [torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in parts]
+
+
+@dataclass(frozen=True)
+class FlatFragment:
+    """A fragment as contiguous ranges of the flat parameter vector: views, not an index over every element.
+
+    torchft's Streaming DiLoCo (``local_sgd.py``) keeps a fragment as a list of parameters; atoll's fragments
+    also cut the embedding and the final norm into row blocks (:func:`fragment_slices`), so a fragment is a
+    short list of ``(start, stop)`` ranges of the flat vector (``model.parameters()`` order, each parameter
+    flattened row-major), each inside one parameter: about one range per parameter, a few hundred integers,
+    where the int64 positions of :func:`fragment_flat_indices` take 8 bytes per element (96 GB at 12B).
+
+    Gathering a fragment (:meth:`gather`) equals ``flat[positions]`` and scattering (:meth:`scatter_`)
+    equals ``flat[positions] = values`` bit for bit (the same elements in the same order; only copies).
+
+    Attributes:
+        ranges: ``(start, stop)`` flat positions, ascending and disjoint, in the fragment's element order.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+
+    def numel(self) -> int:
+        """Elements in the fragment."""
+        return sum(b - a for a, b in self.ranges)
+
+    def positions(self) -> torch.Tensor:
+        """The flat positions, int64 (numel,): what :func:`fragment_flat_indices` gives (for tests, old code)."""
+        parts = [torch.arange(a, b) for a, b in self.ranges]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    @classmethod
+    def of_positions(cls, positions: torch.Tensor) -> FlatFragment:
+        """The ranges of ascending int64 ``positions`` (runs of consecutive ones).
+
+        Raises:
+            ValueError: ``positions`` is not 1-D, or not strictly ascending.
+        """
+        pos = positions.reshape(-1).to(torch.int64)
+        if positions.dim() != 1:
+            raise ValueError(f"fragment positions: must be 1-D, got shape {tuple(positions.shape)}")
+        if pos.numel() == 0:
+            return cls(())
+        step = pos[1:] - pos[:-1]
+        if bool((step <= 0).any()):
+            raise ValueError("fragment positions: must be strictly ascending")
+        breaks = (torch.nonzero(step != 1).reshape(-1) + 1).tolist()
+        starts = [0, *breaks]
+        stops = [*breaks, pos.numel()]
+        first = pos[starts].tolist()
+        last = pos[[s - 1 for s in stops]].tolist()
+        return cls(tuple((a, b + 1) for a, b in zip(first, last, strict=True)))
+
+    def gather(self, flat: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fragment's elements of ``flat`` (1-D), a new tensor (numel,) of its dtype and device, or
+        written into ``out``; equals ``flat[positions]``.
+
+        Raises:
+            ValueError: ``flat`` is not 1-D or too short for the fragment's ranges.
+        """
+        self._fits(flat)
+        views = [flat[a:b] for a, b in self.ranges]
+        if out is None:
+            return torch.cat(views) if views else flat.new_empty(0)
+        return torch.cat(views, out=out) if views else out
+
+    def scatter_(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """``flat[positions] = values`` in place (``values``: (numel,), copied element for element).
+
+        Raises:
+            ValueError: ``values`` is not of the fragment's size, or ``flat`` is too short for its ranges.
+        """
+        self._fits(flat)
+        if values.numel() != self.numel():
+            raise ValueError(f"fragment of {self.numel()} elements given {values.numel()} values")
+        offset = 0
+        for a, b in self.ranges:
+            flat[a:b].copy_(values[offset:offset + b - a])
+            offset += b - a
+
+    def _fits(self, flat: torch.Tensor) -> None:
+        if self.ranges and (flat.dim() != 1 or self.ranges[-1][1] > flat.numel()):
+            raise ValueError(f"fragment ranges up to {self.ranges[-1][1]} do not fit a vector of shape "
+                             f"{tuple(flat.shape)}")
+
+    def param_views(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The fragment as 1-D views of ``params`` (the tensors the flat vector concatenates), in element
+        order: writing a view writes the parameter. A range that spans parameters is cut at their borders.
+
+        Raises:
+            ValueError: a range beyond the parameters' total size.
+        """
+        starts, total = [], 0
+        for p in params:
+            starts.append(total)
+            total += p.numel()
+        views = []
+        for a, b in self.ranges:
+            if b > total:
+                raise ValueError(f"fragment range {a}:{b} beyond the parameters' {total} elements")
+            while a < b:
+                k = bisect.bisect_right(starts, a) - 1
+                stop = min(b, starts[k] + params[k].numel())
+                views.append(params[k].reshape(-1)[a - starts[k]:stop - starts[k]])
+                a = stop
+        return views
+
+
+def fragment_slices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragments: int) -> list[FlatFragment]:
+    """:func:`fragment_flat_indices` as ranges of the flat vector (:class:`FlatFragment`): the same
+    fragments, the same element order, one range per parameter or row block instead of an int64 per element.
+
+    Raises:
+        ValueError: as :func:`split_fragments`.
+    """
+    names = [n for n, _ in named_shapes]
+    fragments = split_fragments(names, num_fragments)
+    owner = {n: f.index for f in fragments for n in f.param_names}
+    no_layers = all(layer_index(n) is None for n in names)
+    parts: list[list[tuple[int, int]]] = [[] for _ in range(num_fragments)]
+    offset = 0
+    for name, shape in named_shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if layer_index(name) is not None or num_fragments == 1 or not shape or no_layers:
+            parts[owner[name]].append((offset, offset + numel))
+        else:  # outside the layers: P row blocks, block p to fragment p (see fragment_flat_indices)
+            rows, per_row = shape[0], numel // max(1, shape[0])
+            bounds = [rows * p // num_fragments for p in range(num_fragments + 1)]
+            for p in range(num_fragments):
+                parts[p].append((offset + bounds[p] * per_row, offset + bounds[p + 1] * per_row))
+        offset += numel
+    return [FlatFragment(tuple((a, b) for a, b in r if b > a)) for r in parts]
 
 
 def _check_schedule(num_fragments: int, sync_every: int) -> None:

@@ -113,8 +113,8 @@ def _load_syncer_weights(model: PreTrainedModel, run_dir: Path) -> bool:
         try:
             index = model_fragments(shapes, len(outer))
             flat = torch.empty(sum(p.numel() for p in model.parameters()), dtype=torch.float32)
-            for idx, frag in zip(index, outer, strict=True):
-                flat[idx] = frag["params"]
+            for fragment, frag in zip(index, outer, strict=True):
+                fragment.scatter_(flat, frag["params"])
         except (ConfigError, RuntimeError, IndexError, ValueError):
             raise ConfigError(f"init_from: the syncer's model in '{folder}' does not match --model/--vocab-size of "
                               "this run; use the same model and vocabulary as that run") from None

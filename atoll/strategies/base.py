@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atoll.algorithms.finite import all_finite
+from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
 
 if TYPE_CHECKING:
@@ -78,18 +80,18 @@ def make_wire(config: TrainConfig, local_islands: list[int]) -> Wire:
                 topk_fraction=config.topk_fraction, error_feedback=config.error_feedback, seed=config.seed)
 
 
-def model_fragments(named_shapes: list[tuple[str, tuple[int, ...]]], fragments: int) -> list[torch.Tensor]:
-    """Flat positions of each of ``fragments`` fragments of a model (see
-    :func:`atoll.algorithms.fragments.fragment_flat_indices`), the same on every island.
+def model_fragments(named_shapes: list[tuple[str, tuple[int, ...]]], fragments: int) -> list[FlatFragment]:
+    """Each of ``fragments`` fragments of a model as ranges of the flat vector (views of the parameters, see
+    :func:`atoll.algorithms.fragments.fragment_slices`), the same on every island.
 
     Raises:
         ConfigError: the model cannot be cut into that many fragments (names ``fragments`` and the fix).
     """
-    from atoll.algorithms.fragments import fragment_flat_indices
+    from atoll.algorithms.fragments import fragment_slices
     from atoll.errors import ConfigError
 
     try:
-        return fragment_flat_indices(named_shapes, fragments)
+        return fragment_slices(named_shapes, fragments)
     except ValueError as e:
         raise ConfigError(f"{e}; lower --fragments (the model's layers bound it)") from None
 
@@ -99,13 +101,14 @@ def drop_non_finite(tensors: list[torch.Tensor], weights: list[float]
     """Give weight 0 (and zeros) to contributions that are not finite, so they never reach the average.
 
     A faulty island (NaN or infinite weights after a bad step) must not corrupt the global model: its
-    pseudo-gradient is left out and the mean divides by what the others contributed.
+    pseudo-gradient is left out and the mean divides by what the others contributed. Checked with
+    :func:`all_finite` (one pass; the exact check only on alarm).
 
     Returns:
         (tensors, weights, dropped): tensors keep their shapes; ``dropped[i]`` tells whether contribution i
         was left out.
     """
-    dropped = [not bool(torch.isfinite(t).all()) for t in tensors]
+    dropped = [not all_finite(t) for t in tensors]
     out_t = [torch.zeros_like(t) if bad else t for t, bad in zip(tensors, dropped, strict=True)]
     out_w = [0.0 if bad else w for w, bad in zip(weights, dropped, strict=True)]
     return out_t, out_w, dropped

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from atoll.algorithms.agreement import AgreementScaler
-from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
+from atoll.algorithms.finite import all_finite
+from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting
 from atoll.job.divergence import Diverged
 from atoll.runtime.network import ring_allreduce_bytes
@@ -33,7 +34,8 @@ class DiLoCo(Strategy):
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
-        self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum)
+        self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum,
+                                    pin=islands[0].device.type == "cuda")
         self.tokens_at_sync = [island.tokens for island in islands]
         self.last_sync_step = 0
         self.wire = make_wire(config, comm.local_islands)
@@ -63,7 +65,8 @@ class DiLoCo(Strategy):
         Raises:
             Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
         """
-        deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
+        # torchft's shape: Δ computed where each island's parameters are, from the (pinned) host globals
+        deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
         deltas, weights, dropped = drop_non_finite(deltas, weights)
         self.dropped_updates += sum(dropped)
@@ -75,7 +78,7 @@ class DiLoCo(Strategy):
             stats = [self.agreement.statistics(d, w / total) for d, w in zip(deltas, weights, strict=True)]
             mean = self.agreement.weigh(mean, self.comm.all_reduce_mean(stats, weights=weights))
         new_global = self.outer.step(mean)
-        if not bool(torch.isfinite(new_global).all()):
+        if not all_finite(new_global):
             raise Diverged(steps_done, "the global model is not finite after the outer step")
         for position, island in enumerate(self.islands):
             if dropped[position]:  # its weights are lost: reset it, with a fresh inner optimizer

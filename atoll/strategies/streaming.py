@@ -2,7 +2,7 @@
 
 Douillard et al. 2025, arXiv:2501.18512. The parameters are split into P fragments of strided layers, with
 the embedding and final norm cut into P row blocks so the fragments are equal in size
-(:func:`atoll.algorithms.fragments.fragment_flat_indices`, the same on every island). Fragment p is synchronised
+(:func:`atoll.algorithms.fragments.fragment_slices`: views of the parameters, the same on every island). Fragment p is synchronised
 once every H inner steps, at its own offset inside the window, so at most one fragment is in flight and
 peak bandwidth drops about P-fold. Its pseudo-gradient (optionally quantized, e.g. int4, accumulated in
 fp32) is all-reduced *while* the islands run ``overlap_steps`` (tau) further inner steps; then the outer
@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from atoll.algorithms.fragments import fragments_due
-from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
+from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import Section
 from atoll.runtime.comm import Work
@@ -81,8 +81,9 @@ class StreamingDiLoCo(Strategy):
         shapes = [(n, tuple(p.shape)) for n, p in islands[0].named_params.items()]
         self.index = model_fragments(shapes, config.fragments)
         self.numel = sum(p.numel() for p in islands[0].params)
-        start = islands[0].flat_params()
-        self.outer = [OuterOptimizer(start[idx], config.outer_lr, config.outer_momentum) for idx in self.index]
+        pin = islands[0].device.type == "cuda"  # pinned host backups per fragment (torchft's)
+        self.outer = [OuterOptimizer(islands[0].flat_params(frag), config.outer_lr, config.outer_momentum, pin=pin)
+                      for frag in self.index]
         self.tokens_at_sync = [[island.tokens for island in islands] for _ in self.index]
         self.last_sync_step = [0] * len(self.index)
         self.in_flight: list[_InFlight] = []
@@ -105,8 +106,8 @@ class StreamingDiLoCo(Strategy):
 
     def _start(self, p: int, step: int, overlap: int | None = None) -> None:
         """Send fragment p's pseudo-gradient; merge it now (tau = 0) or after ``overlap`` more steps."""
-        idx = self.index[p]
-        deltas = [pseudo_gradient(self.outer[p].params, island.flat_params()[idx]) for island in self.islands]
+        frag, base = self.index[p], self.outer[p].params.detach()
+        deltas = [island.pseudo_gradient(base, frag) for island in self.islands]  # the fragment's views only
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync[p], strict=True)]
         deltas, weights, dropped = drop_non_finite(deltas, weights)
         self.dropped_updates += sum(dropped)
@@ -126,12 +127,9 @@ class StreamingDiLoCo(Strategy):
         """Outer step of the fragment with the averaged pseudo-gradient, then mix into every island."""
         p, alpha = job.fragment, self.config.mixing_alpha
         new_global = self.outer[p].step(job.work.wait())
-        idx = self.index[p]
         for i, island in enumerate(self.islands):
-            flat = island.flat_params()
             faulty = i < len(job.dropped) and job.dropped[i]
-            flat[idx] = new_global if alpha == 0 or faulty else alpha * flat[idx] + (1 - alpha) * new_global
-            island.set_flat_params(flat)
+            island.mix_params(new_global, 0.0 if faulty else alpha, self.index[p])
         if job in self.in_flight:
             self.in_flight.remove(job)
 
@@ -148,8 +146,8 @@ class StreamingDiLoCo(Strategy):
 
     def global_params(self) -> torch.Tensor:
         flat = torch.empty(self.numel, dtype=torch.float32)
-        for idx, outer in zip(self.index, self.outer, strict=True):
-            flat[idx] = outer.params.detach()
+        for frag, outer in zip(self.index, self.outer, strict=True):
+            frag.scatter_(flat, outer.params.detach())
         return flat
 
     def state_dict(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from atoll.strategies.decoupled.syncer import Syncer
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
+    from atoll.algorithms.fragments import FlatFragment
     from atoll.config import TrainConfig
 
 
@@ -168,7 +169,7 @@ def local_sync_every(config: TrainConfig) -> list[int]:
     return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
 
 
-def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[torch.Tensor],
+def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragment],
                 credentials: list[str] | None = None) -> Syncer:
     """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
     ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer, robust merge),

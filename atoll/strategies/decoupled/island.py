@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from atoll.algorithms.fragments import fragments_due
+from atoll.algorithms.fragments import FlatFragment, fragments_due
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.job.data import PreparedData, sample_batch
 from atoll.job.divergence import inject_fault
@@ -39,14 +39,15 @@ class Job:
     """What every island and the syncer of a decoupled run share: settings, data, the initial model, fragments.
 
     Attributes:
-        index: per fragment, the int64 flat positions of its elements (the same on every island).
+        index: per fragment, its ranges of the flat vector (:class:`~atoll.algorithms.fragments.FlatFragment`,
+            views of the parameters; the same on every island).
         init_flat: the initial global parameters, float32 (numel,), in ``model.parameters()`` order.
     """
 
     config: TrainConfig
     data: PreparedData
     model: PreTrainedModel
-    index: list[torch.Tensor]
+    index: list[FlatFragment]
     init_flat: torch.Tensor
 
     @classmethod
@@ -129,7 +130,7 @@ class IslandWorker:
         self.fragment_index = job.index
         self.sync_every = local_sync_every(config)[index]
         self.wire = make_wire(config, [index])
-        self.base = [job.init_flat[idx].clone() for idx in job.index]
+        self.base = [frag.gather(job.init_flat) for frag in job.index]
         self.base_version = [0] * len(job.index)
         self.at_push: list[torch.Tensor | None] = [None] * len(job.index)
         self.tokens_since = [0] * len(job.index)
@@ -185,8 +186,8 @@ class IslandWorker:
         """Fragment p's push: Δ = base − θ_island passed through the run's codec (encoded, then decoded in
         float32, with the island's error feedback), the tokens since its last push, its base version and the
         encoded payload's bytes. Remembers θ_island of the fragment for :meth:`adopt`."""
-        mine = self.island.flat_params()[self.fragment_index[p]]
-        self.at_push[p] = mine.clone()
+        mine = self.island.flat_params(self.fragment_index[p])  # a copy of the fragment's views alone
+        self.at_push[p] = mine
         delta, nbytes = self.wire.transmit(0, pseudo_gradient(self.base[p], mine), f"fragment{p}")
         tokens, self.tokens_since[p] = self.tokens_since[p], 0
         return Push(self.index, p, delta, tokens, self.base_version[p], int(nbytes))
@@ -209,12 +210,10 @@ class IslandWorker:
         its next push counted as staler than it is.
         """
         p = pull.fragment
-        own = self.island.flat_params()
-        mine = own[self.fragment_index[p]]
+        mine = self.island.flat_params(self.fragment_index[p])
         at_push = self.at_push[p]
         at_push = mine if at_push is None else at_push
-        own[self.fragment_index[p]] = pull.params + (mine - at_push)
-        self.island.set_flat_params(own)
+        self.island.set_flat_params(pull.params + (mine - at_push), self.fragment_index[p])
         self.base[p] = pull.params.clone()
         self.base_version[p] = pull.version
         self.at_push[p] = None
@@ -224,8 +223,8 @@ class IslandWorker:
         inner optimizer, counted in ``island.reset_count``. Its work since its last pushes is lost (nothing
         of it is pushed); an answer still on the way replaces its fragment as a final pull would."""
         flat = torch.empty_like(self.job.init_flat)
-        for idx, base in zip(self.fragment_index, self.base, strict=True):
-            flat[idx] = base
+        for frag, base in zip(self.fragment_index, self.base, strict=True):
+            frag.scatter_(flat, base)
         self.island.reset_to(flat)
         self.at_push = [None] * self.fragments
         self.tokens_since = [0] * self.fragments
@@ -239,7 +238,7 @@ class IslandWorker:
     def rejoin(self, global_flat: torch.Tensor, versions: list[int]) -> None:
         """Restart from the syncer's newest global parameters with a fresh inner optimizer state."""
         self.island.set_flat_params(global_flat)
-        self.base = [global_flat[idx].clone() for idx in self.fragment_index]
+        self.base = [frag.gather(global_flat) for frag in self.fragment_index]
         self.base_version = list(versions)
         self.at_push = [None] * self.fragments
         self.island.optimizer.state.clear()

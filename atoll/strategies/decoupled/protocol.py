@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.finite import all_finite
+
 
 @dataclass(frozen=True)
 class Push:
@@ -89,4 +91,4 @@ def tensor_refusal(delta: Any, numel: int) -> str:
         return "dtype"
     if tuple(delta.shape) != (numel,):
         return "shape"
-    return "" if bool(torch.isfinite(delta.detach()).all()) else "non_finite"
+    return "" if all_finite(delta.detach()) else "non_finite"

@@ -81,6 +81,7 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled.accounting import syncer_stats
@@ -115,9 +116,10 @@ class Syncer:
 
     Args:
         init: the initial global parameters, flat (numel,), any float dtype (held as float32 on the CPU).
-        index: per fragment, the int64 flat positions of its elements
-            (:func:`atoll.algorithms.fragments.fragment_flat_indices`); one fragment covering all of
-            ``init`` when None.
+        index: per fragment, its ranges of the flat vector (:class:`~atoll.algorithms.fragments.FlatFragment`,
+            :func:`~atoll.algorithms.fragments.fragment_slices`), or the int64 flat positions of its elements
+            (:func:`~atoll.algorithms.fragments.fragment_flat_indices`, ascending); one fragment covering all
+            of ``init`` when None.
         islands: number of islands that may push (K).
         outer_lr: outer learning rate; ``outer_momentum``: Nesterov momentum (0: plain SGD).
         quorum: distinct islands whose pushes merge a fragment at once; default every island (``K``): with
@@ -140,16 +142,18 @@ class Syncer:
             are not one per island.
     """
 
-    def __init__(self, init: torch.Tensor, index: list[torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
+    def __init__(self, init: torch.Tensor, index: Sequence[FlatFragment | torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, quorum: int | None = None, grace_factor: float = 1.0,
                  max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
                  scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
                  credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
                  cold_bound: float | None = None) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
-        self.index = index if index is not None else [torch.arange(flat.numel())]
-        if sum(int(i.numel()) for i in self.index) != flat.numel():
-            raise ValueError(f"fragment index covers {sum(int(i.numel()) for i in self.index)} of {flat.numel()} elements")
+        self.index = ([FlatFragment(((0, flat.numel()),))] if index is None else
+                      [f if isinstance(f, FlatFragment) else FlatFragment.of_positions(f) for f in index])
+        if sum(f.numel() for f in self.index) != flat.numel() or any(
+                b > flat.numel() for f in self.index for _, b in f.ranges):
+            raise ValueError(f"fragment index covers {sum(f.numel() for f in self.index)} of {flat.numel()} elements")
         self.islands = islands
         self.quorum = quorum if quorum is not None else islands
         if not 1 <= self.quorum <= islands:
@@ -161,8 +165,8 @@ class Syncer:
         self.scale_partial = scale_partial
         self.robust_merge, self.trim = robust_merge, trim
         self.numel = flat.numel()
-        self.numels = [int(i.numel()) for i in self.index]  # per fragment
-        self.outer = [OuterOptimizer(flat[idx], outer_lr, outer_momentum) for idx in self.index]
+        self.numels = [f.numel() for f in self.index]  # per fragment
+        self.outer = [OuterOptimizer(f.gather(flat), outer_lr, outer_momentum) for f in self.index]
         self.buffers = [_Buffer() for _ in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
         self.admission = Admission(islands, len(self.index), credentials)
@@ -199,8 +203,8 @@ class Syncer:
     def global_params(self) -> torch.Tensor:
         """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
         flat = torch.empty(self.numel, dtype=torch.float32)
-        for idx, outer in zip(self.index, self.outer, strict=True):
-            flat[idx] = outer.params.detach()
+        for frag, outer in zip(self.index, self.outer, strict=True):
+            frag.scatter_(flat, outer.params.detach())
         return flat
 
     def push(self, msg: Push, now: float = 0.0) -> PushResult:
@@ -280,7 +284,7 @@ class Syncer:
         return False
 
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
-        self.tokens_by_outcome[outcome][island] += tokens * int(self.index[fragment].numel()) / self.numel
+        self.tokens_by_outcome[outcome][island] += tokens * self.numels[fragment] / self.numel
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:
@@ -335,7 +339,7 @@ class Syncer:
         self.commits += 1
         self.quorum_sizes.append(contributors)
         self.staleness += stale
-        share = int(self.index[fragment].numel()) / self.numel
+        share = self.numels[fragment] / self.numel
         for p in kept:
             self.merged_tokens += p.tokens * share
             self.merged_tokens_per_island[p.island] += p.tokens * share
