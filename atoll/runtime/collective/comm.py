@@ -89,8 +89,14 @@ class _Exchange:
     their number).
     """
 
-    def __init__(self, comm: DistComm, buf: torch.Tensor, gather: bool, cost: Callable[[int], float]) -> None:
-        self.comm, self.buf, self.gather, self.length, self.cost = comm, buf, gather, buf.numel(), cost
+    def __init__(self, comm: DistComm, buf: torch.Tensor | Callable[[], torch.Tensor], gather: bool,
+                 cost: Callable[[int], float]) -> None:
+        # an all-reduce sums in place, into the buffer itself: ``buf`` is then a function that builds it (again
+        # for a relaunch after a loss), so the payload is written once and never copied
+        self.make = buf if callable(buf) else (lambda: buf)
+        self.buf = self.make()
+        self.comm, self.gather, self.length, self.cost = comm, gather, self.buf.numel(), cost
+        self.launches = 0
         self.counted = cost(comm.islands)
         self.started, self.relaunched = time.perf_counter(), False
         comm._count(self.counted)
@@ -99,7 +105,11 @@ class _Exchange:
 
     def launch(self) -> None:
         """Start the cross-island part over the comm's current groups (recounting the bytes if they changed)."""
-        comm, buf = self.comm, self.buf
+        comm = self.comm
+        if self.launches:  # a relaunch: the summed-in-place buffer is rebuilt from its source
+            self.buf = self.make()
+        self.launches += 1
+        buf = self.buf
         counted = self.cost(comm.islands)
         self.relaunched = self.relaunched or counted != self.counted
         comm.bytes_sent_per_island += counted - self.counted
@@ -131,7 +141,7 @@ class _Exchange:
     def _finish(self) -> torch.Tensor:
         comm = self.comm
         dist_call(self.handle.wait)
-        local = torch.stack(self.parts)  # (islands or 1, shard)
+        local = self.parts[0][None] if len(self.parts) == 1 else torch.stack(self.parts)  # (islands or 1, shard)
         if comm.cut > 1:
             pieces = [torch.empty_like(local) for _ in range(comm.cut)]
             dist_call(dist.all_gather, pieces, local, group=comm.island_group)
@@ -234,22 +244,29 @@ class DistComm(Comm):
             PeerFailure: another rank failed or the deadline passed (at ``wait()``).
         """
         self._check(per_island)
-        x = per_island[0].detach().reshape(-1).to("cpu", torch.float32)
+        x = per_island[0].detach().reshape(-1)
         w = 1.0 if weights is None else float(weights[0])
         if not math.isfinite(w) or w < 0:
             raise ConfigError(f"weights: must be finite and >= 0, got {w}")
         n = x.numel()
         codec = wire.codec if wire is not None else None
         if codec is None:
-            exchange = _Exchange(self, torch.cat([x * w, x.new_tensor([w])]), gather=False,
-                                 cost=lambda k: ring_allreduce_bytes(4 * n, k))
+            def weighted() -> torch.Tensor:  # [w * x, w], written once where the collective runs (no host trip)
+                buf = torch.empty(n + 1, dtype=torch.float32, device=self.device)
+                torch.mul(x.to(self.device, torch.float32, non_blocking=True), w, out=buf[:n])
+                buf[n] = w
+                return buf
+
+            exchange = _Exchange(self, weighted, gather=False, cost=lambda k: ring_allreduce_bytes(4 * n, k))
 
             def finish_sum() -> tuple[torch.Tensor, float]:
                 total = exchange.result()
                 weight = float(total[n])
-                return (total[:n] / total[n] if weight > 0 else torch.full((n,), math.nan)), weight
+                return (total[:n].div_(weight) if weight > 0 else torch.full((n,), math.nan)), weight
 
             return DistWork(finish_sum)
+
+        x = x.to("cpu", torch.float32)  # the codec and its error feedback run on the CPU (their state lives there)
 
         if w == 0.0:  # like average_encoded: not encoded, its residual and random source untouched
             packed = torch.zeros(codec.payload_bytes(n), dtype=torch.uint8)

@@ -13,6 +13,8 @@ import ray
 import torch
 
 from atoll.config import TrainConfig
+from atoll.job.async_save import LatestStateWriter
+from atoll.job.checkpoint import save_checkpoint
 from atoll.strategies.decoupled import local_sync_every, make_syncer
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
 from atoll.strategies.decoupled.protocol import Pull, Push, is_index
@@ -68,7 +70,7 @@ class SyncerService:
         self.island_first_step_s: list[float | None] = [None] * self.config.islands
         for island in range(self.config.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
-        try:  # a restart after a crash: continue from the last checkpoint (written at every commit)
+        try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
             _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
         except CheckpointError:
             state = None
@@ -85,17 +87,24 @@ class SyncerService:
             self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
             self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
+        folder = save_path(self.out)
+        self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2))
         pid_dir = self.out / "ray"
         pid_dir.mkdir(parents=True, exist_ok=True)
         (pid_dir / ".syncer.pid.tmp").write_text(str(os.getpid()))
         os.replace(pid_dir / ".syncer.pid.tmp", pid_dir / "syncer.pid")
 
-    def _save(self) -> None:
-        """Checkpoint the syncer and the shared budget atomically (``out/syncer``)."""
-        self.syncer.save(save_path(self.out), extra={"service": {
-            "reserved": self.reserved, "steps_by_island": self.steps_by_island, "joins": self.joins,
-            "rejoin_s": self.rejoin_s, "restarts": self.restarts, "clock_s": self._now(),
-            "first_step_s": self.first_step_s, "island_first_step_s": self.island_first_step_s}})
+    def _save(self, wait: bool = False) -> None:
+        """Checkpoint the syncer and the shared budget atomically (``out/syncer``), off the critical path: the
+        state is snapshotted here (copies of the globals and momenta) and written and fsynced by the
+        :class:`~atoll.job.async_save.LatestStateWriter` thread, so the islands' calls are answered meanwhile;
+        ``wait``: return once it is on disk (the end of the run)."""
+        service = {"reserved": self.reserved, "steps_by_island": list(self.steps_by_island), "joins": list(self.joins),
+                   "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
+                   "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
+        self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
+        if wait:
+            self.writer.flush()
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -207,7 +216,7 @@ class SyncerService:
         it took none).
         """
         self.syncer.flush()
-        self._save()
+        self._save(wait=True)
         start = self.first_step_s
         run_s = self._now() - start if start is not None else 0.0
         island_start_s = [None if t is None or start is None else t - start for t in self.island_first_step_s]

@@ -141,7 +141,8 @@ class PushBounds:
 
     def state_dict(self) -> dict[str, Any]:
         return {"latest": [[None if e is None else list(e) for e in f] for f in self.latest],
-                "granted": self.granted, "claimed": [list(c) for c in self.claimed]}
+                "granted": None if self.granted is None else list(self.granted),
+                "claimed": [list(c) for c in self.claimed]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; an older checkpoint's ``window`` (not per island) loads as no history

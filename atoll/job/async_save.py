@@ -1,0 +1,92 @@
+"""Checkpoints written off the critical path: a thread that writes the newest state it was handed.
+
+The Ray syncer commits an outer step while every island waits on its answers (pushes, step reservations,
+pulls); writing and fsyncing its whole state on that thread at every commit stalls every island behind the
+disk. :class:`LatestStateWriter` takes a snapshot (tensors already copied by the caller) and writes it on its
+own thread with :func:`atoll.job.checkpoint.save_checkpoint` (atomic, as before). States handed in while a
+write runs replace each other: only the newest is written next, so a slow disk never builds a queue, and the
+checkpoint on disk is at most the write in progress behind (a crash loses at most the commits since the last
+finished write; the islands' pushes from the versions it lost are refused as ``version`` and answered with the
+global fragment, from which they go on).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["LatestStateWriter"]
+
+
+class LatestStateWriter:
+    """Writes the newest of the states :meth:`submit` hands it, one at a time, on a daemon thread.
+
+    Args:
+        write: ``write(state)`` writes one state durably (e.g. ``save_checkpoint`` bound to a folder); it runs
+            on the writer's thread only, never two at once.
+
+    Attributes:
+        written: states written so far; ``coalesced``: states replaced by a newer one before their write.
+
+    The first exception a write raises is kept and raised again by the next :meth:`submit` or :meth:`flush`
+    (the caller's thread), so a full disk is not silent; later states are still written.
+    """
+
+    def __init__(self, write: Callable[[Any], Any]) -> None:
+        self._write = write
+        self._cond = threading.Condition()
+        self._next: Any = None
+        self._pending = False
+        self._busy = False
+        self._error: BaseException | None = None
+        self.written = 0
+        self.coalesced = 0
+        self._thread = threading.Thread(target=self._loop, name="atoll-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: Any) -> None:
+        """Hand over a state to write (it must not change afterwards); returns at once.
+
+        Raises:
+            BaseException: the error of an earlier write (once).
+        """
+        with self._cond:
+            self._raise()
+            if self._pending:
+                self.coalesced += 1
+            self._next, self._pending = state, True
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every state handed over is written (or ``timeout`` seconds passed: False).
+
+        Raises:
+            BaseException: the error of a write (once).
+        """
+        with self._cond:
+            done = self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
+            self._raise()
+            return done
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending)
+                state, self._next, self._pending, self._busy = self._next, None, False, True
+            try:
+                self._write(state)
+                with self._cond:
+                    self.written += 1
+            except BaseException as e:  # kept for the caller's thread
+                with self._cond:
+                    self._error = self._error or e
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
