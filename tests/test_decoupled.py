@@ -243,7 +243,7 @@ def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -
     w = IslandWorker(0, job, total_steps=16)
 
     def fragment(p: int) -> torch.Tensor:
-        return w.island.flat_params()[w.fragment_index[p]]
+        return w.fragment_index[p].gather(w.island.flat_params())
 
     for _ in range(3):
         w.train_step()

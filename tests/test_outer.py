@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from atoll.algorithms.merge import weighted_mean
@@ -61,3 +62,24 @@ def test_outer_state_dict_round_trip() -> None:
     other.load_state_dict(outer.state_dict())
     d = torch.arange(5.0)
     torch.testing.assert_close(outer.step(d), other.step(d), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_fused_outer_step_equals_torch_default_sgd_bit_for_bit(momentum: float) -> None:
+    gen = torch.Generator().manual_seed(3)
+    init = torch.randn(10_000, generator=gen)
+    outer = OuterOptimizer(init, lr=0.7, momentum=momentum)
+    reference = torch.nn.Parameter(init.clone(), requires_grad=False)
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=momentum, nesterov=momentum > 0, foreach=False)
+    for _ in range(4):
+        delta = 1e-2 * torch.randn(10_000, generator=gen)
+        outer.step(delta)
+        reference.grad = delta.clone()
+        sgd.step()
+        assert torch.equal(outer.params.detach(), reference.detach())
+    restored = OuterOptimizer(torch.zeros(10_000), lr=0.7, momentum=momentum)
+    restored.load_state_dict(outer.state_dict())
+    delta = 1e-2 * torch.randn(10_000, generator=gen)
+    reference.grad = delta.clone()
+    sgd.step()
+    assert torch.equal(restored.step(delta), reference.detach()), "resumed: the same floats"

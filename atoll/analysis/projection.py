@@ -254,6 +254,72 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: the budget of :func:`exchange_table`: the outer round's host work at most this share of the inner compute
+EXCHANGE_BUDGET = 0.05
+
+
+def exchange_share(ns_per_param: float, tokens_per_step: float, sync_every: int, mfu: float = 0.4,
+                   flops: float = H100_BF16_FLOPS) -> float:
+    """The outer round's host seconds over the inner compute of the H steps between rounds, per GPU.
+
+    An island of G GPUs computes ``H * 6 * N * T / (G * flops * mfu)`` seconds per round (``T`` tokens per
+    island step); each of its ranks runs the outer round over the N/G parameters it holds (a sharded island),
+    ``ns_per_param * 1e-9 * N / G`` seconds. N and G cancel::
+
+        share = ns_per_param * 1e-9 * flops * mfu / (6 * H * T)
+
+    An unsharded island's ranks each run the round over all N parameters: G times this share.
+    ``ns_per_param``: measured (bench/outer_round.py), ns per parameter on one CPU thread.
+    """
+    return ns_per_param * 1e-9 * flops * mfu / (6 * sync_every * tokens_per_step)
+
+
+def min_h_tokens(ns_per_param: float, budget: float = EXCHANGE_BUDGET, mfu: float = 0.4,
+                 flops: float = H100_BF16_FLOPS) -> float:
+    """The least H x tokens per island step at which :func:`exchange_share` stays within ``budget``."""
+    return ns_per_param * 1e-9 * flops * mfu / (6 * budget)
+
+
+def exchange_table(measured: dict[str, dict[str, float]], sync_every: int = 50) -> list[dict[str, Any]]:
+    """Rows per (strategy case, model of :data:`SCALES` up to 12B): the outer round's share of the inner
+    compute at that scale's tokens per island step and at 32k (the batch that fits a 1B step on one 80 GB GPU
+    without gradient accumulation), H = ``sync_every``, and the least H x tokens within
+    :data:`EXCHANGE_BUDGET`, before and after. ``measured``: per case, ``{"before": ns, "after": ns}``."""
+    rows = []
+    for case, ns in measured.items():
+        for scale in SCALES[:2]:
+            row: dict[str, Any] = {"case": case, "model": scale.name, "gpus_per_island": scale.gpus_per_island,
+                                   "tokens_per_step": scale.tokens_per_step, "sync_every": sync_every}
+            for variant in ("before", "after"):
+                row[f"ns_per_param_{variant}"] = ns[variant]
+                row[f"round_s_per_gpu_{variant}"] = ns[variant] * 1e-9 * scale.params / scale.gpus_per_island
+                row[f"share_{variant}"] = exchange_share(ns[variant], scale.tokens_per_step, sync_every, scale.mfu)
+                row[f"share_32k_{variant}"] = exchange_share(ns[variant], 2 ** 15, sync_every, scale.mfu)
+                row[f"min_h_tokens_{variant}"] = min_h_tokens(ns[variant], mfu=scale.mfu)
+            rows.append(row)
+    return rows
+
+
+def format_exchange_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`exchange_table` as Markdown, with its assumptions."""
+    lines = ["| case | model | ns/param before -> after | round s/GPU (after) | share at H x T (before -> after) | "
+             "share at H x 32k (before -> after) | least H x tokens for <= 5% (before -> after) |",
+             "|---|---|---|---:|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['model']} ({r['gpus_per_island']} GPUs/island) | {r['ns_per_param_before']:.1f} -> "
+            f"{r['ns_per_param_after']:.1f} | {r['round_s_per_gpu_after']:.2f} | H={r['sync_every']}, "
+            f"T={r['tokens_per_step'] / 2 ** 20:g}M: {r['share_before']:.1%} -> {r['share_after']:.1%} | "
+            f"{r['share_32k_before']:.1%} -> {r['share_32k_after']:.1%} | "
+            f"{r['min_h_tokens_before'] / 1e6:.1f}M -> {r['min_h_tokens_after'] / 1e6:.1f}M |")
+    lines += ["", "Per GPU of a sharded island (each rank runs the round over its N/G parameters; an unsharded "
+              "island's ranks each run it over all N: G times the share). Inner step: 6*N*T FLOPs at 40% MFU of "
+              "989 TFLOP/s (H100 bf16). The round's host work is CPU ns/param as measured on one thread "
+              "(memory-bound, flat from 50M up), so the least H x tokens is the same at 1B and 12B; the link's "
+              "time is apart (`atoll project --table`). decoupled: one window of the syncer and K = 2 islands."]
+    return "\n".join(lines)
+
+
 def add_arguments(parser: Any) -> None:
     """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table``)."""
     parser.add_argument("--table", action="store_true", help="print the real-scale table (1B, 12B, 100B; "

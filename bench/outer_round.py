@@ -1,0 +1,325 @@
+"""The outer round's CPU cost per parameter, before (the code at d2f719d) and after, in the same run.
+
+    OMP_NUM_THREADS=1 python bench/outer_round.py                  # 1M .. 200M, writes bench/out/outer_round/
+    python bench/outer_round.py --sizes 1,10 --repeats 2 --out /tmp/or   # a quick look
+
+What is timed, one torch thread, on Llama-shaped parameters (embedding tied to the head, L layers of attention
+and SwiGLU MLP, RMSNorm vectors; names as Hugging Face's, so fragments are cut as in a real run), K = 2 islands:
+
+- ``diloco_local``: ``DiLoCo.outer_step`` in the local runtime (both islands in one process): every island's
+  pseudo-gradient, the finite checks, the token-weighted mean, the outer Nesterov step, every island set;
+- ``diloco_collective``: the same on one rank of the collective runtime (``DistComm`` over a one-process gloo
+  group: every host-side copy, pack and division a rank does, without the network's time);
+- ``streaming``: one window of Streaming DiLoCo (P = 4 fragments, each started and merged, tau = 0, alpha 0.5);
+- ``decoupled``: one window of Decoupled DiLoCo (P = 4): per fragment every island pushes, the syncer validates,
+  buffers and merges at the quorum, every island adopts the answer.
+
+Exchanges travel fp32 (the codecs' own cost is the same code before and after, bench/codec_speed.py has it).
+Each (case, size, variant) runs in its own process (PYTHONPATH = that variant's code; BEFORE is ``git archive``
+of d2f719d's ``atoll/``), interleaved before/after so both see the same machine; a warm-up round, then the
+median of ``--repeats`` rounds, in ns per parameter, with the 1-minute load average before and after. A
+micro-benchmark of the finite checks (``isfinite(t).all()`` against ``isfinite(t.sum())``) runs beside them.
+
+Writes ``results.json`` (every measurement) and ``results.md`` (the table, and the projection of
+:func:`atoll.analysis.projection.exchange_table` against a GPU's inner step at 1B and 12B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE_COMMIT = "d2f719d"
+CASES = ("diloco_local", "diloco_collective", "streaming", "decoupled")
+#: (hidden, layers, vocab) of each size, about the parameters named (millions)
+SHAPES = {1: (128, 4, 2048), 10: (256, 12, 8192), 50: (512, 16, 16384), 100: (768, 12, 32000),
+          200: (1024, 12, 50304)}
+ISLANDS, FRAGMENTS = 2, 4
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the worker: one case at one size with the code on sys.path (before or after)
+
+def llama_like(hidden: int, layers: int, vocab: int, seed: int):
+    """A module whose parameters have a Hugging Face Llama's names and shapes (tied head), random values."""
+    import torch
+    from torch import nn
+
+    def param(*shape: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(*shape).normal_(0, 0.02, generator=gen))
+
+    gen = torch.Generator().manual_seed(seed)
+    inner = 8 * hidden // 3
+    root, model = nn.Module(), nn.Module()
+    model.embed_tokens = nn.Module()
+    model.embed_tokens.weight = param(vocab, hidden)
+    model.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer, attn, mlp = nn.Module(), nn.Module(), nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(attn, name, nn.Module())
+            getattr(attn, name).weight = param(hidden, hidden)
+        for name, shape in (("gate_proj", (inner, hidden)), ("up_proj", (inner, hidden)),
+                            ("down_proj", (hidden, inner))):
+            setattr(mlp, name, nn.Module())
+            getattr(mlp, name).weight = param(*shape)
+        layer.self_attn, layer.mlp = attn, mlp
+        layer.input_layernorm, layer.post_attention_layernorm = nn.Module(), nn.Module()
+        layer.input_layernorm.weight = param(hidden)
+        layer.post_attention_layernorm.weight = param(hidden)
+        model.layers.append(layer)
+    model.norm = nn.Module()
+    model.norm.weight = param(hidden)
+    root.model = model
+    return root
+
+
+def _islands(model, config, k: int):
+    """K islands around copies of ``model``, each moved a little away from it, with tokens trained."""
+    import torch
+
+    from atoll.job.island import Island
+
+    islands = []
+    for i in range(k):
+        replica = copy.deepcopy(model) if i < k - 1 else model
+        with torch.no_grad():
+            for p in replica.parameters():
+                p.add_(1e-3 * (i + 1))
+        opt = torch.optim.SGD(replica.parameters(), lr=0.0)
+        island = Island(i, replica, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+        island.tokens = 1000 * (i + 1)
+        islands.append(island)
+    return islands
+
+
+def _nudge(islands) -> None:
+    """Move every island's parameters a little (so each round has a non-zero pseudo-gradient)."""
+    import torch
+
+    with torch.no_grad():
+        for i, island in enumerate(islands):
+            for p in island.params:
+                p.add_(1e-4 * (i + 1))
+            island.tokens += 1000
+
+
+def worker(case: str, size: int, repeats: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from atoll.config import TrainConfig
+    from atoll.runtime.local import LocalComm
+    from atoll.runtime.network import Link, SimClock
+
+    hidden, layers, vocab = SHAPES[size]
+    model = llama_like(hidden, layers, vocab, seed=0)
+    numel = sum(p.numel() for p in model.parameters())
+    common = dict(islands=ISLANDS, steps=100, warmup_steps=0, codec="fp32", sync_every=8, model="tiny")
+    times: list[float] = []
+
+    if case in ("diloco_local", "diloco_collective"):
+        from atoll.strategies.diloco import DiLoCo
+
+        config = TrainConfig(strategy="diloco", **common)
+        if case == "diloco_local":
+            islands = _islands(model, config, ISLANDS)
+            comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
+        else:
+            import torch.distributed as dist
+
+            from atoll.runtime.collective.comm import DistComm
+
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            islands = _islands(model, config, 1)
+            comm = DistComm(1, 0, 1, 0, dist.group.WORLD, None, torch.device("cpu"))
+        del model
+        strategy = DiLoCo(config, islands, comm)
+        for r in range(repeats + 1):
+            _nudge(islands)
+            t0 = time.perf_counter()
+            strategy.outer_step(8 * (r + 1))
+            if r:  # the first round is a warm-up (the outer momentum is allocated)
+                times.append(time.perf_counter() - t0)
+    elif case == "streaming":
+        from atoll.strategies.streaming import StreamingDiLoCo
+
+        config = TrainConfig(strategy="streaming", fragments=FRAGMENTS, overlap_steps=0, mixing_alpha=0.5, **common)
+        islands = _islands(model, config, ISLANDS)
+        del model
+        comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
+        strategy = StreamingDiLoCo(config, islands, comm)
+        for r in range(repeats + 1):
+            _nudge(islands)
+            t0 = time.perf_counter()
+            for p in range(FRAGMENTS):  # one window: every fragment started and merged (tau = 0)
+                strategy._start(p, 8 * r + p, overlap=0)
+            if r:
+                times.append(time.perf_counter() - t0)
+    elif case == "decoupled":
+        from atoll.strategies.decoupled import make_syncer
+        from atoll.strategies.decoupled.island import IslandWorker, Job
+
+        config = TrainConfig(strategy="decoupled", fragments=FRAGMENTS, **common)
+        job = Job.of(config, None, model)
+        workers = [IslandWorker(i, job, 100, "cpu") for i in range(ISLANDS)]
+        job.model = None  # the workers hold their copies
+        del model
+        syncer = make_syncer(config, job.init_flat, job.index)
+        for w in workers:
+            syncer.grant(w.index, 10 ** 12)
+        for r in range(repeats + 1):
+            _nudge([w.island for w in workers])
+            for w in workers:
+                w.tokens_since = [1000] * FRAGMENTS
+            t0 = time.perf_counter()
+            for p in range(FRAGMENTS):  # one window: every island pushes fragment p, the quorum merges, all adopt
+                for w in workers:
+                    result = syncer.push(w.push(p), now=float(r))
+                    assert result.accepted, result.reason
+                for w in workers:
+                    w.adopt(syncer.pull(p))
+            if r:
+                times.append(time.perf_counter() - t0)
+        assert syncer.commits == (repeats + 1) * FRAGMENTS
+    else:
+        raise ValueError(f"case: {case!r} is not one of {CASES}")
+    import resource
+
+    return {"case": case, "size_m": size, "params": numel, "times_s": times,
+            "ns_per_param": statistics.median(times) / numel * 1e9,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+
+
+def finite_checks(size: int, repeats: int) -> dict:
+    """ns per element of the exact and the one-pass finite check of a float32 vector of ``size`` M elements."""
+    import torch
+
+    torch.set_num_threads(1)
+    t = torch.randn(size * 10 ** 6)
+    out = {}
+    for name, fn in (("isfinite_all", lambda: bool(torch.isfinite(t).all())),
+                     ("isfinite_sum", lambda: bool(torch.isfinite(t.sum())))):
+        fn()
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        out[name] = statistics.median(runs) / t.numel() * 1e9
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the driver
+
+def before_tree(folder: Path) -> Path:
+    """``atoll/`` of commit d2f719d, extracted under ``folder`` (``git archive``; the repository is untouched)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_COMMIT, "atoll"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def measure(code: Path, case: str, size: int, repeats: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    load_before = load()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", case, "--size", str(size),
+                           "--repeats", str(repeats)], env=env, capture_output=True, text=True, cwd=str(code))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{case} at {size}M with {code} failed:\n{proc.stderr[-3000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row.update(load_before=load_before, load_after=load())
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | params | before ns/param | after ns/param | after / before | load (before run, after run) |",
+             "|---|---:|---:|---:|---:|---|"]
+    by = {(r["case"], r["size_m"], r["variant"]): r for r in rows}
+    for case in CASES:
+        for size in sorted({r["size_m"] for r in rows}):
+            b, a = by.get((case, size, "before")), by.get((case, size, "after"))
+            if b is None or a is None:
+                continue
+            lines.append(f"| {case} | {a['params'] / 1e6:.1f}M | {b['ns_per_param']:.1f} | {a['ns_per_param']:.1f} | "
+                         f"{a['ns_per_param'] / b['ns_per_param']:.2f} | {b['load_before']:.2f}, {b['load_after']:.2f} / "
+                         f"{a['load_before']:.2f}, {a['load_after']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1,10,50,100,200", help="model sizes in millions: " + ",".join(map(str, SHAPES)))
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement (after a warm-up)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "outer_round")
+    parser.add_argument("--worker", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.size, args.repeats)))
+        return 0
+    sizes = [int(s) for s in args.sizes.split(",")]
+    cases = args.cases.split(",")
+    bad = [s for s in sizes if s not in SHAPES] + [c for c in cases if c not in CASES]
+    if bad:
+        print(f"outer_round: {bad[0]!r} is not a size ({list(SHAPES)}) or case ({list(CASES)})", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="atoll-before-") as tmp:
+        variants = {"before": before_tree(Path(tmp)), "after": ROOT}
+        for size in sizes:
+            for case in cases:
+                order = ("before", "after") if len(rows) % 4 == 0 else ("after", "before")  # alternate who goes first
+                for variant in order:
+                    row = {**measure(variants[variant], case, size, args.repeats), "variant": variant}
+                    rows.append(row)
+                    print(f"{case:18s} {size:4d}M {variant:6s} {row['ns_per_param']:7.1f} ns/param  "
+                          f"load {row['load_before']:.2f}->{row['load_after']:.2f}  rss {row['peak_rss_gb']:.1f} GB",
+                          flush=True)
+    checks = finite_checks(50, args.repeats)
+    from atoll.analysis.projection import exchange_table, format_exchange_table
+
+    after = {r["case"]: r for r in rows if r["variant"] == "after"}
+    before = {r["case"]: r for r in rows if r["variant"] == "before"}
+    largest = max(sizes)
+    measured = {c: {"before": next(r["ns_per_param"] for r in rows if r["case"] == c and r["variant"] == "before"
+                                   and r["size_m"] == largest),
+                    "after": next(r["ns_per_param"] for r in rows if r["case"] == c and r["variant"] == "after"
+                                  and r["size_m"] == largest)} for c in cases if c in after and c in before}
+    projection = exchange_table(measured)
+    result = {"command": "OMP_NUM_THREADS=1 python bench/outer_round.py " + " ".join(argv or sys.argv[1:]),
+              "before_commit": BEFORE_COMMIT, "islands": ISLANDS, "fragments": FRAGMENTS, "torch_threads": 1,
+              "cpu_count": os.cpu_count(), "rows": rows, "finite_checks_ns_per_element_50m": checks,
+              "projection_size_m": largest, "projection": projection}
+    (args.out / "results.json").write_text(json.dumps(result, indent=1))
+    md = [f"# Outer round, ns per parameter (one torch thread, K = {ISLANDS}, P = {FRAGMENTS}, fp32 exchanges)", "",
+          f"Command: `{result['command']}`; before = `{BEFORE_COMMIT}`, after = this commit, in the same run.",
+          f"Load is the 1-minute load average of this {os.cpu_count()}-core machine before and after each process.", "",
+          table(rows), "",
+          f"Finite checks at 50M float32 elements: `isfinite(t).all()` {checks['isfinite_all']:.2f} ns/element, "
+          f"`isfinite(t.sum())` {checks['isfinite_sum']:.2f}.", "",
+          f"## Projection against a GPU's inner step (ns/param measured at {largest}M)", "",
+          format_exchange_table(projection)]
+    (args.out / "results.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
