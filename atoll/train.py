@@ -121,7 +121,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
         try:
             for step in range(run.start_step, config.steps):
                 for island in islands:
-                    batch = sample_batch(run.data.island_tokens[island.index], config.batch_size, config.seq_len,
+                    batch = sample_batch(run.data.island_tokens[island.index], config.step_batch_size, config.seq_len,
                                          config.seed, island.index, step)
                     inject_fault(island, step, "weights")  # test hook (atoll.job.divergence)
                     runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
@@ -159,7 +159,10 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss,
                               eval_loss=run.eval_loss, wall_s=run.wall_s())
                 session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
-                bar.update(done, sum(i.last_loss for i in islands) / len(islands),
+                # the loss is read on the host at logging steps only (no device synchronization per step)
+                shown = (train_loss if log_now else sum(i.last_loss for i in islands) / len(islands)
+                         if bar.prints(done) or eval_loss is not None else None)
+                bar.update(done, shown,
                            session_tokens / max(1e-9, time.perf_counter() - bar.t0), comm.bytes_sent_per_island,
                            eval_loss=eval_loss)
         except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)

@@ -71,7 +71,12 @@ class DeviceSection(Section):
         "gradients and optimizer state (the outer step and codecs stay float32).")
     compile: bool = Field(
         False, description="Compile each island's forward pass with torch.compile; when compilation fails "
-        "the island trains in eager mode and the run says why (summary.json compile_skipped).")
+        "at the first call the island trains in eager mode and the run says why (summary.json "
+        "compile_skipped); a later failure (out of memory) stops the run.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder block's activations in the backward pass instead of keeping "
+        "them (transformers' gradient checkpointing, non-reentrant torch.utils.checkpoint): about a third more "
+        "compute for activation memory that no longer grows with the number of layers; the loss is unchanged.")
 
 
 class DataSection(Section):
@@ -97,7 +102,13 @@ class DataSection(Section):
     vocab_size: int = Field(1024, ge=257, le=262144, description="Byte-level BPE vocabulary size (atoll's BPE only: "
                             "a pretrained tokenizer brings its own).")
     seq_len: int = Field(128, ge=8, le=1 << 20, description="Tokens per training sequence.")
-    batch_size: int = Field(32, ge=1, le=1 << 16, description="Sequences per island per inner step.")
+    batch_size: int = Field(32, ge=1, le=1 << 16, description="Sequences per micro-batch (per island, per forward "
+                            "and backward pass); an inner step takes grad_accum of them.")
+    grad_accum: int = Field(
+        1, ge=1, le=1 << 12, description="Gradient accumulation: micro-batches of batch_size sequences per inner "
+        "step, their gradients summed before the one optimizer step (a sharded island reduce-scatters only on "
+        "the last). Tokens per inner step = grad_accum x batch_size x seq_len; --grad-accum 4 --batch-size 8 "
+        "trains as --batch-size 32 in a quarter of the activation memory.")
 
 
 class InnerOptimSection(Section):

@@ -158,9 +158,14 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
         return self.eval_every if self.eval_every is not None else max(1, self.steps // 20)
 
     @property
+    def step_batch_size(self) -> int:
+        """Sequences one island consumes per inner step: ``grad_accum`` micro-batches of ``batch_size``."""
+        return self.grad_accum * self.batch_size
+
+    @property
     def tokens_per_step(self) -> int:
-        """Training tokens one island consumes per inner step (batch_size x seq_len)."""
-        return self.batch_size * self.seq_len
+        """Training tokens one island consumes per inner step (grad_accum x batch_size x seq_len)."""
+        return self.step_batch_size * self.seq_len
 
 
 def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None = None,

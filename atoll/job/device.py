@@ -14,7 +14,8 @@ the codecs see float32 exactly as with ``fp32``.
 ``--compile`` compiles each island's forward pass with ``torch.compile`` (TorchInductor; Ansel et al.
 2024, PyTorch 2). Compilation happens at the first call; when it fails (no C++ compiler or Triton, an
 unsupported platform or Python) the island falls back to eager mode with one warning saying why, and the
-run records the reason (``compile_skipped`` in summary.json).
+run records the reason (``compile_skipped`` in summary.json). Only the first call is guarded: an error in
+a later call (an out-of-memory error inside the compiled graph) is raised, never hidden by eager mode.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def peak_memory(device: torch.device) -> Iterator[Callable[[], int]]:
 
 
 class CompiledForward:
-    """An island's forward pass compiled with ``torch.compile``, falling back to eager at the first failure.
+    """An island's forward pass compiled with ``torch.compile``, falling back to eager when its first call
+    (where compilation happens) fails; later calls raise what they raise (an out-of-memory error included).
 
     Calls take the model's arguments (e.g. ``input_ids``: LongTensor (batch, seq_len)) and return its output.
     The compiled module shares the model's parameters, so optimizers, pseudo-gradients and checkpoints see
@@ -140,10 +142,15 @@ class CompiledForward:
         warnings.warn(f"--compile skipped, training in eager mode: {self.skipped}", RuntimeWarning, stacklevel=3)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.called = True
-        if self._compiled is not None:
-            try:
-                return self._compiled(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - compilation errors surface at the first call
-                self._give_up(e)
+        first, self.called = not self.called, True
+        if self._compiled is None:
+            return self.model(*args, **kwargs)
+        if not first:  # compiled once: a later failure (out of memory, a recompilation) is the run's error
+            return self._compiled(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:  # not a compiler's failure: eager mode would not fit either
+            raise
+        except Exception as e:  # noqa: BLE001 - compilation errors surface at the first call
+            self._give_up(e)
         return self.model(*args, **kwargs)

@@ -7,7 +7,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,10 +54,80 @@ def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
+#: the most logits (elements) :func:`chunked_cross_entropy` turns to float32 at once: 2**26 (256 MiB)
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                          chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Mean cross-entropy (nats) of ``logits`` (..., vocab), any float dtype, against ``targets`` (...) int64,
+    computed in float32 a chunk of rows at a time; a 0-d float32.
+
+    Each chunk's float32 copy (at most ``chunk_elements`` elements) exists only while its loss is computed:
+    ``torch.utils.checkpoint`` recomputes it in the backward pass, so what is kept for the gradient is the
+    logits in their own dtype (bfloat16 under ``--precision bf16``), never a float32 copy of them all nor
+    of their log-softmax. The same chunked-loss idea as Liger Kernel's fused linear cross-entropy (Hsu et
+    al. 2024, arXiv:2410.10989), without fusing the head's matmul.
+
+    Raises:
+        ValueError: ``targets`` does not match ``logits``' leading shape, or ``chunk_elements`` < 1.
+    """
+    if logits.shape[:-1] != targets.shape or chunk_elements < 1:
+        raise ValueError(f"chunked_cross_entropy: logits {tuple(logits.shape)} against targets "
+                         f"{tuple(targets.shape)}, chunk of {chunk_elements} elements")
+    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    rows = max(1, chunk_elements // logits.shape[-1])
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for chunk, chunk_targets in zip(flat.split(rows), flat_targets.split(rows), strict=True):
+        total = total + torch.utils.checkpoint.checkpoint(_cross_entropy_sum, chunk, chunk_targets,
+                                                          use_reentrant=False)
+    return total / flat_targets.numel()
+
+
 def next_token_loss(model: Callable[..., Any], batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) of ``batch``, a LongTensor (batch, seq_len + 1); a 0-d float32."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    """Mean next-token cross-entropy (nats) of ``batch``, a LongTensor (batch, seq_len + 1); a 0-d float32.
+
+    Float32 logits (``--precision fp32``) take PyTorch's cross-entropy as they are; lower-precision logits
+    (bf16 autocast) go through :func:`chunked_cross_entropy`, so no float32 copy of the whole logits (and
+    their gradient) is made: the loss itself is still computed and returned in float32.
+    """
+    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
+    if logits.dtype == torch.float32:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    return chunked_cross_entropy(logits, batch[:, 1:])
+
+
+def activation_checkpointing(model: PreTrainedModel) -> bool:
+    """Whether ``model`` recomputes its blocks' activations in the backward pass."""
+    name = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")  # transformers 5
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, name, False))
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder block's activations in the backward pass (Chen et al. 2016, arXiv:1604.06174):
+    transformers' activation (gradient) checkpointing with non-reentrant ``torch.utils.checkpoint``, which
+    composes with FSDP2 and ``torch.compile``. The loss and gradients are those without it. Idempotent.
+
+    Raises:
+        ConfigError: the model does not support it (names the field and the fix).
+    """
+    from atoll.errors import ConfigError
+
+    if activation_checkpointing(model):
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support activation "
+                          "checkpointing; drop --activation-checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x (the older name is deprecated)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Island:
@@ -73,19 +143,29 @@ class Island:
         speed: relative hardware speed (1.0 = as measured; 0.5 = charged twice the measured time).
         precision: ``fp32``, or ``bf16`` for a bfloat16-autocast forward and backward pass (float32 weights,
             gradients and optimizer state; :func:`atoll.job.device.autocast`).
+        grad_accum: micro-batches per inner step (gradient accumulation; ``--grad-accum``).
+
+    No host synchronization in the inner step: the loss, the finite checks and (on CUDA) the timing stay on
+    the device and are read when asked for (``last_loss``, ``skipped_steps``, ``compute_s``: at logging
+    steps). With a fused optimizer (AdamW on CUDA) a gradient that is not finite skips the step on the
+    device (the optimizer's ``found_inf``, as ``torch.amp.GradScaler`` uses it); other optimizers (DeMo,
+    Muon, AdamW on the CPU, where no device waits) read the flag on the host.
 
     Attributes:
         compute_s: measured compute seconds (divided by ``speed``).
         compile_s: seconds of the first, compiling step with ``--compile`` (not in ``compute_s``).
         tokens: training tokens processed.
-        last_loss: the training loss of the last forward pass.
+        last_loss: the training loss of the last inner step's forward passes (mean over its micro-batches).
         skipped_steps: inner steps skipped because the gradient was not finite.
         reset_count: times the island was reset because it diverged (:meth:`reset_to`).
     """
 
     def __init__(self, index: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, grad_clip: float = 1.0,
-                 clock: SimClock | None = None, speed: float = 1.0, precision: str = "fp32") -> None:
+                 clock: SimClock | None = None, speed: float = 1.0, precision: str = "fp32",
+                 grad_accum: int = 1) -> None:
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
         self.index = index
         self.model = model
         self.optimizer = optimizer
@@ -94,67 +174,178 @@ class Island:
         self.clock = clock
         self.speed = speed
         self.precision = precision
+        self.grad_accum = grad_accum
         self.params = [p for p in model.parameters()]
         self.device = self.params[0].device
         self.named_params = dict(model.named_parameters())
         self.forward: Callable[..., Any] = model  # the training forward pass (CompiledForward with --compile)
-        self.compute_s = 0.0
+        self._compute_s = 0.0
         self.compile_s = 0.0
         self.tokens = 0
-        self.skipped_steps = 0
+        self._skipped = 0  # skipped steps read on the host; those counted on the device are in _skipped_device
+        self._skipped_device: torch.Tensor | None = None
         self.reset_count = 0
-        self.last_loss = float("nan")
+        self._loss: float | torch.Tensor = float("nan")  # a 0-d device tensor until read
+        self._timings: list[tuple[Any, Any, bool]] = []  # CUDA events of timed blocks not yet read
+        # every parameter group fused: the optimizer takes found_inf and skips a non-finite step on the device
+        self.skips_on_device = bool(optimizer.param_groups) and all(
+            g.get("fused") for g in optimizer.param_groups)
+
+    # --- what is read at logging steps (one host synchronization each) ---------------------------
+    @property
+    def last_loss(self) -> float:
+        """The training loss of the last inner step (nats; NaN before the first); reading it waits for it."""
+        if isinstance(self._loss, torch.Tensor):
+            self._loss = float(self._loss)
+        return self._loss
+
+    @last_loss.setter
+    def last_loss(self, value: float | torch.Tensor) -> None:
+        self._loss = value
+
+    @property
+    def loss_tensor(self) -> torch.Tensor:
+        """The last inner step's loss as a 0-d float32 tensor on the island's device (no synchronization)."""
+        if isinstance(self._loss, torch.Tensor):
+            return self._loss
+        return torch.tensor(self._loss, dtype=torch.float32, device=self.device)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Inner steps skipped because the gradient was not finite (reading it waits for the device's count)."""
+        if self._skipped_device is not None:
+            self._skipped += int(self._skipped_device)
+            self._skipped_device = None
+        return self._skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped, self._skipped_device = int(value), None
+
+    @property
+    def compute_s(self) -> float:
+        """Measured compute seconds, divided by ``speed`` (reading it waits for the timed work on CUDA)."""
+        self.settle_timing()
+        return self._compute_s
+
+    @compute_s.setter
+    def compute_s(self, value: float) -> None:
+        self.settle_timing()
+        self._compute_s = float(value)
+
+    def settle_timing(self) -> None:
+        """Charge the CUDA-event timings not yet read (waits for their work to end); a no-op elsewhere."""
+        timings, self._timings = self._timings, []
+        for start, end, compiling in timings:
+            end.synchronize()
+            self._charge(start.elapsed_time(end) / 1000.0, compiling)
+
+    def _charge(self, seconds: float, compiling: bool) -> None:
+        if compiling:
+            self.compile_s += seconds
+            return
+        dt = seconds / self.speed
+        self._compute_s += dt
+        if self.clock is not None:
+            self.clock.compute(self.index, dt)
 
     @contextmanager
     def timed(self, compiling: bool = False) -> Iterator[None]:
-        """Measure the enclosed compute and charge it to this island (and its simulated clock); on an
-        accelerator the queued work is waited for at both ends, so the time is the work's. With
-        ``compiling`` (the first step of a ``--compile`` island) the seconds go to ``compile_s`` instead:
-        a one-off start-up cost, not training compute."""
+        """Measure the enclosed compute and charge it to this island (and its simulated clock). On CUDA two
+        events bracket the work in its stream, read later (:meth:`settle_timing`: when ``compute_s`` is read,
+        or before the simulated clock prices a collective), so the host never waits for the device here; on
+        the CPU (and MPS, synchronized) ``time.perf_counter``. With ``compiling`` (the first step of a
+        ``--compile`` island) the seconds go to ``compile_s`` instead: a one-off start-up cost, not
+        training compute."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._timings.append((start, end, compiling))
+            if self.clock is not None:
+                self.clock.defer(self.settle_timing)
+            return
         synchronize(self.device)
         t0 = time.perf_counter()
         yield
         synchronize(self.device)
-        if compiling:
-            self.compile_s += time.perf_counter() - t0
-            return
-        dt = (time.perf_counter() - t0) / self.speed
-        self.compute_s += dt
-        if self.clock is not None:
-            self.clock.compute(self.index, dt)
+        self._charge(time.perf_counter() - t0, compiling)
 
-    def forward_backward(self, batch: torch.Tensor) -> float:
-        """Next-token loss of ``batch`` (LongTensor, (batch, seq_len + 1)) and its gradient; returns the loss."""
+    def micro_batches(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``batch`` (rows, seq_len + 1) cut into ``grad_accum`` micro-batches of equal rows.
+
+        Raises:
+            ValueError: the rows are not a multiple of ``grad_accum``.
+        """
+        if batch.shape[0] % self.grad_accum:
+            raise ValueError(f"a batch of {batch.shape[0]} rows cannot be cut into {self.grad_accum} equal "
+                             "micro-batches")
+        return batch.split(batch.shape[0] // self.grad_accum)
+
+    def gradient_sync(self, last: bool) -> AbstractContextManager[Any]:
+        """The context of one micro-batch's backward pass: whether its gradients are synchronized across the
+        island's ranks. Unsharded islands have nothing to synchronize in the backward pass (the runtime
+        averages the accumulated gradient once); a sharded island turns FSDP2's reduce-scatter off but
+        for the last micro-batch (:class:`~atoll.runtime.collective.sharding.ShardedIsland`)."""
+        return nullcontext()
+
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Next-token loss of ``batch`` (LongTensor, (rows, seq_len + 1)) and its gradient, accumulated over
+        ``grad_accum`` micro-batches of equal rows (each micro-batch's mean loss scaled by 1 / grad_accum,
+        so the gradient is that of the whole batch's mean loss); returns the mean loss, a 0-d float32 tensor
+        on the device (not read: no synchronization)."""
         compiling = isinstance(self.forward, CompiledForward) and not self.forward.called
         with self.timed(compiling):
             batch = batch.to(self.device, non_blocking=True)
-            with autocast(self.device, self.precision):
-                loss = next_token_loss(self.forward, batch)
-            loss.backward()
+            micro = self.micro_batches(batch)
+            total: torch.Tensor | None = None
+            for k, part in enumerate(micro):
+                with self.gradient_sync(k == len(micro) - 1):
+                    with autocast(self.device, self.precision):
+                        loss = next_token_loss(self.forward, part)
+                    (loss if len(micro) == 1 else loss / len(micro)).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            assert total is not None
+            mean = total if len(micro) == 1 else total / len(micro)
         self.tokens += batch[:, 1:].numel()
-        self.last_loss = float(loss.detach())
-        return self.last_loss
+        self._loss = mean
+        return mean
 
     def inner_step(self) -> None:
-        """Clip the gradient, take one inner optimizer step, advance the schedule, clear the gradient."""
+        """Clip the gradient, take one inner optimizer step, advance the schedule, clear the gradient.
+
+        With a fused optimizer the step is skipped on the device when the gradient is not finite (no host
+        synchronization); otherwise :meth:`clip_gradients` decides on the host.
+        """
         with self.timed():
-            if self.clip_gradients():
+            if self.skips_on_device:
+                found_inf = (~torch.isfinite(self.clip_norm())).to(torch.float32)
+                self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by fused AdamW's step
+                self.optimizer.step()
+                self._skipped_device = found_inf if self._skipped_device is None else self._skipped_device + found_inf
+            elif self.clip_gradients():
                 self.optimizer.step()
             self.finish_step()
+
+    def clip_norm(self) -> torch.Tensor:
+        """Clip the gradient norm to ``grad_clip`` (0: no clipping); the total norm before clipping, a 0-d
+        tensor on the device (not read). Not timed: call inside :meth:`timed`."""
+        return torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
 
     def clip_gradients(self) -> bool:
         """Clip the gradient norm to ``grad_clip`` (0: no clipping); drop a gradient that is not finite.
 
         A NaN or infinite gradient (an overflow, a bad batch, a faulty device) never reaches the optimizer
         state or the weights: the gradients are cleared, ``skipped_steps`` counts it, and False is
-        returned so the caller skips the optimizer step. Not timed: call inside :meth:`timed`.
+        returned so the caller skips the optimizer step. Reads the norm on the host. Not timed: call
+        inside :meth:`timed`.
         """
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else float("inf"))
-        if torch.isfinite(norm):
+        if torch.isfinite(self.clip_norm()):
             return True
         for p in self.params:
             p.grad = None
-        self.skipped_steps += 1
+        self._skipped += 1
         return False
 
     def finish_step(self) -> None:
@@ -340,8 +531,10 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
     island = island_type(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
-                         precision=config.precision)
+                         precision=config.precision, grad_accum=config.grad_accum)
     if config.compile:
         island.forward = CompiledForward(model)
     return island

@@ -180,6 +180,7 @@ class ProgressDisplay:
         self.total, self.start_step = total_steps, start_step
         self.every = every or max(1, total_steps // 20)
         self.t0 = time.perf_counter()
+        self.last_loss = float("nan")
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
@@ -201,10 +202,19 @@ class ProgressDisplay:
         done = step - self.start_step
         return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else None
 
-    def update(self, step: int, loss: float, tokens_per_s: float, bytes_sent: float,
+    def prints(self, step: int) -> bool:
+        """Whether :meth:`update` at inner step ``step`` writes a line (plain-text mode), so the caller reads
+        the training loss for it from the device then and only then."""
+        return self.enabled and not self.live and (step % self.every == 0 or step == self.total)
+
+    def update(self, step: int, loss: float | None, tokens_per_s: float, bytes_sent: float,
                eval_loss: float | None = None) -> None:
-        """Inner step ``step`` done (1-based): the islands' mean training loss, this session's tokens per
-        second, bytes one island sent so far, and the held-out loss when this step evaluated."""
+        """Inner step ``step`` done (1-based): the islands' mean training loss (None: not read at this step;
+        the last one read is shown), this session's tokens per second, bytes one island sent so far, and the
+        held-out loss when this step evaluated."""
+        if loss is None:
+            loss = self.last_loss
+        self.last_loss = loss
         eta = self.eta_s(step)
         eta_text = _clock(eta) if eta is not None else "-"
         if self.live:

@@ -23,6 +23,7 @@ does not depend on the link, so the replayed wall time is exactly what the run w
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,20 @@ class SimClock:
     link_free_at: float = 0.0
     trace: ClockTrace | None = None
     codec_s: list[float] = field(default_factory=list)
+    #: charges measured on a device but not yet read (CUDA events): settled before the clocks are read
+    _deferred: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
+
+    def defer(self, settle: Callable[[], None]) -> None:
+        """Have ``settle`` (which calls :meth:`compute`) run before the clocks are next read, so that an island
+        on an accelerator is timed without the host waiting for each step (once per callable)."""
+        if not any(f == settle for f in self._deferred):
+            self._deferred.append(settle)
+
+    def settle(self) -> None:
+        """Run the deferred charges (:meth:`defer`)."""
+        deferred, self._deferred = self._deferred, []
+        for f in deferred:
+            f()
 
     def __post_init__(self) -> None:
         if not self.island_time:
@@ -254,6 +269,7 @@ class SimClock:
     def charge_codec(self, seconds: list[float]) -> None:
         """Advance each island's clock by its codec seconds (``seconds[i]`` for island ``i``: encoding its
         payload before a collective, or decoding the payloads after it); not counted as compute."""
+        self.settle()
         if len(seconds) != self.islands:
             raise ValueError(f"charge_codec: {len(seconds)} values for {self.islands} islands")
         for i, s in enumerate(seconds):
@@ -269,6 +285,7 @@ class SimClock:
         ``cost`` = (bytes each island sends, sequential rounds) is what the trace records; its id is then
         :attr:`last_collective`.
         """
+        self.settle()
         self.last_collective = None if self.trace is None or cost is None else self.trace.collective(*cost)
         start = max(max(self.island_time), self.link_free_at)
         self.comm_busy_s += duration_s
@@ -283,6 +300,7 @@ class SimClock:
         ``collective``: the id of the collective waited for (:attr:`last_collective` at its start), for
         the trace.
         """
+        self.settle()
         if self.trace is not None:
             if collective is None:
                 self.trace.complete = False  # a wait the trace cannot attribute: it cannot be replayed
@@ -302,15 +320,18 @@ class SimClock:
 
     def mark(self, label: int) -> None:
         """Mark a point of the run (an evaluation after inner step ``label``) in the trace, for :func:`replay`."""
+        self.settle()
         if self.trace is not None:
             self.trace.mark(label)
 
     @property
     def wall_s(self) -> float:
         """Simulated wall time of the run so far: the latest island clock, seconds."""
+        self.settle()
         return max(self.island_time) if self.island_time else 0.0
 
     def state_dict(self) -> dict:
+        self.settle()
         state = {"island_time": list(self.island_time), "comm_busy_s": self.comm_busy_s,
                  "blocked_s": list(self.blocked_s), "link_free_at": self.link_free_at, "codec_s": list(self.codec_s)}
         if self.trace is not None:

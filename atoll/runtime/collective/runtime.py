@@ -283,17 +283,17 @@ class CollectiveRuntime(Runtime):
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
-        island.forward_backward(mine)
+        island.forward_backward(mine)  # its grad_accum micro-batches (a sharded island syncs on the last)
         if r_count == 1:
             return
         island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
         if self.config.shard_island:
-            loss = torch.tensor([island.last_loss], dtype=torch.float32, device=self.device)
+            loss = island.loss_tensor.reshape(1).to(torch.float32)
             dist_call(dist.all_reduce, loss, group=self.island_group)
-            island.last_loss = float(loss.div_(r_count)[0])
+            island.last_loss = loss.div_(r_count)[0]  # stays on the device until read
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in island.params]
-        loss = torch.tensor([island.last_loss], dtype=grads[0].dtype, device=grads[0].device)
+        loss = island.loss_tensor.reshape(1).to(grads[0].dtype)
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
         flat = self.comm.resilient(lambda: self._island_sum(flat))
         flat.div_(r_count)
@@ -301,7 +301,7 @@ class CollectiveRuntime(Runtime):
         for p in island.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        island.last_loss = float(flat[-1])
+        island.last_loss = flat[-1].clone()  # (not a view keeping the gradients' buffer)
 
     def _island_sum(self, flat: torch.Tensor) -> torch.Tensor:
         out = flat.clone()

@@ -21,6 +21,7 @@ checkpoint holds the same full tensors as an unsharded run's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -82,6 +83,12 @@ class ShardedIsland(Island):
     State dicts hold the *full* tensors (the same keys, shapes and optimizer layout as an unsharded
     island's); :meth:`state_dict` and :meth:`load_state_dict` are collective over the island's ranks.
     """
+
+    def gradient_sync(self, last: bool) -> Any:
+        """FSDP2 reduce-scatters the gradient only in the backward pass of the last micro-batch
+        (``set_requires_gradient_sync``); the others accumulate the unsharded gradient locally."""
+        self.model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        return contextlib.nullcontext()
 
     def local_params(self) -> list[torch.Tensor]:
         """This rank's piece of each parameter (views: writing them writes the parameter), in order."""
@@ -191,8 +198,10 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
                         device: torch.device) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
     so the optimizer holds this rank's shard only; and the layout of the shards."""
-    from atoll.job.island import make_island
+    from atoll.job.island import enable_activation_checkpointing, make_island
 
+    if config.activation_checkpointing:  # checkpoint the blocks before FSDP2 wraps them (torchtitan's order)
+        enable_activation_checkpointing(model)
     shard_model(model, group, device)
     island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)

@@ -161,10 +161,10 @@ class IslandWorker:
     def train_step(self) -> float:
         """One inner step on the island's next batch; returns its training loss."""
         c = self.config
-        batch = sample_batch(self.job.data.island_tokens[self.index], c.batch_size, c.seq_len, c.seed,
+        batch = sample_batch(self.job.data.island_tokens[self.index], c.step_batch_size, c.seq_len, c.seed,
                              self.index, self.steps)
         inject_fault(self.island, self.steps, "weights")  # test hook (atoll.job.divergence)
-        loss = self.island.forward_backward(batch)
+        self.island.forward_backward(batch)
         inject_fault(self.island, self.steps, "grad")
         diverged = self.island.diverged
         if diverged:  # its weights are lost: restart from the global model it last pulled
@@ -176,7 +176,7 @@ class IslandWorker:
         self.round_step += 1
         if not diverged:
             self.tokens_since = [t + c.tokens_per_step for t in self.tokens_since]
-        return loss
+        return self.island.last_loss
 
     def due(self) -> list[int]:
         """Fragments whose push is due after the step just taken (staggered schedule, own step count)."""

@@ -1,0 +1,322 @@
+"""The inner step at scale (issue 25): gradient accumulation equals the larger batch, activation checkpointing
+changes no loss, no float32 copy of the logits, no host synchronization outside logging steps, and
+``--compile`` guarding only its first call."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+
+from atoll.config import TrainConfig, build_config
+from atoll.errors import ConfigError
+from atoll.job import island as island_mod
+from atoll.job.device import CompiledForward
+from atoll.job.island import Island, chunked_cross_entropy, make_island
+from atoll.job.model import build_model
+from atoll.train import train
+
+VOCAB, SEQ = 512, 16
+
+
+def _island(**cfg) -> Island:
+    config = TrainConfig(model="micro", vocab_size=VOCAB, seq_len=SEQ, steps=10, warmup_steps=0, **cfg)
+    return make_island(0, build_model("micro", VOCAB, SEQ, seed=0), config)
+
+
+def _batch(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+
+
+# --- gradient accumulation -----------------------------------------------------------------------------------
+
+def test_four_micro_batches_give_the_gradient_and_loss_of_one_batch_of_four_times_the_rows() -> None:
+    whole, accum = _island(batch_size=32), _island(batch_size=8, grad_accum=4)
+    batch = _batch(32)
+    assert accum.micro_batches(batch)[0].shape == (8, SEQ + 1)
+    for step in range(3):
+        losses = [float(i.forward_backward(_batch(32, step))) for i in (whole, accum)]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+        grads = [torch.cat([p.grad.reshape(-1) for p in i.params]) for i in (whole, accum)]
+        assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+        for i in (whole, accum):
+            i.inner_step()
+    # AdamW's first steps move every weight by about lr = 3e-3: a difference far below that is float rounding
+    # (the one weight off by 3e-5 has a gradient of rounding size, which AdamW normalizes)
+    assert torch.allclose(whole.flat_params(), accum.flat_params(), atol=1e-4)
+    assert whole.tokens == accum.tokens == 3 * 32 * SEQ
+
+
+def test_rows_that_do_not_split_into_the_micro_batches_are_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be cut into 4 equal micro-batches"):
+        _island(batch_size=8, grad_accum=4).forward_backward(_batch(30))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "diloco"])
+def test_a_grad_accum_run_ends_where_the_larger_batch_ends(fast_config: dict, strategy: str) -> None:
+    base = {**fast_config, "strategy": strategy, "steps": 8, "sync_every": 4, "eval_every": 8,
+            "checkpoint_every": 0, "seq_len": 16}
+    if strategy == "ddp":
+        base.pop("sync_every")
+    big = train(build_config(overrides={**base, "batch_size": 16, "out": fast_config["out"] + "-big"}))
+    small = train(build_config(overrides={**base, "batch_size": 4, "grad_accum": 4}))
+    assert small["tokens"] == big["tokens"] == 2 * 8 * 16 * 16  # islands x steps x (4 x 4 rows) x seq_len
+    assert small["bytes_sent_per_island"] == big["bytes_sent_per_island"]
+    assert small["final_eval_loss"] == pytest.approx(big["final_eval_loss"], abs=2e-4)
+    assert small["final_eval_loss"] < small["initial_eval_loss"] - 0.1  # it trained (8 steps)
+
+
+def test_grad_accum_counts_in_the_tokens_per_step_and_bad_values_exit_2(tmp_path) -> None:
+    assert TrainConfig(batch_size=8, grad_accum=4, seq_len=64).tokens_per_step == 4 * 8 * 64
+    with pytest.raises(ConfigError, match="^grad_accum"):
+        build_config(overrides={"grad_accum": 0})
+    for bad in ("0", "x", "1.5"):
+        r = run_cli("train", "--grad-accum", bad, "--out", str(tmp_path / "run"))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "grad_accum" in r.stderr
+    assert not (tmp_path / "run").exists()
+    r = run_cli("train", "--help")
+    assert "--grad-accum" in r.stdout and "--activation-checkpointing" in r.stdout
+
+
+# --- activation checkpointing --------------------------------------------------------------------------------
+
+def test_activation_checkpointing_changes_no_loss_and_no_gradient() -> None:
+    plain, checkpointed = _island(batch_size=4), _island(batch_size=4, activation_checkpointing=True)
+    assert island_mod.activation_checkpointing(checkpointed.model) and not island_mod.activation_checkpointing(plain.model)
+    for step in range(3):
+        losses = [float(i.forward_backward(_batch(4, step))) for i in (plain, checkpointed)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+        grads = [torch.cat([p.grad.reshape(-1) for p in i.params]) for i in (plain, checkpointed)]
+        assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+        for i in (plain, checkpointed):
+            i.inner_step()
+
+
+def test_activation_checkpointing_keeps_fewer_activations_for_the_backward_pass() -> None:
+    def saved_bytes(island: Island) -> int:
+        total = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            island.forward_backward(_batch(4))
+        return total
+
+    plain, checkpointed = _island(batch_size=4), _island(batch_size=4, activation_checkpointing=True)
+    assert saved_bytes(checkpointed) < 0.75 * saved_bytes(plain)
+
+
+# --- the loss without a float32 copy of the logits -----------------------------------------------------------
+
+def test_chunked_cross_entropy_equals_the_float32_loss_and_keeps_no_float32_logits() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits32 = torch.randn(4, 24, 300, generator=g)
+    targets = torch.randint(0, 300, (4, 24), generator=g)
+    logits = logits32.to(torch.bfloat16).requires_grad_()
+    reference = logits.detach().float().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(reference.reshape(-1, 300), targets.reshape(-1))
+    expected.backward()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = chunked_cross_entropy(logits, targets, chunk_elements=10 * 300)  # 10 rows a chunk
+    assert loss.dtype == torch.float32 and loss.ndim == 0
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-6)
+    # what is kept for the backward pass: nothing float32 of the logits' size (nor of a chunk: recomputed)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= 10 * 300]
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+    assert torch.allclose(logits.grad.float(), reference.grad, rtol=1e-2, atol=1e-8)  # bf16 rounding
+
+
+def test_a_bf16_island_makes_no_float32_copy_of_the_logits() -> None:
+    island = _island(batch_size=4, precision="bf16")
+    logits_elements = 4 * SEQ * VOCAB
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = island.forward_backward(_batch(4))
+    assert loss.dtype == torch.float32
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= logits_elements]
+    assert [t for t in saved if t.dtype == torch.bfloat16 and t.numel() == logits_elements]  # the logits, bf16
+
+
+# --- no host synchronization in the inner step ---------------------------------------------------------------
+
+class _HostReads:
+    """Count the reads of a tensor's value on the host (what waits for an accelerator's queue) made by atoll's
+    own code. (transformers' mask code reads one value per forward pass outside ``torch.compile``, in
+    ``masking_utils.find_packed_sequence_indices``: the library's, not counted here.)"""
+
+    NAMES = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu", "numpy")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, **k):
+                if f"{os.sep}atoll{os.sep}" in sys._getframe(1).f_code.co_filename:
+                    self.count += 1
+                return _original(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+def test_the_inner_step_reads_nothing_on_the_host_until_a_logging_step(monkeypatch) -> None:
+    # a fused AdamW (the CUDA default; here on the CPU) skips a non-finite step on the device
+    config = TrainConfig(model="micro", vocab_size=VOCAB, seq_len=SEQ, batch_size=4, grad_accum=2, steps=10,
+                         warmup_steps=0)
+
+    def fused(groups, config):
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=True)
+
+    island = make_island(0, build_model("micro", VOCAB, SEQ, seed=0), config, optimizer=fused)
+    assert island.skips_on_device
+    batches = [_batch(8, s) for s in range(4)]
+    reads = _HostReads(monkeypatch)
+    before: list[torch.Tensor] = []
+    for step, batch in enumerate(batches):
+        island.forward_backward(batch)
+        if step == 2:  # a gradient that is not finite: skipped on the device, counted there
+            for p in island.params:
+                p.grad.fill_(float("nan"))
+            before = [p.detach().clone() for p in island.params]
+        island.inner_step()
+        if step == 2:
+            assert all(torch.equal(a, p) for a, p in zip(before, island.params, strict=True))
+    assert reads.count == 0  # 4 inner steps of 2 micro-batches: nothing read on the host
+    loss, skipped = island.last_loss, island.skipped_steps  # the logging step reads them: one read each
+    assert reads.count == 2 and skipped == 1 and 0 < loss < 10
+    assert island.optimizer.state[island.params[0]]["step"] == 3  # the skipped step did not count
+
+
+def test_the_loop_and_the_inner_step_read_no_device_value_outside_logging_steps() -> None:
+    """An AST check of the functions of the inner step: no ``.item()``, ``float()``, ``int()``, ``bool()``,
+    ``.cpu()``, ``.tolist()``, ``math.isfinite`` on a tensor."""
+    banned_calls = {"float", "int", "bool"}
+    banned_methods = {"item", "cpu", "tolist", "numpy", "isfinite"}
+
+    def offenders(fn) -> list[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if isinstance(f, ast.Name) and f.id in banned_calls and not all(
+                        isinstance(a, ast.Constant) for a in node.args):  # float("inf") reads no tensor
+                    found.append(f"{f.id}()")
+                if isinstance(f, ast.Attribute) and f.attr in banned_methods and not (
+                        f.attr == "isfinite" and isinstance(f.value, ast.Name) and f.value.id == "torch"):
+                    found.append(f".{f.attr}()")
+        return found
+
+    for fn in (Island.forward_backward, Island.micro_batches, Island.inner_step, Island.clip_norm,
+               island_mod.next_token_loss, island_mod.chunked_cross_entropy, Island.finish_step):
+        assert offenders(fn) == [], fn.__qualname__
+    # Island.timed on CUDA: events only (its CPU branch uses perf_counter, which reads no tensor)
+    assert offenders(Island.timed) == []
+
+
+def test_the_training_loop_reads_the_loss_only_at_logging_steps(monkeypatch, fast_config) -> None:
+    # the divergence rule's per-step check (Island.diverged: reset a diverged island at once) is set apart
+    reads: list[int] = []
+    original = Island.last_loss.fget
+
+    def counted(self):
+        if isinstance(self._loss, torch.Tensor):  # a read of the device's value (later reads: the cached float)
+            reads.append(1)
+        return original(self)
+
+    monkeypatch.setattr(Island, "last_loss", property(counted, Island.last_loss.fset))
+    monkeypatch.setattr(Island, "diverged", property(lambda self: False))
+    train(build_config(overrides={**fast_config, "steps": 20, "eval_every": 20, "checkpoint_every": 0}))
+    # 2 logging steps (10, 20) x 2 islands; before: one read per island per step (the progress bar), 40+
+    assert 0 < len(reads) <= 2 * 2
+
+
+# --- --compile -----------------------------------------------------------------------------------------------
+
+def test_compile_falls_back_only_at_its_first_call(monkeypatch) -> None:
+    calls = {"n": 0}
+
+    def compiled_then_oom(model):
+        def call(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("CUDA out of memory inside the compiled graph")
+            return model(*a, **k)
+        return call
+
+    monkeypatch.setattr(torch, "compile", compiled_then_oom)
+    forward = CompiledForward(build_model("micro", VOCAB, SEQ, seed=0))
+    ids = _batch(2)[:, :-1]
+    forward(input_ids=ids)
+    assert forward.skipped is None
+    with pytest.raises(RuntimeError, match="out of memory"):  # before: silently eager from here on
+        forward(input_ids=ids)
+    assert forward.skipped is None
+
+
+def test_an_out_of_memory_error_at_the_first_call_is_not_a_compile_failure(monkeypatch) -> None:
+    def oom(model):
+        def call(*a, **k):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return call
+
+    monkeypatch.setattr(torch, "compile", oom)
+    forward = CompiledForward(build_model("micro", VOCAB, SEQ, seed=0))
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        forward(input_ids=_batch(2)[:, :-1])
+
+
+
+
+def test_micro_batches_but_the_last_skip_the_gradient_sync_of_a_sharded_island(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from atoll.runtime.collective.sharding import ShardedIsland
+
+    island = _island(batch_size=2, grad_accum=4)
+    flags: list[bool] = []
+    monkeypatch.setattr(Island, "gradient_sync", lambda self, last: flags.append(last) or contextlib.nullcontext())
+    island.forward_backward(_batch(8))
+    assert flags == [False, False, False, True]
+    calls: list[bool] = []  # a sharded island hands the flag to FSDP2
+    fake = SimpleNamespace(model=SimpleNamespace(set_requires_gradient_sync=calls.append))
+    with ShardedIsland.gradient_sync(fake, False):  # type: ignore[arg-type]
+        pass
+    ShardedIsland.gradient_sync(fake, True)  # type: ignore[arg-type]
+    assert calls == [False, True]
+
+
+@pytest.mark.slow
+def test_sharded_collective_islands_accumulate_and_checkpoint_as_the_larger_batch(fast_config: dict) -> None:
+    import json
+    import subprocess
+
+    from conftest import cli_flags
+
+    base = {**fast_config, "runtime": "collective", "ranks_per_island": 2, "shard_island": True, "steps": 4,
+            "sync_every": 2, "eval_every": 4, "checkpoint_every": 0, "seq_len": 16}
+
+    def run(out: str, **extra) -> dict:
+        r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**base, **extra, "out": out})],
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((Path(out) / "summary.json").read_text())
+
+    big = run(fast_config["out"] + "-big", batch_size=8)
+    small = run(fast_config["out"], batch_size=4, grad_accum=2, activation_checkpointing=True)
+    assert small["tokens"] == big["tokens"] == 2 * 4 * 8 * 16
+    assert small["final_eval_loss"] == pytest.approx(big["final_eval_loss"], abs=2e-4)
