@@ -31,6 +31,7 @@ from atoll.config import TrainConfig
 from atoll.config.applies import BY_STRATEGY
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import (
+    checkpoint_folders,
     latest_checkpoint,
     load_checkpoint,
     new_run_dir,
@@ -131,8 +132,7 @@ def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
     """
     root = Path(out) / "checkpoints"
     first = latest_checkpoint(out)
-    candidates = [first] + sorted((p for p in root.glob("step_*") if p != first and (p / "state.json").is_file()),
-                                  key=lambda p: p.name, reverse=True)
+    candidates = [first] + [p for p in reversed(checkpoint_folders(root)) if p != first and (p / "state.json").is_file()]
     error: CheckpointError | None = None
     for path in candidates:
         try:
