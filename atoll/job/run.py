@@ -344,6 +344,19 @@ class Run:
         return path
 
     # --- the end --------------------------------------------------------------------------------------
+    def interrupt(self, step: int | None) -> BaseException:
+        """Close the metrics log, the trackers and the folder's lock of a run stopped by a signal after its
+        checkpoint of inner step ``step`` (None: none was written); return the
+        :class:`~atoll.errors.Interrupted` for the driver to raise (:mod:`atoll.job.stop`)."""
+        from atoll.job import stop
+
+        self.log.close()
+        for tracker in self.trackers:
+            tracker.close()
+        if self.lock is not None:
+            self.lock.release()
+        return stop.interrupted(step, self.out)
+
     def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
                **own: Any) -> dict[str, Any]:
         """The summary: what every run reports, then the driver's ``own`` entries; the ``end`` event,
