@@ -26,11 +26,11 @@ import time
 from typing import Any
 
 from atoll.config import TrainConfig
+from atoll.job import stop
 from atoll.job.data import sample_batch
 from atoll.job.device import resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, inject_fault, record
 from atoll.job.island import compile_skipped
-from atoll.job import stop
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.base import Runtime
