@@ -15,17 +15,19 @@ import pytest
 from conftest import cli_flags
 from safetensors.torch import load_file
 
+from atoll.config.applies import applicable
 from atoll.job.checkpoint import latest_checkpoint
 from atoll.job.metrics import read_metrics
 
 
 def _start(settings: dict, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _signal_mid_run(proc: subprocess.Popen, out: Path, signum: int, timeout: float = 240) -> tuple[int, str]:
+def _signal_mid_run(proc: subprocess.Popen, out: Path, signum: int, timeout: float = 240,
+                    group: bool = False) -> tuple[int, str]:
     """Send ``signum`` once the run has logged its first ``train`` event; return (status, stderr)."""
     deadline = time.monotonic() + timeout
     metrics = out / "metrics.jsonl"
@@ -34,7 +36,10 @@ def _signal_mid_run(proc: subprocess.Popen, out: Path, signum: int, timeout: flo
             break
         time.sleep(0.02)
     assert proc.poll() is None, f"the run ended before the signal: {proc.communicate()[1][-2000:]}"
-    proc.send_signal(signum)
+    if group:  # as Ctrl-C in a terminal: the launcher and every rank
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -48,28 +53,33 @@ def _weights(run: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "extra", "signum"), [
-    ("diloco", {"sync_every": 7}, signal.SIGTERM),
-    ("streaming", {"sync_every": 6, "fragments": 2, "overlap_steps": 1}, signal.SIGINT),
-    ("decoupled", {"sync_every": 6, "fragments": 2}, signal.SIGTERM),
+@pytest.mark.parametrize(("strategy", "extra", "signum", "group"), [
+    ("diloco", {"sync_every": 7}, signal.SIGTERM, False),
+    ("streaming", {"sync_every": 6, "fragments": 2, "overlap_steps": 1}, signal.SIGINT, False),
+    ("decoupled", {"sync_every": 6, "fragments": 2}, signal.SIGTERM, False),
+    # collective: SIGTERM to the launcher alone (a scheduler's), and SIGINT to every process (Ctrl-C); the
+    # ranks agree through the store on one step, which rank 0 checkpoints
+    ("diloco", {"sync_every": 7, "runtime": "collective"}, signal.SIGTERM, False),
+    ("ddp", {"runtime": "collective", "min_islands": 1}, signal.SIGINT, True),
 ])
 def test_a_signal_mid_run_checkpoints_the_step_reached_and_the_resume_equals_the_whole_run(
-        fast_config: dict, tmp_path: Path, strategy: str, extra: dict, signum: int) -> None:
-    settings = {**fast_config, "strategy": strategy, "steps": 150, "eval_every": 1000, "checkpoint_every": 1000,
-                **extra}
+        fast_config: dict, tmp_path: Path, strategy: str, extra: dict, signum: int, group: bool) -> None:
+    settings = applicable({**fast_config, "strategy": strategy, "steps": 150, "eval_every": 1000,
+                           "checkpoint_every": 1000, **extra})
     whole = subprocess.run([sys.executable, "-m", "atoll.cli", "train",
                             *cli_flags({**settings, "out": str(tmp_path / "whole")})],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-2000:]
     out = tmp_path / "cut"
-    code, err = _signal_mid_run(_start({**settings, "out": str(out)}), out, signum)
+    code, err = _signal_mid_run(_start({**settings, "out": str(out)}), out, signum, group=group)
     assert code == 128 + signum, err[-2000:]
     assert "Traceback" not in err
     ckpt = latest_checkpoint(out)
     step = int(ckpt.name.split("_")[1])
     assert 10 <= step < 150, "a checkpoint of the step reached, not of --checkpoint-every (1000)"
     events = read_metrics(out / "metrics.jsonl")
-    assert [e["step"] for e in events if e["event"] == "checkpoint"] == [step]
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]  # collective: also after the first exchange
+    assert saved[-1] == step and all(s < 10 for s in saved[:-1])
     assert max(e["step"] for e in events if e["event"] == "train") <= step
     assert f"checkpoint written at step {step}" in err.strip().splitlines()[-1]
     assert not (out / ".atoll.lock").exists() or not (out / "summary.json").exists()
@@ -84,7 +94,7 @@ def test_a_signal_mid_run_checkpoints_the_step_reached_and_the_resume_equals_the
     assert cont["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=1e-6)
     assert cont["tokens"] == full["tokens"] and cont["bytes_sent_per_island"] == full["bytes_sent_per_island"]
     ends = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] in ("checkpoint", "end")]
-    assert [e["event"] for e in ends] == ["checkpoint", "checkpoint", "end"]
+    assert [(e["event"], e["step"]) for e in ends][-3:] == [("checkpoint", step), ("checkpoint", 150), ("end", 150)]
 
 
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:

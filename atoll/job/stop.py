@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from atoll.errors import Interrupted
@@ -34,6 +34,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _signum: int | None = None  # the signal that asked the run to stop (None: none yet)
 _depth = 0  # nesting of on_signals()
+_at_once: list[Callable[[], None]] = []  # what a second signal does before the process exits (end children)
 
 
 def requested() -> int | None:
@@ -59,6 +60,9 @@ def _handler(signum: int, frame: object) -> None:
     if _signum is not None:  # the second signal: at once (the checkpoint being written is a temporary folder)
         print(f"atoll: {signal.Signals(signum).name} again: stopping at once, without a checkpoint of this step",
               file=sys.stderr, flush=True)
+        for hook in list(_at_once):
+            with contextlib.suppress(Exception):
+                hook()
         os._exit(128 + signum)
     _signum = signum
     print(f"atoll: {signal.Signals(signum).name}: finishing this inner step and writing a checkpoint "
@@ -84,6 +88,16 @@ def on_signals() -> Iterator[None]:
         _depth -= 1
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def at_once(hook: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, a second signal calls ``hook`` (e.g. kill child processes) before exiting."""
+    _at_once.append(hook)
+    try:
+        yield
+    finally:
+        _at_once.remove(hook)
 
 
 def interrupted(step: int | None, out: Path | str) -> Interrupted:
