@@ -16,6 +16,8 @@ Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (`
 ``--sync-every``); ``atoll train --help`` lists them with their documentation. Bad input prints one line,
 ``atoll: error: <field>: <what is wrong>; <fix>``, and exits with status 2. A collective run whose rank
 failed exits with that rank's status (3: another island stopped responding; 128 + N: killed by signal N).
+SIGINT (Ctrl-C) or SIGTERM makes ``atoll train`` finish the inner step in progress, write a checkpoint of
+it and exit with 128 + N (130, 143; a second signal: at once, same status; :mod:`atoll.job.stop`).
 A run that diverged (README, "Reliability") writes its summary, prints one line
 ``atoll: error: training diverged at step N: <what>; <fix>`` and exits with status 1.
 """
@@ -29,7 +31,7 @@ import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
-from atoll.errors import AtollError, RunFailed
+from atoll.errors import AtollError, Interrupted, RunFailed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -297,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:  # a rank of a collective run failed; the ranks printed why
         if str(e):
             print(f"atoll: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except Interrupted as e:  # SIGINT/SIGTERM: the run wrote a checkpoint of the step it reached
+        print(f"atoll: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"atoll: interrupted; {_resume_hint(args)}", file=sys.stderr)

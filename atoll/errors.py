@@ -37,3 +37,25 @@ class RunFailed(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on SIGINT or SIGTERM after writing a checkpoint of the step it had reached
+    (:mod:`atoll.job.stop`). A ``KeyboardInterrupt``, so that no ``except Exception`` swallows it.
+
+    Attributes:
+        signum: the signal's number (2 for SIGINT, 15 for SIGTERM).
+        step: the inner step of the checkpoint written, or None where none could be.
+        out: the run folder.
+        exit_code: 128 + ``signum``, as a shell reports a process ended by that signal (130, 143).
+    """
+
+    def __init__(self, signum: int, step: int | None, out: object) -> None:
+        import signal
+
+        self.signum, self.step, self.out = signum, step, out
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        where = (f"checkpoint written at step {step}; resume with 'atoll train --resume {out}'" if step is not None
+                 else f"no checkpoint written; resume advice: 'atoll train --resume {out}'")
+        super().__init__(f"stopped by {name}: {where}")

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from atoll.config import TrainConfig
+from atoll.job import stop
 from atoll.job.data import sample_batch
 from atoll.job.device import resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, inject_fault, record
@@ -74,7 +75,15 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     Raises:
         ConfigError, DataError, CheckpointError: bad input; the message names the field and the fix.
         RunFailed: (collective launcher) a rank failed; carries its exit status.
+        Interrupted: SIGINT or SIGTERM arrived (:mod:`atoll.job.stop`); the checkpoint of the inner step the
+            run had reached is written (every runtime and strategy), and a resume continues exactly.
     """
+    with stop.on_signals():  # SIGINT, SIGTERM: a checkpoint of the step reached, then Interrupted (exit 128 + N)
+        return _train(config, resume)
+
+
+def _train(config: TrainConfig, resume: bool) -> dict[str, Any]:
+    """:func:`train` with the signals routed to :mod:`atoll.job.stop`."""
     if config.runtime != "ray":  # a device that is not here is bad input before anything is written (Ray:
         resolve_device(config.device)  # the islands' nodes decide)
     if spec(config.strategy).lockstep is None:  # asynchronous: islands on their own clocks, a syncer
@@ -149,13 +158,16 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                                              comm.bytes_sent_per_island, sim_wall_s())
                     check_eval(done, eval_loss, run.data.vocab_size)  # every process evaluates the same model
                 first_sync = early and comm.exchanges > 0
+                stopping = done < config.steps and runtime.stop_after(done)  # a signal: checkpoint, then stop
                 if first_sync or (config.checkpoint_every and done % config.checkpoint_every == 0) \
-                        or done == config.steps:
+                        or done == config.steps or stopping:
                     early = False
                     job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
                     params = runtime.full_params(strategy.global_params())
                     if job is not None:
                         run.save_checkpoint(done, job, params)
+                if stopping:
+                    raise run.interrupt(done)
                 runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss,
                               eval_loss=run.eval_loss, wall_s=run.wall_s())
                 session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step

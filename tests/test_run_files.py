@@ -51,6 +51,31 @@ def test_checkpoints_are_readable_by_other_users_and_latest_is_a_link(tmp_path: 
     assert latest.is_symlink() and latest_checkpoint(tmp_path) == third
 
 
+def test_rotation_touches_only_the_checkpoints_atoll_wrote(tmp_path: Path) -> None:
+    """A user's copies beside the checkpoints (``step_0000020_best``, ``step_0000020.bak``, ``step_7``) are
+    never rotated away, read as the latest, nor make a folder count as holding a run."""
+    from atoll.job.checkpoint import checkpoint_folders, new_run_dir
+
+    root = tmp_path / "checkpoints"
+    save_checkpoint(tmp_path, 10, {"w": torch.arange(4.0)})
+    second = save_checkpoint(tmp_path, 20, {"w": torch.arange(4.0) + 1})
+    copies = [root / "step_0000020_best", root / "step_0000020.bak", root / "step_7"]
+    for copy in copies:
+        shutil.copytree(second, copy)
+    (root / "step_0000099_notes.txt").write_text("mine")
+    third = save_checkpoint(tmp_path, 30, {"w": torch.arange(4.0) + 2})
+    save_checkpoint(tmp_path, 40, {"w": torch.arange(4.0) + 3})
+    assert all(copy.is_dir() for copy in copies) and (root / "step_0000099_notes.txt").is_file()
+    assert [p.name for p in checkpoint_folders(root)] == ["step_0000030", "step_0000040"]  # keep=2 of atoll's
+    assert third.is_dir() and not (root / "step_0000010").exists()
+    (root / "latest").unlink()  # no link: the newest of atoll's names, not a user's copy
+    assert latest_checkpoint(tmp_path).name == "step_0000040"
+    only_copies = tmp_path / "other"
+    (only_copies / "checkpoints").mkdir(parents=True)
+    shutil.copytree(copies[0], only_copies / "checkpoints" / "step_0000020_best")
+    assert new_run_dir(only_copies, "diloco") == only_copies  # a user's copy is not a run
+
+
 def test_a_clock_trace_restored_from_a_checkpoint_replays_as_the_whole_run() -> None:
     def steps(clock: SimClock, start: int, end: int) -> None:
         for step in range(start, end):

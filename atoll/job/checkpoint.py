@@ -37,6 +37,19 @@ from atoll.errors import CheckpointError
 
 _TENSOR = "__tensor__"
 
+#: the name of a checkpoint folder atoll writes (``step_`` and the step in 7 digits); anything else under
+#: ``checkpoints/`` (a user's ``step_0000020_best`` or ``step_0000020.bak``) is never read, rotated or deleted
+CHECKPOINT_NAME = re.compile(r"step_\d{7}")
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """The checkpoint folders atoll wrote in ``root`` (names :data:`CHECKPOINT_NAME` exactly), oldest first;
+    an empty list where ``root`` is not a folder."""
+    if not Path(root).is_dir():
+        return []
+    return sorted((p for p in Path(root).iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir()),
+                  key=_step_of)
+
 
 def flatten_state(state: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     """Split a nested state (dicts, lists, tensors, scalars) into a JSON tree and a flat tensor dict.
@@ -179,7 +192,7 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
         raise
     _point_latest(root, final.name)
     _fsync_dir(root)
-    for old in sorted(root.glob("step_*"), key=_step_of)[:-keep] if keep > 0 else []:
+    for old in checkpoint_folders(root)[:-keep] if keep > 0 else []:  # only atoll's names (CHECKPOINT_NAME)
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -199,7 +212,7 @@ def new_run_dir(out: Path | None, strategy: str) -> Path:
     if out is None:
         out = Path("runs") / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(out)
-    if any((out / "checkpoints").glob("step_*")):
+    if checkpoint_folders(out / "checkpoints"):
         raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
     if (out / "metrics.jsonl").exists() or (out / "config.json").exists():
         raise ConfigError(f"out: '{out}' holds an unfinished run with no checkpoint (or another program's files); "
@@ -237,10 +250,9 @@ def latest_checkpoint(out: Path) -> Path:
         except (OSError, UnicodeDecodeError):
             name = ""
         path = root / name
-        if name.startswith("step_") and "/" not in name and (path / "state.json").is_file():
+        if CHECKPOINT_NAME.fullmatch(name) and (path / "state.json").is_file():
             return path
-    candidates = (sorted((p for p in root.glob("step_*") if (p / "state.json").is_file()), key=_step_of)
-                  if root.is_dir() else [])
+    candidates = [p for p in checkpoint_folders(root) if (p / "state.json").is_file()]
     if not candidates:
         if (Path(out) / "config.json").is_file():  # an atoll run that stopped before its first checkpoint
             raise CheckpointError(f"resume: the run in '{out}' stopped before its first checkpoint (see "

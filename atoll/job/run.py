@@ -31,6 +31,7 @@ from atoll.config import TrainConfig
 from atoll.config.applies import BY_STRATEGY
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import (
+    checkpoint_folders,
     latest_checkpoint,
     load_checkpoint,
     new_run_dir,
@@ -131,8 +132,7 @@ def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
     """
     root = Path(out) / "checkpoints"
     first = latest_checkpoint(out)
-    candidates = [first] + sorted((p for p in root.glob("step_*") if p != first and (p / "state.json").is_file()),
-                                  key=lambda p: p.name, reverse=True)
+    candidates = [first] + [p for p in reversed(checkpoint_folders(root)) if p != first and (p / "state.json").is_file()]
     error: CheckpointError | None = None
     for path in candidates:
         try:
@@ -344,6 +344,19 @@ class Run:
         return path
 
     # --- the end --------------------------------------------------------------------------------------
+    def interrupt(self, step: int | None) -> BaseException:
+        """Close the metrics log, the trackers and the folder's lock of a run stopped by a signal after its
+        checkpoint of inner step ``step`` (None: none was written); return the
+        :class:`~atoll.errors.Interrupted` for the driver to raise (:mod:`atoll.job.stop`)."""
+        from atoll.job import stop
+
+        self.log.close()
+        for tracker in self.trackers:
+            tracker.close()
+        if self.lock is not None:
+            self.lock.release()
+        return stop.interrupted(step, self.out)
+
     def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
                **own: Any) -> dict[str, Any]:
         """The summary: what every run reports, then the driver's ``own`` entries; the ``end`` event,

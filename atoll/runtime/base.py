@@ -76,6 +76,14 @@ class Runtime(ABC):
     def admit(self, done: int, islands: list[Island], strategy: Strategy, **extra: Any) -> None:  # noqa: B027
         """Let restarted islands join at the end of inner step ``done`` (collective runtime); collective call."""
 
+    def stop_after(self, done: int) -> bool:
+        """Whether the job stops at the end of inner step ``done`` on a signal (:mod:`atoll.job.stop`), with a
+        checkpoint of it: here, as soon as this process was asked; the collective runtime's processes agree
+        on one step first. Called by every process at the end of every inner step."""
+        from atoll.job import stop
+
+        return stop.requested() is not None
+
     def start(self) -> None:  # noqa: B027 - optional hook
         """Join the job (process groups, heartbeats); called once, after the data is ready."""
 

@@ -35,8 +35,9 @@ Metrics in ``summary.json`` besides every run's:
   (:mod:`atoll.strategies.decoupled.accounting`: merged, stale, rejected, lost, in flight).
 - ``codec_s``: per island, measured encode and decode seconds (not on the fixed-step, deterministic clock).
 
-Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps)
-and at the end, written atomically, hold everything needed to continue exactly (the syncer, every island, the
+Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps),
+at the end, and after the inner step in progress at SIGINT or SIGTERM (named by the mean steps done, rounded
+down; :mod:`atoll.job.stop`), written atomically, hold everything needed to continue exactly (the syncer, every island, the
 clocks and the pending events); ``<out>/syncer/`` holds the syncer's state alone.
 """
 
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
 from atoll.errors import CheckpointError
+from atoll.job import stop
 from atoll.job.device import island_devices
 from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
 from atoll.job.run import Run
@@ -287,6 +289,9 @@ class Simulation:
                                                   sum(st.bytes_sent) / K, max(st.clock)), run.data.vocab_size)
         if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
             self.checkpoint(st.done // K)
+        if stop.requested() is not None and st.done < self.budget:  # SIGINT/SIGTERM (atoll.job.stop): this
+            self.checkpoint(st.done // K)  # event's state is whole, as at a periodic checkpoint; then stop
+            raise self.run.interrupt(st.done // K)
 
     def checkpoint(self, step: int) -> None:
         """Everything to continue exactly: syncer, islands, clocks and pending events (atomic)."""

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from atoll.errors import AtollError, RunFailed
-from atoll.job.checkpoint import resume_advice
+from atoll.errors import AtollError, Interrupted, RunFailed
+from atoll.job import stop
+from atoll.job.checkpoint import latest_checkpoint, resume_advice
 from atoll.job.lock import claim_run_folder
 from atoll.runtime.collective.failure import REPORT_KEY
 from atoll.runtime.collective.rejoin import REJOIN_ENV
+from atoll.runtime.collective.stop import REQUEST_KEY
 
 if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
     from atoll.config import TrainConfig
@@ -118,32 +120,37 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
         for p in procs:
             p.start()
         deadline = math.inf
-        while any(p.exitcode is None for p in procs):
-            for rank, p in enumerate(procs):
-                if first is None and rank not in killed and p.exitcode not in (None, 0):
-                    first = (rank, p.exitcode)
-                    if not survive:
-                        deadline = min(deadline, time.monotonic() + grace_s)
-            if procs[0].exitcode is not None:
-                deadline = min(deadline, time.monotonic() + grace_s)
-            for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
-                if rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0 and procs[0].exitcode is None:
-                    restarts[rank] -= 1
-                    reported.add(rank)  # the survivors' report of the lost one must not kill the new one
-                    killed.add(rank)
-                    procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
-                        worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), REJOIN_ENV: "1"}))
-                    procs[rank].start()
-            for rank in _reported(store, world, reported):
-                reported.add(rank)
-                if procs[rank].exitcode is None:  # frozen: its peers are done with it
-                    killed.add(rank)
-                    procs[rank].kill()
-            if time.monotonic() > deadline:
-                for p in procs:
-                    if p.exitcode is None:
-                        p.kill()
-            time.sleep(0.05)
+        relayed = False
+        with stop.on_signals(), stop.at_once(lambda: [p.kill() for p in procs if p.exitcode is None]):
+            while any(p.exitcode is None for p in procs):
+                if not relayed and stop.requested() is not None:  # SIGINT/SIGTERM here: the ranks checkpoint
+                    store.set(REQUEST_KEY, str(stop.requested()))  # the step they agree on, then stop
+                    relayed = True
+                for rank, p in enumerate(procs):
+                    if first is None and rank not in killed and p.exitcode not in (None, 0):
+                        first = (rank, p.exitcode)
+                        if not survive:
+                            deadline = min(deadline, time.monotonic() + grace_s)
+                if procs[0].exitcode is not None:
+                    deadline = min(deadline, time.monotonic() + grace_s)
+                for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
+                    if rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0 and procs[0].exitcode is None:
+                        restarts[rank] -= 1
+                        reported.add(rank)  # the survivors' report of the lost one must not kill the new one
+                        killed.add(rank)
+                        procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
+                            worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), REJOIN_ENV: "1"}))
+                        procs[rank].start()
+                for rank in _reported(store, world, reported):
+                    reported.add(rank)
+                    if procs[rank].exitcode is None:  # frozen: its peers are done with it
+                        killed.add(rank)
+                        procs[rank].kill()
+                if time.monotonic() > deadline:
+                    for p in procs:
+                        if p.exitcode is None:
+                            p.kill()
+                time.sleep(0.05)
         for rank, p in enumerate(procs):
             if first is None and rank not in killed and p.exitcode != 0:
                 first = (rank, p.exitcode)
@@ -162,6 +169,13 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
         lock.release()
     if survive and procs[0].exitcode == 0 and (out / "summary.json").is_file():
         return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
+    asked = stop.requested()
+    if asked is not None and procs[0].exitcode == 128 + asked:  # stopped after the checkpoint the ranks agreed on
+        try:
+            step: int | None = int(latest_checkpoint(out).name.split("_")[1])
+        except AtollError:
+            step = None
+        raise Interrupted(asked, step, out)
     if first is not None:
         rank, code = first
         if code < 0:
@@ -188,6 +202,8 @@ def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, st
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Interrupted as e:  # a signal: this rank stopped after the step the ranks agreed on (checkpointed)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
 

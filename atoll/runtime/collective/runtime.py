@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import signal
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from atoll.errors import CheckpointError, ConfigError
+from atoll.errors import CheckpointError, ConfigError, Interrupted
 from atoll.job.checkpoint import resume_advice
 from atoll.job.device import resolve_device
 from atoll.runtime.base import Runtime
@@ -35,6 +34,7 @@ from atoll.runtime.collective.failure import (
 from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
+from atoll.runtime.collective.stop import StopAgreement
 from atoll.runtime.collective.transfer import gather_states, to_cpu
 from atoll.runtime.network import SimClock
 
@@ -83,6 +83,7 @@ class CollectiveRuntime(Runtime):
         self.kill_at = parse_kill_hook()
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
+        self.stopping: StopAgreement | None = None  # from start(): the step all ranks stop after on a signal
         self._aborting = threading.Lock()
         self.alive = list(range(self.islands))  # the islands in the job (all, until one is lost)
         self.epoch = 0  # one more per loss survived
@@ -133,9 +134,18 @@ class CollectiveRuntime(Runtime):
         if self._joined is None:  # (a restarted rank's keys exist: the others are training, not waiting)
             dist_call(dist.barrier, group=self.control)
         self.heartbeat.start()
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM,
-                          lambda *_: self.abort("stopped by SIGTERM", wait=False, signalled=True))
+        # SIGINT/SIGTERM (atoll.job.stop): the ranks agree through the store on one step to checkpoint and stop
+        self.stopping = StopAgreement(store_client(self.config.collective_timeout_s), self.prefix, self.rank,
+                                      self._live_ranks, self.config.steps, self.config.collective_timeout_s)
+
+    def _live_ranks(self) -> list[int]:
+        """The global ranks of the islands still in the job."""
+        return [i * self.ranks_per_island + p for i in self.alive for p in range(self.ranks_per_island)]
+
+    def stop_after(self, done: int) -> bool:
+        """Whether every rank stops after inner step ``done`` on a signal, agreed through the store
+        (:mod:`~atoll.runtime.collective.stop`)."""
+        return self.stopping is not None and self.stopping.stop_after(done)
 
     def _form_groups(self) -> None:
         """The island, cross-island and control groups of the islands alive, over the current default group.
@@ -214,10 +224,17 @@ class CollectiveRuntime(Runtime):
                     if self.quorum is None:  # going on without islands: a loss after the summary is no failure
                         raise
                 dist.destroy_process_group()
-                if threading.current_thread() is threading.main_thread():
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
         except PeerFailure as e:
             self.abort(e.reason, e.suspect)
+        except Interrupted:  # every rank stops after the same step, whose checkpoint rank 0 wrote
+            if self.heartbeat is not None:
+                self.heartbeat.leave()  # a rank that exits first is not taken for a lost one
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            raise
+        finally:
+            if self.stopping is not None:
+                self.stopping.close()
 
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
               signalled: bool = False, who: str | None = None, advice: str | None = None,

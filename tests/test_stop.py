@@ -1,0 +1,115 @@
+"""SIGINT and SIGTERM stop a run with a checkpoint of the step it reached (:mod:`atoll.job.stop`), on every
+runtime and strategy; a second signal stops at once; the resume equals the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli_flags
+from safetensors.torch import load_file
+
+from atoll.config.applies import applicable
+from atoll.job.checkpoint import latest_checkpoint
+from atoll.job.metrics import read_metrics
+
+
+def _start(settings: dict, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _signal_mid_run(proc: subprocess.Popen, out: Path, signum: int, timeout: float = 240,
+                    group: bool = False) -> tuple[int, str]:
+    """Send ``signum`` once the run has logged its first ``train`` event; return (status, stderr)."""
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and '"event": "train"' in metrics.read_text():
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before the signal: {proc.communicate()[1][-2000:]}"
+    if group:  # as Ctrl-C in a terminal: the launcher and every rank
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, err
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(latest_checkpoint(run) / "model" / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "extra", "signum", "group"), [
+    ("diloco", {"sync_every": 7}, signal.SIGTERM, False),
+    ("streaming", {"sync_every": 6, "fragments": 2, "overlap_steps": 1}, signal.SIGINT, False),
+    ("decoupled", {"sync_every": 6, "fragments": 2}, signal.SIGTERM, False),
+    # collective: SIGTERM to the launcher alone (a scheduler's), and SIGINT to every process (Ctrl-C); the
+    # ranks agree through the store on one step, which rank 0 checkpoints
+    ("diloco", {"sync_every": 7, "runtime": "collective"}, signal.SIGTERM, False),
+    ("ddp", {"runtime": "collective", "min_islands": 1}, signal.SIGINT, True),
+])
+def test_a_signal_mid_run_checkpoints_the_step_reached_and_the_resume_equals_the_whole_run(
+        fast_config: dict, tmp_path: Path, strategy: str, extra: dict, signum: int, group: bool) -> None:
+    settings = applicable({**fast_config, "strategy": strategy, "steps": 150, "eval_every": 1000,
+                           "checkpoint_every": 1000, **extra})
+    whole = subprocess.run([sys.executable, "-m", "atoll.cli", "train",
+                            *cli_flags({**settings, "out": str(tmp_path / "whole")})],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    out = tmp_path / "cut"
+    code, err = _signal_mid_run(_start({**settings, "out": str(out)}), out, signum, group=group)
+    assert code == 128 + signum, err[-2000:]
+    assert "Traceback" not in err
+    ckpt = latest_checkpoint(out)
+    step = int(ckpt.name.split("_")[1])
+    assert 10 <= step < 150, "a checkpoint of the step reached, not of --checkpoint-every (1000)"
+    events = read_metrics(out / "metrics.jsonl")
+    saved = [e["step"] for e in events if e["event"] == "checkpoint"]  # collective: also after the first exchange
+    assert saved[-1] == step and all(s < 10 for s in saved[:-1])
+    assert max(e["step"] for e in events if e["event"] == "train") <= step
+    assert f"checkpoint written at step {step}" in err.strip().splitlines()[-1]
+    assert not (out / ".atoll.lock").exists() or not (out / "summary.json").exists()
+    resumed = subprocess.run([sys.executable, "-m", "atoll.cli", "train", "--resume", str(out), "--no-progress"],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = _weights(tmp_path / "whole"), _weights(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() <= 1e-6, k
+    full, cont = (json.loads((p / "summary.json").read_text()) for p in (tmp_path / "whole", out))
+    assert cont["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=1e-6)
+    assert cont["tokens"] == full["tokens"] and cont["bytes_sent_per_island"] == full["bytes_sent_per_island"]
+    ends = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] in ("checkpoint", "end")]
+    assert [(e["event"], e["step"]) for e in ends][-3:] == [("checkpoint", step), ("checkpoint", 150), ("end", 150)]
+
+
+def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from atoll.job import stop\n"
+        "with stop.on_signals():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    assert stop.requested() == signal.SIGTERM\n"
+        "    print('asked', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(120)\n"
+        "sys.exit(0)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "asked\n"
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "again: stopping at once" in proc.stderr
