@@ -136,3 +136,26 @@ def test_an_island_whose_pushes_are_all_refused_stops_the_run_with_one_line() ->
     restored = Syncer(THETA, None, 2, outer_lr=1.0, outer_momentum=0.0, push_tokens=[TOK] * 2, starve_after=6)
     restored.load_state_dict(s.state_dict())
     assert restored.starved() == [0]
+
+
+def test_a_run_whose_island_is_refused_throughout_stops_and_says_so(fast_config: dict) -> None:
+    # the local simulation, 2 islands: island 1 pushes 1e-4 x its honest Δ from the start, so island 0's pushes
+    # are refused when they merge. Before: every push of island 0 refused, the model untrained, exit 0, no word
+    from atoll.bench.robust_merge import flip_pushes
+    from atoll.config import TrainConfig
+    from atoll.job.divergence import until_diverged
+    from atoll.job.run import Run
+    from atoll.runtime.events import Simulation
+
+    config = TrainConfig(**{**fast_config, "strategy": "decoupled", "steps": 120, "codec": "fp32", "fragments": 1,
+                            "eval_every": 1000, "checkpoint_every": 1000})
+    run = Run(config)
+    sim = Simulation(config, run)
+    flip_pushes(sim.syncer, 1, -1e-4)  # -(-1e-4) x its honest Δ
+    run.begin(restore=sim.restore)
+    sim.diverged = until_diverged(sim.run_events, False)
+    summary = sim.finish()
+    assert summary["starved_islands"] == [0]
+    assert "island 0" in summary["starved"] and "norm" in summary["starved"]
+    assert summary["rejected_by_island"]["norm"][0] >= 16
+    assert summary["tokens"] < config.islands * config.steps * config.tokens_per_step  # it stopped early
