@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +73,13 @@ from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
 from atoll.runtime.ray.cluster import (
     IslandLost,
     check_ray_address,
+    check_resources,
     init_ray,
     island_demand,
     island_resources,
     wait_restarted,
 )
+from atoll.runtime.ray.watch import Watch
 
 __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
 
@@ -101,19 +104,36 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     failures = [0] * config.islands
     abandoned: list[int] = []
     lost: list[int] = []  # islands whose node died and that no live node can run
+    starved = ""
+    # no wait on Ray without a deadline: between short waits for the islands, the syncer must answer within
+    # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
+    # called it within as long (else it is killed and restarted): atoll.runtime.ray.watch
+    watch = Watch(syncer, islands, out, config.collective_timeout_s)
+    first_done: float | None = None  # when the first island finished: the others then have the deadline
     while running:
-        # once one island has finished, the budget is spent: the others must finish within the deadline
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
-        if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
-            for i in running.values():
-                abandoned.append(i)
-                ray.kill(islands[i], no_restart=True)
-            print(f"atoll: warning: islands {sorted(abandoned)} did not finish within {config.collective_timeout_s:g} s "
-                  "of the others; their un-pushed work is lost", file=sys.stderr)
-            break
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=watch.poll_s)
+        if not ready:
+            if first_done is not None and time.monotonic() - first_done > config.collective_timeout_s:
+                for i in running.values():  # hung islands: stop waiting for them (their un-pushed work is lost)
+                    abandoned.append(i)
+                    ray.kill(islands[i], no_restart=True)
+                print(f"atoll: warning: islands {sorted(abandoned)} did not finish within "
+                      f"{config.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
+                break
+            progress = watch.call("progress")
+            if progress["starved"]:  # an island's work never reaches the model: stop rather than train on
+                starved = progress["starved"]
+                print(f"atoll: warning: {starved}; stopping the islands", file=sys.stderr)
+                for i in running.values():
+                    ray.kill(islands[i], no_restart=True)
+                break
+            for i in watch.silent_islands(progress, set(running.values())):
+                watch.kill_island(i)  # its run call fails: restarted below like a crashed island
+            continue
         i = running.pop(ready[0])
         try:
             results[i] = ray.get(ready[0])
+            first_done = first_done if first_done is not None else time.monotonic()
         except ray.exceptions.RayTaskError:  # the island's code raised (e.g. the syncer died for good): its
             raise                            # process lives, so running it again would fail again at once
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
@@ -127,8 +147,8 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
                       "go on without it, its un-pushed work is lost", file=sys.stderr)
                 continue
             running[islands[i].run.remote()] = i
-    final = ray.get(syncer.finish.remote())
-    final["abandoned"], final["lost"] = sorted(abandoned), sorted(lost)
+    final = watch.call("finish")
+    final["abandoned"], final["lost"], final["starved"] = sorted(abandoned), sorted(lost), starved
     return final, results, failures
 
 
@@ -142,11 +162,12 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is saved, under "
                           "<out>/syncer); start a new run from its final model with --init-from RUN_DIR")
     check_ray_address(config.ray_address)  # before any folder is made
-    run = Run(config)  # fills the tokenizer and token caches before the actors read them
-    run.begin()
-    out = run.out.resolve()
     started = init_ray(config)
     try:
+        check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
+        run = Run(config)  # fills the tokenizer and token caches before the actors read them
+        run.begin()
+        out = run.out.resolve()
         final, results, failures = _run_actors(config, out)
         driver_s = run.wall_s()  # when the syncer finished (within one call's latency), before Ray shuts down
     finally:
@@ -185,4 +206,5 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
         **({"island_resets": resets} if any(resets) else {}),
+        **({"starved": final["starved"]} if final["starved"] else {}),
         **({"diverged": record(config, diverged)} if diverged is not None else {}))

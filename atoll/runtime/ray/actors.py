@@ -62,6 +62,7 @@ class SyncerService:
         self.reserved = 0
         self.steps_by_island = [0] * self.config.islands
         self.last_seen = [0.0] * self.config.islands
+        self.heard: list[float | None] = [None] * self.config.islands  # _now() of each island's last call
         self.joins = [0] * self.config.islands
         self.rejoin_s: list[float] = []
         self.restarts = 0
@@ -131,6 +132,7 @@ class SyncerService:
         """
         self._island("join", island, credential)
         now = self._now()
+        self.heard[island] = now
         self.joins[island] += 1
         if self.joins[island] > 1:
             self.rejoin_s.append(now - self.last_seen[island])
@@ -151,7 +153,7 @@ class SyncerService:
             PermissionError: ``credential`` is not the island's.
         """
         self._island("reserve_step", island, credential)
-        self.last_seen[island] = self._now()
+        self.last_seen[island] = self.heard[island] = self._now()
         self._poll()
         if self.reserved >= self.budget:
             return False, self._buffered(island)
@@ -171,6 +173,7 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("buffered", island)
+        self.heard[island] = self._now()  # waiting for its push to merge: alive
         self._poll()
         return self._buffered(island)
 
@@ -190,7 +193,7 @@ class SyncerService:
         if result.reason in ("type", "island", "fragment"):
             return False, None
         if result.reason != "identity":  # the island's own call
-            self.last_seen[msg.island] = now
+            self.last_seen[msg.island] = self.heard[msg.island] = now
         if result.committed:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
@@ -227,10 +230,15 @@ class SyncerService:
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
     def progress(self) -> dict[str, Any]:
-        """Commits and versions so far (for the driver and tests)."""
+        """Commits and versions so far, for the driver's watch (and tests): ``silent_s``, per island the
+        seconds since its last call (None before its first), and ``starved``, the one-line reason to stop if
+        an island's pushes were all refused (:meth:`~atoll.strategies.decoupled.syncer.Syncer.starved`; "")."""
         self._poll()
-        return {"commits": self.syncer.commits, "reserved": self.reserved,
-                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
+        now = self._now()
+        return {"commits": self.syncer.commits, "reserved": self.reserved, "budget": self.budget,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)],
+                "silent_s": [None if h is None else now - h for h in self.heard],
+                "starved": self.syncer.starved_message() if self.syncer.starved() else ""}
 
 
 class RayTransport:
