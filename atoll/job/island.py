@@ -281,6 +281,8 @@ class Island:
                 n = v.numel()
                 torch.add(alpha * v, scaled[offset:offset + n], out=v)
                 offset += n
+        if self.device.type == "cuda" and global_flat.device.type == "cpu":  # the host may change it after return
+            torch.cuda.current_stream(self.device).synchronize()
 
     def flat_grads(self) -> torch.Tensor:
         """The gradients, float32 on the CPU, concatenated: shape (numel,). Missing gradients are zeros."""

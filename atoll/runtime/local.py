@@ -87,6 +87,10 @@ class LocalComm(Comm):
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
                               wire: Wire | None = None, key: str = "") -> LocalWork:
         self._check(per_island)
+        devices = {t.device for t in per_island}
+        if (len(devices) > 1 or (wire is not None and wire.codec is not None)) and devices != {torch.device("cpu")}:
+            # islands on different devices meet on the CPU; a codec and its error feedback run there
+            per_island = [t.to("cpu") for t in per_island]
         total = float(sum(weights)) if weights is not None else float(len(per_island))
         if total <= 0 or wire is None or wire.codec is None:
             if total <= 0:  # no island contributed: the mean is undefined (NaN), as DistComm's
