@@ -43,15 +43,18 @@ class CodecTimes:
     decode_s: list[float] = field(default_factory=list)
 
 
-def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
+def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Σ_i w_i x_i / Σ_i w_i of same-shaped tensors, accumulated in float32 in the given order.
 
     Args:
         tensors: same-shaped tensors (any float dtype; converted to float32).
         weights: one non-negative weight per tensor (e.g. tokens trained); default equal.
+        out: a float32 tensor of the inputs' shape to accumulate into (reused: no allocation, whose first
+            touch costs more than the sum on a CPU); default a new one.
 
     Returns:
-        A float32 tensor of the inputs' shape.
+        A float32 tensor of the inputs' shape (``out`` when given).
 
     Raises:
         ValueError: no tensors, mismatched lengths, or weights summing to zero.
@@ -65,7 +68,13 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | No
     total = float(sum(weights))
     if total <= 0:
         raise ValueError("weights sum to zero")
-    out = torch.zeros_like(tensors[0], dtype=torch.float32)
+    if out is None:
+        out = torch.zeros_like(tensors[0], dtype=torch.float32)
+    else:
+        if out.shape != tensors[0].shape or out.dtype != torch.float32:
+            raise ValueError(f"out: float32 of shape {tuple(tensors[0].shape)} needed, got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        out.zero_()
     for t, w in zip(tensors, weights, strict=True):
         out.add_(t.to(torch.float32), alpha=float(w) / total)
     return out

@@ -32,7 +32,7 @@ ROBUST_MERGES = ("none", "clip", "trimmed_mean", "median")
 
 
 def robust_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float], method: str = "none",
-                trim: float = 0.25) -> torch.Tensor:
+                trim: float = 0.25, out: torch.Tensor | None = None) -> torch.Tensor:
     """Merge same-shaped float32 tensors (numel,) with the robust rule ``method``; float32 (numel,).
 
     Args:
@@ -41,12 +41,13 @@ def robust_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float], metho
         method: one of :data:`ROBUST_MERGES`.
         trim: ``trimmed_mean``: the fraction of values dropped at each end per coordinate, in [0, 0.5)
             (at least one at each end when n >= 3).
+        out: ``none``: the buffer the mean is accumulated in (:func:`~atoll.algorithms.merge.weighted_mean`).
 
     Raises:
         ValueError: an unknown method, no tensors, or ``trim`` outside [0, 0.5).
     """
     if method == "none":
-        return weighted_mean(tensors, weights)
+        return weighted_mean(tensors, weights, out=out)
     if not tensors:
         raise ValueError("robust_mean: no tensors to merge")
     if method == "clip":

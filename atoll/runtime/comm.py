@@ -87,7 +87,9 @@ class Comm(ABC):
                 island's tensor is encoded (its error feedback and random source applied; bytes counted from
                 the encoded payload: values, scales, indices), then decoded and accumulated in float32. None,
                 or a wire without a codec: sent as is.
-            key: names the tensor for error feedback (e.g. ``"fragment2"``).
+            key: names the tensor for error feedback (e.g. ``"fragment2"``). A runtime may accumulate the
+                mean of a key in a buffer it reuses for the next exchange of the same key (no allocation per
+                round): use the result before then, or copy it.
 
         Returns:
             The float32 mean, shape of one input, identical on every island; NaN where every weight of the

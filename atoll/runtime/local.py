@@ -78,6 +78,7 @@ class LocalComm(Comm):
         self.link = link
         self.clock = clock
         self.timer: Callable[[], float] = time.perf_counter
+        self._buffers: dict[str, torch.Tensor] = {}  # per key, the buffer its mean is accumulated in
 
     def _check(self, per_island: Sequence[Any]) -> None:
         if len(per_island) != self.islands:
@@ -86,12 +87,16 @@ class LocalComm(Comm):
     def start_all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
                               wire: Wire | None = None, key: str = "") -> LocalWork:
         self._check(per_island)
+        devices = {t.device for t in per_island}
+        if (len(devices) > 1 or (wire is not None and wire.codec is not None)) and devices != {torch.device("cpu")}:
+            # islands on different devices meet on the CPU; a codec and its error feedback run there
+            per_island = [t.to("cpu") for t in per_island]
         total = float(sum(weights)) if weights is not None else float(len(per_island))
         if total <= 0 or wire is None or wire.codec is None:
             if total <= 0:  # no island contributed: the mean is undefined (NaN), as DistComm's
                 mean = torch.full((per_island[0].numel(),), math.nan).reshape(per_island[0].shape)
             else:
-                mean = weighted_mean(per_island, weights)
+                mean = weighted_mean(per_island, weights, out=self._buffer(key, per_island[0]))
             payload = (per_island[0].numel() * per_island[0].element_size() if wire is None or wire.codec is None
                        else wire.codec.payload_bytes(per_island[0].numel()))
             done_at = self.charge_allreduce(payload, blocking=False)
@@ -110,6 +115,17 @@ class LocalComm(Comm):
         decode = sum(times.decode_s)  # and decodes every island's payload once they arrived
         return LocalWork(mean, done_at, self.clock, self.clock.last_collective, [decode] * self.islands,
                          weight=total)
+
+    def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        """The float32 buffer the mean of ``key`` is accumulated in, kept from one exchange of that key to the
+        next on the CPU (a fresh one there costs a page fault per 4 KiB, more than the sum); None without a key
+        or off the CPU (the caching allocator reuses memory there)."""
+        if not key or like.device.type != "cpu":
+            return None
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != like.shape:
+            buf = self._buffers[key] = torch.empty(like.shape, dtype=torch.float32)
+        return buf
 
     def charge_allreduce(self, payload_bytes: float, blocking: bool = True) -> float:
         """Count a ring all-reduce of ``payload_bytes`` and charge its time; return its completion time.

@@ -67,6 +67,8 @@ class DiLoCo(Strategy):
         """
         # torchft's shape: Δ computed where each island's parameters are, from the (pinned) host globals
         deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
+        if self.agreement is not None:  # its per-tensor statistics are taken on the CPU
+            deltas = [d.to("cpu") for d in deltas]
         weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
         deltas, weights, dropped = drop_non_finite(deltas, weights)
         self.dropped_updates += sum(dropped)

@@ -191,6 +191,7 @@ class DistComm(Comm):
         self.degraded_exchanges = 0  # exchanges finished with fewer islands than the job started with
         self.interrupted_s: list[float] = []  # wall seconds of each exchange that a loss interrupted
         self.resumed_at: list[float] = []  # wall clock (Unix seconds) when each of them finished
+        self._buffers: dict[str, torch.Tensor] = {}  # per key, the all-reduce buffer (CPU)
 
     def resilient(self, op: Callable[[], T]) -> T:
         """``op()``, run again over the survivors' groups after a lost island (see the class doc).
@@ -252,7 +253,7 @@ class DistComm(Comm):
         codec = wire.codec if wire is not None else None
         if codec is None:
             def weighted() -> torch.Tensor:  # [w * x, w], written once where the collective runs (no host trip)
-                buf = torch.empty(n + 1, dtype=torch.float32, device=self.device)
+                buf = self._buffer(key, n + 1)
                 torch.mul(x.to(self.device, torch.float32, non_blocking=True), w, out=buf[:n])
                 buf[n] = w
                 return buf
@@ -284,6 +285,17 @@ class DistComm(Comm):
             return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws), sum(ws)
 
         return DistWork(finish_decode)
+
+    def _buffer(self, key: str, numel: int) -> torch.Tensor:
+        """A float32 buffer of ``numel`` on the comm's device for an all-reduce of ``key``: on the CPU kept for
+        the next exchange of the key (a fresh one costs a page fault per 4 KiB, more than the sum); elsewhere
+        new (the caching allocator reuses memory)."""
+        if not key or self.device.type != "cpu":
+            return torch.empty(numel, dtype=torch.float32, device=self.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() != numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=torch.float32)
+        return buf
 
     def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
         """See :meth:`Comm.all_gather`. The payload's tensors travel as one byte buffer.

@@ -210,10 +210,17 @@ class IslandWorker:
         its next push counted as staler than it is.
         """
         p = pull.fragment
-        mine = self.island.flat_params(self.fragment_index[p])
         at_push = self.at_push[p]
-        at_push = mine if at_push is None else at_push
-        self.island.set_flat_params(pull.params + (mine - at_push), self.fragment_index[p])
+        if at_push is None:  # a final pull: replace
+            self.island.set_flat_params(pull.params, self.fragment_index[p])
+        else:  # on the parameters' views, in place: θ ← (θ − θ_at_push) + θ_global, the same floats as on a copy
+            with torch.no_grad():
+                offset = 0
+                for view in self.island.param_views(self.fragment_index[p]):
+                    n = view.numel()
+                    view.sub_(at_push[offset:offset + n].to(view.device, non_blocking=True))
+                    view.add_(pull.params[offset:offset + n].to(view.device, non_blocking=True))
+                    offset += n
         self.base[p] = pull.params.clone()
         self.base_version[p] = pull.version
         self.at_push[p] = None

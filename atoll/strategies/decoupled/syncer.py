@@ -204,6 +204,8 @@ class Syncer:
         self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}  # per island, times fragment share
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
+        self._norms: dict[int, tuple[int, float]] = {}  # per fragment: (version, norm of its globals)
+        self._means: dict[int, torch.Tensor] = {}  # per fragment: the buffer its merged Δ̄ is accumulated in
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -244,7 +246,7 @@ class Syncer:
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         observed = self._observed(island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
-            island, fragment, float(delta.detach().norm()), tokens, float(self.outer[fragment].params.norm()))
+            island, fragment, float(delta.detach().norm()), tokens, self._params_norm(fragment))
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
@@ -310,6 +312,15 @@ class Syncer:
                 f"was refused ({self.starve_after} in a row: {why}), so its training never reaches the model; "
                 "another island may be setting the norm bound with tiny pushes (with 2 islands, no majority "
                 "vouches for either): check the islands, or run 3 or more (see rejected_by_island in summary.json)")
+
+    def _params_norm(self, fragment: int) -> float:
+        """The norm of the fragment's global parameters, computed once per version (every push checks
+        against it)."""
+        version = self.outer[fragment].version
+        cached = self._norms.get(fragment)
+        if cached is None or cached[0] != version:
+            cached = self._norms[fragment] = (version, float(self.outer[fragment].params.norm()))
+        return cached[1]
 
     def rejoin(self, island: int) -> int:
         """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``)."""
@@ -393,7 +404,10 @@ class Syncer:
         if not kept:
             return 0
         t0 = time.perf_counter()
-        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim)  # none: weighted_mean
+        out = self._means.get(fragment)
+        if out is None:
+            out = self._means[fragment] = torch.empty(self.numels[fragment], dtype=torch.float32)
+        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim, out=out)  # none: weighted_mean
         self.merge_s += time.perf_counter() - t0
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
@@ -445,6 +459,7 @@ class Syncer:
         """Restore :meth:`state_dict` (into a syncer built with the same shapes and settings)."""
         for o, s in zip(self.outer, state["outer"], strict=True):
             o.load_state_dict(s)
+        self._norms = {}
         self.buffers = []
         for b in state["buffers"]:
             grace = float(b["grace_s"])
