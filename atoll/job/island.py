@@ -179,6 +179,14 @@ class Island:
         self.device = self.params[0].device
         self.named_params = dict(model.named_parameters())
         self.forward: Callable[..., Any] = model  # the training forward pass (CompiledForward with --compile)
+        #: torch's DistributedDataParallel around the model where the runtime averages gradients with its
+        #: backward hooks (:mod:`atoll.runtime.collective.torch_ddp`); None otherwise
+        self.ddp: Any = None
+        #: whether the loss of the step in progress is finite (a 0-d bool on the device), set before the last
+        #: micro-batch's backward pass, when its gradient is all-reduced by ``ddp``'s hooks
+        self.loss_finite: torch.Tensor | None = None
+        #: under ``ddp``'s hooks: the islands whose gradient the mean holds (0-d float32 on the device)
+        self.sync_islands: torch.Tensor | None = None
         self._compute_s = 0.0
         self.compile_s = 0.0
         self.tokens = 0
@@ -287,7 +295,10 @@ class Island:
         """The context of one micro-batch's backward pass: whether its gradients are synchronized across the
         island's ranks. Unsharded islands have nothing to synchronize in the backward pass (the runtime
         averages the accumulated gradient once); a sharded island turns FSDP2's reduce-scatter off but
-        for the last micro-batch (:class:`~atoll.runtime.collective.sharding.ShardedIsland`)."""
+        for the last micro-batch (:class:`~atoll.runtime.collective.sharding.ShardedIsland`); under torch's
+        DDP the micro-batches but the last run in ``no_sync`` (their gradients accumulate locally)."""
+        if self.ddp is not None and not last:
+            return self.ddp.no_sync()
         return nullcontext()
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
@@ -304,8 +315,10 @@ class Island:
                 with self.gradient_sync(k == len(micro) - 1):
                     with autocast(self.device, self.precision):
                         loss = next_token_loss(self.forward, part)
+                    total = loss.detach() if total is None else total + loss.detach()
+                    if k == len(micro) - 1:  # read (on the device) by DDP's hooks in this backward pass
+                        self.loss_finite = torch.isfinite(total)
                     (loss if len(micro) == 1 else loss / len(micro)).backward()
-                total = loss.detach() if total is None else total + loss.detach()
             assert total is not None
             mean = total if len(micro) == 1 else total / len(micro)
         self.tokens += batch[:, 1:].numel()
