@@ -42,9 +42,10 @@ def applies(config: TrainConfig) -> bool:
             and not config.shard_island and config.min_islands >= config.islands and not config.max_restarts)
 
 
-def healthy_sum_hook(island: Island, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the sum over every rank of the bucket's gradients, a rank whose loss is not finite
-    contributing zeros (``island.loss_finite``, a 0-d bool on the device; nothing is read on the host)."""
+def healthy_sum_hook(island, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations here
+    """DDP comm hook (``bucket``: a ``dist.GradBucket``; returns a ``torch.futures.Future`` of its tensor):
+    the sum over every rank of the bucket's gradients, a rank whose loss is not finite contributing zeros
+    (``island.loss_finite``, a 0-d bool on the device; nothing is read on the host)."""
     buffer = bucket.buffer()
     if island.loss_finite is not None:
         buffer.masked_fill_(~island.loss_finite, 0.0)
