@@ -18,9 +18,11 @@ from conftest import run_cli
 
 from atoll.config import TrainConfig, build_config
 from atoll.errors import ConfigError
-from atoll.job import island as island_mod
+from atoll.job import loss as loss_mod
+from atoll.job import model as model_mod
 from atoll.job.device import CompiledForward
-from atoll.job.island import Island, chunked_cross_entropy, make_island
+from atoll.job.island import Island, make_island
+from atoll.job.loss import chunked_cross_entropy
 from atoll.job.model import build_model
 from atoll.train import train
 
@@ -91,7 +93,7 @@ def test_grad_accum_counts_in_the_tokens_per_step_and_bad_values_exit_2(tmp_path
 
 def test_activation_checkpointing_changes_no_loss_and_no_gradient() -> None:
     plain, checkpointed = _island(batch_size=4), _island(batch_size=4, activation_checkpointing=True)
-    assert island_mod.activation_checkpointing(checkpointed.model) and not island_mod.activation_checkpointing(plain.model)
+    assert model_mod.activation_checkpointing(checkpointed.model) and not model_mod.activation_checkpointing(plain.model)
     for step in range(3):
         losses = [float(i.forward_backward(_batch(4, step))) for i in (plain, checkpointed)]
         assert losses[0] == pytest.approx(losses[1], rel=1e-6)
@@ -222,7 +224,7 @@ def test_the_loop_and_the_inner_step_read_no_device_value_outside_logging_steps(
         return found
 
     for fn in (Island.forward_backward, Island.micro_batches, Island.inner_step, Island.clip_norm,
-               island_mod.next_token_loss, island_mod.chunked_cross_entropy, Island.finish_step):
+               loss_mod.next_token_loss, loss_mod.chunked_cross_entropy, Island.finish_step):
         assert offenders(fn) == [], fn.__qualname__
     # Island.timed on CUDA: events only (its CPU branch uses perf_counter, which reads no tensor)
     assert offenders(Island.timed) == []

@@ -263,9 +263,7 @@ class CollectiveRuntime(Runtime):
         (FSDP2) before the inner optimizer is built, so the optimizer holds this rank's shard only."""
         if not self.config.shard_island:
             island = super().make_island(index, model, config, optimizer)
-            if torch_ddp.applies(self.config):  # ddp: torch's DDP hooks all-reduce the gradient in the backward
-                torch_ddp.wrap(island, self.config, self.device)
-            return island
+            return torch_ddp.wrap(island, self.config, self.device) if torch_ddp.applies(self.config) else island
         from atoll.runtime.collective.sharding import make_sharded_island
 
         island, self.layout = make_sharded_island(index, model, config, optimizer, self.island_group, self.device)
@@ -293,12 +291,7 @@ class CollectiveRuntime(Runtime):
         if r_count == 1:
             return
         island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
-        if island.ddp is not None:  # the island's loss, its ranks' mean (on the device)
-            loss = island.loss_tensor.reshape(1).to(torch.float32)
-            dist_call(dist.all_reduce, loss, group=self.island_group)
-            island.last_loss = loss.div_(r_count)[0]
-            return
-        if self.config.shard_island:
+        if self.config.shard_island or island.ddp is not None:  # the gradient is averaged: the loss's ranks' mean
             loss = island.loss_tensor.reshape(1).to(torch.float32)
             dist_call(dist.all_reduce, loss, group=self.island_group)
             island.last_loss = loss.div_(r_count)[0]  # stays on the device until read

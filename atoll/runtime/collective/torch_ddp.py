@@ -53,15 +53,17 @@ def healthy_sum_hook(island, bucket):  # type: ignore[no-untyped-def]  # DDP ref
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap(island: Island, config: TrainConfig, device: torch.device) -> None:
+def wrap(island: Island, config: TrainConfig, device: torch.device) -> Island:
     """Put ``island``'s model under DDP (default process group: every rank of the job) with
     :func:`healthy_sum_hook`; its training forward pass goes through the DDP module (compiled with
-    ``--compile``). The replicas start identical (the same seed), so no initial broadcast is needed."""
+    ``--compile``); returns the island. The replicas start identical (the same seed), so no initial
+    broadcast is needed."""
     ddp = DistributedDataParallel(island.model, device_ids=[device.index] if device.type == "cuda" else None,
                                   broadcast_buffers=False, init_sync=False, gradient_as_bucket_view=True)
     ddp.register_comm_hook(island, healthy_sum_hook)
     island.ddp = ddp
     island.forward = CompiledForward(ddp) if config.compile else ddp
+    return island
 
 
 def finish_mean(island: Island, ranks_per_island: int) -> torch.Tensor:
