@@ -18,9 +18,11 @@ from conftest import run_cli
 
 from atoll.config import TrainConfig, build_config
 from atoll.errors import ConfigError
-from atoll.job import island as island_mod
+from atoll.job import loss as loss_mod
+from atoll.job import model as model_mod
 from atoll.job.device import CompiledForward
-from atoll.job.island import Island, chunked_cross_entropy, make_island
+from atoll.job.island import Island, make_island
+from atoll.job.loss import chunked_cross_entropy
 from atoll.job.model import build_model
 from atoll.train import train
 
@@ -91,7 +93,7 @@ def test_grad_accum_counts_in_the_tokens_per_step_and_bad_values_exit_2(tmp_path
 
 def test_activation_checkpointing_changes_no_loss_and_no_gradient() -> None:
     plain, checkpointed = _island(batch_size=4), _island(batch_size=4, activation_checkpointing=True)
-    assert island_mod.activation_checkpointing(checkpointed.model) and not island_mod.activation_checkpointing(plain.model)
+    assert model_mod.activation_checkpointing(checkpointed.model) and not model_mod.activation_checkpointing(plain.model)
     for step in range(3):
         losses = [float(i.forward_backward(_batch(4, step))) for i in (plain, checkpointed)]
         assert losses[0] == pytest.approx(losses[1], rel=1e-6)
@@ -222,7 +224,7 @@ def test_the_loop_and_the_inner_step_read_no_device_value_outside_logging_steps(
         return found
 
     for fn in (Island.forward_backward, Island.micro_batches, Island.inner_step, Island.clip_norm,
-               island_mod.next_token_loss, island_mod.chunked_cross_entropy, Island.finish_step):
+               loss_mod.next_token_loss, loss_mod.chunked_cross_entropy, Island.finish_step):
         assert offenders(fn) == [], fn.__qualname__
     # Island.timed on CUDA: events only (its CPU branch uses perf_counter, which reads no tensor)
     assert offenders(Island.timed) == []
@@ -301,17 +303,21 @@ def test_micro_batches_but_the_last_skip_the_gradient_sync_of_a_sharded_island(m
 
 
 @pytest.mark.slow
-def test_sharded_collective_islands_accumulate_and_checkpoint_as_the_larger_batch(fast_config: dict) -> None:
+@pytest.mark.parametrize(("strategy", "extra"), [
+    ("diloco", {"shard_island": True}),  # FSDP2: the reduce-scatter on the last micro-batch only
+    ("ddp", {"min_islands": 2}),  # torch DDP (a job that survives no loss): no_sync but on the last micro-batch
+], ids=["diloco-sharded", "ddp-torch-ddp"])
+def test_collective_islands_accumulate_as_the_larger_batch(fast_config: dict, strategy: str, extra: dict) -> None:
     import json
     import subprocess
 
     from conftest import cli_flags
 
-    base = {**fast_config, "runtime": "collective", "ranks_per_island": 2, "shard_island": True, "steps": 4,
-            "sync_every": 2, "eval_every": 4, "checkpoint_every": 0, "seq_len": 16}
+    base = {**fast_config, "strategy": strategy, "runtime": "collective", "ranks_per_island": 2, "steps": 4,
+            "sync_every": 2, "eval_every": 4, "checkpoint_every": 0, "seq_len": 16, **extra}
 
-    def run(out: str, **extra) -> dict:
-        r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**base, **extra, "out": out})],
+    def run(out: str, **more) -> dict:
+        r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**base, **more, "out": out})],
                            capture_output=True, text=True, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads((Path(out) / "summary.json").read_text())
@@ -319,4 +325,37 @@ def test_sharded_collective_islands_accumulate_and_checkpoint_as_the_larger_batc
     big = run(fast_config["out"] + "-big", batch_size=8)
     small = run(fast_config["out"], batch_size=4, grad_accum=2, activation_checkpointing=True)
     assert small["tokens"] == big["tokens"] == 2 * 4 * 8 * 16
+    assert small["bytes_sent_per_island"] == big["bytes_sent_per_island"] > 0
     assert small["final_eval_loss"] == pytest.approx(big["final_eval_loss"], abs=2e-4)
+    if strategy == "ddp":
+        assert small["gradient_sync"] == big["gradient_sync"] == "torch_ddp"
+
+
+@pytest.mark.slow
+def test_collective_ddp_on_torch_ddp_hooks_equals_the_host_path(fast_config: dict) -> None:
+    """torch DDP's bucketed all-reduce in the backward pass (``--min-islands`` = ``--islands``) against the
+    elastic host path (``--min-islands 1``): the same weights to float round-off, the same bytes counted; a
+    NaN island is left out of the mean and reset from a peer on both."""
+    import json
+    import subprocess
+
+    from conftest import cli_flags
+
+    base = {**fast_config, "strategy": "ddp", "runtime": "collective", "steps": 6, "eval_every": 6,
+            "checkpoint_every": 0, "seq_len": 16}
+    base.pop("sync_every")
+
+    def run(out: str, **more) -> dict:
+        r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**base, **more, "out": out})],
+                           capture_output=True, text=True, timeout=400,
+                           env={**os.environ, "ATOLL_TEST_NAN_AT": "weights:1:3"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((Path(out) / "summary.json").read_text())
+
+    host = run(fast_config["out"] + "-host", min_islands=1)
+    hooked = run(fast_config["out"], min_islands=2)
+    assert hooked["gradient_sync"] == "torch_ddp" and "gradient_sync" not in host
+    for key in ("tokens", "bytes_sent_per_island", "exchanges", "island_resets", "rejected_updates"):
+        assert hooked[key] == host[key], key
+    assert hooked["island_resets"] == [0, 1]
+    assert hooked["final_eval_loss"] == pytest.approx(host["final_eval_loss"], abs=1e-4)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from atoll.config import TrainConfig
-from atoll.job.island import make_island, next_token_loss
+from atoll.job.island import make_island
+from atoll.job.loss import next_token_loss
 from atoll.job.model import build_model, param_bytes
 from atoll.runtime.local import LocalComm
 from atoll.runtime.network import Link, SimClock, ring_allreduce_bytes

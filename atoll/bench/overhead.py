@@ -38,7 +38,8 @@ from transformers import PreTrainedModel
 from atoll.bench.common import default_out, write_results
 from atoll.config import TrainConfig, build_config
 from atoll.job.device import CompiledForward, autocast, synchronize
-from atoll.job.island import adamw, cosine_with_warmup, make_island, next_token_loss
+from atoll.job.island import adamw, cosine_with_warmup, make_island
+from atoll.job.loss import next_token_loss
 from atoll.job.model import build_model, count_parameters
 
 #: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's and that the

@@ -16,6 +16,8 @@ from transformers import PreTrainedModel
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.muon import muon_with_adamw
 from atoll.job.device import CompiledForward, autocast, synchronize
+from atoll.job.loss import next_token_loss
+from atoll.job.model import enable_activation_checkpointing
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -52,82 +54,6 @@ def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         n = p.numel()
         p.copy_(flat[offset:offset + n].view_as(p))
         offset += n
-
-
-#: the most logits (elements) :func:`chunked_cross_entropy` turns to float32 at once: 2**26 (256 MiB)
-LOSS_CHUNK_ELEMENTS = 1 << 26
-
-
-def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
-
-
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                          chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
-    """Mean cross-entropy (nats) of ``logits`` (..., vocab), any float dtype, against ``targets`` (...) int64,
-    computed in float32 a chunk of rows at a time; a 0-d float32.
-
-    Each chunk's float32 copy (at most ``chunk_elements`` elements) exists only while its loss is computed:
-    ``torch.utils.checkpoint`` recomputes it in the backward pass, so what is kept for the gradient is the
-    logits in their own dtype (bfloat16 under ``--precision bf16``), never a float32 copy of them all nor
-    of their log-softmax. The same chunked-loss idea as Liger Kernel's fused linear cross-entropy (Hsu et
-    al. 2024, arXiv:2410.10989), without fusing the head's matmul.
-
-    Raises:
-        ValueError: ``targets`` does not match ``logits``' leading shape, or ``chunk_elements`` < 1.
-    """
-    if logits.shape[:-1] != targets.shape or chunk_elements < 1:
-        raise ValueError(f"chunked_cross_entropy: logits {tuple(logits.shape)} against targets "
-                         f"{tuple(targets.shape)}, chunk of {chunk_elements} elements")
-    flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    rows = max(1, chunk_elements // logits.shape[-1])
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for chunk, chunk_targets in zip(flat.split(rows), flat_targets.split(rows), strict=True):
-        total = total + torch.utils.checkpoint.checkpoint(_cross_entropy_sum, chunk, chunk_targets,
-                                                          use_reentrant=False)
-    return total / flat_targets.numel()
-
-
-def next_token_loss(model: Callable[..., Any], batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) of ``batch``, a LongTensor (batch, seq_len + 1); a 0-d float32.
-
-    Float32 logits (``--precision fp32``) take PyTorch's cross-entropy as they are; lower-precision logits
-    (bf16 autocast) go through :func:`chunked_cross_entropy`, so no float32 copy of the whole logits (and
-    their gradient) is made: the loss itself is still computed and returned in float32.
-    """
-    logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-    if logits.dtype == torch.float32:
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-    return chunked_cross_entropy(logits, batch[:, 1:])
-
-
-def activation_checkpointing(model: PreTrainedModel) -> bool:
-    """Whether ``model`` recomputes its blocks' activations in the backward pass."""
-    name = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")  # transformers 5
-            else "is_gradient_checkpointing")
-    return bool(getattr(model, name, False))
-
-
-def enable_activation_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each decoder block's activations in the backward pass (Chen et al. 2016, arXiv:1604.06174):
-    transformers' activation (gradient) checkpointing with non-reentrant ``torch.utils.checkpoint``, which
-    composes with FSDP2 and ``torch.compile``. The loss and gradients are those without it. Idempotent.
-
-    Raises:
-        ConfigError: the model does not support it (names the field and the fix).
-    """
-    from atoll.errors import ConfigError
-
-    if activation_checkpointing(model):
-        return
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support activation "
-                          "checkpointing; drop --activation-checkpointing")
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x (the older name is deprecated)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Island:
@@ -179,6 +105,14 @@ class Island:
         self.device = self.params[0].device
         self.named_params = dict(model.named_parameters())
         self.forward: Callable[..., Any] = model  # the training forward pass (CompiledForward with --compile)
+        #: torch's DistributedDataParallel around the model where the runtime averages gradients with its
+        #: backward hooks (:mod:`atoll.runtime.collective.torch_ddp`); None otherwise
+        self.ddp: Any = None
+        #: whether the loss of the step in progress is finite (a 0-d bool on the device), set before the last
+        #: micro-batch's backward pass, when its gradient is all-reduced by ``ddp``'s hooks
+        self.loss_finite: torch.Tensor | None = None
+        #: under ``ddp``'s hooks: the islands whose gradient the mean holds (0-d float32 on the device)
+        self.sync_islands: torch.Tensor | None = None
         self._compute_s = 0.0
         self.compile_s = 0.0
         self.tokens = 0
@@ -287,7 +221,10 @@ class Island:
         """The context of one micro-batch's backward pass: whether its gradients are synchronized across the
         island's ranks. Unsharded islands have nothing to synchronize in the backward pass (the runtime
         averages the accumulated gradient once); a sharded island turns FSDP2's reduce-scatter off but
-        for the last micro-batch (:class:`~atoll.runtime.collective.sharding.ShardedIsland`)."""
+        for the last micro-batch (:class:`~atoll.runtime.collective.sharding.ShardedIsland`); under torch's
+        DDP the micro-batches but the last run in ``no_sync`` (their gradients accumulate locally)."""
+        if self.ddp is not None and not last:
+            return self.ddp.no_sync()
         return nullcontext()
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
@@ -304,8 +241,10 @@ class Island:
                 with self.gradient_sync(k == len(micro) - 1):
                     with autocast(self.device, self.precision):
                         loss = next_token_loss(self.forward, part)
+                    total = loss.detach() if total is None else total + loss.detach()
+                    if k == len(micro) - 1:  # read (on the device) by DDP's hooks in this backward pass
+                        self.loss_finite = torch.isfinite(total)
                     (loss if len(micro) == 1 else loss / len(micro)).backward()
-                total = loss.detach() if total is None else total + loss.detach()
             assert total is not None
             mean = total if len(micro) == 1 else total / len(micro)
         self.tokens += batch[:, 1:].numel()

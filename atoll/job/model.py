@@ -238,3 +238,30 @@ def count_parameters(model: torch.nn.Module) -> int:
 def param_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters as stored (float32: 4 bytes each); what ddp all-reduces per step."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def activation_checkpointing(model: PreTrainedModel) -> bool:
+    """Whether ``model`` recomputes its blocks' activations in the backward pass."""
+    name = ("is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing")  # transformers 5
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, name, False))
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder block's activations in the backward pass (Chen et al. 2016, arXiv:1604.06174):
+    transformers' activation (gradient) checkpointing with non-reentrant ``torch.utils.checkpoint``, which
+    composes with FSDP2 and ``torch.compile``. The loss and gradients are those without it. Idempotent.
+
+    Raises:
+        ConfigError: the model does not support it (names the field and the fix).
+    """
+    if activation_checkpointing(model):
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"activation_checkpointing: {type(model).__name__} does not support activation "
+                          "checkpointing; drop --activation-checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x (the older name is deprecated)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -41,8 +41,9 @@ from atoll.job.checkpoint import (
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.device import resolve_device
-from atoll.job.island import copy_flat_into, next_token_loss
+from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
+from atoll.job.loss import next_token_loss
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
 from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
 from atoll.job.report import plot_runs

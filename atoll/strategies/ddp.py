@@ -39,6 +39,9 @@ class DDP(Strategy):
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
+        if all(island.ddp is not None for island in self.islands):
+            self.step_hooked(step)
+            return
         grads = [island.flat_grads() for island in self.islands]
         status = [DIVERGED if island.diverged else HEALTHY if bool(torch.isfinite(g).all()) else BAD_GRADIENT
                   for island, g in zip(self.islands, grads, strict=True)]
@@ -49,6 +52,22 @@ class DDP(Strategy):
             island.set_flat_grads(mean)
             island.inner_step()
         if total < self.comm.islands:  # an island of the job contributed nothing: who, and is it diverged?
+            job_status = gather_status(self.comm, status)
+            self.dropped_updates += sum(s != HEALTHY for s in job_status)
+            reset_from_peer(self.comm, self.islands, job_status, step, keep_optimizer=True)
+
+    def step_hooked(self, step: int) -> None:
+        """The step when torch's DDP hooks already averaged the gradient in the backward pass, on the device
+        (:mod:`atoll.runtime.collective.torch_ddp`): the optimizer step, the bytes counted as the host path
+        counts them, and the repair of a diverged island. One scalar is read on the host: how many islands
+        contributed (the repair rule needs it before the next step)."""
+        numel = sum(p.numel() for p in self.islands[0].params)
+        for island in self.islands:
+            island.inner_step()  # a mean that is not finite (no island contributed) is skipped
+        self.comm._count(ring_allreduce_bytes(4 * numel, self.comm.islands))
+        total = float(self.islands[0].sync_islands) if self.islands[0].sync_islands is not None else 0.0
+        if total < self.comm.islands:  # an island of the job contributed nothing: who, and is it diverged?
+            status = [DIVERGED if island.diverged else HEALTHY for island in self.islands]
             job_status = gather_status(self.comm, status)
             self.dropped_updates += sum(s != HEALTHY for s in job_status)
             reset_from_peer(self.comm, self.islands, job_status, step, keep_optimizer=True)

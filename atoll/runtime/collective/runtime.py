@@ -23,6 +23,7 @@ from atoll.errors import CheckpointError, ConfigError, Interrupted
 from atoll.job.checkpoint import resume_advice
 from atoll.job.device import resolve_device
 from atoll.runtime.base import Runtime
+from atoll.runtime.collective import torch_ddp
 from atoll.runtime.collective.comm import DistComm
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
@@ -278,7 +279,8 @@ class CollectiveRuntime(Runtime):
         """The island of this rank; with ``shard_island`` its model is sharded over the island's ranks
         (FSDP2) before the inner optimizer is built, so the optimizer holds this rank's shard only."""
         if not self.config.shard_island:
-            return super().make_island(index, model, config, optimizer)
+            island = super().make_island(index, model, config, optimizer)
+            return torch_ddp.wrap(island, self.config, self.device) if torch_ddp.applies(self.config) else island
         from atoll.runtime.collective.sharding import make_sharded_island
 
         island, self.layout = make_sharded_island(index, model, config, optimizer, self.island_group, self.device)
@@ -301,10 +303,12 @@ class CollectiveRuntime(Runtime):
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
         island.forward_backward(mine)  # its grad_accum micro-batches (a sharded island syncs on the last)
+        if island.ddp is not None:  # DDP's hooks summed every rank's gradient in the backward pass
+            island.sync_islands = torch_ddp.finish_mean(island, r_count)
         if r_count == 1:
             return
         island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
-        if self.config.shard_island:
+        if self.config.shard_island or island.ddp is not None:  # the gradient is averaged: the loss's ranks' mean
             loss = island.loss_tensor.reshape(1).to(torch.float32)
             dist_call(dist.all_reduce, loss, group=self.island_group)
             island.last_loss = loss.div_(r_count)[0]  # stays on the device until read
@@ -367,7 +371,7 @@ class CollectiveRuntime(Runtime):
         wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
         ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
         shard = ({"shard_island": True, "params_per_rank": self.layout.numel_per_rank} if self.config.shard_island
-                 else {})
+                 else torch_ddp.describe(self.config))
         if not self.lost and not self.rejoined:
             return shard
         return {**shard, "lost_islands": {str(i): s for i, s in sorted(self.lost.items())},

@@ -198,7 +198,8 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
                         device: torch.device) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
     so the optimizer holds this rank's shard only; and the layout of the shards."""
-    from atoll.job.island import enable_activation_checkpointing, make_island
+    from atoll.job.island import make_island
+    from atoll.job.model import enable_activation_checkpointing
 
     if config.activation_checkpointing:  # checkpoint the blocks before FSDP2 wraps them (torchtitan's order)
         enable_activation_checkpointing(model)
