@@ -44,7 +44,7 @@ from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
-from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
+from atoll.job.model import PRESETS, build_model, check_model_config, check_vocab, count_parameters, param_bytes
 from atoll.job.report import plot_runs
 from atoll.job.trackers import Tracker, open_trackers
 from atoll.runtime.network import ring_allreduce_bytes
@@ -221,6 +221,7 @@ class Run:
         self.state: dict[str, Any] | None = None
         self.start_step = 0
         self.lock: RunLock | None = None  # the collective runtime's launcher holds its ranks' folder
+        check_model_config(config.model, config.seq_len)  # a model folder that cannot fit: before any folder
         if is_main and config.runtime != "collective":
             self.out, self.lock = claim_run_folder(config.out, config.strategy, resume)
         elif resume or not is_main:
