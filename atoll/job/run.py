@@ -44,7 +44,14 @@ from atoll.job.device import resolve_device
 from atoll.job.island import copy_flat_into, next_token_loss
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
-from atoll.job.model import PRESETS, build_model, check_model_config, check_vocab, count_parameters, param_bytes
+from atoll.job.model import (
+    PRESETS,
+    build_model,
+    check_model_config,
+    check_vocab,
+    count_parameters,
+    param_bytes,
+)
 from atoll.job.report import plot_runs
 from atoll.job.trackers import Tracker, open_trackers
 from atoll.runtime.network import ring_allreduce_bytes

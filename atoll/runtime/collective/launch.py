@@ -90,7 +90,6 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
 
     from atoll.job.data import default_cache_dir, prepare_data
     from atoll.job.data.pretrained import tokenizer_source
-
     from atoll.job.model import check_model_config  # (transformers is imported only for a model folder)
 
     check_model_config(config.model, config.seq_len)  # a model that cannot fit: refused before any folder is made
