@@ -6,7 +6,9 @@
 Every ``atoll train`` flag may be given a comma-separated list; the grid is every combination of the flags
 given several values (the others are shared by every run). Each point trains once into ``<out>/<point>/``
 (a finished run whose settings match is reused, so a sweep can be extended or interrupted and resumed; its
-runs are normal atoll run folders), then the sweep compares them:
+runs are normal atoll run folders; a point that a sweep of another grid trained in ``<out>`` under another name,
+with the same settings, is reused too, and every point the folder holds is in the table, by every setting its
+grids swept), then the sweep compares them:
 
 - at equal tokens: each run's final held-out loss (every point sees the same tokens unless the grid varies
   ``steps``, ``batch_size``, ``seq_len`` or ``islands``);
@@ -18,7 +20,8 @@ runs are normal atoll run folders), then the sweep compares them:
 
 An asynchronous strategy (decoupled) runs on its own simulated clock; its times are shown at the link it
 trained on only, and a grid of such runs alone has no equal-time comparison. Points whose settings are the
-same once parsed (``--outer-lr 0.7,0.70``) train once. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
+same once parsed (``--outer-lr 0.7,0.70``) train once. ``<out>`` is checked first as the suite's
+(:func:`atoll.bench.folders.check_out_folder`); a point whose ``summary.json`` is damaged trains again. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
 ``sweep.png`` (loss against tokens and against time on the link).
 """
 
