@@ -352,7 +352,7 @@ class Run:
         return path
 
     # --- the end --------------------------------------------------------------------------------------
-    def interrupt(self, step: int | None) -> BaseException:
+    def interrupt(self, step: int | None, advice: str | None = None) -> BaseException:
         """Close the metrics log, the trackers and the folder's lock of a run stopped by a signal after its
         checkpoint of inner step ``step`` (None: none was written); return the
         :class:`~atoll.errors.Interrupted` for the driver to raise (:mod:`atoll.job.stop`)."""
@@ -363,7 +363,7 @@ class Run:
             tracker.close()
         if self.lock is not None:
             self.lock.release()
-        return stop.interrupted(step, self.out)
+        return stop.interrupted(step, self.out, advice)
 
     def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
                **own: Any) -> dict[str, Any]:

@@ -56,8 +56,10 @@ and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the sa
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
+from atoll.job import stop
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
@@ -79,6 +82,8 @@ from atoll.runtime.ray.cluster import (
 )
 
 __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
+
+STOP_POLL_S = 0.5  # seconds between two looks for a stop request while the driver waits for the islands
 
 
 def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
@@ -101,9 +106,16 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     failures = [0] * config.islands
     abandoned: list[int] = []
     lost: list[int] = []  # islands whose node died and that no live node can run
+    stopping = False  # SIGINT/SIGTERM (atoll.job.stop): the syncer grants no more steps, the islands finish
     while running:
+        if not stopping and stop.requested() is not None:
+            stopping = True
+            with contextlib.suppress(ray.exceptions.GetTimeoutError):
+                ray.get(syncer.stop.remote(), timeout=config.collective_timeout_s)
         # once one island has finished, the budget is spent: the others must finish within the deadline
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
+        ready = _wait_one(list(running), config.collective_timeout_s if results or stopping else None, stopping)
+        if not ready and not stopping and stop.requested() is not None:
+            continue  # asked to stop while waiting: tell the syncer first
         if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
             for i in running.values():
                 abandoned.append(i)
@@ -132,6 +144,19 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     return final, results, failures
 
 
+def _wait_one(refs: list[Any], limit_s: float | None, stopping: bool) -> list[Any]:
+    """``ray.wait`` for one of ``refs`` within ``limit_s`` seconds (None: no limit); returns [] at the limit, or
+    as soon as a stop is asked (:mod:`atoll.job.stop`) while not ``stopping`` yet."""
+    t0 = time.monotonic()
+    while True:
+        left = None if limit_s is None else limit_s - (time.monotonic() - t0)
+        if left is not None and left <= 0:
+            return []
+        ready, _ = ray.wait(refs, num_returns=1, timeout=STOP_POLL_S if left is None else min(STOP_POLL_S, left))
+        if ready or (not stopping and stop.requested() is not None):
+            return ready
+
+
 def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary.
 
@@ -146,6 +171,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     run.begin()
     out = run.out.resolve()
     started = init_ray(config)
+    stop.reinstall()  # ray.init sets a SIGTERM handler that exits: a signal checkpoints the run instead
     try:
         final, results, failures = _run_actors(config, out)
         driver_s = run.wall_s()  # when the syncer finished (within one call's latency), before Ray shuts down
@@ -160,6 +186,12 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0, "codec_s": 0.0}
     res = [results.get(i, idle) for i in range(config.islands)]
     bytes_sent = [r["bytes_sent"] for r in res]
+    if stop.requested() is not None:  # the islands finished the steps granted: a checkpoint of them, then stop
+        step = sum(final["steps_by_island"]) // config.islands
+        run.log_eval(step, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+        run.save_checkpoint(step, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
+        raise run.interrupt(step, advice=f"a run on Ray cannot be resumed: continue from it with 'atoll train "
+                                         f"--init-from {run.out}' (its global model)")
     loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
     resets = [int(r.get("resets", 0)) for r in res]  # the islands reset themselves (atoll.job.divergence)
     diverged: Diverged | None = None  # checked at the end only: the driver sees the islands when they finish
