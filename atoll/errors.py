@@ -47,15 +47,16 @@ class Interrupted(KeyboardInterrupt):
         signum: the signal's number (2 for SIGINT, 15 for SIGTERM).
         step: the inner step of the checkpoint written, or None where none could be.
         out: the run folder.
+        advice: what to do next (default: ``atoll train --resume OUT``).
         exit_code: 128 + ``signum``, as a shell reports a process ended by that signal (130, 143).
     """
 
-    def __init__(self, signum: int, step: int | None, out: object) -> None:
+    def __init__(self, signum: int, step: int | None, out: object, advice: str | None = None) -> None:
         import signal
 
         self.signum, self.step, self.out = signum, step, out
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
-        where = (f"checkpoint written at step {step}; resume with 'atoll train --resume {out}'" if step is not None
-                 else f"no checkpoint written; resume advice: 'atoll train --resume {out}'")
+        advice = advice or f"resume with 'atoll train --resume {out}'"
+        where = f"checkpoint written at step {step}; {advice}" if step is not None else "no checkpoint written"
         super().__init__(f"stopped by {name}: {where}")

@@ -27,6 +27,15 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("toml-number-for-a-switch", "compile = 1\n", [], "compile: the number 1 in '"),
     ("toml-syntax", "steps = \n", [], "config"),
     ("infinite-lr", None, ["--lr", "inf"], "lr"),
+    # a deadline the backends cannot hold (OverflowError) or that no store client can meet (DistNetworkError)
+    ("collective-timeout-huge", None, ["--runtime", "collective", "--collective-timeout-s", "1e15"],
+     "collective_timeout_s"),
+    ("collective-timeout-tiny", None, ["--runtime", "collective", "--collective-timeout-s", "1e-9"],
+     "collective_timeout_s"),
+    # GPT-2's learned positions (n_positions 16) cannot take --seq-len 32: IndexError at the first evaluation
+    ("model-with-fewer-positions", None, ["--model", "__GPT2SHORT__"], "seq_len: 32 tokens, but the model"),
+    ("model-with-fewer-positions-collective", None, ["--model", "__GPT2SHORT__", "--runtime", "collective"],
+     "seq_len: 32 tokens, but the model"),
     ("nan-outer-lr", None, ["--outer-lr", "nan"], "outer_lr"),
     ("huge-seed", None, ["--seed", "99999999999999999999"], "seed"),
     ("zero-islands", None, ["--islands", "0"], "islands"),
@@ -151,6 +160,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: s
     places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
     if {"__BADCONFIG__", "__TRUNCATED__", "__MISSING__", "__DEEPER__"} & set(args):
         places.update(_damaged_model_folders(tmp_path))
+    if "__GPT2SHORT__" in args:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        places["__GPT2SHORT__"] = str(tmp_path / "gpt2short")
+        GPT2LMHeadModel(GPT2Config(n_positions=16, n_embd=32, n_layer=2, n_head=2, vocab_size=600,
+                                   bos_token_id=0, eos_token_id=0)).save_pretrained(places["__GPT2SHORT__"])
     if any(a.endswith("_TOK__") for a in args):
         places.update(_damaged_folders_with_tokenizer(tmp_path))
     for name, folder in places.items():

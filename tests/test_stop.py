@@ -113,3 +113,32 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     assert proc.stdout == "asked\n"
     assert proc.returncode == 128 + signal.SIGTERM
     assert "again: stopping at once" in proc.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_ray_run_checkpoints_the_steps_granted(fast_config: dict, tmp_path: Path) -> None:
+    """On Ray the driver's SIGTERM (ray.init sets its own handler, which exited) stops the syncer granting
+    steps; the islands finish theirs and push; the global model is checkpointed at the mean steps done."""
+    pytest.importorskip("ray")
+    out = tmp_path / "ray-run"
+    settings = {**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2, "sync_every": 4,
+                "steps": 2000, "eval_every": 10000, "checkpoint_every": 10000, "out": str(out)}
+    proc = _start(applicable(settings))
+    try:
+        deadline = time.monotonic() + 240
+        while not any((out / "syncer" / "checkpoints").glob("step_*")):  # the syncer has committed: training
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no commit within 240 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and the local Ray it started
+        proc.wait()
+        raise
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    step = int(latest_checkpoint(out).name.split("_")[1])
+    assert 0 < step < 2000 and (latest_checkpoint(out) / "model" / "model.safetensors").is_file()
+    last = err.strip().splitlines()[-1]
+    assert f"checkpoint written at step {step}" in last and "--init-from" in last, last
+    assert not (out / "summary.json").exists()

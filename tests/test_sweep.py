@@ -120,3 +120,49 @@ def test_sweep_compares_at_equal_tokens_and_time_and_reuses_runs(fast_config: di
     assert (tmp_path / "sw" / "sweep.png").is_file() and "| sync_every |" in (tmp_path / "sw" / "results.md").read_text()
     again = run_cli(*args)
     assert again.returncode == 0 and "[sweep]" not in again.stderr  # every point reused
+
+
+def _sweep_args(fast_config: dict, out: Path, *grid: str) -> list[str]:
+    return ["sweep", "--data", fast_config["data"], "--cache-dir", fast_config["cache_dir"], "--model", "micro",
+            "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--steps", "10", "--islands", "2",
+            "--eval-every", "5", "--eval-batches", "2", "--threads", "1", *grid, "--out", str(out)]
+
+
+@pytest.mark.slow
+def test_an_extended_grid_reuses_every_point_and_shows_them_all(fast_config: dict, tmp_path: Path) -> None:
+    out = tmp_path / "sw"
+    first = run_cli(*_sweep_args(fast_config, out, "--sync-every", "5,10"))
+    assert first.returncode == 0 and first.stderr.count("[sweep]") == 2, first.stderr
+    # another grid: its outer_lr 0.7 points (the default) are the runs sync_every-5 and -10 already trained
+    wider = run_cli(*_sweep_args(fast_config, out, "--sync-every", "5,10", "--outer-lr", "0.7,1"))
+    assert wider.returncode == 0, wider.stderr
+    assert sorted(line.split(":")[0] for line in wider.stderr.splitlines() if line.startswith("[sweep]")) == [
+        "[sweep] sync_every-10_outer_lr-1", "[sweep] sync_every-5_outer_lr-1"]
+    rows = {r["point"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"sync_every-5", "sync_every-10", "sync_every-5_outer_lr-1", "sync_every-10_outer_lr-1"}
+    assert rows["sync_every-5"]["outer_lr"] == 0.7 and rows["sync_every-5_outer_lr-1"]["outer_lr"] == 1.0
+    # a narrower grid trains nothing and its table still shows every point the folder holds, by both settings
+    narrow = run_cli(*_sweep_args(fast_config, out, "--sync-every", "5,10"))
+    assert narrow.returncode == 0 and "[sweep]" not in narrow.stderr, narrow.stderr
+    table = (out / "results.md").read_text()
+    assert "(4 points)" in table and "| sync_every | outer_lr |" in table
+    assert len(json.loads((out / "results.json").read_text())["rows"]) == 4
+    # a point whose summary.json was cut short: one warning line, trained again, no traceback
+    summary = out / "sync_every-10" / "summary.json"
+    summary.write_text(summary.read_text()[:40])
+    again = run_cli(*_sweep_args(fast_config, out, "--sync-every", "5,10"))
+    assert again.returncode == 0, again.stderr
+    assert [line for line in again.stderr.splitlines() if "damaged" in line] == [
+        f"atoll: warning: '{summary}' is damaged (cut short, not JSON); training sync_every-10 again"]
+    assert "Traceback" not in again.stderr and json.loads(summary.read_text())["steps"] == 10
+
+
+@pytest.mark.parametrize(("name", "text"), [("results.md", "my notes on the runs\n"),
+                                            ("results.json", "[1, 2, 3]\n")])
+def test_a_sweep_never_writes_over_a_users_results(tmp_path: Path, name: str, text: str) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / name).write_text(text)
+    r = run_cli("sweep", "--sync-every", "5,10", "--steps", "2", "--out", str(out))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"'{out / name}'" in r.stderr, r.stderr
+    assert (out / name).read_text() == text and sorted(p.name for p in out.iterdir()) == [name]

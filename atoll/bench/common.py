@@ -115,8 +115,18 @@ def finished(out: Path, settings: dict[str, Any]) -> bool:
     strategy = settings.get("strategy", TrainConfig.model_fields["strategy"].default)
     runtime = settings.get("runtime", TrainConfig.model_fields["runtime"].default)
     traced = spec(strategy).lockstep is not None and runtime == "local"
-    return (out / "summary.json").is_file() and (not traced or (out / "clock_trace.json").is_file()) \
+    return read_summary(out) is not None and (not traced or (out / "clock_trace.json").is_file()) \
         and run_matches(out, settings)
+
+
+def read_summary(out: Path) -> dict[str, Any] | None:
+    """The ``summary.json`` of the run folder ``out``, or None where it is missing or damaged (cut short by a
+    crash or a full disk, not a JSON object): such a run is not finished."""
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "bench",
@@ -150,9 +160,12 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
     config = build_config(base={"progress": False, "threads": 1, **settings}, overrides={"out": str(out)})
     lock = suite_dir / f".{name}.lock"
     said = False
+    if not fresh and (out / "summary.json").is_file() and read_summary(out) is None and run_matches(out, settings):
+        print(f"atoll: warning: '{out / 'summary.json'}' is damaged (cut short, not JSON); training {name} "
+              "again", file=sys.stderr, flush=True)
     while True:  # another benchmark process may be training the same run: wait for it, then reuse it
         if not fresh and finished(out, settings):
-            return json.loads((out / "summary.json").read_text())
+            return read_summary(out)  # type: ignore[return-value]
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             os.write(fd, _lock_text(os.getpid()).encode())

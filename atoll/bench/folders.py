@@ -178,6 +178,11 @@ def make_folder(path: Path) -> None:
         raise ConfigError(f"out: cannot make the folder '{path}' ({e.strerror or e}); pass another --out") from None
 
 
+def registered(suite_dir: Path) -> set[str]:
+    """The names of the runs a benchmark trained in ``suite_dir`` (its :data:`REGISTRY`; empty if none)."""
+    return _registry(suite_dir)
+
+
 def _registry(suite_dir: Path) -> set[str]:
     try:
         return set(json.loads((suite_dir / REGISTRY).read_text()))

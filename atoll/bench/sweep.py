@@ -6,7 +6,9 @@
 Every ``atoll train`` flag may be given a comma-separated list; the grid is every combination of the flags
 given several values (the others are shared by every run). Each point trains once into ``<out>/<point>/``
 (a finished run whose settings match is reused, so a sweep can be extended or interrupted and resumed; its
-runs are normal atoll run folders), then the sweep compares them:
+runs are normal atoll run folders; a point that a sweep of another grid trained in ``<out>`` under another name,
+with the same settings, is reused too, and every point the folder holds is in the table, by every setting its
+grids swept), then the sweep compares them:
 
 - at equal tokens: each run's final held-out loss (every point sees the same tokens unless the grid varies
   ``steps``, ``batch_size``, ``seq_len`` or ``islands``);
@@ -18,7 +20,8 @@ runs are normal atoll run folders), then the sweep compares them:
 
 An asynchronous strategy (decoupled) runs on its own simulated clock; its times are shown at the link it
 trained on only, and a grid of such runs alone has no equal-time comparison. Points whose settings are the
-same once parsed (``--outer-lr 0.7,0.70``) train once. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
+same once parsed (``--outer-lr 0.7,0.70``) train once. ``<out>`` is checked first as the suite's
+(:func:`atoll.bench.folders.check_out_folder`); a point whose ``summary.json`` is damaged trains again. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
 ``sweep.png`` (loss against tokens and against time on the link).
 """
 
@@ -32,7 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import train_once, write_results
+from atoll.bench.common import finished, read_summary, train_once, write_results
+from atoll.bench.folders import check_out_folder, registered
 from atoll.errors import ConfigError
 
 #: settings whose single value is itself a comma-separated list: not sweepable
@@ -105,13 +109,14 @@ def point_name(point: dict[str, Any]) -> str:
     return "_".join(f"{k}-{v}" for k, v in point.items()).replace("/", "-") or "run"
 
 
-def compare(out: Path, points: list[dict[str, Any]], summaries: list[dict[str, Any]], link_mbps: float,
-            latency_ms: float, step_s: float | None) -> dict[str, Any]:
-    """The comparison of a grid's finished runs (see the module docstring); rows in the points' order."""
+def compare(out: Path, names: list[str], points: list[dict[str, Any]], summaries: list[dict[str, Any]],
+            link_mbps: float, latency_ms: float, step_s: float | None) -> dict[str, Any]:
+    """The comparison of a grid's finished runs (see the module docstring), each in ``out/<name>`` with the
+    swept settings ``point``; rows in that order."""
     from atoll.analysis.curves import loss_vs_time, loss_vs_tokens, reference_step_s
     from atoll.strategies.registry import spec
 
-    dirs = [out / point_name(p) for p in points]
+    dirs = [out / n for n in names]
     timed = [spec(s["strategy"]).lockstep is not None for s in summaries]  # an asynchronous run keeps its clock
     measured = [s["compute_s"] / s["steps"] if t else None for s, t in zip(summaries, timed, strict=True)]
     step = (step_s if step_s is not None else reference_step_s(summaries)) if any(timed) else None
@@ -121,14 +126,14 @@ def compare(out: Path, points: list[dict[str, Any]], summaries: list[dict[str, A
     t_equal = min(f for f, t in zip(finish, timed, strict=True) if t) if any(timed) else None
     target = max(s["final_eval_loss"] for s in summaries)
     rows = []
-    for point, s, curve, t in zip(points, summaries, curves, timed, strict=True):
-        rows.append({"point": point_name(point), **point, "strategy": s["strategy"],
+    for name, point, s, curve, t in zip(names, points, summaries, curves, timed, strict=True):
+        rows.append({"point": name, **point, "strategy": s["strategy"],
                      "tokens": s["tokens"], "final_eval_loss": s["final_eval_loss"],
                      "bytes_sent_per_island": s["bytes_sent_per_island"],
                      "wall_s_on_link": curve.xs[-1] if t else None,
                      "loss_at_equal_time": curve.at(t_equal) if t and t_equal is not None else None,
                      "time_to_target_s": curve.first_below(target) if t else None,
-                     "tokens_curve": list(zip(*(lambda c: (c.xs, c.losses))(loss_vs_tokens(out / point_name(point))),
+                     "tokens_curve": list(zip(*(lambda c: (c.xs, c.losses))(loss_vs_tokens(out / name)),
                                               strict=True)),
                      "time_curve": list(zip(curve.xs, curve.losses, strict=True))})
     best = {key: min((r for r in rows if r[key] is not None), key=lambda r: r[key])["point"]
@@ -163,6 +168,61 @@ def plot(results: dict[str, Any], out_png: Path) -> None:
     plt.close(fig)
 
 
+#: settings that do not change what a run computes: a point trained with others is the same point
+NOT_THE_RUN = ("out", "progress", "progress_every")
+#: a row's own entries in results.json (the rest of a row are the settings swept)
+ROW_KEYS = ("point", "strategy", "tokens", "final_eval_loss", "bytes_sent_per_island", "wall_s_on_link",
+            "loss_at_equal_time", "time_to_target_s", "tokens_curve", "time_curve")
+
+
+def run_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Every setting of the run that :func:`~atoll.bench.common.train_once` trains for a point's ``settings``
+    (no progress bar, one thread unless set), as its ``config.json`` holds them, less :data:`NOT_THE_RUN`:
+    what makes two points the same run."""
+    from atoll.config import build_config
+
+    full = build_config(base={"progress": False, "threads": 1, **settings}, overrides={})
+    return {k: v for k, v in json.loads(full.model_dump_json()).items() if k not in NOT_THE_RUN}
+
+
+def earlier_points(out: Path) -> dict[str, dict[str, Any]]:
+    """The finished runs a sweep trained in ``out`` (any grid): folder name -> its settings (as
+    :func:`run_settings`); a run whose ``summary.json`` is damaged is left out (it trains again when its
+    point is asked for)."""
+    points = {}
+    for name in sorted(registered(out)) if out.is_dir() else []:
+        try:
+            config = json.loads((out / name / "config.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(config, dict) and finished(out / name, {k: config[k] for k in ("strategy", "runtime")
+                                                             if k in config}):
+            points[name] = {k: v for k, v in config.items() if k not in NOT_THE_RUN}
+    return points
+
+
+def previous_swept(out: Path) -> list[str]:
+    """The settings swept by the grids whose table ``out/results.json`` holds (in order; none if none)."""
+    try:
+        results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    if not isinstance(results, dict):
+        return []
+    if isinstance(results.get("swept"), list):
+        return [str(k) for k in results["swept"]]
+    rows = results.get("rows") if isinstance(results.get("rows"), list) else []
+    return list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r if k not in ROW_KEYS))
+
+
+def _setting(run: Path, key: str) -> Any:
+    """The value of setting ``key`` in the ``config.json`` of the run folder ``run`` (None if absent)."""
+    try:
+        return json.loads((run / "config.json").read_text(encoding="utf-8")).get(key)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+
+
 def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> int:
     """``atoll sweep``: train (or reuse) every point, compare, write the results; return the exit status."""
     check_link(args)
@@ -176,8 +236,7 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         # shares --fragments with the points that read it), a point's own value must be read by its strategy
         configs.append(build_config(base=shared, overrides=p))
         settings.append(json.loads(configs[-1].model_dump_json(include={*shared, *p})))
-    if out.exists() and not out.is_dir():  # said before the warnings below, alone
-        raise ConfigError(f"out: '{out}' is a file; pass a folder")
+    check_out_folder(out)  # as the suite: a file, a folder of other files, a user's results.* (before the warnings)
     keep, dropped = distinct(points, settings)
     if dropped:
         print(f"atoll: warning: {len(points) - len(keep)} duplicate point{'s' * (len(points) - len(keep) != 1)} "
@@ -190,12 +249,26 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         print(f"atoll: warning: sync_every is larger than steps ({name}: {c.sync_every} > {c.steps}"
               f"{f' and {len(long_h) - 1} more' if len(long_h) > 1 else ''}): no outer sync before the final one; "
               "pass --sync-every at most --steps", file=sys.stderr)
-    summaries = [train_once(out, point_name(p), args.fresh, tag="sweep", **s) for p, s in zip(points, settings,
-                                                                                             strict=True)]
-    results = compare(out, points, summaries, args.at_mbps, args.at_latency_ms, args.step_s)
+    # a point already trained under another name (by a sweep of another grid in this folder) is reused
+    earlier = {} if args.fresh else earlier_points(out)
+    current, names = {point_name(p) for p in points}, []
+    for p, setting in zip(points, settings, strict=True):
+        name = point_name(p)
+        if not args.fresh and not finished(out / name, setting):
+            full = run_settings(setting)
+            name = next((n for n, f in earlier.items() if f == full and n not in current and n not in names), name)
+        names.append(name)
+    summaries = [train_once(out, n, args.fresh, tag="sweep", **s) for n, s in zip(names, settings, strict=True)]
+    # every point the folder holds is in the table: those of earlier grids too, by every setting ever swept
+    swept = list(dict.fromkeys([*points[0], *previous_swept(out)]))
+    others = [n for n in earlier if n not in names]
+    names += others
+    summaries += [read_summary(out / n) for n in others]  # type: ignore[misc]
+    shown_points = [{k: _setting(out / n, k) for k in swept} for n in names]
+    results = compare(out, names, shown_points, summaries, args.at_mbps, args.at_latency_ms, args.step_s)
     results["shared"] = {k: str(v) for k, v in shared.items()}
+    results["swept"] = swept
     results["command"] = "atoll sweep " + " ".join(sys.argv[2:])
-    swept = list(points[0])
     best = results["best"]
     timed = results["equal_time_s"] is not None
 
@@ -220,8 +293,10 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
             f"its own simulated clock); {link}")
     if timed and not all(r["wall_s_on_link"] is not None for r in results["rows"]):
         note += "; asynchronous runs keep their own simulated clock and are not compared in time"
+    if others:
+        note += f"; {len(others)} point{'s' * (len(others) != 1)} of earlier grids in this folder shown too"
     table = write_results(out, results, columns, table_rows, notes=[note, f"command: {results['command']}"],
-                          title=f"atoll sweep ({len(points)} point{'s' * (len(points) != 1)})")
+                          title=f"atoll sweep ({len(names)} point{'s' * (len(names) != 1)})")
     plot(results, out / "sweep.png")
     print(table)
     print(f"wrote {out}/results.json, results.md, sweep.png")

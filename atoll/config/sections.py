@@ -237,11 +237,12 @@ class CollectiveSection(Section):
         "or more.",
     )
     collective_timeout_s: float = Field(
-        60.0, gt=0,
+        60.0, ge=1, le=86400,
         description="collective: deadline in seconds of every collective and of joining the process groups; "
         "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
         "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
-        "driver waits for the other islands once one has finished.",
+        "driver waits for the other islands once one has finished. From 1 s (the store's clients and the "
+        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above).",
     )
     min_islands: int = Field(
         1, ge=1, le=4096,

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,15 +68,18 @@ def check_fragments(model: str, fragments: int) -> None:
                          f"layers; pass --fragments {preset.num_hidden_layers} or fewer")
 
 
-def check_model_config(folder: str | Path) -> None:
-    """Refuse a model folder whose ``config.json`` is missing or unreadable, naming that file.
+def check_model_config(folder: str | Path, seq_len: int | None = None) -> None:
+    """Refuse a model folder whose ``config.json`` is missing or unreadable, naming that file, or (with
+    ``seq_len``) whose model has fewer positions than the training sequences need.
 
     Run before anything else reads the folder: ``AutoTokenizer`` reads ``config.json`` too, and its error
     would blame the tokenizer. Nothing happens for a preset name or a Hub id (not a folder).
 
     Raises:
         ConfigError: ``config.json`` is missing, not JSON, not an object, or has a value of the wrong type
-            for ``transformers.AutoConfig`` (field ``model``).
+            for ``transformers.AutoConfig`` (field ``model``); its ``max_position_embeddings`` (GPT-2:
+            ``n_positions``) is below ``seq_len`` tokens (field ``seq_len``: GPT-2's learned positions would
+            fail with an ``IndexError`` in the first evaluation).
     """
     path = Path(folder).expanduser()
     if not path.is_dir():
@@ -88,11 +91,26 @@ def check_model_config(folder: str | Path) -> None:
         raise ConfigError(f"model: '{folder}' has no config.json, so it is not a model saved with "
                           f"save_pretrained; {fix}")
     try:
-        AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - JSONDecodeError, TypeError, ValueError, OSError from transformers
         detail = " ".join(str(e).split())[:160] or type(e).__name__
         raise ConfigError(f"model: '{path / 'config.json'}' cannot be read as a model configuration ({detail}); "
                           f"{fix}") from None
+    positions = model_positions(config)
+    if seq_len is not None and positions is not None and positions < seq_len:
+        raise ConfigError(f"seq_len: {seq_len} tokens, but the model '{folder}' has {positions} positions "
+                          f"(max_position_embeddings in its config.json); pass --seq-len {positions} or less, or "
+                          "a model with more positions")
+
+
+def model_positions(config: Any) -> int | None:
+    """The longest sequence a Hugging Face model config takes, in tokens (``max_position_embeddings``, which
+    GPT-2's config maps to ``n_positions``), or None where it names none."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 class _HeldRecords(logging.Filter):
@@ -177,7 +195,7 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
         if reason is not None:
             raise ConfigError(f"model: cannot download '{name_or_path}' from the Hugging Face Hub ({reason}); "
                               f"pass a local folder (hf download {name_or_path} --local-dir DIR) or a preset")
-    check_model_config(name_or_path)
+    check_model_config(name_or_path, seq_len)
     with _held_load_report():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
@@ -194,6 +212,10 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
             raise ConfigError(f"model: '{name_or_path}' lacks {len(missing)} of the model's weight tensors ({shown}), "
                               "which would start at random; pass a folder whose weights match its config.json "
                               "(save_pretrained writes both) or a preset")
+    positions = model_positions(model.config)  # a Hub model's config is read only here
+    if positions is not None and positions < seq_len:
+        raise ConfigError(f"seq_len: {seq_len} tokens, but the model '{name_or_path}' has {positions} positions; "
+                          f"pass --seq-len {positions} or less, or a model with more positions")
     check_vocab(model, vocab_size, name_or_path)
     model.train()
     return model

@@ -45,7 +45,14 @@ from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.loss import next_token_loss
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
-from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
+from atoll.job.model import (
+    PRESETS,
+    build_model,
+    check_model_config,
+    check_vocab,
+    count_parameters,
+    param_bytes,
+)
 from atoll.job.report import plot_runs
 from atoll.job.trackers import Tracker, open_trackers
 from atoll.runtime.network import ring_allreduce_bytes
@@ -222,6 +229,7 @@ class Run:
         self.state: dict[str, Any] | None = None
         self.start_step = 0
         self.lock: RunLock | None = None  # the collective runtime's launcher holds its ranks' folder
+        check_model_config(config.model, config.seq_len)  # a model folder that cannot fit: before any folder
         if is_main and config.runtime != "collective":
             self.out, self.lock = claim_run_folder(config.out, config.strategy, resume)
         elif resume or not is_main:
@@ -345,7 +353,7 @@ class Run:
         return path
 
     # --- the end --------------------------------------------------------------------------------------
-    def interrupt(self, step: int | None) -> BaseException:
+    def interrupt(self, step: int | None, advice: str | None = None) -> BaseException:
         """Close the metrics log, the trackers and the folder's lock of a run stopped by a signal after its
         checkpoint of inner step ``step`` (None: none was written); return the
         :class:`~atoll.errors.Interrupted` for the driver to raise (:mod:`atoll.job.stop`)."""
@@ -356,7 +364,7 @@ class Run:
             tracker.close()
         if self.lock is not None:
             self.lock.release()
-        return stop.interrupted(step, self.out)
+        return stop.interrupted(step, self.out, advice)
 
     def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
                **own: Any) -> dict[str, Any]:

@@ -90,6 +90,14 @@ def on_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def reinstall() -> None:
+    """Route the signals here again inside :func:`on_signals` (after a library set its own: ``ray.init`` sets a
+    SIGTERM handler that exits)."""
+    if _depth and threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, _handler)
+
+
 @contextlib.contextmanager
 def at_once(hook: Callable[[], None]) -> Iterator[None]:
     """While the block runs, a second signal calls ``hook`` (e.g. kill child processes) before exiting."""
@@ -100,6 +108,6 @@ def at_once(hook: Callable[[], None]) -> Iterator[None]:
         _at_once.remove(hook)
 
 
-def interrupted(step: int | None, out: Path | str) -> Interrupted:
+def interrupted(step: int | None, out: Path | str, advice: str | None = None) -> Interrupted:
     """The exception a driver raises once it has written the checkpoint of inner step ``step`` (None: none)."""
-    return Interrupted(_signum or signal.SIGINT, step, out)
+    return Interrupted(_signum or signal.SIGINT, step, out, advice)

@@ -95,6 +95,7 @@ class Simulation:
         self.gave_up = False
         self.starved = ""  # why the run stopped early because an island's pushes were all refused ("": it did not)
         self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
+        self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -105,6 +106,7 @@ class Simulation:
         for w, s in zip(self.workers, state["islands"], strict=True):
             w.load_state_dict(s)
         self.st = SimState.from_state(state["sim"])
+        self.restored_done = self.st.done
 
     # --- the loop ------------------------------------------------------------------------------------
     def run_events(self, resumed: bool) -> None:
@@ -325,8 +327,11 @@ class Simulation:
                 self.workers[i].adopt(syncer.pull(p))
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
         tps = config.tokens_per_step
-        self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
-        if self.diverged is None:  # a diverged run keeps its last good checkpoint
+        # a finished run resumed with no more steps: its final eval and checkpoint are in the log already
+        again = self.restored_done is not None and st.done == self.restored_done and self.run.start_step == config.steps
+        if not again:
+            self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
+        if self.diverged is None and not again:  # a diverged run keeps its last good checkpoint
             self.checkpoint(config.steps)
         ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
         stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)

@@ -90,7 +90,9 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
 
     from atoll.job.data import default_cache_dir, prepare_data
     from atoll.job.data.pretrained import tokenizer_source
+    from atoll.job.model import check_model_config  # (transformers is imported only for a model folder)
 
+    check_model_config(config.model, config.seq_len)  # a model that cannot fit: refused before any folder is made
     out, lock = claim_run_folder(config.out, config.strategy, resume)  # held by the launcher for its ranks
     config = config.model_copy(update={"out": out})
     world = config.islands * config.ranks_per_island

@@ -56,6 +56,7 @@ and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the sa
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
@@ -67,6 +68,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
+from atoll.job import stop
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
@@ -82,6 +84,8 @@ from atoll.runtime.ray.cluster import (
 from atoll.runtime.ray.watch import Watch
 
 __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
+
+STOP_POLL_S = 0.5  # seconds between two looks for a stop request while the driver waits for the islands
 
 
 def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
@@ -109,10 +113,18 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
     # called it within as long (else it is killed and restarted): atoll.runtime.ray.watch
     watch = Watch(syncer, islands, out, config.collective_timeout_s)
-    first_done: float | None = None  # when the first island finished: the others then have the deadline
+    first_done: float | None = None  # when the first island finished or a stop was asked: the others then
+    stopping = False  # have the deadline. SIGINT/SIGTERM (atoll.job.stop): the syncer grants no more steps
     while running:
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=watch.poll_s)
+        if not stopping and stop.requested() is not None:
+            stopping = True
+            first_done = first_done if first_done is not None else time.monotonic()
+            with contextlib.suppress(ray.exceptions.GetTimeoutError):
+                ray.get(syncer.stop.remote(), timeout=config.collective_timeout_s)
+        ready = _wait_one(list(running), watch.poll_s, stopping)
         if not ready:
+            if not stopping and stop.requested() is not None:
+                continue  # asked to stop while waiting: tell the syncer first
             if first_done is not None and time.monotonic() - first_done > config.collective_timeout_s:
                 for i in running.values():  # hung islands: stop waiting for them (their un-pushed work is lost)
                     abandoned.append(i)
@@ -152,6 +164,19 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     return final, results, failures
 
 
+def _wait_one(refs: list[Any], limit_s: float | None, stopping: bool) -> list[Any]:
+    """``ray.wait`` for one of ``refs`` within ``limit_s`` seconds (None: no limit); returns [] at the limit, or
+    as soon as a stop is asked (:mod:`atoll.job.stop`) while not ``stopping`` yet."""
+    t0 = time.monotonic()
+    while True:
+        left = None if limit_s is None else limit_s - (time.monotonic() - t0)
+        if left is not None and left <= 0:
+            return []
+        ready, _ = ray.wait(refs, num_returns=1, timeout=STOP_POLL_S if left is None else min(STOP_POLL_S, left))
+        if ready or (not stopping and stop.requested() is not None):
+            return ready
+
+
 def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary.
 
@@ -163,6 +188,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
                           "<out>/syncer); start a new run from its final model with --init-from RUN_DIR")
     check_ray_address(config.ray_address)  # before any folder is made
     started = init_ray(config)
+    stop.reinstall()  # ray.init sets a SIGTERM handler that exits: a signal checkpoints the run instead
     try:
         check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
         run = Run(config)  # fills the tokenizer and token caches before the actors read them
@@ -181,6 +207,12 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0, "codec_s": 0.0}
     res = [results.get(i, idle) for i in range(config.islands)]
     bytes_sent = [r["bytes_sent"] for r in res]
+    if stop.requested() is not None:  # the islands finished the steps granted: a checkpoint of them, then stop
+        step = sum(final["steps_by_island"]) // config.islands
+        run.log_eval(step, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+        run.save_checkpoint(step, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
+        raise run.interrupt(step, advice=f"a run on Ray cannot be resumed: continue from it with 'atoll train "
+                                         f"--init-from {run.out}' (its global model)")
     loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
     resets = [int(r.get("resets", 0)) for r in res]  # the islands reset themselves (atoll.job.divergence)
     diverged: Diverged | None = None  # checked at the end only: the driver sees the islands when they finish

@@ -166,6 +166,13 @@ class SyncerService:
                 self.first_step_s = self.last_seen[island]
         return True, self._buffered(island)
 
+    def stop(self) -> int:
+        """Grant no more inner steps (the driver was asked to stop by SIGINT or SIGTERM): every island finishes
+        the step it holds and pushes what it has not pushed, as at the end of the budget. Returns the inner
+        steps granted."""
+        self.budget = self.reserved
+        return self.reserved
+
     def buffered(self, island: int) -> list[int]:
         """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first).
 
