@@ -7,6 +7,7 @@ forever. Real processes and a local Ray: minimal runs (micro model, few steps), 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -99,10 +100,8 @@ def test_a_stopped_syncer_is_killed_and_restarted_from_its_checkpoint(fast_confi
         os.kill(pid, signal.SIGSTOP)
         output, _ = proc.communicate(timeout=300)
     except BaseException:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # it had stopped by itself
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # it had stopped by itself
-            pass
         proc.wait()
         raise
     assert proc.returncode == 0, output[-3000:]
