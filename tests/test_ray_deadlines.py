@@ -111,3 +111,32 @@ def test_a_stopped_syncer_is_killed_and_restarted_from_its_checkpoint(fast_confi
     assert int((out / "ray" / "syncer.pid").read_text()) != pid
     assert sum(summary["versions"]) == summary["commits"] > 0
     assert sum(summary["steps_per_island"]) >= 2 * 120
+
+
+def test_a_stopped_island_is_killed_and_rejoins(fast_config: dict, tmp_path: Path) -> None:
+    # SIGSTOP island 1 once the syncer has committed: Ray sees nothing wrong (the process lives); the driver finds
+    # it silent for --collective-timeout-s, kills it through Ray, which restarts it, and it rejoins
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(fast_config, out, "--steps", "200", "--collective-timeout-s", "15"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    latest = out / "syncer" / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 240
+        while not (latest.exists() and (out / "ray" / "island_1.pid").is_file()):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no commit within 240 s"
+            time.sleep(0.2)
+        pid = int((out / "ray" / "island_1.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=300)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode == 0, output[-3000:]
+    assert "island 1 made no call for 15 s" in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == [0, 1] and summary["rejoins"] == [0, 1], summary
+    assert int((out / "ray" / "island_1.pid").read_text()) != pid, "a new process runs island 1"
