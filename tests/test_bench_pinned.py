@@ -47,7 +47,7 @@ OLD_DEFAULTS: dict[str, Any] = {
     "link_latency_ms": 10.0, "lr": 0.003, "max_staleness": 4, "min_lr_ratio": 0.1, "mixing_alpha": 0.5,
     "model": "tiny", "out": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap_steps": 1, "partition": "iid",
     "progress": True, "quorum": None, "ranks_per_island": 1, "ray_address": None, "ray_cpus_per_island": 1.0,
-    "ray_gpus_per_island": 0.0, "ray_island_resources": None, "runtime": "local", "scale_partial_merges": True,
+    "ray_gpus_per_island": 0.0, "ray_island_resources": None, "ray_logs": False, "runtime": "local", "scale_partial_merges": True,
     "seed": 0, "seq_len": 128, "sim_step_s": 0.1, "staleness_exponent": 0.5, "steps": 600, "strategy": "diloco",
     "sync_every": 50, "text_field": "text", "threads": None, "topk_fraction": 0.01, "update_norm_bound": 10.0,
     "vocab_size": 4096, "warmup_steps": 50, "weight_decay": 0.1,

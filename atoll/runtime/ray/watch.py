@@ -4,7 +4,8 @@ Ray detects a process that *dies* (its actors are restarted, ``max_restarts``), 
 SIGSTOPped or hung syncer leaves every island blocked in its call and the driver waiting, silently, forever.
 So the driver never waits on Ray without a deadline (``collective_timeout_s``, seconds): between its waits
 for the islands' ``run`` calls (a few seconds each) it asks the syncer for its :meth:`progress
-<atoll.runtime.ray.actors.SyncerService.progress>` with that deadline.
+<atoll.runtime.ray.actors.SyncerService.progress>` with that deadline (a syncer process that is starting,
+preparing the data and the model, has ``STARTUP_S`` = 300 s or the deadline, whichever is longer).
 
 - **The syncer does not answer in time**: its process is killed (SIGKILL: it runs on the driver's node, its pid
   is in ``<out>/ray/syncer.pid``; else through Ray), Ray restarts it from its last atomic checkpoint (every
@@ -32,6 +33,8 @@ from atoll.errors import RunFailed
 
 #: the exit status of a run whose syncer could not be brought back (as a collective run's lost peer)
 EXIT_LOST = 3
+#: seconds a syncer process may take to start (prepare the job) before its first answer, at least
+STARTUP_S = 300.0
 
 
 class Watch:
@@ -48,6 +51,9 @@ class Watch:
         self.syncer_kills = 0
         self.island_kills = [0] * len(islands)
         self.killed_at: list[float | None] = [None] * len(islands)  # monotonic time of an island's last kill
+        # a syncer (re)starting prepares the data and the model before it answers: minutes on a loaded machine
+        self.startup_s = max(STARTUP_S, deadline_s)
+        self.started = False  # has the syncer answered once?
 
     @property
     def poll_s(self) -> float:
@@ -62,14 +68,23 @@ class Watch:
             RunFailed: the syncer did not answer again after a restart, or cannot be restarted.
         """
         try:
-            return ray.get(getattr(self.syncer, method).remote(), timeout=self.deadline_s)
+            answer = ray.get(getattr(self.syncer, method).remote(), timeout=self.wait_s)
+            self.started = True
+            return answer
         except ray.exceptions.GetTimeoutError:
             self.kill_syncer()
-        try:
-            return ray.get(getattr(self.syncer, method).remote(), timeout=self.deadline_s)
+        try:  # the restarted process prepares the job again first: the start-up deadline
+            answer = ray.get(getattr(self.syncer, method).remote(), timeout=self.startup_s)
+            self.started = True
+            return answer
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
                 ray.exceptions.ActorUnavailableError) as e:
             raise RunFailed(self.lost_message(type(e).__name__), EXIT_LOST) from None
+
+    @property
+    def wait_s(self) -> float:
+        """The deadline of the syncer's next answer: ``deadline_s``, or :attr:`startup_s` until it first answered."""
+        return self.deadline_s if self.started else self.startup_s
 
     def kill_syncer(self) -> None:
         """SIGKILL the syncer's process (its pid file on this node), else ask Ray to kill it; Ray restarts it."""
@@ -84,7 +99,7 @@ class Watch:
 
     def lost_message(self, why: str) -> str:
         """One line for a run whose syncer is lost for good: what happened and where its state is."""
-        return (f"the syncer did not answer within {self.deadline_s:g} s of its restart ({why}); the run stopped, "
+        return (f"the syncer did not answer within {self.startup_s:g} s of its restart ({why}); the run stopped, "
                 f"its committed outer steps are in the syncer's checkpoint under {self.out / 'syncer'}; a "
                 "decoupled run on Ray cannot be resumed: run it again (with a longer --collective-timeout-s if "
                 "the syncer was only slow)")

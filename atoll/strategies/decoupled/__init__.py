@@ -175,14 +175,25 @@ def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragmen
     ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer, robust merge),
     each island's push declared as its own H (:func:`local_sync_every`) of inner steps; ``credentials``: per
     island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated. A round
-    time no push of the island's was seen before is taken up to ``collective_timeout_s`` (seconds: the wait the
-    run allows, simulated or real), so a claim cannot stretch the first grace windows beyond it either."""
+    time no push of the island's was seen before is taken up to :func:`max_round_s`, so a claim cannot
+    stretch the first grace windows beyond it either."""
     return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
                   quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
                   staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
                   scale_partial=config.scale_partial_merges, credentials=credentials, robust_merge=config.robust_merge,
                   push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)],
-                  max_round_s=config.collective_timeout_s)
+                  max_round_s=max_round_s(config))
+
+
+def max_round_s(config: TrainConfig) -> float:
+    """The longest round time (seconds) the syncer takes from a push it has no earlier push of the island's to
+    compare with: ``collective_timeout_s`` (the wait the run allows), and in the ``local`` runtime at least
+    twice the slowest island's simulated round (its H x ``sim_step_s`` / speed), so a slow simulation's honest
+    first round is never cut short."""
+    if config.runtime != "local":
+        return config.collective_timeout_s
+    slowest = max(h * config.sim_step_s / s for h, s in zip(local_sync_every(config), config.speeds, strict=True))
+    return max(config.collective_timeout_s, 2.0 * slowest)
 
 
 def project(s: Setting) -> Cost:

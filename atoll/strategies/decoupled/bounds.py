@@ -34,6 +34,17 @@ two bounds, each checked per push before it can reach a buffer:
   meets the parameters' bound only). Claiming more tokens buys at most the declared size (or the ledger),
   claiming fewer buys nothing (the allowance never falls below n_j).
 
+**Per merge, one round.** The ledger bounds the sum of an island's claims, not one push's share: an island
+that pushes a fragment rarely could claim ten rounds' tokens in one push, for ten times the merge weight and
+the norm allowance (5 islands, full quorum, outer lr 1: one sign-flipped push undid about 80 honest rounds).
+So a push weighs, and is vouched a norm for, :meth:`PushBounds.weight_tokens`: at most one honest push of its
+island (``push_tokens``), whatever it claims.
+
+**A floor.** With an even split of the islands (2: median_low is the smaller entry) one half can lower the
+median bound with tiny pushes until every push of the other half is refused. A push over the median bound
+still passes within ``sqrt(norm_bound)`` x the median_high of the allowances, and then enters the history at
+most at that reference, so the floor never raises an entry (:meth:`PushBounds.check`).
+
 The history is part of :meth:`PushBounds.state_dict` (``latest``); a checkpoint written before it was kept
 per island (a ``window`` of the last pushes, whoever sent them) loads with an empty history: the fragments
 are cold again until a majority of islands has pushed, and the cold bound applies meanwhile.

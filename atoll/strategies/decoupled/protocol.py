@@ -26,11 +26,15 @@ class Push:
         fragment: the fragment, 0-based.
         delta: Δ = θ_global(base_version) − θ_island for the fragment, as the syncer receives it (decoded
             from the wire), float32 of shape (numel_p,).
-        tokens: training tokens behind Δ (its merge weight before the staleness discount).
+        tokens: training tokens behind Δ (its merge weight before the staleness discount, at most one honest
+            push's of its island: :meth:`PushBounds.weight_tokens
+            <atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>`).
         base_version: the version of the global fragment the island started from.
         nbytes: bytes the push occupied on the wire (the encoded payload).
         round_s: seconds from the island's last pull of the fragment to this push, on the island's clock
-            (its measured round time, for the grace window); None: not measured.
+            (its measured round time, for the grace window); a claim, which the syncer clamps to the time it
+            saw since the island's previous push of the fragment (:meth:`Syncer.round_time
+            <atoll.strategies.decoupled.syncer.Syncer.round_time>`); None: not measured.
         session: the island's session at the syncer (its joins so far, :meth:`Syncer.rejoin
             <atoll.strategies.decoupled.syncer.Syncer.rejoin>`): a push of an earlier session is a replay.
         credential: the island's secret, proving the push is its own

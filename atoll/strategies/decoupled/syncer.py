@@ -141,7 +141,8 @@ class Syncer:
         scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
             the module docstring); False: every merge steps with the full mean.
         push_tokens: per island, the tokens of one honest push at its own H, the token bound until the runtime
-            opens a ledger (:meth:`grant`); None: none declared.
+            opens a ledger (:meth:`grant`), and always the most one push weighs in a merge and is vouched a norm
+            for (banked tokens buy nothing more); None: none declared (a push weighs all it claims).
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
         cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).

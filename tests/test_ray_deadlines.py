@@ -1,0 +1,142 @@
+"""The ray runtime refuses what no node can run and never waits without a deadline (issue 26).
+
+Before: ``--ray-gpus-per-island 8`` on a machine without GPUs queued the islands forever, printing only Ray's
+autoscaler errors; a SIGSTOPped syncer left every island blocked in its call and the driver waiting, silently,
+forever. Real processes and a local Ray: minimal runs (micro model, few steps), each with a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # a local Ray in every test
+
+pytest.importorskip("ray")
+
+
+def _cmd(fast_config: dict, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "atoll.cli", "train", "--strategy", "decoupled", "--runtime", "ray",
+            "--islands", "2", "--fragments", "2", "--sync-every", "4", "--model", "micro", "--vocab-size", "512",
+            "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"], "--cache-dir",
+            fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress", *flags,
+            "--out", str(out)]
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and the local Ray it started
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def test_gpus_no_node_has_are_refused_in_one_line(fast_config: dict, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has 8 GPUs")
+    out = tmp_path / "run"
+    done = _run(_cmd(fast_config, out, "--steps", "8", "--ray-gpus-per-island", "8"), timeout=180)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("atoll: error: ray_gpus_per_island: island 0 asks Ray for CPU=1, GPU=8"), lines
+    assert "node 0: CPU=" in lines[-1] and "GPU=0" in lines[-1], lines[-1]
+    assert len(lines) == 1, lines  # Ray's own lines kept out
+    assert not out.exists(), "nothing written for a run that cannot start"
+
+
+def test_a_custom_resource_no_node_has_is_refused(fast_config: dict) -> None:
+    # a cluster whose node lacks the island's custom resource (a local Ray started here, without it)
+    import ray
+
+    from atoll.config import build_config
+    from atoll.errors import ConfigError
+    from atoll.runtime.ray.cluster import check_resources
+
+    config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2,
+                                     "ray_island_resources": "region_a=1;region_b=1"})
+    ray.init(num_cpus=2, resources={"region_a": 1}, include_dashboard=False, log_to_driver=False,
+             logging_level="error")
+    try:
+        with pytest.raises(ConfigError, match=r"^ray_island_resources: island 1 asks Ray for CPU=1, region_b=1 "
+                                              r"and no node of the cluster has region_b=1 \(node 0: CPU=2, GPU=\d+, "
+                                              r"region_a=1\)"):
+            check_resources(config)
+        with pytest.raises(ConfigError, match=r"^ray_cpus_per_island: the 2 islands ask Ray for CPU=4 in all"):
+            check_resources(build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray",
+                                                    "fragments": 2, "ray_cpus_per_island": 2}))
+    finally:
+        ray.shutdown()
+
+
+def test_a_stopped_syncer_is_killed_and_restarted_from_its_checkpoint(fast_config: dict, tmp_path: Path) -> None:
+    # SIGSTOP the syncer once it has committed; with --collective-timeout-s 15 the driver finds it silent, kills
+    # it, Ray restarts it from its checkpoint, and the run finishes
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(fast_config, out, "--steps", "120", "--collective-timeout-s", "15"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    latest = out / "syncer" / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 240
+        while not (latest.exists() and (out / "ray" / "syncer.pid").is_file()):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no commit within 240 s"
+            time.sleep(0.2)
+        pid = int((out / "ray" / "syncer.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=300)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):  # it had stopped by itself
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode == 0, output[-3000:]
+    assert "the syncer did not answer within 15 s" in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["syncer_restarts"] == 1, summary
+    assert int((out / "ray" / "syncer.pid").read_text()) != pid
+    assert sum(summary["versions"]) == summary["commits"] > 0
+    assert sum(summary["steps_per_island"]) >= 2 * 120
+
+
+def test_a_stopped_island_is_killed_and_rejoins(fast_config: dict, tmp_path: Path) -> None:
+    # SIGSTOP island 1 once the syncer has committed: Ray sees nothing wrong (the process lives); the driver finds
+    # it silent for --collective-timeout-s, kills it through Ray, which restarts it, and it rejoins
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(fast_config, out, "--steps", "200", "--collective-timeout-s", "15"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    latest = out / "syncer" / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 240
+        while not (latest.exists() and (out / "ray" / "island_1.pid").is_file()):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no commit within 240 s"
+            time.sleep(0.2)
+        pid = int((out / "ray" / "island_1.pid").read_text())
+        os.kill(pid, signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=300)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    assert proc.returncode == 0, output[-3000:]
+    assert "island 1 made no call for 15 s" in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == [0, 1] and summary["rejoins"] == [0, 1], summary
+    assert int((out / "ray" / "island_1.pid").read_text()) != pid, "a new process runs island 1"
