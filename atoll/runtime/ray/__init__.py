@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import secrets
 import sys
-from pathlib import Path
+import time
 from typing import Any
 
 import ray
@@ -67,6 +67,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
+from atoll.job.metrics import ProgressDisplay, status
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
 from atoll.runtime.ray.cluster import (
@@ -77,12 +78,69 @@ from atoll.runtime.ray.cluster import (
     island_resources,
     wait_restarted,
 )
+from atoll.strategies.decoupled.progress import progress_detail
 
 __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
 
+#: seconds between two looks of the driver at the syncer's progress (the progress line, ``train`` and run events)
+PROGRESS_S = 2.0
 
-def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
+
+class _Watch:
+    """What the driver shows and logs of a Ray run while it trains, from the syncer's :meth:`progress
+    <atoll.runtime.ray.actors.SyncerService.progress>` every :data:`PROGRESS_S` seconds: the progress line
+    (steps per island, merges, staleness, goodput so far), a ``train`` event (the islands' last losses, their
+    steps and bytes) and the run events (pushes, merges, refusals, rejoins; the driver's own: failures).
+
+    Goodput so far is the merged tokens per second of the run's clock over the fastest rate of inner steps the
+    run has shown between two looks (the failure-free rate is measured only at the end).
+    """
+
+    def __init__(self, config: TrainConfig, run: Run, syncer: Any, bar: ProgressDisplay) -> None:
+        self.config, self.run, self.syncer, self.bar = config, run, syncer, bar
+        self.step = self.logged = 0    # the islands' mean inner step at the last look; of the last train event
+        self.run_s = 0.0               # the run's clock at the last look
+        self.at = time.monotonic()     # this process's clock at the last look
+        self.peak_rate = 0.0           # tokens per second: the fastest seen between two looks
+        self.reserved = 0
+
+    def look(self) -> None:
+        """Ask the syncer how the run stands (one call, bounded wait) and show and log it."""
+        config, run = self.config, self.run
+        try:
+            p = ray.get(self.syncer.progress.remote(), timeout=max(PROGRESS_S, 5.0))
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            return  # the syncer is busy or restarting: the next look will tell
+        tps, k = config.tokens_per_step, config.islands
+        if p["run_s"] > self.run_s and p["reserved"] > self.reserved:
+            self.peak_rate = max(self.peak_rate, (p["reserved"] - self.reserved) * tps / (p["run_s"] - self.run_s))
+        self.step, self.run_s, self.reserved, self.at = p["reserved"] // k, p["run_s"], p["reserved"], time.monotonic()
+        for kind, fields in p["events"]:
+            run.events.log(kind, self.step, **fields)
+        losses, lrs = p["loss_by_island"], p["lr_by_island"]
+        known = [x for x in losses if x is not None]
+        bytes_sent = sum(p["bytes_by_island"]) / k
+        if known and self.step > self.logged:
+            self.logged = self.step
+            run.log_train(self.step, p["reserved"] * tps, sum(known) / len(known), bytes_sent, p["run_s"],
+                          next(x for x in lrs if x is not None),
+                          island_loss=losses if len(known) == k else None, island_bytes_sent=p["bytes_by_island"],
+                          island_steps=p["steps_by_island"])
+        goodput = p["merged_tokens"] / p["run_s"] / self.peak_rate if self.peak_rate > 0 and p["run_s"] > 0 else None
+        self.bar.update(max(1, self.step), sum(known) / len(known) if known else float("nan"),
+                        p["reserved"] * tps / max(1e-9, p["run_s"]), bytes_sent,
+                        detail=progress_detail(p["steps_by_island"], p["commits"], p["staleness"], goodput))
+
+    def failure(self, island: int) -> None:
+        """Island ``island``'s process died (a ``failure`` event, at the run's clock as last seen plus since)."""
+        self.run.events.log("failure", self.step, island=island,
+                           sim_wall_s=self.run_s + time.monotonic() - self.at)
+
+
+def _run_actors(config: TrainConfig, run: Run,
+                bar: ProgressDisplay) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
     """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
+    out = run.out.resolve()
     cfg = config.model_dump_json()
     # one secret per island, given to that island's actor and to the syncer only: a push counts only as its own
     credentials = [secrets.token_hex(16) for _ in range(config.islands)]
@@ -101,9 +159,13 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     failures = [0] * config.islands
     abandoned: list[int] = []
     lost: list[int] = []  # islands whose node died and that no live node can run
-    while running:
-        # once one island has finished, the budget is spent: the others must finish within the deadline
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=config.collective_timeout_s if results else None)
+    watch = _Watch(config, run, syncer, bar)
+    finish_by: float | None = None  # once one island has finished, the budget is spent: the others must finish
+    while running:                  # by then (collective_timeout_s later)
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=PROGRESS_S)
+        watch.look()
+        if not ready and (finish_by is None or time.monotonic() < finish_by):
+            continue
         if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
             for i in running.values():
                 abandoned.append(i)
@@ -114,10 +176,12 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
         i = running.pop(ready[0])
         try:
             results[i] = ray.get(ready[0])
+            finish_by = finish_by or time.monotonic() + config.collective_timeout_s
         except ray.exceptions.RayTaskError:  # the island's code raised (e.g. the syncer died for good): its
             raise                            # process lives, so running it again would fail again at once
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
+            watch.failure(i)
             try:
                 wait_restarted(islands[i], island_demand(config, i))
             except IslandLost as e:  # its node died and no other can run it: the others go on without it
@@ -128,6 +192,7 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
                 continue
             running[islands[i].run.remote()] = i
     final = ray.get(syncer.finish.remote())
+    watch.look()  # the run events of the final merges
     final["abandoned"], final["lost"] = sorted(abandoned), sorted(lost)
     return final, results, failures
 
@@ -144,10 +209,13 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     check_ray_address(config.ray_address)  # before any folder is made
     run = Run(config)  # fills the tokenizer and token caches before the actors read them
     run.begin()
-    out = run.out.resolve()
+    if config.progress:
+        status(f"starting Ray and {config.islands} island actors (each prepares the data and the model; "
+               "progress follows from the first inner step)")
     started = init_ray(config)
     try:
-        final, results, failures = _run_actors(config, out)
+        with ProgressDisplay(config.steps, 0, config.progress, every=config.progress_every) as bar:
+            final, results, failures = _run_actors(config, run, bar)
         driver_s = run.wall_s()  # when the syncer finished (within one call's latency), before Ray shuts down
     finally:
         if started:
@@ -162,6 +230,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     bytes_sent = [r["bytes_sent"] for r in res]
     loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
     resets = [int(r.get("resets", 0)) for r in res]  # the islands reset themselves (atoll.job.divergence)
+    run.events.note_resets(config.steps, resets, wall_s)
     diverged: Diverged | None = None  # checked at the end only: the driver sees the islands when they finish
     try:
         check_resets(config.steps, sum(resets), config.islands)
@@ -184,5 +253,5 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
-        **({"island_resets": resets} if any(resets) else {}),
+        timeline=True, **({"island_resets": resets} if any(resets) else {}),
         **({"diverged": record(config, diverged)} if diverged is not None else {}))
