@@ -189,6 +189,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"atoll: error: {message(summary['diverged'])}", file=sys.stderr)
         return 1
+    if summary.get("starved"):  # an island's pushes were all refused: the model did not train on its work
+        print(f"atoll: error: {summary['starved']}", file=sys.stderr)
+        return 1
     if summary.get("gave_up"):  # the failure trace left no time to train: not a result (exit status 1)
         print(f"atoll: error: chaos: the run stopped early with {summary.get('tokens', 0):,} tokens trained (see the "
               "warning above); raise MTBF_S or lower DOWNTIME_S", file=sys.stderr)

@@ -37,7 +37,7 @@ BY_RUNTIME: dict[str, tuple[str, ...]] = {
     "link_bandwidth_mbps": ("local",),
     "link_latency_ms": ("local",),
     **{name: ("ray",) for name in ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island",
-                                   "ray_island_resources")},
+                                   "ray_island_resources", "ray_logs")},
 }
 
 

@@ -261,6 +261,11 @@ class RaySection(Section):
     ray_gpus_per_island: float = Field(
         0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
     )
+    ray_logs: bool = Field(
+        False,
+        description="ray runtime: show Ray's own output (its workers' lines, autoscaler messages, info logs) "
+        "beside atoll's; default: kept out (errors of the run are reported either way).",
+    )
     ray_island_resources: list[dict[str, float]] | None = Field(
         None,
         description="ray runtime: custom Ray resources each island actor needs, to pin islands to a region "

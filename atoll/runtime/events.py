@@ -93,6 +93,7 @@ class Simulation:
         self.budget = self.K * config.steps
         self.st = SimState.new(self.K, self.syncer.fragments)
         self.gave_up = False
+        self.starved = ""  # why the run stopped early because an island's pushes were all refused ("": it did not)
         self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
         self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
         self.ideal_rate = sum(config.tokens_per_step * s / config.sim_step_s for s in self.speeds)  # tokens/s
@@ -135,6 +136,11 @@ class Simulation:
                     self.close_windows(st.last_arrival, flush=True)
                 continue
             t, i, seq, event, p = st.queue[0]
+            if syncer.starved():  # an island's pushes are all refused: its work would never train the model
+                self.starved = syncer.starved_message()
+                print(f"atoll: warning: {self.starved}; stopped at simulated {t:.3g} s with {st.done} of "
+                      f"{self.budget} inner steps done", file=sys.stderr)
+                break
             if t > give_up_at:
                 self.gave_up = True
                 print(f"atoll: warning: chaos: {self.config.chaos} leaves almost no up-time for a step; stopped at "
@@ -372,6 +378,7 @@ class Simulation:
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
+            **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
             measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers],
             timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
 

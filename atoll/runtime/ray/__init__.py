@@ -73,69 +73,16 @@ from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
 from atoll.runtime.ray.cluster import (
     IslandLost,
     check_ray_address,
+    check_resources,
     init_ray,
     island_demand,
     island_resources,
     wait_restarted,
 )
-from atoll.strategies.decoupled.progress import progress_detail
+from atoll.runtime.ray.report import RayReport
+from atoll.runtime.ray.watch import Watch
 
 __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
-
-#: seconds between two looks of the driver at the syncer's progress (the progress line, ``train`` and run events)
-PROGRESS_S = 2.0
-
-
-class _Watch:
-    """What the driver shows and logs of a Ray run while it trains, from the syncer's :meth:`progress
-    <atoll.runtime.ray.actors.SyncerService.progress>` every :data:`PROGRESS_S` seconds: the progress line
-    (steps per island, merges, staleness, goodput so far), a ``train`` event (the islands' last losses, their
-    steps and bytes) and the run events (pushes, merges, refusals, rejoins; the driver's own: failures).
-
-    Goodput so far is the merged tokens per second of the run's clock over the fastest rate of inner steps the
-    run has shown between two looks (the failure-free rate is measured only at the end).
-    """
-
-    def __init__(self, config: TrainConfig, run: Run, syncer: Any, bar: ProgressDisplay) -> None:
-        self.config, self.run, self.syncer, self.bar = config, run, syncer, bar
-        self.step = self.logged = 0    # the islands' mean inner step at the last look; of the last train event
-        self.run_s = 0.0               # the run's clock at the last look
-        self.at = time.monotonic()     # this process's clock at the last look
-        self.peak_rate = 0.0           # tokens per second: the fastest seen between two looks
-        self.reserved = 0
-
-    def look(self) -> None:
-        """Ask the syncer how the run stands (one call, bounded wait) and show and log it."""
-        config, run = self.config, self.run
-        try:
-            p = ray.get(self.syncer.progress.remote(), timeout=max(PROGRESS_S, 5.0))
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-            return  # the syncer is busy or restarting: the next look will tell
-        tps, k = config.tokens_per_step, config.islands
-        if p["run_s"] > self.run_s and p["reserved"] > self.reserved:
-            self.peak_rate = max(self.peak_rate, (p["reserved"] - self.reserved) * tps / (p["run_s"] - self.run_s))
-        self.step, self.run_s, self.reserved, self.at = p["reserved"] // k, p["run_s"], p["reserved"], time.monotonic()
-        for kind, fields in p["events"]:
-            run.events.log(kind, self.step, **fields)
-        losses, lrs = p["loss_by_island"], p["lr_by_island"]
-        known = [x for x in losses if x is not None]
-        bytes_sent = sum(p["bytes_by_island"]) / k
-        if known and self.step > self.logged:
-            self.logged = self.step
-            run.log_train(self.step, p["reserved"] * tps, sum(known) / len(known), bytes_sent, p["run_s"],
-                          next(x for x in lrs if x is not None),
-                          island_loss=losses if len(known) == k else None, island_bytes_sent=p["bytes_by_island"],
-                          island_steps=p["steps_by_island"])
-        goodput = p["merged_tokens"] / p["run_s"] / self.peak_rate if self.peak_rate > 0 and p["run_s"] > 0 else None
-        self.bar.update(max(1, self.step), sum(known) / len(known) if known else float("nan"),
-                        p["reserved"] * tps / max(1e-9, p["run_s"]), bytes_sent,
-                        detail=progress_detail(p["steps_by_island"], p["commits"], p["staleness"], goodput))
-
-    def failure(self, island: int) -> None:
-        """Island ``island``'s process died (a ``failure`` event, at the run's clock as last seen plus since)."""
-        self.run.events.log("failure", self.step, island=island,
-                           sim_wall_s=self.run_s + time.monotonic() - self.at)
-
 
 def _run_actors(config: TrainConfig, run: Run,
                 bar: ProgressDisplay) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
@@ -159,29 +106,43 @@ def _run_actors(config: TrainConfig, run: Run,
     failures = [0] * config.islands
     abandoned: list[int] = []
     lost: list[int] = []  # islands whose node died and that no live node can run
-    watch = _Watch(config, run, syncer, bar)
-    finish_by: float | None = None  # once one island has finished, the budget is spent: the others must finish
-    while running:                  # by then (collective_timeout_s later)
-        ready, _ = ray.wait(list(running), num_returns=1, timeout=PROGRESS_S)
-        watch.look()
-        if not ready and (finish_by is None or time.monotonic() < finish_by):
+    starved = ""
+    # no wait on Ray without a deadline: between short waits for the islands, the syncer must answer within
+    # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
+    # called it within as long (else it is killed and restarted): atoll.runtime.ray.watch
+    watch = Watch(syncer, islands, out, config.collective_timeout_s)
+    report = RayReport(config, run, bar)
+    first_done: float | None = None  # when the first island finished: the others then have the deadline
+    while running:
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=watch.poll_s)
+        if not ready:
+            if first_done is not None and time.monotonic() - first_done > config.collective_timeout_s:
+                for i in running.values():  # hung islands: stop waiting for them (their un-pushed work is lost)
+                    abandoned.append(i)
+                    ray.kill(islands[i], no_restart=True)
+                print(f"atoll: warning: islands {sorted(abandoned)} did not finish within "
+                      f"{config.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
+                break
+            progress = watch.call("progress")
+            report.show(progress)
+            if progress["starved"]:  # an island's work never reaches the model: stop rather than train on
+                starved = progress["starved"]
+                print(f"atoll: warning: {starved}; stopping the islands", file=sys.stderr)
+                for i in running.values():
+                    ray.kill(islands[i], no_restart=True)
+                break
+            for i in watch.silent_islands(progress, set(running.values())):
+                watch.kill_island(i)  # its run call fails: restarted below like a crashed island
             continue
-        if not ready:  # hung islands: stop waiting for them (their un-pushed work is lost)
-            for i in running.values():
-                abandoned.append(i)
-                ray.kill(islands[i], no_restart=True)
-            print(f"atoll: warning: islands {sorted(abandoned)} did not finish within {config.collective_timeout_s:g} s "
-                  "of the others; their un-pushed work is lost", file=sys.stderr)
-            break
         i = running.pop(ready[0])
         try:
             results[i] = ray.get(ready[0])
-            finish_by = finish_by or time.monotonic() + config.collective_timeout_s
+            first_done = first_done if first_done is not None else time.monotonic()
         except ray.exceptions.RayTaskError:  # the island's code raised (e.g. the syncer died for good): its
             raise                            # process lives, so running it again would fail again at once
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
-            watch.failure(i)
+            report.failure(i)
             try:
                 wait_restarted(islands[i], island_demand(config, i))
             except IslandLost as e:  # its node died and no other can run it: the others go on without it
@@ -191,9 +152,9 @@ def _run_actors(config: TrainConfig, run: Run,
                       "go on without it, its un-pushed work is lost", file=sys.stderr)
                 continue
             running[islands[i].run.remote()] = i
-    final = ray.get(syncer.finish.remote())
-    watch.look()  # the run events of the final merges
-    final["abandoned"], final["lost"] = sorted(abandoned), sorted(lost)
+    final = watch.call("finish")
+    report.show(watch.call("progress"))  # the run events of the final merges
+    final["abandoned"], final["lost"], final["starved"] = sorted(abandoned), sorted(lost), starved
     return final, results, failures
 
 
@@ -207,13 +168,14 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is saved, under "
                           "<out>/syncer); start a new run from its final model with --init-from RUN_DIR")
     check_ray_address(config.ray_address)  # before any folder is made
-    run = Run(config)  # fills the tokenizer and token caches before the actors read them
-    run.begin()
-    if config.progress:
-        status(f"starting Ray and {config.islands} island actors (each prepares the data and the model; "
-               "progress follows from the first inner step)")
     started = init_ray(config)
     try:
+        check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
+        run = Run(config)  # fills the tokenizer and token caches before the actors read them
+        run.begin()
+        if config.progress:
+            status(f"starting {config.islands} island actors (each prepares the data and the model; progress "
+                   "follows from the first inner step)")
         with ProgressDisplay(config.steps, 0, config.progress, every=config.progress_every) as bar:
             final, results, failures = _run_actors(config, run, bar)
         driver_s = run.wall_s()  # when the syncer finished (within one call's latency), before Ray shuts down
@@ -253,5 +215,4 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
-        timeline=True, **({"island_resets": resets} if any(resets) else {}),
         **({"diverged": record(config, diverged)} if diverged is not None else {}))

@@ -62,6 +62,7 @@ class SyncerService:
         self.reserved = 0
         self.steps_by_island = [0] * self.config.islands
         self.last_seen = [0.0] * self.config.islands
+        self.heard: list[float | None] = [None] * self.config.islands  # _now() of each island's last call
         self.joins = [0] * self.config.islands
         self.rejoin_s: list[float] = []
         self.restarts = 0
@@ -133,6 +134,7 @@ class SyncerService:
         """
         self._island("join", island, credential)
         now = self._now()
+        self.heard[island] = now
         self.joins[island] += 1
         if self.joins[island] > 1:
             self.rejoin_s.append(now - self.last_seen[island])
@@ -158,7 +160,7 @@ class SyncerService:
             PermissionError: ``credential`` is not the island's.
         """
         self._island("reserve_step", island, credential)
-        self.last_seen[island] = self._now()
+        self.last_seen[island] = self.heard[island] = self._now()
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
             self.last_loss[island], self.last_lr[island] = loss, lr
         self._poll()
@@ -180,6 +182,7 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("buffered", island)
+        self.heard[island] = self._now()  # waiting for its push to merge: alive
         self._poll()
         return self._buffered(island)
 
@@ -199,7 +202,7 @@ class SyncerService:
         if result.reason in ("type", "island", "fragment"):
             return False, None
         if result.reason != "identity":  # the island's own call
-            self.last_seen[msg.island] = now
+            self.last_seen[msg.island] = self.heard[msg.island] = now
             self.bytes_by_island[msg.island] += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
             outcome = "accepted" if result.accepted else "stale" if result.reason == "stale" else "refused"
             self.events.append(("push", {"island": msg.island, "fragment": msg.fragment, "outcome": outcome,
@@ -241,22 +244,28 @@ class SyncerService:
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
     def progress(self) -> dict[str, Any]:
-        """The run so far, for the driver's progress line, ``train`` events and run events (and tests).
+        """The run so far, for the driver's watch, progress line, ``train`` events and run events (and tests).
 
-        Returns commits, steps reserved, versions; ``run_s`` (the run's clock), ``steps_by_island``,
-        ``loss_by_island`` and ``lr_by_island`` (None until an island reports), ``bytes_by_island``, the recent
-        ``staleness`` of merged pushes, ``merged_tokens``; and ``events``: the run events (kind, fields) since
-        the last call (:mod:`atoll.job.timeline`: pushes, merges, refusals, rejoins; each time on the run's clock).
+        Returns commits, steps reserved, the budget, versions; ``silent_s``, per island the seconds since its
+        last call (None before its first); ``starved``, the one-line reason to stop if an island's pushes were
+        all refused (:meth:`~atoll.strategies.decoupled.syncer.Syncer.starved`; ""); ``run_s`` (the run's
+        clock), ``steps_by_island``, ``loss_by_island`` and ``lr_by_island`` (None until an island reports),
+        ``bytes_by_island``, the recent ``staleness`` of merged pushes, ``merged_tokens``; and ``events``: the
+        run events (kind, fields) since the last call (:mod:`atoll.job.timeline`: pushes, merges, refusals,
+        rejoins; each time on the run's clock).
         """
         self._poll()
+        now = self._now()
         events, self.events = self.events, []
-        for kind, fields in syncer_events(self.syncer.journal.drain()):  # the syncer's clock is this actor's: shifted
+        for kind, fields in syncer_events(self.syncer.journal.drain()):  # the syncer's clock is this actor's
             events.append((kind, {**fields, "sim_wall_s": self._run_clock(fields["sim_wall_s"])}))
         events.sort(key=lambda e: e[1]["sim_wall_s"])
         start = self.first_step_s
-        return {"commits": self.syncer.commits, "reserved": self.reserved,
+        return {"commits": self.syncer.commits, "reserved": self.reserved, "budget": self.budget,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                "run_s": self._now() - start if start is not None else 0.0,
+                "silent_s": [None if h is None else now - h for h in self.heard],
+                "starved": self.syncer.starved_message() if self.syncer.starved() else "",
+                "run_s": now - start if start is not None else 0.0,
                 "steps_by_island": list(self.steps_by_island), "loss_by_island": list(self.last_loss),
                 "lr_by_island": list(self.last_lr), "bytes_by_island": list(self.bytes_by_island),
                 "staleness": self.syncer.staleness[-RECENT:], "merged_tokens": self.syncer.merged_tokens,

@@ -40,11 +40,17 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
 
 
 def init_ray(config: TrainConfig) -> bool:
-    """Connect to ``ray_address``, or start a local Ray; True if this call started or connected it."""
+    """Connect to ``ray_address``, or start a local Ray; True if this call started or connected it.
+
+    Ray's own output (its workers' lines, the autoscaler's, its info logs) stays out of atoll's unless
+    ``ray_logs`` (``--ray-logs``) asks for it: ``log_to_driver`` and ``logging_level``. atoll's islands and
+    syncer report through the driver, so nothing of the run is lost; an actor's traceback still reaches the
+    driver with the error it raises."""
     if ray.is_initialized():
         return False
+    quiet = {"log_to_driver": config.ray_logs, "logging_level": "info" if config.ray_logs else "error"}
     if config.ray_address:
-        ray.init(address=config.ray_address, logging_level="warning")
+        ray.init(address=config.ray_address, **quiet)
         return True
     paths = [str(Path(__file__).resolve().parents[3])]  # the folder atoll is imported from + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     threads = str(config.threads or 1)
@@ -55,7 +61,7 @@ def init_ray(config: TrainConfig) -> bool:
     for res in island_resources(config):
         for name, amount in res.items():
             custom[name] = custom.get(name, 0.0) + amount
-    ray.init(num_cpus=cpus, resources=custom or None, include_dashboard=False, logging_level="warning",
+    ray.init(num_cpus=cpus, resources=custom or None, include_dashboard=False, **quiet,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
                                        "OMP_NUM_THREADS": threads}})
     return True
@@ -76,6 +82,55 @@ def island_demand(config: TrainConfig, island: int) -> dict[str, float]:
     """What island ``island``'s actor asks Ray for: ``CPU``, ``GPU`` (when > 0) and its custom resources."""
     demand = {"CPU": config.ray_cpus_per_island, "GPU": config.ray_gpus_per_island, **island_resources(config)[island]}
     return {name: amount for name, amount in demand.items() if amount > 0}
+
+
+def _offer(resources: dict[str, float]) -> str:
+    """A node's resources as ``CPU=2, GPU=0, region_a=1`` (CPU and GPU always, memory and Ray's own
+    per-node markers left out)."""
+    shown = {"CPU": resources.get("CPU", 0.0), "GPU": resources.get("GPU", 0.0),
+             **{k: v for k, v in sorted(resources.items())
+                if k not in ("CPU", "GPU", "memory", "object_store_memory") and not k.startswith("node:")}}
+    return ", ".join(f"{k}={v:g}" for k, v in shown.items())
+
+
+def _field(name: str) -> str:
+    """The setting that asks for resource ``name``."""
+    return {"CPU": "ray_cpus_per_island", "GPU": "ray_gpus_per_island"}.get(name, "ray_island_resources")
+
+
+def check_resources(config: TrainConfig) -> None:
+    """Refuse, before any actor is placed, islands that no node of the cluster can ever run.
+
+    Ray queues an actor whose resources no node has and waits for an autoscaler to add one, forever on a
+    fixed cluster (printing only its own autoscaler errors). So each island's demand (:func:`island_demand`)
+    must fit on one live node's total resources, and the islands together in the cluster's (they all run at
+    once for the whole run).
+
+    Raises:
+        ConfigError: one line naming the setting, the resource asked for and what the nodes offer.
+    """
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    offers = "; ".join(f"node {i}: {_offer(r)}" for i, r in enumerate(nodes)) or "no live node"
+    for island in range(config.islands):
+        demand = island_demand(config, island)
+        if any(all(r.get(name, 0.0) >= amount for name, amount in demand.items()) for r in nodes):
+            continue
+        lacking = [name for name, amount in demand.items() if not any(r.get(name, 0.0) >= amount for r in nodes)]
+        short = lacking[0] if lacking else next(iter(demand))  # else: each on some node, never all on one
+        asked = ", ".join(f"{name}={amount:g}" for name, amount in demand.items())
+        raise ConfigError(f"{_field(short)}: island {island} asks Ray for {asked} and no node of the cluster has "
+                          f"{short}={demand[short]:g} ({offers}); lower --{_field(short).replace('_', '-')} or add a "
+                          "node that offers it (ray start --resources / --num-gpus)")
+    total: dict[str, float] = {}
+    for island in range(config.islands):
+        for name, amount in island_demand(config, island).items():
+            total[name] = total.get(name, 0.0) + amount
+    for name, amount in total.items():
+        have = sum(r.get(name, 0.0) for r in nodes)
+        if amount > have + 1e-9:
+            raise ConfigError(f"{_field(name)}: the {config.islands} islands ask Ray for {name}={amount:g} in all, "
+                              f"and the cluster has {name}={have:g} ({offers}); the islands run at once, so lower "
+                              f"--islands or --{_field(name).replace('_', '-')}, or add nodes")
 
 
 def placeable(demand: dict[str, float]) -> bool:

@@ -173,12 +173,15 @@ def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[torch.Tenso
     """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
     ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer, robust merge),
     each island's push declared as its own H (:func:`local_sync_every`) of inner steps; ``credentials``: per
-    island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated."""
+    island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated. A round
+    time no push of the island's was seen before is taken up to ``collective_timeout_s`` (seconds: the wait the
+    run allows, simulated or real), so a claim cannot stretch the first grace windows beyond it either."""
     return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
                   quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
                   staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
                   scale_partial=config.scale_partial_merges, credentials=credentials, robust_merge=config.robust_merge,
-                  push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)])
+                  push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)],
+                  max_round_s=config.collective_timeout_s)
 
 
 def project(s: Setting) -> Cost:

@@ -93,13 +93,47 @@ class PushBounds:
         for island, t in enumerate(tokens):
             self.granted[island] += int(t)
 
+    def weight_tokens(self, island: int, tokens: int) -> int:
+        """The tokens a push of ``island`` claiming ``tokens`` may weigh in one merge (and be vouched for):
+        at most one honest push of its own (``push_tokens``, its H x tokens per step), so tokens banked by
+        pushing rarely buy no more weight or norm than one round's; all of ``tokens`` without a declared size."""
+        if self.push_tokens is None:
+            return int(tokens)
+        return min(int(tokens), int(self.push_tokens[island]))
+
+    def _limit(self, entries: Sequence[tuple[float, int]], tokens: int) -> tuple[float, float]:
+        """(the median bound, the floor's reference) for a push weighing ``tokens``, from the (norm, tokens)
+        ``entries``: ``norm_bound`` x the median_low of their allowances n_j max(1, k/k_j), and the
+        median_high of those allowances (see :meth:`check`)."""
+        allowances = sorted(n * max(1.0, tokens / k) for n, k in entries)
+        return self.norm_bound * statistics.median_low(allowances), statistics.median_high(allowances)
+
+    def _within(self, norm: float, median_bound: float, reference: float) -> tuple[bool, float]:
+        """Is ``norm`` within the median bound, or else within the floor (``sqrt(norm_bound)`` x the
+        ``reference``)? With the norm that entry records: the push's own, or at most ``reference`` when
+        only the floor let it pass (so the floor never grows an entry, and no island climbs it push by push)."""
+        if norm <= median_bound:
+            return True, norm
+        if norm <= math.sqrt(self.norm_bound) * reference:
+            return True, min(norm, reference)
+        return False, norm
+
     def check(self, island: int, fragment: int, norm: float, tokens: int, params_norm: float) -> str:
         """Why a push of ``tokens`` tokens and L2 norm ``norm`` is refused ("tokens", "norm"), or "".
 
         ``params_norm``: the fragment's global parameter norm (the bound of the first round). The tokens of a
         push that reaches the norm check count as claimed; a push within the norm bound becomes its island's
         entry of the history (the caller refuses it for no other reason after this check) if the fragment is
-        :meth:`warm`; before, the caller vets it when it merges (:meth:`vet`).
+        :meth:`warm`; before, the caller vets it when it merges (:meth:`vet`). The allowances are for the
+        push's :meth:`weight_tokens`, not its claim.
+
+        **The floor.** The median_low of the entries is what a minority cannot raise, but with an even split
+        (2 islands: the smaller entry) half of the islands can lower it with tiny pushes until every push
+        of the others is refused. So a push over the median bound still passes if it is within
+        ``sqrt(norm_bound)`` x the median_high of the allowances (what the larger half vouches for: the
+        honest island's own entry, with 2), and then enters the history at most at that reference: the floor
+        never raises an entry, so a half that inflates its pushes climbs no higher than the median bound
+        lets it (``sqrt(norm_bound)`` x ``norm_bound`` x the smaller half's entries at most).
         """
         if self.granted is not None:
             if self.claimed[island][fragment] + tokens > self.granted[island]:
@@ -108,15 +142,16 @@ class PushBounds:
             return "tokens"
         self.claimed[island][fragment] += tokens
         warm = self.warm(fragment)
+        weight = self.weight_tokens(island, tokens)
         if warm:  # a majority of islands has an entry: what their most recent pushes vouch for
-            entries = [e for e in self.latest[fragment] if e is not None]
-            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for n, k in entries)
+            median_bound, reference = self._limit([e for e in self.latest[fragment] if e is not None], weight)
+            ok, entry = self._within(norm, median_bound, reference)
         else:  # the first round: an honest Δ is far smaller than the parameters themselves (if not all zero)
-            bound = self.cold_bound * params_norm if params_norm > 0 else math.inf
-        if norm > bound:
+            ok, entry = norm <= (self.cold_bound * params_norm if params_norm > 0 else math.inf), norm
+        if not ok:
             return "norm"
         if warm:
-            self.latest[fragment][island] = (norm, tokens)
+            self.latest[fragment][island] = (entry, weight)
         return ""
 
     def warm(self, fragment: int) -> bool:
@@ -128,15 +163,24 @@ class PushBounds:
         history; one per island) pass.
 
         A push accepted before the fragment was warm passes if its norm is within ``norm_bound`` x the
-        ``statistics.median_low`` of what the buffer's pushes vouch for (n_j max(1, k/k_j)); those that pass
-        become their islands' entries. Pushes checked against a warm history pass.
+        ``statistics.median_low`` of what the buffer's pushes vouch for (n_j max(1, k/k_j), for the push's
+        :meth:`weight_tokens`), or within the floor of :meth:`check` (``sqrt(norm_bound)`` x the median_high
+        of what the *other* pushes vouch for: cold, no push vouches for itself, so with 2 islands the floor
+        does not let a first push that negates the parameters in, and tiny pushes from the first round on
+        still refuse the other's; the syncer then stops the run, :meth:`Syncer.starved
+        <atoll.strategies.decoupled.syncer.Syncer.starved>`); those that pass become their islands' entries. Pushes checked against a warm history pass.
         """
         ok = []
-        for island, norm, tokens, checked in pushes:
-            bound = self.norm_bound * statistics.median_low(n * max(1.0, tokens / k) for _, n, k, _ in pushes)
-            ok.append(checked or norm <= bound)
-            if ok[-1] and not checked:
-                self.latest[fragment][island] = (norm, tokens)
+        entries = [(n, self.weight_tokens(i, k)) for i, n, k, _ in pushes]
+        for j, (island, norm, tokens, checked) in enumerate(pushes):
+            weight = self.weight_tokens(island, tokens)
+            median_bound, _ = self._limit(entries, weight)
+            others = entries[:j] + entries[j + 1:]  # cold, no push vouches for itself: with 2, a push that
+            reference = self._limit(others, weight)[1] if others else norm  # negates the parameters stays out
+            passed, entry = self._within(norm, median_bound, reference)
+            ok.append(checked or passed)
+            if passed and not checked:
+                self.latest[fragment][island] = (entry, weight)
         return ok
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,10 +14,17 @@ accepted pushes. It merges the buffer (one outer step) when
   islands measured on their own clocks (seconds from their pull to their next push), counted from the
   buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
   a merge up by at most about one round, never indefinitely. A round time is taken once per island and
-  buffer, so one island's repeated pushes do not fill the recent ones.
+  buffer, so one island's repeated pushes do not fill the recent ones, and it is a claim clamped to what the
+  syncer saw (:meth:`Syncer.round_time`: the seconds since the island's previous push of the fragment, or
+  ``max_round_s`` before one): an island that claims 1e300 s and goes silent moves no deadline beyond the
+  time it really took.
 
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
-``w_i = tokens_i · (1 + s_i)^(−a)``; the staleness ``s_i`` is how many outer steps of that fragment were
+``w_i = min(tokens_i, T_i) · (1 + s_i)^(−a)``, where ``T_i`` is one honest push of island i (its own H x
+tokens per step, ``push_tokens``): an island that pushes a fragment rarely and claims the tokens of many
+rounds at once weighs (and is vouched a norm for, :meth:`PushBounds.weight_tokens
+<atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>`) one round's at most; its tokens still count
+as merged; the staleness ``s_i`` is how many outer steps of that fragment were
 committed since the version the island started from. The polynomial staleness discount is FedAsync's
 (Xie, Koyejo, Gupta 2019, arXiv:1903.03934, §5.2, ``s(t) = (t + 1)^(−a)``); a push staler than
 ``max_staleness`` is dropped, as bounded-staleness async local SGD does (Liu et al. 2024, arXiv:2401.09135,
@@ -36,7 +43,9 @@ the run, a plain float32 CPU tensor of the fragment's shape with finite values, 
 and newer than the island's last accepted push of the fragment in its session), then the bounds of
 :class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (within what it was granted, or
 ``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes of the fragment
-vouch for (one entry per island), whatever the islands' speeds. A refused push is counted
+vouch for (one entry per island), whatever the islands' speeds, with a floor that the smallest pushes cannot
+lower. An island whose ``starve_after`` last pushes were all refused is :meth:`Syncer.starved`: the runtimes
+stop the run with :meth:`Syncer.starved_message` (exit status 1) rather than train on without it. A refused push is counted
 (:attr:`Syncer.rejected_updates`, by reason, and per island in ``rejected_by_island``), logged at WARNING on
 the ``atoll.syncer`` logger, and never touches the global parameters; no push makes :meth:`Syncer.push` raise.
 
@@ -131,6 +140,10 @@ class Syncer:
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
         cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
+        max_round_s: the longest round time a push may claim, seconds, where the syncer has not seen the
+            island push the fragment before (None: no ceiling); see :meth:`round_time`.
+        starve_after: an island whose last this many pushes were all refused (and none accepted since) is
+            :meth:`starved`: the runtime stops the run (its pushes would never train the model).
 
     Raises:
         ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, or credentials that
@@ -142,7 +155,8 @@ class Syncer:
                  max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
                  scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
                  credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
-                 cold_bound: float | None = None) -> None:
+                 cold_bound: float | None = None, max_round_s: float | None = None,
+                 starve_after: int = 16) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = index if index is not None else [torch.arange(flat.numel())]
         if sum(int(i.numel()) for i in self.index) != flat.numel():
@@ -165,6 +179,10 @@ class Syncer:
         self.admission = Admission(islands, len(self.index), credentials)
         self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
         self.round_s: deque[float] = deque(maxlen=WINDOW)
+        self.max_round_s = max_round_s
+        self.last_push_at: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
+        self.starve_after = starve_after
+        self.refused_in_a_row = [0] * islands  # per island: pushes refused since its last accepted one
         # statistics (all in state_dict)
         self.rejected_updates = 0
         self.rejected_by_reason: dict[str, int] = {}
@@ -219,11 +237,15 @@ class Syncer:
             return PushResult(False, "type")
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
+        observed = self._observed(island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
             island, fragment, float(delta.detach().norm()), tokens, float(self.outer[fragment].params.norm()))
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
+        self.last_push_at[island][fragment] = now  # its own push (its identity checked): the syncer's clock
+        if warm:  # checked for good (a cold push is vetted at its merge, and counts there)
+            self.refused_in_a_row[island] = 0
         self.admission.accepted(island, fragment, base_version, msg.session)
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
@@ -235,8 +257,8 @@ class Syncer:
             self.replaced_updates += 1
             self._count("stale", island, fragment, replaced.tokens)
             return PushResult(True)
-        if isinstance(r := msg.round_s, int | float) and not isinstance(r, bool) and 0 < r < math.inf:  # once per buffer
-            self.round_s.append(float(r))
+        if (r := self.round_time(msg.round_s, observed)) is not None:  # once per island and buffer
+            self.round_s.append(r)
         if not buf.pushes:
             buf.opened_at = now
             buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
@@ -244,6 +266,45 @@ class Syncer:
         if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
+
+    def _observed(self, island: Any, fragment: Any, now: float) -> float | None:
+        """Seconds since the syncer last accepted a push of ``island``'s of ``fragment`` (None: never)."""
+        if not (is_index(island, self.islands) and is_index(fragment, self.fragments)):
+            return None
+        last = self.last_push_at[island][fragment]
+        return None if last is None else max(0.0, now - last)
+
+    def round_time(self, claimed: Any, observed: float | None) -> float | None:
+        """The round time a push's claim ``claimed`` (seconds) is taken as for the grace window, or None.
+
+        A claim is the island's own measurement (pull to push, on its clock), so it is clamped to what the
+        syncer itself saw: the seconds since the island's previous accepted push of the fragment
+        (``observed``; an honest round is a little shorter: the pull follows the push), or ``max_round_s``
+        where the syncer has seen none (the runtimes pass one; None: the claim is taken as it is). So no
+        claim (1e300) stretches the window beyond the time the island really took, or beyond the ceiling
+        for its first push; a claim that is not a positive finite number is not taken.
+        """
+        if not (isinstance(claimed, int | float) and not isinstance(claimed, bool) and 0 < claimed < math.inf):
+            return None
+        ceiling = observed if observed is not None else self.max_round_s
+        r = min(float(claimed), ceiling if ceiling is not None else math.inf)
+        return r if r > 0 else None
+
+    def starved(self) -> list[int]:
+        """Islands whose last ``starve_after`` pushes were all refused, none accepted since: their work never
+        reaches the model (e.g. its norm bound was lowered by another island's tiny pushes), so the runtime
+        stops the run with :meth:`starved_message` rather than train on without them."""
+        return [i for i, n in enumerate(self.refused_in_a_row) if n >= self.starve_after]
+
+    def starved_message(self) -> str:
+        """One line for a run that stops because of :meth:`starved` islands: who, why, and what to do."""
+        islands = self.starved()
+        reasons = {r: v for r, v in self.admission.rejected_by_island.items() if any(v[i] for i in islands)}
+        why = ", ".join(f"{r} x{sum(v[i] for i in islands)}" for r, v in sorted(reasons.items()))
+        return (f"syncer: every push of island{'s' if len(islands) > 1 else ''} {', '.join(map(str, islands))} "
+                f"was refused ({self.starve_after} in a row: {why}), so its training never reaches the model; "
+                "another island may be setting the norm bound with tiny pushes (with 2 islands, no majority "
+                "vouches for either): check the islands, or run 3 or more (see rejected_by_island in summary.json)")
 
     def rejoin(self, island: int) -> int:
         """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``)."""
@@ -262,6 +323,8 @@ class Syncer:
         named = is_index(island, self.islands)
         if named:
             self.admission.rejected(island, reason)
+            if reason not in ("identity", "replay"):  # its own pushes (a stranger's or a copy say nothing)
+                self.refused_in_a_row[island] += 1
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
         log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
@@ -320,8 +383,8 @@ class Syncer:
             s = version - p.base_version
             if s > self.max_staleness and not self._fresh_enough(p.island, fragment, s, p.tokens):
                 continue
-            kept.append(p)
-            weights.append(p.tokens * (1.0 + s) ** (-self.staleness_exponent))
+            kept.append(p)  # weighed by one round's tokens at most: banked tokens buy no weight
+            weights.append(self.bounds.weight_tokens(p.island, p.tokens) * (1.0 + s) ** (-self.staleness_exponent))
             stale.append(s)
         if not kept:
             return 0
@@ -338,6 +401,7 @@ class Syncer:
         self.staleness += stale
         share = int(self.index[fragment].numel()) / self.numel
         for p in kept:
+            self.refused_in_a_row[p.island] = 0
             self.merged_tokens += p.tokens * share
             self.merged_tokens_per_island[p.island] += p.tokens * share
             self._count("merged", p.island, fragment, p.tokens)
@@ -362,6 +426,8 @@ class Syncer:
                         for b in self.buffers],
             "bounds": self.bounds.state_dict(), "admission": self.admission.state_dict(), "merge_s": self.merge_s,
             "round_s": list(self.round_s),
+            "last_push_at": [[-1.0 if t is None else t for t in f] for f in self.last_push_at],
+            "refused_in_a_row": list(self.refused_in_a_row),
             "stale_credit": [list(c) for c in self.stale_credit],
             "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
             "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
@@ -388,6 +454,9 @@ class Syncer:
             self.admission.load_state_dict(state["admission"])
         self.merge_s = float(state.get("merge_s", 0.0))
         self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
+        if "last_push_at" in state:  # absent from older checkpoints: no push seen yet
+            self.last_push_at = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_push_at"]]
+        self.refused_in_a_row = [int(x) for x in state.get("refused_in_a_row", [0] * self.islands)]
         self.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
         self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
         for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
