@@ -24,6 +24,8 @@ Failures, rejoins, resets and refusals also reach the trackers (``events/<kind>s
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +143,8 @@ def plot_timeline(metrics: Path | str, out: Path | str, runtime: str | None = No
         if points:
             ax_steps.step([t for t, _ in points], [n for _, n in points], where="post", label=f"island {i}")
     ax_steps.set_ylabel("inner steps")
-    ax_steps.legend(loc="upper left", fontsize="small", ncol=min(4, max(1, tl.islands)))
+    if any(tl.steps):
+        ax_steps.legend(loc="upper left", fontsize="small", ncol=min(4, max(1, tl.islands)))
     ax_steps.grid(alpha=0.3)
     end = tl.end_s or 1.0
     for i in range(tl.islands):
@@ -183,7 +186,8 @@ class RunEvents:
     """
 
     def __init__(self, emit: Callable[..., dict[str, Any]], islands: int) -> None:
-        self.emit = emit
+        # a bound method of the run is held weakly: no reference cycle keeps a failed run (its folder lock) alive
+        self.emit = weakref.WeakMethod(emit) if inspect.ismethod(emit) else lambda: emit
         self.counts = dict.fromkeys(RUN_EVENTS, 0)
         self.resets_seen = [0] * islands  # per island, resets logged as ``reset`` events
 
@@ -204,7 +208,10 @@ class RunEvents:
         if event not in self.counts:
             raise ValueError(f"{event!r} is not a run event; one of {', '.join(RUN_EVENTS)}")
         self.counts[event] += 1
-        return self.emit(event, step=step, count=self.counts[event], **fields)
+        emit = self.emit()
+        if emit is None:
+            raise ValueError("the run these events belong to is gone")
+        return emit(event, step=step, count=self.counts[event], **fields)
 
     def note_resets(self, step: int, resets: list[int], sim_wall_s: float | None = None) -> None:
         """A ``reset`` event for every island reset (diverged, put back to a healthy model) since the last call:
