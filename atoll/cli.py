@@ -183,7 +183,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         summary = train(config, resume=args.resume is not None)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
         Console().print(summary_table(summary))
-        print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, report.png, checkpoints/)")
+        plots = "report.png, timeline.png" if (Path(summary["out"]) / "timeline.png").is_file() else "report.png"
+        print(f"run folder: {summary['out']} (summary.json, metrics.jsonl, {plots}, checkpoints/)")
     if summary.get("diverged"):  # the run stopped: not a result (exit status 1); summary.json says where
         from atoll.job.divergence import message
 

@@ -149,7 +149,9 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                     own_losses = [i.last_loss for i in islands] if len(islands) == config.islands else None
                     run.log_train(done, tokens, train_loss, comm.bytes_sent_per_island, sim_wall_s(),
                                   islands[0].scheduler.get_last_lr()[0], island_loss=own_losses)
-                    check_resets(done, sum(runtime.island_counts(islands)[1]), config.islands)
+                    resets = runtime.island_counts(islands)[1]  # a reset event per island reset since
+                    run.events.note_resets(done, resets, sim_wall_s())
+                    check_resets(done, sum(resets), config.islands)
                 eval_loss = None
                 if eval_now:
                     if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links

@@ -313,6 +313,8 @@ def test_a_run_resets_a_diverged_island_and_shows_it(tmp_path, corpus_file, cach
     assert summary["island_resets"] == [0, 1] and "diverged" not in summary
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert "islands reset (diverged), per island" in r.stdout and "0 / 1" in r.stdout
+    resets = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "reset"]  # a run event too
+    assert [(e["island"], e["count"]) for e in resets] == [(1, 1)], resets
     if strategy == "decoupled":  # nothing refused: the island never pushed its NaN weights
         assert "non_finite" not in summary["rejected_by_reason"]
 

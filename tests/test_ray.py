@@ -63,6 +63,12 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
     assert returncode == 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] == [0, 1] and summary["rejoins"] == [0, 1], summary
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]  # the failure and the rejoin are run events too, with their island
+    assert [e["island"] for e in events if e["event"] in ("failure", "rejoin")] == [1, 1], kinds
+    assert kinds.index("failure") < kinds.index("rejoin")
+    assert kinds.count("merge") == summary["commits"] and kinds.count("train") > 0  # progress while it trained
+    assert (out / "timeline.png").is_file()
     assert summary["rejoin_s"] and max(summary["rejoin_s"]) < 30, summary["rejoin_s"]
     assert int((out / "ray" / "island_1.pid").read_text()) != pid, "a new process runs island 1"
     # the syncer kept committing, and lost no committed step: every commit is a version of a fragment,

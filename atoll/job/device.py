@@ -154,3 +154,18 @@ class CompiledForward:
         except Exception as e:  # noqa: BLE001 - compilation errors surface at the first call
             self._give_up(e)
         return self.model(*args, **kwargs)
+
+
+def peak_accelerator_bytes(reset: bool = True) -> int | None:
+    """The most accelerator memory this process's tensors held since the last call (bytes): the maximum of
+    ``torch.cuda.max_memory_allocated`` over the visible CUDA devices, whose peaks are then reset (``reset``)
+    so that each logging interval reports its own peak. None where no CUDA context was started (the CPU, and
+    MPS, whose allocator keeps no peak): asking never initializes CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    devices = range(torch.cuda.device_count())
+    peak = max((int(torch.cuda.max_memory_allocated(d)) for d in devices), default=0)
+    if reset:
+        for d in devices:
+            torch.cuda.reset_peak_memory_stats(d)
+    return peak

@@ -158,7 +158,8 @@ def _clock(seconds: float) -> str:
 
 class ProgressDisplay:
     """Training progress on stderr: a live bar on a terminal; where stderr is not one (a log file, a cluster
-    job's output) one plain line every ``every`` inner steps, at every evaluation and at the last step;
+    job's output) one plain line every ``every`` inner steps (at the first update past each multiple, for a
+    driver that samples the steps: Ray), at every evaluation and at the last step, never twice for one step;
     nothing when disabled.
 
     The estimate of the time left is this session's mean seconds per step (evaluations and checkpoints
@@ -181,14 +182,16 @@ class ProgressDisplay:
         self.every = every or max(1, total_steps // 20)
         self.t0 = time.perf_counter()
         self.last_loss = float("nan")
+        self.printed = start_step  # the step of the last plain line
         self.progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
             TextColumn("sent {task.fields[sent]}/island"), TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
+            TextColumn("{task.fields[detail]}"),
             console=self.console, disable=not self.live, transient=False,
         )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
-                                           loss="-", tps="-", sent="0 B", eta="-")
+                                           loss="-", tps="-", sent="0 B", eta="-", detail="")
 
     def __enter__(self) -> ProgressDisplay:
         self.progress.start()
@@ -205,13 +208,15 @@ class ProgressDisplay:
     def prints(self, step: int) -> bool:
         """Whether :meth:`update` at inner step ``step`` writes a line (plain-text mode), so the caller reads
         the training loss for it from the device then and only then."""
-        return self.enabled and not self.live and (step % self.every == 0 or step == self.total)
+        return self.enabled and not self.live and step > self.printed and (
+            step // self.every > self.printed // self.every or step == self.total)
 
     def update(self, step: int, loss: float | None, tokens_per_s: float, bytes_sent: float,
-               eval_loss: float | None = None) -> None:
+               eval_loss: float | None = None, detail: str | None = None) -> None:
         """Inner step ``step`` done (1-based): the islands' mean training loss (None: not read at this step;
-        the last one read is shown), this session's tokens per second, bytes one island sent so far, and the
-        held-out loss when this step evaluated."""
+        the last one read is shown), this session's tokens per second, bytes one island sent so far, the
+        held-out loss when this step evaluated, and ``detail``: a strategy's own state in a few words
+        (decoupled: steps per island, merges, staleness, goodput)."""
         if loss is None:
             loss = self.last_loss
         self.last_loss = loss
@@ -219,11 +224,14 @@ class ProgressDisplay:
         eta_text = _clock(eta) if eta is not None else "-"
         if self.live:
             self.progress.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
-                                 sent=human_bytes(bytes_sent), eta=eta_text)
-        elif self.enabled and (step % self.every == 0 or eval_loss is not None or step == self.total):
+                                 sent=human_bytes(bytes_sent), eta=eta_text, detail=detail or "")
+        elif self.enabled and step > self.printed and (step // self.every > self.printed // self.every
+                                                       or eval_loss is not None or step == self.total):
+            self.printed = step  # a driver that samples the steps (Ray) crosses a multiple of every: once
             line = (f"atoll: step {step}/{self.total} ({step / self.total:.0%}) | loss {loss:.3f}"
                     + (f" | eval {eval_loss:.3f}" if eval_loss is not None else "")
                     + f" | {tokens_per_s:,.0f} tok/s | sent {human_bytes(bytes_sent)}/island"
+                    + (f" | {detail}" if detail else "")
                     + f" | {_clock(time.perf_counter() - self.t0)} elapsed, eta {eta_text}")
             self.console.file.write(line + "\n")
             self.console.file.flush()

@@ -40,7 +40,7 @@ from atoll.job.checkpoint import (
 )
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
-from atoll.job.device import resolve_device
+from atoll.job.device import peak_accelerator_bytes, resolve_device
 from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.loss import next_token_loss
@@ -54,6 +54,7 @@ from atoll.job.model import (
     param_bytes,
 )
 from atoll.job.report import plot_runs
+from atoll.job.timeline import RunEvents, plot_timeline
 from atoll.job.trackers import Tracker, open_trackers
 from atoll.runtime.network import ring_allreduce_bytes
 
@@ -215,6 +216,8 @@ class Run:
         initial_eval_loss, eval_loss: held-out loss before training and at the last evaluation.
         trackers: the experiment trackers of ``config.tracker`` (main process, from :meth:`begin`), which
             receive every event :meth:`emit` writes.
+        events: the run events (:class:`atoll.job.timeline.RunEvents`: failures, rejoins, resets, refusals,
+            pushes, merges), counted across a resume.
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input (one line naming the field and the fix).
@@ -251,6 +254,8 @@ class Run:
         self.prior_wall_s = 0.0
         self.log: MetricsLog | NullLog = NullLog()
         self.trackers: list[Tracker] = []  # TensorBoard, W&B (config.tracker), main process only
+        self.events = RunEvents(self.emit, config.islands)  # failures, rejoins, resets, pushes, ...
+        self.rate_mark = (time.perf_counter(), 0)  # (time, tokens) of the last ``train`` event: its interval's rate
 
     def _load_inputs(self, resume: bool) -> None:
         """The checkpoint's state (resume), then the data and the model (a fresh one, or ``init_from``'s)."""
@@ -286,9 +291,10 @@ class Run:
             self.log = MetricsLog(self.out / "metrics.jsonl",
                                   truncate_after_step=self.start_step if self.state is not None else None)
             resuming = self.state is not None
+            history = read_metrics(self.out / "metrics.jsonl") if resuming else None
+            self.events.restore(history or [])  # the run events kept up to the checkpoint: their counts go on
             self.trackers = open_trackers(config.tracker, self.out, config.model_dump(mode="json"),
-                                          self.start_step if resuming else None,
-                                          read_metrics(self.out / "metrics.jsonl") if resuming and config.tracker else None)
+                                          self.start_step if resuming else None, history if config.tracker else None)
         if self.state is not None:
             try:
                 if restore is not None:
@@ -308,6 +314,7 @@ class Run:
                       perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
         if self.is_main:  # only now: a resume that failed above has left the run folder untouched
             write_text_atomic(self.out / "config.json", config.model_dump_json(indent=2))
+        self.rate_mark = (time.perf_counter(), self.start_step * config.islands * config.tokens_per_step)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         """Log one event to ``metrics.jsonl`` and to every tracker; return it."""
@@ -324,16 +331,26 @@ class Run:
 
     def log_train(self, step: int, tokens: int, loss: float, bytes_sent_per_island: float, sim_wall_s: float,
                   lr: float, island_loss: list[float] | None = None,
-                  island_bytes_sent: list[float] | None = None) -> None:
+                  island_bytes_sent: list[float] | None = None, island_steps: list[int] | None = None) -> None:
         """A ``train`` event: the islands' mean training loss at inner step ``step`` (1-based count); with
-        each island's own loss (nats per token) and bytes sent where the driver has them."""
+        each island's own loss (nats per token), bytes sent and inner steps where the driver has them.
+
+        Every ``train`` event also carries the interval's pace and memory since the previous one (or since
+        :meth:`begin`): ``tokens_per_s``, training tokens of every island per real second, and
+        ``peak_accelerator_bytes``, the most accelerator memory this process held (None on the CPU,
+        :func:`~atoll.job.device.peak_accelerator_bytes`)."""
         extra: dict[str, Any] = {}
         if island_loss is not None:
             extra["island_loss"] = [float(x) for x in island_loss]
         if island_bytes_sent is not None:
             extra["island_bytes_sent"] = [float(x) for x in island_bytes_sent]
+        if island_steps is not None:
+            extra["island_steps"] = [int(x) for x in island_steps]
+        now, (then, tokens_then) = time.perf_counter(), self.rate_mark
+        self.rate_mark = (now, tokens)
         self.emit("train", step=step, tokens=tokens, loss=loss, bytes_sent_per_island=bytes_sent_per_island,
-                  sim_wall_s=sim_wall_s, lr=lr, **extra)
+                  sim_wall_s=sim_wall_s, lr=lr, tokens_per_s=(tokens - tokens_then) / max(now - then, 1e-9),
+                  peak_accelerator_bytes=peak_accelerator_bytes(), **extra)
 
     def log_eval(self, step: int, tokens: int, params: torch.Tensor, bytes_sent_per_island: float,
                  sim_wall_s: float) -> float:
@@ -367,9 +384,10 @@ class Run:
         return stop.interrupted(step, self.out, advice)
 
     def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
-               **own: Any) -> dict[str, Any]:
+               timeline: bool = False, **own: Any) -> dict[str, Any]:
         """The summary: what every run reports, then the driver's ``own`` entries; the ``end`` event,
-        ``summary.json`` and ``report.png`` (main process). Returns the summary.
+        ``summary.json`` and ``report.png`` (main process), and with ``timeline`` (an asynchronous run's
+        drivers) ``timeline.png`` (:func:`atoll.job.timeline.plot_timeline`). Returns the summary.
 
         Args:
             tokens: training tokens of every island.
@@ -408,6 +426,8 @@ class Run:
         if self.is_main:
             write_summary(self.out, summary)
             plot_runs([self.out], self.out / "report.png")
+            if timeline:
+                plot_timeline(self.out / "metrics.jsonl", self.out / "timeline.png")
         if self.lock is not None:
             self.lock.release()
         return summary

@@ -14,6 +14,10 @@ asks for it. The metrics, under the same names in both (only the main process of
 - ``eval/loss``, ``eval/perplexity``: the global model on the held-out windows;
 - ``eval_vs_bytes/loss``, ``eval_vs_sim_time/loss``, ``eval_vs_tokens/loss``: the held-out loss against
   bytes one island sent, the run's clock and training tokens;
+- ``perf/tokens_per_s`` (training tokens of every island per real second over the logging interval),
+  ``perf/peak_accelerator_bytes`` (the interval's peak accelerator memory of the main process; GPUs only);
+- ``events/failures``, ``events/rejoins``, ``events/resets``, ``events/refusals``: how many of each run event
+  (:mod:`atoll.job.timeline`) so far, at the step of each;
 - ``summary/<key>``: the numbers of ``summary.json``, at the last step.
 
 The x-axis of every metric is the inner step, except the ``eval_vs_*`` ones. TensorBoard has a single
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from atoll.errors import ConfigError
+from atoll.job.timeline import TRACKED_EVENTS
 
 #: tracker name -> the package it needs (the extra of the same name installs it)
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -53,16 +58,20 @@ def check_installed(names: list[str]) -> None:
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The metrics of one ``metrics.jsonl`` event (``train``, ``eval`` or ``end``) under the trackers' names;
-    non-finite and non-numeric values are left out."""
+    """The metrics of one ``metrics.jsonl`` event (``train``, ``eval``, ``end`` or a tracked run event:
+    failure, rejoin, reset, refusal) under the trackers' names; non-finite and non-numeric values are left out."""
     event = record["event"]
     out: dict[str, Any] = {}
     if event == "train":
-        out = {"train/loss": record["loss"], "train/lr": record.get("lr"), "train/tokens": record["tokens"]}
+        out = {"train/loss": record["loss"], "train/lr": record.get("lr"), "train/tokens": record["tokens"],
+               "perf/tokens_per_s": record.get("tokens_per_s"),
+               "perf/peak_accelerator_bytes": record.get("peak_accelerator_bytes")}
         out.update({f"islands/loss_{i}": v for i, v in enumerate(record.get("island_loss") or [])})
         out.update({f"islands/bytes_sent_{i}": v for i, v in enumerate(record.get("island_bytes_sent") or [])})
     elif event == "eval":
         out = {"eval/loss": record["eval_loss"], "eval/perplexity": record.get("perplexity")}
+    elif event in TRACKED_EVENTS:
+        out = {f"events/{event}s": record.get("count")}
     elif event == "end":
         return {f"summary/{k}": float(v) for k, v in record.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("time", "step")

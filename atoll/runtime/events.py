@@ -55,12 +55,14 @@ from atoll.errors import CheckpointError
 from atoll.job import stop
 from atoll.job.device import island_devices
 from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
+from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.network import Link
 from atoll.runtime.sim_state import SimState, Transfer, Waiter
 from atoll.strategies.decoupled import make_syncer
 from atoll.strategies.decoupled.accounting import token_buckets
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.progress import progress_detail, syncer_events
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -96,6 +98,8 @@ class Simulation:
         self.starved = ""  # why the run stopped early because an island's pushes were all refused ("": it did not)
         self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
         self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
+        self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
+        self.ideal_rate = sum(config.tokens_per_step * s / config.sim_step_s for s in self.speeds)  # tokens/s
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -205,6 +209,7 @@ class Simulation:
         result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p], credential=self.credentials[i]),  # type: ignore[type-var]
                                   now=t)
         st.last_arrival = max(st.last_arrival, t)
+        self.log_push(i, p, t, result.accepted, result.reason, self.workers[i].steps)
         waiter = Waiter(i, msg.epoch)
         if result.accepted:
             st.waiting[p].append(waiter)
@@ -232,6 +237,7 @@ class Simulation:
         st.lost_by_island[i] += lost
         st.epoch[i] += 1
         st.awaiting[i] = [False] * self.syncer.fragments
+        self.run.events.log("failure", st.done // self.K, island=i, sim_wall_s=t, lost_tokens=lost)
         _, up = self.trace.next_outage(i, t)  # type: ignore[union-attr]
         st.clock[i] = t
         self.schedule(i, up, "rejoin")
@@ -248,6 +254,7 @@ class Simulation:
         st.pulled_at[i] = [st.clock[i]] * syncer.fragments
         st.rejoin_s.append(st.clock[i] - st.failed_at[i])  # type: ignore[operator]
         st.rejoins[i] += 1
+        self.run.events.log("rejoin", st.done // self.K, island=i, sim_wall_s=st.clock[i], rejoin_s=st.rejoin_s[-1])
         self.next_step(i)
 
     # --- the syncer's answers ------------------------------------------------------------------------
@@ -273,11 +280,24 @@ class Simulation:
     def answer(self, p: int, t: float) -> None:
         """Fragment p's buffer was merged (or emptied) by time t: answer every island whose push it held."""
         st = self.st
+        self.log_syncer(t)
         if not self.syncer.buffers[p].pushes and st.waiting[p]:
             waiters, st.waiting[p] = st.waiting[p], []
             self.send_pull(p, t, [m for m in waiters if m.epoch == st.epoch[m.island]])
 
     # --- events, checkpoints and the end -----------------------------------------------------------------
+    def log_push(self, i: int, p: int, t: float, accepted: bool, reason: str | None, island_step: int) -> None:
+        """A ``push`` run event (:mod:`atoll.job.timeline`), and the syncer's merges and refusals since."""
+        outcome = "accepted" if accepted else "stale" if reason == "stale" else "refused"
+        self.run.events.log("push", self.st.done // self.K, island=i, fragment=p, sim_wall_s=t, outcome=outcome,
+                           island_step=island_step)
+        self.log_syncer(t)
+
+    def log_syncer(self, t: float) -> None:
+        """The syncer's merges and refusals since the last call, as run events (the mean step of now)."""
+        for event, fields in syncer_events(self.syncer.journal.drain()):
+            self.run.events.log(event, self.st.done // self.K, **fields)
+
     def on_the_wire(self, i: int) -> float:
         """Tokens (times fragment share) of island i's pushes on the wire in its present epoch."""
         return sum((m.push.tokens * self.job.shares[m.push.fragment] for m in self.st.in_flight.values()
@@ -290,13 +310,26 @@ class Simulation:
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0], island_loss=list(st.last_loss),
-                          island_bytes_sent=list(st.bytes_sent))
-            check_resets(st.done // K, sum(w.island.reset_count for w in self.workers), K)
+                          island_bytes_sent=list(st.bytes_sent), island_steps=[w.steps for w in self.workers])
+            resets = [w.island.reset_count for w in self.workers]
+            run.events.note_resets(st.done // K, resets, max(st.clock))
+            check_resets(st.done // K, sum(resets), K)
+        eval_loss = None
         if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
-            check_eval(st.done // K, run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
-                                                  sum(st.bytes_sent) / K, max(st.clock)), run.data.vocab_size)
+            eval_loss = run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
+                                     sum(st.bytes_sent) / K, max(st.clock))
+            check_eval(st.done // K, eval_loss, run.data.vocab_size)
         if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
             self.checkpoint(st.done // K)
+        if self.bar is not None and st.done % K == 0:  # once per mean inner step
+            session = (st.done - K * run.start_step) * tps
+            self.bar.update(st.done // K, sum(st.last_loss) / K, session / max(1e-9, run.wall_s() - run.prior_wall_s),
+                            sum(st.bytes_sent) / K, eval_loss=eval_loss,
+                            detail=progress_detail([w.steps for w in self.workers], self.syncer.commits,
+                                                   self.syncer.staleness, self.syncer.merged_tokens / max(st.clock)
+                                                   / self.ideal_rate if max(st.clock) > 0 else None,
+                                                   [i for i in range(K) if st.failed_at[i] is not None
+                                                    and st.clock[i] <= st.failed_at[i]]))
         if stop.requested() is not None and st.done < self.budget:  # SIGINT/SIGTERM (atoll.job.stop): this
             self.checkpoint(st.done // K)  # event's state is whole, as at a periodic checkpoint; then stop
             raise self.run.interrupt(st.done // K)
@@ -319,13 +352,17 @@ class Simulation:
                     push = replace(w.push(p), session=syncer.admission.session[i])
                     st.bytes_sent[i] += push.nbytes
                     st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
-                    syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p], credential=self.credentials[i]), now=arrive)
+                    result = syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p],
+                                                 credential=self.credentials[i]), now=arrive)
                     st.last_arrival = max(st.last_arrival, arrive)
+                    self.log_push(i, p, arrive, result.accepted, result.reason, w.steps)
         syncer.flush()
+        self.log_syncer(st.last_arrival)
         for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with
             for p in range(syncer.fragments):  # a longer --steps must not push its final work a second time
                 self.workers[i].adopt(syncer.pull(p))
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
+        self.run.events.note_resets(st.done // K, [w.island.reset_count for w in self.workers], sim_wall_s)
         tps = config.tokens_per_step
         # a finished run resumed with no more steps: its final eval and checkpoint are in the log already
         again = self.restored_done is not None and st.done == self.restored_done and self.run.start_step == config.steps
@@ -333,7 +370,7 @@ class Simulation:
             self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
         if self.diverged is None and not again:  # a diverged run keeps its last good checkpoint
             self.checkpoint(config.steps)
-        ideal_rate = sum(tps * s / config.sim_step_s for s in self.speeds)
+        ideal_rate = self.ideal_rate
         stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)
         buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
                                 [self.on_the_wire(i) for i in range(K)])
@@ -353,17 +390,20 @@ class Simulation:
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
             **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
             measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers],
-            **island_extras(config, [w.island for w in self.workers], self.diverged))
+            timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
 
 
 def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run an asynchronous (decoupled) job as a discrete-event simulation in this process; return its summary.
 
-    Writes the usual run folder: metrics.jsonl, summary.json, report.png, config.json, checkpoints/ (the
-    global model and the whole simulation) and syncer/ (the syncer's state alone).
+    Writes the usual run folder: metrics.jsonl (with the run events: pushes, merges, refusals, failures,
+    rejoins, resets), summary.json, report.png, timeline.png (:mod:`atoll.job.timeline`), config.json,
+    checkpoints/ (the global model and the whole simulation) and syncer/ (the syncer's state alone). Progress
+    (steps per island, merges, staleness, goodput so far) is shown as for every run (``--progress``).
     """
     run = Run(config, resume)
     sim = Simulation(config, run)
     run.begin(restore=sim.restore)
-    sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where
+    with ProgressDisplay(config.steps, run.start_step, config.progress, every=config.progress_every) as sim.bar:
+        sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where
     return sim.finish()

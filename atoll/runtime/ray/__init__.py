@@ -60,7 +60,6 @@ import contextlib
 import secrets
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -70,6 +69,7 @@ from atoll.config import TrainConfig
 from atoll.errors import ConfigError
 from atoll.job import stop
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
+from atoll.job.metrics import ProgressDisplay, status
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
 from atoll.runtime.ray.cluster import (
@@ -81,6 +81,7 @@ from atoll.runtime.ray.cluster import (
     island_resources,
     wait_restarted,
 )
+from atoll.runtime.ray.report import RayReport
 from atoll.runtime.ray.watch import Watch
 
 __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
@@ -88,8 +89,10 @@ __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
 STOP_POLL_S = 0.5  # seconds between two looks for a stop request while the driver waits for the islands
 
 
-def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
+def _run_actors(config: TrainConfig, run: Run,
+                bar: ProgressDisplay) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
     """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
+    out = run.out.resolve()
     cfg = config.model_dump_json()
     # one secret per island, given to that island's actor and to the syncer only: a push counts only as its own
     credentials = [secrets.token_hex(16) for _ in range(config.islands)]
@@ -113,6 +116,7 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
     # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
     # called it within as long (else it is killed and restarted): atoll.runtime.ray.watch
     watch = Watch(syncer, islands, out, config.collective_timeout_s)
+    report = RayReport(config, run, bar)
     first_done: float | None = None  # when the first island finished or a stop was asked: the others then
     stopping = False  # have the deadline. SIGINT/SIGTERM (atoll.job.stop): the syncer grants no more steps
     while running:
@@ -133,6 +137,7 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
                       f"{config.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
                 break
             progress = watch.call("progress")
+            report.show(progress)
             if progress["starved"]:  # an island's work never reaches the model: stop rather than train on
                 starved = progress["starved"]
                 print(f"atoll: warning: {starved}; stopping the islands", file=sys.stderr)
@@ -150,6 +155,7 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
             raise                            # process lives, so running it again would fail again at once
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
+            report.failure(i)
             try:
                 wait_restarted(islands[i], island_demand(config, i))
             except IslandLost as e:  # its node died and no other can run it: the others go on without it
@@ -160,6 +166,7 @@ def _run_actors(config: TrainConfig, out: Path) -> tuple[dict[str, Any], dict[in
                 continue
             running[islands[i].run.remote()] = i
     final = watch.call("finish")
+    report.show(watch.call("progress"))  # the run events of the final merges
     final["abandoned"], final["lost"], final["starved"] = sorted(abandoned), sorted(lost), starved
     return final, results, failures
 
@@ -193,8 +200,11 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
         run = Run(config)  # fills the tokenizer and token caches before the actors read them
         run.begin()
-        out = run.out.resolve()
-        final, results, failures = _run_actors(config, out)
+        if config.progress:
+            status(f"starting {config.islands} island actors (each prepares the data and the model; progress "
+                   "follows from the first inner step)")
+        with ProgressDisplay(config.steps, 0, config.progress, every=config.progress_every) as bar:
+            final, results, failures = _run_actors(config, run, bar)
         driver_s = run.wall_s()  # when the syncer finished (within one call's latency), before Ray shuts down
     finally:
         if started:
@@ -215,6 +225,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
                                          f"--init-from {run.out}' (its global model)")
     loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
     resets = [int(r.get("resets", 0)) for r in res]  # the islands reset themselves (atoll.job.divergence)
+    run.events.note_resets(config.steps, resets, wall_s)
     diverged: Diverged | None = None  # checked at the end only: the driver sees the islands when they finish
     try:
         check_resets(config.steps, sum(resets), config.islands)
@@ -237,6 +248,4 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
-        **({"island_resets": resets} if any(resets) else {}),
-        **({"starved": final["starved"]} if final["starved"] else {}),
         **({"diverged": record(config, diverged)} if diverged is not None else {}))

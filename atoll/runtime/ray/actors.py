@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
 from atoll.strategies.decoupled import local_sync_every, make_syncer
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.progress import RECENT, syncer_events
 from atoll.strategies.decoupled.protocol import Pull, Push, is_index
 
 #: how often an actor may be restarted after its process died
@@ -69,6 +71,11 @@ class SyncerService:
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
         self.island_first_step_s: list[float | None] = [None] * self.config.islands
+        # for the driver's progress and run events (progress()): not checkpointed, a restart starts them anew
+        self.events: list[tuple[str, dict[str, Any]]] = []  # pushes and rejoins (the syncer journals the rest)
+        self.last_loss: list[float | None] = [None] * self.config.islands  # each island's, with its lr
+        self.last_lr: list[float | None] = [None] * self.config.islands
+        self.bytes_by_island = [0.0] * self.config.islands  # as the pushes declare them
         for island in range(self.config.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
         try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
@@ -110,6 +117,10 @@ class SyncerService:
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
+    def _run_clock(self, t: float) -> float:
+        """``t`` (this actor's clock) on the run's clock: seconds from the first inner step, 0 before it."""
+        return max(0.0, t - self.first_step_s) if self.first_step_s is not None else 0.0
+
     def _poll(self) -> None:
         if self.syncer.poll(self._now()):
             self._save()
@@ -136,14 +147,19 @@ class SyncerService:
         self.joins[island] += 1
         if self.joins[island] > 1:
             self.rejoin_s.append(now - self.last_seen[island])
+            self.events.append(("rejoin", {"island": island, "rejoin_s": self.rejoin_s[-1],
+                                           "sim_wall_s": self._run_clock(now)}))
         self.last_seen[island] = now
         self._poll()
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 self.steps_by_island[island], self.syncer.rejoin(island))
 
-    def reserve_step(self, island: int, credential: str = "") -> tuple[bool, list[int]]:
+    def reserve_step(self, island: int, credential: str = "", loss: Any = None,
+                     lr: Any = None) -> tuple[bool, list[int]]:
         """Take one inner step from the shared budget of ``islands x steps``; its tokens are granted to
-        ``island`` in the syncer's ledger (the bound of its token claims).
+        ``island`` in the syncer's ledger (the bound of its token claims). ``loss`` and ``lr``: the island's
+        last training loss (nats per token) and inner learning rate, for the driver's progress only (a value
+        that is not a finite number is ignored).
 
         Returns (False once the budget is spent; the fragments whose buffer still holds a push of
         ``island``, see :meth:`buffered`).
@@ -154,6 +170,8 @@ class SyncerService:
         """
         self._island("reserve_step", island, credential)
         self.last_seen[island] = self.heard[island] = self._now()
+        if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
+            self.last_loss[island], self.last_lr[island] = loss, lr
         self._poll()
         if self.reserved >= self.budget:
             return False, self._buffered(island)
@@ -201,6 +219,11 @@ class SyncerService:
             return False, None
         if result.reason != "identity":  # the island's own call
             self.last_seen[msg.island] = self.heard[msg.island] = now
+            self.bytes_by_island[msg.island] += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
+            outcome = "accepted" if result.accepted else "stale" if result.reason == "stale" else "refused"
+            self.events.append(("push", {"island": msg.island, "fragment": msg.fragment, "outcome": outcome,
+                                         "island_step": self.steps_by_island[msg.island],
+                                         "sim_wall_s": self._run_clock(now)}))
         if result.committed:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
@@ -237,15 +260,32 @@ class SyncerService:
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
     def progress(self) -> dict[str, Any]:
-        """Commits and versions so far, for the driver's watch (and tests): ``silent_s``, per island the
-        seconds since its last call (None before its first), and ``starved``, the one-line reason to stop if
-        an island's pushes were all refused (:meth:`~atoll.strategies.decoupled.syncer.Syncer.starved`; "")."""
+        """The run so far, for the driver's watch, progress line, ``train`` events and run events (and tests).
+
+        Returns commits, steps reserved, the budget, versions; ``silent_s``, per island the seconds since its
+        last call (None before its first); ``starved``, the one-line reason to stop if an island's pushes were
+        all refused (:meth:`~atoll.strategies.decoupled.syncer.Syncer.starved`; ""); ``run_s`` (the run's
+        clock), ``steps_by_island``, ``loss_by_island`` and ``lr_by_island`` (None until an island reports),
+        ``bytes_by_island``, the recent ``staleness`` of merged pushes, ``merged_tokens``; and ``events``: the
+        run events (kind, fields) since the last call (:mod:`atoll.job.timeline`: pushes, merges, refusals,
+        rejoins; each time on the run's clock).
+        """
         self._poll()
         now = self._now()
+        events, self.events = self.events, []
+        for kind, fields in syncer_events(self.syncer.journal.drain()):  # the syncer's clock is this actor's
+            events.append((kind, {**fields, "sim_wall_s": self._run_clock(fields["sim_wall_s"])}))
+        events.sort(key=lambda e: e[1]["sim_wall_s"])
+        start = self.first_step_s
         return {"commits": self.syncer.commits, "reserved": self.reserved, "budget": self.budget,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 "silent_s": [None if h is None else now - h for h in self.heard],
-                "starved": self.syncer.starved_message() if self.syncer.starved() else ""}
+                "starved": self.syncer.starved_message() if self.syncer.starved() else "",
+                "run_s": now - start if start is not None else 0.0,
+                "steps_by_island": list(self.steps_by_island), "loss_by_island": list(self.last_loss),
+                "lr_by_island": list(self.last_lr), "bytes_by_island": list(self.bytes_by_island),
+                "staleness": self.syncer.staleness[-RECENT:], "merged_tokens": self.syncer.merged_tokens,
+                "events": events}
 
 
 class RayTransport:
@@ -257,15 +297,18 @@ class RayTransport:
     ``push`` (sent, answer not read), ``wait`` (buffered at the syncer) or ``pull`` (the merged fragment asked).
     """
 
-    def __init__(self, syncer: Any, island: int, fragments: int, credential: str = "", session: int = 0) -> None:
+    def __init__(self, syncer: Any, island: int, fragments: int, credential: str = "", session: int = 0,
+                 status: Any = None) -> None:
         self.syncer, self.island, self.credential, self.session = syncer, island, credential, session
+        self.status = status  # () -> (last loss, lr) of the island, sent with each step's reservation
         self.pulled_at = [time.monotonic()] * fragments
         self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
         self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
         self.bytes_sent = 0.0
 
     def reserve_step(self) -> bool:
-        go, self.buffered = ray.get(self.syncer.reserve_step.remote(self.island, self.credential))
+        loss, lr = self.status() if self.status is not None else (None, None)
+        go, self.buffered = ray.get(self.syncer.reserve_step.remote(self.island, self.credential, loss, lr))
         return go
 
     def send(self, push: Push) -> None:
@@ -340,13 +383,19 @@ class IslandService:
     def run(self) -> dict[str, Any]:
         """Train until the shared step budget is spent (the learner's loop,
         :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
-        transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential, self.session)
+        transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential, self.session,
+                                 status=self.status)
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
                 "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss, "codec_s": self.worker.wire.codec_s[0],
                 "resets": island.reset_count, "skipped_steps": island.skipped_steps,
                 "node_id": ray.get_runtime_context().get_node_id()}
+
+    def status(self) -> tuple[float, float]:
+        """(last training loss, inner learning rate) of this island, for the driver's progress."""
+        island = self.worker.island
+        return float(island.last_loss), float(island.scheduler.get_last_lr()[0])
 
     def pid(self) -> int:
         return os.getpid()

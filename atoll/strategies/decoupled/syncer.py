@@ -32,11 +32,10 @@ keep the delay of pseudo-gradients small). With ``a = 0`` the merge is the plain
 
 **Partial merges.** The mean divides by the weights of the pushes that contributed, never by the configured
 count. But a merge of n < K islands is followed by merges of the others, each of whose Δ was taken from
-(about) the same global version: stepping each partial mean in full moves the globals about K/n times as
-far per round as synchronous DiLoCo, and with the outer Nesterov momentum (lr 0.7, momentum 0.9) that
-overshoots (measured: README, "Asynchronous islands"). So by default (``scale_partial``) the merged Δ̄ is scaled by n/K before the outer step, the
-share of the islands it speaks for (as FedAsync mixes a single stale update with a weight below 1). With a
-full quorum (n = K) nothing is scaled, and the step is exactly synchronous DiLoCo's.
+(about) the same global version: stepping each partial mean in full moves the globals about K/n times as far
+per round as synchronous DiLoCo, which overshoots with Nesterov momentum. So by default (``scale_partial``)
+Δ̄ is scaled by n/K before the outer step, the share of the islands it speaks for (as FedAsync mixes a stale
+update with a weight below 1). With a full quorum nothing is scaled: the step is synchronous DiLoCo's.
 
 Every push is checked as if from a stranger before it can reach a buffer: its form, sender and freshness
 (:meth:`Admission.refusal <atoll.strategies.decoupled.trust.Admission.refusal>`: an island and a fragment of
@@ -63,17 +62,14 @@ dropped every round while the others merge. So each island earns one commit of *
 fragment for every push of its dropped as stale, kept, at most ``islands``: its limit is ``max_staleness`` +
 its credit. An island that is always one commit late is dropped once and merged ever after; no island is
 starved, and no push is ever staler than ``max_staleness + islands``. Paying the credit back as soon as
-an island pushes fresh (tried) moves the starvation to the others in turn: 3 islands, quorum 2,
-``max_staleness`` 0 (micro, 60 steps) merged 57%, 57% and 93% of their tokens, against 90%, 90% and 72% with
-the credit kept (0% for the last island without any credit).
+an island pushes fresh moves the starvation to the others in turn, so it is kept.
 
 **Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` (or
-replaced) or ``rejected`` (:meth:`Syncer.stats`, :mod:`~atoll.strategies.decoupled.accounting`); a forged push
-(``identity``) or one naming no island is no island's claim, and in no bucket.
+replaced) or ``rejected`` (:mod:`~atoll.strategies.decoupled.accounting`); a forged push (``identity``) or one
+naming no island is no island's claim, and in no bucket. Merges and refusals are journaled for the run events.
 
-:meth:`Syncer.state_dict` holds everything (globals, outer momentum, versions, buffers, statistics);
-:meth:`Syncer.save` writes it atomically with :func:`atoll.job.checkpoint.save_checkpoint`, so a syncer that
-restarts from :meth:`Syncer.load` loses no committed outer step.
+:meth:`Syncer.state_dict` holds all (globals, outer momentum, versions, buffers, statistics), written
+atomically by :meth:`Syncer.save`: a syncer restarted from :meth:`Syncer.load` loses no committed outer step.
 """
 
 from __future__ import annotations
@@ -95,6 +91,7 @@ from atoll.algorithms.outer import OuterOptimizer
 from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
+from atoll.strategies.decoupled.journal import Journal
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult, is_index
 from atoll.strategies.decoupled.trust import Admission
 
@@ -207,6 +204,7 @@ class Syncer:
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
         self._norms: dict[int, tuple[int, float]] = {}  # per fragment: (version, norm of its globals)
         self._means: dict[int, torch.Tensor] = {}  # per fragment: the buffer its merged Δ̄ is accumulated in
+        self.journal = Journal()  # its merges and refusals, for the run events; drained by the runtime, not saved
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -240,6 +238,7 @@ class Syncer:
             A :class:`~atoll.strategies.decoupled.protocol.PushResult` (never raises for what ``msg`` holds);
             accepted: it entered the buffer, replacing the island's push waiting there if any.
         """
+        self.journal.clock = now
         if not isinstance(msg, Push):  # not a push at all (a runtime that deserializes anything it is sent)
             self._refuse(None, None, "type", None)
             return PushResult(False, "type")
@@ -345,6 +344,7 @@ class Syncer:
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
         log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
+        self.journal.refused(island, fragment, reason)
         if named and reason != "identity" and is_index(fragment, self.fragments) and is_index(tokens, math.inf):
             self._count("rejected", island, fragment, tokens)
 
@@ -414,6 +414,7 @@ class Syncer:
         if self.scale_partial and contributors < self.islands:
             mean = mean * (contributors / self.islands)
         self.outer[fragment].step(mean)
+        self.journal.merged(fragment, self.version(fragment), {p.island for p in kept}, now)
         self.commits += 1
         self.quorum_sizes.append(contributors)
         self.staleness += stale
