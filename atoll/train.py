@@ -152,10 +152,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 if first_sync or (config.checkpoint_every and done % config.checkpoint_every == 0) \
                         or done == config.steps:
                     early = False
-                    job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
-                    params = runtime.full_params(strategy.global_params())
-                    if job is not None:
-                        run.save_checkpoint(done, job, params)
+                    runtime.save_checkpoint(run, done, islands, strategy)  # collective: each rank writes its part
                 runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss,
                               eval_loss=run.eval_loss, wall_s=run.wall_s())
                 session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step

@@ -123,8 +123,9 @@ def _load_syncer_weights(model: PreTrainedModel, run_dir: Path) -> bool:
     return False
 
 
-def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
-    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones.
+def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones; a per-rank
+    checkpoint assembled into every island's state with ``consolidate`` (:func:`load_checkpoint`).
 
     Raises:
         CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
@@ -136,7 +137,7 @@ def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
     error: CheckpointError | None = None
     for path in candidates:
         try:
-            step, state = load_checkpoint(path)
+            step, state = load_checkpoint(path, consolidate)
             if not isinstance(state, dict) or "islands" not in state:
                 raise CheckpointError(f"resume: checkpoint '{path}' has no island state; start a new run")
             if error is not None:
@@ -247,7 +248,8 @@ class Run:
         """The checkpoint's state (resume), then the data and the model (a fresh one, or ``init_from``'s)."""
         config = self.config
         if resume:
-            self.start_step, self.state = load_latest_state(self.out)
+            # the collective runtime's ranks each read their own part of a per-rank checkpoint
+            self.start_step, self.state = load_latest_state(self.out, consolidate=config.runtime != "collective")
             if self.start_step > config.steps:
                 raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
                                   f"pass --steps {self.start_step} or more")
@@ -334,12 +336,16 @@ class Run:
                   sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
         return self.eval_loss
 
-    def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor) -> Path:
+    def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor, tmp: Path | None = None,
+                        meta: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint atomically: the global parameters as a Hugging Face model with the tokenizer, and
-        the driver's ``state`` with what a resume of this run needs (losses, wall time, data fingerprint)."""
+        the driver's ``state`` with what a resume of this run needs (losses, wall time, data fingerprint).
+        ``tmp`` and ``meta``: the folder other processes wrote their parts into, and its description
+        (:func:`atoll.job.checkpoint.save_checkpoint`)."""
         state = {**state, "initial_eval_loss": self.initial_eval_loss, "eval_loss": self.eval_loss,
                  "wall_s": self.wall_s(), "data_fingerprint": self.data.fingerprint}
-        path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer)
+        path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer,
+                               tmp=tmp, meta=meta)
         self.log.log("checkpoint", step=step, path=str(path))
         return path
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -35,12 +36,12 @@ from atoll.runtime.collective.failure import (
 from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
-from atoll.runtime.collective.transfer import gather_states, to_cpu
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
     from atoll.job.island import Island
+    from atoll.job.run import Run
     from atoll.strategies.base import Strategy
 
 # ----------------------------------------------------------------------------------------------------------
@@ -365,36 +366,77 @@ class CollectiveRuntime(Runtime):
         return real_s
 
     def job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any] | None:
-        """Gather every island's state on rank 0 (as safetensors + JSON, :func:`~.transfer.gather_states`; no
-        pickle), in the ``local`` runtime's format.
+        """Not gathered: a collective checkpoint is written by every rank (:meth:`save_checkpoint`)."""
+        raise NotImplementedError("the collective runtime writes per-rank checkpoints (save_checkpoint)")
 
-        Every rank takes the strategy's state (it may finish an exchange in flight, an island collective);
-        one rank per island sends it with its islands' states. The clock entry is a
-        :class:`~atoll.runtime.network.SimClock` state at the real wall time ``extra["wall_s"]``, so the
-        ``local`` runtime can resume the checkpoint.
+    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy) -> None:
+        """Write the checkpoint at inner step ``step`` per rank (:mod:`atoll.job.rank_checkpoint`); collective.
+
+        Every rank takes the strategy's shared state (it may finish an exchange in flight, an island
+        collective) and writes what only it holds into ``ranks/rank_<r>/`` of the temporary folder rank 0 made;
+        the ranks agree that every write succeeded (one all-reduce over the control group), then rank 0 writes
+        the shared state (counters, a :class:`~atoll.runtime.network.SimClock` at the real wall time, so the
+        ``local`` runtime can resume an unsharded checkpoint) and the global model, and renames the folder.
+        Island 0's ranks gather a sharded global model for the Hugging Face export; nothing else travels.
+
+        Raises:
+            OSError: this rank, or another, could not write its part; the temporary folder is removed and the
+                previous checkpoints stay as they were.
         """
-        if self.config.shard_island:
-            from atoll.runtime.collective.sharding import sharded_job_state
+        import errno
 
-            return sharded_job_state(self, islands, strategy, **extra)
-        shared = strategy.state_dict()
-        mine = ({"island": self.island, "states": [to_cpu(i.state_dict()) for i in islands],
-                 "strategy": [to_cpu(strategy.island_state(p)) for p in range(len(islands))]}
-                if self.position == 0 else None)
-        gathered = self.comm.resilient(lambda: gather_states(mine, self.control, self.is_main))
-        if gathered is None:
-            return None
-        got = {int(g["island"]): (int(g["island"]), g["states"], g["strategy"]) for g in gathered if g is not None}
-        donor = got[min(got)]  # a lost island resumes from a live island's state (its own is gone)
-        entries = [got.get(i, (i, *donor[1:])) for i in range(self.islands)]
-        wall = float(extra.get("wall_s", 0.0))
-        return {"islands": [s for e in entries for s in e[1]], "strategy": to_cpu(shared),
-                "strategy_islands": [s for e in entries for s in e[2]],
-                "comm": self.comm.state_dict(),
-                "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
+        from atoll.job.checkpoint import checkpoint_tmp
+        from atoll.job.rank_checkpoint import FORMAT, rank_folder, save_rank_state
+
+        sharded = self.config.shard_island
+        shared = strategy.state_dict()  # every rank: it may finish an exchange in flight
+        tmp = run.out / "checkpoints" / f".tmp-step_{step:07d}"
+        if self.is_main:
+            tmp = checkpoint_tmp(run.out, step)
+        self.comm.resilient(lambda: dist_call(dist.barrier, group=self.control))
+        entry: dict[str, Any] = {"island": self.island, "position": self.position}
+        if sharded or self.position == 0:  # an island's replicas are alike: its first rank writes it
+            island = islands[0]
+            entry["island_state"] = island.local_state_dict() if sharded else island.state_dict()
+            entry["strategy_island"] = strategy.island_state(0)
+            if self.island == 0:  # the global model and the outer state, once (sharded: once per shard)
+                entry["strategy"] = shared
+        failure: OSError | None = None
+        try:
+            save_rank_state(rank_folder(tmp, self.rank), entry)
+        except OSError as e:
+            failure = e
+        ok = torch.tensor([0.0 if failure is not None else 1.0], dtype=torch.float64)
+
+        def agree() -> torch.Tensor:
+            out = ok.clone()
+            dist_call(dist.all_reduce, out, op=dist.ReduceOp.MIN, group=self.control)
+            return out
+
+        everyone = float(self.comm.resilient(agree)[0]) == 1.0
+        params = self.full_params(strategy.global_params()) if self.island == 0 else None
+        if not everyone:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if failure is not None:
+                raise failure
+            raise OSError(errno.EIO, "another rank could not write its part of the checkpoint", str(tmp))
+        if self.is_main:
+            assert params is not None
+            wall = run.wall_s()
+            state = {"islands": self.islands, "ranks_per_island": self.ranks_per_island,
+                     "shard_ranks": self.ranks_per_island if sharded else None, "alive": list(self.alive),
+                     "comm": self.comm.state_dict(), "clock": SimClock(self.islands, [wall] * self.islands).state_dict(),
+                     "wall_s": wall}
+            run.save_checkpoint(step, state, params, tmp=tmp, meta={"format": FORMAT})
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
-        """Each rank loads its own island's entry (the checkpoint must be readable on every node)."""
+        """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its
+        own folder (and its owners') of a per-rank checkpoint, or from a state that holds every island's (a
+        rejoining rank's, an older checkpoint's)."""
+        if state.get("checkpoint_path") is not None:
+            self._load_rank_state(state, islands, strategy)
+            return
         if len(state["islands"]) != self.islands:
             raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
                                   f"{self.islands}; resume with the run's own --islands")
@@ -412,4 +454,30 @@ class CollectiveRuntime(Runtime):
         if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
             self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
 
+    def _load_rank_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
+        """Restore from a per-rank checkpoint: this rank reads its island's folder and the shared state's owner
+        (:func:`~atoll.job.rank_checkpoint.owner_of_island`), nothing of the other islands."""
+        from atoll.job.rank_checkpoint import load_rank_state, owner_of_island, owner_of_shared, rank_folder
 
+        if int(state["islands"]) != self.islands:
+            raise CheckpointError(f"resume: the checkpoint holds {state['islands']} islands, this run "
+                                  f"{self.islands}; resume with the run's own --islands")
+        sharded, saved = self.config.shard_island, state.get("shard_ranks")
+        if (saved or None) != (self.ranks_per_island if sharded else None):
+            raise CheckpointError(f"resume: the checkpoint's islands are sharded over {saved or 1} ranks, this "
+                                  f"run's over {self.ranks_per_island if sharded else 1}; resume with "
+                                  + (f"--shard-island --ranks-per-island {saved}" if saved else "no --shard-island"))
+        path, alive = Path(state["checkpoint_path"]), [int(i) for i in state["alive"]]
+        own_rank = owner_of_island(self.island, self.position, int(state["ranks_per_island"]), sharded, alive)
+        own, dtensors = load_rank_state(rank_folder(path, own_rank))
+        island = islands[0]
+        if sharded:
+            island.load_local_state_dict(own["island_state"],  # type: ignore[attr-defined]
+                                         lambda key: f"island_state.{key}" in dtensors)
+        else:
+            island.load_state_dict(own["island_state"])
+        shared_rank = owner_of_shared(self.position, sharded)
+        shared = own if shared_rank == own_rank else load_rank_state(rank_folder(path, shared_rank))[0]
+        strategy.load_state_dict(shared["strategy"])
+        strategy.load_island_state(0, own["strategy_island"])
+        self.comm.load_state_dict(state["comm"])

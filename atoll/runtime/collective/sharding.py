@@ -13,14 +13,14 @@ outer optimizer act on it, and the cross-island exchange moves it between the ra
 every island. Element-wise maths (AdamW, the outer Nesterov step, fp32 averaging) is therefore the same as
 on the whole vector; only the order of floating-point sums changes (gradient reduce-scatter, clip norm).
 
-The full model is assembled where it is needed: evaluation and the checkpoint's Hugging Face model
-(:meth:`ShardLayout.gather`), and the islands' checkpoint states (``get_model_state_dict`` with
-``full_state_dict``, and the optimizer's moments gathered into its ordinary, index-keyed state dict), so a
-checkpoint holds the same full tensors as an unsharded run's.
+The full model is assembled only for the checkpoint's Hugging Face model (:meth:`ShardLayout.gather`, on
+island 0); a checkpoint's island state is each rank's pieces (:meth:`ShardedIsland.local_state_dict`, written
+per rank, :mod:`atoll.job.rank_checkpoint`), and the evaluation runs the sharded island itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -123,6 +123,45 @@ class ShardedIsland(Island):
             "skipped_steps": self.skipped_steps,
         }
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """The island's state as this rank holds it: every parameter and AdamW moment a ``DTensor`` (its
+        ``Shard(0)`` piece on this rank; no collective, no copy), for a per-rank checkpoint
+        (:mod:`atoll.job.rank_checkpoint` saves the pieces)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "compute_s": self.compute_s, "tokens": self.tokens,
+                "skipped_steps": self.skipped_steps, "reset_count": self.reset_count}
+
+    def load_local_state_dict(self, state: dict[str, Any], was_dtensor: Callable[[str], bool]) -> None:
+        """Load :meth:`local_state_dict`'s pieces as saved by this rank's position (no collective).
+
+        ``was_dtensor(key)`` says whether the tensor at dotted ``key`` (``model.<name>``,
+        ``optimizer.state.<index>.<name>``) was a ``DTensor`` piece; those are wrapped again with their
+        parameter's mesh and placement.
+        """
+        own = self.model.state_dict()
+        model = {}
+        for k, v in state["model"].items():
+            p = own[k]
+            model[k] = (DTensor.from_local(v.to(p.device, p.dtype), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                        if isinstance(p, DTensor) and was_dtensor(f"model.{k}") else v)
+        self.model.load_state_dict(model)
+        optimizer = state["optimizer"]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        moments = {}
+        for index, entry in optimizer["state"].items():
+            p = params[int(index)]
+            moments[index] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride())
+                                  if was_dtensor(f"optimizer.state.{index}.{k}") else v)
+                              for k, v in entry.items()}
+        self.optimizer.load_state_dict({**optimizer, "state": moments})
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.compute_s = float(state["compute_s"])
+        self.tokens = int(state["tokens"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.reset_count = int(state.get("reset_count", 0))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state with whole tensors (an unsharded or a sharded island's): each rank keeps its pieces."""
         set_model_state_dict(self.model, state["model"], options=_FULL)
@@ -186,7 +225,7 @@ class ShardLayout:
         return torch.cat([pieces[r][j] for j in range(self.counts.shape[1]) for r in range(len(sizes))])
 
 
-# --- the collective runtime's sharded islands: building, checkpoint state ------------------------------
+# --- the collective runtime's sharded islands: building, an older checkpoint's state ------------------------
 def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
                         device: torch.device) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
@@ -198,34 +237,8 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
     return island, ShardLayout(island.params, group, device)
 
 
-def sharded_job_state(rt: Any, islands: list[Island], strategy: Any, **extra: Any) -> dict[str, Any] | None:
-    """The collective runtime's ``job_state`` for sharded islands (on rank 0; None elsewhere): the islands'
-    whole states (gathered by the island's ranks together), the strategy's state per rank position (each
-    holds its shard's): ``strategy_shards`` [position] and ``strategy_islands`` [island][position], and
-    ``shard_ranks`` = R. States travel as safetensors + JSON (:func:`~.transfer.gather_states`)."""
-    from atoll.runtime.collective.transfer import gather_states, to_cpu
-    from atoll.runtime.network import SimClock
-
-    states = [to_cpu(i.state_dict()) for i in islands]  # every rank of the island: a collective
-    mine = {"island": rt.island, "position": rt.position,
-            "strategy_islands": [to_cpu(strategy.island_state(p)) for p in range(len(islands))],
-            **({"states": states} if rt.position == 0 else {}),
-            **({"shared": to_cpu(strategy.state_dict())} if rt.island == 0 else {})}
-    gathered = gather_states(mine, rt.control, rt.is_main)
-    if gathered is None:
-        return None
-    entries = sorted((g for g in gathered if g is not None), key=lambda g: (g["island"], g["position"]))
-    r_count, wall = rt.ranks_per_island, float(extra.get("wall_s", 0.0))
-    return {"islands": [s for e in entries if e["position"] == 0 for s in e["states"]],
-            "strategy_shards": [e["shared"] for e in entries if e["island"] == 0],
-            "strategy_islands": [[e["strategy_islands"][0] for e in entries[i * r_count:(i + 1) * r_count]]
-                                 for i in range(rt.islands)],
-            "shard_ranks": r_count, "comm": rt.comm.state_dict(),
-            "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(), **extra}
-
-
 def load_sharded_job_state(rt: Any, state: dict[str, Any], islands: list[Island], strategy: Any) -> None:
-    """Each rank of a sharded island keeps its pieces of the whole tensors, and its position's strategy state.
+    """A checkpoint of whole tensors gathered on rank 0 (before per-rank checkpoints): each rank of a sharded island keeps its pieces of the whole tensors, and its position's strategy state.
 
     Raises:
         CheckpointError: the checkpoint's islands were sharded over another number of ranks (or not at all).
