@@ -107,6 +107,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
     if joined is not None:
         run.start_step, run.state = joined["step"], joined["job"]
+    run.evaluator = lambda params: runtime.evaluate(islands, params, run.val)  # on the islands' devices
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 
     early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
@@ -145,7 +146,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 if eval_now:
                     if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
                         runtime.clock.mark(done)
-                    eval_loss = run.log_eval(done, tokens, runtime.full_params(strategy.global_params()),
+                    eval_loss = run.log_eval(done, tokens, strategy.global_params(),
                                              comm.bytes_sent_per_island, sim_wall_s())
                     check_eval(done, eval_loss, run.data.vocab_size)  # every process evaluates the same model
                 first_sync = early and comm.exchanges > 0

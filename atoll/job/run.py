@@ -39,8 +39,8 @@ from atoll.job.checkpoint import (
 )
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
-from atoll.job.device import resolve_device
-from atoll.job.island import copy_flat_into, next_token_loss
+from atoll.job.device import autocast, resolve_device
+from atoll.job.island import Island, copy_flat_into, next_token_loss
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
 from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
@@ -59,6 +59,37 @@ def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
     losses = [float(next_token_loss(model, b)) for b in batches]
     model.train()
     return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def evaluate_island(island: Island, params: torch.Tensor | None, batches: list[torch.Tensor],
+                    which: list[int] | range | None = None) -> dict[int, float]:
+    """Held-out next-token loss (nats per token) of the global model on ``island``'s device: batch index ->
+    its mean loss, for the batches ``which`` (default all) of ``batches`` (int64, (b, seq_len + 1)).
+
+    The island's own model runs it: its parameters (this rank's pieces for a sharded island, whose FSDP2
+    units gather each block as in training) are set to ``params`` (the strategy's ``global_params()``, flat
+    float32; None: the model as it is) and put back afterwards, so no second copy of the model is built.
+    On a CPU the forward pass is float32, the same numbers as :func:`evaluate` on the global model; on an
+    accelerator, under the island's ``--precision`` autocast (as its training forward).
+    """
+    pieces = island.local_params() if hasattr(island, "local_params") else island.params
+    backup = [p.detach().clone() for p in pieces] if params is not None else []
+    model = island.model
+    try:
+        if params is not None:
+            island.set_flat_params(params)
+        model.eval()
+        precision = "fp32" if island.device.type == "cpu" else island.precision
+        out = {}
+        with autocast(island.device, precision):
+            for j in (range(len(batches)) if which is None else which):
+                out[j] = float(next_token_loss(model, batches[j].to(island.device, non_blocking=True)))
+        return out
+    finally:
+        model.train()
+        for p, b in zip(pieces if backup else [], backup, strict=True):
+            p.copy_(b)
 
 
 def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
@@ -243,6 +274,9 @@ class Run:
         self.prior_wall_s = 0.0
         self.log: MetricsLog | NullLog = NullLog()
         self.trackers: list[Tracker] = []  # TensorBoard, W&B (config.tracker), main process only
+        # how the global model is evaluated: params (the strategy's global_params(); None: the initial model)
+        # -> held-out loss; None: float32 on the CPU with :attr:`model` (the drivers without a runtime's own)
+        self.evaluator: Callable[[torch.Tensor | None], float] | None = None
 
     def _load_inputs(self, resume: bool) -> None:
         """The checkpoint's state (resume), then the data and the model (a fresh one, or ``init_from``'s)."""
@@ -293,7 +327,8 @@ class Run:
                 raise CheckpointError(f"resume: the checkpoint of '{self.out}' does not fit this run "
                                       f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); start a new run") from None
         else:
-            self.initial_eval_loss = self.eval_loss = evaluate(self.model, self.val)
+            self.initial_eval_loss = self.eval_loss = (self.evaluator(None) if self.evaluator is not None
+                                                       else evaluate(self.model, self.val))
             self.log.log("start", step=0, params=self.n_params, config=config.model_dump(mode="json"),
                          train_tokens=self.data.num_train_tokens, val_tokens=self.data.num_val_tokens,
                          tokenizer_from_cache=self.data.tokenizer_from_cache)
@@ -330,8 +365,10 @@ class Run:
 
     def log_eval(self, step: int, tokens: int, params: torch.Tensor, bytes_sent_per_island: float,
                  sim_wall_s: float) -> float:
-        """Evaluate the global parameters ``params`` on the held-out batches; log an ``eval`` event; return it."""
-        self.eval_loss = evaluate(self.set_global(params), self.val)
+        """Evaluate the global parameters ``params`` on the held-out batches (with :attr:`evaluator` where the
+        driver set one); log an ``eval`` event; return it."""
+        self.eval_loss = (self.evaluator(params) if self.evaluator is not None
+                          else evaluate(self.set_global(params), self.val))
         self.emit("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=perplexity(self.eval_loss),
                   sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
         return self.eval_loss

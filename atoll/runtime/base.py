@@ -59,6 +59,15 @@ class Runtime(ABC):
 
         return make_island(index, model.to(self.device_of(index)), config, self.clock, optimizer=optimizer)
 
+    def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
+        """Mean held-out loss (nats per token) of the global model ``params`` (the strategy's
+        ``global_params()``; None: the initial model) over ``batches``, on the first island's device
+        (:func:`atoll.job.run.evaluate_island`); collective call."""
+        from atoll.job.run import evaluate_island
+
+        losses = evaluate_island(islands[0], params, batches)
+        return sum(losses[j] for j in range(len(batches))) / len(batches)
+
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """The whole flat parameter vector from what the strategy holds (``global_params()``); the same
         vector unless islands are sharded; collective call."""
