@@ -27,7 +27,7 @@ from typing import Any
 
 from atoll.config import TrainConfig
 from atoll.job.data import sample_batch
-from atoll.job.device import resolve_device
+from atoll.job.device import host_memory_bytes, resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, inject_fault, record
 from atoll.job.island import compile_skipped
 from atoll.job.metrics import ProgressDisplay
@@ -97,11 +97,13 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
 def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any]:
     """The loop of a lockstep strategy: every island's forward and backward pass, then the strategy's step."""
+    host_before = host_memory_bytes()
     run = Run(config, resume, is_main=runtime.is_main)
     runtime.start()
     own = spec(config.strategy)
     islands = [runtime.make_island(i, copy.deepcopy(run.model), config, optimizer=own.inner_optimizer)
                for i in runtime.local_islands]
+    startup_host_bytes = host_memory_bytes() - host_before  # the data, the global model, the islands
     strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
     joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
@@ -167,7 +169,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     skipped, resets = runtime.island_counts(islands)
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
-        sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
+        sim_wall_s=sim_wall_s(), strategy_s=strategy_s, startup_host_bytes=startup_host_bytes,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
         rejected_updates=strategy.dropped_updates, skipped_steps=sum(skipped),
         # the slowest island's codec seconds charged on the simulated clock (in sim_wall_s, not in compute_s);

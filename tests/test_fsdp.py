@@ -8,6 +8,7 @@ resumes bit for bit. Every run is a subprocess with a timeout and a checked exit
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,6 +21,10 @@ from conftest import cli_flags, run_cli
 from safetensors.torch import load_file
 
 from atoll.algorithms.codecs import make_codec
+from atoll.config import build_config
+from atoll.config.applies import applicable
+from atoll.job.checkpoint import save_checkpoint
+from atoll.job.run import prepare_inputs
 from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
 
 STEPS = 12
@@ -72,8 +77,13 @@ def _resume_from(source: Path, out: Path, step: int) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def runs(corpus_file: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """diloco and ddp, each unsharded and sharded, 2 islands x 2 ranks; diloco int8 sharded."""
+    """diloco and ddp, each unsharded and sharded, 2 islands x 2 ranks; diloco int8 sharded. Every run starts
+    from the same weights (``--init-from`` a checkpoint of the seeded model): sharded islands initialise their
+    own pieces on the meta device, whose values differ from the whole model's seeded ones."""
     root, settings = tmp_path_factory.mktemp("fsdp"), _settings(corpus_file, cache_dir)
+    _, model = prepare_inputs(build_config(overrides=applicable({**settings, "out": str(root / "seed")})))
+    save_checkpoint(root / "seed", 0, {}, model=model)
+    settings["init_from"] = str(root / "seed")
     out = {}
     for strategy in ("diloco", "ddp"):
         for shard in (False, True):
@@ -188,6 +198,24 @@ def test_sharded_checkpoint_resumes_bit_for_bit(runs: dict, tmp_path: Path) -> N
     r = _atoll("train", "--resume", str(out), "--ranks-per-island", "1")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("atoll: error: shard_island: an island of one rank")
+
+
+@pytest.mark.slow
+def test_sharded_island_starts_without_the_whole_model(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> None:
+    """With --shard-island no process builds the whole float32 model (meta-device initialisation): the host
+    memory a rank takes to start (data, model, island) grows by its half of the model, not by the whole model
+    and a copy (2.5x the model's bytes before)."""
+    settings = {**_settings(corpus_file, cache_dir), "islands": 1, "steps": 1, "eval_every": 1, "eval_batches": 1,
+                "checkpoint_every": 0, "batch_size": 2, "shard_island": True}
+    floor = _train(settings, tmp_path / "micro")  # imports and data: what any model costs
+    big = _train(settings, tmp_path / "20m", model="20m")
+    model_bytes = 4 * big["params"]
+    grown = big["startup_host_bytes"] - floor["startup_host_bytes"]
+    # a rank's pieces are half the parameters (2 ranks); the whole model would be 1.0 and more
+    assert 0 < grown < 0.75 * model_bytes, (grown, model_bytes)
+    # its pieces are initialised (not left empty): the loss starts near ln(vocab) and training lowers it
+    assert abs(big["initial_eval_loss"] - math.log(big["vocab_size"])) < 0.5
+    assert big["final_eval_loss"] < big["initial_eval_loss"]
 
 
 @pytest.mark.parametrize(("flags", "start"), [

@@ -92,6 +92,11 @@ def evaluate_island(island: Island, params: torch.Tensor | None, batches: list[t
             p.copy_(b)
 
 
+def is_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are on the meta device (shapes without storage)."""
+    return any(p.is_meta for p in model.parameters())
+
+
 def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
     """Copy the global weights of another run's latest checkpoint into ``model`` (a warm start); for a
     decoupled run stopped before its first checkpoint, those of its syncer's last commit.
@@ -181,7 +186,8 @@ def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[st
 
 def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:
     """The corpus prepared for the run's islands (tokenizer, shards, validation tokens; cached) and the
-    initial global model: a preset seeded by ``seed``, or a pretrained model (loaded first, so that a tokenizer
+    initial global model: a preset seeded by ``seed`` (on the meta device for sharded islands of the collective
+    runtime: shapes only), or a pretrained model (loaded first, so that a tokenizer
     it cannot embed fails before the corpus is tokenized), with ``init_from``'s weights when ``warm_start``
     (not on a resume: the checkpoint's weights follow).
 
@@ -210,11 +216,13 @@ def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = T
         print(f"atoll: note: vocab_size: the corpus yields a {data.vocab_size:,}-token BPE, not the "
               f"{config.vocab_size:,} asked for; the model embeds {data.vocab_size:,} tokens (summary.json "
               "vocab_size); pass a larger corpus for more", file=sys.stderr)
+    # sharded islands of a preset: no whole model in any process (each rank materialises its pieces)
+    meta = config.shard_island and config.runtime == "collective"
     if model is None:
-        model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
+        model = build_model(config.model, data.vocab_size, config.seq_len, config.seed, meta=meta)
     elif pretrained is None:
         check_vocab(model, data.vocab_size, config.model)
-    if config.init_from is not None and warm_start:
+    if config.init_from is not None and warm_start and not is_meta(model):  # (else: per rank, its pieces)
         load_init_weights(model, Path(config.init_from))
     return data, model
 
@@ -346,7 +354,11 @@ class Run:
 
     # --- during the loop ------------------------------------------------------------------------------
     def set_global(self, params: torch.Tensor) -> PreTrainedModel:
-        """Copy the global parameters (flat float32, (numel,)) into :attr:`model`; return it."""
+        """Copy the global parameters (flat float32, (numel,)) into :attr:`model`; return it. A model on the
+        meta device (sharded islands) takes storage here, on the main process, for the checkpoint's export."""
+        if is_meta(self.model):
+            self.model.to_empty(device="cpu")
+            self.model.tie_weights()
         copy_flat_into(list(self.model.parameters()), params)
         return self.model
 

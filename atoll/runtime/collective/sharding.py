@@ -20,6 +20,8 @@ per rank, :mod:`atoll.job.rank_checkpoint`), and the evaluation runs the sharded
 
 from __future__ import annotations
 
+import copy
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -226,13 +228,101 @@ class ShardLayout:
 
 
 # --- the collective runtime's sharded islands: building, an older checkpoint's state ------------------------
+def _seed_of(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, seed: int, device: torch.device, init_from: str | None = None) -> None:
+    """Give a model built on the meta device and sharded (:func:`shard_model`) storage for this rank's pieces
+    only, on ``device``, and initialise them: no process ever holds the whole model (meta-device
+    initialisation, as torchtitan does: Liang et al. 2024, arXiv:2410.06511, section 3.1).
+
+    Each parameter is initialised by the model's own ``_init_weights`` (Hugging Face: normal(0,
+    ``initializer_range``) for linear and embedding weights, ones for norms) on a CPU copy of its module,
+    one module at a time, with a generator seeded by ``seed`` and the module's name; this rank keeps its
+    rows. The values are therefore the same whatever the number of ranks, but not those of the unsharded
+    model built by :func:`atoll.job.model.build_model` (one generator for the whole model, which only a
+    whole model can replay); start both from ``--init-from`` to compare them. With ``init_from`` (a run
+    folder), each rank reads its rows of the checkpoint's ``model/model.safetensors`` instead. Buffers
+    (rotary frequencies) are recomputed by their module.
+
+    Raises:
+        ConfigError: ``init_from`` holds no Hugging Face model of this shape.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    buffered = [m for m in model.modules() if any(True for _ in m.buffers(recurse=False))]
+    model.to_empty(device=device)
+    for module in buffered:  # non-persistent buffers (rotary inv_freq): computed again by a fresh module
+        fresh = type(module)(config=model.config)
+        for name, buf in fresh.named_buffers(recurse=False):
+            getattr(module, name).copy_(buf)
+
+    def rows(p: torch.Tensor) -> tuple[int, int]:
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return offset[0], offset[0] + shape[0]
+
+    if init_from is not None:
+        _load_rows(model, init_from, rows)
+        return
+    done: set[int] = set()
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in done]
+        if not own:
+            continue
+        twin = copy.copy(module)  # the module's class and settings, its own CPU parameters
+        twin._parameters = {n: None if p is None else torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                            for n, p in module._parameters.items()}
+        twin._modules = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed_of(seed, name))
+            model._init_weights(twin)  # type: ignore[operator]
+        for n, p in own:
+            a, b = rows(p)
+            _local(p).copy_(twin._parameters[n][a:b])
+            done.add(id(p))
+
+
+def _load_rows(model: torch.nn.Module, init_from: str, rows: Any) -> None:
+    """Each parameter's rows ``rows(p)`` read from the Hugging Face model of ``init_from``'s latest
+    checkpoint (safetensors reads only those rows)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from atoll.errors import ConfigError
+    from atoll.job.checkpoint import latest_checkpoint
+
+    try:
+        weights = latest_checkpoint(Path(init_from)) / "model" / "model.safetensors"
+        with safe_open(str(weights), framework="pt") as f:
+            keys = set(f.keys())
+            for name, p in model.named_parameters():  # a tied head once, under the embedding's name
+                if name not in keys or tuple(f.get_slice(name).get_shape()) != tuple(p.shape):
+                    raise ConfigError(f"init_from: the model in '{init_from}' does not match --model/--vocab-size "
+                                      f"of this run ({name}); use the same model and vocabulary as that run")
+                a, b = rows(p)
+                _local(p).copy_(f.get_slice(name)[a:b])
+    except ConfigError:
+        raise
+    except Exception as e:  # no checkpoint, or no model folder (a syncer's), or a damaged file
+        raise ConfigError(f"init_from: sharded islands start from the model/ folder of a run's checkpoint, and "
+                          f"'{init_from}' has none readable ({type(e).__name__}); pass the --out folder of a "
+                          "finished lockstep run") from None
+
+
 def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
                         device: torch.device) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
-    so the optimizer holds this rank's shard only; and the layout of the shards."""
+    so the optimizer holds this rank's shard only; and the layout of the shards. A model on the meta device
+    takes storage for this rank's pieces here (:func:`materialize`)."""
     from atoll.job.island import make_island
 
+    meta = any(p.is_meta for p in model.parameters())
     shard_model(model, group, device)
+    if meta:
+        materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
     island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
 
