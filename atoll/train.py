@@ -109,11 +109,21 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
     if joined is not None:
         run.start_step, run.state = joined["step"], joined["job"]
-    run.evaluator = lambda params: runtime.evaluate(islands, params, run.val)  # on the islands' devices
+    eval_s = 0.0  # real seconds evaluating (bench/gpu.py reads it)
+
+    def evaluate(params: Any) -> float:  # on the islands' devices (the runtime splits the windows)
+        nonlocal eval_s
+        t_eval = time.perf_counter()
+        loss = runtime.evaluate(islands, params, run.val)
+        eval_s += time.perf_counter() - t_eval
+        return loss
+
+    run.evaluator = evaluate
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 
     early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
     strategy_s = 0.0  # real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it)
+    outer_s = 0.0  # of which outside the islands' timed inner steps: the outer rounds (bench/gpu.py reads it)
 
     def sim_wall_s() -> float:
         return runtime.run_wall_s(run.wall_s())
@@ -129,9 +139,10 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                     inject_fault(island, step, "weights")  # test hook (atoll.job.divergence)
                     runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
                     inject_fault(island, step, "grad")
-                t_strategy = time.perf_counter()
+                t_strategy, inner_before = time.perf_counter(), sum(i.compute_s for i in islands)
                 strategy.step(step)  # resets a diverged island; raises Diverged when none is left
                 strategy_s += time.perf_counter() - t_strategy
+                outer_s += time.perf_counter() - t_strategy - (sum(i.compute_s for i in islands) - inner_before)
                 done = step + 1
                 if done == config.steps:
                     strategy.finish(done)
@@ -169,7 +180,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     skipped, resets = runtime.island_counts(islands)
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
-        sim_wall_s=sim_wall_s(), strategy_s=strategy_s, startup_host_bytes=startup_host_bytes,
+        sim_wall_s=sim_wall_s(), strategy_s=strategy_s, outer_s=outer_s, eval_s=eval_s,
+        startup_host_bytes=startup_host_bytes,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
         rejected_updates=strategy.dropped_updates, skipped_steps=sum(skipped),
         # the slowest island's codec seconds charged on the simulated clock (in sim_wall_s, not in compute_s);
