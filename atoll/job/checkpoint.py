@@ -148,7 +148,7 @@ def checkpoint_tmp(out: Path, step: int) -> Path:
 
 def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | None = None,
                     tokenizer: Any | None = None, keep: int = 2, tmp: Path | None = None,
-                    meta: dict[str, Any] | None = None) -> Path:
+                    meta: dict[str, Any] | None = None, model_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a checkpoint of ``state`` at inner step ``step`` atomically; return its folder.
 
     Args:
@@ -161,6 +161,7 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
         tmp: a folder from :func:`checkpoint_tmp` that other processes have written their parts into (each
             fsynced its own files); None: a new one.
         meta: more entries of ``state.json`` (the per-rank format's description).
+        model_state: the model's weights by name, when ``model`` holds none (built on the meta device).
 
     Raises:
         OSError: the disk is full or the folder not writable (also where safetensors writes the tensors); the
@@ -183,7 +184,7 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
             os.fsync(f.fileno())
         if model is not None:
             with _writing(tmp / "model"):  # transformers writes the weights with safetensors too
-                model.save_pretrained(tmp / "model")
+                model.save_pretrained(tmp / "model", state_dict=model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
         for p in tmp.rglob("*"):

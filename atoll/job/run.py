@@ -354,11 +354,7 @@ class Run:
 
     # --- during the loop ------------------------------------------------------------------------------
     def set_global(self, params: torch.Tensor) -> PreTrainedModel:
-        """Copy the global parameters (flat float32, (numel,)) into :attr:`model`; return it. A model on the
-        meta device (sharded islands) takes storage here, on the main process, for the checkpoint's export."""
-        if is_meta(self.model):
-            self.model.to_empty(device="cpu")
-            self.model.tie_weights()
+        """Copy the global parameters (flat float32, (numel,)) into :attr:`model`; return it."""
         copy_flat_into(list(self.model.parameters()), params)
         return self.model
 
@@ -393,8 +389,16 @@ class Run:
         (:func:`atoll.job.checkpoint.save_checkpoint`)."""
         state = {**state, "initial_eval_loss": self.initial_eval_loss, "eval_loss": self.eval_loss,
                  "wall_s": self.wall_s(), "data_fingerprint": self.data.fingerprint}
-        path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer,
-                               tmp=tmp, meta=meta)
+        if is_meta(self.model):  # sharded islands: the export's tensors are views of params, no second copy
+            offset, views = 0, {}
+            for name, p in self.model.named_parameters():
+                views[name] = params[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+            path = save_checkpoint(self.out, step, state, model=self.model, tokenizer=self.tokenizer, tmp=tmp,
+                                   meta=meta, model_state=views)
+        else:
+            path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer,
+                                   tmp=tmp, meta=meta)
         self.log.log("checkpoint", step=step, path=str(path))
         return path
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import parameters_to_vector
 
@@ -43,8 +43,13 @@ from atoll.runtime.collective.failure import dist_call
 _FULL = StateDictOptions(full_state_dict=True)
 
 
-def shard_model(model: torch.nn.Module, group: Any, device: torch.device) -> None:
+def shard_model(model: torch.nn.Module, group: Any, device: torch.device, precision: str = "fp32") -> None:
     """Shard ``model`` in place over the ranks of ``group`` (an island's process group) with FSDP2.
+
+    With ``precision="bf16"`` FSDP2's mixed-precision policy all-gathers the parameters in bfloat16 for the
+    forward and backward passes and reduce-scatters the gradients in float32 (torchtitan's default): half
+    the gather traffic and memory of the whole layers; the sharded weights, gradients and optimizer state
+    stay float32 (the master weights).
 
     Each block the model names in ``_no_split_modules`` (a Hugging Face model's decoder layers) is its own
     FSDP unit, so only one block's parameters are whole at a time; the root holds the rest (embeddings,
@@ -52,11 +57,13 @@ def shard_model(model: torch.nn.Module, group: Any, device: torch.device) -> Non
     one-dimensional mesh of the group, on ``device``. Collective over ``group``.
     """
     mesh = DeviceMesh.from_group(group, device.type)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if precision == "bf16" else MixedPrecisionPolicy())
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if module is not model and type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -320,7 +327,7 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
     from atoll.job.island import make_island
 
     meta = any(p.is_meta for p in model.parameters())
-    shard_model(model, group, device)
+    shard_model(model, group, device, config.precision)
     if meta:
         materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
     island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
