@@ -32,7 +32,7 @@ STEPS = 12
 
 def _settings(corpus: Path, cache: Path) -> dict:
     return {"data": str(corpus), "cache_dir": str(cache), "model": "micro", "vocab_size": 512, "seq_len": 32,
-            "batch_size": 4, "islands": 2, "steps": STEPS, "sync_every": 5, "eval_every": STEPS,
+            "batch_size": 4, "islands": 2, "steps": STEPS, "sync_every": 5, "eval_every": 6,
             "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1,
             "runtime": "collective", "ranks_per_island": 2}
 

@@ -88,6 +88,9 @@ def evaluate_island(island: Island, params: torch.Tensor | None, batches: list[t
         return out
     finally:
         model.train()
+        for m in model.modules():  # FSDP2 keeps the root's gathered weights after a forward without backward:
+            if callable(getattr(m, "reshard", None)):  # free them, or training would reuse the global ones
+                m.reshard()
         for p, b in zip(pieces if backup else [], backup, strict=True):
             p.copy_(b)
 

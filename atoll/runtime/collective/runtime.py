@@ -425,7 +425,9 @@ class CollectiveRuntime(Runtime):
         entry: dict[str, Any] = {"island": self.island, "position": self.position}
         if sharded or self.position == 0:  # an island's replicas are alike: its first rank writes it
             island = islands[0]
-            entry["island_state"] = island.local_state_dict() if sharded else island.state_dict()
+            # the model's own tensors, not copies (a tied head is then written once)
+            entry["island_state"] = (island.local_state_dict() if sharded  # type: ignore[attr-defined]
+                                     else {**island.state_dict(), "model": island.model.state_dict()})
             entry["strategy_island"] = strategy.island_state(0)
             if self.island == 0:  # the global model and the outer state, once (sharded: once per shard)
                 entry["strategy"] = shared
