@@ -9,9 +9,9 @@ import copy
 import torch
 
 from atoll.config import build_config
+from atoll.job.evaluation import evaluate, evaluate_island
 from atoll.job.island import make_island
 from atoll.job.model import build_model
-from atoll.job.run import evaluate, evaluate_island
 from atoll.runtime.local import LocalRuntime
 
 

@@ -94,7 +94,8 @@ def _umask() -> int:
 
 def _open_modes(folder: Path) -> None:
     """Give ``folder`` and everything in it the modes of new files under the umask (``mkdtemp`` makes 0700 and
-    safetensors writes 0600); but ``ranks/``, whose writers set their own (:func:`open_modes`)."""
+    safetensors writes 0600); but ``ranks/``, whose writers set their own
+    (:func:`atoll.job.rank_checkpoint.save_rank_state`)."""
     mask = _umask()
     for path in [folder, *(p for p in folder.rglob("*") if p.relative_to(folder).parts[0] != "ranks")]:
         if not path.is_symlink():
@@ -281,14 +282,6 @@ def resume_advice(out: Path | str | None) -> str:
     except CheckpointError:
         return f"no checkpoint was written yet in '{out}' (see --checkpoint-every); remove it and start again"
     return f"resume with 'atoll train --resume {out}' (from step {step})"
-
-
-def open_modes(folder: Path) -> None:
-    """Give ``folder`` and everything in it the modes of new files under the umask (public: a rank's folder)."""
-    mask = _umask()
-    for path in [folder, *folder.rglob("*")]:
-        if not path.is_symlink():
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def load_checkpoint(path: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:

@@ -43,7 +43,6 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.tensor import DTensor
 
 from atoll.errors import CheckpointError
-from atoll.job.checkpoint import open_modes
 
 RANKS = "ranks"  # the sub-folder of a checkpoint holding one folder per rank
 FORMAT = "ranks"  # ``state.json``'s "format" of a per-rank checkpoint
@@ -96,6 +95,15 @@ def _untree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
+def _open_modes(folder: Path) -> None:
+    """Give ``folder`` and its files the modes of new files under the umask (0755 and 0644 under 022), as the
+    rest of the run folder (safetensors writes 0600)."""
+    mask = os.umask(0o022)  # read it (os.umask only sets); put it back at once
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def save_rank_state(folder: Path, state: dict[str, Any]) -> None:
     """Write this rank's ``state`` to ``folder`` (created): its tensors with DCP's safetensors writer (each
     file fsynced), the JSON tree beside them.
@@ -116,7 +124,7 @@ def save_rank_state(folder: Path, state: dict[str, Any]) -> None:
         json.dump({"tree": tree, "dtensors": dtensors}, f)
         f.flush()
         os.fsync(f.fileno())
-    open_modes(folder)
+    _open_modes(folder)
 
 
 def load_rank_state(folder: Path, device: torch.device | str = "cpu") -> tuple[dict[str, Any], set[str]]:

@@ -39,8 +39,9 @@ from atoll.job.checkpoint import (
 )
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
-from atoll.job.device import autocast, resolve_device
-from atoll.job.island import Island, copy_flat_into, next_token_loss
+from atoll.job.device import resolve_device
+from atoll.job.evaluation import evaluate
+from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
 from atoll.job.model import PRESETS, build_model, check_vocab, count_parameters, param_bytes
@@ -50,49 +51,6 @@ from atoll.runtime.network import ring_allreduce_bytes
 
 #: held-out windows per evaluation batch, whatever the run's batch size (runs are compared on the same text)
 EVAL_ROWS = 8
-
-
-@torch.no_grad()
-def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
-    """Mean held-out next-token loss (nats per token) of ``model`` over ``batches`` (int64, (b, seq_len + 1))."""
-    model.eval()
-    losses = [float(next_token_loss(model, b)) for b in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-@torch.no_grad()
-def evaluate_island(island: Island, params: torch.Tensor | None, batches: list[torch.Tensor],
-                    which: list[int] | range | None = None) -> dict[int, float]:
-    """Held-out next-token loss (nats per token) of the global model on ``island``'s device: batch index ->
-    its mean loss, for the batches ``which`` (default all) of ``batches`` (int64, (b, seq_len + 1)).
-
-    The island's own model runs it: its parameters (this rank's pieces for a sharded island, whose FSDP2
-    units gather each block as in training) are set to ``params`` (the strategy's ``global_params()``, flat
-    float32; None: the model as it is) and put back afterwards, so no second copy of the model is built.
-    On a CPU the forward pass is float32, the same numbers as :func:`evaluate` on the global model; on an
-    accelerator, under the island's ``--precision`` autocast (as its training forward).
-    """
-    pieces = island.local_params() if hasattr(island, "local_params") else island.params
-    backup = [p.detach().clone() for p in pieces] if params is not None else []
-    model = island.model
-    try:
-        if params is not None:
-            island.set_flat_params(params)
-        model.eval()
-        precision = "fp32" if island.device.type == "cpu" else island.precision
-        out = {}
-        with autocast(island.device, precision):
-            for j in (range(len(batches)) if which is None else which):
-                out[j] = float(next_token_loss(model, batches[j].to(island.device, non_blocking=True)))
-        return out
-    finally:
-        model.train()
-        for m in model.modules():  # FSDP2 keeps the root's gathered weights after a forward without backward:
-            if callable(getattr(m, "reshard", None)):  # free them, or training would reuse the global ones
-                m.reshard()
-        for p, b in zip(pieces if backup else [], backup, strict=True):
-            p.copy_(b)
 
 
 def is_meta(model: torch.nn.Module) -> bool:

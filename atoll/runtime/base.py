@@ -62,8 +62,8 @@ class Runtime(ABC):
     def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss (nats per token) of the global model ``params`` (the strategy's
         ``global_params()``; None: the initial model) over ``batches``, on the first island's device
-        (:func:`atoll.job.run.evaluate_island`); collective call."""
-        from atoll.job.run import evaluate_island
+        (:func:`atoll.job.evaluation.evaluate_island`); collective call."""
+        from atoll.job.evaluation import evaluate_island
 
         losses = evaluate_island(islands[0], params, batches)
         return sum(losses[j] for j in range(len(batches))) / len(batches)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -36,7 +35,6 @@ from atoll.runtime.collective.failure import (
 from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
-from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -270,14 +268,14 @@ class CollectiveRuntime(Runtime):
 
     def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
         """The global model's held-out loss with the windows split over the ranks, each on its own device
-        (:func:`atoll.job.run.evaluate_island`); every rank gets the same number. Collective.
+        (:func:`atoll.job.evaluation.evaluate_island`); every rank gets the same number. Collective.
 
         Batch j goes to rank j mod (ranks alive); a sharded island is one evaluator (its ranks run the FSDP2
         forward together; its first rank reports). The per-batch losses are summed over the control group
         into one float64 vector where each slot has one contributor, so the mean is the one a single
         process computes (bit for bit on the CPU).
         """
-        from atoll.job.run import evaluate_island
+        from atoll.job.evaluation import evaluate_island
 
         sharded = self.config.shard_island
         slot = self.alive.index(self.island)
@@ -398,74 +396,20 @@ class CollectiveRuntime(Runtime):
         raise NotImplementedError("the collective runtime writes per-rank checkpoints (save_checkpoint)")
 
     def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy) -> None:
-        """Write the checkpoint at inner step ``step`` per rank (:mod:`atoll.job.rank_checkpoint`); collective.
+        """Write the checkpoint at inner step ``step`` per rank (:func:`~.checkpointing.save_rank_checkpoint`,
+        :mod:`atoll.job.rank_checkpoint`): nothing of the islands travels to rank 0; collective."""
+        from atoll.runtime.collective.checkpointing import save_rank_checkpoint
 
-        Every rank takes the strategy's shared state (it may finish an exchange in flight, an island
-        collective) and writes what only it holds into ``ranks/rank_<r>/`` of the temporary folder rank 0 made;
-        the ranks agree that every write succeeded (one all-reduce over the control group), then rank 0 writes
-        the shared state (counters, a :class:`~atoll.runtime.network.SimClock` at the real wall time, so the
-        ``local`` runtime can resume an unsharded checkpoint) and the global model, and renames the folder.
-        Island 0's ranks gather a sharded global model for the Hugging Face export; nothing else travels.
-
-        Raises:
-            OSError: this rank, or another, could not write its part; the temporary folder is removed and the
-                previous checkpoints stay as they were.
-        """
-        import errno
-
-        from atoll.job.checkpoint import checkpoint_tmp
-        from atoll.job.rank_checkpoint import FORMAT, rank_folder, save_rank_state
-
-        sharded = self.config.shard_island
-        shared = strategy.state_dict()  # every rank: it may finish an exchange in flight
-        tmp = run.out / "checkpoints" / f".tmp-step_{step:07d}"
-        if self.is_main:
-            tmp = checkpoint_tmp(run.out, step)
-        self.comm.resilient(lambda: dist_call(dist.barrier, group=self.control))
-        entry: dict[str, Any] = {"island": self.island, "position": self.position}
-        if sharded or self.position == 0:  # an island's replicas are alike: its first rank writes it
-            island = islands[0]
-            # the model's own tensors, not copies (a tied head is then written once)
-            entry["island_state"] = (island.local_state_dict() if sharded  # type: ignore[attr-defined]
-                                     else {**island.state_dict(), "model": island.model.state_dict()})
-            entry["strategy_island"] = strategy.island_state(0)
-            if self.island == 0:  # the global model and the outer state, once (sharded: once per shard)
-                entry["strategy"] = shared
-        failure: OSError | None = None
-        try:
-            save_rank_state(rank_folder(tmp, self.rank), entry)
-        except OSError as e:
-            failure = e
-        ok = torch.tensor([0.0 if failure is not None else 1.0], dtype=torch.float64)
-
-        def agree() -> torch.Tensor:
-            out = ok.clone()
-            dist_call(dist.all_reduce, out, op=dist.ReduceOp.MIN, group=self.control)
-            return out
-
-        everyone = float(self.comm.resilient(agree)[0]) == 1.0
-        params = self.full_params(strategy.global_params()) if self.island == 0 else None
-        if not everyone:
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if failure is not None:
-                raise failure
-            raise OSError(errno.EIO, "another rank could not write its part of the checkpoint", str(tmp))
-        if self.is_main:
-            assert params is not None
-            wall = run.wall_s()
-            state = {"islands": self.islands, "ranks_per_island": self.ranks_per_island,
-                     "shard_ranks": self.ranks_per_island if sharded else None, "alive": list(self.alive),
-                     "comm": self.comm.state_dict(), "clock": SimClock(self.islands, [wall] * self.islands).state_dict(),
-                     "wall_s": wall}
-            run.save_checkpoint(step, state, params, tmp=tmp, meta={"format": FORMAT})
+        save_rank_checkpoint(self, run, step, islands, strategy)
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
         """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its
         own folder (and its owners') of a per-rank checkpoint, or from a state that holds every island's (a
         rejoining rank's, an older checkpoint's)."""
         if state.get("checkpoint_path") is not None:
-            self._load_rank_state(state, islands, strategy)
+            from atoll.runtime.collective.checkpointing import load_rank_checkpoint
+
+            load_rank_checkpoint(self, state, islands, strategy)
             return
         if len(state["islands"]) != self.islands:
             raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
@@ -483,31 +427,3 @@ class CollectiveRuntime(Runtime):
         self.comm.load_state_dict(state["comm"])
         if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
             self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
-
-    def _load_rank_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
-        """Restore from a per-rank checkpoint: this rank reads its island's folder and the shared state's owner
-        (:func:`~atoll.job.rank_checkpoint.owner_of_island`), nothing of the other islands."""
-        from atoll.job.rank_checkpoint import load_rank_state, owner_of_island, owner_of_shared, rank_folder
-
-        if int(state["islands"]) != self.islands:
-            raise CheckpointError(f"resume: the checkpoint holds {state['islands']} islands, this run "
-                                  f"{self.islands}; resume with the run's own --islands")
-        sharded, saved = self.config.shard_island, state.get("shard_ranks")
-        if (saved or None) != (self.ranks_per_island if sharded else None):
-            raise CheckpointError(f"resume: the checkpoint's islands are sharded over {saved or 1} ranks, this "
-                                  f"run's over {self.ranks_per_island if sharded else 1}; resume with "
-                                  + (f"--shard-island --ranks-per-island {saved}" if saved else "no --shard-island"))
-        path, alive = Path(state["checkpoint_path"]), [int(i) for i in state["alive"]]
-        own_rank = owner_of_island(self.island, self.position, int(state["ranks_per_island"]), sharded, alive)
-        own, dtensors = load_rank_state(rank_folder(path, own_rank))
-        island = islands[0]
-        if sharded:
-            island.load_local_state_dict(own["island_state"],  # type: ignore[attr-defined]
-                                         lambda key: f"island_state.{key}" in dtensors)
-        else:
-            island.load_state_dict(own["island_state"])
-        shared_rank = owner_of_shared(self.position, sharded)
-        shared = own if shared_rank == own_rank else load_rank_state(rank_folder(path, shared_rank))[0]
-        strategy.load_state_dict(shared["strategy"])
-        strategy.load_island_state(0, own["strategy_island"])
-        self.comm.load_state_dict(state["comm"])
