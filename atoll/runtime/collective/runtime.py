@@ -267,32 +267,11 @@ class CollectiveRuntime(Runtime):
         return island
 
     def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
-        """The global model's held-out loss with the windows split over the ranks, each on its own device
-        (:func:`atoll.job.evaluation.evaluate_island`); every rank gets the same number. Collective.
+        """The global model's held-out loss, the windows split over the ranks, each on its own device
+        (:func:`~.evaluation.split_evaluate`); every rank gets the same number. Collective."""
+        from atoll.runtime.collective.evaluation import split_evaluate
 
-        Batch j goes to rank j mod (ranks alive); a sharded island is one evaluator (its ranks run the FSDP2
-        forward together; its first rank reports). The per-batch losses are summed over the control group
-        into one float64 vector where each slot has one contributor, so the mean is the one a single
-        process computes (bit for bit on the CPU).
-        """
-        from atoll.job.evaluation import evaluate_island
-
-        sharded = self.config.shard_island
-        slot = self.alive.index(self.island)
-        units, unit = (len(self.alive), slot) if sharded else (len(self.alive) * self.ranks_per_island,
-                                                               slot * self.ranks_per_island + self.position)
-        mine = evaluate_island(islands[0], params, batches, range(unit, len(batches), units))
-
-        def op() -> torch.Tensor:
-            buf = torch.zeros(len(batches), dtype=torch.float64)
-            if not sharded or self.position == 0:
-                for j, loss in mine.items():
-                    buf[j] = loss
-            dist_call(dist.all_reduce, buf, group=self.control)
-            return buf
-
-        losses = [float(x) for x in self.comm.resilient(op)]
-        return sum(losses) / len(losses)
+        return split_evaluate(self, islands[0], params, batches)
 
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""
