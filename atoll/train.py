@@ -109,12 +109,12 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
     if joined is not None:
         run.start_step, run.state = joined["step"], joined["job"]
-    eval_s = 0.0  # real seconds evaluating (bench/gpu.py reads it)
+    eval_s, held_out = 0.0, run.val  # real seconds evaluating (bench/gpu.py reads it); not run: no cycle
 
     def evaluate(params: Any) -> float:  # on the islands' devices (the runtime splits the windows)
         nonlocal eval_s
         t_eval = time.perf_counter()
-        loss = runtime.evaluate(islands, params, run.val)
+        loss = runtime.evaluate(islands, params, held_out)
         eval_s += time.perf_counter() - t_eval
         return loss
 
