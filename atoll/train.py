@@ -28,7 +28,7 @@ from typing import Any
 from atoll.config import TrainConfig
 from atoll.job import stop
 from atoll.job.data import sample_batch
-from atoll.job.device import resolve_device
+from atoll.job.device import host_memory_bytes, resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, inject_fault, record
 from atoll.job.island import compile_skipped
 from atoll.job.metrics import ProgressDisplay
@@ -106,20 +106,33 @@ def _train(config: TrainConfig, resume: bool) -> dict[str, Any]:
 
 def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[str, Any]:
     """The loop of a lockstep strategy: every island's forward and backward pass, then the strategy's step."""
+    host_before = host_memory_bytes()
     run = Run(config, resume, is_main=runtime.is_main)
     runtime.start()
     own = spec(config.strategy)
     islands = [runtime.make_island(i, copy.deepcopy(run.model), config, optimizer=own.inner_optimizer)
                for i in runtime.local_islands]
+    startup_host_bytes = host_memory_bytes() - host_before  # the data, the global model, the islands
     strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
     comm = runtime.comm
     joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
     if joined is not None:
         run.start_step, run.state = joined["step"], joined["job"]
+    eval_s, held_out = 0.0, run.val  # real seconds evaluating (bench/gpu.py reads it); not run: no cycle
+
+    def evaluate(params: Any) -> float:  # on the islands' devices (the runtime splits the windows)
+        nonlocal eval_s
+        t_eval = time.perf_counter()
+        loss = runtime.evaluate(islands, params, held_out)
+        eval_s += time.perf_counter() - t_eval
+        return loss
+
+    run.evaluator = evaluate
     run.begin(restore=lambda state: runtime.load_job_state(state, islands, strategy))
 
     early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
     strategy_s = 0.0  # real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it)
+    outer_s = 0.0  # of which outside the islands' timed inner steps: the outer rounds (bench/gpu.py reads it)
 
     def sim_wall_s() -> float:
         return runtime.run_wall_s(run.wall_s())
@@ -135,9 +148,10 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                     inject_fault(island, step, "weights")  # test hook (atoll.job.divergence)
                     runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
                     inject_fault(island, step, "grad")
-                t_strategy = time.perf_counter()
+                t_strategy, inner_before = time.perf_counter(), sum(i.compute_s for i in islands)
                 strategy.step(step)  # resets a diverged island; raises Diverged when none is left
                 strategy_s += time.perf_counter() - t_strategy
+                outer_s += time.perf_counter() - t_strategy - (sum(i.compute_s for i in islands) - inner_before)
                 done = step + 1
                 if done == config.steps:
                     strategy.finish(done)
@@ -156,7 +170,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 if eval_now:
                     if runtime.clock is not None:  # the evaluation's time, re-timed with the run at other links
                         runtime.clock.mark(done)
-                    eval_loss = run.log_eval(done, tokens, runtime.full_params(strategy.global_params()),
+                    eval_loss = run.log_eval(done, tokens, strategy.global_params(),
                                              comm.bytes_sent_per_island, sim_wall_s())
                     check_eval(done, eval_loss, run.data.vocab_size)  # every process evaluates the same model
                 first_sync = early and comm.exchanges > 0
@@ -164,10 +178,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 if first_sync or (config.checkpoint_every and done % config.checkpoint_every == 0) \
                         or done == config.steps or stopping:
                     early = False
-                    job = runtime.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
-                    params = runtime.full_params(strategy.global_params())
-                    if job is not None:
-                        run.save_checkpoint(done, job, params)
+                    runtime.save_checkpoint(run, done, islands, strategy)  # collective: each rank writes its part
                 if stopping:
                     raise run.interrupt(done)
                 runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss,
@@ -186,7 +197,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     skipped, resets = runtime.island_counts(islands)
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
-        sim_wall_s=sim_wall_s(), strategy_s=strategy_s,
+        sim_wall_s=sim_wall_s(), strategy_s=strategy_s, outer_s=outer_s, eval_s=eval_s,
+        startup_host_bytes=startup_host_bytes,
         **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
         rejected_updates=strategy.dropped_updates, skipped_steps=sum(skipped),
         # the slowest island's codec seconds charged on the simulated clock (in sim_wall_s, not in compute_s);

@@ -35,6 +35,12 @@ def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Pa
     assert row["mfu_pct"] == pytest.approx(want)
     # the diloco job: 4 islands x 2 rounds of H=3 steps of 4 x 32 tokens; its outer steps were timed
     assert row["job_tokens"] == 4 * 6 * 4 * 32 and row["outer_step_s"] > 0
+    # the inner steps, the outer round and the evaluation timed apart: the round's inner steps are the job's
+    # own (not in the outer round), the evaluation not in the job's training time
+    assert row["inner_step_s"] > 0 and row["eval_s"] > 0
+    assert row["inner_round_s"] == pytest.approx(4 * 3 * row["inner_step_s"])
+    assert row["outer_vs_inner_round_pct"] == pytest.approx(100 * row["outer_step_s"] / row["inner_round_s"])
+    assert row["job_tokens_per_s"] > row["job_tokens"] / row["job_s"]
     assert "| micro |" in (out / "results.md").read_text()
 
 

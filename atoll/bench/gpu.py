@@ -10,9 +10,12 @@ Written and tested on the CPU so that it runs first time on a GPU machine. For e
    plain PyTorch loop on the same device, model, batch and schedule, in interleaved rounds: seconds per step,
    tokens per second, **MFU** and the **overhead** of atoll against the plain loop, as a ratio of the same run.
 2. **A diloco job of K islands on one device** (the ``local`` runtime, H inner steps per round, two rounds):
-   tokens per second of the whole job, **peak memory** of the device, and the **outer step** (the average of
-   the islands' pseudo-gradients and the outer Nesterov step, float32 on the CPU: ``strategy_s`` of the
-   summary, per round) against the time of the round's K x H inner steps.
+   tokens per second of the whole job, **peak memory** of the device, and three times apart, from the job's
+   summary: the **inner steps** (the islands' timed forward, backward and optimizer steps, ``compute_s``),
+   the **outer round** (the pseudo-gradients, their exchange and average, the outer Nesterov step and the
+   copies around them: the strategy's time outside the islands' inner steps, ``outer_s``, per round) against
+   the round's K x H inner steps, and the **evaluation** (on island 0's device, ``eval_s``, per evaluation);
+   the job's tokens per second are over its time less the evaluations.
 3. With several GPUs, the same job with one island per GPU (round-robin placement).
 
 MFU, model FLOP utilization (Chowdhery et al. 2022, PaLM, appendix B): achieved model FLOPs per second over
@@ -118,12 +121,16 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, data: dic
             "out": str(Path(tmp) / "run")}))
         job_s = time.perf_counter() - t0
         row["peak_memory_bytes"] = peak_bytes()
-    rounds = 2
-    inner_round_s = h * args.islands * atoll_s  # the round's K x H inner steps, islands in turn on one device
-    outer_s = summary["strategy_s"] / rounds
+    rounds, evals = 2, 2  # two rounds of H; evaluations before training and at the end
+    # the round's K x H inner steps as the job timed them (islands in turn on one device; compute_s is the
+    # slowest island's, which K islands of one device share)
+    inner_round_s = args.islands * summary["compute_s"] / rounds
+    outer_s = summary["outer_s"] / rounds
+    train_s = job_s - summary["eval_s"]
     row.update({
         "islands": args.islands, "sync_every": h, "job_tokens": summary["tokens"], "job_s": job_s,
-        "job_tokens_per_s": summary["tokens"] / job_s, "outer_step_s": outer_s,
+        "job_tokens_per_s": summary["tokens"] / train_s, "inner_step_s": summary["compute_s"] / (rounds * h),
+        "inner_round_s": inner_round_s, "outer_step_s": outer_s, "eval_s": summary["eval_s"] / evals,
         "outer_vs_inner_round_pct": 100 * outer_s / inner_round_s, "final_eval_loss": summary["final_eval_loss"],
     })
     return row
@@ -185,8 +192,10 @@ def benchmark(args: argparse.Namespace) -> int:
          ("atoll vs plain loop", "overhead_pct", lambda v: f"{v:+.1f}%"),
          ("job tokens/s (K islands)", "job_tokens_per_s", lambda v: f"{v:,.0f}"),
          ("peak memory", "peak_memory_bytes", lambda v: f"{v / 2**30:.1f} GiB"),
-         ("outer step", "outer_step_s", lambda v: f"{v * 1e3:.0f} ms"),
-         ("outer / H inner steps", "outer_vs_inner_round_pct", pct)],
+         ("inner step (job)", "inner_step_s", lambda v: f"{v * 1e3:.1f} ms"),
+         ("outer round", "outer_step_s", lambda v: f"{v * 1e3:.0f} ms"),
+         ("outer / K x H inner steps", "outer_vs_inner_round_pct", pct),
+         ("evaluation", "eval_s", lambda v: f"{v * 1e3:.0f} ms")],
         [{**r, "batch": f"{r['batch']} x {r['seq_len']}"} for r in rows],
         f"atoll on {name} ({args.precision}, {args.islands} islands on one device, H={args.sync_every})",
         [f"MFU: 6N + 12LdT model FLOPs per token over the device's dense bf16 peak; skipped: {skipped or 'none'}",

@@ -8,6 +8,9 @@ A checkpoint is a folder ``<out>/checkpoints/step_<N>/`` holding
   outer optimizer, residuals), under dotted keys;
 - ``state.json``: the rest of the state (step, counters, clocks) with references to those tensors.
 
+The collective runtime writes a checkpoint per rank instead of ``state.safetensors``: each rank's own
+tensors under ``ranks/rank_<r>/`` (:mod:`atoll.job.rank_checkpoint`), the shared state in ``state.json``.
+
 The folder is written under a temporary name, flushed, and renamed into place; then ``latest`` (a relative
 symbolic link to it, so ``checkpoints/latest/model`` is a path ``from_pretrained`` takes; a text file naming it
 where the file system has no links) is replaced atomically. A crash at any point leaves the previous
@@ -104,9 +107,10 @@ def _umask() -> int:
 
 def _open_modes(folder: Path) -> None:
     """Give ``folder`` and everything in it the modes of new files under the umask (``mkdtemp`` makes 0700 and
-    safetensors writes 0600)."""
+    safetensors writes 0600); but ``ranks/``, whose writers set their own
+    (:func:`atoll.job.rank_checkpoint.save_rank_state`)."""
     mask = _umask()
-    for path in [folder, *folder.rglob("*")]:
+    for path in [folder, *(p for p in folder.rglob("*") if p.relative_to(folder).parts[0] != "ranks")]:
         if not path.is_symlink():
             path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
@@ -143,8 +147,22 @@ def _point_latest(root: Path, name: str) -> None:
     os.replace(tmp, latest)
 
 
+def checkpoint_tmp(out: Path, step: int) -> Path:
+    """Remove what an interrupted writer left, and make the temporary folder of the checkpoint at ``step`` that
+    several processes write into (the collective runtime's ranks) before :func:`save_checkpoint` renames it.
+    Called by one process (rank 0) before the others write."""
+    root = Path(out) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-step_{step:07d}"
+    tmp.mkdir()
+    return tmp
+
+
 def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | None = None,
-                    tokenizer: Any | None = None, keep: int = 2) -> Path:
+                    tokenizer: Any | None = None, keep: int = 2, tmp: Path | None = None,
+                    meta: dict[str, Any] | None = None, model_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a checkpoint of ``state`` at inner step ``step`` atomically; return its folder.
 
     Args:
@@ -154,6 +172,10 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
         model: the global model (a ``PreTrainedModel`` holding the global weights), saved to ``model/``.
         tokenizer: a ``PreTrainedTokenizerFast`` saved beside the model.
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
+        tmp: a folder from :func:`checkpoint_tmp` that other processes have written their parts into (each
+            fsynced its own files); None: a new one.
+        meta: more entries of ``state.json`` (the per-rank format's description).
+        model_state: the model's weights by name, when ``model`` holds none (built on the meta device).
 
     Raises:
         OSError: the disk is full or the folder not writable (also where safetensors writes the tensors); the
@@ -161,25 +183,26 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     """
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step_*"):  # left by a process killed while writing (one writer per run)
-        shutil.rmtree(stale, ignore_errors=True)
+    if tmp is None:
+        for stale in root.glob(".tmp-step_*"):  # left by a process killed while writing (one writer per run)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
     final = root / f"step_{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
     try:
         tree, tensors = flatten_state(state)
         with _writing(tmp / "state.safetensors"):
             save_file(tensors, str(tmp / "state.safetensors"))
         with open(tmp / "state.json", "w") as f:
-            json.dump({"step": step, "state": tree}, f)
+            json.dump({"step": step, "state": tree, **(meta or {})}, f)
             f.flush()
             os.fsync(f.fileno())
         if model is not None:
             with _writing(tmp / "model"):  # transformers writes the weights with safetensors too
-                model.save_pretrained(tmp / "model")
+                model.save_pretrained(tmp / "model", state_dict=model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / "model")
         for p in tmp.rglob("*"):
-            if p.is_file():
+            if p.is_file() and p.relative_to(tmp).parts[0] != "ranks":  # the ranks fsynced their own
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
         _open_modes(tmp)
@@ -273,8 +296,12 @@ def resume_advice(out: Path | str | None) -> str:
     return f"resume with 'atoll train --resume {out}' (from step {step})"
 
 
-def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
+def load_checkpoint(path: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:
     """Read a checkpoint folder; return (step, state) with tensors on the CPU.
+
+    A per-rank checkpoint (the collective runtime's, :mod:`atoll.job.rank_checkpoint`) gives its shared
+    state with ``checkpoint_path`` (where each rank reads its own folder); with ``consolidate`` (a driver
+    that runs every island in one process), every island's state assembled from the rank folders.
 
     Raises:
         CheckpointError: a missing or corrupt file, naming it.
@@ -283,12 +310,19 @@ def load_checkpoint(path: Path) -> tuple[int, dict[str, Any]]:
     try:
         meta = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "state.safetensors"))
-        return int(meta["step"]), unflatten_state(meta["state"], tensors)
+        state = unflatten_state(meta["state"], tensors)
     except Exception as e:  # safetensors raises its own error type for corrupt files
         raise CheckpointError(
             f"resume: checkpoint '{path}' is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
             "resume from an earlier checkpoint or start a new run"
         ) from None
+    if meta.get("format") == "ranks":
+        from atoll.job import rank_checkpoint
+
+        state = {**state, "checkpoint_path": str(path)}
+        if consolidate:
+            state = rank_checkpoint.consolidate(path, state)
+    return int(meta["step"]), state
 
 
 def write_text_atomic(path: Path, text: str) -> None:

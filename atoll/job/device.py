@@ -20,6 +20,7 @@ a later call (an out-of-memory error inside the compiled graph) is raised, never
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -110,6 +111,19 @@ def peak_memory(device: torch.device) -> Iterator[Callable[[], int]]:
     else:
         yield lambda: 0
 
+
+def host_memory_bytes() -> int:
+    """This process's resident host memory now, in bytes (``/proc/self/statm`` on Linux; elsewhere the peak,
+    ``ru_maxrss``)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 class CompiledForward:

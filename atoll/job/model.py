@@ -141,8 +141,12 @@ def _held_load_report() -> Iterator[None]:
         logger.handle(record)
 
 
-def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> PreTrainedModel:
+def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int, meta: bool = False) -> PreTrainedModel:
     """Build a preset model with a seeded initialisation, or load a pretrained one.
+
+    With ``meta`` (presets only) the model is built on the meta device: shapes, no storage and no
+    initialisation; a sharded island materialises and initialises only its pieces
+    (:func:`atoll.runtime.collective.sharding.materialize`).
 
     Args:
         name_or_path: a key of :data:`PRESETS`, a folder saved with ``save_pretrained``, or a Hugging Face Hub
@@ -180,6 +184,11 @@ def build_model(name_or_path: str, vocab_size: int, seq_len: int, seed: int) -> 
             pad_token_id=0,
         )
         config._attn_implementation = "sdpa"  # PyTorch's fused attention (flash / memory-efficient kernels on GPUs)
+        if meta:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config)
+            model.train()
+            return model
         model = LlamaForCausalLM(config)
         model.train()
         return model

@@ -41,9 +41,9 @@ from atoll.job.checkpoint import (
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.device import peak_accelerator_bytes, resolve_device
+from atoll.job.evaluation import evaluate
 from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
-from atoll.job.loss import next_token_loss
 from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
 from atoll.job.model import (
     PRESETS,
@@ -62,13 +62,9 @@ from atoll.runtime.network import ring_allreduce_bytes
 EVAL_ROWS = 8
 
 
-@torch.no_grad()
-def evaluate(model: PreTrainedModel, batches: list[torch.Tensor]) -> float:
-    """Mean held-out next-token loss (nats per token) of ``model`` over ``batches`` (int64, (b, seq_len + 1))."""
-    model.eval()
-    losses = [float(next_token_loss(model, b)) for b in batches]
-    model.train()
-    return sum(losses) / len(losses)
+def is_meta(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are on the meta device (shapes without storage)."""
+    return any(p.is_meta for p in model.parameters())
 
 
 def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
@@ -133,8 +129,9 @@ def _load_syncer_weights(model: PreTrainedModel, run_dir: Path) -> bool:
     return False
 
 
-def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
-    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones.
+def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones; a per-rank
+    checkpoint assembled into every island's state with ``consolidate`` (:func:`load_checkpoint`).
 
     Raises:
         CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
@@ -145,7 +142,7 @@ def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
     error: CheckpointError | None = None
     for path in candidates:
         try:
-            step, state = load_checkpoint(path)
+            step, state = load_checkpoint(path, consolidate)
             if not isinstance(state, dict) or "islands" not in state:
                 raise CheckpointError(f"resume: checkpoint '{path}' has no island state; start a new run")
             if error is not None:
@@ -158,7 +155,8 @@ def load_latest_state(out: Path) -> tuple[int, dict[str, Any]]:
 
 def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:
     """The corpus prepared for the run's islands (tokenizer, shards, validation tokens; cached) and the
-    initial global model: a preset seeded by ``seed``, or a pretrained model (loaded first, so that a tokenizer
+    initial global model: a preset seeded by ``seed`` (on the meta device for sharded islands of the collective
+    runtime: shapes only), or a pretrained model (loaded first, so that a tokenizer
     it cannot embed fails before the corpus is tokenized), with ``init_from``'s weights when ``warm_start``
     (not on a resume: the checkpoint's weights follow).
 
@@ -187,11 +185,13 @@ def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = T
         print(f"atoll: note: vocab_size: the corpus yields a {data.vocab_size:,}-token BPE, not the "
               f"{config.vocab_size:,} asked for; the model embeds {data.vocab_size:,} tokens (summary.json "
               "vocab_size); pass a larger corpus for more", file=sys.stderr)
+    # sharded islands of a preset: no whole model in any process (each rank materialises its pieces)
+    meta = config.shard_island and config.runtime == "collective"
     if model is None:
-        model = build_model(config.model, data.vocab_size, config.seq_len, config.seed)
+        model = build_model(config.model, data.vocab_size, config.seq_len, config.seed, meta=meta)
     elif pretrained is None:
         check_vocab(model, data.vocab_size, config.model)
-    if config.init_from is not None and warm_start:
+    if config.init_from is not None and warm_start and not is_meta(model):  # (else: per rank, its pieces)
         load_init_weights(model, Path(config.init_from))
     return data, model
 
@@ -256,12 +256,16 @@ class Run:
         self.trackers: list[Tracker] = []  # TensorBoard, W&B (config.tracker), main process only
         self.events = RunEvents(self.emit, config.islands)  # failures, rejoins, resets, pushes, ...
         self.rate_mark = (time.perf_counter(), 0)  # (time, tokens) of the last ``train`` event: its interval's rate
+        # how the global model is evaluated: params (the strategy's global_params(); None: the initial model)
+        # -> held-out loss; None: float32 on the CPU with :attr:`model` (the drivers without a runtime's own)
+        self.evaluator: Callable[[torch.Tensor | None], float] | None = None
 
     def _load_inputs(self, resume: bool) -> None:
         """The checkpoint's state (resume), then the data and the model (a fresh one, or ``init_from``'s)."""
         config = self.config
         if resume:
-            self.start_step, self.state = load_latest_state(self.out)
+            # the collective runtime's ranks each read their own part of a per-rank checkpoint
+            self.start_step, self.state = load_latest_state(self.out, consolidate=config.runtime != "collective")
             if self.start_step > config.steps:
                 raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
                                   f"pass --steps {self.start_step} or more")
@@ -306,7 +310,8 @@ class Run:
                 raise CheckpointError(f"resume: the checkpoint of '{self.out}' does not fit this run "
                                       f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); start a new run") from None
         else:
-            self.initial_eval_loss = self.eval_loss = evaluate(self.model, self.val)
+            self.initial_eval_loss = self.eval_loss = (self.evaluator(None) if self.evaluator is not None
+                                                       else evaluate(self.model, self.val))
             self.log.log("start", step=0, params=self.n_params, config=config.model_dump(mode="json"),
                          train_tokens=self.data.num_train_tokens, val_tokens=self.data.num_val_tokens,
                          tokenizer_from_cache=self.data.tokenizer_from_cache)
@@ -354,18 +359,32 @@ class Run:
 
     def log_eval(self, step: int, tokens: int, params: torch.Tensor, bytes_sent_per_island: float,
                  sim_wall_s: float) -> float:
-        """Evaluate the global parameters ``params`` on the held-out batches; log an ``eval`` event; return it."""
-        self.eval_loss = evaluate(self.set_global(params), self.val)
+        """Evaluate the global parameters ``params`` on the held-out batches (with :attr:`evaluator` where the
+        driver set one); log an ``eval`` event; return it."""
+        self.eval_loss = (self.evaluator(params) if self.evaluator is not None
+                          else evaluate(self.set_global(params), self.val))
         self.emit("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=perplexity(self.eval_loss),
                   sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
         return self.eval_loss
 
-    def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor) -> Path:
+    def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor, tmp: Path | None = None,
+                        meta: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint atomically: the global parameters as a Hugging Face model with the tokenizer, and
-        the driver's ``state`` with what a resume of this run needs (losses, wall time, data fingerprint)."""
+        the driver's ``state`` with what a resume of this run needs (losses, wall time, data fingerprint).
+        ``tmp`` and ``meta``: the folder other processes wrote their parts into, and its description
+        (:func:`atoll.job.checkpoint.save_checkpoint`)."""
         state = {**state, "initial_eval_loss": self.initial_eval_loss, "eval_loss": self.eval_loss,
                  "wall_s": self.wall_s(), "data_fingerprint": self.data.fingerprint}
-        path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer)
+        if is_meta(self.model):  # sharded islands: the export's tensors are views of params, no second copy
+            offset, views = 0, {}
+            for name, p in self.model.named_parameters():
+                views[name] = params[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+            path = save_checkpoint(self.out, step, state, model=self.model, tokenizer=self.tokenizer, tmp=tmp,
+                                   meta=meta, model_state=views)
+        else:
+            path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer,
+                                   tmp=tmp, meta=meta)
         self.log.log("checkpoint", step=step, path=str(path))
         return path
 

@@ -21,6 +21,7 @@ from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:  # not at run time: the collective launcher imports this without transformers
     from atoll.job.island import Island
+    from atoll.job.run import Run
     from atoll.strategies.base import Strategy
 
 
@@ -57,6 +58,15 @@ class Runtime(ABC):
         from atoll.job.island import make_island
 
         return make_island(index, model.to(self.device_of(index)), config, self.clock, optimizer=optimizer)
+
+    def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
+        """Mean held-out loss (nats per token) of the global model ``params`` (the strategy's
+        ``global_params()``; None: the initial model) over ``batches``, on the first island's device
+        (:func:`atoll.job.evaluation.evaluate_island`); collective call."""
+        from atoll.job.evaluation import evaluate_island
+
+        losses = evaluate_island(islands[0], params, batches)
+        return sum(losses[j] for j in range(len(batches))) / len(batches)
 
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """The whole flat parameter vector from what the strategy holds (``global_params()``); the same
@@ -124,6 +134,14 @@ class Runtime(ABC):
             ``{"islands": [state of island 0, 1, ...], "strategy": ..., "comm": ..., "clock": ..., **extra}``
             on the main process; None on the others.
         """
+
+    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy) -> None:
+        """Write the job's checkpoint at inner step ``step`` (collective call): by default the main process
+        writes :meth:`job_state` and the global model (:meth:`atoll.job.run.Run.save_checkpoint`)."""
+        job = self.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
+        params = self.full_params(strategy.global_params())
+        if job is not None:
+            run.save_checkpoint(step, job, params)
 
     @abstractmethod
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:

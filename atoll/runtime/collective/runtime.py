@@ -36,12 +36,11 @@ from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
 from atoll.runtime.collective.stop import StopAgreement
-from atoll.runtime.collective.transfer import gather_states, to_cpu
-from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
     from atoll.job.island import Island
+    from atoll.job.run import Run
     from atoll.strategies.base import Strategy
 
 # ----------------------------------------------------------------------------------------------------------
@@ -286,6 +285,13 @@ class CollectiveRuntime(Runtime):
         island, self.layout = make_sharded_island(index, model, config, optimizer, self.island_group, self.device)
         return island
 
+    def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
+        """The global model's held-out loss, the windows split over the ranks, each on its own device
+        (:func:`~.evaluation.split_evaluate`); every rank gets the same number. Collective."""
+        from atoll.runtime.collective.evaluation import split_evaluate
+
+        return split_evaluate(self, islands[0], params, batches)
+
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""
         return self.layout.gather(params) if self.config.shard_island else params
@@ -386,36 +392,25 @@ class CollectiveRuntime(Runtime):
         return real_s
 
     def job_state(self, islands: list[Island], strategy: Strategy, **extra: Any) -> dict[str, Any] | None:
-        """Gather every island's state on rank 0 (as safetensors + JSON, :func:`~.transfer.gather_states`; no
-        pickle), in the ``local`` runtime's format.
+        """Not gathered: a collective checkpoint is written by every rank (:meth:`save_checkpoint`)."""
+        raise NotImplementedError("the collective runtime writes per-rank checkpoints (save_checkpoint)")
 
-        Every rank takes the strategy's state (it may finish an exchange in flight, an island collective);
-        one rank per island sends it with its islands' states. The clock entry is a
-        :class:`~atoll.runtime.network.SimClock` state at the real wall time ``extra["wall_s"]``, so the
-        ``local`` runtime can resume the checkpoint.
-        """
-        if self.config.shard_island:
-            from atoll.runtime.collective.sharding import sharded_job_state
+    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy) -> None:
+        """Write the checkpoint at inner step ``step`` per rank (:func:`~.checkpointing.save_rank_checkpoint`,
+        :mod:`atoll.job.rank_checkpoint`): nothing of the islands travels to rank 0; collective."""
+        from atoll.runtime.collective.checkpointing import save_rank_checkpoint
 
-            return sharded_job_state(self, islands, strategy, **extra)
-        shared = strategy.state_dict()
-        mine = ({"island": self.island, "states": [to_cpu(i.state_dict()) for i in islands],
-                 "strategy": [to_cpu(strategy.island_state(p)) for p in range(len(islands))]}
-                if self.position == 0 else None)
-        gathered = self.comm.resilient(lambda: gather_states(mine, self.control, self.is_main))
-        if gathered is None:
-            return None
-        got = {int(g["island"]): (int(g["island"]), g["states"], g["strategy"]) for g in gathered if g is not None}
-        donor = got[min(got)]  # a lost island resumes from a live island's state (its own is gone)
-        entries = [got.get(i, (i, *donor[1:])) for i in range(self.islands)]
-        wall = float(extra.get("wall_s", 0.0))
-        return {"islands": [s for e in entries for s in e[1]], "strategy": to_cpu(shared),
-                "strategy_islands": [s for e in entries for s in e[2]],
-                "comm": self.comm.state_dict(),
-                "clock": SimClock(self.islands, [wall] * self.islands).state_dict(), **extra}
+        save_rank_checkpoint(self, run, step, islands, strategy)
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
-        """Each rank loads its own island's entry (the checkpoint must be readable on every node)."""
+        """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its
+        own folder (and its owners') of a per-rank checkpoint, or from a state that holds every island's (a
+        rejoining rank's, an older checkpoint's)."""
+        if state.get("checkpoint_path") is not None:
+            from atoll.runtime.collective.checkpointing import load_rank_checkpoint
+
+            load_rank_checkpoint(self, state, islands, strategy)
+            return
         if len(state["islands"]) != self.islands:
             raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
                                   f"{self.islands}; resume with the run's own --islands")
@@ -432,5 +427,3 @@ class CollectiveRuntime(Runtime):
         self.comm.load_state_dict(state["comm"])
         if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
             self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
-
-

@@ -13,15 +13,17 @@ outer optimizer act on it, and the cross-island exchange moves it between the ra
 every island. Element-wise maths (AdamW, the outer Nesterov step, fp32 averaging) is therefore the same as
 on the whole vector; only the order of floating-point sums changes (gradient reduce-scatter, clip norm).
 
-The full model is assembled where it is needed: evaluation and the checkpoint's Hugging Face model
-(:meth:`ShardLayout.gather`), and the islands' checkpoint states (``get_model_state_dict`` with
-``full_state_dict``, and the optimizer's moments gathered into its ordinary, index-keyed state dict), so a
-checkpoint holds the same full tensors as an unsharded run's.
+The full model is assembled only for the checkpoint's Hugging Face model (:meth:`ShardLayout.gather`, on
+island 0); a checkpoint's island state is each rank's pieces (:meth:`ShardedIsland.local_state_dict`, written
+per rank, :mod:`atoll.job.rank_checkpoint`), and the evaluation runs the sharded island itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import parameters_to_vector
 
@@ -42,8 +44,13 @@ from atoll.runtime.collective.failure import dist_call
 _FULL = StateDictOptions(full_state_dict=True)
 
 
-def shard_model(model: torch.nn.Module, group: Any, device: torch.device) -> None:
+def shard_model(model: torch.nn.Module, group: Any, device: torch.device, precision: str = "fp32") -> None:
     """Shard ``model`` in place over the ranks of ``group`` (an island's process group) with FSDP2.
+
+    With ``precision="bf16"`` FSDP2's mixed-precision policy all-gathers the parameters in bfloat16 for the
+    forward and backward passes and reduce-scatters the gradients in float32 (torchtitan's default): half
+    the gather traffic and memory of the whole layers; the sharded weights, gradients and optimizer state
+    stay float32 (the master weights).
 
     Each block the model names in ``_no_split_modules`` (a Hugging Face model's decoder layers) is its own
     FSDP unit, so only one block's parameters are whole at a time; the root holds the rest (embeddings,
@@ -51,11 +58,13 @@ def shard_model(model: torch.nn.Module, group: Any, device: torch.device) -> Non
     one-dimensional mesh of the group, on ``device``. Collective over ``group``.
     """
     mesh = DeviceMesh.from_group(group, device.type)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if precision == "bf16" else MixedPrecisionPolicy())
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if module is not model and type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,6 +139,45 @@ class ShardedIsland(Island):
             "skipped_steps": self.skipped_steps,
         }
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """The island's state as this rank holds it: every parameter and AdamW moment a ``DTensor`` (its
+        ``Shard(0)`` piece on this rank; no collective, no copy), for a per-rank checkpoint
+        (:mod:`atoll.job.rank_checkpoint` saves the pieces)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "compute_s": self.compute_s, "tokens": self.tokens,
+                "skipped_steps": self.skipped_steps, "reset_count": self.reset_count}
+
+    def load_local_state_dict(self, state: dict[str, Any], was_dtensor: Callable[[str], bool]) -> None:
+        """Load :meth:`local_state_dict`'s pieces as saved by this rank's position (no collective).
+
+        ``was_dtensor(key)`` says whether the tensor at dotted ``key`` (``model.<name>``,
+        ``optimizer.state.<index>.<name>``) was a ``DTensor`` piece; those are wrapped again with their
+        parameter's mesh and placement.
+        """
+        own = self.model.state_dict()
+        model = {}
+        for k, v in state["model"].items():
+            p = own[k]
+            model[k] = (DTensor.from_local(v.to(p.device, p.dtype), p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                        if isinstance(p, DTensor) and was_dtensor(f"model.{k}") else v)
+        self.model.load_state_dict(model)
+        optimizer = state["optimizer"]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        moments = {}
+        for index, entry in optimizer["state"].items():
+            p = params[int(index)]
+            moments[index] = {k: (DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                                     shape=p.shape, stride=p.stride())
+                                  if was_dtensor(f"optimizer.state.{index}.{k}") else v)
+                              for k, v in entry.items()}
+        self.optimizer.load_state_dict({**optimizer, "state": moments})
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.compute_s = float(state["compute_s"])
+        self.tokens = int(state["tokens"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.reset_count = int(state.get("reset_count", 0))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state with whole tensors (an unsharded or a sharded island's): each rank keeps its pieces."""
         set_model_state_dict(self.model, state["model"], options=_FULL)
@@ -193,49 +241,111 @@ class ShardLayout:
         return torch.cat([pieces[r][j] for j in range(self.counts.shape[1]) for r in range(len(sizes))])
 
 
-# --- the collective runtime's sharded islands: building, checkpoint state ------------------------------
+# --- the collective runtime's sharded islands: building, an older checkpoint's state ------------------------
+def _seed_of(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+@torch.no_grad()
+def materialize(model: torch.nn.Module, seed: int, device: torch.device, init_from: str | None = None) -> None:
+    """Give a model built on the meta device and sharded (:func:`shard_model`) storage for this rank's pieces
+    only, on ``device``, and initialise them: no process ever holds the whole model (meta-device
+    initialisation, as torchtitan does: Liang et al. 2024, arXiv:2410.06511, section 3.1).
+
+    Each parameter is initialised by the model's own ``_init_weights`` (Hugging Face: normal(0,
+    ``initializer_range``) for linear and embedding weights, ones for norms) on a CPU copy of its module,
+    one module at a time, with a generator seeded by ``seed`` and the module's name; this rank keeps its
+    rows. The values are therefore the same whatever the number of ranks, but not those of the unsharded
+    model built by :func:`atoll.job.model.build_model` (one generator for the whole model, which only a
+    whole model can replay); start both from ``--init-from`` to compare them. With ``init_from`` (a run
+    folder), each rank reads its rows of the checkpoint's ``model/model.safetensors`` instead. Buffers
+    (rotary frequencies) are recomputed by their module.
+
+    Raises:
+        ConfigError: ``init_from`` holds no Hugging Face model of this shape.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    buffered = [m for m in model.modules() if any(True for _ in m.buffers(recurse=False))]
+    model.to_empty(device=device)
+    for module in buffered:  # non-persistent buffers (rotary inv_freq): computed again by a fresh module
+        fresh = type(module)(config=model.config)
+        for name, buf in fresh.named_buffers(recurse=False):
+            getattr(module, name).copy_(buf)
+
+    def rows(p: torch.Tensor) -> tuple[int, int]:
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return offset[0], offset[0] + shape[0]
+
+    if init_from is not None:
+        _load_rows(model, init_from, rows)
+        return
+    done: set[int] = set()
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in done]
+        if not own:
+            continue
+        twin = copy.copy(module)  # the module's class and settings, its own CPU parameters
+        twin._parameters = {n: None if p is None else torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                            for n, p in module._parameters.items()}
+        twin._modules = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed_of(seed, name))
+            model._init_weights(twin)  # type: ignore[operator]
+        for n, p in own:
+            a, b = rows(p)
+            _local(p).copy_(twin._parameters[n][a:b])
+            done.add(id(p))
+
+
+def _load_rows(model: torch.nn.Module, init_from: str, rows: Any) -> None:
+    """Each parameter's rows ``rows(p)`` read from the Hugging Face model of ``init_from``'s latest
+    checkpoint (safetensors reads only those rows)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from atoll.errors import ConfigError
+    from atoll.job.checkpoint import latest_checkpoint
+
+    try:
+        weights = latest_checkpoint(Path(init_from)) / "model" / "model.safetensors"
+        with safe_open(str(weights), framework="pt") as f:
+            keys = set(f.keys())
+            for name, p in model.named_parameters():  # a tied head once, under the embedding's name
+                if name not in keys or tuple(f.get_slice(name).get_shape()) != tuple(p.shape):
+                    raise ConfigError(f"init_from: the model in '{init_from}' does not match --model/--vocab-size "
+                                      f"of this run ({name}); use the same model and vocabulary as that run")
+                a, b = rows(p)
+                _local(p).copy_(f.get_slice(name)[a:b])
+    except ConfigError:
+        raise
+    except Exception as e:  # no checkpoint, or no model folder (a syncer's), or a damaged file
+        raise ConfigError(f"init_from: sharded islands start from the model/ folder of a run's checkpoint, and "
+                          f"'{init_from}' has none readable ({type(e).__name__}); pass the --out folder of a "
+                          "finished lockstep run") from None
+
+
 def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
                         device: torch.device) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
-    so the optimizer holds this rank's shard only; and the layout of the shards."""
+    so the optimizer holds this rank's shard only; and the layout of the shards. A model on the meta device
+    takes storage for this rank's pieces here (:func:`materialize`)."""
     from atoll.job.island import make_island
     from atoll.job.model import enable_activation_checkpointing
 
     if config.activation_checkpointing:  # checkpoint the blocks before FSDP2 wraps them (torchtitan's order)
         enable_activation_checkpointing(model)
-    shard_model(model, group, device)
+    meta = any(p.is_meta for p in model.parameters())
+    shard_model(model, group, device, config.precision)
+    if meta:
+        materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
     island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
 
 
-def sharded_job_state(rt: Any, islands: list[Island], strategy: Any, **extra: Any) -> dict[str, Any] | None:
-    """The collective runtime's ``job_state`` for sharded islands (on rank 0; None elsewhere): the islands'
-    whole states (gathered by the island's ranks together), the strategy's state per rank position (each
-    holds its shard's): ``strategy_shards`` [position] and ``strategy_islands`` [island][position], and
-    ``shard_ranks`` = R. States travel as safetensors + JSON (:func:`~.transfer.gather_states`)."""
-    from atoll.runtime.collective.transfer import gather_states, to_cpu
-    from atoll.runtime.network import SimClock
-
-    states = [to_cpu(i.state_dict()) for i in islands]  # every rank of the island: a collective
-    mine = {"island": rt.island, "position": rt.position,
-            "strategy_islands": [to_cpu(strategy.island_state(p)) for p in range(len(islands))],
-            **({"states": states} if rt.position == 0 else {}),
-            **({"shared": to_cpu(strategy.state_dict())} if rt.island == 0 else {})}
-    gathered = gather_states(mine, rt.control, rt.is_main)
-    if gathered is None:
-        return None
-    entries = sorted((g for g in gathered if g is not None), key=lambda g: (g["island"], g["position"]))
-    r_count, wall = rt.ranks_per_island, float(extra.get("wall_s", 0.0))
-    return {"islands": [s for e in entries if e["position"] == 0 for s in e["states"]],
-            "strategy_shards": [e["shared"] for e in entries if e["island"] == 0],
-            "strategy_islands": [[e["strategy_islands"][0] for e in entries[i * r_count:(i + 1) * r_count]]
-                                 for i in range(rt.islands)],
-            "shard_ranks": r_count, "comm": rt.comm.state_dict(),
-            "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(), **extra}
-
-
 def load_sharded_job_state(rt: Any, state: dict[str, Any], islands: list[Island], strategy: Any) -> None:
-    """Each rank of a sharded island keeps its pieces of the whole tensors, and its position's strategy state.
+    """A checkpoint of whole tensors gathered on rank 0 (before per-rank checkpoints): each rank of a sharded island keeps its pieces of the whole tensors, and its position's strategy state.
 
     Raises:
         CheckpointError: the checkpoint's islands were sharded over another number of ranks (or not at all).
