@@ -62,7 +62,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
     instead of each importing torch and transformers. A rank killed by a signal is started again, up to
     ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers report
-    silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once.
+    silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once; a
+    restarted rank is watched for such reports again once it says the job admitted it (:data:`ADMITTED_KEY`).
     With ``min_islands`` below ``islands`` the survivors of a lost island go on by themselves; otherwise,
     after the first failure (and in any case once rank 0 has exited), the others get ``grace_s`` seconds to
     stop by themselves (they print why) and any still running are then killed. The ranks run with

@@ -1,7 +1,9 @@
 """Going on without a lost island: the survivors agree, through the rendezvous store, on who is alive.
 
-One *epoch* per loss. Every rank whose collective failed registers in epoch ``e`` with the number of the
-operation that failed (:attr:`DistComm.ops`, the same on every rank of a lockstep job). A rank that
+One *epoch* per change of :class:`~atoll.runtime.collective.membership.Membership` (a loss, or an admission).
+Every rank whose collective failed registers in epoch ``e`` with the number of the operation that failed
+(:attr:`DistComm.ops`, the same on every rank of a lockstep job: a rejoined rank takes the live ranks' count
+with their state). A rank that
 neither registers nor beats (its heartbeat silent for ``dead_s``, or it said goodbye) is dead. Once every
 rank of the current job has registered or is dead, the first survivor to decide writes the new membership
 with ``compare_set`` and every survivor adopts what the store holds, so all agree even if their views
