@@ -50,7 +50,7 @@ class _Heartbeat:
         self.keys = [f"hb/{r}" for r in range(world)] + [f"bye/{r}" for r in range(world)]
         with self.lock:
             self.store.add(f"hb/{rank}", 1)
-            self.store.add(f"bye/{rank}", 0)
+            self.store.set(f"bye/{rank}", "0")  # (a restarted rank: not the goodbye of its previous process)
         self.seen = [time.monotonic()] * world  # when each rank's counter last moved (or it said goodbye)
         self.left = [False] * world  # said goodbye
         self.read_at = time.monotonic()  # when this rank last read the others' counters

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 REJOIN_ENV = "ATOLL_REJOIN"  # set by the launcher on a restarted rank: its incarnation (1 for the first restart)
 PREFIX_KEY = "atoll/run_prefix"  # the running job's key prefix, set by rank 0 in the rendezvous store
 ADMITTED_KEY = "atoll/admitted/"  # + global rank: the incarnation admitted last (the launcher reads it)
+FINISHED = "finished"  # under the run's prefix: rank 0 is past the last step (a waiting joiner exits 0)
 
 
 def join(rt: CollectiveRuntime) -> dict[str, Any]:
@@ -49,6 +51,7 @@ def join(rt: CollectiveRuntime) -> dict[str, Any]:
 
     Raises:
         TimeoutError: not admitted within 600 s.
+        SystemExit: (status 0) the job finished before admitting this rank.
     """
     store = rt.store
     rt.prefix = store.get(PREFIX_KEY).decode()
@@ -57,6 +60,8 @@ def join(rt: CollectiveRuntime) -> dict[str, Any]:
     key = f"{rt.prefix}admit/{rt.rank}/{request}"
     deadline = time.monotonic() + 600
     while not store.check([key]):
+        if store.check([f"{rt.prefix}{FINISHED}"]):  # restarted too late: the job is done, nothing to join
+            sys.exit(0)
         if time.monotonic() > deadline:
             raise TimeoutError("rejoin: not admitted within 600 s")
         time.sleep(0.1)

@@ -36,7 +36,7 @@ from atoll.runtime.collective.failure import (
 from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.membership import Membership
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
-from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
+from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
 from atoll.runtime.collective.transfer import gather_states, to_cpu
 from atoll.runtime.network import SimClock
 
@@ -205,6 +205,9 @@ class CollectiveRuntime(Runtime):
         """A lost peer (in a collective, or a silent heartbeat) ends this process: one line, status 3."""
         try:
             yield
+            if self.is_main and self.config.max_restarts:  # a rank restarted now has nothing left to join
+                with contextlib.suppress(Exception):
+                    self.store.set(f"{self.prefix}{FINISHED}", "1")
             if self.heartbeat is not None:
                 self.heartbeat.leave()
                 try:
