@@ -96,10 +96,6 @@ class Membership:
         self.alive = sorted(self.alive + islands)
         self.events += [MembershipEvent("rejoined", i, step, self.epoch) for i in islands]
 
-    def next_admission(self, islands: list[int]) -> tuple[int, list[int]]:
-        """The epoch and islands alive that :meth:`admit` of ``islands`` will give (told to the joiners)."""
-        return self.epoch + 1, sorted(self.alive + islands)
-
     def state_dict(self) -> dict[str, Any]:
         """JSON-able (sent to a joiner with the live islands' state; no pickle)."""
         return {"islands": self.islands, "alive": list(self.alive), "epoch": self.epoch,

@@ -3,12 +3,11 @@
 One *epoch* per change of :class:`~atoll.runtime.collective.membership.Membership` (a loss, or an admission).
 Every rank whose collective failed registers in epoch ``e`` with the number of the operation that failed
 (:attr:`DistComm.ops`, the same on every rank of a lockstep job: a rejoined rank takes the live ranks' count
-with their state). A rank that
-neither registers nor beats (its heartbeat silent for ``dead_s``, or it said goodbye) is dead. Once every
-rank of the current job has registered or is dead, the first survivor to decide writes the new membership
-with ``compare_set`` and every survivor adopts what the store holds, so all agree even if their views
-differed for a moment. An island is alive only if all its ranks are. The survivors then re-form their
-process groups over ``PrefixStore(f"epoch{e}/", store)`` (see :class:`CollectiveRuntime.recover`).
+with their state). A rank that neither registers nor beats (its heartbeat silent for ``dead_s``, or it said
+goodbye) is dead. Once every rank of the current job has registered or is dead, the first survivor to decide
+writes the new membership with ``compare_set`` and every survivor adopts what the store holds, so all agree
+even if their views differed for a moment. An island is alive only if all its ranks are. The survivors then
+re-form their process groups over ``PrefixStore(f"epoch{e}/", store)`` (see :class:`CollectiveRuntime.recover`).
 
 The store is the launcher's (or torchrun's agent's), which outlives any rank; under plain ``torchrun``
 without an agent store, rank 0 hosts it, and its loss cannot be survived.
