@@ -256,3 +256,167 @@ def test_a_collective_run_checkpoints_after_its_first_exchange(settings: dict, t
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
     assert "lost_islands" not in json.loads((out / "summary.json").read_text())
+
+
+# --- issue 26: membership that survives repeated failures, a job-wide pause ------------------------------
+
+
+def _events(summary: dict) -> list[tuple[str, int]]:
+    return [(e["kind"], e["island"]) for e in summary["membership"]]
+
+
+@pytest.mark.slow
+def test_a_loss_after_a_rejoin_is_survived(settings: dict, tmp_path: Path) -> None:
+    """The rejoined rank counts operations as the islands that never left, so when another island is lost
+    the survivors (one of them rejoined) agree on the failed collective and go on (before: they registered
+    different operation numbers, read 'failed in different collectives' and all stopped, exit 137)."""
+    out = tmp_path / "run"
+    r = _train({**settings, "strategy": "diloco", "steps": 40, "eval_every": 40, "max_restarts": 2, "out": str(out)},
+               env={KILL_HOOK_ENV: "1:4,2:+2"})  # rank 2 dies 2 steps after rank 1 rejoined
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    members = summary["membership"]
+    assert _events(summary)[:3] == [("lost", 1), ("rejoined", 1), ("lost", 2)], members
+    assert members[0]["step"] == 4 and members[2]["step"] == members[1]["step"] + 2
+    assert [e["epoch"] for e in members] == list(range(1, len(members) + 1))  # one epoch per change
+    assert summary["lost_islands"]["2"] == members[2]["step"]
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("atoll: warning:")]
+    assert [w.split(" stopped")[0] for w in warnings] == ["atoll: warning: island 1 (rank 1)",
+                                                          "atoll: warning: island 2 (rank 2)"]
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+@pytest.mark.slow
+def test_a_rank_fails_and_rejoins_twice(settings: dict, tmp_path: Path) -> None:
+    """Admissions answer one request each and are deleted once read: the rank restarted a second time waits
+    for its own admission (before: it found its first one, joined that old epoch, and the live islands waited
+    for it until the collective timeout and stopped)."""
+    out = tmp_path / "run"
+    r = _train({**settings, "strategy": "diloco", "steps": 40, "eval_every": 40, "max_restarts": 2, "out": str(out)},
+               env={KILL_HOOK_ENV: "1:4,1:+2"})  # rank 1 at step 4, then its restarted process 2 steps after
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["islands_alive"] == 3  # back after its second loss
+    assert _events(summary) == [("lost", 1), ("rejoined", 1), ("lost", 1), ("rejoined", 1)], summary["membership"]
+    first, second = summary["membership"][1]["step"], summary["membership"][3]["step"]
+    assert summary["lost_islands"] == {"1": first + 2} and summary["rejoined_islands"] == {"1": second}
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def _process_group(pgid: int) -> list[int]:
+    """The pids of process group ``pgid``, ascending (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                    pids.append(int(entry))
+    return sorted(pids)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process groups from /proc")
+def test_a_paused_job_goes_on_without_killing_an_island(settings: dict, tmp_path: Path) -> None:
+    """Every process of the run is stopped for longer than the heartbeat's silence limit (10 s) and continued
+    one by one, 1 s apart (the launcher first, the ranks in the order they started): the first rank to run
+    again must not report the others silent (before: rank 0 reported rank 1, the launcher killed it, exit 3)."""
+    out = tmp_path / "run"
+    flags = cli_flags({**settings, "islands": 2, "min_islands": 2, "steps": 60, "eval_every": 60,
+                       "strategy": "diloco", "collective_timeout_s": 20, "out": str(out)})
+    p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
+        os.killpg(p.pid, signal.SIGSTOP)
+        try:
+            time.sleep(12)  # > the 10 s silence limit, < the 20 s collective timeout
+            for pid in _process_group(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(1.0)
+        finally:
+            os.killpg(p.pid, signal.SIGCONT)
+        _, err = p.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # anything of this test's session still running
+    assert p.returncode == 0, err[-3000:]
+    assert "stopped responding" not in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 60 and "lost_islands" not in summary
+
+
+def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's heartbeat against a store where the test beats for rank 1. A job-wide pause is the monotonic
+    clock jumping 10 s while rank 1 did not beat: no report; rank 1 then falling silent is reported."""
+    from types import SimpleNamespace
+
+    from atoll.runtime.collective import heartbeat as hb
+    from atoll.runtime.collective.launch import loopback_store
+
+    store = loopback_store(10)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    jump = [0.0]
+    monkeypatch.setattr(hb, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + jump[0]))
+    peer = dist.PrefixStore("t/", store)
+    peer.add("hb/1", 1)
+    peer.add("bye/1", 0)
+    found: list[int | None] = []
+    beat = hb._Heartbeat(0, 2, "t/", 3.0, lambda rank, _why: found.append(rank), store_host=None,
+                         on_store_lost=lambda _why: found.append(None))
+    beat.start()
+    try:
+        for _ in range(6):  # 1.5 s of rank 1 beating
+            peer.add("hb/1", 1)
+            time.sleep(0.25)
+        jump[0] = 10.0  # the pause: every clock moved 10 s, and nobody beat
+        time.sleep(1.5)  # rank 1 runs again later than rank 0 (1.5 s, < the 3 s limit)
+        for _ in range(8):
+            peer.add("hb/1", 1)
+            time.sleep(0.25)
+        assert found == []
+        assert not beat.is_gone(1, 3.0)
+        deadline = time.monotonic() + 10  # rank 1 falls silent for real: found within the 3 s limit (+ beats)
+        while not found and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert found == [1]
+    finally:
+        beat.leave()
+        beat.thread.join(timeout=5)
+
+
+def test_membership_counts_every_loss_and_rejoin() -> None:
+    from atoll.runtime.collective.membership import Membership
+
+    m = Membership(3)
+    assert m.alive == [0, 1, 2] and m.epoch == 0 and m.first_rejoin() is None
+    m.drop([1], 6)
+    m.admit([1], 16)
+    m.drop([1], 20)
+    m.admit([1], 31)
+    assert m.alive == [0, 1, 2] and m.epoch == 4 and m.first_rejoin() == 16
+    assert m.lost == {1: 20} and m.rejoined == {1: 31}  # the latest of each
+    copy = Membership(3)
+    copy.load_state_dict(json.loads(json.dumps(m.state_dict())))  # travels as JSON to a joiner
+    assert copy == m
+    with pytest.raises(ValueError, match="not all alive"):
+        m.drop([3], 40)
+    with pytest.raises(ValueError, match="alive already"):
+        m.admit([0], 40)
+    with pytest.raises(ValueError, match="3 islands"):
+        Membership(2).load_state_dict(m.state_dict())
+
+
+def test_the_kill_hook_takes_several_entries_and_steps_after_a_rejoin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from atoll.runtime.collective.failure import KillAt, parse_kill_hook
+
+    monkeypatch.setenv(KILL_HOOK_ENV, "1:6, 2:+4:STOP")
+    assert parse_kill_hook() == [KillAt(1, 6, signal.SIGKILL), KillAt(2, 4, signal.SIGSTOP, after_rejoin=True)]
+    monkeypatch.setenv(KILL_HOOK_ENV, "1:6;2:4")
+    with pytest.raises(ConfigError, match=KILL_HOOK_ENV):
+        parse_kill_hook()

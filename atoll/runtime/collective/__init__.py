@@ -46,7 +46,9 @@ island's state (:mod:`~atoll.runtime.collective.rejoin`).
 The one-machine launcher (:func:`launch`) exits with the status of the first rank that failed.
 
 Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N[:STOP]`` makes global rank RANK
-kill itself with SIGKILL (or freeze with SIGSTOP) as it starts inner step N (1-based). Read only by this runtime; for fault-injection tests.
+kill itself with SIGKILL (or freeze with SIGSTOP) as it starts inner step N (1-based); several entries are
+separated by commas (``1:40,2:80``), ``+N`` counts from the job's first rejoin (``1:8,2:+5``), and a
+restarted rank keeps the hook. Read only by this runtime; for fault-injection tests.
 """
 
 from atoll.runtime.collective.failure import (

@@ -6,7 +6,7 @@ import os
 import re
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from atoll.errors import ConfigError
 
@@ -53,22 +53,37 @@ def in_worker() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+class KillAt(NamedTuple):
+    """One entry of the test hook: global rank ``rank`` gets ``signal`` as it starts inner step ``step``
+    (1-based), or, with ``after_rejoin``, ``step`` inner steps after the job's first rejoin."""
+
+    rank: int
+    step: int
+    signal: signal.Signals
+    after_rejoin: bool = False
 
 
-def parse_kill_hook() -> tuple[int, int, signal.Signals] | None:
-    """The test hook's (rank, inner step, signal) from ``KILL_HOOK_ENV`` (``RANK:STEP[:STOP|KILL]``), or None.
+def parse_kill_hook() -> list[KillAt]:
+    """The test hook's entries from ``KILL_HOOK_ENV``, [] if unset: one or more ``RANK:STEP[:STOP|KILL]``
+    separated by commas; ``STEP`` as ``+N`` counts from the job's first rejoin. ``1:40,2:80``: rank 1 dies at
+    step 40, rank 2 at 80; a restarted rank inherits the hook, so ``1:8,1:+5`` kills rank 1 at step 8 and its
+    restarted process 5 steps after it rejoined (``1:8,2:+5``: rank 2 dies 5 steps after rank 1 rejoined).
 
     Raises:
         ConfigError: a malformed value.
     """
     value = os.environ.get(KILL_HOOK_ENV)
     if not value:
-        return None
+        return []
+    entries = []
     try:
-        rank, step, *how = value.split(":")
-        sig = signal.SIGSTOP if how == ["STOP"] else signal.SIGKILL
-        if how not in ([], ["STOP"], ["KILL"]):
-            raise ValueError(value)
-        return int(rank), int(step), sig
+        for entry in value.split(","):
+            rank, step, *how = entry.strip().split(":")
+            if how not in ([], ["STOP"], ["KILL"]):
+                raise ValueError(value)
+            entries.append(KillAt(int(rank), int(step), signal.SIGSTOP if how == ["STOP"] else signal.SIGKILL,
+                                  after_rejoin=step.startswith("+")))
     except ValueError:
-        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP[:STOP] (e.g. 1:7), got {value!r}") from None
+        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP[:STOP] entries separated by commas, STEP as N or "
+                          f"+N after the first rejoin (e.g. 1:7 or 1:7,2:+5), got {value!r}") from None
+    return entries

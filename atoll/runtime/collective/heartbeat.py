@@ -12,13 +12,20 @@ import torch.distributed as dist
 
 from atoll.runtime.collective.failure import HEARTBEAT_S, REPORT_KEY, backend_reason
 
+PAUSE_S = 2.0  # readings this much further apart than a beat: this rank was paused itself (SIGSTOP, a frozen
+# VM or container), and so may have been the whole job: every peer gets a fresh window instead of a verdict
+
 # ----------------------------------------------------------------------------------------------------------
 # failure detection
 
 
 class _Heartbeat:
     """Each rank bumps a counter in the rendezvous store every :data:`HEARTBEAT_S` seconds and watches the
-    others'; a rank that leaves on purpose (done, or stopping after a failure) says so first.
+    others'; a rank that leaves on purpose (done, or stopping after a failure) says so first. A rank whose
+    readings are more than :data:`PAUSE_S` further apart than one beat was not running itself (a job-wide
+    pause: SIGSTOP to the process group, a suspended VM or container): it restarts every peer's window
+    instead of reporting the peers that have not run yet since the pause; one frozen rank is still found
+    by the others, who ran.
 
     Args:
         rank, world: this rank and the world size.
@@ -43,11 +50,12 @@ class _Heartbeat:
         self.keys = [f"hb/{r}" for r in range(world)] + [f"bye/{r}" for r in range(world)]
         with self.lock:
             self.store.add(f"hb/{rank}", 1)
-            self.store.add(f"bye/{rank}", 0)
+            self.store.set(f"bye/{rank}", "0")  # (a restarted rank: not the goodbye of its previous process)
         self.seen = [time.monotonic()] * world  # when each rank's counter last moved (or it said goodbye)
         self.left = [False] * world  # said goodbye
         self.read_at = time.monotonic()  # when this rank last read the others' counters
         self.dropped: set[int] = set()  # ranks of islands the job went on without: not watched
+        self.reported: set[int] = set()  # ranks found silent once (reported again only after they rejoin)
         self.thread = threading.Thread(target=self._run, name="atoll-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -63,8 +71,13 @@ class _Heartbeat:
         last = None
         seen = self.seen
         store_ok = time.monotonic()
-        reported: set[int] = set()
-        while not self.stopped.wait(HEARTBEAT_S):
+        reported = self.reported
+        while True:
+            slept = time.monotonic()
+            if self.stopped.wait(HEARTBEAT_S):
+                break
+            if time.monotonic() - slept > HEARTBEAT_S + PAUSE_S:  # this thread did not run: no store outage
+                store_ok = time.monotonic()
             try:
                 with self.lock:
                     self.store.add(f"hb/{self.rank}", 1)
@@ -77,10 +90,12 @@ class _Heartbeat:
                     else:
                         self.on_dead(self.store_host, reason)
                 continue
-            now = store_ok = self.read_at = time.monotonic()
+            now = time.monotonic()
+            paused = now - self.read_at > HEARTBEAT_S + PAUSE_S  # this rank did not run: the others may not either
+            store_ok = self.read_at = now
             for r in range(self.world):
                 self.left[r] = bool(bye[r])
-                if last is None or beats[r] != last[r] or bye[r]:
+                if last is None or beats[r] != last[r] or bye[r] or paused:
                     seen[r] = now
             last = beats
             silent = [r for r in range(self.world) if r != self.rank and now - seen[r] > self.stale_s
@@ -109,11 +124,13 @@ class _Heartbeat:
         self.dropped.update(ranks)
 
     def undrop(self, ranks: list[int]) -> None:
-        """Watch ``ranks`` again (their island rejoined), as if they had just beaten."""
+        """Watch ``ranks`` again (their island rejoined), as if they had just beaten; a new silence of theirs is
+        reported again."""
         now = time.monotonic()
         for r in ranks:
             self.seen[r], self.left[r] = now, False
         self.dropped.difference_update(ranks)
+        self.reported.difference_update(ranks)
 
     def leave(self) -> None:
         """Say this rank leaves on purpose, and stop beating."""

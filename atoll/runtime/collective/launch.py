@@ -21,7 +21,7 @@ from atoll.job import stop
 from atoll.job.checkpoint import latest_checkpoint, resume_advice
 from atoll.job.lock import claim_run_folder
 from atoll.runtime.collective.failure import REPORT_KEY
-from atoll.runtime.collective.rejoin import REJOIN_ENV
+from atoll.runtime.collective.rejoin import ADMITTED_KEY, REJOIN_ENV
 from atoll.runtime.collective.stop import REQUEST_KEY
 
 if TYPE_CHECKING:  # the launcher (parent process) runs without importing transformers
@@ -64,7 +64,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
     instead of each importing torch and transformers. A rank killed by a signal is started again, up to
     ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers report
-    silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once.
+    silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once; a
+    restarted rank is watched for such reports again once it says the job admitted it (:data:`ADMITTED_KEY`).
     With ``min_islands`` below ``islands`` the survivors of a lost island go on by themselves; otherwise,
     after the first failure (and in any case once rank 0 has exited), the others get ``grace_s`` seconds to
     stop by themselves (they print why) and any still running are then killed. The ranks run with
@@ -111,6 +112,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
     reported: set[int] = set()  # ranks reported silent by their peers
     killed: set[int] = set()  # ranks killed here (reported while running, or restarted)
+    joining: dict[int, str] = {}  # restarted rank -> its incarnation, until the job admitted it
     survive = config.min_islands < config.islands
     restarts = [config.max_restarts] * world
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
@@ -140,9 +142,14 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
                         restarts[rank] -= 1
                         reported.add(rank)  # the survivors' report of the lost one must not kill the new one
                         killed.add(rank)
+                        joining[rank] = str(config.max_restarts - restarts[rank])
                         procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
-                            worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), REJOIN_ENV: "1"}))
+                            worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                                     REJOIN_ENV: joining[rank]}))
                         procs[rank].start()
+                for rank in _admitted(store, joining):  # it cleared the old report: a new one is about this process
+                    del joining[rank]
+                    reported.discard(rank)
                 for rank in _reported(store, world, reported):
                     reported.add(rank)
                     if procs[rank].exitcode is None:  # frozen: its peers are done with it
@@ -191,6 +198,12 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
 def _reported(store: dist.TCPStore, world: int, known: set[int]) -> list[int]:
     """Ranks that their peers reported silent (:data:`REPORT_KEY`) and are not in ``known``."""
     return [r for r in range(world) if r not in known and store.check([f"{REPORT_KEY}{r}"])]
+
+
+def _admitted(store: dist.TCPStore, joining: dict[int, str]) -> list[int]:
+    """The restarted ranks of ``joining`` (rank -> incarnation) that the job has admitted (:data:`ADMITTED_KEY`)."""
+    return [r for r, n in joining.items()
+            if store.check([f"{ADMITTED_KEY}{r}"]) and store.get(f"{ADMITTED_KEY}{r}").decode() == n]
 
 
 def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, str]) -> None:

@@ -1,12 +1,13 @@
 """Going on without a lost island: the survivors agree, through the rendezvous store, on who is alive.
 
-One *epoch* per loss. Every rank whose collective failed registers in epoch ``e`` with the number of the
-operation that failed (:attr:`DistComm.ops`, the same on every rank of a lockstep job). A rank that
-neither registers nor beats (its heartbeat silent for ``dead_s``, or it said goodbye) is dead. Once every
-rank of the current job has registered or is dead, the first survivor to decide writes the new membership
-with ``compare_set`` and every survivor adopts what the store holds, so all agree even if their views
-differed for a moment. An island is alive only if all its ranks are. The survivors then re-form their
-process groups over ``PrefixStore(f"epoch{e}/", store)`` (see :class:`CollectiveRuntime.recover`).
+One *epoch* per change of :class:`~atoll.runtime.collective.membership.Membership` (a loss, or an admission).
+Every rank whose collective failed registers in epoch ``e`` with the number of the operation that failed
+(:attr:`DistComm.ops`, the same on every rank of a lockstep job: a rejoined rank takes the live ranks' count
+with their state). A rank that neither registers nor beats (its heartbeat silent for ``dead_s``, or it said
+goodbye) is dead. Once every rank of the current job has registered or is dead, the first survivor to decide
+writes the new membership with ``compare_set`` and every survivor adopts what the store holds, so all agree
+even if their views differed for a moment. An island is alive only if all its ranks are. The survivors then
+re-form their process groups over ``PrefixStore(f"epoch{e}/", store)`` (see :class:`CollectiveRuntime.recover`).
 
 The store is the launcher's (or torchrun's agent's), which outlives any rank; under plain ``torchrun``
 without an agent store, rank 0 hosts it, and its loss cannot be survived.
@@ -110,18 +111,19 @@ def recover(rt: CollectiveRuntime, failure: PeerFailure, op: int) -> None:
         if exc is not None and exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)
     t0 = time.perf_counter()
-    epoch = rt.epoch + 1
+    members = rt.membership
+    epoch = members.epoch + 1
     try:
         rt.quorum.register(epoch, op)
         rt.close_groups()
-        decided = rt.quorum.agree(epoch, op, rt.alive)
+        decided = rt.quorum.agree(epoch, op, members.alive)
     except RuntimeError:  # the store is gone too (its host died): nobody to agree with
         decided = None
     if decided is None:
         rt.abort(failure.reason, failure.suspect)
     alive, dead = decided  # type: ignore[misc]
     rt.heartbeat.report(dead)
-    lost = [i for i in rt.alive if i not in alive]
+    lost = [i for i in members.alive if i not in alive]
     where = f"inner step {rt.step + 1}" if rt.step is not None else "start"
     culprit = (f"island {lost[0]} (rank {', '.join(map(str, dead))})" if lost and dead else "")
     if rt.island not in alive:  # a live rank of an island that lost another
@@ -132,10 +134,8 @@ def recover(rt: CollectiveRuntime, failure: PeerFailure, op: int) -> None:
     if len(alive) < rt.config.min_islands:
         rt.abort(f"{failure.reason}; {len(alive)} of {rt.islands} islands left, --min-islands "
                    f"{rt.config.min_islands}", dead[0] if dead else None)
-    for i in lost:
-        rt.lost[i] = rt.step + 1 if rt.step is not None else 0
     rt.heartbeat.drop([i * rt.ranks_per_island + p for i in lost for p in range(rt.ranks_per_island)])
-    rt.alive, rt.epoch = alive, epoch
+    members.drop(lost, rt.step + 1 if rt.step is not None else 0)  # (epoch + 1: the epoch agreed on)
     rt.init_epoch()
     rt.recovery_s.append(time.perf_counter() - t0)
     if rt.is_main and culprit:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import sys
@@ -33,8 +34,9 @@ from atoll.runtime.collective.failure import (
     parse_kill_hook,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
+from atoll.runtime.collective.membership import Membership
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
-from atoll.runtime.collective.rejoin import PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
+from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
 from atoll.runtime.collective.stop import StopAgreement
 
 if TYPE_CHECKING:
@@ -85,14 +87,11 @@ class CollectiveRuntime(Runtime):
         self.heartbeat: _Heartbeat | None = None
         self.stopping: StopAgreement | None = None  # from start(): the step all ranks stop after on a signal
         self._aborting = threading.Lock()
-        self.alive = list(range(self.islands))  # the islands in the job (all, until one is lost)
-        self.epoch = 0  # one more per loss survived
+        self.membership = Membership(self.islands)  # the islands alive, the epoch, losses and rejoins
         self.quorum: Quorum | None = None
         self.recovery_s: list[float] = []
-        self.rejoined: dict[int, int] = {}  # island -> the inner steps done when it rejoined
         self._joined: dict[str, Any] | None = None  # the state received on rejoining
         self.token_offset = 0  # a rejoined island: its tokens before the loss, less those of the state it took
-        self.lost: dict[int, int] = {}  # island -> the inner step at which the others went on without it
         self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
 
     # --- joining and leaving ----------------------------------------------------------------------
@@ -106,8 +105,6 @@ class CollectiveRuntime(Runtime):
             self.store = store_client(self.config.collective_timeout_s)
             self._joined = join(self)
             self.tokens_of = [int(t) for t in self._joined["tokens_of"]]
-            self.lost = {int(k): v for k, v in self._joined["lost"].items()}
-            self.rejoined = {int(k): v for k, v in self._joined["rejoined"].items()}
         else:
             dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
             self._form_groups()
@@ -120,6 +117,7 @@ class CollectiveRuntime(Runtime):
                                     min(HEARTBEAT_STALE_S, self.config.collective_timeout_s),
                                     self._on_silent, store_host=None if agent_store else 0,
                                     on_store_lost=self._on_store_lost)
+        self.heartbeat.drop([r for r in range(self.world) if r not in self.membership.ranks(self.ranks_per_island)])
         # losses can be survived (agree through the store); not by sharded islands, whose FSDP groups stay
         if self.config.min_islands < self.islands and not self.config.shard_island:
             # without an agent store, rank 0's default group owns the store's server: keep it past that group
@@ -153,7 +151,8 @@ class CollectiveRuntime(Runtime):
         Island ``alive[j]`` is ranks [j*R, (j+1)*R) of the default group; every rank creates every group,
         in the same order (``new_group`` is collective).
         """
-        r_count, k = self.ranks_per_island, len(self.alive)
+        alive = self.membership.alive
+        r_count, k = self.ranks_per_island, len(alive)
         island_groups = ([dist_call(dist.new_group, list(range(j * r_count, (j + 1) * r_count)),
                                     timeout=self.timeout) for j in range(k)] if r_count > 1 else [None] * k)
         cross_groups = [dist_call(dist.new_group, [j * r_count + p for j in range(k)], timeout=self.timeout)
@@ -161,7 +160,7 @@ class CollectiveRuntime(Runtime):
         # checkpoints and counters travel as CPU objects: a gloo group even when the collectives use NCCL
         self.control = (dist_call(dist.new_group, backend="gloo", timeout=self.timeout)
                         if self.backend == "nccl" else dist.group.WORLD)
-        self.island_group = island_groups[self.alive.index(self.island)]
+        self.island_group = island_groups[alive.index(self.island)]
         self.cross_group = cross_groups[self.position]
 
     def close_groups(self) -> None:
@@ -193,14 +192,14 @@ class CollectiveRuntime(Runtime):
         recover(self, failure, op)
 
     def init_epoch(self) -> None:
-        """Join the default group of epoch :attr:`epoch` (the islands :attr:`alive`, renumbered in island order,
+        """Join the default group of the membership's epoch (its islands alive, renumbered in island order,
         over ``PrefixStore(f"epoch{n}/", store)``) and form its groups; the comm uses them from now on."""
-        r_count = self.ranks_per_island
+        r_count, alive = self.ranks_per_island, self.membership.alive
         dist_call(dist.init_process_group, self.backend, timeout=self.timeout,
-                  store=dist.PrefixStore(f"{self.prefix}epoch{self.epoch}/", self.store),
-                  rank=self.alive.index(self.island) * r_count + self.position, world_size=len(self.alive) * r_count)
+                  store=dist.PrefixStore(f"{self.prefix}epoch{self.membership.epoch}/", self.store),
+                  rank=alive.index(self.island) * r_count + self.position, world_size=len(alive) * r_count)
         self._form_groups()
-        self.comm.regroup(len(self.alive), self.cross_group, self.island_group)
+        self.comm.regroup(len(alive), self.cross_group, self.island_group)
 
     def admit(self, done: int, islands: list[Island], strategy: Strategy, **extra: Any) -> None:
         """Let restarted islands rejoin at the end of inner step ``done`` (:func:`~.rejoin.admit`)."""
@@ -216,6 +215,9 @@ class CollectiveRuntime(Runtime):
         """A lost peer (in a collective, or a silent heartbeat) ends this process: one line, status 3."""
         try:
             yield
+            if self.is_main and self.config.max_restarts:  # a rank restarted now has nothing left to join
+                with contextlib.suppress(Exception):
+                    self.store.set(f"{self.prefix}{FINISHED}", "1")
             if self.heartbeat is not None:
                 self.heartbeat.leave()
                 try:
@@ -301,10 +303,12 @@ class CollectiveRuntime(Runtime):
         """This rank's rows of the island's batch, then the gradient averaged over the island's ranks
         (all-reduced here; reduce-scattered by FSDP2 in the backward pass of a sharded island)."""
         self.step = step
-        if self.kill_at is not None and self.kill_at[:2] == (self.rank, step + 1):
-            if os.environ.get("ATOLL_TEST_KILL_STAMP"):  # when it died, for bench/survivors.py
-                Path(os.environ["ATOLL_TEST_KILL_STAMP"]).write_text(repr(time.time()))
-            os.kill(os.getpid(), self.kill_at[2])  # test hook (see the package docstring)
+        for rank, at, sig, after_rejoin in self.kill_at:  # test hook (see the package docstring)
+            base = self.membership.first_rejoin() if after_rejoin else 0
+            if base is not None and (rank, base + at) == (self.rank, step + 1):
+                if os.environ.get("ATOLL_TEST_KILL_STAMP"):  # when it died, for bench/survivors.py
+                    Path(os.environ["ATOLL_TEST_KILL_STAMP"]).write_text(repr(time.time()))
+                os.kill(os.getpid(), sig)
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
@@ -346,9 +350,9 @@ class CollectiveRuntime(Runtime):
             return buf
 
         buf = self.comm.resilient(op)
-        for i in self.alive:
+        for i in self.membership.alive:
             self.tokens_of[i] = int(buf[1 + i])
-        return float(buf[0]) / len(self.alive), sum(self.tokens_of)
+        return float(buf[0]) / len(self.membership.alive), sum(self.tokens_of)
 
     def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
         def op() -> torch.Tensor:
@@ -371,22 +375,27 @@ class CollectiveRuntime(Runtime):
         return self.comm.resilient(op)
 
     def summary(self) -> dict[str, Any]:
-        """``lost_islands`` (island -> the inner step the others went on without it) and
-        ``degraded_exchanges`` (exchanges with fewer contributors than ``islands``), once an island was lost;
+        """``lost_islands`` (island -> the inner step the others went on without it, its latest loss),
+        ``rejoined_islands`` (island -> inner steps done at its latest rejoin), ``membership`` (every loss and
+        rejoin in order: kind, island, step, epoch) and ``degraded_exchanges`` (exchanges with fewer
+        contributors than ``islands``), once an island was lost;
         ``recovery_s``: wall seconds from each failure to the re-formed groups; ``interrupted_exchange_s``:
         wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
         ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
         shard = ({"shard_island": True, "params_per_rank": self.layout.numel_per_rank} if self.config.shard_island
                  else torch_ddp.describe(self.config))
-        if not self.lost and not self.rejoined:
+        members = self.membership
+        if not members.events:
             return shard
-        return {**shard, "lost_islands": {str(i): s for i, s in sorted(self.lost.items())},
-                "islands_alive": len(self.alive),
+        lost, rejoined = members.lost, members.rejoined
+        return {**shard, "lost_islands": {str(i): s for i, s in sorted(lost.items())},
+                "islands_alive": len(members.alive),
+                "membership": [dataclasses.asdict(e) for e in members.events],
                 "degraded_exchanges": self.comm.degraded_exchanges,
                 "recovery_s": [round(t, 3) for t in self.recovery_s],
                 "interrupted_exchange_s": [round(t, 3) for t in self.comm.interrupted_s],
                 "resumed_at": self.comm.resumed_at,
-                **({"rejoined_islands": {str(i): s for i, s in sorted(self.rejoined.items())}} if self.rejoined else {})}
+                **({"rejoined_islands": {str(i): s for i, s in sorted(rejoined.items())}} if rejoined else {})}
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
