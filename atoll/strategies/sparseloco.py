@@ -169,8 +169,10 @@ class SparseLoCo(OuterRounds):
 def payload_bytes(s: Setting) -> float:
     """Bytes of one island's SparseLoCo payload, for N parameters in N/c chunks of k kept entries each: an
     index (1, 2 or 4 bytes: the smallest integer that holds c - 1) and, at 2 bits, a quarter byte per entry
-    plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact when
-    every parameter is a whole number of chunks (a chunk never straddles two parameters)."""
+    plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact for the
+    flat layout when every parameter is a whole number of chunks; for tiles (the default) exact when every
+    matrix is a whole number of full tiles, and within the bias and norm vectors' small share otherwise
+    (their runs of sqrt(chunk) keep about one entry each, with the levels of a tile)."""
     k, c = min(s.sparseloco_topk, s.sparseloco_chunk), s.sparseloco_chunk
     chunks = math.ceil(s.params / c)
     per_entry = index_dtype_for(c).itemsize + (0.25 if s.sparseloco_bits == 2 else 4)
