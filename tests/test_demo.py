@@ -128,11 +128,11 @@ def test_full_topk_transmits_everything() -> None:
     opt = DeMo([p, b], lr=0.01, beta=0.9, chunk=8, topk=64)
     p0, b0 = p.detach().clone(), b.detach().clone()
     p.grad, b.grad = torch.randn(16, 24), torch.randn(24)
-    m_before = [p.grad.clone(), b.grad.clone()]  # first step: m = 0 * beta + g
+    m_before = [0.01 * p.grad, 0.01 * b.grad]  # first step: m = 0 * beta + lr * g (bloc97/DeMo)
     payloads = opt.encode_step()
     for param, pl, m in zip([p, b], payloads, m_before, strict=True):
-        assert torch.allclose(opt.state[param]["momentum"], torch.zeros_like(m), atol=1e-5)
-        assert torch.allclose(opt.decode_payload(pl), m, atol=1e-5)
+        assert torch.allclose(opt.state[param]["momentum"], torch.zeros_like(m), atol=1e-7)
+        assert torch.allclose(opt.decode_payload(pl), m, atol=1e-7)
     opt.apply_step([payloads])
     assert torch.equal(p.detach(), p0 - 0.01 * torch.sign(m_before[0]))
     assert torch.equal(b.detach(), b0 - 0.01 * torch.sign(m_before[1]))
@@ -149,13 +149,13 @@ def test_conservation_at_small_topk() -> None:
         expected = []
         for param, g in zip([p, v], grads, strict=True):
             prev = opt.state[param]["momentum"].clone() if step else torch.zeros_like(param)
-            expected.append(0.9 * prev + g)
+            expected.append(0.9 * prev + 1e-3 * g)  # lr-weighted momentum (bloc97/DeMo)
             param.grad = g
         payloads = opt.encode_step()
         for param, pl, m in zip([p, v], payloads, expected, strict=True):
             residual = opt.state[param]["momentum"]
-            assert torch.allclose(opt.decode_payload(pl) + residual, m, atol=1e-5)
-            assert not torch.allclose(residual, torch.zeros_like(residual), atol=1e-3)  # something stays
+            assert torch.allclose(opt.decode_payload(pl) + residual, m, atol=1e-8)
+            assert not torch.allclose(residual, torch.zeros_like(residual), atol=1e-6)  # something stays
             assert pl.k == 5
         opt.apply_step([payloads])
         assert opt.step_count == step + 1
@@ -173,7 +173,8 @@ def test_topk_selects_largest_coefficients() -> None:
     assert pl.indices.dtype == torch.int8
     order = torch.argsort(pl.indices.long().flatten())
     assert pl.indices.flatten()[order].tolist() == [5, 17, 40]
-    assert torch.allclose(pl.values.flatten()[order], torch.tensor([3.0, -4.0, 2.5]), atol=1e-5)
+    # the momentum holds lr * g (lr 1e-3, the default)
+    assert torch.allclose(pl.values.flatten()[order], 1e-3 * torch.tensor([3.0, -4.0, 2.5]), atol=1e-8)
 
 
 def test_grad_none_counts_as_zero_and_no_grads_raises() -> None:
@@ -570,3 +571,48 @@ def test_demo_defaults_to_packed_sign_values_and_a_flag_turns_them_off() -> None
     assert build_parser().parse_args(["train", "--no-demo-sign-values"]).demo_sign_values is False
     assert build_parser().parse_args(["train", "--demo-sign-values"]).demo_sign_values is True
     assert DeMo([torch.nn.Parameter(torch.zeros(2))]).sign_values is False
+
+
+# --- the reference's rules (bloc97/DeMo), on small hand-computed cases ---------------------------------------
+
+
+def test_momentum_accumulates_the_learning_rate_times_the_gradient() -> None:
+    # bloc97/DeMo: delta = decay * delta + lr * grad; with 1x1 tiles (chunk 1) the payload is the momentum itself
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = DeMo([p], lr=0.1, beta=0.5, chunk=1, topk=1)
+    p.grad = torch.tensor([1.0, -2.0])
+    sent = opt.encode_step()[0]
+    torch.testing.assert_close(sent.values.flatten(), torch.tensor([0.1, -0.2]), rtol=0, atol=0)
+    opt.param_groups[0]["lr"] = 0.4  # a scheduler's next rate: the new gradient weighs 0.4, the old nothing left
+    p.grad = torch.tensor([1.0, 1.0])
+    torch.testing.assert_close(opt.encode_step()[0].values.flatten(), torch.tensor([0.4, 0.4]), rtol=0, atol=0)
+
+
+def test_each_coefficient_is_averaged_over_the_islands_that_selected_it() -> None:
+    # one 4-vector, one DCT chunk of 4, top-2: island A sends coefficients {0, 1} = (1, 1), island B {0, 2} =
+    # (1, 0). The reference's mean: c = (1, 1, 0, 0); x = B.T c = 0.5 + (0.653, 0.271, -0.271, -0.653) has
+    # signs (+, +, +, -). Dividing by both islands, c = (1, 0.5, 0, 0), every sign is +.
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = DeMo([p], lr=1.0, beta=0.9, chunk=4, topk=2)
+
+    def sent(idx: list[int], vals: list[float]) -> DemoPayload:
+        return DemoPayload(indices=torch.tensor([idx], dtype=torch.int8), values=torch.tensor([vals]),
+                           shape=(4,), chunk_elems=4)
+
+    opt.apply_step([[sent([0, 1], [1.0, 1.0])], [sent([0, 2], [1.0, 0.0])]])
+    assert p.detach().tolist() == [-1.0, -1.0, -1.0, 1.0]
+
+
+def test_dct_basis_entries_zero_in_exact_arithmetic_are_exactly_zero() -> None:
+    # n = 6: basis[k, i] ~ cos(pi (2i + 1) k / 12) vanishes exactly at k = 2, i = 1 and i = 4 (cos(pi/2),
+    # cos(3 pi/2)); cos() in floating point gives about 1e-17, and sign() of that took a full step
+    basis = dct_basis(6)
+    assert basis[2, 1].item() == 0.0 and basis[2, 4].item() == 0.0
+    assert int((basis == 0).sum()) == 2
+    assert int((dct_basis(64) == 0).sum()) == 0  # a power of two has none
+    p = torch.nn.Parameter(torch.zeros(6))
+    opt = DeMo([p], lr=1.0, beta=0.9, chunk=6, topk=1)
+    opt.apply_step([[DemoPayload(indices=torch.tensor([[2]], dtype=torch.int8), values=torch.tensor([[1.0]]),
+                                 shape=(6,), chunk_elems=6)]])
+    assert p.detach()[1].item() == 0.0 and p.detach()[4].item() == 0.0  # sign(0) = 0: no step there
+    assert int((p.detach() != 0).sum()) == 4

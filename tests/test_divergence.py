@@ -40,6 +40,7 @@ from atoll.runtime.network import Link, SimClock
 from atoll.strategies.ddp import DDP
 from atoll.strategies.demo import DeMoStrategy, make_optimizer
 from atoll.strategies.diloco import DiLoCo
+from atoll.strategies.sparseloco import SparseLoCo
 from atoll.strategies.streaming import StreamingDiLoCo
 from atoll.train import train
 
@@ -139,10 +140,10 @@ def test_every_island_diverged_is_the_job_diverged(strategy_cls) -> None:
     assert e.value.step == 2 and "every island" in e.value.what
 
 
-@pytest.mark.parametrize("strategy_cls", [DiLoCo, StreamingDiLoCo])
+@pytest.mark.parametrize("strategy_cls", [DiLoCo, StreamingDiLoCo, SparseLoCo])
 def test_an_island_with_nan_weights_is_reset_from_the_global_model(strategy_cls) -> None:
-    # before: diloco and streaming kept training the NaN replica until its pseudo-gradient was dropped at the
-    # sync, its AdamW state kept, and nothing counted it
+    # before: diloco and streaming (and sparseloco until issue 24) kept training the NaN replica until its
+    # pseudo-gradient was dropped at the sync, its AdamW state kept, and nothing counted it
     config, comm, islands, strategy = _setup(strategy_cls, 2, sync_every=4)
     global_before = strategy.global_params()
     _forward(islands, 0)
@@ -159,9 +160,10 @@ def test_an_island_with_nan_weights_is_reset_from_the_global_model(strategy_cls)
     assert torch.isfinite(strategy.global_params()).all() and not torch.equal(strategy.global_params(), global_before)
 
 
-def test_diloco_with_no_finite_pseudo_gradient_at_a_sync_is_the_job_diverged() -> None:
+@pytest.mark.parametrize("strategy_cls", [DiLoCo, SparseLoCo])
+def test_no_finite_pseudo_gradient_at_a_sync_is_the_job_diverged(strategy_cls) -> None:
     # before: the outer step was skipped silently and every island restarted from the old global model
-    config, comm, islands, diloco = _setup(DiLoCo, 2, sync_every=2)
+    config, comm, islands, diloco = _setup(strategy_cls, 2, sync_every=2)
     for step in range(2):
         _forward(islands, step)
         for island in islands:
@@ -172,6 +174,32 @@ def test_diloco_with_no_finite_pseudo_gradient_at_a_sync_is_the_job_diverged() -
     with pytest.raises(Diverged) as e:
         diloco.outer_step(2)
     assert e.value.step == 2 and "pseudo-gradient" in e.value.what
+
+
+def test_sparseloco_drops_a_non_finite_island_at_the_sync_and_resets_it() -> None:
+    config, comm, islands, strategy = _setup(SparseLoCo, 2, sync_every=2)
+    for step in range(2):
+        _forward(islands, step)
+        for island in islands:
+            island.inner_step()
+    with torch.no_grad():
+        islands[1].params[0].fill_(float("inf"))
+    strategy.outer_step(2)
+    assert strategy.dropped_updates == 1 and islands[1].reset_count == 1 and not islands[1].optimizer.state
+    assert islands[0].reset_count == 0 and islands[0].optimizer.state
+    assert _same_and_finite(islands) and torch.equal(islands[0].flat_params(), strategy.global_params())
+    assert float(strategy.error[1].abs().max()) == 0.0  # its accumulator took nothing of the bad round
+
+
+def test_sparseloco_with_a_non_finite_global_model_is_the_job_diverged() -> None:
+    config, comm, islands, strategy = _setup(SparseLoCo, 2, sync_every=2, outer_lr=1e38)
+    for step in range(2):
+        _forward(islands, step)
+        for island in islands:
+            island.inner_step()
+    with pytest.raises(Diverged) as e:
+        strategy.outer_step(2)
+    assert e.value.step == 2 and "global model is not finite" in e.value.what
 
 
 def test_decoupled_island_with_nan_weights_is_reset_from_its_last_pull() -> None:

@@ -23,13 +23,13 @@ def _x(seed: int = 0) -> torch.Tensor:
 
 
 def test_density_one_at_32_bits_is_lossless() -> None:
-    c = SparseCompressor(NUMELS, 64, 64, bits=32)
+    c = SparseCompressor(NUMELS, 64, 64, bits=32, layout="flat")
     x = _x()
     assert torch.equal(c.decompress(c.compress(x)), x)
 
 
 def test_top_k_per_chunk_keeps_the_largest_and_chunks_stay_within_a_parameter() -> None:
-    c = SparseCompressor(NUMELS, 64, 4, bits=32)
+    c = SparseCompressor(NUMELS, 64, 4, bits=32, layout="flat")
     x = _x(1)
     out = c.decompress(c.compress(x))
     offsets = [0]
@@ -45,10 +45,10 @@ def test_top_k_per_chunk_keeps_the_largest_and_chunks_stay_within_a_parameter() 
 
 
 def test_two_bit_values_are_the_chunks_four_levels_with_their_signs() -> None:
-    c = SparseCompressor(NUMELS, 64, 16, bits=2)
+    c = SparseCompressor(NUMELS, 64, 16, bits=2, layout="flat")
     x = _x(2)
     payload = c.compress(x)
-    exact = SparseCompressor(NUMELS, 64, 16, bits=32).decompress(SparseCompressor(NUMELS, 64, 16, 32).compress(x))
+    exact = SparseCompressor(NUMELS, 64, 16, bits=32, layout="flat").decompress(SparseCompressor(NUMELS, 64, 16, 32, layout="flat").compress(x))
     out = c.decompress(payload)
     assert torch.equal(out != 0, exact != 0) and torch.equal(torch.sign(out), torch.sign(exact))
     levels = payload["levels"]
@@ -57,14 +57,14 @@ def test_two_bit_values_are_the_chunks_four_levels_with_their_signs() -> None:
     # lo and hi are the means of the magnitudes below and above the median: the magnitude sum is kept
     assert out.abs().sum().item() == pytest.approx(exact.abs().sum().item(), rel=1e-5)
     same = torch.full((64,), -0.5)  # a chunk of equal magnitudes is exact
-    one = SparseCompressor([64], 64, 8, bits=2)
+    one = SparseCompressor([64], 64, 8, bits=2, layout="flat")
     out = one.decompress(one.compress(same))
     assert int((out != 0).sum()) == 8 and set(out.unique().tolist()) == {-0.5, 0.0}
 
 
 @pytest.mark.parametrize("bits", [2, 32])
 def test_payload_bytes_are_the_tensors_and_the_formula(bits: int) -> None:
-    c = SparseCompressor(NUMELS, 64, 8, bits=bits)
+    c = SparseCompressor(NUMELS, 64, 8, bits=bits, layout="flat")
     payload = c.compress(_x())
     assert c.payload_bytes() == sum(t.numel() * t.element_size() for t in payload.values())
     n = c.chunks * 8  # int8 indices for 64-element chunks
@@ -107,7 +107,14 @@ def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -
     strategy.outer_step(h)
     for e, p, d, s in zip(strategy.error, previous, deltas, sent, strict=True):
         torch.testing.assert_close(e + s, beta * p + d, rtol=0, atol=1e-6)  # accumulated = sent + kept
-    torch.testing.assert_close(strategy.global_params(), before - torch.stack(sent).mean(0), rtol=0, atol=1e-6)
+    # each entry averaged over the islands that sent it (the reference's scatter-mean), not over all islands
+    chosen = torch.zeros(k, strategy.compressor.numel + 1)
+    for row, p, d in zip(chosen, previous, deltas, strict=True):
+        row[strategy.compressor.positions_and_values(strategy.compressor.compress(beta * p + d))[0]] = 1.0
+    senders = chosen[:, :-1].sum(0)
+    expected = torch.where(senders > 0, torch.stack(sent).sum(0) / senders.clamp(min=1), 0.0)
+    assert float(senders.max()) == k and float(senders[senders > 0].min()) == 1  # both overlap and not
+    torch.testing.assert_close(strategy.global_params(), before - expected, rtol=0, atol=1e-6)
     assert comm.bytes_sent_per_island == ring_allgather_bytes(strategy.compressor.payload_bytes() + WEIGHT_BYTES, k)
     shares = [1 - float(e.square().sum()) / float((beta * p + d).square().sum())
               for e, p, d in zip(strategy.error, previous, deltas, strict=True)]
@@ -118,16 +125,16 @@ def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -
 
 
 def test_density_counts_real_entries_not_a_chunks_padding() -> None:
-    assert SparseCompressor(NUMELS, 4096, 4096, bits=32).density == 1.0  # dense: every entry, once
-    c = SparseCompressor(NUMELS, 64, 8)  # 100 -> 2 chunks (8 + 8), 5000 -> 79 (78 x 8 + 8 of 8 real), 30 -> 8
+    assert SparseCompressor(NUMELS, 4096, 4096, bits=32, layout="flat").density == 1.0  # dense: every entry, once
+    c = SparseCompressor(NUMELS, 64, 8, layout="flat")  # 100 -> 2 chunks (8 + 8), 5000 -> 79 (78 x 8 + 8 of 8 real), 30 -> 8
     assert c.kept_real == 16 + 79 * 8 + 8 + 64 * 8
     assert c.density == pytest.approx(c.kept_real / sum(NUMELS))
-    tiny = SparseCompressor([3, 64], 64, 8)  # a 3-element parameter can take 3 entries, not 8
+    tiny = SparseCompressor([3, 64], 64, 8, layout="flat")  # a 3-element parameter can take 3 entries, not 8
     assert tiny.kept_real == 3 + 8 and tiny.kept == 16
 
 
-def test_projection_prices_the_payload_exactly() -> None:
-    comm, islands, strategy = _round(2, 2, sparseloco_topk=4, sparseloco_chunk=16)
+def test_projection_prices_the_payload_exactly() -> None:  # exact for flat chunks that divide every parameter
+    comm, islands, strategy = _round(2, 2, sparseloco_topk=4, sparseloco_chunk=16, sparseloco_layout="flat")
     assert all(p.numel() % 16 == 0 for p in islands[0].params)  # whole chunks, as the projection assumes
     s = Setting(params=strategy.compressor.numel, step_compute_s=1.0, sparseloco_topk=4, sparseloco_chunk=16)
     assert payload_bytes(s) == strategy.compressor.payload_bytes() + WEIGHT_BYTES
@@ -138,3 +145,98 @@ def test_a_top_k_above_the_chunk_is_refused() -> None:
         build_config(overrides={"strategy": "sparseloco", "sparseloco_topk": 100, "sparseloco_chunk": 64})
     with pytest.raises(ConfigError, match="sparseloco_topk"):
         build_config(overrides={"strategy": "diloco", "sparseloco_topk": 8})
+
+
+# --- the reference's rules (SparseLoCo release, Templar compress.py), on small hand-computed cases ----------
+
+
+def test_each_entry_is_averaged_over_the_islands_that_sent_it() -> None:
+    # 2 islands, one 1x2 tensor, top-1 (a 1x2 tile of a 2x2 chunk keeps round(2 * 2 / 4) = 1), accumulators
+    # (1, 0) and (0, 1): the reference's aggregate is (1, 1); dividing by every island gave (0.5, 0.5)
+    c = SparseCompressor([(1, 2)], 4, 2, bits=32)
+    payloads = [c.compress(torch.tensor([1.0, 0.0])), c.compress(torch.tensor([0.0, 1.0]))]
+    assert c.aggregate(payloads, [1.0, 1.0]).tolist() == [1.0, 1.0]
+    assert c.aggregate(payloads, [1.0, 1.0], mode="all").tolist() == [0.5, 0.5]  # the setting: atoll's old rule
+    both = [c.compress(torch.tensor([3.0, 0.0])), c.compress(torch.tensor([1.0, 0.0]))]
+    assert c.aggregate(both, [1.0, 3.0]).tolist() == [1.5, 0.0]  # senders weighed by tokens: (3 + 3) / 4
+    assert c.aggregate([payloads[0], both[0]], [1.0, 0.0]).tolist() == [1.0, 0.0]  # weight 0 counts nowhere
+
+
+def test_a_round_takes_the_senders_mean() -> None:
+    comm, islands, strategy = _round(2, 1, sparseloco_topk=1, sparseloco_chunk=4096, sparseloco_bits=32,
+                                     sparseloco_beta=0.0)
+    for island, sign in zip(islands, (1.0, -1.0), strict=True):  # disjoint selections: entry 0 and entry 1
+        flat = strategy.outer.params.detach().clone()
+        flat[0 if sign > 0 else 1] -= 1.0
+        island.set_flat_params(flat)
+    before = strategy.global_params()
+    strategy.outer_step(1)
+    step = before - strategy.global_params()
+    assert step[:2].tolist() == pytest.approx([1.0, 1.0], abs=1e-6)  # not (0.5, 0.5)
+    assert float(step[2:].abs().max()) < 1e-6
+
+
+def test_two_d_tensors_are_cut_into_tiles_of_the_largest_divisors_with_k_scaled_to_the_tile() -> None:
+    # a 2x4 tensor, tiles of at most 2x2 (chunk 4), top-2: tiles [[1, 5], [3, -4]] and [[6, 8], [0, 7]]
+    c = SparseCompressor([(2, 4)], 4, 2, bits=32)
+    x = torch.tensor([[1.0, 5, 6, 8], [3, -4, 0, 7]]).reshape(-1)
+    assert c.decompress(c.compress(x)).view(2, 4).tolist() == [[0, 5, 0, 8], [0, -4, 0, 7]]
+    flat = SparseCompressor([8], 4, 2, bits=32, layout="flat")  # contiguous runs of 4: the old rule
+    assert flat.decompress(flat.compress(x)).view(2, 4).tolist() == [[0, 0, 6, 8], [0, -4, 0, 7]]
+    # 100 x 96 at 64 x 64 (top-64 of 4096): 2 x 2 tiles of 50 x 48, k = round(64 * 2400 / 4096) = 38 each
+    big = SparseCompressor([(100, 96)], 4096, 64, bits=32)
+    assert big.chunks == 4 and big.kept == 4 * 38
+    y = torch.randn(100, 96, generator=torch.Generator().manual_seed(3))
+    out = big.decompress(big.compress(y.reshape(-1))).view(100, 96)
+    for r in (0, 50):
+        for col in (0, 48):
+            tile, kept = y[r:r + 50, col:col + 48], out[r:r + 50, col:col + 48]
+            assert int((kept != 0).sum()) == 38
+            assert torch.equal(kept.abs().flatten().sort().values[-38:], tile.abs().flatten().sort().values[-38:])
+
+
+def test_one_d_tensors_keep_about_one_entry_per_run() -> None:
+    # a vector of 8 at chunk 16 (side 4), top-4: runs of 4, k = round(4 * 4 / 16) = 1 per run
+    c = SparseCompressor([8], 16, 4, bits=32)
+    x = torch.tensor([1.0, -3, 2, 0, 5, 4, -6, 1])
+    assert c.decompress(c.compress(x)).tolist() == [0, -3, 0, 0, 0, 0, -6, 0]
+    # at the default 64 x 64 top-64: a norm of 64 sends 1 entry, one of 100 two runs of 50 with 1 each
+    d = SparseCompressor([64, 100, 30], 4096, 64, bits=32)
+    assert d.kept == 1 + 2 + 1 and d.density == pytest.approx(4 / 194)
+    old = SparseCompressor([64, 100, 30], 4096, 64, bits=32, layout="flat")
+    assert old.kept_real == 64 + 64 + 30  # the old rule sent most of every short vector
+
+
+def test_the_outer_rate_goes_into_the_accumulator_and_into_the_step() -> None:
+    rate, beta = 0.5, 0.5
+    comm, islands, strategy = _round(2, 2, sparseloco_topk=256, sparseloco_chunk=256, sparseloco_bits=32,
+                                     sparseloco_beta=beta, outer_lr=rate)
+    previous = [torch.full((strategy.compressor.numel,), 1e-3 * (i + 1)) for i in range(2)]
+    for e, p in zip(strategy.error, previous, strict=True):
+        e.copy_(p)
+    deltas = [strategy.outer.params.detach() - i.flat_params() for i in islands]
+    before = strategy.global_params()
+    strategy.outer_step(2)
+    accumulated = [beta * p + rate * d for p, d in zip(previous, deltas, strict=True)]  # e <- beta e + rate delta
+    expected = before - rate * torch.stack(accumulated).mean(0)  # theta <- theta - rate * mean (density 1)
+    torch.testing.assert_close(strategy.global_params(), expected, rtol=0, atol=1e-6)
+    assert all(float(e.abs().max()) == 0.0 for e in strategy.error)  # density 1: everything was sent
+
+
+def test_a_tile_needs_a_square_chunk() -> None:
+    with pytest.raises(ValueError, match="square"):
+        SparseCompressor([(4, 4)], 48, 4)
+    with pytest.raises(ConfigError, match="sparseloco_chunk"):
+        build_config(overrides={"strategy": "sparseloco", "sparseloco_chunk": 48, "sparseloco_topk": 4})
+    build_config(overrides={"strategy": "sparseloco", "sparseloco_chunk": 48, "sparseloco_topk": 4, "sparseloco_layout": "flat"})
+
+
+def test_a_payload_from_a_stranger_is_checked() -> None:
+    c = SparseCompressor([(2, 4)], 4, 2, bits=32)
+    bad = c.compress(torch.arange(8.0))
+    bad["indices"] = bad["indices"].clone()
+    bad["indices"][0] = 4  # outside its tile of 4
+    with pytest.raises(ValueError, match="outside its tile"):
+        c.decompress(bad)
+    with pytest.raises(ValueError, match="indices"):
+        c.decompress({**bad, "indices": bad["indices"][:1]})

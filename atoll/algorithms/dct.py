@@ -41,6 +41,9 @@ def _dct_basis_cached(n: int) -> torch.Tensor:
     i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
     basis = torch.cos(math.pi * (2.0 * i + 1.0) * k / (2.0 * n)) * math.sqrt(2.0 / n)
     basis[0] *= 1.0 / math.sqrt(2.0)
+    # entries that are 0 in exact arithmetic ((2i + 1) k = n (2m + 1), e.g. n = 6, k = 2, i = 1; never for a
+    # power of two) come out of cos() as 1e-17..1e-15: snap them, so that sign() of what they decode is 0
+    basis[basis.abs() < 1e-12] = 0.0
     return basis.to(torch.float32)
 
 

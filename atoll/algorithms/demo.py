@@ -66,12 +66,14 @@ class DeMo(torch.optim.Optimizer):
     Per parameter with gradient ``g`` (``grad is None`` counts as a zero gradient, so every island sends
     one payload per parameter and the lists line up):
 
-    a. ``m = beta * m + g``  (decoupled momentum, float32, never synchronised)
+    a. ``m = beta * m + lr_t * g``  (decoupled momentum, float32, never synchronised; lr-weighted as in the
+       reference code, bloc97/DeMo, so that warmup and decay weigh what each step adds)
     b. ``C = DCT_chunks(m)``; per chunk keep the ``k = min(topk, chunk_elems)`` largest ``|C|`` entries
     c. ``m -= IDCT(sparse C)``  (what is sent leaves the momentum; the residual accumulates)
     d. all-gather the (indices, values) payloads across islands
-    e. scatter every island's payload into zeros (island order as gathered), average over the islands
-       that sent (``len(gathered)``), inverse DCT, ``p *= 1 - lr * weight_decay``, ``p -= lr * sign(avg)``.
+    e. scatter every island's payload into zeros (island order as gathered), average each coefficient over
+       the islands that selected it (the reference's ``scatter_reduce(mean, include_self=False)``; 0 where
+       none did), inverse DCT, ``p *= 1 - lr * weight_decay``, ``p -= lr * sign(avg)``.
 
     Phases: ``encode_step()`` does a-c and returns the payloads, ``apply_step(gathered)`` does e, and
     ``step()`` is ``apply_step(all_gather_fn(encode_step()))``.
@@ -218,8 +220,8 @@ class DeMo(torch.optim.Optimizer):
                 state["step"] = state["step"] + 1  # not in place: a loaded state_dict may alias it
                 # a. decoupled momentum
                 m.mul_(beta)
-                if p.grad is not None:
-                    m.add_(p.grad.to(torch.float32))
+                if p.grad is not None:  # bloc97/DeMo: the momentum accumulates lr_t * g_t
+                    m.add_(p.grad.to(torch.float32), alpha=group["lr"])
                 # b. top-k DCT coefficients per chunk
                 t = self.transform_for(p.shape)
                 coeffs = t.encode(m)
@@ -242,9 +244,12 @@ class DeMo(torch.optim.Optimizer):
         return payloads
 
     def _sum_coefficients(
-        self, t: ChunkedDCT, payloads: Sequence[DemoPayload], device: torch.device
+        self, t: ChunkedDCT, payloads: Sequence[DemoPayload], device: torch.device, count: bool = False
     ) -> torch.Tensor:
+        """The sum of the payloads' coefficients, (num_chunks, chunk_elems) float32; with ``count`` divided,
+        coefficient by coefficient, by the number of payloads that selected it (0 where none did)."""
         total = torch.zeros(t.num_chunks, t.chunk_elems, dtype=torch.float32, device=device)
+        senders = torch.zeros_like(total) if count else None
         for island, pl in enumerate(payloads):
             if tuple(pl.shape) != t.shape or pl.chunk_elems != t.chunk_elems or pl.num_chunks != t.num_chunks:
                 raise ValueError(
@@ -257,7 +262,10 @@ class DeMo(torch.optim.Optimizer):
                 pl.dense_values().to(device=device),
             )
             total.add_(island_coeffs)
-        return total
+            if senders is not None:
+                senders.scatter_add_(1, pl.indices.to(device=device, dtype=torch.int64),
+                                     torch.ones(pl.indices.shape, dtype=torch.float32, device=device))
+        return total if senders is None else total.div_(senders.clamp_(min=1.0))
 
     def decode_payload(self, payload: DemoPayload) -> torch.Tensor:
         """Dense float32 tensor (the parameter's shape) that one payload stands for: IDCT(scatter(payload)).
@@ -273,8 +281,8 @@ class DeMo(torch.optim.Optimizer):
 
         Args:
             gathered: ``gathered[island][param]``, the same list in the same island order on every island
-                (so that every island computes bitwise the same update). The average divides by
-                ``len(gathered)``, the islands that actually sent.
+                (so that every island computes bitwise the same update). Each coefficient is averaged over
+                the islands whose payload selected it (DeMo's reference code).
 
         Raises:
             ValueError: ``gathered`` is empty, an island's list has the wrong length, or a payload's shape
@@ -291,14 +299,13 @@ class DeMo(torch.optim.Optimizer):
                     f"DeMo.apply_step: island {island} sent {len(pls)} payloads, expected {len(params)} "
                     "(one per parameter, in param-group order)"
                 )
-        n_islands = len(gathered)
         i = 0
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 t = self.transform_for(p.shape)
-                total = self._sum_coefficients(t, [pls[i] for pls in gathered], p.device)
-                update = torch.sign(t.decode(total.div_(n_islands)))
+                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], p.device, count=True)
+                update = torch.sign(t.decode(mean))
                 if wd != 0.0:
                     p.mul_(1.0 - lr * wd)
                 p.add_(update.to(p.dtype), alpha=-lr)

@@ -1,24 +1,34 @@
-"""SparseLoCo's compressor: chunk-wise top-k of a flat vector, values quantized to 2 bits, and its exact size.
+"""SparseLoCo's compressor: top-k per tile of each parameter, values quantized to 2 bits, the exact size,
+and the reference's aggregation (each entry averaged over the islands that sent it).
 
 Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-training with SparseLoCo"
-(arXiv:2508.15706), §3: each parameter tensor is cut into chunks of ``chunk`` elements; in every chunk the
-``k`` entries of largest magnitude are kept (their positions within the chunk and their values), the rest
-is dropped, and the kept values travel quantized to 2 bits.
+(arXiv:2508.15706), §3, as its released code and Templar's ``compress.py`` compute it:
 
-Chunks never straddle two parameters: each parameter's elements (its slice of the flat vector, in
-``parameters()`` order) are cut into ``ceil(numel / chunk)`` chunks, the last one padded with zeros that are
-never sent as values (a padded position can only be picked when the chunk holds fewer than ``k`` non-zero
-entries, and then its value is 0).
+* Tiles (``layout="tiles"``, the reference). ``chunk`` is the element count of a full square tile, side
+  ``s = sqrt(chunk)`` (64 for 4096). A parameter of ndim >= 2, viewed as (rows, cols = prod(rest)), is cut
+  into ``h x w`` tiles, ``h`` the largest divisor of rows that is <= s and ``w`` the same for cols; a 1-D
+  parameter (n,) into runs of ``w`` (the largest divisor of n that is <= s). In every tile the
+  ``k_t = max(1, round(topk * h * w / chunk))`` entries of largest magnitude are kept (k scaled to the
+  tile: 64 in a 64 x 64 tile at top-64/4096, about one per 1-D run of 64). The reference clamps k to at
+  least 2 and an even number for its 12-bit index packing; atoll packs indices as whole bytes and keeps 1.
+* Flat chunks (``layout="flat"``, atoll's earlier rule, a setting): each parameter's slice of the flat vector
+  is cut into ``ceil(numel / chunk)`` contiguous chunks, the last padded with zeros, ``topk`` kept in every
+  chunk even a short one (so norms and biases send most of themselves every round).
 
-2-bit values: each kept value becomes one of four levels of its chunk, ``-hi, -lo, +lo, +hi``, where ``lo``
-and ``hi`` are the mean magnitudes of the chunk's kept values below and above their median: a two-level
-Lloyd quantizer of the magnitudes with the sign (a chunk of equal magnitudes is exact). The levels travel as
-two float32 per chunk. The rounding error stays in the sender's error-feedback accumulator and is sent
-later (SparseLoCo §3), so the quantizer need not be unbiased. ``bits=32`` sends the kept values as float32
-instead (no quantization), for the identities and studies.
+2-bit values: each kept value becomes one of four levels of its tile, ``-hi, -lo, +lo, +hi``, where ``lo``
+and ``hi`` are the mean magnitudes of the tile's kept values below and above their median: a two-level
+Lloyd quantizer of the magnitudes with the sign (a tile of equal magnitudes is exact). The levels travel as
+two float32 per tile. The rounding error stays in the sender's error-feedback accumulator and is sent later
+(SparseLoCo §3). ``bits=32`` sends the kept values as float32 instead, for the identities and studies.
 
-Bytes of one payload, for ``C`` chunks (``n = C * k`` kept entries; ``index_bytes`` 1, 2 or 4: the smallest
-signed integer that holds ``chunk - 1``)::
+Aggregation (:meth:`SparseCompressor.aggregate`): the reference decompresses every island's payload with
+``scatter_reduce(reduce="mean", include_self=False)``: an entry is the mean over the islands that *sent* it,
+not over all islands (two islands, top-1 of (1, 0) and (0, 1): the aggregate is (1, 1), not (0.5, 0.5)).
+atoll weighs each sender by its tokens (equal tokens: the reference exactly); ``mode="all"`` is the plain
+weighted mean over every island (atoll's earlier rule, a setting).
+
+Bytes of one payload, for ``C`` tiles and ``n = sum of k_t`` kept entries (``index_bytes`` 1, 2 or 4: the
+smallest signed integer that holds the largest tile's ``h * w - 1``)::
 
     bits=2:   n * index_bytes + ceil(n / 4) + 8 * C
     bits=32:  n * index_bytes + 4 * n
@@ -27,56 +37,86 @@ signed integer that holds ``chunk - 1``)::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from atoll.algorithms.dct import index_dtype_for
+from atoll.algorithms.dct import _as_2d_shape, index_dtype_for, largest_divisor_at_most
 from atoll.algorithms.demo_payload import pack_2bit, unpack_2bit
 
-__all__ = ["SparseCompressor"]
+__all__ = ["LAYOUTS", "SparseCompressor"]
+
+LAYOUTS = ("tiles", "flat")
+
+
+def _tiles_of(shape: Sequence[int], offset: int, side: int) -> torch.Tensor:
+    """Flat positions (offset + row-major index) of every tile of a parameter, (tiles, h * w) int64,
+    tiles in (row-block, col-block) order, elements row-major inside a tile."""
+    rows, cols = _as_2d_shape(shape)
+    if len(tuple(shape)) <= 1:  # a 1-D run along the only axis
+        rows, cols = 1, rows * cols
+    h, w = largest_divisor_at_most(rows, side), largest_divisor_at_most(cols, side)
+    grid = torch.arange(rows * cols).view(rows // h, h, cols // w, w).permute(0, 2, 1, 3)
+    return grid.reshape(-1, h * w) + offset
 
 
 class SparseCompressor:
-    """Chunk-wise top-k with 2-bit (or float32) values over a model's flat parameter vector.
+    """Top-k per tile with 2-bit (or float32) values over a model's flat parameter vector.
 
     Args:
-        numels: the element counts of the model's parameters, in the flat vector's order.
-        chunk: elements per chunk (>= 1).
-        topk: entries kept per chunk (1 <= topk <= chunk).
-        bits: 2 (sign + one of two per-chunk magnitude levels) or 32 (float32 values).
+        shapes: the model's parameter shapes (or element counts, taken as 1-D), in the flat vector's order.
+        chunk: elements of a full tile (``layout="tiles"``: a square, side ``sqrt(chunk)``) or of a flat chunk.
+        topk: entries kept per full tile or chunk (1 <= topk <= chunk).
+        bits: 2 (sign + one of two per-tile magnitude levels) or 32 (float32 values).
+        layout: ``"tiles"`` (the reference) or ``"flat"`` (contiguous chunks; module docstring).
 
     Raises:
-        ValueError: a setting out of range.
+        ValueError: a setting out of range, or ``chunk`` not a square with ``layout="tiles"``.
     """
 
-    def __init__(self, numels: list[int], chunk: int, topk: int, bits: int = 2) -> None:
+    def __init__(self, shapes: Sequence[Sequence[int] | int], chunk: int, topk: int, bits: int = 2,
+                 layout: str = "tiles") -> None:
         if not 1 <= topk <= chunk:
             raise ValueError(f"topk {topk} must lie in 1..chunk ({chunk})")
         if bits not in (2, 32):
             raise ValueError(f"bits must be 2 or 32, not {bits}")
-        self.numel, self.chunk, self.topk, self.bits = sum(numels), chunk, topk, bits
-        rows = []  # for every chunk, the flat positions of its elements; padding points at index numel (a zero)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        side = math.isqrt(chunk)
+        if layout == "tiles" and side * side != chunk:
+            raise ValueError(f"chunk {chunk} is not a square (tiles of side sqrt(chunk)); pass 4096 (64 x 64), "
+                             "1024 (32 x 32), ... or layout 'flat'")
+        dims = [(int(s),) if isinstance(s, int) else tuple(int(d) for d in s) for s in shapes]
+        self.numel, self.chunk, self.topk, self.bits, self.layout = sum(math.prod(d) for d in dims), chunk, topk, \
+            bits, layout
+        groups: dict[tuple[int, int], list[torch.Tensor]] = {}  # (tile elements, k) -> tiles' positions
         offset = 0
-        for n in numels:
-            padded = math.ceil(n / chunk) * chunk
-            pos = torch.arange(offset, offset + padded)
-            rows.append(torch.where(pos < offset + n, pos, torch.tensor(self.numel)).view(-1, chunk))
+        for d in dims:
+            n = math.prod(d)
+            if layout == "tiles":
+                tiles = _tiles_of(d, offset, side)
+                e = tiles.shape[1]
+                k = min(e, max(1, round(topk * e / chunk)))
+            else:  # padding points at index numel (a zero that is never sent as a value)
+                pos = torch.arange(offset, offset + math.ceil(n / chunk) * chunk)
+                tiles, e, k = torch.where(pos < offset + n, pos, torch.tensor(self.numel)).view(-1, chunk), chunk, topk
+            groups.setdefault((e, k), []).append(tiles)
             offset += n
-        self.gather = torch.cat(rows)  # (C, chunk) int64
-        self.chunks = int(self.gather.shape[0])
-        # entries that can carry a value: at most the real (unpadded) elements of each chunk
-        self.kept_real = int((self.gather < self.numel).sum(dim=1).clamp(max=topk).sum())
-        self.index_dtype = index_dtype_for(chunk)
+        #: tiles of equal size and k: (positions (C_g, e) int64, k)
+        self.groups = [(torch.cat(t), k) for (_, k), t in groups.items()]
+        self.chunks = sum(int(g.shape[0]) for g, _ in self.groups)
+        self.index_dtype = index_dtype_for(max(e for e, _ in groups) if groups else 1)
+        # entries that can carry a value: at most the real (unpadded) elements of each tile
+        self.kept_real = sum(int((g < self.numel).sum(dim=1).clamp(max=k).sum()) for g, k in self.groups)
 
     @property
     def kept(self) -> int:
-        """Entries sent per payload, ``C * k`` (padded positions of a parameter's last chunk included)."""
-        return self.chunks * self.topk
+        """Entries sent per payload, the sum over tiles of their ``k`` (flat: padded positions included)."""
+        return sum(int(g.shape[0]) * k for g, k in self.groups)
 
     @property
     def density(self) -> float:
-        """The share of the model's entries a payload can update: ``sum over chunks of min(k, real elements)``
-        over ``numel`` (at most 1; padding is sent but never counted)."""
+        """The share of the model's entries a payload can update (at most 1; padding is never counted)."""
         return self.kept_real / self.numel
 
     def payload_bytes(self) -> int:
@@ -85,38 +125,101 @@ class SparseCompressor:
         idx = n * torch.empty(0, dtype=self.index_dtype).element_size()
         return idx + (math.ceil(n / 4) + 8 * self.chunks if self.bits == 2 else 4 * n)
 
-    def _chunks(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x.detach().reshape(-1).float(), x.new_zeros(1, dtype=torch.float32)])[self.gather]
-
     def compress(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The payload of ``x`` (float32, (numel,)): ``indices`` (C, k) within each chunk, and ``signs``
-        (the 2-bit level codes, (ceil(n / 4),) uint8) with ``levels`` (C, 2) float32 ``[lo, hi]`` for
-        ``bits=2``, or ``values`` (C, k) float32 for ``bits=32``."""
-        xc = self._chunks(x)
-        idx = torch.topk(xc.abs(), self.topk, dim=1, sorted=False).indices.sort(dim=1).values
-        vals = xc.gather(1, idx)
-        out = {"indices": idx.to(self.index_dtype)}
+        """The payload of ``x`` (float32, (numel,)): ``indices`` (n,) within each tile (tile by tile), and
+        ``signs`` (the 2-bit level codes, (ceil(n / 4),) uint8) with ``levels`` (C, 2) float32 ``[lo, hi]``
+        for ``bits=2``, or ``values`` (n,) float32 for ``bits=32``."""
+        flat = torch.cat([x.detach().reshape(-1).float(), x.new_zeros(1, dtype=torch.float32)])
+        idx_parts, val_parts, levels, codes = [], [], [], []
+        for gather, k in self.groups:
+            xc = flat[gather]
+            idx = torch.topk(xc.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+            vals = xc.gather(1, idx)
+            idx_parts.append(idx.reshape(-1))
+            if self.bits == 32:
+                val_parts.append(vals.reshape(-1))
+                continue
+            mag = vals.abs()
+            high = mag > mag.median(dim=1, keepdim=True).values
+            n_hi = high.sum(dim=1)
+            hi = torch.where(high, mag, 0).sum(dim=1) / n_hi.clamp(min=1)
+            lo = torch.where(high, 0, mag).sum(dim=1) / (k - n_hi).clamp(min=1)
+            levels.append(torch.stack([lo, hi], dim=1))
+            codes.append(((vals < 0).to(torch.uint8) * 2 + high.to(torch.uint8)).reshape(-1))  # 0 +lo 1 +hi 2 -lo 3 -hi
+        out = {"indices": torch.cat(idx_parts).to(self.index_dtype)}
         if self.bits == 32:
-            return {**out, "values": vals}
-        mag = vals.abs()
-        high = mag > mag.median(dim=1, keepdim=True).values
-        n_hi = high.sum(dim=1)
-        hi = torch.where(high, mag, 0).sum(dim=1) / n_hi.clamp(min=1)
-        lo = torch.where(high, 0, mag).sum(dim=1) / (self.topk - n_hi).clamp(min=1)
-        codes = (vals < 0).to(torch.uint8) * 2 + high.to(torch.uint8)  # 0: +lo, 1: +hi, 2: -lo, 3: -hi
-        return {**out, "signs": pack_2bit(codes), "levels": torch.stack([lo, hi], dim=1)}
+            return {**out, "values": torch.cat(val_parts)}
+        return {**out, "signs": pack_2bit(torch.cat(codes)), "levels": torch.cat(levels)}
+
+    def positions_and_values(self, payload: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat positions (n,) int64 (``numel`` for a flat chunk's padding) and float32 values (n,) that a
+        payload sets.
+
+        Raises:
+            ValueError: the payload's tensors do not have this compressor's sizes, or an index lies outside
+                its tile (a payload is checked as if from a stranger).
+        """
+        n = self.kept
+        idx = payload["indices"].long().reshape(-1)
+        if idx.numel() != n:
+            raise ValueError(f"sparseloco payload: {idx.numel()} indices, expected {n}")
+        if self.bits == 32:
+            vals = payload["values"].float().reshape(-1)
+            if vals.numel() != n:
+                raise ValueError(f"sparseloco payload: {vals.numel()} values, expected {n}")
+        else:
+            codes = unpack_2bit(payload["signs"], n, "sparseloco").long()
+            levels = payload["levels"].float()
+            if tuple(levels.shape) != (self.chunks, 2):
+                raise ValueError(f"sparseloco payload: levels of shape {tuple(levels.shape)}, expected "
+                                 f"({self.chunks}, 2)")
+            first = torch.tensor([0] + [int(g.shape[0]) for g, _ in self.groups[:-1]]).cumsum(0)
+            tile = torch.cat([f + torch.arange(int(g.shape[0])).repeat_interleave(k)
+                              for f, (g, k) in zip(first.tolist(), self.groups, strict=True)])
+            mag = torch.where(codes % 2 == 1, levels[tile, 1], levels[tile, 0])
+            vals = torch.where(codes >= 2, -mag, mag)
+        positions, start = [], 0
+        for gather, k in self.groups:
+            part = idx[start:start + gather.shape[0] * k].view(-1, k)
+            if part.numel() and (int(part.min()) < 0 or int(part.max()) >= gather.shape[1]):
+                raise ValueError(f"sparseloco payload: an index outside its tile of {gather.shape[1]} elements")
+            positions.append(gather.gather(1, part).reshape(-1))
+            start += part.numel()
+        return torch.cat(positions), vals
 
     def decompress(self, payload: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The float32 (numel,) vector a payload stands for (zeros where nothing was kept)."""
-        idx = payload["indices"].long()
-        if self.bits == 32:
-            vals = payload["values"].float()
-        else:
-            codes = unpack_2bit(payload["signs"], self.kept, "sparseloco").view(self.chunks, self.topk).long()
-            levels = payload["levels"].float()
-            mag = torch.where(codes % 2 == 1, levels[:, 1:2], levels[:, 0:1])
-            vals = torch.where(codes >= 2, -mag, mag)
+        """The float32 (numel,) vector a payload stands for (zeros where nothing was kept). Raises ValueError
+        as :meth:`positions_and_values`."""
+        pos, vals = self.positions_and_values(payload)
         out = torch.zeros(self.numel + 1, dtype=torch.float32)
-        out[self.gather.gather(1, idx)] = vals
+        out[pos] = vals
         return out[:-1]
 
+    def aggregate(self, payloads: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
+                  mode: str = "senders") -> torch.Tensor:
+        """The islands' combined update, float32 (numel,).
+
+        ``mode="senders"`` (the reference): each entry is the weighted mean of the values of the islands that
+        sent it, ``sum_i w_i v_i / sum_i w_i`` over senders i of that entry (0 where nobody sent it);
+        with equal weights the reference's ``scatter_reduce(mean, include_self=False)``. ``mode="all"``:
+        ``sum_i w_i C_i / sum_i w_i`` over every island. Payloads of weight 0 count nowhere.
+
+        Raises:
+            ValueError: no positive weight, an unknown mode, or a malformed payload.
+        """
+        if mode not in ("senders", "all"):
+            raise ValueError(f"aggregate mode must be 'senders' or 'all', not {mode!r}")
+        total = sum(w for w in weights if w > 0)
+        if total <= 0:
+            raise ValueError("sparseloco aggregate: no payload has a positive weight")
+        num = torch.zeros(self.numel + 1, dtype=torch.float64)
+        den = torch.zeros(self.numel + 1, dtype=torch.float64)
+        for payload, w in zip(payloads, weights, strict=True):
+            if w <= 0:
+                continue
+            pos, vals = self.positions_and_values(payload)
+            num.index_add_(0, pos, vals.double() * w)
+            den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
+        if mode == "all":
+            return (num[:-1] / total).float()
+        return torch.where(den[:-1] > 0, num[:-1] / den[:-1].clamp(min=1e-300), 0.0).float()

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from atoll.algorithms.agreement import AgreementScaler
-from atoll.algorithms.finite import all_finite
-from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting
-from atoll.job.divergence import Diverged
 from atoll.runtime.network import ring_allreduce_bytes
-from atoll.strategies.base import Strategy, drop_non_finite, make_wire
+from atoll.strategies.base import drop_non_finite, make_wire
+from atoll.strategies.rounds import OuterRounds
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -27,37 +23,16 @@ if TYPE_CHECKING:
     from atoll.runtime.comm import Comm
 
 
-class DiLoCo(Strategy):
-    """Synchronous DiLoCo with one outer optimizer over all parameters."""
+class DiLoCo(OuterRounds):
+    """Synchronous DiLoCo with one outer optimizer over all parameters (rounds: :class:`OuterRounds`)."""
 
     name = "diloco"
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
-        self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum,
-                                    pin=islands[0].device.type == "cuda")
-        self.tokens_at_sync = [island.tokens for island in islands]
-        self.last_sync_step = 0
         self.wire = make_wire(config, comm.local_islands)
-        self.dropped_updates = 0
         self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
                           if config.outer_adapt == "agreement" else None)
-
-    def step(self, step: int) -> None:
-        for position, island in enumerate(self.islands):
-            if island.diverged:  # its loss is not finite: restart it from the global model (README, "Reliability")
-                self.reset_island(position, self.outer.params.detach())
-                island.skip_step()
-            else:
-                island.inner_step()
-        if (step + 1) % self.config.sync_every == 0:
-            self.outer_step(step + 1)
-
-    def reset_island(self, position: int, params: torch.Tensor) -> None:
-        """Reset a diverged local island to ``params`` with a fresh inner optimizer; what it trained since the
-        last sync is lost (its weight at the next sync counts its tokens from now)."""
-        self.islands[position].reset_to(params)
-        self.tokens_at_sync[position] = self.islands[position].tokens
 
     def outer_step(self, steps_done: int) -> None:
         """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step.
@@ -69,33 +44,15 @@ class DiLoCo(Strategy):
         deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
         if self.agreement is not None:  # its per-tensor statistics are taken on the CPU
             deltas = [d.to("cpu") for d in deltas]
-        weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
-        deltas, weights, dropped = drop_non_finite(deltas, weights)
+        deltas, weights, dropped = drop_non_finite(deltas, self.round_weights())
         self.dropped_updates += sum(dropped)
         mean, total = self.comm.all_reduce_mean_and_weight(deltas, weights=weights, wire=self.wire, key="all")
         if total <= 0:
-            raise Diverged(steps_done, "no island had a finite pseudo-gradient to average (every island diverged "
-                                       "since the last sync)")
+            raise self.no_contribution(steps_done)
         if self.agreement is not None:
             stats = [self.agreement.statistics(d, w / total) for d, w in zip(deltas, weights, strict=True)]
             mean = self.agreement.weigh(mean, self.comm.all_reduce_mean(stats, weights=weights))
-        new_global = self.outer.step(mean)
-        if not all_finite(new_global):
-            raise Diverged(steps_done, "the global model is not finite after the outer step")
-        for position, island in enumerate(self.islands):
-            if dropped[position]:  # its weights are lost: reset it, with a fresh inner optimizer
-                self.reset_island(position, new_global)
-            else:
-                island.set_flat_params(new_global)
-        self.tokens_at_sync = [island.tokens for island in self.islands]
-        self.last_sync_step = steps_done
-
-    def finish(self, steps_done: int) -> None:
-        if self.last_sync_step != steps_done:
-            self.outer_step(steps_done)
-
-    def global_params(self) -> torch.Tensor:
-        return self.outer.params.detach().clone()
+        self.commit_round(self.outer.step(mean), dropped, steps_done)
 
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), **(self.agreement.summary() if self.agreement is not None else {})}

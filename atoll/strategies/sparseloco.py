@@ -1,14 +1,21 @@
 """``sparseloco``: DiLoCo's rounds with a sparse, 2-bit exchange and local error feedback instead of outer momentum.
 
 Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-training with SparseLoCo"
-(arXiv:2508.15706), Algorithm 1. Every ``sync_every`` (H) inner steps each island i forms its pseudo-gradient
-Δ_i = θ_global − θ_i and folds it into its own error-feedback accumulator, ``e_i ← β e_i + Δ_i``; it sends
-only the chunk-wise top-k of ``e_i`` with 2-bit values (:class:`~atoll.algorithms.sparse.SparseCompressor`)
-and keeps the rest, ``e_i ← e_i − C(e_i)``. The islands all-gather the sparse payloads, average them
-(weighted by the tokens each trained since the last round) and take a plain descent step,
-``θ_global ← θ_global − α · mean_i C(e_i)``: the decayed accumulator plays the part of DiLoCo's outer
-momentum (SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island restarts from
-the new global parameters.
+(arXiv:2508.15706), Algorithm 1, as its released code (and Templar's) computes it. Every ``sync_every`` (H)
+inner steps each island i forms its pseudo-gradient Δ_i = θ_global − θ_i and folds it into its own
+error-feedback accumulator with the outer rate α, ``e_i ← β e_i + α Δ_i``; it sends only the top-k of every
+tile of ``e_i`` with 2-bit values (:class:`~atoll.algorithms.sparse.SparseCompressor`: 64 x 64 tiles, 1-D
+runs of 64) and keeps the rest, ``e_i ← e_i − C(e_i)``. The islands all-gather the sparse payloads; each
+entry is averaged over the islands that sent it (token-weighted; the reference's scatter-mean,
+:meth:`~atoll.algorithms.sparse.SparseCompressor.aggregate`), and the outer step is plain descent with the
+rate again, ``θ_global ← θ_global − α · agg`` (the reference puts α into the accumulator and into the step;
+SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island restarts from the new
+global parameters. Rounds, divergence and resets: :class:`~atoll.strategies.rounds.OuterRounds`, as diloco.
+
+Where atoll differs from the reference, by a setting: ``sparseloco_aggregate = "all"`` (divide by every
+island: atoll's earlier rule) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule);
+atoll weighs senders by tokens (equal tokens: the reference) and keeps one entry where the reference's
+12-bit index packing keeps at least two.
 
 Bytes per island per round: a ring all-gather of one payload, ``(K − 1) × payload`` (plus 4 bytes for the
 token weight), with the payload's exact size from
@@ -22,18 +29,18 @@ averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
 
 from atoll.algorithms.dct import index_dtype_for
-from atoll.algorithms.outer import OuterOptimizer, pseudo_gradient
+from atoll.algorithms.outer import pseudo_gradient
 from atoll.algorithms.sparse import SparseCompressor
 from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import Section
 from atoll.runtime.network import ring_allgather_bytes
-from atoll.strategies.base import Strategy
+from atoll.strategies.rounds import OuterRounds
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -55,28 +62,41 @@ class SparseLoCoSection(Section):
                                    "error-feedback accumulator (it replaces the outer momentum).")
     sparseloco_bits: int = Field(2, description="sparseloco: bits per kept value: 2 (sign and one of "
                                             "two per-chunk levels) or 32 (float32).")
+    sparseloco_layout: Literal["tiles", "flat"] = Field(
+        "tiles", description="sparseloco: how tensors are cut: tiles (the reference: 2-D tensors into tiles of "
+        "at most sqrt(chunk) x sqrt(chunk), the largest divisors of each side, k scaled to the tile; 1-D tensors "
+        "into runs of at most sqrt(chunk)) or flat (contiguous chunks of chunk elements, topk in each).")
+    sparseloco_aggregate: Literal["senders", "all"] = Field(
+        "senders", description="sparseloco: each entry averaged over the islands that sent it (senders: the "
+        "reference's scatter-mean) or over every island (all).")
 
 
 def validate(config: TrainConfig) -> None:
     """A chunk must hold the top-k it keeps; values are 2 or 32 bits.
 
     Raises:
-        ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, or ``sparseloco_bits`` not 2 or 32.
+        ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, or a chunk that
+            is not a square with tiles.
     """
     if config.sparseloco_bits not in (2, 32):
         raise ValueError(f"sparseloco_bits: {config.sparseloco_bits} is not 2 or 32; pass --sparseloco-bits 2 "
                          "(sign and two levels per chunk) or 32 (float32 values)")
+    side = math.isqrt(config.sparseloco_chunk)
+    if config.sparseloco_layout == "tiles" and side * side != config.sparseloco_chunk:
+        raise ValueError(f"sparseloco_chunk: {config.sparseloco_chunk} is not a square, as tiles need; pass "
+                         "--sparseloco-chunk 4096 (64 x 64 tiles), 1024 (32 x 32), ... or --sparseloco-layout flat")
     if config.sparseloco_topk > config.sparseloco_chunk:
         raise ValueError(f"sparseloco_topk ({config.sparseloco_topk}) exceeds a chunk's {config.sparseloco_chunk} "
                          "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
 
 
-class SparseLoCo(Strategy):
-    """Synchronous SparseLoCo: per-island error feedback, sparse 2-bit all-gather, plain averaged outer descent.
+class SparseLoCo(OuterRounds):
+    """Synchronous SparseLoCo: per-island error feedback, sparse 2-bit all-gather, averaged outer descent.
 
     Attributes:
         error: each local island's error-feedback accumulator, float32 (numel,) on the CPU.
-        dropped_updates: rounds in which an island's pseudo-gradient was not finite (it sent nothing, weight 0).
+        dropped_updates: rounds in which an island's pseudo-gradient was not finite (it sent nothing, weight 0,
+            and restarts from the new global model with a fresh inner optimizer).
         sent_energy_sum: the sum, over rounds and local islands that sent, of the share of the accumulator's
             energy its payload delivered, ``1 − ‖e − C(e)‖² / ‖e‖²`` (1 for a lossless payload); over
             ``sent_rounds`` it is the summary's ``sparseloco_sent_energy``.
@@ -86,30 +106,24 @@ class SparseLoCo(Strategy):
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
         super().__init__(config, islands, comm)
-        self.compressor = SparseCompressor([p.numel() for p in islands[0].params], config.sparseloco_chunk,
-                                           config.sparseloco_topk, config.sparseloco_bits)
-        self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum)
+        self.compressor = SparseCompressor([tuple(p.shape) for p in islands[0].params], config.sparseloco_chunk,
+                                           config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout)
         self.error = [torch.zeros(self.compressor.numel) for _ in islands]
-        self.tokens_at_sync = [island.tokens for island in islands]
-        self.last_sync_step = 0
-        self.dropped_updates = 0
         self.sent_energy_sum, self.sent_rounds = 0.0, 0
 
-    def step(self, step: int) -> None:
-        for island in self.islands:
-            island.inner_step()
-        if (step + 1) % self.config.sync_every == 0:
-            self.outer_step(step + 1)
-
     def outer_step(self, steps_done: int) -> None:
-        """Accumulate, compress and all-gather every island's pseudo-gradient; one averaged descent step."""
-        beta = self.config.sparseloco_beta
-        payloads = []
-        for i, island in enumerate(self.islands):
+        """Accumulate, compress and all-gather every island's pseudo-gradient; one averaged descent step.
+
+        Raises:
+            Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
+        """
+        beta, rate = self.config.sparseloco_beta, self.config.outer_lr
+        payloads, dropped = [], []
+        for i, (island, weight) in enumerate(zip(self.islands, self.round_weights(), strict=True)):
             delta = pseudo_gradient(self.outer.params, island.flat_params())
-            weight = float(island.tokens - self.tokens_at_sync[i])
-            if torch.isfinite(delta).all():
-                self.error[i].mul_(beta).add_(delta)
+            dropped.append(not bool(torch.isfinite(delta).all()))
+            if not dropped[-1]:
+                self.error[i].mul_(beta).add_(delta, alpha=rate)  # the reference: the rate into the accumulator
                 before = float(self.error[i].square().sum())
                 payload = self.compressor.compress(self.error[i])
                 self.error[i].sub_(self.compressor.decompress(payload))
@@ -121,27 +135,11 @@ class SparseLoCo(Strategy):
                 payload, weight = self.compressor.compress(torch.zeros_like(delta)), 0.0
             payloads.append({**payload, "weight": torch.tensor([weight], dtype=torch.float32)})
         gathered = self.comm.all_gather(payloads, payload_bytes=self.compressor.payload_bytes() + WEIGHT_BYTES)
-        total = sum(float(p["weight"][0]) for p in gathered)
-        if total > 0:
-            mean = torch.zeros(self.compressor.numel)
-            for p in gathered:
-                w = float(p["weight"][0])
-                if w > 0:
-                    mean.add_(self.compressor.decompress(p), alpha=w / total)
-            new_global = self.outer.step(mean)
-        else:  # nothing usable arrived: keep the global model, restart every island from it
-            new_global = self.outer.params.detach()
-        for island in self.islands:
-            island.set_flat_params(new_global)
-        self.tokens_at_sync = [island.tokens for island in self.islands]
-        self.last_sync_step = steps_done
-
-    def finish(self, steps_done: int) -> None:
-        if self.last_sync_step != steps_done:
-            self.outer_step(steps_done)
-
-    def global_params(self) -> torch.Tensor:
-        return self.outer.params.detach().clone()
+        weights = [float(p["weight"][0]) for p in gathered]
+        if not any(w > 0 for w in weights):
+            raise self.no_contribution(steps_done)
+        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_aggregate)
+        self.commit_round(self.outer.step(agg), dropped, steps_done)  # and the rate into the step
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor
@@ -171,8 +169,10 @@ class SparseLoCo(Strategy):
 def payload_bytes(s: Setting) -> float:
     """Bytes of one island's SparseLoCo payload, for N parameters in N/c chunks of k kept entries each: an
     index (1, 2 or 4 bytes: the smallest integer that holds c - 1) and, at 2 bits, a quarter byte per entry
-    plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact when
-    every parameter is a whole number of chunks (a chunk never straddles two parameters)."""
+    plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact for the
+    flat layout when every parameter is a whole number of chunks; for tiles (the default) exact when every
+    matrix is a whole number of full tiles, and within the bias and norm vectors' small share otherwise
+    (their runs of sqrt(chunk) keep about one entry each, with the levels of a tile)."""
     k, c = min(s.sparseloco_topk, s.sparseloco_chunk), s.sparseloco_chunk
     chunks = math.ceil(s.params / c)
     per_entry = index_dtype_for(c).itemsize + (0.25 if s.sparseloco_bits == 2 else 4)

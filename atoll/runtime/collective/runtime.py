@@ -138,7 +138,7 @@ class CollectiveRuntime(Runtime):
 
     def _live_ranks(self) -> list[int]:
         """The global ranks of the islands still in the job."""
-        return [i * self.ranks_per_island + p for i in self.alive for p in range(self.ranks_per_island)]
+        return self.membership.ranks(self.ranks_per_island)
 
     def stop_after(self, done: int) -> bool:
         """Whether every rank stops after inner step ``done`` on a signal, agreed through the store
