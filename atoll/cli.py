@@ -233,10 +233,14 @@ def _cmd_syncer(args: argparse.Namespace) -> int:
 
 def _cmd_island(args: argparse.Namespace) -> int:
     config = _service_config(args)
+    import faulthandler
+    import signal
+
     from atoll.runtime.service.client import SyncerClient, SyncerUnreachable
     from atoll.runtime.service.island import read_token, run_island
     from atoll.runtime.service.tls import read_certificate
 
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: every thread's stack on stderr (a hang's diagnosis)
     token = read_token(args.credential)
     ca = read_certificate(args.tls_ca, "tls-ca") if args.tls_ca is not None else None
     if ca is not None and args.plaintext:

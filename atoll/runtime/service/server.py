@@ -96,8 +96,8 @@ class SyncerServer:
         self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(config.islands)}
         self.pulls: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, safetensors bytes)
         self.refused_calls: dict[str, int] = {}
-        self.joined: set[int] = set()
-        self.left: dict[int, dict[str, Any]] = {}  # island -> its report at leaving
+        # island -> its report at leaving; kept beside the checkpoints so a restarted syncer knows who left
+        self.left: dict[int, dict[str, Any]] = self._load_left()
         self.spent_at: float | None = None
         self.done = threading.Event()
         self.final: dict[str, Any] | None = None
@@ -141,8 +141,8 @@ class SyncerServer:
                           "give the island the syncer's --model, --fragments and --seed")
         with self.lock:
             _, versions, steps, session = self.service.join(island, credential)
-            self.joined.add(island)
             self.left.pop(island, None)
+            self._save_left()
         return wire.dumps({"versions": versions, "steps": steps, "session": session})
 
     def ReserveSteps(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
@@ -220,7 +220,25 @@ class SyncerServer:
         keep = ("steps", "compute_s", "bytes_sent", "last_loss", "codec_s", "resets", "skipped_steps")
         with self.lock:
             self.left[island] = {k: report[k] for k in keep if isinstance(report.get(k), int | float)}
+            self._save_left()
         return wire.dumps({"ok": True})
+
+    def _load_left(self) -> dict[int, dict[str, Any]]:
+        try:
+            saved = wire.loads((self.out / "service" / "left.json").read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return {int(k): v for k, v in saved.items() if str(k).isdigit() and isinstance(v, dict)}
+
+    def _save_left(self) -> None:
+        from atoll.job.checkpoint import write_text_atomic
+
+        write_text_atomic(self.out / "service" / "left.json", wire.dumps({str(k): v for k, v in self.left.items()}).decode())
+
+    @property
+    def joined(self) -> set[int]:
+        """Islands that joined the run (in the syncer's checkpoint: a restarted syncer waits for them too)."""
+        return {i for i, n in enumerate(self.service.joins) if n > 0}
 
     # --- bulk ---------------------------------------------------------------------------------------------
     def Upload(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:  # noqa: N802
@@ -310,7 +328,10 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
         ConfigError: a bad listen address, TLS material or credentials folder; plaintext on a non-loopback
             address without ``insecure``; an address that cannot be bound.
     """
-    host, _ = wire.parse_address(listen, "listen")
+    try:
+        host, _ = wire.parse_address(listen, "listen")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("tls-cert: --tls-cert and --tls-key go together; pass both (or neither, on loopback)")
     if tls_cert is None and not wire.is_loopback(host) and not insecure:
