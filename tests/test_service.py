@@ -275,3 +275,39 @@ def test_killed_syncer_restarts_without_losing_a_commit(fast_config: dict, tmp_p
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     retried = [int(logs[f"island_{i}.log"].split(" retried calls")[0].rsplit(" ", 1)[1]) for i in range(2)]
     assert sum(retried) > 0, logs
+
+
+@pytest.mark.slow
+def test_a_broken_upload_resumes_at_the_offset_the_syncer_holds(served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A push's transfer that breaks after some chunks continues from the bytes the syncer holds (not from 0);
+    the push it commits is the tensor sent, bit for bit."""
+    state, port, _, ca, creds = served
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 4096)  # several chunks of a micro fragment (client and server)
+    me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
+    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    assert me.call("ReserveSteps", {"n": 5})["granted"] == 5
+    delta = torch.randn(state.service.syncer.numels[0], generator=torch.Generator().manual_seed(0)) * 1e-3
+    data = wire.tensor_bytes(delta)
+    assert len(data) > 8 * 4096
+
+    def broken():  # noqa: ANN202 - three chunks, then the link fails
+        yield wire.dumps({"upload": "u1", "offset": 0})
+        yield from wire.chunks(data)[:3]
+        time.sleep(0.5)
+        raise ConnectionError("link lost")
+
+    upload = me.bulk.stream_unary(wire.method("Upload"))
+    with pytest.raises(grpc.RpcError):
+        upload(broken(), metadata=me.metadata, timeout=30)
+    held = me.call("UploadStatus", {"upload": "u1"})["received"]
+    assert held == 3 * 4096
+    rest = iter([wire.dumps({"upload": "u1", "offset": held}), *wire.chunks(data, held)])
+    assert wire.loads(upload(rest, metadata=me.metadata, timeout=30))["received"] == len(data)
+    answer = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
+                              "base_version": 0, "session": session})
+    assert answer["accepted"]
+    assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, delta)
+    # the commit retried after a lost reply is answered again, not counted as a replay
+    again = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
+                             "base_version": 0, "session": session})
+    assert again == answer and state.service.syncer.rejected_updates == 0
