@@ -97,7 +97,8 @@ def island(args: argparse.Namespace) -> int:
     from atoll.runtime.service.island import read_token, run_island
     from atoll.runtime.service.tls import read_certificate
 
-    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: every thread's stack on stderr (a hang's diagnosis)
+    if sys.__stderr__ is not None:  # kill -USR1 PID: every thread's stack on stderr (a hang's diagnosis)
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__)
     token = read_token(args.credential)
     ca = read_certificate(args.tls_ca, "tls-ca") if args.tls_ca is not None else None
     if ca is not None and args.plaintext:
