@@ -311,3 +311,33 @@ def test_a_broken_upload_resumes_at_the_offset_the_syncer_holds(served, monkeypa
     again = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
                              "base_version": 0, "session": session})
     assert again == answer and state.service.syncer.rejected_updates == 0
+
+
+@pytest.mark.slow
+def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_path: Path) -> None:
+    """SIGKILL one island's process mid-run and start the same command again: it rejoins (a new session, the
+    newest global fragments), pushes and is merged; the other island never stops; every process exits 0."""
+    out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config, steps=40)
+    syncer = start(["syncer", "--listen", f"127.0.0.1:{port}", "--out", str(out), *flags], tmp_path / "syncer.log")
+    procs = [syncer]
+
+    def island(i: int, log: str) -> subprocess.Popen:
+        return start(["island", "--syncer", f"127.0.0.1:{port}", "--plaintext", "--island", str(i),
+                      "--credential", str(out / "credentials" / f"island_{i}.token"), *flags], tmp_path / log)
+
+    try:
+        wait_for("credentials", lambda: (out / "credentials" / "island_1.token").is_file(), procs)
+        procs += [island(0, "island_0.log"), island(1, "island_1.log")]
+        wait_for("2 commits", lambda: status(out).get("commits", 0) >= 2 and status(out).get("joined") == [0, 1], procs)
+        procs[2].send_signal(signal.SIGKILL)
+        assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        procs[2] = island(1, "island_1b.log")
+    finally:
+        codes = wait_all(procs, timeout=400)
+    logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    assert codes == [0, 0, 0], logs
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["rejoins"] == [0, 1] and len(summary["rejoin_s"]) == 1
+    assert summary["islands_left"] == [0, 1]
+    assert summary["merged_tokens_by_island"][1] > 0 and summary["rejected_updates"] == 0
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3

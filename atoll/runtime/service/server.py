@@ -101,6 +101,7 @@ class SyncerServer:
         self.spent_at: float | None = None
         self.done = threading.Event()
         self.final: dict[str, Any] | None = None
+        self.written_status = ""
         self.max_upload = 4 * max(self.service.syncer.numels) + (1 << 16)  # float32 + the safetensors header
 
     # --- authentication -----------------------------------------------------------------------------------
@@ -167,8 +168,7 @@ class SyncerServer:
     def Heartbeat(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         island, _ = self._caller(context)
         with self.lock:
-            self.service.last_seen[island] = self.service._now()
-            progress = self.service.progress()
+            progress = self.service.heartbeat(island)
         return wire.dumps({**progress, "spent": self.service.reserved >= self.service.budget})
 
     def PullMeta(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
@@ -316,8 +316,10 @@ class SyncerServer:
             if over and self.final is None:
                 self.final = self.service.finish()
                 self.done.set()
-            status = self.status()
-        write_text_atomic(self.out / "service" / "status.json", wire.dumps(status).decode())
+            status = wire.dumps(self.status()).decode()
+        if status != self.written_status:  # written when it changed, not ten times a second
+            write_text_atomic(self.out / "service" / "status.json", status)
+            self.written_status = status
 
 
 def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Path | None, tls_key: Path | None,

@@ -221,6 +221,16 @@ class SyncerService:
                 "joins": self.joins, "steps_by_island": self.steps_by_island,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
+    def heartbeat(self, island: int) -> dict[str, Any]:
+        """``island`` is alive (its last call is now); return :meth:`progress`.
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+        """
+        self._island("heartbeat", island)
+        self.last_seen[island] = self._now()
+        return self.progress()
+
     def progress(self) -> dict[str, Any]:
         """Commits and versions so far (for the driver and tests)."""
         self._poll()
