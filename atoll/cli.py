@@ -9,6 +9,8 @@
     atoll report RUN_DIR [RUN_DIR ...] [--names A,B] [--out report.png]
     atoll bench wan [--steps 600] [--bandwidths 10,100] [--sync-every 100,200] ...   # as root
     atoll bench suite [--quick] [--steps 800] [--out bench/out/suite]   # every strategy, one report
+    atoll syncer --listen 0.0.0.0:7070 --tls-cert C --tls-key K --credentials DIR --out DIR [run flags]
+    atoll island --syncer HOST:7070 --tls-ca C --island 0 --credential DIR/island_0.token [run flags]
     atoll project --table                     # projection to 1B/12B/100B models (no training)
     atoll project --params 12e9 --step-compute-s 6 --bandwidth-mbps 2000 [--islands 4] ...
 
@@ -131,6 +133,10 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     p_report.add_argument("--names", default=None, metavar="NAME[,NAME...]",
                           help="legend labels, one per RUN_DIR, comma-separated [default: what differs between "
                           "the runs]")
+
+    from atoll.runtime.service import commands
+
+    commands.add_parsers(sub, add_config_flags if train_flags else None)
 
     from atoll.analysis import projection
     from atoll.bench import suite, wan  # no torch at import: the parser stays fast
@@ -283,7 +289,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
     words = sys.argv[1:] if argv is None else argv
-    args = build_parser(train_flags=words[:1] in (["train"], ["sweep"], ["prepare"]) or not words).parse_args(argv)
+    args = build_parser(train_flags=words[:1] in (["train"], ["sweep"], ["prepare"], ["syncer"], ["island"]) or not words).parse_args(argv)
     try:
         if args.command == "train":
             return _cmd_train(args)
@@ -293,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_prepare(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command in ("syncer", "island"):
+            from atoll.runtime.service import commands
+
+            return commands.run(args)
         if args.command == "bench":
             return _cmd_bench(args)
         if args.command == "project":

@@ -1,0 +1,308 @@
+"""The syncer of a decoupled run as a service on a real clock: pushes, pulls, the shared step budget, atomic
+checkpoints, and the run's clock, whatever carries the calls.
+
+:class:`SyncerService` is one object that two runtimes serve: the ``ray`` runtime makes it an actor
+(:mod:`atoll.runtime.ray`), ``atoll syncer`` serves it over gRPC to islands that are jobs of their own
+(:mod:`atoll.runtime.service`). It holds a :class:`~atoll.strategies.decoupled.syncer.Syncer` (the maths and the
+admission checks, unchanged) and never imports a transport. Calls are not thread-safe: a server that runs
+them in threads holds one lock around each.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atoll.config import TrainConfig
+from atoll.job.async_save import LatestStateWriter
+from atoll.job.checkpoint import save_checkpoint
+from atoll.strategies.decoupled import local_sync_every, make_syncer
+from atoll.strategies.decoupled.island import Job, save_path
+from atoll.strategies.decoupled.journal import JOURNAL_SIZE
+from atoll.strategies.decoupled.progress import RECENT, syncer_events
+from atoll.strategies.decoupled.protocol import Pull, Push, is_index
+
+
+class SyncerService:
+    """The syncer as a Ray actor: pushes, pulls, the shared step budget, atomic checkpoints, and the run's clock.
+
+    The run's clock starts when the first inner step of any island is granted (:meth:`reserve_step`), not when
+    the actors start: preparing the data and the model in every actor, and Ray's start-up, are not training
+    time. It is this process's monotonic clock, so no clocks of different nodes are compared.
+
+    Every call is checked as if from a stranger: an island index that is not one of the run's is refused
+    before anything is recorded for it (a push is refused and counted, as ``island``; :meth:`join`,
+    :meth:`reserve_step` and :meth:`buffered` raise ValueError), and only the island's credential opens a
+    session (:meth:`join`) or takes a step (:meth:`reserve_step`, else PermissionError). Each step granted is
+    entered in the syncer's token ledger (:meth:`~atoll.strategies.decoupled.syncer.Syncer.grant`, open from
+    the start), so an island's token claims are bounded by the steps it was granted, as in the local
+    simulation. The ledger is checkpointed with the syncer; a syncer restarted from its checkpoint grants
+    each island one push of tokens at its own H more (the steps it granted since that checkpoint were taken
+    and are not in it), so an honest push after a restart is not refused for its tokens.
+
+    Args:
+        config_json: the run's :class:`TrainConfig` as JSON.
+        out: the run folder (checkpoints go to ``out/syncer``).
+        credentials: per island its secret, issued by the driver (each island actor is given only its own): a
+            push counts only as the island whose secret it carries
+            (:class:`~atoll.strategies.decoupled.trust.Admission`).
+        pid_dir: the folder under ``out`` where the process writes ``syncer.pid`` (for tests and operators).
+    """
+
+    def __init__(self, config_json: str, out: str, credentials: list[str] | None = None,
+                 pid_dir: str = "ray") -> None:
+        from atoll.errors import CheckpointError
+        from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
+
+        self.config = TrainConfig.model_validate_json(config_json)
+        torch.set_num_threads(1)
+        job = Job.prepare(self.config)
+        self.syncer = make_syncer(self.config, job.init_flat, job.index, credentials)
+        self.out = Path(out)
+        self.t0 = time.monotonic()
+        self.budget = self.config.islands * self.config.steps
+        self.reserved = 0
+        self.steps_by_island = [0] * self.config.islands
+        self.last_seen = [0.0] * self.config.islands
+        self.heard: list[float | None] = [None] * self.config.islands  # _now() of each island's last call
+        self.joins = [0] * self.config.islands
+        self.rejoin_s: list[float] = []
+        self.restarts = 0
+        # on _now()'s clock: when the first inner step of the run, and of each island, was granted
+        self.first_step_s: float | None = None
+        self.island_first_step_s: list[float | None] = [None] * self.config.islands
+        # for the driver's progress and run events (progress()): not checkpointed, a restart starts them anew
+        # pushes and rejoins (the syncer journals the rest); the oldest go first where nobody drains them
+        self.events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=JOURNAL_SIZE)
+        self.last_loss: list[float | None] = [None] * self.config.islands  # each island's, with its lr
+        self.last_lr: list[float | None] = [None] * self.config.islands
+        self.bytes_by_island = [0.0] * self.config.islands  # as the pushes declare them
+        for island in range(self.config.islands):  # the token ledger holds from the first push on
+            self.syncer.grant(island, 0)
+        try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
+            _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
+        except CheckpointError:
+            state = None
+        if state is not None:
+            self.syncer.load_state_dict(state["syncer"])
+            self.syncer.grant_since_checkpoint([h * self.config.tokens_per_step for h in local_sync_every(self.config)])
+            service = state.get("service", {})
+            self.reserved = int(service.get("reserved", 0))
+            self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
+            self.joins = [int(x) for x in service.get("joins", self.joins)]
+            self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
+            self.restarts = int(service.get("restarts", 0)) + 1
+            self.first_step_s = service.get("first_step_s")
+            self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
+            # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
+            self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
+        folder = save_path(self.out)
+        self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2))
+        pids = self.out / pid_dir
+        pids.mkdir(parents=True, exist_ok=True)
+        (pids / ".syncer.pid.tmp").write_text(str(os.getpid()))
+        os.replace(pids / ".syncer.pid.tmp", pids / "syncer.pid")
+
+    def _save(self, wait: bool = False) -> None:
+        """Checkpoint the syncer and the shared budget atomically (``out/syncer``), off the critical path: the
+        state is snapshotted here (copies of the globals and momenta) and written and fsynced by the
+        :class:`~atoll.job.async_save.LatestStateWriter` thread, so the islands' calls are answered meanwhile;
+        ``wait``: return once it is on disk (the end of the run)."""
+        service = {"reserved": self.reserved, "steps_by_island": list(self.steps_by_island), "joins": list(self.joins),
+                   "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
+                   "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
+        self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
+        if wait:
+            self.writer.flush()
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _run_clock(self, t: float) -> float:
+        """``t`` (this actor's clock) on the run's clock: seconds from the first inner step, 0 before it."""
+        return max(0.0, t - self.first_step_s) if self.first_step_s is not None else 0.0
+
+    def _poll(self) -> None:
+        if self.syncer.poll(self._now()):
+            self._save()
+
+    def _island(self, call: str, island: Any, credential: Any = None) -> None:
+        """Refuse a call that names no island of the run (ValueError) or, given a ``credential``, not its own
+        (PermissionError); one-line messages."""
+        if not is_index(island, self.config.islands):
+            raise ValueError(f"{call}: island {island!r} is not one of this run's islands 0..{self.config.islands - 1}")
+        if credential is not None and not self.syncer.admission.identity(island, credential):
+            raise PermissionError(f"{call}: island {island}'s credential does not match; an island calls only as itself")
+
+    def join(self, island: int, credential: str = "") -> tuple[torch.Tensor, list[int], int, int]:
+        """An island (re)starts: (global params (numel,), versions, its inner steps so far, its new session
+        for its pushes: :meth:`~atoll.strategies.decoupled.syncer.Syncer.rejoin`).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+            PermissionError: ``credential`` is not the island's (only the island may open its sessions).
+        """
+        self._island("join", island, credential)
+        now = self._now()
+        self.heard[island] = now
+        self.joins[island] += 1
+        if self.joins[island] > 1:
+            self.rejoin_s.append(now - self.last_seen[island])
+            self.events.append(("rejoin", {"island": island, "rejoin_s": self.rejoin_s[-1],
+                                           "sim_wall_s": self._run_clock(now)}))
+        self.last_seen[island] = now
+        self._poll()
+        return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
+                self.steps_by_island[island], self.syncer.rejoin(island))
+
+    def reserve_step(self, island: int, credential: str = "", loss: Any = None,
+                     lr: Any = None) -> tuple[bool, list[int]]:
+        """Take one inner step from the shared budget of ``islands x steps``; its tokens are granted to
+        ``island`` in the syncer's ledger (the bound of its token claims). ``loss`` and ``lr``: the island's
+        last training loss (nats per token) and inner learning rate, for the driver's progress only (a value
+        that is not a finite number is ignored).
+
+        Returns (False once the budget is spent; the fragments whose buffer still holds a push of
+        ``island``, see :meth:`buffered`).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+            PermissionError: ``credential`` is not the island's.
+        """
+        self._island("reserve_step", island, credential)
+        self.last_seen[island] = self.heard[island] = self._now()
+        if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
+            self.last_loss[island], self.last_lr[island] = loss, lr
+        self._poll()
+        if self.reserved >= self.budget:
+            return False, self._buffered(island)
+        self.reserved += 1
+        self.steps_by_island[island] += 1
+        self.syncer.grant(island, self.config.tokens_per_step)
+        if self.island_first_step_s[island] is None:
+            self.island_first_step_s[island] = self.last_seen[island]
+            if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
+                self.first_step_s = self.last_seen[island]
+        return True, self._buffered(island)
+
+    def stop(self) -> int:
+        """Grant no more inner steps (the driver was asked to stop by SIGINT or SIGTERM): every island finishes
+        the step it holds and pushes what it has not pushed, as at the end of the budget. Returns the inner
+        steps granted."""
+        self.budget = self.reserved
+        return self.reserved
+
+    def buffered(self, island: int) -> list[int]:
+        """Fragments whose buffer holds a push of ``island`` not merged yet (closing due grace windows first).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+        """
+        self._island("buffered", island)
+        self.heard[island] = self._now()  # waiting for its push to merge: alive
+        self._poll()
+        return self._buffered(island)
+
+    def _buffered(self, island: int) -> list[int]:
+        return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
+
+    def push(self, msg: Push) -> tuple[bool, Pull | None]:
+        """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
+
+        The answer comes back at once when the push is merged (it completed a quorum) or refused (None if it
+        named no island or fragment of the run); while it waits in the buffer the island pulls once
+        :meth:`buffered` no longer lists it. A bad push is refused and counted, never raised.
+        """
+        now = self._now()
+        self._poll()
+        result = self.syncer.push(msg, now=now)
+        if result.reason in ("type", "island", "fragment"):
+            return False, None
+        if result.reason != "identity":  # the island's own call
+            self.last_seen[msg.island] = self.heard[msg.island] = now
+            self.bytes_by_island[msg.island] += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
+            outcome = "accepted" if result.accepted else "stale" if result.reason == "stale" else "refused"
+            self.events.append(("push", {"island": msg.island, "fragment": msg.fragment, "outcome": outcome,
+                                         "island_step": self.steps_by_island[msg.island],
+                                         "sim_wall_s": self._run_clock(now)}))
+        if result.committed:
+            self._save()
+        if result.accepted and msg.fragment in self._buffered(msg.island):
+            return True, None
+        return result.accepted, self.syncer.pull(msg.fragment)
+
+    def pull(self, fragment: int) -> Pull:
+        """The newest global fragment.
+
+        Raises:
+            ValueError: ``fragment`` is not one of the run's.
+        """
+        if not is_index(fragment, self.syncer.fragments):
+            raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments 0..{self.syncer.fragments - 1}")
+        self._poll()
+        return self.syncer.pull(fragment)
+
+    def finish(self) -> dict[str, Any]:
+        """Merge every open buffer, checkpoint, and return the statistics and the global parameters.
+
+        Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was), and
+        ``island_start_s``, per island the seconds from that first step to the island's own first step (None:
+        it took none).
+        """
+        self.syncer.flush()
+        self._save(wait=True)
+        start = self.first_step_s
+        run_s = self._now() - start if start is not None else 0.0
+        island_start_s = [None if t is None or start is None else t - start for t in self.island_first_step_s]
+        return {"run_s": run_s, "island_start_s": island_start_s,
+                "stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
+                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
+                "joins": self.joins, "steps_by_island": self.steps_by_island,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
+
+    def heartbeat(self, island: int) -> dict[str, Any]:
+        """``island`` is alive (its last call is now); return :meth:`progress` (its run events stay for the
+        driver).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+        """
+        self._island("heartbeat", island)
+        self.last_seen[island] = self.heard[island] = self._now()
+        return self.progress(drain=False)
+
+    def progress(self, drain: bool = True) -> dict[str, Any]:
+        """The run so far, for the driver's watch, progress line, ``train`` events and run events (and tests).
+
+        Returns commits, steps reserved, the budget, versions; ``silent_s``, per island the seconds since its
+        last call (None before its first); ``starved``, the one-line reason to stop if an island's pushes were
+        all refused (:meth:`~atoll.strategies.decoupled.syncer.Syncer.starved`; ""); ``run_s`` (the run's
+        clock), ``steps_by_island``, ``loss_by_island`` and ``lr_by_island`` (None until an island reports),
+        ``bytes_by_island``, the recent ``staleness`` of merged pushes, ``merged_tokens``; and ``events``: the
+        run events (kind, fields) since the last call (:mod:`atoll.job.timeline`: pushes, merges, refusals,
+        rejoins; each time on the run's clock); ``drain``: hand them over (and forget them), else none.
+        """
+        self._poll()
+        now = self._now()
+        events = list(self.events) if drain else []
+        if drain:
+            self.events.clear()
+        for kind, fields in syncer_events(self.syncer.journal.drain() if drain else []):  # the syncer's clock is this actor's
+            events.append((kind, {**fields, "sim_wall_s": self._run_clock(fields["sim_wall_s"])}))
+        events.sort(key=lambda e: e[1]["sim_wall_s"])
+        start = self.first_step_s
+        return {"commits": self.syncer.commits, "reserved": self.reserved, "budget": self.budget,
+                "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)],
+                "silent_s": [None if h is None else now - h for h in self.heard],
+                "starved": self.syncer.starved_message() if self.syncer.starved() else "",
+                "run_s": now - start if start is not None else 0.0,
+                "steps_by_island": list(self.steps_by_island), "loss_by_island": list(self.last_loss),
+                "lr_by_island": list(self.last_lr), "bytes_by_island": list(self.bytes_by_island),
+                "staleness": self.syncer.staleness[-RECENT:], "merged_tokens": self.syncer.merged_tokens,
+                "events": events}

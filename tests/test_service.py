@@ -1,0 +1,343 @@
+"""atoll syncer and atoll island: the decoupled syncer as a gRPC service, islands as jobs that dial out.
+
+Loopback only, CPU. Every process started is waited for with a timeout and its exit status asserted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+cryptography = pytest.importorskip("cryptography")
+
+from cryptography import x509  # noqa: E402
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+from atoll.errors import ConfigError  # noqa: E402
+from atoll.runtime.service import wire  # noqa: E402
+from atoll.runtime.service.client import SyncerClient, SyncerUnreachable  # noqa: E402
+
+
+def make_cert(folder: Path, name: str = "syncer") -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1 and its key (PEM files in ``folder``)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_flags(fast_config: dict, steps: int = 20) -> list[str]:
+    """The run settings every process of a test run is given (the same for the syncer and the islands)."""
+    return ["--data", fast_config["data"], "--cache-dir", fast_config["cache_dir"], "--model", "micro",
+            "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--islands", "2", "--steps", str(steps),
+            "--sync-every", "5", "--fragments", "2", "--eval-batches", "2", "--threads", "1", "--no-progress"]
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return subprocess.Popen([sys.executable, "-m", "atoll", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Every process's exit status; all are killed (and the test fails) past ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        hung = [p for p in procs if p.poll() is None]
+        for p in hung:  # islands dump their threads' stacks on SIGUSR1 (faulthandler): the log says where
+            os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0 if hung else 0.0)
+        for p in hung:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_for(what: str, cond, procs: list[subprocess.Popen], timeout: float = 180) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for p in procs:
+            assert p.poll() is None, f"a process ended (status {p.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+
+
+def status(out: Path) -> dict:
+    try:
+        return json.loads((out / "service" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def committed_on_disk(out: Path) -> int:
+    latest = out / "syncer" / "checkpoints" / "latest"
+    try:
+        name = os.readlink(latest) if latest.is_symlink() else latest.read_text().strip()
+        return int(name.split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+@pytest.mark.slow
+def test_two_island_jobs_over_tls_end_near_the_local_run(fast_config: dict, tmp_path: Path) -> None:
+    """The syncer service and 2 island processes (TLS, credentials) train, merge, and end within 2% of the
+    local-runtime decoupled run with the same settings and seeds, at equal tokens."""
+    cert, key = make_cert(tmp_path)
+    out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config)
+    syncer = start(["syncer", "--listen", f"127.0.0.1:{port}", "--tls-cert", str(cert), "--tls-key", str(key),
+                    "--out", str(out), *flags], tmp_path / "syncer.log")
+    procs = [syncer]
+    try:
+        wait_for("credentials", lambda: (out / "credentials" / "island_1.token").is_file(), procs)
+        procs += [start(["island", "--syncer", f"127.0.0.1:{port}", "--tls-ca", str(cert), "--island", str(i),
+                         "--credential", str(out / "credentials" / f"island_{i}.token"), *flags],
+                        tmp_path / f"island_{i}.log") for i in range(2)]
+    finally:
+        codes = wait_all(procs, timeout=300)
+    logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    assert codes == [0, 0, 0], logs
+    served = json.loads((out / "run" / "summary.json").read_text())
+    local = run_cli("train", "--strategy", "decoupled", *flags, "--out", str(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr
+    ref = json.loads((tmp_path / "local" / "summary.json").read_text())
+    assert served["tokens"] == ref["tokens"] == 2 * 20 * 4 * 32
+    assert served["commits"] > 0 and served["refused_calls"] == {} and served["rejected_updates"] == 0
+    assert served["islands_left"] == [0, 1]
+    assert served["final_eval_loss"] < served["initial_eval_loss"] - 0.3
+    assert abs(served["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"] < 0.02, \
+        (served["final_eval_loss"], ref["final_eval_loss"])
+    assert "TLS" in logs["syncer.log"]
+
+
+@pytest.fixture()
+def served(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - (server state, TLS port, plaintext port, cert, creds)
+    """A syncer served in this process: a TLS port and a plaintext one, two islands' credentials."""
+    from concurrent import futures
+
+    from atoll.config import build_config
+    from atoll.runtime.service.server import SyncerServer
+
+    config = build_config(None, {**{k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")},
+                                 "strategy": "decoupled", "fragments": 2})
+    cert, key = make_cert(tmp_path)
+    creds = ["a" * 32, "b" * 32]
+    state = SyncerServer(config, tmp_path / "syncer", creds)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
+    tls_port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    plain_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield state, tls_port, plain_port, cert.read_bytes(), creds
+    server.stop(grace=0)
+
+
+@pytest.mark.slow
+def test_strangers_are_refused_and_counted(served) -> None:  # noqa: ANN001
+    state, port, plain_port, ca, creds = served
+    address = f"127.0.0.1:{port}"
+    # no credential at all: a raw call without the metadata
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            channel.unary_unary(wire.method("Join"))(wire.dumps({}), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # another island's secret, and an island that is not one of the run's
+    with pytest.raises(ConfigError, match="credential"):
+        SyncerClient(address, 0, creds[1], ca).call("Join", {"numels": state.service.syncer.numels})
+    with pytest.raises(ConfigError, match="credential"):
+        SyncerClient(address, 7, creds[0], ca).call("Heartbeat")
+    assert state.refused_calls == {"no_credential": 1, "identity": 1, "island": 1}
+    assert state.joined == set()
+    # plaintext to the TLS port: no TLS, no call (the handshake refuses it before any handler)
+    with pytest.raises(SyncerUnreachable):
+        SyncerClient(address, 0, creds[0], plaintext=True, give_up_s=1.0).call("Heartbeat")
+    # TLS to a port that serves plaintext: one line, not an endless retry
+    with pytest.raises(ConfigError, match="tls-ca"):
+        SyncerClient(f"127.0.0.1:{plain_port}", 0, creds[0], ca, give_up_s=30.0).call("Heartbeat")
+    assert state.refused_calls == {"no_credential": 1, "identity": 1, "island": 1}
+    # the honest island 0: joins, takes a round of steps, pushes; the same push again is a replay
+    me = SyncerClient(address, 0, creds[0], ca)
+    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    assert me.call("ReserveSteps", {"n": 5})["granted"] == 5
+    from atoll.strategies.decoupled.protocol import Push
+
+    numel = state.service.syncer.numels[0]
+    push = Push(0, 0, torch.full((numel,), 1e-3), 5 * 4 * 32, 0)
+    first = me.push(push, session)
+    assert first["accepted"] and not first["answered"]  # waits for island 1's push (quorum 2)
+    again = me.push(push, session)
+    assert not again["accepted"]
+    assert state.service.syncer.rejected_by_reason == {"replay": 1}
+    # a pickle instead of safetensors is never unpickled: refused as a malformed tensor, and counted
+    data = pickle.dumps(torch.zeros(numel))
+    upload = me.upload(data)
+    answer = me.call("Push", {"upload": upload, "size": len(data), "fragment": 1, "tokens": 128,
+                              "base_version": 0, "session": session})
+    assert not answer["accepted"]
+    assert state.service.syncer.rejected_by_reason == {"replay": 1, "type": 1}
+    assert state.service.syncer.version(0) == 0  # nothing refused reached the global parameters
+    version, params = me.download(0)
+    assert version == 0 and torch.equal(params, state.service.syncer.pull(0).params)
+
+
+def test_bad_addresses_and_certificates_exit_2(tmp_path: Path) -> None:
+    """One line naming the field, status 2, before any data or model is prepared."""
+    cert, key = make_cert(tmp_path)
+    other_cert, _ = make_cert(tmp_path, "other")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
+    token = tmp_path / "island_0.token"
+    token.write_text("a" * 32)
+    out = ["--out", str(tmp_path / "syncer")]
+    cases = {
+        "listen": ["syncer", "--listen", "nohost", *out],
+        "listen ": ["syncer", "--listen", "0.0.0.0:7070", *out],  # other hosts can reach it, no TLS
+        "tls-cert": ["syncer", "--tls-cert", str(junk), "--tls-key", str(key), *out],
+        "tls-key": ["syncer", "--tls-cert", str(other_cert), "--tls-key", str(key), *out],
+        "tls-cert ": ["syncer", "--tls-cert", str(cert), *out],
+        "syncer": ["island", "--syncer", "syncer.example.org", "--island", "0", "--credential", str(token)],
+        "syncer ": ["island", "--syncer", "10.1.2.3:7070", "--plaintext", "--island", "0", "--credential", str(token)],
+        "tls-ca": ["island", "--syncer", "127.0.0.1:7070", "--tls-ca", str(junk), "--island", "0",
+                   "--credential", str(token)],
+        "credential": ["island", "--syncer", "127.0.0.1:7070", "--island", "0", "--credential", str(tmp_path / "none")],
+    }
+    for field, args in cases.items():
+        result = run_cli(*args)
+        assert result.returncode == 2, (field, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"atoll: error: {field.strip()}:"), (field, lines)
+    assert not (tmp_path / "syncer").exists()  # nothing made for bad input
+
+
+@pytest.mark.slow
+def test_killed_syncer_restarts_without_losing_a_commit(fast_config: dict, tmp_path: Path) -> None:
+    """SIGKILL the syncer mid-run: restarted on its folder it continues from its newest checkpoint (no committed
+    step lost); the islands, which kept training and retrying, resume pushing; every process exits 0."""
+    out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config, steps=40)
+    syncer_args = ["syncer", "--listen", f"127.0.0.1:{port}", "--out", str(out), *flags]
+    first = start(syncer_args, tmp_path / "syncer.log")
+    procs = [first]
+    try:
+        wait_for("credentials", lambda: (out / "credentials" / "island_1.token").is_file(), procs)
+        islands = [start(["island", "--syncer", f"127.0.0.1:{port}", "--plaintext", "--island", str(i),
+                          "--credential", str(out / "credentials" / f"island_{i}.token"), *flags],
+                         tmp_path / f"island_{i}.log") for i in range(2)]
+        procs += islands
+        wait_for("2 commits on disk", lambda: committed_on_disk(out) >= 2, procs)
+        os.kill(int((out / "service" / "syncer.pid").read_text()), signal.SIGKILL)
+        assert first.wait(timeout=30) == -signal.SIGKILL
+        before = committed_on_disk(out)
+        time.sleep(2.0)  # the islands train on and retry meanwhile
+        second = start(syncer_args, tmp_path / "syncer2.log")
+        procs = [second, *islands]
+    finally:
+        codes = wait_all(procs, timeout=400)
+    logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    assert codes == [0, 0, 0], logs
+    restarted = int(logs["syncer2.log"].split("restarted from commit ")[1].split()[0])
+    assert restarted >= before  # nothing committed before the kill was lost
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["syncer_restarts"] == 1
+    assert summary["commits"] > restarted  # the islands pushed again, and their pushes were merged
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+    retried = [int(logs[f"island_{i}.log"].split(" retried calls")[0].rsplit(" ", 1)[1]) for i in range(2)]
+    assert sum(retried) > 0, logs
+
+
+@pytest.mark.slow
+def test_a_broken_upload_resumes_at_the_offset_the_syncer_holds(served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A push's transfer that breaks after some chunks continues from the bytes the syncer holds (not from 0);
+    the push it commits is the tensor sent, bit for bit."""
+    state, port, _, ca, creds = served
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 4096)  # several chunks of a micro fragment (client and server)
+    me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
+    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    assert me.call("ReserveSteps", {"n": 5})["granted"] == 5
+    delta = torch.randn(state.service.syncer.numels[0], generator=torch.Generator().manual_seed(0)) * 1e-3
+    data = wire.tensor_bytes(delta)
+    assert len(data) > 8 * 4096
+
+    def broken():  # noqa: ANN202 - three chunks, then the link fails
+        yield wire.dumps({"upload": "u1", "offset": 0})
+        yield from wire.chunks(data)[:3]
+        time.sleep(0.5)
+        raise ConnectionError("link lost")
+
+    upload = me.bulk.stream_unary(wire.method("Upload"))
+    with pytest.raises(grpc.RpcError):
+        upload(broken(), metadata=me.metadata, timeout=30)
+    held = me.call("UploadStatus", {"upload": "u1"})["received"]
+    assert held == 3 * 4096
+    rest = iter([wire.dumps({"upload": "u1", "offset": held}), *wire.chunks(data, held)])
+    assert wire.loads(upload(rest, metadata=me.metadata, timeout=30))["received"] == len(data)
+    answer = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
+                              "base_version": 0, "session": session})
+    assert answer["accepted"]
+    assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, delta)
+    # the commit retried after a lost reply is answered again, not counted as a replay
+    again = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
+                             "base_version": 0, "session": session})
+    assert again == answer and state.service.syncer.rejected_updates == 0
+
+
+@pytest.mark.slow
+def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_path: Path) -> None:
+    """SIGKILL one island's process mid-run and start the same command again: it rejoins (a new session, the
+    newest global fragments), pushes and is merged; the other island never stops; every process exits 0."""
+    out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config, steps=40)
+    syncer = start(["syncer", "--listen", f"127.0.0.1:{port}", "--out", str(out), *flags], tmp_path / "syncer.log")
+    procs = [syncer]
+
+    def island(i: int, log: str) -> subprocess.Popen:
+        return start(["island", "--syncer", f"127.0.0.1:{port}", "--plaintext", "--island", str(i),
+                      "--credential", str(out / "credentials" / f"island_{i}.token"), *flags], tmp_path / log)
+
+    try:
+        wait_for("credentials", lambda: (out / "credentials" / "island_1.token").is_file(), procs)
+        procs += [island(0, "island_0.log"), island(1, "island_1.log")]
+        wait_for("2 commits", lambda: status(out).get("commits", 0) >= 2 and status(out).get("joined") == [0, 1], procs)
+        procs[2].send_signal(signal.SIGKILL)
+        assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        procs[2] = island(1, "island_1b.log")
+    finally:
+        codes = wait_all(procs, timeout=400)
+    logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    assert codes == [0, 0, 0], logs
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    assert summary["rejoins"] == [0, 1] and len(summary["rejoin_s"]) == 1
+    assert summary["islands_left"] == [0, 1]
+    assert summary["merged_tokens_by_island"][1] > 0 and summary["rejected_updates"] == 0
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
