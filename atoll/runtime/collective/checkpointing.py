@@ -86,7 +86,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
         assert params is not None
         wall = run.wall_s()
         state = {"islands": rt.islands, "ranks_per_island": rt.ranks_per_island,
-                 "shard_ranks": rt.ranks_per_island if sharded else None, "alive": list(rt.alive),
+                 "shard_ranks": rt.ranks_per_island if sharded else None, "alive": list(rt.membership.alive),
                  "comm": rt.comm.state_dict(), "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(),
                  "wall_s": wall}
         run.save_checkpoint(step, state, params, tmp=tmp, meta={"format": FORMAT})

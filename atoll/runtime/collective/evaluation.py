@@ -26,9 +26,9 @@ def split_evaluate(rt: CollectiveRuntime, island: Island, params: torch.Tensor |
     each slot has one contributor, so the mean is the one a single process computes (bit for bit on the CPU).
     """
     sharded = rt.config.shard_island
-    slot = rt.alive.index(rt.island)
-    units, unit = ((len(rt.alive), slot) if sharded
-                   else (len(rt.alive) * rt.ranks_per_island, slot * rt.ranks_per_island + rt.position))
+    slot = rt.membership.alive.index(rt.island)
+    units, unit = ((len(rt.membership.alive), slot) if sharded
+                   else (len(rt.membership.alive) * rt.ranks_per_island, slot * rt.ranks_per_island + rt.position))
     mine = evaluate_island(island, params, batches, range(unit, len(batches), units))
 
     def op() -> torch.Tensor:
