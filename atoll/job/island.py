@@ -197,6 +197,8 @@ class Island:
             yield
             end.record()
             self._timings.append((start, end, compiling))
+            if len(self._timings) > 64:  # long done by now: reading them waits for nothing, and they stay few
+                self.settle_timing()
             if self.clock is not None:
                 self.clock.defer(self.settle_timing)
             return
