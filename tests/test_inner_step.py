@@ -399,3 +399,15 @@ def test_cuda_timing_is_read_only_when_the_clock_or_compute_s_is(monkeypatch) ->
             pass
     assert 16 <= len(island._timings) <= 64  # bounded, the newest never waited for
     assert island.compute_s == pytest.approx(0.146)
+
+
+def test_a_resumed_run_may_switch_activation_checkpointing_on_but_not_change_grad_accum(fast_config) -> None:
+    from atoll.config import load_run_config
+
+    out = Path(fast_config["out"])
+    out.mkdir(parents=True)
+    saved = build_config(overrides={**fast_config, "batch_size": 4, "grad_accum": 2})
+    (out / "config.json").write_text(saved.model_dump_json())
+    assert load_run_config(out, {"activation_checkpointing": True}).activation_checkpointing
+    with pytest.raises(ConfigError, match="^grad_accum: cannot change on resume"):
+        load_run_config(out, {"grad_accum": 4})
