@@ -184,10 +184,10 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 runtime.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss,
                               eval_loss=run.eval_loss, wall_s=run.wall_s())
                 session_tokens = (done - run.start_step) * config.islands * config.tokens_per_step
-                # the loss is read on the host at logging steps only (no device synchronization per step)
-                shown = (train_loss if log_now else sum(i.last_loss for i in islands) / len(islands)
-                         if bar.prints(done) or eval_loss is not None else None)
-                bar.update(done, shown,
+                # the loss is read from the device only where it is logged or shown (no sync per inner step)
+                shown = None if not (bar.prints(done) or eval_loss is not None) else (
+                    train_loss if log_now else sum(i.last_loss for i in islands) / len(islands))
+                bar.update(done, train_loss if log_now else shown,
                            session_tokens / max(1e-9, time.perf_counter() - bar.t0), comm.bytes_sent_per_island,
                            eval_loss=eval_loss)
         except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)

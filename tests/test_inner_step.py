@@ -359,3 +359,55 @@ def test_collective_ddp_on_torch_ddp_hooks_equals_the_host_path(fast_config: dic
         assert hooked[key] == host[key], key
     assert hooked["island_resets"] == [0, 1]
     assert hooked["final_eval_loss"] == pytest.approx(host["final_eval_loss"], abs=1e-4)
+
+
+def test_cuda_timing_is_read_only_when_the_clock_or_compute_s_is(monkeypatch) -> None:
+    """The CUDA path's bookkeeping with stand-in events (no GPU here): each timed block records two events
+    and nothing waits; the simulated clock and ``compute_s`` read them when they are read."""
+    from atoll.runtime.network import SimClock
+
+    waits: list[int] = []
+
+    class Event:  # torch.cuda.Event's interface, 2 ms per block
+        count = 0
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            Event.count += 1
+            self.n = Event.count
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            waits.append(self.n)
+
+        def elapsed_time(self, end) -> float:
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = SimClock(1)
+    island = _island(batch_size=4)
+    island.clock, island.device = clock, torch.device("cuda")  # the CUDA branch of timed(), computing on the CPU
+    for _ in range(3):
+        with island.timed():
+            pass
+    assert waits == [] and island._compute_s == 0.0  # recorded, not read
+    assert clock.wall_s == pytest.approx(0.006)  # the clock's read settles them: 3 x 2 ms
+    assert len(waits) == 3 and island.compute_s == pytest.approx(0.006)
+    for _ in range(70):  # many pending: the oldest are read, the last 16 stay pending
+        with island.timed():
+            pass
+    assert 16 <= len(island._timings) <= 64  # bounded, the newest never waited for
+    assert island.compute_s == pytest.approx(0.146)
+
+
+def test_a_resumed_run_may_switch_activation_checkpointing_on_but_not_change_grad_accum(fast_config) -> None:
+    from atoll.config import load_run_config
+
+    out = Path(fast_config["out"])
+    out.mkdir(parents=True)
+    saved = build_config(overrides={**fast_config, "batch_size": 4, "grad_accum": 2})
+    (out / "config.json").write_text(saved.model_dump_json())
+    assert load_run_config(out, {"activation_checkpointing": True}).activation_checkpointing
+    with pytest.raises(ConfigError, match="^grad_accum: cannot change on resume"):
+        load_run_config(out, {"grad_accum": 4})

@@ -71,7 +71,7 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
                 with open(out + ".kill", "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
-            batch = sample_batch(data.island_tokens[replica], config.batch_size, config.seq_len, config.seed,
+            batch = sample_batch(data.island_tokens[replica], config.step_batch_size, config.seq_len, config.seed,
                                  replica, step)
             island.forward_backward(batch)
             island.clip_gradients()

@@ -287,10 +287,11 @@ def _toml_example(kind: type, value: Any, default: Any) -> str:
 
 
 #: Settings a resumed run may change: how long it trains, how it reports and how its islands run (a
-#: collective checkpoint resumes under ``local`` and back), never what it computes.
+#: collective checkpoint resumes under ``local`` and back; activation checkpointing, the same maths in less
+#: memory), never what it computes.
 RESUMABLE_OVERRIDES = frozenset({
     "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "progress_every", "tracker",
-    "threads", "cache_dir",
+    "threads", "cache_dir", "activation_checkpointing",
     "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
     "min_islands", "max_restarts",
 })

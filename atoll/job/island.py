@@ -167,9 +167,11 @@ class Island:
         self.settle_timing()
         self._compute_s = float(value)
 
-    def settle_timing(self) -> None:
-        """Charge the CUDA-event timings not yet read (waits for their work to end); a no-op elsewhere."""
-        timings, self._timings = self._timings, []
+    def settle_timing(self, keep: int = 0) -> None:
+        """Charge the CUDA-event timings not yet read but the last ``keep`` (waits for their work to end);
+        a no-op elsewhere."""
+        cut = max(0, len(self._timings) - keep)
+        timings, self._timings = self._timings[:cut], self._timings[cut:]
         for start, end, compiling in timings:
             end.synchronize()
             self._charge(start.elapsed_time(end) / 1000.0, compiling)
@@ -197,6 +199,8 @@ class Island:
             yield
             end.record()
             self._timings.append((start, end, compiling))
+            if len(self._timings) > 64:  # the oldest are long done: reading them waits for nothing
+                self.settle_timing(keep=16)
             if self.clock is not None:
                 self.clock.defer(self.settle_timing)
             return
