@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"atoll: error: {e}", file=sys.stderr)
         return e.exit_code
     except Interrupted as e:  # SIGINT/SIGTERM: the run wrote a checkpoint of the step it reached
-        print(f"atoll: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+            again = "; or run the command again (finished runs are reused)" if args.command in ("sweep", "bench") else ""
+            print(f"atoll: {e}{again}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"atoll: interrupted; {_resume_hint(args)}", file=sys.stderr)

@@ -146,7 +146,7 @@ def test_a_tokenizer_the_model_cannot_embed_is_one_line_exit_2(tmp_path: Path, j
     corpus, _ = jsonl_corpus
     small = make_model_folder(tmp_path / "small", model_vocab=256)
     flags = ["--data", str(corpus), "--model", str(small), "--cache-dir", str(tmp_path / "c"), "--out",
-             str(tmp_path / "run"), "--no-progress"]
+             str(tmp_path / "run"), "--no-progress", "--seq-len", "32"]  # within the model's 64 positions
     r = run_cli("train", *flags)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert r.stderr.startswith(f"atoll: error: tokenizer: '{small}' has 300 tokens but the model") and "256" in r.stderr

@@ -132,17 +132,10 @@ class CollectiveRuntime(Runtime):
         if self._joined is None:  # (a restarted rank's keys exist: the others are training, not waiting)
             dist_call(dist.barrier, group=self.control)
         self.heartbeat.start()
-        # SIGINT/SIGTERM (atoll.job.stop): the ranks agree through the store on one step to checkpoint and stop
-        self.stopping = StopAgreement(store_client(self.config.collective_timeout_s), self.prefix, self.rank,
-                                      self._live_ranks, self.config.steps, self.config.collective_timeout_s)
-
-    def _live_ranks(self) -> list[int]:
-        """The global ranks of the islands still in the job."""
-        return self.membership.ranks(self.ranks_per_island)
+        self.stopping = StopAgreement.of(self)  # SIGINT/SIGTERM: the ranks agree on one step to checkpoint
 
     def stop_after(self, done: int) -> bool:
-        """Whether every rank stops after inner step ``done`` on a signal, agreed through the store
-        (:mod:`~atoll.runtime.collective.stop`)."""
+        """Whether the ranks stop after step ``done`` on a signal, agreed in the store (:mod:`~.stop`)."""
         return self.stopping is not None and self.stopping.stop_after(done)
 
     def _form_groups(self) -> None:
@@ -228,15 +221,10 @@ class CollectiveRuntime(Runtime):
                 dist.destroy_process_group()
         except PeerFailure as e:
             self.abort(e.reason, e.suspect)
-        except Interrupted:  # every rank stops after the same step, whose checkpoint rank 0 wrote
-            if self.heartbeat is not None:
-                self.heartbeat.leave()  # a rank that exits first is not taken for a lost one
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        except Interrupted:  # every rank stops after the step whose checkpoint rank 0 wrote: none is "lost"
+            if self.heartbeat is not None:  # (leaving also ends the stop agreement's poller)
+                self.heartbeat.leave()
             raise
-        finally:
-            if self.stopping is not None:
-                self.stopping.close()
 
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
               signalled: bool = False, who: str | None = None, advice: str | None = None,

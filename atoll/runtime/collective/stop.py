@@ -47,19 +47,32 @@ class StopAgreement:
         live_ranks: the global ranks still in the job (those of islands lost are not waited for).
         steps: the run's ``--steps`` (no bound above it).
         timeout_s: seconds to wait for every live rank's bound.
+        closed: an event that ends the poller when set (default: a new one; :meth:`close` sets it).
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, live_ranks: Callable[[], list[int]], steps: int,
-                 timeout_s: float) -> None:
+                 timeout_s: float, closed: threading.Event | None = None) -> None:
         self.store, self.prefix, self.rank = store, prefix, rank
         self.live_ranks, self.steps, self.timeout_s = live_ranks, steps, timeout_s
         self.lock = threading.Lock()  # the store client and the bound: shared by the poller and the loop
         self.done: int | None = None  # inner steps the training thread finished (None before its first)
         self.posted: int | None = None  # this rank's bound
         self.target: int | None = None  # the step every rank stops after, once agreed
-        self.closed = threading.Event()
+        self.closed = closed or threading.Event()
         self.thread = threading.Thread(target=self._poll, name="atoll-stop", daemon=True)
         self.thread.start()
+
+    @classmethod
+    def of(cls, rt: Any) -> StopAgreement:
+        """The agreement of a started :class:`~atoll.runtime.collective.runtime.CollectiveRuntime` ``rt``: a store
+        client of its own, the ranks of the islands alive (``rt.membership``), ``--steps``, ``--collective-timeout-s``; it
+        ends when the rank's heartbeat does (the rank leaves: done, stopped or failed)."""
+        from atoll.runtime.collective.quorum import store_client
+
+        r_count, timeout_s = rt.ranks_per_island, rt.config.collective_timeout_s
+        return cls(store_client(timeout_s), rt.prefix, rt.rank,
+                   lambda: rt.membership.ranks(r_count), rt.config.steps, timeout_s,
+                   closed=rt.heartbeat.stopped)
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}stop/{rank}"
