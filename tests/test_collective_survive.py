@@ -295,7 +295,7 @@ def test_a_rank_fails_and_rejoins_twice(settings: dict, tmp_path: Path, second: 
     by its peers and killed by the launcher, which watches it again once admitted (before: it ignored every
     report about a restarted rank, so the frozen process was never restarted)."""
     out = tmp_path / "run"
-    steps = 40 if second == "KILL" else 120  # (a frozen rank is restarted only once the survivors went on)
+    steps = 40 if second == "KILL" else 200  # (a frozen rank is restarted only once the survivors went on)
     r = _train({**settings, "strategy": "diloco", "steps": steps, "eval_every": steps, "max_restarts": 2,
                 "out": str(out), **({"collective_timeout_s": 10} if second == "STOP" else {})},
                env={KILL_HOOK_ENV: f"1:4,1:+2:{second}"})  # rank 1 at step 4, its restarted process 2 steps after
