@@ -287,13 +287,18 @@ def test_a_loss_after_a_rejoin_is_survived(settings: dict, tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_a_rank_fails_and_rejoins_twice(settings: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("second", ["KILL", "STOP"])
+def test_a_rank_fails_and_rejoins_twice(settings: dict, tmp_path: Path, second: str) -> None:
     """Admissions answer one request each and are deleted once read: the rank restarted a second time waits
     for its own admission (before: it found its first one, joined that old epoch, and the live islands waited
-    for it until the collective timeout and stopped)."""
+    for it until the collective timeout and stopped). Frozen the second time, the restarted rank is reported
+    by its peers and killed by the launcher, which watches it again once admitted (before: it ignored every
+    report about a restarted rank, so the frozen process was never restarted)."""
     out = tmp_path / "run"
-    r = _train({**settings, "strategy": "diloco", "steps": 40, "eval_every": 40, "max_restarts": 2, "out": str(out)},
-               env={KILL_HOOK_ENV: "1:4,1:+2"})  # rank 1 at step 4, then its restarted process 2 steps after
+    steps = 40 if second == "KILL" else 200  # (a frozen rank is restarted only once the survivors went on)
+    r = _train({**settings, "strategy": "diloco", "steps": steps, "eval_every": steps, "max_restarts": 2,
+                "out": str(out), **({"collective_timeout_s": 10} if second == "STOP" else {})},
+               env={KILL_HOOK_ENV: f"1:4,1:+2:{second}"})  # rank 1 at step 4, its restarted process 2 steps after
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["islands_alive"] == 3  # back after its second loss
