@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "step_ratio": (summary or {}).get("sparseloco_step_ratio"), "vs": ref,
                      "ref_loss": base["final_eval_loss"] if base else None,
                      "gap_pct": pct(loss, base["final_eval_loss"]) if base and summary else None,
-                     "bytes": sent, "fewer": base["bytes_sent_per_island"] / sent if base and sent else None})
+                     "bytes": sent, "fewer": base["bytes_sent_per_island"] / sent if base and sent and base["bytes_sent_per_island"] else None})
     table = write_results(
         out, {"runs": summaries, "rows": rows},
         [("run", "run"), ("what", "what"), ("steps", "steps"), ("eval loss", "eval_loss"),
