@@ -54,10 +54,12 @@ WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 class SparseLoCoSection(Section):
     """SparseLoCo's own settings: the top-k per chunk, the chunk, the accumulator's decay and the value bits."""
 
-    sparseloco_topk: int = Field(64, ge=1, description="sparseloco: entries kept per chunk of the error-feedback "
-                                 "accumulator (64 of 4096: a density of 1.6 percent).")
-    sparseloco_chunk: int = Field(4096, ge=1, le=2 ** 30, description="sparseloco: elements per chunk; chunks "
-                                  "never straddle two parameters.")
+    sparseloco_topk: int = Field(64, ge=1, description="sparseloco: entries kept per full tile (or chunk) of the "
+                                 "error-feedback accumulator (64 of 4096: a density of 1.6 percent), scaled to "
+                                 "smaller tiles.")
+    sparseloco_chunk: int = Field(4096, ge=1, le=2 ** 30, description="sparseloco: elements of a full tile "
+                                  "(a square: 4096 is 64 x 64) or of a flat chunk; never straddles two "
+                                  "parameters.")
     sparseloco_beta: float = Field(0.95, ge=0, le=1, description="sparseloco: decay of each island's "
                                    "error-feedback accumulator (it replaces the outer momentum).")
     sparseloco_bits: int = Field(2, description="sparseloco: bits per kept value: 2 (sign and one of "
@@ -205,8 +207,8 @@ def project(s: Setting) -> Cost:
 
 SPEC = StrategySpec(
     name="sparseloco",
-    summary="error-feedback accumulators' chunk-wise top-k, 2-bit values, all-gathered every H inner steps; "
-            "plain averaged outer descent (arXiv:2508.15706)",
+    summary="error-feedback accumulators' top-k per 64x64 tile, 2-bit values, all-gathered every H inner steps; "
+            "each entry averaged over its senders, plain outer descent (arXiv:2508.15706)",
     section=SparseLoCoSection, runtimes=("local", "collective"), validate=validate, lockstep=SparseLoCo,
     # the accumulator replaces the outer momentum; the step is plain averaged descent (SparseLoCo §3)
     defaults={"outer_lr": 1.0, "outer_momentum": 0.0}, project=project, syncs_per_h=True,
