@@ -63,6 +63,8 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("model-weights-truncated-with-tokenizer", None, ["--model", "__TRUNC_TOK__"], "model: '__TRUNC_TOK__'"),
     ("flag-of-another-strategy", None, ["--strategy", "diloco", "--demo-topk", "8"], "demo_topk"),
     ("sparseloco-bits", None, ["--strategy", "sparseloco", "--sparseloco-bits", "3"], "sparseloco_bits"),
+    ("sparseloco-chunk-not-a-square", None, ["--strategy", "sparseloco", "--sparseloco-chunk", "48",
+                                             "--sparseloco-topk", "4"], "sparseloco_chunk: 48 is not a square"),
     ("muon-with-demo", None, ["--strategy", "demo", "--inner-optimizer", "muon"], "inner_optimizer"),
     # a setting the strategy or runtime does not read, given explicitly (even at its default value)
     ("fragments-under-diloco", None, ["--strategy", "diloco", "--fragments", "4"],

@@ -35,6 +35,9 @@ OLD_DEFAULTS: dict[str, Any] = {
     "tokenizer": None, "max_documents": None, "min_islands": 1, "max_restarts": 0,
     # the sparseloco strategy's own settings (a strategy added since; they apply to it alone)
     "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_beta": 0.95, "sparseloco_bits": 2,
+    # sparseloco's tiles and senders' mean (added since, by issue 24: the reference's rules, which intentionally
+    # change sparseloco's results; "flat" and "all" are what it computed before; they apply to sparseloco alone)
+    "sparseloco_layout": "tiles", "sparseloco_aggregate": "senders",
     # decoupled's robust merge (added since; none is the token-weighted mean of then)
     "robust_merge": "none",
     # the adaptive outer step (added since; none is the fixed outer step of then)

@@ -91,6 +91,7 @@ def test_density_one_no_quantization_no_memory_is_parameter_averaging() -> None:
     assert all(torch.equal(i.flat_params(), strategy.global_params()) for i in islands)
     assert all(float(e.abs().max()) == 0.0 for e in strategy.error)  # nothing carried over
     assert strategy.summary()["sparseloco_sent_energy"] == pytest.approx(1.0)  # a lossless payload sends it all
+    assert strategy.summary()["sparseloco_step_ratio"] == pytest.approx(1.0, rel=1e-5)  # plain averaging's step
 
 
 def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -> None:

@@ -92,7 +92,7 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
     assert resumed["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=1e-4)
     assert resumed["bytes_sent_per_island"] == full["bytes_sent_per_island"]
     assert resumed["tokens"] == full["tokens"]
-    for key in ("outer_agreement_mean", "outer_agreement_last", "sparseloco_sent_energy"):
+    for key in ("outer_agreement_mean", "outer_agreement_last", "sparseloco_sent_energy", "sparseloco_step_ratio"):
         assert resumed.get(key) == pytest.approx(full.get(key), rel=1e-6) if key in full else key not in resumed
     evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
     assert evals == [0, 10, 20], "the log of a resumed run reads as one run"

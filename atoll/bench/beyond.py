@@ -155,6 +155,7 @@ def benchmark(args: argparse.Namespace) -> None:
                      # sparseloco encodes in its own way (runs trained before summaries said so recorded fp32)
                      "codec": r["codec"] if r["strategy"] in BY_STRATEGY["codec"] else None,
                      "density": r.get("sparseloco_density"), "sent_energy": r.get("sparseloco_sent_energy"),
+                     "step_ratio": r.get("sparseloco_step_ratio"),
                      "params": r.get("params"), "final_eval_loss": r["final_eval_loss"], "vs": ref,
                      "gap_pct": pct(r["final_eval_loss"], base["final_eval_loss"]),
                      "gap_one_island_pct": pct(r["final_eval_loss"], alone["final_eval_loss"]) if alone else None,
@@ -164,7 +165,7 @@ def benchmark(args: argparse.Namespace) -> None:
     table = write_results(
         out, {"settings": BASE, "runs": runs, "rows": rows},
         [("run", "run"), ("params", "params"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"), ("density", "density"),
-         ("energy sent", "sent_energy"), ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("gap % vs one island", "gap_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
+         ("energy sent", "sent_energy"), ("step / averaging's", "step_ratio"), ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("gap % vs one island", "gap_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
          ("x fewer bytes than vs", "fewer_bytes_than_ref")],
         rows, "sparseloco by rounds, at a byte budget and by model size, Muon islands, the agreement-weighted "
         "outer step: 4 islands",

@@ -337,6 +337,8 @@ def _method_rows(s: dict[str, Any]) -> list[Row]:
         if "sparseloco_sent_energy" in s:
             rows.append(("sparseloco energy sent (share of the accumulator per round)",
                          f"{s['sparseloco_sent_energy']:.1%}"))
+        if "sparseloco_step_ratio" in s:
+            rows.append(("sparseloco outer step / plain averaging's", f"{s['sparseloco_step_ratio']:.3f}"))
     if "outer_agreement_mean" in s:
         rows.append(("outer agreement f̄ (mean / last round)",
                      f"{s['outer_agreement_mean']:.3f} / {s['outer_agreement_last']:.3f}"))

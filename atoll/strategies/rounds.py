@@ -64,9 +64,10 @@ class OuterRounds(Strategy):
         self.islands[position].reset_to(params)
         self.tokens_at_sync[position] = self.islands[position].tokens
 
-    def round_weights(self) -> list[float]:
-        """Each local island's tokens trained since the last round (its weight in the average)."""
-        return [float(island.tokens - t0) for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
+    def round_weights(self) -> list[int]:
+        """Each local island's tokens trained since the last round (its weight in the average; integers, as the
+        collectives have always been given them, so that the mean's rounding is unchanged)."""
+        return [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
 
     def no_contribution(self, steps_done: int) -> Diverged:
         """The error for a round in which no island of the job had a finite pseudo-gradient."""

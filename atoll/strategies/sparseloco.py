@@ -54,10 +54,12 @@ WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 class SparseLoCoSection(Section):
     """SparseLoCo's own settings: the top-k per chunk, the chunk, the accumulator's decay and the value bits."""
 
-    sparseloco_topk: int = Field(64, ge=1, description="sparseloco: entries kept per chunk of the error-feedback "
-                                 "accumulator (64 of 4096: a density of 1.6 percent).")
-    sparseloco_chunk: int = Field(4096, ge=1, le=2 ** 30, description="sparseloco: elements per chunk; chunks "
-                                  "never straddle two parameters.")
+    sparseloco_topk: int = Field(64, ge=1, description="sparseloco: entries kept per full tile (or chunk) of the "
+                                 "error-feedback accumulator (64 of 4096: a density of 1.6 percent), scaled to "
+                                 "smaller tiles.")
+    sparseloco_chunk: int = Field(4096, ge=1, le=2 ** 30, description="sparseloco: elements of a full tile "
+                                  "(a square: 4096 is 64 x 64) or of a flat chunk; never straddles two "
+                                  "parameters.")
     sparseloco_beta: float = Field(0.95, ge=0, le=1, description="sparseloco: decay of each island's "
                                    "error-feedback accumulator (it replaces the outer momentum).")
     sparseloco_bits: int = Field(2, description="sparseloco: bits per kept value: 2 (sign and one of "
@@ -100,6 +102,9 @@ class SparseLoCo(OuterRounds):
         sent_energy_sum: the sum, over rounds and local islands that sent, of the share of the accumulator's
             energy its payload delivered, ``1 − ‖e − C(e)‖² / ‖e‖²`` (1 for a lossless payload); over
             ``sent_rounds`` it is the summary's ``sparseloco_sent_energy``.
+        step_ratio_sum: the sum over rounds of ``‖α · agg‖ / ‖mean of the local islands' Δ‖``, the outer step's
+            size against plain averaging's (diloco with lr 1, no momentum); over ``step_rounds`` it is the
+            summary's ``sparseloco_step_ratio`` (1 for the lossless identity).
     """
 
     name = "sparseloco"
@@ -110,6 +115,7 @@ class SparseLoCo(OuterRounds):
                                            config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout)
         self.error = [torch.zeros(self.compressor.numel) for _ in islands]
         self.sent_energy_sum, self.sent_rounds = 0.0, 0
+        self.step_ratio_sum, self.step_rounds = 0.0, 0
 
     def outer_step(self, steps_done: int) -> None:
         """Accumulate, compress and all-gather every island's pseudo-gradient; one averaged descent step.
@@ -118,9 +124,10 @@ class SparseLoCo(OuterRounds):
             Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
         """
         beta, rate = self.config.sparseloco_beta, self.config.outer_lr
-        payloads, dropped = [], []
+        payloads, dropped, deltas = [], [], []
         for i, (island, weight) in enumerate(zip(self.islands, self.round_weights(), strict=True)):
             delta = pseudo_gradient(self.outer.params, island.flat_params())
+            deltas.append(delta)
             dropped.append(not bool(torch.isfinite(delta).all()))
             if not dropped[-1]:
                 self.error[i].mul_(beta).add_(delta, alpha=rate)  # the reference: the rate into the accumulator
@@ -139,17 +146,24 @@ class SparseLoCo(OuterRounds):
         if not any(w > 0 for w in weights):
             raise self.no_contribution(steps_done)
         agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_aggregate)
+        local = [(d, w) for d, w, bad in zip(deltas, self.round_weights(), dropped, strict=True) if not bad and w > 0]
+        if local:
+            plain = float(torch.stack([d * w for d, w in local]).sum(0).norm()) / sum(w for _, w in local)
+            if plain > 0:
+                self.step_ratio_sum += rate * float(agg.norm()) / plain
+                self.step_rounds += 1
         self.commit_round(self.outer.step(agg), dropped, steps_done)  # and the rate into the step
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor
         return {"sparseloco_density": c.density, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES,
-                "sparseloco_sent_energy": self.sent_energy_sum / self.sent_rounds if self.sent_rounds else 1.0}
+                "sparseloco_sent_energy": self.sent_energy_sum / self.sent_rounds if self.sent_rounds else 1.0,
+                "sparseloco_step_ratio": self.step_ratio_sum / self.step_rounds if self.step_rounds else 1.0}
 
     def state_dict(self) -> dict[str, Any]:
         return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step,
                 "dropped_updates": self.dropped_updates, "sent_energy_sum": self.sent_energy_sum,
-                "sent_rounds": self.sent_rounds}
+                "sent_rounds": self.sent_rounds, "step_ratio_sum": self.step_ratio_sum, "step_rounds": self.step_rounds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["outer"])
@@ -157,6 +171,8 @@ class SparseLoCo(OuterRounds):
         self.dropped_updates = int(state.get("dropped_updates", 0))
         self.sent_energy_sum = float(state.get("sent_energy_sum", 0.0))
         self.sent_rounds = int(state.get("sent_rounds", 0))
+        self.step_ratio_sum = float(state.get("step_ratio_sum", 0.0))
+        self.step_rounds = int(state.get("step_rounds", 0))
 
     def island_state(self, position: int) -> dict[str, Any]:
         return {"tokens_at_sync": self.tokens_at_sync[position], "error": self.error[position].clone()}
@@ -191,8 +207,8 @@ def project(s: Setting) -> Cost:
 
 SPEC = StrategySpec(
     name="sparseloco",
-    summary="error-feedback accumulators' chunk-wise top-k, 2-bit values, all-gathered every H inner steps; "
-            "plain averaged outer descent (arXiv:2508.15706)",
+    summary="error-feedback accumulators' top-k per 64x64 tile, 2-bit values, all-gathered every H inner steps; "
+            "each entry averaged over its senders, plain outer descent (arXiv:2508.15706)",
     section=SparseLoCoSection, runtimes=("local", "collective"), validate=validate, lockstep=SparseLoCo,
     # the accumulator replaces the outer momentum; the step is plain averaged descent (SparseLoCo §3)
     defaults={"outer_lr": 1.0, "outer_momentum": 0.0}, project=project, syncs_per_h=True,
