@@ -31,7 +31,7 @@ OLD_DEFAULTS: dict[str, Any] = {
     # inner optimizer (adamw then and by default now), sharded islands, the tokenizer (None: atoll's BPE for a
     # preset, as then), hf: datasets' document cap; min_islands and max_restarts (the collective runtime's
     # survivors going on and a lost island rejoining, which no pinned run meets)
-    "compile": False, "tracker": [], "progress_every": None, "inner_optimizer": "adamw", "shard_island": False,
+    "compile": False, "grad_accum": 1, "activation_checkpointing": False, "tracker": [], "progress_every": None, "inner_optimizer": "adamw", "shard_island": False,
     "tokenizer": None, "max_documents": None, "min_islands": 1, "max_restarts": 0,
     # the sparseloco strategy's own settings (a strategy added since; they apply to it alone)
     "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_beta": 0.95, "sparseloco_bits": 2,
