@@ -15,17 +15,15 @@ accepted pushes. It merges the buffer (one outer step) when
   buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
   a merge up by at most about one round, never indefinitely. A round time is taken once per island and
   buffer, so one island's repeated pushes do not fill the recent ones, and it is a claim clamped to what the
-  syncer saw (:meth:`Syncer.round_time`: the seconds since the island's previous push of the fragment, or
-  ``max_round_s`` before one): an island that claims 1e300 s and goes silent moves no deadline beyond the
-  time it really took.
+  syncer saw (:mod:`~atoll.strategies.decoupled.claims`): a claim of 1e300 s moves no deadline.
 
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
 ``w_i = min(tokens_i, T_i) · (1 + s_i)^(−a)``, where ``T_i`` is one honest push of island i (its own H x
 tokens per step, ``push_tokens``): an island that pushes a fragment rarely and claims the tokens of many
 rounds at once weighs (and is vouched a norm for, :meth:`PushBounds.weight_tokens
 <atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>`) one round's at most; its tokens still count
-as merged; the staleness ``s_i`` is how many outer steps of that fragment were
-committed since the version the island started from. The polynomial staleness discount is FedAsync's
+as merged; the staleness ``s_i`` is how many outer steps of that fragment were committed since the version
+the island started from. The polynomial staleness discount is FedAsync's
 (Xie, Koyejo, Gupta 2019, arXiv:1903.03934, §5.2, ``s(t) = (t + 1)^(−a)``); a push staler than
 ``max_staleness`` is dropped, as bounded-staleness async local SGD does (Liu et al. 2024, arXiv:2401.09135,
 keep the delay of pseudo-gradients small). With ``a = 0`` the merge is the plain token-weighted mean.
@@ -44,10 +42,10 @@ and newer than the island's last accepted push of the fragment in its session), 
 :class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (within what it was granted, or
 ``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes of the fragment
 vouch for (one entry per island), whatever the islands' speeds, with a floor that the smallest pushes cannot
-lower. An island whose ``starve_after`` last pushes were all refused is :meth:`Syncer.starved`: the runtimes
-stop the run with :meth:`Syncer.starved_message` (exit status 1) rather than train on without it. A refused push is counted
-(:attr:`Syncer.rejected_updates`, by reason, and per island in ``rejected_by_island``), logged at WARNING on
-the ``atoll.syncer`` logger, and never touches the global parameters; no push makes :meth:`Syncer.push` raise.
+lower. A refused push is counted (:attr:`Syncer.rejected_updates`, by reason, and per island in
+``rejected_by_island``), logged at WARNING on the ``atoll.syncer`` logger, and never touches the global
+parameters; no push makes :meth:`Syncer.push` raise. An island whose pushes are all refused is
+:meth:`Syncer.starved` (:mod:`~atoll.strategies.decoupled.claims`): the runtimes stop the run.
 
 **One vote per island per merge.** A fragment's buffer holds one push per island: a newer accepted one
 replaces the one waiting (``replaced_updates``; its tokens go to the ``stale`` bucket), so an island that opens
@@ -68,8 +66,8 @@ an island pushes fresh moves the starvation to the others in turn, so it is kept
 replaced) or ``rejected`` (:mod:`~atoll.strategies.decoupled.accounting`); a forged push (``identity``) or one
 naming no island is no island's claim, and in no bucket. Merges and refusals are journaled for the run events.
 
-:meth:`Syncer.state_dict` holds all (globals, outer momentum, versions, buffers, statistics), written
-atomically by :meth:`Syncer.save`: a syncer restarted from :meth:`Syncer.load` loses no committed outer step.
+:meth:`Syncer.state_dict` holds all, written atomically by :meth:`Syncer.save`: a syncer restarted from
+:meth:`Syncer.load` loses no committed outer step (:mod:`~atoll.strategies.decoupled.syncer_state`).
 """
 
 from __future__ import annotations
@@ -80,7 +78,6 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +86,11 @@ import torch
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.algorithms.robust import robust_mean
+from atoll.strategies.decoupled import syncer_state
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
+from atoll.strategies.decoupled.buffer import Buffer, Pending
+from atoll.strategies.decoupled.claims import round_time, since_last_push, starved, starved_message
 from atoll.strategies.decoupled.journal import Journal
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult, is_index
 from atoll.strategies.decoupled.trust import Admission
@@ -99,22 +99,6 @@ log = logging.getLogger("atoll.syncer")
 
 #: the buckets of the tokens pushed, per island (:meth:`Syncer.stats`)
 OUTCOMES = ("merged", "stale", "rejected")
-
-
-@dataclass
-class _Pending:
-    island: int
-    delta: torch.Tensor
-    tokens: int
-    base_version: int
-    vetted: bool = True  # checked against a warm window (else vetted at the merge: PushBounds.vet)
-
-
-@dataclass
-class _Buffer:
-    pushes: list[_Pending] = field(default_factory=list)
-    opened_at: float = 0.0
-    grace_s: float = math.inf
 
 
 class Syncer:
@@ -170,16 +154,13 @@ class Syncer:
         self.quorum = quorum if quorum is not None else islands
         if not 1 <= self.quorum <= islands:
             raise ValueError(f"quorum {self.quorum} outside 1..{islands}")
-        self.grace_factor = grace_factor
-        self.max_staleness = max_staleness
-        self.staleness_exponent = staleness_exponent
-        self.norm_bound = norm_bound
-        self.scale_partial = scale_partial
-        self.robust_merge, self.trim = robust_merge, trim
+        self.grace_factor, self.max_staleness = grace_factor, max_staleness
+        self.staleness_exponent, self.norm_bound = staleness_exponent, norm_bound
+        self.scale_partial, self.robust_merge, self.trim = scale_partial, robust_merge, trim
         self.numel = flat.numel()
         self.numels = [f.numel() for f in self.index]  # per fragment
         self.outer = [OuterOptimizer(f.gather(flat), outer_lr, outer_momentum) for f in self.index]
-        self.buffers = [_Buffer() for _ in self.index]
+        self.buffers = [Buffer() for _ in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
         self.admission = Admission(islands, len(self.index), credentials)
         self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
@@ -244,7 +225,7 @@ class Syncer:
             return PushResult(False, "type")
         island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
-        observed = self._observed(island, fragment, now)
+        observed = since_last_push(self.last_push_at, island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
             island, fragment, float(delta.detach().norm()), tokens, self._params_norm(fragment))
         if reason:
@@ -258,7 +239,7 @@ class Syncer:
             return PushResult(False, "stale")
         self.accepted_updates += 1
         buf = self.buffers[fragment]
-        pending = _Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
+        pending = Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
         if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
             replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
             self.replaced_updates += 1
@@ -274,48 +255,22 @@ class Syncer:
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
-    def _observed(self, island: Any, fragment: Any, now: float) -> float | None:
-        """Seconds since the syncer last accepted a push of ``island``'s of ``fragment`` (None: never)."""
-        if not (is_index(island, self.islands) and is_index(fragment, self.fragments)):
-            return None
-        last = self.last_push_at[island][fragment]
-        return None if last is None else max(0.0, now - last)
-
     def round_time(self, claimed: Any, observed: float | None) -> float | None:
-        """The round time a push's claim ``claimed`` (seconds) is taken as for the grace window, or None.
-
-        A claim is the island's own measurement (pull to push, on its clock), so it is clamped to what the
-        syncer itself saw: the seconds since the island's previous accepted push of the fragment
-        (``observed``; an honest round is a little shorter: the pull follows the push), or ``max_round_s``
-        where the syncer has seen none (the runtimes pass one; None: the claim is taken as it is). So no
-        claim (1e300) stretches the window beyond the time the island really took, or beyond the ceiling
-        for its first push; a claim that is not a positive finite number is not taken.
-        """
-        if not (isinstance(claimed, int | float) and not isinstance(claimed, bool) and 0 < claimed < math.inf):
-            return None
-        ceiling = observed if observed is not None else self.max_round_s
-        r = min(float(claimed), ceiling if ceiling is not None else math.inf)
-        return r if r > 0 else None
+        """The round time (seconds) a push's claim ``claimed`` is taken as for the grace window, or None:
+        clamped to ``observed`` or ``max_round_s`` (:func:`~atoll.strategies.decoupled.claims.round_time`)."""
+        return round_time(claimed, observed, self.max_round_s)
 
     def starved(self) -> list[int]:
-        """Islands whose last ``starve_after`` pushes were all refused, none accepted since: their work never
-        reaches the model (e.g. its norm bound was lowered by another island's tiny pushes), so the runtime
-        stops the run with :meth:`starved_message` rather than train on without them."""
-        return [i for i, n in enumerate(self.refused_in_a_row) if n >= self.starve_after]
+        """Islands whose last ``starve_after`` pushes were all refused, none accepted since: the runtime stops
+        the run with :meth:`starved_message` (:func:`~atoll.strategies.decoupled.claims.starved`)."""
+        return starved(self.refused_in_a_row, self.starve_after)
 
     def starved_message(self) -> str:
         """One line for a run that stops because of :meth:`starved` islands: who, why, and what to do."""
-        islands = self.starved()
-        reasons = {r: v for r, v in self.admission.rejected_by_island.items() if any(v[i] for i in islands)}
-        why = ", ".join(f"{r} x{sum(v[i] for i in islands)}" for r, v in sorted(reasons.items()))
-        return (f"syncer: every push of island{'s' if len(islands) > 1 else ''} {', '.join(map(str, islands))} "
-                f"was refused ({self.starve_after} in a row: {why}), so its training never reaches the model; "
-                "another island may be setting the norm bound with tiny pushes (with 2 islands, no majority "
-                "vouches for either): check the islands, or run 3 or more (see rejected_by_island in summary.json)")
+        return starved_message(self.starved(), self.admission.rejected_by_island, self.starve_after)
 
     def _params_norm(self, fragment: int) -> float:
-        """The norm of the fragment's global parameters, computed once per version (every push checks
-        against it)."""
+        """The norm of the fragment's global parameters, computed once per version (every push checks it)."""
         version = self.outer[fragment].version
         cached = self._norms.get(fragment)
         if cached is None or cached[0] != version:
@@ -385,7 +340,7 @@ class Syncer:
         buffer is emptied and nothing steps (a zero Δ would still move the outer momentum).
         """
         buf = self.buffers[fragment]
-        pushes, self.buffers[fragment] = buf.pushes, _Buffer()
+        pushes, self.buffers[fragment] = buf.pushes, Buffer()
         if now is not None and pushes:
             self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
@@ -437,73 +392,18 @@ class Syncer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything: globals and outer momentum per fragment, open buffers, medians, statistics."""
-        return {
-            "outer": [o.state_dict() for o in self.outer],
-            "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
-                         "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
-                                     "base_version": p.base_version, "vetted": p.vetted} for p in b.pushes]}
-                        for b in self.buffers],
-            "bounds": self.bounds.state_dict(), "admission": self.admission.state_dict(), "merge_s": self.merge_s,
-            "round_s": list(self.round_s),
-            "last_push_at": [[-1.0 if t is None else t for t in f] for f in self.last_push_at],
-            "refused_in_a_row": list(self.refused_in_a_row),
-            "stale_credit": [list(c) for c in self.stale_credit],
-            "tokens_by_outcome": {k: list(v) for k, v in self.tokens_by_outcome.items()},
-            "rejected_updates": self.rejected_updates, "rejected_by_reason": dict(self.rejected_by_reason),
-            "stale_updates": self.stale_updates, "replaced_updates": self.replaced_updates,
-            "accepted_updates": self.accepted_updates, "commits": self.commits,
-            "quorum_sizes": list(self.quorum_sizes), "staleness": list(self.staleness),
-            "merged_tokens": self.merged_tokens, "merged_tokens_per_island": list(self.merged_tokens_per_island),
-            "merge_waits": [list(w) for w in self.merge_waits],
-        }
+        return syncer_state.state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (into a syncer built with the same shapes and settings)."""
-        for o, s in zip(self.outer, state["outer"], strict=True):
-            o.load_state_dict(s)
-        self._norms = {}
-        self.buffers = []
-        for b in state["buffers"]:
-            grace = float(b["grace_s"])
-            self.buffers.append(_Buffer([_Pending(int(p["island"]), p["delta"], int(p["tokens"]),
-                                                  int(p["base_version"]), bool(p.get("vetted", True)))
-                                        for p in b["pushes"]],
-                                        float(b["opened_at"]), grace if grace >= 0 else math.inf))
-        self.bounds.load_state_dict(state["bounds"])
-        if "admission" in state:
-            self.admission.load_state_dict(state["admission"])
-        self.merge_s = float(state.get("merge_s", 0.0))
-        self.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
-        if "last_push_at" in state:  # absent from older checkpoints: no push seen yet
-            self.last_push_at = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_push_at"]]
-        self.refused_in_a_row = [int(x) for x in state.get("refused_in_a_row", [0] * self.islands)]
-        self.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
-        self.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
-        for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
-            setattr(self, name, int(state.get(name, 0)))  # replaced_updates: absent from older checkpoints
-        self.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
-        self.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
-        self.staleness = [int(x) for x in state["staleness"]]
-        self.merged_tokens = float(state["merged_tokens"])
-        self.merged_tokens_per_island = [float(x) for x in state["merged_tokens_per_island"]]
-        self.merge_waits = [(float(w), float(g)) for w, g in state.get("merge_waits", [])]
+        syncer_state.load_state_dict(self, state)
 
     def save(self, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
-        """Write :meth:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return that path.
-
-        ``extra``: more entries for the same checkpoint (a runtime's own counters), beside ``"syncer"``.
-        """
-        from atoll.job.checkpoint import save_checkpoint
-
-        return save_checkpoint(Path(folder), self.commits, {**(extra or {}), "syncer": self.state_dict()}, keep=keep)
+        """Write :meth:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``, return that path
+        (``extra``: a runtime's own entries beside ``"syncer"``; :mod:`~atoll.strategies.decoupled.syncer_state`)."""
+        return syncer_state.save(self, folder, keep, extra)
 
     def load(self, folder: Path) -> None:
-        """Restore the newest complete checkpoint written by :meth:`save` under ``folder``.
-
-        Raises:
-            CheckpointError: ``folder`` holds no readable syncer checkpoint.
-        """
-        from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
-
-        _, state = load_checkpoint(latest_checkpoint(Path(folder)))
-        self.load_state_dict(state["syncer"])
+        """Restore the newest complete checkpoint written by :meth:`save` under ``folder``; raises
+        :class:`~atoll.errors.CheckpointError` where it holds no readable syncer checkpoint."""
+        syncer_state.load(self, folder)

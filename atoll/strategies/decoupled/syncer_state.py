@@ -1,0 +1,103 @@
+"""The checkpoint state of the decoupled syncer: everything a restarted
+:class:`~atoll.strategies.decoupled.syncer.Syncer` needs to lose no committed outer step.
+
+:func:`state_dict` holds, per fragment, the globals and outer momentum (float32 CPU tensors), the open
+buffers (their pending Δs, float32 (numel_p,)), the push bounds and admission, the recent round times and
+last pushes (seconds), and every statistic; :func:`save` writes it atomically with
+:func:`~atoll.job.checkpoint.save_checkpoint` (tensors as safetensors, nothing as pickle), :func:`load` reads
+the newest complete one back. Entries absent from older checkpoints load as their defaults.
+
+Errors: :class:`~atoll.errors.CheckpointError` from :func:`load` (no readable syncer checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from atoll.strategies.decoupled.bounds import WINDOW
+from atoll.strategies.decoupled.buffer import Buffer, Pending
+
+if TYPE_CHECKING:
+    from atoll.strategies.decoupled.syncer import Syncer
+
+
+def state_dict(s: Syncer) -> dict[str, Any]:
+    """Everything of ``s``: globals and outer momentum per fragment, open buffers, medians, statistics
+    (plain lists, numbers and tensors; a grace window or last push that is none is written as -1.0)."""
+    return {
+        "outer": [o.state_dict() for o in s.outer],
+        "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
+                     "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
+                                 "base_version": p.base_version, "vetted": p.vetted} for p in b.pushes]}
+                    for b in s.buffers],
+        "bounds": s.bounds.state_dict(), "admission": s.admission.state_dict(), "merge_s": s.merge_s,
+        "round_s": list(s.round_s),
+        "last_push_at": [[-1.0 if t is None else t for t in f] for f in s.last_push_at],
+        "refused_in_a_row": list(s.refused_in_a_row),
+        "stale_credit": [list(c) for c in s.stale_credit],
+        "tokens_by_outcome": {k: list(v) for k, v in s.tokens_by_outcome.items()},
+        "rejected_updates": s.rejected_updates, "rejected_by_reason": dict(s.rejected_by_reason),
+        "stale_updates": s.stale_updates, "replaced_updates": s.replaced_updates,
+        "accepted_updates": s.accepted_updates, "commits": s.commits,
+        "quorum_sizes": list(s.quorum_sizes), "staleness": list(s.staleness),
+        "merged_tokens": s.merged_tokens, "merged_tokens_per_island": list(s.merged_tokens_per_island),
+        "merge_waits": [list(w) for w in s.merge_waits],
+    }
+
+
+def load_state_dict(s: Syncer, state: dict[str, Any]) -> None:
+    """Restore :func:`state_dict` into ``s`` (a syncer built with the same shapes and settings)."""
+    for o, st in zip(s.outer, state["outer"], strict=True):
+        o.load_state_dict(st)
+    s._norms = {}
+    s.buffers = []
+    for b in state["buffers"]:
+        grace = float(b["grace_s"])
+        s.buffers.append(Buffer([Pending(int(p["island"]), p["delta"], int(p["tokens"]),
+                                         int(p["base_version"]), bool(p.get("vetted", True)))
+                                 for p in b["pushes"]],
+                                float(b["opened_at"]), grace if grace >= 0 else math.inf))
+    s.bounds.load_state_dict(state["bounds"])
+    if "admission" in state:
+        s.admission.load_state_dict(state["admission"])
+    s.merge_s = float(state.get("merge_s", 0.0))
+    s.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
+    if "last_push_at" in state:  # absent from older checkpoints: no push seen yet
+        s.last_push_at = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_push_at"]]
+    s.refused_in_a_row = [int(x) for x in state.get("refused_in_a_row", [0] * s.islands)]
+    s.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
+    s.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
+    for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
+        setattr(s, name, int(state.get(name, 0)))  # replaced_updates: absent from older checkpoints
+    s.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
+    s.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
+    s.staleness = [int(x) for x in state["staleness"]]
+    s.merged_tokens = float(state["merged_tokens"])
+    s.merged_tokens_per_island = [float(x) for x in state["merged_tokens_per_island"]]
+    s.merge_waits = [(float(w), float(g)) for w, g in state.get("merge_waits", [])]
+
+
+def save(s: Syncer, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``s``'s :func:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return its path.
+
+    ``extra``: more entries for the same checkpoint (a runtime's own counters), beside ``"syncer"``; ``keep``:
+    the checkpoints kept (:func:`~atoll.job.checkpoint.save_checkpoint`).
+    """
+    from atoll.job.checkpoint import save_checkpoint
+
+    return save_checkpoint(Path(folder), s.commits, {**(extra or {}), "syncer": s.state_dict()}, keep=keep)
+
+
+def load(s: Syncer, folder: Path) -> None:
+    """Restore into ``s`` the newest complete checkpoint written by :func:`save` under ``folder``.
+
+    Raises:
+        CheckpointError: ``folder`` holds no readable syncer checkpoint.
+    """
+    from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
+
+    _, state = load_checkpoint(latest_checkpoint(Path(folder)))
+    s.load_state_dict(state["syncer"])
