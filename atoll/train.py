@@ -155,6 +155,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 done = step + 1
                 if done == config.steps:
                     strategy.finish(done)
+                for kind, at, fields in runtime.membership_changes():  # collective: islands lost and rejoined
+                    run.events.log(kind, at, sim_wall_s=sim_wall_s(), **fields)
                 log_now = done % LOG_EVERY == 0 or done == config.steps
                 eval_now = done % config.evaluate_every == 0 or done == config.steps
                 if log_now or eval_now:

@@ -73,6 +73,11 @@ class Runtime(ABC):
         vector unless islands are sharded; collective call."""
         return params
 
+    def membership_changes(self) -> list[tuple[str, int, dict[str, Any]]]:
+        """Islands lost and rejoined since the last call, as run events (kind, inner step, fields; the
+        ``collective`` runtime's): none where islands are not processes of their own."""
+        return []
+
     def summary(self) -> dict[str, Any]:
         """What the runtime adds to ``summary.json`` (the collective runtime: sharded islands, the islands it
         lost); collective call."""

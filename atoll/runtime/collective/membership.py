@@ -43,12 +43,14 @@ class Membership:
         epoch: 0 at the start, one more per change (a loss survived or an admission); the groups of epoch
             ``n`` meet over the store prefix ``epoch{n}/``.
         events: every change, in order.
+        told: how many of them :meth:`changes` has handed out.
     """
 
     islands: int
     alive: list[int] = field(default_factory=list)
     epoch: int = 0
     events: list[MembershipEvent] = field(default_factory=list)
+    told: int = 0  # events handed to :meth:`changes` (this process's, not part of the state)
 
     def __post_init__(self) -> None:
         if not self.alive and not self.events:
@@ -67,6 +69,11 @@ class Membership:
     def first_rejoin(self) -> int | None:
         """Inner steps done at the job's first rejoin, or None."""
         return next((e.step for e in self.events if e.kind == "rejoined"), None)
+
+    def changes(self) -> list[MembershipEvent]:
+        """The events since the last call, in order (the run events of the job: ``failure``, ``rejoin``)."""
+        new, self.told = self.events[self.told:], len(self.events)
+        return new
 
     def ranks(self, ranks_per_island: int) -> list[int]:
         """The global ranks of the islands alive (island i is ranks ``[i*R, (i+1)*R)``)."""

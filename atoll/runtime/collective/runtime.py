@@ -362,6 +362,10 @@ class CollectiveRuntime(Runtime):
 
         return self.comm.resilient(op)
 
+    def membership_changes(self) -> list[tuple[str, int, dict[str, Any]]]:
+        return [("failure" if e.kind == "lost" else "rejoin", e.step, {"island": e.island, "epoch": e.epoch})
+                for e in self.membership.changes()]
+
     def summary(self) -> dict[str, Any]:
         """``lost_islands`` (island -> the inner step the others went on without it, its latest loss),
         ``rejoined_islands`` (island -> inner steps done at its latest rejoin), ``membership`` (every loss and
