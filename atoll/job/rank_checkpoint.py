@@ -184,5 +184,5 @@ def consolidate(path: Path, shared: dict[str, Any]) -> dict[str, Any]:
     entries = [load_rank_state(rank_folder(path, owner_of_island(i, 0, r_count, False, alive)))[0]
                for i in range(count)]
     strategy = load_rank_state(rank_folder(path, owner_of_shared(0, False)))[0]["strategy"]
-    return {**shared, "islands": [e["island"] for e in entries], "strategy": strategy,
+    return {**shared, "islands": [e["island_state"] for e in entries], "strategy": strategy,
             "strategy_islands": [e["strategy_island"] for e in entries]}
