@@ -277,11 +277,13 @@ class SyncerServer:
         if not is_index(fragment, self.service.syncer.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
         with self.lock:
-            version = self.service.syncer.version(fragment)
             cached = self.pulls.get(fragment)
-            if cached is None or cached[0] != version:
-                cached = (version, wire.tensor_bytes(self.service.pull(fragment).params))
-                self.pulls[fragment] = cached
+            if cached is not None and cached[0] == self.service.syncer.version(fragment):
+                return cached
+            pull = self.service.pull(fragment)  # a copy: serialized below, outside the lock
+        cached = (pull.version, wire.tensor_bytes(pull.params))
+        with self.lock:
+            self.pulls[fragment] = cached
         return cached
 
     # --- the run ------------------------------------------------------------------------------------------
