@@ -317,7 +317,9 @@ def test_a_broken_upload_resumes_at_the_offset_the_syncer_holds(served, monkeypa
 def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_path: Path) -> None:
     """SIGKILL one island's process mid-run and start the same command again: it rejoins (a new session, the
     newest global fragments), pushes and is merged; the other island never stops; every process exits 0."""
-    out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config, steps=40)
+    # a budget that island 0 does not spend alone while island 1 restarts: a restart takes about 20 s on the
+    # loaded 2-core machine (imports and data), in which island 0 alone takes 300 or more micro steps
+    out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config, steps=400)
     syncer = start(["syncer", "--listen", f"127.0.0.1:{port}", "--out", str(out), *flags], tmp_path / "syncer.log")
     procs = [syncer]
 
@@ -328,9 +330,10 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     try:
         wait_for("credentials", lambda: (out / "credentials" / "island_1.token").is_file(), procs)
         procs += [island(0, "island_0.log"), island(1, "island_1.log")]
-        wait_for("2 commits", lambda: status(out).get("commits", 0) >= 2 and status(out).get("joined") == [0, 1], procs)
+        wait_for("island 1 merged", lambda: status(out).get("merged_tokens_by_island", [0, 0])[1] > 0, procs)
         procs[2].send_signal(signal.SIGKILL)
         assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        at_kill = status(out)
         procs[2] = island(1, "island_1b.log")
     finally:
         codes = wait_all(procs, timeout=400)
@@ -339,5 +342,9 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["rejoins"] == [0, 1] and len(summary["rejoin_s"]) == 1
     assert summary["islands_left"] == [0, 1]
-    assert summary["merged_tokens_by_island"][1] > 0 and summary["rejected_updates"] == 0
+    # the restarted island trained and was merged after its rejoin; its new session's pushes are no replays
+    # (the norm bound may refuse a few pushes of either island in this long, lopsided run: its own check)
+    assert summary["steps_per_island"][1] > at_kill["steps_by_island"][1]
+    assert summary["merged_tokens_by_island"][1] > at_kill["merged_tokens_by_island"][1]
+    assert set(summary["rejected_by_reason"]) <= {"norm"}, summary["rejected_by_reason"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3

@@ -277,11 +277,13 @@ class SyncerServer:
         if not is_index(fragment, self.service.syncer.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
         with self.lock:
-            version = self.service.syncer.version(fragment)
             cached = self.pulls.get(fragment)
-            if cached is None or cached[0] != version:
-                cached = (version, wire.tensor_bytes(self.service.pull(fragment).params))
-                self.pulls[fragment] = cached
+            if cached is not None and cached[0] == self.service.syncer.version(fragment):
+                return cached
+            pull = self.service.pull(fragment)  # a copy: serialized below, outside the lock
+        cached = (pull.version, wire.tensor_bytes(pull.params))
+        with self.lock:
+            self.pulls[fragment] = cached
         return cached
 
     # --- the run ------------------------------------------------------------------------------------------
@@ -297,6 +299,8 @@ class SyncerServer:
         s = self.service
         return {"commits": s.syncer.commits, "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)],
                 "reserved": s.reserved, "budget": s.budget, "restarts": s.restarts,
+                "steps_by_island": list(s.steps_by_island),
+                "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
                 "refused_calls": dict(self.refused_calls), "rejected_updates": s.syncer.rejected_updates,
                 "rejected_by_reason": dict(s.syncer.rejected_by_reason), "joined": sorted(self.joined),
                 "left": sorted(self.left), "done": self.done.is_set()}
