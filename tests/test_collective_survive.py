@@ -280,6 +280,11 @@ def test_a_loss_after_a_rejoin_is_survived(settings: dict, tmp_path: Path) -> No
     assert members[0]["step"] == 4 and members[2]["step"] == members[1]["step"] + 2
     assert [e["epoch"] for e in members] == list(range(1, len(members) + 1))  # one epoch per change
     assert summary["lost_islands"]["2"] == members[2]["step"]
+    # every change is a run event of metrics.jsonl too (failure, rejoin), with its island, step and epoch
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    changes = [(e["event"], e["island"], e["step"], e["epoch"]) for e in logged if e["event"] in ("failure", "rejoin")]
+    assert changes == [("failure" if m["kind"] == "lost" else "rejoin", m["island"], m["step"], m["epoch"])
+                       for m in members], changes
     warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("atoll: warning:")]
     assert [w.split(" stopped")[0] for w in warnings] == ["atoll: warning: island 1 (rank 1)",
                                                           "atoll: warning: island 2 (rank 2)"]
