@@ -6,7 +6,10 @@ steps, so the peak bandwidth drops by about P. Fragments follow the paper's *str
 layer l belongs to fragment ``l % P``, so every fragment holds layers from the whole depth.
 
 Everything here depends only on the list of parameter names and two integers, so every island computes
-the same fragments and the same schedule without talking.
+the same fragments and the same schedule without talking. A fragment travels as ranges of the flat
+parameter vector (:class:`FlatFragment`, from :func:`fragment_slices`): views of the parameters, as torchft
+keeps a fragment as a list of parameters; :func:`fragment_flat_indices` gives the same fragments as int64
+positions (8 bytes per element: 96 GB at 12B), kept as the reference the views equal bit for bit.
 
 Example (4 layers, P = 2, H = 10)::
 
