@@ -285,3 +285,22 @@ def test_state_dict_and_atomic_save_restore_every_committed_step(tmp_path: Path)
         x.push(Push(1, 0, 0.01 * torch.ones(12), 10, 3), now=4.0)
     assert torch.equal(restored.global_params(), s.global_params())
     assert math.isinf(Syncer(theta, None, **kwargs).buffers[0].grace_s)
+
+
+def test_fragments_as_views_or_as_positions_give_the_same_syncer() -> None:
+    from atoll.algorithms.fragments import fragment_flat_indices, fragment_slices
+
+    shapes = [("model.embed_tokens.weight", (8, 4)), *[(f"model.layers.{i}.w", (4, 4)) for i in range(4)],
+              ("model.norm.weight", (4,))]
+    theta = torch.randn(sum(math.prod(s) for _, s in shapes), generator=_gen())
+    syncers = [Syncer(theta, index, islands=2, outer_lr=0.7, outer_momentum=0.9, quorum=2)
+               for index in (fragment_flat_indices(shapes, 2), fragment_slices(shapes, 2))]
+    for p in range(2):
+        n = syncers[0].numels[p]
+        assert n == syncers[1].numels[p]
+        for i in range(2):
+            delta = 0.01 * torch.randn(n, generator=_gen(10 * p + i))
+            for s in syncers:
+                s.push(Push(i, p, delta.clone(), 100, 0))
+    assert torch.equal(syncers[0].global_params(), syncers[1].global_params())
+    assert all(s.commits == 2 for s in syncers)

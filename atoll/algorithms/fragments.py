@@ -6,7 +6,10 @@ steps, so the peak bandwidth drops by about P. Fragments follow the paper's *str
 layer l belongs to fragment ``l % P``, so every fragment holds layers from the whole depth.
 
 Everything here depends only on the list of parameter names and two integers, so every island computes
-the same fragments and the same schedule without talking.
+the same fragments and the same schedule without talking. A fragment travels as ranges of the flat
+parameter vector (:class:`FlatFragment`, from :func:`fragment_slices`): views of the parameters, as torchft
+keeps a fragment as a list of parameters; :func:`fragment_flat_indices` gives the same fragments as int64
+positions (8 bytes per element: 96 GB at 12B), kept as the reference the views equal bit for bit.
 
 Example (4 layers, P = 2, H = 10)::
 
@@ -26,7 +29,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["FlatFragment", "Fragment", "fragment_flat_indices", "fragment_slices", "fragment_sync_steps",
+__all__ = ["FlatFragment", "Fragment", "as_fragments", "fragment_flat_indices", "fragment_slices", "fragment_sync_steps",
            "fragments_due", "layer_index", "split_fragments"]
 
 # ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
@@ -279,6 +282,20 @@ class FlatFragment:
                 views.append(params[k].reshape(-1)[a - starts[k]:stop - starts[k]])
                 a = stop
         return views
+
+
+def as_fragments(index: Sequence[FlatFragment | torch.Tensor] | None, numel: int) -> list[FlatFragment]:
+    """``index`` as :class:`FlatFragment` s (int64 ascending positions converted; None: one fragment of all
+    ``numel`` elements), checked to cover exactly ``numel`` elements.
+
+    Raises:
+        ValueError: the fragments do not cover ``numel`` elements, or reach beyond them.
+    """
+    frags = ([FlatFragment(((0, numel),))] if index is None else
+             [f if isinstance(f, FlatFragment) else FlatFragment.of_positions(f) for f in index])
+    if sum(f.numel() for f in frags) != numel or any(b > numel for f in frags for _, b in f.ranges):
+        raise ValueError(f"fragment index covers {sum(f.numel() for f in frags)} of {numel} elements")
+    return frags
 
 
 def fragment_slices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragments: int) -> list[FlatFragment]:

@@ -53,6 +53,14 @@ class OuterOptimizer:
         self.optimizer = torch.optim.SGD([self.params], lr=lr, momentum=momentum, nesterov=momentum > 0, fused=True)
         self.version = 0
         self._landing: torch.Tensor | None = None  # pinned buffer for a pseudo-gradient from a device
+        self._norm: tuple[int, float] | None = None  # (version, norm of the globals at it)
+
+    def params_norm(self) -> float:
+        """The L2 norm of the global parameters, computed once per version (a syncer checks every push
+        against it)."""
+        if self._norm is None or self._norm[0] != self.version:
+            self._norm = (self.version, float(self.params.detach().norm()))
+        return self._norm[1]
 
     def step(self, pseudo_grad: torch.Tensor) -> torch.Tensor:
         """Apply one outer step with the averaged pseudo-gradient (1-D float32, on the CPU or a device);
@@ -82,3 +90,4 @@ class OuterOptimizer:
             self.params.copy_(state["params"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self._norm = None

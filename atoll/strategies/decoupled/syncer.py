@@ -83,7 +83,7 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.fragments import FlatFragment
+from atoll.algorithms.fragments import FlatFragment, as_fragments
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled import syncer_state
@@ -106,10 +106,9 @@ class Syncer:
 
     Args:
         init: the initial global parameters, flat (numel,), any float dtype (held as float32 on the CPU).
-        index: per fragment, its ranges of the flat vector (:class:`~atoll.algorithms.fragments.FlatFragment`,
-            :func:`~atoll.algorithms.fragments.fragment_slices`), or the int64 flat positions of its elements
-            (:func:`~atoll.algorithms.fragments.fragment_flat_indices`, ascending); one fragment covering all
-            of ``init`` when None.
+        index: per fragment, its ranges of the flat vector (:class:`~atoll.algorithms.fragments.FlatFragment`)
+            or its int64 ascending flat positions (:func:`~atoll.algorithms.fragments.as_fragments`); None: one
+            fragment of all of ``init``.
         islands: number of islands that may push (K).
         outer_lr: outer learning rate; ``outer_momentum``: Nesterov momentum (0: plain SGD).
         quorum: distinct islands whose pushes merge a fragment at once; default every island (``K``): with
@@ -145,11 +144,7 @@ class Syncer:
                  cold_bound: float | None = None, max_round_s: float | None = None,
                  starve_after: int = 16) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
-        self.index = ([FlatFragment(((0, flat.numel()),))] if index is None else
-                      [f if isinstance(f, FlatFragment) else FlatFragment.of_positions(f) for f in index])
-        if sum(f.numel() for f in self.index) != flat.numel() or any(
-                b > flat.numel() for f in self.index for _, b in f.ranges):
-            raise ValueError(f"fragment index covers {sum(f.numel() for f in self.index)} of {flat.numel()} elements")
+        self.index = as_fragments(index, flat.numel())
         self.islands = islands
         self.quorum = quorum if quorum is not None else islands
         if not 1 <= self.quorum <= islands:
@@ -183,8 +178,7 @@ class Syncer:
         self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}  # per island, times fragment share
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
-        self._norms: dict[int, tuple[int, float]] = {}  # per fragment: (version, norm of its globals)
-        self._means: dict[int, torch.Tensor] = {}  # per fragment: the buffer its merged Δ̄ is accumulated in
+        self._means = [torch.empty(n) for n in self.numels]  # per fragment: where its Δ̄ is summed (lazy pages)
         self.journal = Journal()  # its merges and refusals, for the run events; drained by the runtime, not saved
 
     # --- islands' side ------------------------------------------------------------------------------
@@ -227,7 +221,7 @@ class Syncer:
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         observed = since_last_push(self.last_push_at, island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
-            island, fragment, float(delta.detach().norm()), tokens, self._params_norm(fragment))
+            island, fragment, float(delta.detach().norm()), tokens, self.outer[fragment].params_norm())
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
@@ -268,14 +262,6 @@ class Syncer:
     def starved_message(self) -> str:
         """One line for a run that stops because of :meth:`starved` islands: who, why, and what to do."""
         return starved_message(self.starved(), self.admission.rejected_by_island, self.starve_after)
-
-    def _params_norm(self, fragment: int) -> float:
-        """The norm of the fragment's global parameters, computed once per version (every push checks it)."""
-        version = self.outer[fragment].version
-        cached = self._norms.get(fragment)
-        if cached is None or cached[0] != version:
-            cached = self._norms[fragment] = (version, float(self.outer[fragment].params.norm()))
-        return cached[1]
 
     def rejoin(self, island: int) -> int:
         """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``)."""
@@ -360,10 +346,8 @@ class Syncer:
         if not kept:
             return 0
         t0 = time.perf_counter()
-        out = self._means.get(fragment)
-        if out is None:
-            out = self._means[fragment] = torch.empty(self.numels[fragment], dtype=torch.float32)
-        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim, out=out)  # none: weighted_mean
+        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim,
+                           out=self._means[fragment])  # none: weighted_mean
         self.merge_s += time.perf_counter() - t0
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
