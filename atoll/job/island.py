@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.muon import muon_with_adamw
 from atoll.job.device import CompiledForward, autocast, synchronize
+from atoll.job.flat_views import FlatViews
 from atoll.job.loss import next_token_loss
 from atoll.job.model import enable_activation_checkpointing
 from atoll.runtime.network import SimClock
@@ -56,7 +56,7 @@ def copy_flat_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         offset += n
 
 
-class Island:
+class Island(FlatViews):
     """One replica of the model, trained by its inner optimizer on its own shard.
 
     Args:
@@ -317,119 +317,6 @@ class Island:
             self.optimizer.state.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self.reset_count += 1
-
-    # --- flat views, for exchanging ---------------------------------------------------------------
-    # torchft's shape (``local_sgd.py``): the exchange reads and writes the parameters through views, one
-    # fragment at a time, and computes the pseudo-gradient where the parameters live; nothing copies the
-    # whole model to exchange one fragment.
-    def local_params(self) -> list[torch.Tensor]:
-        """The tensors the flat vector concatenates, in ``model.parameters()`` order (detached: writing them
-        writes the parameters). A sharded island's are this rank's pieces."""
-        return [p.detach() for p in self.params]
-
-    def param_views(self, fragment: FlatFragment | None = None) -> list[torch.Tensor]:
-        """1-D views of every parameter, or of ``fragment``'s elements, in flat order (no copy)."""
-        params = self.local_params()
-        if fragment is None:
-            return [p.reshape(-1) for p in params]
-        return fragment.param_views(params)
-
-    def flat_params(self, fragment: FlatFragment | None = None) -> torch.Tensor:
-        """A float32 CPU copy of all parameters concatenated in ``model.parameters()`` order, (numel,), or of
-        ``fragment``'s elements only, (fragment.numel(),): one copy of what is asked, never of the whole model
-        for a fragment (on an accelerator: gathered there, then one device-to-host copy)."""
-        views = self.param_views(fragment)
-        if not views:
-            return torch.empty(0, dtype=torch.float32)
-        if self.device.type == "cpu":
-            out = torch.empty(sum(v.numel() for v in views), dtype=torch.float32)
-            return torch.cat(views, out=out) if views[0].dtype == torch.float32 else torch.cat(views).float()
-        return torch.cat(views).to("cpu", torch.float32)
-
-    def set_flat_params(self, flat: torch.Tensor, fragment: FlatFragment | None = None) -> None:
-        """Overwrite all parameters (or ``fragment``'s elements) from a flat float32 vector of shape (numel,)
-        (or (fragment.numel(),)), on the CPU or the island's device. From pinned host memory the copies are
-        non-blocking, one per parameter, and waited for once at the end (``flat`` may change after return).
-
-        Raises:
-            ValueError: the vector's length differs from what it overwrites.
-        """
-        views = self.param_views(fragment)
-        total = sum(v.numel() for v in views)
-        if flat.numel() != total:
-            raise ValueError(f"flat vector of {flat.numel()} elements for parameters of {total}")
-        with torch.no_grad():
-            offset = 0
-            for v in views:
-                v.copy_(flat[offset:offset + v.numel()], non_blocking=True)
-                offset += v.numel()
-        if self.device.type == "cuda" and flat.device.type == "cpu":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def pseudo_gradient(self, global_flat: torch.Tensor, fragment: FlatFragment | None = None) -> torch.Tensor:
-        """Δ = θ_global − θ_island (DiLoCo Alg. 1, line 9) of all parameters or of ``fragment``, computed
-        where the parameters are: float32 (numel,) on the island's device. On the CPU it is written into a
-        buffer kept per fragment (a fresh one costs a page fault per 4 KiB, more than the subtraction), so it
-        holds until the next call for the same fragment: copy it to keep it longer.
-
-        ``global_flat``: the global parameters of what is asked, float32 (numel,) (pinned host memory on an
-        accelerator, copied there non-blocking). Equal, bit for bit, to
-        :func:`atoll.algorithms.outer.pseudo_gradient` of the global and :meth:`flat_params`.
-
-        Raises:
-            ValueError: ``global_flat``'s length differs from what it is compared with.
-        """
-        views = self.param_views(fragment)
-        total = sum(v.numel() for v in views)
-        if global_flat.numel() != total:
-            raise ValueError(f"global vector of {global_flat.numel()} elements for parameters of {total}")
-        src = global_flat.reshape(-1).to(self.device, torch.float32, non_blocking=True)
-        out = src if src.data_ptr() != global_flat.data_ptr() else self._delta_buffer(fragment, total)
-        with torch.no_grad():
-            offset = 0
-            for v in views:
-                n = v.numel()
-                torch.sub(src[offset:offset + n], v.to(torch.float32), out=out[offset:offset + n])
-                offset += n
-        return out
-
-    def _delta_buffer(self, fragment: FlatFragment | None, numel: int) -> torch.Tensor:
-        buffers: dict[Any, torch.Tensor] = self.__dict__.setdefault("_delta_buffers", {})
-        buf = buffers.get(fragment)
-        if buf is None or buf.numel() != numel:
-            buf = buffers[fragment] = torch.empty(numel, dtype=torch.float32)
-        return buf
-
-    def mix_params(self, global_flat: torch.Tensor, alpha: float, fragment: FlatFragment | None = None) -> None:
-        """θ ← α·θ + (1 − α)·θ_global, in place, for all parameters or ``fragment``'s (Streaming DiLoCo's
-        mixing, arXiv:2501.18512 §2.3); ``alpha`` = 0 copies the global. ``global_flat``: float32 (numel,).
-        The same floats as computing ``alpha * theta + (1 - alpha) * global`` on a copy."""
-        if alpha == 0:
-            self.set_flat_params(global_flat, fragment)
-            return
-        views = self.param_views(fragment)
-        scaled = (1 - alpha) * global_flat.reshape(-1).to(self.device, torch.float32, non_blocking=True)
-        with torch.no_grad():
-            offset = 0
-            for v in views:
-                n = v.numel()
-                torch.add(alpha * v, scaled[offset:offset + n], out=v)
-                offset += n
-        if self.device.type == "cuda" and global_flat.device.type == "cpu":  # the host may change it after return
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def flat_grads(self) -> torch.Tensor:
-        """The gradients, float32 on the CPU, concatenated: shape (numel,). Missing gradients are zeros."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to("cpu", torch.float32)
-                          for p in self.params])
-
-    def set_flat_grads(self, flat: torch.Tensor) -> None:
-        """Overwrite the gradients from a flat float32 vector (shape (numel,))."""
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype).clone()
-            offset += n
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this island exactly: weights, optimizer, schedule, counters."""
