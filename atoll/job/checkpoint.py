@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -335,3 +336,27 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones; a per-rank
+    checkpoint assembled into every island's state with ``consolidate`` (:func:`load_checkpoint`).
+
+    Raises:
+        CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
+    """
+    root = Path(out) / "checkpoints"
+    first = latest_checkpoint(out)
+    candidates = [first] + [p for p in reversed(checkpoint_folders(root)) if p != first and (p / "state.json").is_file()]
+    error: CheckpointError | None = None
+    for path in candidates:
+        try:
+            step, state = load_checkpoint(path, consolidate)
+            if not isinstance(state, dict) or "islands" not in state:
+                raise CheckpointError(f"resume: checkpoint '{path}' has no island state; start a new run")
+            if error is not None:
+                print(f"atoll: warning: {error}; resuming from {path.name} instead", file=sys.stderr)
+            return step, state
+        except CheckpointError as e:
+            error = error or e
+    raise error  # type: ignore[misc]

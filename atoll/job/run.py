@@ -30,14 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from atoll.config import TrainConfig
 from atoll.config.applies import BY_STRATEGY
 from atoll.errors import CheckpointError, ConfigError, DataError
-from atoll.job.checkpoint import (
-    checkpoint_folders,
-    latest_checkpoint,
-    load_checkpoint,
-    new_run_dir,
-    save_checkpoint,
-    write_text_atomic,
-)
+from atoll.job.checkpoint import load_latest_state, new_run_dir, save_checkpoint, write_text_atomic
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.device import peak_accelerator_bytes, resolve_device
@@ -56,6 +49,7 @@ from atoll.job.model import (
 from atoll.job.report import plot_runs
 from atoll.job.timeline import RunEvents, plot_timeline
 from atoll.job.trackers import Tracker, open_trackers
+from atoll.job.warm_start import load_init_weights
 from atoll.runtime.network import ring_allreduce_bytes
 
 #: held-out windows per evaluation batch, whatever the run's batch size (runs are compared on the same text)
@@ -65,92 +59,6 @@ EVAL_ROWS = 8
 def is_meta(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are on the meta device (shapes without storage)."""
     return any(p.is_meta for p in model.parameters())
-
-
-def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
-    """Copy the global weights of another run's latest checkpoint into ``model`` (a warm start); for a
-    decoupled run stopped before its first checkpoint, those of its syncer's last commit.
-
-    Raises:
-        ConfigError: ``init_from`` holds no checkpoint or a model of another shape.
-    """
-    from safetensors.torch import load_file
-
-    try:
-        ckpt = latest_checkpoint(run_dir)
-    except Exception:
-        if _load_syncer_weights(model, run_dir):
-            return
-        raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; pass the --out folder of a finished run") from None
-    if not (ckpt / "model").is_dir() and _load_syncer_weights(model, run_dir):  # a syncer's own folder
-        return
-    try:
-        weights = load_file(str(ckpt / "model" / "model.safetensors"))
-    except Exception as e:  # safetensors raises its own error type for damaged files
-        raise ConfigError(f"init_from: cannot read the weights of '{ckpt}' ({type(e).__name__}); "
-                          "pass a run whose checkpoint is intact") from None
-    own = model.state_dict()
-    mismatched = [k for k, v in weights.items() if k not in own or own[k].shape != v.shape]
-    missing = [k for k in own if k not in weights and not k.endswith("lm_head.weight")]
-    if mismatched or missing:
-        raise ConfigError(f"init_from: the model in '{ckpt}' does not match --model/--vocab-size of this run "
-                          f"({(mismatched + missing)[0]}); use the same model and vocabulary as that run")
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-
-
-def _load_syncer_weights(model: PreTrainedModel, run_dir: Path) -> bool:
-    """Copy the global model of a decoupled run's syncer checkpoint (``<run>/syncer/``, written at every
-    commit; a Ray run killed before its own checkpoint leaves only that) into ``model``; False when there is
-    none. The fragments' global parameters are put back in place with the same fragment layout the run used.
-
-    Raises:
-        ConfigError: the syncer's model does not match this run's model.
-    """
-    from atoll.strategies.base import model_fragments
-
-    for folder in (run_dir / "syncer", run_dir):
-        try:
-            _, state = load_checkpoint(latest_checkpoint(folder))
-            outer = state["syncer"]["outer"]
-        except (CheckpointError, KeyError, TypeError):
-            continue
-        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        try:
-            index = model_fragments(shapes, len(outer))
-            flat = torch.empty(sum(p.numel() for p in model.parameters()), dtype=torch.float32)
-            for fragment, frag in zip(index, outer, strict=True):
-                fragment.scatter_(flat, frag["params"])
-        except (ConfigError, RuntimeError, IndexError, ValueError):
-            raise ConfigError(f"init_from: the syncer's model in '{folder}' does not match --model/--vocab-size of "
-                              "this run; use the same model and vocabulary as that run") from None
-        copy_flat_into(list(model.parameters()), flat)
-        return True
-    return False
-
-
-def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:
-    """The newest checkpoint of ``out`` that reads back whole, falling back to older ones; a per-rank
-    checkpoint assembled into every island's state with ``consolidate`` (:func:`load_checkpoint`).
-
-    Raises:
-        CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
-    """
-    root = Path(out) / "checkpoints"
-    first = latest_checkpoint(out)
-    candidates = [first] + [p for p in reversed(checkpoint_folders(root)) if p != first and (p / "state.json").is_file()]
-    error: CheckpointError | None = None
-    for path in candidates:
-        try:
-            step, state = load_checkpoint(path, consolidate)
-            if not isinstance(state, dict) or "islands" not in state:
-                raise CheckpointError(f"resume: checkpoint '{path}' has no island state; start a new run")
-            if error is not None:
-                print(f"atoll: warning: {error}; resuming from {path.name} instead", file=sys.stderr)
-            return step, state
-        except CheckpointError as e:
-            error = error or e
-    raise error  # type: ignore[misc]
 
 
 def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:

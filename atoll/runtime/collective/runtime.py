@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import os
 import sys
@@ -24,7 +23,7 @@ from atoll.errors import CheckpointError, ConfigError, Interrupted
 from atoll.job.checkpoint import resume_advice
 from atoll.job.device import resolve_device
 from atoll.runtime.base import Runtime
-from atoll.runtime.collective import torch_ddp
+from atoll.runtime.collective import report, torch_ddp
 from atoll.runtime.collective.comm import DistComm
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
@@ -328,66 +327,22 @@ class CollectiveRuntime(Runtime):
         return out
 
     def totals(self, islands: list[Island]) -> tuple[float, int]:
-        """Mean loss over the islands alive; tokens of every island (a lost one's as last reported)."""
-        def op() -> torch.Tensor:
-            buf = torch.zeros(1 + self.islands, dtype=torch.float64)
-            if self.position == 0:  # one rank per island reports it
-                buf[0] = sum(i.last_loss for i in islands)
-                buf[1 + self.island] = sum(i.tokens for i in islands) + self.token_offset
-            dist_call(dist.all_reduce, buf, group=self.control)
-            return buf
-
-        buf = self.comm.resilient(op)
-        for i in self.membership.alive:
-            self.tokens_of[i] = int(buf[1 + i])
-        return float(buf[0]) / len(self.membership.alive), sum(self.tokens_of)
+        """Mean loss over the islands alive; tokens of every island (:func:`~.report.totals`)."""
+        return report.totals(self, islands)
 
     def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
-        def op() -> torch.Tensor:
-            buf = torch.zeros(2 * self.islands, dtype=torch.float64)
-            if self.position == 0:  # one rank per island reports it
-                for i in islands:
-                    buf[i.index], buf[self.islands + i.index] = i.skipped_steps, i.reset_count
-            dist_call(dist.all_reduce, buf, group=self.control)
-            return buf
-
-        buf = self.comm.resilient(op)
-        return [int(x) for x in buf[:self.islands]], [int(x) for x in buf[self.islands:]]
+        return report.island_counts(self, islands)
 
     def compute_s(self, islands: list[Island]) -> float:
-        def op() -> float:
-            buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
-            dist_call(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=self.control)
-            return float(buf[0])
-
-        return self.comm.resilient(op)
+        return report.compute_s(self, islands)
 
     def membership_changes(self) -> list[tuple[str, int, dict[str, Any]]]:
         return [("failure" if e.kind == "lost" else "rejoin", e.step, {"island": e.island, "epoch": e.epoch})
                 for e in self.membership.changes()]
 
     def summary(self) -> dict[str, Any]:
-        """``lost_islands`` (island -> the inner step the others went on without it, its latest loss),
-        ``rejoined_islands`` (island -> inner steps done at its latest rejoin), ``membership`` (every loss and
-        rejoin in order: kind, island, step, epoch) and ``degraded_exchanges`` (exchanges with fewer
-        contributors than ``islands``), once an island was lost;
-        ``recovery_s``: wall seconds from each failure to the re-formed groups; ``interrupted_exchange_s``:
-        wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
-        ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
-        shard = ({"shard_island": True, "params_per_rank": self.layout.numel_per_rank} if self.config.shard_island
-                 else torch_ddp.describe(self.config))
-        members = self.membership
-        if not members.events:
-            return shard
-        lost, rejoined = members.lost, members.rejoined
-        return {**shard, "lost_islands": {str(i): s for i, s in sorted(lost.items())},
-                "islands_alive": len(members.alive),
-                "membership": [dataclasses.asdict(e) for e in members.events],
-                "degraded_exchanges": self.comm.degraded_exchanges,
-                "recovery_s": [round(t, 3) for t in self.recovery_s],
-                "interrupted_exchange_s": [round(t, 3) for t in self.comm.interrupted_s],
-                "resumed_at": self.comm.resumed_at,
-                **({"rejoined_islands": {str(i): s for i, s in sorted(rejoined.items())}} if rejoined else {})}
+        """Sharded islands, the islands lost and rejoined, recovery times (:func:`~.report.summary`)."""
+        return report.summary(self)
 
     def run_wall_s(self, real_s: float) -> float:
         return real_s
