@@ -48,6 +48,22 @@ def dist_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise PeerFailure(backend_reason(e)) from e
 
 
+#: what a backend's error says when a peer is gone (gloo, NCCL, the store): a RuntimeError raised by a pass
+#: whose gradient hooks all-reduce (torch DDP's) is a PeerFailure only then, else the error it is
+PEER_GONE = re.compile(r"gloo|nccl|connection|peer|timed ?out|closed|broken pipe|store", re.IGNORECASE)
+
+
+def hooked_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a computation whose hooks make collectives (a backward pass under torch DDP); turn a backend
+    failure into :class:`PeerFailure`, as :func:`dist_call` does for a collective, and re-raise any other error."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if PEER_GONE.search(str(e)):
+            raise PeerFailure(backend_reason(e)) from e
+        raise
+
+
 def in_worker() -> bool:
     """True in a process started by torchrun or by :func:`launch` (``RANK`` and ``WORLD_SIZE`` are set)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -30,6 +30,7 @@ from atoll.runtime.collective.failure import (
     HEARTBEAT_STALE_S,
     PeerFailure,
     dist_call,
+    hooked_call,
     parse_kill_hook,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
@@ -299,9 +300,11 @@ class CollectiveRuntime(Runtime):
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
-        island.forward_backward(mine)  # its grad_accum micro-batches (a sharded island syncs on the last)
-        if island.ddp is not None:  # DDP's hooks summed every rank's gradient in the backward pass
-            island.sync_islands = torch_ddp.finish_mean(island, r_count)
+        if island.ddp is not None:  # DDP's hooks sum every rank's gradient in the backward pass: a peer lost
+            hooked_call(island.forward_backward, mine)  # there is a PeerFailure, as in any collective
+            island.sync_islands = hooked_call(torch_ddp.finish_mean, island, r_count)
+        else:
+            island.forward_backward(mine)  # its grad_accum micro-batches (a sharded island syncs on the last)
         if r_count == 1:
             return
         island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
