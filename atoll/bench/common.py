@@ -100,9 +100,10 @@ def run_matches(out: Path, settings: dict[str, Any]) -> bool:
     """Whether the run folder ``out`` was trained with ``settings`` (each key equal in its ``config.json``)."""
     try:
         config = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError):
         return False
-    return all(config.get(k) == (str(v) if isinstance(v, Path) else v) for k, v in settings.items())
+    return isinstance(config, dict) and all(config.get(k) == (str(v) if isinstance(v, Path) else v)
+                                            for k, v in settings.items())
 
 
 def finished(out: Path, settings: dict[str, Any]) -> bool:
@@ -116,17 +117,40 @@ def finished(out: Path, settings: dict[str, Any]) -> bool:
     runtime = settings.get("runtime", TrainConfig.model_fields["runtime"].default)
     traced = spec(strategy).lockstep is not None and runtime == "local"
     return read_summary(out) is not None and (not traced or (out / "clock_trace.json").is_file()) \
-        and run_matches(out, settings)
+        and run_matches(out, settings) and _has_evals(out)
+
+
+def _has_evals(out: Path) -> bool:
+    """Whether the run's ``metrics.jsonl`` reads back with its evaluations (the curves are drawn from them)."""
+    from atoll.errors import DataError
+    from atoll.job.metrics import read_metrics
+
+    try:
+        return any(e["event"] == "eval" and isinstance(e.get("eval_loss"), int | float)
+                   for e in read_metrics(out / "metrics.jsonl"))
+    except (OSError, DataError):
+        return False
+
+
+#: what every finished run's summary.json holds (atoll.job.run.Run.finish): a summary without them is damaged
+SUMMARY_KEYS = ("strategy", "islands", "steps", "tokens", "initial_eval_loss", "final_eval_loss",
+                "bytes_sent_per_island")
 
 
 def read_summary(out: Path) -> dict[str, Any] | None:
     """The ``summary.json`` of the run folder ``out``, or None where it is missing or damaged (cut short by a
-    crash or a full disk, not a JSON object): such a run is not finished."""
+    crash or a full disk, not a JSON object, without the entries every run writes, :data:`SUMMARY_KEYS`, or a
+    loss that is not a number): such a run is not finished."""
     try:
         summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    return summary if isinstance(summary, dict) else None
+    if not isinstance(summary, dict) or not all(k in summary for k in SUMMARY_KEYS) \
+            or not isinstance(summary["strategy"], str):
+        return None
+    losses = (summary["initial_eval_loss"], summary["final_eval_loss"])  # None: a diverged run's, as JSON
+    return summary if all(x is None or (isinstance(x, int | float) and not isinstance(x, bool)) for x in losses) \
+        else None
 
 
 def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "bench",

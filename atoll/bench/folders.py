@@ -24,7 +24,7 @@ from atoll.job.lock import LOCK_NAME
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
 
 _CHECKPOINTS = r"(?:syncer/)?checkpoints"  # a run's, and the decoupled syncer's
-_STEP = _CHECKPOINTS + r"/(?:step_\d+|\.tmp-step_\d+-\w+)"  # a checkpoint, or one being written
+_STEP = _CHECKPOINTS + r"/(?:step_[0-9]+|\.tmp-step_[0-9]+-\w+|\.old-step_[0-9]+-\w+)"  # a checkpoint, or one being written or swapped
 #: what save_pretrained writes for a model and its tokenizer (the checkpoint's model/ folder)
 _MODEL_FILES = (r"(?:config\.json|generation_config\.json|model(?:-\d+-of-\d+)?\.safetensors|"
                 r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|"
@@ -110,10 +110,12 @@ def check_run_dir(path: Path, markers: Sequence[str] = (), patterns: Sequence[st
     return True
 
 
-def check_out_folder(out: Path, prog: str = "out") -> None:
+def check_out_folder(out: Path, prog: str = "out", keys: Sequence[str] = ()) -> None:
     """Refuse a benchmark's output folder that is not atoll's: an existing non-empty folder must hold a
     benchmark's results (:data:`RESULT_FILES`) or atoll run folders, and a ``results.json`` or ``results.md`` in
-    it (which the benchmark writes over) must be a benchmark's; a file is refused too.
+    it (which the benchmark writes over) must be a benchmark's: ``results.json`` a JSON object with every key of
+    ``keys`` (what this benchmark's results hold: a user's JSON object lacks them), ``results.md`` a Markdown
+    table beside such a ``results.json`` (a benchmark writes both); a file is refused too.
 
     Raises:
         ConfigError: ``out`` is a file, a non-empty folder with none of atoll's files, or one whose results.json
@@ -127,23 +129,32 @@ def check_out_folder(out: Path, prog: str = "out") -> None:
         raise ConfigError(f"{prog}: '{out}' is a folder of other files (no results.json and no atoll run in it), "
                           "so it was left untouched; pass an empty or new folder")
     for name in ("results.json", "results.md"):  # about to be written over: they must be a benchmark's
-        if not _benchmark_results(out / name):
+        if not _benchmark_results(out / name, keys):
             raise ConfigError(f"{prog}: '{out / name}' is not a benchmark's results file ("
-                              f"{'not a JSON object' if name.endswith('.json') else 'no Markdown table'}), so it "
+                              f"{'not a JSON object of ' + prog_keys(keys) if name.endswith('.json') else 'no Markdown table of a benchmark'}), so it "
                               "was left untouched; move it away or pass another --out")
 
 
-def _benchmark_results(path: Path) -> bool:
+def prog_keys(keys: Sequence[str]) -> str:
+    return "a benchmark's results" + (f" (keys {', '.join(keys)})" if keys else "")
+
+
+def _benchmark_results(path: Path, keys: Sequence[str] = ()) -> bool:
     """Whether ``path`` is absent or a results file a benchmark wrote (:func:`write_results`): ``results.json`` a
-    JSON object, ``results.md`` a Markdown table (a ``|---`` line); a benchmark writes over those only."""
+    JSON object holding ``keys``, ``results.md`` a Markdown table (a ``|---`` line) whose ``results.json``, beside
+    it, is one (with ``keys`` given); a benchmark writes over those only."""
     if not path.exists() and not path.is_symlink():
         return True
     if path.is_symlink() or not path.is_file():
         return False
     try:
         text = path.read_text(encoding="utf-8")
-        return isinstance(json.loads(text), dict) if path.suffix == ".json" else \
-            any(line.startswith("|---") for line in text.splitlines())
+        if path.suffix == ".json":
+            data = json.loads(text)
+            return isinstance(data, dict) and all(k in data for k in keys)
+        table = any(line.startswith("|---") for line in text.splitlines())
+        beside = path.with_name("results.json")
+        return table and (not keys or (beside.is_file() and _benchmark_results(beside, keys)))
     except (OSError, UnicodeDecodeError, ValueError):
         return False
 

@@ -305,7 +305,7 @@ def run_suite(args: argparse.Namespace) -> int:
     base = base_settings(args)
     # --quick never writes over the committed results of the full suite
     suite_dir = Path(args.out) if args.out is not None else default_out("suite-quick" if args.quick else "suite")
-    check_out_folder(suite_dir)
+    check_out_folder(suite_dir, keys=("rows", "runs", "command"))  # a user's results.json lacks them
     try:
         suite_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -39,6 +39,9 @@ from atoll.bench.common import finished, read_summary, train_once, write_results
 from atoll.bench.folders import check_out_folder, registered
 from atoll.errors import ConfigError
 
+#: what a sweep's results.json holds (a user's JSON object in --out lacks them: left untouched)
+SWEEP_KEYS = ("rows", "swept", "command")
+
 #: settings whose single value is itself a comma-separated list: not sweepable
 NOT_SWEPT = ("island_speeds", "ray_island_resources", "tracker")
 
@@ -236,7 +239,7 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         # shares --fragments with the points that read it), a point's own value must be read by its strategy
         configs.append(build_config(base=shared, overrides=p))
         settings.append(json.loads(configs[-1].model_dump_json(include={*shared, *p})))
-    check_out_folder(out)  # as the suite: a file, a folder of other files, a user's results.* (before the warnings)
+    check_out_folder(out, keys=SWEEP_KEYS)  # as the suite: a file, a folder of other files, a user's results.* (before the warnings)
     keep, dropped = distinct(points, settings)
     if dropped:
         print(f"atoll: warning: {len(points) - len(keep)} duplicate point{'s' * (len(points) - len(keep) != 1)} "

@@ -43,7 +43,7 @@ _TENSOR = "__tensor__"
 
 #: the name of a checkpoint folder atoll writes (``step_`` and the step in 7 digits); anything else under
 #: ``checkpoints/`` (a user's ``step_0000020_best`` or ``step_0000020.bak``) is never read, rotated or deleted
-CHECKPOINT_NAME = re.compile(r"step_\d{7}")
+CHECKPOINT_NAME = re.compile(r"step_[0-9]{7}")  # ASCII digits only: "\d" takes any script's
 
 
 def checkpoint_folders(root: Path) -> list[Path]:
@@ -185,8 +185,8 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     if tmp is None:
-        for stale in root.glob(".tmp-step_*"):  # left by a process killed while writing (one writer per run)
-            shutil.rmtree(stale, ignore_errors=True)
+        for stale in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:  # left by a process killed while
+            shutil.rmtree(stale, ignore_errors=True)                            # writing (one writer per run)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
     final = root / f"step_{step:07d}"
     try:
@@ -207,9 +207,16 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
         _open_modes(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.is_symlink() or (final.exists() and not final.is_dir()):
+            raise OSError(errno.EEXIST, f"'{final}' is a file or link with a checkpoint's name, not a checkpoint "
+                                        "atoll wrote; move it out of the checkpoints folder")
+        if final.exists():  # this step again (a stop just after its periodic checkpoint): swapped, so there is
+            old = root / f".old-{final.name}-{os.getpid()}"  # always a whole checkpoint of the step on disk
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -225,6 +232,23 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
 last_run_dir: Path | None = None
 
 
+def refuse_squatters(out: Path) -> None:
+    """Refuse a run folder whose ``checkpoints/`` holds a file or link named like a checkpoint (``step_`` and 7
+    digits): a checkpoint of that step would have to write over it.
+
+    Raises:
+        ConfigError: one line naming it.
+    """
+    from atoll.errors import ConfigError
+
+    root = Path(out) / "checkpoints"
+    squatters = [p for p in root.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)
+                 and (p.is_symlink() or not p.is_dir())] if root.is_dir() else []
+    if squatters:
+        raise ConfigError(f"out: '{squatters[0]}' is a file or link with a checkpoint's name (step_ and 7 digits); "
+                          "atoll would have to write over it: move it away or choose another --out")
+
+
 def new_run_dir(out: Path | None, strategy: str) -> Path:
     """The folder of a new run, created: ``out``, or ``runs/<strategy>-<time>`` when None.
 
@@ -236,6 +260,7 @@ def new_run_dir(out: Path | None, strategy: str) -> Path:
     if out is None:
         out = Path("runs") / f"{strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = Path(out)
+    refuse_squatters(out)
     if checkpoint_folders(out / "checkpoints"):
         raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
     if (out / "metrics.jsonl").exists() or (out / "config.json").exists():
@@ -344,7 +369,9 @@ def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[st
 
     Raises:
         CheckpointError: no checkpoint of the run is readable (the message names the newest one's fault).
+        ConfigError: a file or link has a checkpoint's name (:func:`refuse_squatters`).
     """
+    refuse_squatters(out)
     root = Path(out) / "checkpoints"
     first = latest_checkpoint(out)
     candidates = [first] + [p for p in reversed(checkpoint_folders(root)) if p != first and (p / "state.json").is_file()]

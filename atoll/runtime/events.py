@@ -319,11 +319,14 @@ class Simulation:
             eval_loss = run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
                                      sum(st.bytes_sent) / K, max(st.clock))
             check_eval(st.done // K, eval_loss, run.data.vocab_size)
-        if config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget:
+        checkpointed = config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget
+        if checkpointed:
             self.checkpoint(st.done // K)
         if self.bar is not None and st.done % K == 0:  # once per mean inner step
             session = (st.done - K * run.start_step) * tps
-            self.bar.update(st.done // K, sum(st.last_loss) / K, session / max(1e-9, run.wall_s() - run.prior_wall_s),
+            stepped = [x for x in st.last_loss if not math.isnan(x)]  # islands that have not stepped: no loss yet
+            self.bar.update(st.done // K, sum(stepped) / len(stepped) if stepped else None,
+                            session / max(1e-9, run.wall_s() - run.prior_wall_s),
                             sum(st.bytes_sent) / K, eval_loss=eval_loss,
                             detail=progress_detail([w.steps for w in self.workers], self.syncer.commits,
                                                    self.syncer.staleness, self.syncer.merged_tokens / max(st.clock)
@@ -331,7 +334,8 @@ class Simulation:
                                                    [i for i in range(K) if st.failed_at[i] is not None
                                                     and st.clock[i] <= st.failed_at[i]]))
         if stop.requested() is not None and st.done < self.budget:  # SIGINT/SIGTERM (atoll.job.stop): this
-            self.checkpoint(st.done // K)  # event's state is whole, as at a periodic checkpoint; then stop
+            if not checkpointed:  # event's state is whole, as at a periodic checkpoint (written once); then stop
+                self.checkpoint(st.done // K)
             raise self.run.interrupt(st.done // K)
 
     def checkpoint(self, step: int) -> None:
