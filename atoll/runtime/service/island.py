@@ -56,7 +56,7 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient) -> dict[s
     flat, versions = job.init_flat.clone(), []
     for p, idx in enumerate(job.index):  # the newest global fragments, each over the bulk connection
         version, params = client.download(p)
-        flat[idx] = params
+        idx.scatter_(flat, params)  # a fragment is a view of the flat vector (FlatFragment)
         versions.append(version)
     worker = IslandWorker(island, job, expected_steps(config)[island], resolve_device(config.device))
     worker.rejoin(flat, versions)
