@@ -22,6 +22,7 @@ bytes counted per inner step are the host path's, ``2(K-1)/K * 4 * numel`` per i
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,8 +59,11 @@ def wrap(island: Island, config: TrainConfig, device: torch.device) -> Island:
     :func:`healthy_sum_hook`; its training forward pass goes through the DDP module (compiled with
     ``--compile``); returns the island. The replicas start identical (the same seed), so no initial
     broadcast is needed."""
+    # no buffer sync in the forward pass (the argument's name changed in torch 2.13; the old one warns there)
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+               inspect.signature(DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False})
     ddp = DistributedDataParallel(island.model, device_ids=[device.index] if device.type == "cuda" else None,
-                                  broadcast_buffers=False, init_sync=False, gradient_as_bucket_view=True)
+                                  init_sync=False, gradient_as_bucket_view=True, **no_sync)
     ddp.register_comm_hook(island, healthy_sum_hook)
     island.ddp = ddp
     island.forward = CompiledForward(ddp) if config.compile else ddp

@@ -129,13 +129,6 @@ def _run_actors(config: TrainConfig, run: Run,
         if not ready:
             if not stopping and stop.requested() is not None:
                 continue  # asked to stop while waiting: tell the syncer first
-            if first_done is not None and time.monotonic() - first_done > config.collective_timeout_s:
-                for i in running.values():  # hung islands: stop waiting for them (their un-pushed work is lost)
-                    abandoned.append(i)
-                    ray.kill(islands[i], no_restart=True)
-                print(f"atoll: warning: islands {sorted(abandoned)} did not finish within "
-                      f"{config.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
-                break
             progress = watch.call("progress")
             report.show(progress)
             if progress["starved"]:  # an island's work never reaches the model: stop rather than train on
@@ -146,6 +139,15 @@ def _run_actors(config: TrainConfig, run: Run,
                 break
             for i in watch.silent_islands(progress, set(running.values())):
                 watch.kill_island(i)  # its run call fails: restarted below like a crashed island
+            # the others' deadline runs from the first finish, and again from a silent island's restart
+            since = max([first_done] + [k for k in watch.killed_at if k is not None]) if first_done else None
+            if since is not None and time.monotonic() - since > config.collective_timeout_s:
+                for i in running.values():  # hung islands: stop waiting for them (their un-pushed work is lost)
+                    abandoned.append(i)
+                    ray.kill(islands[i], no_restart=True)
+                print(f"atoll: warning: islands {sorted(abandoned)} did not finish within "
+                      f"{config.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
+                break
             continue
         i = running.pop(ready[0])
         try:
@@ -248,4 +250,6 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
+        timeline=True, **({"island_resets": resets} if any(resets) else {}),
+        **({"starved": final["starved"]} if final["starved"] else {}),
         **({"diverged": record(config, diverged)} if diverged is not None else {}))
