@@ -131,12 +131,12 @@ def check_out_folder(out: Path, prog: str = "out", keys: Sequence[str] = ()) -> 
     for name in ("results.json", "results.md"):  # about to be written over: they must be a benchmark's
         if not _benchmark_results(out / name, keys):
             raise ConfigError(f"{prog}: '{out / name}' is not a benchmark's results file ("
-                              f"{'not a JSON object of ' + prog_keys(keys) if name.endswith('.json') else 'no Markdown table of a benchmark'}), so it "
+                              f"{'not a JSON object' + prog_keys(keys) if name.endswith('.json') else 'no Markdown table'}), so it "
                               "was left untouched; move it away or pass another --out")
 
 
 def prog_keys(keys: Sequence[str]) -> str:
-    return "a benchmark's results" + (f" (keys {', '.join(keys)})" if keys else "")
+    return f" with {', '.join(keys)}" if keys else ""
 
 
 def _benchmark_results(path: Path, keys: Sequence[str] = ()) -> bool:
