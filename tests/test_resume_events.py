@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll import train
+from atoll.train import train
 from atoll.config import build_config, load_run_config
 from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
