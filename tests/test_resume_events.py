@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from atoll.train import train
 from atoll.config import build_config, load_run_config
 from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
+from atoll.train import train
 
 
 @pytest.mark.slow
