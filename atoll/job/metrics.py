@@ -205,11 +205,13 @@ class ProgressDisplay:
         done = step - self.start_step
         return (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else None
 
-    def prints(self, step: int) -> bool:
-        """Whether :meth:`update` at inner step ``step`` writes a line (plain-text mode), so the caller reads
-        the training loss for it from the device then and only then."""
+    def prints(self, step: int, evaluated: bool = False) -> bool:
+        """Whether :meth:`update` at inner step ``step`` writes a line (plain-text mode; ``evaluated``: the
+        step evaluated), so the caller reads the training loss for it from the device then and only then: at
+        the first update past each multiple of ``every`` (a driver that samples the steps, Ray, crosses one),
+        at an evaluation and at the last step, never twice for one step."""
         return self.enabled and not self.live and step > self.printed and (
-            step // self.every > self.printed // self.every or step == self.total)
+            step // self.every > self.printed // self.every or evaluated or step == self.total)
 
     def update(self, step: int, loss: float | None, tokens_per_s: float, bytes_sent: float,
                eval_loss: float | None = None, detail: str | None = None) -> None:
@@ -225,9 +227,8 @@ class ProgressDisplay:
         if self.live:
             self.progress.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
                                  sent=human_bytes(bytes_sent), eta=eta_text, detail=detail or "")
-        elif self.enabled and step > self.printed and (step // self.every > self.printed // self.every
-                                                       or eval_loss is not None or step == self.total):
-            self.printed = step  # a driver that samples the steps (Ray) crosses a multiple of every: once
+        elif self.prints(step, evaluated=eval_loss is not None):
+            self.printed = step
             line = (f"atoll: step {step}/{self.total} ({step / self.total:.0%}) | loss {loss:.3f}"
                     + (f" | eval {eval_loss:.3f}" if eval_loss is not None else "")
                     + f" | {tokens_per_s:,.0f} tok/s | sent {human_bytes(bytes_sent)}/island"
