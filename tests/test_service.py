@@ -136,7 +136,9 @@ def test_two_island_jobs_over_tls_end_near_the_local_run(fast_config: dict, tmp_
     assert local.returncode == 0, local.stderr
     ref = json.loads((tmp_path / "local" / "summary.json").read_text())
     assert served["tokens"] == ref["tokens"] == 2 * 20 * 4 * 32
-    assert served["commits"] > 0 and served["refused_calls"] == {} and served["rejected_updates"] == 0
+    rejected = [line for line in (tmp_path / "syncer.log").read_text().splitlines() if "rejected a push" in line]
+    assert served["commits"] > 0 and served["refused_calls"] == {} and served["rejected_updates"] == 0, \
+        (served.get("rejected_by_reason"), rejected)
     assert served["islands_left"] == [0, 1]
     assert served["final_eval_loss"] < served["initial_eval_loss"] - 0.3
     assert abs(served["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"] < 0.02, \
@@ -348,3 +350,50 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     assert summary["merged_tokens_by_island"][1] > at_kill["merged_tokens_by_island"][1]
     assert set(summary["rejected_by_reason"]) <= {"norm"}, summary["rejected_by_reason"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+
+
+class _Unavailable(grpc.RpcError, grpc.Call):  # a syncer that did not answer in time (what the client retries)
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "syncer busy"
+
+    initial_metadata = trailing_metadata = cancel = add_callback = is_active = time_remaining = lambda self: None
+
+
+@pytest.mark.parametrize("budget_left", [True, False])
+def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
+        served, budget_left: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """An island whose step reservation went unanswered trains that step on credit; the push that claims its
+    tokens is not refused (``tokens``): the credit is reserved first, and a step the syncer no longer grants
+    (the budget was spent meanwhile) is taken out of the claim."""
+    from atoll.runtime.service.client import ServiceTransport
+    from atoll.strategies.decoupled.protocol import Push
+
+    state, port, _, ca, creds = served
+    me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
+    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    tps = state.service.config.tokens_per_step
+    transport = ServiceTransport(me, 2, session, offline_steps=2, tokens_per_step=tps, heartbeat_s=60.0)
+    real_call, fail = me.call, [True]
+
+    def call(name: str, payload: dict | None = None, timeout_s: float = 30.0, retry: bool = True) -> dict:
+        if name == "ReserveSteps" and fail[0]:
+            fail[0] = False
+            raise _Unavailable()
+        return real_call(name, payload, timeout_s, retry)
+
+    monkeypatch.setattr(me, "call", call)
+    assert transport.reserve_step()  # unanswered: a step on credit
+    assert transport.offline_steps_taken == 1 and transport.owed == 1 and state.service.steps_by_island[0] == 0
+    if not budget_left:
+        state.service.reserved = state.service.budget  # the others spent it while this island was unanswered
+    numel = state.service.syncer.numels[0]
+    transport.send(Push(0, 0, torch.full((numel,), 1e-4), tps, 0))  # the round's push claims the credit step
+    transport.close()
+    granted = state.service.steps_by_island[0]
+    assert granted == (1 if budget_left else 0) and transport.owed == 0
+    assert state.service.syncer.rejected_updates == 0, state.service.syncer.rejected_by_reason
+    assert state.service.syncer.bounds.claimed[0][0] == granted * tps  # it claims no token it was not granted
+    assert state.service.syncer.accepted_updates == granted  # sent and merged if any step of it was granted

@@ -16,6 +16,7 @@ to one round (its H) of inner steps, granted when the syncer is back.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -194,11 +195,15 @@ class ServiceTransport:
         client: the island's :class:`SyncerClient`.
         fragments: P; session: the island's session from its join.
         offline_steps: inner steps the island may take on credit while the syncer is unreachable.
+        tokens_per_step: tokens in one inner step of the island (what a step taken on credit claims).
     """
 
     def __init__(self, client: SyncerClient, fragments: int, session: int, offline_steps: int,
-                 poll_s: float = 0.02, heartbeat_s: float = 2.0) -> None:
+                 tokens_per_step: int, poll_s: float = 0.02, heartbeat_s: float = 2.0) -> None:
         self.client, self.session, self.offline_steps, self.poll_s = client, session, offline_steps, poll_s
+        self.tokens_per_step = tokens_per_step
+        self.ungranted = [0] * fragments  # per fragment: credit steps the syncer did not grant (budget spent)
+        self._credit = threading.Lock()  # owed and ungranted: the loop's reservations and the pushes' claims
         self.pool = ThreadPoolExecutor(max_workers=max(2, fragments), thread_name_prefix="exchange")
         self.pulled_at = [time.monotonic()] * fragments
         self.exchanges: dict[int, Future[Pull]] = {}
@@ -216,19 +221,39 @@ class ServiceTransport:
                 self.client.call("Heartbeat", timeout_s=5.0, retry=False)
 
     def reserve_step(self) -> bool:
-        try:
-            granted = self.client.call("ReserveSteps", {"n": self.owed + 1}, timeout_s=10.0, retry=False)["granted"]
-        except grpc.RpcError as e:
-            if not (isinstance(e, grpc.Call) and e.code() in RETRY):
-                raise
-            if self.owed < self.offline_steps:  # the syncer is down: train on, on credit
-                self.owed += 1
-                self.offline_steps_taken += 1
-                return True
-            granted = self.client.call("ReserveSteps", {"n": self.owed + 1})["granted"]  # wait, with backoff
-        go = granted > self.owed
+        with self._credit:
+            try:
+                granted = self.client.call("ReserveSteps", {"n": self.owed + 1}, timeout_s=10.0,
+                                           retry=False)["granted"]
+            except grpc.RpcError as e:
+                if not (isinstance(e, grpc.Call) and e.code() in RETRY):
+                    raise
+                if self.owed < self.offline_steps:  # the syncer is down: train on, on credit
+                    self.owed += 1
+                    self.offline_steps_taken += 1
+                    return True
+                granted = self.client.call("ReserveSteps", {"n": self.owed + 1})["granted"]  # wait, with backoff
+            go = granted > self.owed
+            self._granted_credit(min(granted, self.owed))
+            return go
+
+    def _granted_credit(self, granted: int) -> None:
+        """The syncer granted ``granted`` of the ``owed`` steps taken on credit: the rest are never in a claim."""
+        for p in range(len(self.ungranted)):
+            self.ungranted[p] += self.owed - granted
         self.owed = 0
-        return go
+
+    def _claimable(self, push: Push) -> Push | None:
+        """``push`` as it may be claimed: the steps taken on credit are reserved first (with retries), as the
+        syncer refuses a claim beyond what it granted (``tokens``); steps it no longer grants (the budget was
+        spent while it was unreachable) are taken out of the claim, ``tokens_per_step`` tokens each. None: no
+        step of the push was granted (it is not sent; its work is lost, as the run's budget is spent)."""
+        with self._credit:
+            if self.owed:
+                self._granted_credit(min(self.client.call("ReserveSteps", {"n": self.owed})["granted"], self.owed))
+            tokens = max(0, push.tokens - self.ungranted[push.fragment] * self.tokens_per_step)
+            self.ungranted[push.fragment] = 0
+        return dataclasses.replace(push, tokens=tokens) if tokens > 0 else None
 
     def send(self, push: Push) -> None:
         self.bytes_sent += push.nbytes
@@ -237,7 +262,8 @@ class ServiceTransport:
         self.exchanges[push.fragment] = self.pool.submit(self._exchange, push)
 
     def _exchange(self, push: Push) -> Pull:
-        answer = self.client.push(push, self.session)
+        claim = self._claimable(push)
+        answer = self.client.push(claim, self.session) if claim is not None else {"accepted": True, "answered": True}
         if not answer["accepted"]:
             self.refused += 1
         if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window

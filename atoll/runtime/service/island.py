@@ -61,7 +61,8 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient) -> dict[s
     worker = IslandWorker(island, job, expected_steps(config)[island], resolve_device(config.device))
     worker.rejoin(flat, versions)
     worker.steps = int(joined["steps"])
-    transport = ServiceTransport(client, worker.fragments, int(joined["session"]), offline_steps=worker.sync_every)
+    transport = ServiceTransport(client, worker.fragments, int(joined["session"]), offline_steps=worker.sync_every,
+                                 tokens_per_step=config.tokens_per_step)
     t0 = time.monotonic()
     worker.run(transport)
     report = {"steps": worker.steps, "compute_s": worker.island.compute_s, "bytes_sent": transport.bytes_sent,
