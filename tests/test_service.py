@@ -5,8 +5,6 @@ Loopback only, CPU. Every process started is waited for with a timeout and its e
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import pickle
@@ -25,32 +23,18 @@ from tests.conftest import run_cli
 
 cryptography = pytest.importorskip("cryptography")
 
-from cryptography import x509  # noqa: E402
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
-
 from atoll.errors import ConfigError  # noqa: E402
 from atoll.runtime.service import wire  # noqa: E402
 from atoll.runtime.service.client import SyncerClient, SyncerUnreachable  # noqa: E402
+from atoll.runtime.service.tls import loopback_certificate  # noqa: E402
 
 
 def make_cert(folder: Path, name: str = "syncer") -> tuple[Path, Path]:
     """A self-signed certificate for localhost and 127.0.0.1 and its key (PEM files in ``folder``)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    key, cert = loopback_certificate()
     cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    cert_path.write_bytes(cert)
+    key_path.write_bytes(key)
     return cert_path, key_path
 
 

@@ -71,3 +71,33 @@ def read_key_pair(cert: Path, key: Path) -> tuple[bytes, bytes]:
         if private.public_key().public_bytes(*raw) != leaf.public_key().public_bytes(*raw):
             raise ConfigError(f"tls-key: '{key}' is not the key of the certificate '{cert}'; pass the matching pair")
     return key_pem, cert_pem
+
+
+def loopback_certificate(days: float = 1.0) -> tuple[bytes, bytes]:
+    """(private key PEM, certificate PEM) of a fresh self-signed certificate for ``localhost`` and 127.0.0.1
+    (an ECDSA P-256 key; the certificate is its own CA, valid from 5 minutes ago for ``days`` days): for tests
+    and loopback benchmarks, never for a syncer that other hosts dial.
+
+    Raises:
+        ImportError: ``cryptography`` is not installed (it comes with Ray and the ``dev`` extra).
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(names), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    return (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()), cert.public_bytes(serialization.Encoding.PEM))
