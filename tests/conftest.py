@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 import sysconfig
@@ -83,3 +84,14 @@ def run_atoll(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the ``atoll`` command in a subprocess; a hang fails the test at ``timeout`` seconds."""
     return subprocess.run([sys.executable, "-m", "atoll.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def syncer_commits_on_disk(out: Path) -> int:
+    """The outer steps of the newest syncer checkpoint under the run folder ``out`` (its ``latest`` pointer
+    names ``step_<commits>``), or -1 while there is none (decoupled runs on Ray and the syncer service)."""
+    latest = out / "syncer" / "checkpoints" / "latest"
+    try:
+        name = os.readlink(latest) if latest.is_symlink() else latest.read_text().strip()
+        return int(name.split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return -1

@@ -12,18 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import syncer_commits_on_disk
+
 pytestmark = pytest.mark.slow  # real processes (and Ray) in every test
 
 pytest.importorskip("ray")
-
-
-def _latest_commits(out: Path) -> int:
-    latest = out / "syncer" / "checkpoints" / "latest"
-    try:
-        name = os.readlink(latest) if latest.is_symlink() else latest.read_text().strip()
-        return int(name.split("_")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def _kill_mid_run(fast_config: dict, out: Path, steps: int, victim: str, min_commits: int,
@@ -41,13 +34,13 @@ def _kill_mid_run(fast_config: dict, out: Path, steps: int, victim: str, min_com
     try:
         deadline = time.monotonic() + 240
         pid_file = out / "ray" / f"{victim}.pid"
-        while _latest_commits(out) < min_commits or not pid_file.is_file():  # up, the syncer committing
+        while syncer_commits_on_disk(out) < min_commits or not pid_file.is_file():  # up, the syncer committing
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "no commit within 240 s"
             time.sleep(0.2)
         pid = int(pid_file.read_text())
         os.kill(pid, signal.SIGKILL)
-        committed_before = _latest_commits(out)  # on disk when it died: nothing of it may be lost
+        committed_before = syncer_commits_on_disk(out)  # on disk when it died: nothing of it may be lost
         output, _ = proc.communicate(timeout=300)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)  # the run and the local Ray it started
@@ -74,7 +67,7 @@ def test_killed_island_restarts_and_rejoins(fast_config: dict, tmp_path: Path) -
     # the syncer kept committing, and lost no committed step: every commit is a version of a fragment,
     # and its last atomic checkpoint holds them all
     assert summary["commits"] > committed_before
-    assert sum(summary["versions"]) == summary["commits"] == _latest_commits(out)
+    assert sum(summary["versions"]) == summary["commits"] == syncer_commits_on_disk(out)
     # a full quorum (2 of 2) is needed to merge at once: while island 1 was down, island 0's pushes were
     # merged alone when their grace window closed, never held longer than the window (plus the gap between
     # two calls, which is when the syncer's clock advances on Ray: one inner step; 5 s is generous)
@@ -96,6 +89,6 @@ def test_killed_syncer_restarts_from_its_checkpoint(fast_config: dict, tmp_path:
     assert int((out / "ray" / "syncer.pid").read_text()) != pid, "a new process runs the syncer"
     # it went on from its checkpoint: every commit before the crash is among the final ones
     assert summary["commits"] > committed_before
-    assert sum(summary["versions"]) == summary["commits"] == _latest_commits(out)
+    assert sum(summary["versions"]) == summary["commits"] == syncer_commits_on_disk(out)
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     assert sum(summary["steps_per_island"]) >= 2 * 300

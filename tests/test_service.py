@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, syncer_commits_on_disk
 
 cryptography = pytest.importorskip("cryptography")
 
@@ -86,15 +86,6 @@ def status(out: Path) -> dict:
         return json.loads((out / "service" / "status.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def committed_on_disk(out: Path) -> int:
-    latest = out / "syncer" / "checkpoints" / "latest"
-    try:
-        name = os.readlink(latest) if latest.is_symlink() else latest.read_text().strip()
-        return int(name.split("_")[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 @pytest.mark.slow
@@ -242,10 +233,10 @@ def test_killed_syncer_restarts_without_losing_a_commit(fast_config: dict, tmp_p
                           "--credential", str(out / "credentials" / f"island_{i}.token"), *flags],
                          tmp_path / f"island_{i}.log") for i in range(2)]
         procs += islands
-        wait_for("2 commits on disk", lambda: committed_on_disk(out) >= 2, procs)
+        wait_for("2 commits on disk", lambda: syncer_commits_on_disk(out) >= 2, procs)
         os.kill(int((out / "service" / "syncer.pid").read_text()), signal.SIGKILL)
         assert first.wait(timeout=30) == -signal.SIGKILL
-        before = committed_on_disk(out)
+        before = syncer_commits_on_disk(out)
         time.sleep(2.0)  # the islands train on and retry meanwhile
         second = start(syncer_args, tmp_path / "syncer2.log")
         procs = [second, *islands]
