@@ -123,7 +123,7 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
     (["--runtime", "ray", "--ray-island-resources", "eu"], "ray_island_resources: 'eu' is not NAME=AMOUNT"),
     (["--runtime", "ray", "--ray-island-resources", "eu=0"], "ray_island_resources: eu=0.0 must be a positive"),
     (["--runtime", "ray", "--ray-island-resources", "GPU=1"], "ray_island_resources: 'GPU' is not a custom"),
-    (["--ray-island-resources", "eu=1"], "ray_island_resources: only the ray runtime uses it"),
+    (["--ray-island-resources", "eu=1"], "ray_island_resources: the local runtime does not use it (only ray)"),
 ])
 def test_bad_decoupled_flags_exit_2_with_one_line(flags: list[str], message: str) -> None:
     r = run_cli("train", "--strategy", "decoupled", "--islands", "4", *flags)
@@ -132,15 +132,16 @@ def test_bad_decoupled_flags_exit_2_with_one_line(flags: list[str], message: str
 
 
 def test_decoupled_only_flags_are_refused() -> None:
-    with pytest.raises(ConfigError, match="chaos: only the decoupled strategy uses it"):
+    with pytest.raises(ConfigError, match="chaos: the diloco strategy does not use it"):
         build_config(overrides={"chaos": "9:1"})
     with pytest.raises(ConfigError, match="runtime: ray runs only the decoupled strategy"):
         build_config(overrides={"runtime": "ray"})
     # tuning that only decoupled (or only Ray) reads: a changed value elsewhere is refused, and so is the default
-    # given explicitly (atoll.config.applies); the default in a saved run's config.json (a base) is not
-    with pytest.raises(ConfigError, match="grace_factor: only the decoupled strategy uses it"):
+    # given explicitly, in the same sentence (atoll.config.applies); the default in a saved run's config.json
+    # (a base) is not
+    with pytest.raises(ConfigError, match="grace_factor: the diloco strategy does not use it"):
         build_config(overrides={"strategy": "diloco", "grace_factor": 3.0})
-    with pytest.raises(ConfigError, match="ray_address: only the ray runtime uses it"):
+    with pytest.raises(ConfigError, match="ray_address: the local runtime does not use it"):
         build_config(overrides={"strategy": "decoupled", "ray_address": "10.0.0.1:6379"})
     with pytest.raises(ConfigError, match="grace_factor: the diloco strategy does not use it .*--strategy decoupled"):
         build_config(overrides={"strategy": "diloco", "grace_factor": build_config().grace_factor})

@@ -82,19 +82,14 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
         from atoll.strategies.registry import spec
 
         own = spec(self.strategy)
-        # a strategy's own settings: a changed value under another strategy is a mistake
-        for other in specs():
-            if other.section is None or other.name == self.strategy:
-                continue
-            for name, field in other.section.model_fields.items():
-                if getattr(self, name) != field.default:
-                    raise ValueError(f"{name}: only the {other.name} strategy uses it; add --strategy {other.name} "
-                                     f"or drop --{name.replace('_', '-')}")
-        if self.runtime != "ray":
-            for name, field in RaySection.model_fields.items():
-                if getattr(self, name) != field.default:
-                    raise ValueError(f"{name}: only the ray runtime uses it; add --runtime ray or drop "
-                                     f"--{name.replace('_', '-')}")
+        # a strategy's or a runtime's own settings changed under another: refused as build_config refuses a
+        # setting given explicitly (atoll.config.applies.unused_setting: one check, one sentence)
+        owned = [*(f for o in specs() if o.section is not None for f in o.section.model_fields.items()),
+                 *RaySection.model_fields.items()]
+        unused = unused_setting(self.strategy, self.runtime,
+                                [name for name, field in owned if getattr(self, name) != field.default])
+        if unused is not None:
+            raise ValueError(unused)
         if self.runtime not in own.runtimes:
             runs = [s.name for s in specs() if self.runtime in s.runtimes]
             which = runs[0] + " strategy" if len(runs) == 1 else ", ".join(runs[:-1]) + f" and {runs[-1]} strategies"
