@@ -20,7 +20,7 @@ Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (`
 failed exits with that rank's status (3: another island stopped responding; 128 + N: killed by signal N).
 SIGINT (Ctrl-C) or SIGTERM makes ``atoll train`` finish the inner step in progress, write a checkpoint of
 it and exit with 128 + N (130, 143; a second signal: at once, same status; :mod:`atoll.job.stop`).
-A run that diverged (README, "Reliability") writes its summary, prints one line
+A run that diverged (docs/reliability.md, "Bad numbers") writes its summary, prints one line
 ``atoll: error: training diverged at step N: <what>; <fix>`` and exits with status 1.
 """
 

@@ -68,7 +68,7 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         resume: continue the run in ``config.out`` from its latest checkpoint.
 
     Returns:
-        The summary dict (see README, "Output"): strategy, islands, tokens, initial and final eval loss,
+        The summary dict (see docs/usage.md, "The run folder"): strategy, islands, tokens, initial and final eval loss,
         bytes sent per island, what ddp would send, compute, simulated and real wall seconds; ``diverged``
         (step, reason, fix) when the job diverged and stopped early (:mod:`atoll.job.divergence`).
 

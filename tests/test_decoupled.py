@@ -230,7 +230,7 @@ def test_ray_is_imported_only_for_the_ray_runtime() -> None:
 
 def test_strategy_defaults_outer_momentum_and_codec() -> None:
     assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == 0.5
-    assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.5  # not the paper's 0.9: README
+    assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.5  # not the paper's 0.9: docs/results.md
     assert build_config(overrides={"strategy": "decoupled", "outer_momentum": 0.9}).outer_momentum == 0.9
     assert build_config(overrides={"strategy": "decoupled"}).codec == "int4" == build_config(
         overrides={"strategy": "streaming"}).codec and build_config().codec == "fp32"

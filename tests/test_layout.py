@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "atoll"
-MAX_LINES = 420  # "about 400": README's Layout section names any exception and why
+MAX_LINES = 420  # "about 400": docs/architecture.md's Layout section names any exception and why
 
 
 def _module_name(path: Path) -> str:

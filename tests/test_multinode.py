@@ -3,7 +3,8 @@
 Each host is a namespace of :class:`~atoll.bench.netns.EmulatedWan` (its own interfaces, addresses and ports;
 the only way out is its ``wan0`` at 10.77.0.1 or 10.77.0.2, links at 1 Gbit/s), so whatever one host's
 processes say to the other's crosses the veth link, never the loopback. Two setups, as a user runs them on two
-real hosts (README, "Real processes: the collective runtime" and "Asynchronous islands"):
+real hosts (docs/runtimes.md, "Real processes: the collective runtime" and "Ray: the decoupled
+strategy on actors"):
 
 - torchrun on each host (static rendezvous at host 0's address) running a ``diloco`` collective job, one
   island per host: it ends with bitwise the weights of the same job on one host, and the links carried at
@@ -93,7 +94,7 @@ def test_torchrun_on_two_hosts_trains_as_one_host(settings: dict, tmp_path: Path
     with EmulatedWan(islands=2, rate_mbps=RATE_MBPS) as wan:
         before = wan.counters()
         procs = []
-        for node in range(2):  # what a user types on each host (README): rendezvous at host 0's address
+        for node in range(2):  # what a user types on each host (docs/runtimes.md): rendezvous at host 0's address
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                    "--nproc-per-node", "1", "--master-addr", wan.island_ip(0), "--master-port", "29400",
                    "-m", "atoll.cli", "train", *argv]

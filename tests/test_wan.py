@@ -142,7 +142,7 @@ def test_bench_wan_smoke(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> 
         # headers, ACKs, the store's heartbeats: never less than counted. No upper bound here: a micro-model
         # diloco window lasts ~0.07 s, so where the interface counters are sampled around it moves a whole
         # exchange in or out (idle machine: 1.12 and 2.98 for the two islands; loaded CI: 4.27). The
-        # benchmark's tiny-model windows of seconds measure the overhead (1.047-1.061, README).
+        # benchmark's tiny-model windows of seconds measure the overhead (1.047-1.061, docs/results.md).
         for ratio in r["iface_over_atoll"]:
             assert ratio >= 0.8, r
     assert rows["diloco-H10-100mbit"]["atoll_bytes_per_island"] < rows["ddp-100mbit"]["atoll_bytes_per_island"]

@@ -134,7 +134,7 @@ class OuterOptimSection(Section):
     outer_momentum: float = Field(
         0.5, ge=0, lt=1,
         description="Outer Nesterov momentum (0 = plain SGD; the DiLoCo paper's 0.9, tuned for H=500 from a "
-        "pretrained model, overshoots in short runs from scratch: README, \"DiLoCo's defining result\").",
+        "pretrained model, overshoots in short runs from scratch: docs/results.md, \"DiLoCo's defining result\").",
     )
     outer_adapt: Literal["none", "agreement"] = Field(
         "none", description="diloco: an adaptive outer step. agreement: each tensor's share of the outer step "

@@ -308,7 +308,7 @@ def _bucket_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def _health_rows(s: dict[str, Any]) -> list[Row]:
-    rows = []  # README, "Reliability notes"
+    rows = []  # docs/reliability.md
     if s.get("skipped_steps"):
         rows.append(("steps skipped (gradient not finite)", f"{s['skipped_steps']:,}"))
     if s.get("island_resets"):
@@ -319,7 +319,7 @@ def _health_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def _trust_rows(s: dict[str, Any]) -> list[Row]:
-    """decoupled: the syncer's refusals per island and reason, and its robust merge (README, Security and trust)."""
+    """decoupled: the syncer's refusals per island and reason, and its robust merge (docs/security.md)."""
     rows = []
     if s.get("robust_merge", "none") != "none":
         rows.append(("robust merge (seconds merging)", f"{s['robust_merge']} ({s.get('merge_s', 0.0):.3g} s)"))

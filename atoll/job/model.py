@@ -42,7 +42,7 @@ PRESETS: dict[str, ModelPreset] = {
     "micro": ModelPreset(32, 2, 64, 2, 2),
     # ~0.27M parameters with the default 1024-token vocabulary: the default. Small enough that 4 islands see
     # about 50 tokens per parameter within minutes on 2 CPU cores (the regime the DiLoCo studies train in;
-    # README, "DiLoCo's defining result"); four layers, so four Streaming DiLoCo fragments are equal in size.
+    # docs/results.md, "DiLoCo's defining result"); four layers, so four Streaming DiLoCo fragments are equal in size.
     "nano": ModelPreset(64, 4, 176, 4, 4),
     # ~1.9M parameters (the default before nano); four layers.
     "tiny": ModelPreset(160, 4, 448, 5, 5),

@@ -40,7 +40,7 @@ class DeMoSection(Section):
     demo_beta: float = Field(0.999, ge=0, lt=1, description="demo: decay of the decoupled momentum.")
     demo_sign_values: bool = Field(
         True, description="demo: send only the signs of the kept values, {-1, 0, +1} packed 2 bits each; "
-        "--no-demo-sign-values sends float32 values (about 2.7x the bytes; README, DeMo).",
+        "--no-demo-sign-values sends float32 values (about 2.7x the bytes; docs/results.md, DeMo).",
     )
 
 

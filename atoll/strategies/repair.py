@@ -7,7 +7,7 @@ others 0 (float32, exact: ``1 * x + 0 + ... = x``), so every runtime moves them 
 the bytes. Every island must learn who diverged: :func:`gather_status` is that (small) all-gather, run
 only when something went wrong (ddp sees it in the gradient all-reduce's total weight, demo in its
 payloads). With no healthy island left the job has diverged (:class:`~atoll.job.divergence.Diverged`).
-See README, "Reliability".
+See docs/reliability.md, "Bad numbers".
 """
 
 from __future__ import annotations

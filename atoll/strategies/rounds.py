@@ -1,6 +1,6 @@
 """The round bookkeeping DiLoCo-style strategies share: H inner steps, one outer step, every island restarts.
 
-One copy for ``diloco`` and ``sparseloco`` (README, "Reliability"): an island whose loss is not finite is
+One copy for ``diloco`` and ``sparseloco`` (docs/reliability.md): an island whose loss is not finite is
 reset to the global model with a fresh inner optimizer before its next inner step; at a round's end an
 island whose pseudo-gradient was not finite is left out (weight 0) and reset to the new global model; a
 round in which no island contributed, or whose new global parameters are not finite, is the job diverged
@@ -46,7 +46,7 @@ class OuterRounds(Strategy):
 
     def step(self, step: int) -> None:
         for position, island in enumerate(self.islands):
-            if island.diverged:  # its loss is not finite: restart it from the global model (README, "Reliability")
+            if island.diverged:  # its loss is not finite: restart it from the global model (docs/reliability.md)
                 self.reset_island(position, self.outer.params.detach())
                 island.skip_step()
             else:

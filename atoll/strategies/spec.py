@@ -31,7 +31,7 @@ class StrategySpec:
 
     Attributes:
         name: the ``--strategy`` value.
-        summary: one line for ``--help`` and the README's table.
+        summary: one line for ``--help`` and the strategy tables of README.md and docs/concepts.md.
         section: the strategy's own settings (a :class:`~atoll.config.section.Section`); setting one of its
             fields away from its default under another strategy is an error.
         runtimes: the runtimes it runs under; the first is the default one for it.

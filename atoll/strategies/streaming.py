@@ -92,7 +92,7 @@ class StreamingDiLoCo(Strategy):
 
     def step(self, step: int) -> None:
         for position, island in enumerate(self.islands):
-            if island.diverged:  # its loss is not finite: restart it from the global model (README, "Reliability")
+            if island.diverged:  # its loss is not finite: restart it from the global model (docs/reliability.md)
                 island.reset_to(self.global_params())  # a fresh inner optimizer; its work since each sync is lost
                 for ts in self.tokens_at_sync:
                     ts[position] = island.tokens

@@ -10,7 +10,7 @@
 4. ``batches``: random training windows, a pure function of ``(seed, island, step)``, and evenly spread
    validation windows.
 
-What preparing the default corpus costs: README, Data. ::
+What preparing the default corpus costs: docs/usage.md, Data. ::
 
     from atoll.job.data import prepare_data, sample_batch, eval_batches, default_cache_dir
 

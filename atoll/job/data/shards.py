@@ -91,7 +91,7 @@ class PreparedData:
 
 
 def corpus_fingerprint(docs: list[Document]) -> str:
-    """sha256 hex digest of every document's id and text, in order (cost: README, Data)."""
+    """sha256 hex digest of every document's id and text, in order (cost: docs/usage.md, Data)."""
     h = hashlib.sha256()
     for d in docs:
         doc_id = d.doc_id.encode("utf-8")

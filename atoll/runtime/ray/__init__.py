@@ -48,7 +48,7 @@ Identity: the driver issues each island a secret (:func:`secrets.token_hex`), gi
 to the syncer only; its pushes carry it and the syncer counts a push only as the island whose secret it
 carries, and lets only that island open a new session or take an inner step (``reserve_step``, which grants
 the step's tokens to the island in the syncer's token ledger: its claims are bounded by them)
-(:mod:`atoll.strategies.decoupled.trust`; README, "Security and trust"). Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
+(:mod:`atoll.strategies.decoupled.trust`; docs/security.md). Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
 ``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
 ``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
 and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.

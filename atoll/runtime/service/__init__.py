@@ -1,6 +1,6 @@
 """Decoupled DiLoCo across sites: the syncer as a service (``atoll syncer``), each island a job that dials out.
 
-Launch (one command per site; README and docs/deployment.md say more)::
+Launch (one command per site; docs/deployment.md says more)::
 
     atoll syncer --listen 0.0.0.0:7070 --tls-cert syncer.pem --tls-key syncer.key \\
         --credentials creds/ --out runs/syncer --islands 2 --steps 600 ...        # the syncer's host

@@ -76,7 +76,7 @@ class DecoupledSection(Section):
         description="decoupled: how the syncer merges a buffer's pushes: none (the token-weighted mean), clip "
         "(each push scaled to at most the merge's median norm), trimmed_mean (per coordinate, the top and bottom "
         "quarter dropped) or median (per coordinate); the robust ones bound what a minority of hostile islands "
-        "can do to a merge (README, Security and trust).",
+        "can do to a merge (docs/security.md).",
     )
     island_speeds: list[float] | None = Field(
         None,
