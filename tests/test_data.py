@@ -455,7 +455,7 @@ def test_prepare_rejects_a_corpus_too_small_for_the_islands(corpus, tmp_path: Pa
         prepare_data(str(path), 40, 300, seed=0, cache_dir=tmp_path)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("\n\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(40)))
-    with pytest.raises(DataError, match=r"^data: corpus too small for 1 island: .*; use a corpus of at least 2,048 training tokens \(README, Data\)$"):
+    with pytest.raises(DataError, match=r"^data: corpus too small for 1 island: .*; use a corpus of at least 2,048 training tokens \(docs/usage.md, Data\)$"):
         prepare_data(str(tiny), 1, 300, seed=0, cache_dir=tmp_path)
     with pytest.raises(DataError, match="^partition: unknown value"):
         prepare_data(str(path), 2, 300, seed=0, cache_dir=tmp_path, partition="random")  # type: ignore[arg-type]

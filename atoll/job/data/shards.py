@@ -216,7 +216,7 @@ def _check_islands(island_tokens: list[np.ndarray], num_val_tokens: int, spec: s
     for island, shard in enumerate(island_tokens):
         if len(shard) < MIN_ISLAND_TOKENS:
             fix = (f"use a corpus of at least {n * MIN_ISLAND_TOKENS:,} training tokens, or fewer islands" if n > 1
-                   else f"use a corpus of at least {MIN_ISLAND_TOKENS:,} training tokens (README, Data)")
+                   else f"use a corpus of at least {MIN_ISLAND_TOKENS:,} training tokens (docs/usage.md, Data)")
             raise DataError(
                 f"data: corpus too small for {n} island{'s' if n > 1 else ''}: island {island} gets {len(shard)} "
                 f"training tokens (need >= {MIN_ISLAND_TOKENS}; '{spec}' holds "
