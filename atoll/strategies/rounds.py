@@ -175,14 +175,17 @@ class OuterRounds(Rounds):
 
     @property
     def outer(self) -> OuterOptimizer:
+        """The outer optimizer of the whole model (its global parameters: float32 (numel,), CPU)."""
         return self.outers[0]
 
     @property
     def tokens_at_sync(self) -> list[int]:
+        """Each local island's token count at the last round's end (:class:`RoundClock`)."""
         return self.clocks[0].tokens_at_sync
 
     @property
     def last_sync_step(self) -> int:
+        """The inner steps done at the last round's end (:class:`RoundClock`)."""
         return self.clocks[0].last_sync_step
 
     def after_inner(self, step: int) -> None:
