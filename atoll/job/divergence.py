@@ -19,8 +19,8 @@ never read the environment. :func:`nan_faults` is the usual hook (``weights:ISLA
 ``grad:ISLAND:STEP``, 1-based inner step, comma separated: that island's weights or gradient become NaN at
 that step). A process started for a test (``atoll`` in a subprocess, a rank of the collective runtime) is told
 by ONE mechanism, read once as it starts, never in a step: :data:`FAULT_HOOK_ENV` in its environment, which
-:func:`install_fault_hook_from_env` (called by ``atoll``'s entry and each launched rank's) turns into
-:func:`nan_faults`.
+:func:`install_fault_hook_from_env` (called by ``atoll``'s entry, each launched rank's and each Ray island
+actor's) turns into :func:`nan_faults`.
 """
 
 from __future__ import annotations
