@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     args = build_parser(train_flags=words[:1] in (["train"], ["sweep"], ["prepare"], ["syncer"], ["island"]) or not words).parse_args(argv)
     try:
+        from atoll.job.divergence import install_fault_hook_from_env
+
+        install_fault_hook_from_env()  # a test's child process: its faults, once, before any training step
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "sweep":

@@ -28,6 +28,28 @@ torch.set_num_threads(1)
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
+@pytest.fixture(autouse=True)
+def _no_fault_hook():
+    """No test leaves a fault hook installed (:func:`atoll.job.divergence.set_fault_hook`) for the next."""
+    from atoll.job.divergence import set_fault_hook
+
+    yield
+    set_fault_hook(None)
+
+
+@pytest.fixture()
+def fault_hook():
+    """``fault_hook("weights:1:3,grad:0:2")`` installs :func:`atoll.job.divergence.nan_faults` of that spec
+    for this test (removed after it): the in-process way to inject faults. A child process is told with
+    :data:`atoll.job.divergence.FAULT_HOOK_ENV` in its environment instead."""
+    from atoll.job.divergence import nan_faults, set_fault_hook
+
+    def install(spec: str) -> None:
+        set_fault_hook(nan_faults(spec))
+
+    return install
+
+
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ~300 KB .txt corpus: stdlib sources of a few packages, one document per file."""

@@ -1,7 +1,8 @@
 """Divergence: a diverged island is reset and counted, a diverged job stops with one line and keeps its summary.
 
-The strategies run on in-process islands (fast); whole runs inject NaN weights or gradients with the test
-hook of :mod:`atoll.job.divergence` (``ATOLL_TEST_NAN_AT``) under the local, event and collective runtimes.
+The strategies run on in-process islands (fast); whole runs inject NaN weights or gradients with the fault
+hook of :mod:`atoll.job.divergence` (the ``fault_hook`` fixture in this process; ``ATOLL_TEST_NAN_AT``, read once
+at a child process's start) under the local, event and collective runtimes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from atoll.job.divergence import (
     Diverged,
     eval_diverged,
     inject_fault,
+    install_fault_hook_from_env,
     message,
     resets_diverged,
+    set_fault_hook,
 )
 from atoll.job.island import make_island
 from atoll.job.metrics import read_metrics, summary_table
@@ -235,14 +238,32 @@ def test_divergence_rules_and_the_line() -> None:
     assert line == "training diverged at step 7: x; lower --lr (it is 10)"
 
 
-def test_the_fault_hook_names_its_format(monkeypatch) -> None:
+def test_the_fault_hook_names_its_format(monkeypatch, fault_hook) -> None:
     config, comm, islands, ddp = _setup(DDP, 1)
-    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:0")
     with pytest.raises(ConfigError, match=FAULT_HOOK_ENV):
-        inject_fault(islands[0], 0, "weights")
-    monkeypatch.setenv(FAULT_HOOK_ENV, "grad:0:2,weights:0:1")
+        fault_hook("weights:0")
+    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:0")  # a child process's: refused as it starts
+    with pytest.raises(ConfigError, match=FAULT_HOOK_ENV):
+        install_fault_hook_from_env()
+    inject_fault(islands[0], 0, "weights")  # no hook installed: nothing happens
+    assert torch.isfinite(islands[0].flat_params()).all()
+    fault_hook("grad:0:2,weights:0:1")
+    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:0")  # the environment is not read in a step
     inject_fault(islands[0], 0, "weights")
     assert not torch.isfinite(islands[0].flat_params()).any()
+
+
+def test_a_child_process_is_told_its_faults_once_as_it_starts(monkeypatch) -> None:
+    config, comm, islands, ddp = _setup(DDP, 2)
+    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:1:2")
+    install_fault_hook_from_env()
+    monkeypatch.delenv(FAULT_HOOK_ENV)
+    inject_fault(islands[1], 0, "weights")
+    inject_fault(islands[0], 1, "weights")
+    assert torch.isfinite(islands[1].flat_params()).all() and torch.isfinite(islands[0].flat_params()).all()
+    inject_fault(islands[1], 1, "weights")
+    assert not torch.isfinite(islands[1].flat_params()).any()
+    assert set_fault_hook(None) is not None
 
 
 def test_the_table_shows_skipped_steps_resets_divergence_and_an_overflowing_perplexity() -> None:
@@ -309,18 +330,18 @@ def test_a_huge_learning_rate_stops_with_one_line_and_keeps_a_summary(tmp_path, 
 
 
 @pytest.mark.slow
-def test_every_island_diverged_stops_the_run_with_its_summary(tmp_path, corpus_file, cache_dir, monkeypatch) -> None:
+def test_every_island_diverged_stops_the_run_with_its_summary(tmp_path, corpus_file, cache_dir, fault_hook) -> None:
     # before: ddp skipped every step from then on and exited 0 (its skipped steps shown nowhere)
-    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:0:3,weights:1:3")
+    fault_hook("weights:0:3,weights:1:3")
     r, out = _run(tmp_path, corpus_file, cache_dir, "--strategy", "ddp", "--islands", "2", "--steps", "8")
     summary = _assert_stopped(r, out, 3)
     assert "every island" in summary["diverged"]["reason"] and math.isfinite(summary["final_eval_loss"])
 
 
 @pytest.mark.slow
-def test_too_many_resets_stop_the_run(tmp_path, corpus_file, cache_dir, monkeypatch) -> None:
+def test_too_many_resets_stop_the_run(tmp_path, corpus_file, cache_dir, fault_hook) -> None:
     faults = [f"weights:0:{s}" for s in (1, 2, 3, 5, 6, 7, 9, 10)]  # not on a sync step (H = 4)
-    monkeypatch.setenv(FAULT_HOOK_ENV, ",".join(faults))
+    fault_hook(",".join(faults))
     r, out = _run(tmp_path, corpus_file, cache_dir, "--strategy", "diloco", "--islands", "1", "--sync-every", "4",
                   "--steps", "20")
     summary = _assert_stopped(r, out, 10)
@@ -329,9 +350,9 @@ def test_too_many_resets_stop_the_run(tmp_path, corpus_file, cache_dir, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "diloco", "streaming", "demo", "decoupled"])
-def test_a_run_resets_a_diverged_island_and_shows_it(tmp_path, corpus_file, cache_dir, monkeypatch,
+def test_a_run_resets_a_diverged_island_and_shows_it(tmp_path, corpus_file, cache_dir, fault_hook,
                                                      strategy) -> None:
-    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:1:3")
+    fault_hook("weights:1:3")
     fragments = ["--fragments", "2"] if strategy in ("streaming", "decoupled") else []  # others refuse them
     rounds = ["--sync-every", "4"] if strategy not in ("ddp", "demo") else []
     r, out = _run(tmp_path, corpus_file, cache_dir, "--strategy", strategy, "--islands", "2", "--steps", "12",
@@ -348,7 +369,7 @@ def test_a_run_resets_a_diverged_island_and_shows_it(tmp_path, corpus_file, cach
 
 
 @pytest.mark.slow
-def test_collective_resets_and_stops_as_local(tmp_path, corpus_file, cache_dir, monkeypatch) -> None:
+def test_collective_resets_and_stops_as_local(tmp_path, corpus_file, cache_dir, fault_hook) -> None:
     flags = [*COMMON, "--data", str(corpus_file), "--cache-dir", str(cache_dir), "--strategy", "ddp",
              "--islands", "2", "--steps", "6", "--eval-every", "6", "--collective-timeout-s", "60"]
 
@@ -357,7 +378,7 @@ def test_collective_resets_and_stops_as_local(tmp_path, corpus_file, cache_dir, 
                                "--out", str(out)], capture_output=True, text=True, timeout=300,
                               env={**os.environ, FAULT_HOOK_ENV: faults})
 
-    monkeypatch.setenv(FAULT_HOOK_ENV, "weights:1:3")
+    fault_hook("weights:1:3")
     local = train(build_config(overrides={"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro",
                                           "vocab_size": 512, "seq_len": 32, "batch_size": 4, "threads": 1,
                                           "progress": False, "warmup_steps": 0, "weight_decay": 0,

@@ -13,9 +13,14 @@ reset more than :data:`RESET_LIMIT` times each on average. It then stops: :class
 step and what went wrong; the driver writes the summary with a ``diverged`` entry and the ``atoll``
 command prints :func:`message` and exits with status 1.
 
-Tests inject faults with :data:`FAULT_HOOK_ENV` (``weights:ISLAND:STEP`` or ``grad:ISLAND:STEP``, 1-based
-inner step, comma separated): that island's weights or gradient become NaN at that step, under every
-runtime (one process or many).
+Tests inject faults through a hook they install (:func:`set_fault_hook`; the ``fault_hook`` fixture of
+``tests/conftest.py``): the loops call :func:`inject_fault`, which does nothing unless one is installed, and
+never read the environment. :func:`nan_faults` is the usual hook (``weights:ISLAND:STEP`` or
+``grad:ISLAND:STEP``, 1-based inner step, comma separated: that island's weights or gradient become NaN at
+that step). A process started for a test (``atoll`` in a subprocess, a rank of the collective runtime) is told
+by ONE mechanism, read once as it starts, never in a step: :data:`FAULT_HOOK_ENV` in its environment, which
+:func:`install_fault_hook_from_env` (called by ``atoll``'s entry, each launched rank's and each Ray island
+actor's) turns into :func:`nan_faults`.
 """
 
 from __future__ import annotations
@@ -37,9 +42,13 @@ if TYPE_CHECKING:
 RESET_LIMIT = 5
 #: a held-out loss (nats per token) above this many times ln(vocabulary size) counts as diverged
 LOSS_BOUND_FACTOR = 10.0
-#: test hook: ``weights:ISLAND:STEP`` or ``grad:ISLAND:STEP`` (comma separated) make that island's
-#: weights (before its forward pass) or gradient (after its backward pass) NaN at that 1-based inner step
+#: test only, read once at process start (:func:`install_fault_hook_from_env`): ``weights:ISLAND:STEP`` or
+#: ``grad:ISLAND:STEP`` (comma separated) make that island's weights (before its forward pass) or gradient
+#: (after its backward pass) NaN at that 1-based inner step
 FAULT_HOOK_ENV = "ATOLL_TEST_NAN_AT"
+#: a fault hook: ``hook(island, step, kind)`` with the 0-based inner step and ``kind`` "weights" or "grad"
+FaultHook = Callable[["Island", int, str], None]
+_fault_hook: FaultHook | None = None
 
 
 class Diverged(Exception):
@@ -122,31 +131,74 @@ def message(diverged: dict[str, Any]) -> str:
     return f"training diverged at step {diverged['step']}: {diverged['reason']}; {diverged['fix']}"
 
 
-def _parse_faults() -> list[tuple[str, int, int]]:
-    value = os.environ.get(FAULT_HOOK_ENV)
-    if not value:
-        return []
+def set_fault_hook(hook: FaultHook | None) -> FaultHook | None:
+    """Install ``hook`` (None: none) as the fault hook :func:`inject_fault` calls; return the one it replaces.
+
+    For tests only: the ``fault_hook`` fixture of ``tests/conftest.py`` installs one and removes it after
+    the test.
+    """
+    global _fault_hook
+    previous, _fault_hook = _fault_hook, hook
+    return previous
+
+
+def parse_faults(spec: str, source: str = FAULT_HOOK_ENV) -> list[tuple[str, int, int]]:
+    """``weights:ISLAND:STEP`` or ``grad:ISLAND:STEP`` entries, comma separated, as ``(kind, island, step)``
+    (``step`` 1-based).
+
+    Raises:
+        ConfigError: a malformed entry (names ``source`` and the format).
+    """
     faults = []
-    for item in value.split(","):
+    for item in spec.split(","):
         try:
             kind, island, step = item.split(":")
             if kind not in ("weights", "grad"):
                 raise ValueError(kind)
             faults.append((kind, int(island), int(step)))
         except ValueError:
-            raise ConfigError(f"{FAULT_HOOK_ENV}: expected weights|grad:ISLAND:STEP (e.g. grad:1:3), got "
+            raise ConfigError(f"{source}: expected weights|grad:ISLAND:STEP (e.g. grad:1:3), got "
                               f"{item!r}") from None
     return faults
 
 
+def nan_faults(spec: str, source: str = FAULT_HOOK_ENV) -> FaultHook:
+    """The fault hook of ``spec`` (:func:`parse_faults`, parsed now): at each of its entries it fills that
+    island's parameters (``weights``, before the forward pass) or their gradients (``grad``, after the
+    backward pass) with NaN.
+
+    Raises:
+        ConfigError: a malformed ``spec``.
+    """
+    faults = frozenset(parse_faults(spec, source))
+
+    def hook(island: Island, step: int, kind: str) -> None:
+        if (kind, island.index, step + 1) not in faults:
+            return
+        with torch.no_grad():
+            for p in island.params:
+                if kind == "weights":
+                    p.fill_(math.nan)
+                elif p.grad is not None:
+                    p.grad.fill_(math.nan)
+
+    return hook
+
+
+def install_fault_hook_from_env() -> None:
+    """At a process's start (``atoll``'s entry, a launched rank's): install :func:`nan_faults` of
+    :data:`FAULT_HOOK_ENV` when the environment sets it (a test's child process); otherwise nothing.
+
+    Raises:
+        ConfigError: a malformed value.
+    """
+    value = os.environ.get(FAULT_HOOK_ENV)
+    if value:
+        set_fault_hook(nan_faults(value))
+
+
 def inject_fault(island: Island, step: int, kind: str) -> None:
-    """Test hook (:data:`FAULT_HOOK_ENV`): make ``island``'s weights (``kind="weights"``, call before its
-    forward pass) or gradient (``"grad"``, after its backward pass) NaN at 0-based inner step ``step``."""
-    if (kind, island.index, step + 1) not in _parse_faults():
-        return
-    with torch.no_grad():
-        for p in island.params:
-            if kind == "weights":
-                p.fill_(math.nan)
-            elif p.grad is not None:
-                p.grad.fill_(math.nan)
+    """Call the installed fault hook (:func:`set_fault_hook`; nothing when none is) for ``island`` at
+    0-based inner step ``step``: ``kind="weights"`` before its forward pass, ``"grad"`` after its backward."""
+    if _fault_hook is not None:
+        _fault_hook(island, step, kind)

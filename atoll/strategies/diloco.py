@@ -58,22 +58,20 @@ class DiLoCo(OuterRounds):
         return {**super().summary(), **(self.agreement.summary() if self.agreement is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step}
+        state = super().state_dict()  # the rounds' (outer, last_sync_step)
         return state if self.agreement is None else {**state, "agreement": self.agreement.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.outer.load_state_dict(state["outer"])
-        self.last_sync_step = int(state["last_sync_step"])
+        super().load_state_dict(state)
         if self.agreement is not None and "agreement" in state:
             self.agreement.load_state_dict(state["agreement"])
 
     def island_state(self, position: int) -> dict[str, Any]:
-        return {"tokens_at_sync": self.tokens_at_sync[position], "wire": self.wire.island_state(position)}
+        return {**super().island_state(position), "wire": self.wire.island_state(position)}
 
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
-        self.tokens_at_sync[position] = int(state["tokens_at_sync"])
+        super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
-
 
 def project(s: Setting) -> Cost:
     """diloco's cost per inner step: a blocking all-reduce of the b-bit pseudo-gradient every H steps::

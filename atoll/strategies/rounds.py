@@ -1,16 +1,21 @@
-"""The round bookkeeping DiLoCo-style strategies share: H inner steps, one outer step, every island restarts.
+"""The round bookkeeping DiLoCo-style strategies share: inner steps, then an exchange of pseudo-gradients.
 
-One copy for ``diloco`` and ``sparseloco`` (docs/reliability.md): an island whose loss is not finite is
-reset to the global model with a fresh inner optimizer before its next inner step; at a round's end an
-island whose pseudo-gradient was not finite is left out (weight 0) and reset to the new global model; a
-round in which no island contributed, or whose new global parameters are not finite, is the job diverged
-(:class:`~atoll.job.divergence.Diverged`), never a silent skip.
+One copy for ``diloco``, ``sparseloco`` and ``streaming`` (docs/reliability.md); each strategy keeps only its
+maths. :class:`Rounds` holds, per exchanged part of the model (the whole model, or each fragment of
+``streaming``), the global parameters and their outer optimizer (float32, CPU) and a :class:`RoundClock`
+(each local island's tokens at the part's last sync, the step of that sync); it resets an island whose loss
+is not finite to the global model with a fresh inner optimizer before its next inner step, syncs at the end
+every part trained since its last sync (:meth:`Rounds.finish`), and checkpoints that state in the format
+the strategies have always written. :class:`OuterRounds` adds the synchronous whole-model round of
+``diloco`` and ``sparseloco``: at a round's end an island whose pseudo-gradient was not finite is left out
+(weight 0) and reset to the new global model; a round in which no island contributed, or whose new global
+parameters are not finite, is the job diverged (:class:`~atoll.job.divergence.Diverged`), never a silent skip.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,13 +25,145 @@ from atoll.job.divergence import Diverged
 from atoll.strategies.base import Strategy
 
 if TYPE_CHECKING:
+    from atoll.algorithms.fragments import FlatFragment
     from atoll.config import TrainConfig
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
 
 
-class OuterRounds(Strategy):
-    """A strategy of synchronous rounds of ``sync_every`` inner steps and one outer step on the CPU.
+class RoundClock:
+    """The bookkeeping of one exchanged part of the model (the whole model, or one fragment).
+
+    Args:
+        islands: the local islands; their token counts now start the first round.
+
+    Attributes:
+        tokens_at_sync: each local island's token count at the part's last sync (its weight counts from it).
+        last_sync_step: the inner steps done at the part's last sync (0 before the first).
+    """
+
+    def __init__(self, islands: list[Island]) -> None:
+        self.tokens_at_sync = [island.tokens for island in islands]
+        self.last_sync_step = 0
+
+    def weights(self, islands: list[Island]) -> list[int]:
+        """Each local island's tokens trained since the last sync (its weight in the average; integers, as the
+        collectives have always been given them, so that the mean's rounding is unchanged)."""
+        return [island.tokens - t0 for island, t0 in zip(islands, self.tokens_at_sync, strict=True)]
+
+    def commit(self, islands: list[Island], steps_done: int) -> None:
+        """A sync after ``steps_done`` inner steps: every island's weight counts from its tokens now."""
+        self.tokens_at_sync = [island.tokens for island in islands]
+        self.last_sync_step = steps_done
+
+
+class Rounds(Strategy):
+    """Strategies that exchange pseudo-gradients of global parameters held on the CPU, per part of the model.
+
+    Subclasses implement :meth:`after_inner` (when to exchange, after every inner step) and :meth:`sync` (one
+    part's exchange at the end of training); :meth:`drain` finishes what is in flight first.
+
+    Args:
+        config: the run's configuration (``outer_lr``, ``outer_momentum``).
+        islands: the local islands.
+        comm: the collectives across every island of the job.
+        index: the fragments, each synced on its own (``streaming``); None: the whole model at once.
+
+    Attributes:
+        outers: one outer optimizer (global parameters, float32, CPU; pinned with an accelerator) per part.
+        clocks: one :class:`RoundClock` per part.
+        numel: the model's parameter count.
+    """
+
+    #: checkpoint lists with one entry per part (``streaming``), rather than the one part's entries alone
+    fragmented: bool = False
+
+    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm,
+                 index: list[FlatFragment] | None = None) -> None:
+        super().__init__(config, islands, comm)
+        self.index = index
+        self.numel = sum(p.numel() for p in islands[0].params)
+        pin = islands[0].device.type == "cuda"  # pinned host backups (torchft's)
+        self.outers = [OuterOptimizer(islands[0].flat_params(frag), config.outer_lr, config.outer_momentum, pin=pin)
+                       for frag in (index if index is not None else [None])]
+        self.clocks = [RoundClock(islands) for _ in self.outers]
+        self.dropped_updates = 0
+
+    def step(self, step: int) -> None:
+        for position, island in enumerate(self.islands):
+            if island.diverged:  # its loss is not finite: restart it from the global model (docs/reliability.md)
+                self.reset_island(position, self._restart_params())
+                island.skip_step()
+            else:
+                island.inner_step()
+        self.after_inner(step)
+
+    @abstractmethod
+    def after_inner(self, step: int) -> None:
+        """After 0-based inner step ``step`` of every local island: the exchanges due now."""
+
+    @abstractmethod
+    def sync(self, part: int, steps_done: int) -> None:
+        """Exchange part ``part`` at the end of training, after ``steps_done`` inner steps, and apply it."""
+
+    def drain(self) -> None:  # noqa: B027 - optional hook
+        """Apply every exchange still in flight (before :meth:`finish` syncs what is left)."""
+
+    def finish(self, steps_done: int) -> None:
+        """Apply what is in flight, then sync every part trained since its last sync (no overlap)."""
+        self.drain()
+        for part, clock in enumerate(self.clocks):
+            if clock.last_sync_step != steps_done:
+                self.sync(part, steps_done)
+
+    def _restart_params(self) -> torch.Tensor:
+        """The global parameters a diverged island restarts from, float32 (numel,)."""
+        return self.outers[0].params.detach() if self.index is None else self.global_params()
+
+    def reset_island(self, position: int, params: torch.Tensor) -> None:
+        """Reset a diverged local island to ``params`` (float32, (numel,)) with a fresh inner optimizer; what it
+        trained since each part's last sync is lost (its weights at the next syncs count its tokens from now)."""
+        island = self.islands[position]
+        island.reset_to(params)
+        for clock in self.clocks:
+            clock.tokens_at_sync[position] = island.tokens
+
+    def global_params(self) -> torch.Tensor:
+        if self.index is None:
+            return self.outers[0].params.detach().clone()
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        for frag, outer in zip(self.index, self.outers, strict=True):
+            frag.scatter_(flat, outer.params.detach())
+        return flat
+
+    def _per_part(self, values: list[Any]) -> Any:
+        return values if self.fragmented else values[0]
+
+    def _parts(self, value: Any) -> list[Any]:
+        return list(value) if self.fragmented else [value]
+
+    # --- checkpoint state: ``outer`` and ``last_sync_step`` shared, ``tokens_at_sync`` per island; per part
+    # lists where fragmented, else the one part's entries (the format of every checkpoint written so far) -----
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self._per_part([o.state_dict() for o in self.outers]),
+                "last_sync_step": self._per_part([c.last_sync_step for c in self.clocks])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for outer, s in zip(self.outers, self._parts(state["outer"]), strict=True):
+            outer.load_state_dict(s)
+        for clock, s in zip(self.clocks, self._parts(state["last_sync_step"]), strict=True):
+            clock.last_sync_step = int(s)
+
+    def island_state(self, position: int) -> dict[str, Any]:
+        return {"tokens_at_sync": self._per_part([c.tokens_at_sync[position] for c in self.clocks])}
+
+    def load_island_state(self, position: int, state: dict[str, Any]) -> None:
+        for clock, t in zip(self.clocks, self._parts(state["tokens_at_sync"]), strict=True):
+            clock.tokens_at_sync[position] = int(t)
+
+
+class OuterRounds(Rounds):
+    """A strategy of synchronous rounds of ``sync_every`` inner steps and one outer step over the whole model.
 
     Subclasses implement :meth:`outer_step`, which ends with :meth:`commit_round`.
 
@@ -36,38 +173,35 @@ class OuterRounds(Strategy):
         last_sync_step: the inner steps done at the last round's end.
     """
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
-        super().__init__(config, islands, comm)
-        self.outer = OuterOptimizer(islands[0].flat_params(), config.outer_lr, config.outer_momentum,
-                                    pin=islands[0].device.type == "cuda")
-        self.tokens_at_sync = [island.tokens for island in islands]
-        self.last_sync_step = 0
-        self.dropped_updates = 0
+    @property
+    def outer(self) -> OuterOptimizer:
+        """The outer optimizer of the whole model (its global parameters: float32 (numel,), CPU)."""
+        return self.outers[0]
 
-    def step(self, step: int) -> None:
-        for position, island in enumerate(self.islands):
-            if island.diverged:  # its loss is not finite: restart it from the global model (docs/reliability.md)
-                self.reset_island(position, self.outer.params.detach())
-                island.skip_step()
-            else:
-                island.inner_step()
+    @property
+    def tokens_at_sync(self) -> list[int]:
+        """Each local island's token count at the last round's end (:class:`RoundClock`)."""
+        return self.clocks[0].tokens_at_sync
+
+    @property
+    def last_sync_step(self) -> int:
+        """The inner steps done at the last round's end (:class:`RoundClock`)."""
+        return self.clocks[0].last_sync_step
+
+    def after_inner(self, step: int) -> None:
         if (step + 1) % self.config.sync_every == 0:
             self.outer_step(step + 1)
+
+    def sync(self, part: int, steps_done: int) -> None:
+        self.outer_step(steps_done)
 
     @abstractmethod
     def outer_step(self, steps_done: int) -> None:
         """Exchange, take the outer step, :meth:`commit_round`."""
 
-    def reset_island(self, position: int, params: torch.Tensor) -> None:
-        """Reset a diverged local island to ``params`` with a fresh inner optimizer; what it trained since the
-        last sync is lost (its weight at the next sync counts its tokens from now)."""
-        self.islands[position].reset_to(params)
-        self.tokens_at_sync[position] = self.islands[position].tokens
-
     def round_weights(self) -> list[int]:
-        """Each local island's tokens trained since the last round (its weight in the average; integers, as the
-        collectives have always been given them, so that the mean's rounding is unchanged)."""
-        return [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync, strict=True)]
+        """Each local island's tokens trained since the last round (:meth:`RoundClock.weights`)."""
+        return self.clocks[0].weights(self.islands)
 
     def no_contribution(self, steps_done: int) -> Diverged:
         """The error for a round in which no island of the job had a finite pseudo-gradient."""
@@ -87,12 +221,4 @@ class OuterRounds(Strategy):
                 self.reset_island(position, new_global)
             else:
                 island.set_flat_params(new_global)
-        self.tokens_at_sync = [island.tokens for island in self.islands]
-        self.last_sync_step = steps_done
-
-    def finish(self, steps_done: int) -> None:
-        if self.last_sync_step != steps_done:
-            self.outer_step(steps_done)
-
-    def global_params(self) -> torch.Tensor:
-        return self.outer.params.detach().clone()
+        self.clocks[0].commit(self.islands, steps_done)

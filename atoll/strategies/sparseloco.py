@@ -161,13 +161,12 @@ class SparseLoCo(OuterRounds):
                 "sparseloco_step_ratio": self.step_ratio_sum / self.step_rounds if self.step_rounds else 1.0}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"outer": self.outer.state_dict(), "last_sync_step": self.last_sync_step,
+        return {**super().state_dict(),  # the rounds' (outer, last_sync_step)
                 "dropped_updates": self.dropped_updates, "sent_energy_sum": self.sent_energy_sum,
                 "sent_rounds": self.sent_rounds, "step_ratio_sum": self.step_ratio_sum, "step_rounds": self.step_rounds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.outer.load_state_dict(state["outer"])
-        self.last_sync_step = int(state["last_sync_step"])
+        super().load_state_dict(state)
         self.dropped_updates = int(state.get("dropped_updates", 0))
         self.sent_energy_sum = float(state.get("sent_energy_sum", 0.0))
         self.sent_rounds = int(state.get("sent_rounds", 0))
@@ -175,12 +174,11 @@ class SparseLoCo(OuterRounds):
         self.step_rounds = int(state.get("step_rounds", 0))
 
     def island_state(self, position: int) -> dict[str, Any]:
-        return {"tokens_at_sync": self.tokens_at_sync[position], "error": self.error[position].clone()}
+        return {**super().island_state(position), "error": self.error[position].clone()}
 
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
-        self.tokens_at_sync[position] = int(state["tokens_at_sync"])
+        super().load_island_state(position, state)
         self.error[position].copy_(state["error"])
-
 
 def payload_bytes(s: Setting) -> float:
     """Bytes of one island's SparseLoCo payload, for N parameters in N/c chunks of k kept entries each: an

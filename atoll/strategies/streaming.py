@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import Field
 
 from atoll.algorithms.fragments import fragments_due
@@ -25,7 +24,8 @@ from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import Section
 from atoll.runtime.comm import Work
 from atoll.runtime.network import ring_allreduce_bytes
-from atoll.strategies.base import Strategy, drop_non_finite, make_wire, model_fragments
+from atoll.strategies.base import drop_non_finite, make_wire, model_fragments
+from atoll.strategies.rounds import Rounds
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -71,34 +71,25 @@ class _InFlight:
     dropped: tuple[bool, ...] = ()  # islands whose contribution was not finite: they adopt the global fragment
 
 
-class StreamingDiLoCo(Strategy):
-    """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment."""
+class StreamingDiLoCo(Rounds):
+    """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment
+    (rounds, resets and checkpointed round state per fragment: :class:`~atoll.strategies.rounds.Rounds`)."""
 
     name = "streaming"
+    fragmented = True
 
     def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
-        super().__init__(config, islands, comm)
         shapes = [(n, tuple(p.shape)) for n, p in islands[0].named_params.items()]
-        self.index = model_fragments(shapes, config.fragments)
-        self.numel = sum(p.numel() for p in islands[0].params)
-        pin = islands[0].device.type == "cuda"  # pinned host backups per fragment (torchft's)
-        self.outer = [OuterOptimizer(islands[0].flat_params(frag), config.outer_lr, config.outer_momentum, pin=pin)
-                      for frag in self.index]
-        self.tokens_at_sync = [[island.tokens for island in islands] for _ in self.index]
-        self.last_sync_step = [0] * len(self.index)
+        super().__init__(config, islands, comm, index=model_fragments(shapes, config.fragments))
         self.in_flight: list[_InFlight] = []
         self.wire = make_wire(config, comm.local_islands)
-        self.dropped_updates = 0
 
-    def step(self, step: int) -> None:
-        for position, island in enumerate(self.islands):
-            if island.diverged:  # its loss is not finite: restart it from the global model (docs/reliability.md)
-                island.reset_to(self.global_params())  # a fresh inner optimizer; its work since each sync is lost
-                for ts in self.tokens_at_sync:
-                    ts[position] = island.tokens
-                island.skip_step()
-            else:
-                island.inner_step()
+    @property
+    def outer(self) -> list[OuterOptimizer]:
+        """Each fragment's outer optimizer (:attr:`~atoll.strategies.rounds.Rounds.outers`)."""
+        return self.outers
+
+    def after_inner(self, step: int) -> None:
         for job in [j for j in self.in_flight if j.merge_after_step == step]:
             self._merge(job)
         for p in fragments_due(step, len(self.index), self.config.sync_every):
@@ -106,16 +97,14 @@ class StreamingDiLoCo(Strategy):
 
     def _start(self, p: int, step: int, overlap: int | None = None) -> None:
         """Send fragment p's pseudo-gradient; merge it now (tau = 0) or after ``overlap`` more steps."""
-        frag, base = self.index[p], self.outer[p].params.detach()
+        frag, base = self.index[p], self.outers[p].params.detach()
         deltas = [island.pseudo_gradient(base, frag) for island in self.islands]  # the fragment's views only
-        weights = [island.tokens - t0 for island, t0 in zip(self.islands, self.tokens_at_sync[p], strict=True)]
-        deltas, weights, dropped = drop_non_finite(deltas, weights)
+        deltas, weights, dropped = drop_non_finite(deltas, self.clocks[p].weights(self.islands))
         self.dropped_updates += sum(dropped)
         if sum(weights) == 0:  # nothing usable: a zero pseudo-gradient still moves the outer momentum
             weights = [1.0] * len(weights)
         work = self.comm.start_all_reduce_mean(deltas, weights=weights, wire=self.wire, key=f"fragment{p}")
-        self.tokens_at_sync[p] = [island.tokens for island in self.islands]
-        self.last_sync_step[p] = step + 1
+        self.clocks[p].commit(self.islands, step + 1)
         tau = self.config.overlap_steps if overlap is None else overlap
         job = _InFlight(p, step + tau, work, tuple(dropped))
         if tau == 0:
@@ -126,40 +115,32 @@ class StreamingDiLoCo(Strategy):
     def _merge(self, job: _InFlight) -> None:
         """Outer step of the fragment with the averaged pseudo-gradient, then mix into every island."""
         p, alpha = job.fragment, self.config.mixing_alpha
-        new_global = self.outer[p].step(job.work.wait())
+        new_global = self.outers[p].step(job.work.wait())
         for i, island in enumerate(self.islands):
             faulty = i < len(job.dropped) and job.dropped[i]
             island.mix_params(new_global, 0.0 if faulty else alpha, self.index[p])
         if job in self.in_flight:
             self.in_flight.remove(job)
 
-    def finish(self, steps_done: int) -> None:
-        """Merge what is in flight, then sync every fragment trained since its last sync (no overlap)."""
+    def drain(self) -> None:
+        """Merge every exchange in flight."""
         for job in list(self.in_flight):
             self._merge(job)
-        for p in range(len(self.index)):
-            if self.last_sync_step[p] != steps_done:
-                self._start(p, steps_done - 1, overlap=0)
+
+    def sync(self, part: int, steps_done: int) -> None:
+        """Sync fragment ``part`` with no overlap."""
+        self._start(part, steps_done - 1, overlap=0)
 
     def summary(self) -> dict[str, Any]:
         return {"fragments": len(self.index), "overlap_steps": self.config.overlap_steps}
 
-    def global_params(self) -> torch.Tensor:
-        flat = torch.empty(self.numel, dtype=torch.float32)
-        for frag, outer in zip(self.index, self.outer, strict=True):
-            frag.scatter_(flat, outer.params.detach())
-        return flat
-
     def state_dict(self) -> dict[str, Any]:
         in_flight = [{"fragment": j.fragment, "merge_after_step": j.merge_after_step, "done_at": j.work.done_at,
                       "result": j.work.result_for_checkpoint()} for j in self.in_flight]
-        return {"outer": [o.state_dict() for o in self.outer], "last_sync_step": self.last_sync_step,
-                "in_flight": in_flight}
+        return {**super().state_dict(), "in_flight": in_flight}  # the rounds' (outer, last_sync_step) per fragment
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for o, s in zip(self.outer, state["outer"], strict=True):
-            o.load_state_dict(s)
-        self.last_sync_step = [int(s) for s in state["last_sync_step"]]
+        super().load_state_dict(state)
         self.in_flight = [_InFlight(int(j["fragment"]), int(j["merge_after_step"]),
                                     self.comm.restore_work(j["result"], float(j["done_at"])),
                                     (False,) * len(self.islands)) for j in state["in_flight"]]
@@ -167,17 +148,15 @@ class StreamingDiLoCo(Strategy):
     def island_state(self, position: int) -> dict[str, Any]:
         # whether this island's contribution to each exchange in flight was left out (not finite): it then
         # adopts the merged fragment instead of mixing its faulty one in
-        return {"tokens_at_sync": [ts[position] for ts in self.tokens_at_sync],
+        return {**super().island_state(position),  # tokens_at_sync, per fragment
                 "in_flight_dropped": [j.dropped[position] for j in self.in_flight],
                 "wire": self.wire.island_state(position)}
 
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
-        for ts, t in zip(self.tokens_at_sync, state["tokens_at_sync"], strict=True):
-            ts[position] = int(t)
+        super().load_island_state(position, state)
         for job, dropped in zip(self.in_flight, state["in_flight_dropped"], strict=True):  # after load_state_dict
             job.dropped = tuple(bool(dropped) if i == position else d for i, d in enumerate(job.dropped))
         self.wire.load_island_state(position, state["wire"])
-
 
 def project(s: Setting) -> Cost:
     """streaming's cost per inner step: one fragment of N/P every H/P steps, overlapped with tau inner steps;

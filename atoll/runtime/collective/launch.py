@@ -19,6 +19,7 @@ import torch.distributed as dist
 from atoll.errors import AtollError, Interrupted, RunFailed
 from atoll.job import stop
 from atoll.job.checkpoint import latest_checkpoint, resume_advice
+from atoll.job.divergence import install_fault_hook_from_env
 from atoll.job.lock import claim_run_folder
 from atoll.runtime.collective.failure import REPORT_KEY
 from atoll.runtime.collective.rejoin import ADMITTED_KEY, REJOIN_ENV
@@ -213,6 +214,7 @@ def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, st
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     module, _, name = worker.partition(":")
     try:
+        install_fault_hook_from_env()  # a test's faults, told at the rank's start (atoll.job.divergence)
         getattr(importlib.import_module(module), name)(config, resume)
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr, flush=True)

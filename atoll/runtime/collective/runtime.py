@@ -82,7 +82,8 @@ class CollectiveRuntime(Runtime):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("cuda", local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timedelta(seconds=config.collective_timeout_s)
-        self.kill_at = parse_kill_hook()
+        self.kill_at = parse_kill_hook()  # the test hook, read once as the rank starts
+        self.kill_stamp = os.environ.get("ATOLL_TEST_KILL_STAMP")  # where to note when it died (bench/survivors.py)
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
         self.stopping: StopAgreement | None = None  # from start(): the step all ranks stop after on a signal
@@ -294,8 +295,8 @@ class CollectiveRuntime(Runtime):
         for rank, at, sig, after_rejoin in self.kill_at:  # test hook (see the package docstring)
             base = self.membership.first_rejoin() if after_rejoin else 0
             if base is not None and (rank, base + at) == (self.rank, step + 1):
-                if os.environ.get("ATOLL_TEST_KILL_STAMP"):  # when it died, for bench/survivors.py
-                    Path(os.environ["ATOLL_TEST_KILL_STAMP"]).write_text(repr(time.time()))
+                if self.kill_stamp:  # when it died, for bench/survivors.py
+                    Path(self.kill_stamp).write_text(repr(time.time()))
                 os.kill(os.getpid(), sig)
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count

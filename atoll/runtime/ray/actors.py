@@ -14,6 +14,7 @@ import ray
 import torch
 
 from atoll.config import TrainConfig
+from atoll.job.divergence import install_fault_hook_from_env
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
 from atoll.strategies.decoupled.protocol import Pull, Push
 from atoll.strategies.decoupled.service import SyncerService
@@ -98,6 +99,7 @@ class IslandService:
     ``credential``: this island's secret (from the driver), carried by each of its pushes."""
 
     def __init__(self, config_json: str, index: int, syncer: Any, out: str, credential: str = "") -> None:
+        install_fault_hook_from_env()  # a test's faults, told as the actor's process starts (atoll.job.divergence)
         config = TrainConfig.model_validate_json(config_json)
         self.index, self.credential = index, credential
         self.syncer = syncer

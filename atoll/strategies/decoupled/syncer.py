@@ -173,13 +173,26 @@ class Syncer:
         self.commits = 0
         self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
         self.staleness: list[int] = []      # staleness of every merged push
-        self.merged_tokens = 0.0            # tokens of merged pushes, each scaled by its fragment's share
-        self.merged_tokens_per_island = [0.0] * islands
-        self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}  # per island, times fragment share
+        # per island, times fragment share: the one count of merged tokens (merged_tokens and
+        # merged_tokens_per_island are derived from its "merged" bucket)
+        self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
         self._means = [torch.empty(n) for n in self.numels]  # per fragment: where its Δ̄ is summed (lazy pages)
         self.journal = Journal()  # its merges and refusals, for the run events; drained by the runtime, not saved
+
+    @property
+    def merged_tokens_per_island(self) -> list[float]:
+        """Per island, the tokens of its merged pushes, each times its fragment's share of the parameters
+        (float tokens): ``tokens_by_outcome["merged"]`` (the summary's ``merged_tokens_by_island``), the one
+        count of merged tokens."""
+        return self.tokens_by_outcome["merged"]
+
+    @property
+    def merged_tokens(self) -> float:
+        """The tokens of every merged push, each times its fragment's share (float tokens; the runs'
+        ``useful_tokens``): the sum over islands of :attr:`merged_tokens_per_island`."""
+        return float(sum(self.tokens_by_outcome["merged"]))
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -357,11 +370,8 @@ class Syncer:
         self.commits += 1
         self.quorum_sizes.append(contributors)
         self.staleness += stale
-        share = self.numels[fragment] / self.numel
         for p in kept:
             self.refused_in_a_row[p.island] = 0
-            self.merged_tokens += p.tokens * share
-            self.merged_tokens_per_island[p.island] += p.tokens * share
             self._count("merged", p.island, fragment, p.tokens)
         return 1
 

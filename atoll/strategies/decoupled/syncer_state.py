@@ -43,6 +43,7 @@ def state_dict(s: Syncer) -> dict[str, Any]:
         "stale_updates": s.stale_updates, "replaced_updates": s.replaced_updates,
         "accepted_updates": s.accepted_updates, "commits": s.commits,
         "quorum_sizes": list(s.quorum_sizes), "staleness": list(s.staleness),
+        # derived from tokens_by_outcome["merged"] (not read back): for readers of the checkpoint
         "merged_tokens": s.merged_tokens, "merged_tokens_per_island": list(s.merged_tokens_per_island),
         "merge_waits": [list(w) for w in s.merge_waits],
     }
@@ -75,8 +76,8 @@ def load_state_dict(s: Syncer, state: dict[str, Any]) -> None:
     s.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
     s.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
     s.staleness = [int(x) for x in state["staleness"]]
-    s.merged_tokens = float(state["merged_tokens"])
-    s.merged_tokens_per_island = [float(x) for x in state["merged_tokens_per_island"]]
+    # merged_tokens and merged_tokens_per_island (still written, for readers of the checkpoint) are derived
+    # from tokens_by_outcome["merged"] on load; older checkpoints' copies of them are not read
     s.merge_waits = [(float(w), float(g)) for w, g in state.get("merge_waits", [])]
 
 
