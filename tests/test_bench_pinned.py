@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from atoll.bench import decoupled, demo_sweep, diloco_vs_ddp, overhead, streaming_codecs, wan
+from atoll.benchmarks import wan
 from atoll.cli import build_parser
 from atoll.config import TrainConfig, build_config
 from atoll.config.applies import applicable
+from bench import decoupled, demo_sweep, diloco_vs_ddp, overhead, streaming_codecs
 
 #: Every TrainConfig field's default at commit 568f3bb (the code the committed results were measured with).
 OLD_DEFAULTS: dict[str, Any] = {
@@ -86,7 +87,7 @@ def assert_same(new: TrainConfig, own: dict[str, Any], run: str, skip_unread: bo
 
 
 def via_train_once(settings: dict[str, Any]) -> TrainConfig:
-    """The config :func:`atoll.bench.common.train_once` trains ``settings`` with."""
+    """The config :func:`atoll.benchmarks.common.train_once` trains ``settings`` with."""
     return build_config(base={"progress": False, "threads": 1, **settings}, overrides={"out": "/tmp/run"})
 
 
@@ -116,7 +117,7 @@ def test_diloco_vs_ddp(steps: int, tmp_path: Path) -> None:
             configs[name] = via_train_once(diloco_vs_ddp.pinned(own))
         assert_same(configs[name], own, name)
     # streaming_codecs and demo_sweep reuse ddp, one_island and diloco at H=50 when their config.json matches
-    # what they ask for (atoll.bench.common.run_matches)
+    # what they ask for (atoll.benchmarks.common.run_matches)
     for name in ("ddp", "one_island", first):
         resolved = json.loads(configs[name].model_dump_json())
         assert all(resolved[k] == v for k, v in diloco_vs_ddp.reference(name, steps).items()), name
