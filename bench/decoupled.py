@@ -46,6 +46,7 @@ from atoll.benchmarks.common import (
     default_out,
     pct,
     script_error,
+    study_settings,
     train_once,
     write_results,
 )
@@ -54,16 +55,11 @@ from atoll.runtime.network import Link
 
 SPEEDS = [1.0, 1.0, 0.5, 0.25]  # (b): relative speeds of the 4 islands
 
-#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's and that the
-#: runs do not set themselves (model, steps, H, evaluation and checkpoints are the flags'): the committed results
-#: were measured on them, so every run takes them under its own settings and the results reproduce. Decoupled
-#: exchanged fp32 by default then (int4 now); its outer momentum was 0.5 then as now, and synchronous diloco's
-#: (``--train-sync``) 0.9 (:data:`EARLIER_DILOCO`). The evaluation now takes 8 held-out windows per batch whatever
-#: the batch size, where it took batch_size windows: at batch 8 that is the same evaluation set as before, so
-#: final_eval_loss stays comparable.
-EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_steps": 50, "codec": "fp32"}
-#: what synchronous diloco's runs add to :data:`EARLIER_SETTING`: its outer momentum then
-EARLIER_DILOCO: dict[str, Any] = {"outer_momentum": 0.9}
+#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's, which the
+#: committed results were measured on: bench/decoupled.toml's [earlier] (why each, there).
+EARLIER_SETTING: dict[str, Any] = study_settings(__file__, "earlier")
+#: what synchronous diloco's runs add to :data:`EARLIER_SETTING`: its outer momentum then ([earlier_diloco])
+EARLIER_DILOCO: dict[str, Any] = study_settings(__file__, "earlier_diloco")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

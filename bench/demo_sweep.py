@@ -35,7 +35,15 @@ _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:  # ``python bench/demo_sweep.py``: the repository root on the path, for bench.<study>
     sys.path.append(_REPO)
 
-from atoll.benchmarks.common import default_out, parse_args, pct, script_error, train_once, write_results
+from atoll.benchmarks.common import (
+    default_out,
+    parse_args,
+    pct,
+    script_error,
+    study_settings,
+    train_once,
+    write_results,
+)
 from atoll.config import build_config
 from atoll.errors import AtollError
 from bench import diloco_vs_ddp
@@ -44,13 +52,9 @@ LRS = (1e-3, 3e-3, 1e-2)
 TOPKS = (4, 8, 16, 32)
 FLOORS = (0.1, 1.0)
 
-#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's: the committed
-#: results were measured on them, so every run takes them under its own settings and the results reproduce
-#: (demo's own defaults, sign values, chunk 64 and a constant rate after warmup, are unchanged). The evaluation
-#: now takes 8 held-out windows per batch whatever the batch size, where it took batch_size windows: at batch 8
-#: that is the same evaluation set as before, so final_eval_loss stays comparable.
-EARLIER_SETTING: dict[str, Any] = {"model": "tiny", "vocab_size": 4096, "batch_size": 8, "warmup_steps": 50,
-                                   "outer_momentum": 0.9, "eval_every": 100}
+#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's, which the
+#: committed results were measured on: bench/demo_sweep.toml's [earlier] (why each, there).
+EARLIER_SETTING: dict[str, Any] = study_settings(__file__, "earlier")
 
 
 def pinned(settings: dict[str, Any]) -> dict[str, Any]:

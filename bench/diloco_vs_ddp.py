@@ -39,6 +39,7 @@ from atoll.benchmarks.common import (
     pct,
     run_matches,
     script_error,
+    study_settings,
     train_once,
     write_results,
 )
@@ -46,13 +47,9 @@ from atoll.errors import AtollError
 
 OUTER_SWEEP = ((1.0, 0.0), (0.7, 0.5))  # (outer lr, outer momentum); run 1 is (0.7, 0.9)
 
-#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's: the committed
-#: results were measured on them, so every run takes them under its own settings and the results reproduce
-#: (``steps``: the length of run 1, ``atoll train`` with no argument then; the others set their own). The
-#: evaluation now takes 8 held-out windows per batch whatever the batch size, where it took batch_size windows:
-#: at batch 8 that is the same evaluation set as before, so final_eval_loss stays comparable.
-EARLIER_SETTING: dict[str, Any] = {"model": "tiny", "vocab_size": 4096, "batch_size": 8, "steps": 600,
-                                   "warmup_steps": 50, "outer_momentum": 0.9, "eval_every": 100}
+#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's, which the
+#: committed results were measured on: bench/diloco_vs_ddp.toml's [earlier] (why each, there).
+EARLIER_SETTING: dict[str, Any] = study_settings(__file__, "earlier")
 
 
 def pinned(settings: dict[str, Any]) -> dict[str, Any]:

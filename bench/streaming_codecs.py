@@ -33,19 +33,23 @@ if _REPO not in sys.path:  # ``python bench/streaming_codecs.py``: the repositor
     sys.path.append(_REPO)
 
 from atoll.algorithms.codecs import make_codec
-from atoll.benchmarks.common import default_out, parse_args, pct, script_error, train_once, write_results
+from atoll.benchmarks.common import (
+    default_out,
+    parse_args,
+    pct,
+    script_error,
+    study_settings,
+    train_once,
+    write_results,
+)
 from atoll.errors import AtollError
 from bench import diloco_vs_ddp
 
 CODECS = ("fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk")
 
-#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's: the committed
-#: results were measured on them, so every run takes them under its own settings and the results reproduce. The
-#: streaming run sets its codec (int4) and overlap (tau = 5) itself, so streaming's new defaults for them do not
-#: reach it. The evaluation now takes 8 held-out windows per batch whatever the batch size, where it took batch_size
-#: windows: at batch 8 that is the same evaluation set as before, so final_eval_loss stays comparable.
-EARLIER_SETTING: dict[str, Any] = {"model": "tiny", "vocab_size": 4096, "batch_size": 8, "warmup_steps": 50,
-                                   "outer_momentum": 0.9, "eval_every": 100}
+#: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's, which the
+#: committed results were measured on: bench/streaming_codecs.toml's [earlier] (why each, there).
+EARLIER_SETTING: dict[str, Any] = study_settings(__file__, "earlier")
 
 
 def pinned(settings: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 from atoll.benchmarks.folders import check_benchmark_run, clear_run_dir, make_folder, register
 from atoll.job.metrics import finite_or_none
 
@@ -53,6 +58,17 @@ def default_out(name: str) -> Path:
     if (repo / "bench").is_dir() and (repo / "pyproject.toml").is_file():
         return repo / "bench" / "out" / name
     return Path("bench") / "out" / name
+
+
+def study_settings(script: str | Path, table: str = "earlier") -> dict[str, Any]:
+    """The settings a study pins: the table ``table`` of the TOML file beside the script (``bench/<name>.toml``
+    for ``bench/<name>.py``), TrainConfig fields and their values (tests/test_bench_settings.py checks every
+    such file against today's config)."""
+    path = Path(script).resolve().with_suffix(".toml")
+    settings = tomllib.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(settings.get(table), dict):
+        raise KeyError(f"{path}: no [{table}] table of settings")
+    return dict(settings[table])
 
 
 # ----------------------------------------------------------------------------------------------------------
