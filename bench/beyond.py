@@ -33,16 +33,14 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from atoll.benchmarks.common import default_out, pct, script_error, train_once, write_results
+from atoll.benchmarks.common import default_out, pct, script_error, study_settings, train_once, write_results
 from atoll.config.applies import BY_STRATEGY
 from atoll.errors import AtollError, ConfigError
 
-BASE: dict[str, Any] = {"model": "micro", "vocab_size": 512, "seq_len": 32, "batch_size": 8, "islands": 4,
-                        "sync_every": 10, "warmup_steps": 30, "eval_every": 100}
-
-#: the default benchmark's data and schedule (atoll train's defaults), for the study by model size
-SIZE_BASE: dict[str, Any] = {"vocab_size": 1024, "seq_len": 128, "batch_size": 32, "warmup_steps": 40,
-                             "eval_every": 40, "steps": 800, "sync_every": 50}
+#: every run's settings under its own (studies 1 to 4): bench/beyond.toml's [base]
+BASE: dict[str, Any] = study_settings(__file__, "base")
+#: the default benchmark's data and schedule (atoll train's defaults), for the study by model size: [size_base]
+SIZE_BASE: dict[str, Any] = study_settings(__file__, "size_base")
 
 #: (name, reference run it is compared with, settings)
 RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (

@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-SETTINGS = {"model": "micro", "vocab_size": 512, "seq_len": 32, "batch_size": 4, "islands": 3, "threads": 1,
-            "strategy": "diloco", "eval_batches": 4}
+from atoll.benchmarks.common import study_settings
+
+#: the settings both frameworks train with (under --steps, --sync-every, --data): bench/survivors.toml's [settings]
+SETTINGS: dict[str, Any] = study_settings(__file__, "settings")
 
 
 def _atoll(args: argparse.Namespace, out: Path) -> dict[str, Any]:
