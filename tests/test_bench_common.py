@@ -1,5 +1,5 @@
 """What every benchmark shares (atoll.benchmarks.common): the run cache, the folder guard, the results writer, and
-the launchers under bench/."""
+the scripts under bench/ (the studies, and bench/wan.py, the launcher of ``atoll bench wan``)."""
 
 from __future__ import annotations
 
@@ -356,8 +356,9 @@ def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
-                                  "same_numbers", "wan", "fidelity", "gpu"])
-def test_launchers_run_their_module(name: str) -> None:
+                                  "same_numbers", "wan", "fidelity", "gpu", "beyond", "codec_speed", "robust_merge",
+                                  "service_transfer", "survivors"])
+def test_bench_scripts_run(name: str) -> None:
     r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
