@@ -114,7 +114,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     p_sweep.add_argument("--out", type=Path, default=None, metavar="DIR",
                          help="the sweep's folder: one run folder per point, results.json, results.md, sweep.png "
                          "[default: runs/sweep-<time>]")
-    from atoll.bench import sweep
+    from atoll.benchmarks import sweep
 
     sweep.add_arguments(p_sweep)
     if train_flags:
@@ -139,7 +139,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     commands.add_parsers(sub, add_config_flags if train_flags else None)
 
     from atoll.analysis import projection
-    from atoll.bench import suite, wan  # no torch at import: the parser stays fast
+    from atoll.benchmarks import suite, wan  # no torch at import: the parser stays fast
 
     p_project = sub.add_parser("project", help="project step time, utilization, bytes and goodput of each "
                                "strategy to real scale (arithmetic, no training)",
@@ -252,16 +252,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "suite":
-        from atoll.bench.suite import run_suite
+        from atoll.benchmarks.suite import run_suite
 
         return run_suite(args)
-    from atoll.bench.wan import run_benchmark
+    from atoll.benchmarks.wan import run_benchmark
 
     return run_benchmark(args)
 
 
 def _sweep_doc() -> str:
-    from atoll.bench import sweep
+    from atoll.benchmarks import sweep
 
     return (sweep.__doc__ or "").split("\n\n")[0]
 
@@ -269,7 +269,7 @@ def _sweep_doc() -> str:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     import time
 
-    from atoll.bench.sweep import run_sweep
+    from atoll.benchmarks.sweep import run_sweep
     from atoll.config import TrainConfig, build_config
 
     values = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and k != "out"}

@@ -1,5 +1,212 @@
-"""Launcher: ``python bench/gpu.py [flags]``. The benchmark and its docstring: atoll/bench/gpu.py."""
-from atoll.bench.gpu import main
+"""atoll on an accelerator: throughput, model FLOP utilization, memory, the outer step and the framework's overhead.
 
-if __name__ == "__main__":  # guarded: worker processes that import this file must not run it
-    raise SystemExit(main())
+    python bench/gpu.py                           # 20m and 125m (1b if memory allows), bf16, 4 islands on GPU 0
+    python bench/gpu.py --device cpu --quick      # the same script on the CPU at the micro size (a smoke run)
+
+Written and tested on the CPU so that it runs first time on a GPU machine. For each model size:
+
+1. **Loops** (:func:`bench.overhead.compare_loops`): one island's inner step (atoll's ``Island``: forward
+   and backward under bf16 autocast, the non-finite check, clipping, fused AdamW, the schedule) against the
+   plain PyTorch loop on the same device, model, batch and schedule, in interleaved rounds: seconds per step,
+   tokens per second, **MFU** and the **overhead** of atoll against the plain loop, as a ratio of the same run.
+2. **A diloco job of K islands on one device** (the ``local`` runtime, H inner steps per round, two rounds):
+   tokens per second of the whole job, **peak memory** of the device, and three times apart, from the job's
+   summary: the **inner steps** (the islands' timed forward, backward and optimizer steps, ``compute_s``),
+   the **outer round** (the pseudo-gradients, their exchange and average, the outer Nesterov step and the
+   copies around them: the strategy's time outside the islands' inner steps, ``outer_s``, per round) against
+   the round's K x H inner steps, and the **evaluation** (on island 0's device, ``eval_s``, per evaluation);
+   the job's tokens per second are over its time less the evaluations.
+3. With several GPUs, the same job with one island per GPU (round-robin placement).
+
+MFU, model FLOP utilization (Chowdhery et al. 2022, PaLM, appendix B): achieved model FLOPs per second over
+the device's peak, with model FLOPs per token = 6 N + 12 L d T (N: parameters that multiply, the tied
+head counted once, untied input embeddings not; L layers, d width, T sequence length; the second term is
+attention's score and value products, forward and backward). Peak: dense bfloat16 of the device from
+:data:`PEAK_TFLOPS` by its name, or ``--peak-tflops``; without one MFU is not reported (the CPU).
+
+Writes ``results.json`` and ``results.md`` into ``--out`` (default ``bench/out/gpu``). Targets of the issue
+(125m, bf16, 4 islands on one H100/H200-class GPU): MFU at least 40%, overhead at most 3%, outer step under
+5% of its H = 50 inner steps. The script reports them; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # ``python bench/gpu.py``: the repository root on the path, for bench.<study>
+    sys.path.append(_REPO)
+
+from atoll.benchmarks.common import default_out, script_error, write_results
+from atoll.errors import AtollError
+
+#: dense bfloat16 peak TFLOP/s by device name (vendor data sheets, without sparsity)
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0,
+               "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
+#: per model: (batch sequences per island per step, sequence length) on an accelerator
+SHAPES = {"20m": (32, 1024), "125m": (16, 1024), "1b": (4, 2048)}
+QUICK = {"models": "micro", "batch": 4, "seq": 32, "sync_every": 3, "rounds": 3, "steps": 2, "vocab": 512}
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s: ``override``, else looked up by the CUDA device's name."""
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token, 6 N + 12 L d T (PaLM, appendix B); N counts the parameters that multiply."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    if not cfg.tie_word_embeddings:  # the input embedding is a lookup; a tied one is the head's matmul too
+        n -= model.get_input_embeddings().weight.numel()
+    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
+
+
+def fits(model_name: str, islands: int, vocab: int, device: torch.device) -> bool:
+    """Whether K islands' fp32 weights, gradients and AdamW state (16 bytes a parameter) fit in 80% of the
+    device's memory (always true off CUDA, where the caller chose the size)."""
+    if device.type != "cuda":
+        return True
+    from atoll.job.model import PRESETS
+
+    p = PRESETS[model_name]
+    approx = 12 * p.num_hidden_layers * p.hidden_size ** 2 + 2 * vocab * p.hidden_size
+    return islands * 16 * approx < 0.8 * torch.cuda.get_device_properties(device).total_memory
+
+
+def measure(name: str, args: argparse.Namespace, device: torch.device, data: dict[str, Any]) -> dict[str, Any]:
+    """Loops and the diloco job for one model size; one row of the results."""
+    from atoll.config import build_config
+    from atoll.job.device import peak_memory
+    from atoll.job.model import build_model, count_parameters
+    from atoll.train import train
+    from bench.overhead import compare_loops
+
+    batch, seq = (args.batch, args.seq) if args.batch else SHAPES.get(name, (8, 256))
+    own = {"model": name, "batch_size": batch, "seq_len": seq, "precision": args.precision, "device": args.device,
+           "compile": args.compile,
+           "vocab_size": args.vocab, **data}
+    config = build_config(overrides={**own, "steps": 10_000, "islands": 1, "progress": False})
+    model = build_model(name, config.vocab_size, seq, config.seed)
+    peak = peak_tflops(device, args.peak_tflops)
+    fpt = flops_per_token(model, seq)
+    loops = compare_loops(config, model, device, args.rounds, args.steps)
+    atoll_s, plain_s = loops["median_s"]["atoll"], loops["median_s"]["plain"]
+    tokens_per_step = batch * seq
+    row: dict[str, Any] = {
+        "model": name, "params": count_parameters(model), "batch": batch, "seq_len": seq,
+        "precision": args.precision, "compile": args.compile, "flops_per_token": fpt,
+        "island_step_s": atoll_s, "plain_step_s": plain_s, "overhead_pct": 100 * (atoll_s - plain_s) / plain_s,
+        "island_tokens_per_s": tokens_per_step / atoll_s,
+        "mfu_pct": 100 * fpt * tokens_per_step / atoll_s / (peak * 1e12) if peak else None,
+        "max_weight_diff": loops["max_weight_diff"],
+    }
+    del model
+    h = args.sync_every
+    with tempfile.TemporaryDirectory() as tmp, peak_memory(device) as peak_bytes:
+        t0 = time.perf_counter()
+        summary = train(build_config(overrides={
+            **own, "strategy": "diloco", "islands": args.islands, "sync_every": h, "steps": 2 * h,
+            "eval_every": 2 * h, "eval_batches": 1, "checkpoint_every": 0, "progress": False,
+            "out": str(Path(tmp) / "run")}))
+        job_s = time.perf_counter() - t0
+        row["peak_memory_bytes"] = peak_bytes()
+    rounds, evals = 2, 2  # two rounds of H; evaluations before training and at the end
+    # the round's K x H inner steps as the job timed them (islands in turn on one device; compute_s is the
+    # slowest island's, which K islands of one device share)
+    inner_round_s = args.islands * summary["compute_s"] / rounds
+    outer_s = summary["outer_s"] / rounds
+    train_s = job_s - summary["eval_s"]
+    row.update({
+        "islands": args.islands, "sync_every": h, "job_tokens": summary["tokens"], "job_s": job_s,
+        "job_tokens_per_s": summary["tokens"] / train_s, "inner_step_s": summary["compute_s"] / (rounds * h),
+        "inner_round_s": inner_round_s, "outer_step_s": outer_s, "eval_s": summary["eval_s"] / evals,
+        "outer_vs_inner_round_pct": 100 * outer_s / inner_round_s, "final_eval_loss": summary["final_eval_loss"],
+    })
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python bench/gpu.py [--models 20m,125m,1b] [--device auto] [--quick] ...``; the exit status (2: bad input)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="20m,125m,1b", help="model presets [20m,125m,1b; 1b if it fits]")
+    parser.add_argument("--device", default="auto", help="auto, cuda, cpu or mps [auto]")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16"), help="[bf16]")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile both loops' and the islands' forward passes [off]")
+    parser.add_argument("--islands", type=int, default=4, help="islands of the diloco job on one device [4]")
+    parser.add_argument("--sync-every", type=int, default=50, help="H of the diloco job (two rounds) [50]")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the loops (first discarded) [4]")
+    parser.add_argument("--steps", type=int, default=10, help="steps per round of the loops [10]")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per island per step [per model]")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence [per model]")
+    parser.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary [8192]")
+    parser.add_argument("--data", default="stdlib", help="corpus, as atoll train --data [stdlib]")
+    parser.add_argument("--cache-dir", default=None, help="tokenizer/token cache, as atoll train")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak [by name]")
+    parser.add_argument("--quick", action="store_true", help="micro model, tiny shapes: a smoke run (CPU tests)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/gpu]")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    try:
+        return benchmark(args)
+    except AtollError as e:  # one line for bad input (a bug keeps its traceback)
+        return script_error("gpu", e)
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    from atoll.job.device import island_devices
+
+    torch.manual_seed(0)
+    device = island_devices(1, args.device)[0]
+    out = args.out or default_out("gpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    data = {"data": args.data, **({"cache_dir": args.cache_dir} if args.cache_dir else {})}
+    rows, skipped = [], []
+    for m in [s.strip() for s in args.models.split(",") if s.strip()]:
+        if not fits(m, args.islands, args.vocab, device):
+            skipped.append(f"{m}: {args.islands} islands do not fit in the device's memory")
+            continue
+        rows.append(measure(m, args, device, data))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    result = {"device": name, "device_count": torch.cuda.device_count(), "torch": torch.__version__,
+              "precision": args.precision, "rows": rows, "skipped": skipped,
+              "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
+    pct = lambda v: "-" if v is None else f"{v:.1f}%"  # noqa: E731
+    table = write_results(
+        out, result,
+        [("model", "model"), ("params", "params", lambda v: f"{v / 1e6:.1f}M"), ("batch x seq", "batch"),
+         ("island tokens/s", "island_tokens_per_s", lambda v: f"{v:,.0f}"), ("MFU", "mfu_pct", pct),
+         ("atoll vs plain loop", "overhead_pct", lambda v: f"{v:+.1f}%"),
+         ("job tokens/s (K islands)", "job_tokens_per_s", lambda v: f"{v:,.0f}"),
+         ("peak memory", "peak_memory_bytes", lambda v: f"{v / 2**30:.1f} GiB"),
+         ("inner step (job)", "inner_step_s", lambda v: f"{v * 1e3:.1f} ms"),
+         ("outer round", "outer_step_s", lambda v: f"{v * 1e3:.0f} ms"),
+         ("outer / K x H inner steps", "outer_vs_inner_round_pct", pct),
+         ("evaluation", "eval_s", lambda v: f"{v * 1e3:.0f} ms")],
+        [{**r, "batch": f"{r['batch']} x {r['seq_len']}"} for r in rows],
+        f"atoll on {name} ({args.precision}, {args.islands} islands on one device, H={args.sync_every})",
+        [f"MFU: 6N + 12LdT model FLOPs per token over the device's dense bf16 peak; skipped: {skipped or 'none'}",
+         f"command: {result['command']}"], bullets=False)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

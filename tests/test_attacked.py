@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from atoll.bench.common import finished, read_summary, run_matches
-from atoll.bench.folders import check_out_folder
-from atoll.bench.sweep import SWEEP_KEYS
+from atoll.benchmarks.common import finished, read_summary, run_matches
+from atoll.benchmarks.folders import check_out_folder
+from atoll.benchmarks.sweep import SWEEP_KEYS
 from atoll.config import build_config
 from atoll.errors import ConfigError, Interrupted
 from atoll.job import stop

@@ -1,5 +1,5 @@
-"""What every benchmark shares (atoll.bench.common): the run cache, the folder guard, the results writer, and
-the launchers under bench/."""
+"""What every benchmark shares (atoll.benchmarks.common): the run cache, the folder guard, the results writer, and
+the scripts under bench/ (the studies, and bench/wan.py, the launcher of ``atoll bench wan``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.bench import common, folders
-from atoll.bench.common import default_out, markdown_table, train_once, write_results
-from atoll.bench.folders import check_out_folder, clear_run_dir
+from atoll.benchmarks import common, folders
+from atoll.benchmarks.common import default_out, markdown_table, train_once, write_results
+from atoll.benchmarks.folders import check_out_folder, clear_run_dir
 from atoll.errors import ConfigError
 
 REPO = Path(__file__).parents[1]
@@ -214,7 +214,7 @@ def test_check_out_folder_keeps_results_files_no_benchmark_wrote(tmp_path: Path)
 def _wan_args(out: Path, fresh: bool = False):  # noqa: ANN202
     import argparse
 
-    from atoll.bench.wan import add_arguments
+    from atoll.benchmarks.wan import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -233,7 +233,7 @@ def _users_wan_folder(out: Path) -> None:
 def test_bench_wan_checks_its_out_folder_as_the_suite_does(tmp_path: Path) -> None:
     """bench wan deleted a folder it did not write and wrote over the user's results.md: every run folder it
     would train must be one it trained there (its registry), holding only atoll's files; checked up front."""
-    from atoll.bench.wan import check_out
+    from atoll.benchmarks.wan import check_out
 
     out = tmp_path / "wan"
     check_out(_wan_args(out))  # new: fine
@@ -263,7 +263,7 @@ def test_bench_wan_checks_its_out_folder_as_the_suite_does(tmp_path: Path) -> No
 def test_bench_wan_refuses_a_users_folder_before_anything_runs(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The command: one line, status 2, the user's files as they were, nothing written (no namespace needed)."""
-    from atoll.bench import wan
+    from atoll.benchmarks import wan
 
     monkeypatch.setattr(wan, "unavailable_reason", lambda: None)  # as root with network namespaces
     monkeypatch.setattr(wan, "EmulatedWan", None)  # reached only if a run started
@@ -356,8 +356,9 @@ def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
-                                  "same_numbers", "wan", "fidelity", "gpu"])
-def test_launchers_run_their_module(name: str) -> None:
+                                  "same_numbers", "wan", "fidelity", "gpu", "beyond", "codec_speed", "robust_merge",
+                                  "service_transfer", "survivors"])
+def test_bench_scripts_run(name: str) -> None:
     r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from atoll.bench import beyond
+from bench import beyond
 
 
 def test_size_study_compares_each_model_with_its_own_diloco_and_one_island() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.bench.robust_merge import train
+from bench.robust_merge import train
 
 pytestmark = pytest.mark.slow  # whole training runs, and Ray
 

@@ -160,7 +160,7 @@ def test_codec_speed_bench_writes_throughputs_and_link_ratios(tmp_path) -> None:
     (consistent with each other); an unknown codec is bad input (exit status 2)."""
     import json
 
-    from atoll.bench.codec_speed import main
+    from bench.codec_speed import main
 
     assert main(["--numel", "1000", "--repeats", "1", "--codecs", "int4,int8", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]

@@ -45,7 +45,7 @@ def test_a_collective_run_end_to_end(fast_config: dict) -> None:
 
 @pytest.mark.parametrize("name", BENCHES)
 def test_benchmark_command_lines(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    module = importlib.import_module(f"atoll.bench.{name}")
+    module = importlib.import_module("atoll.benchmarks.suite" if name == "suite" else f"bench.{name}")
     if name == "suite":  # a subcommand of atoll bench
         from atoll.cli import main
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from atoll.bench.gpu import PEAK_TFLOPS, flops_per_token, main
 from atoll.job.model import build_model
+from bench.gpu import PEAK_TFLOPS, flops_per_token, main
 
 
 def test_flops_per_token_is_palm_formula() -> None:

@@ -1,6 +1,6 @@
 """More than one machine, emulated: two network namespaces joined by veth links stand for two hosts.
 
-Each host is a namespace of :class:`~atoll.bench.netns.EmulatedWan` (its own interfaces, addresses and ports;
+Each host is a namespace of :class:`~atoll.benchmarks.netns.EmulatedWan` (its own interfaces, addresses and ports;
 the only way out is its ``wan0`` at 10.77.0.1 or 10.77.0.2, links at 1 Gbit/s), so whatever one host's
 processes say to the other's crosses the veth link, never the loopback. Two setups, as a user runs them on two
 real hosts (docs/runtimes.md, "Real processes: the collective runtime" and "Ray: the decoupled
@@ -34,8 +34,8 @@ import torch
 from conftest import cli_flags
 from safetensors.torch import load_file
 
-from atoll.bench.namespaces import netns_pids, unavailable_reason
-from atoll.bench.netns import IFNAME, EmulatedWan
+from atoll.benchmarks.namespaces import netns_pids, unavailable_reason
+from atoll.benchmarks.netns import IFNAME, EmulatedWan
 from atoll.errors import CheckpointError
 from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 

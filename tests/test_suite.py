@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_atoll, run_cli
 
-from atoll.bench.suite import BANDWIDTHS_MBPS, available, runs, standard_chaos, synchronous_goodput
+from atoll.benchmarks.suite import BANDWIDTHS_MBPS, available, runs, standard_chaos, synchronous_goodput
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_bench_help_lists_suite_and_wan() -> None:
 @pytest.mark.slow
 def test_quick_fidelity_shares_the_suite_runs(quick_suite: tuple[Path, str], corpus_file: Path, cache_dir: Path,
                                               tmp_path: Path) -> None:
-    from atoll.bench.fidelity import main as fidelity
+    from bench.fidelity import main as fidelity
 
     suite_out, _ = quick_suite
     before = (suite_out / "diloco" / "summary.json").read_text()
@@ -148,7 +148,7 @@ def test_quick_fidelity_shares_the_suite_runs(quick_suite: tuple[Path, str], cor
 
 
 def test_quick_suite_writes_beside_the_full_suite_not_over_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from atoll.bench import suite
+    from atoll.benchmarks import suite
     from atoll.cli import build_parser
 
     class _Stop(Exception):

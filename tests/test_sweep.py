@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.bench.sweep import distinct, grid, point_name
+from atoll.benchmarks.sweep import distinct, grid, point_name
 from atoll.errors import ConfigError
 
 

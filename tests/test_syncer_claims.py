@@ -141,11 +141,11 @@ def test_an_island_whose_pushes_are_all_refused_stops_the_run_with_one_line() ->
 def test_a_run_whose_island_is_refused_throughout_stops_and_says_so(fast_config: dict) -> None:
     # the local simulation, 2 islands: island 1 pushes 1e-4 x its honest Δ from the start, so island 0's pushes
     # are refused when they merge. Before: every push of island 0 refused, the model untrained, exit 0, no word
-    from atoll.bench.robust_merge import flip_pushes
     from atoll.config import TrainConfig
     from atoll.job.divergence import until_diverged
     from atoll.job.run import Run
     from atoll.runtime.events import Simulation
+    from bench.robust_merge import flip_pushes
 
     config = TrainConfig(**{**fast_config, "strategy": "decoupled", "steps": 120, "codec": "fp32", "fragments": 1,
                             "eval_every": 1000, "checkpoint_every": 1000})

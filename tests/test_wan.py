@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.bench.netns import (
+from atoll.benchmarks.netns import (
     NETNS_DIR,
     PREFIX,
     EmulatedWan,
@@ -24,7 +24,7 @@ from atoll.bench.netns import (
     namespace_exists,
     unavailable_reason,
 )
-from atoll.bench.wan import run_in_wan
+from atoll.benchmarks.wan import run_in_wan
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")
@@ -181,7 +181,7 @@ def test_a_killed_runs_namespaces_and_ranks_are_removed_at_the_next_start() -> N
     rank = subprocess.Popen(["ip", "netns", "exec", name, "sleep", "600"])
     try:
         time.sleep(0.3)
-        from atoll.bench.namespaces import netns_pids, remove_stale_namespaces
+        from atoll.benchmarks.namespaces import netns_pids, remove_stale_namespaces
 
         assert netns_pids(name)
         removed, ended = remove_stale_namespaces()

@@ -1,6 +1,6 @@
 """The decision a user faces: which strategy reaches a given loss first on my link?
 
-For the suite's runs (:mod:`atoll.bench.suite`), the simulated wall time each needs to reach a target loss
+For the suite's runs (:mod:`atoll.benchmarks.suite`), the simulated wall time each needs to reach a target loss
 at link rates from 10 Mbit/s to 10 Gbit/s. The target is the loss ddp reaches at half its tokens (interpolated
 on its held-out curve), a quality the good strategies reach within the run. Each lockstep run's clock trace is
 re-timed at every rate (:func:`atoll.analysis.curves.loss_vs_time`) with every inner step's compute set to

@@ -18,7 +18,7 @@ against ddp, simulated wall time and compute utilization at each bandwidth, good
 failure trace where the strategy reports one), ``suite.png`` (loss, bytes, utilization and wall time
 against bandwidth) and ``loss_curves.png`` (held-out loss of every run against tokens and simulated time).
 A finished run whose ``config.json`` matches (with its clock trace) is reused
-(:func:`atoll.bench.common.train_once`); ``--fresh`` reruns all. A folder in ``--out`` named like a run but
+(:func:`atoll.benchmarks.common.train_once`); ``--fresh`` reruns all. A folder in ``--out`` named like a run but
 not written by atoll is never removed: the suite stops with one line (status 2).
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from atoll.analysis.chaos import STANDARD_DOWN_FRACTION, STANDARD_MTBF_FRACTION, standard_chaos
-from atoll.bench.common import Column, default_out, finished, train_once, write_results
-from atoll.bench.folders import check_out_folder
+from atoll.benchmarks.common import Column, default_out, finished, train_once, write_results
+from atoll.benchmarks.folders import check_out_folder
 from atoll.errors import AtollError, ConfigError
 
 #: link bandwidths every run is re-timed at, Mbit/s
@@ -226,7 +226,7 @@ def _wall_util(v: tuple[float | None, float | None]) -> str:
 
 
 def table(results: dict[str, Any], command: str) -> tuple[list[Column], list[dict[str, Any]], list[str]]:
-    """The columns, rows and notes of ``results.md`` (:func:`atoll.bench.common.markdown_table`)."""
+    """The columns, rows and notes of ``results.md`` (:func:`atoll.benchmarks.common.markdown_table`)."""
     bws = results["bandwidths_mbps"]
     columns: list[Column] = [("run", "label"), ("eval loss", "final_eval_loss", _loss),
                              ("vs ddp", "gap_vs_ddp_pct", _pct), ("bytes/island", "bytes_sent_per_island", _bytes),
@@ -246,7 +246,7 @@ def table(results: dict[str, Any], command: str) -> tuple[list[Column], list[dic
              "latency); decoupled runs on its own event clock (a fixed simulated step), not re-timed. Goodput under "
              "the standard failure trace (each island down about 10% of the time, seeded): trained for decoupled "
              "(its plain row: without failures), replayed on the failure-free clock for the synchronous strategies "
-             "(atoll.bench.suite.synchronous_goodput)."] if first else []
+             "(atoll.benchmarks.suite.synchronous_goodput)."] if first else []
     return columns, rows, [*notes, f"command: {command}"]
 
 
@@ -340,7 +340,7 @@ def run_suite(args: argparse.Namespace) -> int:
     results = collect(suite_dir, names, summaries, used)
     results["command"] = command
     columns, rows, notes = table(results, command)
-    from atoll.bench import targets
+    from atoll.benchmarks import targets
 
     results["time_to_target"] = targets.time_to_target(suite_dir, summaries)
     text = write_results(suite_dir, results, columns, rows, notes=notes, bullets=False)

@@ -1,7 +1,7 @@
 """The measurements and the report of ``atoll bench wan``: the steady-state window of one run, the
-issue's checks, and ``results.json`` / ``results.md`` (through :func:`atoll.bench.common.write_results`).
+issue's checks, and ``results.json`` / ``results.md`` (through :func:`atoll.benchmarks.common.write_results`).
 
-Used by :mod:`atoll.bench.wan` (launch it with ``atoll bench wan`` or ``python bench/wan.py``); see its
+Used by :mod:`atoll.benchmarks.wan` (launch it with ``atoll bench wan`` or ``python bench/wan.py``); see its
 docstring for what the window is and why.
 """
 
@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import Column, cell, write_results
-from atoll.bench.counters import CounterSampler
+from atoll.benchmarks.common import Column, cell, write_results
+from atoll.benchmarks.counters import CounterSampler
 
 
 def steady_state(events: list[dict[str, Any]], summary: dict[str, Any], sampler: CounterSampler,
                  strategy: str, sync_every: int, warmup_step: int) -> dict[str, Any]:
-    """Tokens/s, utilization and bytes over the steady-state window of one run (see :mod:`atoll.bench.wan`).
+    """Tokens/s, utilization and bytes over the steady-state window of one run (see :mod:`atoll.benchmarks.wan`).
 
     Args:
         events: the run's ``train`` events (``step``, ``time``, ``tokens``, ``bytes_sent_per_island``).

@@ -1,4 +1,4 @@
-"""The tables, checks and plot of ``python bench/fidelity.py`` (:mod:`atoll.bench.fidelity`)."""
+"""The tables, checks and plot of ``python bench/fidelity.py`` (:mod:`bench.fidelity`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import markdown_table, pct, write_results
+from atoll.benchmarks.common import markdown_table, pct, write_results
 
-#: the default study's runs, by the names of the suite's rows they share (see atoll.bench.fidelity.runs)
+#: the default study's runs, by the names of the suite's rows they share (see bench.fidelity.runs)
 DEFAULT_RUNS = ("one_island", "ddp", "diloco", "streaming", "decoupled", "decoupled_speeds", "demo")
 
 
@@ -56,7 +56,7 @@ COLUMNS = [("setting", "setting"), ("one island", "one_island"), ("ddp", "ddp"),
            ("diloco vs one island", "diloco_vs_one", lambda v: f"{v:+.1f}%"),
            ("diloco vs ddp", "diloco_vs_ddp", lambda v: f"{v:+.1f}%"),
            ("fewer bytes than ddp", "bytes", lambda v: f"{v:,.0f}x")]
-#: every study but ``tokens`` trains half the default steps (atoll.bench.fidelity.study_steps)
+#: every study but ``tokens`` trains half the default steps (bench.fidelity.study_steps)
 TITLES = {"h": "The sync interval H (default outer optimizer; FedAvg: outer lr 1, momentum 0), half the steps",
           "outer": "The outer optimizer (outer lr / Nesterov momentum) at the default H, half the steps",
           "lr": "The inner learning rate (one island and diloco alike; ddp at the default), half the steps",

@@ -1,16 +1,16 @@
 """What every benchmark shares: one run cache, one results writer, the common flags.
 
-Not launched by itself; used by ``atoll bench suite`` (:mod:`atoll.bench.suite`), ``atoll bench wan``
-(:mod:`atoll.bench.wan`) and the scripts under the repository's ``bench/`` folder (``python bench/<name>.py``,
-whose bodies are :mod:`atoll.bench.diloco_vs_ddp`, ``streaming_codecs``, ``demo_sweep``, ``decoupled``,
-``overhead`` and ``same_numbers``).
+Not launched by itself; used by ``atoll bench suite`` (:mod:`atoll.benchmarks.suite`), ``atoll bench wan``
+(:mod:`atoll.benchmarks.wan`), ``atoll sweep`` (:mod:`atoll.benchmarks.sweep`) and the studies under the
+repository's ``bench/`` folder (``python bench/<name>.py``: ``diloco_vs_ddp``, ``streaming_codecs``,
+``demo_sweep``, ``decoupled``, ``overhead``, ``same_numbers`` and the others).
 
 A benchmark writes ``<out>/<run>/`` (a normal atoll run folder) for every run, then ``<out>/results.json``
 and ``<out>/results.md``. :func:`train_once` trains a run or reuses the finished one already there when
 its ``config.json`` matches, so an interrupted benchmark continues where it stopped (``--fresh`` reruns
 everything); two benchmark processes that need the same run take turns through a lock file, and the second
 reuses the first's run. It never deletes a folder that atoll did not write (the guard of
-:mod:`atoll.bench.folders`).
+:mod:`atoll.benchmarks.folders`).
 :func:`write_results` writes ``results.json`` and the Markdown table of ``results.md``.
 
 It imports the training code only when a run trains: ``atoll --help`` reaches it through the suite's flags.
@@ -28,7 +28,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.folders import check_benchmark_run, clear_run_dir, make_folder, register
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from atoll.benchmarks.folders import check_benchmark_run, clear_run_dir, make_folder, register
 from atoll.job.metrics import finite_or_none
 
 #: a column of a results table: (header, key) or (header, key, formatter of the key's value)
@@ -42,7 +47,7 @@ Column = tuple[str, str] | tuple[str, str, Callable[[Any], str]]
 def default_out(name: str) -> Path:
     """``bench/out/<name>`` of the repository: the default output folder of the script ``bench/<name>.py``.
 
-    The repository is the one of the launcher being run (``python bench/<script>.py``: the folder beside it),
+    The repository is the one of the script being run (``python bench/<script>.py``: the folder beside it),
     else the checkout this package is imported from (an editable install), else ``bench/out/<name>`` under
     the current folder.
     """
@@ -53,6 +58,17 @@ def default_out(name: str) -> Path:
     if (repo / "bench").is_dir() and (repo / "pyproject.toml").is_file():
         return repo / "bench" / "out" / name
     return Path("bench") / "out" / name
+
+
+def study_settings(script: str | Path, table: str = "earlier") -> dict[str, Any]:
+    """The settings a study pins: the table ``table`` of the TOML file beside the script (``bench/<name>.toml``
+    for ``bench/<name>.py``), TrainConfig fields and their values (tests/test_bench_settings.py checks every
+    such file against today's config)."""
+    path = Path(script).resolve().with_suffix(".toml")
+    settings = tomllib.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(settings.get(table), dict):
+        raise KeyError(f"{path}: no [{table}] table of settings")
+    return dict(settings[table])
 
 
 # ----------------------------------------------------------------------------------------------------------

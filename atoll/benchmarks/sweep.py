@@ -21,7 +21,7 @@ grids swept), then the sweep compares them:
 An asynchronous strategy (decoupled) runs on its own simulated clock; its times are shown at the link it
 trained on only, and a grid of such runs alone has no equal-time comparison. Points whose settings are the
 same once parsed (``--outer-lr 0.7,0.70``) train once. ``<out>`` is checked first as the suite's
-(:func:`atoll.bench.folders.check_out_folder`); a point whose ``summary.json`` is damaged trains again. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
+(:func:`atoll.benchmarks.folders.check_out_folder`); a point whose ``summary.json`` is damaged trains again. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
 ``sweep.png`` (loss against tokens and against time on the link).
 """
 
@@ -35,8 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import finished, read_summary, train_once, write_results
-from atoll.bench.folders import check_out_folder, registered
+from atoll.benchmarks.common import finished, read_summary, train_once, write_results
+from atoll.benchmarks.folders import check_out_folder, registered
 from atoll.errors import ConfigError
 
 #: what a sweep's results.json holds (a user's JSON object in --out lacks them: left untouched)
@@ -179,7 +179,7 @@ ROW_KEYS = ("point", "strategy", "tokens", "final_eval_loss", "bytes_sent_per_is
 
 
 def run_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """Every setting of the run that :func:`~atoll.bench.common.train_once` trains for a point's ``settings``
+    """Every setting of the run that :func:`~atoll.benchmarks.common.train_once` trains for a point's ``settings``
     (no progress bar, one thread unless set), as its ``config.json`` holds them, less :data:`NOT_THE_RUN`:
     what makes two points the same run."""
     from atoll.config import build_config

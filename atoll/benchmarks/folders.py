@@ -1,6 +1,6 @@
 """Which folders and files a benchmark may delete or write over: only those atoll wrote.
 
-Used by :mod:`atoll.bench.common` (the run cache, :func:`~atoll.bench.common.train_once`), ``atoll bench suite``
+Used by :mod:`atoll.benchmarks.common` (the run cache, :func:`~atoll.benchmarks.common.train_once`), ``atoll bench suite``
 and ``atoll bench wan``. A run folder is cleared for a rerun only if every file and folder in it, at any depth,
 is one atoll writes (:data:`RUN_PATHS`, exact name patterns; :func:`clear_run_dir`), and replaced by a benchmark
 only if a benchmark of that output folder trained it (its :data:`REGISTRY`, :func:`check_benchmark_run`). An

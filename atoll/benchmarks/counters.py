@@ -1,6 +1,6 @@
 """Interface counters of the emulated WAN over time: every island's ``wan0`` bytes, sampled on a thread.
 
-Used by :mod:`atoll.bench.wan` (through :meth:`atoll.bench.netns.EmulatedWan.sampler`) to count the bytes
+Used by :mod:`atoll.benchmarks.wan` (through :meth:`atoll.benchmarks.netns.EmulatedWan.sampler`) to count the bytes
 each island's interface sent over a run's steady-state window.
 """
 
@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from atoll.bench.namespaces import IFNAME, WanError, open_netns, read_netdev, setns
+from atoll.benchmarks.namespaces import IFNAME, WanError, open_netns, read_netdev, setns
 
 
 class CounterSampler:

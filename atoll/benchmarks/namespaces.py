@@ -1,7 +1,7 @@
 """Network namespaces from Python: run ``ip``/``tc``, check that namespaces work here, enter one from a thread,
 read an interface's counters, and remove the namespaces a dead harness left behind.
 
-The building blocks of the emulated WAN (:mod:`atoll.bench.netns`, used by ``atoll bench wan``); they need
+The building blocks of the emulated WAN (:mod:`atoll.benchmarks.netns`, used by ``atoll bench wan``); they need
 root. Every namespace this package creates is named ``atoll-wan-<pid>-<hex>...`` (``PREFIX``), so that a
 later harness can tell whose it was.
 """

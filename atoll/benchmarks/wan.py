@@ -4,7 +4,7 @@
     atoll bench wan --steps 50 --sync-every 20 --out /tmp/wan-smoke   # a smoke run (minutes)
     python bench/wan.py ...                             # the same, writing bench/out/wan by default
 
-For every bandwidth (``--bandwidths``, Mbit/s) it builds an :class:`~atoll.bench.netns.EmulatedWan`
+For every bandwidth (``--bandwidths``, Mbit/s) it builds an :class:`~atoll.benchmarks.netns.EmulatedWan`
 (one network namespace per island, veth pairs to a bridge, ``tc tbf`` both ways, optional ``--delay-ms``)
 and runs ``ddp`` and ``diloco`` at each H (``--sync-every``) on the same tokens, every rank started inside
 its island's namespace (``ip netns exec NS python -m atoll.cli train --runtime collective``) with
@@ -23,7 +23,7 @@ benchmark) and the last H boundary, so start-up and the first round are left out
 pro rata of steps); bytes per island counted by atoll (``bytes_sent_per_island``) over the window; and the
 bytes each island's interface sent over the same window (``/proc/net/dev`` of its namespace, sampled every
 0.05 s; at the events' timestamps the first sample after them for diloco, whose link is then idle,
-interpolated for ddp, whose link never is), with their ratio (:mod:`atoll.bench.wan_report`). The interfaces
+interpolated for ddp, whose link never is), with their ratio (:mod:`atoll.benchmarks.wan_report`). The interfaces
 also carry TCP/IP and Ethernet headers (about 5% at a 1500-byte MTU), the ACKs of the bytes received,
 heartbeats and the counters that atoll does not count. Events come every 10 inner steps, so H must be a
 multiple of 10; two outer rounds in the window need ``steps >= 3 H``.
@@ -47,9 +47,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atoll.bench.common import default_out
-from atoll.bench.folders import check_benchmark_run, check_out_folder, clear_run_dir, make_folder, register
-from atoll.bench.netns import (
+from atoll.benchmarks.common import default_out
+from atoll.benchmarks.folders import (
+    check_benchmark_run,
+    check_out_folder,
+    clear_run_dir,
+    make_folder,
+    register,
+)
+from atoll.benchmarks.netns import (
     IFNAME,
     EmulatedWan,
     LinkShape,
@@ -57,7 +63,7 @@ from atoll.bench.netns import (
     WanUnavailable,
     unavailable_reason,
 )
-from atoll.bench.wan_report import steady_state, write_report
+from atoll.benchmarks.wan_report import steady_state, write_report
 from atoll.config.applies import applicable
 
 LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
@@ -73,7 +79,7 @@ EARLIER_SETTING: dict[str, Any] = {"vocab_size": 4096, "batch_size": 8, "warmup_
 MASTER_PORT = 29500  # free: island 0's namespace holds nothing else
 
 #: what the benchmark writes into a run folder besides the run's own files: files that mark the folder as
-#: the benchmark's (names), and every such file (regular expressions); :func:`atoll.bench.folders.clear_run_dir`
+#: the benchmark's (names), and every such file (regular expressions); :func:`atoll.benchmarks.folders.clear_run_dir`
 WAN_MARKERS = ("wan.json", "rank0.log")
 WAN_FILES = (r"wan\.json", r"rank\d+\.log")
 
@@ -303,7 +309,7 @@ def check_out(args: argparse.Namespace) -> None:
     """Refuse ``--out`` before anything is trained, deleted or written: it must be new, empty or a benchmark's
     folder, with a benchmark's results.json and results.md (written over at the end), and every run folder the
     flags would train (not reused: no ``wan.json`` yet, or ``--fresh``) must be absent or one that this
-    benchmark trained there, holding only atoll's files (:func:`atoll.bench.folders.check_benchmark_run`).
+    benchmark trained there, holding only atoll's files (:func:`atoll.benchmarks.folders.check_benchmark_run`).
 
     Raises:
         ConfigError: the first folder or file that is not atoll's, named, with the fix.

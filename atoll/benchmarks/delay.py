@@ -1,6 +1,6 @@
 """The delay forwarder of the emulated WAN: one island's one-way delay, through a TUN device.
 
-Used by :class:`atoll.bench.netns.EmulatedWan` when its links have a delay (``atoll bench wan --delay-ms D``;
+Used by :class:`atoll.benchmarks.netns.EmulatedWan` when its links have a delay (``atoll bench wan --delay-ms D``;
 the kernel here has no ``netem``). Each island's traffic to the other islands is routed into a TUN device
 (``lat0``, opened with :func:`open_tun` inside the island's namespace); a :class:`DelayLine` reads every
 packet from it, holds it ``D`` ms, and sends it out of the island's ``wan0`` through a packet socket
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from atoll.bench.namespaces import IFNAME
+from atoll.benchmarks.namespaces import IFNAME
 
 TUN_IFNAME = "lat0"  # the delay forwarder's TUN device in each island's namespace
 
@@ -34,7 +34,7 @@ _ETH_P_IP = 0x0800
 
 def open_tun() -> tuple[int, socket.socket]:
     """Create the TUN device ``lat0`` in the calling thread's namespace (run it through
-    :func:`atoll.bench.namespaces.in_netns`); its file descriptor and a packet socket that sends on ``wan0``."""
+    :func:`atoll.benchmarks.namespaces.in_netns`); its file descriptor and a packet socket that sends on ``wan0``."""
     tun = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     try:
         fcntl.ioctl(tun, _TUNSETIFF, struct.pack("16sH", TUN_IFNAME.encode(), _IFF_TUN | _IFF_NO_PI))

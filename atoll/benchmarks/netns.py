@@ -28,8 +28,8 @@ every packet from it, holds it ``delay_ms`` (one-way), and sends it out of the i
 packet socket addressed to the destination island's MAC, so it then passes the island's upload ``tbf``. The
 replies take the same path in the other island, so a round trip costs ``2 x delay_ms``. The forwarder is
 Python (two threads per island), about 10-20 us of CPU per packet: some percent of a core at 100 Mbit/s.
-It lives in :mod:`atoll.bench.delay`; the interface counters over time in :mod:`atoll.bench.counters`;
-running ``ip``/``tc`` and entering a namespace in :mod:`atoll.bench.namespaces`.
+It lives in :mod:`atoll.benchmarks.delay`; the interface counters over time in :mod:`atoll.benchmarks.counters`;
+running ``ip``/``tc`` and entering a namespace in :mod:`atoll.benchmarks.namespaces`.
 
 Clean-up: :meth:`EmulatedWan.close` (run by the ``with`` block, also on Ctrl-C, on an exception, and on
 SIGTERM, which the context manager turns into ``SystemExit`` in the main thread) stops the forwarder,
@@ -54,9 +54,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from atoll.bench.counters import CounterSampler
-from atoll.bench.delay import TUN_IFNAME, DelayLine, open_tun
-from atoll.bench.namespaces import (
+from atoll.benchmarks.counters import CounterSampler
+from atoll.benchmarks.delay import TUN_IFNAME, DelayLine, open_tun
+from atoll.benchmarks.namespaces import (
     IFNAME,
     NETNS_DIR,
     PREFIX,
