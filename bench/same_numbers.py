@@ -7,10 +7,11 @@ A fixed set of small runs through the ``atoll train`` command (micro model, 512-
 dozen inner steps, one torch thread): ddp, diloco, streaming int4 with error feedback, demo, decoupled with
 failures and unequal speeds, the collective runtime with 2 islands x 2 ranks, and for each a resume (the
 run's folder as it was at its half-way checkpoint, then ``--resume`` to the end, which must give the whole
-run's numbers). Every number of every ``summary.json``
-that does not measure time is compared exactly (floats as their ``repr``); measured seconds (``wall_s``,
-``compute_s``, ``codec_s``, ``startup_s``, and the ``sim_wall_s`` and utilization of the lockstep strategies,
-whose clock adds measured compute and codec seconds) differ from run to run and are left out. The reference lives in ``bench/out/same_numbers/reference.json`` of the repository
+run's numbers). Every number of every ``summary.json`` that does not measure time is compared exactly
+(floats as their ``repr``); measured seconds (``wall_s``, ``compute_s``, ``codec_s``, ``startup_s``,
+``eval_s``, ``outer_s``, and the ``sim_wall_s`` and utilization of the lockstep strategies, whose clock adds
+measured compute and codec seconds) and the host memory measured at start-up differ from run to run and are
+left out. The reference lives in ``bench/out/same_numbers/reference.json`` of the repository
 (``--out``: another folder); the comparison is written to ``bench/out/same_numbers/results.md``. Exit status 1
 when a number differs.
 """
@@ -50,9 +51,10 @@ RUNS: dict[str, list[str]] = {
                        "--ranks-per-island", "2", "--sync-every", "10"],
 }
 
-#: summary keys that hold measured time (or depend on it) in the runs where time is real or measured
+#: summary keys that hold measured time (or depend on it) in the runs where time is real or measured, and the
+#: host memory measured at start-up (``startup_host_bytes``: what the process holds, not what it computed)
 TIMED = {"wall_s", "compute_s", "sim_wall_s", "compute_utilization", "measured_compute_s", "strategy_s", "out",
-         "codec_s", "startup_s", "merge_s"}
+         "codec_s", "startup_s", "merge_s", "eval_s", "outer_s", "startup_host_bytes"}
 #: decoupled's clock is simulated with a fixed step: its times are deterministic and compared
 DETERMINISTIC_CLOCK = {"decoupled"}
 
