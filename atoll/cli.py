@@ -27,6 +27,7 @@ A run that diverged (docs/reliability.md, "Bad numbers") writes its summary, pri
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import typing
@@ -37,10 +38,37 @@ from atoll.errors import AtollError, Interrupted, RunFailed
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors and exit status 2."""
+    """argparse with one-line errors and exit status 2; a flag is never taken for a prefix of another
+    (``--step`` is not ``--steps``: a script must not change meaning when a flag is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"atoll: error: {message}; see '{self.prog} --help'\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """As argparse, but unknown flags are reported by the subcommand they were given to, with the
+        closest flag of that subcommand (``--sync-evry``: did you mean --sync-every?)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            sub = self._subcommand(parsed)
+            flag = next((a.split("=")[0] for a in extra if a.startswith("--")), "")
+            close = difflib.get_close_matches(flag, sub._option_string_actions, n=1) if flag else []
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return parsed
+
+    def _subcommand(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The deepest subcommand parser ``parsed`` went through (this parser if none)."""
+        parser: argparse.ArgumentParser = self
+        for action in parser._subparsers._group_actions if parser._subparsers else []:
+            name = getattr(parsed, action.dest, None)
+            if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+                sub = action.choices[name]
+                return sub._subcommand(parsed) if isinstance(sub, _Parser) else sub
+        return parser
 
 
 def _metavar(annotation: Any) -> str:

@@ -17,6 +17,7 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("toml-false-for-a-float", "lr = false\n", [], "lr"),
     ("toml-true-for-a-path", "cache_dir = true\n", [], "cache_dir"),
     ("toml-unknown-key", "sync_evry = 5\n", [], "sync_evry"),
+    ("toml-syntax", "steps = = 3\n", [], "config: '"),
     ("toml-string-for-an-int", 'eval_every = "many"\n', [], "eval_every"),
     # a TOML value has a type: a number in quotes, a float for a whole number, text for a switch are refused
     ("toml-string-for-a-float", 'lr = "1e-3"\n', [], "lr: the string '1e-3' in '"),
@@ -71,10 +72,14 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
      "fragments: the diloco strategy does not use it (only streaming, decoupled); drop --fragments or use "
      "--strategy streaming|decoupled"),
     ("fragments-in-toml-under-ddp", 'strategy = "ddp"\nfragments = 2\n', [], "fragments: the ddp strategy"),
+    # a key of the file: the fix names the file, not a flag the user never typed
+    ("outer-lr-in-toml-under-a-ddp-flag", 'strategy = "diloco"\nouter_lr = 0.7\n', ["--strategy", "ddp"],
+     "drop 'outer_lr' from "),
     ("fragments-under-sparseloco", None, ["--strategy", "sparseloco", "--fragments", "2"], "fragments: the sparseloco"),
     ("outer-momentum-under-ddp", None, ["--strategy", "ddp", "--outer-momentum", "0.9"], "outer_momentum: the ddp"),
     ("outer-lr-under-demo", None, ["--strategy", "demo", "--outer-lr", "0.5"], "outer_lr: the demo strategy"),
-    ("lr-under-demo", None, ["--strategy", "demo", "--lr", "0.01"], "lr: the demo strategy does not use it"),
+    ("lr-under-demo", None, ["--strategy", "demo", "--lr", "0.01"], "lr: the demo strategy does not use it (only ddp, diloco, streaming, decoupled, sparseloco; demo reads --demo-lr "
+     "instead)"),
     ("weight-decay-under-demo", None, ["--strategy", "demo", "--weight-decay", "0"], "weight_decay: the demo"),
     ("sync-every-under-ddp", None, ["--strategy", "ddp", "--sync-every", "10"], "sync_every: the ddp strategy"),
     ("sync-every-in-toml-under-demo", 'strategy = "demo"\nsync_every = 10\n', [], "sync_every: the demo"),

@@ -10,6 +10,7 @@ from atoll.cli import build_parser, main
 from atoll.config import TrainConfig, build_config
 from atoll.config.applies import applicable
 from atoll.errors import ConfigError
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,3 +114,19 @@ def test_perplexity_of_a_diverged_loss_is_none() -> None:
 
     assert perplexity(1.0) == pytest.approx(2.718281828)
     assert perplexity(1e6) is None and perplexity(float("nan")) is None
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["train", "--sync-evry", "10"], "atoll: error: unrecognized arguments: --sync-evry 10 (did you mean --sync-every?); "
+                                     "see 'atoll train --help'"),
+    (["train", "--step", "4"], "atoll: error: unrecognized arguments: --step 4 (did you mean --steps?); "
+                               "see 'atoll train --help'"),
+    (["bench", "suite", "--qick"], "atoll: error: unrecognized arguments: --qick (did you mean --quick?); "
+                                   "see 'atoll bench suite --help'"),
+])
+def test_an_unknown_or_shortened_flag_is_refused_by_its_subcommand_with_the_closest_flag(args: list[str],
+                                                                                          line: str) -> None:
+    """A prefix of a flag is not taken for it (``--step`` once trained with --steps), and the error names the
+    subcommand's help and its closest flag."""
+    r = run_cli(*args)
+    assert r.returncode == 2 and r.stderr == line + "\n", r.stderr

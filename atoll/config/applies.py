@@ -29,6 +29,10 @@ BY_STRATEGY: dict[str, tuple[str, ...]] = {
        for name in ("codec", "codec_block_size", "codec_rounding", "topk_fraction", "error_feedback")},
 }
 
+#: (setting, strategy) -> what that strategy reads in its place, said in the refusal
+INSTEAD: dict[tuple[str, str], str] = {("lr", "demo"): "demo reads --demo-lr instead",
+                                       ("weight_decay", "demo"): "demo has no weight decay"}
+
 #: settings read only by some runtimes: setting -> the runtimes that read it
 BY_RUNTIME: dict[str, tuple[str, ...]] = {
     **{name: ("collective",) for name in ("ranks_per_island", "shard_island", "min_islands", "max_restarts")},
@@ -56,28 +60,35 @@ def _which(names: tuple[str, ...], kind: str) -> str:
     return f"--{kind} {'|'.join(names)}"
 
 
-def unused_setting(strategy: str, runtime: str, given: Iterable[str]) -> str | None:
+def unused_setting(strategy: str, runtime: str, given: Iterable[str],
+                   files: Mapping[str, str] | None = None) -> str | None:
     """The one-line refusal of the first setting in ``given`` that ``strategy`` under ``runtime`` ignores.
 
     Args:
         strategy: the run's ``--strategy``.
         runtime: the run's ``--runtime``.
         given: the settings the user set explicitly (flags, TOML keys), not the defaults.
+        files: of those, the ones set in a TOML file -> the file's path (the fix names the key in the file).
 
     Returns:
-        None when every given setting is read; else ``"<setting>: the <strategy> strategy does not use it;
-        drop --<setting> or use --strategy a|b"`` (or the same for a runtime).
+        None when every given setting is read; else ``"<setting>: the <strategy> strategy does not use it
+        (only a, b); drop --<setting> or use --strategy a|b"`` (or the same for a runtime; ``drop '<setting>'
+        from <file>`` for a key of a TOML file), with the setting that replaces it where there is one
+        (:data:`INSTEAD`).
     """
     by_strategy = {**BY_STRATEGY, **_own_sections()}
+    files = files or {}
     for name in given:
+        drop = f"drop '{name}' from {files[name]}" if name in files else f"drop {_flag(name)}"
         readers = by_strategy.get(name)
         if readers is not None and strategy not in readers:
-            return (f"{name}: the {strategy} strategy does not use it (only {', '.join(readers)}); drop "
-                    f"{_flag(name)} or use {_which(readers, 'strategy')}")
+            instead = INSTEAD.get((name, strategy))
+            return (f"{name}: the {strategy} strategy does not use it (only {', '.join(readers)}"
+                    f"{'; ' + instead if instead else ''}); {drop} or use {_which(readers, 'strategy')}")
         readers = BY_RUNTIME.get(name)
         if readers is not None and runtime not in readers:
-            return (f"{name}: the {runtime} runtime does not use it (only {', '.join(readers)}); drop "
-                    f"{_flag(name)} or use {_which(readers, 'runtime')}")
+            return (f"{name}: the {runtime} runtime does not use it (only {', '.join(readers)}); {drop} or use "
+                    f"{_which(readers, 'runtime')}")
     return None
 
 

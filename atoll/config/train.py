@@ -186,13 +186,16 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
     """
     values: dict[str, Any] = dict(base or {})
     given = {k for k, v in (overrides or {}).items() if v is not None}  # set by the user, not a saved run's
+    from_file: dict[str, str] = {}  # given in the TOML file (and not overridden): the refusal names the file
     if toml_path is not None:
         if not Path(toml_path).is_file():  # also a folder
             raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
         try:
             doc = tomllib.loads(Path(toml_path).read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config: '{toml_path}' is not valid UTF-8 TOML ({e}); fix the file") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config: '{toml_path}' is not UTF-8 text; save it as UTF-8") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config: '{toml_path}' is not valid TOML ({e}); fix the file") from None
         table = doc.get("train", doc) if isinstance(doc.get("train"), dict) or "train" not in doc else None
         if table is None:
             raise ConfigError(f"config: 'train' in '{toml_path}' must be a table ([train]); fix the file")
@@ -203,13 +206,14 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         if problem is not None:
             raise ConfigError(problem)
         values.update(table)
-        given |= {k for k, v in table.items() if v is not None}
+        from_file = {k: str(toml_path) for k, v in table.items() if v is not None and k not in given}
+        given |= set(from_file)
     values.update(overrides or {})
     try:
         config = TrainConfig(**values)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
-    unused = unused_setting(config.strategy, config.runtime, sorted(given))
+    unused = unused_setting(config.strategy, config.runtime, sorted(given), from_file)
     if unused is not None:
         raise ConfigError(unused)
     return config
