@@ -249,7 +249,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     data = prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
                         partition=config.partition, text_field=config.text_field, tokenizer=source,
                         max_documents=config.max_documents)
-    tokenizer = f"'{source}'" if source else ("atoll's BPE, cached" if data.tokenizer_from_cache else "atoll's BPE, trained")
+    tokenizer = (f"'{source}'" if source
+                 else "atoll's BPE, cached" if data.tokenizer_from_cache else "atoll's BPE, trained")
     print(f"{config.data}: {data.num_documents:,} documents ({data.num_val_documents:,} held out), "
           f"{data.num_train_tokens:,} training and {data.num_val_tokens:,} validation tokens for {config.islands} "
           f"islands; {data.vocab_size:,}-token vocabulary ({tokenizer}); tokens "
@@ -317,7 +318,8 @@ def _cmd_project(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``atoll`` command; returns the exit status (2 for bad input)."""
     words = sys.argv[1:] if argv is None else argv
-    args = build_parser(train_flags=words[:1] in (["train"], ["sweep"], ["prepare"], ["syncer"], ["island"]) or not words).parse_args(argv)
+    train_flags = words[:1] in (["train"], ["sweep"], ["prepare"], ["syncer"], ["island"]) or not words
+    args = build_parser(train_flags=train_flags).parse_args(argv)
     try:
         from atoll.job.divergence import install_fault_hook_from_env
 
@@ -347,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except Interrupted as e:  # SIGINT/SIGTERM: the run wrote a checkpoint of the step it reached
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
-            again = "; or run the command again (finished runs are reused)" if args.command in ("sweep", "bench") else ""
+            again = ("; or run the command again (finished runs are reused)"
+                     if args.command in ("sweep", "bench") else "")
             print(f"atoll: {e}{again}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

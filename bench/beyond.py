@@ -162,8 +162,10 @@ def benchmark(args: argparse.Namespace) -> None:
                                               if r["bytes_sent_per_island"] else None)})  # one island: none
     table = write_results(
         out, {"settings": BASE, "runs": runs, "rows": rows},
-        [("run", "run"), ("params", "params"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"), ("density", "density"),
-         ("energy sent", "sent_energy"), ("step / averaging's", "step_ratio"), ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"), ("gap % vs one island", "gap_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
+        [("run", "run"), ("params", "params"), ("H", "H"), ("rounds", "rounds"), ("inner", "inner"), ("codec", "codec"),
+         ("density", "density"), ("energy sent", "sent_energy"), ("step / averaging's", "step_ratio"),
+         ("eval loss", "final_eval_loss"), ("vs", "vs"), ("gap %", "gap_pct"),
+         ("gap % vs one island", "gap_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
          ("x fewer bytes than vs", "fewer_bytes_than_ref")],
         rows, "sparseloco by rounds, at a byte budget and by model size, Muon islands, the agreement-weighted "
         "outer step: 4 islands",

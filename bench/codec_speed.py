@@ -63,7 +63,8 @@ def measure(name: str, x: torch.Tensor, repeats: int) -> dict[str, Any]:
         del buf, y
     enc, dec = statistics.median(encode_s), statistics.median(decode_s)
     gb = n * 4 / 1e9
-    row: dict[str, Any] = {"codec": name, "payload_bytes": codec.payload_bytes(n), "ratio": codec.payload_bytes(n) / (4 * n),
+    row: dict[str, Any] = {"codec": name, "payload_bytes": codec.payload_bytes(n),
+                           "ratio": codec.payload_bytes(n) / (4 * n),
                            "encode_s": enc, "decode_s": dec, "encode_gbps": gb / enc, "decode_gbps": gb / dec,
                            "codec_gbps": gb / (enc + dec)}
     for bps in LINKS_BPS:

@@ -14,13 +14,13 @@ is measured by ``python bench/fidelity.py``.
     One seeded failure trace (:func:`atoll.analysis.chaos.standard_chaos`: DOWN = 1/20 of the failure-free compute
     time and MTBF = 9 DOWN: every island down about 10% of the time; the realized fraction is reported).
     An island that fails loses the work it has not pushed, about H/2 inner steps, so H is kept well below
-    the MTBF (270 steps at 600 steps per island): at H = 50 that loss alone costs about 4 points of goodput. Runs: decoupled without and with the trace,
-    and synchronous diloco without failures. Synchronous diloco *under* the trace is not trained: its
-    wall time follows from the trace on the same simulated clock (:func:`atoll.analysis.chaos.synchronous_under_failures`:
-    every failure stops every island until the island is back, and the round in progress is redone;
-    checkpoints at every outer step, the most favourable case for it; step time ``sim_step_s``, one
-    all-reduce of the fp32 model per round at the same link), and its loss is that of the failure-free
-    run, since redoing rounds does not change the weights. Reported: goodput of both, and decoupled's eval
+    the MTBF (270 steps at 600 steps per island): at H = 50 that loss alone costs about 4 points of goodput. Runs:
+    decoupled without and with the trace, and synchronous diloco without failures. Synchronous diloco *under* the trace
+    is not trained: its wall time follows from the trace on the same simulated clock
+    (:func:`atoll.analysis.chaos.synchronous_under_failures`: every failure stops every island until the island is back,
+    and the round in progress is redone; checkpoints at every outer step, the most favourable case for it; step time
+    ``sim_step_s``, one all-reduce of the fp32 model per round at the same link), and its loss is that of the
+    failure-free run, since redoing rounds does not change the weights. Reported: goodput of both, and decoupled's eval
     loss with failures against without, at the same tokens processed.
 (b) Heterogeneous speeds 1,1,0.5,0.25 (4 islands): every island's compute utilization, and the eval loss
     at equal total tokens against a homogeneous decoupled run (speeds 1,1,1,1), with synchronous diloco's
@@ -221,7 +221,8 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> None:
              "goodput: useful (merged) tokens per simulated second over the failure-free compute rate "
              "(every island computing all the time); see atoll/strategies/decoupled.py.",
              "diloco rows marked 'clock' are computed from the trace and the step-time model "
-             "(atoll.analysis.chaos.synchronous_under_failures), not trained; its weights are those of the failure-free run.",
+             "(atoll.analysis.chaos.synchronous_under_failures), not trained; its weights are those of the "
+             "failure-free run.",
              "command: python bench/decoupled.py " + " ".join(a for a in argv if a != "--fresh"),
              "checks: " + ", ".join(f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}"
                                     for k, v in checks.items() if not isinstance(v, list))]

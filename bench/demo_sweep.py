@@ -165,7 +165,8 @@ def benchmark(args: argparse.Namespace) -> None:
     table = write_results(
         suite, {"lr_sweep": {str(k): v for k, v in sweep.items()},
                 "schedule_sweep": {str(k): v for k, v in schedules.items()},
-                "topk_sweep": {f"{_tag(sv)} {k}": r for sv, k, r in topk_runs}, "runs": runs, "rows": rows, "checks": checks},
+                "topk_sweep": {f"{_tag(sv)} {k}": r for sv, k, r in topk_runs},
+                "runs": runs, "rows": rows, "checks": checks},
         [("run", "run"), ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
          ("bytes/island", "bytes_sent_per_island"), ("bytes/island/step", "bytes_per_step"),
          ("reduction vs ddp", "reduction_vs_ddp")],

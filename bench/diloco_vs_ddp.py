@@ -177,8 +177,8 @@ def benchmark(args: argparse.Namespace) -> None:
     }
     table = write_results(
         suite, {"runs": results, "rows": rows, "checks": checks},
-        [("run", "run"), ("strategy", "strategy"), ("K", "islands"), ("H", "H"), ("outer lr/m", "outer"), ("tokens", "tokens"),
-         ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
+        [("run", "run"), ("strategy", "strategy"), ("K", "islands"), ("H", "H"), ("outer lr/m", "outer"),
+         ("tokens", "tokens"), ("eval loss", "final_eval_loss"), ("gap vs ddp %", "gap_vs_ddp_pct"),
          ("gap vs 1 island %", "gap_vs_one_island_pct"), ("bytes/island", "bytes_sent_per_island"),
          ("reduction vs ddp", "reduction_vs_ddp"), ("sim wall s @100Mb/s", "sim_wall_s"),
          ("utilization", "compute_utilization"), ("real wall s", "wall_s")],

@@ -238,7 +238,8 @@ def study_rows(study: str, summaries: dict[str, dict[str, Any]], d: dict[str, An
         rows = [row(*ref, f"batch {d['batch_size']} x {study_steps(d)} steps (default)", d["batch_size"])]
         for f in BATCH_FACTORS:
             b = int(d["batch_size"] * f)
-            rows.append(row(f"one_island_b{b}", f"ddp_b{b}", f"diloco_b{b}", f"batch {b} x {int(study_steps(d) / f)} steps", b))
+            rows.append(row(f"one_island_b{b}", f"ddp_b{b}", f"diloco_b{b}",
+                            f"batch {b} x {int(study_steps(d) / f)} steps", b))
         return sorted(rows, key=lambda r: int(r["setting"].split()[1]))
     if study == "tokens":
         kinds = ("one_island", "ddp", "diloco")

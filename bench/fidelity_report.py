@@ -35,7 +35,8 @@ def checks(summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
          abs(_g(get["streaming"], get["diloco"])) <= 2, None),
         ("decoupled (failure-free, equal speeds) within 2% of diloco", _g(get["decoupled"], get["diloco"]),
          abs(_g(get["decoupled"], get["diloco"])) <= 2, None),
-        ("decoupled at speeds 1,1,0.5,0.25 within 2% of its equal speeds", _g(get["decoupled_speeds"], get["decoupled"]),
+        ("decoupled at speeds 1,1,0.5,0.25 within 2% of its equal speeds",
+         _g(get["decoupled_speeds"], get["decoupled"]),
          abs(_g(get["decoupled_speeds"], get["decoupled"])) <= 2, None),
         ("demo below one island", _g(get["demo"], get["one_island"]), _g(get["demo"], get["one_island"]) < 0, None),
     ]

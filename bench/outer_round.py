@@ -258,14 +258,15 @@ def table(rows: list[dict]) -> str:
             if b is None or a is None:
                 continue
             lines.append(f"| {case} | {a['params'] / 1e6:.1f}M | {b['ns_per_param']:.1f} | {a['ns_per_param']:.1f} | "
-                         f"{a['ns_per_param'] / b['ns_per_param']:.2f} | {b['load_before']:.2f}, {b['load_after']:.2f} / "
-                         f"{a['load_before']:.2f}, {a['load_after']:.2f} |")
+                         f"{a['ns_per_param'] / b['ns_per_param']:.2f} | {b['load_before']:.2f}, "
+                         f"{b['load_after']:.2f} / {a['load_before']:.2f}, {a['load_after']:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1,10,50,100,200", help="model sizes in millions: " + ",".join(map(str, SHAPES)))
+    parser.add_argument("--sizes", default="1,10,50,100,200",
+                        help="model sizes in millions: " + ",".join(map(str, SHAPES)))
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement (after a warm-up)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "outer_round")

@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "step_ratio": (summary or {}).get("sparseloco_step_ratio"), "vs": ref,
                      "ref_loss": base["final_eval_loss"] if base else None,
                      "gap_pct": pct(loss, base["final_eval_loss"]) if base and summary else None,
-                     "bytes": sent, "fewer": base["bytes_sent_per_island"] / sent if base and sent and base["bytes_sent_per_island"] else None})
+                     "bytes": sent, "fewer": (base["bytes_sent_per_island"] / sent
+                                              if base and sent and base["bytes_sent_per_island"] else None)})
     table = write_results(
         out, {"runs": summaries, "rows": rows},
         [("run", "run"), ("what", "what"), ("steps", "steps"), ("eval loss", "eval_loss"),
@@ -102,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
          ("gap %", "gap_pct"), ("bytes/island", "bytes"), ("x fewer bytes", "fewer")],
         rows, "issue 24: sparseloco and demo under their reference code's rules, micro model, 4 islands",
         notes=["one seed, one torch thread per run, machine load 14-18 on 2 cores; diloco references: "
-               "bench/out/beyond/results.json (unchanged code)", "command: python bench/reference_rules.py (the runs stopped early: at their last evaluation)"])
+               "bench/out/beyond/results.json (unchanged code)",
+               "command: python bench/reference_rules.py (the runs stopped early: at their last evaluation)"])
     print(table)
     return 0
 

@@ -318,7 +318,8 @@ def test_train_once_never_loses_a_run(fast_config: dict, tmp_path: Path) -> None
 
 
 def test_markdown_table_formats() -> None:
-    columns = [("run", "run"), ("loss", "loss"), ("bytes", "bytes"), ("pair", "pair"), ("gap", "gap", lambda v: f"{v:+.1f}%")]
+    columns = [("run", "run"), ("loss", "loss"), ("bytes", "bytes"), ("pair", "pair"),
+               ("gap", "gap", lambda v: f"{v:+.1f}%")]
     rows = [{"run": "a", "loss": 4.81234, "bytes": 138_700_000.0, "pair": [100, 130], "gap": 2.25},
             {"run": "b", "loss": 12.345, "bytes": 1234.5, "pair": None, "gap": "n/a"},
             {"run": "c", "loss": "", "bytes": "", "pair": "", "gap": ""}]

@@ -100,7 +100,8 @@ def test_fragments_beyond_a_presets_layers_are_refused_at_config_time() -> None:
 
 
 @pytest.mark.slow
-def test_a_run_that_never_trained_exits_1(fast_config: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_that_never_trained_exits_1(fast_config: dict, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     flags = ["--data", fast_config["data"], "--cache-dir", fast_config["cache_dir"], "--model", "micro",
              "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--threads", "1", "--no-progress"]
     rc = main(["train", *flags, "--strategy", "decoupled", "--fragments", "2", "--islands", "2", "--steps", "20",

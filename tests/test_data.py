@@ -455,7 +455,8 @@ def test_prepare_rejects_a_corpus_too_small_for_the_islands(corpus, tmp_path: Pa
         prepare_data(str(path), 40, 300, seed=0, cache_dir=tmp_path)
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("\n\n\n".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(40)))
-    with pytest.raises(DataError, match=r"^data: corpus too small for 1 island: .*; use a corpus of at least 2,048 training tokens \(docs/usage.md, Data\)$"):
+    with pytest.raises(DataError, match=r"^data: corpus too small for 1 island: .*; use a corpus of at least 2,048 "
+                                        r"training tokens \(docs/usage.md, Data\)$"):
         prepare_data(str(tiny), 1, 300, seed=0, cache_dir=tmp_path)
     with pytest.raises(DataError, match="^partition: unknown value"):
         prepare_data(str(path), 2, 300, seed=0, cache_dir=tmp_path, partition="random")  # type: ignore[arg-type]
@@ -624,7 +625,8 @@ def test_atoll_prepare_fills_the_cache_that_train_reads(tmp_path: Path) -> None:
              "--vocab-size", "300"]
     cold = run_cli("prepare", *flags)
     assert cold.returncode == 0, cold.stderr
-    assert "200 documents" in cold.stdout and "300-token vocabulary (atoll's BPE, trained); tokens tokenized" in cold.stdout
+    assert ("200 documents" in cold.stdout
+            and "300-token vocabulary (atoll's BPE, trained); tokens tokenized" in cold.stdout)
     warm = run_cli("prepare", *flags)
     assert "(atoll's BPE, cached); tokens from the cache" in warm.stdout
     data = prepare_data(str(tmp_path / "shards"), 2, 300, seed=0, cache_dir=tmp_path / "c")

@@ -93,7 +93,8 @@ def test_grad_accum_counts_in_the_tokens_per_step_and_bad_values_exit_2(tmp_path
 
 def test_activation_checkpointing_changes_no_loss_and_no_gradient() -> None:
     plain, checkpointed = _island(batch_size=4), _island(batch_size=4, activation_checkpointing=True)
-    assert model_mod.activation_checkpointing(checkpointed.model) and not model_mod.activation_checkpointing(plain.model)
+    assert (model_mod.activation_checkpointing(checkpointed.model)
+            and not model_mod.activation_checkpointing(plain.model))
     for step in range(3):
         losses = [float(i.forward_backward(_batch(4, step))) for i in (plain, checkpointed)]
         assert losses[0] == pytest.approx(losses[1], rel=1e-6)

@@ -85,7 +85,8 @@ def test_torchrun_on_two_hosts_trains_as_one_host(settings: dict, tmp_path: Path
     run = {**settings, "strategy": "diloco", "runtime": "collective", "steps": STEPS, "sync_every": 5,
            "eval_every": STEPS, "checkpoint_every": 0}
     # the same job on one host (atoll's launcher); it also fills the data cache both hosts then read
-    one = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**run, "out": str(tmp_path / "one")})],
+    one = subprocess.run([sys.executable, "-m", "atoll.cli", "train",
+                          *cli_flags({**run, "out": str(tmp_path / "one")})],
                          capture_output=True, text=True, timeout=180, env=_env())
     assert one.returncode == 0, one.stderr[-3000:]
 
@@ -172,7 +173,8 @@ def test_ray_cluster_on_two_hosts_survives_losing_the_worker_node(settings: dict
                                    str(temp_dir), "--resources", '{"host_a": 1}']),
                               (1, ["--address", f"{head}:6379", "--resources", '{"host_b": 1}'])):
                 start = wan.popen(node, ["ray", "start", "--node-ip-address", wan.island_ip(node), *cmd, *node_flags],
-                                  env=head_env if node == 0 else env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  env=head_env if node == 0 else env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
                 log = start.communicate(timeout=120)[0]
                 assert start.returncode == 0, log[-3000:]
             # island 0 on the head, island 1 on the worker; the driver runs on the head

@@ -130,7 +130,8 @@ def test_tokenizer_bpe_and_a_folder_without_tokenizer_say_so(tmp_path: Path, jso
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     folder = make_model_folder(tmp_path / "model")
     corpus, _ = jsonl_corpus
-    data, _ = prepare_inputs(build_config(overrides=settings(tmp_path, corpus, folder, tokenizer="bpe", vocab_size=300)))
+    data, _ = prepare_inputs(build_config(overrides=settings(tmp_path, corpus, folder, tokenizer="bpe",
+                                                             vocab_size=300)))
     assert data.pretrained is None and data.eos_id == 0 and data.vocab_size == 300
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("atoll: note:")]
     assert len(err) == 1 and "--tokenizer FOLDER" in err[0]

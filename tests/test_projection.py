@@ -23,7 +23,8 @@ from atoll.analysis.projection import (
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "measured_runs.json"
-RESULTS = [Path(__file__).parents[1] / "bench" / "out" / s / "results.json" for s in ("diloco_vs_ddp", "streaming_codecs")]
+RESULTS = [Path(__file__).parents[1] / "bench" / "out" / s / "results.json"
+           for s in ("diloco_vs_ddp", "streaming_codecs")]
 
 
 def measured_runs() -> dict[str, dict]:

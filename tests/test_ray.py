@@ -1,4 +1,5 @@
-"""The ray runtime of decoupled: an island process SIGKILLed mid-run restarts, rejoins, and nothing committed is lost."""
+"""The ray runtime of decoupled: an island process SIGKILLed mid-run restarts, rejoins, and nothing committed is
+lost."""
 
 from __future__ import annotations
 

@@ -87,4 +87,5 @@ def test_report_out_of_a_format_matplotlib_cannot_write_is_one_line(tmp_path: Pa
     assert r.stderr.startswith(f"atoll: error: out: '{notes}' is not an image file name") and "report.png" in r.stderr
     assert notes.read_text() == "keep"
     r = run_cli("report", str(run), "--out", str(tmp_path / "plot"))  # no suffix: a PNG, and the line says where
-    assert r.returncode == 0 and r.stdout.strip() == f"wrote {tmp_path / 'plot.png'}" and (tmp_path / "plot.png").is_file()
+    assert (r.returncode == 0 and r.stdout.strip() == f"wrote {tmp_path / 'plot.png'}"
+            and (tmp_path / "plot.png").is_file())

@@ -52,7 +52,8 @@ def run_flags(fast_config: dict, steps: int = 20) -> list[str]:
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.Popen([sys.executable, "-m", "atoll", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env)
 
@@ -129,13 +130,15 @@ def served(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - (server state, 
     from atoll.config import build_config
     from atoll.runtime.service.server import SyncerServer
 
-    config = build_config(None, {**{k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")},
+    config = build_config(None, {**{k: v for k, v in fast_config.items()
+                                    if k not in ("eval_every", "checkpoint_every")},
                                  "strategy": "decoupled", "fragments": 2})
     cert, key = make_cert(tmp_path)
     creds = ["a" * 32, "b" * 32]
     state = SyncerServer(config, tmp_path / "syncer", creds)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
-    tls_port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    tls_port = server.add_secure_port("127.0.0.1:0",
+                                      grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
     plain_port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield state, tls_port, plain_port, cert.read_bytes(), creds

@@ -48,7 +48,8 @@ def test_two_bit_values_are_the_chunks_four_levels_with_their_signs() -> None:
     c = SparseCompressor(NUMELS, 64, 16, bits=2, layout="flat")
     x = _x(2)
     payload = c.compress(x)
-    exact = SparseCompressor(NUMELS, 64, 16, bits=32, layout="flat").decompress(SparseCompressor(NUMELS, 64, 16, 32, layout="flat").compress(x))
+    exact = SparseCompressor(NUMELS, 64, 16, bits=32, layout="flat").decompress(
+        SparseCompressor(NUMELS, 64, 16, 32, layout="flat").compress(x))
     out = c.decompress(payload)
     assert torch.equal(out != 0, exact != 0) and torch.equal(torch.sign(out), torch.sign(exact))
     levels = payload["levels"]
@@ -127,7 +128,8 @@ def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -
 
 def test_density_counts_real_entries_not_a_chunks_padding() -> None:
     assert SparseCompressor(NUMELS, 4096, 4096, bits=32, layout="flat").density == 1.0  # dense: every entry, once
-    c = SparseCompressor(NUMELS, 64, 8, layout="flat")  # 100 -> 2 chunks (8 + 8), 5000 -> 79 (78 x 8 + 8 of 8 real), 30 -> 8
+    # 100 -> 2 chunks (8 + 8), 5000 -> 79 (78 x 8 + 8 of 8 real), 30 -> 8
+    c = SparseCompressor(NUMELS, 64, 8, layout="flat")
     assert c.kept_real == 16 + 79 * 8 + 8 + 64 * 8
     assert c.density == pytest.approx(c.kept_real / sum(NUMELS))
     tiny = SparseCompressor([3, 64], 64, 8, layout="flat")  # a 3-element parameter can take 3 entries, not 8
@@ -229,7 +231,8 @@ def test_a_tile_needs_a_square_chunk() -> None:
         SparseCompressor([(4, 4)], 48, 4)
     with pytest.raises(ConfigError, match="sparseloco_chunk"):
         build_config(overrides={"strategy": "sparseloco", "sparseloco_chunk": 48, "sparseloco_topk": 4})
-    build_config(overrides={"strategy": "sparseloco", "sparseloco_chunk": 48, "sparseloco_topk": 4, "sparseloco_layout": "flat"})
+    build_config(overrides={"strategy": "sparseloco", "sparseloco_chunk": 48, "sparseloco_topk": 4,
+                            "sparseloco_layout": "flat"})
 
 
 def test_a_payload_from_a_stranger_is_checked() -> None:

@@ -71,7 +71,8 @@ def test_quick_suite_values(quick_suite: tuple[Path, str]) -> None:
     if rows["decoupled"]["available"]:
         # trained under the standard trace: goodput measured, below the failure-free run's
         assert 0 < rows["decoupled_chaos"]["goodput"] < rows["decoupled"]["goodput"] <= 1
-        assert results["runs"]["decoupled_chaos"]["failures"] and sum(results["runs"]["decoupled_chaos"]["failures"]) > 0
+        assert (results["runs"]["decoupled_chaos"]["failures"]
+                and sum(results["runs"]["decoupled_chaos"]["failures"]) > 0)
 
 
 def test_synchronous_goodput_replays_the_standard_trace() -> None:
@@ -97,8 +98,8 @@ def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_
     assert "ddp" in rows and "one_island" in rows and len(rows) > 2  # --only keeps the other finished rows
 
 
-@pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps"), (["--only", ","], "only"),
-                                        (["--out", "/dev/null/x"], "out")])
+@pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps"),
+                                        (["--only", ","], "only"), (["--out", "/dev/null/x"], "out")])
 def test_suite_bad_input_one_line_exit_2(tmp_path: Path, args: list[str], field: str) -> None:
     r = run_cli("bench", "suite", "--quick", "--out", str(tmp_path), *args)
     assert r.returncode == 2
@@ -144,7 +145,8 @@ def test_quick_fidelity_shares_the_suite_runs(quick_suite: tuple[Path, str], cor
     assert len(checks) == 7
     demo = checks["demo below one island"]
     assert demo["holds"] == (runs_["demo"]["final_eval_loss"] < runs_["one_island"]["final_eval_loss"])
-    assert (out / "fidelity.png").stat().st_size > 0 and "### The default run's targets" in (out / "results.md").read_text()
+    assert ((out / "fidelity.png").stat().st_size > 0
+            and "### The default run's targets" in (out / "results.md").read_text())
 
 
 def test_quick_suite_writes_beside_the_full_suite_not_over_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

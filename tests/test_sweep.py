@@ -71,7 +71,8 @@ def test_a_mixed_grid_times_lockstep_runs_at_their_own_median(corpus_file: Path,
                        "(outer_lr 0.70 = 0.7): each trains once"]
     assert r.stderr.count("[sweep]") == 2  # diloco and decoupled at 0.7, once each
     results = strict_json(tmp_path / "sw" / "results.json")
-    assert [row["point"] for row in results["rows"]] == ["strategy-diloco_outer_lr-0.7", "strategy-decoupled_outer_lr-0.7"]
+    assert [row["point"] for row in results["rows"]] == ["strategy-diloco_outer_lr-0.7",
+                                                         "strategy-decoupled_outer_lr-0.7"]
     diloco = json.loads((tmp_path / "sw" / "strategy-diloco_outer_lr-0.7" / "summary.json").read_text())
     # decoupled's simulated step (sim_step_s) is not a measured step time: diloco is timed at its own
     assert results["step_s_measured"] == [diloco["compute_s"] / diloco["steps"], None]
@@ -117,7 +118,8 @@ def test_sweep_compares_at_equal_tokens_and_time_and_reuses_runs(fast_config: di
     assert rows["sync_every-5"]["wall_s_on_link"] > rows["sync_every-10"]["wall_s_on_link"]
     assert results["equal_time_s"] == rows["sync_every-10"]["wall_s_on_link"]
     assert results["target_loss"] == max(row["final_eval_loss"] for row in rows.values())
-    assert (tmp_path / "sw" / "sweep.png").is_file() and "| sync_every |" in (tmp_path / "sw" / "results.md").read_text()
+    assert ((tmp_path / "sw" / "sweep.png").is_file()
+            and "| sync_every |" in (tmp_path / "sw" / "results.md").read_text())
     again = run_cli(*args)
     assert again.returncode == 0 and "[sweep]" not in again.stderr  # every point reused
 

@@ -199,7 +199,8 @@ def test_progress_prints_plain_lines_where_stderr_is_not_a_terminal() -> None:
         for step in range(1, 21):
             bar.update(step, 6.0 - step / 10, 1000.0, 2048.0 * step, eval_loss=5.5 if step in (8, 20) else None)
     lines = buf.getvalue().splitlines()
-    assert [line.split(" | ")[0] for line in lines] == [f"atoll: step {s}/20 ({s / 20:.0%})" for s in (5, 8, 10, 15, 20)]
+    assert [line.split(" | ")[0] for line in lines] == [f"atoll: step {s}/20 ({s / 20:.0%})"
+                                                        for s in (5, 8, 10, 15, 20)]
     assert "| loss 5.200 | eval 5.500 | 1,000 tok/s | sent 16.4 KB/island |" in lines[1]
     assert "eval" not in lines[0] and "\x1b" not in buf.getvalue() and "eta" in lines[-1]
     quiet = io.StringIO()

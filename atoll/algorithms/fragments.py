@@ -29,8 +29,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["FlatFragment", "Fragment", "as_fragments", "fragment_flat_indices", "fragment_slices", "fragment_sync_steps",
-           "fragments_due", "layer_index", "split_fragments"]
+__all__ = ["FlatFragment", "Fragment", "as_fragments", "fragment_flat_indices", "fragment_slices",
+           "fragment_sync_steps", "fragments_due", "layer_index", "split_fragments"]
 
 # ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")

@@ -66,7 +66,8 @@ class OuterOptimizer:
         """Apply one outer step with the averaged pseudo-gradient (1-D float32, on the CPU or a device);
         return the new globals (the CPU tensor itself, not a copy)."""
         if pseudo_grad.shape != self.params.shape:
-            raise ValueError(f"pseudo-gradient of shape {tuple(pseudo_grad.shape)} for globals of {tuple(self.params.shape)}")
+            raise ValueError(f"pseudo-gradient of shape {tuple(pseudo_grad.shape)} "
+                             f"for globals of {tuple(self.params.shape)}")
         if self.pinned and pseudo_grad.device.type == "cuda":  # one non-blocking copy into pinned memory
             if self._landing is None:
                 self._landing = torch.empty_like(self.params.detach()).pin_memory()

@@ -23,8 +23,9 @@ independent island failures at rate 1/MTBF, each taking ``downtime`` seconds to 
 - a synchronous strategy (ddp, diloco, streaming, demo) stops every island on any island's failure and
   rolls back to its last checkpoint (every ``checkpoint_every_s``: half an interval lost on average;
   Young 1974, Daly 2006): ``goodput = 1 / (1 + K/MTBF * (downtime + checkpoint_every_s/2))``;
-- an asynchronous strategy (``decoupled``) loses only the failed island's time and its unsent pseudo-gradient (H/2 steps on average),
-  the others keep going and the syncer merges a quorum: ``goodput = 1 / (1 + (downtime + H*step/2)/MTBF)``.
+- an asynchronous strategy (``decoupled``) loses only the failed island's time and its unsent pseudo-gradient
+  (H/2 steps on average), the others keep going and the syncer merges a quorum:
+  ``goodput = 1 / (1 + (downtime + H*step/2)/MTBF)``.
 
 Published figures to hold these against (:data:`PUBLISHED`): DisTrO's 857x fewer bytes than an AdamW
 all-reduce (1.2B model), Decoupled DiLoCo's >20x speed over synchronous training on 2-5 Gbit/s WAN (12B model,
@@ -229,8 +230,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
              "speed vs ddp | goodput (heavy failures) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['link']} | {r['strategy']} | {r['step_s']:.2f} | "
-                     f"{r['compute_utilization']:.1%} | {human_bytes(r['bytes_per_step'])} | {r['reduction_vs_ddp']:.0f}x | "
-                     f"{r['speedup_vs_ddp']:.1f}x | {r['goodput_heavy_failures']:.0%} |")
+                     f"{r['compute_utilization']:.1%} | {human_bytes(r['bytes_per_step'])} | "
+                     f"{r['reduction_vs_ddp']:.0f}x | {r['speedup_vs_ddp']:.1f}x | {r['goodput_heavy_failures']:.0%} |")
     assumptions = "; ".join(f"{m.name}: {m.tokens_per_step / 2 ** 20:g}M tokens/step on {m.gpus_per_island} H100 "
                             f"at {m.mfu:.0%} MFU -> t_c = {m.step_compute_s:.2f} s" for m in SCALES)
     demo = Setting(params=1.2e9, step_compute_s=1.0)
@@ -239,7 +240,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "",
         f"Assumptions: 4 islands; t_c = 6*N*tokens / (GPUs * 989 TFLOP/s * MFU): {assumptions}. "
         "ddp not overlapped with backward; diloco H=100 fp32; streaming H=100 P=4 tau=5 int4; demo top-k 32 "
-        "of 64x64 DCT chunks, 2-bit sign values; sparseloco H=100 top-64 of 4096, 2-bit values; decoupled H=100 int4, syncer link not the bottleneck. Heavy failures: island "
+        "of 64x64 DCT chunks, 2-bit sign values; sparseloco H=100 top-64 of 4096, 2-bit values; decoupled H=100 int4, "
+        "syncer link not the bottleneck. Heavy failures: island "
         "MTBF 40 min, 10 min to replace, synchronous checkpoints every 30 min.",
         "",
         "Published, beside the projection:",
@@ -373,6 +375,6 @@ def run_cli(args: Any) -> str:
         codec = (args.codec or str(spec(name).defaults.get("codec", "fp32"))) if uses_codec else "fp32"
         p = project(replace(s, codec_bits=CODEC_BITS[codec]), name)
         red = f"{ddp.bytes_per_step / p.bytes_per_step:.0f}x" if p.bytes_per_step else "-"
-        lines.append(f"| {name} | {codec if uses_codec else 'fp32' if name == 'ddp' else '-'} | {p.step_s:.3f} | {p.compute_utilization:.1%} | {human_bytes(p.bytes_per_step)} | "
-                     f"{red} | {p.goodput:.1%} |")
+        lines.append(f"| {name} | {codec if uses_codec else 'fp32' if name == 'ddp' else '-'} | {p.step_s:.3f} | "
+                     f"{p.compute_utilization:.1%} | {human_bytes(p.bytes_per_step)} | {red} | {p.goodput:.1%} |")
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """Which folders and files a benchmark may delete or write over: only those atoll wrote.
 
-Used by :mod:`atoll.benchmarks.common` (the run cache, :func:`~atoll.benchmarks.common.train_once`), ``atoll bench suite``
-and ``atoll bench wan``. A run folder is cleared for a rerun only if every file and folder in it, at any depth,
-is one atoll writes (:data:`RUN_PATHS`, exact name patterns; :func:`clear_run_dir`), and replaced by a benchmark
-only if a benchmark of that output folder trained it (its :data:`REGISTRY`, :func:`check_benchmark_run`). An
+Used by :mod:`atoll.benchmarks.common` (the run cache, :func:`~atoll.benchmarks.common.train_once`),
+``atoll bench suite`` and ``atoll bench wan``. A run folder is cleared for a rerun only if every file and folder in it,
+at any depth, is one atoll writes (:data:`RUN_PATHS`, exact name patterns; :func:`clear_run_dir`), and replaced by a
+benchmark only if a benchmark of that output folder trained it (its :data:`REGISTRY`, :func:`check_benchmark_run`). An
 output folder is checked before anything runs (:func:`check_out_folder`), its ``results.json`` and ``results.md``
 included. Every refusal is one line (:class:`~atoll.errors.ConfigError`) naming the folder or file and the fix.
 """
@@ -24,7 +24,8 @@ from atoll.job.lock import LOCK_NAME
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
 
 _CHECKPOINTS = r"(?:syncer/)?checkpoints"  # a run's, and the decoupled syncer's
-_STEP = _CHECKPOINTS + r"/(?:step_[0-9]+|\.tmp-step_[0-9]+-\w+|\.old-step_[0-9]+-\w+)"  # a checkpoint, or one being written or swapped
+# a checkpoint, or one being written or swapped
+_STEP = _CHECKPOINTS + r"/(?:step_[0-9]+|\.tmp-step_[0-9]+-\w+|\.old-step_[0-9]+-\w+)"
 #: what save_pretrained writes for a model and its tokenizer (the checkpoint's model/ folder)
 _MODEL_FILES = (r"(?:config\.json|generation_config\.json|model(?:-\d+-of-\d+)?\.safetensors|"
                 r"model\.safetensors\.index\.json|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|"
@@ -130,8 +131,8 @@ def check_out_folder(out: Path, prog: str = "out", keys: Sequence[str] = ()) -> 
                           "so it was left untouched; pass an empty or new folder")
     for name in ("results.json", "results.md"):  # about to be written over: they must be a benchmark's
         if not _benchmark_results(out / name, keys):
-            raise ConfigError(f"{prog}: '{out / name}' is not a benchmark's results file ("
-                              f"{'not a JSON object' + prog_keys(keys) if name.endswith('.json') else 'no Markdown table'}), so it "
+            what = "not a JSON object" + prog_keys(keys) if name.endswith(".json") else "no Markdown table"
+            raise ConfigError(f"{prog}: '{out / name}' is not a benchmark's results file ({what}), so it "
                               "was left untouched; move it away or pass another --out")
 
 

@@ -196,7 +196,8 @@ class EmulatedWan:
             # no segmentation offload: the link carries and counts MTU-sized packets, as a real one does
             run_command("ip", "-n", ns, "link", "set", IFNAME, "address", self.island_mac(i), "mtu",
                         str(shape.mtu), "gso_max_segs", "1")
-            run_command("ip", "-n", br, "link", "set", peer, "mtu", str(shape.mtu), "gso_max_segs", "1", "master", "br0")
+            run_command("ip", "-n", br, "link", "set", peer, "mtu", str(shape.mtu), "gso_max_segs", "1",
+                        "master", "br0")
             addr = ["ip", "-n", ns, "addr", "add", f"{self.island_ip(i)}/24", "dev", IFNAME]
             run_command(*addr, *(["noprefixroute"] if shape.delay_ms > 0 else []))
             run_command("tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", *shape.tbf_args())  # upload

@@ -3,18 +3,18 @@
     atoll bench suite                       # the default run of every strategy (about 2 hours on 2 cores)
     atoll bench suite --quick               # micro model, 20 steps, into bench/out/suite-quick: about a minute
 
-Runs (:func:`runs`: each strategy's rows of its spec, so a new strategy brings its own): one island alone (``ddp --islands 1``, the
-reference), ``ddp``, ``diloco`` H=50 with fp32 and int4 pseudo-gradients, ``streaming`` (P=4, int4,
-overlap tau=1, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
+Runs (:func:`runs`: each strategy's rows of its spec, so a new strategy brings its own): one island alone
+(``ddp --islands 1``, the reference), ``ddp``, ``diloco`` H=50 with fp32 and int4 pseudo-gradients, ``streaming`` (P=4,
+int4, overlap tau=1, alpha=0.5), ``demo`` (top-k 32 of 64x64 DCT chunks, 2-bit sign values) and ``decoupled``
 (when the config accepts that strategy; otherwise listed as not available). Every run trains once, on the ``local``
 runtime; its clock trace (:class:`atoll.runtime.network.ClockTrace`: measured compute per island, bytes
 and rounds of every collective, who waited for which) is then re-timed at 10 Mbit/s, 100 Mbit/s, 1 Gbit/s
 and 10 Gbit/s by :func:`atoll.runtime.network.replay`, overlapped exchanges included: the link changes
 only the clock, never the training maths.
 
-Writes into ``--out`` (default ``bench/out/suite``, ``bench/out/suite-quick`` with ``--quick``): one atoll run folder per run, ``results.json``,
-``results.md`` (a Markdown table: final eval loss and its gap to ddp, bytes per island and the reduction
-against ddp, simulated wall time and compute utilization at each bandwidth, goodput under the standard
+Writes into ``--out`` (default ``bench/out/suite``, ``bench/out/suite-quick`` with ``--quick``): one atoll run folder
+per run, ``results.json``, ``results.md`` (a Markdown table: final eval loss and its gap to ddp, bytes per island and
+the reduction against ddp, simulated wall time and compute utilization at each bandwidth, goodput under the standard
 failure trace where the strategy reports one), ``suite.png`` (loss, bytes, utilization and wall time
 against bandwidth) and ``loss_curves.png`` (held-out loss of every run against tokens and simulated time).
 A finished run whose ``config.json`` matches (with its clock trace) is reused
@@ -309,7 +309,8 @@ def run_suite(args: argparse.Namespace) -> int:
     try:
         suite_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); pass another --out") from None
+        raise ConfigError(f"out: cannot make the folder '{suite_dir}' ({e.strerror or e}); "
+                          "pass another --out") from None
     from atoll.config import build_config
 
     summaries: dict[str, dict[str, Any]] = {}

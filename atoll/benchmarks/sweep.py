@@ -21,7 +21,8 @@ grids swept), then the sweep compares them:
 An asynchronous strategy (decoupled) runs on its own simulated clock; its times are shown at the link it
 trained on only, and a grid of such runs alone has no equal-time comparison. Points whose settings are the
 same once parsed (``--outer-lr 0.7,0.70``) train once. ``<out>`` is checked first as the suite's
-(:func:`atoll.benchmarks.folders.check_out_folder`); a point whose ``summary.json`` is damaged trains again. Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
+(:func:`atoll.benchmarks.folders.check_out_folder`); a point whose ``summary.json`` is damaged trains again.
+Writes ``<out>/results.json``, ``results.md`` (one row per point, best marked) and
 ``sweep.png`` (loss against tokens and against time on the link).
 """
 
@@ -239,7 +240,8 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         # shares --fragments with the points that read it), a point's own value must be read by its strategy
         configs.append(build_config(base=shared, overrides=p))
         settings.append(json.loads(configs[-1].model_dump_json(include={*shared, *p})))
-    check_out_folder(out, keys=SWEEP_KEYS)  # as the suite: a file, a folder of other files, a user's results.* (before the warnings)
+    # as the suite: a file, a folder of other files, a user's results.* (before the warnings)
+    check_out_folder(out, keys=SWEEP_KEYS)
     keep, dropped = distinct(points, settings)
     if dropped:
         print(f"atoll: warning: {len(points) - len(keep)} duplicate point{'s' * (len(points) - len(keep) != 1)} "

@@ -68,11 +68,11 @@ def steady_state(events: list[dict[str, Any]], summary: dict[str, Any], sampler:
     }
 
 
-COLUMNS: list[Column] = [("run", "run"), ("Mbit/s", "mbps"), ("H", "H"), ("steps", "steps"), ("window steps", "window_steps"),
-           ("rounds", "window_rounds"), ("tokens/s", "tokens_per_s"), ("x ddp", "speedup_vs_ddp"),
-           ("utilization", "steady_utilization"), ("bytes/island (atoll)", "atoll_bytes_per_island"),
-           ("bytes/island (iface tx)", "iface_tx_bytes_per_island"), ("iface/atoll", "iface_over_atoll"),
-           ("eval loss", "final_eval_loss"), ("wall s", "wall_s")]
+COLUMNS: list[Column] = [("run", "run"), ("Mbit/s", "mbps"), ("H", "H"), ("steps", "steps"),
+           ("window steps", "window_steps"), ("rounds", "window_rounds"), ("tokens/s", "tokens_per_s"),
+           ("x ddp", "speedup_vs_ddp"), ("utilization", "steady_utilization"),
+           ("bytes/island (atoll)", "atoll_bytes_per_island"), ("bytes/island (iface tx)", "iface_tx_bytes_per_island"),
+           ("iface/atoll", "iface_over_atoll"), ("eval loss", "final_eval_loss"), ("wall s", "wall_s")]
 
 
 def checks(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,7 +26,8 @@ class RunSection(Section):
         "diloco",
         description="What islands exchange: ddp (gradients every step), diloco (pseudo-gradients every H "
         "steps), streaming (fragments, overlapped, quantized), demo (top-k DCT of a decoupled momentum), "
-        "sparseloco (top-k of error-feedback accumulators, 2-bit values, every H steps), decoupled (Decoupled DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
+        "sparseloco (top-k of error-feedback accumulators, 2-bit values, every H steps), decoupled (Decoupled "
+        "DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
         "quorum, token-weighted). The strategies are listed in atoll.strategies.registry.",
     )
     runtime: Literal["local", "collective", "ray"] = Field(
@@ -38,10 +39,11 @@ class RunSection(Section):
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     sync_every: int = Field(
-        50, ge=1, le=MAX_STEPS, description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, decoupled)."
+        50, ge=1, le=MAX_STEPS,
+        description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, decoupled).",
     )
-    steps: int = Field(800, ge=1, le=MAX_STEPS, description="Inner steps per island (each island sees steps x batch tokens; "
-                       "decoupled: a budget of islands x steps shared by speed).")
+    steps: int = Field(800, ge=1, le=MAX_STEPS, description="Inner steps per island (each island sees steps x batch "
+                       "tokens; decoupled: a budget of islands x steps shared by speed).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
 
 
@@ -115,7 +117,8 @@ class InnerOptimSection(Section):
     """The inner optimizer of every island (AdamW; DeMo's own rate is in its section) and its schedule."""
 
     lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
-    warmup_steps: int = Field(40, ge=0, le=MAX_STEPS, description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
+    warmup_steps: int = Field(40, ge=0, le=MAX_STEPS,
+                              description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1,
         description="Cosine decay floor, as a fraction of the peak rate (lr; demo_lr for demo).",
@@ -150,7 +153,8 @@ class CodecSection(Section):
         description="Encoding of exchanged tensors (gradients for ddp, pseudo-gradients for diloco and "
         "streaming): fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int8, int4 (per-block scales), topk.",
     )
-    codec_block_size: int = Field(64, ge=1, le=1 << 20, description="Elements per scale block of the fp8/int8/int4 codecs.")
+    codec_block_size: int = Field(64, ge=1, le=1 << 20,
+                                  description="Elements per scale block of the fp8/int8/int4 codecs.")
     codec_rounding: Literal["nearest", "stochastic"] = Field(
         "nearest", description="Rounding of the lossy codecs: nearest, or stochastic (unbiased)."
     )
@@ -179,8 +183,8 @@ class OutputSection(Section):
     """Evaluation, checkpoints, where outputs go, threads and progress."""
 
     eval_every: int | None = Field(
-        None, ge=1, le=MAX_STEPS, description="Evaluate the global model every N inner steps (default: about 20 evaluations "
-        "per run, every steps // 20).")
+        None, ge=1, le=MAX_STEPS, description="Evaluate the global model every N inner steps (default: about 20 "
+        "evaluations per run, every steps // 20).")
     eval_batches: int = Field(
         16, ge=1, description="Batches of 8 held-out windows of seq_len tokens per evaluation (the same windows "
         "whatever --batch-size, so runs of different batch sizes are compared on the same text).")
@@ -195,8 +199,8 @@ class OutputSection(Section):
     progress: bool = Field(True, description="Show progress on stderr: a live bar on a terminal, otherwise (a log "
                            "file, a cluster job) one plain line every progress_every steps and at evaluations.")
     progress_every: int | None = Field(
-        None, ge=1, le=MAX_STEPS, description="Inner steps between two plain progress lines when stderr is not a terminal "
-        "(default: a twentieth of the run).")
+        None, ge=1, le=MAX_STEPS, description="Inner steps between two plain progress lines when stderr is not a "
+        "terminal (default: a twentieth of the run).")
     tracker: list[Literal["tensorboard", "wandb"]] = Field(
         default_factory=list, description="Experiment trackers that also receive the run's metrics: tensorboard "
         "(event files in <out>/tensorboard), wandb (Weights & Biases; offline with WANDB_MODE=offline), a "

@@ -49,8 +49,8 @@ else:  # pragma: no cover
 
 #: the sections of the whole config, in --help order (each strategy's own after the shared ones)
 SECTIONS: tuple[type[Section], ...] = (
-    RunSection, CollectiveSection, ModelSection, DeviceSection, DataSection, InnerOptimSection, OuterOptimSection, CodecSection,
-    FragmentsSection, *(s.section for s in specs() if s.section is not None), RaySection, NetworkSection,
+    RunSection, CollectiveSection, ModelSection, DeviceSection, DataSection, InnerOptimSection, OuterOptimSection,
+    CodecSection, FragmentsSection, *(s.section for s in specs() if s.section is not None), RaySection, NetworkSection,
     OutputSection,
 )
 STRATEGY_NAMES = tuple(s.name for s in specs())

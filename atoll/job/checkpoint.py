@@ -262,7 +262,8 @@ def new_run_dir(out: Path | None, strategy: str) -> Path:
     out = Path(out)
     refuse_squatters(out)
     if checkpoint_folders(out / "checkpoints"):
-        raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, or choose another --out")
+        raise ConfigError(f"out: '{out}' already holds a run; pass --resume {out} to continue it, "
+                          "or choose another --out")
     if (out / "metrics.jsonl").exists() or (out / "config.json").exists():
         raise ConfigError(f"out: '{out}' holds an unfinished run with no checkpoint (or another program's files); "
                           "remove it or choose another --out")
@@ -374,7 +375,8 @@ def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[st
     refuse_squatters(out)
     root = Path(out) / "checkpoints"
     first = latest_checkpoint(out)
-    candidates = [first] + [p for p in reversed(checkpoint_folders(root)) if p != first and (p / "state.json").is_file()]
+    candidates = [first] + [p for p in reversed(checkpoint_folders(root))
+                            if p != first and (p / "state.json").is_file()]
     error: CheckpointError | None = None
     for path in candidates:
         try:

@@ -46,7 +46,8 @@ class MetricsLog:
                     event = json.loads(line)
                 except ValueError:
                     continue  # a line cut short by a crash
-                if isinstance(event, dict) and event.get("step", 0) <= truncate_after_step and event.get("event") != "end":
+                if (isinstance(event, dict) and event.get("step", 0) <= truncate_after_step
+                        and event.get("event") != "end"):
                     kept.append(line)
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()

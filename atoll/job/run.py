@@ -61,7 +61,8 @@ def is_meta(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:
+def prepare_inputs(config: TrainConfig, warm_start: bool = True,
+                   notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:
     """The corpus prepared for the run's islands (tokenizer, shards, validation tokens; cached) and the
     initial global model: a preset seeded by ``seed`` (on the meta device for sharded islands of the collective
     runtime: shapes only), or a pretrained model (loaded first, so that a tokenizer
@@ -178,7 +179,8 @@ class Run:
                 raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
                                   f"pass --steps {self.start_step} or more")
         self.data, self.model = prepare_inputs(config, warm_start=not resume, notes=self.is_main)
-        if self.state is not None and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint:
+        if (self.state is not None
+                and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint):
             raise DataError(f"data: the corpus '{config.data}' or its tokenizer changed since this run started, so the "
                             "shards would differ; restore the data, or start a new run with --init-from")
 
@@ -192,8 +194,8 @@ class Run:
         return self.prior_wall_s + time.perf_counter() - self.t0
 
     def begin(self, restore: Callable[[dict[str, Any]], None] | None = None) -> None:
-        """Open the metrics log and the trackers; then the checkpoint's state (``restore`` takes the driver's part of it) or,
-        for a new run, the initial evaluation with its ``start`` and ``eval`` events; then ``config.json``.
+        """Open the metrics log and the trackers; then the checkpoint's state (``restore`` takes the driver's part
+        of it) or, for a new run, the initial evaluation with its ``start`` and ``eval`` events; then ``config.json``.
 
         Raises:
             CheckpointError: the checkpoint does not fit this run (the folder is left as it was).
@@ -216,7 +218,8 @@ class Run:
                 self.prior_wall_s = float(self.state.get("wall_s", 0.0))
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 raise CheckpointError(f"resume: the checkpoint of '{self.out}' does not fit this run "
-                                      f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); start a new run") from None
+                                      f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+                                      "start a new run") from None
         else:
             self.initial_eval_loss = self.eval_loss = (self.evaluator(None) if self.evaluator is not None
                                                        else evaluate(self.model, self.val))
@@ -337,7 +340,8 @@ class Run:
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
             # demo and sparseloco encode in their own way (their sections), not with the run's codec
-            "codec": config.codec if config.strategy in BY_STRATEGY["codec"] else None, "device": config.device if config.runtime == "ray" else resolve_device(config.device),
+            "codec": config.codec if config.strategy in BY_STRATEGY["codec"] else None,
+            "device": config.device if config.runtime == "ray" else resolve_device(config.device),
             "precision": config.precision, "compile": config.compile, **own,
             "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
             "compute_s": compute_s, "sim_wall_s": sim_wall_s,

@@ -28,7 +28,8 @@ def load_init_weights(model: PreTrainedModel, run_dir: Path) -> None:
     except Exception:
         if _load_syncer_weights(model, run_dir):
             return
-        raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; pass the --out folder of a finished run") from None
+        raise ConfigError(f"init_from: '{run_dir}' holds no atoll checkpoint; "
+                          "pass the --out folder of a finished run") from None
     if not (ckpt / "model").is_dir() and _load_syncer_weights(model, run_dir):  # a syncer's own folder
         return
     try:

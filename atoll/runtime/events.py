@@ -28,17 +28,17 @@ Metrics in ``summary.json`` besides every run's:
   ``Σ_i tokens_per_step · speed_i / sim_step_s``: every island computing all the time, with no failure and no
   communication. So ``goodput = merged_tokens / sim_wall_s / that rate``, in [0, 1].
 - ``island_utilization``: per island, simulated compute seconds (lost work included) over ``sim_wall_s``.
-- ``rejected_updates`` (by reason, and per island and reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``, ``commits``,
-  ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (lost to
-  failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
+- ``rejected_updates`` (by reason, and per island and reason), ``stale_updates``, ``quorum_size_*``, ``staleness_*``,
+  ``commits``, ``failures``, ``rejoin_s`` (per rejoin: seconds from failure until training again), ``lost_tokens`` (lost
+  to failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
   ``deferred_pushes``, ``steps_per_island``, and every trained token in one bucket per island
   (:mod:`atoll.strategies.decoupled.accounting`: merged, stale, rejected, lost, in flight).
 - ``codec_s``: per island, measured encode and decode seconds (not on the fixed-step, deterministic clock).
 
 Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps),
 at the end, and after the inner step in progress at SIGINT or SIGTERM (named by the mean steps done, rounded
-down; :mod:`atoll.job.stop`), written atomically, hold everything needed to continue exactly (the syncer, every island, the
-clocks and the pending events); ``<out>/syncer/`` holds the syncer's state alone.
+down; :mod:`atoll.job.stop`), written atomically, hold everything needed to continue exactly (the syncer, every island,
+the clocks and the pending events); ``<out>/syncer/`` holds the syncer's state alone.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ class Simulation:
         pull = self.syncer.pull(p)
         for m in waiters:
             i = m.island
-            st.downlink_free[i] = arrive = max(t, st.downlink_free[i]) + self.link.transfer_seconds(self.frag_bytes[p], 1)
+            st.downlink_free[i] = arrive = (max(t, st.downlink_free[i])
+                                            + self.link.transfer_seconds(self.frag_bytes[p], 1))
             st.in_flight[self.schedule(i, arrive, "pull", p)] = Transfer(i, m.epoch, pull=pull)
 
     def close_windows(self, at: float, flush: bool = False) -> None:
@@ -319,7 +320,8 @@ class Simulation:
             eval_loss = run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
                                      sum(st.bytes_sent) / K, max(st.clock))
             check_eval(st.done // K, eval_loss, run.data.vocab_size)
-        checkpointed = config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0 and st.done < self.budget
+        checkpointed = (config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0
+                        and st.done < self.budget)
         if checkpointed:
             self.checkpoint(st.done // K)
         if self.bar is not None and st.done % K == 0:  # once per mean inner step
@@ -355,7 +357,8 @@ class Simulation:
                 if w.tokens_since[p] > 0:
                     push = replace(w.push(p), session=syncer.admission.session[i])
                     st.bytes_sent[i] += push.nbytes
-                    st.uplink_free[i] = arrive = max(st.clock[i], st.uplink_free[i]) + self.link.transfer_seconds(push.nbytes, 1)
+                    st.uplink_free[i] = arrive = (max(st.clock[i], st.uplink_free[i])
+                                                  + self.link.transfer_seconds(push.nbytes, 1))
                     result = syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p],
                                                  credential=self.credentials[i]), now=arrive)
                     st.last_arrival = max(st.last_arrival, arrive)
@@ -393,7 +396,8 @@ class Simulation:
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
             **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
-            measured_compute_s=[w.island.compute_s for w in self.workers], codec_s=[w.wire.codec_s[0] for w in self.workers],
+            measured_compute_s=[w.island.compute_s for w in self.workers],
+            codec_s=[w.wire.codec_s[0] for w in self.workers],
             timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
 
 

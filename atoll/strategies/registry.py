@@ -1,8 +1,8 @@
 """The strategies atoll knows: one module each, listed once here.
 
 Adding a strategy is one file plus one line: write ``atoll/strategies/<name>.py`` (or a package) with a
-module-level ``SPEC = StrategySpec(...)`` (:mod:`atoll.strategies.spec`) and add ``<name>`` to :data:`STRATEGIES`. The spec carries
-everything the rest of atoll asks of a strategy: its own config section (flags and TOML keys), the
+module-level ``SPEC = StrategySpec(...)`` (:mod:`atoll.strategies.spec`) and add ``<name>`` to :data:`STRATEGIES`. The
+spec carries everything the rest of atoll asks of a strategy: its own config section (flags and TOML keys), the
 runtimes it runs under, its checks of a whole config, its defaults for shared settings, the lockstep
 strategy class (or none, for an asynchronous one that the runtimes' own event loops drive), its cost in
 closed form for ``atoll project``, and its rows of ``atoll bench suite``.

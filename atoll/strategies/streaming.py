@@ -2,8 +2,8 @@
 
 Douillard et al. 2025, arXiv:2501.18512. The parameters are split into P fragments of strided layers, with
 the embedding and final norm cut into P row blocks so the fragments are equal in size
-(:func:`atoll.algorithms.fragments.fragment_slices`: views of the parameters, the same on every island). Fragment p is synchronised
-once every H inner steps, at its own offset inside the window, so at most one fragment is in flight and
+(:func:`atoll.algorithms.fragments.fragment_slices`: views of the parameters, the same on every island). Fragment p is
+synchronised once every H inner steps, at its own offset inside the window, so at most one fragment is in flight and
 peak bandwidth drops about P-fold. Its pseudo-gradient (optionally quantized, e.g. int4, accumulated in
 fp32) is all-reduced *while* the islands run ``overlap_steps`` (tau) further inner steps; then the outer
 optimizer of that fragment steps and each island mixes: θ_local ← α·θ_local + (1−α)·θ_global.

@@ -89,7 +89,8 @@ def load_pretrained_tokenizer(source: str) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else source)
     except Exception as exc:  # OSError, ValueError, EnvironmentError... for missing or foreign files
-        raise ConfigError(f"tokenizer: cannot load a tokenizer from '{source}' ({_one_line(exc, 160)}); {fix}") from None
+        raise ConfigError(f"tokenizer: cannot load a tokenizer from '{source}' "
+                          f"({_one_line(exc, 160)}); {fix}") from None
     if not isinstance(getattr(tok, "backend_tokenizer", None), tokenizers.Tokenizer):
         raise ConfigError(f"tokenizer: '{source}' has no fast (tokenizers) version; save it with "
                           f"PreTrainedTokenizerFast (tokenizer.json), or {fix}")

@@ -208,9 +208,9 @@ def read_utf8(path: Path) -> str:
         text = raw.decode("utf-8", errors="replace")
         bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
         if bad > MAX_INVALID_UTF8 * max(1, len(raw)):
-            raise DataError(f"data: '{path}' is not UTF-8 text ({bad:,} invalid bytes, the first 0x{raw[exc.start]:02x} at "
-                            f"byte {exc.start:,}); convert it (e.g. iconv -f latin1 -t utf-8) or pass another "
-                            "file") from None
+            raise DataError(f"data: '{path}' is not UTF-8 text ({bad:,} invalid bytes, the first "
+                            f"0x{raw[exc.start]:02x} at byte {exc.start:,}); convert it "
+                            "(e.g. iconv -f latin1 -t utf-8) or pass another file") from None
         return text
 
 

@@ -64,8 +64,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set. The ranks are forked from a
     ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
     instead of each importing torch and transformers. A rank killed by a signal is started again, up to
-    ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers report
-    silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once; a
+    ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers
+    report silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once; a
     restarted rank is watched for such reports again once it says the job admitted it (:data:`ADMITTED_KEY`).
     With ``min_islands`` below ``islands`` the survivors of a lost island go on by themselves; otherwise,
     after the first failure (and in any case once rank 0 has exited), the others get ``grace_s`` seconds to
@@ -139,7 +139,8 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
                 if procs[0].exitcode is not None:
                     deadline = min(deadline, time.monotonic() + grace_s)
                 for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
-                    if rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0 and procs[0].exitcode is None:
+                    if (rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0
+                            and procs[0].exitcode is None):
                         restarts[rank] -= 1
                         reported.add(rank)  # the survivors' report of the lost one must not kill the new one
                         killed.add(rank)

@@ -345,7 +345,8 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
 
 
 def load_sharded_job_state(rt: Any, state: dict[str, Any], islands: list[Island], strategy: Any) -> None:
-    """A checkpoint of whole tensors gathered on rank 0 (before per-rank checkpoints): each rank of a sharded island keeps its pieces of the whole tensors, and its position's strategy state.
+    """A checkpoint of whole tensors gathered on rank 0 (before per-rank checkpoints): each rank of a sharded island
+    keeps its pieces of the whole tensors, and its position's strategy state.
 
     Raises:
         CheckpointError: the checkpoint's islands were sharded over another number of ranks (or not at all).

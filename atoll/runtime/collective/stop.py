@@ -65,8 +65,8 @@ class StopAgreement:
     @classmethod
     def of(cls, rt: Any) -> StopAgreement:
         """The agreement of a started :class:`~atoll.runtime.collective.runtime.CollectiveRuntime` ``rt``: a store
-        client of its own, the ranks of the islands alive (``rt.membership``), ``--steps``, ``--collective-timeout-s``; it
-        ends when the rank's heartbeat does (the rank leaves: done, stopped or failed)."""
+        client of its own, the ranks of the islands alive (``rt.membership``), ``--steps``, ``--collective-timeout-s``;
+        it ends when the rank's heartbeat does (the rank leaves: done, stopped or failed)."""
         from atoll.runtime.collective.quorum import store_client
 
         r_count, timeout_s = rt.ranks_per_island, rt.config.collective_timeout_s

@@ -10,9 +10,9 @@ Launch::
 The driver (this process) prepares the data and the initial model, then starts one :class:`SyncerActor`
 (holding the :class:`~atoll.syncer.Syncer`, on the CPU, 0 CPUs reserved) and ``islands`` island actors
 (each ``ray_cpus_per_island`` CPUs, ``ray_gpus_per_island`` GPUs; Ray places them on the cluster). Every
-island runs :meth:`~atoll.strategies.decoupled.island.IslandWorker.run` (the learner's loop) at its own pace: inner steps, then on the
-fragment schedule a push to the syncer and a pull of the newest global fragment, which it adopts when it
-arrives while it trains on (communication overlaps compute). Nobody waits for another island. The syncer
+island runs :meth:`~atoll.strategies.decoupled.island.IslandWorker.run` (the learner's loop) at its own pace: inner
+steps, then on the fragment schedule a push to the syncer and a pull of the newest global fragment, which it adopts when
+it arrives while it trains on (communication overlaps compute). Nobody waits for another island. The syncer
 merges a quorum at once, and closes a buffer's grace window (a multiple of the measured round time) on the
 next call it receives; it checkpoints itself atomically after every merge
 (``<out>/syncer/``), so no committed outer step is lost.
@@ -30,9 +30,9 @@ pull after the restart.
 
 The syncer actor runs on the driver's node, beside the run folder (Ray would place an actor of 0 CPUs on any
 node, and a worker node's loss would take it). It has ``max_restarts`` too: a syncer process that dies is
-restarted by Ray from its last atomic checkpoint (``<out>/syncer/``, written at every commit with the shared step budget), so no committed
-outer step is lost (``syncer_restarts`` in the summary). The islands' calls wait for it and are retried
-(``max_task_retries``); pushes buffered after its last commit are lost with it, and the steps granted since
+restarted by Ray from its last atomic checkpoint (``<out>/syncer/``, written at every commit with the shared step
+budget), so no committed outer step is lost (``syncer_restarts`` in the summary). The islands' calls wait for it and are
+retried (``max_task_retries``); pushes buffered after its last commit are lost with it, and the steps granted since
 that checkpoint are granted again, so the run may take a few more inner steps than its budget.
 
 The run's clock (``sim_wall_s``, and the ``island_utilization`` and ``goodput`` measured on it) starts at the
@@ -48,10 +48,10 @@ Identity: the driver issues each island a secret (:func:`secrets.token_hex`), gi
 to the syncer only; its pushes carry it and the syncer counts a push only as the island whose secret it
 carries, and lets only that island open a new session or take an inner step (``reserve_step``, which grants
 the step's tokens to the island in the syncer's token ledger: its claims are bounded by them)
-(:mod:`atoll.strategies.decoupled.trust`; docs/security.md). Ray's token authentication (on by default in Ray 2.60) is left on; joining a cluster needs its token as
-``ray start`` documents. Ray is imported only by this module, which ``atoll train`` imports only for
-``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll is imported from,
-and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.
+(:mod:`atoll.strategies.decoupled.trust`; docs/security.md). Ray's token authentication (on by default in Ray 2.60) is
+left on; joining a cluster needs its token as ``ray start`` documents. Ray is imported only by this module, which
+``atoll train`` imports only for ``--runtime ray``. A local Ray gets this process's ``PYTHONPATH`` plus the folder atoll
+is imported from, and ``OMP_NUM_THREADS`` (``--threads``, default 1), so its workers import the same atoll.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def _run_actors(config: TrainConfig, run: Run,
     island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
                             max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
     islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out), credentials[i]) if res else
-               island_cls.remote(cfg, i, syncer, str(out), credentials[i]) for i, res in enumerate(island_resources(config))]
+               island_cls.remote(cfg, i, syncer, str(out), credentials[i])
+               for i, res in enumerate(island_resources(config))]
     running = {isl.run.remote(): i for i, isl in enumerate(islands)}
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands

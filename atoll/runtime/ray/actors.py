@@ -51,7 +51,8 @@ class RayTransport:
     def send(self, push: Push) -> None:
         self.bytes_sent += push.nbytes
         msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
-                   round_s=time.monotonic() - self.pulled_at[push.fragment], session=self.session, credential=self.credential)
+                   round_s=time.monotonic() - self.pulled_at[push.fragment], session=self.session,
+                   credential=self.credential)
         self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
 
     def arrived(self) -> list[Pull]:
@@ -126,7 +127,8 @@ class IslandService:
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
-                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss, "codec_s": self.worker.wire.codec_s[0],
+                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss,
+                "codec_s": self.worker.wire.codec_s[0],
                 "resets": island.reset_count, "skipped_steps": island.skipped_steps,
                 "node_id": ray.get_runtime_context().get_node_id()}
 

@@ -233,7 +233,8 @@ class SyncerServer:
     def _save_left(self) -> None:
         from atoll.job.checkpoint import write_text_atomic
 
-        write_text_atomic(self.out / "service" / "left.json", wire.dumps({str(k): v for k, v in self.left.items()}).decode())
+        write_text_atomic(self.out / "service" / "left.json",
+                          wire.dumps({str(k): v for k, v in self.left.items()}).decode())
 
     @property
     def joined(self) -> set[int]:
@@ -365,7 +366,8 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
     if port == 0:
         raise ConfigError(f"listen: cannot listen on '{listen}' (in use, or not this host's); pick a free port")
     server.start()
-    restarted = f", restarted from commit {server_state.service.syncer.commits}" if server_state.service.restarts else ""
+    restarted = (f", restarted from commit {server_state.service.syncer.commits}"
+                 if server_state.service.restarts else "")
     print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}), {config.islands} islands, "
           f"state in {out}{restarted}", flush=True)
     try:

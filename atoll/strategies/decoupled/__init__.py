@@ -150,8 +150,8 @@ def validate(config: TrainConfig) -> None:
             raise ValueError(f"island_speeds: an island at {slow:g} of the fastest's speed takes "
                              f"{config.sync_every * slow / fastest:g} inner steps per round of --sync-every "
                              f"{config.sync_every}, fewer than --fragments {config.fragments}, so it cannot push at "
-                             f"the others' cadence; raise --sync-every to {need} or more (fragments / slowest speed) or "
-                             "lower --fragments")
+                             f"the others' cadence; raise --sync-every to {need} or more (fragments / slowest speed) "
+                             "or lower --fragments")
 
 
 def local_sync_every(config: TrainConfig) -> list[int]:

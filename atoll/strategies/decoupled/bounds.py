@@ -179,7 +179,8 @@ class PushBounds:
         of what the *other* pushes vouch for: cold, no push vouches for itself, so with 2 islands the floor
         does not let a first push that negates the parameters in, and tiny pushes from the first round on
         still refuse the other's; the syncer then stops the run, :meth:`Syncer.starved
-        <atoll.strategies.decoupled.syncer.Syncer.starved>`); those that pass become their islands' entries. Pushes checked against a warm history pass.
+        <atoll.strategies.decoupled.syncer.Syncer.starved>`); those that pass become their islands' entries. Pushes
+        checked against a warm history pass.
         """
         ok = []
         entries = [(n, self.weight_tokens(i, k)) for i, n, k, _ in pushes]

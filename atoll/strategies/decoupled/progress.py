@@ -34,8 +34,9 @@ def progress_detail(steps: Sequence[int], commits: int, staleness: Sequence[int]
 
 
 def syncer_events(records: Sequence[Merged | Refused]) -> list[tuple[str, dict[str, Any]]]:
-    """The run events (kind, fields) of the syncer's journal (:meth:`~atoll.strategies.decoupled.journal.Journal.drain`):
-    ``merge`` (fragment, version, islands) and ``refusal`` (island, fragment, reason), each at its time."""
+    """The run events (kind, fields) of the syncer's journal
+    (:meth:`~atoll.strategies.decoupled.journal.Journal.drain`): ``merge`` (fragment, version, islands) and
+    ``refusal`` (island, fragment, reason), each at its time."""
     events: list[tuple[str, dict[str, Any]]] = []
     for r in records:
         if isinstance(r, Merged):

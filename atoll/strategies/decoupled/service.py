@@ -136,9 +136,11 @@ class SyncerService:
         """Refuse a call that names no island of the run (ValueError) or, given a ``credential``, not its own
         (PermissionError); one-line messages."""
         if not is_index(island, self.config.islands):
-            raise ValueError(f"{call}: island {island!r} is not one of this run's islands 0..{self.config.islands - 1}")
+            raise ValueError(f"{call}: island {island!r} is not one of this run's islands "
+                             f"0..{self.config.islands - 1}")
         if credential is not None and not self.syncer.admission.identity(island, credential):
-            raise PermissionError(f"{call}: island {island}'s credential does not match; an island calls only as itself")
+            raise PermissionError(f"{call}: island {island}'s credential does not match; "
+                                  "an island calls only as itself")
 
     def join(self, island: int, credential: str = "") -> tuple[torch.Tensor, list[int], int, int]:
         """An island (re)starts: (global params (numel,), versions, its inner steps so far, its new session
@@ -244,7 +246,8 @@ class SyncerService:
             ValueError: ``fragment`` is not one of the run's.
         """
         if not is_index(fragment, self.syncer.fragments):
-            raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments 0..{self.syncer.fragments - 1}")
+            raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments "
+                             f"0..{self.syncer.fragments - 1}")
         self._poll()
         return self.syncer.pull(fragment)
 
@@ -293,7 +296,8 @@ class SyncerService:
         events = list(self.events) if drain else []
         if drain:
             self.events.clear()
-        for kind, fields in syncer_events(self.syncer.journal.drain() if drain else []):  # the syncer's clock is this actor's
+        # the syncer's clock is this actor's
+        for kind, fields in syncer_events(self.syncer.journal.drain() if drain else []):
             events.append((kind, {**fields, "sim_wall_s": self._run_clock(fields["sim_wall_s"])}))
         events.sort(key=lambda e: e[1]["sim_wall_s"])
         start = self.first_step_s

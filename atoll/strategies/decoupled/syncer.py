@@ -136,10 +136,10 @@ class Syncer:
             are not one per island.
     """
 
-    def __init__(self, init: torch.Tensor, index: Sequence[FlatFragment | torch.Tensor] | None, islands: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, quorum: int | None = None, grace_factor: float = 1.0,
-                 max_staleness: int = 4, staleness_exponent: float = 0.5, norm_bound: float = 10.0,
-                 scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
+    def __init__(self, init: torch.Tensor, index: Sequence[FlatFragment | torch.Tensor] | None, islands: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, quorum: int | None = None,
+                 grace_factor: float = 1.0, max_staleness: int = 4, staleness_exponent: float = 0.5,
+                 norm_bound: float = 10.0, scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
                  credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
                  cold_bound: float | None = None, max_round_s: float | None = None,
                  starve_after: int = 16) -> None:
@@ -230,7 +230,8 @@ class Syncer:
         if not isinstance(msg, Push):  # not a push at all (a runtime that deserializes anything it is sent)
             self._refuse(None, None, "type", None)
             return PushResult(False, "type")
-        island, fragment, delta, tokens, base_version = msg.island, msg.fragment, msg.delta, msg.tokens, msg.base_version
+        island, fragment, delta, tokens, base_version = (msg.island, msg.fragment, msg.delta, msg.tokens,
+                                                         msg.base_version)
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         observed = since_last_push(self.last_push_at, island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
