@@ -118,8 +118,8 @@ def test_perplexity_of_a_diverged_loss_is_none() -> None:
 
 
 @pytest.mark.parametrize(("args", "line"), [
-    (["train", "--sync-evry", "10"], "atoll: error: unrecognized arguments: --sync-evry 10 (did you mean --sync-every?); "
-                                     "see 'atoll train --help'"),
+    (["train", "--sync-evry", "10"],
+     "atoll: error: unrecognized arguments: --sync-evry 10 (did you mean --sync-every?); see 'atoll train --help'"),
     (["train", "--step", "4"], "atoll: error: unrecognized arguments: --step 4 (did you mean --steps?); "
                                "see 'atoll train --help'"),
     (["bench", "suite", "--qick"], "atoll: error: unrecognized arguments: --qick (did you mean --quick?); "

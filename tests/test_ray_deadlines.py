@@ -140,3 +140,22 @@ def test_a_stopped_island_is_killed_and_rejoins(fast_config: dict, tmp_path: Pat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failures"] == [0, 1] and summary["rejoins"] == [0, 1], summary
     assert int((out / "ray" / "island_1.pid").read_text()) != pid, "a new process runs island 1"
+
+
+def test_a_local_ray_gets_the_drivers_pythonpath(fast_config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The islands of a local Ray import what the driver can: atoll's folder, then the driver's PYTHONPATH
+    (a comment once swallowed the second half, and an island could not import a user's module)."""
+    import ray
+
+    from atoll.config import build_config
+    from atoll.runtime.ray import cluster
+
+    seen: dict = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/users/lib", "/srv/more"]))
+    config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2})
+    assert cluster.init_ray(config)
+    paths = seen["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)
+    assert paths[1:] == ["/opt/users/lib", "/srv/more"]
+    assert Path(paths[0], "atoll", "__init__.py").is_file()

@@ -52,8 +52,9 @@ def init_ray(config: TrainConfig) -> bool:
     if config.ray_address:
         ray.init(address=config.ray_address, **quiet)
         return True
-    # the folder atoll is imported from + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # the folder atoll is imported from, then this process's PYTHONPATH (the islands import what the driver can)
     paths = [str(Path(__file__).resolve().parents[3])]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     threads = str(config.threads or 1)
     cpus = max(os.cpu_count() or 1, math.ceil(config.islands * config.ray_cpus_per_island) + 1)
     # a local Ray is one node: it declares the custom resources the islands ask for (regions, hardware
