@@ -118,7 +118,8 @@ def test_two_island_jobs_over_tls_end_near_the_local_run(fast_config: dict, tmp_
     assert served["islands_left"] == [0, 1]
     assert served["final_eval_loss"] < served["initial_eval_loss"] - 0.3
     assert abs(served["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"] < 0.02, \
-        (served["final_eval_loss"], ref["final_eval_loss"])
+        (served["final_eval_loss"], ref["final_eval_loss"], served["steps_per_island"], served["commits"],
+         served.get("stale_updates"))  # on a real clock the shared budget may split unevenly under load
     assert "TLS" in logs["syncer.log"]
 
 
