@@ -82,8 +82,12 @@ def test_run_event_counts_go_on_across_a_resume(fast_config) -> None:
 
 @pytest.mark.slow
 def test_a_decoupled_run_shows_its_progress_from_the_first_steps(fast_config, capsys) -> None:
-    train(build_config(overrides=_decoupled(fast_config, progress=True, progress_every=4)))
+    summary = train(build_config(overrides=_decoupled(fast_config, progress=True, progress_every=4)))
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("atoll: step ")]
+    # the last line comes after the end's merges: its goodput and merges are the summary's (a line before
+    # them once said 87% beside a summary of 96.6%)
+    assert lines[-1].startswith("atoll: step 40/40") and "| eval " in lines[-1], lines[-1]
+    assert f"| goodput {summary['goodput']:.0%} |" in lines[-1] and f"| merges {summary['commits']} |" in lines[-1]
     assert lines[0].startswith("atoll: step 4/40"), lines[:3]  # the first line at the first multiple
     assert all("| steps " in x and "| merges " in x and "staleness" in x and "goodput" in x for x in lines)
     assert len({x.split(" | ")[0] for x in lines}) == len(lines), "never two lines for one step"

@@ -312,33 +312,36 @@ class Simulation:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0], island_loss=list(st.last_loss),
                           island_bytes_sent=list(st.bytes_sent), island_steps=[w.steps for w in self.workers])
-            resets = [w.island.reset_count for w in self.workers]
-            run.events.note_resets(st.done // K, resets, max(st.clock))
+            run.events.note_resets(st.done // K, resets := [w.island.reset_count for w in self.workers], max(st.clock))
             check_resets(st.done // K, sum(resets), K)
         eval_loss = None
         if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
             eval_loss = run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
                                      sum(st.bytes_sent) / K, max(st.clock))
             check_eval(st.done // K, eval_loss, run.data.vocab_size)
-        checkpointed = (config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0
-                        and st.done < self.budget)
-        if checkpointed:
+        if checkpointed := (config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0
+                            and st.done < self.budget):
             self.checkpoint(st.done // K)
-        if self.bar is not None and st.done % K == 0:  # once per mean inner step
-            session = (st.done - K * run.start_step) * tps
-            stepped = [x for x in st.last_loss if not math.isnan(x)]  # islands that have not stepped: no loss yet
-            self.bar.update(st.done // K, sum(stepped) / len(stepped) if stepped else None,
-                            session / max(1e-9, run.wall_s() - run.prior_wall_s),
-                            sum(st.bytes_sent) / K, eval_loss=eval_loss,
-                            detail=progress_detail([w.steps for w in self.workers], self.syncer.commits,
-                                                   self.syncer.staleness, self.syncer.merged_tokens / max(st.clock)
-                                                   / self.ideal_rate if max(st.clock) > 0 else None,
-                                                   [i for i in range(K) if st.failed_at[i] is not None
-                                                    and st.clock[i] <= st.failed_at[i]]))
+        if st.done % K == 0 and st.done < self.budget:  # once per mean inner step; the last one: finish()
+            self.show_progress(eval_loss, max(st.clock))
         if stop.requested() is not None and st.done < self.budget:  # SIGINT/SIGTERM (atoll.job.stop): this
             if not checkpointed:  # event's state is whole, as at a periodic checkpoint (written once); then stop
                 self.checkpoint(st.done // K)
             raise self.run.interrupt(st.done // K)
+
+    def show_progress(self, eval_loss: float | None, now: float) -> None:
+        """The progress line at the mean step done: goodput so far (merged tokens by simulated second ``now``)."""
+        if self.bar is None:
+            return
+        st, K = self.st, self.K
+        stepped = [x for x in st.last_loss if not math.isnan(x)]  # islands that have not stepped: no loss yet
+        self.bar.update(st.done // K, sum(stepped) / len(stepped) if stepped else None,
+                        (st.done - K * self.run.start_step) * self.config.tokens_per_step
+                        / max(1e-9, self.run.wall_s() - self.run.prior_wall_s), sum(st.bytes_sent) / K,
+                        eval_loss=eval_loss, detail=progress_detail(
+                            [w.steps for w in self.workers], self.syncer.commits, self.syncer.staleness,
+                            self.syncer.merged_tokens / now / self.ideal_rate if now > 0 else None,
+                            [i for i in range(K) if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]]))
 
     def checkpoint(self, step: int) -> None:
         """Everything to continue exactly: syncer, islands, clocks and pending events (atomic)."""
@@ -349,7 +352,7 @@ class Simulation:
 
     def finish(self) -> dict[str, Any]:
         """Every live island pushes what it has not pushed, the syncer merges every buffer; the summary."""
-        st, syncer, config, K = self.st, self.syncer, self.config, self.K
+        st, syncer, config, K, tps = self.st, self.syncer, self.config, self.K, self.config.tokens_per_step
         alive = [i for i in range(K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i]]
         for i in sorted(alive if self.diverged is None else [], key=lambda j: (st.clock[j], j)):
             w = self.workers[i]
@@ -370,11 +373,11 @@ class Simulation:
                 self.workers[i].adopt(syncer.pull(p))
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
         self.run.events.note_resets(st.done // K, [w.island.reset_count for w in self.workers], sim_wall_s)
-        tps = config.tokens_per_step
         # a finished run resumed with no more steps: its final eval and checkpoint are in the log already
         again = self.restored_done is not None and st.done == self.restored_done and self.run.start_step == config.steps
-        if not again:
-            self.run.log_eval(config.steps, st.done * tps, syncer.global_params(), sum(st.bytes_sent) / K, sim_wall_s)
+        final_eval = None if again else self.run.log_eval(config.steps, st.done * tps, syncer.global_params(),
+                                                          sum(st.bytes_sent) / K, sim_wall_s)
+        self.show_progress(final_eval, sim_wall_s)  # the last line: after the final merges, as the summary
         if self.diverged is None and not again:  # a diverged run keeps its last good checkpoint
             self.checkpoint(config.steps)
         ideal_rate = self.ideal_rate
@@ -414,4 +417,4 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     run.begin(restore=sim.restore)
     with ProgressDisplay(config.steps, run.start_step, config.progress, every=config.progress_every) as sim.bar:
         sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where
-    return sim.finish()
+        return sim.finish()
