@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -171,7 +172,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
 
     p_project = sub.add_parser("project", help="project step time, utilization, bytes and goodput of each "
                                "strategy to real scale (arithmetic, no training)",
-                               description=projection.__doc__.split("\n\n")[0])
+                               description=_plain(projection.__doc__))
     projection.add_arguments(p_project)
 
     p_bench = sub.add_parser("bench", help="run a benchmark: suite (every strategy and codec, one report) or "
@@ -182,11 +183,11 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     benches = p_bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     p_suite = benches.add_parser("suite", help="every strategy and the main codecs at equal tokens; one "
                                  "table and plots, re-timed at 10 Mbit/s, 100 Mbit/s, 1 and 10 Gbit/s",
-                                 description=suite.__doc__.split("\n\n")[0])
+                                 description=_plain(suite.__doc__))
     suite.add_arguments(p_suite)
     p_wan = benches.add_parser("wan", help="ddp vs diloco, collective runtime, each island in a network "
                                "namespace behind tc-shaped links (needs root)",
-                               description=wan.__doc__.split("\n\n")[0] + " Needs root; skips (status 0) "
+                               description=_plain(wan.__doc__) + " Needs root; skips (status 0) "
                                "without it.")
     wan.add_arguments(p_wan)
     return parser
@@ -292,7 +293,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _sweep_doc() -> str:
     from atoll.benchmarks import sweep
 
-    return (sweep.__doc__ or "").split("\n\n")[0]
+    return _plain(sweep.__doc__)
+
+
+def _plain(doc: str | None) -> str:
+    """A module docstring's first paragraph as ``--help`` text: reST markup (````x````, ``:func:`~a.b```)
+    as the plain words it marks."""
+    text = (doc or "").split("\n\n")[0]
+    text = re.sub(r":[a-z]+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:

@@ -213,6 +213,10 @@ class OutputSection(Section):
             value = [part.strip() for part in value.split(",") if part.strip()]
         if isinstance(value, (list, tuple)):
             value = list(dict.fromkeys(v for v in value if v != "none"))
+            unknown = [v for v in value if v not in ("tensorboard", "wandb")]
+            if unknown:
+                raise ValueError(f"{unknown[0]!r} is not tensorboard, wandb or none; pass one of them, or a "
+                                 "comma-separated list")
         return value
 
     @field_validator("tracker")

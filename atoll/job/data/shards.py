@@ -218,8 +218,8 @@ def _check_islands(island_tokens: list[np.ndarray], num_val_tokens: int, spec: s
             fix = (f"use a corpus of at least {n * MIN_ISLAND_TOKENS:,} training tokens, or fewer islands" if n > 1
                    else f"use a corpus of at least {MIN_ISLAND_TOKENS:,} training tokens (docs/usage.md, Data)")
             raise DataError(
-                f"data: corpus too small for {n} island{'s' if n > 1 else ''}: island {island} gets {len(shard)} "
-                f"training tokens (need >= {MIN_ISLAND_TOKENS}; '{spec}' holds "
+                f"data: corpus too small for {n} island{'s' if n > 1 else ''}: island {island} gets {len(shard):,} "
+                f"training tokens (need >= {MIN_ISLAND_TOKENS:,}; '{spec}' holds "
                 f"{sum(len(s) for s in island_tokens):,} training and {num_val_tokens:,} validation tokens); {fix}"
             )
 
