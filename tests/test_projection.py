@@ -153,3 +153,12 @@ def test_project_cli_bad_input_one_line_exit_2(args: list[str], field: str) -> N
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"atoll: error: {field}")
+
+
+def test_a_flag_beside_table_is_refused_not_ignored() -> None:
+    """``--table`` prints its own fixed settings: ``--params`` beside it was silently ignored."""
+    r = run_cli("project", "--table", "--params", "1e9")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == "atoll: error: params: --table prints a fixed table of its own settings; drop --params or " \
+                       "--table\n", r.stderr
+    assert run_cli("project", "--table").returncode == 0

@@ -34,6 +34,7 @@ all-reduce (1.2B model), Decoupled DiLoCo's >20x speed over synchronous training
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -352,6 +353,12 @@ def run_cli(args: Any) -> str:
         ConfigError: a missing or invalid setting (one line naming the flag).
     """
     if args.table:
+        defaults = argparse.ArgumentParser()
+        add_arguments(defaults)
+        given = [k for k, v in vars(defaults.parse_args([])).items() if k != "table" and getattr(args, k, v) != v]
+        if given:  # the table's settings are its own: a flag beside it would be silently ignored
+            raise ConfigError(f"{given[0]}: --table prints a fixed table of its own settings; drop "
+                              f"--{given[0].replace('_', '-')} or --table")
         return format_table(real_scale_table())
     if args.params is None or args.step_compute_s is None:
         raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
