@@ -84,8 +84,9 @@ class Rounds(Strategy):
         self.index = index
         self.numel = sum(p.numel() for p in islands[0].params)
         pin = islands[0].device.type == "cuda"  # pinned host backups (torchft's)
-        self.outers = [OuterOptimizer(islands[0].flat_params(frag), config.outer_lr, config.outer_momentum, pin=pin)
-                       for frag in (index if index is not None else [None])]
+        # the whole model: flat_params() (a sharded island's is its rank's shard, and takes no fragment)
+        starts = [islands[0].flat_params()] if index is None else [islands[0].flat_params(frag) for frag in index]
+        self.outers = [OuterOptimizer(flat, config.outer_lr, config.outer_momentum, pin=pin) for flat in starts]
         self.clocks = [RoundClock(islands) for _ in self.outers]
         self.dropped_updates = 0
 
