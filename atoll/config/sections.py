@@ -6,6 +6,7 @@ and is collected by :mod:`atoll.config.train`. A field's description is its ``--
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -213,9 +214,10 @@ class OutputSection(Section):
             value = [part.strip() for part in value.split(",") if part.strip()]
         if isinstance(value, (list, tuple)):
             value = list(dict.fromkeys(v for v in value if v != "none"))
-            unknown = [v for v in value if v not in ("tensorboard", "wandb")]
+            known = typing.get_args(typing.get_args(cls.model_fields["tracker"].annotation)[0])  # the Literal's
+            unknown = [v for v in value if v not in known]
             if unknown:
-                raise ValueError(f"{unknown[0]!r} is not tensorboard, wandb or none; pass one of them, or a "
+                raise ValueError(f"{unknown[0]!r} is not {', '.join(known)} or none; pass one of them, or a "
                                  "comma-separated list")
         return value
 

@@ -75,9 +75,9 @@ def load_or_train_tokenizer(
     if callable(train_docs):  # streamed shards: their size is not known before reading them
         what = "the corpus's shards, read one at a time"
     else:
-        chars = sum(len(d.text) for d in train_docs)  # a small corpus in characters, not as 0.0M
-        what = f"{len(train_docs):,} documents ({chars / 1e6:.1f}M characters)" if chars >= 1e6 else \
-            f"{len(train_docs):,} documents ({chars:,} characters)"
+        chars = sum(len(d.text) for d in train_docs)
+        size = f"{chars / 1e6:.1f}M" if chars >= 1e6 else f"{chars:,}"  # a small corpus not as 0.0M
+        what = f"{len(train_docs):,} documents ({size} characters)"
     status(f"training a {vocab_size}-token BPE tokenizer on {what}; once per corpus and vocabulary, then read from "
            f"{cache_dir} ...")
     t0 = time.perf_counter()
