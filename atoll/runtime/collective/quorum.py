@@ -21,14 +21,12 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from atoll.runtime.collective.failure import PeerFailure
-
-if TYPE_CHECKING:
-    from atoll.runtime.collective.runtime import CollectiveRuntime
+from atoll.runtime.collective.view import CollectiveView
 
 DEAD_S = 3.0  # a rank of the failed job whose heartbeat has not moved for this long is dead
 
@@ -96,7 +94,13 @@ def store_client(timeout_s: float) -> dist.TCPStore:
                          timeout=timedelta(seconds=timeout_s))
 
 
-def recover(rt: CollectiveRuntime, failure: PeerFailure, op: int) -> None:
+class _Recovering(CollectiveView, Protocol):
+    """A runtime that survives losses: its :class:`Quorum` is set."""
+
+    quorum: Quorum | None
+
+
+def recover(rt: _Recovering, failure: PeerFailure, op: int) -> None:
     """Go on with the islands alive after ``failure`` in operation ``op``, or end this process.
 
     The survivors agree on who is alive (:class:`~atoll.runtime.collective.quorum.Quorum`), drop every

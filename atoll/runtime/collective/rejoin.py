@@ -28,7 +28,7 @@ from atoll.runtime.collective.transfer import broadcast_state
 
 if TYPE_CHECKING:
     from atoll.job.island import Island
-    from atoll.runtime.collective.runtime import CollectiveRuntime
+    from atoll.runtime.collective.view import CollectiveView
     from atoll.strategies.base import Strategy
 
 REJOIN_ENV = "ATOLL_REJOIN"  # set by the launcher on a restarted rank: its incarnation (1 for the first restart)
@@ -37,7 +37,7 @@ ADMITTED_KEY = "atoll/admitted/"  # + global rank: the incarnation admitted last
 FINISHED = "finished"  # under the run's prefix: rank 0 is past the last step (a waiting joiner exits 0)
 
 
-def join(rt: CollectiveRuntime) -> dict[str, Any]:
+def join(rt: CollectiveView) -> dict[str, Any]:
     """The restarted rank's side: ask, wait to be admitted, join the epoch's groups, receive the state.
 
     The request carries a fresh id and the admission answers under that id (``admit/<rank>/<id>``, deleted
@@ -75,7 +75,7 @@ def join(rt: CollectiveRuntime) -> dict[str, Any]:
     return got
 
 
-def admit(rt: CollectiveRuntime, done: int, islands: list[Island], strategy: Strategy, extra: dict[str, Any]) -> None:
+def admit(rt: CollectiveView, done: int, islands: list[Island], strategy: Strategy, extra: dict[str, Any]) -> None:
     """The live islands' side, at the end of inner step ``done``: admit the ranks that asked to join, if any.
 
     A collective call (every live rank, same step). Each joiner is told the new membership under its

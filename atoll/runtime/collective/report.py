@@ -15,10 +15,10 @@ from atoll.runtime.collective.failure import dist_call
 
 if TYPE_CHECKING:
     from atoll.job.island import Island
-    from atoll.runtime.collective.runtime import CollectiveRuntime
+    from atoll.runtime.collective.view import CollectiveView
 
 
-def totals(rt: CollectiveRuntime, islands: list[Island]) -> tuple[float, int]:
+def totals(rt: CollectiveView, islands: list[Island]) -> tuple[float, int]:
     """Mean loss (nats per token) over the islands alive; tokens of every island (a lost one's as last
     reported, kept in ``rt.tokens_of``). Collective over the control group."""
     def op() -> torch.Tensor:
@@ -35,7 +35,7 @@ def totals(rt: CollectiveRuntime, islands: list[Island]) -> tuple[float, int]:
     return float(buf[0]) / len(rt.membership.alive), sum(rt.tokens_of)
 
 
-def island_counts(rt: CollectiveRuntime, islands: list[Island]) -> tuple[list[int], list[int]]:
+def island_counts(rt: CollectiveView, islands: list[Island]) -> tuple[list[int], list[int]]:
     """Per island of the job, in index order: (``skipped_steps``, ``reset_count``). Collective."""
     def op() -> torch.Tensor:
         buf = torch.zeros(2 * rt.islands, dtype=torch.float64)
@@ -49,7 +49,7 @@ def island_counts(rt: CollectiveRuntime, islands: list[Island]) -> tuple[list[in
     return [int(x) for x in buf[:rt.islands]], [int(x) for x in buf[rt.islands:]]
 
 
-def compute_s(rt: CollectiveRuntime, islands: list[Island]) -> float:
+def compute_s(rt: CollectiveView, islands: list[Island]) -> float:
     """Measured compute seconds of the slowest island of the job (the maximum over ranks). Collective."""
     def op() -> float:
         buf = torch.tensor([max(i.compute_s for i in islands)], dtype=torch.float64)
@@ -59,7 +59,7 @@ def compute_s(rt: CollectiveRuntime, islands: list[Island]) -> float:
     return rt.comm.resilient(op)
 
 
-def summary(rt: CollectiveRuntime) -> dict[str, Any]:
+def summary(rt: CollectiveView) -> dict[str, Any]:
     """``lost_islands`` (island -> the inner step the others went on without it, its latest loss),
     ``rejoined_islands`` (island -> inner steps done at its latest rejoin), ``membership`` (every loss and
     rejoin in order: kind, island, step, epoch) and ``degraded_exchanges`` (exchanges with fewer

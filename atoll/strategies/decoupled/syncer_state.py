@@ -15,16 +15,58 @@ from __future__ import annotations
 import math
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from atoll.strategies.decoupled.bounds import WINDOW
 from atoll.strategies.decoupled.buffer import Buffer, Pending
 
 if TYPE_CHECKING:
-    from atoll.strategies.decoupled.syncer import Syncer
+    from atoll.algorithms.outer import OuterOptimizer
+    from atoll.strategies.decoupled.bounds import PushBounds
+    from atoll.strategies.decoupled.trust import Admission
 
 
-def state_dict(s: Syncer) -> dict[str, Any]:
+class SyncerView(Protocol):
+    """What this module reads and restores of a :class:`~atoll.strategies.decoupled.syncer.Syncer` (a protocol
+    here, so that this module, which the syncer imports, does not import it back)."""
+
+    islands: int
+    outer: list[OuterOptimizer]
+    buffers: list[Buffer]
+    bounds: PushBounds
+    admission: Admission
+    merge_s: float
+    round_s: deque[float]
+    last_push_at: list[list[float | None]]
+    refused_in_a_row: list[int]
+    stale_credit: list[list[int]]
+    tokens_by_outcome: dict[str, list[float]]
+    rejected_updates: int
+    rejected_by_reason: dict[str, int]
+    stale_updates: int
+    replaced_updates: int
+    accepted_updates: int
+    commits: int
+    quorum_sizes: list[int]
+    staleness: list[int]
+    merge_waits: list[tuple[float, float]]
+
+    @property
+    def merged_tokens(self) -> float:
+        """Tokens merged, over the islands."""
+
+    @property
+    def merged_tokens_per_island(self) -> list[float]:
+        """Tokens merged, per island."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """:func:`state_dict` of this syncer."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:func:`load_state_dict` into this syncer."""
+
+
+def state_dict(s: SyncerView) -> dict[str, Any]:
     """Everything of ``s``: globals and outer momentum per fragment, open buffers, medians, statistics
     (plain lists, numbers and tensors; a grace window or last push that is none is written as -1.0)."""
     return {
@@ -49,7 +91,7 @@ def state_dict(s: Syncer) -> dict[str, Any]:
     }
 
 
-def load_state_dict(s: Syncer, state: dict[str, Any]) -> None:
+def load_state_dict(s: SyncerView, state: dict[str, Any]) -> None:
     """Restore :func:`state_dict` into ``s`` (a syncer built with the same shapes and settings)."""
     for o, st in zip(s.outer, state["outer"], strict=True):
         o.load_state_dict(st)
@@ -81,7 +123,7 @@ def load_state_dict(s: Syncer, state: dict[str, Any]) -> None:
     s.merge_waits = [(float(w), float(g)) for w, g in state.get("merge_waits", [])]
 
 
-def save(s: Syncer, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
+def save(s: SyncerView, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
     """Write ``s``'s :func:`state_dict` atomically to ``folder/checkpoints/step_<commits>/``; return its path.
 
     ``extra``: more entries for the same checkpoint (a runtime's own counters), beside ``"syncer"``; ``keep``:
@@ -92,7 +134,7 @@ def save(s: Syncer, folder: Path, keep: int = 2, extra: dict[str, Any] | None = 
     return save_checkpoint(Path(folder), s.commits, {**(extra or {}), "syncer": s.state_dict()}, keep=keep)
 
 
-def load(s: Syncer, folder: Path) -> None:
+def load(s: SyncerView, folder: Path) -> None:
     """Restore into ``s`` the newest complete checkpoint written by :func:`save` under ``folder``.
 
     Raises:

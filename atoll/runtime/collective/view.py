@@ -1,0 +1,50 @@
+"""What the collective runtime's helpers (:mod:`~atoll.runtime.collective.quorum`,
+:mod:`~atoll.runtime.collective.rejoin`, :mod:`~atoll.runtime.collective.report`) use of a
+:class:`~atoll.runtime.collective.runtime.CollectiveRuntime`: a protocol, so that they annotate their ``rt``
+without importing the runtime, which imports them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from atoll.config import TrainConfig
+    from atoll.runtime.collective.comm import DistComm
+    from atoll.runtime.collective.heartbeat import _Heartbeat
+    from atoll.runtime.collective.membership import Membership
+    from atoll.runtime.collective.sharding import ShardLayout
+
+
+class CollectiveView(Protocol):
+    """One rank of the collective runtime, as its helpers see it: its place in the job, the islands alive,
+    its store, groups and comm, and the calls that re-form the groups or end the process."""
+
+    config: TrainConfig
+    rank: int
+    islands: int
+    ranks_per_island: int
+    island: int
+    position: int
+    is_main: bool
+    step: int | None
+    membership: Membership
+    heartbeat: _Heartbeat | None
+    store: dist.Store
+    prefix: str
+    control: Any
+    comm: DistComm
+    recovery_s: list[float]
+    token_offset: int
+    tokens_of: list[int]
+    layout: ShardLayout
+
+    def close_groups(self) -> None:
+        """Close this rank's connections and process groups at once."""
+
+    def init_epoch(self) -> None:
+        """Join the default group of the membership's epoch and form its groups."""
+
+    def abort(self, reason: str, suspect: int | None = None, *, advice: str | None = None) -> None:
+        """Print why this rank stops and exit (does not return)."""
