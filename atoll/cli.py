@@ -83,18 +83,18 @@ def _metavar(annotation: Any) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """Add one ``--flag`` per :class:`TrainConfig` field, documented from the field's description, with the
-    strategies' own defaults for it (their specs' ``defaults``)."""
-    from atoll.config import TrainConfig
-    from atoll.strategies.registry import specs
+    """Add one ``--flag`` per setting (:func:`atoll.config.applies.catalog`: the run's, the shared sections',
+    each strategy's and runtime's own), documented from the field's description, with the strategies' own
+    defaults for it where they differ (:func:`atoll.config.applies.strategy_defaults`)."""
+    from atoll.config.applies import catalog, strategy_defaults
 
     group = parser.add_argument_group("run settings (each also a key of the TOML file)")
-    for name, field in TrainConfig.model_fields.items():
+    for name, field in catalog().items():
         if name in exclude:
             continue
         flag = "--" + name.replace("_", "-")
         default = field.get_default(call_default_factory=True)  # a list field's factory: [] (none), not a sentinel
-        own = "; ".join(f"{s.name}: {s.defaults[name]}" for s in specs() if name in s.defaults)
+        own = "; ".join(f"{s}: {d}" for s, d in strategy_defaults(name).items())
         help_text = f"{field.description} [default: {default}{'; ' + own if own else ''}]"
         if field.annotation is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
@@ -194,9 +194,10 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from atoll.config import TrainConfig, build_config, load_run_config
+    from atoll.config import build_config, load_run_config
+    from atoll.config.applies import catalog
 
-    overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
+    overrides = {k: v for k, v in vars(args).items() if k in catalog()}
     if args.resume is not None:
         if args.config is not None:
             raise AtollError("config: --config cannot be combined with --resume; pass flags to override settings")
@@ -239,11 +240,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     import time
 
-    from atoll.config import TrainConfig, build_config
+    from atoll.config import build_config
+    from atoll.config.applies import catalog
     from atoll.job.data import default_cache_dir, prepare_data
     from atoll.job.data.pretrained import tokenizer_source
 
-    config = build_config(args.config, {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields})
+    config = build_config(args.config, {k: v for k, v in vars(args).items() if k in catalog()})
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     t0 = time.perf_counter()
     source = tokenizer_source(config.model, config.tokenizer)
@@ -308,9 +310,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     import time
 
     from atoll.benchmarks.sweep import run_sweep
-    from atoll.config import TrainConfig, build_config
+    from atoll.config import build_config
+    from atoll.config.applies import catalog
 
-    values = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields and k != "out"}
+    values = {k: v for k, v in vars(args).items() if k in catalog() and k != "out"}
     if args.config is not None:  # the file's settings, then the flags (whose lists are swept)
         values = {**build_config(args.config).model_dump(exclude_defaults=True, mode="json"), **values}
     out = args.out or Path("runs") / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -113,7 +113,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
     islands = [runtime.make_island(i, copy.deepcopy(run.model), config, optimizer=own.inner_optimizer)
                for i in runtime.local_islands]
     startup_host_bytes = host_memory_bytes() - host_before  # the data, the global model, the islands
-    strategy = own.lockstep(config, islands, runtime.comm)  # type: ignore[misc]
+    assert own.lockstep is not None  # train() sends an asynchronous strategy to its own driver
+    strategy = own.lockstep(config.strategy_config, islands, runtime.comm, config.seed)
     comm = runtime.comm
     joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
     if joined is not None:

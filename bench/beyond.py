@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from atoll.benchmarks.common import default_out, pct, script_error, study_settings, train_once, write_results
-from atoll.config.applies import BY_STRATEGY
+from atoll.config.applies import strategy_readers
 from atoll.errors import AtollError, ConfigError
 
 #: every run's settings under its own (studies 1 to 4): bench/beyond.toml's [base]
@@ -151,7 +151,7 @@ def benchmark(args: argparse.Namespace) -> None:
         rows.append({"run": name, "steps": r["steps"], "H": r["sync_every"], "rounds": r["steps"] // r["sync_every"],
                      "strategy": r["strategy"], "inner": own.get("inner_optimizer", "adamw"),
                      # sparseloco encodes in its own way (runs trained before summaries said so recorded fp32)
-                     "codec": r["codec"] if r["strategy"] in BY_STRATEGY["codec"] else None,
+                     "codec": r["codec"] if r["strategy"] in strategy_readers("codec") else None,
                      "density": r.get("sparseloco_density"), "sent_energy": r.get("sparseloco_sent_energy"),
                      "step_ratio": r.get("sparseloco_step_ratio"),
                      "params": r.get("params"), "final_eval_loss": r["final_eval_loss"], "vs": ref,

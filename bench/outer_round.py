@@ -148,7 +148,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
             islands = _islands(model, config, 1)
             comm = DistComm(1, 0, 1, 0, dist.group.WORLD, None, torch.device("cpu"))
         del model
-        strategy = DiLoCo(config, islands, comm)
+        strategy = DiLoCo(config.strategy_config, islands, comm, config.seed)
         for r in range(repeats + 1):
             _nudge(islands)
             t0 = time.perf_counter()
@@ -162,7 +162,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
         islands = _islands(model, config, ISLANDS)
         del model
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
-        strategy = StreamingDiLoCo(config, islands, comm)
+        strategy = StreamingDiLoCo(config.strategy_config, islands, comm, config.seed)
         for r in range(repeats + 1):
             _nudge(islands)
             t0 = time.perf_counter()

@@ -82,7 +82,7 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("outer-momentum-under-ddp", None, ["--strategy", "ddp", "--outer-momentum", "0.9"], "outer_momentum: the ddp"),
     ("outer-lr-under-demo", None, ["--strategy", "demo", "--outer-lr", "0.5"], "outer_lr: the demo strategy"),
     ("lr-under-demo", None, ["--strategy", "demo", "--lr", "0.01"],
-     "lr: the demo strategy does not use it (only ddp, diloco, streaming, decoupled, sparseloco; "
+     "lr: the demo strategy does not use it (only ddp, diloco, streaming, sparseloco, decoupled; "
      "demo reads --demo-lr instead)"),
     ("weight-decay-under-demo", None, ["--strategy", "demo", "--weight-decay", "0"], "weight_decay: the demo"),
     ("sync-every-under-ddp", None, ["--strategy", "ddp", "--sync-every", "10"], "sync_every: the ddp strategy"),

@@ -21,7 +21,7 @@ import pytest
 from atoll.benchmarks import wan
 from atoll.cli import build_parser
 from atoll.config import TrainConfig, build_config
-from atoll.config.applies import applicable
+from atoll.config.applies import applicable, catalog
 from atoll.errors import ConfigError
 from bench import beyond, decoupled, demo_sweep, diloco_vs_ddp, overhead, streaming_codecs, survivors
 
@@ -41,7 +41,7 @@ def check_settings(path: Path) -> None:
     assert doc, f"{path.name}: no table of settings"
     for table, settings in doc.items():
         assert isinstance(settings, dict), f"{path.name}: {table!r} is not a table of settings ([{table}])"
-        unknown = sorted(set(settings) - set(TrainConfig.model_fields))
+        unknown = sorted(set(settings) - set(catalog()))
         assert not unknown, (f"{path.name} [{table}]: {', '.join(unknown)} no longer a setting of TrainConfig "
                              "(renamed or removed since the study was measured); pin its replacement, or drop it")
         try:
@@ -84,7 +84,7 @@ def test_studies_read_their_files() -> None:
 
 def test_wan_pins_current_settings() -> None:
     """``atoll bench wan`` (a command, in the package) pins its earlier defaults in the code: the same check."""
-    assert set(wan.EARLIER_SETTING) <= set(TrainConfig.model_fields)
+    assert set(wan.EARLIER_SETTING) <= set(catalog())
     build_config(overrides=wan.EARLIER_SETTING)
 
 
@@ -96,13 +96,14 @@ def via_train_once(settings: dict[str, Any]) -> TrainConfig:
 def via_cli(flags: list[str]) -> TrainConfig:
     """The config ``atoll train FLAGS`` trains with (as the command builds it)."""
     args = build_parser().parse_args(["train", *flags])
-    return build_config(args.config, {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields})
+    return build_config(args.config, {k: v for k, v in vars(args).items() if k in catalog()})
 
 
 def assert_keeps(config: TrainConfig, pinned: dict[str, Any], own: dict[str, Any], run: str) -> None:
-    """``config`` holds every pinned setting the run does not set itself, and the run's own."""
+    """``config`` holds every pinned setting its strategy and runtime read that the run does not set itself, and
+    the run's own (``config.json`` holds only the settings the run reads)."""
     got = json.loads(config.model_dump_json())
-    want = {**pinned, **{k: str(v) if isinstance(v, Path) else v for k, v in own.items()}}
+    want = applicable({**pinned, **{k: str(v) if isinstance(v, Path) else v for k, v in own.items()}})
     diff = {k: (v, got[k]) for k, v in want.items() if got[k] != v}
     assert not diff, f"{run}: (pinned, built) differ: {diff}"
 

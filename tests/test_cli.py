@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from atoll.cli import build_parser, main
-from atoll.config import TrainConfig, build_config
-from atoll.config.applies import applicable
+from atoll.config import build_config
+from atoll.config.applies import applicable, catalog
 from atoll.errors import ConfigError
 from tests.conftest import run_cli
 
@@ -20,7 +20,7 @@ def test_train_help_lists_every_setting(capsys: pytest.CaptureFixture[str]) -> N
         build_parser().parse_args(["train", "--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for name, field in TrainConfig.model_fields.items():
+    for name, field in catalog().items():
         flag = "--" + name.replace("_", "-")
         assert flag in text, flag
         assert field.description and field.description.split()[0] in text

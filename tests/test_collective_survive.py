@@ -129,9 +129,10 @@ def test_a_restarted_island_rejoins_with_a_live_islands_state(settings: dict, tm
 
 def test_max_restarts_needs_survivors_and_one_rank_per_island() -> None:
     with pytest.raises(ConfigError, match="max_restarts: a restarted island rejoins survivors"):
-        build_config(overrides={"islands": 3, "max_restarts": 1, "ranks_per_island": 2, "batch_size": 4})
+        build_config(overrides={"runtime": "collective", "islands": 3, "max_restarts": 1, "ranks_per_island": 2,
+                                "batch_size": 4})
     with pytest.raises(ConfigError, match="max_restarts"):
-        build_config(overrides={"islands": 3, "max_restarts": 1, "min_islands": 3})
+        build_config(overrides={"runtime": "collective", "islands": 3, "max_restarts": 1, "min_islands": 3})
 
 
 def test_a_state_travels_as_safetensors_and_json() -> None:
@@ -179,7 +180,7 @@ def test_quorum_drops_every_island_that_lost_a_rank_and_agrees_once() -> None:
 
 def test_min_islands_above_islands_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"min_islands \(3\) exceeds islands \(2\); set --min-islands"):
-        build_config(overrides={"islands": 2, "min_islands": 3})
+        build_config(overrides={"runtime": "collective", "islands": 2, "min_islands": 3})
 
 
 # --- item 7: a frozen rank, a killed launcher -------------------------------------------------------------

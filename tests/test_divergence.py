@@ -23,6 +23,7 @@ from conftest import run_cli
 from rich.console import Console
 
 from atoll.config import TrainConfig, build_config
+from atoll.config.applies import applicable
 from atoll.errors import ConfigError
 from atoll.job.divergence import (
     FAULT_HOOK_ENV,
@@ -54,14 +55,15 @@ OWN = {DeMoStrategy: {"demo_chunk": 16, "demo_topk": 8}, StreamingDiLoCo: {"frag
 
 
 def _setup(strategy_cls, k: int, **cfg):
-    config = TrainConfig(strategy=strategy_cls.name, islands=k, steps=12, lr=1e-2, warmup_steps=0, seq_len=SEQ,
-                         batch_size=BATCH, **{"codec": "fp32", **OWN.get(strategy_cls, {}), **cfg})
+    base = {"strategy": strategy_cls.name, "islands": k, "steps": 12, "lr": 1e-2, "warmup_steps": 0, "seq_len": SEQ,
+            "batch_size": BATCH, "codec": "fp32"}  # lr and codec where the strategy reads them
+    config = TrainConfig(**{**applicable(base), **OWN.get(strategy_cls, {}), **cfg})
     model = build_model("micro", VOCAB, SEQ, seed=0)
     clock = SimClock(k)
     comm = LocalComm(k, Link.from_config(100, 10), clock)
     inner = make_optimizer if strategy_cls is DeMoStrategy else None
     islands = [make_island(i, copy.deepcopy(model), config, clock, optimizer=inner) for i in range(k)]
-    return config, comm, islands, strategy_cls(config, islands, comm)
+    return config, comm, islands, strategy_cls(config.strategy_config, islands, comm, config.seed)
 
 
 def _batch(i: int, step: int) -> torch.Tensor:

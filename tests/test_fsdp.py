@@ -219,7 +219,7 @@ def test_sharded_island_starts_without_the_whole_model(corpus_file: Path, cache_
 
 
 @pytest.mark.parametrize(("flags", "start"), [
-    (["--shard-island"], "shard_island: only the collective runtime shards islands; add --runtime collective"),
+    (["--shard-island"], "shard_island: the local runtime does not use it (only collective); drop --shard-island"),
     (["--runtime", "collective", "--shard-island"], "shard_island: an island of one rank has nothing to shard"),
     (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "streaming"],
      "shard_island: the streaming strategy does not run on shards (only ddp and diloco do)"),

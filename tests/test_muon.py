@@ -63,6 +63,7 @@ def test_state_round_trip_resumes_exactly() -> None:
 
 
 def test_muon_is_refused_where_a_strategy_brings_its_optimizer() -> None:
-    with pytest.raises(ConfigError, match="inner_optimizer: the demo strategy brings its own"):
+    with pytest.raises(ConfigError,
+                       match="inner_optimizer: the demo strategy does not use it .*demo brings its own"):
         build_config(overrides={"strategy": "demo", "inner_optimizer": "muon"})
     assert build_config(overrides={"strategy": "diloco", "inner_optimizer": "muon"}).inner_optimizer == "muon"

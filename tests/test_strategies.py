@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from atoll.config import TrainConfig
+from atoll.config.applies import applicable
 from atoll.job.island import make_island
 from atoll.job.loss import next_token_loss
 from atoll.job.model import build_model, param_bytes
@@ -20,13 +21,14 @@ VOCAB, SEQ, BATCH = 300, 16, 4
 
 
 def _setup(strategy_cls, k: int, **cfg):
-    config = TrainConfig(islands=k, steps=12, lr=1e-2, warmup_steps=0, seq_len=SEQ, batch_size=BATCH,
-                         **{"codec": "fp32", **cfg})
+    base = {"strategy": strategy_cls.name, "islands": k, "steps": 12, "lr": 1e-2, "warmup_steps": 0, "seq_len": SEQ,
+            "batch_size": BATCH, "codec": "fp32"}  # the codec where the strategy reads one
+    config = TrainConfig(**{**applicable(base), **cfg})
     model = build_model("micro", VOCAB, SEQ, seed=0)
     clock = SimClock(k)
     comm = LocalComm(k, Link.from_config(100, 10), clock)
     islands = [make_island(i, copy.deepcopy(model), config, clock) for i in range(k)]
-    return config, model, comm, islands, strategy_cls(config, islands, comm)
+    return config, model, comm, islands, strategy_cls(config.strategy_config, islands, comm, config.seed)
 
 
 def _batch(i: int, step: int) -> torch.Tensor:
@@ -105,7 +107,8 @@ def test_next_token_loss_of_uniform_model_is_log_vocab() -> None:
 @pytest.mark.parametrize("strategy_cls", [DDP, DiLoCo])
 def test_a_nan_gradient_on_one_island_never_reaches_the_global_model(strategy_cls) -> None:
     k, h = 3, 3
-    config, model, comm, islands, strategy = _setup(strategy_cls, k, sync_every=h)
+    own = {"sync_every": h} if strategy_cls is DiLoCo else {}  # ddp exchanges every step: no H
+    config, model, comm, islands, strategy = _setup(strategy_cls, k, **own)
     for step in range(6):
         for island in islands:
             island.forward_backward(_batch(island.index, step))

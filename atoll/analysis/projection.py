@@ -40,7 +40,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from atoll.analysis.cost import CODEC_BITS, Cost, Setting, demo_payload_bytes
-from atoll.config.applies import BY_STRATEGY
 from atoll.errors import ConfigError
 from atoll.job.metrics import human_bytes
 from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
@@ -378,8 +377,9 @@ def run_cli(args: Any) -> str:
     for name in strategies:
         # the strategy's own codec, as atoll train; demo and sparseloco have their own encodings, and ddp is
         # priced as the fp32 baseline
-        uses_codec = name in BY_STRATEGY["codec"] and name != "ddp"
-        codec = (args.codec or str(spec(name).defaults.get("codec", "fp32"))) if uses_codec else "fp32"
+        codec_field = spec(name).config.model_fields.get("codec")
+        uses_codec = codec_field is not None and name != "ddp"
+        codec = (args.codec or str(codec_field.default)) if codec_field is not None and uses_codec else "fp32"
         p = project(replace(s, codec_bits=CODEC_BITS[codec]), name)
         red = f"{ddp.bytes_per_step / p.bytes_per_step:.0f}x" if p.bytes_per_step else "-"
         lines.append(f"| {name} | {codec if uses_codec else 'fp32' if name == 'ddp' else '-'} | {p.step_s:.3f} | "

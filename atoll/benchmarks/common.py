@@ -126,11 +126,11 @@ def finished(out: Path, settings: dict[str, Any]) -> bool:
     """Whether ``out`` holds a finished run of ``settings``: its ``summary.json``, a matching ``config.json``
     and, for a lockstep strategy on the ``local`` runtime, its ``clock_trace.json`` (which re-timing needs; an
     asynchronous strategy keeps its own event clock)."""
-    from atoll.config import TrainConfig
+    from atoll.config.sections import RunSection
     from atoll.strategies.registry import spec
 
-    strategy = settings.get("strategy", TrainConfig.model_fields["strategy"].default)
-    runtime = settings.get("runtime", TrainConfig.model_fields["runtime"].default)
+    strategy = settings.get("strategy", RunSection.model_fields["strategy"].default)
+    runtime = settings.get("runtime", RunSection.model_fields["runtime"].default)
     traced = spec(strategy).lockstep is not None and runtime == "local"
     return read_summary(out) is not None and (not traced or (out / "clock_trace.json").is_file()) \
         and run_matches(out, settings) and _has_evals(out)

@@ -107,15 +107,16 @@ def base_settings(args: argparse.Namespace) -> dict[str, Any]:
 def run_settings(base: dict[str, Any], settings: dict[str, Any], quick: bool) -> dict[str, Any]:
     """One run's settings, plus failure settings for its strategy; --quick: H=10 and 2 fragments (the micro
     model has 2 layers)."""
-    from atoll.config import TrainConfig
+    from atoll.config.sections import RunSection
+    from atoll.strategies.decoupled import DecoupledConfig
 
     s = {**base, **settings}
     if quick:  # read only by the strategies that sync every H steps, fragment by fragment
         s.setdefault("sync_every", 10)
         s.setdefault("fragments", 2)
     if s.pop("standard_chaos", False):
-        steps = s.get("steps", TrainConfig.model_fields["steps"].default)
-        s["chaos"] = standard_chaos(steps * TrainConfig.model_fields["sim_step_s"].default)
+        steps = s.get("steps", RunSection.model_fields["steps"].default)
+        s["chaos"] = standard_chaos(steps * DecoupledConfig.model_fields["sim_step_s"].default)
     return s
 
 

@@ -1,9 +1,8 @@
 """The configuration of a run: :class:`TrainConfig` (see :mod:`atoll.config.train`) and how it is built.
 
-``TrainConfig`` is assembled from every strategy's section, so it is built on first use
-(``from atoll.config import TrainConfig`` imports the strategies' modules, and torch with them); the
-sections (:mod:`atoll.config.section`, :mod:`atoll.config.sections`) and the parsers
-(:mod:`atoll.config.parse`) import neither.
+``TrainConfig`` holds the run's settings and the chosen strategy's and runtime's configs; importing it
+imports neither torch nor a strategy (the registry is read when a config is built, and imports the chosen
+strategies' modules then). Loaded on first use, so the parsers (:mod:`atoll.config.parse`) stay light.
 """
 
 from typing import Any

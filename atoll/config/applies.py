@@ -1,55 +1,82 @@
-"""Which settings a strategy or a runtime reads: a setting the user gave that has no effect is refused.
+"""Which settings a strategy or a runtime reads, derived from their configs: a setting given that has no effect
+is refused.
 
-``atoll train --strategy diloco --fragments 8`` used to train as if ``--fragments`` were not there. Each
-setting below is read by some strategies or runtimes only (found by reading where each is used); a setting
-the user set explicitly (a flag, a TOML key, an override of :func:`atoll.config.build_config`) under another
-one is refused in one line naming it, the strategy or runtime, and the fix. A setting left at its default, or
-carried by a resumed run's saved ``config.json``, is never refused. A strategy's own section
-(``--demo-topk``...) is read by that strategy only.
+Every setting is either read by every run (a field of :class:`~atoll.config.train.TrainConfig`'s own sections,
+:data:`atoll.config.sections.RUN_SECTIONS`) or owned: a field of some strategies' configs
+(:class:`~atoll.config.section.StrategyConfig`, each in its strategy's module) or of some runtimes' configs
+(:data:`atoll.config.runtimes.RUNTIMES`). There is no table to keep: ``sync_every`` is read by the strategies
+whose config has it. A setting the user set explicitly (a flag, a TOML key, an override of
+:func:`atoll.config.build_config`, a keyword of ``TrainConfig(...)``) that the chosen strategy or runtime does
+not own is refused in one line naming it, who reads it, and the fix; a resumed run's saved ``config.json`` and
+a benchmark's shared settings (the ``base`` of :func:`~atoll.config.train.build_config`) are filtered
+(:func:`applicable`) instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import cache
 from typing import Any
 
-#: shared settings read only by some strategies: setting -> the strategies that read it
-BY_STRATEGY: dict[str, tuple[str, ...]] = {
-    "fragments": ("streaming", "decoupled"),
-    # ddp and demo exchange every step: H is the strategies' with outer rounds
-    "sync_every": ("diloco", "streaming", "decoupled", "sparseloco"),
-    # demo steps with its own optimizer (--demo-lr; no weight decay): the AdamW settings are the others'
-    "lr": ("ddp", "diloco", "streaming", "decoupled", "sparseloco"),
-    "weight_decay": ("ddp", "diloco", "streaming", "decoupled", "sparseloco"),
-    "outer_lr": ("diloco", "streaming", "decoupled", "sparseloco"),  # ddp and demo have no outer optimizer
-    "outer_momentum": ("diloco", "streaming", "decoupled", "sparseloco"),
-    "outer_adapt": ("diloco",),  # the agreement-weighted outer step (atoll.algorithms.agreement)
-    # demo and sparseloco compress in their own way (their own sections), not with the run's codec
-    **{name: ("ddp", "diloco", "streaming", "decoupled")
-       for name in ("codec", "codec_block_size", "codec_rounding", "topk_fraction", "error_feedback")},
-}
+from pydantic.fields import FieldInfo
 
-#: (setting, strategy) -> what that strategy reads in its place, said in the refusal
-INSTEAD: dict[tuple[str, str], str] = {("lr", "demo"): "demo reads --demo-lr instead",
-                                       ("weight_decay", "demo"): "demo has no weight decay"}
-
-#: settings read only by some runtimes: setting -> the runtimes that read it
-BY_RUNTIME: dict[str, tuple[str, ...]] = {
-    **{name: ("collective",) for name in ("ranks_per_island", "shard_island", "min_islands", "max_restarts")},
-    "collective_timeout_s": ("collective", "ray"),
-    # the simulated network clock; collective and ray runs measure real links
-    "link_bandwidth_mbps": ("local",),
-    "link_latency_ms": ("local",),
-    **{name: ("ray",) for name in ("ray_address", "ray_cpus_per_island", "ray_gpus_per_island",
-                                   "ray_island_resources", "ray_logs")},
-}
+from atoll.config.runtimes import RUNTIMES
+from atoll.config.sections import RUN_SECTIONS, SHARED_SECTIONS
 
 
-def _own_sections() -> dict[str, tuple[str, ...]]:
-    """Each strategy's own settings (its section's fields) -> that strategy."""
+@cache
+def run_settings() -> frozenset[str]:
+    """The settings every run reads (``strategy``, ``islands``, ``steps``, ``model``, ``lr`` schedule...)."""
+    return frozenset(name for section in RUN_SECTIONS for name in section.model_fields)
+
+
+def strategy_readers(name: str) -> tuple[str, ...]:
+    """The strategies whose config has setting ``name`` (in registry order; empty: no strategy owns it)."""
     from atoll.strategies.registry import specs
 
-    return {name: (s.name,) for s in specs() if s.section is not None for name in s.section.model_fields}
+    return tuple(s.name for s in specs() if name in s.config.model_fields)
+
+
+def runtime_readers(name: str) -> tuple[str, ...]:
+    """The runtimes whose config has setting ``name`` (empty: no runtime owns it)."""
+    return tuple(r for r, config in RUNTIMES.items() if name in config.model_fields)
+
+
+def catalog() -> dict[str, FieldInfo]:
+    """Every setting atoll knows -> its field (description, type, default), in ``--help`` order: the run's,
+    the shared sections', each strategy's own, the runtimes'. A shared setting's field is its section's (a
+    strategy may change its default for itself: :func:`strategy_defaults`)."""
+    from atoll.strategies.registry import STRATEGIES
+
+    return _catalog(STRATEGIES)
+
+
+@cache
+def _catalog(strategies: tuple[str, ...]) -> dict[str, FieldInfo]:
+    from atoll.strategies.registry import specs
+
+    run, model, device, data, schedule, output = RUN_SECTIONS
+    sync, *shared = SHARED_SECTIONS
+    out: dict[str, FieldInfo] = {}
+    for section in (run, sync, RUNTIMES["collective"], model, device, data, schedule, *shared,
+                    *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], output):
+        out.update({k: v for k, v in section.model_fields.items() if k not in out})
+    return out
+
+
+def strategy_defaults(name: str) -> dict[str, Any]:
+    """Strategy -> its default for setting ``name`` where it differs from the catalog's (streaming's int4
+    codec; demo's constant rate after warmup, its spec's ``defaults``)."""
+    from atoll.strategies.registry import specs
+
+    base = catalog()[name].get_default(call_default_factory=True)
+    out: dict[str, Any] = {}
+    for s in specs():
+        field = s.config.model_fields.get(name)
+        own = s.defaults.get(name, field.get_default(call_default_factory=True) if field is not None else base)
+        if own != base:
+            out[s.name] = own
+    return out
 
 
 def _flag(name: str) -> str:
@@ -71,34 +98,38 @@ def unused_setting(strategy: str, runtime: str, given: Iterable[str],
         files: of those, the ones set in a TOML file -> the file's path (the fix names the key in the file).
 
     Returns:
-        None when every given setting is read; else ``"<setting>: the <strategy> strategy does not use it
-        (only a, b); drop --<setting> or use --strategy a|b"`` (or the same for a runtime; ``drop '<setting>'
-        from <file>`` for a key of a TOML file), with the setting that replaces it where there is one
-        (:data:`INSTEAD`).
+        None when every given setting is read (or is not a setting at all: the validation names those); else
+        ``"<setting>: the <strategy> strategy does not use it (only a, b); drop --<setting> or use --strategy
+        a|b"`` (or the same for a runtime; ``drop '<setting>' from <file>`` for a key of a TOML file), with what
+        the strategy reads in its place where its config says (:attr:`StrategyConfig.instead`).
     """
-    by_strategy = {**BY_STRATEGY, **_own_sections()}
+    from atoll.strategies.registry import names, spec
+
     files = files or {}
+    shared = run_settings()
     for name in given:
+        if name in shared:
+            continue
         drop = f"drop '{name}' from {files[name]}" if name in files else f"drop {_flag(name)}"
-        readers = by_strategy.get(name)
-        if readers is not None and strategy not in readers:
-            instead = INSTEAD.get((name, strategy))
+        readers = strategy_readers(name)
+        if readers and strategy not in readers:
+            instead = spec(strategy).config.instead.get(name) if strategy in names() else None
             return (f"{name}: the {strategy} strategy does not use it (only {', '.join(readers)}"
                     f"{'; ' + instead if instead else ''}); {drop} or use {_which(readers, 'strategy')}")
-        readers = BY_RUNTIME.get(name)
-        if readers is not None and runtime not in readers:
+        readers = runtime_readers(name)
+        if readers and runtime not in readers:
             return (f"{name}: the {runtime} runtime does not use it (only {', '.join(readers)}); {drop} or use "
                     f"{_which(readers, 'runtime')}")
     return None
 
 
 def applicable(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """``settings`` without those its strategy and runtime do not read (for the benchmarks' shared settings,
-    e.g. one outer momentum pinned for a suite of ddp and diloco runs; the trained numbers are the same)."""
+    """``settings`` (flat) without those its strategy and runtime do not read (a resumed run's saved settings;
+    a benchmark's shared settings, e.g. one outer momentum pinned for a suite of ddp and diloco runs)."""
     from atoll.config.sections import RunSection
 
     strategy = settings.get("strategy", RunSection.model_fields["strategy"].default)
     runtime = settings.get("runtime", RunSection.model_fields["runtime"].default)
-    by_strategy = {**BY_STRATEGY, **_own_sections()}
-    return {k: v for k, v in settings.items()
-            if strategy in by_strategy.get(k, (strategy,)) and runtime in BY_RUNTIME.get(k, (runtime,))}
+    shared = run_settings()
+    return {k: v for k, v in settings.items() if k in shared or (
+        strategy in (strategy_readers(k) or (strategy,)) and runtime in (runtime_readers(k) or (runtime,)))}

@@ -1,14 +1,17 @@
-"""The building block of atoll's configuration: a section of settings owned by one component.
+"""The building blocks of atoll's configuration: sections of settings, and the configs components own.
 
-:class:`atoll.config.train.TrainConfig` is assembled from sections (run, model, data, inner and outer
-optimizer, codec, network, output, the runtimes', and each strategy's own, declared in the strategy's
-module). Every section field keeps today's flat flag (``--sync-every``) and TOML key (``sync_every``), and a
-component can ask for just its section with :meth:`Section.of`.
+A :class:`Section` is a group of settings (a pydantic model, ``extra="forbid"``). A
+:class:`StrategyConfig` is a strategy's whole config: the shared sections it reads (H, the outer
+optimizer, the codec...) and its own settings, declared in the strategy's module; a :class:`RuntimeConfig`
+is a runtime's (:mod:`atoll.config.runtimes`). :class:`atoll.config.train.TrainConfig` holds the settings
+every run reads plus the chosen strategy's and runtime's configs (the tree), selected by the names
+``strategy`` and ``runtime``. Every field keeps its flat flag (``--sync-every``) and TOML key
+(``sync_every``). No torch and no strategy here.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -47,3 +50,23 @@ class Section(BaseModel):
     def of(cls: type[S], config: Any) -> S:
         """This section's values taken from a whole config (any object with these attributes)."""
         return cls.model_construct(**{name: getattr(config, name) for name in cls.model_fields})
+
+
+class StrategyConfig(Section):
+    """A strategy's config: every setting the strategy reads beyond those of every run (a subclass per
+    strategy, in its module, listed in its spec: :attr:`atoll.strategies.spec.StrategySpec.config`).
+
+    A subclass inherits the shared sections it reads (``SyncSection``, ``AdamWSection``, ``OuterOptimSection``,
+    ``CodecSection``, ``FragmentsSection`` of :mod:`atoll.config.sections`), declares its own fields, and may
+    change a shared field's default for itself (streaming's ``codec = "int4"``). It is built and validated
+    alone, without a run: ``DiLoCoConfig(sync_every=100)``. The base has no settings (a strategy that reads
+    none of them).
+    """
+
+    #: setting -> what this strategy reads in its place, said when that setting is refused under it
+    instead: ClassVar[dict[str, str]] = {}
+
+
+class RuntimeConfig(Section):
+    """A runtime's config: every setting the runtime reads beyond those of every run
+    (:mod:`atoll.config.runtimes`)."""

@@ -1,7 +1,10 @@
-"""The sections of a run's settings that every strategy shares, and the runtimes' own.
+"""The shared settings: the sections every run reads, and those some strategies read and share.
 
-Each strategy's own section lives in its module (:mod:`atoll.strategies.streaming`, ``demo``, ``decoupled``)
-and is collected by :mod:`atoll.config.train`. A field's description is its ``--help`` text.
+:class:`atoll.config.train.TrainConfig` holds the run's (run, model, device, data, schedule, output); a
+strategy's config (:class:`~atoll.config.section.StrategyConfig`, in the strategy's module) inherits the
+shared sections it reads (H, AdamW, the outer optimizer, the codec, fragments) beside its own settings; the
+runtimes' configs are in :mod:`atoll.config.runtimes`. A field's description is its ``--help`` text. This
+module imports neither torch nor any strategy.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from atoll.config.parse import parse_resources
 from atoll.config.section import Section
 
 #: the most inner steps a step count may name (``steps``, H, warmup, evaluation and checkpoint intervals): a
@@ -39,10 +41,6 @@ class RunSection(Section):
         "every island as Ray actors on real clocks; see ray_address).",
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
-    sync_every: int = Field(
-        50, ge=1, le=MAX_STEPS,
-        description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, decoupled).",
-    )
     steps: int = Field(800, ge=1, le=MAX_STEPS, description="Inner steps per island (each island sees steps x batch "
                        "tokens; decoupled: a budget of islands x steps shared by speed).")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of the model initialisation, data shards and batches.")
@@ -114,21 +112,38 @@ class DataSection(Section):
         "trains as --batch-size 32 in a quarter of the activation memory.")
 
 
-class InnerOptimSection(Section):
-    """The inner optimizer of every island (AdamW; DeMo's own rate is in its section) and its schedule."""
+class ScheduleSection(Section):
+    """The inner steps' schedule and clipping, on every island whatever its optimizer."""
 
-    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
     warmup_steps: int = Field(40, ge=0, le=MAX_STEPS,
                               description="Linear learning-rate warmup, in inner steps (capped at a tenth of steps).")
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1,
         description="Cosine decay floor, as a fraction of the peak rate (lr; demo_lr for demo).",
     )
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
     grad_clip: float = Field(1.0, ge=0, description="Clip each island's gradient norm to this (0: off).")
+
+
+class AdamWSection(Section):
+    """The inner AdamW optimizer of every island (or Muon on the hidden matrices): the strategies that do not bring
+    their own (demo does: its section)."""
+
+    lr: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the inner AdamW optimizer.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay of the inner AdamW.")
     inner_optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="Each island's inner optimizer: adamw, or muon (torch.optim.Muon on the hidden "
         "matrices at the same lr and weight decay, AdamW on embeddings, head and vectors; MuLoCo).")
+
+
+class SyncSection(Section):
+    """H, the inner steps of an outer round (the strategies with outer rounds: diloco, streaming, sparseloco,
+    decoupled)."""
+
+    sync_every: int = Field(
+        50, ge=1, le=MAX_STEPS,
+        description="H: inner steps between two outer synchronisations (diloco, streaming, sparseloco, "
+        "decoupled).",
+    )
 
 
 class OuterOptimSection(Section):
@@ -140,16 +155,16 @@ class OuterOptimSection(Section):
         description="Outer Nesterov momentum (0 = plain SGD; the DiLoCo paper's 0.9, tuned for H=500 from a "
         "pretrained model, overshoots in short runs from scratch: docs/results.md, \"DiLoCo's defining result\").",
     )
-    outer_adapt: Literal["none", "agreement"] = Field(
-        "none", description="diloco: an adaptive outer step. agreement: each tensor's share of the outer step "
-        "follows how much the islands agree on its pseudo-gradient (its estimated signal share over the "
-        "model's mean, at most 2x); the overall outer rate stays outer_lr (atoll.algorithms.agreement).")
+
+
+#: the encodings of exchanged tensors (:mod:`atoll.algorithms.codecs`)
+Codec = Literal["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"]
 
 
 class CodecSection(Section):
     """How exchanged tensors travel (:mod:`atoll.algorithms.codecs`, :class:`atoll.algorithms.wire.Wire`)."""
 
-    codec: Literal["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"] = Field(
+    codec: Codec = Field(
         "fp32",
         description="Encoding of exchanged tensors (gradients for ddp, pseudo-gradients for diloco and "
         "streaming): fp32, bf16, fp16, fp8-e4m3, fp8-e5m2, int8, int4 (per-block scales), topk.",
@@ -169,15 +184,6 @@ class FragmentsSection(Section):
     """Fragments of strided layers synced in turn (Streaming DiLoCo, arXiv:2501.18512; Decoupled DiLoCo)."""
 
     fragments: int = Field(4, ge=1, description="streaming, decoupled: P, fragments of strided layers synced in turn.")
-
-
-class NetworkSection(Section):
-    """The links of the simulated network clock (``local`` runtime)."""
-
-    link_bandwidth_mbps: float = Field(
-        100.0, gt=0, description="Each island's link bandwidth in Mbit/s, for the simulated network clock."
-    )
-    link_latency_ms: float = Field(10.0, ge=0, description="One-way link latency in milliseconds.")
 
 
 class OutputSection(Section):
@@ -230,75 +236,9 @@ class OutputSection(Section):
         return value
 
 
-class CollectiveSection(Section):
-    """The ``collective`` runtime (real processes over torch.distributed)."""
-
-    ranks_per_island: int = Field(
-        1, ge=1, le=1024,
-        description="collective: processes (ranks) per island; they split the island's batch by rows and "
-        "average their gradients every step (data parallel inside the island). batch_size must be divisible "
-        "by it. World size = islands x ranks_per_island.",
-    )
-    shard_island: bool = Field(
-        False,
-        description="collective: shard each island's model, gradients and AdamW state over its ranks with "
-        "PyTorch FSDP2 (fully_shard), each rank holding 1/R; the strategy exchanges each rank's shard with the "
-        "ranks at its position in the other islands (HSDP-like). ddp and diloco; needs --ranks-per-island 2 "
-        "or more.",
-    )
-    collective_timeout_s: float = Field(
-        60.0, ge=1, le=86400,
-        description="collective: deadline in seconds of every collective and of joining the process groups; "
-        "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
-        "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
-        "driver waits for the other islands once one has finished. From 1 s (the store's clients and the "
-        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above).",
-    )
-    min_islands: int = Field(
-        1, ge=1, le=4096,
-        description="collective: keep training while at least this many islands are alive. A lost island "
-        "(any of its ranks) is dropped, the survivors re-form their groups and average over the islands that "
-        "contributed; below this (or when island 0, which writes the run folder, is lost) the run stops with "
-        "status 3. Set it to --islands to stop at any loss.",
-    )
-    max_restarts: int = Field(
-        0, ge=0, le=1000,
-        description="collective, one-machine launcher: restart a lost island's rank up to this many times; it "
-        "rejoins the running job at the end of an inner step with the state of a live island (not from disk). "
-        "Needs --min-islands below --islands and one rank per island.",
-    )
-
-
-class RaySection(Section):
-    """The ``ray`` runtime (islands and the syncer as Ray actors); only it may change these."""
-
-    ray_address: str | None = Field(
-        None,
-        description="ray runtime: address of a running Ray cluster to join (ray start --head prints it); "
-        "default: start a local Ray.",
-    )
-    ray_cpus_per_island: float = Field(
-        1.0, gt=0, description="ray runtime: CPUs Ray reserves for each island actor (its placement resource)."
-    )
-    ray_gpus_per_island: float = Field(
-        0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
-    )
-    ray_logs: bool = Field(
-        False,
-        description="ray runtime: show Ray's own output (its workers' lines, autoscaler messages, info logs) "
-        "beside atoll's; default: kept out (errors of the run are reported either way).",
-    )
-    ray_island_resources: list[dict[str, float]] | None = Field(
-        None,
-        description="ray runtime: custom Ray resources each island actor needs, to pin islands to a region "
-        "or a hardware generation: NAME=AMOUNT[,NAME=AMOUNT] per island, islands separated by ';' "
-        "(e.g. 'us_east=1;us_east=1;eu_west=1;eu_west=1'), or one entry for every island. Nodes declare them "
-        "with ray start --resources; a local Ray started by atoll declares what the islands need.",
-    )
-
-    @field_validator("ray_island_resources", mode="before")
-    @classmethod
-    def _parse_resources(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [parse_resources(part) for part in value.split(";")]
-        return value
+#: the sections every run reads (fields of TrainConfig itself), in --help order
+RUN_SECTIONS: tuple[type[Section], ...] = (RunSection, ModelSection, DeviceSection, DataSection, ScheduleSection,
+                                           OutputSection)
+#: the sections some strategies read and share (each strategy's config inherits those it reads), in --help order
+SHARED_SECTIONS: tuple[type[Section], ...] = (SyncSection, AdamWSection, OuterOptimSection, CodecSection,
+                                              FragmentsSection)

@@ -1,12 +1,20 @@
-"""Typed, validated configuration of a training run.
+"""Typed, validated configuration of a training run: a tree with a flat view.
 
-One pydantic model, :class:`TrainConfig`, holds every knob. It is assembled from sections
-(:mod:`atoll.config.sections`) and from each strategy's own section, declared in the strategy's module and
-listed by :mod:`atoll.strategies.registry`, so a new strategy brings its flags with it. Values come from
-three places, later ones winning: the defaults (a strategy may give its own for shared settings), a TOML
-file (``atoll train --config run.toml``), and command-line flags (``--sync-every 50``). Every field is
-documented; ``atoll train --help`` prints them all. A component that needs one section asks for it:
-``CodecSection.of(config)``.
+:class:`TrainConfig` holds the settings every run reads (run, model, device, data, schedule, output:
+:data:`atoll.config.sections.RUN_SECTIONS`) and two owned parts: ``strategy_config``, the chosen strategy's
+own config (:class:`~atoll.config.section.StrategyConfig`, declared in the strategy's module and listed in
+its spec), and ``runtime_config``, the chosen runtime's (:mod:`atoll.config.runtimes`). ``strategy`` and
+``runtime`` name them (the discriminators). Values come from three places, later ones winning: the defaults
+(a strategy's config has its own, and its spec may give some for the run's settings), a TOML file
+(``atoll train --config run.toml``), and command-line flags (``--sync-every 50``).
+
+Flat keys stay the interface: every flag, TOML key and saved ``config.json`` names a setting by its field
+name, and the one mapping to the tree is ownership (:func:`tree_path`: a run setting stays at the top, any
+other goes to the strategy's or the runtime's config that has it). A setting neither owns is refused in one
+sentence (:func:`atoll.config.applies.unused_setting`). Reading ``config.sync_every`` reads the owned part;
+a setting the chosen strategy or runtime does not own reads as its default (the run ignores it).
+``config.json`` is written flat, with the run's and the owners' settings. ``atoll train --help`` documents
+every setting (:func:`atoll.config.applies.catalog`).
 
 A bad value raises :class:`atoll.errors.ConfigError` with one line that names the field and the fix;
 the command line turns it into ``atoll: error: ...`` and exit status 2.
@@ -15,81 +23,164 @@ the command line turns it into ``atoll: error: ...`` and exit status 2.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+from pydantic.main import IncEx
 
-from atoll.config.applies import unused_setting
-from atoll.config.parse import format_validation_error
-from atoll.config.section import Section
+from atoll.config.applies import applicable, catalog, run_settings, runtime_readers, strategy_readers, unused_setting
+from atoll.config.parse import fix_hint, format_validation_error
+from atoll.config.runtimes import RUNTIMES
+from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.config.sections import (
-    CodecSection,
-    CollectiveSection,
     DataSection,
     DeviceSection,
-    FragmentsSection,
-    InnerOptimSection,
     ModelSection,
-    NetworkSection,
-    OuterOptimSection,
     OutputSection,
-    RaySection,
     RunSection,
+    ScheduleSection,
 )
+from atoll.config.toml_types import toml_type_error
 from atoll.errors import ConfigError
-from atoll.strategies.registry import specs
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-#: the sections of the whole config, in --help order (each strategy's own after the shared ones)
-SECTIONS: tuple[type[Section], ...] = (
-    RunSection, CollectiveSection, ModelSection, DeviceSection, DataSection, InnerOptimSection, OuterOptimSection,
-    CodecSection, FragmentsSection, *(s.section for s in specs() if s.section is not None), RaySection, NetworkSection,
-    OutputSection,
-)
-STRATEGY_NAMES = tuple(s.name for s in specs())
+#: the tree's owned parts: the chosen strategy's config, the chosen runtime's
+TREE = ("strategy_config", "runtime_config")
 
 
-class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists the last base's fields first
-    """Every setting of one ``atoll train`` run, flat (each field is a flag and a TOML key).
+def tree_path(name: str, strategy: str, runtime: str) -> str | None:
+    """Where flat setting ``name`` lives in the tree of a ``strategy`` run under ``runtime``: ``name`` (a
+    setting of every run), ``strategy_config.name``, ``runtime_config.name``, or None (neither owns it).
+
+    Raises:
+        KeyError: no strategy of that name.
+    """
+    from atoll.strategies.registry import spec
+
+    if name in run_settings():
+        return name
+    if name in spec(strategy).config.model_fields:
+        return f"strategy_config.{name}"
+    if runtime in RUNTIMES and name in RUNTIMES[runtime].model_fields:
+        return f"runtime_config.{name}"
+    return None
+
+
+def _owned(config_type: type[Any], given: Any, flat: dict[str, Any]) -> Any:
+    """The owned config of ``config_type`` from its part given whole (an instance, or a table of a TOML file)
+    and its flat keys, validated alone.
+
+    Raises:
+        ValueError: a value it refuses (the one-line message of its first error).
+    """
+    if isinstance(given, config_type) and not flat:
+        return given
+    values = given.model_dump() if isinstance(given, (StrategyConfig, RuntimeConfig)) else dict(given or {})
+    try:
+        return config_type(**{**values, **flat})
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e)) from None
+
+
+class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, ModelSection, RunSection):
+    """Every setting of one ``atoll train`` run: the run's own, the chosen strategy's and runtime's configs.
 
     Terms follow the DiLoCo literature: an *island* is one model replica with its own data shard;
     *inner steps* are its local optimizer steps; every ``sync_every`` (H) inner steps the islands
     exchange *pseudo-gradients* and an *outer optimizer* updates the global parameters.
+
+    Built from flat keys (``TrainConfig(strategy="diloco", sync_every=50)``) or with the owned parts given
+    whole (``TrainConfig(strategy="diloco", strategy_config=DiLoCoConfig(sync_every=50))``).
     """
 
-    strategy: Literal[STRATEGY_NAMES] = RunSection.model_fields["strategy"]  # type: ignore[valid-type]
+    strategy_config: StrategyConfig = Field(
+        default_factory=StrategyConfig, description="The chosen strategy's own config (built from the flat keys "
+        "it owns; its spec's config class).")
+    runtime_config: RuntimeConfig = Field(
+        default_factory=RuntimeConfig, description="The chosen runtime's own config (built from the flat keys it "
+        "owns: atoll.config.runtimes).")
 
     @model_validator(mode="before")
     @classmethod
-    def _strategy_defaults(cls, data: Any) -> Any:
-        """A strategy's own defaults for shared settings the user left unset (its spec's ``defaults``)."""
-        if isinstance(data, dict) and data.get("strategy", "diloco") in STRATEGY_NAMES:
-            from atoll.strategies.registry import spec
+    def _route(cls, data: Any) -> Any:
+        """Flat keys to the tree: a strategy's defaults for the run's settings the user left unset (its spec's
+        ``defaults``), then each owned key into the strategy's or the runtime's config, which validate it; a
+        setting of another strategy or runtime is refused (:func:`~atoll.config.applies.unused_setting`)."""
+        from atoll.strategies.registry import names, spec
 
-            own = spec(data.get("strategy", "diloco")).defaults
-            data = {**data, **{k: v for k, v in own.items() if data.get(k) is None}}
+        if not isinstance(data, dict):
+            return data
+        strategy = data.get("strategy", RunSection.model_fields["strategy"].default)
+        runtime = data.get("runtime", RunSection.model_fields["runtime"].default)
+        if strategy not in names():
+            known = ", ".join(repr(n) for n in names())
+            raise ValueError(f"strategy: {strategy!r} is not a strategy ({known}); {fix_hint('strategy')}")
+        own = spec(strategy)
+        for part in TREE:  # a part given as a table (a TOML file's [strategy_config]): its keys, as flat ones
+            if isinstance(data.get(part), dict):
+                data = {**data[part], **{k: v for k, v in data.items() if k != part}}
+        data = {**data, **{k: v for k, v in own.defaults.items() if data.get(k) is None}}
+        shared, strategy_keys, runtime_keys = run_settings(), {}, {}
+        runtime_type = RUNTIMES.get(runtime)
+        for key in [k for k in data if k not in shared and k not in TREE]:
+            if key in own.config.model_fields:
+                strategy_keys[key] = data.pop(key)
+            elif runtime_type is not None and key in runtime_type.model_fields:
+                runtime_keys[key] = data.pop(key)
+            elif (strategy_readers(key) or runtime_readers(key)) and data.pop(key) is not None:  # None: unset
+                raise ValueError(unused_setting(strategy, runtime, [key]))
+        data["strategy_config"] = _owned(own.config, data.get("strategy_config"), strategy_keys)
+        if runtime_type is not None:  # else the runtime's own error names it
+            data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys)
         return data
+
+    def __getattr__(self, name: str) -> Any:
+        """The flat view: a setting of the strategy's or the runtime's config, or, where neither owns it, its
+        default (the run does not read it).
+
+        Raises:
+            AttributeError: ``name`` is no setting.
+        """
+        for part in TREE:  # (TrainConfig has no private attributes nor extras, pydantic's own use of this hook)
+            owned = self.__dict__.get(part)
+            if owned is not None and name in type(owned).model_fields:
+                return getattr(owned, name)
+        field = catalog().get(name)
+        if field is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return field.get_default(call_default_factory=True)
+
+    def model_dump(self, *, mode: str = "python", include: IncEx | None = None, exclude: IncEx | None = None,
+                   exclude_defaults: bool = False,
+                   **kwargs: Any) -> dict[str, Any]:
+        """The flat settings: the run's and the owned parts' (each a flag and a TOML key), in ``--help`` order;
+        ``include``/``exclude``: sets of flat names (the pydantic keywords otherwise)."""
+        flat = super().model_dump(mode=mode, exclude=set(TREE), exclude_defaults=exclude_defaults, **kwargs)
+        for part in TREE:
+            flat.update(getattr(self, part).model_dump(mode=mode, exclude_defaults=exclude_defaults, **kwargs))
+        order = {name: i for i, name in enumerate(catalog())}
+        keep = set(include) if include is not None else set(flat)
+        keep -= set(exclude or ())
+        return {k: flat[k] for k in sorted(flat, key=lambda k: order.get(k, len(order))) if k in keep}
+
+    def model_dump_json(self, *, indent: int | None = None, include: IncEx | None = None,
+                        exclude: IncEx | None = None, exclude_defaults: bool = False,
+                        **kwargs: Any) -> str:
+        """:meth:`model_dump` as JSON text (what ``config.json`` holds)."""
+        return json.dumps(self.model_dump(mode="json", include=include, exclude=exclude,
+                                          exclude_defaults=exclude_defaults, **kwargs), indent=indent)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
-        from atoll.strategies.registry import spec
+        from atoll.strategies.registry import spec, specs
 
         own = spec(self.strategy)
-        # a strategy's or a runtime's own settings changed under another: refused as build_config refuses a
-        # setting given explicitly (atoll.config.applies.unused_setting: one check, one sentence)
-        owned = [*(f for o in specs() if o.section is not None for f in o.section.model_fields.items()),
-                 *RaySection.model_fields.items()]
-        unused = unused_setting(self.strategy, self.runtime,
-                                [name for name, field in owned if getattr(self, name) != field.default])
-        if unused is not None:
-            raise ValueError(unused)
         if self.runtime not in own.runtimes:
             runs = [s.name for s in specs() if self.runtime in s.runtimes]
             which = runs[0] + " strategy" if len(runs) == 1 else ", ".join(runs[:-1]) + f" and {runs[-1]} strategies"
@@ -110,13 +201,7 @@ class TrainConfig(*reversed(SECTIONS)):  # type: ignore[misc]  # pydantic lists 
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
-        if self.inner_optimizer != "adamw" and own.inner_optimizer is not None:
-            raise ValueError(f"inner_optimizer: the {self.strategy} strategy brings its own inner optimizer; drop "
-                             f"--inner-optimizer {self.inner_optimizer}")
-        if self.shard_island:
-            if self.runtime != "collective":
-                raise ValueError("shard_island: only the collective runtime shards islands; add --runtime "
-                                 "collective or drop --shard-island")
+        if self.shard_island:  # (a collective setting: under another runtime it is refused as not read)
             if self.ranks_per_island < 2:
                 raise ValueError("shard_island: an island of one rank has nothing to shard; pass "
                                  "--ranks-per-island 2 or more, or drop --shard-island")
@@ -184,6 +269,8 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
             the file or the overrides that the strategy or runtime does not read
             (:mod:`atoll.config.applies`); the one-line message names the field and the fix.
     """
+    from atoll.strategies.registry import names
+
     values: dict[str, Any] = dict(base or {})
     given = {k for k, v in (overrides or {}).items() if v is not None}  # set by the user, not a saved run's
     from_file: dict[str, str] = {}  # given in the TOML file (and not overridden): the refusal names the file
@@ -209,80 +296,16 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         from_file = {k: str(toml_path) for k, v in table.items() if v is not None and k not in given}
         given |= set(from_file)
     values.update(overrides or {})
+    strategy = values.get("strategy", RunSection.model_fields["strategy"].default)
+    runtime = values.get("runtime", RunSection.model_fields["runtime"].default)
+    unused = unused_setting(strategy, runtime, sorted(given), from_file) if strategy in names() else None
+    if unused is not None:  # (an unknown strategy: the validation's error names it)
+        raise ConfigError(unused)
+    readable = applicable(values)  # the base's settings the run does not read are left out, not refused
     try:
-        config = TrainConfig(**values)
+        return TrainConfig(**{k: v for k, v in values.items() if k in given or k in readable})
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
-    unused = unused_setting(config.strategy, config.runtime, sorted(given), from_file)
-    if unused is not None:
-        raise ConfigError(unused)
-    return config
-
-
-def _scalar_kind(annotation: Any) -> type | None:
-    """``int``, ``float`` or ``bool`` for a field of that type (or that type or None); else None."""
-    import types
-    import typing
-
-    kinds = {annotation}
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        kinds = {a for a in typing.get_args(annotation) if a is not type(None)}
-    kind = kinds.pop() if len(kinds) == 1 else None
-    return kind if kind in (int, float, bool) else None
-
-
-def toml_type_error(table: dict[str, Any], path: Path | str) -> str | None:
-    """The one-line error for the first value of a TOML file whose type does not fit its number or switch
-    setting, else None.
-
-    A flag is text by nature (pydantic converts ``--lr 1e-3``), but a TOML value has a type, and a mismatch is
-    a mistake the file should not hide: a string for a number or a switch (``lr = "1e-3"``, ``compile =
-    "yes"``, which pydantic would read as true), a float for a whole number (``seq_len = 32.0``), a number for
-    a switch or a switch for a number. A whole number is a valid float (``lr = 1``). Keys that are not
-    settings, and settings of other types (text, paths, lists), are left to the validation.
-    """
-    for key, value in table.items():
-        field = TrainConfig.model_fields.get(key)
-        kind = _scalar_kind(field.annotation) if field is not None else None
-        if kind is None:
-            continue
-        fits = isinstance(value, bool) if kind is bool else (
-            type(value) is int if kind is int else type(value) in (int, float))
-        if fits:
-            continue
-        want = {bool: "a switch (true or false)", int: "a whole number", float: "a number"}[kind]
-        got = ("the string " + repr(value) if isinstance(value, str) else
-               f"the switch value {str(value).lower()}" if isinstance(value, bool) else
-               f"the float {value!r}" if isinstance(value, float) else f"the number {value}" if isinstance(value, int)
-               else f"a TOML {type(value).__name__}")
-        example = _toml_example(kind, value, field.default)
-        return f"{key}: {got} in '{path}' is not {want}; write {key} = {example}" + (
-            " (no quotes)" if isinstance(value, str) and not example.startswith("<") else "")
-    return None
-
-
-def _toml_example(kind: type, value: Any, default: Any) -> str:
-    """The TOML text of ``value`` as a ``kind``, where it reads as one unambiguously; else a placeholder."""
-    text = value.strip() if isinstance(value, str) else None
-    if kind is bool:
-        if text is not None and text.lower() in ("true", "false"):
-            return text.lower()
-        return "true or false"
-    try:
-        number = float(text) if text is not None else None if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is not None and math.isfinite(number) and (kind is float or number.is_integer()):
-        if kind is int:
-            return str(int(number))
-        try:  # the user's own spelling where it is a TOML number ("1e-3"), else Python's ("0.001")
-            if text is not None and type(tomllib.loads(f"x = {text}")["x"]) in (int, float):
-                return text
-        except tomllib.TOMLDecodeError:
-            pass
-        return repr(number)
-    sample = default if isinstance(default, (int, float)) and not isinstance(default, bool) else 1
-    return f"<{'a whole number' if kind is int else 'a number'}, e.g. {sample}>"
 
 
 #: Settings a resumed run may change: how long it trains, how it reports and how its islands run (a

@@ -349,14 +349,14 @@ def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Opti
 
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
                 total_steps: int | None = None, speed: float = 1.0,
-                optimizer: Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer] | None = None,
+                optimizer: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer] | None = None,
                 island_type: type[Island] = Island) -> Island:
     """An island with its own replica, inner optimizer and warmup-cosine schedule.
 
-    The inner optimizer is ``optimizer(param_groups, config)`` (a strategy's own, e.g. DeMo; its spec's
-    ``inner_optimizer``), else AdamW (:func:`adamw`) or, with ``inner_optimizer = "muon"``, Muon on the hidden
-    matrices and AdamW on the rest (:func:`atoll.algorithms.muon.muon_with_adamw`); weight decay only on
-    matrices. The schedule warms up
+    The inner optimizer is ``optimizer(param_groups, config.strategy_config)`` (a strategy's own, e.g. DeMo,
+    from its own config; its spec's ``inner_optimizer``), else AdamW (:func:`adamw`) or, with
+    ``inner_optimizer = "muon"``, Muon on the hidden matrices and AdamW on the rest
+    (:func:`atoll.algorithms.muon.muon_with_adamw`); weight decay only on matrices. The schedule warms up
     over ``warmup_steps`` (at most a tenth of the island's steps) and decays to ``min_lr_ratio`` at
     ``total_steps`` (default ``steps``). ``island_type`` is the class built (a
     :class:`~atoll.runtime.collective.sharding.ShardedIsland` for a model sharded beforehand).
@@ -368,7 +368,7 @@ def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: 
         inner: torch.optim.Optimizer = muon_with_adamw(list(model.named_parameters()), config.lr,
                                                        config.weight_decay)
     else:
-        inner = (optimizer or adamw)(groups, config)
+        inner = adamw(groups, config) if optimizer is None else optimizer(groups, config.strategy_config)
     total = config.steps if total_steps is None else total_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))

@@ -28,7 +28,6 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
-from atoll.config.applies import BY_STRATEGY
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import load_latest_state, new_run_dir, save_checkpoint, write_text_atomic
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
@@ -340,7 +339,7 @@ class Run:
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
             # demo and sparseloco encode in their own way (their sections), not with the run's codec
-            "codec": config.codec if config.strategy in BY_STRATEGY["codec"] else None,
+            "codec": config.codec if "codec" in type(config.strategy_config).model_fields else None,
             "device": config.device if config.runtime == "ray" else resolve_device(config.device),
             "precision": config.precision, "compile": config.compile, **own,
             "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,

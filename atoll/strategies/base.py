@@ -12,7 +12,8 @@ from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
+    from atoll.config.section import StrategyConfig
+    from atoll.config.sections import CodecSection
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
 
@@ -24,20 +25,25 @@ class Strategy(ABC):
     backward pass, and :meth:`finish` once at the end. The strategy takes the inner optimizer steps and
     issues the collectives through ``comm``.
 
+    A strategy is built from its own config and its collaborators, never from the whole run's config.
+
     Args:
-        config: the run's configuration.
+        config: the strategy's own config (its spec's :attr:`~atoll.strategies.spec.StrategySpec.config`:
+            the shared sections it reads and its own settings).
         islands: the islands this process runs (all of them in the ``local`` runtime).
         comm: the collectives across every island of the job.
+        seed: the run's seed (random sources of its exchanges, e.g. stochastic rounding).
     """
 
     name: str
     #: contributions left out of an average because they were not finite (see :func:`drop_non_finite`)
     dropped_updates: int = 0
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
+    def __init__(self, config: StrategyConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
         self.config = config
         self.islands = islands
         self.comm = comm
+        self.seed = seed
 
     @abstractmethod
     def step(self, step: int) -> None:
@@ -74,10 +80,11 @@ class Strategy(ABC):
         """Restore :meth:`island_state` of the local island at ``position``."""
 
 
-def make_wire(config: TrainConfig, local_islands: list[int]) -> Wire:
-    """The run's :class:`~atoll.algorithms.wire.Wire` (``codec``, its settings, error feedback, seed)."""
+def make_wire(config: CodecSection, local_islands: list[int], seed: int) -> Wire:
+    """The :class:`~atoll.algorithms.wire.Wire` of a strategy's codec settings (``codec``, its block size,
+    rounding, top-k fraction, error feedback) for the local islands, seeded with the run's ``seed``."""
     return Wire(config.codec, local_islands, block_size=config.codec_block_size, rounding=config.codec_rounding,
-                topk_fraction=config.topk_fraction, error_feedback=config.error_feedback, seed=config.seed)
+                topk_fraction=config.topk_fraction, error_feedback=config.error_feedback, seed=seed)
 
 
 def model_fragments(named_shapes: list[tuple[str, tuple[int, ...]]], fragments: int) -> list[FlatFragment]:

@@ -17,15 +17,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from atoll.analysis.cost import Cost, Setting
+from atoll.config.section import StrategyConfig
+from atoll.config.sections import AdamWSection, CodecSection
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import Strategy, make_wire
 from atoll.strategies.repair import BAD_GRADIENT, DIVERGED, HEALTHY, gather_status, reset_from_peer
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
+
+
+class DDPConfig(AdamWSection, CodecSection, StrategyConfig):
+    """ddp's config: the inner AdamW and the codec of its gradients (no outer rounds: no H)."""
 
 
 class DDP(Strategy):
@@ -33,9 +38,11 @@ class DDP(Strategy):
 
     name = "ddp"
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
-        super().__init__(config, islands, comm)
-        self.wire = make_wire(config, comm.local_islands)
+    config: DDPConfig
+
+    def __init__(self, config: DDPConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
+        super().__init__(config, islands, comm, seed)
+        self.wire = make_wire(config, comm.local_islands, seed)
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
@@ -95,7 +102,7 @@ def project(s: Setting) -> Cost:
 
 SPEC = StrategySpec(
     name="ddp", summary="full gradients, ring all-reduce, every inner step (the data-parallel baseline)",
-    runtimes=("local", "collective"), lockstep=DDP, project=project, shards=True,
+    config=DDPConfig, runtimes=("local", "collective"), lockstep=DDP, project=project, shards=True,
     suite=(SuiteRun("one_island", "one island alone (ddp, K=1)", {"strategy": "ddp", "islands": 1}),
            SuiteRun("ddp", "ddp", {"strategy": "ddp"})),
 )

@@ -14,25 +14,26 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atoll.algorithms.demo import DeMo, DemoPayload
 from atoll.analysis.cost import Cost, Setting, demo_payload_bytes
-from atoll.config.section import Section
+from atoll.config.section import StrategyConfig
 from atoll.runtime.network import ring_allgather_bytes
 from atoll.strategies.base import Strategy
 from atoll.strategies.repair import DIVERGED, HEALTHY, reset_from_peer
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
-if TYPE_CHECKING:
-    from atoll.config import TrainConfig
 
+class DeMoConfig(StrategyConfig):
+    """DeMo's config, all its own: the sign step's rate, the DCT chunks, the top-k and the momentum decay (it
+    brings its own inner optimizer: no AdamW settings, no codec, no outer rounds)."""
 
-class DeMoSection(Section):
-    """DeMo's own settings: the sign step's rate, the DCT chunks, the top-k and the momentum decay."""
+    instead = {"lr": "demo reads --demo-lr instead", "weight_decay": "demo has no weight decay",
+               "inner_optimizer": "demo brings its own inner optimizer (DeMo)"}
 
     demo_lr: float = Field(3e-3, gt=0, le=10, description="demo: peak learning rate of the sign update.")
     demo_topk: int = Field(32, ge=1, description="demo: DCT components kept per chunk.")
@@ -43,19 +44,20 @@ class DeMoSection(Section):
         "--no-demo-sign-values sends float32 values (about 2.7x the bytes; docs/results.md, DeMo).",
     )
 
+    @model_validator(mode="after")
+    def _topk_fits(self) -> DeMoConfig:
+        """A chunk must hold the top-k it keeps.
 
-def validate(config: TrainConfig) -> None:
-    """A chunk must hold the top-k it keeps.
-
-    Raises:
-        ValueError: ``demo_topk`` > ``demo_chunk``².
-    """
-    if config.demo_topk > config.demo_chunk * config.demo_chunk:
-        raise ValueError(f"demo_topk ({config.demo_topk}) exceeds a chunk's {config.demo_chunk}x{config.demo_chunk} "
-                         "components; lower --demo-topk")
+        Raises:
+            ValueError: ``demo_topk`` > ``demo_chunk``².
+        """
+        if self.demo_topk > self.demo_chunk * self.demo_chunk:
+            raise ValueError(f"demo_topk ({self.demo_topk}) exceeds a chunk's {self.demo_chunk}x{self.demo_chunk} "
+                             "components; lower --demo-topk")
+        return self
 
 
-def make_optimizer(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict[str, Any]], config: DeMoConfig) -> torch.optim.Optimizer:
     """Each island's inner optimizer: :class:`~atoll.algorithms.demo.DeMo` with the section's settings."""
     return DeMo(groups, lr=config.demo_lr, beta=config.demo_beta, chunk=config.demo_chunk, topk=config.demo_topk,
                 sign_values=config.demo_sign_values)
@@ -129,7 +131,7 @@ SPEC = StrategySpec(
     name="demo",
     summary="top-k DCT components (indices, 2-bit signs) of a decoupled momentum, every inner step; sign of "
             "the average applied (DeMo, arXiv:2411.19870)",
-    section=DeMoSection, runtimes=("local", "collective"), validate=validate, lockstep=DeMoStrategy,
+    config=DeMoConfig, runtimes=("local", "collective"), lockstep=DeMoStrategy,
     # sign-SGD learns best at a constant rate after warmup (bench/demo_sweep.py)
     defaults={"min_lr_ratio": 1.0}, inner_optimizer=make_optimizer, project=project,
     suite=(SuiteRun("demo", "demo top-k {demo_topk} of {demo_chunk}x{demo_chunk}, 2-bit signs",

@@ -8,19 +8,31 @@ every island restarts from them. Communication drops by a factor H against ``ddp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 from atoll.algorithms.agreement import AgreementScaler
 from atoll.analysis.cost import Cost, Setting
+from atoll.config.sections import AdamWSection, CodecSection
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import drop_non_finite, make_wire
-from atoll.strategies.rounds import OuterRounds
+from atoll.strategies.rounds import OuterRounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
+
+
+class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
+    """diloco's config: H, the inner AdamW, the outer optimizer, the codec of its pseudo-gradients, and its
+    own adaptive outer step."""
+
+    outer_adapt: Literal["none", "agreement"] = Field(
+        "none", description="diloco: an adaptive outer step. agreement: each tensor's share of the outer step "
+        "follows how much the islands agree on its pseudo-gradient (its estimated signal share over the "
+        "model's mean, at most 2x); the overall outer rate stays outer_lr (atoll.algorithms.agreement).")
 
 
 class DiLoCo(OuterRounds):
@@ -28,9 +40,11 @@ class DiLoCo(OuterRounds):
 
     name = "diloco"
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
-        super().__init__(config, islands, comm)
-        self.wire = make_wire(config, comm.local_islands)
+    config: DiLoCoConfig
+
+    def __init__(self, config: DiLoCoConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
+        super().__init__(config, islands, comm, seed)
+        self.wire = make_wire(config, comm.local_islands, seed)
         self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
                           if config.outer_adapt == "agreement" else None)
 
@@ -85,7 +99,7 @@ def project(s: Setting) -> Cost:
 
 SPEC = StrategySpec(
     name="diloco", summary="pseudo-gradients averaged every H inner steps; outer SGD-Nesterov (arXiv:2311.08105)",
-    runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
+    config=DiLoCoConfig, runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
     shards=True,
     # fp32 (the default) and int4 (the codec of streaming and decoupled); every codec: bench/streaming_codecs.py
     suite=(SuiteRun("diloco", "diloco H={sync_every} {codec} (default)", {"strategy": "diloco"}),

@@ -21,14 +21,19 @@ import torch
 
 from atoll.algorithms.finite import all_finite
 from atoll.algorithms.outer import OuterOptimizer
+from atoll.config.section import StrategyConfig
+from atoll.config.sections import OuterOptimSection, SyncSection
 from atoll.job.divergence import Diverged
 from atoll.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from atoll.algorithms.fragments import FlatFragment
-    from atoll.config import TrainConfig
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
+
+
+class RoundsConfig(SyncSection, OuterOptimSection, StrategyConfig):
+    """The config of a strategy of outer rounds: H and the outer optimizer (its subclasses add the rest)."""
 
 
 class RoundClock:
@@ -64,9 +69,10 @@ class Rounds(Strategy):
     part's exchange at the end of training); :meth:`drain` finishes what is in flight first.
 
     Args:
-        config: the run's configuration (``outer_lr``, ``outer_momentum``).
+        config: the strategy's config (a :class:`RoundsConfig`: ``sync_every``, ``outer_lr``, ``outer_momentum``).
         islands: the local islands.
         comm: the collectives across every island of the job.
+        seed: the run's seed.
         index: the fragments, each synced on its own (``streaming``); None: the whole model at once.
 
     Attributes:
@@ -78,9 +84,11 @@ class Rounds(Strategy):
     #: checkpoint lists with one entry per part (``streaming``), rather than the one part's entries alone
     fragmented: bool = False
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm,
+    config: RoundsConfig
+
+    def __init__(self, config: RoundsConfig, islands: list[Island], comm: Comm, seed: int = 0,
                  index: list[FlatFragment] | None = None) -> None:
-        super().__init__(config, islands, comm)
+        super().__init__(config, islands, comm, seed)
         self.index = index
         self.numel = sum(p.numel() for p in islands[0].params)
         pin = islands[0].device.type == "cuda"  # pinned host backups (torchft's)

@@ -32,27 +32,31 @@ import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atoll.algorithms.dct import index_dtype_for
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.algorithms.sparse import SparseCompressor
 from atoll.analysis.cost import Cost, Setting
-from atoll.config.section import Section
+from atoll.config.sections import AdamWSection
 from atoll.runtime.network import ring_allgather_bytes
-from atoll.strategies.rounds import OuterRounds
+from atoll.strategies.rounds import OuterRounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
 
 WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 
 
-class SparseLoCoSection(Section):
-    """SparseLoCo's own settings: the top-k per chunk, the chunk, the accumulator's decay and the value bits."""
+class SparseLoCoConfig(RoundsConfig, AdamWSection):
+    """SparseLoCo's config: H, the inner AdamW, the outer step (plain averaged descent by default: the
+    accumulator replaces the outer momentum, SparseLoCo §3) and its own top-k per chunk, chunk, accumulator
+    decay, value bits, layout and aggregation (it compresses its own way: no codec)."""
+
+    outer_lr: float = Field(1.0, gt=0)
+    outer_momentum: float = Field(0.0, ge=0, lt=1)
 
     sparseloco_topk: int = Field(64, ge=1, description="sparseloco: entries kept per full tile (or chunk) of the "
                                  "error-feedback accumulator (64 of 4096: a density of 1.6 percent), scaled to "
@@ -72,24 +76,25 @@ class SparseLoCoSection(Section):
         "senders", description="sparseloco: each entry averaged over the islands that sent it (senders: the "
         "reference's scatter-mean) or over every island (all).")
 
+    @model_validator(mode="after")
+    def _chunks_fit(self) -> SparseLoCoConfig:
+        """A chunk must hold the top-k it keeps; values are 2 or 32 bits.
 
-def validate(config: TrainConfig) -> None:
-    """A chunk must hold the top-k it keeps; values are 2 or 32 bits.
-
-    Raises:
-        ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, or a chunk that
-            is not a square with tiles.
-    """
-    if config.sparseloco_bits not in (2, 32):
-        raise ValueError(f"sparseloco_bits: {config.sparseloco_bits} is not 2 or 32; pass --sparseloco-bits 2 "
-                         "(sign and two levels per chunk) or 32 (float32 values)")
-    side = math.isqrt(config.sparseloco_chunk)
-    if config.sparseloco_layout == "tiles" and side * side != config.sparseloco_chunk:
-        raise ValueError(f"sparseloco_chunk: {config.sparseloco_chunk} is not a square, as tiles need; pass "
-                         "--sparseloco-chunk 4096 (64 x 64 tiles), 1024 (32 x 32), ... or --sparseloco-layout flat")
-    if config.sparseloco_topk > config.sparseloco_chunk:
-        raise ValueError(f"sparseloco_topk ({config.sparseloco_topk}) exceeds a chunk's {config.sparseloco_chunk} "
-                         "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
+        Raises:
+            ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, or a chunk that
+                is not a square with tiles.
+        """
+        if self.sparseloco_bits not in (2, 32):
+            raise ValueError(f"sparseloco_bits: {self.sparseloco_bits} is not 2 or 32; pass --sparseloco-bits 2 "
+                             "(sign and two levels per chunk) or 32 (float32 values)")
+        side = math.isqrt(self.sparseloco_chunk)
+        if self.sparseloco_layout == "tiles" and side * side != self.sparseloco_chunk:
+            raise ValueError(f"sparseloco_chunk: {self.sparseloco_chunk} is not a square, as tiles need; pass "
+                             "--sparseloco-chunk 4096 (64 x 64 tiles), 1024 (32 x 32), ... or --sparseloco-layout flat")
+        if self.sparseloco_topk > self.sparseloco_chunk:
+            raise ValueError(f"sparseloco_topk ({self.sparseloco_topk}) exceeds a chunk's {self.sparseloco_chunk} "
+                             "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
+        return self
 
 
 class SparseLoCo(OuterRounds):
@@ -109,8 +114,10 @@ class SparseLoCo(OuterRounds):
 
     name = "sparseloco"
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
-        super().__init__(config, islands, comm)
+    config: SparseLoCoConfig
+
+    def __init__(self, config: SparseLoCoConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
+        super().__init__(config, islands, comm, seed)
         self.compressor = SparseCompressor([tuple(p.shape) for p in islands[0].params], config.sparseloco_chunk,
                                            config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout)
         self.error = [torch.zeros(self.compressor.numel) for _ in islands]
@@ -207,9 +214,8 @@ SPEC = StrategySpec(
     name="sparseloco",
     summary="error-feedback accumulators' top-k per 64x64 tile, 2-bit values, all-gathered every H inner steps; "
             "each entry averaged over its senders, plain outer descent (arXiv:2508.15706)",
-    section=SparseLoCoSection, runtimes=("local", "collective"), validate=validate, lockstep=SparseLoCo,
-    # the accumulator replaces the outer momentum; the step is plain averaged descent (SparseLoCo §3)
-    defaults={"outer_lr": 1.0, "outer_momentum": 0.0}, project=project, syncs_per_h=True,
+    config=SparseLoCoConfig, runtimes=("local", "collective"), lockstep=SparseLoCo, project=project,
+    syncs_per_h=True,
     suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
                     {"strategy": "sparseloco"}),
            # ten times the rounds (and the bytes): does SparseLoCo catch diloco when rounds are no limit?

@@ -7,11 +7,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from atoll.config.section import StrategyConfig
+
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from atoll.analysis.cost import Cost, Setting
-    from atoll.config.section import Section
     from atoll.strategies.base import Strategy
 
 
@@ -32,17 +33,20 @@ class StrategySpec:
     Attributes:
         name: the ``--strategy`` value.
         summary: one line for ``--help`` and the strategy tables of README.md and docs/concepts.md.
-        section: the strategy's own settings (a :class:`~atoll.config.section.Section`); setting one of its
-            fields away from its default under another strategy is an error.
+        config: the strategy's config (a :class:`~atoll.config.section.StrategyConfig` subclass): the shared
+            sections it reads and its own settings, each a flag and a TOML key; a setting of another strategy's
+            config that this one does not have is refused under it (:func:`atoll.config.applies.unused_setting`).
+            The strategy is built from it (``lockstep(config, islands, comm, seed)``).
         runtimes: the runtimes it runs under; the first is the default one for it.
         validate: checks of a whole config once its values are known; raises ValueError with a one-line
             message naming the field and the fix.
-        defaults: values of shared settings for this strategy when the user gives none (e.g. demo's constant
-            learning rate after warmup).
-        lockstep: the :class:`~atoll.strategies.base.Strategy` the lockstep loop (``atoll.train``) runs;
+        defaults: values of settings every run reads (not its config's: those have their own defaults) for this
+            strategy when the user gives none (e.g. demo's constant learning rate after warmup).
+        lockstep: the :class:`~atoll.strategies.base.Strategy` the lockstep loop (``atoll.train``) runs, built
+            as ``lockstep(config.strategy_config, islands, comm, config.seed)``;
             None for an asynchronous strategy, which the ``local`` runtime's event simulation
             (:mod:`atoll.runtime.events`) and the ``ray`` runtime drive instead.
-        inner_optimizer: ``(param_groups, config) -> torch.optim.Optimizer`` for an island's inner steps;
+        inner_optimizer: ``(param_groups, strategy config) -> torch.optim.Optimizer`` for an island's inner steps;
             None: AdamW (:func:`atoll.job.island.adamw`).
         project: the steady-state cost per inner step of one island in a
             :class:`~atoll.analysis.projection.Setting` (:func:`atoll.analysis.projection.project`).
@@ -55,7 +59,7 @@ class StrategySpec:
 
     name: str
     summary: str
-    section: type[Section] | None = None
+    config: type[StrategyConfig] = StrategyConfig
     runtimes: tuple[str, ...] = ("local", "collective")
     validate: Callable[[Any], None] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -16,16 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting
-from atoll.config.section import Section
+from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
 from atoll.runtime.comm import Work
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import drop_non_finite, make_wire, model_fragments
-from atoll.strategies.rounds import Rounds
+from atoll.strategies.rounds import Rounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -34,8 +34,12 @@ if TYPE_CHECKING:
     from atoll.runtime.comm import Comm
 
 
-class StreamingSection(Section):
-    """Streaming DiLoCo's own settings (its fragments are ``fragments``, shared with decoupled)."""
+class StreamingConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection):
+    """Streaming DiLoCo's config: H, the inner AdamW, the outer optimizer, the codec (the paper's 4-bit outer
+    gradients by default, accumulated in fp32), the fragments (shared with decoupled) and its own overlap and
+    mixing."""
+
+    codec: Codec = "int4"
 
     overlap_steps: int = Field(
         1, ge=0, description="streaming: tau, inner steps that overlap a fragment's exchange before it is merged."
@@ -46,21 +50,31 @@ class StreamingSection(Section):
     )
 
 
+    @model_validator(mode="after")
+    def _check_schedule(self) -> StreamingConfig:
+        """Each fragment syncs once per H steps, and an exchange overlaps fewer than H steps.
+
+        Raises:
+            ValueError: H < P or tau >= H (one line naming the fix).
+        """
+        if self.sync_every < self.fragments:
+            raise ValueError(f"sync_every ({self.sync_every}) must be at least fragments ({self.fragments}) "
+                             "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(f"overlap_steps ({self.overlap_steps}) must be below sync_every "
+                             f"({self.sync_every}); lower --overlap-steps")
+        return self
+
+
 def validate(config: TrainConfig) -> None:
-    """Each fragment syncs once per H steps, and an exchange overlaps fewer than H steps.
+    """The model can be cut into ``fragments`` fragments (its layers bound them).
 
     Raises:
-        ValueError: H < P or tau >= H (one line naming the fix).
+        ValueError: too many fragments for the model (one line naming the fix).
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
     check_fragments(config.model, config.fragments)
-    if config.sync_every < config.fragments:
-        raise ValueError(f"sync_every ({config.sync_every}) must be at least fragments ({config.fragments}) "
-                         "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
-    if config.overlap_steps >= config.sync_every:
-        raise ValueError(f"overlap_steps ({config.overlap_steps}) must be below sync_every "
-                         f"({config.sync_every}); lower --overlap-steps")
 
 
 @dataclass
@@ -78,11 +92,13 @@ class StreamingDiLoCo(Rounds):
     name = "streaming"
     fragmented = True
 
-    def __init__(self, config: TrainConfig, islands: list[Island], comm: Comm) -> None:
+    config: StreamingConfig
+
+    def __init__(self, config: StreamingConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
         shapes = [(n, tuple(p.shape)) for n, p in islands[0].named_params.items()]
-        super().__init__(config, islands, comm, index=model_fragments(shapes, config.fragments))
+        super().__init__(config, islands, comm, seed, index=model_fragments(shapes, config.fragments))
         self.in_flight: list[_InFlight] = []
-        self.wire = make_wire(config, comm.local_islands)
+        self.wire = make_wire(config, comm.local_islands, seed)
 
     @property
     def outer(self) -> list[OuterOptimizer]:
@@ -176,9 +192,8 @@ SPEC = StrategySpec(
     name="streaming",
     summary="one fragment's pseudo-gradient at a time, quantized, overlapped with tau inner steps, mixed with "
             "alpha (arXiv:2501.18512)",
-    section=StreamingSection, runtimes=("local", "collective"), validate=validate, lockstep=StreamingDiLoCo,
-    # the Streaming DiLoCo paper's 4-bit outer gradients (fp32 accumulation)
-    defaults={"codec": "int4"}, project=project, syncs_per_h=True,
+    config=StreamingConfig, runtimes=("local", "collective"), validate=validate, lockstep=StreamingDiLoCo,
+    project=project, syncs_per_h=True,
     suite=(SuiteRun("streaming", "streaming H={sync_every} P={fragments} {codec} tau={overlap_steps} "
                     "alpha={mixing_alpha}", {"strategy": "streaming"}),),
 )

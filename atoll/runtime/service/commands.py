@@ -58,11 +58,12 @@ def add_parsers(sub: Any, add_config_flags: Callable[[argparse.ArgumentParser], 
 
 
 def _service_config(args: argparse.Namespace) -> Any:
-    from atoll.config import TrainConfig, build_config
+    from atoll.config import build_config
+    from atoll.config.applies import catalog
 
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC's own INFO lines (each retried handshake) are noise
 
-    overrides = {k: v for k, v in vars(args).items() if k in TrainConfig.model_fields}
+    overrides = {k: v for k, v in vars(args).items() if k in catalog()}
     if overrides.setdefault("strategy", "decoupled") != "decoupled":
         raise AtollError(f"strategy: atoll {args.command} runs the decoupled strategy, not '{overrides['strategy']}'; "
                          "drop --strategy")

@@ -24,8 +24,9 @@ from pydantic import Field, field_validator
 
 from atoll.analysis.cost import Cost, Setting
 from atoll.config.parse import parse_chaos
-from atoll.config.section import Section
+from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
 from atoll.strategies.decoupled.syncer import Syncer
+from atoll.strategies.rounds import RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
@@ -33,9 +34,14 @@ if TYPE_CHECKING:
     from atoll.config import TrainConfig
 
 
-class DecoupledSection(Section):
-    """Decoupled DiLoCo's own settings: the syncer (quorum, grace window, staleness, bounds), the islands'
-    speeds, and the simulated failures and step of the ``local`` runtime."""
+class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection):
+    """Decoupled DiLoCo's config: H, the inner AdamW, the syncer's outer optimizer, the codec of the pushes
+    (4-bit by default, accumulated in fp32 at the syncer, as Streaming DiLoCo's outer gradients), the fragments,
+    and its own: the syncer (quorum, grace window, staleness, bounds), the islands' speeds, and the simulated
+    failures and step of the ``local`` runtime. The outer momentum stays light (the default 0.5): the syncer
+    steps at every partial merge, several per H, and a heavier momentum compounds them into an overshoot."""
+
+    codec: Codec = "int4"
 
     quorum: int | None = Field(
         None, ge=1,
@@ -212,11 +218,7 @@ SPEC = StrategySpec(
     name="decoupled",
     summary="fragments' pseudo-gradients pushed asynchronously to a syncer, merged at a quorum, token-weighted "
             "(Decoupled DiLoCo, arXiv:2604.21428)",
-    section=DecoupledSection, runtimes=("local", "ray"), validate=validate, lockstep=None,
-    # pushes travel 4-bit (fp32 accumulation at the syncer), as Streaming DiLoCo's outer gradients; the outer
-    # momentum stays light (the default 0.5): the syncer steps at every partial merge, several per H, and a
-    # heavier momentum compounds them into an overshoot
-    defaults={"codec": "int4"}, project=project,
+    config=DecoupledConfig, runtimes=("local", "ray"), validate=validate, lockstep=None, project=project,
     suite=(SuiteRun("decoupled", "decoupled H={sync_every} P={fragments} {codec}", {"strategy": "decoupled"}),
            SuiteRun("decoupled_chaos", "decoupled H={sync_every} P={fragments} {codec}, standard failure trace",
                     {"strategy": "decoupled", "standard_chaos": True})),

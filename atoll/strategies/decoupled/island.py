@@ -129,7 +129,7 @@ class IslandWorker:
                                           total_steps=total_steps)
         self.fragment_index = job.index
         self.sync_every = local_sync_every(config)[index]
-        self.wire = make_wire(config, [index])
+        self.wire = make_wire(config.strategy_config, [index], config.seed)
         self.base = [frag.gather(job.init_flat) for frag in job.index]
         self.base_version = [0] * len(job.index)
         self.at_push: list[torch.Tensor | None] = [None] * len(job.index)

@@ -1,0 +1,106 @@
+"""Each runtime's own config: the settings the ``local``, ``collective`` and ``ray`` runtimes read.
+
+They live here rather than in the runtimes' packages so that the config imports neither torch nor Ray (an
+optional extra): :data:`RUNTIMES` maps each ``--runtime`` name to its config. A setting of one runtime given
+under another is refused (:func:`atoll.config.applies.unused_setting`).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from atoll.config.parse import parse_resources
+from atoll.config.section import RuntimeConfig, Section
+
+
+class TimeoutSection(Section):
+    """The deadline of the runtimes whose islands are real processes."""
+
+    collective_timeout_s: float = Field(
+        60.0, ge=1, le=86400,
+        description="collective: deadline in seconds of every collective and of joining the process groups; "
+        "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
+        "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
+        "driver waits for the other islands once one has finished. From 1 s (the store's clients and the "
+        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above).",
+    )
+
+
+class LocalConfig(RuntimeConfig):
+    """The ``local`` runtime's settings: the links of its simulated network clock (:mod:`atoll.runtime.local`)."""
+
+    link_bandwidth_mbps: float = Field(
+        100.0, gt=0, description="Each island's link bandwidth in Mbit/s, for the simulated network clock."
+    )
+    link_latency_ms: float = Field(10.0, ge=0, description="One-way link latency in milliseconds.")
+
+
+class CollectiveConfig(TimeoutSection, RuntimeConfig):
+    """The ``collective`` runtime's settings: real processes over torch.distributed
+    (:mod:`atoll.runtime.collective`)."""
+
+    ranks_per_island: int = Field(
+        1, ge=1, le=1024,
+        description="collective: processes (ranks) per island; they split the island's batch by rows and "
+        "average their gradients every step (data parallel inside the island). batch_size must be divisible "
+        "by it. World size = islands x ranks_per_island.",
+    )
+    shard_island: bool = Field(
+        False,
+        description="collective: shard each island's model, gradients and AdamW state over its ranks with "
+        "PyTorch FSDP2 (fully_shard), each rank holding 1/R; the strategy exchanges each rank's shard with the "
+        "ranks at its position in the other islands (HSDP-like). ddp and diloco; needs --ranks-per-island 2 "
+        "or more.",
+    )
+    min_islands: int = Field(
+        1, ge=1, le=4096,
+        description="collective: keep training while at least this many islands are alive. A lost island "
+        "(any of its ranks) is dropped, the survivors re-form their groups and average over the islands that "
+        "contributed; below this (or when island 0, which writes the run folder, is lost) the run stops with "
+        "status 3. Set it to --islands to stop at any loss.",
+    )
+    max_restarts: int = Field(
+        0, ge=0, le=1000,
+        description="collective, one-machine launcher: restart a lost island's rank up to this many times; it "
+        "rejoins the running job at the end of an inner step with the state of a live island (not from disk). "
+        "Needs --min-islands below --islands and one rank per island.",
+    )
+
+
+class RayConfig(TimeoutSection, RuntimeConfig):
+    """The ``ray`` runtime's settings: islands and the syncer as Ray actors (:mod:`atoll.runtime.ray`)."""
+
+    ray_address: str | None = Field(
+        None,
+        description="ray runtime: address of a running Ray cluster to join (ray start --head prints it); "
+        "default: start a local Ray.",
+    )
+    ray_cpus_per_island: float = Field(
+        1.0, gt=0, description="ray runtime: CPUs Ray reserves for each island actor (its placement resource)."
+    )
+    ray_gpus_per_island: float = Field(
+        0.0, ge=0, description="ray runtime: GPUs Ray reserves for each island actor (0: none)."
+    )
+    ray_logs: bool = Field(
+        False,
+        description="ray runtime: show Ray's own output (its workers' lines, autoscaler messages, info logs) "
+        "beside atoll's; default: kept out (errors of the run are reported either way).",
+    )
+    ray_island_resources: list[dict[str, float]] | None = Field(
+        None,
+        description="ray runtime: custom Ray resources each island actor needs, to pin islands to a region "
+        "or a hardware generation: NAME=AMOUNT[,NAME=AMOUNT] per island, islands separated by ';' "
+        "(e.g. 'us_east=1;us_east=1;eu_west=1;eu_west=1'), or one entry for every island. Nodes declare them "
+        "with ray start --resources; a local Ray started by atoll declares what the islands need.",
+    )
+
+    @field_validator("ray_island_resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [parse_resources(part) for part in value.split(";")]
+        return value
+
+
+#: each ``--runtime`` name -> its config, in --help order
+RUNTIMES: dict[str, type[RuntimeConfig]] = {"local": LocalConfig, "collective": CollectiveConfig, "ray": RayConfig}
