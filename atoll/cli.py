@@ -202,6 +202,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.config is not None:
             raise AtollError("config: --config cannot be combined with --resume; pass flags to override settings")
         config = load_run_config(args.resume, overrides)
+        if _finished(args.resume, config.steps):  # not its table again, as if it had trained; nothing written
+            if os.environ.get("RANK", "0") == "0":
+                print(f"atoll: resume: {args.resume} already finished its {config.steps} steps; nothing to train "
+                      f"(pass --steps N with N > {config.steps} to train further)", file=sys.stderr)
+            return 0
     else:
         config = build_config(args.config, overrides)
     # heavy imports (torch, transformers) only once the settings are known to be valid
@@ -235,6 +240,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
               "warning above); raise MTBF_S or lower DOWNTIME_S", file=sys.stderr)
         return 1
     return 0
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    """Whether the run in ``run_dir`` trained all its ``steps``: its ``summary.json`` and its latest checkpoint
+    are of that step (a run killed between the two, or that diverged, resumes as before)."""
+    import json
+
+    from atoll.job.checkpoint import latest_checkpoint
+
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        step = int(latest_checkpoint(run_dir).name.split("_", 1)[1])
+    except (OSError, UnicodeDecodeError, ValueError, AtollError):
+        return False
+    return isinstance(summary, dict) and summary.get("steps") == steps == step \
+        and not summary.get("diverged") and not summary.get("gave_up")
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

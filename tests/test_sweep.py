@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from atoll.benchmarks.sweep import distinct, grid, point_name
+from atoll.benchmarks.sweep import distinct, grid, point_name, trim
 from atoll.errors import ConfigError
 
 
@@ -21,6 +21,28 @@ def test_grid_is_every_combination_of_the_lists() -> None:
     assert grid({"steps": "20"}) == ({"steps": "20"}, [{}])
     with pytest.raises(ConfigError, match="outer_lr"):
         grid({"outer_lr": "0.5,,1"})
+
+
+def test_the_grid_skips_for_each_strategy_the_settings_it_does_not_read() -> None:
+    shared, points = grid({"steps": "20", "strategy": "ddp,diloco,demo", "sync_every": "10,50", "outer_lr": "0.5,1"})
+    kept, notes = trim(shared, points)
+    assert kept == [{"strategy": "ddp"},
+                    {"strategy": "diloco", "sync_every": "10", "outer_lr": "0.5"},
+                    {"strategy": "diloco", "sync_every": "10", "outer_lr": "1"},
+                    {"strategy": "diloco", "sync_every": "50", "outer_lr": "0.5"},
+                    {"strategy": "diloco", "sync_every": "50", "outer_lr": "1"},
+                    {"strategy": "demo"}]
+    assert notes == ["ddp does not read sync_every, outer_lr: one run instead of 4",
+                     "demo does not read sync_every, outer_lr: one run instead of 4"]
+    # a strategy given once: one point; a grid every point reads is left as it is
+    assert trim({"strategy": "ddp"}, grid({"sync_every": "10,50"})[1]) == (
+        [{}], ["ddp does not read sync_every: one run instead of 2"])
+    shared, points = grid({"strategy": "diloco,streaming", "sync_every": "10,50", "fragments": "2"})
+    assert trim(shared, points) == (points, [])
+    # lr is read by ddp, not by demo: ddp keeps its 2 points
+    shared, points = grid({"strategy": "ddp,demo", "lr": "1e-3,3e-3"})
+    assert trim(shared, points) == ([{"strategy": "ddp", "lr": "1e-3"}, {"strategy": "ddp", "lr": "3e-3"},
+                                     {"strategy": "demo"}], ["demo does not read lr: one run instead of 2"])
 
 
 def test_a_bad_point_stops_before_anything_trains(tmp_path: Path) -> None:
@@ -168,3 +190,30 @@ def test_a_sweep_never_writes_over_a_users_results(tmp_path: Path, name: str, te
     r = run_cli("sweep", "--sync-every", "5,10", "--steps", "2", "--out", str(out))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"'{out / name}'" in r.stderr, r.stderr
     assert (out / name).read_text() == text and sorted(p.name for p in out.iterdir()) == [name]
+
+
+@pytest.mark.slow
+def test_a_grid_of_strategies_and_h_trains_ddp_once(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> None:
+    args = ["sweep", "--data", str(corpus_file), "--cache-dir", str(cache_dir), "--model", "micro", "--vocab-size",
+            "512", "--seq-len", "32", "--batch-size", "4", "--threads", "1", "--islands", "2", "--steps", "4",
+            "--eval-every", "2", "--strategy", "ddp,diloco", "--sync-every", "2,4", "--out", str(tmp_path / "sw")]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "does not read" in line] == [
+        "atoll: note: ddp does not read sync_every: one run instead of 2"]
+    assert r.stderr.count("[sweep]") == 3  # ddp once, diloco at H=2 and H=4
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir() if (p / "summary.json").is_file()) == [
+        "strategy-ddp", "strategy-diloco_sync_every-2", "strategy-diloco_sync_every-4"]
+    results = strict_json(tmp_path / "sw" / "results.json")
+    assert results["swept"] == ["strategy", "sync_every"]
+    rows = [(row["point"], row["strategy"], row["sync_every"]) for row in results["rows"]]
+    assert rows == [("strategy-ddp", "ddp", None), ("strategy-diloco_sync_every-2", "diloco", 2),
+                    ("strategy-diloco_sync_every-4", "diloco", 4)]  # ddp's row shows no H, not its default
+    sent = [row["bytes_sent_per_island"] for row in results["rows"]]  # 4 all-reduces, then 2 and 1 outer rounds
+    assert sent[0] == 2 * sent[1] == 4 * sent[2] > 0
+    table = (tmp_path / "sw" / "results.md").read_text().splitlines()
+    assert table[0] == "### atoll sweep (3 points)" and table[2].startswith("| strategy | sync_every | tokens |")
+    assert [line.split(" | ")[:2] for line in table[4:7]] == [["| ddp", "-"], ["| diloco", "2"], ["| diloco", "4"]]
+    again = run_cli(*args)  # the same grid again trains nothing: every point reused, the same three rows
+    assert again.returncode == 0 and "[sweep]" not in again.stderr
+    assert [row["point"] for row in strict_json(tmp_path / "sw" / "results.json")["rows"]] == [p for p, _, _ in rows]

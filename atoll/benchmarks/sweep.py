@@ -4,7 +4,8 @@
     atoll sweep --model PATH --data FILE --sync-every 25,50,100 --codec fp32,int4 --at-mbps 1000 --step-s 2.5
 
 Every ``atoll train`` flag may be given a comma-separated list; the grid is every combination of the flags
-given several values (the others are shared by every run). Each point trains once into ``<out>/<point>/``
+given several values (the others are shared by every run), less, for each point, those its strategy or runtime
+does not read (:func:`trim`: ddp in a grid of H trains once). Each point trains once into ``<out>/<point>/``
 (a finished run whose settings match is reused, so a sweep can be extended or interrupted and resumed; its
 runs are normal atoll run folders; a point that a sweep of another grid trained in ``<out>`` under another name,
 with the same settings, is reused too, and every point the folder holds is in the table, by every setting its
@@ -75,6 +76,36 @@ def grid(values: dict[str, str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             shared[name] = value
     points = [dict(zip(swept, combo, strict=True)) for combo in itertools.product(*swept.values())]
     return shared, points or [{}]
+
+
+def trim(shared: dict[str, Any], points: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the points, each without the swept settings its strategy and runtime do not read, those that become the
+    same kept once, in order; one line per strategy whose points were merged so: ``ddp does not read sync_every:
+    one run instead of 2``). Which settings a run reads is :func:`atoll.config.applies.applicable`'s."""
+    from atoll.config import TrainConfig
+    from atoll.config.applies import applicable
+
+    kept: dict[str, dict[str, Any]] = {}
+    merged: dict[str, tuple[list[int], set[str], dict[str, None]]] = {}  # who -> (points, runs, settings unread)
+    for p in points:
+        read = applicable({**shared, **p})
+        q = {k: v for k, v in p.items() if k in read}
+        key = json.dumps(q, sort_keys=True, default=str)
+        kept.setdefault(key, q)
+        unread = [k for k in p if k not in read]
+        if unread:
+            run = {**shared, **p}
+            who = str(run.get("strategy", TrainConfig.model_fields["strategy"].default))
+            if "runtime" in p:
+                who += f" on the {p['runtime']} runtime"
+            count, runs, names = merged.setdefault(who, ([0], set(), {}))
+            count[0] += 1
+            runs.add(key)
+            names.update(dict.fromkeys(unread))
+    notes = [f"{who} does not read {', '.join(names)}: "
+             f"{'one run' if len(runs) == 1 else f'{len(runs)} runs'} instead of {count[0]}"
+             for who, (count, runs, names) in merged.items()]
+    return list(kept.values()), notes
 
 
 def check_link(args: argparse.Namespace) -> None:
@@ -219,18 +250,24 @@ def previous_swept(out: Path) -> list[str]:
     return list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r if k not in ROW_KEYS))
 
 
-def _setting(run: Path, key: str) -> Any:
-    """The value of setting ``key`` in the ``config.json`` of the run folder ``run`` (None if absent)."""
+def _settings_read(run: Path) -> dict[str, Any]:
+    """The settings in the ``config.json`` of the run folder ``run`` that its strategy and runtime read
+    (:func:`atoll.config.applies.applicable`: a ddp run shows no ``sync_every``); empty if unreadable."""
+    from atoll.config.applies import applicable
+
     try:
-        return json.loads((run / "config.json").read_text(encoding="utf-8")).get(key)
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return None
+        config = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return applicable(config) if isinstance(config, dict) else {}
 
 
 def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> int:
     """``atoll sweep``: train (or reuse) every point, compare, write the results; return the exit status."""
     check_link(args)
     shared, points = grid(values)
+    axes = list(points[0])  # the settings swept, also those some points do not read (one column each)
+    points, unread = trim(shared, points)
     from atoll.config import build_config
     from atoll.strategies.registry import spec
 
@@ -254,6 +291,8 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         print(f"atoll: warning: sync_every is larger than steps ({name}: {c.sync_every} > {c.steps}"
               f"{f' and {len(long_h) - 1} more' if len(long_h) > 1 else ''}): no outer sync before the final one; "
               "pass --sync-every at most --steps", file=sys.stderr)
+    for line in unread:  # e.g. ddp in a grid of strategies and H: it trains once, not once per H
+        print(f"atoll: note: {line}", file=sys.stderr)
     # a point already trained under another name (by a sweep of another grid in this folder) is reused
     earlier = {} if args.fresh else earlier_points(out)
     current, names = {point_name(p) for p in points}, []
@@ -265,11 +304,11 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         names.append(name)
     summaries = [train_once(out, n, args.fresh, tag="sweep", **s) for n, s in zip(names, settings, strict=True)]
     # every point the folder holds is in the table: those of earlier grids too, by every setting ever swept
-    swept = list(dict.fromkeys([*points[0], *previous_swept(out)]))
+    swept = list(dict.fromkeys([*axes, *previous_swept(out)]))
     others = [n for n in earlier if n not in names]
     names += others
     summaries += [read_summary(out / n) for n in others]  # type: ignore[misc]
-    shown_points = [{k: _setting(out / n, k) for k in swept} for n in names]
+    shown_points = [{k: read.get(k) for k in swept} for read in map(_settings_read, (out / n for n in names))]
     results = compare(out, names, shown_points, summaries, args.at_mbps, args.at_latency_ms, args.step_s)
     results["shared"] = {k: str(v) for k, v in shared.items()}
     results["swept"] = swept
