@@ -32,6 +32,13 @@ def run_settings() -> frozenset[str]:
 
 def strategy_readers(name: str) -> tuple[str, ...]:
     """The strategies whose config has setting ``name`` (in registry order; empty: no strategy owns it)."""
+    from atoll.strategies.registry import STRATEGIES
+
+    return _readers(STRATEGIES, name)
+
+
+@cache
+def _readers(strategies: tuple[str, ...], name: str) -> tuple[str, ...]:
     from atoll.strategies.registry import specs
 
     return tuple(s.name for s in specs() if name in s.config.model_fields)
