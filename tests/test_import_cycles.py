@@ -12,16 +12,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_layout import _modules, cycles  # one cycle finder (Tarjan) for both checks
+
 ROOT = Path(__file__).resolve().parents[1] / "atoll"
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def _module_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
@@ -86,41 +79,6 @@ def import_graph() -> dict[str, dict[str, int]]:
     modules = _modules()
     return {name: imports_of(path.read_text(encoding="utf-8"), name, path.name == "__init__.py", modules)
             for name, path in modules.items()}
-
-
-def cycles(graph: dict[str, dict[str, int]] | dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
 
 
 def describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:
