@@ -113,13 +113,17 @@ def pct(a: float, b: float) -> float:
 
 
 def run_matches(out: Path, settings: dict[str, Any]) -> bool:
-    """Whether the run folder ``out`` was trained with ``settings`` (each key equal in its ``config.json``)."""
+    """Whether the run folder ``out`` was trained with ``settings``: each key its strategy and runtime read
+    equal in its ``config.json`` (a benchmark's shared settings, e.g. ``sync_every`` for ddp, are not saved by
+    a run that does not read them: :func:`atoll.config.applies.applicable`)."""
+    from atoll.config.applies import applicable
+
     try:
         config = json.loads((out / "config.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(config, dict) and all(config.get(k) == (str(v) if isinstance(v, Path) else v)
-                                            for k, v in settings.items())
+                                            for k, v in applicable(settings).items())
 
 
 def finished(out: Path, settings: dict[str, Any]) -> bool:
