@@ -31,7 +31,9 @@ def _module_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportF
         elif isinstance(node, ast.If):
             found += _module_level_imports(node.body) + _module_level_imports(node.orelse)
         elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
-            blocks = [node.body, node.orelse, node.finalbody] + [h.body for h in node.handlers]  # type: ignore[attr-defined]
+            # (ast.TryStar is Python 3.11+: its blocks read by name, as a Try's)
+            blocks = [getattr(node, name, []) for name in ("body", "orelse", "finalbody")]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
             for block in blocks:
                 found += _module_level_imports(block)
         elif isinstance(node, (ast.With, ast.AsyncWith)):
