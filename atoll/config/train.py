@@ -72,16 +72,23 @@ def tree_path(name: str, strategy: str, runtime: str) -> str | None:
     return None
 
 
-def _owned(config_type: type[Any], given: Any, flat: dict[str, Any]) -> Any:
+def _owned(config_type: type[Any], given: Any, flat: dict[str, Any], strategy: str, runtime: str) -> Any:
     """The owned config of ``config_type`` from its part given whole (an instance, or a table of a TOML file)
     and its flat keys, validated alone.
 
     Raises:
-        ValueError: a value it refuses (the one-line message of its first error).
+        ValueError: a value it refuses (the one-line message of its first error), or another strategy's or
+            runtime's config given whole: refused in the one sentence a flat key of it gets
+            (:func:`~atoll.config.applies.unused_setting`), naming first a setting that was set explicitly.
     """
     if isinstance(given, config_type) and not flat:
         return given
     values = given.model_dump() if isinstance(given, (StrategyConfig, RuntimeConfig)) else dict(given or {})
+    if isinstance(given, (StrategyConfig, RuntimeConfig)) and not isinstance(given, config_type):
+        foreign = [k for k in values if k not in config_type.model_fields]
+        why = unused_setting(strategy, runtime, [k for k in foreign if k in given.model_fields_set] + foreign)
+        if why is not None:
+            raise ValueError(why)
     try:
         return config_type(**{**values, **flat})
     except ValidationError as e:
@@ -135,9 +142,10 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                 runtime_keys[key] = data.pop(key)
             elif (strategy_readers(key) or runtime_readers(key)) and data.pop(key) is not None:  # None: unset
                 raise ValueError(unused_setting(strategy, runtime, [key]))
-        data["strategy_config"] = _owned(own.config, data.get("strategy_config"), strategy_keys)
+        data["strategy_config"] = _owned(own.config, data.get("strategy_config"), strategy_keys, strategy, runtime)
         if runtime_type is not None:  # else the runtime's own error names it
-            data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys)
+            data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys, strategy,
+                                            runtime)
         return data
 
     def __getattr__(self, name: str) -> Any:
