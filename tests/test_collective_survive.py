@@ -423,11 +423,39 @@ def test_membership_counts_every_loss_and_rejoin() -> None:
         Membership(2).load_state_dict(m.state_dict())
 
 
-def test_the_kill_hook_takes_several_entries_and_steps_after_a_rejoin(monkeypatch: pytest.MonkeyPatch) -> None:
-    from atoll.runtime.collective.failure import KillAt, parse_kill_hook
+def test_the_kill_hook_takes_several_entries_and_steps_after_a_rejoin() -> None:
+    from atoll.job.faults import KillAt, parse_kill_hook
 
-    monkeypatch.setenv(KILL_HOOK_ENV, "1:6, 2:+4:STOP")
-    assert parse_kill_hook() == [KillAt(1, 6, signal.SIGKILL), KillAt(2, 4, signal.SIGSTOP, after_rejoin=True)]
-    monkeypatch.setenv(KILL_HOOK_ENV, "1:6;2:4")
+    assert parse_kill_hook("1:6, 2:+4:STOP") == [KillAt(1, 6, signal.SIGKILL),
+                                                 KillAt(2, 4, signal.SIGSTOP, after_rejoin=True)]
     with pytest.raises(ConfigError, match=KILL_HOOK_ENV):
-        parse_kill_hook()
+        parse_kill_hook("1:6;2:4")
+
+
+def test_the_kill_hook_is_a_fault_hook_told_once_as_the_process_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """Installed from the environment with the NaN faults (one mechanism, read once); it fires only as its rank
+    starts the step (kind "start", which only the collective runtime calls), counting "+N" from the job's first
+    rejoin, and notes when in the stamp file."""
+    from types import SimpleNamespace
+
+    from atoll.job import divergence, faults
+
+    sent: list[tuple[int, signal.Signals]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setenv(KILL_HOOK_ENV, "1:3,2:+2:STOP")
+    monkeypatch.setenv(faults.KILL_STAMP_ENV, str(tmp_path / "stamp"))
+    monkeypatch.setenv(divergence.FAULT_HOOK_ENV, "weights:0:1")
+    divergence.install_fault_hook_from_env()
+    monkeypatch.delenv(KILL_HOOK_ENV)  # never read again
+    island = SimpleNamespace(index=0, params=[torch.zeros(2)])
+    divergence.inject_fault(island, 2, "weights")  # not "start": no kill (the local runtime never says it)
+    divergence.inject_fault(island, 1, "start", rank=1, first_rejoin=None)
+    divergence.inject_fault(island, 2, "start", rank=2, first_rejoin=None)  # no rejoin yet: "+2" never fires
+    assert sent == [] and not (tmp_path / "stamp").exists()
+    divergence.inject_fault(island, 2, "start", rank=1, first_rejoin=None)  # rank 1 starting step 3
+    divergence.inject_fault(island, 6, "start", rank=2, first_rejoin=5)  # 2 steps after the rejoin at 5
+    assert sent == [(os.getpid(), signal.SIGKILL), (os.getpid(), signal.SIGSTOP)]
+    assert float((tmp_path / "stamp").read_text()) > 0
+    divergence.inject_fault(island, 0, "weights")  # the NaN fault of the same environment, in the same hook
+    assert torch.isnan(island.params[0]).all()

@@ -48,15 +48,16 @@ The one-machine launcher (:func:`launch`) exits with the status of the first ran
 Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N[:STOP]`` makes global rank RANK
 kill itself with SIGKILL (or freeze with SIGSTOP) as it starts inner step N (1-based); several entries are
 separated by commas (``1:40,2:80``), ``+N`` counts from the job's first rejoin (``1:8,2:+5``), and a
-restarted rank keeps the hook. Read only by this runtime, once as each rank starts (never in a step), as is
-``ATOLL_TEST_KILL_STAMP`` (a file where the killed rank notes when it died); for fault-injection tests.
+restarted rank keeps the hook. A fault hook as the NaN faults' (:mod:`atoll.job.faults`), read once as each
+rank starts (never in a step), as is ``ATOLL_TEST_KILL_STAMP`` (a file where the killed rank notes when it
+died); for fault-injection tests.
 """
 
+from atoll.job.faults import KILL_HOOK_ENV
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
     HEARTBEAT_S,
     HEARTBEAT_STALE_S,
-    KILL_HOOK_ENV,
     PeerFailure,
     in_worker,
 )
