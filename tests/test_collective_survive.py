@@ -363,12 +363,18 @@ def test_a_paused_job_goes_on_without_killing_an_island(settings: dict, tmp_path
 
 def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's heartbeat against a store where the test beats for rank 1. A job-wide pause is the monotonic
-    clock jumping 10 s while rank 1 did not beat: no report; rank 1 then falling silent is reported."""
+    clock jumping 10 s while rank 1 did not beat: no report; rank 1 then falling silent is reported. Time runs
+    4x faster than in a job (a beat every 0.125 s, a pause past 0.5 s more, silent past 0.75 s): the same
+    proportions, a quarter of the wait."""
     from types import SimpleNamespace
 
     from atoll.runtime.collective import heartbeat as hb
     from atoll.runtime.collective.launch import loopback_store
 
+    scale = 0.25
+    monkeypatch.setattr(hb, "HEARTBEAT_S", hb.HEARTBEAT_S * scale)
+    monkeypatch.setattr(hb, "PAUSE_S", hb.PAUSE_S * scale)
+    stale_s = 3.0 * scale
     store = loopback_store(10)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
@@ -378,23 +384,23 @@ def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(mon
     peer.add("hb/1", 1)
     peer.add("bye/1", 0)
     found: list[int | None] = []
-    beat = hb._Heartbeat(0, 2, "t/", 3.0, lambda rank, _why: found.append(rank), store_host=None,
+    beat = hb._Heartbeat(0, 2, "t/", stale_s, lambda rank, _why: found.append(rank), store_host=None,
                          on_store_lost=lambda _why: found.append(None))
     beat.start()
     try:
-        for _ in range(6):  # 1.5 s of rank 1 beating
+        for _ in range(6):  # 6 beats of rank 1
             peer.add("hb/1", 1)
-            time.sleep(0.25)
+            time.sleep(0.25 * scale)
         jump[0] = 10.0  # the pause: every clock moved 10 s, and nobody beat
-        time.sleep(1.5)  # rank 1 runs again later than rank 0 (1.5 s, < the 3 s limit)
+        time.sleep(1.5 * scale)  # rank 1 runs again later than rank 0 (half the silence limit)
         for _ in range(8):
             peer.add("hb/1", 1)
-            time.sleep(0.25)
+            time.sleep(0.25 * scale)
         assert found == []
-        assert not beat.is_gone(1, 3.0)
-        deadline = time.monotonic() + 10  # rank 1 falls silent for real: found within the 3 s limit (+ beats)
+        assert not beat.is_gone(1, stale_s)
+        deadline = time.monotonic() + 10  # rank 1 falls silent for real: found within the limit (+ beats)
         while not found and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         assert found == [1]
     finally:
         beat.leave()
