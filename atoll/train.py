@@ -256,19 +256,18 @@ class LockstepJob:
         """The summary (:meth:`atoll.job.run.Run.finish`), with the runtime's totals over every island; the
         clock's trace beside it (local runtime). Collective call."""
         config, runtime, islands, strategy, comm = self.config, self.runtime, self.islands, self.strategy, self.comm
-        _, tokens = runtime.totals(islands)
-        skipped, resets = runtime.island_counts(islands)
+        end = runtime.job_totals(islands)
         summary = self.run.finish(
-            tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
+            tokens=end.tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=end.compute_s,
             sim_wall_s=self.sim_wall_s(), strategy_s=self.strategy_s, outer_s=self.outer_s, eval_s=self.eval_s,
             startup_host_bytes=self.startup_host_bytes,
             **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,
-            rejected_updates=strategy.dropped_updates, skipped_steps=sum(skipped), codec_s=runtime.codec_s(),
+            rejected_updates=strategy.dropped_updates, skipped_steps=end.skipped_steps, codec_s=end.codec_s,
             **({"compile_skipped": compile_skipped(islands), "compile_s": max(i.compile_s for i in islands)}
                if config.compile else {}),
-            **({"island_resets": resets} if any(resets) else {}),
+            **({"island_resets": end.island_resets} if any(end.island_resets) else {}),
             **({"diverged": record(config, self.diverged)} if self.diverged is not None else {}),
-            **runtime.summary())
+            **end.extra)
         if runtime.is_main:
             runtime.save_trace(self.run.out / "clock_trace.json", config, summary["sim_wall_s"])
         return summary

@@ -9,7 +9,7 @@ whatever the runtime, and says which process writes the run's outputs.
 The loop (:func:`atoll.train.train_lockstep`) meets it at a few named points per inner step:
 :meth:`Runtime.inner_steps` (the islands' passes, a test's faults around them), :meth:`Runtime.log_membership`
 (islands lost and rejoined) and :meth:`Runtime.end_step` (checkpoint, a signal's stop, restarted islands
-admitted), and at its end for the job's totals.
+admitted), and at its end for the job's totals (:meth:`Runtime.job_totals`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,26 @@ if TYPE_CHECKING:  # not at run time: the collective launcher imports this witho
     from atoll.job.island import Island
     from atoll.job.run import Run
     from atoll.strategies.base import Strategy
+
+
+class JobTotals(NamedTuple):
+    """What a job adds up at its end, over every island (:meth:`Runtime.job_totals`).
+
+    Attributes:
+        tokens: training tokens of every island.
+        compute_s: measured compute seconds of the slowest island.
+        skipped_steps: inner steps skipped for a gradient that was not finite, over every island.
+        island_resets: per island, in index order, how often it was reset.
+        codec_s: the slowest island's codec seconds charged on the simulated clock; None where time is real.
+        extra: the runtime's own entries of ``summary.json`` (:meth:`Runtime.summary`).
+    """
+
+    tokens: int
+    compute_s: float
+    skipped_steps: int
+    island_resets: list[int]
+    codec_s: float | None
+    extra: dict[str, Any]
 
 
 class Runtime(ABC):
@@ -112,6 +132,13 @@ class Runtime(ABC):
             raise run.interrupt(done)
         self.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss, eval_loss=run.eval_loss,
                    wall_s=run.wall_s())
+
+    def job_totals(self, islands: list[Island]) -> JobTotals:
+        """The job's totals at its end, for the summary (collective call: :meth:`totals`, :meth:`island_counts`,
+        :meth:`compute_s`, in that order on every process)."""
+        _, tokens = self.totals(islands)
+        skipped, resets = self.island_counts(islands)
+        return JobTotals(tokens, self.compute_s(islands), sum(skipped), resets, self.codec_s(), self.summary())
 
     def mark_eval(self, done: int) -> None:
         """An evaluation after ``done`` inner steps starts: marked on the simulated clock, where there is one
