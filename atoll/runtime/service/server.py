@@ -391,7 +391,8 @@ class SyncerServer:
                 "reserved": s.reserved, "budget": s.budget, "restarts": s.restarts,
                 "steps_by_island": list(s.steps_by_island),
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
-                "refused_calls": dict(self.refused_calls), "rejected_updates": s.syncer.rejected_updates,
+                "joins": list(s.joins), "refused_calls": dict(self.refused_calls),
+                "rejected_updates": s.syncer.rejected_updates,
                 "rejected_by_reason": dict(s.syncer.rejected_by_reason), "joined": sorted(self.joined),
                 "left": sorted(self.left), "done": self.done.is_set()}
 
