@@ -51,11 +51,13 @@ def run_flags(fast_config: dict, steps: int = 20) -> list[str]:
             "--sync-every", "5", "--fragments", "2", "--eval-batches", "2", "--threads", "1", "--no-progress"]
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def start(args: list[str], log: Path, launcher: list[str] | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m atoll ARGS`` (or ``python LAUNCHER ARGS``), its output in ``log``, in a session of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    return subprocess.Popen([sys.executable, "-m", "atoll", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+    return subprocess.Popen([sys.executable, *(launcher or ["-m", "atoll"]), *args], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:

@@ -77,13 +77,25 @@ class IslandGroup:
         return cls(rank, size, dev, timeout_s)
 
     def start(self) -> None:
-        """Join the island's process group (torchrun's rendezvous) and its gloo group for the agreement."""
+        """Join the island's process group (torchrun's rendezvous) and its gloo group for the agreement.
+
+        torchrun's agent keeps one store for all its attempts (``TORCHELASTIC_USE_AGENT_STORE``): the process
+        group of a restarted job gets keys of its own attempt (``TORCHELASTIC_RESTART_COUNT``), or its ranks
+        would read the dead attempt's addresses and fail to connect."""
         if self.size == 1:
             return
         timeout = timedelta(seconds=self.timeout_s)
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist_call(dist.init_process_group, self.backend, timeout=timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.size,
+                                  is_master=False, timeout=timeout)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"atoll/island/attempt_{attempt}/", agent)
+            dist_call(dist.init_process_group, self.backend, store=store, rank=self.rank, world_size=self.size,
+                      timeout=timeout)
+        else:
+            dist_call(dist.init_process_group, self.backend, timeout=timeout)
         self.world = dist.group.WORLD
         self.control = (dist_call(dist.new_group, backend="gloo", timeout=timeout) if self.backend == "nccl"
                         else self.world)

@@ -156,8 +156,13 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient, group: Is
     transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease)
     worker.send_range = [plan.send_range(p) for p in range(worker.fragments)]
     worker.transport_encodes = True
-    worker.start_from(transport.start())  # the newest global fragments, the same versions on every rank
+    pulls = transport.start()  # the newest global fragments, the same versions on every rank
+    worker.start_from(pulls)
     worker.steps = steps
+    if group.leader:
+        ranks = f" ({group.size} ranks{', sharded' if plan.sharded else ''})" if group.size > 1 else ""
+        print(f"atoll island {island}{ranks}: joined (session {session}, {steps} inner steps so far), from the "
+              f"global fragments at versions {[p.version for p in pulls]}", flush=True)
     t0 = time.monotonic()
     try:
         worker.run(transport)
