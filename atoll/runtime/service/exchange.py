@@ -313,11 +313,16 @@ class ServiceTransport:
             while self.pending:
                 self._drain()
         finally:
-            self._stop.set()
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self.pool.shutdown(wait=False)
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop: the heartbeats end, and exchanges waiting for the agreement raise (an island that stops on an
+        error does not wait for them)."""
+        self._stop.set()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.pool.shutdown(wait=False)
 
     def _collect(self, fragments: list[int]) -> list[Pull]:
         pulls = []

@@ -156,17 +156,18 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient, group: Is
     transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease)
     worker.send_range = [plan.send_range(p) for p in range(worker.fragments)]
     worker.transport_encodes = True
-    pulls = transport.start()  # the newest global fragments, the same versions on every rank
-    worker.start_from(pulls)
-    worker.steps = steps
-    if group.leader:
-        ranks = f" ({group.size} ranks{', sharded' if plan.sharded else ''})" if group.size > 1 else ""
-        print(f"atoll island {island}{ranks}: joined (session {session}, {steps} inner steps so far), from the "
-              f"global fragments at versions {[p.version for p in pulls]}", flush=True)
     t0 = time.monotonic()
     try:
+        pulls = transport.start()  # the newest global fragments, the same versions on every rank
+        worker.start_from(pulls)
+        worker.steps = steps
+        if group.leader:
+            ranks = f" ({group.size} ranks{', sharded' if plan.sharded else ''})" if group.size > 1 else ""
+            print(f"atoll island {island}{ranks}: joined (session {session}, {steps} inner steps so far), from the "
+                  f"global fragments at versions {[p.version for p in pulls]}", flush=True)
         worker.run(transport)
     finally:
+        transport.abort()
         if lease is not None:
             lease.close()
     report = {"steps": worker.steps, "compute_s": worker.island.compute_s, "bytes_sent": transport.bytes_sent,
