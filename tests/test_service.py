@@ -328,9 +328,11 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["rejoins"] == [0, 1] and len(summary["rejoin_s"]) == 1
     assert summary["islands_left"] == [0, 1]
-    # the restarted island trained and was merged after its rejoin; its new session's pushes are no replays
+    # the restarted island trained and was merged after its rejoin (from the steps it had used: the rest of
+    # the lease its killed session held went back to the budget); its new session's pushes are no replays
     # (the norm bound may refuse a few pushes of either island in this long, lopsided run: its own check)
-    assert summary["steps_per_island"][1] > at_kill["steps_by_island"][1]
+    rejoined = (tmp_path / "island_1b.log").read_text().split("joined (session 2, ")[1]
+    assert summary["steps_per_island"][1] > int(rejoined.split(" inner steps")[0]) > 0
     assert summary["merged_tokens_by_island"][1] > at_kill["merged_tokens_by_island"][1]
     assert set(summary["rejected_by_reason"]) <= {"norm"}, summary["rejected_by_reason"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
