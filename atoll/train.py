@@ -89,6 +89,11 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
 def _train(config: TrainConfig, resume: bool) -> dict[str, Any]:
     """:func:`train` with the signals routed to :mod:`atoll.job.stop`."""
+    if config.runtime == "service":
+        from atoll.errors import ConfigError
+
+        raise ConfigError("runtime: service is run by 'atoll syncer' and 'atoll island' (one job per site, "
+                          "docs/deployment.md), not atoll train; run those, or pass --runtime local or ray")
     if config.runtime != "ray":  # a device that is not here is bad input before anything is written (Ray:
         resolve_device(config.device)  # the islands' nodes decide)
     if spec(config.strategy).lockstep is None:  # asynchronous: islands on their own clocks, a syncer

@@ -91,8 +91,8 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("codec-under-sparseloco", None, ["--strategy", "sparseloco", "--codec", "int8"], "codec: the sparseloco"),
     ("overlap-steps-at-default-under-diloco", None, ["--overlap-steps", "1"], "overlap_steps: the diloco strategy"),
     ("ranks-per-island-under-local", None, ["--ranks-per-island", "2"],
-     "ranks_per_island: the local runtime does not use it (only collective); drop --ranks-per-island or use "
-     "--runtime collective"),
+     "ranks_per_island: the local runtime does not use it (only collective, service: atoll island); drop "
+     "--ranks-per-island or use --runtime collective"),
     ("ranks-per-island-under-ray", None,
      ["--strategy", "decoupled", "--runtime", "ray", "--fragments", "2", "--ranks-per-island", "1"],
      "ranks_per_island: the ray runtime"),

@@ -205,11 +205,11 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                                          "--ray-cpus-per-island / --ray-gpus-per-island for CPUs and GPUs")
                     if not 0 < amount < float("inf"):
                         raise ValueError(f"ray_island_resources: {name}={amount} must be a positive number")
-        if self.runtime == "collective" and self.batch_size % self.ranks_per_island:
+        if self.runtime in ("collective", "service") and self.batch_size % self.ranks_per_island:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
-        if self.shard_island:  # (a collective setting: under another runtime it is refused as not read)
+        if self.shard_island:  # (collective and service: under another runtime it is refused as not read)
             if self.ranks_per_island < 2:
                 raise ValueError("shard_island: an island of one rank has nothing to shard; pass "
                                  "--ranks-per-island 2 or more, or drop --shard-island")
@@ -217,7 +217,8 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                 raise ValueError("shard_island: Muon orthogonalizes whole matrices, not shards; drop "
                                  "--inner-optimizer muon or --shard-island")
             if not own.shards:
-                which = " and ".join(s.name for s in specs() if s.shards)
+                names = [s.name for s in specs() if s.shards]
+                which = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
                 raise ValueError(f"shard_island: the {self.strategy} strategy does not run on shards (only "
                                  f"{which} do); pass --strategy diloco or drop --shard-island")
         if self.min_islands > self.islands:
