@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atoll.algorithms.finite import all_finite
 from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import StrategyConfig
 from atoll.config.sections import AdamWSection, CodecSection
@@ -50,7 +51,7 @@ class DDP(Strategy):
             self.step_hooked(step)
             return
         grads = [island.flat_grads() for island in self.islands]
-        status = [DIVERGED if island.diverged else HEALTHY if bool(torch.isfinite(g).all()) else BAD_GRADIENT
+        status = [DIVERGED if island.diverged else HEALTHY if all_finite(g) else BAD_GRADIENT
                   for island, g in zip(self.islands, grads, strict=True)]
         weights = [1.0 if s == HEALTHY else 0.0 for s in status]
         grads = [g if s == HEALTHY else torch.zeros_like(g) for g, s in zip(grads, status, strict=True)]
