@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from atoll.config import TrainConfig
@@ -133,7 +134,6 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
 
     early = runtime.early_checkpoint and run.state is None  # a checkpoint after the first exchange, once
     strategy_s = 0.0  # real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it)
-    outer_s = 0.0  # of which outside the islands' timed inner steps: the outer rounds (bench/gpu.py reads it)
 
     def sim_wall_s() -> float:
         return runtime.run_wall_s(run.wall_s())
@@ -149,10 +149,12 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                     inject_fault(island, step, "weights")  # test hook (atoll.job.divergence)
                     runtime.forward_backward(island, batch, step)  # collective: its rows, the island's mean grad
                     inject_fault(island, step, "grad")
-                t_strategy, inner_before = time.perf_counter(), sum(i.compute_s for i in islands)
-                strategy.step(step)  # resets a diverged island; raises Diverged when none is left
+                t_strategy = time.perf_counter()
+                with ExitStack() as charging:  # the islands' inner steps in it, told apart without a device read
+                    for island in islands:
+                        charging.enter_context(island.charging("strategy"))
+                    strategy.step(step)  # exchanges; resets a diverged island; raises Diverged when none is left
                 strategy_s += time.perf_counter() - t_strategy
-                outer_s += time.perf_counter() - t_strategy - (sum(i.compute_s for i in islands) - inner_before)
                 done = step + 1
                 if done == config.steps:
                     strategy.finish(done)
@@ -163,6 +165,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 if log_now or eval_now:
                     train_loss, tokens = runtime.totals(islands)  # over every island of the job
                 if log_now:  # each island's own loss where this process runs every island (not collective)
+                    strategy.reset_diverged(done)  # the losses are read now: a diverged island is reset at the latest
                     own_losses = [i.last_loss for i in islands] if len(islands) == config.islands else None
                     run.log_train(done, tokens, train_loss, comm.bytes_sent_per_island, sim_wall_s(),
                                   islands[0].scheduler.get_last_lr()[0], island_loss=own_losses)
@@ -198,6 +201,8 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
 
     _, tokens = runtime.totals(islands)
     skipped, resets = runtime.island_counts(islands)
+    # the strategy's time outside the islands' timed inner steps: the outer rounds (bench/gpu.py reads it)
+    outer_s = strategy_s - sum(i.compute_s_of("strategy") for i in islands)
     summary = run.finish(
         tokens=tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=runtime.compute_s(islands),
         sim_wall_s=sim_wall_s(), strategy_s=strategy_s, outer_s=outer_s, eval_s=eval_s,
