@@ -479,6 +479,14 @@ def test_cuda_timing_is_read_only_when_the_clock_or_compute_s_is(monkeypatch) ->
             pass
     assert 16 <= len(island._timings) <= 64  # bounded, the newest never waited for
     assert island.compute_s == pytest.approx(0.146)
+    settled = len(waits)  # the loop's label of the strategy's inner steps: kept with the events, read at the end
+    for _ in range(2):
+        with island.charging("strategy"), island.timed():
+            pass
+        with island.timed():
+            pass
+    assert len(waits) == settled and island.compute_s_of("strategy") == pytest.approx(0.004)
+    assert island.compute_s == pytest.approx(0.154)
 
 
 def test_a_resumed_run_may_switch_activation_checkpointing_on_but_not_change_grad_accum(fast_config) -> None:
