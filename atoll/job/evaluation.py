@@ -1,4 +1,11 @@
-"""Evaluation: the held-out next-token loss of the global model, on the CPU or on an island's own device."""
+"""Evaluation: the held-out next-token loss of the global model, on the CPU or on an island's own device.
+
+Every driver evaluates where its islands compute: the lockstep runtimes and the decoupled event simulation on
+island 0's device (:func:`evaluate_island`: the island's own model, its parameters swapped for the global ones
+and put back), the Ray driver on the device the run names when its node has it (:func:`evaluate_global`: the
+global model moved there for the evaluation). On a CPU both give the float32 numbers of :func:`evaluate`, bit
+for bit. The syncer service (``atoll syncer``) keeps the CPU evaluation: the paper's syncer is CPU-only.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from atoll.job.device import autocast
-from atoll.job.island import Island, next_token_loss
+from atoll.job.island import Island, copy_flat_into, next_token_loss
 
 
 @torch.no_grad()
@@ -50,3 +57,36 @@ def evaluate_island(island: Island, params: torch.Tensor | None, batches: list[t
                 m.reshard()
         for p, b in zip(pieces if backup else [], backup, strict=True):
             p.copy_(b)
+
+
+@torch.no_grad()
+def evaluate_global(model: PreTrainedModel, params: torch.Tensor | None, batches: list[torch.Tensor],
+                    device: torch.device, precision: str = "fp32") -> float:
+    """Mean held-out next-token loss (nats per token) of the global model on ``device``.
+
+    Args:
+        model: the run's global model, float32 on the CPU; its parameters are set to ``params`` first.
+        params: the global parameters, flat float32 (numel,) (None: the model as it is).
+        batches: held-out windows, int64 (b, seq_len + 1).
+        device: where to evaluate. Off the CPU the model is moved there for the evaluation and back to the
+            CPU afterwards (no second copy of the model on either side; two host-device copies of it), and the
+            forward pass runs under ``precision``'s autocast, as the islands' training forward; the losses are
+            summed there and read once.
+        precision: ``fp32`` or ``bf16`` (:func:`atoll.job.device.autocast`; float32 on the CPU).
+
+    Returns:
+        The mean loss over ``batches``; on the CPU, :func:`evaluate`'s number.
+    """
+    if params is not None:
+        copy_flat_into(list(model.parameters()), params)
+    if device.type == "cpu":
+        return evaluate(model, batches)
+    model.to(device)
+    try:
+        model.eval()
+        with autocast(device, precision):
+            total = sum(next_token_loss(model, b.to(device, non_blocking=True)).float() for b in batches)
+        return float(total) / len(batches)
+    finally:
+        model.train()
+        model.to("cpu")
