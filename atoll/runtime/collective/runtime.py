@@ -38,6 +38,7 @@ from atoll.runtime.collective.membership import Membership
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
 from atoll.runtime.collective.stop import StopAgreement
+from atoll.runtime.network import Link
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -101,7 +102,10 @@ class CollectiveRuntime(Runtime):
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, None, None,
-                             self.device, sharded=self.config.shard_island)
+                             self.device, sharded=self.config.shard_island,
+                             link=Link.from_config(self.config.collective_link_mbps,
+                                                   self.config.collective_link_latency_ms),
+                             floor_s=self.config.collective_timeout_s)  # each exchange's deadline
         if os.environ.get(REJOIN_ENV):  # restarted by the launcher: join the running job
             self.store = store_client(self.config.collective_timeout_s)
             self._joined = join(self)
