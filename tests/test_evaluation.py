@@ -64,7 +64,7 @@ def test_bf16_island_on_the_cpu_still_evaluates_in_float32(tmp_path) -> None:
 
 
 def test_the_global_model_evaluated_on_the_cpu_by_the_ray_driver_path_is_the_cpu_evaluation(tmp_path) -> None:
-    from atoll.job.evaluation import evaluate_global
+    from atoll.job.evaluation import GlobalEvaluator, evaluate_global
 
     config, model, island, params, batches = _setup(tmp_path)
     reference = copy.deepcopy(model)
@@ -73,6 +73,8 @@ def test_the_global_model_evaluated_on_the_cpu_by_the_ray_driver_path_is_the_cpu
     assert evaluate_global(model, params, batches, torch.device("cpu"), "bf16") == expected  # float32 on a CPU
     assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), params)  # the global model set
     assert evaluate_global(model, None, batches, torch.device("cpu")) == expected and model.training
+    evaluator = GlobalEvaluator(model, batches, torch.device("cpu"), "bf16")  # what the Ray driver sets
+    assert evaluator(params) == expected and evaluator.seconds > 0
 
 
 def test_the_ray_driver_evaluates_on_the_named_device_when_its_node_has_it(capsys) -> None:
@@ -92,12 +94,12 @@ def test_the_ray_driver_evaluates_on_the_named_device_when_its_node_has_it(capsy
 def test_the_decoupled_simulation_evaluates_on_island_0s_device(monkeypatch, fast_config) -> None:
     """Before: no evaluator, the global model in float32 on the CPU whatever the islands' device; now island 0's
     own model on its device, with the CPU's numbers on a CPU."""
+    from atoll.job import evaluation
     from atoll.job.metrics import read_metrics
-    from atoll.runtime import events
     from atoll.train import train
 
     seen: list[tuple[torch.device, float, float]] = []
-    original = events.evaluate_island
+    original = evaluation.evaluate_island
 
     def spy(island, params, batches, which=None):
         losses = original(island, params, batches, which)
@@ -107,7 +109,7 @@ def test_the_decoupled_simulation_evaluates_on_island_0s_device(monkeypatch, fas
         assert island.index == 0
         return losses
 
-    monkeypatch.setattr(events, "evaluate_island", spy)
+    monkeypatch.setattr(evaluation, "evaluate_island", spy)
     summary = train(build_config(overrides={**fast_config, "strategy": "decoupled", "fragments": 2, "sync_every": 4,
                                             "steps": 10, "eval_every": 5, "checkpoint_every": 0, "device": "cpu"}))
     logged = [e["eval_loss"] for e in read_metrics(Path(fast_config["out"]) / "metrics.jsonl") if e["event"] == "eval"]

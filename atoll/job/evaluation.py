@@ -9,6 +9,8 @@ for bit. The syncer service (``atoll syncer``) keeps the CPU evaluation: the pap
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import PreTrainedModel
 
@@ -57,6 +59,50 @@ def evaluate_island(island: Island, params: torch.Tensor | None, batches: list[t
                 m.reshard()
         for p, b in zip(pieces if backup else [], backup, strict=True):
             p.copy_(b)
+
+
+class IslandEvaluator:
+    """A run's evaluator (:attr:`atoll.job.run.Run.evaluator`) on an island's device: ``evaluator(params)`` is the
+    mean of :func:`evaluate_island` over ``batches`` for the global parameters ``params`` (flat float32; None:
+    ``initial``, else the island's model as it is).
+
+    It holds the island and the batches, never the run: a reference cycle through the run would keep the run,
+    and the lock on its folder, alive past an error until the garbage collector ran.
+
+    Attributes:
+        seconds: real seconds spent evaluating (``eval_s`` of the summary).
+    """
+
+    def __init__(self, island: Island, batches: list[torch.Tensor], initial: torch.Tensor | None = None) -> None:
+        self.island, self.batches, self.initial = island, batches, initial
+        self.seconds = 0.0
+
+    def __call__(self, params: torch.Tensor | None) -> float:
+        t0 = time.perf_counter()
+        losses = evaluate_island(self.island, self.initial if params is None else params, self.batches)
+        self.seconds += time.perf_counter() - t0
+        return sum(losses[j] for j in range(len(self.batches))) / len(self.batches)
+
+
+class GlobalEvaluator:
+    """A run's evaluator that moves the global model to ``device`` for each evaluation (:func:`evaluate_global`):
+    ``evaluator(params)`` -> the mean held-out loss. Holds the model and the batches, never the run (see
+    :class:`IslandEvaluator`).
+
+    Attributes:
+        seconds: real seconds spent evaluating (``eval_s`` of the summary).
+    """
+
+    def __init__(self, model: PreTrainedModel, batches: list[torch.Tensor], device: torch.device,
+                 precision: str = "fp32") -> None:
+        self.model, self.batches, self.device, self.precision = model, batches, device, precision
+        self.seconds = 0.0
+
+    def __call__(self, params: torch.Tensor | None) -> float:
+        t0 = time.perf_counter()
+        loss = evaluate_global(self.model, params, self.batches, self.device, self.precision)
+        self.seconds += time.perf_counter() - t0
+        return loss
 
 
 @torch.no_grad()

@@ -47,7 +47,6 @@ import heapq
 import math
 import secrets
 import sys
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,7 @@ from atoll.errors import CheckpointError
 from atoll.job import stop
 from atoll.job.device import island_devices
 from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
-from atoll.job.evaluation import evaluate_island
+from atoll.job.evaluation import IslandEvaluator
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.network import Link
@@ -102,18 +101,10 @@ class Simulation:
         self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
         self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
         self.ideal_rate = sum(config.tokens_per_step * s / config.sim_step_s for s in self.speeds)  # tokens/s
-        self.eval_s = 0.0  # real seconds evaluating (summary.json: eval_s)
-
-    def evaluate(self, params: Any) -> float:
-        """Held-out loss of the global parameters ``params`` (flat float32; None: the initial model) on island 0's
-        device, by its own model (:func:`~atoll.job.evaluation.evaluate_island`: its weights swapped for the global
-        ones and put back), as the lockstep runtimes evaluate: on a GPU there, not float32 on the CPU; on a CPU
-        the numbers of the CPU evaluation of the global model, bit for bit."""
-        t0 = time.perf_counter()
-        batches = self.run.val
-        losses = evaluate_island(self.workers[0].island, self.job.init_flat if params is None else params, batches)
-        self.eval_s += time.perf_counter() - t0
-        return sum(losses[j] for j in range(len(batches))) / len(batches)
+        # the global model's held-out loss on island 0's device, by its own model (its weights swapped for the
+        # global ones and put back), as the lockstep runtimes evaluate: on a GPU there, not float32 on the CPU;
+        # on a CPU the numbers of the CPU evaluation, bit for bit (Run.evaluator; None: the initial model)
+        self.evaluator = IslandEvaluator(self.workers[0].island, run.val, self.job.init_flat)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -413,7 +404,7 @@ class Simulation:
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
             **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
-            measured_compute_s=[w.island.compute_s for w in self.workers], eval_s=self.eval_s,
+            measured_compute_s=[w.island.compute_s for w in self.workers], eval_s=self.evaluator.seconds,
             codec_s=[w.wire.codec_s[0] for w in self.workers],
             timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
 
@@ -428,7 +419,7 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     """
     run = Run(config, resume)
     sim = Simulation(config, run)
-    run.evaluator = sim.evaluate  # on the islands' device (island 0's)
+    run.evaluator = sim.evaluator  # on the islands' device (island 0's)
     run.begin(restore=sim.restore)
     with ProgressDisplay(config.steps, run.start_step, config.progress, every=config.progress_every) as sim.bar:
         sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where

@@ -71,7 +71,7 @@ from atoll.errors import ConfigError
 from atoll.job import stop
 from atoll.job.device import resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
-from atoll.job.evaluation import evaluate_global
+from atoll.job.evaluation import GlobalEvaluator
 from atoll.job.metrics import ProgressDisplay, status
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
@@ -217,15 +217,8 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     try:
         check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
         run = Run(config)  # fills the tokenizer and token caches before the actors read them
-        device, eval_s = evaluation_device(config), [0.0]
-
-        def evaluate(params: torch.Tensor | None) -> float:  # the global model, moved to the device for it
-            t0 = time.perf_counter()
-            loss = evaluate_global(run.model, params, run.val, device, config.precision)
-            eval_s[0] += time.perf_counter() - t0
-            return loss
-
-        run.evaluator = evaluate
+        # the global model, moved to the device for each evaluation
+        run.evaluator = evaluator = GlobalEvaluator(run.model, run.val, evaluation_device(config), config.precision)
         run.begin()
         if config.progress:
             status(f"starting {config.islands} island actors (each prepares the data and the model; progress "
@@ -274,7 +267,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         abandoned_islands=final["abandoned"], lost_islands=final["lost"], syncer_restarts=final["syncer_restarts"],
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
-        eval_s=eval_s[0],
+        eval_s=evaluator.seconds,
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
         timeline=True, **({"island_resets": resets} if any(resets) else {}),
         **({"starved": final["starved"]} if final["starved"] else {}),
