@@ -118,6 +118,13 @@ def _nudge(islands) -> None:
             island.tokens += 1000
 
 
+def _strategy(cls, config, islands, comm):
+    """``cls`` built as the code on the path builds a strategy: from its own config and the seed (since the config
+    tree, ea756f9), or from the run's whole config (the code before it, as ``BEFORE_COMMIT``)."""
+    own = getattr(config, "strategy_config", None)  # pydantic raises AttributeError for a field it lacks
+    return cls(config, islands, comm) if own is None else cls(own, islands, comm, config.seed)
+
+
 def worker(case: str, size: int, repeats: int) -> dict:
     import torch
 
@@ -148,7 +155,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
             islands = _islands(model, config, 1)
             comm = DistComm(1, 0, 1, 0, dist.group.WORLD, None, torch.device("cpu"))
         del model
-        strategy = DiLoCo(config.strategy_config, islands, comm, config.seed)
+        strategy = _strategy(DiLoCo, config, islands, comm)
         for r in range(repeats + 1):
             _nudge(islands)
             t0 = time.perf_counter()
@@ -162,7 +169,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
         islands = _islands(model, config, ISLANDS)
         del model
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
-        strategy = StreamingDiLoCo(config.strategy_config, islands, comm, config.seed)
+        strategy = _strategy(StreamingDiLoCo, config, islands, comm)
         for r in range(repeats + 1):
             _nudge(islands)
             t0 = time.perf_counter()
