@@ -24,7 +24,8 @@ class TimeoutSection(Section):
         "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
         "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
         "driver waits for the other islands once one has finished. From 1 s (the store's clients and the "
-        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above).",
+        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above). collective: "
+        "the floor of each exchange's deadline, which grows with its bytes at --collective-link-mbps.",
     )
 
 
@@ -60,6 +61,17 @@ class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
     """The ``collective`` runtime's settings: real processes over torch.distributed
     (:mod:`atoll.runtime.collective`)."""
 
+    collective_link_mbps: float = Field(
+        100.0, gt=0, le=1e7,
+        description="collective: the slowest link between two islands in Mbit/s, which each exchange's deadline "
+        "assumes: its bytes x 8 / this x 4 (a safety factor), plus the latencies, plus --collective-timeout-s "
+        "(atoll.runtime.collective.comm.exchange_deadline_s). Too low only lengthens the wait for a hung peer "
+        "(a dead one is found by its heartbeat within seconds); too high fails a slow but healthy exchange.",
+    )
+    collective_link_latency_ms: float = Field(
+        10.0, ge=0, le=60000,
+        description="collective: one-way latency of that link in milliseconds, once per ring step in the deadline.",
+    )
     min_islands: int = Field(
         1, ge=1, le=4096,
         description="collective: keep training while at least this many islands are alive. A lost island "

@@ -323,7 +323,8 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
 RESUMABLE_OVERRIDES = frozenset({
     "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "progress_every", "tracker",
     "threads", "cache_dir", "activation_checkpointing",
-    "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
+    "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "collective_link_mbps",
+    "collective_link_latency_ms", "runtime", "ranks_per_island",
     "min_islands", "max_restarts",
 })
 

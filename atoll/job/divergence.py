@@ -3,8 +3,11 @@
 An island has *diverged* when its training loss is not finite (NaN or infinite weights make every loss
 NaN): its weights are lost, so it is reset (:meth:`atoll.job.island.Island.reset_to`) from the global model
 (``diloco``, ``streaming``, ``decoupled``) or from a healthy peer's replica (``ddp``, ``demo``), and counted
-in ``island_resets``. A gradient that is not finite on weights that are (an overflow) only skips that
-island's step (``skipped_steps``, :meth:`~atoll.job.island.Island.clip_gradients`).
+in ``island_resets``. The lockstep strategies read the losses on the host only at their exchanges and at the
+loop's logging steps (:meth:`atoll.strategies.base.Strategy.reset_diverged`), never inside an inner step: a
+diverged island is reset there, before its weights reach an exchange (docs/reliability.md, "Bad numbers").
+A gradient that is not finite on weights that are (an overflow) only skips that island's step
+(``skipped_steps``, :meth:`~atoll.job.island.Island.clip_gradients`).
 
 The *job* has diverged when no island is left to copy from (every island diverged at once, or every
 pseudo-gradient of an exchange was not finite), when the global model's held-out loss is not finite or

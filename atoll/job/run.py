@@ -166,7 +166,8 @@ class Run:
         self.events = RunEvents(self.emit, config.islands)  # failures, rejoins, resets, pushes, ...
         self.rate_mark = (time.perf_counter(), 0)  # (time, tokens) of the last ``train`` event: its interval's rate
         # how the global model is evaluated: params (the strategy's global_params(); None: the initial model)
-        # -> held-out loss; None: float32 on the CPU with :attr:`model` (the drivers without a runtime's own)
+        # -> held-out loss; None: float32 on the CPU with :attr:`model` (the syncer service's: it is CPU-only by
+        # design, as the paper's syncer; every other driver evaluates where its islands compute)
         self.evaluator: Callable[[torch.Tensor | None], float] | None = None
 
     def _load_inputs(self, resume: bool) -> None:

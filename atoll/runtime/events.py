@@ -55,6 +55,7 @@ from atoll.errors import CheckpointError
 from atoll.job import stop
 from atoll.job.device import island_devices
 from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
+from atoll.job.evaluation import IslandEvaluator
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.network import Link
@@ -100,6 +101,10 @@ class Simulation:
         self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
         self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
         self.ideal_rate = sum(config.tokens_per_step * s / config.sim_step_s for s in self.speeds)  # tokens/s
+        # the global model's held-out loss on island 0's device, by its own model (its weights swapped for the
+        # global ones and put back), as the lockstep runtimes evaluate: on a GPU there, not float32 on the CPU;
+        # on a CPU the numbers of the CPU evaluation, bit for bit (Run.evaluator; None: the initial model)
+        self.evaluator = IslandEvaluator(self.workers[0].island, run.val, self.job.init_flat)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -399,7 +404,7 @@ class Simulation:
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
             **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
-            measured_compute_s=[w.island.compute_s for w in self.workers],
+            measured_compute_s=[w.island.compute_s for w in self.workers], eval_s=self.evaluator.seconds,
             codec_s=[w.wire.codec_s[0] for w in self.workers],
             timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
 
@@ -414,6 +419,7 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     """
     run = Run(config, resume)
     sim = Simulation(config, run)
+    run.evaluator = sim.evaluator  # on the islands' device (island 0's)
     run.begin(restore=sim.restore)
     with ProgressDisplay(config.steps, run.start_step, config.progress, every=config.progress_every) as sim.bar:
         sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where

@@ -30,7 +30,9 @@ Bytes are counted from the tensors handed to the network, with the ring costs of
 scalars (one weight per exchange, and at most R-1 bytes or elements of padding to cut equal shards) are
 not counted.
 
-Failure: every collective has the deadline ``collective_timeout_s``. A dead rank usually breaks its
+Failure: every collective has a deadline: ``collective_timeout_s``, and for an exchange across islands that
+floor plus its transfer time at ``collective_link_mbps`` times a safety factor
+(:func:`~atoll.runtime.collective.comm.exchange_deadline_s`). A dead rank usually breaks its
 peers' pending collectives at once (gloo: "Connection closed by peer"); a heartbeat through the
 rendezvous store also catches a rank that stops without closing its connections (no heartbeat for
 ``min(10 s, collective_timeout_s)``), and reports it in the store, where the one-machine launcher kills it.

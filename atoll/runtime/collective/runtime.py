@@ -37,6 +37,7 @@ from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, joined_job, wait_for_admission
 from atoll.runtime.collective.stop import StopAgreement
 from atoll.runtime.collective.transfer import broadcast_state
+from atoll.runtime.network import Link
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -98,7 +99,10 @@ class CollectiveRuntime(Runtime):
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, None, None,
-                             self.device, sharded=self.config.shard_island)
+                             self.device, sharded=self.config.shard_island,
+                             link=Link.from_config(self.config.collective_link_mbps,
+                                                   self.config.collective_link_latency_ms),
+                             floor_s=self.config.collective_timeout_s)  # each exchange's deadline
         if os.environ.get(REJOIN_ENV):  # restarted by the launcher: join the running job
             self._joined = self._rejoin()
         else:
