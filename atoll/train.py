@@ -156,7 +156,6 @@ class LockstepJob:
         strategy: the lockstep strategy over them.
         comm: the runtime's collectives across every island (bytes sent, exchanges).
         strategy_s: real seconds in the strategy's steps: exchanges, outer updates (bench/gpu.py reads it).
-        outer_s: of which outside the islands' timed inner steps: the outer rounds (bench/gpu.py reads it).
         startup_host_bytes: host memory taken by the data, the global model and the islands.
         diverged: what stopped a job that diverged (:mod:`atoll.job.divergence`), else None.
     """

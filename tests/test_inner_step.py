@@ -247,8 +247,8 @@ def test_the_training_loop_reads_nothing_on_the_host_outside_logging_and_exchang
     """Every read of a tensor's value made by atoll's code in a 20-step run of 2 islands, by inner step: none at a
     step that neither logs (steps 10 and 20) nor exchanges (before: one ``float(loss)`` per island per step,
     the divergence check of ``Rounds.step``, 40 in all)."""
-    import atoll.train as train_mod
     from atoll.job import island as island_mod
+    from atoll.job.divergence import set_fault_hook
     from atoll.runtime.comm import Comm
     from atoll.runtime.local import LocalWork
 
@@ -258,7 +258,7 @@ def test_the_training_loop_reads_nothing_on_the_host_outside_logging_and_exchang
     starts: dict[int, int] = {}
     exchanged: set[int] = set()
 
-    def mark(island, step, kind) -> None:  # the loop calls it as each island's step starts
+    def mark(island, step, kind, **where) -> None:  # the fault hook, called as each island's step starts
         if kind == "weights" and step not in starts:
             step_of["now"], starts[step] = step, reads.count
 
@@ -268,7 +268,7 @@ def test_the_training_loop_reads_nothing_on_the_host_outside_logging_and_exchang
             return original(self, *a, **k)
         return counted
 
-    monkeypatch.setattr(train_mod, "inject_fault", mark)
+    previous = set_fault_hook(mark)
     monkeypatch.setattr(Comm, "_count", exchanging(Comm._count))  # a collective issued in that step
     monkeypatch.setattr(LocalWork, "wait", exchanging(LocalWork.wait))  # or one in flight, waited for
     overrides = {**fast_config, "strategy": strategy, "steps": 20, "eval_every": 20, "checkpoint_every": 0,
@@ -276,7 +276,10 @@ def test_the_training_loop_reads_nothing_on_the_host_outside_logging_and_exchang
     if strategy in ("ddp", "demo"):
         overrides.pop("sync_every")
     reads = _HostReads(monkeypatch)  # after the data and the model are prepared (the first call builds them)
-    summary = train(build_config(overrides=overrides))
+    try:
+        summary = train(build_config(overrides=overrides))
+    finally:
+        set_fault_hook(previous)
     assert summary["tokens"] == 2 * 20 * 4 * 32
     per_step = {s: starts.get(s + 1, reads.count) - starts[s] for s in range(20)}
     logging = {9, 19}  # 0-based steps whose end logs (10, 20); the evaluation is at 20
