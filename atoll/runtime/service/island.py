@@ -34,8 +34,9 @@ import torch.distributed as dist
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
+from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, make_island
-from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call, parse_kill_hook
+from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
@@ -62,25 +63,20 @@ class RankWorker(IslandWorker):
     """A rank of an island job of ``group.size`` ranks: its rows of each batch, the gradient averaged with its
     peers (torch DDP's all-reduce, or FSDP2's reduce-scatter when ``sharded``), the loss the island's mean.
 
-    The test hook of the collective runtime (``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:STEP[:STOP]``, RANK this
-    island's rank, STEP its inner step, 1-based) kills a rank of the job's first start (not of a torchrun
-    restart), noting when in ``ATOLL_TEST_KILL_STAMP``; read once, as the rank starts.
+    A test's kill hook (:mod:`atoll.job.faults`, ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:STEP[:STOP]`` with RANK
+    this island's rank and STEP its inner step, 1-based) is told each step of the job's first start (not of a
+    torchrun restart) with ``kind="start"``, as the collective runtime tells its ranks.
     """
 
     def __init__(self, index: int, job: Job, total_steps: int, group: IslandGroup, sharded: bool,
                  island: Island | None = None, held: list[Any] | None = None) -> None:
         super().__init__(index, job, total_steps, group.device, island=island, held=held)
         self.group, self.sharded = group, sharded
-        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.kill_at = [(k.step, k.signal) for k in parse_kill_hook() if k.rank == group.rank] if first_start else []
-        self.kill_stamp = os.environ.get("ATOLL_TEST_KILL_STAMP")
+        self.first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def forward_backward(self, batch: torch.Tensor) -> None:
-        for step, sig in self.kill_at:  # test hook (see the class docstring)
-            if step == self.steps + 1:
-                if self.kill_stamp:
-                    Path(self.kill_stamp).write_text(repr(time.time()))
-                os.kill(os.getpid(), sig)
+        if self.first_start:  # a test's kill hook (see the class docstring)
+            inject_fault(self.island, self.steps, "start", rank=self.group.rank)
         r_count = self.group.size
         if r_count == 1:
             super().forward_backward(batch)
