@@ -74,6 +74,11 @@ class Comm(ABC):
         self.exchanges += 1
         self.peak_bytes_per_exchange = max(self.peak_bytes_per_exchange, bytes_sent)
 
+    def count_island(self, bytes_sent: float) -> None:
+        """Count one exchange made outside the comm (torch's DDP hooks, FSDP2's all-reduce hook) in which an
+        island sent ``bytes_sent`` bytes in all (its ranks together): no collective, nothing read."""
+        Comm._count(self, bytes_sent)
+
     def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
                         wire: Wire | None = None, key: str = "") -> torch.Tensor:
         """Weighted mean of a 1-D tensor across every island; blocks until done.

@@ -76,13 +76,14 @@ class DDP(Strategy):
 
     def step_hooked(self, step: int) -> None:
         """The step when torch's DDP hooks already averaged the gradient in the backward pass, on the device
-        (:mod:`atoll.runtime.collective.torch_ddp`): the optimizer step and the bytes counted as the host path
-        counts them. Nothing is read on the host: the islands left out of the mean are summed on the device
-        (:attr:`left_out`) and a diverged island is repaired at the next logging step (:meth:`reset_diverged`)."""
-        numel = sum(p.numel() for p in self.islands[0].params)
+        (:mod:`atoll.runtime.collective.torch_ddp`; a sharded island: FSDP2's reduce-scatter, then its all-reduce
+        hook across the islands): the optimizer step and the bytes counted as the host path counts them. Nothing
+        is read on the host: the islands left out of the mean are summed on the device (:attr:`left_out`) and a
+        diverged island is repaired at the next logging step (:meth:`reset_diverged`)."""
+        numel = sum(p.numel() for p in self.islands[0].params)  # the whole model's (a sharded one's DTensors too)
         for island in self.islands:
             island.inner_step()  # a mean that is not finite (no island contributed) is skipped
-        self.comm._count(ring_allreduce_bytes(4 * numel, self.comm.islands))
+        self.comm.count_island(ring_allreduce_bytes(4 * numel, self.comm.islands))
         contributed = self.islands[0].sync_islands
         missing = (self.comm.islands - contributed if contributed is not None
                    else torch.tensor(float(self.comm.islands), device=self.islands[0].device))

@@ -285,6 +285,8 @@ class CollectiveRuntime(Runtime):
         from atoll.runtime.collective.sharding import make_sharded_island
 
         island, self.layout = make_sharded_island(index, model, config, optimizer, self.island_group, self.device)
+        if torch_ddp.applies(self.config):
+            return torch_ddp.hook_sharded(island, self.island_group, self.cross_group)
         return island
 
     def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:

@@ -15,8 +15,16 @@ all-reduced on the device). A diverged island is then reset from a healthy peer 
 A gradient that is not finite on a finite loss (an overflow) is not left out but makes the mean not finite,
 so every island skips that step (the host path left that island out).
 
-Used when it applies (:func:`applies`): the collective runtime, ``--codec fp32``, islands not sharded, and no
-island allowed to be lost (a lost peer re-forms the process groups, which a DDP module cannot follow); the
+A sharded island (``--shard-island``, FSDP2 inside each island) is hybrid sharded the way torchft's HSDP is: FSDP2
+reduce-scatters the island's mean gradient over the island's ranks in the backward pass, and its all-reduce
+hook (:class:`HybridSync`, ``FSDPModule.set_all_reduce_hook``) sums that shard across the islands, over the
+cross-island group of the rank's position, still inside the backward pass, before the next block's
+reduce-scatter; a diverged island contributes zeros, decided for the whole island (every rank of it agrees on
+one flag), and :func:`finish_mean` divides by the islands that contributed.
+
+Used when it applies (:func:`applies`): the collective runtime, ``--codec fp32``, and no island allowed to be
+lost (a lost peer re-forms the process groups, which a DDP module cannot follow; sharded islands never survive a
+loss, their FSDP2 groups staying as formed); the
 bytes counted per inner step are the host path's, ``2(K-1)/K * 4 * numel`` per island.
 """
 
@@ -40,7 +48,7 @@ if TYPE_CHECKING:
 def applies(config: TrainConfig) -> bool:
     """Whether the run's ``ddp`` averages its gradients with torch's DDP hooks (see the module docstring)."""
     return (config.strategy == "ddp" and config.runtime == "collective" and config.codec == "fp32"
-            and not config.shard_island and config.min_islands >= config.islands and not config.max_restarts)
+            and (config.min_islands >= config.islands or config.shard_island) and not config.max_restarts)
 
 
 def healthy_sum_hook(island, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations here
@@ -70,10 +78,71 @@ def wrap(island: Island, config: TrainConfig, device: torch.device) -> Island:
     return island
 
 
+class HybridSync:
+    """The gradient sync of a sharded island's ``ddp`` (hybrid sharding; ``island.ddp`` holds it): every FSDP2
+    unit of the island's model gets an all-reduce hook (:meth:`hook`) that sums its reduce-scattered gradient
+    shard (the island's mean, flat, in the policy's reduce dtype) over ``cross_group`` (the ranks at this rank's
+    position in every island) in the backward pass; an island whose loss was not finite on any of its ranks
+    contributes zeros (:meth:`agreed_finite`).
+
+    Args:
+        island: the sharded island (its model already under ``fully_shard``).
+        island_group: the island's ranks; cross_group: this position's rank of every island.
+    """
+
+    def __init__(self, island: Island, island_group: Any, cross_group: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.island, self.island_group, self.cross_group = island, island_group, cross_group
+        #: this step's agreed flag (1.0 or 0.0, float32, shape (1,), on the device); None until agreed
+        self.finite: torch.Tensor | None = None
+        for module in island.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(self.hook)
+
+    def agreed_finite(self) -> torch.Tensor:
+        """Whether every rank of the island had a finite loss this step: agreed once per step over the island's
+        group (MIN), at its first all-reduce hook, which every rank of the island reaches in the same order.
+        Collective over the island's ranks."""
+        if self.finite is None:
+            loss_finite = self.island.loss_finite
+            flag = (loss_finite.to(torch.float32).reshape(1) if loss_finite is not None
+                    else torch.ones(1, device=self.island.device))
+            dist_call(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self.island_group)
+            self.finite = flag
+        return self.finite
+
+    def hook(self, reduce_output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: zeros if the island is not finite (NaN x 0 would stay NaN), then the sum
+        over the islands. Collective over ``cross_group``."""
+        reduce_output.masked_fill_(self.agreed_finite() == 0, 0.0)
+        dist.all_reduce(reduce_output, group=self.cross_group)
+
+    def finish(self) -> torch.Tensor:
+        """After the backward pass: the islands that contributed (0-d float32 on the device, not read); the
+        summed shards divided by it. Collective over ``cross_group``."""
+        count = self.agreed_finite().clone()
+        self.finite = None  # the next step agrees again
+        dist_call(dist.all_reduce, count, group=self.cross_group)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in self.island.params if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, count[0])  # 0 contributors: a NaN mean, and every island skips the step
+        return count[0]
+
+
+def hook_sharded(island: Island, island_group: Any, cross_group: Any) -> Island:
+    """Put a sharded island's gradient sync under :class:`HybridSync` (``island.ddp``); returns the island."""
+    island.ddp = HybridSync(island, island_group, cross_group)
+    return island
+
+
 def finish_mean(island: Island, ranks_per_island: int) -> torch.Tensor:
-    """After the backward pass: divide the summed gradients by the ranks that contributed; returns that
-    count over ``ranks_per_island`` (the islands that contributed; a 0-d float32 on the device, not read).
-    Collective over every rank of the job."""
+    """After the backward pass: divide the summed gradients by the ranks that contributed (a sharded island:
+    by the islands, :meth:`HybridSync.finish`); returns the islands that contributed (a 0-d float32 on the
+    device, not read). Collective over every rank of the job."""
+    if isinstance(island.ddp, HybridSync):
+        return island.ddp.finish()
     count = island.loss_finite.to(torch.float32).reshape(1) if island.loss_finite is not None \
         else torch.ones(1, device=island.device)
     dist_call(dist.all_reduce, count)
@@ -84,5 +153,8 @@ def finish_mean(island: Island, ranks_per_island: int) -> torch.Tensor:
 
 
 def describe(config: Any) -> dict[str, Any]:
-    """What ``summary.json`` says about it: ``{"gradient_sync": "torch_ddp"}`` where it applies."""
-    return {"gradient_sync": "torch_ddp"} if applies(config) else {}
+    """What ``summary.json`` says about it where it applies: ``{"gradient_sync": "torch_ddp"}``, or
+    ``"fsdp_hybrid"`` for sharded islands (:class:`HybridSync`)."""
+    if not applies(config):
+        return {}
+    return {"gradient_sync": "fsdp_hybrid" if config.shard_island else "torch_ddp"}
