@@ -1,5 +1,6 @@
 """SparseLoCo's compressor: top-k per tile of each parameter, values quantized to 2 bits, the exact size,
-and the reference's aggregation (each entry averaged over the islands that sent it).
+and the reference's aggregation (each island's payload clipped to the median norm, then each entry averaged
+over the islands that sent it).
 
 Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-training with SparseLoCo"
 (arXiv:2508.15706), §3, as its released code and Templar's ``compress.py`` compute it:
@@ -21,11 +22,20 @@ Lloyd quantizer of the magnitudes with the sign (a tile of equal magnitudes is e
 two float32 per tile. The rounding error stays in the sender's error-feedback accumulator and is sent later
 (SparseLoCo §3). ``bits=32`` sends the kept values as float32 instead, for the identities and studies.
 
-Aggregation (:meth:`SparseCompressor.aggregate`): the reference decompresses every island's payload with
-``scatter_reduce(reduce="mean", include_self=False)``: an entry is the mean over the islands that *sent* it,
-not over all islands (two islands, top-1 of (1, 0) and (0, 1): the aggregate is (1, 1), not (0.5, 0.5)).
-atoll weighs each sender by its tokens (equal tokens: the reference exactly); ``mode="all"`` is the plain
-weighted mean over every island (atoll's earlier rule, a setting).
+Aggregation (:meth:`SparseCompressor.aggregate`), as Templar's ``TopKCompressor.batch_decompress`` (with
+``clip_norm=True``, what its ``outer_step`` always passes) computes it, in two steps:
+
+1. Median-norm clipping (``clip="median"``): for every parameter tensor, each island's decoded values are
+   scaled by ``min(1, m / (‖v_i‖ + 1e-8))``, where ``‖v_i‖`` is the L2 norm of the values island i sent for
+   that tensor and ``m`` the median of those norms over the islands (``torch.median``: the lower of the two
+   middle values for an even count). No island's payload outweighs the typical one; none is scaled up.
+   ``clip="none"`` skips it (the SparseLoCo release's plain scatter-mean; a setting).
+2. The senders' mean: ``scatter_reduce(reduce="mean", include_self=False)``: an entry is the mean over the
+   islands that *sent* it, not over all islands (two islands, top-1 of (1, 0) and (0, 1): the aggregate is
+   (1, 1), not (0.5, 0.5)). atoll weighs each sender by its tokens (equal tokens: the reference exactly).
+
+Dividing by every island (atoll's rule before issue 24) measured 6% worse on the micro model
+(bench/out/beyond_w24/results.md: 4.079 against 3.843) and is gone.
 
 Bytes of one payload, for ``C`` tiles and ``n = sum of k_t`` kept entries (``index_bytes`` 1, 2 or 4: the
 smallest signed integer that holds the largest tile's ``h * w - 1``)::
@@ -44,9 +54,13 @@ import torch
 from atoll.algorithms.dct import _as_2d_shape, index_dtype_for, largest_divisor_at_most
 from atoll.algorithms.demo_payload import pack_2bit, unpack_2bit
 
-__all__ = ["LAYOUTS", "SparseCompressor"]
+__all__ = ["CLIPS", "LAYOUTS", "SparseCompressor"]
 
 LAYOUTS = ("tiles", "flat")
+#: how each island's payload is clipped before the senders' mean (module docstring)
+CLIPS = ("median", "none")
+#: Templar's guard against a zero norm in the clip factor
+CLIP_EPS = 1e-8
 
 
 def _tiles_of(shape: Sequence[int], offset: int, side: int) -> torch.Tensor:
@@ -90,6 +104,8 @@ class SparseCompressor:
         self.numel, self.chunk, self.topk, self.bits, self.layout = sum(math.prod(d) for d in dims), chunk, topk, \
             bits, layout
         groups: dict[tuple[int, int], list[torch.Tensor]] = {}  # (tile elements, k) -> tiles' positions
+        #: the end of each parameter in the flat vector, (P,) int64 (the clip's per-tensor norms)
+        self.ends = torch.tensor([math.prod(d) for d in dims], dtype=torch.int64).cumsum(0)
         offset = 0
         for d in dims:
             n = math.prod(d)
@@ -195,31 +211,41 @@ class SparseCompressor:
         out[pos] = vals
         return out[:-1]
 
-    def aggregate(self, payloads: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
-                  mode: str = "senders") -> torch.Tensor:
-        """The islands' combined update, float32 (numel,).
+    def parameter_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The parameter index (0..P-1) of each flat position, int64 of the same shape; a flat chunk's padding
+        (position ``numel``) gets index P."""
+        return torch.bucketize(positions, self.ends, right=True)
 
-        ``mode="senders"`` (the reference): each entry is the weighted mean of the values of the islands that
-        sent it, ``sum_i w_i v_i / sum_i w_i`` over senders i of that entry (0 where nobody sent it);
-        with equal weights the reference's ``scatter_reduce(mean, include_self=False)``. ``mode="all"``:
-        ``sum_i w_i C_i / sum_i w_i`` over every island. Payloads of weight 0 count nowhere.
+    def aggregate(self, payloads: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
+                  clip: str = "median") -> torch.Tensor:
+        """The islands' combined update, float32 (numel,) (module docstring, "Aggregation").
+
+        With ``clip="median"`` each island's values for a parameter tensor are first scaled by
+        ``min(1, m / (‖v_i‖ + 1e-8))``, ``m`` the median over the islands of those norms (Templar's
+        ``batch_decompress(clip_norm=True)``); then each entry is the weighted mean of the values of the islands
+        that sent it, ``sum_i w_i v_i / sum_i w_i`` over senders i of that entry (0 where nobody sent it); with
+        equal weights the reference's ``scatter_reduce(mean, include_self=False)``. Payloads of weight 0 count
+        nowhere, in the median neither.
 
         Raises:
-            ValueError: no positive weight, an unknown mode, or a malformed payload.
+            ValueError: no positive weight, an unknown clip, or a malformed payload.
         """
-        if mode not in ("senders", "all"):
-            raise ValueError(f"aggregate mode must be 'senders' or 'all', not {mode!r}")
-        total = sum(w for w in weights if w > 0)
-        if total <= 0:
+        if clip not in CLIPS:
+            raise ValueError(f"aggregate clip must be one of {', '.join(CLIPS)}, not {clip!r}")
+        live = [(payload, w) for payload, w in zip(payloads, weights, strict=True) if w > 0]
+        if not live:
             raise ValueError("sparseloco aggregate: no payload has a positive weight")
+        decoded = [self.positions_and_values(payload) for payload, _ in live]
+        if clip == "median":
+            tensors = len(self.ends) + 1  # and the padding's bucket
+            owner = [self.parameter_of(pos) for pos, _ in decoded]
+            norms = torch.stack([torch.zeros(tensors).index_add_(0, o, vals.square()).sqrt()
+                                 for o, (_, vals) in zip(owner, decoded, strict=True)])  # (islands, tensors)
+            factor = (norms.median(dim=0).values / (norms + CLIP_EPS)).clamp(max=1.0)
+            decoded = [(pos, vals * f[o]) for (pos, vals), f, o in zip(decoded, factor, owner, strict=True)]
         num = torch.zeros(self.numel + 1, dtype=torch.float64)
         den = torch.zeros(self.numel + 1, dtype=torch.float64)
-        for payload, w in zip(payloads, weights, strict=True):
-            if w <= 0:
-                continue
-            pos, vals = self.positions_and_values(payload)
+        for (pos, vals), (_, w) in zip(decoded, live, strict=True):
             num.index_add_(0, pos, vals.double() * w)
             den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
-        if mode == "all":
-            return (num[:-1] / total).float()
         return torch.where(den[:-1] > 0, num[:-1] / den[:-1].clamp(min=1e-300), 0.0).float()

@@ -6,24 +6,27 @@ inner steps each island i forms its pseudo-gradient Δ_i = θ_global − θ_i an
 error-feedback accumulator with the outer rate α, ``e_i ← β e_i + α Δ_i``; it sends only the top-k of every
 tile of ``e_i`` with 2-bit values (:class:`~atoll.algorithms.sparse.SparseCompressor`: 64 x 64 tiles, 1-D
 runs of 64) and keeps the rest, ``e_i ← e_i − C(e_i)``. The islands all-gather the sparse payloads; each
-entry is averaged over the islands that sent it (token-weighted; the reference's scatter-mean,
-:meth:`~atoll.algorithms.sparse.SparseCompressor.aggregate`), and the outer step is plain descent with the
-rate again, ``θ_global ← θ_global − α · agg`` (the reference puts α into the accumulator and into the step;
-SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island restarts from the new
-global parameters. Rounds, divergence and resets: :class:`~atoll.strategies.rounds.OuterRounds`, as diloco.
+island's values for a parameter tensor are clipped to the median over the islands of their L2 norm, then each
+entry is averaged over the islands that sent it (token-weighted; Templar's ``batch_decompress`` with
+``clip_norm=True``, :meth:`~atoll.algorithms.sparse.SparseCompressor.aggregate`), and the outer step is plain
+descent with the rate again, ``θ_global ← θ_global − α · agg`` (the reference puts α into the accumulator
+and into the step; SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island
+restarts from the new global parameters. Rounds, divergence and resets:
+:class:`~atoll.strategies.rounds.OuterRounds`, as diloco.
 
-Where atoll differs from the reference, by a setting: ``sparseloco_aggregate = "all"`` (divide by every
-island: atoll's earlier rule) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule);
-atoll weighs senders by tokens (equal tokens: the reference) and keeps one entry where the reference's
-12-bit index packing keeps at least two.
+Where atoll differs from the reference, by a setting: ``sparseloco_clip = "none"`` (no median-norm clip: the
+plain scatter-mean) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule); atoll
+weighs senders by tokens (equal tokens: the reference), keeps one entry where the reference's 12-bit index
+packing keeps at least two, and quantizes values to two magnitude levels per tile with their signs where the
+reference uses four bins per tensor (docs/concepts.md).
 
 Bytes per island per round: a ring all-gather of one payload, ``(K − 1) × payload`` (plus 4 bytes for the
 token weight), with the payload's exact size from
 :meth:`~atoll.algorithms.sparse.SparseCompressor.payload_bytes`.
 
-With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32`` and ``sparseloco_beta = 0``
-the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a round is plain parameter
-averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
+With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32``, ``sparseloco_beta = 0`` and
+``sparseloco_clip = "none"`` the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a
+round is plain parameter averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 class SparseLoCoConfig(RoundsConfig, AdamWSection):
     """SparseLoCo's config: H, the inner AdamW, the outer step (plain averaged descent by default: the
     accumulator replaces the outer momentum, SparseLoCo §3) and its own top-k per chunk, chunk, accumulator
-    decay, value bits, layout and aggregation (it compresses its own way: no codec)."""
+    decay, value bits, layout and clip (it compresses its own way: no codec)."""
 
     outer_lr: float = Field(1.0, gt=0)
     outer_momentum: float = Field(0.0, ge=0, lt=1)
@@ -72,9 +75,10 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         "tiles", description="sparseloco: how tensors are cut: tiles (the reference: 2-D tensors into tiles of "
         "at most sqrt(chunk) x sqrt(chunk), the largest divisors of each side, k scaled to the tile; 1-D tensors "
         "into runs of at most sqrt(chunk)) or flat (contiguous chunks of chunk elements, topk in each).")
-    sparseloco_aggregate: Literal["senders", "all"] = Field(
-        "senders", description="sparseloco: each entry averaged over the islands that sent it (senders: the "
-        "reference's scatter-mean) or over every island (all).")
+    sparseloco_clip: Literal["median", "none"] = Field(
+        "median", description="sparseloco: before each entry is averaged over the islands that sent it, each "
+        "island's values for a tensor are scaled down to the median over the islands of their norm (median: "
+        "Templar's rule) or left as sent (none).")
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> SparseLoCoConfig:
@@ -152,7 +156,7 @@ class SparseLoCo(OuterRounds):
         weights = [float(p["weight"][0]) for p in gathered]
         if not any(w > 0 for w in weights):
             raise self.no_contribution(steps_done)
-        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_aggregate)
+        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip)
         local = [(d, w) for d, w, bad in zip(deltas, self.round_weights(), dropped, strict=True) if not bad and w > 0]
         if local:
             plain = float(torch.stack([d * w for d, w in local]).sum(0).norm()) / sum(w for _, w in local)
@@ -213,7 +217,8 @@ def project(s: Setting) -> Cost:
 SPEC = StrategySpec(
     name="sparseloco",
     summary="error-feedback accumulators' top-k per 64x64 tile, 2-bit values, all-gathered every H inner steps; "
-            "each entry averaged over its senders, plain outer descent (arXiv:2508.15706)",
+            "clipped to the median norm, each entry averaged over its senders, plain outer descent "
+            "(arXiv:2508.15706)",
     config=SparseLoCoConfig, runtimes=("local", "collective"), lockstep=SparseLoCo, project=project,
     syncs_per_h=True,
     suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
