@@ -9,7 +9,7 @@ stdlib corpus; one torch thread per run. Five studies:
    DiLoCo fp32 at H = 10, 30 outer rounds (300 steps) and 120 (1,200 steps), at the default 64 of 4096 and
    at 256 of 4096 (on micro's small tensors a 4096 chunk holds a whole 1,024-element matrix, so the true
    density is higher than k/chunk: see the density column), and the lossless identity (density 1, 32
-   bits, beta 0: FedAvg). A sparse round moves about the density's share of the coordinates.
+   bits, beta 0, no median-norm clip: FedAvg). A sparse round moves about the density's share of the coordinates.
 2. SparseLoCo at 1,200 steps in 1,024-element chunks (one per hidden matrix, so k/chunk is the density)
    against DiLoCo fp32 at H = 40 (30 rounds): within the issue's byte budget (at least 30x fewer bytes than
    that DiLoCo: H = 30 at 1.6%, H = 60 at 3.1%, H = 15 at 0.8%) and beyond it (H = 5 and H = 1: the most
@@ -48,7 +48,8 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("sparseloco_300", "diloco_300", {"strategy": "sparseloco", "steps": 300}),
     ("sparseloco_k256_300", "diloco_300", {"strategy": "sparseloco", "steps": 300, "sparseloco_topk": 256}),
     ("sparseloco_dense_300", "diloco_300", {"strategy": "sparseloco", "steps": 300, "sparseloco_topk": 4096,
-                                            "sparseloco_bits": 32, "sparseloco_beta": 0.0}),
+                                            "sparseloco_bits": 32, "sparseloco_beta": 0.0,
+                                            "sparseloco_clip": "none"}),
     ("diloco_1200", "diloco_1200", {"strategy": "diloco", "steps": 1200}),
     ("sparseloco_1200", "diloco_1200", {"strategy": "sparseloco", "steps": 1200}),
     ("sparseloco_k256_1200", "diloco_1200", {"strategy": "sparseloco", "steps": 1200, "sparseloco_topk": 256}),
