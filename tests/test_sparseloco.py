@@ -245,6 +245,22 @@ def test_one_d_tensors_keep_about_one_entry_per_run() -> None:
     assert old.kept_real == 64 + 64 + 30  # the old rule sent most of every short vector
 
 
+def test_templars_k_keeps_topk_in_every_tile_at_most_the_tile() -> None:
+    # Templar's compress: k = min(topk, tile) (a setting). A vector of 8 at chunk 16 (side 4), top-4: runs of 4
+    # go whole (the release keeps 1 per run); a 2x4 matrix is one 2x4 tile of 8: 4 kept, where the release
+    # keeps round(4 * 8 / 16) = 2
+    x = torch.tensor([1.0, -3, 2, 0.5, 5, 4, -6, 1])
+    vector = SparseCompressor([8], 16, 4, bits=32, tile_k="topk")
+    assert vector.decompress(vector.compress(x)).tolist() == x.tolist() and vector.density == 1.0
+    matrix = SparseCompressor([(2, 4)], 16, 4, bits=32, tile_k="topk")
+    assert matrix.decompress(matrix.compress(x)).view(2, 4).tolist() == [[0, -3, 0, 0], [5, 4, -6, 0]]
+    release = SparseCompressor([(2, 4)], 16, 4, bits=32)
+    assert release.decompress(release.compress(x)).view(2, 4).tolist() == [[0, 0, 0, 0], [5, 0, -6, 0]]
+    assert SparseCompressor([(64, 64), 64], 4096, 64, tile_k="topk").kept == 64 + 64  # the norm of 64 whole
+    with pytest.raises(ConfigError, match="sparseloco_tile_k"):
+        build_config(overrides={"strategy": "sparseloco", "sparseloco_tile_k": "topk", "sparseloco_layout": "flat"})
+
+
 def test_the_outer_rate_goes_into_the_accumulator_and_into_the_step() -> None:
     rate, beta = 0.5, 0.5
     comm, islands, strategy = _round(2, 2, sparseloco_topk=256, sparseloco_chunk=256, sparseloco_bits=32,

@@ -9,9 +9,11 @@ Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-traini
   ``s = sqrt(chunk)`` (64 for 4096). A parameter of ndim >= 2, viewed as (rows, cols = prod(rest)), is cut
   into ``h x w`` tiles, ``h`` the largest divisor of rows that is <= s and ``w`` the same for cols; a 1-D
   parameter (n,) into runs of ``w`` (the largest divisor of n that is <= s). In every tile the
-  ``k_t = max(1, round(topk * h * w / chunk))`` entries of largest magnitude are kept (k scaled to the
-  tile: 64 in a 64 x 64 tile at top-64/4096, about one per 1-D run of 64). The reference clamps k to at
-  least 2 and an even number for its 12-bit index packing; atoll packs indices as whole bytes and keeps 1.
+  ``k_t = max(1, round(topk * h * w / chunk))`` entries of largest magnitude are kept (``tile_k="scaled"``,
+  the release's rule: k scaled to the tile, 64 in a 64 x 64 tile at top-64/4096, about one per 1-D run of
+  64). Templar's ``compress`` keeps ``min(topk, h * w)`` in every tile instead (``tile_k="topk"``, a
+  setting: a 1-D run of 64 at top-64 goes whole, a 44 x 64 tile keeps 64), clamped to at least 2 and an
+  even number for its 12-bit index packing; atoll packs indices as whole bytes and keeps 1.
 * Flat chunks (``layout="flat"``, atoll's earlier rule, a setting): each parameter's slice of the flat vector
   is cut into ``ceil(numel / chunk)`` contiguous chunks, the last padded with zeros, ``topk`` kept in every
   chunk even a short one (so norms and biases send most of themselves every round).
@@ -54,9 +56,11 @@ import torch
 from atoll.algorithms.dct import _as_2d_shape, index_dtype_for, largest_divisor_at_most
 from atoll.algorithms.demo_payload import pack_2bit, unpack_2bit
 
-__all__ = ["CLIPS", "LAYOUTS", "SparseCompressor"]
+__all__ = ["CLIPS", "LAYOUTS", "TILE_KS", "SparseCompressor"]
 
 LAYOUTS = ("tiles", "flat")
+#: how many entries a tile smaller than a full one keeps (module docstring)
+TILE_KS = ("scaled", "topk")
 #: how each island's payload is clipped before the senders' mean (module docstring)
 CLIPS = ("median", "none")
 #: Templar's guard against a zero norm in the clip factor
@@ -83,19 +87,23 @@ class SparseCompressor:
         topk: entries kept per full tile or chunk (1 <= topk <= chunk).
         bits: 2 (sign + one of two per-tile magnitude levels) or 32 (float32 values).
         layout: ``"tiles"`` (the reference) or ``"flat"`` (contiguous chunks; module docstring).
+        tile_k: ``"scaled"`` (k scaled to a smaller tile: the release) or ``"topk"`` (``min(topk, tile)``:
+            Templar); tiles only.
 
     Raises:
         ValueError: a setting out of range, or ``chunk`` not a square with ``layout="tiles"``.
     """
 
     def __init__(self, shapes: Sequence[Sequence[int] | int], chunk: int, topk: int, bits: int = 2,
-                 layout: str = "tiles") -> None:
+                 layout: str = "tiles", tile_k: str = "scaled") -> None:
         if not 1 <= topk <= chunk:
             raise ValueError(f"topk {topk} must lie in 1..chunk ({chunk})")
         if bits not in (2, 32):
             raise ValueError(f"bits must be 2 or 32, not {bits}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        if tile_k not in TILE_KS:
+            raise ValueError(f"tile_k must be one of {', '.join(TILE_KS)}, not {tile_k!r}")
         side = math.isqrt(chunk)
         if layout == "tiles" and side * side != chunk:
             raise ValueError(f"chunk {chunk} is not a square (tiles of side sqrt(chunk)); pass 4096 (64 x 64), "
@@ -112,7 +120,7 @@ class SparseCompressor:
             if layout == "tiles":
                 tiles = _tiles_of(d, offset, side)
                 e = tiles.shape[1]
-                k = min(e, max(1, round(topk * e / chunk)))
+                k = min(e, max(1, round(topk * e / chunk)) if tile_k == "scaled" else topk)
             else:  # padding points at index numel (a zero that is never sent as a value)
                 pos = torch.arange(offset, offset + math.ceil(n / chunk) * chunk)
                 tiles, e, k = torch.where(pos < offset + n, pos, torch.tensor(self.numel)).view(-1, chunk), chunk, topk

@@ -15,7 +15,8 @@ restarts from the new global parameters. Rounds, divergence and resets:
 :class:`~atoll.strategies.rounds.OuterRounds`, as diloco.
 
 Where atoll differs from the reference, by a setting: ``sparseloco_clip = "none"`` (no median-norm clip: the
-plain scatter-mean) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule); atoll
+plain scatter-mean), ``sparseloco_tile_k = "topk"`` (Templar's k in small tiles, where the default scales k as
+the release does) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule); atoll
 weighs senders by tokens (equal tokens: the reference), keeps one entry where the reference's 12-bit index
 packing keeps at least two, and quantizes values to two magnitude levels per tile with their signs where the
 reference uses four bins per tensor (docs/concepts.md).
@@ -56,7 +57,7 @@ WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 class SparseLoCoConfig(RoundsConfig, AdamWSection):
     """SparseLoCo's config: H, the inner AdamW, the outer step (plain averaged descent by default: the
     accumulator replaces the outer momentum, SparseLoCo §3) and its own top-k per chunk, chunk, accumulator
-    decay, value bits, layout and clip (it compresses its own way: no codec)."""
+    decay, value bits, layout, k in small tiles and clip (it compresses its own way: no codec)."""
 
     outer_lr: float = Field(1.0, gt=0)
     outer_momentum: float = Field(0.0, ge=0, lt=1)
@@ -75,6 +76,10 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         "tiles", description="sparseloco: how tensors are cut: tiles (the reference: 2-D tensors into tiles of "
         "at most sqrt(chunk) x sqrt(chunk), the largest divisors of each side, k scaled to the tile; 1-D tensors "
         "into runs of at most sqrt(chunk)) or flat (contiguous chunks of chunk elements, topk in each).")
+    sparseloco_tile_k: Literal["scaled", "topk"] = Field(
+        "scaled", description="sparseloco: entries kept in a tile smaller than a full one: scaled to its size (the "
+        "release's rule: about one per 1-D run of sqrt(chunk)) or topk in every tile, at most the tile "
+        "(Templar's rule: norms and biases of sqrt(chunk) go whole).")
     sparseloco_clip: Literal["median", "none"] = Field(
         "median", description="sparseloco: before each entry is averaged over the islands that sent it, each "
         "island's values for a tensor are scaled down to the median over the islands of their norm (median: "
@@ -85,8 +90,8 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         """A chunk must hold the top-k it keeps; values are 2 or 32 bits.
 
         Raises:
-            ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, or a chunk that
-                is not a square with tiles.
+            ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, a chunk that
+                is not a square with tiles, or Templar's k in small tiles without tiles.
         """
         if self.sparseloco_bits not in (2, 32):
             raise ValueError(f"sparseloco_bits: {self.sparseloco_bits} is not 2 or 32; pass --sparseloco-bits 2 "
@@ -95,6 +100,9 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         if self.sparseloco_layout == "tiles" and side * side != self.sparseloco_chunk:
             raise ValueError(f"sparseloco_chunk: {self.sparseloco_chunk} is not a square, as tiles need; pass "
                              "--sparseloco-chunk 4096 (64 x 64 tiles), 1024 (32 x 32), ... or --sparseloco-layout flat")
+        if self.sparseloco_tile_k != "scaled" and self.sparseloco_layout != "tiles":
+            raise ValueError(f"sparseloco_tile_k: {self.sparseloco_tile_k} applies to tiles, and the layout is "
+                             f"{self.sparseloco_layout}; drop --sparseloco-tile-k or pass --sparseloco-layout tiles")
         if self.sparseloco_topk > self.sparseloco_chunk:
             raise ValueError(f"sparseloco_topk ({self.sparseloco_topk}) exceeds a chunk's {self.sparseloco_chunk} "
                              "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
@@ -123,7 +131,8 @@ class SparseLoCo(OuterRounds):
     def __init__(self, config: SparseLoCoConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
         super().__init__(config, islands, comm, seed)
         self.compressor = SparseCompressor([tuple(p.shape) for p in islands[0].params], config.sparseloco_chunk,
-                                           config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout)
+                                           config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout,
+                                           config.sparseloco_tile_k)
         self.error = [torch.zeros(self.compressor.numel) for _ in islands]
         self.sent_energy_sum, self.sent_rounds = 0.0, 0
         self.step_ratio_sum, self.step_rounds = 0.0, 0
