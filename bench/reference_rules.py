@@ -14,8 +14,8 @@ it (8 of 1024 at H = 15, 32 at H = 60, 16 at H = 5, 32 at H = 1: bench/beyond.py
 the same at 300 steps (the
 step-size diagnostic); sparseloco at 64 of 4096, H = 10, 300 and 1,200 steps; demo and one island alone at
 300 steps. With ``--report-only`` a run still in progress (or stopped) is reported at its last evaluation
-(``steps`` column). The machine's load (1-minute average) is read before and after each run trained and
-written beside the table.
+(``steps`` column). The machine's load (1-minute average) is read before and after each run trained, kept
+in results.json by run, and its range over the table's runs written beside it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:  # ``python bench/reference_rules.py``: the repository root on the path, for bench.<study>
     sys.path.append(_REPO)
 
-from atoll.benchmarks.common import default_out, pct, train_once, write_results
+from atoll.benchmarks.common import default_out, finished, pct, train_once, write_results
 from bench.beyond import BASE
 
 _BUDGET = {"strategy": "sparseloco", "steps": 1200, "sync_every": 30, "sparseloco_chunk": 1024, "sparseloco_topk": 16}
@@ -80,14 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="only the table of the runs already there")
     args = parser.parse_args(argv)
     out = default_out("beyond_w24")
-    loads: list[float] = []
+    # run -> the load before and after it trained, kept from the sitting that trained it
+    before = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+    loads: dict[str, list[float]] = before.get("load") if isinstance(before.get("load"), dict) else {}
     if not args.report_only:
         for name, own in SETTINGS.items():
-            loads.append(os.getloadavg()[0])
-            train_once(out, name, False, **{**BASE, **own})
-            loads.append(os.getloadavg()[0])
-    elif (out / "results.json").is_file():  # the load the runs were trained at
-        loads = json.loads((out / "results.json").read_text()).get("load", [])
+            settings = {**BASE, **own}
+            trains = not finished(out / name, {**settings, "progress": False, "threads": 1})
+            start = os.getloadavg()[0]
+            train_once(out, name, False, **settings)
+            if trains:
+                loads[name] = [start, os.getloadavg()[0]]
     committed = json.loads((default_out("beyond") / "results.json").read_text())["runs"]
     rows: list[dict[str, Any]] = []
     summaries: dict[str, Any] = {}
@@ -109,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "gap_pct": pct(loss, base["final_eval_loss"]) if base and summary else None,
                      "bytes": sent, "fewer": (base["bytes_sent_per_island"] / sent
                                               if base and sent and base["bytes_sent_per_island"] else None)})
-    load = f"machine load {min(loads):.1f}-{max(loads):.1f} on 2 cores" if loads else "machine load not recorded"
+    seen = [x for name in summaries for x in loads.get(name, [])]
+    load = f"machine load {min(seen):.1f}-{max(seen):.1f} on 2 cores" if seen else "machine load not recorded"
     table = write_results(
         out, {"runs": summaries, "rows": rows, "load": loads},
         [("run", "run"), ("what", "what"), ("steps", "steps"), ("eval loss", "eval_loss"),
