@@ -6,16 +6,16 @@ diloco runs of ``bench/beyond.py`` (diloco is unchanged by the issue, and its nu
 
 The runs (:func:`atoll.benchmarks.common.train_once` with ``bench/beyond.py``'s micro settings, into
 ``bench/out/beyond_w24``): sparseloco at the byte budget (16 of 1024, H = 30, 1,200 steps) with the
-reference's rules (Templar's median-norm clip, the senders' mean, tiles, the outer rate twice), without the
-clip (``--sparseloco-clip none``: the release's plain scatter-mean) and with atoll's earlier flat chunks
-(``--sparseloco-layout flat``) and with Templar's k in small tiles (``--sparseloco-tile-k topk``: on micro
-only the norms, runs of 32, change: 16 kept instead of 1); the byte budget's other shapes and the two past
-it (8 of 1024 at H = 15, 32 at H = 60, 16 at H = 5, 32 at H = 1: bench/beyond.py's study 2 on today's rules);
-the same at 300 steps (the
-step-size diagnostic); sparseloco at 64 of 4096, H = 10, 300 and 1,200 steps; demo and one island alone at
-300 steps. With ``--report-only`` a run still in progress (or stopped) is reported at its last evaluation
-(``steps`` column). The machine's load (1-minute average) is read before and after each run trained, kept
-in results.json by run, and its range over the table's runs written beside it.
+reference's rules (Templar's median-norm clip, the senders' mean, tiles, the outer rate twice); the same
+without the clip (``--sparseloco-clip none``: the release's plain scatter-mean), with atoll's earlier flat
+chunks (``--sparseloco-layout flat``), with Templar's k in small tiles (``--sparseloco-tile-k topk``: on
+micro only the norms, runs of 32, change: 16 kept instead of 1) and at outer rate 0.7; the byte budget's
+other shapes and two past it (8 of 1024 at H = 15, 32 at H = 60, 16 at H = 5, 32 at H = 1: bench/beyond.py's
+study 2 on today's rules); the budget's shape at 300 steps (the step-size diagnostic); sparseloco at 64 of
+4096, H = 10, 300 and 1,200 steps; demo and one island alone at 300 steps. With ``--report-only`` a run
+still in progress (or stopped) is reported at its last evaluation (``steps`` column). The machine's load
+(1-minute average) is read before and after each run trained, kept in results.json by run, and its range
+over the table's runs written beside it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "sparseloco_c1024_k16_h30_clip_none": {**_BUDGET, "sparseloco_clip": "none"},
     "sparseloco_c1024_k16_h30_layout_flat": {**_BUDGET, "sparseloco_layout": "flat"},
     "sparseloco_c1024_k16_h30_tile_k_topk": {**_BUDGET, "sparseloco_tile_k": "topk"},
+    "sparseloco_c1024_k16_h30_lr07": {**_BUDGET, "outer_lr": 0.7},
     **{f"sparseloco_c1024_k{k}_h{h}": {**_BUDGET, "sparseloco_topk": k, "sync_every": h} for k, h in _SHAPES},
     "diag_sparseloco_c1024_k16_h30_300": _DIAG,
     "sparseloco_300": {"strategy": "sparseloco", "steps": 300},
@@ -59,6 +60,7 @@ ROWS: dict[str, tuple[str, str]] = {
     "sparseloco_c1024_k16_h30_clip_none": ("diloco_h40", "no clip (the release's plain scatter-mean)"),
     "sparseloco_c1024_k16_h30_layout_flat": ("diloco_h40", "flat chunks (atoll's old rule)"),
     "sparseloco_c1024_k16_h30_tile_k_topk": ("diloco_h40", "Templar's k in small tiles (norms: 16 of 32, not 1)"),
+    "sparseloco_c1024_k16_h30_lr07": ("diloco_h40", "outer rate 0.7 (0.49x through accumulator and step)"),
     **{f"sparseloco_c1024_k{k}_h{h}": ("diloco_h40", f"{k} of 1024, H = {h}, reference rules") for k, h in _SHAPES},
     "diag_sparseloco_c1024_k16_h30_300": ("diloco_300", "300 steps, H = 30: step size diagnostic"),
     "sparseloco_300": ("diloco_300", "64 of 4096, H = 10, reference rules"),
