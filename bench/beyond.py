@@ -9,7 +9,7 @@ stdlib corpus; one torch thread per run. Five studies:
    DiLoCo fp32 at H = 10, 30 outer rounds (300 steps) and 120 (1,200 steps), at the default 64 of 4096 and
    at 256 of 4096 (on micro's small tensors a 4096 chunk holds a whole 1,024-element matrix, so the true
    density is higher than k/chunk: see the density column), and the lossless identity (density 1, 32
-   bits, beta 0: FedAvg). A sparse round moves about the density's share of the coordinates.
+   bits, beta 0, no median-norm clip: FedAvg). A sparse round moves about the density's share of the coordinates.
 2. SparseLoCo at 1,200 steps in 1,024-element chunks (one per hidden matrix, so k/chunk is the density)
    against DiLoCo fp32 at H = 40 (30 rounds): within the issue's byte budget (at least 30x fewer bytes than
    that DiLoCo: H = 30 at 1.6%, H = 60 at 3.1%, H = 15 at 0.8%) and beyond it (H = 5 and H = 1: the most
@@ -30,6 +30,7 @@ Writes bench/out/beyond/results.json and results.md (``--out``: elsewhere); a fi
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +49,8 @@ RUNS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("sparseloco_300", "diloco_300", {"strategy": "sparseloco", "steps": 300}),
     ("sparseloco_k256_300", "diloco_300", {"strategy": "sparseloco", "steps": 300, "sparseloco_topk": 256}),
     ("sparseloco_dense_300", "diloco_300", {"strategy": "sparseloco", "steps": 300, "sparseloco_topk": 4096,
-                                            "sparseloco_bits": 32, "sparseloco_beta": 0.0}),
+                                            "sparseloco_bits": 32, "sparseloco_beta": 0.0,
+                                            "sparseloco_clip": "none"}),
     ("diloco_1200", "diloco_1200", {"strategy": "diloco", "steps": 1200}),
     ("sparseloco_1200", "diloco_1200", {"strategy": "sparseloco", "steps": 1200}),
     ("sparseloco_k256_1200", "diloco_1200", {"strategy": "sparseloco", "steps": 1200, "sparseloco_topk": 256}),
@@ -113,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "on a GPU e.g. 20m,125m]")
     parser.add_argument("--device", default=None, help="study 5's --device (auto|cpu|cuda|mps) [default: atoll's]")
     parser.add_argument("--precision", default=None, help="study 5's --precision (fp32|bf16) [default: atoll's]")
+    parser.add_argument("--size-references", default=None, metavar="RESULTS_JSON",
+                        help="study 5's diloco and one-island runs taken from this results.json (e.g. "
+                        "bench/out/beyond/results.json) instead of trained, when their summary matches the plan: "
+                        "for a change that touches sparseloco only [default: train them]")
     args = parser.parse_args(argv)
     try:
         benchmark(args)
@@ -126,7 +132,35 @@ def argv_of(args: argparse.Namespace) -> list[str]:
     flags = ["--size-only"] if args.size_only else []
     if args.size_models != ",".join(SIZE_MODELS):
         flags += ["--size-models", args.size_models]
-    return flags + [f for k in ("device", "precision") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
+    return flags + [f for k in ("device", "precision", "size_references") if getattr(args, k)
+                    for f in (f"--{k.replace('_', '-')}", getattr(args, k))]
+
+
+#: the summary fields a reused reference run must share with its planned settings
+MATCHED = ("strategy", "model", "islands", "steps", "sync_every", "vocab_size", "seed", "device", "precision")
+
+
+def reference_run(refs: dict[str, Any], name: str, own: dict[str, Any]) -> dict[str, Any] | None:
+    """The summary of the committed run ``name`` in ``refs`` (a results.json's ``runs``) if study 5 plans it as
+    a diloco or one-island run and the summary matches the plan (:data:`MATCHED` and the tokens), else None.
+
+    Raises:
+        ConfigError: the committed run exists but was trained on other settings."""
+    from atoll.config import build_config
+    from atoll.job.device import resolve_device
+
+    if not name.startswith("size_") or own.get("strategy") not in ("diloco", "ddp") or name not in refs:
+        return None
+    c, r = build_config(base={**BASE, **own, "progress": False}), refs[name]
+    want = {k: getattr(c, k) for k in MATCHED} | {"tokens": c.steps * c.islands * c.batch_size * c.seq_len,
+                                                  "device": resolve_device(c.device)}
+    if c.strategy == "ddp":  # ddp's summary records no sync interval
+        want.pop("sync_every")
+    differ = [k for k, v in want.items() if r.get(k) != v]
+    if differ:
+        raise ConfigError(f"size_references: run {name} was trained with {differ[0]} {r.get(differ[0])!r}, the plan "
+                          f"has {want[differ[0]]!r}; drop --size-references to train it")
+    return r
 
 
 def benchmark(args: argparse.Namespace) -> None:
@@ -143,7 +177,9 @@ def benchmark(args: argparse.Namespace) -> None:
                           f"--size-models with some of {', '.join(PRESETS)}")
     plan = [*([] if args.size_only else RUNS), *size_runs(models, extra)]
     out = Path(args.out) if args.out else default_out("beyond_size" if args.size_only else "beyond")
-    runs = {name: train_once(out, name, args.fresh, **{**BASE, **own}) for name, _, own in plan}
+    refs = json.loads(Path(args.size_references).read_text())["runs"] if args.size_references else {}
+    reused = {name: r for name, _, own in plan if (r := reference_run(refs, name, own)) is not None}
+    runs = {name: reused.get(name) or train_once(out, name, args.fresh, **{**BASE, **own}) for name, _, own in plan}
     rows = []
     for name, ref, own in plan:
         r, base = runs[name], runs[ref]
@@ -171,6 +207,8 @@ def benchmark(args: argparse.Namespace) -> None:
         "outer step: 4 islands",
         notes=["one seed unless named, one torch thread per run; gap and bytes against the run in 'vs' (same "
                "steps)",
+               *([f"taken from {args.size_references} (trained before, code unchanged): {', '.join(reused)}"]
+                 if reused else []),
                " ".join(["command: python bench/beyond.py", *argv_of(args)])])
     print(table)
 

@@ -2,10 +2,12 @@
 
     python bench/same_numbers.py --write     # record the reference (on the code before the change)
     python bench/same_numbers.py             # run the same set again and compare with the reference
+    python bench/same_numbers.py --only sparseloco --write   # record (or compare) some runs; the others kept
 
 A fixed set of small runs through the ``atoll train`` command (micro model, 512-token vocabulary, a few
-dozen inner steps, one torch thread): ddp, diloco, streaming int4 with error feedback, demo, decoupled with
-failures and unequal speeds, the collective runtime with 2 islands x 2 ranks, and for each a resume (the
+dozen inner steps, one torch thread): ddp, diloco, streaming int4 with error feedback, demo, sparseloco,
+decoupled with failures and unequal speeds, the collective runtime with 2 islands x 2 ranks, and for each a
+resume (the
 run's folder as it was at its half-way checkpoint, then ``--resume`` to the end, which must give the whole
 run's numbers). Every number of every ``summary.json`` that does not measure time is compared exactly
 (floats as their ``repr``); measured seconds (``wall_s``, ``compute_s``, ``codec_s``, ``startup_s``,
@@ -13,7 +15,9 @@ run's numbers). Every number of every ``summary.json`` that does not measure tim
 measured compute and codec seconds) and the host memory measured at start-up differ from run to run and are
 left out. The reference lives in ``bench/out/same_numbers/reference.json`` of the repository
 (``--out``: another folder); the comparison is written to ``bench/out/same_numbers/results.md``. Exit status 1
-when a number differs.
+when a number differs. ``--only NAME,NAME`` runs those runs (and their resumes) alone: compared with their
+entries of the reference, or with ``--write`` recorded into it with every other entry left as it was (a change
+that means to change one strategy's numbers re-records that strategy's only).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ RUNS: dict[str, list[str]] = {
                           "--overlap-steps", "2", "--mixing-alpha", "0.5", "--codec", "int4", "--error-feedback",
                           "--codec-rounding", "stochastic"],
     "demo": ["--strategy", "demo", "--islands", "2", "--demo-topk", "8", "--demo-chunk", "16"],
+    # three islands: the median-norm clip takes the middle one's norm
+    "sparseloco": ["--strategy", "sparseloco", "--islands", "3", "--sync-every", "10", "--sparseloco-chunk", "1024",
+                   "--sparseloco-topk", "16"],
     "decoupled_chaos_speeds": ["--strategy", "decoupled", "--islands", "3", "--sync-every", "8", "--fragments", "2",
                                "--island-speeds", "1,0.5,1", "--chaos", "1.5:0.3", "--codec", "int8",
                                "--sim-step-s", "0.1"],
@@ -91,10 +98,11 @@ def numbers(summary: dict[str, Any]) -> dict[str, str]:
     return flat
 
 
-def run_all(cwd: Path) -> dict[str, dict[str, str]]:
-    """Every run of :data:`RUNS`, whole and resumed; their comparable numbers."""
+def run_all(cwd: Path, names: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
+    """The runs ``names`` of :data:`RUNS` (all by default), whole and resumed; their comparable numbers."""
     results: dict[str, dict[str, str]] = {}
-    for name, flags in RUNS.items():
+    for name in names or list(RUNS):
+        flags = RUNS[name]
         print(f"[same_numbers] {name}", file=sys.stderr, flush=True)
         whole = _train([*COMMON, *flags, "--steps", str(STEPS), "--checkpoint-every", str(STEPS // 2),
                         "--out", f"{name}"], cwd)
@@ -129,19 +137,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="record the reference instead of comparing")
     parser.add_argument("--out", type=Path, default=out, help=f"folder of the reference and results [{out}]")
+    parser.add_argument("--only", default=None, help=f"comma-separated runs of {', '.join(RUNS)} (and their "
+                        "resumes): only these, the reference's other entries kept [all]")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as cwd:
-        now = run_all(Path(cwd))
-    args.out.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(RUNS)
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names:
+        print(f"same_numbers: error: only: {unknown[0] if unknown else 'no run'} is not a run; pass --only with "
+              f"some of {', '.join(RUNS)}", file=sys.stderr)
+        return 2
     ref_path = args.out / "reference.json"
+    with tempfile.TemporaryDirectory() as cwd:
+        now = run_all(Path(cwd), names)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.write:
-        ref_path.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {ref_path}: {sum(len(v) for v in now.values())} numbers of {len(now)} runs")
+        kept = json.loads(ref_path.read_text()) if args.only and ref_path.is_file() else {}
+        ref_path.write_text(json.dumps({**kept, **now}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {ref_path}: {sum(len(v) for v in now.values())} numbers of {len(now)} runs"
+              + (f" ({len(kept)} other entries kept)" if kept else ""))
         return 0
     reference = json.loads(ref_path.read_text())
+    if args.only:
+        reference = {run: v for run, v in reference.items() if run in now}
     diffs = compare(reference, now)
     total = sum(len(v) for v in reference.values())
-    lines = ["### Same numbers (`python bench/same_numbers.py`)", "",
+    command = " ".join(["python bench/same_numbers.py", *(["--only", args.only] if args.only else [])])
+    lines = [f"### Same numbers (`{command}`)", "",
              f"{len(reference)} runs, {total} numbers compared with the reference: "
              + ("all equal, bit for bit." if not diffs else f"{len(diffs)} differ:"), ""]
     lines += [f"- {d}" for d in diffs]

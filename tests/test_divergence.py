@@ -345,8 +345,9 @@ def _assert_stopped(r, out: Path, step: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--strategy", "ddp", "--islands", "1", "--lr", "10"],
                                    ["--strategy", "demo", "--islands", "2", "--demo-lr", "10"],
-                                   ["--strategy", "diloco", "--islands", "2", "--sync-every", "1", "--lr", "10"]],
-                         ids=["ddp", "demo", "diloco"])
+                                   ["--strategy", "diloco", "--islands", "2", "--sync-every", "1", "--lr", "10"],
+                                   ["--strategy", "sparseloco", "--islands", "2", "--sync-every", "1", "--lr", "10"]],
+                         ids=["ddp", "demo", "diloco", "sparseloco"])
 def test_a_huge_learning_rate_stops_with_one_line_and_keeps_a_summary(tmp_path, corpus_file, cache_dir,
                                                                        flags) -> None:
     # before: a traceback (OverflowError in the perplexity) and no summary; then exit 0 with a loss in the
@@ -379,7 +380,7 @@ def test_too_many_resets_stop_the_run(tmp_path, corpus_file, cache_dir, fault_ho
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "diloco", "streaming", "demo", "decoupled"])
+@pytest.mark.parametrize("strategy", ["ddp", "diloco", "sparseloco", "streaming", "demo", "decoupled"])
 def test_a_run_resets_a_diverged_island_and_shows_it(tmp_path, corpus_file, cache_dir, fault_hook,
                                                      strategy) -> None:
     fault_hook("weights:1:3")

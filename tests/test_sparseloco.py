@@ -84,7 +84,7 @@ def _round(k: int, h: int, **cfg):
 
 def test_density_one_no_quantization_no_memory_is_parameter_averaging() -> None:
     comm, islands, strategy = _round(3, 3, sparseloco_topk=256, sparseloco_chunk=256, sparseloco_bits=32,
-                                     sparseloco_beta=0.0)
+                                     sparseloco_beta=0.0, sparseloco_clip="none")
     assert strategy.config.outer_lr == 1.0 and strategy.config.outer_momentum == 0.0  # the strategy's defaults
     expected = torch.stack([i.flat_params() for i in islands]).mean(0)
     strategy.outer_step(3)
@@ -97,7 +97,8 @@ def test_density_one_no_quantization_no_memory_is_parameter_averaging() -> None:
 
 def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -> None:
     k, h, beta = 2, 2, 0.9
-    comm, islands, strategy = _round(k, h, sparseloco_topk=4, sparseloco_chunk=64, sparseloco_beta=beta)
+    comm, islands, strategy = _round(k, h, sparseloco_topk=4, sparseloco_chunk=64, sparseloco_beta=beta,
+                                     sparseloco_clip="none")
     previous = [torch.randn(strategy.compressor.numel, generator=torch.Generator().manual_seed(i)) * 1e-3
                 for i in range(k)]
     for e, p in zip(strategy.error, previous, strict=True):
@@ -159,15 +160,49 @@ def test_each_entry_is_averaged_over_the_islands_that_sent_it() -> None:
     c = SparseCompressor([(1, 2)], 4, 2, bits=32)
     payloads = [c.compress(torch.tensor([1.0, 0.0])), c.compress(torch.tensor([0.0, 1.0]))]
     assert c.aggregate(payloads, [1.0, 1.0]).tolist() == [1.0, 1.0]
-    assert c.aggregate(payloads, [1.0, 1.0], mode="all").tolist() == [0.5, 0.5]  # the setting: atoll's old rule
     both = [c.compress(torch.tensor([3.0, 0.0])), c.compress(torch.tensor([1.0, 0.0]))]
-    assert c.aggregate(both, [1.0, 3.0]).tolist() == [1.5, 0.0]  # senders weighed by tokens: (3 + 3) / 4
+    assert c.aggregate(both, [1.0, 3.0], clip="none").tolist() == [1.5, 0.0]  # senders weighed by tokens: (3 + 3) / 4
     assert c.aggregate([payloads[0], both[0]], [1.0, 0.0]).tolist() == [1.0, 0.0]  # weight 0 counts nowhere
+
+
+def test_each_payload_is_clipped_to_the_median_norm_per_tensor_before_the_mean() -> None:
+    # Templar's batch_decompress(clip_norm=True): two tensors, a 1x2 matrix (top-1) and a vector of 2 (chunk 4,
+    # side 2: one run of 2, k = round(2 * 2 / 4) = 1). Islands A, B, C send the matrix values 4, 1, 2 at
+    # entries 0, 0, 1 and the vector values 1, 1, 1 at entry 0: the matrix norms are 4, 1, 2, median 2, so A's
+    # 4 becomes 2 (B and C are not scaled up): entry 0 is mean(2, 1) = 1.5, entry 1 is C's 2; the vector's
+    # norms are all 1, so nothing changes there (the clip is per tensor, not over the whole payload)
+    c = SparseCompressor([(1, 2), 2], 4, 2, bits=32)
+    xs = [[4.0, 0.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0], [0.0, 2.0, 1.0, 0.0]]
+    payloads = [c.compress(torch.tensor(x)) for x in xs]
+    assert c.aggregate(payloads, [1.0] * 3).tolist() == pytest.approx([1.5, 2.0, 1.0, 0.0], rel=1e-7)
+    assert c.aggregate(payloads, [1.0] * 3, clip="none").tolist() == [2.5, 2.0, 1.0, 0.0]  # the release's
+    # an even count: torch.median's lower middle value; norms 1 and 3 -> 1, so the 3 is scaled to 1
+    two = [c.compress(torch.tensor([1.0, 0.0, 0.0, 0.0])), c.compress(torch.tensor([0.0, 3.0, 0.0, 0.0]))]
+    assert c.aggregate(two, [1.0, 1.0]).tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0], rel=1e-7)
+    # a payload of weight 0 takes no part in the median: B alone has the median
+    assert c.aggregate(payloads, [0.0, 1.0, 0.0]).tolist() == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="clip"):
+        c.aggregate(payloads, [1.0] * 3, clip="mean")
+
+
+def test_a_round_clips_to_the_median_norm_by_default() -> None:
+    comm, islands, strategy = _round(3, 1, sparseloco_topk=1, sparseloco_chunk=4096, sparseloco_bits=32,
+                                     sparseloco_beta=0.0)
+    assert strategy.config.sparseloco_clip == "median"
+    for island, size in zip(islands, (4.0, 1.0, 2.0), strict=True):  # one entry each, norms 4, 1 and 2
+        flat = strategy.outer.params.detach().clone()
+        flat[0] -= size
+        island.set_flat_params(flat)
+    before = strategy.global_params()
+    strategy.outer_step(1)
+    step = before - strategy.global_params()
+    assert float(step[0]) == pytest.approx((2.0 + 1.0 + 2.0) / 3, rel=1e-6)  # the 4 clipped to the median 2
+    assert float(step[1:].abs().max()) < 1e-6
 
 
 def test_a_round_takes_the_senders_mean() -> None:
     comm, islands, strategy = _round(2, 1, sparseloco_topk=1, sparseloco_chunk=4096, sparseloco_bits=32,
-                                     sparseloco_beta=0.0)
+                                     sparseloco_beta=0.0)  # both norms 1: the clip changes nothing
     for island, sign in zip(islands, (1.0, -1.0), strict=True):  # disjoint selections: entry 0 and entry 1
         flat = strategy.outer.params.detach().clone()
         flat[0 if sign > 0 else 1] -= 1.0
@@ -210,10 +245,26 @@ def test_one_d_tensors_keep_about_one_entry_per_run() -> None:
     assert old.kept_real == 64 + 64 + 30  # the old rule sent most of every short vector
 
 
+def test_templars_k_keeps_topk_in_every_tile_at_most_the_tile() -> None:
+    # Templar's compress: k = min(topk, tile) (a setting). A vector of 8 at chunk 16 (side 4), top-4: runs of 4
+    # go whole (the release keeps 1 per run); a 2x4 matrix is one 2x4 tile of 8: 4 kept, where the release
+    # keeps round(4 * 8 / 16) = 2
+    x = torch.tensor([1.0, -3, 2, 0.5, 5, 4, -6, 1])
+    vector = SparseCompressor([8], 16, 4, bits=32, tile_k="topk")
+    assert vector.decompress(vector.compress(x)).tolist() == x.tolist() and vector.density == 1.0
+    matrix = SparseCompressor([(2, 4)], 16, 4, bits=32, tile_k="topk")
+    assert matrix.decompress(matrix.compress(x)).view(2, 4).tolist() == [[0, -3, 0, 0], [5, 4, -6, 0]]
+    release = SparseCompressor([(2, 4)], 16, 4, bits=32)
+    assert release.decompress(release.compress(x)).view(2, 4).tolist() == [[0, 0, 0, 0], [5, 0, -6, 0]]
+    assert SparseCompressor([(64, 64), 64], 4096, 64, tile_k="topk").kept == 64 + 64  # the norm of 64 whole
+    with pytest.raises(ConfigError, match="sparseloco_tile_k"):
+        build_config(overrides={"strategy": "sparseloco", "sparseloco_tile_k": "topk", "sparseloco_layout": "flat"})
+
+
 def test_the_outer_rate_goes_into_the_accumulator_and_into_the_step() -> None:
     rate, beta = 0.5, 0.5
     comm, islands, strategy = _round(2, 2, sparseloco_topk=256, sparseloco_chunk=256, sparseloco_bits=32,
-                                     sparseloco_beta=beta, outer_lr=rate)
+                                     sparseloco_beta=beta, outer_lr=rate, sparseloco_clip="none")
     previous = [torch.full((strategy.compressor.numel,), 1e-3 * (i + 1)) for i in range(2)]
     for e, p in zip(strategy.error, previous, strict=True):
         e.copy_(p)

@@ -96,6 +96,8 @@ def test_quick_suite_reuses_finished_runs(quick_suite: tuple[Path, str], corpus_
 
     rows = [row["run"] for row in json.loads((out / "results.json").read_text())["rows"]]
     assert "ddp" in rows and "one_island" in rows and len(rows) > 2  # --only keeps the other finished rows
+    # the command line written is the one that ran, --only included
+    assert "command: atoll bench suite --quick --only ddp,diloco_int4 " in (out / "results.md").read_text()
 
 
 @pytest.mark.parametrize("args,field", [(["--only", "nope"], "only"), (["--steps", "0"], "steps"),

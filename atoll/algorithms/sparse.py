@@ -1,5 +1,6 @@
 """SparseLoCo's compressor: top-k per tile of each parameter, values quantized to 2 bits, the exact size,
-and the reference's aggregation (each entry averaged over the islands that sent it).
+and the reference's aggregation (each island's payload clipped to the median norm, then each entry averaged
+over the islands that sent it).
 
 Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-training with SparseLoCo"
 (arXiv:2508.15706), §3, as its released code and Templar's ``compress.py`` compute it:
@@ -8,9 +9,11 @@ Sarfi, Thérien, Lidin, Belilovsky 2025, "Communication Efficient LLM Pre-traini
   ``s = sqrt(chunk)`` (64 for 4096). A parameter of ndim >= 2, viewed as (rows, cols = prod(rest)), is cut
   into ``h x w`` tiles, ``h`` the largest divisor of rows that is <= s and ``w`` the same for cols; a 1-D
   parameter (n,) into runs of ``w`` (the largest divisor of n that is <= s). In every tile the
-  ``k_t = max(1, round(topk * h * w / chunk))`` entries of largest magnitude are kept (k scaled to the
-  tile: 64 in a 64 x 64 tile at top-64/4096, about one per 1-D run of 64). The reference clamps k to at
-  least 2 and an even number for its 12-bit index packing; atoll packs indices as whole bytes and keeps 1.
+  ``k_t = max(1, round(topk * h * w / chunk))`` entries of largest magnitude are kept (``tile_k="scaled"``,
+  the release's rule: k scaled to the tile, 64 in a 64 x 64 tile at top-64/4096, about one per 1-D run of
+  64). Templar's ``compress`` keeps ``min(topk, h * w)`` in every tile instead (``tile_k="topk"``, a
+  setting: a 1-D run of 64 at top-64 goes whole, a 44 x 64 tile keeps 64), clamped to at least 2 and an
+  even number for its 12-bit index packing; atoll packs indices as whole bytes and keeps 1.
 * Flat chunks (``layout="flat"``, atoll's earlier rule, a setting): each parameter's slice of the flat vector
   is cut into ``ceil(numel / chunk)`` contiguous chunks, the last padded with zeros, ``topk`` kept in every
   chunk even a short one (so norms and biases send most of themselves every round).
@@ -21,11 +24,20 @@ Lloyd quantizer of the magnitudes with the sign (a tile of equal magnitudes is e
 two float32 per tile. The rounding error stays in the sender's error-feedback accumulator and is sent later
 (SparseLoCo §3). ``bits=32`` sends the kept values as float32 instead, for the identities and studies.
 
-Aggregation (:meth:`SparseCompressor.aggregate`): the reference decompresses every island's payload with
-``scatter_reduce(reduce="mean", include_self=False)``: an entry is the mean over the islands that *sent* it,
-not over all islands (two islands, top-1 of (1, 0) and (0, 1): the aggregate is (1, 1), not (0.5, 0.5)).
-atoll weighs each sender by its tokens (equal tokens: the reference exactly); ``mode="all"`` is the plain
-weighted mean over every island (atoll's earlier rule, a setting).
+Aggregation (:meth:`SparseCompressor.aggregate`), as Templar's ``TopKCompressor.batch_decompress`` (with
+``clip_norm=True``, what its ``outer_step`` always passes) computes it, in two steps:
+
+1. Median-norm clipping (``clip="median"``): for every parameter tensor, each island's decoded values are
+   scaled by ``min(1, m / (‖v_i‖ + 1e-8))``, where ``‖v_i‖`` is the L2 norm of the values island i sent for
+   that tensor and ``m`` the median of those norms over the islands (``torch.median``: the lower of the two
+   middle values for an even count). No island's payload outweighs the typical one; none is scaled up.
+   ``clip="none"`` skips it (the SparseLoCo release's plain scatter-mean; a setting).
+2. The senders' mean: ``scatter_reduce(reduce="mean", include_self=False)``: an entry is the mean over the
+   islands that *sent* it, not over all islands (two islands, top-1 of (1, 0) and (0, 1): the aggregate is
+   (1, 1), not (0.5, 0.5)). atoll weighs each sender by its tokens (equal tokens: the reference exactly).
+
+Dividing by every island (atoll's rule before issue 24) measured 6% worse on the micro model
+(bench/out/beyond_w24/results.md: 4.079 against 3.843) and is gone.
 
 Bytes of one payload, for ``C`` tiles and ``n = sum of k_t`` kept entries (``index_bytes`` 1, 2 or 4: the
 smallest signed integer that holds the largest tile's ``h * w - 1``)::
@@ -44,9 +56,15 @@ import torch
 from atoll.algorithms.dct import _as_2d_shape, index_dtype_for, largest_divisor_at_most
 from atoll.algorithms.demo_payload import pack_2bit, unpack_2bit
 
-__all__ = ["LAYOUTS", "SparseCompressor"]
+__all__ = ["CLIPS", "LAYOUTS", "TILE_KS", "SparseCompressor"]
 
 LAYOUTS = ("tiles", "flat")
+#: how many entries a tile smaller than a full one keeps (module docstring)
+TILE_KS = ("scaled", "topk")
+#: how each island's payload is clipped before the senders' mean (module docstring)
+CLIPS = ("median", "none")
+#: Templar's guard against a zero norm in the clip factor
+CLIP_EPS = 1e-8
 
 
 def _tiles_of(shape: Sequence[int], offset: int, side: int) -> torch.Tensor:
@@ -69,19 +87,23 @@ class SparseCompressor:
         topk: entries kept per full tile or chunk (1 <= topk <= chunk).
         bits: 2 (sign + one of two per-tile magnitude levels) or 32 (float32 values).
         layout: ``"tiles"`` (the reference) or ``"flat"`` (contiguous chunks; module docstring).
+        tile_k: ``"scaled"`` (k scaled to a smaller tile: the release) or ``"topk"`` (``min(topk, tile)``:
+            Templar); tiles only.
 
     Raises:
         ValueError: a setting out of range, or ``chunk`` not a square with ``layout="tiles"``.
     """
 
     def __init__(self, shapes: Sequence[Sequence[int] | int], chunk: int, topk: int, bits: int = 2,
-                 layout: str = "tiles") -> None:
+                 layout: str = "tiles", tile_k: str = "scaled") -> None:
         if not 1 <= topk <= chunk:
             raise ValueError(f"topk {topk} must lie in 1..chunk ({chunk})")
         if bits not in (2, 32):
             raise ValueError(f"bits must be 2 or 32, not {bits}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+        if tile_k not in TILE_KS:
+            raise ValueError(f"tile_k must be one of {', '.join(TILE_KS)}, not {tile_k!r}")
         side = math.isqrt(chunk)
         if layout == "tiles" and side * side != chunk:
             raise ValueError(f"chunk {chunk} is not a square (tiles of side sqrt(chunk)); pass 4096 (64 x 64), "
@@ -90,13 +112,15 @@ class SparseCompressor:
         self.numel, self.chunk, self.topk, self.bits, self.layout = sum(math.prod(d) for d in dims), chunk, topk, \
             bits, layout
         groups: dict[tuple[int, int], list[torch.Tensor]] = {}  # (tile elements, k) -> tiles' positions
+        #: the end of each parameter in the flat vector, (P,) int64 (the clip's per-tensor norms)
+        self.ends = torch.tensor([math.prod(d) for d in dims], dtype=torch.int64).cumsum(0)
         offset = 0
         for d in dims:
             n = math.prod(d)
             if layout == "tiles":
                 tiles = _tiles_of(d, offset, side)
                 e = tiles.shape[1]
-                k = min(e, max(1, round(topk * e / chunk)))
+                k = min(e, max(1, round(topk * e / chunk)) if tile_k == "scaled" else topk)
             else:  # padding points at index numel (a zero that is never sent as a value)
                 pos = torch.arange(offset, offset + math.ceil(n / chunk) * chunk)
                 tiles, e, k = torch.where(pos < offset + n, pos, torch.tensor(self.numel)).view(-1, chunk), chunk, topk
@@ -195,31 +219,41 @@ class SparseCompressor:
         out[pos] = vals
         return out[:-1]
 
-    def aggregate(self, payloads: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
-                  mode: str = "senders") -> torch.Tensor:
-        """The islands' combined update, float32 (numel,).
+    def parameter_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The parameter index (0..P-1) of each flat position, int64 of the same shape; a flat chunk's padding
+        (position ``numel``) gets index P."""
+        return torch.bucketize(positions, self.ends, right=True)
 
-        ``mode="senders"`` (the reference): each entry is the weighted mean of the values of the islands that
-        sent it, ``sum_i w_i v_i / sum_i w_i`` over senders i of that entry (0 where nobody sent it);
-        with equal weights the reference's ``scatter_reduce(mean, include_self=False)``. ``mode="all"``:
-        ``sum_i w_i C_i / sum_i w_i`` over every island. Payloads of weight 0 count nowhere.
+    def aggregate(self, payloads: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
+                  clip: str = "median") -> torch.Tensor:
+        """The islands' combined update, float32 (numel,) (module docstring, "Aggregation").
+
+        With ``clip="median"`` each island's values for a parameter tensor are first scaled by
+        ``min(1, m / (‖v_i‖ + 1e-8))``, ``m`` the median over the islands of those norms (Templar's
+        ``batch_decompress(clip_norm=True)``); then each entry is the weighted mean of the values of the islands
+        that sent it, ``sum_i w_i v_i / sum_i w_i`` over senders i of that entry (0 where nobody sent it); with
+        equal weights the reference's ``scatter_reduce(mean, include_self=False)``. Payloads of weight 0 count
+        nowhere, in the median neither.
 
         Raises:
-            ValueError: no positive weight, an unknown mode, or a malformed payload.
+            ValueError: no positive weight, an unknown clip, or a malformed payload.
         """
-        if mode not in ("senders", "all"):
-            raise ValueError(f"aggregate mode must be 'senders' or 'all', not {mode!r}")
-        total = sum(w for w in weights if w > 0)
-        if total <= 0:
+        if clip not in CLIPS:
+            raise ValueError(f"aggregate clip must be one of {', '.join(CLIPS)}, not {clip!r}")
+        live = [(payload, w) for payload, w in zip(payloads, weights, strict=True) if w > 0]
+        if not live:
             raise ValueError("sparseloco aggregate: no payload has a positive weight")
+        decoded = [self.positions_and_values(payload) for payload, _ in live]
+        if clip == "median":
+            tensors = len(self.ends) + 1  # and the padding's bucket
+            owner = [self.parameter_of(pos) for pos, _ in decoded]
+            norms = torch.stack([torch.zeros(tensors).index_add_(0, o, vals.square()).sqrt()
+                                 for o, (_, vals) in zip(owner, decoded, strict=True)])  # (islands, tensors)
+            factor = (norms.median(dim=0).values / (norms + CLIP_EPS)).clamp(max=1.0)
+            decoded = [(pos, vals * f[o]) for (pos, vals), f, o in zip(decoded, factor, owner, strict=True)]
         num = torch.zeros(self.numel + 1, dtype=torch.float64)
         den = torch.zeros(self.numel + 1, dtype=torch.float64)
-        for payload, w in zip(payloads, weights, strict=True):
-            if w <= 0:
-                continue
-            pos, vals = self.positions_and_values(payload)
+        for (pos, vals), (_, w) in zip(decoded, live, strict=True):
             num.index_add_(0, pos, vals.double() * w)
             den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
-        if mode == "all":
-            return (num[:-1] / total).float()
         return torch.where(den[:-1] > 0, num[:-1] / den[:-1].clamp(min=1e-300), 0.0).float()

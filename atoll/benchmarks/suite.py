@@ -335,7 +335,7 @@ def run_suite(args: argparse.Namespace) -> int:
                 summaries[name] = train_once(suite_dir, name, False, tag="suite", **s)
         names = [n for n, _, _ in runs() if n in used]
         summaries = {n: summaries[n] for n in names if n in summaries}  # in the suite's order
-    flags = [("--steps", args.steps), ("--data", args.data), ("--cache-dir", args.cache_dir),
+    flags = [("--only", args.only), ("--steps", args.steps), ("--data", args.data), ("--cache-dir", args.cache_dir),
              ("--vocab-size", args.vocab_size), ("--out", args.out)]
     command = "atoll bench suite" + (" --quick" if args.quick else "") + "".join(
         f" {flag} {value}" for flag, value in flags if value is not None)

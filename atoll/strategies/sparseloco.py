@@ -6,24 +6,28 @@ inner steps each island i forms its pseudo-gradient Δ_i = θ_global − θ_i an
 error-feedback accumulator with the outer rate α, ``e_i ← β e_i + α Δ_i``; it sends only the top-k of every
 tile of ``e_i`` with 2-bit values (:class:`~atoll.algorithms.sparse.SparseCompressor`: 64 x 64 tiles, 1-D
 runs of 64) and keeps the rest, ``e_i ← e_i − C(e_i)``. The islands all-gather the sparse payloads; each
-entry is averaged over the islands that sent it (token-weighted; the reference's scatter-mean,
-:meth:`~atoll.algorithms.sparse.SparseCompressor.aggregate`), and the outer step is plain descent with the
-rate again, ``θ_global ← θ_global − α · agg`` (the reference puts α into the accumulator and into the step;
-SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island restarts from the new
-global parameters. Rounds, divergence and resets: :class:`~atoll.strategies.rounds.OuterRounds`, as diloco.
+island's values for a parameter tensor are clipped to the median over the islands of their L2 norm, then each
+entry is averaged over the islands that sent it (token-weighted; Templar's ``batch_decompress`` with
+``clip_norm=True``, :meth:`~atoll.algorithms.sparse.SparseCompressor.aggregate`), and the outer step is plain
+descent with the rate again, ``θ_global ← θ_global − α · agg`` (the reference puts α into the accumulator
+and into the step; SparseLoCo's defaults here: α = ``outer_lr`` = 1, no outer momentum). Every island
+restarts from the new global parameters. Rounds, divergence and resets:
+:class:`~atoll.strategies.rounds.OuterRounds`, as diloco.
 
-Where atoll differs from the reference, by a setting: ``sparseloco_aggregate = "all"`` (divide by every
-island: atoll's earlier rule) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule);
-atoll weighs senders by tokens (equal tokens: the reference) and keeps one entry where the reference's
-12-bit index packing keeps at least two.
+Where atoll differs from the reference, by a setting: ``sparseloco_clip = "none"`` (no median-norm clip: the
+plain scatter-mean), ``sparseloco_tile_k = "topk"`` (Templar's k in small tiles, where the default scales k as
+the release does) and ``sparseloco_layout = "flat"`` (contiguous chunks: atoll's earlier rule); atoll
+weighs senders by tokens (equal tokens: the reference), keeps one entry where the reference's 12-bit index
+packing keeps at least two, and quantizes values to two magnitude levels per tile with their signs where the
+reference uses four bins per tensor (docs/concepts.md).
 
 Bytes per island per round: a ring all-gather of one payload, ``(K − 1) × payload`` (plus 4 bytes for the
 token weight), with the payload's exact size from
 :meth:`~atoll.algorithms.sparse.SparseCompressor.payload_bytes`.
 
-With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32`` and ``sparseloco_beta = 0``
-the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a round is plain parameter
-averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
+With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32``, ``sparseloco_beta = 0`` and
+``sparseloco_clip = "none"`` the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a
+round is plain parameter averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 class SparseLoCoConfig(RoundsConfig, AdamWSection):
     """SparseLoCo's config: H, the inner AdamW, the outer step (plain averaged descent by default: the
     accumulator replaces the outer momentum, SparseLoCo §3) and its own top-k per chunk, chunk, accumulator
-    decay, value bits, layout and aggregation (it compresses its own way: no codec)."""
+    decay, value bits, layout, k in small tiles and clip (it compresses its own way: no codec)."""
 
     outer_lr: float = Field(1.0, gt=0)
     outer_momentum: float = Field(0.0, ge=0, lt=1)
@@ -73,17 +77,22 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         "tiles", description="sparseloco: how tensors are cut: tiles (the reference: 2-D tensors into tiles of "
         "at most sqrt(chunk) x sqrt(chunk), the largest divisors of each side, k scaled to the tile; 1-D tensors "
         "into runs of at most sqrt(chunk)) or flat (contiguous chunks of chunk elements, topk in each).")
-    sparseloco_aggregate: Literal["senders", "all"] = Field(
-        "senders", description="sparseloco: each entry averaged over the islands that sent it (senders: the "
-        "reference's scatter-mean) or over every island (all).")
+    sparseloco_tile_k: Literal["scaled", "topk"] = Field(
+        "scaled", description="sparseloco: entries kept in a tile smaller than a full one: scaled to its size (the "
+        "release's rule: about one per 1-D run of sqrt(chunk)) or topk in every tile, at most the tile "
+        "(Templar's rule: norms and biases of sqrt(chunk) go whole).")
+    sparseloco_clip: Literal["median", "none"] = Field(
+        "median", description="sparseloco: before each entry is averaged over the islands that sent it, each "
+        "island's values for a tensor are scaled down to the median over the islands of their norm (median: "
+        "Templar's rule) or left as sent (none).")
 
     @model_validator(mode="after")
     def _chunks_fit(self) -> SparseLoCoConfig:
         """A chunk must hold the top-k it keeps; values are 2 or 32 bits.
 
         Raises:
-            ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, or a chunk that
-                is not a square with tiles.
+            ValueError: ``sparseloco_topk`` > ``sparseloco_chunk``, ``sparseloco_bits`` not 2 or 32, a chunk that
+                is not a square with tiles, or Templar's k in small tiles without tiles.
         """
         if self.sparseloco_bits not in (2, 32):
             raise ValueError(f"sparseloco_bits: {self.sparseloco_bits} is not 2 or 32; pass --sparseloco-bits 2 "
@@ -92,6 +101,9 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         if self.sparseloco_layout == "tiles" and side * side != self.sparseloco_chunk:
             raise ValueError(f"sparseloco_chunk: {self.sparseloco_chunk} is not a square, as tiles need; pass "
                              "--sparseloco-chunk 4096 (64 x 64 tiles), 1024 (32 x 32), ... or --sparseloco-layout flat")
+        if self.sparseloco_tile_k != "scaled" and self.sparseloco_layout != "tiles":
+            raise ValueError(f"sparseloco_tile_k: {self.sparseloco_tile_k} applies to tiles, and the layout is "
+                             f"{self.sparseloco_layout}; drop --sparseloco-tile-k or pass --sparseloco-layout tiles")
         if self.sparseloco_topk > self.sparseloco_chunk:
             raise ValueError(f"sparseloco_topk ({self.sparseloco_topk}) exceeds a chunk's {self.sparseloco_chunk} "
                              "elements; lower --sparseloco-topk or raise --sparseloco-chunk")
@@ -120,7 +132,8 @@ class SparseLoCo(OuterRounds):
     def __init__(self, config: SparseLoCoConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
         super().__init__(config, islands, comm, seed)
         self.compressor = SparseCompressor([tuple(p.shape) for p in islands[0].params], config.sparseloco_chunk,
-                                           config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout)
+                                           config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout,
+                                           config.sparseloco_tile_k)
         self.error = [torch.zeros(self.compressor.numel) for _ in islands]
         self.sent_energy_sum, self.sent_rounds = 0.0, 0
         self.step_ratio_sum, self.step_rounds = 0.0, 0
@@ -153,7 +166,7 @@ class SparseLoCo(OuterRounds):
         weights = [float(p["weight"][0]) for p in gathered]
         if not any(w > 0 for w in weights):
             raise self.no_contribution(steps_done)
-        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_aggregate)
+        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip)
         local = [(d, w) for d, w, bad in zip(deltas, self.round_weights(), dropped, strict=True) if not bad and w > 0]
         if local:
             plain = float(torch.stack([d * w for d, w in local]).sum(0).norm()) / sum(w for _, w in local)
@@ -214,7 +227,8 @@ def project(s: Setting) -> Cost:
 SPEC = StrategySpec(
     name="sparseloco",
     summary="error-feedback accumulators' top-k per 64x64 tile, 2-bit values, all-gathered every H inner steps; "
-            "each entry averaged over its senders, plain outer descent (arXiv:2508.15706)",
+            "clipped to the median norm, each entry averaged over its senders, plain outer descent "
+            "(arXiv:2508.15706)",
     config=SparseLoCoConfig, runtimes=("local", "collective"), lockstep=SparseLoCo, project=project,
     syncs_per_h=True,
     suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
