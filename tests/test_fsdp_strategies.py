@@ -117,3 +117,25 @@ def test_sharded_streaming_checkpoint_resumes_bit_for_bit(streaming: dict, tmp_p
         assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
     in_flight = [f for name, f in _every_file(source, 10).items() if "strategy.in_flight.0.result" in f]
     assert len(in_flight) == 2  # island 0's two ranks, each its shard's slice of the fragment in flight
+
+
+@pytest.fixture(scope="module")
+def demo(seeded: tuple[Path, dict]) -> dict:
+    """demo (every step, no H), unsharded and sharded."""
+    root, settings = seeded
+    settings = {k: v for k, v in settings.items() if k != "sync_every"}
+    return {kind: (root / f"demo-{kind}", _train(settings, root / f"demo-{kind}", strategy="demo",
+                                                 shard_island=kind == "sharded"))
+            for kind in ("whole", "sharded")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sharded_demo_equals_the_unsharded_run(demo: dict) -> None:
+    """A sharded island's ranks all-gather each momentum and select from the whole tensor (sharded_demo), so
+    the payloads are the unsharded island's (measured: the same weights bit for bit here; sign-SGD could
+    turn a round-off into a step of 2 lr, which the tolerance would catch); the payload travels once per
+    island, cut over its ranks: the same bytes."""
+    (whole_dir, whole), (sharded_dir, sharded) = demo["whole"], demo["sharded"]
+    _assert_same_run(whole_dir, whole, sharded_dir, sharded)
+    assert sharded["bytes_sent_per_island"] == whole["bytes_sent_per_island"] > 0

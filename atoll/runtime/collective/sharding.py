@@ -375,6 +375,10 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
     shard_model(model, group, device, config.precision)
     if meta:
         materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
+    if optimizer is not None:  # a strategy's own: DeMo selects from whole tensors (sharded_demo)
+        from atoll.runtime.collective.sharded_demo import shard_aware
+
+        optimizer = shard_aware(optimizer)
     island = make_island(index, model, config, None, total_steps=total_steps, optimizer=optimizer,
                          island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
