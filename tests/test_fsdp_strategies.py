@@ -139,3 +139,26 @@ def test_sharded_demo_equals_the_unsharded_run(demo: dict) -> None:
     (whole_dir, whole), (sharded_dir, sharded) = demo["whole"], demo["sharded"]
     _assert_same_run(whole_dir, whole, sharded_dir, sharded)
     assert sharded["bytes_sent_per_island"] == whole["bytes_sent_per_island"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sharded_demo_checkpoint_resumes_bit_for_bit(demo: dict, tmp_path: Path) -> None:
+    """Each rank checkpoints its rows of DeMo's momentum (a DTensor like its parameter), and a run resumed at
+    step 10 writes the same files as the uninterrupted one."""
+    source, _ = demo["sharded"]
+    out = tmp_path / "resumed"
+    r = _resume_from(source, out, 10)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _every_file(source), _every_file(out)
+    assert a.keys() == b.keys() and len(a) == 6  # state, model, four ranks
+    for name in a:
+        assert a[name].keys() == b[name].keys()
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    whole = _every_file(demo["whole"][0])
+    rank0 = next(v for k, v in whole.items() if k.startswith("ranks/rank_00000/"))
+    pieces = [next(v for k, v in a.items() if k.startswith(f"ranks/rank_0000{r}/")) for r in (0, 1)]
+    momentum = [k for k in rank0 if k.endswith(".momentum")]
+    assert momentum  # the rows of each rank, together the unsharded island's momentum (to round-off)
+    for k in momentum:
+        torch.testing.assert_close(torch.cat([pieces[0][k], pieces[1][k]]), rank0[k], rtol=1e-5, atol=1e-6, msg=k)
