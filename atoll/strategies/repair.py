@@ -56,8 +56,8 @@ def reset_from_peer(comm: Comm, islands: list[Island], status: list[int], step: 
     if not donors:
         raise Diverged(step + 1, "every island's training loss is not finite (no healthy replica to reset from)")
     donor = donors[0]
-    flats = [island.flat_params() if island.index == donor  # (a sharded island's: its rank's shard)
-             else torch.zeros(sum(p.numel() for p in island.local_params())) for island in islands]
+    flats = [island.flat_params() if island.index == donor else torch.zeros(sum(p.numel() for p in island.params))
+             for island in islands]
     weights = [1.0 if island.index == donor else 0.0 for island in islands]
     params = comm.all_reduce_mean(flats, weights=weights)
     for island in islands:
