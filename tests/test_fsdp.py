@@ -222,11 +222,10 @@ def test_sharded_island_starts_without_the_whole_model(corpus_file: Path, cache_
     (["--shard-island"], "shard_island: the local runtime does not use it (only collective, service: atoll island); "
      "drop --shard-island or use --runtime collective"),
     (["--runtime", "collective", "--shard-island"], "shard_island: an island of one rank has nothing to shard"),
-    (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "streaming"],
-     "shard_island: the streaming strategy does not run on shards (only ddp, diloco and decoupled do)"),
-    (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "demo"],
-     "shard_island: the demo strategy does not run on shards"),
-], ids=["local", "one-rank", "streaming", "demo"])
+    (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "sparseloco"],
+     "shard_island: the sparseloco strategy does not run on shards (only ddp, diloco, streaming, demo and "
+     "decoupled do)"),
+], ids=["local", "one-rank", "sparseloco"])
 def test_bad_shard_config_is_refused_with_one_line(flags: list[str], start: str) -> None:
     r = run_cli("train", *flags)
     assert r.returncode == 2

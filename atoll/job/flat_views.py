@@ -34,6 +34,12 @@ class FlatViews:
         writes the parameters). A sharded island's are this rank's pieces."""
         return [p.detach() for p in self.params]
 
+    def local_fragment(self, fragment: FlatFragment) -> FlatFragment:
+        """``fragment`` (ranges of the whole model's flat vector) as ranges of this island's flat vector
+        (:meth:`flat_params`): what it holds of it, in the fragment's element order. An island that holds the
+        whole model holds all of it: the fragment itself (a sharded island's is its shard's part)."""
+        return fragment
+
     def param_views(self, fragment: FlatFragment | None = None) -> list[torch.Tensor]:
         """1-D views of every parameter, or of ``fragment``'s elements, in flat order (no copy)."""
         params = self.local_params()

@@ -120,12 +120,14 @@ class Comm(ABC):
         """
 
     @abstractmethod
-    def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
+    def all_gather(self, per_island: Sequence[Any], payload_bytes: int, replicated: bool = False) -> list[Any]:
         """Gather one payload per island from every island, in island order; blocks until done.
 
         Args:
             per_island: one payload per local island (any picklable object of tensors).
             payload_bytes: bytes one island's payload occupies on the wire.
+            replicated: every rank of an island holds the same payload, even on a sharded island (where
+                each rank's payload is otherwise its own shard's); the collective runtime then moves it once.
 
         Returns:
             The payloads of all ``islands`` islands, ordered by island index.

@@ -143,7 +143,7 @@ class LocalComm(Comm):
     def restore_work(self, result: torch.Tensor, done_at: float) -> LocalWork:
         return LocalWork(result, done_at, self.clock)
 
-    def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
+    def all_gather(self, per_island: Sequence[Any], payload_bytes: int, replicated: bool = False) -> list[Any]:
         self._check(per_island)
         sent = ring_allgather_bytes(payload_bytes, self.islands)
         self._count(sent)

@@ -96,7 +96,9 @@ class DeMoStrategy(Strategy):
                 if diverged:
                     mark_diverged(payloads[-1])
         optimizer: DeMo = self.islands[0].optimizer  # type: ignore[assignment]
-        gathered = self.comm.all_gather(payloads, payload_bytes=optimizer.bytes_per_step())
+        # the payload is of whole tensors, the same on every rank of a sharded island (its ranks select
+        # together: atoll.runtime.collective.sharded_demo), so it travels once per island
+        gathered = self.comm.all_gather(payloads, payload_bytes=optimizer.bytes_per_step(), replicated=True)
         job_status = [DIVERGED if is_marked(pls) else HEALTHY for pls in gathered]
         applied = [pls for pls, s in zip(gathered, job_status, strict=True) if s == HEALTHY]
         for island in self.islands:
@@ -134,7 +136,7 @@ SPEC = StrategySpec(
             "the average applied (DeMo, arXiv:2411.19870)",
     config=DeMoConfig, runtimes=("local", "collective"), lockstep=DeMoStrategy,
     # sign-SGD learns best at a constant rate after warmup (bench/demo_sweep.py)
-    defaults={"min_lr_ratio": 1.0}, inner_optimizer=make_optimizer, project=project,
+    defaults={"min_lr_ratio": 1.0}, inner_optimizer=make_optimizer, project=project, shards=True,
     suite=(SuiteRun("demo", "demo top-k {demo_topk} of {demo_chunk}x{demo_chunk}, 2-bit signs",
                     {"strategy": "demo"}),),
 )

@@ -82,7 +82,8 @@ class Rounds(Strategy):
     Attributes:
         outers: one outer optimizer (global parameters, float32, CPU; pinned with an accelerator) per part.
         clocks: one :class:`RoundClock` per part.
-        numel: the model's parameter count.
+        numel: the length of the island's flat vector: the model's parameter count (a sharded island's rank:
+            its shard's).
     """
 
     #: checkpoint lists with one entry per part (``streaming``), rather than the one part's entries alone
@@ -94,7 +95,7 @@ class Rounds(Strategy):
                  index: list[FlatFragment] | None = None) -> None:
         super().__init__(config, islands, comm, seed)
         self.index = index
-        self.numel = sum(p.numel() for p in islands[0].params)
+        self.numel = sum(p.numel() for p in islands[0].local_params())  # a sharded island's: its rank's shard
         pin = islands[0].device.type == "cuda"  # pinned host backups (torchft's)
         # the whole model: flat_params() (a sharded island's is its rank's shard, and takes no fragment)
         starts = [islands[0].flat_params()] if index is None else [islands[0].flat_params(frag) for frag in index]

@@ -96,7 +96,10 @@ class StreamingDiLoCo(Rounds):
 
     def __init__(self, config: StreamingConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
         shapes = [(n, tuple(p.shape)) for n, p in islands[0].named_params.items()]
-        super().__init__(config, islands, comm, seed, index=model_fragments(shapes, config.fragments))
+        # fragments are ranges of the whole model; an island holds them all, a sharded island's rank its
+        # shard's part of each (exchanged, coded and stepped per slice)
+        index = [islands[0].local_fragment(f) for f in model_fragments(shapes, config.fragments)]
+        super().__init__(config, islands, comm, seed, index=index)
         self.in_flight: list[_InFlight] = []
         self.wire = make_wire(config, comm.local_islands, seed)
 
@@ -194,7 +197,7 @@ SPEC = StrategySpec(
     summary="one fragment's pseudo-gradient at a time, quantized, overlapped with tau inner steps, mixed with "
             "alpha (arXiv:2501.18512)",
     config=StreamingConfig, runtimes=("local", "collective"), validate=validate, lockstep=StreamingDiLoCo,
-    project=project, syncs_per_h=True,
+    project=project, syncs_per_h=True, shards=True,
     suite=(SuiteRun("streaming", "streaming H={sync_every} P={fragments} {codec} tau={overlap_steps} "
                     "alpha={mixing_alpha}", {"strategy": "streaming"}),),
 )

@@ -129,17 +129,19 @@ class _Exchange:
     """
 
     def __init__(self, comm: DistComm, buf: torch.Tensor | Callable[[], torch.Tensor], gather: bool,
-                 cost: Callable[[int], float]) -> None:
+                 cost: Callable[[int], float], replicated: bool = False) -> None:
         # an all-reduce sums in place, into the buffer itself: ``buf`` is then a function that builds it (again
         # for a relaunch after a loss), so the payload is written once and never copied
         self.make = buf if callable(buf) else (lambda: buf)
         self.buf = self.make()
         self.comm, self.gather, self.length, self.cost = comm, gather, self.buf.numel(), cost
+        # a payload every rank of the island holds alike is cut into one piece per rank, sharded island or not
+        self.cut = comm.ranks_per_island if replicated else comm.cut
         self.launches = 0
         self.counted = cost(comm.islands)
         self.deadline_s = comm.floor_s  # set for the groups it is launched over (launch())
         self.started, self.relaunched = time.perf_counter(), False
-        comm._count(self.counted)
+        comm._count(self.counted, island_sum=not replicated)
         comm.resilient(self.launch)
         comm.pending.append(self)
 
@@ -157,7 +159,7 @@ class _Exchange:
         rounds = (comm.islands - 1) * (1 if self.gather else 2)
         self.deadline_s = comm.deadline_s(counted, rounds)
         comm.allow(self.deadline_s)  # the backend must not fail it first
-        r_count = comm.cut
+        r_count = self.cut
         size = -(-max(1, buf.numel()) // r_count)
         if size * r_count != buf.numel():
             buf = torch.cat([buf, buf.new_zeros(size * r_count - buf.numel())])
@@ -185,8 +187,8 @@ class _Exchange:
         comm = self.comm
         dist_call(self.handle.wait, timeout=timedelta(seconds=self.deadline_s))  # its own deadline, in user space
         local = self.parts[0][None] if len(self.parts) == 1 else torch.stack(self.parts)  # (islands or 1, shard)
-        if comm.cut > 1:
-            pieces = [torch.empty_like(local) for _ in range(comm.cut)]
+        if self.cut > 1:
+            pieces = [torch.empty_like(local) for _ in range(self.cut)]
             dist_call(dist.all_gather, pieces, local, group=comm.island_group)
             local = torch.cat(pieces, dim=1)  # shards side by side, in position order
         local = local[:, :self.length].cpu()
@@ -282,8 +284,8 @@ class DistComm(Comm):
             _set_pg_timeout(timedelta(seconds=deadline_s), group=self.cross_group)
             self.group_timeout_s = deadline_s
 
-    def _count(self, bytes_sent: float) -> None:
-        if self.sharded:  # the island's bytes: what each of its ranks sent for its shard, summed
+    def _count(self, bytes_sent: float, island_sum: bool = True) -> None:
+        if self.sharded and island_sum:  # the island's bytes: what each of its ranks sent for its shard, summed
             total = torch.tensor([bytes_sent], dtype=torch.float64, device=self.device)
             dist_call(dist.all_reduce, total, group=self.island_group)
             bytes_sent = float(total)
@@ -362,8 +364,12 @@ class DistComm(Comm):
             buf = self._buffers[key] = torch.empty(numel, dtype=torch.float32)
         return buf
 
-    def all_gather(self, per_island: Sequence[Any], payload_bytes: int) -> list[Any]:
+    def all_gather(self, per_island: Sequence[Any], payload_bytes: int, replicated: bool = False) -> list[Any]:
         """See :meth:`Comm.all_gather`. The payload's tensors travel as one byte buffer.
+
+        A sharded island's ranks each send their own payload, unless ``replicated`` (every rank of the island
+        holds the same one, e.g. demo's, selected from whole tensors): it is then cut into one piece per rank
+        and counted once, as an unsharded island's.
 
         Every island's payload must have the same structure, tensor shapes and dtypes (DeMo's do); the
         gathered payloads are rebuilt on the CPU. Counted ``(K-1) * bytes of the tensors``.
@@ -376,7 +382,8 @@ class DistComm(Comm):
         tensors = _tensors_of(template)
         parts = [_as_bytes(t) for t in tensors]
         packed = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-        rows = _Exchange(self, packed, gather=True, cost=lambda k: ring_allgather_bytes(packed.numel(), k)).result()
+        rows = _Exchange(self, packed, gather=True, cost=lambda k: ring_allgather_bytes(packed.numel(), k),
+                         replicated=replicated).result()
         sizes = [p.numel() for p in parts]
         out = []
         for row in rows:

@@ -105,6 +105,32 @@ class ShardedIsland(Island):
         with torch.no_grad():
             return [_local(p) for p in self.params]
 
+    def shard_pieces(self) -> list[tuple[int, int, int]]:
+        """Where this rank's pieces sit in the whole flat vector: per parameter whose piece is not empty,
+        ``(flat_start, flat_stop, local_start)`` (``model.parameters()`` order, flattened row-major): FSDP2's
+        ``Shard(0)`` gives it a run of whole rows, so each piece is one range. No collective."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        pieces, offset, local = [], 0, 0
+        for p in self.params:
+            shape, start = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            row = p.numel() // max(1, p.shape[0]) if p.dim() else 1
+            n = _local(p).numel()
+            if n:
+                a = offset + (start[0] * row if p.dim() else 0)
+                pieces.append((a, a + n, local))
+            offset += p.numel()
+            local += n
+        return pieces
+
+    def local_fragment(self, fragment: FlatFragment) -> FlatFragment:
+        """``fragment``'s elements this rank holds, as ranges of its shard's flat vector (:meth:`flat_params`),
+        in the fragment's element order: its pieces intersected with the fragment's ranges (the slices a
+        service island's ranks push, :func:`atoll.runtime.service.slices.shard_parts`)."""
+        from atoll.runtime.service.slices import shard_parts
+
+        return shard_parts(fragment, [self.shard_pieces()])[0].local
+
     def flat_params(self, fragment: FlatFragment | None = None) -> torch.Tensor:
         """This rank's shard, float32 on the CPU: its pieces concatenated, shape (numel of the pieces,); or
         ``fragment``'s elements of it (ranges of the shard's flat vector)."""
@@ -349,6 +375,10 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
     shard_model(model, group, device, config.precision)
     if meta:
         materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
+    if optimizer is not None:  # a strategy's own: DeMo selects from whole tensors (sharded_demo)
+        from atoll.runtime.collective.sharded_demo import shard_aware
+
+        optimizer = shard_aware(optimizer)
     island = make_island(index, model, config, None, total_steps=total_steps, optimizer=optimizer,
                          island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
