@@ -360,7 +360,7 @@ def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
                                   "same_numbers", "wan", "fidelity", "gpu", "beyond", "codec_speed", "robust_merge",
-                                  "service_transfer", "survivors"])
+                                  "service_transfer", "survivors", "wan_decoupled"])
 def test_bench_scripts_run(name: str) -> None:
     r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"], capture_output=True,
                        text=True, timeout=120)

@@ -1,0 +1,126 @@
+"""The report of ``atoll bench wan-decoupled``: the table, ``atoll project``'s predictions beside the measurement,
+and ``results.json`` / ``results.md`` (through :func:`atoll.benchmarks.common.write_results`).
+
+Used by :mod:`atoll.benchmarks.wan_decoupled`; the measurements are defined in :mod:`atoll.benchmarks.wan_measures`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from atoll.benchmarks.common import Column, cell, write_results
+
+
+def _ratio(r: dict[str, Any]) -> list[float | None]:
+    """Per island: the bytes its interface sent over the bytes atoll counted (whole run)."""
+    return [tx / a if a else None for tx, a in zip(r.get("iface_tx_bytes", []), r.get("atoll_bytes", []), strict=False)]
+
+
+def _back(r: dict[str, Any]) -> float | None:
+    """Seconds from the kill until the killed island's work was merged again (decoupled), or until the survivors'
+    first exchange without it ended (synchronous: ``recovery_s``)."""
+    rec = r.get("recovery") or {}
+    if r.get("strategy") == "decoupled":
+        return rec.get("back_merged_s")
+    return (rec.get("recovery_s") or [None])[0]
+
+
+COLUMNS: list[Column] = [
+    ("run", "run"), ("Mbit/s", "mbps"), ("kill", "kill_text"), ("time to target s", "time_to_target_s"),
+    ("x sync (target)", "speedup_to_target"), ("tokens/s", "tokens_per_s"), ("x sync (tokens/s)", "tokens_per_s_ratio"),
+    ("goodput", "goodput"), ("useful tokens", "useful_tokens"), ("eval loss", "final_eval_loss"),
+    ("bytes/island (atoll)", "atoll_bytes"), ("bytes/island (iface tx)", "iface_tx_islands"),
+    ("iface/atoll", "iface_over_atoll"), ("back after kill s", "back_s"), ("load", "load_text"),
+    ("wall s", "wall_s")]
+
+
+def _table_row(r: dict[str, Any]) -> dict[str, Any]:
+    """A row as the table shows it; a failed run keeps its name and says ``FAILED``."""
+    if not r.get("ok"):
+        return {"run": r.get("run"), "mbps": r.get("mbps"), "kill_text": "FAILED"}
+    islands = r["islands"]
+    return {**r, "kill_text": f"island 1 at {r['kill_step']}" if r["kill"] else "-",
+            "iface_tx_islands": r["iface_tx_bytes"][:islands], "iface_over_atoll": _ratio(r), "back_s": _back(r),
+            "load_text": f"{r['load_start']:.1f} / {r['load_end']:.1f}"}
+
+
+def projections(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """``atoll project`` beside the measurement: per bandwidth, its prediction for this setting (the measured seconds
+    per inner step, the links, H, P, the codec) of diloco's and decoupled's step time; and at 12B over 2 and 5
+    Gbit/s (``atoll project --table``'s rows), decoupled against ddp (the paper's "conventional synchronization")
+    and against diloco."""
+    from atoll.analysis.cost import CODEC_BITS, Setting
+    from atoll.analysis.projection import PUBLISHED, project, real_scale_table
+
+    here = []
+    for mbps in sorted({r["mbps"] for r in rows}):
+        steps = [r["step_s"] for r in rows if r["mbps"] == mbps and r.get("ok") and not r["kill"]]
+        if not steps or not meta.get("params"):
+            continue
+        s = Setting(params=float(meta["params"]), step_compute_s=sum(steps) / len(steps), islands=meta["islands"],
+                    bandwidth_mbps=mbps, latency_ms=meta["delay_ms"], sync_every=meta["sync_every"],
+                    fragments=meta["fragments"], codec_bits=CODEC_BITS.get(meta["codec"], 32.0))
+        sync, dec, ddp = project(s, "diloco"), project(replace(s), "decoupled"), project(s, "ddp")
+        measured = next((r.get("tokens_per_s_ratio") for r in rows if r["mbps"] == mbps and r.get("ok")
+                         and r["strategy"] == "decoupled" and not r["kill"]), None)
+        here.append({"mbps": mbps, "step_compute_s": s.step_compute_s, "diloco_step_s": sync.step_s,
+                     "decoupled_step_s": dec.step_s, "ddp_step_s": ddp.step_s,
+                     "predicted_decoupled_over_diloco": sync.step_s / dec.step_s,
+                     "predicted_decoupled_over_ddp": ddp.step_s / dec.step_s,
+                     "measured_decoupled_over_diloco_tokens_per_s": measured})
+    at_scale = []
+    table = real_scale_table()
+    for link in ("WAN 5 Gbit/s", "WAN 2 Gbit/s"):
+        by = {r["strategy"]: r for r in table if r["model"] == "12B" and r["link"] == link}
+        at_scale.append({"model": "12B", "link": link, "decoupled_over_ddp": by["decoupled"]["speedup_vs_ddp"],
+                         "decoupled_over_diloco": by["diloco"]["step_s"] / by["decoupled"]["step_s"],
+                         "goodput_heavy_failures": {k: by[k]["goodput_heavy_failures"]
+                                                    for k in ("ddp", "diloco", "decoupled")}})
+    return {"this_setting": here, "12B": at_scale, "paper_speedup_2_5gbps": PUBLISHED["decoupled_speedup_2_5gbps"]}
+
+
+def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], projected: dict[str, Any]) -> str:
+    """``results.json`` (``meta``, ``rows``, ``projection``) and ``results.md`` in ``out``; returns the Markdown."""
+    title = (f"Decoupled DiLoCo deployed (atoll syncer + {meta['islands']} island jobs, TLS) against synchronous "
+             f"diloco (collective runtime): {meta['model']} model, H={meta['sync_every']}, {meta['steps']} steps per "
+             f"island, {meta['delay_ms']:g} ms one way, syncer link {meta['syncer_mbps']:g} Mbit/s")
+    target = next((r for r in rows if r.get("target_loss") is not None), None)
+    notes = [
+        (f"target: {target['target_loss']:.4f}, the synchronous failure-free run's held-out loss after its outer "
+         f"step at inner step {target['target_step']} (half its steps)") if target else "target: none (no diloco run)",
+        "time to target: run clock (from the first inner step) until the global model's held-out loss is at or below "
+        "it (synchronous: after each outer step, its evaluations' time taken out; decoupled: the syncer's "
+        "checkpoint after each commit, evaluated afterwards with the same batches); x sync: the synchronous run's "
+        "with the same failure over this one's",
+        "tokens/s: steady state (after every island's first H steps; synchronous until the last H boundary, "
+        "decoupled until the step budget was spent); goodput: useful tokens (merged into the global model) per "
+        "second of run clock until the last outer step or commit, over every island computing all the time at the "
+        "run's measured seconds per inner step",
+        "bytes: whole run per island; atoll = pushes (decoupled: the killed island's first job's count dies with "
+        "it) or the ring all-reduce; iface = its namespace's interface (TCP/IP, TLS, gRPC, heartbeats, step grants)",
+        "back after kill: decoupled, seconds from the SIGKILL until the restarted job's first push was merged; "
+        "synchronous, the survivors' first exchange without the lost island (recovery_s)",
+        f"load: the 1-minute load average at each run's start / end on {meta['cpus']} CPUs; uptime at the "
+        f"benchmark's start: '{meta['uptime_start']}', at its end: '{meta['uptime_end']}'; every timing is under "
+        "that load",
+    ]
+    for p in projected["this_setting"]:
+        measured = p["measured_decoupled_over_diloco_tokens_per_s"]
+        notes.append(f"atoll project, this setting at {p['mbps']:g} Mbit/s (t_c {p['step_compute_s']:.3f} s "
+                     f"measured): diloco {p['diloco_step_s']:.3f} s/step, decoupled {p['decoupled_step_s']:.3f}, "
+                     f"ddp {p['ddp_step_s']:.3f}: decoupled {p['predicted_decoupled_over_diloco']:.2f}x diloco "
+                     f"(measured {cell(measured)}x), {p['predicted_decoupled_over_ddp']:.1f}x ddp")
+    for p in projected["12B"]:
+        g = p["goodput_heavy_failures"]
+        notes.append(f"atoll project --table, 12B over {p['link']}: decoupled {p['decoupled_over_ddp']:.1f}x ddp "
+                     f"(paper: >{projected['paper_speedup_2_5gbps']:g}x at 2-5 Gbit/s), "
+                     f"{p['decoupled_over_diloco']:.2f}x diloco; goodput under heavy failures ddp {g['ddp']:.0%}, "
+                     f"diloco {g['diloco']:.0%}, decoupled {g['decoupled']:.0%}")
+    notes.append(f"command: {meta['command']}")
+    results = {"meta": meta, "rows": rows, "projection": projected}
+    return write_results(out, json.loads(json.dumps(results, default=str)), COLUMNS, [_table_row(r) for r in rows],
+                         title, notes, fmt=functools.partial(cell, mega_digits=2))
