@@ -221,6 +221,16 @@ def run_diloco(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> 
     return row
 
 
+def _step_s(summary: dict[str, Any], exclude: set[int]) -> float | None:
+    """Compute seconds per inner step of the decoupled run's islands (their mean), from the compute each reported
+    at its end; not the islands in ``exclude`` (one restarted reports its last job's compute only, one that
+    never left reports none)."""
+    wall = summary["sim_wall_s"]
+    steps = [u * wall / n for i, (u, n) in enumerate(zip(summary["island_utilization"], summary["steps_per_island"],
+                                                          strict=True)) if i not in exclude and u > 0 and n > 0]
+    return sum(steps) / len(steps) if steps else None
+
+
 def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> dict[str, Any]:
     """Decoupled DiLoCo as a syncer service and island jobs in the emulated WAN; its row."""
     s = settings(args, "decoupled")
@@ -231,7 +241,8 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
         res = run_service_in_wan(wan, flags, out, args.run_timeout_s, kill=plan)
         qdisc, forwarder = wan.qdisc_stats(), wan.delay_stats()
     row: dict[str, Any] = {"exit_codes": res["exit_codes"], "ok": res["ok"], "error": res["error"], "qdisc": qdisc,
-                           "delay_forwarder": forwarder, "kill_record": res["kill"]}
+                           "delay_forwarder": forwarder, "kill_record": res["kill"],
+                           "stuck_after_end": res["stuck_after_end"]}
     if not res["ok"]:
         return row
     summary = json.loads((out / "syncer" / "run" / "summary.json").read_text())
@@ -245,9 +256,12 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
                 "commits_evaluated": len(points), "run_s": points[-1]["run_s"] if points else wall,
                 "syncer_run_s": wall, "tokens_per_s": rate["tokens_per_s"],
                 "steady_window": rate, "useful_tokens": summary["useful_tokens"],
-                "step_s": summary["island_utilization"][0] * wall / summary["steps_per_island"][0],
+                "step_s": _step_s(summary, exclude={*res["stuck_after_end"], *([KILLED] if kill else [])}),
                 "final_eval_loss": summary["final_eval_loss"], "tokens": summary["tokens"], "params": summary["params"],
-                "atoll_bytes": summary["bytes_sent_by_island"], "status_samples": len(status),
+                # an island that never left (stuck after the end) never reported its count: None
+                "atoll_bytes": [None if i in res["stuck_after_end"] else b
+                                for i, b in enumerate(summary["bytes_sent_by_island"])],
+                "status_samples": len(status),
                 "syncer_summary": {k: summary.get(k) for k in (
                     "commits", "accepted_updates", "rejected_updates", "rejected_by_reason", "stale_updates",
                     "quorum_size_counts", "staleness_max", "refused_calls", "steps_per_island",

@@ -108,6 +108,12 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         f"benchmark's start: '{meta['uptime_start']}', at its end: '{meta['uptime_end']}'; every timing is under "
         "that load",
     ]
+    for r in rows:
+        if r.get("stuck_after_end"):
+            notes.append(f"{r['run']}: island {', '.join(map(str, r['stuck_after_end']))} did not end after the "
+                         "syncer ended the run (collective_timeout_s after the budget was spent, while its last "
+                         "pushes waited for a grace window); the harness killed it 30 s later; every token was "
+                         "merged, its own byte count never reached the syncer (-)")
     for p in projected["this_setting"]:
         measured = p["measured_decoupled_over_diloco_tokens_per_s"]
         notes.append(f"atoll project, this setting at {p['mbps']:g} Mbit/s (t_c {p['step_compute_s']:.3f} s "

@@ -176,7 +176,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
             r["target_step"], r["target_loss"] = target if target else (None, None)
             r["time_to_target_s"] = time_to_target(r["curve"], target[1]) if target else None
             r["goodput"] = goodput(r["useful_tokens"], r["run_s"], r["islands"], r["tokens_per_step"], r["step_s"]) \
-                if r.get("tokens_per_step") else None
+                if r.get("tokens_per_step") and r.get("step_s") else None
         for r in group:
             base = next((b for b in group if b["strategy"] == "diloco" and b["kill"] == r["kill"]), None)
             tt, bt = r.get("time_to_target_s"), base.get("time_to_target_s") if base else None
