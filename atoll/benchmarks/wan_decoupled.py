@@ -278,13 +278,13 @@ def one_run(args: argparse.Namespace, variant: str, mbps: float) -> dict[str, An
     out = args.out / name
     cached = out / "wan.json"
     if cached.is_file() and not args.fresh:
-        return json.loads(cached.read_text())
+        return {**json.loads(cached.read_text()), "reused": True}
     if check_benchmark_run(args.out, name, MARKERS, PATTERNS):
         clear_run_dir(out, MARKERS, PATTERNS)
     make_folder(args.out)
     register(args.out, name)
     kind, _, kill = variant.partition("-")
-    load = os.getloadavg()[0]
+    load, uptime = os.getloadavg()[0], _uptime()
     print(f"[wan-decoupled] {name}: {args.islands} islands x {args.steps} steps at {mbps:g} Mbit/s, "
           f"{args.delay_ms:g} ms one way{', island 1 killed' if kill else ''} (load {load:.1f})",
           file=sys.stderr, flush=True)
@@ -293,7 +293,7 @@ def one_run(args: argparse.Namespace, variant: str, mbps: float) -> dict[str, An
     row.update({"run": name, "variant": variant, "strategy": kind, "kill": bool(kill),
                 "kill_step": kill_step(args) if kill else None, "mbps": mbps, "delay_ms": args.delay_ms,
                 "H": args.sync_every, "steps": args.steps, "islands": args.islands, "wall_s": time.time() - t0,
-                "load_start": load, "load_end": os.getloadavg()[0]})
+                "load_start": load, "load_end": os.getloadavg()[0], "uptime_start": uptime, "uptime_end": _uptime()})
     if row["ok"]:
         cached.write_text(json.dumps(row, indent=2))
     else:
@@ -377,6 +377,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "sync_every": args.sync_every, "fragments": args.fragments, "codec": args.codec,
             "delay_ms": args.delay_ms, "syncer_mbps": args.syncer_mbps, "kill_step": kill_step(args),
             "tokens_per_step": config.tokens_per_step, "uptime_start": uptime_start, "uptime_end": _uptime(),
+            "trained_now": [r["run"] for r in rows if not r.get("reused")],
             "cpus": os.cpu_count(),
             "command": _command_line()}
     table = write_report(args.out, rows, meta, projections(rows, meta))

@@ -31,7 +31,9 @@ def _back(r: dict[str, Any]) -> float | None:
 
 COLUMNS: list[Column] = [
     ("run", "run"), ("Mbit/s", "mbps"), ("kill", "kill_text"), ("time to target s", "time_to_target_s"),
-    ("x sync (target)", "speedup_to_target"), ("tokens/s", "tokens_per_s"), ("x sync (tokens/s)", "tokens_per_s_ratio"),
+    ("x sync (target)", "speedup_to_target"), ("step s", "step_s"), ("to target, step times", "time_to_target_steps"),
+    ("x sync (step times)", "speedup_to_target_steps"), ("tokens/s", "tokens_per_s"),
+    ("x sync (tokens/s)", "tokens_per_s_ratio"),
     ("goodput", "goodput"), ("useful tokens", "useful_tokens"), ("eval loss", "final_eval_loss"),
     ("bytes/island (atoll)", "atoll_bytes"), ("bytes/island (iface tx)", "iface_tx_islands"),
     ("iface/atoll", "iface_over_atoll"), ("back after kill s", "back_s"), ("load", "load_text"),
@@ -95,7 +97,9 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "time to target: run clock (from the first inner step) until the global model's held-out loss is at or below "
         "it (synchronous: after each outer step, its evaluations' time taken out; decoupled: the syncer's "
         "checkpoint after each commit, evaluated afterwards with the same batches); x sync: the synchronous run's "
-        "with the same failure over this one's",
+        "with the same failure over this one's; step s: the run's measured compute seconds per inner step (the "
+        "load slows it); to target, step times: the time to target over that, the comparison that holds when "
+        "runs met different loads",
         "tokens/s: steady state (after every island's first H steps; synchronous until the last H boundary, "
         "decoupled until the step budget was spent); goodput: useful tokens (merged into the global model) per "
         "second of run clock until the last outer step or commit, over every island computing all the time at the "
@@ -104,9 +108,10 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "it) or the ring all-reduce; iface = its namespace's interface (TCP/IP, TLS, gRPC, heartbeats, step grants)",
         "back after kill: decoupled, seconds from the SIGKILL until the restarted job's first push was merged; "
         "synchronous, the survivors' first exchange without the lost island (recovery_s)",
-        f"load: the 1-minute load average at each run's start / end on {meta['cpus']} CPUs; uptime at the "
-        f"benchmark's start: '{meta['uptime_start']}', at its end: '{meta['uptime_end']}'; every timing is under "
-        "that load",
+        f"load: the 1-minute load average at each run's start / end on {meta['cpus']} CPUs (results.json: each "
+        f"run's uptime line where it has one); uptime at this invocation's start: '{meta['uptime_start']}', at its "
+        f"end: '{meta['uptime_end']}' ({len(meta['trained_now'])} of {len(rows)} runs trained by it, the others "
+        "reused); every timing is under that load",
     ]
     for r in rows:
         if r.get("stuck_after_end"):

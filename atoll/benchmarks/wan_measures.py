@@ -13,7 +13,9 @@ Definitions (the same for the synchronous and the decoupled run, so their ratio 
   after each commit of the decoupled syncer (its checkpoints, evaluated afterwards with the same evaluation).
 - **target loss**: the synchronous failure-free run's held-out loss after the outer step at half its inner
   steps (:func:`target_loss`); **time to target**: the first point of a curve at or below it
-  (:func:`time_to_target`; None if never).
+  (:func:`time_to_target`; None if never); **in step times**: that time over the run's own measured compute
+  seconds per inner step, so that runs measured under different loads of a shared machine compare (the load
+  slows compute, which dominates these runs, far more than it slows the shaped links).
 - **steady tokens/s**: tokens trained per second between the end of the first round (every island past H
   steps) and the last H boundary (synchronous, :func:`atoll.benchmarks.wan_report.steady_state`) or the moment
   the step budget was spent (decoupled, :func:`granted_rate`).
@@ -175,11 +177,15 @@ def compare(rows: list[dict[str, Any]]) -> None:
         for r in group:
             r["target_step"], r["target_loss"] = target if target else (None, None)
             r["time_to_target_s"] = time_to_target(r["curve"], target[1]) if target else None
+            r["time_to_target_steps"] = (r["time_to_target_s"] / r["step_s"]
+                                         if r["time_to_target_s"] is not None and r.get("step_s") else None)
             r["goodput"] = goodput(r["useful_tokens"], r["run_s"], r["islands"], r["tokens_per_step"], r["step_s"]) \
                 if r.get("tokens_per_step") and r.get("step_s") else None
         for r in group:
             base = next((b for b in group if b["strategy"] == "diloco" and b["kill"] == r["kill"]), None)
             tt, bt = r.get("time_to_target_s"), base.get("time_to_target_s") if base else None
             r["speedup_to_target"] = bt / tt if tt and bt else None
+            tt, bt = r.get("time_to_target_steps"), base.get("time_to_target_steps") if base else None
+            r["speedup_to_target_steps"] = bt / tt if tt and bt else None
             r["tokens_per_s_ratio"] = (r["tokens_per_s"] / base["tokens_per_s"]
                                        if base and r.get("tokens_per_s") and base.get("tokens_per_s") else None)
