@@ -24,6 +24,7 @@ from atoll.benchmarks.wan_measures import (
     rejoin_times,
     target_loss,
     time_to_target,
+    value_at,
 )
 from atoll.benchmarks.wan_service import island_command, syncer_certificate
 
@@ -56,6 +57,8 @@ def test_target_is_the_loss_at_half_the_steps_and_its_first_crossing() -> None:
     assert time_to_target(curve, 5.2) == 45.0  # at or below, no interpolation
     assert time_to_target(curve, 5.15) == 70.0
     assert time_to_target(curve, 4.0) is None
+    tokens = [(0.0, 0.0), (30.0, 100.0), (45.0, 150.0), (70.0, 250.0)]
+    assert value_at(tokens, 45.0) == 150.0 and value_at(tokens, 60.0) == 150.0 and value_at(tokens, -1.0) is None
 
 
 def _status(t: float, steps: list[int], merged: list[float], budget: int = 200) -> tuple[float, dict]:
@@ -98,18 +101,23 @@ def test_rejoin_times_count_the_new_job_only() -> None:
 
 
 def test_compare_sets_targets_and_speedups() -> None:
-    def row(variant: str, curve: list, tps: float) -> dict:
+    def row(variant: str, curve: list, tps: float, evals: list | None = None) -> dict:
         kind, _, kill = variant.partition("-")
         return {"ok": True, "variant": variant, "strategy": kind, "kill": bool(kill), "mbps": 10.0, "steps": 100,
-                "islands": 2, "evals": [(0, 8.0), (50, 5.0), (100, 4.0)], "curve": curve, "tokens_per_s": tps,
+                "islands": 2, "evals": evals, "curve": curve, "tokens_per_s": tps,
+                "tokens_curve": [(t, 10.0 * t) for t, _ in curve], "H": 50, "kill_step": 75,
                 "useful_tokens": 2000.0, "run_s": 100.0, "step_s": 1.0, "tokens_per_step": 10}
 
-    rows = [row("diloco", [(0.0, 8.0), (40.0, 5.0), (80.0, 4.0)], 20.0),
+    rows = [row("diloco", [(0.0, 8.0), (40.0, 5.0), (80.0, 4.0)], 20.0, [(0, 8.0), (50, 5.0), (100, 4.0)]),
             row("decoupled", [(0.0, 8.0), (20.0, 4.9)], 30.0),
-            row("diloco-kill", [(0.0, 8.0), (60.0, 5.0)], 10.0), row("decoupled-kill", [(0.0, 8.0)], 25.0)]
+            row("diloco-kill", [(0.0, 8.0), (30.0, 6.0), (60.0, 5.0)], 10.0, [(0, 8.0), (50, 6.0), (100, 5.0)]),
+            row("decoupled-kill", [(0.0, 8.0)], 25.0)]
     compare(rows)
     assert all(r["target_loss"] == 5.0 and r["target_step"] == 50 for r in rows)
     assert [r["time_to_target_s"] for r in rows] == [40.0, 20.0, 60.0, None]
+    # synchronous: the useful tokens after the outer step reached (island 1 of diloco-kill died in round 2: 50
+    # of its steps count); decoupled: its tokens curve's
+    assert [r["tokens_to_target"] for r in rows] == [1000.0, 200.0, 1500.0, None]
     assert rows[1]["speedup_to_target"] == 2.0 and rows[3]["speedup_to_target"] is None
     assert rows[1]["tokens_per_s_ratio"] == 1.5 and rows[3]["tokens_per_s_ratio"] == 2.5  # against diloco-kill
     assert rows[0]["goodput"] == pytest.approx(2000 / 100 / 20)

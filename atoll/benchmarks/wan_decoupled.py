@@ -203,10 +203,11 @@ def run_diloco(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> 
     start = next(e["time"] for e in events if e["event"] == "start")  # the run clock's 0, as diloco_curve's
     tps = _tokens_per_step(s)
     useful = float(diloco_useful_tokens(args.steps, args.islands, args.sync_every, tps,
-                                  {KILLED: kill_step(args) - 1} if kill else {}))
+                                        {KILLED: kill_step(args) - 1} if kill else {}))
     curve = diloco_curve(events)  # its last point: the final outer step, the evaluations' time taken out
+    evals = [e for e in events if e["event"] == "eval"]  # one per point of the curve
     steady = steady_state(trains, summary, res["sampler"], "diloco", args.sync_every, args.sync_every)
-    row.update({"curve": curve, "evals": [(e["step"], e["eval_loss"]) for e in events if e["event"] == "eval"],
+    row.update({"curve": curve, "evals": [(e["step"], e["eval_loss"]) for e in evals],
                 "run_s": curve[-1][0], "train_s": trains[-1]["time"] - start, "eval_s": summary.get("eval_s"),
                 "tokens_per_s": steady["tokens_per_s"], "useful_tokens": useful,
                 "step_s": summary["compute_s"] / summary["steps"],
@@ -253,6 +254,7 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
     rate = granted_rate(status, args.islands, args.sync_every, tps)
     wall = summary["sim_wall_s"]  # until every island left: the syncer's end, not the last merge
     row.update({"curve": [(0.0, summary["initial_eval_loss"])] + [(p["run_s"], p["eval_loss"]) for p in points],
+                "tokens_curve": [(0.0, 0.0)] + [(p["run_s"], p["merged_tokens"]) for p in points],
                 "commits_evaluated": len(points), "run_s": points[-1]["run_s"] if points else wall,
                 "syncer_run_s": wall, "tokens_per_s": rate["tokens_per_s"],
                 "steady_window": rate, "useful_tokens": summary["useful_tokens"],

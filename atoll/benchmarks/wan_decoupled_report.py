@@ -32,7 +32,8 @@ def _back(r: dict[str, Any]) -> float | None:
 COLUMNS: list[Column] = [
     ("run", "run"), ("Mbit/s", "mbps"), ("kill", "kill_text"), ("time to target s", "time_to_target_s"),
     ("x sync (target)", "speedup_to_target"), ("step s", "step_s"), ("to target, step times", "time_to_target_steps"),
-    ("x sync (step times)", "speedup_to_target_steps"), ("tokens/s", "tokens_per_s"),
+    ("x sync (step times)", "speedup_to_target_steps"), ("tokens to target", "tokens_to_target"),
+    ("tokens/s", "tokens_per_s"),
     ("x sync (tokens/s)", "tokens_per_s_ratio"),
     ("goodput", "goodput"), ("useful tokens", "useful_tokens"), ("eval loss", "final_eval_loss"),
     ("bytes/island (atoll)", "atoll_bytes"), ("bytes/island (iface tx)", "iface_tx_islands"),
@@ -99,7 +100,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "checkpoint after each commit, evaluated afterwards with the same batches); x sync: the synchronous run's "
         "with the same failure over this one's; step s: the run's measured compute seconds per inner step (the "
         "load slows it); to target, step times: the time to target over that, the comparison that holds when "
-        "runs met different loads",
+        "runs met different loads; tokens to target: the useful tokens in the global model when it got there",
         "tokens/s: steady state (after every island's first H steps; synchronous until the last H boundary, "
         "decoupled until the step budget was spent); goodput: useful tokens (merged into the global model) per "
         "second of run clock until the last outer step or commit, over every island computing all the time at the "

@@ -13,9 +13,10 @@ Definitions (the same for the synchronous and the decoupled run, so their ratio 
   after each commit of the decoupled syncer (its checkpoints, evaluated afterwards with the same evaluation).
 - **target loss**: the synchronous failure-free run's held-out loss after the outer step at half its inner
   steps (:func:`target_loss`); **time to target**: the first point of a curve at or below it
-  (:func:`time_to_target`; None if never); **in step times**: that time over the run's own measured compute
-  seconds per inner step, so that runs measured under different loads of a shared machine compare (the load
-  slows compute, which dominates these runs, far more than it slows the shaped links).
+  (:func:`time_to_target`; None if never); **tokens to target**: the useful tokens in the global model at that
+  point (:func:`value_at` of the tokens curve: sample efficiency apart from speed); **in step times**: the time
+  over the run's own measured compute seconds per inner step, so that runs measured under different loads of a
+  shared machine compare (the load slows compute, which dominates these runs, far more than the shaped links).
 - **steady tokens/s**: tokens trained per second between the end of the first round (every island past H
   steps) and the last H boundary (synchronous, :func:`atoll.benchmarks.wan_report.steady_state`) or the moment
   the step budget was spent (decoupled, :func:`granted_rate`).
@@ -80,6 +81,12 @@ def time_to_target(curve: Sequence[tuple[float, float]], target: float) -> float
     """The first time of ``curve`` ((seconds, loss), in time order) whose loss is at or below ``target``; None if
     it never gets there. No interpolation: the global model is that loss from that point on, not before."""
     return next((t for t, loss in curve if loss <= target), None)
+
+
+def value_at(curve: Sequence[tuple[float, float]], t: float) -> float | None:
+    """The value of ``curve`` ((seconds, value), in time order) at time ``t``: its last point at or before ``t``
+    (None before its first)."""
+    return next((v for s, v in reversed(curve) if s <= t), None)
 
 
 def granted_rate(status: Sequence[tuple[float, dict[str, Any]]], islands: int, sync_every: int,
@@ -179,6 +186,13 @@ def compare(rows: list[dict[str, Any]]) -> None:
             r["time_to_target_s"] = time_to_target(r["curve"], target[1]) if target else None
             r["time_to_target_steps"] = (r["time_to_target_s"] / r["step_s"]
                                          if r["time_to_target_s"] is not None and r.get("step_s") else None)
+            if r["strategy"] == "diloco":  # the useful tokens after each outer step (an evaluation each)
+                lost = {1: r["kill_step"] - 1} if r["kill"] else {}  # island 1, SIGKILLed as it started kill_step
+                r["tokens_curve"] = [(t, float(diloco_useful_tokens(int(step), r["islands"], r["H"],
+                                                                    r["tokens_per_step"], lost)))
+                                     for (t, _), (step, _) in zip(r["curve"], r["evals"], strict=True)]
+            r["tokens_to_target"] = (value_at(r["tokens_curve"], r["time_to_target_s"])
+                                     if r["time_to_target_s"] is not None and r.get("tokens_curve") else None)
             r["goodput"] = goodput(r["useful_tokens"], r["run_s"], r["islands"], r["tokens_per_step"], r["step_s"]) \
                 if r.get("tokens_per_step") and r.get("step_s") else None
         for r in group:

@@ -275,8 +275,9 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
 
 
 def evaluate_snapshots(flags: dict[str, Any], snapshots: Path) -> list[dict[str, Any]]:
-    """The held-out loss of the syncer's global model at every snapshot: ``[{commits, run_s, eval_loss}]`` by
-    ``run_s`` (the syncer's clock: seconds from the run's first inner step to the commit's checkpoint).
+    """The held-out loss of the syncer's global model at every snapshot: ``[{commits, run_s, eval_loss,
+    merged_tokens}]`` by ``run_s`` (the syncer's clock: seconds from the run's first inner step to the commit's
+    checkpoint; ``merged_tokens``: the tokens in the global model then, every island's, times fragment share).
 
     The same evaluation as the run's final one (:class:`atoll.job.run.Run`: :data:`~atoll.job.run.EVAL_ROWS`
     rows of the held-out tokens per batch, ``eval_batches`` batches, float32 on the CPU), so the last snapshot's
@@ -310,5 +311,5 @@ def evaluate_snapshots(flags: dict[str, Any], snapshots: Path) -> list[dict[str,
             continue  # a checkpoint before the first inner step: the initial model
         copy_flat_into(params, syncer.global_params())
         points.append({"commits": syncer.commits, "run_s": float(service["clock_s"]) - float(start),
-                       "eval_loss": evaluate(job.model, val)})
+                       "eval_loss": evaluate(job.model, val), "merged_tokens": float(syncer.merged_tokens)})
     return sorted(points, key=lambda p: p["run_s"])
