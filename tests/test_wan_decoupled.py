@@ -121,6 +121,7 @@ def test_compare_sets_targets_and_speedups() -> None:
     assert rows[1]["speedup_to_target"] == 2.0 and rows[3]["speedup_to_target"] is None
     assert rows[1]["tokens_per_s_ratio"] == 1.5 and rows[3]["tokens_per_s_ratio"] == 2.5  # against diloco-kill
     assert rows[0]["goodput"] == pytest.approx(2000 / 100 / 20)
+    assert rows[0]["steady_utilization"] == 1.0 and rows[1]["utilization_ratio"] == 1.5  # 1 s steps, 10 tokens
     rows[1]["step_s"] = 0.5  # the decoupled run met half the load: per step time it took as long
     compare(rows)
     assert rows[1]["time_to_target_steps"] == 40.0 and rows[1]["speedup_to_target_steps"] == 1.0

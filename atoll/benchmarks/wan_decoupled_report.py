@@ -33,8 +33,8 @@ COLUMNS: list[Column] = [
     ("run", "run"), ("Mbit/s", "mbps"), ("kill", "kill_text"), ("time to target s", "time_to_target_s"),
     ("x sync (target)", "speedup_to_target"), ("step s", "step_s"), ("to target, step times", "time_to_target_steps"),
     ("x sync (step times)", "speedup_to_target_steps"), ("tokens to target", "tokens_to_target"),
-    ("tokens/s", "tokens_per_s"),
-    ("x sync (tokens/s)", "tokens_per_s_ratio"),
+    ("tokens/s", "tokens_per_s"), ("x sync (tokens/s)", "tokens_per_s_ratio"),
+    ("utilization", "steady_utilization"), ("x sync (utilization)", "utilization_ratio"),
     ("goodput", "goodput"), ("useful tokens", "useful_tokens"), ("eval loss", "final_eval_loss"),
     ("bytes/island (atoll)", "atoll_bytes"), ("bytes/island (iface tx)", "iface_tx_islands"),
     ("iface/atoll", "iface_over_atoll"), ("back after kill s", "back_s"), ("load", "load_text"),
@@ -68,13 +68,13 @@ def projections(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
                     bandwidth_mbps=mbps, latency_ms=meta["delay_ms"], sync_every=meta["sync_every"],
                     fragments=meta["fragments"], codec_bits=CODEC_BITS.get(meta["codec"], 32.0))
         sync, dec, ddp = project(s, "diloco"), project(replace(s), "decoupled"), project(s, "ddp")
-        measured = next((r.get("tokens_per_s_ratio") for r in rows if r["mbps"] == mbps and r.get("ok")
+        measured = next((r.get("utilization_ratio") for r in rows if r["mbps"] == mbps and r.get("ok")
                          and r["strategy"] == "decoupled" and not r["kill"]), None)
         here.append({"mbps": mbps, "step_compute_s": s.step_compute_s, "diloco_step_s": sync.step_s,
                      "decoupled_step_s": dec.step_s, "ddp_step_s": ddp.step_s,
                      "predicted_decoupled_over_diloco": sync.step_s / dec.step_s,
                      "predicted_decoupled_over_ddp": ddp.step_s / dec.step_s,
-                     "measured_decoupled_over_diloco_tokens_per_s": measured})
+                     "measured_decoupled_over_diloco_utilization": measured})
     at_scale = []
     table = real_scale_table()
     for link in ("WAN 5 Gbit/s", "WAN 2 Gbit/s"):
@@ -102,7 +102,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "load slows it); to target, step times: the time to target over that, the comparison that holds when "
         "runs met different loads; tokens to target: the useful tokens in the global model when it got there",
         "tokens/s: steady state (after every island's first H steps; synchronous until the last H boundary, "
-        "decoupled until the step budget was spent); goodput: useful tokens (merged into the global model) per "
+        "decoupled until the step budget was spent); utilization: that over every island computing all the time "
+        "at the run's seconds per step; goodput: useful tokens (merged into the global model) per "
         "second of run clock until the last outer step or commit, over every island computing all the time at the "
         "run's measured seconds per inner step",
         "bytes: whole run per island; atoll = pushes (decoupled: the killed island's first job's count dies with "
@@ -121,11 +122,11 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
                          "pushes waited for a grace window); the harness killed it 30 s later; every token was "
                          "merged, its own byte count never reached the syncer (-)")
     for p in projected["this_setting"]:
-        measured = p["measured_decoupled_over_diloco_tokens_per_s"]
+        measured = p["measured_decoupled_over_diloco_utilization"]
         notes.append(f"atoll project, this setting at {p['mbps']:g} Mbit/s (t_c {p['step_compute_s']:.3f} s "
                      f"measured): diloco {p['diloco_step_s']:.3f} s/step, decoupled {p['decoupled_step_s']:.3f}, "
                      f"ddp {p['ddp_step_s']:.3f}: decoupled {p['predicted_decoupled_over_diloco']:.2f}x diloco "
-                     f"(measured {cell(measured)}x), {p['predicted_decoupled_over_ddp']:.1f}x ddp")
+                     f"(measured, steady utilization: {cell(measured)}x), {p['predicted_decoupled_over_ddp']:.1f}x ddp")
     for p in projected["12B"]:
         g = p["goodput_heavy_failures"]
         notes.append(f"atoll project --table, 12B over {p['link']}: decoupled {p['decoupled_over_ddp']:.1f}x ddp "

@@ -19,7 +19,8 @@ Definitions (the same for the synchronous and the decoupled run, so their ratio 
   shared machine compare (the load slows compute, which dominates these runs, far more than the shaped links).
 - **steady tokens/s**: tokens trained per second between the end of the first round (every island past H
   steps) and the last H boundary (synchronous, :func:`atoll.benchmarks.wan_report.steady_state`) or the moment
-  the step budget was spent (decoupled, :func:`granted_rate`).
+  the step budget was spent (decoupled, :func:`granted_rate`); **steady utilization**: that over every island
+  computing all the time at the run's measured seconds per step (comparable across loads).
 - **useful tokens**: tokens that reached the global model: the decoupled syncer's merged tokens; for the
   synchronous run every island's tokens up to the last outer step it took part in (:func:`diloco_useful_tokens`).
 - **goodput**: useful tokens per second of the run clock over the failure-free rate, every island computing all
@@ -195,6 +196,10 @@ def compare(rows: list[dict[str, Any]]) -> None:
                                      if r["time_to_target_s"] is not None and r.get("tokens_curve") else None)
             r["goodput"] = goodput(r["useful_tokens"], r["run_s"], r["islands"], r["tokens_per_step"], r["step_s"]) \
                 if r.get("tokens_per_step") and r.get("step_s") else None
+            # steady tokens/s over every island computing all the time: the throughput that holds across loads
+            r["steady_utilization"] = (r["tokens_per_s"] * r["step_s"] / (r["islands"] * r["tokens_per_step"])
+                                       if r.get("tokens_per_s") and r.get("step_s") and r.get("tokens_per_step")
+                                       else None)
         for r in group:
             base = next((b for b in group if b["strategy"] == "diloco" and b["kill"] == r["kill"]), None)
             tt, bt = r.get("time_to_target_s"), base.get("time_to_target_s") if base else None
@@ -203,3 +208,6 @@ def compare(rows: list[dict[str, Any]]) -> None:
             r["speedup_to_target_steps"] = bt / tt if tt and bt else None
             r["tokens_per_s_ratio"] = (r["tokens_per_s"] / base["tokens_per_s"]
                                        if base and r.get("tokens_per_s") and base.get("tokens_per_s") else None)
+            r["utilization_ratio"] = (r["steady_utilization"] / base["steady_utilization"]
+                                      if base and r.get("steady_utilization") and base.get("steady_utilization")
+                                      else None)
