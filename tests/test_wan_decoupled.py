@@ -19,6 +19,7 @@ from atoll.benchmarks.wan_measures import (
     compare,
     diloco_curve,
     diloco_useful_tokens,
+    eval_seconds,
     goodput,
     granted_rate,
     rejoin_times,
@@ -45,6 +46,19 @@ def test_diloco_curve_takes_the_evaluations_time_out() -> None:
     assert diloco_curve(events) == [(0.0, 8.0), (10.0, 6.0), (20.5, 5.0)]
     with pytest.raises(ValueError, match="start"):
         diloco_curve(events[1:])
+
+
+def test_eval_seconds_in_a_window() -> None:
+    events = [{"event": "start", "time": 100.0},
+              {"event": "train", "time": 110.0, "step": 10},
+              {"event": "eval", "time": 110.5, "step": 10, "eval_loss": 6.0},  # 0.5 s
+              {"event": "train", "time": 121.0, "step": 20},
+              {"event": "eval", "time": 121.25, "step": 20, "eval_loss": 5.0},  # 0.25 s
+              {"event": "train", "time": 130.0, "step": 30},
+              {"event": "eval", "time": 131.0, "step": 30, "eval_loss": 4.0}]  # 1 s, at the window's end: out
+    assert eval_seconds(events, 110.0, 130.0) == pytest.approx(0.75)
+    assert eval_seconds(events, 111.0, 131.0) == pytest.approx(1.25)
+    assert eval_seconds(events, 0.0, 110.0) == 0.0
 
 
 def test_target_is_the_loss_at_half_the_steps_and_its_first_crossing() -> None:
@@ -134,6 +148,8 @@ def test_flags_are_checked() -> None:
     assert "--kill-step" in _check_args(_args("--kill-step", "100"))
     assert "--variants" in _check_args(_args("--variants", "diloco,ddp"))
     assert "--islands" in _check_args(_args("--islands", "1"))
+    assert "--ranks-per-island" in _check_args(_args("--ranks-per-island", "0"))
+    assert _args().ranks_per_island == 2
 
 
 def test_island_command_and_certificate() -> None:
@@ -141,6 +157,11 @@ def test_island_command_and_certificate() -> None:
     assert argv[:4] == [sys.executable, "-m", "atoll.cli", "island"]
     assert argv[argv.index("--island") + 1] == "1" and argv[argv.index("--tls-ca") + 1] == "tls/syncer.pem"
     assert argv[-2:] == ["--steps", "5"]
+    job = island_command("10.77.0.3:7070", 0, Path("c/island_0.token"), Path("tls/syncer.pem"), ["--steps", "5"],
+                         ranks=2)  # an island job of 2 ranks: torchrun, its rendezvous on the site's loopback
+    assert job[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--standalone" in job
+    assert job[job.index("--nproc-per-node") + 1] == "2" and job[job.index("-m", 3) + 1:][:2] == ["atoll", "island"]
+    assert "--max-restarts" not in job  # the harness restarts a killed job itself
     cryptography = pytest.importorskip("cryptography")
     key, cert = syncer_certificate("10.77.0.3")
     parsed = cryptography.x509.load_pem_x509_certificate(cert)
@@ -162,9 +183,14 @@ REASON = unavailable_reason()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(450)
 @pytest.mark.skipif(REASON is not None, reason=f"emulated WAN unavailable: {REASON}")
 def test_deployed_decoupled_smoke_with_a_kill(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> None:
-    """The syncer and 2 island jobs in namespaces over TLS; island 1 SIGKILLed, restarted, back and merged."""
+    """The syncer and 2 island jobs in namespaces over TLS; island 1 SIGKILLed, restarted, back and merged.
+
+    Islands of one process, to stay short (a torchrun job of 2 ranks starts 3 processes, each importing torch:
+    tens of seconds more per start on 2 loaded cores); the torchrun command line is tested above, an island job of
+    2 ranks killed and restarted against the syncer in tests/test_service_ranks.py, and the benchmark runs them."""
     out = tmp_path / "wd"
     flags = ["--model", "micro", "--data", str(corpus_file), "--cache-dir", str(cache_dir), "--train-arg",
              "vocab_size=512", "--train-arg", "seq_len=32", "--train-arg", "batch_size=4", "--train-arg",
@@ -172,6 +198,7 @@ def test_deployed_decoupled_smoke_with_a_kill(corpus_file: Path, cache_dir: Path
              # island 0 alone takes about 15 steps/s (a step grant is a 40 ms round trip): while island 1 restarts
              # (15-20 s on 2 loaded cores) it does not spend the budget of 600
              "--delay-ms", "20", "--kill-step", "50", "--variants", "decoupled-kill", "--run-timeout-s", "240",
+             "--ranks-per-island", "1",
              "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "wan-decoupled", *flags], capture_output=True,

@@ -56,7 +56,14 @@ from atoll.benchmarks.folders import (
 from atoll.benchmarks.netns import EmulatedWan, LinkShape, WanError, WanUnavailable, unavailable_reason
 from atoll.benchmarks.wan import _csv, _flags, pinned, run_in_wan
 from atoll.benchmarks.wan_decoupled_report import projections, write_report
-from atoll.benchmarks.wan_measures import compare, diloco_curve, diloco_useful_tokens, granted_rate, rejoin_times
+from atoll.benchmarks.wan_measures import (
+    compare,
+    diloco_curve,
+    diloco_useful_tokens,
+    eval_seconds,
+    granted_rate,
+    rejoin_times,
+)
 from atoll.benchmarks.wan_service import Kill, evaluate_snapshots, run_service_in_wan
 from atoll.config.applies import applicable
 
@@ -82,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--delay-ms", type=float, default=25.0, help="one-way delay of every site's link, ms [25]")
     a("--syncer-mbps", type=float, default=1000.0, help="the syncer's site's link, Mbit/s [1000]")
     a("--islands", type=int, default=2, help="islands, one namespace and one job each [2]")
+    a("--ranks-per-island", type=int, default=2, help="ranks of each island's job, both strategies (decoupled: "
+      "torchrun --nproc-per-node R; synchronous: the collective runtime's R ranks per island); the island's batch "
+      "is split over them [2]")
     a("--fragments", type=int, default=4, help="P of the decoupled run [4]")
     a("--codec", default="fp32", help="pseudo-gradient codec of both strategies [fp32]")
     a("--kill-step", type=int, default=None,
@@ -130,6 +140,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--variants: {', '.join(VARIANTS)}; got {unknown}"
     if args.islands < 2:
         return "--islands: at least 2 (island 1 is the one killed)"
+    if args.ranks_per_island < 1:
+        return f"--ranks-per-island: at least 1; got {args.ranks_per_island}"
     k = kill_step(args)
     if not 1 < k < args.steps or k % args.sync_every == 0:
         return f"--kill-step: between 2 and --steps - 1 and not a multiple of H ({args.sync_every}); got {k}"
@@ -142,7 +154,7 @@ def settings(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     """A run's settings (:func:`atoll.benchmarks.wan.pinned`; ``--train-arg`` last), as its strategy reads them."""
     s: dict[str, Any] = {"strategy": strategy, "islands": args.islands, "steps": args.steps,
                          "sync_every": args.sync_every, "model": args.model, "data": args.data, "seed": args.seed,
-                         "codec": args.codec, "threads": 1}
+                         "codec": args.codec, "threads": 1, "ranks_per_island": args.ranks_per_island}
     if strategy == "diloco":  # an evaluation after every outer step: the loss curve; survivors go on after a loss
         s.update(eval_every=args.sync_every, checkpoint_every=0, min_islands=1,
                  collective_timeout_s=args.collective_timeout_s)
@@ -153,7 +165,7 @@ def settings(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     for item in args.train_arg:
         key, _, value = item.partition("=")
         s[key.strip().lstrip("-").replace("-", "_")] = value
-    runtime = "collective" if strategy == "diloco" else "local"
+    runtime = "collective" if strategy == "diloco" else "service"
     return applicable({**pinned(s), "runtime": runtime})
 
 
@@ -184,13 +196,14 @@ def run_diloco(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> 
     from atoll.runtime.collective import KILL_HOOK_ENV
 
     s = settings(args, "diloco")
-    env = {KILL_HOOK_ENV: f"{KILLED}:{kill_step(args)}", "ATOLL_TEST_KILL_STAMP": str(out / "kill_stamp")} if kill \
-        else {}
+    r = args.ranks_per_island  # every rank of island KILLED dies as it starts the kill step: the island is lost
+    hook = ",".join(f"{rank}:{kill_step(args)}" for rank in range(KILLED * r, (KILLED + 1) * r))
+    env = {KILL_HOOK_ENV: hook, "ATOLL_TEST_KILL_STAMP": str(out / "kill_stamp")} if kill else {}
     with EmulatedWan(args.islands, _shape(args, mbps)) as wan:  # survivors go on: no grace before killing them
         res = run_in_wan(wan, s, out, args.run_timeout_s, extra_env=env, grace_s=args.run_timeout_s if kill else 30)
         qdisc = wan.qdisc_stats()
     codes = res["exit_codes"]
-    expected = [0 if i != KILLED or not kill else -9 for i in range(args.islands)]
+    expected = [0 if rank // r != KILLED or not kill else -9 for rank in range(args.islands * r)]
     row: dict[str, Any] = {"exit_codes": codes, "ok": codes == expected and (out / "summary.json").is_file(),
                            "error": None if codes == expected else res["error"], "qdisc": qdisc}
     if not row["ok"]:
@@ -207,14 +220,20 @@ def run_diloco(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> 
     curve = diloco_curve(events)  # its last point: the final outer step, the evaluations' time taken out
     evals = [e for e in events if e["event"] == "eval"]  # one per point of the curve
     steady = steady_state(trains, summary, res["sampler"], "diloco", args.sync_every, args.sync_every)
+    if steady.get("tokens_per_s"):  # the evaluation after every outer step is the benchmark's, not the run's: out
+        by_step = {int(e["step"]): float(e["time"]) for e in trains}
+        first, last = (by_step[s] for s in steady["window_steps"])
+        steady["eval_s"] = eval_seconds(events, first, last)
+        steady["tokens_per_s"] *= steady["window_s"] / max(1e-9, steady["window_s"] - steady["eval_s"])
     row.update({"curve": curve, "evals": [(e["step"], e["eval_loss"]) for e in evals],
                 "run_s": curve[-1][0], "train_s": trains[-1]["time"] - start, "eval_s": summary.get("eval_s"),
                 "tokens_per_s": steady["tokens_per_s"], "useful_tokens": useful,
                 "step_s": summary["compute_s"] / summary["steps"],
                 "final_eval_loss": summary["final_eval_loss"], "tokens": summary["tokens"], "params": summary["params"],
                 "atoll_bytes": [summary["bytes_sent_per_island"]] * args.islands,
-                "steady_window": {k: steady.get(k) for k in ("window_steps", "window_s", "atoll_bytes_per_island",
-                                                             "iface_tx_bytes_per_island", "iface_over_atoll")},
+                "steady_window": {k: steady.get(k) for k in ("window_steps", "window_s", "eval_s",
+                                                             "atoll_bytes_per_island", "iface_tx_bytes_per_island",
+                                                             "iface_over_atoll")},
                 **_iface(res["sampler"], args.islands)})
     if kill:
         row["recovery"] = {k: summary.get(k) for k in ("lost_islands", "islands_alive", "recovery_s",
@@ -239,7 +258,7 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
     shapes = [_shape(args, mbps)] * args.islands + [_shape(args, args.syncer_mbps)]
     plan = Kill(KILLED, kill_step(args)) if kill else None
     with EmulatedWan(args.islands + 1, shapes=shapes) as wan:
-        res = run_service_in_wan(wan, flags, out, args.run_timeout_s, kill=plan)
+        res = run_service_in_wan(wan, flags, out, args.run_timeout_s, kill=plan, ranks=args.ranks_per_island)
         qdisc, forwarder = wan.qdisc_stats(), wan.delay_stats()
     row: dict[str, Any] = {"exit_codes": res["exit_codes"], "ok": res["ok"], "error": res["error"], "qdisc": qdisc,
                            "delay_forwarder": forwarder, "kill_record": res["kill"],
@@ -247,7 +266,7 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
     if not res["ok"]:
         return row
     summary = json.loads((out / "syncer" / "run" / "summary.json").read_text())
-    points = evaluate_snapshots({k: v for k, v in s.items() if k != "runtime"}, out / "snapshots")
+    points = evaluate_snapshots(s, out / "snapshots")
     shutil.rmtree(out / "snapshots", ignore_errors=True)  # hundreds of MB; the points are kept in wan.json
     status = [(t, st) for t, st in res["status"]]
     tps = _tokens_per_step(s)
@@ -375,7 +394,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         return 130
     compare(rows)
     params = next((r["params"] for r in rows if r.get("ok")), None)
-    meta = {"islands": args.islands, "model": args.model, "params": params, "steps": args.steps,
+    meta = {"islands": args.islands, "ranks_per_island": args.ranks_per_island, "model": args.model, "params": params,
+            "steps": args.steps,
             "sync_every": args.sync_every, "fragments": args.fragments, "codec": args.codec,
             "delay_ms": args.delay_ms, "syncer_mbps": args.syncer_mbps, "kill_step": kill_step(args),
             "tokens_per_step": config.tokens_per_step, "uptime_start": uptime_start, "uptime_end": _uptime(),

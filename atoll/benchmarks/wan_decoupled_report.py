@@ -86,10 +86,33 @@ def projections(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     return {"this_setting": here, "12B": at_scale, "paper_speedup_2_5gbps": PUBLISHED["decoupled_speedup_2_5gbps"]}
 
 
+def landing(rows: list[dict[str, Any]], projected: dict[str, Any]) -> str:
+    """One sentence: where the measured decoupled-over-synchronous figures land beside ``atoll project`` (this
+    setting, and 12B at 2-5 Gbit/s) and the paper's claim, which is over ddp ("conventional synchronization")."""
+    parts = []
+    for r in rows:
+        if r.get("ok") and r["strategy"] == "decoupled":
+            parts.append(f"{r['mbps']:g} Mbit/s{' with the kill' if r['kill'] else ''}: "
+                         f"{cell(r.get('speedup_to_target'))}x to target by the clock, "
+                         f"{cell(r.get('speedup_to_target_steps'))}x in step times, "
+                         f"{cell(r.get('utilization_ratio'))}x steady utilization")
+    here = "; ".join(f"{p['predicted_decoupled_over_diloco']:.2f}x at {p['mbps']:g} Mbit/s"
+                     for p in projected["this_setting"])
+    scale = "; ".join(f"{p['decoupled_over_ddp']:.1f}x ddp and {p['decoupled_over_diloco']:.2f}x diloco over "
+                      f"{p['link']}" for p in projected["12B"])
+    return (f"where this lands: measured decoupled over synchronous diloco, {'; '.join(parts) or 'none'}; atoll "
+            f"project predicts {here or '-'} for this setting (step time only: no sample efficiency, no load); the "
+            f"paper's >{projected['paper_speedup_2_5gbps']:g}x is over ddp at 12B (atoll project: {scale}), a "
+            "comparison this benchmark does not train (no ddp run, a model 5 orders of magnitude smaller)")
+
+
 def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], projected: dict[str, Any]) -> str:
     """``results.json`` (``meta``, ``rows``, ``projection``) and ``results.md`` in ``out``; returns the Markdown."""
-    title = (f"Decoupled DiLoCo deployed (atoll syncer + {meta['islands']} island jobs, TLS) against synchronous "
-             f"diloco (collective runtime): {meta['model']} model, H={meta['sync_every']}, {meta['steps']} steps per "
+    ranks = int(meta.get("ranks_per_island") or 1)
+    title = (f"Decoupled DiLoCo deployed (atoll syncer + {meta['islands']} island jobs of {ranks} rank"
+             f"{'s' if ranks > 1 else ''}, TLS) against synchronous diloco (collective runtime, {ranks} rank"
+             f"{'s' if ranks > 1 else ''} per island): {meta['model']} model ({cell(meta.get('params'))} parameters), "
+             f"H={meta['sync_every']}, {meta['steps']} steps per "
              f"island, {meta['delay_ms']:g} ms one way, syncer link {meta['syncer_mbps']:g} Mbit/s")
     target = next((r for r in rows if r.get("target_loss") is not None), None)
     notes = [
@@ -102,7 +125,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "load slows it); to target, step times: the time to target over that, the comparison that holds when "
         "runs met different loads; tokens to target: the useful tokens in the global model when it got there",
         "tokens/s: steady state (after every island's first H steps; synchronous until the last H boundary, "
-        "decoupled until the step budget was spent); utilization: that over every island computing all the time "
+        "decoupled until the step budget was spent; the synchronous run's evaluation after every outer step is "
+        "taken out of its window); utilization: that over every island computing all the time "
         "at the run's seconds per step; goodput: useful tokens (merged into the global model) per "
         "second of run clock until the last outer step or commit, over every island computing all the time at the "
         "run's measured seconds per inner step",
@@ -133,6 +157,7 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
                      f"(paper: >{projected['paper_speedup_2_5gbps']:g}x at 2-5 Gbit/s), "
                      f"{p['decoupled_over_diloco']:.2f}x diloco; goodput under heavy failures ddp {g['ddp']:.0%}, "
                      f"diloco {g['diloco']:.0%}, decoupled {g['decoupled']:.0%}")
+    notes.append(landing(rows, projected))
     notes.append(f"command: {meta['command']}")
     results = {"meta": meta, "rows": rows, "projection": projected}
     return write_results(out, json.loads(json.dumps(results, default=str)), COLUMNS, [_table_row(r) for r in rows],

@@ -62,6 +62,21 @@ def diloco_curve(events: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
     return points
 
 
+def eval_seconds(events: Sequence[dict[str, Any]], begin: float, end: float) -> float:
+    """Seconds the synchronous run spent evaluating between run times ``begin`` and ``end`` (``time`` of
+    ``metrics.jsonl`` events, seconds since the epoch): each ``eval`` event's time minus its step's ``train`` event
+    time (as :func:`diloco_curve` takes them out of the loss curve), for the evaluations whose ``train`` event is
+    at or after ``begin`` and before ``end``. Taken out of the steady tokens/s window, whose islands would
+    otherwise be charged for the benchmark's own evaluation after every outer step."""
+    trained = {int(e["step"]): float(e["time"]) for e in events if e["event"] == "train"}
+    total = 0.0
+    for e in events:
+        at = trained.get(int(e.get("step", -1)))
+        if e["event"] == "eval" and at is not None and begin <= at < end:
+            total += max(0.0, float(e["time"]) - at)
+    return total
+
+
 def target_loss(curve_steps: Sequence[tuple[int, float]], steps: int) -> tuple[int, float]:
     """(step, loss) of the synchronous run at half its inner steps: the evaluation at the largest step at or below
     ``steps / 2`` (an outer step's, with ``--eval-every H``).

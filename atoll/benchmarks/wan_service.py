@@ -63,21 +63,25 @@ class Kill:
     restart_after_s: float | None = 0.0
 
 
-def island_command(syncer: str, island: int, credential: Path, ca: Path, run_flags: Sequence[str]) -> list[str]:
+def island_command(syncer: str, island: int, credential: Path, ca: Path, run_flags: Sequence[str],
+                   ranks: int = 1) -> list[str]:
     """The command line of island ``island``'s job: the one place that says how an island is launched.
 
-    One process today (``python -m atoll.cli island``). An island of R ranks under torchrun is this one line::
-
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "atoll", "island", ...]
-
-    (its ranks' rendezvous is on the island namespace's loopback, which is up).
+    One process (``python -m atoll.cli island``) for ``ranks`` 1; otherwise ``torchrun --standalone
+    --nproc-per-node R -m atoll island ...`` (docs/deployment.md, "An island of several ranks"): its ranks'
+    rendezvous is on the island namespace's loopback, so only their pushes and pulls cross the island's link.
+    No ``--max-restarts``: the harness restarts a killed job with this same command.
 
     Args:
         syncer: ``HOST:PORT`` of the syncer; credential: the island's ``island_<i>.token``; ca: the syncer's
-            certificate (self-signed: its own CA); run_flags: the run's settings as flags (the syncer's too).
+            certificate (self-signed: its own CA); run_flags: the run's settings as flags (the syncer's too);
+            ranks: the island job's ranks (``--ranks-per-island``, also in ``run_flags`` or defaulted by torchrun).
     """
-    return [sys.executable, "-m", "atoll.cli", "island", "--syncer", syncer, "--tls-ca", str(ca),
-            "--island", str(island), "--credential", str(credential), *run_flags]
+    head = [sys.executable, "-m", "atoll.cli"] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         "--monitor-interval", "0.5", "-m", "atoll"]
+    return [*head, "island", "--syncer", syncer, "--tls-ca", str(ca), "--island", str(island),
+            "--credential", str(credential), *run_flags]
 
 
 def syncer_command(listen: str, cert: Path, key: Path, out: Path, run_flags: Sequence[str]) -> list[str]:
@@ -146,7 +150,7 @@ def _snapshot(checkpoints: Path, into: Path, taken: set[str]) -> None:
 
 def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, timeout_s: float,
                        kill: Kill | None = None, poll_s: float = 0.2, grace_s: float = 60.0,
-                       end_grace_s: float = 30.0, sampler_interval_s: float = 0.05) -> dict[str, Any]:
+                       end_grace_s: float = 30.0, sampler_interval_s: float = 0.05, ranks: int = 1) -> dict[str, Any]:
     """Run ``atoll syncer`` in the last namespace of ``wan`` and one ``atoll island`` job in each other one.
 
     Args:
@@ -162,6 +166,8 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
             ``collective_timeout_s`` after the budget is spent even while an island's last pushes wait for their
             grace window; that island then retries its calls until ``--give-up-s``: a known issue of atoll
             syncer, whose run and results are complete by then).
+        ranks: ranks of each island job (:func:`island_command`; the SIGKILL of :class:`Kill` goes to the job's
+            whole process group: torchrun and its ranks).
 
     Returns:
         ``exit_codes`` (``syncer``; ``islands``: each island's last job; ``killed``: the jobs killed on purpose,
@@ -181,7 +187,7 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
     key.write_bytes(key_pem)
     syncer_out, snapshots = out / "syncer", out / "snapshots"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-           "GRPC_VERBOSITY": "ERROR"}
+           "GRPC_VERBOSITY": "ERROR", "GLOO_SOCKET_IFNAME": "lo"}  # an island's ranks talk over its site's loopback
     logs: list[Any] = []
 
     def start(site: int, argv: list[str], log_name: str) -> subprocess.Popen:
@@ -191,7 +197,7 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
 
     def island(i: int, restart: int = 0) -> subprocess.Popen:
         credential = syncer_out / "credentials" / f"island_{i}.token"
-        return start(i, island_command(address, i, credential, cert, run_flags),
+        return start(i, island_command(address, i, credential, cert, run_flags, ranks),
                      f"island_{i}.log" if not restart else f"island_{i}.{restart}.log")
 
     sampler = wan.sampler(sampler_interval_s)
