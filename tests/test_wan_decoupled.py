@@ -65,6 +65,7 @@ def test_target_is_the_loss_at_half_the_steps_and_its_first_crossing() -> None:
     evals = [(0, 8.0), (50, 6.0), (100, 5.5), (150, 5.2), (200, 5.0), (300, 4.8)]
     assert target_loss(evals, 300) == (150, 5.2)
     assert target_loss(evals, 250) == (100, 5.5)  # the last evaluation at or below half
+    assert target_loss(evals, 300, fraction=0.25) == (50, 6.0)  # 75: the outer step at 50
     with pytest.raises(ValueError, match="no evaluation"):
         target_loss([(0, 8.0), (200, 5.0)], 300)
     curve = [(0.0, 8.0), (30.0, 5.6), (45.0, 5.2), (60.0, 5.3), (70.0, 5.1)]
@@ -149,6 +150,9 @@ def test_flags_are_checked() -> None:
     assert "--variants" in _check_args(_args("--variants", "diloco,ddp"))
     assert "--islands" in _check_args(_args("--islands", "1"))
     assert "--ranks-per-island" in _check_args(_args("--ranks-per-island", "0"))
+    assert "--target-fraction" in _check_args(_args("--target-fraction", "0"))
+    assert "outer step before" in _check_args(_args("--target-fraction", "0.05"))  # step 15: before the first H=50
+    assert _check_args(_args("--target-fraction", "0.25")) is None
     assert _args().ranks_per_island == 2
 
 

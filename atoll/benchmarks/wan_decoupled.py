@@ -1,9 +1,11 @@
 """The emulated-WAN benchmark of Decoupled DiLoCo as deployed across sites: ``atoll syncer`` and one ``atoll island``
-job per island, each in a network namespace of its own, against synchronous ``diloco`` on the ``collective``
-runtime over the same links; each failure-free and with one island SIGKILLed mid-run.
+job of ``--ranks-per-island`` ranks per island (``torchrun``), each in a network namespace of its own, against
+synchronous ``diloco`` on the ``collective`` runtime (the same ranks per island) over the same links; each
+failure-free and with one island SIGKILLed mid-run.
 
     atoll bench wan-decoupled                         # as root; the full benchmark (about 2 hours on 2 loaded cores)
-    atoll bench wan-decoupled --steps 60 --sync-every 20 --bandwidths 100 --model micro --out /tmp/wd   # minutes
+    atoll bench wan-decoupled --model micro --fragments 2 --steps 300 --sync-every 20   # the committed one, ~40 min
+    atoll bench wan-decoupled --steps 60 --sync-every 20 --bandwidths 100 --model micro --fragments 2 --out /tmp/wd
     python bench/wan_decoupled.py ...                 # the same, writing bench/out/wan_decoupled by default
 
 Links (:class:`~atoll.benchmarks.netns.EmulatedWan`, ``tc tbf`` both ways, the TUN delay forwarder): each island's
@@ -15,12 +17,13 @@ runs on the CPU with one torch thread.
 The decoupled run is deployed as docs/deployment.md says: the syncer listens on its namespace's address with TLS (a
 self-signed certificate made for that address; the islands trust it with ``--tls-ca``), makes one credential per
 island at its start, and each island's job is given only its own (:mod:`atoll.benchmarks.wan_service`). The kill:
-island 1 is SIGKILLed as it starts inner step ``--kill-step``, in the synchronous run by the collective runtime's
-test hook (its survivors go on without it, ``--min-islands 1``, docs/reliability.md), in the decoupled run by the
-harness, which then starts the same island command again (it rejoins from the newest global fragments).
+island 1 (every rank of it) is SIGKILLed as it starts inner step ``--kill-step``, in the synchronous run by the
+collective runtime's test hook (its survivors go on without it, ``--min-islands 1``, docs/reliability.md), in
+the decoupled run by the harness (the job's process group: torchrun and its ranks), which then starts the same
+island command again (it rejoins from the newest global fragments).
 
-Both sides train the same model, data, seeds, H, codec (``--codec``, default fp32 for both: the service's wire
-carries float32 tensors whatever the codec, see docs/decoupled.md) and token budget (islands x steps), on the
+Both sides train the same model, data, seeds, H, codec (``--codec``, default fp32 for both, so that the bytes
+compare like for like) and token budget (islands x steps, each island's batch split over its ranks), on the
 settings of ``atoll bench wan`` (:data:`~atoll.benchmarks.wan.EARLIER_SETTING`). Measured per run
 (:mod:`atoll.benchmarks.wan_measures` defines each): the time to the target loss (the synchronous failure-free run's
 held-out loss at half its inner steps), steady tokens/s, useful tokens and goodput, the final held-out loss, bytes
@@ -97,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kill-step", type=int, default=None,
       help="island 1 is SIGKILLed as it starts this inner step, not a multiple of H [0.4 x steps + H/2 off a "
       "boundary]")
+    a("--target-fraction", type=float, default=0.5, help="the target loss is the synchronous failure-free run's at "
+      "this fraction of its steps (its outer step at or before); take it where its curve still falls [0.5]")
     a("--variants", type=_csv(str), default=list(VARIANTS), metavar="NAME,...",
       help=f"runs per bandwidth, of {','.join(VARIANTS)} [all]")
     a("--model", default="tiny", help="model preset or folder [tiny]")
@@ -133,8 +138,11 @@ def kill_step(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.sync_every <= 0 or args.sync_every % 10:
         return f"--sync-every: a positive multiple of 10 (train events come every 10 steps); got {args.sync_every}"
-    if args.steps < 2 * args.sync_every:
-        return f"--steps: at least 2 x --sync-every ({2 * args.sync_every}) for a target at half the steps"
+    if not 0 < args.target_fraction <= 1:
+        return f"--target-fraction: in (0, 1]; got {args.target_fraction}"
+    if args.steps * args.target_fraction < args.sync_every:
+        return (f"--steps: at least --sync-every / --target-fraction ({args.sync_every / args.target_fraction:g}) "
+                "for an outer step before the target")
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         return f"--variants: {', '.join(VARIANTS)}; got {unknown}"
@@ -392,12 +400,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
         print("atoll bench wan-decoupled: interrupted; the emulated network was removed; finished runs are kept "
               "and reused by the next call", file=sys.stderr)
         return 130
-    compare(rows)
+    compare(rows, args.target_fraction)
     params = next((r["params"] for r in rows if r.get("ok")), None)
     meta = {"islands": args.islands, "ranks_per_island": args.ranks_per_island, "model": args.model, "params": params,
             "steps": args.steps,
             "sync_every": args.sync_every, "fragments": args.fragments, "codec": args.codec,
             "delay_ms": args.delay_ms, "syncer_mbps": args.syncer_mbps, "kill_step": kill_step(args),
+            "target_fraction": args.target_fraction,
             "tokens_per_step": config.tokens_per_step, "uptime_start": uptime_start, "uptime_end": _uptime(),
             "trained_now": [r["run"] for r in rows if not r.get("reused")],
             "cpus": os.cpu_count(),

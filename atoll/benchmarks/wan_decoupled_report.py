@@ -117,7 +117,8 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
     target = next((r for r in rows if r.get("target_loss") is not None), None)
     notes = [
         (f"target: {target['target_loss']:.4f}, the synchronous failure-free run's held-out loss after its outer "
-         f"step at inner step {target['target_step']} (half its steps)") if target else "target: none (no diloco run)",
+         f"step at inner step {target['target_step']} ({meta.get('target_fraction', 0.5):g} of its steps)")
+        if target else "target: none (no diloco run)",
         "time to target: run clock (from the first inner step) until the global model's held-out loss is at or below "
         "it (synchronous: after each outer step, its evaluations' time taken out; decoupled: the syncer's "
         "checkpoint after each commit, evaluated afterwards with the same batches); x sync: the synchronous run's "

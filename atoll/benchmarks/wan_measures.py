@@ -77,19 +77,21 @@ def eval_seconds(events: Sequence[dict[str, Any]], begin: float, end: float) -> 
     return total
 
 
-def target_loss(curve_steps: Sequence[tuple[int, float]], steps: int) -> tuple[int, float]:
-    """(step, loss) of the synchronous run at half its inner steps: the evaluation at the largest step at or below
-    ``steps / 2`` (an outer step's, with ``--eval-every H``).
+def target_loss(curve_steps: Sequence[tuple[int, float]], steps: int, fraction: float = 0.5) -> tuple[int, float]:
+    """(step, loss) of the synchronous run at a fraction of its inner steps (half by default): the evaluation at the
+    largest step at or below ``fraction x steps`` (an outer step's, with ``--eval-every H``).
 
     Args:
         curve_steps: (inner step, held-out loss) of its ``eval`` events.
+        fraction: of its steps, in (0, 1]. Take it where the curve still falls: on a plateau, when a run first gets
+            within noise of the target says little about its speed.
 
     Raises:
-        ValueError: no evaluation after step 0 and at or below ``steps / 2``.
+        ValueError: no evaluation after step 0 and at or below ``fraction x steps``.
     """
-    below = [(s, loss) for s, loss in curve_steps if 0 < s <= steps / 2]
+    below = [(s, loss) for s, loss in curve_steps if 0 < s <= steps * fraction]
     if not below:
-        raise ValueError(f"target: no evaluation between step 1 and {steps / 2:g}; evaluate every H steps")
+        raise ValueError(f"target: no evaluation between step 1 and {steps * fraction:g}; evaluate every H steps")
     return max(below)
 
 
@@ -190,13 +192,14 @@ def rejoin_times(status: Sequence[tuple[float, dict[str, Any]]], island: int, ki
             "back_merged_s": None if merged is None else merged - killed_at, "others_rate_ratio": ratio}
 
 
-def compare(rows: list[dict[str, Any]]) -> None:
-    """Per bandwidth: the target loss (the synchronous failure-free run's at half its steps), every run's time to
-    it, goodput, and the decoupled runs' speed-ups over the synchronous run with the same failure (in place)."""
+def compare(rows: list[dict[str, Any]], target_fraction: float = 0.5) -> None:
+    """Per bandwidth: the target loss (the synchronous failure-free run's at ``target_fraction`` of its steps,
+    :func:`target_loss`), every run's time to it, goodput, and the decoupled runs' speed-ups over the synchronous
+    run with the same failure (in place)."""
     for mbps in sorted({r["mbps"] for r in rows}):
         group = [r for r in rows if r["mbps"] == mbps and r.get("ok")]
         sync = next((r for r in group if r["variant"] == "diloco"), None)
-        target = target_loss(sync["evals"], sync["steps"]) if sync else None
+        target = target_loss(sync["evals"], sync["steps"], target_fraction) if sync else None
         for r in group:
             r["target_step"], r["target_loss"] = target if target else (None, None)
             r["time_to_target_s"] = time_to_target(r["curve"], target[1]) if target else None
