@@ -27,7 +27,7 @@ from atoll.benchmarks.wan_measures import (
     time_to_target,
     value_at,
 )
-from atoll.benchmarks.wan_service import island_command, syncer_certificate
+from atoll.benchmarks.wan_service import descendants, island_command, kill_job, syncer_certificate
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -172,6 +172,38 @@ def test_island_command_and_certificate() -> None:
     san = parsed.extensions.get_extension_for_class(cryptography.x509.SubjectAlternativeName).value
     assert san.get_values_for_type(cryptography.x509.IPAddress) == [ipaddress.ip_address("10.77.0.3")]
     assert b"PRIVATE KEY" in key
+
+
+@pytest.mark.timeout(60)
+def test_kill_job_kills_what_the_job_started_in_sessions_of_its_own(tmp_path: Path) -> None:
+    """As torchrun's ranks: children in sessions of their own survive a SIGKILL of the job's process group."""
+    script = ("import subprocess, sys, time\n"
+              "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)"
+              " for _ in range(2)]\n"
+              f"open({str(tmp_path / 'ready')!r}, 'w').write(' '.join(str(k.pid) for k in kids))\n"
+              "time.sleep(60)\n")
+    job = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    ready = tmp_path / "ready"
+    for _ in range(300):
+        if ready.is_file() and ready.read_text():
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    kids = [int(k) for k in ready.read_text().split()]
+    assert sorted(descendants(job.pid)) == sorted(kids)
+    kill_job(job)
+    assert job.returncode == -9
+
+    def alive(pid: int) -> bool:  # orphans now, reaped by init: gone, or zombies until then
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(100):  # a SIGKILL is delivered at once; the exit itself may take a moment on a loaded machine
+        if not any(alive(pid) for pid in kids):
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    assert not any(alive(pid) for pid in kids)
 
 
 def test_per_island_shapes_are_checked() -> None:

@@ -119,6 +119,39 @@ def syncer_certificate(ip: str, days: float = 1.0) -> tuple[bytes, bytes]:
                               serialization.NoEncryption()), cert.public_bytes(serialization.Encoding.PEM))
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process descended from ``pid`` (children first found, then theirs), read from
+    ``/proc/<pid>/task/<tid>/children``; a process that ends meanwhile is skipped."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                kids = [int(k) for k in Path(f"/proc/{parent}/task/{tid}/children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += [k for k in kids if k not in found]
+            todo += kids
+    return found
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL an island job and every process it started, then reap it: its process group, and each descendant
+    and its group (torchrun starts each rank in a session of its own, so the group of the job alone would leave
+    the ranks training on as orphans)."""
+    victims = [proc.pid, *descendants(proc.pid)]
+    for pid in victims:
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 def _read_status(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -166,8 +199,8 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
             ``collective_timeout_s`` after the budget is spent even while an island's last pushes wait for their
             grace window; that island then retries its calls until ``--give-up-s``: a known issue of atoll
             syncer, whose run and results are complete by then).
-        ranks: ranks of each island job (:func:`island_command`; the SIGKILL of :class:`Kill` goes to the job's
-            whole process group: torchrun and its ranks).
+        ranks: ranks of each island job (:func:`island_command`; the SIGKILL of :class:`Kill` goes to the job
+            and every process it started, :func:`kill_job`: torchrun and its ranks).
 
     Returns:
         ``exit_codes`` (``syncer``; ``islands``: each island's last job; ``killed``: the jobs killed on purpose,
@@ -228,9 +261,7 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
             if kill is not None and record is None and text and \
                     (text.get("steps_by_island") or [0] * islands)[kill.island] >= kill.at_step:
                 victim = procs[kill.island]
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(victim.pid, signal.SIGKILL)
-                victim.wait(timeout=30)
+                kill_job(victim)
                 killed.append(victim)
                 record = {"island": kill.island, "step": text["steps_by_island"][kill.island],
                           "time": time.time(), "restarted": None}
@@ -255,9 +286,7 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
     finally:
         for p in [syncer, *procs]:
             if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+                kill_job(p)
         sampler.stop()
         for log in logs:
             log.close()
