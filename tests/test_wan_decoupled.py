@@ -113,6 +113,12 @@ def test_rejoin_times_count_the_new_job_only() -> None:
     assert r["others_rate_ratio"] == pytest.approx(1.0)
     assert rejoin_times(status, 1, 20.5, 99.0)["back_steps_s"] is None
     assert rejoin_times(status, 1, 20.5, 20.6)["back_steps_s"] == pytest.approx(14.5)  # restarted at once
+    # the killed job held a lease to step 40; the new job's join returns its unused 19 steps (40 -> 21), then it is
+    # granted its own lease at 35 (21 -> 31): back then, though the count never passes 40 again
+    leased = [*status[:3], _status(20.7, [20, 40], [100, 100]), _status(30.0, [30, 40], [100, 200]),
+              _status(33.0, [33, 21], [100, 200]), _status(35.0, [35, 31], [100, 200]),
+              _status(40.0, [40, 31], [300, 300])]
+    assert rejoin_times(leased, 1, 20.5, 25.0)["back_steps_s"] == pytest.approx(14.5)
 
 
 def test_compare_sets_targets_and_speedups() -> None:

@@ -146,6 +146,11 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
                          "syncer ended the run (collective_timeout_s after the budget was spent, while its last "
                          "pushes waited for a grace window); the harness killed it 30 s later; every token was "
                          "merged, its own byte count never reached the syncer (-)")
+    for r in rows:
+        rejoin = (r.get("syncer_summary") or {}).get("rejoin_s")
+        if r.get("ok") and r["strategy"] == "decoupled" and r["kill"] and rejoin:
+            notes.append(f"{r['run']}: the syncer saw the restarted job join {', '.join(f'{x:.1f}' for x in rejoin)} s "
+                         "after the killed one's last call (rejoin_s); back after kill counts until its first merge")
     for p in projected["this_setting"]:
         measured = p["measured_decoupled_over_diloco_utilization"]
         notes.append(f"atoll project, this setting at {p['mbps']:g} Mbit/s (t_c {p['step_compute_s']:.3f} s "

@@ -169,9 +169,14 @@ def rejoin_times(status: Sequence[tuple[float, dict[str, Any]]], island: int, ki
     none = {"back_steps_s": None, "back_merged_s": None, "others_rate_ratio": None}
     if not before or not settled:
         return none
-    steps0 = settled[0][1]["steps_by_island"][island]
+    low = settled[0][1]["steps_by_island"][island]  # its count may fall at the rejoin (the killed lease returned)
     after = settled[1:]
-    back = next(((t, s) for t, s in after if s["steps_by_island"][island] > steps0), None)
+    back = None
+    for t, s in after:
+        if s["steps_by_island"][island] > low:
+            back = (t, s)
+            break
+        low = min(low, s["steps_by_island"][island])
     merged = None
     if back is not None:
         merged0 = back[1]["merged_tokens_by_island"][island]
