@@ -26,6 +26,7 @@ from atoll.benchmarks.wan_measures import (
     target_loss,
     time_to_target,
     value_at,
+    without_evals,
 )
 from atoll.benchmarks.wan_service import descendants, island_command, kill_job, syncer_certificate
 
@@ -59,6 +60,9 @@ def test_eval_seconds_in_a_window() -> None:
     assert eval_seconds(events, 110.0, 130.0) == pytest.approx(0.75)
     assert eval_seconds(events, 111.0, 131.0) == pytest.approx(1.25)
     assert eval_seconds(events, 0.0, 110.0) == 0.0
+    steady = {"tokens_per_s": 100.0, "window_steps": [10, 30], "window_s": 20.0}
+    without_evals(steady, events)  # 2000 tokens over 20 s, 0.75 s of it evaluating
+    assert steady["eval_s"] == pytest.approx(0.75) and steady["tokens_per_s"] == pytest.approx(2000 / 19.25)
 
 
 def test_target_is_the_loss_at_half_the_steps_and_its_first_crossing() -> None:
@@ -157,7 +161,7 @@ def test_flags_are_checked() -> None:
     assert "--islands" in _check_args(_args("--islands", "1"))
     assert "--ranks-per-island" in _check_args(_args("--ranks-per-island", "0"))
     assert "--target-fraction" in _check_args(_args("--target-fraction", "0"))
-    assert "outer step before" in _check_args(_args("--target-fraction", "0.05"))  # step 15: before the first H=50
+    assert "--target-fraction (500)" in _check_args(_args("--target-fraction", "0.1"))  # step 30: before H=50
     assert _check_args(_args("--target-fraction", "0.25")) is None
     assert _args().ranks_per_island == 2
 

@@ -63,9 +63,9 @@ from atoll.benchmarks.wan_measures import (
     compare,
     diloco_curve,
     diloco_useful_tokens,
-    eval_seconds,
     granted_rate,
     rejoin_times,
+    without_evals,
 )
 from atoll.benchmarks.wan_service import Kill, evaluate_snapshots, run_service_in_wan
 from atoll.config.applies import applicable
@@ -141,8 +141,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if not 0 < args.target_fraction <= 1:
         return f"--target-fraction: in (0, 1]; got {args.target_fraction}"
     if args.steps * args.target_fraction < args.sync_every:
-        return (f"--steps: at least --sync-every / --target-fraction ({args.sync_every / args.target_fraction:g}) "
-                "for an outer step before the target")
+        return f"--steps: at least --sync-every / --target-fraction ({args.sync_every / args.target_fraction:g})"
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         return f"--variants: {', '.join(VARIANTS)}; got {unknown}"
@@ -228,11 +227,7 @@ def run_diloco(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> 
     curve = diloco_curve(events)  # its last point: the final outer step, the evaluations' time taken out
     evals = [e for e in events if e["event"] == "eval"]  # one per point of the curve
     steady = steady_state(trains, summary, res["sampler"], "diloco", args.sync_every, args.sync_every)
-    if steady.get("tokens_per_s"):  # the evaluation after every outer step is the benchmark's, not the run's: out
-        by_step = {int(e["step"]): float(e["time"]) for e in trains}
-        first, last = (by_step[s] for s in steady["window_steps"])
-        steady["eval_s"] = eval_seconds(events, first, last)
-        steady["tokens_per_s"] *= steady["window_s"] / max(1e-9, steady["window_s"] - steady["eval_s"])
+    without_evals(steady, events)  # the evaluation after every outer step is the benchmark's, not the run's
     row.update({"curve": curve, "evals": [(e["step"], e["eval_loss"]) for e in evals],
                 "run_s": curve[-1][0], "train_s": trains[-1]["time"] - start, "eval_s": summary.get("eval_s"),
                 "tokens_per_s": steady["tokens_per_s"], "useful_tokens": useful,

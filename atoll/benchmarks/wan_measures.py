@@ -77,6 +77,18 @@ def eval_seconds(events: Sequence[dict[str, Any]], begin: float, end: float) -> 
     return total
 
 
+def without_evals(steady: dict[str, Any], events: Sequence[dict[str, Any]]) -> None:
+    """Take the synchronous run's evaluations out of its steady-state window (in place): ``eval_s`` (seconds, by
+    :func:`eval_seconds` between the window's first and last ``train`` events) is set and ``tokens_per_s`` is the
+    window's tokens over ``window_s - eval_s``. A window without tokens/s is left as it is."""
+    if not steady.get("tokens_per_s"):
+        return
+    trained = {int(e["step"]): float(e["time"]) for e in events if e["event"] == "train"}
+    first, last = (trained[s] for s in steady["window_steps"])
+    steady["eval_s"] = eval_seconds(events, first, last)
+    steady["tokens_per_s"] *= steady["window_s"] / max(1e-9, steady["window_s"] - steady["eval_s"])
+
+
 def target_loss(curve_steps: Sequence[tuple[int, float]], steps: int, fraction: float = 0.5) -> tuple[int, float]:
     """(step, loss) of the synchronous run at a fraction of its inner steps (half by default): the evaluation at the
     largest step at or below ``fraction x steps`` (an outer step's, with ``--eval-every H``).
