@@ -168,7 +168,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
     commands.add_parsers(sub, add_config_flags if train_flags else None)
 
     from atoll.analysis import projection
-    from atoll.benchmarks import suite, wan  # no torch at import: the parser stays fast
+    from atoll.benchmarks import suite, wan, wan_decoupled  # no torch at import: the parser stays fast
 
     p_project = sub.add_parser("project", help="project step time, utilization, bytes and goodput of each "
                                "strategy to real scale (arithmetic, no training)",
@@ -190,6 +190,7 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
                                description=_plain(wan.__doc__) + " Needs root; skips (status 0) "
                                "without it.")
     wan.add_arguments(p_wan)
+    wan_decoupled.add_parser(benches, _plain)
     return parser
 
 
@@ -308,9 +309,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from atoll.benchmarks.suite import run_suite
 
         return run_suite(args)
-    from atoll.benchmarks.wan import run_benchmark
+    from atoll.benchmarks import wan, wan_decoupled
 
-    return run_benchmark(args)
+    return (wan_decoupled if args.bench == "wan-decoupled" else wan).run_benchmark(args)
 
 
 def _sweep_doc() -> str:

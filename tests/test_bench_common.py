@@ -109,8 +109,8 @@ def test_clear_run_dir_keeps_a_run_with_a_users_file(tmp_path: Path) -> None:
     assert (run / "my_analysis.txt").read_text() == "precious" and (run / "config.json").is_file()
 
 
-#: a run folder as atoll writes it: a run with two checkpoints (one being written), the decoupled syncer's,
-#: TensorBoard's events, a W&B run, the Ray runtime's pid files, the WAN benchmark's logs
+#: a run folder as atoll writes it: a run with two checkpoints (one being written, one per rank), the decoupled
+#: syncer's, TensorBoard's events, a W&B run, the Ray runtime's pid files, the WAN benchmark's logs
 ATOLL_TREE = (
     "config.json", "metrics.jsonl", "summary.json", "report.png", "clock_trace.json", ".atoll.lock",
     ".summary.json.tmp", "checkpoints/.latest.tmp", "wan.json", "rank0.log", "rank1.log",
@@ -118,6 +118,8 @@ ATOLL_TREE = (
         "state.json", "state.safetensors", "model/config.json", "model/generation_config.json",
         "model/model.safetensors", "model/tokenizer.json", "model/tokenizer_config.json")),
     "checkpoints/.tmp-step_0000006-ab_3x9/state.safetensors",
+    *(f"checkpoints/step_0000004/ranks/rank_0000{r}/{f}" for r in (0, 1)  # the collective runtime's per-rank one
+      for f in ("state.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json")),
     "syncer/checkpoints/step_0000002/state.json", "syncer/checkpoints/step_0000002/state.safetensors",
     "tensorboard/events.out.tfevents.1733000000.host.123.0",
     "wandb/atoll-run-id", "wandb/debug.log", "wandb/run-20241201_120000-abc/files/config.yaml",
@@ -358,7 +360,7 @@ def test_default_out_is_the_repositorys_bench_out(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead",
                                   "same_numbers", "wan", "fidelity", "gpu", "beyond", "codec_speed", "robust_merge",
-                                  "service_transfer", "survivors"])
+                                  "service_transfer", "survivors", "wan_decoupled"])
 def test_bench_scripts_run(name: str) -> None:
     r = subprocess.run([sys.executable, str(REPO / "bench" / f"{name}.py"), "--help"], capture_output=True,
                        text=True, timeout=120)

@@ -39,6 +39,8 @@ RUN_PATHS = (
     re.escape(LOCK_NAME), r"\.(?:config|summary)\.json\.tmp", r"\.atoll-write-test",
     r"syncer", _CHECKPOINTS, _CHECKPOINTS + r"/(?:latest|\.latest\.tmp)", _STEP,
     _STEP + r"/(?:state\.json|state\.safetensors|model)", _STEP + r"/model/" + _MODEL_FILES,
+    # the collective runtime's per-rank checkpoint (atoll.job.rank_checkpoint): ranks/rank_<r>/ with its tensors
+    _STEP + r"/ranks(?:/rank_[0-9]+)?", _STEP + r"/ranks/rank_[0-9]+/(?:state\.json|" + _MODEL_FILES + ")",
     r"tensorboard", r"tensorboard/events\.out\.tfevents\.[^/]+",
     r"wandb", r"wandb/(?:atoll-run-id|latest-run|debug\.log|debug-internal\.log|debug-cli\.[^/]+\.log)",
     r"wandb/(?:offline-)?run-[^/]+(?:/.+)?",

@@ -115,6 +115,8 @@ class EmulatedWan:
     Args:
         islands: K, islands (namespaces); at most 250.
         shape: the shape of every island's link (or pass ``rate_mbps`` and the rest as keywords).
+        shapes: one shape per island instead (e.g. a faster link for a syncer's site); with delays, each
+            island's forwarder holds its outgoing packets its own ``delay_ms``.
 
     Use as a context manager; :meth:`close` always removes everything it made.
 
@@ -123,12 +125,17 @@ class EmulatedWan:
         WanError: building the network failed (it is removed again).
     """
 
-    def __init__(self, islands: int, shape: LinkShape | None = None, **shape_kwargs: Any) -> None:
+    def __init__(self, islands: int, shape: LinkShape | None = None, shapes: Sequence[LinkShape] | None = None,
+                 **shape_kwargs: Any) -> None:
         if not 1 <= islands <= MAX_ISLANDS:
             raise ValueError(f"islands: between 1 and {MAX_ISLANDS}, got {islands}")
-        self.shape = shape or LinkShape(**shape_kwargs)
-        if self.shape.rate_mbps <= 0 or self.shape.delay_ms < 0 or self.shape.tbf_latency_ms <= 0:
-            raise ValueError(f"link shape: rate > 0, delay >= 0, tbf latency > 0; got {self.shape}")
+        self.shape = shape or (shapes[0] if shapes else LinkShape(**shape_kwargs))
+        self.shapes = list(shapes) if shapes is not None else [self.shape] * islands
+        if len(self.shapes) != islands:
+            raise ValueError(f"shapes: one per island ({islands}), got {len(self.shapes)}")
+        for s in self.shapes:
+            if s.rate_mbps <= 0 or s.delay_ms < 0 or s.tbf_latency_ms <= 0:
+                raise ValueError(f"link shape: rate > 0, delay >= 0, tbf latency > 0; got {s}")
         self.islands = islands
         self.prefix = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(2)}"
         self.bridge_ns = f"{self.prefix}-br"
@@ -160,7 +167,7 @@ class EmulatedWan:
         reason = unavailable_reason()
         if reason is not None:
             raise WanUnavailable(reason)
-        if self.shape.delay_ms > 0 and not os.path.exists("/dev/net/tun"):
+        if any(s.delay_ms > 0 for s in self.shapes) and not os.path.exists("/dev/net/tun"):
             raise WanUnavailable("a delay needs a TUN device and /dev/net/tun is missing; use --delay-ms 0")
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
@@ -184,11 +191,11 @@ class EmulatedWan:
         self._created.append(name)
 
     def _build(self) -> None:
-        shape, br = self.shape, self.bridge_ns
+        br = self.bridge_ns
         self._add_netns(br)
         run_command("ip", "-n", br, "link", "add", "br0", "type", "bridge")
         run_command("ip", "-n", br, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.island_ns):
+        for i, (ns, shape) in enumerate(zip(self.island_ns, self.shapes, strict=True)):
             self._add_netns(ns)
             peer = f"i{i}"
             run_command("ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", peer, "netns", br)
@@ -204,18 +211,20 @@ class EmulatedWan:
             run_command("tc", "-n", br, "qdisc", "add", "dev", peer, "root", *shape.tbf_args())  # download
             run_command("ip", "-n", ns, "link", "set", IFNAME, "up")
             run_command("ip", "-n", br, "link", "set", peer, "up")
-        if shape.delay_ms > 0:
+        if any(s.delay_ms > 0 for s in self.shapes):
             self._build_delay()
 
     def _build_delay(self) -> None:
         macs = {socket.inet_aton(self.island_ip(i)): bytes.fromhex(self.island_mac(i).replace(":", ""))
                 for i in range(self.islands)}
 
-        for i, ns in enumerate(self.island_ns):
+        for i, (ns, shape) in enumerate(zip(self.island_ns, self.shapes, strict=True)):
+            if shape.delay_ms <= 0:
+                continue
             tun, sock = in_netns(ns, open_tun)
-            line = DelayLine(i, tun, sock, self.shape.delay_ms / 1000.0, macs)
+            line = DelayLine(i, tun, sock, shape.delay_ms / 1000.0, macs)
             self._delay.append(line)
-            run_command("ip", "-n", ns, "link", "set", TUN_IFNAME, "mtu", str(self.shape.mtu), "up")
+            run_command("ip", "-n", ns, "link", "set", TUN_IFNAME, "mtu", str(shape.mtu), "up")
             run_command("ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", TUN_IFNAME, "src", self.island_ip(i))
             line.start()
 
@@ -249,8 +258,9 @@ class EmulatedWan:
         return out
 
     def delay_stats(self) -> list[dict[str, int]]:
-        """Per island: packets the delay forwarder sent, dropped (tbf queue full) and could not route."""
-        return [{"forwarded": d.forwarded, "dropped": d.dropped, "unroutable": d.unroutable} for d in self._delay]
+        """Per island with a delay: packets its forwarder sent, dropped (tbf queue full) and could not route."""
+        return [{"island": d.island, "forwarded": d.forwarded, "dropped": d.dropped, "unroutable": d.unroutable}
+                for d in self._delay]
 
     def sampler(self, interval_s: float = 0.05) -> CounterSampler:
         """Start sampling every island's counters; stop it with ``.stop()`` (:meth:`close` also does)."""
