@@ -34,8 +34,9 @@ import torch.distributed as dist
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
+from atoll.job.faults import KILL_HOOK_ENV, KILL_STAMP_ENV, parse_kill_hook
 from atoll.job.island import Island, make_island
-from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call, parse_kill_hook
+from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
@@ -72,8 +73,9 @@ class RankWorker(IslandWorker):
         super().__init__(index, job, total_steps, group.device, island=island, held=held)
         self.group, self.sharded = group, sharded
         first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        self.kill_at = [(k.step, k.signal) for k in parse_kill_hook() if k.rank == group.rank] if first_start else []
-        self.kill_stamp = os.environ.get("ATOLL_TEST_KILL_STAMP")
+        spec = os.environ.get(KILL_HOOK_ENV, "") if first_start else ""
+        self.kill_at = [(k.step, k.signal) for k in parse_kill_hook(spec) if k.rank == group.rank] if spec else []
+        self.kill_stamp = os.environ.get(KILL_STAMP_ENV)
 
     def forward_backward(self, batch: torch.Tensor) -> None:
         for step, sig in self.kill_at:  # test hook (see the class docstring)
