@@ -33,25 +33,28 @@ from atoll.runtime.service.client import SyncerClient  # noqa: E402
 KEY = b"ab" * 32
 
 
+def _serve(config, folder: Path, creds: list[str], **shard):  # noqa: ANN001, ANN202 - (state, address, server)
+    """A :class:`SyncerServer` of ``config`` (shard ``shard``, else unsharded) on a loopback port in this process."""
+    from atoll.runtime.service.server import SyncerServer
+
+    state = SyncerServer(config, folder, creds, **shard)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    return state, address, server
+
+
 @pytest.fixture()
 def shards(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - ([state0, state1], [address0, address1], creds)
     """Shards 0 and 1 of a syncer of 2 fragments, served in this process (plaintext on loopback)."""
     from atoll.config import build_config
-    from atoll.runtime.service.server import SyncerServer
 
     base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
     config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2})
     creds = ["a" * 32, "b" * 32]
-    states, servers, addresses = [], [], []
-    for s in range(2):
-        state = SyncerServer(config, tmp_path / f"shard_{s}", creds, shard=s, shards=2, key=KEY)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        server.start()
-        states.append(state)
-        servers.append(server)
-    yield states, addresses, creds
-    for server in servers:
+    served = [_serve(config, tmp_path / f"shard_{s}", creds, shard=s, shards=2, key=KEY) for s in range(2)]
+    yield [s for s, _, _ in served], [a for _, a, _ in served], creds
+    for _, _, server in served:
         server.stop(grace=0)
 
 
@@ -140,6 +143,59 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow
+def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pushes(shards, tmp_path: Path) -> None:  # noqa: ANN001
+    """The same pushes (values, tokens, order) sent to 2 shards (each fragment to its owner, over gRPC, with the
+    coordinator's grants) and to one unsharded syncer: every merge happens on the fragment's owner, and the
+    gathered global model, its versions, commits and merged tokens are those of the one syncer, bit for bit
+    (a shard's merge is the unsharded syncer's, over its own fragments)."""
+    from atoll.runtime.service.gather import PeerClient, gather
+    from atoll.strategies.decoupled.syncer_shards import peer_token
+
+    (coord, shard), addresses, creds = shards
+    one, one_address, one_server = _serve(coord.config, tmp_path / "one", creds)
+    try:
+        numels, owners = coord.service.numels, coord.owners
+        init = one.service.syncer.global_params()
+        sharded = [[SyncerClient(a, i, creds[i], plaintext=True) for a in addresses] for i in range(2)]
+        single = [SyncerClient(one_address, i, creds[i], plaintext=True) for i in range(2)]
+        for i in range(2):
+            session = sharded[i][0].call("Join", {"numels": numels, "shards": owners})["session"]
+            assert single[i].call("Join", {"numels": numels})["session"] == session
+            sharded[i][1].call("Hello", {"numels": numels, "shards": owners, "shard": 1,
+                                         "grant": sharded[i][0].grant})
+        gen = torch.Generator().manual_seed(0)
+        steps = [5, 3]  # island 1 claims fewer tokens: the token-weighted mean is not a plain one
+        for r in range(3):
+            for i in range(2):
+                assert sharded[i][0].call("ReserveSteps", {"n": steps[i]})["granted"] == steps[i]
+                assert single[i].call("ReserveSteps", {"n": steps[i]})["granted"] == steps[i]
+            for g in range(2):
+                for i in range(2):
+                    data = wire.payload_bytes(coord.codec.encode(
+                        torch.empty(numels[g]).normal_(0, 1e-3, generator=gen)).tensors)
+                    tokens = steps[i] * coord.config.tokens_per_step
+                    to = sharded[i][owners[g]]
+                    grant = sharded[i][0].grant if owners[g] else None
+                    assert to.push(data, g, ((0, numels[g]),), tokens, r, 1, grant=grant)["accepted"]
+                    assert single[i].push(data, g, ((0, numels[g]),), tokens, r, 1)["accepted"]
+        for g in range(2):  # each fragment merged 3 times, on its owner only
+            owner = (coord, shard)[owners[g]]
+            assert owner.service.syncer.version(owner.local[g]) == 3 and one.service.syncer.version(g) == 3
+        assert coord.service.syncer.commits == shard.service.syncer.commits == 3
+
+        coord.final = coord.service.finish()
+        final, refused = gather(coord, [PeerClient(addresses[1], 1, peer_token(KEY), plaintext=True)])
+        ref = one.service.finish()
+        assert torch.equal(final["global"], ref["global"]) and not torch.equal(ref["global"], init)
+        assert final["versions"] == ref["versions"] == [3, 3] and refused == {}
+        assert final["stats"]["commits"] == ref["stats"]["commits"] == 6
+        assert final["merged_tokens"] == pytest.approx(ref["merged_tokens"], rel=1e-9)
+        assert final["shard_restarts"] == [0, 0]
+    finally:
+        one_server.stop(grace=0)
+
+
 def _shard_args(s: int, ports: list[int], out: Path, flags: list[str], tls: list[str]) -> list[str]:
     return ["syncer", "--shard", str(s), "--shards", ",".join(f"127.0.0.1:{p}" for p in ports), "--listen",
             f"127.0.0.1:{ports[s]}", "--out", str(out), *tls, *flags]
@@ -187,6 +243,13 @@ def test_two_shards_and_two_islands_end_near_the_unsharded_service(fast_config: 
     assert sharded["shards"] == 2 and sharded["shard_restarts"] == [0, 0]
     assert sharded["refused_calls"] == {} and sharded["rejected_updates"] == 0, sharded.get("rejected_by_reason")
     assert sharded["commits"] == sum(status(out / f"shard_{s}")["commits"] for s in range(2))
+    owned = [status(out / f"shard_{s}") for s in range(2)]  # the run's versions: each fragment's on its owner
+    assert sorted(f for st in owned for f in st["fragments"]) == list(range(len(sharded["versions"])))
+    for st in owned:
+        assert [sharded["versions"][f] for f in st["fragments"]] == st["versions"] and min(st["versions"]) > 0
+    # one run folder, on shard 0's side, with the model; the other shard wrote none
+    assert (out / "run" / "checkpoints" / "latest").exists() and (out / "run" / "report.png").is_file()
+    assert list(out.glob("run/checkpoints/step_*/model/*.safetensors")) and not list(out.glob("shard_*/run"))
     assert sharded["islands_left"] == [0, 1] and status(out / "shard_1")["finished"]
     assert 0 < sharded["useful_tokens"] <= sharded["tokens"]  # the merged tokens of both shards' fragments
     assert sharded["final_eval_loss"] < sharded["initial_eval_loss"] - 0.3
@@ -233,3 +296,26 @@ def test_a_killed_shard_restarts_without_losing_a_commit_while_the_run_goes_on(f
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     retried = [int(logs[f"island_{i}.log"].split(" retried calls")[0].rsplit(" ", 1)[1]) for i in range(2)]
     assert sum(retried) > 0, logs
+
+
+def test_bad_shard_settings_exit_2_in_one_line(tmp_path: Path) -> None:
+    """A shard's place outside its list, a bad address in it, more shards than fragments (at a shard or an
+    island): one line naming the field, status 2, nothing made."""
+    from tests.conftest import run_cli
+
+    token = tmp_path / "island_0.token"
+    token.write_text("a" * 32)
+    out = ["--out", str(tmp_path / "syncer"), "--fragments", "2"]
+    cases = {
+        "shard": ["syncer", "--shard", "2", "--shards", "127.0.0.1:7070,127.0.0.1:7071", *out],
+        "shards": ["syncer", "--shard", "0", "--shards", "127.0.0.1:7070,nohost", *out],
+        "shards ": ["syncer", "--shards", "127.0.0.1:7070,127.0.0.1:7071,127.0.0.1:7072", *out],
+        "syncer": ["island", "--syncer", "127.0.0.1:7070,127.0.0.1:7071,127.0.0.1:7072", "--island", "0",
+                   "--credential", str(token), "--fragments", "2"],
+    }
+    for field, args in cases.items():
+        result = run_cli(*args)
+        assert result.returncode == 2, (field, result.stdout, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"atoll: error: {field.strip()}:"), (field, lines)
+    assert not (tmp_path / "syncer").exists()
