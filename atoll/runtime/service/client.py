@@ -64,6 +64,11 @@ class SyncerClient:
 
     Attributes:
         bytes_up, bytes_down: safetensors bytes this process sent and received over its bulk connection.
+        grant: the newest grant a sharded syncer's coordinator answered with (its ``Join``, ``ReserveSteps``,
+            ``Leave``; :class:`~atoll.strategies.decoupled.syncer_shards.Grant`, as JSON); None: none yet (or
+            an unsharded syncer).
+        grant_source: (a client of a shard other than the coordinator) the coordinator's client, whose newest
+            ``grant`` every commit here carries; None: none (the coordinator, or an unsharded syncer).
 
     Raises:
         ConfigError: a bad address, or plaintext to another host without ``insecure``.
@@ -83,6 +88,9 @@ class SyncerClient:
         self.metadata = ((wire.ISLAND_KEY, str(island)), (wire.CREDENTIAL_KEY, credential))
         self.retries = 0
         self.bytes_up = self.bytes_down = 0
+        self.grant: dict[str, Any] | None = None
+        self.grant_source: SyncerClient | None = None
+        self._grant_lock = threading.Lock()
         options = [("grpc.use_local_subchannel_pool", 1),  # control and bulk: two connections, not one shared
                    ("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
                    # gRPC's own reconnect backoff grows to 120 s by default: a syncer back after an outage would
@@ -117,7 +125,9 @@ class SyncerClient:
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     raise ConfigError(f"credential: the syncer refused island {self.island}'s call ({e.details()}); "
                                       "pass this island's own --credential and --island") from None
-                if code == grpc.StatusCode.FAILED_PRECONDITION and what == "Join":
+                if code == grpc.StatusCode.FAILED_PRECONDITION and what in ("Join", "Hello"):
+                    raise ConfigError(e.details()) from None  # another model, map or shard: one line
+                if code == grpc.StatusCode.PERMISSION_DENIED:  # a fragment sent to a shard that does not own it
                     raise ConfigError(e.details()) from None
                 if code not in RETRY:
                     raise
@@ -148,9 +158,21 @@ class SyncerClient:
         stub = channel.unary_unary(wire.method(name))
 
         def attempt() -> dict[str, Any]:
-            return wire.loads(stub(wire.dumps(payload or {}), metadata=self.metadata, timeout=timeout_s))
+            reply = wire.loads(stub(wire.dumps(payload or {}), metadata=self.metadata, timeout=timeout_s))
+            if isinstance(reply.get("grant"), dict):
+                self._keep_grant(reply["grant"])
+            return reply
 
         return self._retrying(name, attempt) if retry else attempt()
+
+    def _keep_grant(self, grant: dict[str, Any]) -> None:
+        """Keep ``grant`` if it is newer than the one held (replies of calls in flight may cross)."""
+        def order(g: dict[str, Any]) -> tuple[Any, ...]:
+            return g.get("session", 0), g.get("epoch", 0), g.get("seq", 0)
+
+        with self._grant_lock:
+            if self.grant is None or order(grant) > order(self.grant):
+                self.grant = grant
 
     def upload(self, data: bytes, fragment: int, ranges: Ranges, upload: str | None = None) -> str:
         """Send a slice's payload ``data`` (the values of ``fragment`` at ``ranges`` of its element order) to the
@@ -199,28 +221,34 @@ class SyncerClient:
         return int(version), wire.bytes_tensor(bytes(got))  # type: ignore[arg-type]
 
     def commit(self, uploads: list[str], fragment: int, tokens: int, base_version: int, session: int,
-               round_s: float | None = None) -> dict[str, Any]:
-        """Commit a push whose slices are ``uploads``: the syncer's answer ``{"accepted", "answered", "version"}``.
+               round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Commit a push whose slices are ``uploads``: the syncer's answer ``{"accepted", "answered", "version"}``;
+        with ``grant`` (default: ``grant_source``'s newest, asked now: the lease that granted the push's tokens
+        was fetched before it), for a shard of a sharded syncer other than the coordinator.
 
         Raises:
             UploadLost: the syncer does not hold every upload (it restarted since): upload them again.
         """
+        if grant is None and self.grant_source is not None:
+            grant = self.grant_source.grant
+        request = {"slices": uploads, "fragment": fragment, "tokens": tokens, "base_version": base_version,
+                   "round_s": round_s, "session": session, **({"grant": grant} if grant is not None else {})}
         try:
-            return self.call("Push", {"slices": uploads, "fragment": fragment, "tokens": tokens,
-                                      "base_version": base_version, "round_s": round_s, "session": session})
+            return self.call("Push", request)
         except grpc.RpcError as e:
             if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise UploadLost(e.details()) from None
             raise
 
     def push(self, payload: bytes, fragment: int, ranges: Ranges, tokens: int, base_version: int, session: int,
-             round_s: float | None = None) -> dict[str, Any]:
-        """Upload one slice that is the whole push (``ranges``: all of the fragment) and commit it; uploaded
-        again when the syncer lost it (a restart between the two), up to three times."""
+             round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Upload one slice that is the whole push (``ranges``: all of the fragment) and commit it (with
+        ``grant``, as :meth:`commit`); uploaded again when the syncer lost it (a restart between the two), up to
+        three times."""
         for _ in range(3):
             upload = self.upload(payload, fragment, ranges)
             try:
-                return self.commit([upload], fragment, tokens, base_version, session, round_s)
+                return self.commit([upload], fragment, tokens, base_version, session, round_s, grant)
             except UploadLost:
                 continue
         raise SyncerUnreachable(f"syncer: '{self.address}' lost this island's upload three times; check its log")

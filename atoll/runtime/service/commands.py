@@ -37,13 +37,26 @@ def add_parsers(sub: Any, add_config_flags: Callable[[argparse.ArgumentParser], 
     p_syncer.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="its private key")
     p_syncer.add_argument("--insecure", action="store_true",
                           help="allow plaintext on an address other hosts can reach (never across the internet)")
+    p_syncer.add_argument("--shards", default=None, metavar="HOST:PORT,...",
+                          help="a syncer sharded by fragment: every shard's address, the islands' --syncer list, the "
+                          "same on every shard [default: one syncer]")
+    p_syncer.add_argument("--shard", type=int, default=0, metavar="S",
+                          help="this shard's place in --shards, 0-based; shard 0 coordinates [default: 0]")
+    p_syncer.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                          help="(shard 0) the CA of the other shards' certificates, to gather them at the run's end "
+                          "[default: the system's]")
+    p_syncer.add_argument("--give-up-s", type=float, default=600.0, metavar="X",
+                          help="(shard 0) seconds a shard it gathers may stay unreachable; (other shards) seconds to "
+                          "wait for shard 0 once gathered [default: 600]")
     p_island = sub.add_parser("island", help="run one island of a decoupled run as its own job, dialing out to "
                               "atoll syncer", description="Run one island of a decoupled run against the syncer "
                               "at --syncer, as one process or as the R ranks torchrun starts (torchrun "
                               "--nproc-per-node R -m atoll island ...). Give it the run's settings (the same as "
                               "the syncer's). See docs/deployment.md.")
     p_island.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
-    p_island.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the address of atoll syncer")
+    p_island.add_argument("--syncer", required=True, metavar="HOST:PORT[,...]",
+                          help="the address of atoll syncer; of a sharded one, every shard's, in the order of its "
+                          "--shards")
     p_island.add_argument("--island", type=int, required=True, metavar="N", help="this island's index, 0-based")
     p_island.add_argument("--credential", type=Path, required=True, metavar="FILE",
                           help="this island's secret: the island_<N>.token file atoll syncer made")
@@ -99,7 +112,20 @@ def syncer(args: argparse.Namespace) -> int:
     if config.out is None:
         raise AtollError("out: atoll syncer keeps its state in a folder; pass --out DIR (the same on a restart)")
     credentials = args.credentials if args.credentials is not None else Path(config.out) / "credentials"
-    summary = serve(config, args.listen, credentials, args.tls_cert, args.tls_key, insecure=args.insecure)
+    shards = args.shards.split(",") if args.shards else None
+    from atoll.runtime.service.client import SyncerUnreachable
+    from atoll.runtime.service.tls import read_certificate
+
+    ca = read_certificate(args.tls_ca, "tls-ca") if args.tls_ca is not None else None
+    try:
+        summary = serve(config, args.listen, credentials, args.tls_cert, args.tls_key, insecure=args.insecure,
+                        shard=args.shard, shards=shards, tls_ca=ca, give_up_s=args.give_up_s)
+    except SyncerUnreachable as e:  # a shard the coordinator gathers: its state stays in its checkpoint
+        print(f"atoll: error: {e}; restart that shard on its folder, then this one", file=sys.stderr)
+        return 1
+    if "final_eval_loss" not in summary:
+        print(f"atoll syncer: shard {summary['shard']} done; its fragments were gathered by shard 0", flush=True)
+        return 0
     print(f"atoll syncer: done; final eval loss {summary['final_eval_loss']:.4f}; run folder: {summary['out']}")
     return 0
 
@@ -122,12 +148,18 @@ def island(args: argparse.Namespace) -> int:
     if ca is not None and args.plaintext:
         raise AtollError("tls-ca: --tls-ca and --plaintext exclude each other; drop one")
     group = IslandGroup.from_env(config.ranks_per_island, config.device, config.collective_timeout_s)
-    client = SyncerClient(args.syncer, args.island, token, root_certificates=ca, plaintext=args.plaintext,
-                          insecure=args.insecure, give_up_s=args.give_up_s, server_name=args.tls_server_name,
-                          control=group.leader)
+    addresses = args.syncer.split(",")
+    if len(addresses) > config.fragments:
+        raise AtollError(f"syncer: {len(addresses)} shards for {config.fragments} fragments; give --syncer the "
+                         "shards' --shards list")
+    clients: list[SyncerClient] = []
+    for address in addresses:  # one client per shard (shard 0 first: the coordinator)
+        clients.append(SyncerClient(address, args.island, token, root_certificates=ca, plaintext=args.plaintext,
+                                    insecure=args.insecure, give_up_s=args.give_up_s,
+                                    server_name=args.tls_server_name, control=group.leader))
     try:
         group.start()
-        report = run_island(config, args.island, client, group)
+        report = run_island(config, args.island, clients, group)
     except SyncerUnreachable as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 1
@@ -135,7 +167,8 @@ def island(args: argparse.Namespace) -> int:
         lost_peer(e, args.island, group)  # exits with status 3
         raise
     finally:
-        client.close()
+        for client in clients:
+            client.close()
     group.close()
     if group.leader:
         ranks = f" ({group.size} ranks)" if group.size > 1 else ""

@@ -137,7 +137,7 @@ class ServiceTransport:
 
     Args:
         client: this rank's :class:`~atoll.runtime.service.client.SyncerClient` (the leader's has the control
-            connection).
+            connection); ``route``: per fragment, the client of the syncer's shard that owns it (None: ``client``).
         group: the island's :class:`~atoll.runtime.service.group.IslandGroup`.
         plan: who moves what (:class:`SlicePlan`).
         wire: the island's :class:`~atoll.algorithms.wire.Wire` (its codec, error feedback and random source):
@@ -155,10 +155,11 @@ class ServiceTransport:
     """
 
     def __init__(self, client: SyncerClient, group: IslandGroup, plan: SlicePlan, wire: Wire, codec: Codec,
-                 session: int, lease: StepLease | None, poll_s: float = 0.02, heartbeat_s: float = 2.0) -> None:
+                 session: int, lease: StepLease | None, poll_s: float = 0.02, heartbeat_s: float = 2.0,
+                 route: list[SyncerClient] | None = None) -> None:
         self.client, self.group, self.plan, self.wire, self.codec = client, group, plan, wire, codec
-        self.session, self.lease, self.poll_s = session, lease, poll_s
         fragments = len(plan.numels)
+        self.session, self.lease, self.poll_s, self.route = session, lease, poll_s, route or [client] * fragments
         self.ranks_move = not plan.leader_moves and group.size > 1
         self.local = [INF] * (1 + 5 * fragments)
         for p in range(fragments):
@@ -357,10 +358,10 @@ class ServiceTransport:
 
     def _exchange(self, p: int, k: int, out: Outgoing | None) -> None:
         """Exchange k of fragment p on this rank (``out`` None: a pull alone)."""
-        plan = self.plan
+        plan, client = self.plan, self.route[p]
         if self.ranks_move and plan.moves(p):
             if out is not None and out.payload is not None:
-                self.client.upload(wire.payload_bytes(out.payload), p, plan.moved(p), self._upload_id(p, k, plan.rank))
+                client.upload(wire.payload_bytes(out.payload), p, plan.moved(p), self._upload_id(p, k, plan.rank))
             self._set(p, UP, k)
         if self.group.leader:
             if out is not None:
@@ -371,7 +372,7 @@ class ServiceTransport:
             return
         self._wait(lambda a: a[self._at(p, READY)] >= k)
         while True:  # until every rank holds the same version (a commit may fall between two ranks' downloads)
-            version, values = self.client.download(p, plan.moved(p) if self.ranks_move else None)
+            version, values = client.download(p, plan.moved(p) if self.ranks_move else None)
             with self._cond:
                 self.pulled[p] = (version, values)
                 self.local[self._at(p, DONE)] = k
@@ -392,21 +393,21 @@ class ServiceTransport:
         claim = self.lease.claimable(p, out.tokens, out.credit_mark) if self.lease is not None else out.tokens
         if claim <= 0:  # no step of it was granted (the budget was spent): not sent, the newest pulled
             return
-        if self.ranks_move:
+        if self.ranks_move:  # (to another shard than the coordinator, the commit carries its newest grant)
             ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
             try:
-                answer = self.client.commit(ids, p, claim, out.base_version, self.session, out.round_s)
+                answer = self.route[p].commit(ids, p, claim, out.base_version, self.session, out.round_s)
             except UploadLost:  # the other ranks' slices cannot be sent again from here: the push is lost
                 self.lost += 1
                 return
         else:
             assert out.payload is not None
-            answer = self.client.push(wire.payload_bytes(out.payload), p, ((0, self.plan.numels[p]),), claim,
-                                      out.base_version, self.session, out.round_s)
+            answer = self.route[p].push(wire.payload_bytes(out.payload), p, ((0, self.plan.numels[p]),), claim,
+                                        out.base_version, self.session, out.round_s)
         if not answer["accepted"]:
             self.refused += 1
         if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
-            while p in self.client.call("Buffered")["buffered"]:
+            while p in self.route[p].call("Buffered")["buffered"]:
                 time.sleep(self.poll_s)
 
     def _heartbeat(self, every_s: float) -> None:
@@ -415,5 +416,5 @@ class ServiceTransport:
                 self.client.call("Heartbeat", timeout_s=5.0, retry=False)
 
     def counters(self) -> dict[str, Any]:
-        """What this rank moved: its bulk connection's bytes up and down."""
-        return {"bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down}
+        """What this rank moved: its bulk connections' bytes up and down (to every shard)."""
+        return {k: sum(getattr(c, k) for c in set(self.route)) for k in ("bytes_up", "bytes_down")}

@@ -41,6 +41,7 @@ from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
+from atoll.strategies.decoupled.syncer_shards import shard_map
 
 
 def read_token(path: Path) -> str:
@@ -123,12 +124,19 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     return RankWorker(index, job, total, group, False, island=island), plan, job
 
 
-def run_island(config: TrainConfig, island: int, client: SyncerClient, group: IslandGroup) -> dict[str, Any]:
-    """Train this rank of island ``island`` against the syncer ``client`` reaches; return the island's counters
-    (the leader's; the other ranks return their own bulk counters).
+def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], group: IslandGroup) -> dict[str, Any]:
+    """Train this rank of island ``island`` against the syncer ``clients`` reach (one client per shard of a
+    syncer sharded by fragment, shard 0 first; one: unsharded); return the island's counters (the leader's;
+    the other ranks return their own bulk counters).
+
+    Sharded, the leader joins the coordinator (shard 0) with the fragment -> shard map it derives from the
+    number of shards (:func:`~atoll.strategies.decoupled.syncer_shards.shard_map`), says ``Hello`` to every
+    other shard (the same map, the shard it dialed, the coordinator's grant verifies there), and every rank
+    routes each fragment's exchanges to its shard.
 
     Raises:
-        ConfigError: ``island`` is not one of the run's, the syncer's model differs, or the credential is refused.
+        ConfigError: ``island`` is not one of the run's, the syncer's model or map differs, a shard is not the one
+            dialed, or the credential is refused.
         SyncerUnreachable: the syncer gave no answer for ``client.give_up_s``.
         PeerFailure: another rank of the island stopped responding.
     """
@@ -139,7 +147,13 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient, group: Is
         torch.set_num_threads(config.threads)
     worker, plan, job = _build(config, island, group)
     numels = [int(i.numel()) for i in job.index]
-    joined = client.call("Join", {"numels": numels}) if group.leader else {}
+    client = clients[0]  # the coordinator: the join, leases, heartbeats, Leave
+    owners = shard_map(numels, len(clients))
+    joined = client.call("Join", {"numels": numels, "shards": owners}) if group.leader else {}
+    for s, shard in enumerate(clients[1:], 1):  # each shard is the one dialed, with the same map and run key
+        shard.grant_source = client
+        if group.leader:
+            shard.call("Hello", {"numels": numels, "shards": owners, "shard": s, "grant": client.grant})
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])
     from atoll.algorithms.codecs import make_codec
 
@@ -149,7 +163,8 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient, group: Is
                        status=lambda: (float(worker.island.last_loss),
                                        float(worker.island.scheduler.get_last_lr()[0])))
              if group.leader else None)
-    transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease)
+    transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease,
+                                 route=[clients[owners[p]] for p in range(len(numels))])
     worker.send_range = [plan.send_range(p) for p in range(worker.fragments)]
     worker.transport_encodes = True
     t0 = time.monotonic()
@@ -172,7 +187,8 @@ def run_island(config: TrainConfig, island: int, client: SyncerClient, group: Is
     if lease is not None:
         client.call("Leave", {**report, "used": lease.used})
     return {**report, "island": island, "rank": group.rank, "ranks": group.size, "wall_s": time.monotonic() - t0,
-            "retries": client.retries, "offline_steps": lease.offline_steps_taken if lease is not None else 0,
+            "retries": sum(c.retries for c in clients),
+            "offline_steps": lease.offline_steps_taken if lease is not None else 0,
             "refused_pushes": transport.refused, "lost_pushes": transport.lost, "session": session,
             "lease_fetches": lease.fetches if lease is not None else 0, **transport.counters()}
 

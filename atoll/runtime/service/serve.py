@@ -1,6 +1,11 @@
 """``atoll syncer`` from its start to its end: credentials, the gRPC server, the run's final model and summary.
 
-The handlers themselves are :class:`~atoll.runtime.service.server.SyncerServer`'s.
+The handlers themselves are :class:`~atoll.runtime.service.server.SyncerServer`'s. A syncer sharded by
+fragment (``--shard S --shards ADDR0,ADDR1,...``) runs one ``serve`` per shard: each keeps its state in
+``OUT/shard_<S>``; shard 0 (the coordinator) makes the credentials (the islands' tokens and the run's key,
+``syncer.key``) and, at the run's end, gathers the other shards (:mod:`~atoll.runtime.service.gather`) and
+writes the run folder ``OUT/run``; the other shards read the same credentials folder (copied to their hosts)
+and exit once the coordinator has gathered them.
 """
 
 from __future__ import annotations
@@ -18,52 +23,91 @@ from atoll.errors import ConfigError
 from atoll.runtime.service import wire
 from atoll.runtime.service.server import SyncerServer
 
+#: the run's secret of a sharded syncer (in the credentials folder, beside the islands' tokens; never an island's)
+RUN_KEY = "syncer.key"
+#: seconds a shard other than the coordinator waits for the credentials shard 0 makes (one host, one folder)
+CREDENTIALS_WAIT_S = 120.0
 
-def load_credentials(folder: Path, islands: int) -> list[str]:
-    """One secret per island from ``folder/island_<i>.token``; missing ones are made (:func:`secrets.token_hex`,
-    32 hex digits, the file readable by its owner only) and said once on stderr.
+
+def load_credentials(folder: Path, islands: int, run_key: bool = False, make: bool = True) -> list[str]:
+    """One secret per island from ``folder/island_<i>.token`` (and, ``run_key``, the run's key ``syncer.key``,
+    64 hex digits); missing ones are made (:func:`secrets.token_hex`, the file readable by its owner only) and
+    said once on stdout. ``make`` False (a shard other than the coordinator): made by none; waited for up to
+    :data:`CREDENTIALS_WAIT_S` (shard 0 on the same host makes them), else an error.
 
     Raises:
-        ConfigError: the folder cannot be made or read, or a token file is empty.
+        ConfigError: the folder cannot be made or read, a token file is empty, or (not ``make``) missing.
     """
     folder = Path(folder)
+    names = [*(f"island_{i}.token" for i in range(islands)), *([RUN_KEY] if run_key else [])]
+    if not make:
+        deadline = time.monotonic() + CREDENTIALS_WAIT_S
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            print(f"atoll syncer: waiting for shard 0's credentials in {folder} ({', '.join(missing[:3])}); copy "
+                  "that folder from shard 0's host", flush=True)
+        while missing and time.monotonic() < deadline:
+            time.sleep(0.5)
+            missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ConfigError(f"credentials: '{folder / missing[0]}' is missing; copy shard 0's --credentials folder "
+                              "to this host (every shard reads the same one) and pass it with --credentials")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tokens, made = [], []
-        for i in range(islands):
-            path = folder / f"island_{i}.token"
+        for name in names:
+            path = folder / name
             if not path.exists():
-                tmp = folder / f".island_{i}.token.tmp"
-                tmp.write_text(secrets.token_hex(16) + "\n")
+                tmp = folder / f".{name}.tmp"
+                tmp.write_text(secrets.token_hex(32 if name == RUN_KEY else 16) + "\n")
                 tmp.chmod(0o600)
                 tmp.replace(path)
                 made.append(path.name)
             token = path.read_text().strip()
             if not token:
                 raise ConfigError(f"credentials: '{path}' is empty; delete it to have a new secret made")
-            tokens.append(token)
+            if name != RUN_KEY:
+                tokens.append(token)
     except OSError as e:
         raise ConfigError(f"credentials: cannot use the folder '{folder}' ({e.strerror or e}); pass a writable "
                           "--credentials folder") from None
     if made:
         print(f"atoll syncer: made credentials {', '.join(made)} in {folder}; give island i only its own "
-              "island_<i>.token", flush=True)
+              f"island_<i>.token{'; every shard the whole folder' if run_key else ''}", flush=True)
     return tokens
 
 
 
 def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Path | None, tls_key: Path | None,
-          insecure: bool = False) -> dict[str, Any]:
-    """Run ``atoll syncer`` until the run is over; return its summary (the run folder ``<out>/run``).
+          insecure: bool = False, shard: int = 0, shards: list[str] | None = None, tls_ca: bytes | None = None,
+          give_up_s: float = 600.0) -> dict[str, Any]:
+    """Run ``atoll syncer`` until the run is over; return its summary (the run folder ``<out>/run``), or, for a
+    shard other than the coordinator, ``{"shard": S}`` once the coordinator has gathered it.
+
+    Args:
+        shard, shards: this process is shard ``shard`` of a syncer sharded over the addresses ``shards`` (the
+            islands' ``--syncer`` list; None or one address: unsharded).
+        tls_ca: (the coordinator) the CA of the other shards' certificates, PEM (None: the system's).
+        give_up_s: (the coordinator) seconds it retries a shard it gathers before it gives up; (another shard)
+            seconds it waits, once gathered, for the coordinator's ``Close``.
 
     Raises:
-        ConfigError: a bad listen address, TLS material or credentials folder; plaintext on a non-loopback
-            address without ``insecure``; an address that cannot be bound.
+        ConfigError: a bad listen address, TLS material, shard list or credentials folder; plaintext on a
+            non-loopback address without ``insecure``; an address that cannot be bound.
+        SyncerUnreachable: (the coordinator) a shard gave no answer to its gathering for ``give_up_s``.
     """
     try:
         host, _ = wire.parse_address(listen, "listen")
+        peers = [wire.parse_address(a, "shards") for a in shards or []]
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    count = max(1, len(peers))
+    if not 0 <= shard < count:
+        raise ConfigError(f"shard: {shard} is not one of the {count} shards of --shards (0..{count - 1}); pass "
+                          "--shard S with S this shard's place in --shards")
+    if count > config.fragments:
+        raise ConfigError(f"shards: {count} shards for {config.fragments} fragments; each shard owns at least one "
+                          "fragment: list at most --fragments addresses in --shards")
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("tls-cert: --tls-cert and --tls-key go together; pass both (or neither, on loopback)")
     if tls_cert is None and not wire.is_loopback(host) and not insecure:
@@ -75,8 +119,16 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
     if config.out is None:
         raise ConfigError("out: atoll syncer keeps its state in a folder; pass --out DIR (the same on a restart)")
     out = Path(config.out)
-    credentials = load_credentials(credentials_dir, config.islands)
-    server_state = SyncerServer(config, out, credentials)
+    sharded = count > 1
+    credentials = load_credentials(credentials_dir, config.islands, run_key=sharded, make=shard == 0)
+    key = (Path(credentials_dir) / RUN_KEY).read_text().strip().encode() if sharded else b""
+    try:
+        server_state = SyncerServer(config, out / f"shard_{shard}" if sharded else out, credentials, shard=shard,
+                                    shards=count, key=key)
+    except ValueError as e:  # a checkpoint of another shard, or of another map
+        if not str(e).startswith("shards:"):
+            raise
+        raise ConfigError(str(e)) from None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + 4 * config.islands),
                          handlers=[server_state.handler()],
                          options=[("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
@@ -93,22 +145,49 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
     server.start()
     restarted = (f", restarted from commit {server_state.service.syncer.commits}"
                  if server_state.service.restarts else "")
-    print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}), {config.islands} islands, "
-          f"state in {out}{restarted}", flush=True)
+    service = server_state.service
+    role = (f" as shard {shard} of {count} ({'the coordinator, ' if shard == 0 else ''}fragments "
+            f"{service.fragment_ids}, {service.syncer.numel:,} parameters)" if sharded else "")
+    print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}){role}, {config.islands} "
+          f"islands, state in {server_state.out}{restarted}", flush=True)
+    finished_at: float | None = None
     try:
         while not server_state.done.is_set():
             server_state.tick()
             time.sleep(0.1)
+            if server_state.finished is not None:  # gathered; the coordinator's Close may never come
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > give_up_s:
+                    break
     finally:
         server.stop(grace=2.0)
-    return finish_run(config, out, server_state)
+        server_state.tick()  # the last status (gathered, done)
+    if not server_state.coordinator:
+        return {"shard": shard}
+    if not sharded:
+        return finish_run(config, out, server_state)
+    from atoll.runtime.service.gather import PeerClient, gather
+    from atoll.strategies.decoupled.syncer_shards import peer_token
+
+    clients = [PeerClient(shards[s], s, peer_token(key), root_certificates=tls_ca, plaintext=key_pair is None,
+                          insecure=insecure, give_up_s=give_up_s) for s in range(1, count)]
+    try:
+        final, refused = gather(server_state, clients)
+    finally:
+        for c in clients:
+            c.close()
+    return finish_run(config, out, server_state, final, refused)
 
 
-def finish_run(config: TrainConfig, out: Path, state: SyncerServer) -> dict[str, Any]:
-    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would."""
+def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[str, Any] | None = None,
+               refused_calls: dict[str, int] | None = None) -> dict[str, Any]:
+    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would;
+    ``final``, ``refused_calls``: the whole run's, gathered from its shards (default: ``state``'s own)."""
     from atoll.job.run import Run
 
-    final = state.final or {}
+    final = final or state.final or {}
+    sharded = {"shards": len(final["shard_restarts"]), "shard_restarts": final["shard_restarts"]} \
+        if "shard_restarts" in final else {}
     run = Run(config.model_copy(update={"out": out / "run"}))
     run.begin()
     reports = [state.left.get(i, {}) for i in range(config.islands)]
@@ -124,4 +203,5 @@ def finish_run(config: TrainConfig, out: Path, state: SyncerServer) -> dict[str,
                       island_utilization=[c / wall_s if wall_s > 0 else 0.0 for c in compute],
                       rejoins=[max(0, j - 1) for j in final["joins"]], rejoin_s=final["rejoin_s"],
                       versions=final["versions"], syncer_restarts=final["syncer_restarts"],
-                      refused_calls=dict(state.refused_calls), islands_left=sorted(state.left))
+                      refused_calls=dict(refused_calls if refused_calls is not None else state.refused_calls),
+                      islands_left=sorted(state.left), **sharded)

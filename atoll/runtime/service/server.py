@@ -25,6 +25,11 @@ island has joined (``{"granted": 0, "wait": true}``), or ``collective_timeout_s`
 islands start together, as the learners of one run, and an island job that takes longer to start (torchrun,
 a cold data cache) does not find the budget spent by the others.
 
+**Sharded by fragment** (``atoll syncer --shard S --shards ADDR0,ADDR1,...``): each shard serves the same
+calls for its own fragments (:mod:`~atoll.runtime.service.shards`: ownership, the map checked at the join,
+the coordinator's grants, the peer calls of the run's end); shard 0 alone grants leases, opens sessions and
+ends the run. The tensors' calls are :mod:`~atoll.runtime.service.bulk`'s.
+
 Threads: gRPC runs calls on a pool of threads; every call into the service holds one lock, so the
 service sees one call at a time, as the Ray actor does. Tensor bytes are received and sent outside the
 lock, so a slow upload never holds up a heartbeat. A poll thread closes due grace windows, writes
@@ -42,8 +47,6 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,50 +55,36 @@ import grpc
 from atoll.algorithms.codecs import make_codec
 from atoll.config import TrainConfig
 from atoll.runtime.service import slices, wire
+from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
+from atoll.runtime.service.shards import ShardCalls
 from atoll.strategies.decoupled.protocol import Push, is_index
 from atoll.strategies.decoupled.service import SyncerService
 
 log = logging.getLogger("atoll.syncer")
 
-#: bytes of uploads (slices of pushes in transfer) one island may hold, in whole fragments' payloads; the
-#: oldest uploads are dropped beyond (an island has at most one push per fragment in flight, two fragments
-#: in flight at the paper's settings)
-OPEN_FRAGMENTS = 8
-#: uploads one island may hold at once, whatever their size
-OPEN_UPLOADS = 4096
 #: slices one push may list
 MAX_SLICES = 4096
-#: bytes of a safetensors header the payload of a slice may take beyond the codec's own bytes
-HEADER_BYTES = 4096
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
-#: pulled slices kept serialized (a fragment's slices are pulled by every island's ranks alike), at most this
-#: many, and at most twice the global parameters' float32 bytes
-PULL_CACHE = 256
 
 
-@dataclass
-class Upload:
-    """One slice of a push in transfer: its fragment, its ranges, its declared size and the bytes so far."""
-
-    fragment: int
-    ranges: slices.Ranges
-    size: int
-    data: bytearray = field(default_factory=bytearray)
-
-
-class SyncerServer:
+class SyncerServer(ShardCalls, BulkCalls):
     """The gRPC handlers around one :class:`SyncerService` (see the module docstring).
 
     Args:
         config: the run's settings (the same the islands are given).
         out: the syncer's folder (``syncer/`` checkpoints, ``service/status.json``, ``run/`` at the end).
         credentials: per island its secret.
+        shard, shards, key: this server is shard ``shard`` of ``shards`` of a syncer sharded by fragment
+            (``key``: the run's secret; see :class:`SyncerService` and the module docstring).
     """
 
-    def __init__(self, config: TrainConfig, out: Path, credentials: list[str]) -> None:
+    def __init__(self, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
+                 key: bytes = b"") -> None:
         self.config, self.out = config, Path(out)
-        self.service = SyncerService(config.model_dump_json(), str(self.out), credentials, pid_dir="service")
+        self.service = SyncerService(config.model_dump_json(), str(self.out), credentials, pid_dir="service",
+                                     shard=shard, shards=shards, key=key)
+        self._init_shards(key)  # (ShardCalls)
         self.lock = threading.Lock()
         self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(config.islands)}
         self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(config.islands)}
@@ -117,11 +106,16 @@ class SyncerServer:
         self.max_open = OPEN_FRAGMENTS * max(self.codec.payload_bytes(n) + HEADER_BYTES for n in numels)
 
     # --- authentication -----------------------------------------------------------------------------------
-    def _caller(self, context: grpc.ServicerContext) -> tuple[int, str]:
-        """The calling island and its secret, or abort the call (UNAUTHENTICATED), counted by reason."""
+    def _caller(self, context: grpc.ServicerContext, peer: bool = False) -> tuple[int, str]:
+        """The calling island and its secret, or abort the call (UNAUTHENTICATED), counted by reason; ``peer``:
+        another shard of this syncer may call too (answered as island -1, after its peer credential)."""
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         island, credential = md.get(wire.ISLAND_KEY), md.get(wire.CREDENTIAL_KEY)
-        if island is None or credential is None:
+        if wire.PEER_KEY in md:
+            if peer:
+                return self._peer(context)
+            reason = "peer"  # a shard's credential opens only what shards call of each other
+        elif island is None or credential is None:
             reason = "no_credential"
         elif not (island.isdigit() and is_index(int(island), self.config.islands)):
             reason = "island"
@@ -145,25 +139,25 @@ class SyncerServer:
 
     # --- control ------------------------------------------------------------------------------------------
     def Join(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802 - gRPC method names
+        """An island (re)joins (the coordinator): its new session and steps so far, and, sharded, its grant."""
         island, credential = self._caller(context)
         req = self._request(data, context)
-        numels = self.service.syncer.numels
-        if req.get("numels") != numels:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"model: this island's fragments hold {req.get('numels')} parameters, the syncer's {numels}; "
-                          "give the island the syncer's --model, --fragments and --seed")
+        self._coordinator_only(context, "Join")
+        self._check_map(req, context)
         with self.lock:
             self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
             self._save_left()
-        return wire.dumps({"versions": versions, "steps": steps, "session": session})
+            return wire.dumps({"versions": versions, "steps": steps, "session": session,
+                               **self._grant(island)})
 
     def ReserveSteps(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         """A lease of up to ``n`` steps; ``used``: the steps of its session the island has taken (``loss``,
         ``lr``: its last, for the progress). Answers ``{"granted"}`` (fewer than ``n``: the budget is spent)."""
         island, credential = self._caller(context)
         req = self._request(data, context)
+        self._coordinator_only(context, "ReserveSteps")
         n = req.get("n", 1)
         if not (is_index(n, 1 << 20) and n > 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: a positive int")
@@ -172,7 +166,7 @@ class SyncerServer:
                 return wire.dumps({"granted": 0, "wait": True})
             granted = self.service.reserve_steps(island, credential, n, used=req.get("used"), loss=req.get("loss"),
                                                  lr=req.get("lr"))
-        return wire.dumps({"granted": granted})
+            return wire.dumps({"granted": granted, **self._grant(island)})
 
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
@@ -183,12 +177,14 @@ class SyncerServer:
         return self.started_at is not None
 
     def Buffered(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+        """The run's fragments of this shard whose buffer holds a push of the island's not merged yet."""
         island, _ = self._caller(context)
         with self.lock:
-            return wire.dumps({"buffered": self.service.buffered(island)})
+            return wire.dumps({"buffered": [self.service.fragment_ids[j] for j in self.service.buffered(island)]})
 
     def Heartbeat(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         island, _ = self._caller(context)
+        self._coordinator_only(context, "Heartbeat")
         with self.lock:
             progress = self.service.heartbeat(island)
         return wire.dumps({**progress, "spent": self.service.reserved >= self.service.budget})
@@ -196,18 +192,9 @@ class SyncerServer:
     def PullMeta(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         """The newest version of a fragment (``{"version"}``)."""
         self._caller(context)
-        fragment = self._request(data, context).get("fragment")
-        if not is_index(fragment, self.service.syncer.fragments):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
+        fragment = self._fragment(self._request(data, context).get("fragment"), context)
         with self.lock:
             return wire.dumps({"version": self.service.syncer.version(fragment)})
-
-    def UploadStatus(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        island, _ = self._caller(context)
-        upload = str(self._request(data, context).get("upload"))
-        with self.lock:
-            held = self.uploads[island].get(upload)
-        return wire.dumps({"received": len(held.data) if held is not None else 0})
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         """Commit a push whose slices were uploaded (``slices``: their upload ids, the island's ranks' or one):
@@ -215,6 +202,8 @@ class SyncerServer:
         answered: merged or refused now, the version to pull)."""
         island, credential = self._caller(context)
         req = self._request(data, context)
+        if self.finished is not None:  # the coordinator gathered this shard: the run is over
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the run is over")
         ids = req.get("slices")
         if not (isinstance(ids, list) and 0 < len(ids) <= MAX_SLICES and all(isinstance(u, str) for u in ids)):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"slices: a list of 1..{MAX_SLICES} upload ids")
@@ -230,9 +219,16 @@ class SyncerServer:
         if not complete:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "upload: incomplete or unknown; upload it again")
         fragment, tokens = req.get("fragment"), req.get("tokens")
+        if is_index(fragment, len(self.owners)):  # this shard's syncer's index (another shard's: refused)
+            fragment = self._own(fragment, context)
         uploads = [h for h in held if h is not None]
         delta: Any = None  # a fragment of no run's, or a payload that does not decode: the syncer refuses it
         nbytes = 0
+        if self.service.grants is not None and is_index(fragment, self.service.syncer.fragments):
+            with self.lock:  # a shard checks the coordinator's grant first: the tokens and session it vouches for
+                if reason := self.service.admit_grant(island, req.get("grant"), req.get("session")):
+                    self.service.refuse(island, fragment, reason, tokens)
+                    return wire.dumps(self._answer(island, key, False, fragment))
         if is_index(fragment, self.service.syncer.fragments):
             numel = self.service.syncer.numels[fragment]
             if any(h.fragment != fragment for h in uploads) or not slices.tiles([h.ranges for h in uploads], numel):
@@ -275,12 +271,13 @@ class SyncerServer:
         lease goes back to the budget)."""
         island, _ = self._caller(context)
         report = self._request(data, context)
+        self._coordinator_only(context, "Leave")
         keep = ("steps", "compute_s", "bytes_sent", "last_loss", "codec_s", "resets", "skipped_steps")
         with self.lock:
             returned = self.service.leave_session(island, report.get("used"))
             self.left[island] = {k: report[k] for k in keep if isinstance(report.get(k), int | float)}
             self._save_left()
-        return wire.dumps({"ok": True, "returned": returned})
+            return wire.dumps({"ok": True, "returned": returned, **self._grant(island)})
 
     def _load_left(self) -> dict[int, dict[str, Any]]:
         try:
@@ -300,82 +297,6 @@ class SyncerServer:
         """Islands that joined the run (in the syncer's checkpoint: a restarted syncer waits for them too)."""
         return {i for i, n in enumerate(self.service.joins) if n > 0}
 
-    # --- bulk ---------------------------------------------------------------------------------------------
-    def Upload(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        """A slice of a push: a JSON header ``{"upload", "offset", "fragment", "ranges", "size"}`` (``ranges``
-        of the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of
-        that many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end)."""
-        island, _ = self._caller(context)
-        header = self._request(next(requests, b""), context)
-        upload, offset, fragment, size = (str(header.get("upload")), header.get("offset", 0), header.get("fragment"),
-                                          header.get("size"))
-        if not is_index(fragment, self.service.syncer.fragments):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
-        try:
-            ranges = wire.parse_ranges(header.get("ranges"), self.service.syncer.numels[fragment])
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        most = self.codec.payload_bytes(sum(b - a for a, b in ranges)) + HEADER_BYTES
-        if not (is_index(size, most + 1) and size > 0):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"size: {size!r}; a slice's payload is 1..{most} bytes")
-        with self.lock:
-            uploads = self.uploads[island]
-            held = uploads.get(upload)
-            if held is None or (held.fragment, held.ranges, held.size) != (fragment, ranges, size):
-                held = uploads[upload] = Upload(fragment, ranges, size)
-            uploads.move_to_end(upload)
-            while len(uploads) > OPEN_UPLOADS or sum(u.size for u in uploads.values()) > self.max_open:
-                uploads.popitem(last=False)
-        buf = held.data
-        if not (is_index(offset, len(buf) + 1)):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"offset: {offset!r}, the syncer holds {len(buf)} bytes")
-        del buf[offset:]
-        for chunk in requests:
-            if len(buf) + len(chunk) > size:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over its declared {size} bytes")
-            buf += chunk
-        return wire.dumps({"received": len(buf)})
-
-    def Download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
-        """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):
-        a JSON header ``{"version", "size", "offset"}``, then their safetensors bytes from ``offset`` (from 0
-        when the version asked for is no longer the newest)."""
-        self._caller(context)
-        req = self._request(data, context)
-        fragment = req.get("fragment")
-        if not is_index(fragment, self.service.syncer.fragments):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
-        ranges = None
-        if req.get("ranges") is not None:
-            try:
-                ranges = wire.parse_ranges(req.get("ranges"), self.service.syncer.numels[fragment])
-            except ValueError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        version, payload = self._pull(fragment, ranges)
-        offset = req.get("offset", 0)
-        if req.get("version") != version or not is_index(offset, len(payload) + 1):
-            offset = 0
-        yield wire.dumps({"version": version, "size": len(payload), "offset": offset})
-        yield from wire.chunks(payload, offset)
-
-    def _pull(self, fragment: int, ranges: slices.Ranges | None = None) -> tuple[int, bytes]:
-        """(version, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all)."""
-        key = (fragment, ranges)
-        with self.lock:
-            cached = self.pulls.get(key)
-            if cached is not None and cached[0] == self.service.syncer.version(fragment):
-                self.pulls.move_to_end(key)
-                return cached
-            pull = self.service.pull(fragment)  # a copy: serialized below, outside the lock
-        values = pull.params if ranges is None else slices.take(pull.params, ranges)
-        cached = (pull.version, wire.tensor_bytes(values))
-        with self.lock:
-            self.pulls[key] = cached
-            most = 8 * self.service.syncer.numel
-            while len(self.pulls) > PULL_CACHE or sum(len(b) for _, b in self.pulls.values()) > most:
-                self.pulls.popitem(last=False)
-        return cached
-
     # --- the run ------------------------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's generic handler: raw bytes in and out (no protobuf, no pickle)."""
@@ -385,16 +306,19 @@ class SyncerServer:
         return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
 
     def status(self) -> dict[str, Any]:
-        """What ``<out>/service/status.json`` holds."""
+        """What ``<out>/service/status.json`` holds. A shard of a sharded syncer says which (``shard``,
+        ``shards``, ``fragments``: the run's fragments it owns, in the order of ``versions``; ``finished``: it
+        merged its last, and was gathered by the coordinator); its ``merged_tokens_by_island`` are shares of its
+        own parameters; the budget, leases, joins and leaves are the coordinator's alone."""
         s = self.service
-        return {"commits": s.syncer.commits, "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)],
-                "reserved": s.reserved, "budget": s.budget, "restarts": s.restarts,
-                "steps_by_island": list(s.steps_by_island),
+        budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": list(s.steps_by_island),
+                  "joins": list(s.joins), "joined": sorted(self.joined), "left": sorted(self.left)} \
+            if self.coordinator else {}
+        return {**self._shard_status(), "commits": s.syncer.commits,
+                "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
-                "joins": list(s.joins), "refused_calls": dict(self.refused_calls),
-                "rejected_updates": s.syncer.rejected_updates,
-                "rejected_by_reason": dict(s.syncer.rejected_by_reason), "joined": sorted(self.joined),
-                "left": sorted(self.left), "done": self.done.is_set()}
+                "refused_calls": dict(self.refused_calls), "rejected_updates": s.syncer.rejected_updates,
+                "rejected_by_reason": dict(s.syncer.rejected_by_reason), **budget, "done": self.done.is_set()}
 
     def tick(self) -> None:
         """Close due grace windows, write the status, and end the run when it is over (the poll thread's step)."""
@@ -403,7 +327,8 @@ class SyncerServer:
         with self.lock:
             self.service.progress()  # polls: closes due grace windows (and checkpoints a commit)
             now = time.monotonic()
-            if self.spent_at is None and self.service.reserved >= self.service.budget:
+            # (a shard other than the coordinator spends no budget: its run ends when the coordinator closes it)
+            if self.coordinator and self.spent_at is None and self.service.reserved >= self.service.budget:
                 self.spent_at = now
             over = self.spent_at is not None and (
                 (self.joined and self.joined <= set(self.left))

@@ -29,14 +29,19 @@ from atoll.algorithms.codec_base import Codec, Encoded
 
 #: the gRPC service's name; methods are ``/atoll.Syncer/<Name>``
 SERVICE = "atoll.Syncer"
-#: unary JSON -> JSON methods (``UploadStatus``, part of a transfer's retry, goes over the bulk connection)
-CONTROL = ("Join", "ReserveSteps", "Buffered", "Heartbeat", "UploadStatus", "Push", "PullMeta", "Leave")
+#: unary JSON -> JSON methods (``UploadStatus``, part of a transfer's retry, goes over the bulk connection);
+#: ``Hello``: an island's check of a shard of a sharded syncer; ``Finish``, ``Close``: the coordinator's calls
+#: to the other shards at the run's end (peer credential only)
+CONTROL = ("Join", "ReserveSteps", "Buffered", "Heartbeat", "UploadStatus", "Push", "PullMeta", "Leave", "Hello",
+           "Finish", "Close")
 #: the most ranges one slice may name (a sharded rank's slice: one per parameter of the fragment)
 MAX_RANGES = 1 << 16
 #: bytes per chunk of a tensor transfer (gRPC's default message limit is 4 MiB)
 CHUNK_BYTES = 1 << 20
 #: call metadata carrying the caller's island index and its secret
 ISLAND_KEY, CREDENTIAL_KEY = "atoll-island", "atoll-credential"
+#: call metadata of a shard of a sharded syncer calling another (its index; its secret in ``CREDENTIAL_KEY``)
+PEER_KEY = "atoll-peer"
 #: the one tensor name in a safetensors payload
 TENSOR_NAME = "t"
 

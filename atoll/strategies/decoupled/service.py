@@ -23,6 +23,7 @@ from atoll.config import TrainConfig
 from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
 from atoll.strategies.decoupled import local_sync_every, make_syncer
+from atoll.strategies.decoupled import syncer_shards as sharding
 from atoll.strategies.decoupled.island import Job, save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
@@ -60,17 +61,27 @@ class SyncerService:
             push counts only as the island whose secret it carries
             (:class:`~atoll.strategies.decoupled.trust.Admission`).
         pid_dir: the folder under ``out`` where the process writes ``syncer.pid`` (for tests and operators).
+        shard, shards, key: shard ``shard`` of ``shards`` of a syncer sharded by fragment, ``key`` the run's
+            secret (:mod:`~atoll.strategies.decoupled.syncer_shards`): its syncer holds the run's fragments
+            ``fragment_ids`` only. A checkpoint of another shard or map is refused (ValueError).
     """
 
     def __init__(self, config_json: str, out: str, credentials: list[str] | None = None,
-                 pid_dir: str = "ray") -> None:
+                 pid_dir: str = "ray", shard: int = 0, shards: int = 1, key: bytes = b"") -> None:
         from atoll.errors import CheckpointError
         from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
         self.config = TrainConfig.model_validate_json(config_json)
         torch.set_num_threads(1)
         job = Job.prepare(self.config)
-        self.syncer = make_syncer(self.config, job.init_flat, job.index, credentials)
+        self.index, self.numels = job.index, [int(f.numel()) for f in job.index]  # the run's fragments
+        self.shard = sharding.ShardSpec.of(shard, shards, key, self.numels) if shards > 1 else None
+        self.fragment_ids = self.shard.fragments if self.shard is not None else list(range(len(job.index)))
+        init, index = sharding.shard_vector(job.init_flat, [job.index[p] for p in self.fragment_ids]) \
+            if self.shard is not None else (job.init_flat, job.index)
+        self.grants = sharding.GrantBook(self.config.islands, key, self.shard.run) \
+            if self.shard is not None and not self.shard.coordinator else None
+        self.syncer = make_syncer(self.config, init, index, credentials)
         self.out = Path(out)
         self.t0 = time.monotonic()
         self.budget = self.config.islands * self.config.steps
@@ -114,6 +125,9 @@ class SyncerService:
             self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
             self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
+            sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
+        self.issuer = (sharding.GrantIssuer(self.shard, save_path(self.out) / "coordinator.json",
+                                            self.syncer.admission) if self.shard and self.shard.coordinator else None)
         folder = save_path(self.out)
         self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2))
         pids = self.out / pid_dir
@@ -130,12 +144,29 @@ class SyncerService:
                    "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
                    "leased": list(self.leased), "lease_used": list(self.lease_used),
                    "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
+        service.update(sharding.shard_entries(self.shard, self.grants))
         self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
         if wait:
             self.writer.flush()
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
+
+    def grant(self, island: int) -> dict[str, Any] | None:
+        """(The coordinator of a sharded syncer.) ``island``'s signed grant of its session and tokens granted
+        (:class:`~atoll.strategies.decoupled.syncer_shards.GrantIssuer`); None unsharded or on another shard."""
+        if self.issuer is None:
+            return None
+        return self.issuer.sign(island, self.syncer.admission.session[island], self.syncer.bounds.granted[island])
+
+    def admit_grant(self, island: int, grant: Any, session: Any) -> str:
+        """(A shard but the coordinator.) Why a push of ``island`` in ``session`` with ``grant`` is refused, or ""
+        and its ledger set to its newest grant (:meth:`~atoll.strategies.decoupled.syncer_shards.GrantBook.admit`)."""
+        reason, tokens = self.grants.admit(island, grant, session) if self.grants is not None else ("", None)
+        if tokens is not None:
+            granted = self.syncer.bounds.granted
+            self.syncer.grant(island, tokens - (granted[island] if granted is not None else 0))
+        return reason
 
     def _run_clock(self, t: float) -> float:
         """``t`` (this actor's clock) on the run's clock: seconds from the first inner step, 0 before it."""
@@ -177,8 +208,11 @@ class SyncerService:
         self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=False)
         self.leased[island] = self.lease_used[island] = 0
         self._poll()
+        session = self.syncer.rejoin(island)
+        if self.issuer is not None:  # kept before its grant goes out
+            self.issuer.opened(self.syncer.admission)
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                self.steps_by_island[island], self.syncer.rejoin(island))
+                self.steps_by_island[island], session)
 
     def reserve_step(self, island: int, credential: str = "", loss: Any = None,
                      lr: Any = None) -> tuple[bool, list[int]]:
