@@ -50,6 +50,14 @@ class UploadLost(Exception):
     """The syncer no longer holds a push's uploaded slices (it restarted between the upload and the commit)."""
 
 
+def is_tls_protocol_error(details: str) -> bool:
+    """Whether a failed call's details (gRPC's text) name a TLS protocol error from the TLS library
+    (``SSL_ERROR_SSL``: e.g. ``CERTIFICATE_VERIFY_FAILED``, ``WRONG_VERSION_NUMBER``), which a retry cannot fix,
+    rather than a handshake that was cut short or timed out on a busy host or network, which one can."""
+    text = details.lower()
+    return "handshake" in text and "ssl_error_ssl" in text
+
+
 class SyncerClient:
     """The calls of one island to ``atoll syncer`` at ``address``.
 
@@ -132,7 +140,9 @@ class SyncerClient:
                 if code not in RETRY:
                     raise
                 last = (e.details() or str(code))[:300]
-                handshakes = handshakes + 1 if "handshake" in last.lower() else 0
+                # a TLS protocol error (SSL_ERROR_SSL: a certificate this island's CA did not sign, a plaintext
+                # port) repeats whatever the load; a handshake cut short (a busy host, a lost packet) is retried
+                handshakes = handshakes + 1 if is_tls_protocol_error(last) else 0
                 if handshakes >= 3:  # a syncer that answers, but not in TLS this island trusts: not transient
                     raise ConfigError(f"tls-ca: the TLS handshake with the syncer at '{self.address}' failed 3 times "
                                       f"({last.split(': ')[-1][:120]}); pass the CA that signed its certificate with "
