@@ -30,10 +30,15 @@ from functools import lru_cache
 import torch
 
 __all__ = ["FlatFragment", "Fragment", "as_fragments", "fragment_flat_indices", "fragment_slices",
-           "fragment_sync_steps", "fragments_due", "layer_index", "split_fragments"]
+           "fragment_sync_steps", "fragments_due", "is_embedding", "layer_index", "split_fragments"]
 
 # ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+# the lookup tables of Hugging Face causal LMs: token (and position) embeddings and an untied output head
+# (Llama, Mistral, Qwen: embed_tokens, lm_head; GPT-2: wte, wpe; GPT-NeoX: embed_in, embed_out; OPT:
+# embed_tokens, embed_positions; BLOOM, Falcon: word_embeddings); a tied head is not a parameter of its own
+_EMBEDDING_RE = re.compile(r"(?:^|\.)(?:embed_tokens|embed_positions|embed_in|embed_out|tok_embeddings|"
+                           r"word_embeddings|position_embeddings|wte|wpe|lm_head)\.")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,18 @@ def layer_index(name: str) -> tuple[str, int] | None:
         return None
     stack = name[: m.end() - len(m.group(1)) - 2]  # the name up to the index, without the dot before it
     return stack, int(m.group(1))
+
+
+def is_embedding(name: str) -> bool:
+    """Whether the parameter ``name`` is an embedding table or an untied output head (``lm_head``): the
+    tensors Decoupled DiLoCo merges by the plain mean (:func:`~atoll.algorithms.merge.segmented_mean`).
+
+    Recognises the module names of Hugging Face causal LMs (``embed_tokens``, ``embed_positions``, ``wte``,
+    ``wpe``, ``embed_in``, ``embed_out``, ``word_embeddings``, ``position_embeddings``, ``tok_embeddings``,
+    ``lm_head``), e.g. ``is_embedding("model.embed_tokens.weight")``; checked against the models' own
+    ``get_input_embeddings`` / ``get_output_embeddings`` in tests/test_fragments.py.
+    """
+    return _EMBEDDING_RE.search(name) is not None
 
 
 def split_fragments(param_names: list[str], num_fragments: int) -> list[Fragment]:
@@ -194,9 +211,16 @@ class FlatFragment:
 
     Attributes:
         ranges: ``(start, stop)`` flat positions, ascending and disjoint, in the fragment's element order.
+        params: per range, the name of the parameter it lies in (:func:`fragment_slices` names them); empty:
+            not known (a fragment made from positions), and :meth:`tensor_segments` takes it as one tensor.
     """
 
     ranges: tuple[tuple[int, int], ...]
+    params: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.params and len(self.params) != len(self.ranges):
+            raise ValueError(f"fragment: {len(self.params)} parameter names for {len(self.ranges)} ranges")
 
     def numel(self) -> int:
         """Elements in the fragment."""
@@ -206,6 +230,22 @@ class FlatFragment:
         """The flat positions, int64 (numel,): what :func:`fragment_flat_indices` gives (for tests, old code)."""
         parts = [torch.arange(a, b) for a, b in self.ranges]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def tensor_segments(self) -> list[tuple[int, int, str]]:
+        """The fragment's elements cut by parameter: ``(start, stop, name)`` in the fragment's element order
+        (offsets into :meth:`gather`'s result), consecutive ranges of one parameter joined; without
+        ``params``, one segment of every element, named "" (numel 0: none)."""
+        if not self.params:
+            return [(0, self.numel(), "")] if self.numel() else []
+        out: list[tuple[int, int, str]] = []
+        offset = 0
+        for (a, b), name in zip(self.ranges, self.params, strict=True):
+            if out and out[-1][2] == name and out[-1][1] == offset:
+                out[-1] = (out[-1][0], offset + b - a, name)
+            else:
+                out.append((offset, offset + b - a, name))
+            offset += b - a
+        return out
 
     @classmethod
     def of_positions(cls, positions: torch.Tensor) -> FlatFragment:
@@ -300,7 +340,8 @@ def as_fragments(index: Sequence[FlatFragment | torch.Tensor] | None, numel: int
 
 def fragment_slices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragments: int) -> list[FlatFragment]:
     """:func:`fragment_flat_indices` as ranges of the flat vector (:class:`FlatFragment`): the same
-    fragments, the same element order, one range per parameter or row block instead of an int64 per element.
+    fragments, the same element order, one range per parameter or row block instead of an int64 per element,
+    each named by its parameter (:attr:`FlatFragment.params`, for per-tensor merges).
 
     Raises:
         ValueError: as :func:`split_fragments`.
@@ -309,21 +350,22 @@ def fragment_slices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragmen
     fragments = split_fragments(names, num_fragments)
     owner = {n: f.index for f in fragments for n in f.param_names}
     no_layers = all(layer_index(n) is None for n in names)
-    parts: list[list[tuple[int, int]]] = [[] for _ in range(num_fragments)]
+    parts: list[list[tuple[int, int, str]]] = [[] for _ in range(num_fragments)]
     offset = 0
     for name, shape in named_shapes:
         numel = 1
         for d in shape:
             numel *= d
         if layer_index(name) is not None or num_fragments == 1 or not shape or no_layers:
-            parts[owner[name]].append((offset, offset + numel))
+            parts[owner[name]].append((offset, offset + numel, name))
         else:  # outside the layers: P row blocks, block p to fragment p (see fragment_flat_indices)
             rows, per_row = shape[0], numel // max(1, shape[0])
             bounds = [rows * p // num_fragments for p in range(num_fragments + 1)]
             for p in range(num_fragments):
-                parts[p].append((offset + bounds[p] * per_row, offset + bounds[p + 1] * per_row))
+                parts[p].append((offset + bounds[p] * per_row, offset + bounds[p + 1] * per_row, name))
         offset += numel
-    return [FlatFragment(tuple((a, b) for a, b in r if b > a)) for r in parts]
+    kept = [[(a, b, n) for a, b, n in r if b > a] for r in parts]
+    return [FlatFragment(tuple((a, b) for a, b, _ in r), tuple(n for _, _, n in r)) for r in kept]
 
 
 def _check_schedule(num_fragments: int, sync_every: int) -> None:
