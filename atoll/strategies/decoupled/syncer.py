@@ -83,9 +83,10 @@ from typing import Any
 
 import torch
 
-from atoll.algorithms.fragments import FlatFragment, as_fragments
+from atoll.algorithms.fragments import FlatFragment, as_fragments, is_embedding
+from atoll.algorithms.merge import segmented_mean
 from atoll.algorithms.outer import OuterOptimizer
-from atoll.algorithms.robust import robust_mean
+from atoll.algorithms.robust import clip_to_median_norm, robust_mean
 from atoll.strategies.decoupled import syncer_state
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
@@ -99,6 +100,10 @@ log = logging.getLogger("atoll.syncer")
 
 #: the buckets of the tokens pushed, per island (:meth:`Syncer.stats`)
 OUTCOMES = ("merged", "stale", "rejected")
+#: how a buffer's pushes are averaged (``average``), weighed (``push_weight``), and how long it waits (``grace_window``)
+AVERAGES = ("mean", "radial_directional")
+PUSH_WEIGHTS = ("tokens", "tokens_x_tokens_per_step")
+GRACE_WINDOWS = ("round", "slack")
 
 
 class Syncer:
@@ -130,10 +135,23 @@ class Syncer:
             island push the fragment before (None: no ceiling); see :meth:`round_time`.
         starve_after: an island whose last this many pushes were all refused (and none accepted since) is
             :meth:`starved`: the runtime stops the run (its pushes would never train the model).
+        min_quorum: the fewest distinct islands a merge takes (Decoupled DiLoCo's minimum quorum); the grace
+            window opens when a buffer holds this many (1: at its first push).
+        grace_window: ``round`` (``grace_factor`` x the median round time) or ``slack`` (``grace_slack_fraction``
+            x what the overlap leaves, :meth:`grace`).
+        grace_slack_fraction: gamma of the ``slack`` window; grace_overlap: tau x t_step as a share of the
+            islands' measured push-to-push round (tau / H).
+        average: ``mean`` (the token-weighted mean, or ``robust_merge``'s) or ``radial_directional``
+            (:func:`~atoll.algorithms.merge.segmented_mean`: every tensor of the fragment but the embeddings by
+            :func:`~atoll.algorithms.merge.radial_directional_mean`, after ``clip`` if ``robust_merge`` is clip).
+        push_weight: ``tokens`` or ``tokens_x_tokens_per_step`` (a push's tokens times its island's tokens per
+            inner step, ``step_tokens``, over the largest).
+        step_tokens: per island, its tokens per inner step (its batch x sequence length), declared; None: equal.
 
     Raises:
-        ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, or credentials that
-            are not one per island.
+        ValueError: a quorum outside ``1..islands`` or a minimum quorum outside ``1..quorum``, an index that does
+            not fit ``init``, credentials or step tokens that are not one per island, an unknown ``average``,
+            ``push_weight`` or ``grace_window``, or ``radial_directional`` with a coordinate-wise robust merge.
     """
 
     def __init__(self, init: torch.Tensor, index: Sequence[FlatFragment | torch.Tensor] | None, islands: int,
@@ -142,13 +160,31 @@ class Syncer:
                  norm_bound: float = 10.0, scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
                  credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
                  cold_bound: float | None = None, max_round_s: float | None = None,
-                 starve_after: int = 16) -> None:
+                 starve_after: int = 16, min_quorum: int = 1, grace_window: str = "round",
+                 grace_slack_fraction: float = 0.5, grace_overlap: float = 1.0, average: str = "mean",
+                 push_weight: str = "tokens", step_tokens: Sequence[int] | None = None) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = as_fragments(index, flat.numel())
         self.islands = islands
         self.quorum = quorum if quorum is not None else islands
         if not 1 <= self.quorum <= islands:
             raise ValueError(f"quorum {self.quorum} outside 1..{islands}")
+        if not 1 <= min_quorum <= self.quorum:
+            raise ValueError(f"min_quorum {min_quorum} outside 1..{self.quorum} (the quorum)")
+        for name, value, known in (("average", average, AVERAGES), ("push_weight", push_weight, PUSH_WEIGHTS),
+                                   ("grace_window", grace_window, GRACE_WINDOWS)):
+            if value not in known:
+                raise ValueError(f"{name}: unknown '{value}'; use one of {', '.join(known)}")
+        if average == "radial_directional" and robust_merge not in ("none", "clip"):
+            raise ValueError(f"average: radial_directional merges norms and directions, {robust_merge} merges "
+                             "coordinates; use robust_merge none or clip with it")
+        if step_tokens is not None and (len(step_tokens) != islands or min(step_tokens) <= 0):
+            raise ValueError(f"step_tokens: one positive count per island needed, got {list(step_tokens)}")
+        self.min_quorum, self.grace_window, self.average, self.push_weight = min_quorum, grace_window, average, \
+            push_weight
+        self.grace_slack_fraction, self.grace_overlap = grace_slack_fraction, grace_overlap
+        most = max(step_tokens) if step_tokens is not None else 1
+        self.step_share = [t / most for t in step_tokens] if step_tokens is not None else [1.0] * islands
         self.grace_factor, self.max_staleness = grace_factor, max_staleness
         self.staleness_exponent, self.norm_bound = staleness_exponent, norm_bound
         self.scale_partial, self.robust_merge, self.trim = scale_partial, robust_merge, trim
@@ -156,10 +192,15 @@ class Syncer:
         self.numels = [f.numel() for f in self.index]  # per fragment
         self.outer = [OuterOptimizer(f.gather(flat), outer_lr, outer_momentum) for f in self.index]
         self.buffers = [Buffer() for _ in self.index]
+        # per fragment, its tensors (start, stop, merged radial-directionally: not an embedding)
+        self.segments = [[(a, b, not is_embedding(name)) for a, b, name in f.tensor_segments()] for f in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
         self.admission = Admission(islands, len(self.index), credentials)
         self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
         self.round_s: deque[float] = deque(maxlen=WINDOW)
+        self.push_gap_s: deque[float] = deque(maxlen=WINDOW)  # push to next push of an island, the syncer's clock
+        self.sync_s: deque[float] = deque(maxlen=WINDOW)      # an exchange's transfer time, as inferred
+        self.last_wait: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
         self.max_round_s = max_round_s
         self.last_push_at: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
         self.starve_after = starve_after
@@ -247,21 +288,52 @@ class Syncer:
             return PushResult(False, "stale")
         self.accepted_updates += 1
         buf = self.buffers[fragment]
-        pending = Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
+        pending = Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm, now)
         if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
             replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
             self.replaced_updates += 1
             self._count("stale", island, fragment, replaced.tokens)
             return PushResult(True)
-        if (r := self.round_time(msg.round_s, observed)) is not None:  # once per island and buffer
-            self.round_s.append(r)
+        r = self.round_time(msg.round_s, observed)
+        self.measure(island, fragment, r, observed)  # once per island and buffer
         if not buf.pushes:
-            buf.opened_at = now
-            buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
+            buf.first_at = now
         buf.pushes.append(pending)
         if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
             return PushResult(True, committed=self.commit(fragment, now))
+        if len(buf.pushes) == self.min_quorum:  # the minimum quorum is in: the grace window opens
+            buf.opened_at, buf.grace_s = now, self.grace(now - buf.first_at)
         return PushResult(True)
+
+    def measure(self, island: int, fragment: int, round_s: float | None, gap_s: float | None) -> None:
+        """Take one push's timings for the grace windows (once per island and buffer): its clamped round time
+        ``round_s`` (pull to push, :meth:`round_time`), the syncer's own ``gap_s`` since the island's previous
+        push of the fragment, and from both with that push's wait in its buffer, the exchange's transfer time
+        (push gap = transfer + wait + pull-to-push round; at least 0: a claim can only shorten the window)."""
+        if round_s is not None:
+            self.round_s.append(round_s)
+        if gap_s is not None:
+            self.push_gap_s.append(gap_s)
+            waited = self.last_wait[island][fragment]
+            if round_s is not None and waited is not None:
+                self.sync_s.append(max(0.0, gap_s - round_s - waited))
+
+    def grace(self, waited_s: float) -> float:
+        """The grace window (seconds) of a buffer that reached its minimum quorum ``waited_s`` after its first
+        push; inf where nothing was measured yet (the buffer then waits for the quorum).
+
+        ``round``: ``grace_factor`` x the median recent round time. ``slack`` (Decoupled DiLoCo's adaptive
+        window): ``grace_slack_fraction`` x the slack the compute overlap leaves,
+        ``slack = tau x t_step - (t_quorum + t_sync)``, at least 0, where tau x t_step is ``grace_overlap`` x the
+        median push-to-push round the syncer saw (speed-free: every island's H follows its speed), t_quorum is
+        ``waited_s`` and t_sync the median transfer time inferred by :meth:`measure`; before a round was seen,
+        the ``round`` window.
+        """
+        if self.grace_window == "slack" and self.push_gap_s:
+            sync_s = statistics.median(self.sync_s) if self.sync_s else 0.0
+            slack = self.grace_overlap * statistics.median(self.push_gap_s) - (waited_s + sync_s)
+            return self.grace_slack_fraction * max(0.0, slack)
+        return self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
 
     def round_time(self, claimed: Any, observed: float | None) -> float | None:
         """The round time (seconds) a push's claim ``claimed`` is taken as for the grace window, or None:
@@ -342,7 +414,11 @@ class Syncer:
         buf = self.buffers[fragment]
         pushes, self.buffers[fragment] = buf.pushes, Buffer()
         if now is not None and pushes:
-            self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+            opened = len(pushes) >= self.min_quorum  # the window's wait (short of the minimum quorum: from the first)
+            self.merge_waits.append((now - (buf.opened_at if opened else buf.first_at),
+                                     buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+            for p in pushes:
+                self.last_wait[p.island][fragment] = now - p.arrived_at
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
             ok = self.bounds.vet(fragment, [(p.island, float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
             for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
@@ -355,13 +431,18 @@ class Syncer:
             if s > self.max_staleness and not self._fresh_enough(p.island, fragment, s, p.tokens):
                 continue
             kept.append(p)  # weighed by one round's tokens at most: banked tokens buy no weight
-            weights.append(self.bounds.weight_tokens(p.island, p.tokens) * (1.0 + s) ** (-self.staleness_exponent))
+            weights.append(self.weight(p.island, p.tokens) * (1.0 + s) ** (-self.staleness_exponent))
             stale.append(s)
         if not kept:
             return 0
         t0 = time.perf_counter()
-        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim,
-                           out=self._means[fragment])  # none: weighted_mean
+        if self.average == "radial_directional":  # per tensor: norms and directions; embeddings: the mean
+            deltas = [p.delta for p in kept]
+            deltas = clip_to_median_norm(deltas) if self.robust_merge == "clip" else deltas
+            mean = segmented_mean(deltas, weights, self.segments[fragment], out=self._means[fragment])
+        else:
+            mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim,
+                               out=self._means[fragment])  # none: weighted_mean
         self.merge_s += time.perf_counter() - t0
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
@@ -375,6 +456,15 @@ class Syncer:
             self.refused_in_a_row[p.island] = 0
             self._count("merged", p.island, fragment, p.tokens)
         return 1
+
+    def weight(self, island: int, tokens: int) -> float:
+        """A push's merge weight before its staleness discount: its :meth:`PushBounds.weight_tokens
+        <atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>` (one honest push's tokens at most), and with
+        ``push_weight`` ``tokens_x_tokens_per_step`` times its island's declared tokens per inner step over the
+        largest (Decoupled DiLoCo's tokens x tokens / steps: an island of a larger batch per step weighs more;
+        the steps are the declared batch's, not a claim, so claiming fewer steps buys nothing)."""
+        w = float(self.bounds.weight_tokens(island, tokens))
+        return w * self.step_share[island] if self.push_weight == "tokens_x_tokens_per_step" else w
 
     def flush(self) -> int:
         """Merge every open buffer now (end of training); return the outer steps committed."""
