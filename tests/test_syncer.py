@@ -351,6 +351,10 @@ def test_minimum_quorum_opens_the_grace_window() -> None:
     s.push(Push(1, 0, torch.ones(2), 10, 0, round_s=4.0), now=2.0)
     assert s.next_deadline() == (6.0, 0), "the window opens at the K-th push: 1 x the median round (4 s)"
     assert s.poll(6.0) == 1 and s.quorum_sizes == [2] and s.merge_waits == [(4.0, 4.0)]
+    # a quorum of 1 merges every push as it arrives: none waits
+    s = Syncer(torch.zeros(2), None, islands=2, quorum=1)
+    s.push(Push(0, 0, torch.ones(2), 10, 0, round_s=4.0), now=7.0)
+    assert s.merge_waits == [(0.0, 4.0)]
 
 
 def test_slack_grace_window_waits_within_what_the_overlap_leaves() -> None:

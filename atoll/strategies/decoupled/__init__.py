@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection):
     """Decoupled DiLoCo's config: H, the inner AdamW, the syncer's outer optimizer, the codec of the pushes
     (4-bit by default, accumulated in fp32 at the syncer, as Streaming DiLoCo's outer gradients), the fragments,
-    and its own: the syncer (quorum, grace window, staleness, bounds), the islands' speeds, and the simulated
-    failures and step of the ``local`` runtime. The outer momentum stays light (the default 0.5): the syncer
+    and its own: the syncer (quorum and minimum quorum, grace window, staleness, bounds, how pushes are weighed
+    and averaged: Decoupled DiLoCo's rules as settings), the islands' speeds, and the simulated failures and step
+    of the ``local`` runtime. The outer momentum stays light (the default 0.5): the syncer
     steps at every partial merge, several per H, and a heavier momentum compounds them into an overshoot."""
 
     codec: Codec = "int4"

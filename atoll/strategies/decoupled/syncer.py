@@ -17,6 +17,16 @@ accepted pushes. It merges the buffer (one outer step) when
   buffer, so one island's repeated pushes do not fill the recent ones, and it is a claim clamped to what the
   syncer saw (:mod:`~atoll.strategies.decoupled.claims`): a claim of 1e300 s moves no deadline.
 
+Decoupled DiLoCo's own rules (arXiv:2604.21428, as third-party readings describe it) are settings: a
+**minimum quorum** K (``min_quorum``, default 1: the window opens at the buffer's K-th distinct island, and a
+buffer short of K waits for islands, not for the clock); the **adaptive grace window** (``grace_window="slack"``,
+:meth:`Syncer.grace`): ``gamma x (tau x t_step - (t_quorum + t_sync))``, at least 0, from the syncer's own
+measurements (the islands' push-to-push gaps, the transfer times it infers, the buffer's wait for its quorum);
+the **push weight** tokens x tokens per step (``push_weight``); and **radial-directional averaging**
+(``average``: per tensor of the fragment, the mean of the pushes' norms along the normalized mean of their
+directions, embeddings by the mean; :func:`~atoll.algorithms.merge.segmented_mean`, the tensors told apart by
+the fragment's parameter names). Measured against the defaults in bench/out/decoupled_merge.
+
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
 ``w_i = min(tokens_i, T_i) · (1 + s_i)^(−a)``, where ``T_i`` is one honest push of island i (its own H x
 tokens per step, ``push_tokens``): an island that pushes a fragment rarely and claims the tokens of many
@@ -299,10 +309,10 @@ class Syncer:
         if not buf.pushes:
             buf.first_at = now
         buf.pushes.append(pending)
-        if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
-            return PushResult(True, committed=self.commit(fragment, now))
         if len(buf.pushes) == self.min_quorum:  # the minimum quorum is in: the grace window opens
             buf.opened_at, buf.grace_s = now, self.grace(now - buf.first_at)
+        if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
+            return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
 
     def measure(self, island: int, fragment: int, round_s: float | None, gap_s: float | None) -> None:
