@@ -17,6 +17,13 @@ Written and tested on the CPU so that it runs first time on a GPU machine. For e
    the round's K x H inner steps, and the **evaluation** (on island 0's device, ``eval_s``, per evaluation);
    the job's tokens per second are over its time less the evaluations.
 3. With several GPUs, the same job with one island per GPU (round-robin placement).
+4. **Pinned against pageable host memory** (:func:`measure_copies`) for the copies around an exchange, at
+   ``--copy-models`` (default ``1b`` on a GPU, ``tiny`` on the CPU): the parameters gathered on the device
+   copied to a flat host vector (device to host, as ``flat_params``), and a flat host vector copied back into
+   every parameter, one non-blocking copy each (host to device, as ``set_flat_params``), each timed apart into
+   a preallocated pageable buffer and into a pinned one (the same bytes, only the pinning differs), in
+   interleaved rounds: seconds, GB/s and the pinned buffer's speed-up per direction. Pinned memory needs an
+   accelerator: on the CPU the pageable copies alone are timed (``pinned`` null).
 
 MFU, model FLOP utilization (Chowdhery et al. 2022, PaLM, appendix B): achieved model FLOPs per second over
 the device's peak, with model FLOPs per token = 6 N + 12 L d T (N: parameters that multiply, the tied
@@ -46,7 +53,7 @@ _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in sys.path:  # ``python bench/gpu.py``: the repository root on the path, for bench.<study>
     sys.path.append(_REPO)
 
-from atoll.benchmarks.common import default_out, script_error, write_results
+from atoll.benchmarks.common import default_out, markdown_table, script_error, write_results
 from atoll.errors import AtollError
 
 #: dense bfloat16 peak TFLOP/s by device name (vendor data sheets, without sparsity)
@@ -54,7 +61,79 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A1
                "L4": 121.0, "A10G": 70.0, "A10": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
 #: per model: (batch sequences per island per step, sequence length) on an accelerator
 SHAPES = {"20m": (32, 1024), "125m": (16, 1024), "1b": (4, 2048)}
-QUICK = {"models": "micro", "batch": 4, "seq": 32, "sync_every": 3, "rounds": 3, "steps": 2, "vocab": 512}
+QUICK = {"models": "micro", "batch": 4, "seq": 32, "sync_every": 3, "rounds": 3, "steps": 2, "vocab": 512,
+         "copy_repeats": 3}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copies(name: str, vocab: int, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Pinned against pageable host memory for the host copies of one exchange of the model ``name``.
+
+    Parameters of the preset's shapes (float32, random) live on ``device``; a flat float32 host vector of all of
+    them is preallocated twice, pageable and (on CUDA) pinned, and touched once. Per round, for each buffer in
+    turn: **device to host** (the parameters concatenated on the device beforehand, then one copy into the
+    buffer, non-blocking from pinned memory, waited for) and **host to device** (one copy per parameter from
+    the buffer, non-blocking, waited for once: ``set_flat_params``), each timed apart; the first round is a
+    warm-up, the median of the ``repeats`` others is reported.
+
+    Returns:
+        ``model``, ``params``, ``bytes`` (4 per parameter), ``repeats``, ``d2h_pageable_s``, ``h2d_pageable_s``,
+        ``d2h_pinned_s``, ``h2d_pinned_s`` (seconds; None without an accelerator), the same as ``*_gbps``
+        (10^9 bytes per second), and ``d2h_pinned_speedup``, ``h2d_pinned_speedup`` (pageable seconds over
+        pinned seconds; None without an accelerator).
+    """
+    import statistics
+
+    from atoll.job.model import build_model
+
+    shapes = [tuple(p.shape) for p in build_model(name, vocab, 128, seed=0, meta=True).parameters()]
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.randn(s, generator=gen, device=device) for s in shapes]
+    numel = sum(p.numel() for p in params)
+    flat_device = torch.cat([p.reshape(-1) for p in params])  # what flat_params() gathers on the device
+    kinds = {"pageable": torch.empty(numel, dtype=torch.float32)}
+    if device.type == "cuda":  # page-locked host memory needs an accelerator's driver
+        kinds["pinned"] = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+    for buf in kinds.values():  # every page touched once: no first-touch faults in the timings
+        buf.copy_(flat_device.cpu() if device.type != "cpu" else flat_device)
+    times: dict[str, list[float]] = {f"{d}_{k}": [] for k in kinds for d in ("d2h", "h2d")}
+
+    def timed(fn: Any) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def to_host(buf: torch.Tensor) -> None:
+        buf.copy_(flat_device, non_blocking=buf.is_pinned())
+
+    @torch.no_grad()
+    def to_device(buf: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            p.copy_(buf[offset:offset + p.numel()].view_as(p), non_blocking=True)
+            offset += p.numel()
+
+    for r in range(repeats + 1):
+        for kind, buf in kinds.items():  # interleaved: both kinds see the same machine
+            d2h, h2d = timed(lambda b=buf: to_host(b)), timed(lambda b=buf: to_device(b))
+            if r:
+                times[f"d2h_{kind}"].append(d2h)
+                times[f"h2d_{kind}"].append(h2d)
+    row: dict[str, Any] = {"model": name, "params": numel, "bytes": 4 * numel, "repeats": repeats}
+    for direction in ("d2h", "h2d"):
+        for kind in ("pageable", "pinned"):
+            s = statistics.median(times[f"{direction}_{kind}"]) if kind in kinds else None
+            row[f"{direction}_{kind}_s"] = s
+            row[f"{direction}_{kind}_gbps"] = 4 * numel / s / 1e9 if s else None
+        pinned = row[f"{direction}_pinned_s"]
+        row[f"{direction}_pinned_speedup"] = row[f"{direction}_pageable_s"] / pinned if pinned else None
+    return row
 
 
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
@@ -158,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data", default="stdlib", help="corpus, as atoll train --data [stdlib]")
     parser.add_argument("--cache-dir", default=None, help="tokenizer/token cache, as atoll train")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak [by name]")
+    parser.add_argument("--copy-models", default=None,
+                        help="presets whose host copies are timed pinned against pageable [1b on a GPU, tiny on "
+                             "the CPU; none: skip]")
+    parser.add_argument("--copy-repeats", type=int, default=5, help="timed rounds of the copies (after one) [5]")
     parser.add_argument("--quick", action="store_true", help="micro model, tiny shapes: a smoke run (CPU tests)")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/gpu]")
     args = parser.parse_args(argv)
@@ -185,8 +268,13 @@ def benchmark(args: argparse.Namespace) -> int:
             continue
         rows.append(measure(m, args, device, data))
         print(json.dumps(rows[-1]), file=sys.stderr)
+    copy_models = args.copy_models if args.copy_models is not None else ("1b" if device.type == "cuda" else "tiny")
+    copies = []
+    for m in [s.strip() for s in copy_models.split(",") if s.strip() and s.strip() != "none"]:
+        copies.append(measure_copies(m, args.vocab, device, args.copy_repeats))
+        print(json.dumps(copies[-1]), file=sys.stderr)
     result = {"device": name, "device_count": torch.cuda.device_count(), "torch": torch.__version__,
-              "precision": args.precision, "rows": rows, "skipped": skipped,
+              "precision": args.precision, "rows": rows, "skipped": skipped, "copies": copies,
               "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
     pct = lambda v: "-" if v is None else f"{v:.1f}%"  # noqa: E731
     table = write_results(
@@ -204,6 +292,22 @@ def benchmark(args: argparse.Namespace) -> int:
         f"atoll on {name} ({args.precision}, {args.islands} islands on one device, H={args.sync_every})",
         [f"MFU: 6N + 12LdT model FLOPs per token over the device's dense bf16 peak; skipped: {skipped or 'none'}",
          f"command: {result['command']}"], bullets=False)
+    if copies:
+        ms = lambda v: "-" if v is None else f"{v * 1e3:.1f} ms"  # noqa: E731
+        gbps = lambda v: "-" if v is None else f"{v:.1f} GB/s"  # noqa: E731
+        times = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        table += "\n" + markdown_table(
+            [("model", "model"), ("params", "params", lambda v: f"{v / 1e6:.1f}M"),
+             ("device to host, pageable", "d2h_pageable_s", ms), ("pinned", "d2h_pinned_s", ms),
+             ("pinned speed-up", "d2h_pinned_speedup", times), ("pinned GB/s", "d2h_pinned_gbps", gbps),
+             ("host to device, pageable", "h2d_pageable_s", ms), ("pinned", "h2d_pinned_s", ms),
+             ("pinned speed-up", "h2d_pinned_speedup", times), ("pinned GB/s", "h2d_pinned_gbps", gbps)],
+            copies, f"host copies of one exchange on {name}, pinned against pageable (median of "
+            f"{args.copy_repeats})", ["device to host: the parameters gathered on the device, one copy into a "
+                                      "preallocated host vector; host to device: one non-blocking copy per "
+                                      "parameter from it; pinned needs an accelerator (-: the CPU)"],
+            bullets=False)
+        (out / "results.md").write_text(table)
     print(table)
     return 0
 

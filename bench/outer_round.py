@@ -51,6 +51,14 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def uptime() -> str:
+    """``uptime``'s line (the machine's load over 1, 5 and 15 minutes), recorded before and after a run."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the worker: one case at one size with the code on sys.path (before or after)
 
@@ -118,6 +126,13 @@ def _nudge(islands) -> None:
             island.tokens += 1000
 
 
+def _strategy(cls, config, islands, comm):
+    """``cls`` built as the code on the path builds a strategy: from its own config and the seed (since the config
+    tree, ea756f9), or from the run's whole config (the code before it, as ``BEFORE_COMMIT``)."""
+    own = getattr(config, "strategy_config", None)  # pydantic raises AttributeError for a field it lacks
+    return cls(config, islands, comm) if own is None else cls(own, islands, comm, config.seed)
+
+
 def worker(case: str, size: int, repeats: int) -> dict:
     import torch
 
@@ -148,7 +163,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
             islands = _islands(model, config, 1)
             comm = DistComm(1, 0, 1, 0, dist.group.WORLD, None, torch.device("cpu"))
         del model
-        strategy = DiLoCo(config.strategy_config, islands, comm, config.seed)
+        strategy = _strategy(DiLoCo, config, islands, comm)
         for r in range(repeats + 1):
             _nudge(islands)
             t0 = time.perf_counter()
@@ -162,7 +177,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
         islands = _islands(model, config, ISLANDS)
         del model
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
-        strategy = StreamingDiLoCo(config.strategy_config, islands, comm, config.seed)
+        strategy = _strategy(StreamingDiLoCo, config, islands, comm)
         for r in range(repeats + 1):
             _nudge(islands)
             t0 = time.perf_counter()
@@ -292,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    before_run = uptime()
     with tempfile.TemporaryDirectory(prefix="atoll-before-") as tmp:
         variants = {"before": before_tree(Path(tmp)), "after": ROOT}
         for size in sizes:
@@ -306,11 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"load {row['load_before']:.2f}->{row['load_after']:.2f}  rss {row['peak_rss_gb']:.1f} GB",
                           flush=True)
     write_results(rows, args.out, "OMP_NUM_THREADS=1 python bench/outer_round.py " + " ".join(argv or sys.argv[1:]),
-                  finite_checks(50, args.repeats))
+                  finite_checks(50, args.repeats), (before_run, uptime()))
     return 0
 
 
-def write_results(rows: list[dict], out: Path, command: str, checks: dict) -> None:
+def write_results(rows: list[dict], out: Path, command: str, checks: dict,
+                  uptimes: tuple[str, str] | None = None) -> None:
     """``results.json`` and ``results.md`` of ``rows`` (the projection at the largest size measured)."""
     sizes = sorted({r["size_m"] for r in rows})
     cases = [c for c in CASES if any(r["case"] == c for r in rows)]
@@ -324,12 +341,14 @@ def write_results(rows: list[dict], out: Path, command: str, checks: dict) -> No
     result = {"command": command,
               "before_commit": BEFORE_COMMIT, "islands": ISLANDS, "fragments": FRAGMENTS, "torch_threads": 1,
               "cpu_count": os.cpu_count(), "rows": rows, "finite_checks_ns_per_element_50m": checks,
-              "projection_size_m": largest, "projection": projection}
+              "projection_size_m": largest, "projection": projection,
+              **({"uptime_before": uptimes[0], "uptime_after": uptimes[1]} if uptimes else {})}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "rows.partial.json").unlink(missing_ok=True)
     md = [f"# Outer round, ns per parameter (one torch thread, K = {ISLANDS}, P = {FRAGMENTS}, fp32 exchanges)", "",
           f"Command: `{result['command']}`; before = `{BEFORE_COMMIT}`, after = this commit, in the same run.",
-          f"Load is the 1-minute load average of this {os.cpu_count()}-core machine before and after each process.", "",
+          f"Load is the 1-minute load average of this {os.cpu_count()}-core machine before and after each process.",
+          *([f"`uptime` before the run: `{uptimes[0]}`; after: `{uptimes[1]}`."] if uptimes else []), "",
           table(rows), "",
           f"Finite checks at 50M float32 elements: `isfinite(t).all()` {checks['isfinite_all']:.2f} ns/element, "
           f"`isfinite(t.sum())` {checks['isfinite_sum']:.2f}.", "",

@@ -64,7 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from atoll.runtime.service.client import SyncerClient
     from atoll.runtime.service.server import SyncerServer
     from atoll.runtime.service.tls import loopback_certificate
-    from atoll.strategies.decoupled.protocol import Push
 
     args = parse_args(argv)
     if args.repeats < 1:
@@ -76,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     std = Path(sysconfig.get_paths()["stdlib"])
     corpus.write_text("\n\n\n".join(f.read_text(encoding="utf-8") for f in sorted((std / "json").glob("*.py"))))
     config = build_config(None, {"strategy": "decoupled", "model": args.model, "fragments": 1, "islands": 2,
+                                 "codec": "fp32", "runtime": "service",
                                  "data": str(corpus), "vocab_size": 512, "cache_dir": str(tmp / "cache"),
                                  "out": str(tmp / "syncer"), "steps": 10, "sync_every": 5, "progress": False})
     creds = ["a" * 32, "b" * 32]
@@ -91,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     client = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca, plaintext=args.plaintext)
     session = client.call("Join", {"numels": state.service.syncer.numels})["session"]
+    SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca, plaintext=args.plaintext).call(
+        "Join", {"numels": state.service.syncer.numels})  # the run starts once every island joined
     numel = state.service.syncer.numels[0]
     idle: list[float] = []
     stop = threading.Event()
@@ -108,13 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.call("ReserveSteps", {"n": 5})
         delta = torch.randn(numel, generator=torch.Generator().manual_seed(i)) * 1e-4
         t0 = time.perf_counter()
-        answer = client.push(Push(0, 0, delta, 5 * config.tokens_per_step, 0), session + i)
+        payload = wire.payload_bytes({"values": delta})  # the fp32 codec's payload: the float32 values
+        answer = client.push(payload, 0, ((0, numel),), 5 * config.tokens_per_step, 0, session + i)
         push_s.append(time.perf_counter() - t0)
         assert answer["accepted"], answer
         t0 = time.perf_counter()
         client.download(0)
         pull_s.append(time.perf_counter() - t0)
-        size = len(wire.tensor_bytes(delta))
+        size = len(payload)
     stop.set()
     beat.join()
     server.stop(grace=0)

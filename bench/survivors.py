@@ -12,7 +12,7 @@ Measured, per framework, on island 0: ``resume_s``, wall seconds from the kill (
 machine) to the end of the first sync round that completes without it (training goes on from there);
 ``degraded_sync_s``, the wall seconds of that round (from its start to its end: the failure, the recovery
 and the averaging over the survivors); ``final_eval_loss`` on the held-out batches; whether the survivors finished
-every step. Writes ``OUT/survivors.json`` and ``OUT/survivors.md``.
+every step. Writes ``OUT/results.json`` and ``OUT/results.md``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run both, write ``OUT/survivors.json`` and ``OUT/survivors.md``; 0 on success."""
+    """Run both, write ``OUT/results.json`` and ``OUT/results.md``; 0 on success."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--torchft-python", default="/tmp/tftvenv/bin/python",
                    help="a Python where torchft 0.2.0 is installed (with atoll's requirements visible)")
@@ -116,12 +116,18 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(args.out / sub)
+    load_before = os.getloadavg()
     rows = [_atoll(args, args.out), _torchft(args, args.out)]
-    (args.out / "survivors.json").write_text(json.dumps({"settings": {**SETTINGS, "steps": args.steps,
+    load_after = os.getloadavg()
+    (args.out / "results.json").write_text(json.dumps({"settings": {**SETTINGS, "steps": args.steps,
                                                                       "sync_every": args.sync_every,
                                                                       "kill_step": args.kill_step},
                                                          "results": rows}, indent=2))
-    lines = ["| framework | finished all steps | resume after kill (s) | degraded sync round (s) | final eval loss |",
+    command = " ".join(["python bench/survivors.py", *(argv if argv is not None else sys.argv[1:])])
+    lines = [f"Command: `{command}`", "",
+             f"Machine load (1-minute average) before {load_before[0]:.1f}, after {load_after[0]:.1f}, on "
+             f"{os.cpu_count()} cores; one torch thread per process.", "",
+             "| framework | finished all steps | resume after kill (s) | degraded sync round (s) | final eval loss |",
              "|---|---|---|---|---|"]
     def f(x: Any) -> str:
         return "—" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['framework']} | {r['finished_all_steps']} | {f(r['resume_s'])} | "
                      f"{f(r['degraded_sync_s'])} | {f(r['final_eval_loss'])} |")
-    (args.out / "survivors.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,8 +91,8 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
     ("codec-under-sparseloco", None, ["--strategy", "sparseloco", "--codec", "int8"], "codec: the sparseloco"),
     ("overlap-steps-at-default-under-diloco", None, ["--overlap-steps", "1"], "overlap_steps: the diloco strategy"),
     ("ranks-per-island-under-local", None, ["--ranks-per-island", "2"],
-     "ranks_per_island: the local runtime does not use it (only collective); drop --ranks-per-island or use "
-     "--runtime collective"),
+     "ranks_per_island: the local runtime does not use it (only collective, service: atoll island); drop "
+     "--ranks-per-island or use --runtime collective"),
     ("ranks-per-island-under-ray", None,
      ["--strategy", "decoupled", "--runtime", "ray", "--fragments", "2", "--ranks-per-island", "1"],
      "ranks_per_island: the ray runtime"),
@@ -155,31 +156,62 @@ def _damaged_model_folders(root: Path) -> dict[str, str]:
     return folders
 
 
+def _gpt2_short(root: Path) -> dict[str, str]:
+    """A GPT-2 whose learned positions (16) cannot take the run's --seq-len 32."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = str(root / "gpt2short")
+    GPT2LMHeadModel(GPT2Config(n_positions=16, n_embd=32, n_layer=2, n_head=2, vocab_size=600,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
+    return {"__GPT2SHORT__": folder}
+
+
+#: the model folders a case names, each group made by its function (read only: made once for the module)
+MODEL_FOLDERS = {"__BADCONFIG__": _damaged_model_folders, "__TRUNCATED__": _damaged_model_folders,
+                 "__MISSING__": _damaged_model_folders, "__DEEPER__": _damaged_model_folders,
+                 "__GPT2SHORT__": _gpt2_short, "__SYNTAX_TOK__": _damaged_folders_with_tokenizer,
+                 "__TYPES_TOK__": _damaged_folders_with_tokenizer, "__NOCONFIG_TOK__": _damaged_folders_with_tokenizer,
+                 "__TRUNC_TOK__": _damaged_folders_with_tokenizer}
+#: the data files a case names: (file name, its bytes), written in the case's own folder
+DATA_FILES = {
+    "__FILE__.bin": ("corpus.bin", lambda: b"\x00\x01" * 100),
+    "__LATIN1__": ("latin1.txt",
+                   lambda: "\n\n".join(f"caf\u00e9 gar\u00e7on na\u00efve {i}" for i in range(300)).encode("latin-1")),
+    "__RANDOM__": ("noise.txt", lambda: random.Random(0).randbytes(50_000)),
+}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    """``model_folder("__MISSING__")``: the path of that damaged model folder, its group made on first use."""
+    root, made = tmp_path_factory.mktemp("models"), {}
+
+    def path(name: str) -> str:
+        if name not in made:
+            made.update(MODEL_FOLDERS[name](root))
+        return made[name]
+
+    return path
+
+
 @pytest.mark.parametrize(("toml", "args", "field"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, toml: str | None, args: list[str],
-                                                         field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                         field: str, monkeypatch: pytest.MonkeyPatch,
+                                                         model_folder: Callable[[str], str]) -> None:
     monkeypatch.chdir(tmp_path)  # what a bad path might write in the current folder lands here, and is checked
     out = tmp_path / "run"
     argv = ["train", *M, "--out", str(out)]
     if toml is not None:
         (tmp_path / "run.toml").write_text(toml)
         argv += ["--config", str(tmp_path / "run.toml")]
-    bad = tmp_path / "corpus.bin"
-    bad.write_bytes(b"\x00\x01" * 100)
-    latin1, noise = tmp_path / "latin1.txt", tmp_path / "noise.txt"
-    latin1.write_bytes("\n\n".join(f"caf\u00e9 gar\u00e7on na\u00efve {i}" for i in range(300)).encode("latin-1"))
-    noise.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(50_000)))
-    places = {"__FILE__.bin": str(bad), "__LATIN1__": str(latin1), "__RANDOM__": str(noise)}
-    if {"__BADCONFIG__", "__TRUNCATED__", "__MISSING__", "__DEEPER__"} & set(args):
-        places.update(_damaged_model_folders(tmp_path))
-    if "__GPT2SHORT__" in args:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        places["__GPT2SHORT__"] = str(tmp_path / "gpt2short")
-        GPT2LMHeadModel(GPT2Config(n_positions=16, n_embd=32, n_layer=2, n_head=2, vocab_size=600,
-                                   bos_token_id=0, eos_token_id=0)).save_pretrained(places["__GPT2SHORT__"])
-    if any(a.endswith("_TOK__") for a in args):
-        places.update(_damaged_folders_with_tokenizer(tmp_path))
+    places = {}
+    for name in args:
+        if name in DATA_FILES:
+            file, content = DATA_FILES[name]
+            (tmp_path / file).write_bytes(content())
+            places[name] = str(tmp_path / file)
+        elif name in MODEL_FOLDERS:
+            places[name] = model_folder(name)
     for name, folder in places.items():
         field = field.replace(name, folder)
     argv += [places.get(a, a) for a in args]

@@ -363,12 +363,18 @@ def test_a_paused_job_goes_on_without_killing_an_island(settings: dict, tmp_path
 
 def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0's heartbeat against a store where the test beats for rank 1. A job-wide pause is the monotonic
-    clock jumping 10 s while rank 1 did not beat: no report; rank 1 then falling silent is reported."""
+    clock jumping 10 s while rank 1 did not beat: no report; rank 1 then falling silent is reported. Time runs
+    4x faster than in a job (a beat every 0.125 s, a pause past 0.5 s more, silent past 0.75 s): the same
+    proportions, a quarter of the wait."""
     from types import SimpleNamespace
 
     from atoll.runtime.collective import heartbeat as hb
     from atoll.runtime.collective.launch import loopback_store
 
+    scale = 0.25
+    monkeypatch.setattr(hb, "HEARTBEAT_S", hb.HEARTBEAT_S * scale)
+    monkeypatch.setattr(hb, "PAUSE_S", hb.PAUSE_S * scale)
+    stale_s = 3.0 * scale
     store = loopback_store(10)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
@@ -378,23 +384,23 @@ def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(mon
     peer.add("hb/1", 1)
     peer.add("bye/1", 0)
     found: list[int | None] = []
-    beat = hb._Heartbeat(0, 2, "t/", 3.0, lambda rank, _why: found.append(rank), store_host=None,
+    beat = hb._Heartbeat(0, 2, "t/", stale_s, lambda rank, _why: found.append(rank), store_host=None,
                          on_store_lost=lambda _why: found.append(None))
     beat.start()
     try:
-        for _ in range(6):  # 1.5 s of rank 1 beating
+        for _ in range(6):  # 6 beats of rank 1
             peer.add("hb/1", 1)
-            time.sleep(0.25)
+            time.sleep(0.25 * scale)
         jump[0] = 10.0  # the pause: every clock moved 10 s, and nobody beat
-        time.sleep(1.5)  # rank 1 runs again later than rank 0 (1.5 s, < the 3 s limit)
+        time.sleep(1.5 * scale)  # rank 1 runs again later than rank 0 (half the silence limit)
         for _ in range(8):
             peer.add("hb/1", 1)
-            time.sleep(0.25)
+            time.sleep(0.25 * scale)
         assert found == []
-        assert not beat.is_gone(1, 3.0)
-        deadline = time.monotonic() + 10  # rank 1 falls silent for real: found within the 3 s limit (+ beats)
+        assert not beat.is_gone(1, stale_s)
+        deadline = time.monotonic() + 10  # rank 1 falls silent for real: found within the limit (+ beats)
         while not found and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         assert found == [1]
     finally:
         beat.leave()
@@ -423,11 +429,39 @@ def test_membership_counts_every_loss_and_rejoin() -> None:
         Membership(2).load_state_dict(m.state_dict())
 
 
-def test_the_kill_hook_takes_several_entries_and_steps_after_a_rejoin(monkeypatch: pytest.MonkeyPatch) -> None:
-    from atoll.runtime.collective.failure import KillAt, parse_kill_hook
+def test_the_kill_hook_takes_several_entries_and_steps_after_a_rejoin() -> None:
+    from atoll.job.faults import KillAt, parse_kill_hook
 
-    monkeypatch.setenv(KILL_HOOK_ENV, "1:6, 2:+4:STOP")
-    assert parse_kill_hook() == [KillAt(1, 6, signal.SIGKILL), KillAt(2, 4, signal.SIGSTOP, after_rejoin=True)]
-    monkeypatch.setenv(KILL_HOOK_ENV, "1:6;2:4")
+    assert parse_kill_hook("1:6, 2:+4:STOP") == [KillAt(1, 6, signal.SIGKILL),
+                                                 KillAt(2, 4, signal.SIGSTOP, after_rejoin=True)]
     with pytest.raises(ConfigError, match=KILL_HOOK_ENV):
-        parse_kill_hook()
+        parse_kill_hook("1:6;2:4")
+
+
+def test_the_kill_hook_is_a_fault_hook_told_once_as_the_process_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """Installed from the environment with the NaN faults (one mechanism, read once); it fires only as its rank
+    starts the step (kind "start", which only the collective runtime calls), counting "+N" from the job's first
+    rejoin, and notes when in the stamp file."""
+    from types import SimpleNamespace
+
+    from atoll.job import divergence, faults
+
+    sent: list[tuple[int, signal.Signals]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    monkeypatch.setenv(KILL_HOOK_ENV, "1:3,2:+2:STOP")
+    monkeypatch.setenv(faults.KILL_STAMP_ENV, str(tmp_path / "stamp"))
+    monkeypatch.setenv(divergence.FAULT_HOOK_ENV, "weights:0:1")
+    divergence.install_fault_hook_from_env()
+    monkeypatch.delenv(KILL_HOOK_ENV)  # never read again
+    island = SimpleNamespace(index=0, params=[torch.zeros(2)])
+    divergence.inject_fault(island, 2, "weights")  # not "start": no kill (the local runtime never says it)
+    divergence.inject_fault(island, 1, "start", rank=1, first_rejoin=None)
+    divergence.inject_fault(island, 2, "start", rank=2, first_rejoin=None)  # no rejoin yet: "+2" never fires
+    assert sent == [] and not (tmp_path / "stamp").exists()
+    divergence.inject_fault(island, 2, "start", rank=1, first_rejoin=None)  # rank 1 starting step 3
+    divergence.inject_fault(island, 6, "start", rank=2, first_rejoin=5)  # 2 steps after the rejoin at 5
+    assert sent == [(os.getpid(), signal.SIGKILL), (os.getpid(), signal.SIGSTOP)]
+    assert float((tmp_path / "stamp").read_text()) > 0
+    divergence.inject_fault(island, 0, "weights")  # the NaN fault of the same environment, in the same hook
+    assert torch.isnan(island.params[0]).all()

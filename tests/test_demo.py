@@ -393,6 +393,27 @@ def test_apply_step_rejects_bad_gather() -> None:
         opt.apply_step([list(reversed(payloads))])
 
 
+def test_apply_step_checks_every_packed_sign_at_once_before_any_parameter_changes(monkeypatch) -> None:
+    import dataclasses
+
+    model = _model()
+    opt = DeMo(model.parameters(), chunk=8, topk=4, sign_values=True)
+    _backward(model, 0)
+    payloads = opt.encode_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = list(payloads)  # the last parameter's signs of island 1 hold the unused code 0b10
+    bad[-1] = dataclasses.replace(bad[-1], values=torch.full_like(bad[-1].values, 0b10_10_10_10))
+    with pytest.raises(ValueError, match="island 1 sent packed signs with the unused code 0b10; the payload is "
+                                         "corrupt"):
+        opt.apply_step([payloads, bad])
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    reads = []  # a healthy step: one read of a flag for every payload of every island
+    original = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or original(t))
+    opt.apply_step([payloads, payloads])
+    assert len(reads) == 1 and not all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
 def test_trains_least_squares() -> None:
     torch.manual_seed(0)
     x = torch.randn(256, 32)

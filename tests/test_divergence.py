@@ -148,21 +148,49 @@ def test_every_island_diverged_is_the_job_diverged(strategy_cls) -> None:
 @pytest.mark.parametrize("strategy_cls", [DiLoCo, StreamingDiLoCo, SparseLoCo])
 def test_an_island_with_nan_weights_is_reset_from_the_global_model(strategy_cls) -> None:
     # before: diloco and streaming (and sparseloco until issue 24) kept training the NaN replica until its
-    # pseudo-gradient was dropped at the sync, its AdamW state kept, and nothing counted it
+    # pseudo-gradient was dropped at the sync, its AdamW state kept, and nothing counted it. Since issue 25
+    # nothing is read on the host in an inner step: the reset waits for the loop's logging step (here) or the
+    # next exchange (the test below)
     config, comm, islands, strategy = _setup(strategy_cls, 2, sync_every=4)
     global_before = strategy.global_params()
-    _forward(islands, 0)
-    strategy.step(0)
-    _forward(islands, 1, bad_weights=(1,))
-    strategy.step(1)
-    assert torch.equal(islands[1].flat_params(), global_before)  # no outer step yet: the initial model
+    for step in range(3):  # step 2 is no exchange (streaming's fragments start at steps 1 and 3)
+        _forward(islands, step, bad_weights=(1,) if step == 2 else ())
+        strategy.step(step)
+    assert islands[1].reset_count == 0 and islands[1].skipped_steps == 0  # its NaN step skipped, not counted
+    assert strategy.reset_diverged(3) == 1  # the loop's logging step
+    assert torch.equal(islands[1].flat_params(), strategy.global_params())  # back to the global model
+    if strategy_cls is not StreamingDiLoCo:  # no outer step yet (streaming merged fragment 0 at step 2)
+        assert torch.equal(strategy.global_params(), global_before)
     assert islands[1].reset_count == 1 and not islands[1].optimizer.state  # a fresh AdamW
     assert islands[0].reset_count == 0 and islands[0].optimizer.state
-    for step in range(2, 8):
+    assert strategy.reset_diverged(3) == 0  # reset once: the NaN loss was of the lost weights
+    for step in range(3, 8):
         _forward(islands, step)
         strategy.step(step)
     strategy.finish(8)
     assert torch.isfinite(strategy.global_params()).all() and not torch.equal(strategy.global_params(), global_before)
+
+
+@pytest.mark.parametrize("strategy_cls", [DiLoCo, StreamingDiLoCo, SparseLoCo])
+def test_a_diverged_island_is_reset_as_the_next_exchange_starts_before_its_state_is_exchanged(strategy_cls) -> None:
+    config, comm, islands, strategy = _setup(strategy_cls, 2, sync_every=4)
+    global_before = strategy.global_params()
+    reset_at = None
+    for step in range(8):
+        exchanges = comm.exchanges
+        _forward(islands, step, bad_weights=(1,) if step == 1 else ())
+        strategy.step(step)  # no logging step: only the exchanges look
+        if reset_at is None and islands[1].reset_count:
+            reset_at = step
+            assert comm.exchanges > exchanges  # at the first exchange after the fault, not before
+        elif reset_at is None:
+            assert step < 1 or comm.exchanges == exchanges
+    assert reset_at == (1 if strategy_cls is StreamingDiLoCo else 3)  # streaming: fragment 0 starts at step 1
+    assert [i.reset_count for i in islands] == [0, 1] and strategy.dropped_updates == 0  # reset, never sent
+    strategy.finish(8)
+    new_global = strategy.global_params()
+    assert torch.isfinite(new_global).all() and not torch.equal(new_global, global_before)
+    assert all(torch.isfinite(i.flat_params()).all() for i in islands)
 
 
 @pytest.mark.parametrize("strategy_cls", [DiLoCo, SparseLoCo])
@@ -342,12 +370,12 @@ def test_every_island_diverged_stops_the_run_with_its_summary(tmp_path, corpus_f
 
 @pytest.mark.slow
 def test_too_many_resets_stop_the_run(tmp_path, corpus_file, cache_dir, fault_hook) -> None:
-    faults = [f"weights:0:{s}" for s in (1, 2, 3, 5, 6, 7, 9, 10)]  # not on a sync step (H = 4)
-    fault_hook(",".join(faults))
-    r, out = _run(tmp_path, corpus_file, cache_dir, "--strategy", "diloco", "--islands", "1", "--sync-every", "4",
-                  "--steps", "20")
-    summary = _assert_stopped(r, out, 10)
-    assert summary["island_resets"] == [8] and "reset 8 times" in summary["diverged"]["reason"]
+    # H = 1: every step an exchange, where a diverged island is reset; island 1 healthy (the rounds go on)
+    fault_hook(",".join(f"weights:0:{s}" for s in range(1, 12)))
+    r, out = _run(tmp_path, corpus_file, cache_dir, "--strategy", "diloco", "--islands", "2", "--sync-every", "1",
+                  "--steps", "30")
+    summary = _assert_stopped(r, out, 20)  # the limit (5 per island) is checked at logging steps: 10 resets at 10
+    assert summary["island_resets"] == [11, 0] and "reset 11 times" in summary["diverged"]["reason"]
 
 
 @pytest.mark.slow

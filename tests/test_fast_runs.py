@@ -1,5 +1,7 @@
-"""The smallest whole runs, in the fast tier: every driver once end to end (the lockstep loop, the decoupled
-event simulation, the collective runtime's processes), and every benchmark module's command line."""
+"""The smallest whole runs: every driver once end to end (the lockstep loop and the decoupled event simulation
+in the fast tier; the collective runtime's processes marked slow: starting them, a fork server that imports
+torch and transformers and two ranks that join, is about 8 s of an idle machine, most of what the fast tier's
+minute leaves), and every benchmark module's command line."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ def test_a_decoupled_run_end_to_end(fast_config: dict) -> None:
     assert (Path(summary["out"]) / "syncer").is_dir()
 
 
+@pytest.mark.slow  # real processes (tests/test_collective.py holds the others)
 def test_a_collective_run_end_to_end(fast_config: dict) -> None:
     summary = train(build_config(overrides=_tiny(fast_config, runtime="collective", steps=2, eval_every=2,
                                                  checkpoint_every=0)))

@@ -219,10 +219,11 @@ def test_sharded_island_starts_without_the_whole_model(corpus_file: Path, cache_
 
 
 @pytest.mark.parametrize(("flags", "start"), [
-    (["--shard-island"], "shard_island: the local runtime does not use it (only collective); drop --shard-island"),
+    (["--shard-island"], "shard_island: the local runtime does not use it (only collective, service: atoll island); "
+     "drop --shard-island or use --runtime collective"),
     (["--runtime", "collective", "--shard-island"], "shard_island: an island of one rank has nothing to shard"),
     (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "streaming"],
-     "shard_island: the streaming strategy does not run on shards (only ddp and diloco do)"),
+     "shard_island: the streaming strategy does not run on shards (only ddp, diloco and decoupled do)"),
     (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "demo"],
      "shard_island: the demo strategy does not run on shards"),
 ], ids=["local", "one-rank", "streaming", "demo"])

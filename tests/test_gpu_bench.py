@@ -42,6 +42,29 @@ def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Pa
     assert row["outer_vs_inner_round_pct"] == pytest.approx(100 * row["outer_step_s"] / row["inner_round_s"])
     assert row["job_tokens_per_s"] > row["job_tokens"] / row["job_s"]
     assert "| micro |" in (out / "results.md").read_text()
+    # pinned against pageable host copies, at the tiny preset on the CPU path (pinned needs an accelerator)
+    (copies,) = result["copies"]
+    tiny = sum(p.numel() for p in build_model("tiny", 512, 32, seed=0, meta=True).parameters())
+    assert copies["model"] == "tiny" and copies["params"] == tiny and copies["bytes"] == 4 * tiny
+    assert copies["repeats"] == 3 and copies["d2h_pageable_s"] > 0 and copies["h2d_pageable_s"] > 0
+    assert copies["d2h_pageable_gbps"] == pytest.approx(4 * tiny / copies["d2h_pageable_s"] / 1e9)
+    assert copies["d2h_pinned_s"] is None and copies["h2d_pinned_speedup"] is None
+    assert "host copies of one exchange on cpu, pinned against pageable" in (out / "results.md").read_text()
+
+
+def test_copies_are_timed_apart_per_direction_and_kind() -> None:
+    import torch
+
+    from bench.gpu import measure_copies
+
+    row = measure_copies("micro", 512, torch.device("cpu"), repeats=2)
+    micro = sum(p.numel() for p in build_model("micro", 512, 32, seed=0, meta=True).parameters())
+    assert row["params"] == micro and row["bytes"] == 4 * micro and row["repeats"] == 2
+    for direction in ("d2h", "h2d"):
+        assert row[f"{direction}_pageable_s"] > 0
+        assert row[f"{direction}_pageable_gbps"] == pytest.approx(4 * micro / row[f"{direction}_pageable_s"] / 1e9)
+        if not torch.cuda.is_available():
+            assert row[f"{direction}_pinned_s"] is None and row[f"{direction}_pinned_gbps"] is None
 
 
 def test_gpu_bench_refuses_a_missing_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from test_layout import _modules, cycles  # one cycle finder (Tarjan) for both checks
+from test_layout import _modules, cycles, parsed  # one cycle finder (Tarjan), one parse, for both checks
 
 ROOT = Path(__file__).resolve().parents[1] / "atoll"
 
@@ -31,7 +31,9 @@ def _module_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportF
         elif isinstance(node, ast.If):
             found += _module_level_imports(node.body) + _module_level_imports(node.orelse)
         elif isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
-            blocks = [node.body, node.orelse, node.finalbody] + [h.body for h in node.handlers]  # type: ignore[attr-defined]
+            # (ast.TryStar is Python 3.11+: its blocks read by name, as a Try's)
+            blocks = [getattr(node, name, []) for name in ("body", "orelse", "finalbody")]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
             for block in blocks:
                 found += _module_level_imports(block)
         elif isinstance(node, (ast.With, ast.AsyncWith)):
@@ -48,17 +50,18 @@ def _known(name: str, modules: set[str] | dict[str, Path]) -> str | None:
     return None
 
 
-def imports_of(source: str, module: str, is_package: bool,
+def imports_of(source: str | ast.Module, module: str, is_package: bool,
                modules: set[str] | dict[str, Path]) -> dict[str, int]:
-    """The modules among ``modules`` that ``module`` (its ``source``) imports at module level, each with the
-    line of its first import there; itself excluded."""
+    """The modules among ``modules`` that ``module`` (its ``source``, or its parsed tree) imports at module
+    level, each with the line of its first import there; itself excluded."""
     edges: dict[str, int] = {}
 
     def add(target: str | None, line: int) -> None:
         if target is not None and target != module:
             edges.setdefault(target, line)
 
-    for node in _module_level_imports(ast.parse(source).body):
+    tree = ast.parse(source) if isinstance(source, str) else source
+    for node in _module_level_imports(tree.body):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(_known(alias.name, modules), node.lineno)
@@ -77,8 +80,7 @@ def imports_of(source: str, module: str, is_package: bool,
 def import_graph() -> dict[str, dict[str, int]]:
     """Module -> {an atoll module it imports at module level: the line of that import}."""
     modules = _modules()
-    return {name: imports_of(path.read_text(encoding="utf-8"), name, path.name == "__init__.py", modules)
-            for name, path in modules.items()}
+    return {name: imports_of(parsed(path), name, path.name == "__init__.py", modules) for name, path in modules.items()}
 
 
 def describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:

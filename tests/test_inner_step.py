@@ -231,21 +231,101 @@ def test_the_loop_and_the_inner_step_read_no_device_value_outside_logging_steps(
     assert offenders(Island.timed) == []
 
 
-def test_the_training_loop_reads_the_loss_only_at_logging_steps(monkeypatch, fast_config) -> None:
-    # the divergence rule's per-step check (Island.diverged: reset a diverged island at once) is set apart
-    reads: list[int] = []
-    original = Island.last_loss.fget
+def _fused_adamw(groups, config):  # the inner optimizer of a CUDA island: it skips a non-finite step on the device
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), fused=True)
 
-    def counted(self):
-        if isinstance(self._loss, torch.Tensor):  # a read of the device's value (later reads: the cached float)
-            reads.append(1)
-        return original(self)
 
-    monkeypatch.setattr(Island, "last_loss", property(counted, Island.last_loss.fset))
-    monkeypatch.setattr(Island, "diverged", property(lambda self: False))
-    train(build_config(overrides={**fast_config, "steps": 20, "eval_every": 20, "checkpoint_every": 0}))
-    # 2 logging steps (10, 20) x 2 islands; before: one read per island per step (the progress bar), 40+
-    assert 0 < len(reads) <= 2 * 2
+#: per strategy: its settings in the run below, and the most host reads one exchange step may make per island
+#: (ddp and demo exchange at every step, and read each island's status there: the exchange waits anyway)
+LOOPS = {"ddp": ({}, 3), "demo": ({"demo_chunk": 16, "demo_topk": 8}, 4), "diloco": ({"sync_every": 4}, None),
+         "sparseloco": ({"sync_every": 4}, None), "streaming": ({"sync_every": 8, "fragments": 2}, None)}
+
+
+@pytest.mark.parametrize("strategy", list(LOOPS))
+def test_the_training_loop_reads_nothing_on_the_host_outside_logging_and_exchange_steps(
+        monkeypatch, fast_config, strategy) -> None:
+    """Every read of a tensor's value made by atoll's code in a 20-step run of 2 islands, by inner step: none at a
+    step that neither logs (steps 10 and 20) nor exchanges (before: one ``float(loss)`` per island per step,
+    the divergence check of ``Rounds.step``, 40 in all)."""
+    from atoll.job import island as island_mod
+    from atoll.job.divergence import set_fault_hook
+    from atoll.runtime.comm import Comm
+    from atoll.runtime.local import LocalWork
+
+    settings, per_island = LOOPS[strategy]
+    monkeypatch.setattr(island_mod, "adamw", _fused_adamw)  # demo brings its own (DeMo reads on the host)
+    step_of = {"now": -1}
+    starts: dict[int, int] = {}
+    exchanged: set[int] = set()
+
+    def mark(island, step, kind, **where) -> None:  # the fault hook, called as each island's step starts
+        if kind == "weights" and step not in starts:
+            step_of["now"], starts[step] = step, reads.count
+
+    def exchanging(original):
+        def counted(self, *a, **k):
+            exchanged.add(step_of["now"])
+            return original(self, *a, **k)
+        return counted
+
+    previous = set_fault_hook(mark)
+    monkeypatch.setattr(Comm, "_count", exchanging(Comm._count))  # a collective issued in that step
+    monkeypatch.setattr(LocalWork, "wait", exchanging(LocalWork.wait))  # or one in flight, waited for
+    overrides = {**fast_config, "strategy": strategy, "steps": 20, "eval_every": 20, "checkpoint_every": 0,
+                 **settings}
+    if strategy in ("ddp", "demo"):
+        overrides.pop("sync_every")
+    reads = _HostReads(monkeypatch)  # after the data and the model are prepared (the first call builds them)
+    try:
+        summary = train(build_config(overrides=overrides))
+    finally:
+        set_fault_hook(previous)
+    assert summary["tokens"] == 2 * 20 * 4 * 32
+    per_step = {s: starts.get(s + 1, reads.count) - starts[s] for s in range(20)}
+    logging = {9, 19}  # 0-based steps whose end logs (10, 20); the evaluation is at 20
+    quiet = [s for s in range(20) if s not in logging and s not in exchanged]
+    assert all(per_step[s] == 0 for s in quiet), {s: per_step[s] for s in quiet if per_step[s]}
+    if per_island is None:  # rounds: most steps are quiet ones
+        assert len(quiet) >= 10, sorted(exchanged)
+    else:  # every step exchanges: a bounded read per island there
+        assert exchanged >= set(range(20)) and not quiet
+        assert max(per_step[s] for s in range(20) if s not in logging) <= per_island * 2, per_step
+
+
+def test_ddp_under_torch_ddp_hooks_reads_nothing_in_a_step_and_repairs_at_the_logging_step(monkeypatch) -> None:
+    """The hooked path of ddp (:mod:`atoll.runtime.collective.torch_ddp`): the islands the mean left out are summed
+    on the device; the logging step reads that sum once and resets the diverged island from a healthy one."""
+    import copy
+
+    from atoll.runtime.local import LocalComm
+    from atoll.runtime.network import Link, SimClock
+    from atoll.strategies.ddp import DDP
+
+    config = TrainConfig(strategy="ddp", islands=2, model="micro", vocab_size=VOCAB, seq_len=SEQ, batch_size=4,
+                         steps=10, warmup_steps=0)
+    model = build_model("micro", VOCAB, SEQ, seed=0)
+    islands = [make_island(i, copy.deepcopy(model), config, optimizer=_fused_adamw) for i in range(2)]
+    ddp = DDP(config.strategy_config, islands, LocalComm(2, Link.from_config(100, 10), SimClock(2)))
+    reads = _HostReads(monkeypatch)
+    for step in range(3):
+        for island in islands:
+            if step == 1 and island.index == 1:
+                with torch.no_grad():
+                    for p in island.params:
+                        p.fill_(float("nan"))
+            island.forward_backward(_batch(4, step))
+            island.sync_islands = (island.loss_finite.float() + 1.0) if island.index == 0 else None  # as hooks say
+        for island in islands:  # the hooks' mean: island 0's gradient alone (island 1 left out from step 1)
+            for mine, other in zip(island.params, islands[0].params, strict=True):
+                mine.grad = other.grad.clone()
+        islands[0].sync_islands = torch.tensor(2.0 if step == 0 else 1.0)
+        ddp.step_hooked(step)
+    assert reads.count == 0 and islands[1].reset_count == 0
+    assert ddp.reset_diverged(3) == 1  # the logging step: one read of the sum, then the statuses
+    assert islands[1].reset_count == 1 and ddp.dropped_updates == 2  # left out at steps 1 and 2
+    assert torch.equal(islands[1].flat_params(), islands[0].flat_params())
+    assert islands[1].optimizer.state  # kept: every replica's AdamW state is the same
+    assert ddp.reset_diverged(4) == 0 and ddp.left_out is None
 
 
 # --- --compile -----------------------------------------------------------------------------------------------
@@ -336,7 +416,9 @@ def test_collective_islands_accumulate_as_the_larger_batch(fast_config: dict, st
 def test_collective_ddp_on_torch_ddp_hooks_equals_the_host_path(fast_config: dict) -> None:
     """torch DDP's bucketed all-reduce in the backward pass (``--min-islands`` = ``--islands``) against the
     elastic host path (``--min-islands 1``): the same weights to float round-off, the same bytes counted; a
-    NaN island is left out of the mean and reset from a peer on both."""
+    NaN island is left out of the mean and reset from a peer on both. (Its fault falls on a logging step, the
+    last: the host path repairs it at once, the hooked path at the next logging step without a host read in
+    between, :func:`test_ddp_under_torch_ddp_hooks_reads_nothing_in_a_step_and_repairs_at_the_logging_step`.)"""
     import json
     import subprocess
 
@@ -349,7 +431,7 @@ def test_collective_ddp_on_torch_ddp_hooks_equals_the_host_path(fast_config: dic
     def run(out: str, **more) -> dict:
         r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags({**base, **more, "out": out})],
                            capture_output=True, text=True, timeout=400,
-                           env={**os.environ, "ATOLL_TEST_NAN_AT": "weights:1:3"})
+                           env={**os.environ, "ATOLL_TEST_NAN_AT": "weights:1:6"})
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads((Path(out) / "summary.json").read_text())
 
@@ -400,6 +482,14 @@ def test_cuda_timing_is_read_only_when_the_clock_or_compute_s_is(monkeypatch) ->
             pass
     assert 16 <= len(island._timings) <= 64  # bounded, the newest never waited for
     assert island.compute_s == pytest.approx(0.146)
+    settled = len(waits)  # the loop's label of the strategy's inner steps: kept with the events, read at the end
+    for _ in range(2):
+        with island.charging("strategy"), island.timed():
+            pass
+        with island.timed():
+            pass
+    assert len(waits) == settled and island.compute_s_of("strategy") == pytest.approx(0.004)
+    assert island.compute_s == pytest.approx(0.154)
 
 
 def test_a_resumed_run_may_switch_activation_checkpointing_on_but_not_change_grad_accum(fast_config) -> None:

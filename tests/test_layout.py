@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "atoll"
@@ -18,6 +19,12 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in ROOT.rglob("*.py")}
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of ``path``, parsed once for every check of the session (test_import_cycles' too)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _type_checking_lines(tree: ast.AST) -> set[int]:
     """Lines inside ``if TYPE_CHECKING:`` blocks (imports there never run)."""
     lines: set[int] = set()
@@ -28,13 +35,14 @@ def _type_checking_lines(tree: ast.AST) -> set[int]:
     return lines
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """Module -> the atoll modules it imports, at module level or inside functions (lazy imports), plus the
-    strategy modules that the registry imports by name."""
+    strategy modules that the registry imports by name (built once; the checks only read it)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = parsed(path)
         skip = _type_checking_lines(tree)
         for node in ast.walk(tree):
             if getattr(node, "lineno", None) in skip:

@@ -65,3 +65,4 @@ def test_ray_run_reports_startup_apart_from_its_clock(fast_config: dict, tmp_pat
     last_eval = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                  if json.loads(line)["event"] == "eval"][-1]
     assert last_eval["sim_wall_s"] == s["sim_wall_s"]
+    assert s["eval_s"] > 0  # the driver's evaluations, on the device the run names (here: the CPU)

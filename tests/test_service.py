@@ -51,11 +51,13 @@ def run_flags(fast_config: dict, steps: int = 20) -> list[str]:
             "--sync-every", "5", "--fragments", "2", "--eval-batches", "2", "--threads", "1", "--no-progress"]
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def start(args: list[str], log: Path, launcher: list[str] | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m atoll ARGS`` (or ``python LAUNCHER ARGS``), its output in ``log``, in a session of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    return subprocess.Popen([sys.executable, "-m", "atoll", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+    return subprocess.Popen([sys.executable, *(launcher or ["-m", "atoll"]), *args], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
@@ -150,6 +152,7 @@ def served(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - (server state, 
 def test_strangers_are_refused_and_counted(served) -> None:  # noqa: ANN001
     state, port, plain_port, ca, creds = served
     address = f"127.0.0.1:{port}"
+    numels = state.service.syncer.numels
     # no credential at all: a raw call without the metadata
     with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as channel:
         with pytest.raises(grpc.RpcError) as e:
@@ -169,24 +172,23 @@ def test_strangers_are_refused_and_counted(served) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match="tls-ca"):
         SyncerClient(f"127.0.0.1:{plain_port}", 0, creds[0], ca, give_up_s=30.0).call("Heartbeat")
     assert state.refused_calls == {"no_credential": 1, "identity": 1, "island": 1}
-    # the honest island 0: joins, takes a round of steps, pushes; the same push again is a replay
+    # the honest island 0: joins, takes a round of steps (once island 1 joined too: the run starts with every
+    # island), pushes; the same push again is a replay
     me = SyncerClient(address, 0, creds[0], ca)
-    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    session = me.call("Join", {"numels": numels})["session"]
+    assert me.call("ReserveSteps", {"n": 5}) == {"granted": 0, "wait": True}
+    SyncerClient(address, 1, creds[1], ca).call("Join", {"numels": numels})
     assert me.call("ReserveSteps", {"n": 5})["granted"] == 5
-    from atoll.strategies.decoupled.protocol import Push
-
-    numel = state.service.syncer.numels[0]
-    push = Push(0, 0, torch.full((numel,), 1e-3), 5 * 4 * 32, 0)
-    first = me.push(push, session)
+    payload = wire.payload_bytes(state.codec.encode(torch.full((numels[0],), 1e-3)).tensors)
+    first = me.push(payload, 0, ((0, numels[0]),), 5 * 4 * 32, 0, session)
     assert first["accepted"] and not first["answered"]  # waits for island 1's push (quorum 2)
-    again = me.push(push, session)
+    again = me.push(payload, 0, ((0, numels[0]),), 5 * 4 * 32, 0, session)
     assert not again["accepted"]
     assert state.service.syncer.rejected_by_reason == {"replay": 1}
-    # a pickle instead of safetensors is never unpickled: refused as a malformed tensor, and counted
-    data = pickle.dumps(torch.zeros(numel))
-    upload = me.upload(data)
-    answer = me.call("Push", {"upload": upload, "size": len(data), "fragment": 1, "tokens": 128,
-                              "base_version": 0, "session": session})
+    # a pickle instead of safetensors is never unpickled: refused as a malformed payload, and counted
+    data = pickle.dumps(torch.zeros(16))
+    upload = me.upload(data, 1, ((0, numels[1]),))
+    answer = me.commit([upload], 1, 128, 0, session)
     assert not answer["accepted"]
     assert state.service.syncer.rejected_by_reason == {"replay": 1, "type": 1}
     assert state.service.syncer.version(0) == 0  # nothing refused reached the global parameters
@@ -263,16 +265,20 @@ def test_a_broken_upload_resumes_at_the_offset_the_syncer_holds(served, monkeypa
     """A push's transfer that breaks after some chunks continues from the bytes the syncer holds (not from 0);
     the push it commits is the tensor sent, bit for bit."""
     state, port, _, ca, creds = served
-    monkeypatch.setattr(wire, "CHUNK_BYTES", 4096)  # several chunks of a micro fragment (client and server)
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 1024)  # several chunks of a micro fragment (client and server)
+    numels = state.service.syncer.numels
     me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
-    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    session = me.call("Join", {"numels": numels})["session"]
+    SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca).call("Join", {"numels": numels})
     assert me.call("ReserveSteps", {"n": 5})["granted"] == 5
-    delta = torch.randn(state.service.syncer.numels[0], generator=torch.Generator().manual_seed(0)) * 1e-3
-    data = wire.tensor_bytes(delta)
-    assert len(data) > 8 * 4096
+    delta = torch.randn(numels[0], generator=torch.Generator().manual_seed(0)) * 1e-3
+    encoded = state.codec.encode(delta)  # the run's codec (int4): its payload is what travels
+    data = wire.payload_bytes(encoded.tensors)
+    assert len(data) > 8 * 1024
+    header = {"upload": "u1", "fragment": 0, "ranges": [[0, numels[0]]], "size": len(data)}
 
     def broken():  # noqa: ANN202 - three chunks, then the link fails
-        yield wire.dumps({"upload": "u1", "offset": 0})
+        yield wire.dumps({**header, "offset": 0})
         yield from wire.chunks(data)[:3]
         time.sleep(0.5)
         raise ConnectionError("link lost")
@@ -280,17 +286,16 @@ def test_a_broken_upload_resumes_at_the_offset_the_syncer_holds(served, monkeypa
     upload = me.bulk.stream_unary(wire.method("Upload"))
     with pytest.raises(grpc.RpcError):
         upload(broken(), metadata=me.metadata, timeout=30)
-    held = me.call("UploadStatus", {"upload": "u1"})["received"]
-    assert held == 3 * 4096
-    rest = iter([wire.dumps({"upload": "u1", "offset": held}), *wire.chunks(data, held)])
+    held = me.call("UploadStatus", {"upload": "u1"}, bulk=True)["received"]
+    assert held == 3 * 1024
+    rest = iter([wire.dumps({**header, "offset": held}), *wire.chunks(data, held)])
     assert wire.loads(upload(rest, metadata=me.metadata, timeout=30))["received"] == len(data)
-    answer = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
-                              "base_version": 0, "session": session})
+    answer = me.commit(["u1"], 0, 5 * 4 * 32, 0, session)
     assert answer["accepted"]
-    assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, delta)
+    # the syncer decoded the payload: the Δ it holds is the codec's round trip of the island's, bit for bit
+    assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, state.codec.decode(encoded))
     # the commit retried after a lost reply is answered again, not counted as a replay
-    again = me.call("Push", {"upload": "u1", "size": len(data), "fragment": 0, "tokens": 5 * 4 * 32,
-                             "base_version": 0, "session": session})
+    again = me.commit(["u1"], 0, 5 * 4 * 32, 0, session)
     assert again == answer and state.service.syncer.rejected_updates == 0
 
 
@@ -323,9 +328,11 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["rejoins"] == [0, 1] and len(summary["rejoin_s"]) == 1
     assert summary["islands_left"] == [0, 1]
-    # the restarted island trained and was merged after its rejoin; its new session's pushes are no replays
+    # the restarted island trained and was merged after its rejoin (from the steps it had used: the rest of
+    # the lease its killed session held went back to the budget); its new session's pushes are no replays
     # (the norm bound may refuse a few pushes of either island in this long, lopsided run: its own check)
-    assert summary["steps_per_island"][1] > at_kill["steps_by_island"][1]
+    rejoined = (tmp_path / "island_1b.log").read_text().split("joined (session 2, ")[1]
+    assert summary["steps_per_island"][1] > int(rejoined.split(" inner steps")[0]) > 0
     assert summary["merged_tokens_by_island"][1] > at_kill["merged_tokens_by_island"][1]
     assert set(summary["rejected_by_reason"]) <= {"norm"}, summary["rejected_by_reason"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
@@ -341,38 +348,58 @@ class _Unavailable(grpc.RpcError, grpc.Call):  # a syncer that did not answer in
     initial_metadata = trailing_metadata = cancel = add_callback = is_active = time_remaining = lambda self: None
 
 
+def _take(lease, want: int) -> None:  # noqa: ANN001 - StepLease.take until it answers ``want`` (GO, STOP)
+    from atoll.runtime.service.client import WAIT
+
+    deadline = time.monotonic() + 30
+    while (got := lease.take()) == WAIT:
+        assert time.monotonic() < deadline, "no step within 30 s"
+        time.sleep(0.01)
+    assert got == want
+
+
 @pytest.mark.parametrize("budget_left", [True, False])
 def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
         served, budget_left: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """An island whose step reservation went unanswered trains that step on credit; the push that claims its
-    tokens is not refused (``tokens``): the credit is reserved first, and a step the syncer no longer grants
-    (the budget was spent meanwhile) is taken out of the claim."""
-    from atoll.runtime.service.client import ServiceTransport
-    from atoll.strategies.decoupled.protocol import Push
+    """An island whose step lease went unanswered trains a step on credit; the push that claims its tokens is
+    not refused (``tokens``): the credit is reserved first, and a step the syncer no longer grants (the budget
+    was spent meanwhile) is taken out of the claim. The lease's unused steps go back to the budget at Leave."""
+    from atoll.runtime.service.client import GO, StepLease
 
     state, port, _, ca, creds = served
+    numels = state.service.syncer.numels
     me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
-    session = me.call("Join", {"numels": state.service.syncer.numels})["session"]
+    session = me.call("Join", {"numels": numels})["session"]
+    SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca).call("Join", {"numels": numels})
     tps = state.service.config.tokens_per_step
-    transport = ServiceTransport(me, 2, session, offline_steps=2, tokens_per_step=tps, heartbeat_s=60.0)
+    lease = StepLease(me, size=2, offline_steps=2, tokens_per_step=tps, fragments=2)
     real_call, fail = me.call, [True]
 
-    def call(name: str, payload: dict | None = None, timeout_s: float = 30.0, retry: bool = True) -> dict:
+    def call(name: str, payload: dict | None = None, timeout_s: float = 30.0, retry: bool = True,
+             bulk: bool = False) -> dict:
         if name == "ReserveSteps" and fail[0]:
             fail[0] = False
             raise _Unavailable()
-        return real_call(name, payload, timeout_s, retry)
+        return real_call(name, payload, timeout_s, retry, bulk)
 
     monkeypatch.setattr(me, "call", call)
-    assert transport.reserve_step()  # unanswered: a step on credit
-    assert transport.offline_steps_taken == 1 and transport.owed == 1 and state.service.steps_by_island[0] == 0
+    lease._delay = 3600.0  # the retry waits until the test says
+    _take(lease, GO)  # the lease's fetch went unanswered: a step on credit
+    assert lease.offline_steps_taken == 1 and lease.owed == 1 and state.service.steps_by_island[0] == 0
     if not budget_left:
         state.service.reserved = state.service.budget  # the others spent it while this island was unanswered
-    numel = state.service.syncer.numels[0]
-    transport.send(Push(0, 0, torch.full((numel,), 1e-4), tps, 0))  # the round's push claims the credit step
-    transport.close()
+    lease._retry_at = 0.0
+    claim = lease.claimable(0, tps, lease.credit_taken)  # the round's push claims the credit step
     granted = state.service.steps_by_island[0]
-    assert granted == (1 if budget_left else 0) and transport.owed == 0
+    assert granted == (3 if budget_left else 0) and lease.owed == 0  # the credit step and a lease of 2
+    assert claim == (tps if budget_left else 0)  # it claims no token it was not granted
+    if claim:
+        payload = wire.payload_bytes(state.codec.encode(torch.full((numels[0],), 1e-4)).tensors)
+        assert me.push(payload, 0, ((0, numels[0]),), claim, 0, session)["accepted"]
     assert state.service.syncer.rejected_updates == 0, state.service.syncer.rejected_by_reason
-    assert state.service.syncer.bounds.claimed[0][0] == granted * tps  # it claims no token it was not granted
-    assert state.service.syncer.accepted_updates == granted  # sent and merged if any step of it was granted
+    assert state.service.syncer.bounds.claimed[0][0] == claim
+    lease.close()
+    # leaving, it gives the 2 steps of its lease it did not take back to the budget (and its ledger)
+    assert me.call("Leave", {"steps": 1, "used": lease.used})["returned"] == (2 if budget_left else 0)
+    assert state.service.steps_by_island[0] == (1 if budget_left else 0)
+    assert state.service.syncer.bounds.granted[0] == state.service.steps_by_island[0] * tps

@@ -4,6 +4,7 @@ refused elsewhere, and trains; no other file of atoll is touched."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -157,3 +158,23 @@ def test_a_toml_file_may_give_the_owned_parts_as_tables(tmp_path: Path) -> None:
     path.write_text('strategy = "ddp"\n[strategy_config]\nsync_every = 8\n')
     with pytest.raises(ConfigError, match="^sync_every: the ddp strategy does not use it"):
         build_config(path)
+
+
+def test_another_strategys_config_given_whole_is_refused_in_the_one_sentence() -> None:
+    """A config of another strategy (or runtime) handed over whole gets the sentence its flat keys get, not
+    the owned config's "unknown setting"; the setting named is one the user set, where there is one."""
+    from atoll.config import TrainConfig
+    from atoll.config.runtimes import RUNTIMES
+    from atoll.strategies.demo import DeMoConfig
+    from atoll.strategies.diloco import DiLoCoConfig
+
+    said = "demo_lr: the diloco strategy does not use it (only demo); drop --demo-lr or use --strategy demo"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        TrainConfig(strategy="diloco", demo_lr=0.1)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        TrainConfig(strategy="diloco", strategy_config=DeMoConfig())
+    with pytest.raises(ValueError, match=r"sync_every: the demo strategy does not use it \(only diloco, "):
+        TrainConfig(strategy="demo", strategy_config=DiLoCoConfig(sync_every=5))  # (codec comes first, not set)
+    with pytest.raises(ValueError, match=r"collective_timeout_s: the local runtime does not use it \(only "):
+        TrainConfig(runtime="local", runtime_config=RUNTIMES["collective"]())
+    assert TrainConfig(strategy="diloco", strategy_config=DiLoCoConfig(sync_every=7)).sync_every == 7

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from atoll.strategies.decoupled.protocol import Push
@@ -138,6 +139,7 @@ def test_an_island_whose_pushes_are_all_refused_stops_the_run_with_one_line() ->
     assert restored.starved() == [0]
 
 
+@pytest.mark.slow  # it trains 120 inner steps of each island
 def test_a_run_whose_island_is_refused_throughout_stops_and_says_so(fast_config: dict) -> None:
     # the local simulation, 2 islands: island 1 pushes 1e-4 x its honest Δ from the start, so island 0's pushes
     # are refused when they merge. Before: every push of island 0 refused, the model untrained, exit 0, no word

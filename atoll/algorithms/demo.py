@@ -259,7 +259,7 @@ class DeMo(torch.optim.Optimizer):
             island_coeffs = torch.zeros_like(total).scatter_(
                 1,
                 pl.indices.to(device=device, dtype=torch.int64),
-                pl.dense_values().to(device=device),
+                pl.dense_values(check=False).to(device=device),  # apply_step checked every payload at once
             )
             total.add_(island_coeffs)
             if senders is not None:
@@ -285,8 +285,9 @@ class DeMo(torch.optim.Optimizer):
                 the islands whose payload selected it (DeMo's reference code).
 
         Raises:
-            ValueError: ``gathered`` is empty, an island's list has the wrong length, or a payload's shape
-                does not match its parameter.
+            ValueError: ``gathered`` is empty, an island's list has the wrong length, a payload's shape
+                does not match its parameter, or packed signs are corrupt (checked for every payload before
+                any parameter changes: one host read for the whole step).
         """
         params = self._params()
         if len(gathered) == 0:
@@ -299,6 +300,11 @@ class DeMo(torch.optim.Optimizer):
                     f"DeMo.apply_step: island {island} sent {len(pls)} payloads, expected {len(params)} "
                     "(one per parameter, in param-group order)"
                 )
+        flags = [pl.corrupt().to(params[0].device) for pls in gathered for pl in pls if pl.sign_values]
+        if flags and bool(torch.stack(flags).any()):
+            island = next(j for j, pls in enumerate(gathered) if any(bool(pl.corrupt()) for pl in pls))
+            raise ValueError(f"DeMo.apply_step: island {island} sent packed signs with the unused code 0b10; "
+                             "the payload is corrupt")
         i = 0
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]

@@ -98,12 +98,14 @@ def unpack_2bit(packed: torch.Tensor, numel: int, who: str = "unpack_2bit") -> t
     return torch.bitwise_and(torch.bitwise_right_shift(packed.unsqueeze(1), shifts), 3).reshape(-1)[:numel]
 
 
-def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
+def unpack_ternary(packed: torch.Tensor, numel: int, check: bool = True) -> torch.Tensor:
     """Inverse of :func:`pack_ternary`: the first ``numel`` ternary values of ``packed``.
 
     Args:
         packed: uint8 tensor of shape ``(ceil(numel / 4),)``.
         numel: number of values packed, >= 0.
+        check: refuse the unused code (one host read of a flag); False: it decodes to 0, and the caller has
+            checked every payload of the step at once (:meth:`DemoPayload.corrupt`, one read for them all).
 
     Returns:
         int8 tensor of shape ``(numel,)`` with values in {-1, 0, +1}, on ``packed.device``.
@@ -113,7 +115,7 @@ def unpack_ternary(packed: torch.Tensor, numel: int) -> torch.Tensor:
             code ``0b10`` among its first ``numel`` values (a corrupt payload).
     """
     codes = unpack_2bit(packed, numel, "unpack_ternary")
-    if bool((codes == 2).any()):
+    if check and bool((codes == 2).any()):
         raise ValueError("unpack_ternary: code 0b10 is not a ternary value; the payload is corrupt")
     table = torch.tensor(_TERNARY_DECODE, dtype=torch.int8, device=packed.device)
     return table[codes.long()]
@@ -156,16 +158,29 @@ class DemoPayload:
             + self.values.numel() * self.values.element_size()
         )
 
-    def dense_values(self) -> torch.Tensor:
+    def dense_values(self, check: bool = True) -> torch.Tensor:
         """The kept coefficients as a (num_chunks, k) float32 tensor: the values, or the signs +-1 / 0.
 
+        ``check``: refuse a corrupt sign code here (a host read); False where :meth:`corrupt` was checked.
+
         Raises:
-            ValueError: packed sign values of the wrong size or with a corrupt code.
+            ValueError: packed sign values of the wrong size or (with ``check``) with a corrupt code.
         """
         if self.sign_values:
             n = self.num_chunks * self.k
-            return unpack_ternary(self.values, n).reshape(self.num_chunks, self.k).to(torch.float32)
+            return unpack_ternary(self.values, n, check).reshape(self.num_chunks, self.k).to(torch.float32)
         return self.values.to(torch.float32)
+
+    def corrupt(self) -> torch.Tensor:
+        """Whether packed sign values hold the unused code ``0b10``: a 0-d bool tensor on the values' device,
+        not read (float32 values: False).
+
+        Raises:
+            ValueError: packed sign values of the wrong size.
+        """
+        if not self.sign_values:
+            return torch.zeros((), dtype=torch.bool, device=self.values.device)
+        return (unpack_2bit(self.values, self.num_chunks * self.k, "DemoPayload.corrupt") == 2).any()
 
 
 def _check_chunk_topk(chunk: Any, topk: Any) -> None:

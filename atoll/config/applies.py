@@ -66,7 +66,7 @@ def _catalog(strategies: tuple[str, ...]) -> dict[str, FieldInfo]:
     sync, *shared = SHARED_SECTIONS
     out: dict[str, FieldInfo] = {}
     for section in (run, sync, RUNTIMES["collective"], model, device, data, schedule, *shared,
-                    *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], output):
+                    *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], RUNTIMES["service"], output):
         out.update({k: v for k, v in section.model_fields.items() if k not in out})
     return out
 
@@ -124,9 +124,11 @@ def unused_setting(strategy: str, runtime: str, given: Iterable[str],
             return (f"{name}: the {strategy} strategy does not use it (only {', '.join(readers)}"
                     f"{'; ' + instead if instead else ''}); {drop} or use {_which(readers, 'strategy')}")
         readers = runtime_readers(name)
-        if readers and runtime not in readers:
-            return (f"{name}: the {runtime} runtime does not use it (only {', '.join(readers)}); {drop} or use "
-                    f"{_which(readers, 'runtime')}")
+        if readers and runtime not in readers:  # (the service runtime is atoll island's, not atoll train's)
+            named = ", ".join("service: atoll island" if r == "service" else r for r in readers)
+            trained = tuple(r for r in readers if r != "service")
+            return (f"{name}: the {runtime} runtime does not use it (only {named}); {drop}"
+                    + (f" or use {_which(trained, 'runtime')}" if trained and runtime != "service" else ""))
     return None
 
 

@@ -7,6 +7,8 @@ under another is refused (:func:`atoll.config.applies.unused_setting`).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from atoll.config.parse import parse_resources
@@ -22,7 +24,8 @@ class TimeoutSection(Section):
         "a rank that dies is usually detected within seconds (closed connection, missing heartbeat), a "
         "hung one at this deadline. The run then stops with status 3 and can be resumed. ray: how long the "
         "driver waits for the other islands once one has finished. From 1 s (the store's clients and the "
-        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above).",
+        "heartbeat need a second) to 86400 s (one day; the backends' timers overflow far above). collective: "
+        "the floor of each exchange's deadline, which grows with its bytes at --collective-link-mbps.",
     )
 
 
@@ -35,22 +38,39 @@ class LocalConfig(RuntimeConfig):
     link_latency_ms: float = Field(10.0, ge=0, description="One-way link latency in milliseconds.")
 
 
-class CollectiveConfig(TimeoutSection, RuntimeConfig):
-    """The ``collective`` runtime's settings: real processes over torch.distributed
-    (:mod:`atoll.runtime.collective`)."""
+class IslandRanksSection(Section):
+    """Islands of several ranks: the ``collective`` runtime's, and ``atoll island`` jobs' (the ``service`` runtime)."""
 
     ranks_per_island: int = Field(
         1, ge=1, le=1024,
-        description="collective: processes (ranks) per island; they split the island's batch by rows and "
-        "average their gradients every step (data parallel inside the island). batch_size must be divisible "
-        "by it. World size = islands x ranks_per_island.",
+        description="collective, atoll island: processes (ranks) per island; they split the island's batch by rows "
+        "and average their gradients every step (data parallel inside the island). batch_size must be divisible "
+        "by it. collective: world size = islands x ranks_per_island; atoll island: torchrun's world size (the "
+        "default there), and islands of one run may differ in it.",
     )
     shard_island: bool = Field(
         False,
-        description="collective: shard each island's model, gradients and AdamW state over its ranks with "
-        "PyTorch FSDP2 (fully_shard), each rank holding 1/R; the strategy exchanges each rank's shard with the "
-        "ranks at its position in the other islands (HSDP-like). ddp and diloco; needs --ranks-per-island 2 "
-        "or more.",
+        description="collective, atoll island: shard each island's model, gradients and AdamW state over its ranks "
+        "with PyTorch FSDP2 (fully_shard), each rank holding 1/R; the strategy exchanges each rank's shard (with "
+        "the ranks at its position in the other islands; atoll island: with the syncer, over the rank's own "
+        "connection). ddp, diloco and decoupled; needs --ranks-per-island 2 or more.",
+    )
+
+
+class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
+    """The ``collective`` runtime's settings: real processes over torch.distributed
+    (:mod:`atoll.runtime.collective`)."""
+
+    collective_link_mbps: float = Field(
+        100.0, gt=0, le=1e7,
+        description="collective: the slowest link between two islands in Mbit/s, which each exchange's deadline "
+        "assumes: its bytes x 8 / this x 4 (a safety factor), plus the latencies, plus --collective-timeout-s "
+        "(atoll.runtime.collective.comm.exchange_deadline_s). Too low only lengthens the wait for a hung peer "
+        "(a dead one is found by its heartbeat within seconds); too high fails a slow but healthy exchange.",
+    )
+    collective_link_latency_ms: float = Field(
+        10.0, ge=0, le=60000,
+        description="collective: one-way latency of that link in milliseconds, once per ring step in the deadline.",
     )
     min_islands: int = Field(
         1, ge=1, le=4096,
@@ -102,5 +122,22 @@ class RayConfig(TimeoutSection, RuntimeConfig):
         return value
 
 
+class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
+    """The ``service`` runtime's settings: ``atoll syncer`` and ``atoll island``, each island a job of its own
+    (torchrun) that dials out to the syncer (:mod:`atoll.runtime.service`). ``atoll train`` does not run it.
+    The ranks, the sharding and the slices are each island job's own (islands of one run may differ in them);
+    the syncer reads none of them."""
+
+    slice_transfer: Literal["ranks", "leader"] = Field(
+        "ranks",
+        description="atoll island of several ranks: how a push and a pull of a fragment travel. ranks (default, "
+        "measured in bench/out/service_slices): every rank uploads and downloads its own slice over its own "
+        "connection (its shard's part with --shard-island, else 1/R of the fragment), and the island's ranks "
+        "all-gather the pulled slices; leader: rank 0 gathers the slices, pushes and pulls the whole fragment "
+        "and hands the ranks their parts.",
+    )
+
+
 #: each ``--runtime`` name -> its config, in --help order
-RUNTIMES: dict[str, type[RuntimeConfig]] = {"local": LocalConfig, "collective": CollectiveConfig, "ray": RayConfig}
+RUNTIMES: dict[str, type[RuntimeConfig]] = {"local": LocalConfig, "collective": CollectiveConfig, "ray": RayConfig,
+                                            "service": ServiceConfig}

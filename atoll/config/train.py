@@ -72,16 +72,23 @@ def tree_path(name: str, strategy: str, runtime: str) -> str | None:
     return None
 
 
-def _owned(config_type: type[Any], given: Any, flat: dict[str, Any]) -> Any:
+def _owned(config_type: type[Any], given: Any, flat: dict[str, Any], strategy: str, runtime: str) -> Any:
     """The owned config of ``config_type`` from its part given whole (an instance, or a table of a TOML file)
     and its flat keys, validated alone.
 
     Raises:
-        ValueError: a value it refuses (the one-line message of its first error).
+        ValueError: a value it refuses (the one-line message of its first error), or another strategy's or
+            runtime's config given whole: refused in the one sentence a flat key of it gets
+            (:func:`~atoll.config.applies.unused_setting`), naming first a setting that was set explicitly.
     """
     if isinstance(given, config_type) and not flat:
         return given
     values = given.model_dump() if isinstance(given, (StrategyConfig, RuntimeConfig)) else dict(given or {})
+    if isinstance(given, (StrategyConfig, RuntimeConfig)) and not isinstance(given, config_type):
+        foreign = [k for k in values if k not in config_type.model_fields]
+        why = unused_setting(strategy, runtime, [k for k in foreign if k in given.model_fields_set] + foreign)
+        if why is not None:
+            raise ValueError(why)
     try:
         return config_type(**{**values, **flat})
     except ValidationError as e:
@@ -135,9 +142,10 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                 runtime_keys[key] = data.pop(key)
             elif (strategy_readers(key) or runtime_readers(key)) and data.pop(key) is not None:  # None: unset
                 raise ValueError(unused_setting(strategy, runtime, [key]))
-        data["strategy_config"] = _owned(own.config, data.get("strategy_config"), strategy_keys)
+        data["strategy_config"] = _owned(own.config, data.get("strategy_config"), strategy_keys, strategy, runtime)
         if runtime_type is not None:  # else the runtime's own error names it
-            data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys)
+            data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys, strategy,
+                                            runtime)
         return data
 
     def __getattr__(self, name: str) -> Any:
@@ -197,11 +205,11 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                                          "--ray-cpus-per-island / --ray-gpus-per-island for CPUs and GPUs")
                     if not 0 < amount < float("inf"):
                         raise ValueError(f"ray_island_resources: {name}={amount} must be a positive number")
-        if self.runtime == "collective" and self.batch_size % self.ranks_per_island:
+        if self.runtime in ("collective", "service") and self.batch_size % self.ranks_per_island:
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
                              f"({self.ranks_per_island}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
-        if self.shard_island:  # (a collective setting: under another runtime it is refused as not read)
+        if self.shard_island:  # (collective and service: under another runtime it is refused as not read)
             if self.ranks_per_island < 2:
                 raise ValueError("shard_island: an island of one rank has nothing to shard; pass "
                                  "--ranks-per-island 2 or more, or drop --shard-island")
@@ -209,7 +217,8 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                 raise ValueError("shard_island: Muon orthogonalizes whole matrices, not shards; drop "
                                  "--inner-optimizer muon or --shard-island")
             if not own.shards:
-                which = " and ".join(s.name for s in specs() if s.shards)
+                names = [s.name for s in specs() if s.shards]
+                which = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
                 raise ValueError(f"shard_island: the {self.strategy} strategy does not run on shards (only "
                                  f"{which} do); pass --strategy diloco or drop --shard-island")
         if self.min_islands > self.islands:
@@ -314,7 +323,8 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
 RESUMABLE_OVERRIDES = frozenset({
     "steps", "eval_every", "eval_batches", "checkpoint_every", "progress", "progress_every", "tracker",
     "threads", "cache_dir", "activation_checkpointing",
-    "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "runtime", "ranks_per_island",
+    "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "collective_link_mbps",
+    "collective_link_latency_ms", "runtime", "ranks_per_island",
     "min_islands", "max_restarts",
 })
 

@@ -3,8 +3,11 @@
 An island has *diverged* when its training loss is not finite (NaN or infinite weights make every loss
 NaN): its weights are lost, so it is reset (:meth:`atoll.job.island.Island.reset_to`) from the global model
 (``diloco``, ``streaming``, ``decoupled``) or from a healthy peer's replica (``ddp``, ``demo``), and counted
-in ``island_resets``. A gradient that is not finite on weights that are (an overflow) only skips that
-island's step (``skipped_steps``, :meth:`~atoll.job.island.Island.clip_gradients`).
+in ``island_resets``. The lockstep strategies read the losses on the host only at their exchanges and at the
+loop's logging steps (:meth:`atoll.strategies.base.Strategy.reset_diverged`), never inside an inner step: a
+diverged island is reset there, before its weights reach an exchange (docs/reliability.md, "Bad numbers").
+A gradient that is not finite on weights that are (an overflow) only skips that island's step
+(``skipped_steps``, :meth:`~atoll.job.island.Island.clip_gradients`).
 
 The *job* has diverged when no island is left to copy from (every island diverged at once, or every
 pseudo-gradient of an exchange was not finite), when the global model's held-out loss is not finite or
@@ -17,10 +20,11 @@ Tests inject faults through a hook they install (:func:`set_fault_hook`; the ``f
 ``tests/conftest.py``): the loops call :func:`inject_fault`, which does nothing unless one is installed, and
 never read the environment. :func:`nan_faults` is the usual hook (``weights:ISLAND:STEP`` or
 ``grad:ISLAND:STEP``, 1-based inner step, comma separated: that island's weights or gradient become NaN at
-that step). A process started for a test (``atoll`` in a subprocess, a rank of the collective runtime) is told
-by ONE mechanism, read once as it starts, never in a step: :data:`FAULT_HOOK_ENV` in its environment, which
-:func:`install_fault_hook_from_env` (called by ``atoll``'s entry, each launched rank's and each Ray island
-actor's) turns into :func:`nan_faults`.
+that step); :func:`atoll.job.faults.kill_faults` kills or freezes a rank of the collective runtime as it starts
+a step. A process started for a test (``atoll`` in a subprocess, a rank of the collective runtime) is told
+by ONE mechanism, read once as it starts, never in a step: :data:`FAULT_HOOK_ENV` (and
+:data:`atoll.job.faults.KILL_HOOK_ENV`) in its environment, which :func:`install_fault_hook_from_env` (called
+by ``atoll``'s entry, each launched rank's and each Ray island actor's) turns into those hooks.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ LOSS_BOUND_FACTOR = 10.0
 #: ``grad:ISLAND:STEP`` (comma separated) make that island's weights (before its forward pass) or gradient
 #: (after its backward pass) NaN at that 1-based inner step
 FAULT_HOOK_ENV = "ATOLL_TEST_NAN_AT"
-#: a fault hook: ``hook(island, step, kind)`` with the 0-based inner step and ``kind`` "weights" or "grad"
-FaultHook = Callable[["Island", int, str], None]
+#: a fault hook: ``hook(island, step, kind, **where)`` with the 0-based inner step and ``kind`` "weights" or "grad"
+#: (every runtime) or "start" (a rank of the collective runtime starting the step; ``where``: its ``rank`` and
+#: ``first_rejoin``, :mod:`atoll.job.faults`); a hook ignores the kinds and keywords it has no use for
+FaultHook = Callable[..., None]
 _fault_hook: FaultHook | None = None
 
 
@@ -172,7 +178,7 @@ def nan_faults(spec: str, source: str = FAULT_HOOK_ENV) -> FaultHook:
     """
     faults = frozenset(parse_faults(spec, source))
 
-    def hook(island: Island, step: int, kind: str) -> None:
+    def hook(island: Island, step: int, kind: str, **_: Any) -> None:
         if (kind, island.index, step + 1) not in faults:
             return
         with torch.no_grad():
@@ -186,19 +192,31 @@ def nan_faults(spec: str, source: str = FAULT_HOOK_ENV) -> FaultHook:
 
 
 def install_fault_hook_from_env() -> None:
-    """At a process's start (``atoll``'s entry, a launched rank's): install :func:`nan_faults` of
-    :data:`FAULT_HOOK_ENV` when the environment sets it (a test's child process); otherwise nothing.
+    """At a process's start (``atoll``'s entry, a launched rank's): install the faults a test's child process
+    is told in its environment: :func:`nan_faults` of :data:`FAULT_HOOK_ENV`, and the kill hook of
+    :data:`atoll.job.faults.KILL_HOOK_ENV` (:func:`atoll.job.faults.kill_faults`), both where both are set;
+    otherwise nothing.
 
     Raises:
         ConfigError: a malformed value.
     """
+    from atoll.job.faults import kill_faults_from_env
+
     value = os.environ.get(FAULT_HOOK_ENV)
-    if value:
-        set_fault_hook(nan_faults(value))
+    hooks = [hook for hook in (nan_faults(value) if value else None, kill_faults_from_env()) if hook is not None]
+    if len(hooks) == 1:
+        set_fault_hook(hooks[0])
+    elif hooks:
+        def both(island: Island, step: int, kind: str, **where: Any) -> None:
+            for hook in hooks:
+                hook(island, step, kind, **where)
+
+        set_fault_hook(both)
 
 
-def inject_fault(island: Island, step: int, kind: str) -> None:
+def inject_fault(island: Island, step: int, kind: str, **where: Any) -> None:
     """Call the installed fault hook (:func:`set_fault_hook`; nothing when none is) for ``island`` at
-    0-based inner step ``step``: ``kind="weights"`` before its forward pass, ``"grad"`` after its backward."""
+    0-based inner step ``step``: ``kind="weights"`` before its forward pass, ``"grad"`` after its backward,
+    ``"start"`` as a rank of the collective runtime starts the step (``where``: ``rank``, ``first_rejoin``)."""
     if _fault_hook is not None:
-        _fault_hook(island, step, kind)
+        _fault_hook(island, step, kind, **where)

@@ -72,17 +72,20 @@ class Island(FlatViews):
         grad_accum: micro-batches per inner step (gradient accumulation; ``--grad-accum``).
 
     No host synchronization in the inner step: the loss, the finite checks and (on CUDA) the timing stay on
-    the device and are read when asked for (``last_loss``, ``skipped_steps``, ``compute_s``: at logging
-    steps). With a fused optimizer (AdamW on CUDA) a gradient that is not finite skips the step on the
-    device (the optimizer's ``found_inf``, as ``torch.amp.GradScaler`` uses it); other optimizers (DeMo,
-    Muon, AdamW on the CPU, where no device waits) read the flag on the host.
+    the device and are read when asked for (``last_loss``, ``diverged``, ``skipped_steps``, ``compute_s``: at
+    logging steps and exchanges). With a fused optimizer (AdamW on CUDA) a gradient that is not finite skips
+    the step on the device (the optimizer's ``found_inf``, as ``torch.amp.GradScaler`` uses it); other
+    optimizers (DeMo, Muon, AdamW on the CPU, where no device waits) read the flag on the host. A diverged
+    island (its loss not finite: NaN weights) takes no step either (its gradient is not finite) until the
+    strategy resets it at its next exchange or logging step (:mod:`atoll.job.divergence`).
 
     Attributes:
         compute_s: measured compute seconds (divided by ``speed``).
         compile_s: seconds of the first, compiling step with ``--compile`` (not in ``compute_s``).
         tokens: training tokens processed.
         last_loss: the training loss of the last inner step's forward passes (mean over its micro-batches).
-        skipped_steps: inner steps skipped because the gradient was not finite.
+        skipped_steps: inner steps skipped because the gradient was not finite while the loss was (the steps
+            of a diverged island before its reset are not counted: it is counted in ``reset_count``).
         reset_count: times the island was reset because it diverged (:meth:`reset_to`).
     """
 
@@ -120,7 +123,10 @@ class Island(FlatViews):
         self._skipped_device: torch.Tensor | None = None
         self.reset_count = 0
         self._loss: float | torch.Tensor = float("nan")  # a 0-d device tensor until read
-        self._timings: list[tuple[Any, Any, bool]] = []  # CUDA events of timed blocks not yet read
+        self._reset_since_loss = False  # reset_to() since the last forward pass: ``diverged`` is False
+        self._timings: list[tuple[Any, Any, bool, str | None]] = []  # CUDA events of timed blocks not yet read
+        self._label: str | None = None  # what timed blocks are counted under besides compute_s (charging())
+        self._labelled_s: dict[str, float] = {}
         # every parameter group fused: the optimizer takes found_inf and skips a non-finite step on the device
         self.skips_on_device = bool(optimizer.param_groups) and all(
             g.get("fused") for g in optimizer.param_groups)
@@ -172,18 +178,37 @@ class Island(FlatViews):
         a no-op elsewhere."""
         cut = max(0, len(self._timings) - keep)
         timings, self._timings = self._timings[:cut], self._timings[cut:]
-        for start, end, compiling in timings:
+        for start, end, compiling, label in timings:
             end.synchronize()
-            self._charge(start.elapsed_time(end) / 1000.0, compiling)
+            self._charge(start.elapsed_time(end) / 1000.0, compiling, label)
 
-    def _charge(self, seconds: float, compiling: bool) -> None:
+    def _charge(self, seconds: float, compiling: bool, label: str | None = None) -> None:
         if compiling:
             self.compile_s += seconds
             return
         dt = seconds / self.speed
         self._compute_s += dt
+        if label is not None:
+            self._labelled_s[label] = self._labelled_s.get(label, 0.0) + dt
         if self.clock is not None:
             self.clock.compute(self.index, dt)
+
+    @contextmanager
+    def charging(self, label: str) -> Iterator[None]:
+        """Count the compute timed inside the block under ``label`` too (:meth:`compute_s_of`), besides
+        ``compute_s``: how the loop tells the inner steps a strategy takes apart from its own work, without
+        reading a CUDA timing per step."""
+        previous, self._label = self._label, label
+        try:
+            yield
+        finally:
+            self._label = previous
+
+    def compute_s_of(self, label: str) -> float:
+        """Measured compute seconds timed inside :meth:`charging` blocks of ``label`` (divided by ``speed``;
+        reading it waits for the timed work on CUDA)."""
+        self.settle_timing()
+        return self._labelled_s.get(label, 0.0)
 
     @contextmanager
     def timed(self, compiling: bool = False) -> Iterator[None]:
@@ -198,7 +223,7 @@ class Island(FlatViews):
             start.record()
             yield
             end.record()
-            self._timings.append((start, end, compiling))
+            self._timings.append((start, end, compiling, self._label))
             if len(self._timings) > 64:  # the oldest are long done: reading them waits for nothing
                 self.settle_timing(keep=16)
             if self.clock is not None:
@@ -208,7 +233,7 @@ class Island(FlatViews):
         t0 = time.perf_counter()
         yield
         synchronize(self.device)
-        self._charge(time.perf_counter() - t0, compiling)
+        self._charge(time.perf_counter() - t0, compiling, self._label)
 
     def micro_batches(self, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``batch`` (rows, seq_len + 1) cut into ``grad_accum`` micro-batches of equal rows.
@@ -252,7 +277,7 @@ class Island(FlatViews):
             assert total is not None
             mean = total if len(micro) == 1 else total / len(micro)
         self.tokens += batch[:, 1:].numel()
-        self._loss = mean
+        self._loss, self._reset_since_loss = mean, False
         return mean
 
     def inner_step(self) -> None:
@@ -266,9 +291,13 @@ class Island(FlatViews):
                 found_inf = (~torch.isfinite(self.clip_norm())).to(torch.float32)
                 self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # read by fused AdamW's step
                 self.optimizer.step()
-                self._skipped_device = found_inf if self._skipped_device is None else self._skipped_device + found_inf
+                skipped = found_inf * torch.isfinite(self.loss_tensor)  # a diverged island's steps: not counted
+                self._skipped_device = skipped if self._skipped_device is None else self._skipped_device + skipped
             elif self.clip_gradients():
                 self.optimizer.step()
+            else:  # skipped on the host: the schedule moves on all the same
+                self.skip_step()
+                return
             self.finish_step()
 
     def clip_norm(self) -> torch.Tensor:
@@ -280,15 +309,16 @@ class Island(FlatViews):
         """Clip the gradient norm to ``grad_clip`` (0: no clipping); drop a gradient that is not finite.
 
         A NaN or infinite gradient (an overflow, a bad batch, a faulty device) never reaches the optimizer
-        state or the weights: the gradients are cleared, ``skipped_steps`` counts it, and False is
-        returned so the caller skips the optimizer step. Reads the norm on the host. Not timed: call
-        inside :meth:`timed`.
+        state or the weights: the gradients are cleared, ``skipped_steps`` counts it (where the loss was
+        finite: a diverged island's steps are not counted), and False is returned so the caller skips the
+        optimizer step. Reads the norm on the host (and the loss, when the norm is not finite). Not timed:
+        call inside :meth:`timed`.
         """
         if torch.isfinite(self.clip_norm()):
             return True
         for p in self.params:
             p.grad = None
-        self._skipped += 1
+        self._skipped += math.isfinite(self.last_loss)
         return False
 
     def finish_step(self) -> None:
@@ -305,8 +335,10 @@ class Island(FlatViews):
 
     @property
     def diverged(self) -> bool:
-        """Whether the last training loss was not finite: the weights are lost (:mod:`atoll.job.divergence`)."""
-        return not math.isfinite(self.last_loss)
+        """Whether the last training loss was not finite, and the island was not reset since: its weights are
+        lost (:mod:`atoll.job.divergence`). Reading it waits for the loss: the strategies read it at their
+        exchanges and logging steps only."""
+        return not self._reset_since_loss and not math.isfinite(self.last_loss)
 
     def reset_to(self, flat: torch.Tensor, keep_optimizer: bool = False) -> None:
         """Reset a diverged island: weights from ``flat`` (float32, (numel,)), gradients cleared, the inner
@@ -317,6 +349,7 @@ class Island(FlatViews):
             self.optimizer.state.clear()
         self.optimizer.zero_grad(set_to_none=True)
         self.reset_count += 1
+        self._reset_since_loss = True
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this island exactly: weights, optimizer, schedule, counters."""

@@ -22,7 +22,8 @@ from atoll.job.metrics import read_metrics  # noqa: E402
 
 #: settings that do not change what a run computes, or that every label already shows: left out of labels
 _NOT_IN_LABEL = {"out", "cache_dir", "progress", "progress_every", "tracker", "threads", "checkpoint_every",
-                 "collective_timeout_s", "strategy", "islands", "sync_every", "codec"}
+                 "collective_timeout_s", "collective_link_mbps", "collective_link_latency_ms", "strategy", "islands",
+                 "sync_every", "codec"}
 
 
 def _settings(run_dir: Path) -> dict[str, Any]:

@@ -60,11 +60,11 @@ def is_meta(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def prepare_inputs(config: TrainConfig, warm_start: bool = True,
-                   notes: bool = True) -> tuple[PreparedData, PreTrainedModel]:
+def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = True,
+                   meta: bool | None = None) -> tuple[PreparedData, PreTrainedModel]:
     """The corpus prepared for the run's islands (tokenizer, shards, validation tokens; cached) and the
     initial global model: a preset seeded by ``seed`` (on the meta device for sharded islands of the collective
-    runtime: shapes only), or a pretrained model (loaded first, so that a tokenizer
+    runtime, or where ``meta`` says so: shapes only), or a pretrained model (loaded first, so that a tokenizer
     it cannot embed fails before the corpus is tokenized), with ``init_from``'s weights when ``warm_start``
     (not on a resume: the checkpoint's weights follow).
 
@@ -94,7 +94,8 @@ def prepare_inputs(config: TrainConfig, warm_start: bool = True,
               f"{config.vocab_size:,} asked for; the model embeds {data.vocab_size:,} tokens (summary.json "
               "vocab_size); pass a larger corpus for more", file=sys.stderr)
     # sharded islands of a preset: no whole model in any process (each rank materialises its pieces)
-    meta = config.shard_island and config.runtime == "collective"
+    if meta is None:
+        meta = config.shard_island and config.runtime == "collective"
     if model is None:
         model = build_model(config.model, data.vocab_size, config.seq_len, config.seed, meta=meta)
     elif pretrained is None:
@@ -165,7 +166,8 @@ class Run:
         self.events = RunEvents(self.emit, config.islands)  # failures, rejoins, resets, pushes, ...
         self.rate_mark = (time.perf_counter(), 0)  # (time, tokens) of the last ``train`` event: its interval's rate
         # how the global model is evaluated: params (the strategy's global_params(); None: the initial model)
-        # -> held-out loss; None: float32 on the CPU with :attr:`model` (the drivers without a runtime's own)
+        # -> held-out loss; None: float32 on the CPU with :attr:`model` (the syncer service's: it is CPU-only by
+        # design, as the paper's syncer; every other driver evaluates where its islands compute)
         self.evaluator: Callable[[torch.Tensor | None], float] | None = None
 
     def _load_inputs(self, resume: bool) -> None:

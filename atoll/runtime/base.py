@@ -5,6 +5,11 @@ process runs (all of them in ``local``, one in ``collective``), gives their :cla
 computes an island's gradient for its batch (data parallel over the island's ranks where it has several),
 sums what the loop reports over every island of the job, assembles a checkpoint's state in one format
 whatever the runtime, and says which process writes the run's outputs.
+
+The loop (:func:`atoll.train.train_lockstep`) meets it at a few named points per inner step:
+:meth:`Runtime.inner_steps` (the islands' passes, a test's faults around them), :meth:`Runtime.log_membership`
+(islands lost and rejoined) and :meth:`Runtime.end_step` (checkpoint, a signal's stop, restarted islands
+admitted), and at its end for the job's totals (:meth:`Runtime.job_totals`).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from atoll.job.divergence import inject_fault
 from atoll.runtime.comm import Comm
 from atoll.runtime.network import SimClock
 
@@ -23,6 +30,26 @@ if TYPE_CHECKING:  # not at run time: the collective launcher imports this witho
     from atoll.job.island import Island
     from atoll.job.run import Run
     from atoll.strategies.base import Strategy
+
+
+class JobTotals(NamedTuple):
+    """What a job adds up at its end, over every island (:meth:`Runtime.job_totals`).
+
+    Attributes:
+        tokens: training tokens of every island.
+        compute_s: measured compute seconds of the slowest island.
+        skipped_steps: inner steps skipped for a gradient that was not finite, over every island.
+        island_resets: per island, in index order, how often it was reset.
+        codec_s: the slowest island's codec seconds charged on the simulated clock; None where time is real.
+        extra: the runtime's own entries of ``summary.json`` (:meth:`Runtime.summary`).
+    """
+
+    tokens: int
+    compute_s: float
+    skipped_steps: int
+    island_resets: list[int]
+    codec_s: float | None
+    extra: dict[str, Any]
 
 
 class Runtime(ABC):
@@ -77,6 +104,60 @@ class Runtime(ABC):
         """Islands lost and rejoined since the last call, as run events (kind, inner step, fields; the
         ``collective`` runtime's): none where islands are not processes of their own."""
         return []
+
+    # --- the loop's entry points (atoll.train.train_lockstep) ---------------------------------------------
+    def inner_steps(self, islands: list[Island], batches: list[torch.Tensor], step: int) -> None:
+        """Inner step ``step`` (0-based) of this process's islands: each one's forward and backward pass on its
+        batch (:meth:`forward_backward`; ``batches[k]`` is ``islands[k]``'s), with a test's faults injected
+        before and after it (:func:`atoll.job.divergence.inject_fault`)."""
+        for island, batch in zip(islands, batches, strict=True):
+            inject_fault(island, step, "weights")  # test hook (atoll.job.divergence)
+            self.forward_backward(island, batch, step)
+            inject_fault(island, step, "grad")
+
+    def log_membership(self, run: Run) -> None:
+        """Log the islands lost and rejoined since the last call (:meth:`membership_changes`) as run events."""
+        for kind, at, fields in self.membership_changes():
+            run.events.log(kind, at, sim_wall_s=self.run_wall_s(run.wall_s()), **fields)
+
+    def end_step(self, run: Run, done: int, islands: list[Island], strategy: Strategy, checkpoint: bool) -> None:
+        """The end of inner step ``done`` (1-based count; collective call): the checkpoint when ``checkpoint``
+        (the job's schedule) or when the job stops here on a signal (:meth:`stop_after`; then
+        :class:`~atoll.errors.Interrupted` is raised), then the islands restarted since are admitted
+        (:meth:`admit`)."""
+        stopping = done < run.config.steps and self.stop_after(done)
+        if checkpoint or stopping:
+            self.save_checkpoint(run, done, islands, strategy)  # collective: each rank writes its part
+        if stopping:
+            raise run.interrupt(done)
+        self.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss, eval_loss=run.eval_loss,
+                   wall_s=run.wall_s())
+
+    def job_totals(self, islands: list[Island]) -> JobTotals:
+        """The job's totals at its end, for the summary (collective call: :meth:`totals`, :meth:`island_counts`,
+        :meth:`compute_s`, in that order on every process)."""
+        _, tokens = self.totals(islands)
+        skipped, resets = self.island_counts(islands)
+        return JobTotals(tokens, self.compute_s(islands), sum(skipped), resets, self.codec_s(), self.summary())
+
+    def mark_eval(self, done: int) -> None:
+        """An evaluation after ``done`` inner steps starts: marked on the simulated clock, where there is one
+        (its time is then re-timed with the run at other links, :func:`atoll.runtime.network.replay`)."""
+        if self.clock is not None:
+            self.clock.mark(done)
+
+    def codec_s(self) -> float | None:
+        """The slowest island's codec seconds charged on the simulated clock (in ``sim_wall_s``, not in
+        ``compute_s``); None where time is real (the codec's time is in the wall time itself)."""
+        return max(self.clock.codec_s) if self.clock is not None else None
+
+    def save_trace(self, path: Path, config: Any, sim_wall_s: float) -> None:
+        """Write the simulated clock's trace to ``path`` (JSON), so the run can be re-timed at other links
+        (:func:`atoll.runtime.network.replay`); nothing where there is none. ``config``: the run's (its link)."""
+        trace = getattr(self.clock, "trace", None) if self.clock is not None else None
+        if trace is not None:
+            trace.save(path, link_bandwidth_mbps=config.link_bandwidth_mbps, link_latency_ms=config.link_latency_ms,
+                       sim_wall_s=sim_wall_s)
 
     def summary(self) -> dict[str, Any]:
         """What the runtime adds to ``summary.json`` (the collective runtime: sharded islands, the islands it

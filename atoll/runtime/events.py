@@ -33,12 +33,11 @@ Metrics in ``summary.json`` besides every run's:
   to failures: un-pushed at a failure, or pushed but on the wire when the island failed, ``lost_pushes``),
   ``deferred_pushes``, ``steps_per_island``, and every trained token in one bucket per island
   (:mod:`atoll.strategies.decoupled.accounting`: merged, stale, rejected, lost, in flight).
-- ``codec_s``: per island, measured encode and decode seconds (not on the fixed-step, deterministic clock).
+- ``codec_s``, ``eval_s``: measured encode and decode seconds per island, evaluation seconds (real, not simulated).
 
-Checkpoints, every ``checkpoint_every`` mean inner steps (``islands x checkpoint_every`` finished inner steps),
-at the end, and after the inner step in progress at SIGINT or SIGTERM (named by the mean steps done, rounded
-down; :mod:`atoll.job.stop`), written atomically, hold everything needed to continue exactly (the syncer, every island,
-the clocks and the pending events); ``<out>/syncer/`` holds the syncer's state alone.
+Checkpoints (every ``checkpoint_every`` mean inner steps, at the end, and at SIGINT or SIGTERM: :mod:`atoll.job.stop`;
+named by the mean steps done, rounded down), written atomically, hold all it takes to continue exactly (syncer,
+islands, clocks, pending events); ``<out>/syncer/`` holds the syncer's state alone.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ from atoll.errors import CheckpointError
 from atoll.job import stop
 from atoll.job.device import island_devices
 from atoll.job.divergence import Diverged, check_eval, check_resets, island_extras, until_diverged
+from atoll.job.evaluation import IslandEvaluator
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.network import Link
@@ -100,6 +100,7 @@ class Simulation:
         self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
         self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
         self.ideal_rate = sum(config.tokens_per_step * s / config.sim_step_s for s in self.speeds)  # tokens/s
+        self.evaluator = IslandEvaluator(self.workers[0].island, run.val, self.job.init_flat)
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -380,26 +381,24 @@ class Simulation:
         self.show_progress(final_eval, sim_wall_s)  # the last line: after the final merges, as the summary
         if self.diverged is None and not again:  # a diverged run keeps its last good checkpoint
             self.checkpoint(config.steps)
-        ideal_rate = self.ideal_rate
         stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)
         buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
                                 [self.on_the_wire(i) for i in range(K)])
         return self.run.finish(
             tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K, compute_s=max(st.compute),
-            sim_wall_s=sim_wall_s,
-            bytes_sent_by_island=st.bytes_sent, fragments=config.fragments, overlap_steps=0,
+            sim_wall_s=sim_wall_s, bytes_sent_by_island=st.bytes_sent, fragments=config.fragments, overlap_steps=0,
             exchanges=stats["accepted_updates"],
             peak_bytes_per_exchange=float(max(self.frag_bytes)) if config.codec == "fp32" else None,
             **stats, skipped_steps=sum(w.island.skipped_steps for w in self.workers),
             island_speeds=self.speeds, sim_step_s=config.sim_step_s, chaos=config.chaos,
             steps_per_island=[w.steps for w in self.workers], deferred_pushes=st.deferred_pushes,
             lost_pushes=st.lost_pushes, useful_tokens=syncer.merged_tokens, lost_tokens=st.lost_tokens,
-            goodput=syncer.merged_tokens / sim_wall_s / ideal_rate if sim_wall_s > 0 else 1.0,
+            goodput=syncer.merged_tokens / sim_wall_s / self.ideal_rate if sim_wall_s > 0 else 1.0,
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,
             down_at_end=[i for i in range(K) if i not in alive], gave_up=self.gave_up, **buckets,
             **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
-            measured_compute_s=[w.island.compute_s for w in self.workers],
+            measured_compute_s=[w.island.compute_s for w in self.workers], eval_s=self.evaluator.seconds,
             codec_s=[w.wire.codec_s[0] for w in self.workers],
             timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
 
@@ -414,6 +413,7 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     """
     run = Run(config, resume)
     sim = Simulation(config, run)
+    run.evaluator = sim.evaluator  # on the islands' device (island 0's), as lockstep runs
     run.begin(restore=sim.restore)
     with ProgressDisplay(config.steps, run.start_step, config.progress, every=config.progress_every) as sim.bar:
         sim.diverged = until_diverged(sim.run_events, resume)  # a diverged job stops; its summary says where

@@ -52,6 +52,17 @@ class Strategy(ABC):
     def finish(self, steps_done: int) -> None:  # noqa: B027 - optional hook
         """Bring the global model up to date at the end of training (e.g. a last outer step)."""
 
+    def reset_diverged(self, steps_done: int | None = None) -> int:
+        """At a logging step (``steps_done`` inner steps done), where the loop reads the losses on the host
+        anyway: reset the local islands that diverged since the strategy last looked (their loss not finite;
+        docs/reliability.md, "Bad numbers"); returns how many. A strategy that looks at every step's exchange
+        (the host path of ``ddp``, ``demo``) has nothing left to do. Collective where it resets from a peer.
+
+        Raises:
+            Diverged: no healthy island is left to reset from.
+        """
+        return 0
+
     @abstractmethod
     def global_params(self) -> torch.Tensor:
         """The global model's parameters, a flat float32 CPU vector in ``model.parameters()`` order."""

@@ -8,6 +8,13 @@ An island whose gradient is not finite weighs 0 in the mean (the others' mean is
 whose loss is not finite (its weights are lost) is then reset from a healthy replica
 (:mod:`atoll.strategies.repair`; its AdamW state is every replica's already). Every island sees that
 something went wrong in the all-reduce's total weight, so the healthy path costs no extra exchange.
+
+When the gradients travel through the host (the ``local`` runtime; the collective runtime without torch's DDP
+hooks) every step is a host synchronization anyway, and the repair happens at once. Under torch's DDP hooks
+(:mod:`atoll.runtime.collective.torch_ddp`) nothing is read on the host in a step: the islands left out are
+summed on the device and read at the loop's logging steps, where a diverged island is repaired (until then
+it weighs 0 in every mean and applies the healthy islands' mean to its lost weights, so its AdamW state stays
+every replica's).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atoll.algorithms.finite import all_finite
 from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import StrategyConfig
 from atoll.config.sections import AdamWSection, CodecSection
@@ -44,13 +52,16 @@ class DDP(Strategy):
         super().__init__(config, islands, comm, seed)
         self.wire = make_wire(config, comm.local_islands, seed)
         self.dropped_updates = 0
+        #: under torch's DDP hooks: the islands of the job left out of the mean, summed over the steps since the
+        #: last logging step (0-d float32 on the device, not read in a step); None: none since
+        self.left_out: torch.Tensor | None = None
 
     def step(self, step: int) -> None:
         if all(island.ddp is not None for island in self.islands):
             self.step_hooked(step)
             return
         grads = [island.flat_grads() for island in self.islands]
-        status = [DIVERGED if island.diverged else HEALTHY if bool(torch.isfinite(g).all()) else BAD_GRADIENT
+        status = [DIVERGED if island.diverged else HEALTHY if all_finite(g) else BAD_GRADIENT
                   for island, g in zip(self.islands, grads, strict=True)]
         weights = [1.0 if s == HEALTHY else 0.0 for s in status]
         grads = [g if s == HEALTHY else torch.zeros_like(g) for g, s in zip(grads, status, strict=True)]
@@ -65,19 +76,36 @@ class DDP(Strategy):
 
     def step_hooked(self, step: int) -> None:
         """The step when torch's DDP hooks already averaged the gradient in the backward pass, on the device
-        (:mod:`atoll.runtime.collective.torch_ddp`): the optimizer step, the bytes counted as the host path
-        counts them, and the repair of a diverged island. One scalar is read on the host: how many islands
-        contributed (the repair rule needs it before the next step)."""
+        (:mod:`atoll.runtime.collective.torch_ddp`): the optimizer step and the bytes counted as the host path
+        counts them. Nothing is read on the host: the islands left out of the mean are summed on the device
+        (:attr:`left_out`) and a diverged island is repaired at the next logging step (:meth:`reset_diverged`)."""
         numel = sum(p.numel() for p in self.islands[0].params)
         for island in self.islands:
             island.inner_step()  # a mean that is not finite (no island contributed) is skipped
         self.comm._count(ring_allreduce_bytes(4 * numel, self.comm.islands))
-        total = float(self.islands[0].sync_islands) if self.islands[0].sync_islands is not None else 0.0
-        if total < self.comm.islands:  # an island of the job contributed nothing: who, and is it diverged?
-            status = [DIVERGED if island.diverged else HEALTHY for island in self.islands]
-            job_status = gather_status(self.comm, status)
-            self.dropped_updates += sum(s != HEALTHY for s in job_status)
-            reset_from_peer(self.comm, self.islands, job_status, step, keep_optimizer=True)
+        contributed = self.islands[0].sync_islands
+        missing = (self.comm.islands - contributed if contributed is not None
+                   else torch.tensor(float(self.comm.islands), device=self.islands[0].device))
+        self.left_out = missing if self.left_out is None else self.left_out + missing
+
+    def reset_diverged(self, steps_done: int | None = None) -> int:
+        """Under torch's DDP hooks, at a logging step: when an island of the job was left out of a mean since
+        the last one (one scalar read, the same on every rank), every island learns who diverged
+        (:func:`~atoll.strategies.repair.gather_status`) and a diverged one is reset from a healthy replica,
+        keeping its AdamW state (every replica's). Collective. Returns the islands of the job reset.
+
+        Raises:
+            Diverged: every island diverged (at ``steps_done``).
+        """
+        if self.left_out is None:
+            return 0
+        left_out, self.left_out = round(float(self.left_out)), None
+        if left_out == 0:
+            return 0
+        self.dropped_updates += left_out  # contributions left out, over the steps since the last look
+        status = [DIVERGED if island.diverged else HEALTHY for island in self.islands]
+        step = (steps_done if steps_done is not None else 1) - 1
+        return reset_from_peer(self.comm, self.islands, gather_status(self.comm, status), step, keep_optimizer=True)
 
     def global_params(self) -> torch.Tensor:
         return self.islands[0].flat_params()

@@ -88,11 +88,12 @@ class DeMoStrategy(Strategy):
         payloads = []
         for island in self.islands:
             with island.timed():
-                if island.diverged or not island.clip_gradients():  # a gradient not finite counts as zero
+                diverged = island.diverged  # read at the exchange (every step), which waits for it anyway
+                if diverged or not island.clip_gradients():  # a gradient not finite counts as zero
                     for p in island.params:
                         p.grad = torch.zeros_like(p)
                 payloads.append(island.optimizer.encode_step())
-                if island.diverged:
+                if diverged:
                     mark_diverged(payloads[-1])
         optimizer: DeMo = self.islands[0].optimizer  # type: ignore[assignment]
         gathered = self.comm.all_gather(payloads, payload_bytes=optimizer.bytes_per_step())

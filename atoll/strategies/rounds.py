@@ -4,9 +4,12 @@ One copy for ``diloco``, ``sparseloco`` and ``streaming`` (docs/reliability.md);
 maths. :class:`Rounds` holds, per exchanged part of the model (the whole model, or each fragment of
 ``streaming``), the global parameters and their outer optimizer (float32, CPU) and a :class:`RoundClock`
 (each local island's tokens at the part's last sync, the step of that sync); it resets an island whose loss
-is not finite to the global model with a fresh inner optimizer before its next inner step, syncs at the end
-every part trained since its last sync (:meth:`Rounds.finish`), and checkpoints that state in the format
-the strategies have always written. :class:`OuterRounds` adds the synchronous whole-model round of
+is not finite to the global model with a fresh inner optimizer (:meth:`Rounds.reset_diverged`) at the start
+of every exchange, before its pseudo-gradient is taken, and at the loop's logging steps, where the losses are
+read anyway: nothing is read on the host in the inner steps between (a diverged island's steps are skipped
+on its device, its gradient not being finite); it syncs at the end every part trained since its last sync
+(:meth:`Rounds.finish`), and checkpoints that state in the format the strategies have always written.
+:class:`OuterRounds` adds the synchronous whole-model round of
 ``diloco`` and ``sparseloco``: at a round's end an island whose pseudo-gradient was not finite is left out
 (weight 0) and reset to the new global model; a round in which no island contributed, or whose new global
 parameters are not finite, is the job diverged (:class:`~atoll.job.divergence.Diverged`), never a silent skip.
@@ -66,7 +69,8 @@ class Rounds(Strategy):
     """Strategies that exchange pseudo-gradients of global parameters held on the CPU, per part of the model.
 
     Subclasses implement :meth:`after_inner` (when to exchange, after every inner step) and :meth:`sync` (one
-    part's exchange at the end of training); :meth:`drain` finishes what is in flight first.
+    part's exchange at the end of training), and call :meth:`reset_diverged` as an exchange starts;
+    :meth:`drain` finishes what is in flight first.
 
     Args:
         config: the strategy's config (a :class:`RoundsConfig`: ``sync_every``, ``outer_lr``, ``outer_momentum``).
@@ -99,13 +103,22 @@ class Rounds(Strategy):
         self.dropped_updates = 0
 
     def step(self, step: int) -> None:
-        for position, island in enumerate(self.islands):
-            if island.diverged:  # its loss is not finite: restart it from the global model (docs/reliability.md)
-                self.reset_island(position, self._restart_params())
-                island.skip_step()
-            else:
-                island.inner_step()
+        for island in self.islands:  # nothing read on the host: a diverged island's step is skipped on its device
+            island.inner_step()
         self.after_inner(step)
+
+    def reset_diverged(self, steps_done: int | None = None) -> int:
+        """Restart every local island whose last loss is not finite from the global model, with a fresh inner
+        optimizer (docs/reliability.md, "Bad numbers"); its weight in each part's next sync counts its tokens
+        from now. Reads each island's last loss on the host: called as an exchange starts (before the
+        pseudo-gradients, which a diverged island's NaN weights would otherwise poison) and at the loop's
+        logging steps, never in between. Returns the islands reset."""
+        reset = 0
+        for position, island in enumerate(self.islands):
+            if island.diverged:
+                self.reset_island(position, self._restart_params())
+                reset += 1
+        return reset
 
     @abstractmethod
     def after_inner(self, step: int) -> None:
@@ -199,9 +212,11 @@ class OuterRounds(Rounds):
 
     def after_inner(self, step: int) -> None:
         if (step + 1) % self.config.sync_every == 0:
+            self.reset_diverged()
             self.outer_step(step + 1)
 
     def sync(self, part: int, steps_done: int) -> None:
+        self.reset_diverged()
         self.outer_step(steps_done)
 
     @abstractmethod

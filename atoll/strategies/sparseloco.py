@@ -35,6 +35,7 @@ import torch
 from pydantic import Field, model_validator
 
 from atoll.algorithms.dct import index_dtype_for
+from atoll.algorithms.finite import all_finite
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.algorithms.sparse import SparseCompressor
 from atoll.analysis.cost import Cost, Setting
@@ -135,7 +136,7 @@ class SparseLoCo(OuterRounds):
         for i, (island, weight) in enumerate(zip(self.islands, self.round_weights(), strict=True)):
             delta = pseudo_gradient(self.outer.params, island.flat_params())
             deltas.append(delta)
-            dropped.append(not bool(torch.isfinite(delta).all()))
+            dropped.append(not all_finite(delta))
             if not dropped[-1]:
                 self.error[i].mul_(beta).add_(delta, alpha=rate)  # the reference: the rate into the accumulator
                 before = float(self.error[i].square().sum())

@@ -113,6 +113,7 @@ class StreamingDiLoCo(Rounds):
 
     def _start(self, p: int, step: int, overlap: int | None = None) -> None:
         """Send fragment p's pseudo-gradient; merge it now (tau = 0) or after ``overlap`` more steps."""
+        self.reset_diverged()  # a diverged island restarts from the global model before its fragment is taken
         frag, base = self.index[p], self.outers[p].params.detach()
         deltas = [island.pseudo_gradient(base, frag) for island in self.islands]  # the fragment's views only
         deltas, weights, dropped = drop_non_finite(deltas, self.clocks[p].weights(self.islands))

@@ -30,7 +30,9 @@ Bytes are counted from the tensors handed to the network, with the ring costs of
 scalars (one weight per exchange, and at most R-1 bytes or elements of padding to cut equal shards) are
 not counted.
 
-Failure: every collective has the deadline ``collective_timeout_s``. A dead rank usually breaks its
+Failure: every collective has a deadline: ``collective_timeout_s``, and for an exchange across islands that
+floor plus its transfer time at ``collective_link_mbps`` times a safety factor
+(:func:`~atoll.runtime.collective.comm.exchange_deadline_s`). A dead rank usually breaks its
 peers' pending collectives at once (gloo: "Connection closed by peer"); a heartbeat through the
 rendezvous store also catches a rank that stops without closing its connections (no heartbeat for
 ``min(10 s, collective_timeout_s)``), and reports it in the store, where the one-machine launcher kills it.
@@ -48,15 +50,16 @@ The one-machine launcher (:func:`launch`) exits with the status of the first ran
 Test hook: the environment variable ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:N[:STOP]`` makes global rank RANK
 kill itself with SIGKILL (or freeze with SIGSTOP) as it starts inner step N (1-based); several entries are
 separated by commas (``1:40,2:80``), ``+N`` counts from the job's first rejoin (``1:8,2:+5``), and a
-restarted rank keeps the hook. Read only by this runtime, once as each rank starts (never in a step), as is
-``ATOLL_TEST_KILL_STAMP`` (a file where the killed rank notes when it died); for fault-injection tests.
+restarted rank keeps the hook. A fault hook as the NaN faults' (:mod:`atoll.job.faults`), read once as each
+rank starts (never in a step), as is ``ATOLL_TEST_KILL_STAMP`` (a file where the killed rank notes when it
+died); for fault-injection tests.
 """
 
+from atoll.job.faults import KILL_HOOK_ENV
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
     HEARTBEAT_S,
     HEARTBEAT_STALE_S,
-    KILL_HOOK_ENV,
     PeerFailure,
     in_worker,
 )

@@ -1,5 +1,15 @@
 """The collectives of the collective runtime: one payload cut into one shard per rank of an island, moved
-across islands over ``torch.distributed`` (see the package docstring for the layout and the byte counts)."""
+across islands over ``torch.distributed`` (see the package docstring for the layout and the byte counts).
+
+Deadlines: each exchange gets its own, sized from the bytes it sends and the configured link
+(:func:`exchange_deadline_s`: ``bytes * 8 / bandwidth * DEADLINE_SAFETY + rounds * latency + floor``, the floor
+being ``collective_timeout_s``), because one fixed timeout cannot both find a hung peer in a minute and let a
+1B-parameter float32 all-reduce cross a 1 Gbit/s link (about 64 s for 8 islands). The wait for the exchange
+has that deadline in user space (``Work.wait(timeout)``: the backend's error, a :class:`PeerFailure`, when it
+passes), and the cross-island group's own timeout (gloo's per-operation timeout, NCCL's watchdog) is raised to
+it first where it is longer, so the backend never fails a healthy exchange before its deadline. A dead peer is
+still found within seconds by the heartbeat (:mod:`atoll.runtime.collective.heartbeat`), whatever the payload.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +17,48 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from atoll.algorithms.merge import average_decoded
 from atoll.algorithms.wire import Wire
 from atoll.errors import ConfigError
 from atoll.runtime.collective.failure import PeerFailure, dist_call
 from atoll.runtime.comm import Comm, Work
-from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
+from atoll.runtime.network import Link, ring_allgather_bytes, ring_allreduce_bytes
 
 T = TypeVar("T")
+
+#: an exchange's transfer time at the configured link is multiplied by this in its deadline: room for a link
+#: slower than configured (shared, congested, TCP's slow start) and for a peer that joins the exchange late
+DEADLINE_SAFETY = 4.0
+
+
+def exchange_deadline_s(bytes_sent: float, rounds: int, link: Link, floor_s: float,
+                        safety: float = DEADLINE_SAFETY) -> float:
+    """The deadline of one exchange, in seconds::
+
+        bytes_sent * 8 / link.bandwidth_bps * safety + rounds * link.latency_s + floor_s
+
+    Args:
+        bytes_sent: bytes one island sends in it (the ring cost: 2(K-1)/K of the payload for an all-reduce,
+            (K-1) payloads for an all-gather), >= 0.
+        rounds: its sequential messages (a ring all-reduce 2(K-1), an all-gather K-1), >= 0.
+        link: the slowest link between two islands (``collective_link_mbps``, ``collective_link_latency_ms``).
+        floor_s: what any exchange is given, however small (``collective_timeout_s``), > 0.
+        safety: the factor on the transfer time, >= 1.
+
+    Raises:
+        ValueError: a negative byte count or round count, a floor that is not positive, a factor below 1.
+    """
+    if bytes_sent < 0 or rounds < 0 or not floor_s > 0 or not safety >= 1:
+        raise ValueError(f"exchange_deadline_s: bytes_sent {bytes_sent} and rounds {rounds} must be >= 0, "
+                         f"floor_s {floor_s} > 0, safety {safety} >= 1")
+    return bytes_sent * 8.0 / link.bandwidth_bps * safety + rounds * link.latency_s + floor_s
 
 # ----------------------------------------------------------------------------------------------------------
 # the communication layer
@@ -98,6 +137,7 @@ class _Exchange:
         self.comm, self.gather, self.length, self.cost = comm, gather, self.buf.numel(), cost
         self.launches = 0
         self.counted = cost(comm.islands)
+        self.deadline_s = comm.floor_s  # set for the groups it is launched over (launch())
         self.started, self.relaunched = time.perf_counter(), False
         comm._count(self.counted)
         comm.resilient(self.launch)
@@ -114,6 +154,9 @@ class _Exchange:
         self.relaunched = self.relaunched or counted != self.counted
         comm.bytes_sent_per_island += counted - self.counted
         self.counted = counted
+        rounds = (comm.islands - 1) * (1 if self.gather else 2)
+        self.deadline_s = comm.deadline_s(counted, rounds)
+        comm.allow(self.deadline_s)  # the backend must not fail it first
         r_count = comm.cut
         size = -(-max(1, buf.numel()) // r_count)
         if size * r_count != buf.numel():
@@ -140,7 +183,7 @@ class _Exchange:
 
     def _finish(self) -> torch.Tensor:
         comm = self.comm
-        dist_call(self.handle.wait)
+        dist_call(self.handle.wait, timeout=timedelta(seconds=self.deadline_s))  # its own deadline, in user space
         local = self.parts[0][None] if len(self.parts) == 1 else torch.stack(self.parts)  # (islands or 1, shard)
         if comm.cut > 1:
             pieces = [torch.empty_like(local) for _ in range(comm.cut)]
@@ -164,6 +207,10 @@ class DistComm(Comm):
         sharded: the island is sharded (``shard_island``): each rank's payload is its own shard of the
             island's, moved whole over its cross-island group (no cut, no all-gather inside the island), and
             the bytes counted are the sum over the island's ranks (one scalar all-reduce per exchange).
+        link: the slowest link between two islands, which each exchange's deadline assumes
+            (:func:`exchange_deadline_s`; None: no transfer time, the floor alone).
+        floor_s: the least deadline of an exchange, and the timeout the process groups are created with
+            (``collective_timeout_s``).
 
     All methods are collective: every rank of the job calls them in the same order. :meth:`resilient` runs
     each one; when ``recover`` is set, a :class:`PeerFailure` calls ``recover(failure, op)`` (``op``: the
@@ -173,8 +220,12 @@ class DistComm(Comm):
     """
 
     def __init__(self, islands: int, island: int, ranks_per_island: int, position: int,
-                 cross_group: Any, island_group: Any, device: torch.device, sharded: bool = False) -> None:
+                 cross_group: Any, island_group: Any, device: torch.device, sharded: bool = False,
+                 link: Link | None = None, floor_s: float = 60.0) -> None:
         super().__init__()
+        self.link = link if link is not None else Link(math.inf, 0.0)
+        self.floor_s = floor_s
+        self.group_timeout_s = floor_s  # the cross-island group's timeout now (raised by allow())
         self.islands = islands
         self.local_islands = [island]
         self.ranks_per_island = ranks_per_island
@@ -214,8 +265,22 @@ class DistComm(Comm):
                 relaunch = True
 
     def regroup(self, islands: int, cross_group: Any, island_group: Any) -> None:
-        """Use the survivors' groups from now on (``islands`` alive; this rank's position is unchanged)."""
+        """Use the survivors' groups from now on (``islands`` alive; this rank's position is unchanged); new
+        groups have the floor's timeout."""
         self.islands, self.cross_group, self.island_group = islands, cross_group, island_group
+        self.group_timeout_s = self.floor_s
+
+    def deadline_s(self, bytes_sent: float, rounds: int) -> float:
+        """The deadline of an exchange sending ``bytes_sent`` bytes per island in ``rounds`` messages, seconds
+        (:func:`exchange_deadline_s` at this comm's link and floor)."""
+        return exchange_deadline_s(bytes_sent, rounds, self.link, self.floor_s)
+
+    def allow(self, deadline_s: float) -> None:
+        """Raise the cross-island group's own timeout (gloo's per operation, NCCL's watchdog) to ``deadline_s``
+        where it is shorter, so the backend does not fail an exchange before its deadline; local, no collective."""
+        if deadline_s > self.group_timeout_s and self.cross_group is not None:
+            _set_pg_timeout(timedelta(seconds=deadline_s), group=self.cross_group)
+            self.group_timeout_s = deadline_s
 
     def _count(self, bytes_sent: float) -> None:
         if self.sharded:  # the island's bytes: what each of its ranks sent for its shard, summed

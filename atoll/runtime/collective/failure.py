@@ -1,17 +1,13 @@
-"""How a rank of the collective runtime learns that another failed: exit status, test hook, PeerFailure."""
+"""How a rank of the collective runtime learns that another failed: exit status, heartbeat, PeerFailure."""
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 from collections.abc import Callable
-from typing import Any, NamedTuple
-
-from atoll.errors import ConfigError
+from typing import Any
 
 EXIT_PEER_FAILURE = 3  # exit status of a rank that stopped because another rank stopped responding
-KILL_HOOK_ENV = "ATOLL_TEST_KILL_RANK_AT_STEP"
 HEARTBEAT_S = 0.5  # seconds between two heartbeats of a rank
 HEARTBEAT_STALE_S = 10.0  # a rank silent this long (or collective_timeout_s if shorter) is declared dead
 REPORT_KEY = "atoll/reported/"  # + global rank, in the rendezvous store: peers found it silent (the launcher
@@ -67,39 +63,3 @@ def hooked_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def in_worker() -> bool:
     """True in a process started by torchrun or by :func:`launch` (``RANK`` and ``WORLD_SIZE`` are set)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-class KillAt(NamedTuple):
-    """One entry of the test hook: global rank ``rank`` gets ``signal`` as it starts inner step ``step``
-    (1-based), or, with ``after_rejoin``, ``step`` inner steps after the job's first rejoin."""
-
-    rank: int
-    step: int
-    signal: signal.Signals
-    after_rejoin: bool = False
-
-
-def parse_kill_hook() -> list[KillAt]:
-    """The test hook's entries from ``KILL_HOOK_ENV``, [] if unset: one or more ``RANK:STEP[:STOP|KILL]``
-    separated by commas; ``STEP`` as ``+N`` counts from the job's first rejoin. ``1:40,2:80``: rank 1 dies at
-    step 40, rank 2 at 80; a restarted rank inherits the hook, so ``1:8,1:+5`` kills rank 1 at step 8 and its
-    restarted process 5 steps after it rejoined (``1:8,2:+5``: rank 2 dies 5 steps after rank 1 rejoined).
-
-    Raises:
-        ConfigError: a malformed value.
-    """
-    value = os.environ.get(KILL_HOOK_ENV)
-    if not value:
-        return []
-    entries = []
-    try:
-        for entry in value.split(","):
-            rank, step, *how = entry.strip().split(":")
-            if how not in ([], ["STOP"], ["KILL"]):
-                raise ValueError(value)
-            entries.append(KillAt(int(rank), int(step), signal.SIGSTOP if how == ["STOP"] else signal.SIGKILL,
-                                  after_rejoin=step.startswith("+")))
-    except ValueError:
-        raise ConfigError(f"{KILL_HOOK_ENV}: expected RANK:STEP[:STOP] entries separated by commas, STEP as N or "
-                          f"+N after the first rejoin (e.g. 1:7 or 1:7,2:+5), got {value!r}") from None
-    return entries

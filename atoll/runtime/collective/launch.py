@@ -61,17 +61,18 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
 
     The parent hosts the rendezvous store (as torchrun's agent does, so the store outlives any rank),
     prepares the data once (the ranks then read it from the cache), and starts the ranks with ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set. The ranks are forked from a
-    ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
-    instead of each importing torch and transformers. A rank killed by a signal is started again, up to
-    ``max_restarts`` times, to rejoin the survivors (:mod:`~atoll.runtime.collective.rejoin`). A rank that its peers
-    report silent in the store (:data:`REPORT_KEY`: frozen, it would hold its connections open) is killed at once; a
-    restarted rank is watched for such reports again once it says the job admitted it (:data:`ADMITTED_KEY`).
-    With ``min_islands`` below ``islands`` the survivors of a lost island go on by themselves; otherwise,
-    after the first failure (and in any case once rank 0 has exited), the others get ``grace_s`` seconds to
-    stop by themselves (they print why) and any still running are then killed. The ranks run with
-    ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set: a lost store would otherwise make c10d print a warning
-    per reconnection attempt.
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set (:func:`rank_env`). The ranks are forked
+    from a ``multiprocessing`` fork server that imported atoll once, so they start in a fraction of a second
+    instead of each importing torch and transformers. A :class:`Supervisor` watches them: it restarts a killed
+    rank to rejoin the survivors, kills a rank its peers report silent, relays a signal to the ranks, and gives
+    the others ``grace_s`` after a failure that ends the job. The ranks run with ``TORCH_CPP_LOG_LEVEL=ERROR``
+    unless it is set: a lost store would otherwise make c10d print a warning per reconnection attempt.
+
+    torchrun's own agent (``torch.distributed.elastic``) does not fit here: on one rank's loss it stops every
+    other rank and restarts the whole group (measured: ``torchrun --nproc-per-node 2 --max-restarts 1``, rank 1
+    SIGKILLed, rank 0 gets SIGTERM and both start again as restart 1), where atoll's survivors go on and only
+    the lost rank restarts to rejoin them; and it has no hook to kill a rank that its peers report frozen.
+    Across machines the ranks run under torchrun all the same (the package docstring).
 
     Args:
         config: the run (``runtime="collective"``).
@@ -86,115 +87,211 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     Raises:
         ConfigError: ``out`` holds a run already (without ``resume``).
         RunFailed: a rank failed; ``exit_code`` is its exit status (128 + N when killed by signal N).
+        Interrupted: SIGINT or SIGTERM arrived; the ranks stopped after the checkpoint they agreed on.
     """
-    import json
-    import multiprocessing
-
-    from atoll.job.data import default_cache_dir, prepare_data
-    from atoll.job.data.pretrained import tokenizer_source
     from atoll.job.model import check_model_config  # (transformers is imported only for a model folder)
 
     check_model_config(config.model, config.seq_len)  # a model that cannot fit: refused before any folder is made
     out, lock = claim_run_folder(config.out, config.strategy, resume)  # held by the launcher for its ranks
     config = config.model_copy(update={"out": out})
-    world = config.islands * config.ranks_per_island
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([worker.split(":")[0]])
-    store = loopback_store(config.collective_timeout_s)
-    env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    if "GLOO_SOCKET_IFNAME" not in os.environ:  # one machine: gloo's pairs on the loopback too
-        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    if config.threads is None and "OMP_NUM_THREADS" not in os.environ:  # as torchrun: no oversubscription
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    procs = [ctx.Process(target=_rank_main, name=f"atoll-rank{r}",
-                         args=(worker, config, resume, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
-             for r in range(world)]
-    first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
-    reported: set[int] = set()  # ranks reported silent by their peers
-    killed: set[int] = set()  # ranks killed here (reported while running, or restarted)
-    joining: dict[int, str] = {}  # restarted rank -> its incarnation, until the job admitted it
-    survive = config.min_islands < config.islands
-    restarts = [config.max_restarts] * world
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
+    store = loopback_store(config.collective_timeout_s)
+    ranks = Supervisor(config, worker, resume, rank_env(config, store.port), grace_s)
     try:
-        cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-        prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
-                     partition=config.partition, text_field=config.text_field,
-                     tokenizer=tokenizer_source(config.model, config.tokenizer), max_documents=config.max_documents)
-        for p in procs:
-            p.start()
-        deadline = math.inf
-        relayed = False
-        with stop.on_signals(), stop.at_once(lambda: [p.kill() for p in procs if p.exitcode is None]):
-            while any(p.exitcode is None for p in procs):
-                if not relayed and stop.requested() is not None:  # SIGINT/SIGTERM here: the ranks checkpoint
-                    store.set(REQUEST_KEY, str(stop.requested()))  # the step they agree on, then stop
-                    relayed = True
-                for rank, p in enumerate(procs):
-                    if first is None and rank not in killed and p.exitcode not in (None, 0):
-                        first = (rank, p.exitcode)
-                        if not survive:
-                            deadline = min(deadline, time.monotonic() + grace_s)
-                if procs[0].exitcode is not None:
-                    deadline = min(deadline, time.monotonic() + grace_s)
-                for rank, p in enumerate(procs):  # a killed rank, restarted: it rejoins the survivors (rejoin.py)
-                    if (rank and restarts[rank] and p.exitcode is not None and p.exitcode < 0
-                            and procs[0].exitcode is None):
-                        restarts[rank] -= 1
-                        reported.add(rank)  # the survivors' report of the lost one must not kill the new one
-                        killed.add(rank)
-                        joining[rank] = str(config.max_restarts - restarts[rank])
-                        procs[rank] = ctx.Process(target=_rank_main, name=f"atoll-rank{rank}", args=(
-                            worker, config, resume, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                                     REJOIN_ENV: joining[rank]}))
-                        procs[rank].start()
-                for rank in _admitted(store, joining):  # it cleared the old report: a new one is about this process
-                    del joining[rank]
-                    reported.discard(rank)
-                for rank in _reported(store, world, reported):
-                    reported.add(rank)
-                    if procs[rank].exitcode is None:  # frozen: its peers are done with it
-                        killed.add(rank)
-                        procs[rank].kill()
-                if time.monotonic() > deadline:
-                    for p in procs:
-                        if p.exitcode is None:
-                            p.kill()
-                time.sleep(0.05)
-        for rank, p in enumerate(procs):
-            if first is None and rank not in killed and p.exitcode != 0:
-                first = (rank, p.exitcode)
+        _prepare_data(config)
+        ranks.start()
+        with stop.on_signals(), stop.at_once(ranks.kill_all):
+            ranks.watch(store)
     except BaseException:
-        for p in procs:
-            if p.pid is not None and p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=10)
-                if p.exitcode is None:
-                    p.kill()
+        ranks.terminate()
         raise
     finally:
         del store
         lock.release()
-    if survive and procs[0].exitcode == 0 and (out / "summary.json").is_file():
-        return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
-    asked = stop.requested()
-    if asked is not None and procs[0].exitcode == 128 + asked:  # stopped after the checkpoint the ranks agreed on
-        try:
-            step: int | None = int(latest_checkpoint(out).name.split("_")[1])
-        except AtollError:
-            step = None
-        raise Interrupted(asked, step, out)
-    if first is not None:
-        rank, code = first
-        if code < 0:
-            raise RunFailed(f"rank {rank} (island {rank // config.ranks_per_island}) was killed by "
-                            f"{signal.Signals(-code).name}; {resume_advice(out)}",
-                            128 - code)
-        raise RunFailed("", code)
-    return json.loads((out / "summary.json").read_text())
+    return ranks.outcome(out)
+
+
+def rank_env(config: TrainConfig, port: int) -> dict[str, str]:
+    """The environment every rank of a one-machine launch shares, as torchrun would set it (``RANK`` and
+    ``LOCAL_RANK`` are each rank's): the store at 127.0.0.1:``port``, gloo on the loopback, and one torch
+    thread pool per rank that does not oversubscribe the cores (unless ``threads`` or ``OMP_NUM_THREADS`` say)."""
+    world = config.islands * config.ranks_per_island
+    env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # one machine: gloo's pairs on the loopback too
+        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    if config.threads is None and "OMP_NUM_THREADS" not in os.environ:  # as torchrun: no oversubscription
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    return env
+
+
+def _prepare_data(config: TrainConfig) -> None:
+    """Tokenize the corpus into the cache once, before any rank starts (each then reads it from there)."""
+    from atoll.job.data import default_cache_dir, prepare_data
+    from atoll.job.data.pretrained import tokenizer_source
+
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    prepare_data(config.data, config.islands, config.vocab_size, config.seed, cache_dir,
+                 partition=config.partition, text_field=config.text_field,
+                 tokenizer=tokenizer_source(config.model, config.tokenizer), max_documents=config.max_documents)
+
+
+class Supervisor:
+    """The ranks of a one-machine launch and what happened to them: a small process supervisor.
+
+    Every :data:`POLL_S` seconds (:meth:`watch`) it relays a signal this process got to the ranks
+    (:meth:`relay_stop`), notes the first rank that failed (:meth:`note_failures`), restarts a rank killed by a
+    signal up to ``max_restarts`` times, with ``ATOLL_REJOIN=<incarnation>``, to rejoin the survivors
+    (:meth:`restart_lost`, :mod:`~atoll.runtime.collective.rejoin`), kills a rank its peers report silent
+    (:data:`REPORT_KEY`: frozen, it would hold its connections open; a restarted rank is watched for such reports
+    again once the job admitted it, :data:`ADMITTED_KEY`; :meth:`kill_reported`), and past the deadline kills
+    every rank still running (:meth:`enforce_deadline`). With ``min_islands`` below ``islands`` the survivors of
+    a lost island go on by themselves; otherwise, after the first failure (and in any case once rank 0 has
+    exited), the others get ``grace_s`` seconds to stop by themselves (they print why).
+
+    Args:
+        config: the run.
+        worker: what each rank runs (``"module:function"``; the fork server preloads the module).
+        resume: passed to each rank's worker.
+        env: the environment the ranks share (:func:`rank_env`).
+        grace_s: seconds the other ranks get after a failure that ends the job.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, config: TrainConfig, worker: str, resume: bool, env: dict[str, str], grace_s: float) -> None:
+        import multiprocessing
+
+        self.config, self.worker, self.resume, self.env, self.grace_s = config, worker, resume, env, grace_s
+        self.ctx = multiprocessing.get_context("forkserver")
+        self.ctx.set_forkserver_preload([worker.split(":")[0]])
+        self.world = config.islands * config.ranks_per_island
+        self.procs = [self._process(r) for r in range(self.world)]
+        self.first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
+        self.reported: set[int] = set()  # ranks reported silent by their peers
+        self.killed: set[int] = set()  # ranks killed here (reported while running, or restarted)
+        self.joining: dict[int, str] = {}  # restarted rank -> its incarnation, until the job admitted it
+        self.survive = config.min_islands < config.islands
+        self.restarts = [config.max_restarts] * self.world
+        self.deadline = math.inf
+        self.relayed = False
+
+    def _process(self, rank: int, incarnation: str | None = None) -> Any:
+        env = {**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               **({REJOIN_ENV: incarnation} if incarnation is not None else {})}
+        return self.ctx.Process(target=_rank_main, name=f"atoll-rank{rank}",
+                                args=(self.worker, self.config, self.resume, env))
+
+    def start(self) -> None:
+        """Start every rank."""
+        for p in self.procs:
+            p.start()
+
+    def watch(self, store: dist.TCPStore) -> None:
+        """Supervise the ranks until none runs; then note a rank that failed without being killed here."""
+        while any(p.exitcode is None for p in self.procs):
+            self.relay_stop(store)
+            self.note_failures()
+            self.restart_lost()
+            self.kill_reported(store)
+            self.enforce_deadline()
+            time.sleep(self.POLL_S)
+        for rank, p in enumerate(self.procs):
+            if self.first is None and rank not in self.killed and p.exitcode != 0:
+                self.first = (rank, p.exitcode)
+
+    def relay_stop(self, store: dist.TCPStore) -> None:
+        """SIGINT/SIGTERM here: tell the ranks (:data:`REQUEST_KEY`); they checkpoint the step they agree on,
+        then stop."""
+        if not self.relayed and stop.requested() is not None:
+            store.set(REQUEST_KEY, str(stop.requested()))
+            self.relayed = True
+
+    def note_failures(self) -> None:
+        """Note the first rank that failed (not one killed here); a failure that ends the job (losses are not
+        survived), or rank 0's exit, starts the others' grace period."""
+        for rank, p in enumerate(self.procs):
+            if self.first is None and rank not in self.killed and p.exitcode not in (None, 0):
+                self.first = (rank, p.exitcode)
+                if not self.survive:
+                    self.deadline = min(self.deadline, time.monotonic() + self.grace_s)
+        if self.procs[0].exitcode is not None:
+            self.deadline = min(self.deadline, time.monotonic() + self.grace_s)
+
+    def restart_lost(self) -> None:
+        """Start again a rank (not rank 0) that a signal killed, while it has restarts left and rank 0 runs: it
+        rejoins the survivors (:mod:`~atoll.runtime.collective.rejoin`)."""
+        for rank, p in enumerate(self.procs):
+            if (rank and self.restarts[rank] and p.exitcode is not None and p.exitcode < 0
+                    and self.procs[0].exitcode is None):
+                self.restarts[rank] -= 1
+                self.reported.add(rank)  # the survivors' report of the lost one must not kill the new one
+                self.killed.add(rank)
+                self.joining[rank] = str(self.config.max_restarts - self.restarts[rank])
+                self.procs[rank] = self._process(rank, self.joining[rank])
+                self.procs[rank].start()
+
+    def kill_reported(self, store: dist.TCPStore) -> None:
+        """Kill a rank its peers reported silent (:data:`REPORT_KEY`) if it still runs (frozen: its peers are done
+        with it); a restarted rank the job admitted (:data:`ADMITTED_KEY`) cleared the report about its previous
+        process, so a new one is about this one."""
+        for rank in _admitted(store, self.joining):
+            del self.joining[rank]
+            self.reported.discard(rank)
+        for rank in _reported(store, self.world, self.reported):
+            self.reported.add(rank)
+            if self.procs[rank].exitcode is None:
+                self.killed.add(rank)
+                self.procs[rank].kill()
+
+    def enforce_deadline(self) -> None:
+        """Past the grace period, kill every rank still running."""
+        if time.monotonic() > self.deadline:
+            self.kill_all()
+
+    def kill_all(self) -> None:
+        """SIGKILL every rank still running."""
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+
+    def terminate(self) -> None:
+        """The launcher itself failed: SIGTERM every rank started, then SIGKILL those still running after 10 s."""
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                p.terminate()
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(timeout=10)
+                if p.exitcode is None:
+                    p.kill()
+
+    def outcome(self, out: Path) -> dict[str, Any]:
+        """Rank 0's summary from ``out``, or the error the ranks' exits say.
+
+        Raises:
+            Interrupted: the ranks stopped on a signal after the checkpoint they agreed on.
+            RunFailed: a rank failed (the first one, :meth:`note_failures`).
+        """
+        import json
+
+        rank0 = self.procs[0].exitcode
+        if self.survive and rank0 == 0 and (out / "summary.json").is_file():
+            return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
+        asked = stop.requested()
+        if asked is not None and rank0 == 128 + asked:  # stopped after the checkpoint the ranks agreed on
+            try:
+                step: int | None = int(latest_checkpoint(out).name.split("_")[1])
+            except AtollError:
+                step = None
+            raise Interrupted(asked, step, out)
+        if self.first is not None:
+            rank, code = self.first
+            if code < 0:
+                raise RunFailed(f"rank {rank} (island {rank // self.config.ranks_per_island}) was killed by "
+                                f"{signal.Signals(-code).name}; {resume_advice(out)}", 128 - code)
+            raise RunFailed("", code)
+        return json.loads((out / "summary.json").read_text())
 
 
 def _reported(store: dist.TCPStore, world: int, known: set[int]) -> list[int]:

@@ -100,15 +100,17 @@ class _Recovering(CollectiveView, Protocol):
     quorum: Quorum | None
 
 
-def recover(rt: _Recovering, failure: PeerFailure, op: int) -> None:
-    """Go on with the islands alive after ``failure`` in operation ``op``, or end this process.
+def recover(rt: _Recovering, failure: PeerFailure, op: int) -> float:
+    """Go on with the islands alive after ``failure`` in operation ``op``, or end this process; return the wall
+    seconds from the failure to the re-formed groups.
 
     The survivors agree on who is alive (:class:`~atoll.runtime.collective.quorum.Quorum`), drop every
     island that lost a rank, and re-form the default group over ``PrefixStore(f"epoch{n}/", store)``
     with ranks renumbered in island order; the comm then starts its pending collectives again. The run
     stops (one line, status 3) if fewer than ``min_islands`` islands are left, if island 0 (which writes
     the run folder) is lost, or if the survivors failed in different operations; a rank of a dropped
-    island that is still alive stops the same way.
+    island that is still alive stops the same way. The change goes through the runtime's methods and its
+    :class:`~atoll.runtime.collective.membership.Membership` (:meth:`~.Membership.drop`), never its attributes.
     """
     assert rt.quorum is not None and rt.heartbeat is not None
     for exc in (failure, failure.__cause__, failure.__context__):  # their frames hold the failed work
@@ -141,8 +143,9 @@ def recover(rt: _Recovering, failure: PeerFailure, op: int) -> None:
     rt.heartbeat.drop([i * rt.ranks_per_island + p for i in lost for p in range(rt.ranks_per_island)])
     members.drop(lost, rt.step + 1 if rt.step is not None else 0)  # (epoch + 1: the epoch agreed on)
     rt.init_epoch()
-    rt.recovery_s.append(time.perf_counter() - t0)
+    took = time.perf_counter() - t0
     if rt.is_main and culprit:
         print(f"atoll: warning: {culprit} stopped responding at {where} ({failure.reason}); going on with "
               f"{len(alive)} of {rt.islands} islands", file=sys.stderr, flush=True)
+    return took
 

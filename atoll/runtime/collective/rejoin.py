@@ -37,42 +37,40 @@ ADMITTED_KEY = "atoll/admitted/"  # + global rank: the incarnation admitted last
 FINISHED = "finished"  # under the run's prefix: rank 0 is past the last step (a waiting joiner exits 0)
 
 
-def join(rt: CollectiveView) -> dict[str, Any]:
-    """The restarted rank's side: ask, wait to be admitted, join the epoch's groups, receive the state.
+def wait_for_admission(store: Any, rank: int) -> tuple[str, dict[str, Any]]:
+    """The restarted rank's side: ask to join, wait to be admitted; return the running job's key prefix and the
+    membership it was admitted into (:meth:`~.membership.Membership.state_dict`, this island back). The runtime
+    then joins that epoch's groups and receives the state (:meth:`CollectiveRuntime._rejoin`).
 
     The request carries a fresh id and the admission answers under that id (``admit/<rank>/<id>``, deleted
     once read), so a rank restarted again never takes an earlier admission for its own. Once admitted, the
     rank clears its peers' report of its previous incarnation and tells the launcher (:data:`ADMITTED_KEY`),
     which from then on kills it if it is reported silent again.
 
-    Returns:
-        ``{"step": inner steps done, "island": ..., "strategy": ..., "comm": ..., "tokens_of": ..., ...}``
-        (:func:`admit`'s state); the runtime's membership is the live islands' (with this island back).
+    Args:
+        store: the rendezvous store (a client).
+        rank: this rank's global rank.
 
     Raises:
         TimeoutError: not admitted within 600 s.
         SystemExit: (status 0) the job finished before admitting this rank.
     """
-    store = rt.store
-    rt.prefix = store.get(PREFIX_KEY).decode()
+    prefix = store.get(PREFIX_KEY).decode()
     request = uuid.uuid4().hex
-    store.set(f"{rt.prefix}join/{rt.rank}", request)
-    key = f"{rt.prefix}admit/{rt.rank}/{request}"
+    store.set(f"{prefix}join/{rank}", request)
+    key = f"{prefix}admit/{rank}/{request}"
     deadline = time.monotonic() + 600
     while not store.check([key]):
-        if store.check([f"{rt.prefix}{FINISHED}"]):  # restarted too late: the job is done, nothing to join
+        if store.check([f"{prefix}{FINISHED}"]):  # restarted too late: the job is done, nothing to join
             sys.exit(0)
         if time.monotonic() > deadline:
             raise TimeoutError("rejoin: not admitted within 600 s")
         time.sleep(0.1)
-    rt.membership.load_state_dict(json.loads(store.get(key)))
+    members = json.loads(store.get(key))
     store.delete_key(key)
-    store.delete_key(f"{REPORT_KEY}{rt.rank}")  # (written before this admission: about the previous process)
-    store.set(f"{ADMITTED_KEY}{rt.rank}", os.environ.get(REJOIN_ENV, "1"))
-    rt.init_epoch()
-    got = broadcast_state(None, rt.control)
-    rt.comm.ops = int(got["ops"])  # the live ranks' operation count: a later loss is agreed on by number
-    return got
+    store.delete_key(f"{REPORT_KEY}{rank}")  # (written before this admission: about the previous process)
+    store.set(f"{ADMITTED_KEY}{rank}", os.environ.get(REJOIN_ENV, "1"))
+    return prefix, members
 
 
 def admit(rt: CollectiveView, done: int, islands: list[Island], strategy: Strategy, extra: dict[str, Any]) -> None:
@@ -82,7 +80,8 @@ def admit(rt: CollectiveView, done: int, islands: list[Island], strategy: Strate
     request's id; then every rank of the new epoch forms its groups and group rank 0 broadcasts its island's
     state, the strategy's, the counters (the comm's operation count included) and the step. The joiners'
     islands take group rank 0's island state; their tokens count from what they had processed before they
-    were lost.
+    were lost. The membership changes through :meth:`~.membership.Membership.admit`, the groups through the
+    runtime's methods.
     """
     members = rt.membership
     flags = torch.zeros(rt.islands, dtype=torch.float64)

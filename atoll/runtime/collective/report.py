@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from atoll.runtime.collective.view import CollectiveView
 
 
-def totals(rt: CollectiveView, islands: list[Island]) -> tuple[float, int]:
-    """Mean loss (nats per token) over the islands alive; tokens of every island (a lost one's as last
-    reported, kept in ``rt.tokens_of``). Collective over the control group."""
+def totals(rt: CollectiveView, islands: list[Island]) -> tuple[float, dict[int, int]]:
+    """Mean loss (nats per token) over the islands alive, and each live island's tokens (the runtime keeps a
+    lost one's as last reported). Collective over the control group."""
     def op() -> torch.Tensor:
         buf = torch.zeros(1 + rt.islands, dtype=torch.float64)
         if rt.position == 0:  # one rank per island reports it
@@ -30,9 +30,8 @@ def totals(rt: CollectiveView, islands: list[Island]) -> tuple[float, int]:
         return buf
 
     buf = rt.comm.resilient(op)
-    for i in rt.membership.alive:
-        rt.tokens_of[i] = int(buf[1 + i])
-    return float(buf[0]) / len(rt.membership.alive), sum(rt.tokens_of)
+    alive = rt.membership.alive
+    return float(buf[0]) / len(alive), {i: int(buf[1 + i]) for i in alive}
 
 
 def island_counts(rt: CollectiveView, islands: list[Island]) -> tuple[list[int], list[int]]:

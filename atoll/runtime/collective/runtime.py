@@ -7,12 +7,10 @@ import gc
 import os
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +20,7 @@ from torch.distributed import distributed_c10d
 from atoll.errors import CheckpointError, ConfigError, Interrupted
 from atoll.job.checkpoint import resume_advice
 from atoll.job.device import resolve_device
+from atoll.job.divergence import inject_fault
 from atoll.runtime.base import Runtime
 from atoll.runtime.collective import report, torch_ddp
 from atoll.runtime.collective.comm import DistComm
@@ -31,13 +30,14 @@ from atoll.runtime.collective.failure import (
     PeerFailure,
     dist_call,
     hooked_call,
-    parse_kill_hook,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.membership import Membership
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
-from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, join, joined_job
+from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, joined_job, wait_for_admission
 from atoll.runtime.collective.stop import StopAgreement
+from atoll.runtime.collective.transfer import broadcast_state
+from atoll.runtime.network import Link
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -82,8 +82,6 @@ class CollectiveRuntime(Runtime):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("cuda", local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timedelta(seconds=config.collective_timeout_s)
-        self.kill_at = parse_kill_hook()  # the test hook, read once as the rank starts
-        self.kill_stamp = os.environ.get("ATOLL_TEST_KILL_STAMP")  # where to note when it died (bench/survivors.py)
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
         self.stopping: StopAgreement | None = None  # from start(): the step all ranks stop after on a signal
@@ -101,11 +99,12 @@ class CollectiveRuntime(Runtime):
         if self.backend == "nccl":
             torch.cuda.set_device(self.device)
         self.comm = DistComm(self.islands, self.island, self.ranks_per_island, self.position, None, None,
-                             self.device, sharded=self.config.shard_island)
+                             self.device, sharded=self.config.shard_island,
+                             link=Link.from_config(self.config.collective_link_mbps,
+                                                   self.config.collective_link_latency_ms),
+                             floor_s=self.config.collective_timeout_s)  # each exchange's deadline
         if os.environ.get(REJOIN_ENV):  # restarted by the launcher: join the running job
-            self.store = store_client(self.config.collective_timeout_s)
-            self._joined = join(self)
-            self.tokens_of = [int(t) for t in self._joined["tokens_of"]]
+            self._joined = self._rejoin()
         else:
             dist_call(dist.init_process_group, self.backend, timeout=self.timeout)
             self._form_groups()
@@ -134,6 +133,18 @@ class CollectiveRuntime(Runtime):
             dist_call(dist.barrier, group=self.control)
         self.heartbeat.start()
         self.stopping = StopAgreement.of(self)  # SIGINT/SIGTERM: the ranks agree on one step to checkpoint
+
+    def _rejoin(self) -> dict[str, Any]:
+        """A restarted rank joins the running job (:mod:`~.rejoin`): admitted into the live islands' membership
+        and epoch, it takes their counters; returns the state group rank 0 sent (:func:`~.rejoin.admit`)."""
+        self.store = store_client(self.config.collective_timeout_s)
+        self.prefix, members = wait_for_admission(self.store, self.rank)
+        self.membership.load_state_dict(members)
+        self.init_epoch()
+        got = broadcast_state(None, self.control)
+        self.comm.ops = int(got["ops"])  # the live ranks' operation count: a later loss is agreed on by number
+        self.tokens_of = [int(t) for t in got["tokens_of"]]
+        return got
 
     def stop_after(self, done: int) -> bool:
         """Whether the ranks stop after step ``done`` on a signal, agreed in the store (:mod:`~.stop`)."""
@@ -182,8 +193,8 @@ class CollectiveRuntime(Runtime):
 
     def recover(self, failure: PeerFailure, op: int) -> None:
         """Go on with the islands alive after ``failure`` in operation ``op``, or end this process
-        (:func:`~atoll.runtime.collective.quorum.recover`)."""
-        recover(self, failure, op)
+        (:func:`~atoll.runtime.collective.quorum.recover`); note how long it took."""
+        self.recovery_s.append(recover(self, failure, op))
 
     def init_epoch(self) -> None:
         """Join the default group of the membership's epoch (its islands alive, renumbered in island order,
@@ -288,16 +299,17 @@ class CollectiveRuntime(Runtime):
         return self.layout.gather(params) if self.config.shard_island else params
 
     # --- what the loop asks ------------------------------------------------------------------------
+    def inner_steps(self, islands: list[Island], batches: list[torch.Tensor], step: int) -> None:
+        """This rank's inner step ``step`` (:meth:`Runtime.inner_steps`), a test's kill hook first: told this
+        rank and the job's first rejoin (:mod:`atoll.job.faults`, installed as the rank started)."""
+        self.step = step
+        for island in islands:
+            inject_fault(island, step, "start", rank=self.rank, first_rejoin=self.membership.first_rejoin())
+        super().inner_steps(islands, batches, step)
+
     def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
         """This rank's rows of the island's batch, then the gradient averaged over the island's ranks
         (all-reduced here; reduce-scattered by FSDP2 in the backward pass of a sharded island)."""
-        self.step = step
-        for rank, at, sig, after_rejoin in self.kill_at:  # test hook (see the package docstring)
-            base = self.membership.first_rejoin() if after_rejoin else 0
-            if base is not None and (rank, base + at) == (self.rank, step + 1):
-                if self.kill_stamp:  # when it died, for bench/survivors.py
-                    Path(self.kill_stamp).write_text(repr(time.time()))
-                os.kill(os.getpid(), sig)
         r_count = self.ranks_per_island
         rows = batch.shape[0] // r_count
         mine = batch[self.position * rows:(self.position + 1) * rows]
@@ -332,7 +344,10 @@ class CollectiveRuntime(Runtime):
 
     def totals(self, islands: list[Island]) -> tuple[float, int]:
         """Mean loss over the islands alive; tokens of every island (:func:`~.report.totals`)."""
-        return report.totals(self, islands)
+        loss, tokens_alive = report.totals(self, islands)
+        for island, tokens in tokens_alive.items():  # a lost island's stay as last reported
+            self.tokens_of[island] = tokens
+        return loss, sum(self.tokens_of)
 
     def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
         return report.island_counts(self, islands)

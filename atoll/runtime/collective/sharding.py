@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import parameters_to_vector
 
+from atoll.algorithms.fragments import FlatFragment
 from atoll.job.island import Island, copy_flat_into
 from atoll.runtime.collective.failure import dist_call
 
@@ -104,12 +105,19 @@ class ShardedIsland(Island):
         with torch.no_grad():
             return [_local(p) for p in self.params]
 
-    def flat_params(self) -> torch.Tensor:
-        """This rank's shard, float32 on the CPU: its pieces concatenated, shape (numel of the pieces,)."""
+    def flat_params(self, fragment: FlatFragment | None = None) -> torch.Tensor:
+        """This rank's shard, float32 on the CPU: its pieces concatenated, shape (numel of the pieces,); or
+        ``fragment``'s elements of it (ranges of the shard's flat vector)."""
+        if fragment is not None:
+            return super().flat_params(fragment)
         return parameters_to_vector([_local(p.detach()) for p in self.params]).to("cpu", torch.float32)
 
-    def set_flat_params(self, flat: torch.Tensor) -> None:
-        """Overwrite this rank's pieces from a flat float32 vector shaped as :meth:`flat_params`."""
+    def set_flat_params(self, flat: torch.Tensor, fragment: FlatFragment | None = None) -> None:
+        """Overwrite this rank's pieces (or ``fragment``'s elements of its shard) from a flat float32 vector
+        shaped as :meth:`flat_params`."""
+        if fragment is not None:
+            super().set_flat_params(flat, fragment)
+            return
         copy_flat_into(self.local_params(), flat)
 
     def flat_grads(self) -> torch.Tensor:
@@ -327,10 +335,11 @@ def _load_rows(model: torch.nn.Module, init_from: str, rows: Any) -> None:
 
 
 def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
-                        device: torch.device) -> tuple[Island, ShardLayout]:
+                        device: torch.device, total_steps: int | None = None) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
     so the optimizer holds this rank's shard only; and the layout of the shards. A model on the meta device
-    takes storage for this rank's pieces here (:func:`materialize`)."""
+    takes storage for this rank's pieces here (:func:`materialize`). ``total_steps``: the island's schedule
+    (:func:`~atoll.job.island.make_island`; default ``steps``)."""
     from atoll.job.island import make_island
     from atoll.job.model import enable_activation_checkpointing
 
@@ -340,7 +349,8 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
     shard_model(model, group, device, config.precision)
     if meta:
         materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
-    island = make_island(index, model, config, None, optimizer=optimizer, island_type=ShardedIsland)
+    island = make_island(index, model, config, None, total_steps=total_steps, optimizer=optimizer,
+                         island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
 
 

@@ -63,12 +63,15 @@ import time
 from typing import Any
 
 import ray
+import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
 from atoll.job import stop
+from atoll.job.device import resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
+from atoll.job.evaluation import GlobalEvaluator
 from atoll.job.metrics import ProgressDisplay, status
 from atoll.job.run import Run
 from atoll.runtime.ray.actors import MAX_RESTARTS, IslandService, SyncerService
@@ -187,6 +190,18 @@ def _wait_one(refs: list[Any], limit_s: float | None, stopping: bool) -> list[An
             return ready
 
 
+def evaluation_device(config: TrainConfig) -> torch.device:
+    """Where the driver evaluates the global model: ``config.device`` when this node has it (``auto``: its GPU
+    when it has one), as the islands compute; else the CPU, said in one line (the islands' nodes may have a
+    device the driver's node lacks)."""
+    try:
+        return torch.device(resolve_device(config.device))
+    except ConfigError:
+        print(f"atoll: note: this node has no {config.device} device; the driver evaluates the global model on "
+              "the CPU", file=sys.stderr)
+        return torch.device("cpu")
+
+
 def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run a ``decoupled`` job on Ray (local, or the cluster at ``ray_address``); return its summary.
 
@@ -202,6 +217,8 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     try:
         check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
         run = Run(config)  # fills the tokenizer and token caches before the actors read them
+        # the global model, moved to the device for each evaluation
+        run.evaluator = evaluator = GlobalEvaluator(run.model, run.val, evaluation_device(config), config.precision)
         run.begin()
         if config.progress:
             status(f"starting {config.islands} island actors (each prepares the data and the model; progress "
@@ -250,6 +267,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         abandoned_islands=final["abandoned"], lost_islands=final["lost"], syncer_restarts=final["syncer_restarts"],
         island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
+        eval_s=evaluator.seconds,
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
         timeline=True, **({"island_resets": resets} if any(resets) else {}),
         **({"starved": final["starved"]} if final["starved"] else {}),

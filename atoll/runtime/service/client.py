@@ -1,27 +1,31 @@
-"""An island's side of ``atoll syncer``: a gRPC client that retries with backoff, and the island's transport.
+"""An island's side of ``atoll syncer``: a gRPC client that retries with backoff, and the island's step lease.
 
-:class:`SyncerClient` opens two connections to the syncer: **control** (small JSON calls: join, step grants,
-heartbeats, buffer and pull metadata, the commit of a push) and **bulk** (tensor bytes), so a heartbeat is
-never queued behind a transfer. A call that finds the syncer down (UNAVAILABLE, a deadline) is retried with
-exponential backoff (0.1 s doubling to 5 s) until ``give_up_s`` have passed without an answer; a transfer
-that breaks resumes at the offset the syncer holds (``UploadStatus``, ``Download`` from an offset), so a failed
-chunk is sent again, not the whole fragment. A refused credential is an error at once.
+:class:`SyncerClient` opens up to two connections to the syncer: **control** (small JSON calls: join, step
+leases, heartbeats, buffer and pull metadata, the commit of a push; only an island's leader, its rank 0,
+opens it) and **bulk** (tensor bytes; every rank of an island opens its own, and moves its own slice of a
+fragment over it), so a heartbeat is never queued behind a transfer. A call that finds the syncer down
+(UNAVAILABLE, a deadline) is retried with exponential backoff (0.1 s doubling to 5 s) until ``give_up_s``
+have passed without an answer; a transfer that breaks resumes at the offset the syncer holds
+(``UploadStatus``, ``Download`` from an offset), so a failed chunk is sent again, not the whole fragment. A
+refused credential is an error at once.
 
-:class:`ServiceTransport` is the :class:`~atoll.strategies.decoupled.island.Transport` of
-:meth:`IslandWorker.run <atoll.strategies.decoupled.island.IslandWorker.run>`: each exchange (push, wait for
-its merge, pull) runs in a thread, and while the syncer is down the island keeps training on credit for up
-to one round (its H) of inner steps, granted when the syncer is back.
+:class:`StepLease` is how the leader takes inner steps from the run's shared budget: a lease of a round of
+steps at a time, fetched in the background before the last one is used (no round trip per step across a
+WAN), the steps of its session it used reported with each fetch and at ``Leave`` (the unused go back to the
+budget). While the syncer is unreachable the island trains on credit for up to one round of steps, reserved
+before any push claims their tokens.
+
+The island's transport, which runs the exchanges of a fragment's slices, is
+:class:`~atoll.runtime.service.exchange.ServiceTransport`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -29,7 +33,7 @@ import torch
 
 from atoll.errors import AtollError, ConfigError
 from atoll.runtime.service import wire
-from atoll.strategies.decoupled.protocol import Pull, Push
+from atoll.runtime.service.slices import Ranges
 
 T = TypeVar("T")
 
@@ -42,6 +46,10 @@ class SyncerUnreachable(AtollError):
     """The syncer gave no answer for ``give_up_s`` seconds."""
 
 
+class UploadLost(Exception):
+    """The syncer no longer holds a push's uploaded slices (it restarted between the upload and the commit)."""
+
+
 class SyncerClient:
     """The calls of one island to ``atoll syncer`` at ``address``.
 
@@ -52,6 +60,10 @@ class SyncerClient:
         plaintext: no TLS (refused for a non-loopback address unless ``insecure``).
         give_up_s: seconds without any answer after which a call raises :class:`SyncerUnreachable`.
         server_name: the name the syncer's certificate must carry, when it differs from the address's host.
+        control: open the control connection (an island's leader); False: bulk only (its other ranks).
+
+    Attributes:
+        bytes_up, bytes_down: safetensors bytes this process sent and received over its bulk connection.
 
     Raises:
         ConfigError: a bad address, or plaintext to another host without ``insecure``.
@@ -59,7 +71,7 @@ class SyncerClient:
 
     def __init__(self, address: str, island: int, credential: str, root_certificates: bytes | None = None,
                  plaintext: bool = False, insecure: bool = False, give_up_s: float = 600.0,
-                 server_name: str | None = None) -> None:
+                 server_name: str | None = None, control: bool = True) -> None:
         try:
             host, _ = wire.parse_address(address, "syncer")
         except ValueError as e:
@@ -70,6 +82,7 @@ class SyncerClient:
         self.address, self.island, self.give_up_s = address, island, give_up_s
         self.metadata = ((wire.ISLAND_KEY, str(island)), (wire.CREDENTIAL_KEY, credential))
         self.retries = 0
+        self.bytes_up = self.bytes_down = 0
         options = [("grpc.use_local_subchannel_pool", 1),  # control and bulk: two connections, not one shared
                    ("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
                    # gRPC's own reconnect backoff grows to 120 s by default: a syncer back after an outage would
@@ -85,10 +98,12 @@ class SyncerClient:
                 return grpc.insecure_channel(address, options=opts)
             return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=opts)
 
-        self.control, self.bulk = channel("control"), channel("bulk")
+        self.control = channel("control") if control else None
+        self.bulk = channel("bulk")
 
     def close(self) -> None:
-        self.control.close()
+        if self.control is not None:
+            self.control.close()
         self.bulk.close()
 
     def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
@@ -120,41 +135,55 @@ class SyncerClient:
             delay = min(2 * delay, 5.0)
 
     def call(self, name: str, payload: dict[str, Any] | None = None, timeout_s: float = 30.0,
-             retry: bool = True) -> dict[str, Any]:
-        """A control call (JSON in and out); ``retry=False``: one attempt (grpc.RpcError when it fails)."""
-        stub = self.control.unary_unary(wire.method(name))
+             retry: bool = True, bulk: bool = False) -> dict[str, Any]:
+        """A control call (JSON in and out; ``bulk``: over the bulk connection, a transfer's own calls);
+        ``retry=False``: one attempt (grpc.RpcError when it fails).
+
+        Raises:
+            RuntimeError: a control call of a client without the control connection (not the leader).
+        """
+        channel = self.bulk if bulk else self.control
+        if channel is None:
+            raise RuntimeError(f"{name}: only an island's leader (rank 0) calls the syncer's control methods")
+        stub = channel.unary_unary(wire.method(name))
 
         def attempt() -> dict[str, Any]:
             return wire.loads(stub(wire.dumps(payload or {}), metadata=self.metadata, timeout=timeout_s))
 
         return self._retrying(name, attempt) if retry else attempt()
 
-    def upload(self, data: bytes) -> str:
-        """Send ``data`` to the syncer in chunks, resuming at the offset it holds after a failure; return its id."""
-        upload, first = uuid.uuid4().hex, True
+    def upload(self, data: bytes, fragment: int, ranges: Ranges, upload: str | None = None) -> str:
+        """Send a slice's payload ``data`` (the values of ``fragment`` at ``ranges`` of its element order) to the
+        syncer in chunks, resuming at the offset it holds after a failure; return the upload's id (``upload``,
+        or a fresh one)."""
+        upload, first = upload or uuid.uuid4().hex, True
         stub = self.bulk.stream_unary(wire.method("Upload"))
+        header = {"upload": upload, "fragment": fragment, "ranges": [list(r) for r in ranges], "size": len(data)}
 
         def attempt() -> None:
             nonlocal first
             # a retry continues where the syncer's copy ends (0 if the syncer restarted and lost it)
-            offset = 0 if first else self.call("UploadStatus", {"upload": upload})["received"]
+            offset = 0 if first else self.call("UploadStatus", {"upload": upload}, bulk=True)["received"]
             first = False
-            messages = iter([wire.dumps({"upload": upload, "offset": offset}), *wire.chunks(data, offset)])
+            messages = iter([wire.dumps({**header, "offset": offset}), *wire.chunks(data, offset)])
             received = wire.loads(stub(messages, metadata=self.metadata, timeout=600.0))["received"]
+            self.bytes_up += len(data) - offset
             if received != len(data):
                 raise RuntimeError(f"upload: the syncer holds {received} of {len(data)} bytes")
 
         self._retrying("Upload", attempt)
         return upload
 
-    def download(self, fragment: int) -> tuple[int, torch.Tensor]:
-        """The newest global fragment (its version, float32 (numel_p,)), resumed from its offset after a failure."""
+    def download(self, fragment: int, ranges: Ranges | None = None) -> tuple[int, torch.Tensor]:
+        """The newest global fragment's values at ``ranges`` of its element order (None: all of it): (its
+        version, float32 (values,)), resumed from its offset after a failure."""
         stub = self.bulk.unary_stream(wire.method("Download"))
         got, version = bytearray(), None
+        request = {"fragment": fragment, "ranges": None if ranges is None else [list(r) for r in ranges]}
 
         def attempt() -> None:
             nonlocal version
-            replies: Iterator[bytes] = stub(wire.dumps({"fragment": fragment, "version": version, "offset": len(got)}),
+            replies: Iterator[bytes] = stub(wire.dumps({**request, "version": version, "offset": len(got)}),
                                             metadata=self.metadata, timeout=600.0)
             header = wire.loads(next(replies))
             if header["version"] != version or header["offset"] != len(got):  # a newer version: from the start
@@ -162,131 +191,192 @@ class SyncerClient:
                 del got[:]
             for chunk in replies:
                 got.extend(chunk)
+                self.bytes_down += len(chunk)
             if len(got) != header["size"]:
                 raise RuntimeError(f"download: {len(got)} of {header['size']} bytes")
 
         self._retrying("Download", attempt)
         return int(version), wire.bytes_tensor(bytes(got))  # type: ignore[arg-type]
 
-    def push(self, push: Push, session: int) -> dict[str, Any]:
-        """Upload a push's Δ and commit it: the syncer's answer ``{"accepted", "answered", "version"}``."""
-        data = wire.tensor_bytes(push.delta)
-        for _ in range(3):  # an upload lost by a syncer that restarted between upload and commit: again
-            upload = self.upload(data)
+    def commit(self, uploads: list[str], fragment: int, tokens: int, base_version: int, session: int,
+               round_s: float | None = None) -> dict[str, Any]:
+        """Commit a push whose slices are ``uploads``: the syncer's answer ``{"accepted", "answered", "version"}``.
+
+        Raises:
+            UploadLost: the syncer does not hold every upload (it restarted since): upload them again.
+        """
+        try:
+            return self.call("Push", {"slices": uploads, "fragment": fragment, "tokens": tokens,
+                                      "base_version": base_version, "round_s": round_s, "session": session})
+        except grpc.RpcError as e:
+            if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise UploadLost(e.details()) from None
+            raise
+
+    def push(self, payload: bytes, fragment: int, ranges: Ranges, tokens: int, base_version: int, session: int,
+             round_s: float | None = None) -> dict[str, Any]:
+        """Upload one slice that is the whole push (``ranges``: all of the fragment) and commit it; uploaded
+        again when the syncer lost it (a restart between the two), up to three times."""
+        for _ in range(3):
+            upload = self.upload(payload, fragment, ranges)
             try:
-                return self.call("Push", {"upload": upload, "size": len(data), "fragment": push.fragment,
-                                          "tokens": push.tokens, "base_version": push.base_version,
-                                          "nbytes": push.nbytes, "round_s": push.round_s, "session": session})
-            except grpc.RpcError as e:
-                if not (isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.FAILED_PRECONDITION):
-                    raise
+                return self.commit([upload], fragment, tokens, base_version, session, round_s)
+            except UploadLost:
+                continue
         raise SyncerUnreachable(f"syncer: '{self.address}' lost this island's upload three times; check its log")
 
 
-class ServiceTransport:
-    """How an island job reaches ``atoll syncer`` (:class:`~atoll.strategies.decoupled.island.Transport`).
+#: what :meth:`StepLease.take` answers: take a step, stop (the budget is spent), or wait and ask again
+GO, STOP, WAIT = 1, 0, 2
 
-    At most one exchange per fragment is in progress, each in a worker thread: upload and commit the push,
-    then (if the push waits in the fragment's buffer for a quorum) ask every ``poll_s`` until it is merged,
-    then download the global fragment, which :meth:`arrived` hands to the island. A heartbeat thread tells the
-    syncer every ``heartbeat_s`` that the island lives, on the control connection.
+
+class StepLease:
+    """The leader's inner steps: leases of ``size`` steps from the run's shared budget, fetched ahead.
+
+    :meth:`take` never waits for the network: it hands out a step of the lease in hand and, once half of it
+    is used, fetches the next (``ReserveSteps`` with ``n = size`` and the steps used so far) in a background
+    thread. While the syncer is unreachable (a fetch failed: retried with backoff, 0.1 s doubling to 5 s)
+    and the lease is used up, up to ``offline_steps`` steps are taken on credit; the next fetch asks for them
+    first. A push may claim only tokens the syncer granted (its ledger,
+    :class:`~atoll.strategies.decoupled.bounds.PushBounds`): :meth:`claimable` waits until the credit steps
+    before it are settled and takes the steps the syncer no longer granted (the budget was spent meanwhile)
+    out of its claim.
 
     Args:
-        client: the island's :class:`SyncerClient`.
-        fragments: P; session: the island's session from its join.
-        offline_steps: inner steps the island may take on credit while the syncer is unreachable.
-        tokens_per_step: tokens in one inner step of the island (what a step taken on credit claims).
+        client: the leader's :class:`SyncerClient`.
+        size: steps per lease (the island's H: one round).
+        offline_steps: steps the island may take on credit while the syncer is unreachable.
+        tokens_per_step: tokens of one inner step of the island.
+        fragments: P.
+        status: () -> (last training loss, inner learning rate), sent with each fetch for the progress.
+
+    Attributes:
+        used: steps of this session taken (leased and on credit).
+        offline_steps_taken: steps taken on credit.
     """
 
-    def __init__(self, client: SyncerClient, fragments: int, session: int, offline_steps: int,
-                 tokens_per_step: int, poll_s: float = 0.02, heartbeat_s: float = 2.0) -> None:
-        self.client, self.session, self.offline_steps, self.poll_s = client, session, offline_steps, poll_s
-        self.tokens_per_step = tokens_per_step
-        self.ungranted = [0] * fragments  # per fragment: credit steps the syncer did not grant (budget spent)
-        self._credit = threading.Lock()  # owed and ungranted: the loop's reservations and the pushes' claims
-        self.pool = ThreadPoolExecutor(max_workers=max(2, fragments), thread_name_prefix="exchange")
-        self.pulled_at = [time.monotonic()] * fragments
-        self.exchanges: dict[int, Future[Pull]] = {}
-        self.owed = 0  # steps taken on credit while the syncer was unreachable
-        self.bytes_sent = 0.0
+    def __init__(self, client: SyncerClient, size: int, offline_steps: int, tokens_per_step: int, fragments: int,
+                 status: Callable[[], tuple[float, float]] | None = None) -> None:
+        self.client, self.size, self.offline_steps = client, max(1, size), offline_steps
+        self.tokens_per_step, self.status = tokens_per_step, status
+        self.leased = 0  # granted, not taken yet
+        self.used = 0
+        self.owed = 0  # steps taken on credit, not asked for yet
+        self.credit_taken = self.credit_settled = 0  # steps taken on credit, and asked for, since the start
         self.offline_steps_taken = 0
-        self.refused = 0
-        self._stop = threading.Event()
-        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
-        self._beat.start()
+        self.ungranted = [0] * fragments  # per fragment: credit steps the syncer did not grant
+        self.spent = False  # the syncer granted fewer than asked: the budget is spent
+        self.unreachable_since: float | None = None
+        self.fetches = 0
+        self._cond = threading.Condition()
+        self._fetching = False
+        self._retry_at, self._delay = 0.0, 0.1
+        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease")
 
-    def _heartbeat(self, every_s: float) -> None:
-        while not self._stop.wait(every_s):
-            with contextlib.suppress(grpc.RpcError):  # the syncer is down: the calls that matter retry themselves
-                self.client.call("Heartbeat", timeout_s=5.0, retry=False)
+    def take(self) -> int:
+        """A step: :data:`GO` (take it), :data:`STOP` (the budget is spent and the lease used up) or
+        :data:`WAIT` (none in hand yet: ask again shortly). Never waits for the network.
 
-    def reserve_step(self) -> bool:
-        with self._credit:
-            try:
-                granted = self.client.call("ReserveSteps", {"n": self.owed + 1}, timeout_s=10.0,
-                                           retry=False)["granted"]
-            except grpc.RpcError as e:
-                if not (isinstance(e, grpc.Call) and e.code() in RETRY):
-                    raise
-                if self.owed < self.offline_steps:  # the syncer is down: train on, on credit
-                    self.owed += 1
-                    self.offline_steps_taken += 1
-                    return True
-                granted = self.client.call("ReserveSteps", {"n": self.owed + 1})["granted"]  # wait, with backoff
-            go = granted > self.owed
-            self._granted_credit(min(granted, self.owed))
-            return go
+        Raises:
+            SyncerUnreachable, ConfigError: a fetch failed for good (no answer for ``give_up_s``; a refused
+                credential).
+        """
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self.leased > 0:
+                self.leased -= 1
+                self.used += 1
+                if self.leased <= self.size // 2 and not self.spent:
+                    self._fetch()
+                return GO
+            if self.spent:
+                return STOP
+            self._fetch()
+            if self.unreachable_since is not None and self.owed < self.offline_steps:
+                self.owed += 1  # the syncer is down: train on, on credit
+                self.credit_taken += 1
+                self.used += 1
+                self.offline_steps_taken += 1
+                return GO
+            return WAIT
 
-    def _granted_credit(self, granted: int) -> None:
-        """The syncer granted ``granted`` of the ``owed`` steps taken on credit: the rest are never in a claim."""
-        for p in range(len(self.ungranted)):
-            self.ungranted[p] += self.owed - granted
-        self.owed = 0
+    def _fetch(self) -> None:
+        """Start a fetch in the background unless one runs or the backoff says not yet (under the lock)."""
+        if not self._fetching and time.monotonic() >= self._retry_at:
+            self._fetching = True
+            self._pool.submit(self._run_fetch)
 
-    def _claimable(self, push: Push) -> Push | None:
-        """``push`` as it may be claimed: the steps taken on credit are reserved first (with retries), as the
-        syncer refuses a claim beyond what it granted (``tokens``); steps it no longer grants (the budget was
-        spent while it was unreachable) are taken out of the claim, ``tokens_per_step`` tokens each. None: no
-        step of the push was granted (it is not sent; its work is lost, as the run's budget is spent)."""
-        with self._credit:
-            if self.owed:
-                self._granted_credit(min(self.client.call("ReserveSteps", {"n": self.owed})["granted"], self.owed))
-            tokens = max(0, push.tokens - self.ungranted[push.fragment] * self.tokens_per_step)
-            self.ungranted[push.fragment] = 0
-        return dataclasses.replace(push, tokens=tokens) if tokens > 0 else None
+    def _run_fetch(self) -> None:
+        with self._cond:
+            owed = self.owed
+            request: dict[str, Any] = {"n": owed + self.size, "used": self.used}
+        if self.status is not None:
+            request["loss"], request["lr"] = self.status()
+        try:
+            reply = self.client.call("ReserveSteps", request, timeout_s=10.0, retry=False)
+            granted = int(reply["granted"])
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.Call) else None
+            with self._cond:
+                self._fetching = False
+                now = time.monotonic()
+                if code not in RETRY:
+                    self._error = (ConfigError(f"credential: the syncer refused island {self.client.island}'s "
+                                               f"step lease ({e.details() if isinstance(e, grpc.Call) else e}); "
+                                               "pass this island's own --credential and --island")
+                                   if code == grpc.StatusCode.UNAUTHENTICATED else e)
+                else:
+                    self.unreachable_since = self.unreachable_since or now
+                    if now - self.unreachable_since > self.client.give_up_s:
+                        self._error = SyncerUnreachable(
+                            f"syncer: no answer from '{self.client.address}' to ReserveSteps for "
+                            f"{self.client.give_up_s:g} s; check that atoll syncer runs there")
+                    self._retry_at, self._delay = now + self._delay, min(2 * self._delay, 5.0)
+                self._cond.notify_all()
+            return
+        except BaseException as e:  # noqa: BLE001 - reported to the loop by take()
+            with self._cond:
+                self._fetching, self._error = False, e
+                self._cond.notify_all()
+            return
+        with self._cond:
+            if reply.get("wait"):  # the run has not started: not every island has joined yet
+                self._fetching, self._retry_at = False, time.monotonic() + 0.2
+                self.unreachable_since = None
+                self._cond.notify_all()
+                return
+            paid = min(granted, owed)
+            for p in range(len(self.ungranted)):  # credit steps it did not grant: never in a claim
+                self.ungranted[p] += owed - paid
+            self.owed -= owed
+            self.credit_settled += owed
+            self.leased += granted - paid
+            self.spent = self.spent or granted < request["n"]
+            self.fetches += 1
+            self.unreachable_since, self._delay, self._retry_at = None, 0.1, 0.0
+            self._fetching = False
+            self._cond.notify_all()
 
-    def send(self, push: Push) -> None:
-        self.bytes_sent += push.nbytes
-        push = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
-                    round_s=time.monotonic() - self.pulled_at[push.fragment])
-        self.exchanges[push.fragment] = self.pool.submit(self._exchange, push)
+    def claimable(self, fragment: int, tokens: int, credit_mark: int) -> int:
+        """The tokens a push of ``fragment`` claiming ``tokens`` may claim: once the ``credit_mark`` credit steps
+        taken before it are settled (fetched, with retries), less the steps the syncer did not grant
+        (``tokens_per_step`` each). 0: none granted (the push is not sent: its work is lost, the budget spent).
 
-    def _exchange(self, push: Push) -> Pull:
-        claim = self._claimable(push)
-        answer = self.client.push(claim, self.session) if claim is not None else {"accepted": True, "answered": True}
-        if not answer["accepted"]:
-            self.refused += 1
-        if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
-            while push.fragment in self.client.call("Buffered")["buffered"]:
-                time.sleep(self.poll_s)
-        version, params = self.client.download(push.fragment)
-        return Pull(push.fragment, params, version)
-
-    def _collect(self, fragments: list[int]) -> list[Pull]:
-        pulls = []
-        for p in fragments:
-            pulls.append(self.exchanges.pop(p).result())
-            self.pulled_at[p] = time.monotonic()
-        return pulls
-
-    def arrived(self) -> list[Pull]:
-        return self._collect([p for p, f in self.exchanges.items() if f.done()])
-
-    def settle(self, fragment: int) -> list[Pull]:
-        return self._collect([fragment] if fragment in self.exchanges else [])
+        Raises:
+            SyncerUnreachable, ConfigError: as :meth:`take`.
+        """
+        with self._cond:
+            while self.credit_settled < credit_mark:
+                if self._error is not None:
+                    raise self._error
+                self._fetch()
+                self._cond.wait(0.1)
+            claim = max(0, tokens - self.ungranted[fragment] * self.tokens_per_step)
+            self.ungranted[fragment] = 0
+            return claim
 
     def close(self) -> None:
-        """Wait until every exchange has ended (its push merged or refused, its answer pulled)."""
-        self._collect(list(self.exchanges))
-        self._stop.set()
-        self.pool.shutdown()
+        """Stop fetching (a fetch in flight ends by itself)."""
+        self._pool.shutdown(wait=False)

@@ -1,7 +1,10 @@
 """The ``atoll syncer`` and ``atoll island`` commands: their flags and what they run (grpc imported only then).
 
-Bad input raises :class:`~atoll.errors.AtollError` (one line, exit status 2 from :func:`atoll.cli.main`); an
-island that lost its syncer for ``--give-up-s`` exits with status 1.
+Both run the ``service`` runtime (:class:`~atoll.config.runtimes.ServiceConfig`): ``--ranks-per-island``
+(default: torchrun's world size), ``--shard-island`` and ``--slice-transfer`` are each island job's own, so
+the syncer sets them aside. Bad input raises :class:`~atoll.errors.AtollError` (one line, exit status 2 from
+:func:`atoll.cli.main`); an island that lost its syncer for ``--give-up-s`` exits with status 1, a rank whose
+island peer stopped responding with status 3.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def add_parsers(sub: Any, add_config_flags: Callable[[argparse.ArgumentParser], 
                           help="allow plaintext on an address other hosts can reach (never across the internet)")
     p_island = sub.add_parser("island", help="run one island of a decoupled run as its own job, dialing out to "
                               "atoll syncer", description="Run one island of a decoupled run against the syncer "
-                              "at --syncer. Give it the run's settings (the same as the syncer's). See "
-                              "docs/deployment.md.")
+                              "at --syncer, as one process or as the R ranks torchrun starts (torchrun "
+                              "--nproc-per-node R -m atoll island ...). Give it the run's settings (the same as "
+                              "the syncer's). See docs/deployment.md.")
     p_island.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
     p_island.add_argument("--syncer", required=True, metavar="HOST:PORT", help="the address of atoll syncer")
     p_island.add_argument("--island", type=int, required=True, metavar="N", help="this island's index, 0-based")
@@ -57,6 +61,10 @@ def add_parsers(sub: Any, add_config_flags: Callable[[argparse.ArgumentParser], 
         add_config_flags(p_island)
 
 
+#: the settings of an island job alone (islands of one run may differ in them): the syncer sets them aside
+ISLAND_ONLY = ("ranks_per_island", "shard_island", "slice_transfer")
+
+
 def _service_config(args: argparse.Namespace) -> Any:
     from atoll.config import build_config
     from atoll.config.applies import catalog
@@ -67,6 +75,13 @@ def _service_config(args: argparse.Namespace) -> Any:
     if overrides.setdefault("strategy", "decoupled") != "decoupled":
         raise AtollError(f"strategy: atoll {args.command} runs the decoupled strategy, not '{overrides['strategy']}'; "
                          "drop --strategy")
+    if overrides.setdefault("runtime", "service") != "service":
+        raise AtollError(f"runtime: atoll {args.command} runs the service runtime, not '{overrides['runtime']}'; "
+                         "drop --runtime")
+    if args.command == "syncer":
+        overrides = {k: v for k, v in overrides.items() if k not in ISLAND_ONLY}
+    elif "WORLD_SIZE" in os.environ and "ranks_per_island" not in overrides:
+        overrides["ranks_per_island"] = os.environ["WORLD_SIZE"]  # torchrun's ranks: the island's, by default
     config = build_config(args.config, overrides)
     if config.strategy != "decoupled":
         raise AtollError(f"strategy: atoll {args.command} runs the decoupled strategy, not '{config.strategy}'; "
@@ -79,7 +94,7 @@ def _service_config(args: argparse.Namespace) -> Any:
 
 def syncer(args: argparse.Namespace) -> int:
     config = _service_config(args)
-    from atoll.runtime.service.server import serve
+    from atoll.runtime.service.serve import serve
 
     if config.out is None:
         raise AtollError("out: atoll syncer keeps its state in a folder; pass --out DIR (the same on a restart)")
@@ -94,8 +109,10 @@ def island(args: argparse.Namespace) -> int:
     import faulthandler
     import signal
 
+    from atoll.runtime.collective.failure import PeerFailure
     from atoll.runtime.service.client import SyncerClient, SyncerUnreachable
-    from atoll.runtime.service.island import read_token, run_island
+    from atoll.runtime.service.group import IslandGroup
+    from atoll.runtime.service.island import lost_peer, read_token, run_island
     from atoll.runtime.service.tls import read_certificate
 
     if sys.__stderr__ is not None:  # kill -USR1 PID: every thread's stack on stderr (a hang's diagnosis)
@@ -104,17 +121,27 @@ def island(args: argparse.Namespace) -> int:
     ca = read_certificate(args.tls_ca, "tls-ca") if args.tls_ca is not None else None
     if ca is not None and args.plaintext:
         raise AtollError("tls-ca: --tls-ca and --plaintext exclude each other; drop one")
+    group = IslandGroup.from_env(config.ranks_per_island, config.device, config.collective_timeout_s)
     client = SyncerClient(args.syncer, args.island, token, root_certificates=ca, plaintext=args.plaintext,
-                          insecure=args.insecure, give_up_s=args.give_up_s, server_name=args.tls_server_name)
+                          insecure=args.insecure, give_up_s=args.give_up_s, server_name=args.tls_server_name,
+                          control=group.leader)
     try:
-        report = run_island(config, args.island, client)
+        group.start()
+        report = run_island(config, args.island, client, group)
     except SyncerUnreachable as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 1
+    except PeerFailure as e:
+        lost_peer(e, args.island, group)  # exits with status 3
+        raise
     finally:
         client.close()
-    print(f"atoll island {args.island}: done; {report['steps']} inner steps, {report['bytes_sent']:,.0f} bytes sent, "
-          f"{report['retries']} retried calls, {report['offline_steps']} steps while the syncer was unreachable")
+    group.close()
+    if group.leader:
+        ranks = f" ({group.size} ranks)" if group.size > 1 else ""
+        print(f"atoll island {args.island}{ranks}: done; {report['steps']} inner steps, {report['bytes_sent']:,.0f} "
+              f"bytes sent, {report['retries']} retried calls, {report['offline_steps']} steps while the syncer was "
+              f"unreachable, {report['lease_fetches']} step leases", flush=True)
     return 0
 
 

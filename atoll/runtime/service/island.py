@@ -1,25 +1,45 @@
 """``atoll island``: one island of a decoupled run as a job of its own, which only dials out to ``atoll syncer``.
 
-The island prepares the same data and initial model as the syncer (the same run settings), joins (a new
-session; its inner steps so far, should it be a restart), pulls every global fragment, and runs the learner's
-loop shared with the Ray runtime (:meth:`IslandWorker.run <atoll.strategies.decoupled.island.IslandWorker.run>`)
-over a :class:`~atoll.runtime.service.client.ServiceTransport`. When the step budget is spent it pushes what
-it has not pushed, waits for those exchanges, reports its counters (``Leave``) and exits 0. Killed and started
-again with the same command, it rejoins from the newest global fragments; its un-pushed work is lost.
+Launch (one island of R ranks; ``--shard-island`` to shard its model over them with FSDP2)::
+
+    torchrun --nproc-per-node 4 -m atoll island --syncer syncer.example.org:7070 --tls-ca ca.pem \\
+        --island 0 --credential island_0.token [--shard-island] RUN FLAGS
+    atoll island --syncer ... --island 1 ...            # an island of one rank, without torchrun
+
+Every rank prepares the same data and model shapes as the syncer (the same run settings); the leader (rank 0)
+joins (a new session; its inner steps so far, should it be a restart) and holds the island's control
+connection (step leases, heartbeats, the commit of a push, ``Leave``); every rank pulls its slice of each
+newest global fragment over its own bulk connection (:mod:`~atoll.runtime.service.exchange`) and the ranks
+run the learner's loop shared with the Ray runtime (:meth:`IslandWorker.run
+<atoll.strategies.decoupled.island.IslandWorker.run>`), each on its rows of the island's batch (the run's
+batch split over the ranks: the same tokens per inner step as an island of one rank), the gradient averaged
+inside the island (torch DDP, or FSDP2's reduce-scatter). When the step budget is spent the island pushes
+what it has not pushed, waits for those exchanges, reports its counters (``Leave``) and exits 0. A rank that
+dies ends its island's job (its peers fail their next collective at once and exit with status 3); started
+again (torchrun ``--max-restarts``, or the same command), it rejoins from the newest global fragments; its
+un-pushed work is lost. The other islands never wait for it beyond the syncer's grace window.
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
-from atoll.job.device import resolve_device
-from atoll.runtime.service.client import ServiceTransport, SyncerClient
+from atoll.job.divergence import inject_fault
+from atoll.job.island import Island, make_island
+from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call
+from atoll.runtime.service.client import StepLease, SyncerClient
+from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
+from atoll.runtime.service.group import IslandGroup
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
 
 
@@ -39,36 +59,130 @@ def read_token(path: Path) -> str:
     return token
 
 
-def run_island(config: TrainConfig, island: int, client: SyncerClient) -> dict[str, Any]:
-    """Train island ``island`` of the run against the syncer ``client`` reaches; return its counters.
+class RankWorker(IslandWorker):
+    """A rank of an island job of ``group.size`` ranks: its rows of each batch, the gradient averaged with its
+    peers (torch DDP's all-reduce, or FSDP2's reduce-scatter when ``sharded``), the loss the island's mean.
+
+    A test's kill hook (:mod:`atoll.job.faults`, ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:STEP[:STOP]`` with RANK
+    this island's rank and STEP its inner step, 1-based) is told each step of the job's first start (not of a
+    torchrun restart) with ``kind="start"``, as the collective runtime tells its ranks.
+    """
+
+    def __init__(self, index: int, job: Job, total_steps: int, group: IslandGroup, sharded: bool,
+                 island: Island | None = None, held: list[Any] | None = None) -> None:
+        super().__init__(index, job, total_steps, group.device, island=island, held=held)
+        self.group, self.sharded = group, sharded
+        self.first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    def forward_backward(self, batch: torch.Tensor) -> None:
+        if self.first_start:  # a test's kill hook (see the class docstring)
+            inject_fault(self.island, self.steps, "start", rank=self.group.rank)
+        r_count = self.group.size
+        if r_count == 1:
+            super().forward_backward(batch)
+            return
+        rows = batch.shape[0] // r_count
+        mine = batch[self.group.rank * rows:(self.group.rank + 1) * rows]
+        if self.sharded:  # FSDP2 reduce-scatters the mean gradient in the last micro-batch's backward pass
+            self.island.forward_backward(mine)
+        else:  # torch DDP all-reduces in the backward pass; the sum over the ranks that contributed, then /
+            from atoll.runtime.collective import torch_ddp
+
+            hooked_call(self.island.forward_backward, mine)
+            hooked_call(torch_ddp.finish_mean, self.island, r_count)
+        loss = self.island.loss_tensor.reshape(1).to(torch.float32)
+        dist_call(dist.all_reduce, loss, group=self.group.world)
+        self.island.last_loss = loss.div_(r_count)[0]  # every rank decides alike (a diverged island resets)
+        self.island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
+
+
+def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWorker, SlicePlan, Job]:
+    """The rank's worker (its island: the whole model under DDP, or its FSDP2 shard) and the slice plan."""
+    from atoll.job.run import prepare_inputs
+
+    sharded = bool(config.shard_island)
+    data, model = prepare_inputs(config, notes=group.leader, meta=sharded)  # sharded: shapes only
+    job = Job.of(config, data, model)
+    total = expected_steps(config)[index]
+    leader_moves = config.slice_transfer == "leader"
+    if sharded:
+        from atoll.runtime.collective.sharding import make_sharded_island
+
+        island, layout = make_sharded_island(index, copy.deepcopy(model), config, None, group.world, group.device,
+                                             total_steps=total)
+        plan = SlicePlan.shards(job.index, [p.numel() for p in model.parameters()], layout.counts, group.rank,
+                                leader_moves)
+        return RankWorker(index, job, total, group, True, island=island, held=plan.held), plan, job
+    plan = SlicePlan.whole(job.index, group.rank, group.size, leader_moves)
+    island = None
+    if group.size > 1:
+        from atoll.runtime.collective import torch_ddp
+
+        island = torch_ddp.wrap(make_island(index, copy.deepcopy(model).to(group.device), config, None,
+                                            total_steps=total), config, group.device)
+    return RankWorker(index, job, total, group, False, island=island), plan, job
+
+
+def run_island(config: TrainConfig, island: int, client: SyncerClient, group: IslandGroup) -> dict[str, Any]:
+    """Train this rank of island ``island`` against the syncer ``client`` reaches; return the island's counters
+    (the leader's; the other ranks return their own bulk counters).
 
     Raises:
         ConfigError: ``island`` is not one of the run's, the syncer's model differs, or the credential is refused.
         SyncerUnreachable: the syncer gave no answer for ``client.give_up_s``.
+        PeerFailure: another rank of the island stopped responding.
     """
     if not 0 <= island < config.islands:
         raise ConfigError(f"island: {island} is not one of the run's islands 0..{config.islands - 1}; pass "
                           "--island in that range")
     if config.threads:
         torch.set_num_threads(config.threads)
-    job = Job.prepare(config)
-    joined = client.call("Join", {"numels": [int(i.numel()) for i in job.index]})
-    flat, versions = job.init_flat.clone(), []
-    for p, idx in enumerate(job.index):  # the newest global fragments, each over the bulk connection
-        version, params = client.download(p)
-        idx.scatter_(flat, params)  # a fragment is a view of the flat vector (FlatFragment)
-        versions.append(version)
-    worker = IslandWorker(island, job, expected_steps(config)[island], resolve_device(config.device))
-    worker.rejoin(flat, versions)
-    worker.steps = int(joined["steps"])
-    transport = ServiceTransport(client, worker.fragments, int(joined["session"]), offline_steps=worker.sync_every,
-                                 tokens_per_step=config.tokens_per_step)
+    worker, plan, job = _build(config, island, group)
+    numels = [int(i.numel()) for i in job.index]
+    joined = client.call("Join", {"numels": numels}) if group.leader else {}
+    session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])
+    from atoll.algorithms.codecs import make_codec
+
+    c = config
+    codec = make_codec(c.codec, block_size=c.codec_block_size, rounding=c.codec_rounding, topk_fraction=c.topk_fraction)
+    lease = (StepLease(client, worker.sync_every, worker.sync_every, config.tokens_per_step, worker.fragments,
+                       status=lambda: (float(worker.island.last_loss),
+                                       float(worker.island.scheduler.get_last_lr()[0])))
+             if group.leader else None)
+    transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease)
+    worker.send_range = [plan.send_range(p) for p in range(worker.fragments)]
+    worker.transport_encodes = True
     t0 = time.monotonic()
-    worker.run(transport)
+    try:
+        pulls = transport.start()  # the newest global fragments, the same versions on every rank
+        worker.start_from(pulls)
+        worker.steps = steps
+        if group.leader:
+            ranks = f" ({group.size} ranks{', sharded' if plan.sharded else ''})" if group.size > 1 else ""
+            print(f"atoll island {island}{ranks}: joined (session {session}, {steps} inner steps so far), from the "
+                  f"global fragments at versions {[p.version for p in pulls]}", flush=True)
+        worker.run(transport)
+    finally:
+        transport.abort()
+        if lease is not None:
+            lease.close()
     report = {"steps": worker.steps, "compute_s": worker.island.compute_s, "bytes_sent": transport.bytes_sent,
               "last_loss": worker.island.last_loss, "codec_s": worker.wire.codec_s[0],
               "resets": worker.island.reset_count, "skipped_steps": worker.island.skipped_steps}
-    client.call("Leave", report)
-    return {**report, "island": island, "wall_s": time.monotonic() - t0, "retries": client.retries,
-            "offline_steps": transport.offline_steps_taken, "refused_pushes": transport.refused,
-            "session": int(joined["session"])}
+    if lease is not None:
+        client.call("Leave", {**report, "used": lease.used})
+    return {**report, "island": island, "rank": group.rank, "ranks": group.size, "wall_s": time.monotonic() - t0,
+            "retries": client.retries, "offline_steps": lease.offline_steps_taken if lease is not None else 0,
+            "refused_pushes": transport.refused, "lost_pushes": transport.lost, "session": session,
+            "lease_fetches": lease.fetches if lease is not None else 0, **transport.counters()}
+
+
+def lost_peer(e: PeerFailure, island: int, group: IslandGroup) -> None:
+    """A rank of this island stopped responding: one line (the leader's), and exit with status 3 at once (a
+    backend with a dead peer can hang in its clean-up); torchrun's agent restarts the job (--max-restarts)."""
+    if group.leader or e.suspect is None:
+        print(f"atoll: error: island {island}: a rank of this island stopped responding ({e.reason}); restart the "
+              "job (torchrun --max-restarts does): it rejoins from the newest global fragments", file=sys.stderr,
+              flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_FAILURE)

@@ -8,6 +8,23 @@ another island's secret (``identity``) is refused with UNAUTHENTICATED, counted 
 reason and logged. A push that passes is then checked as the syncer checks every push (form, identity,
 freshness: a replay is refused and counted as ``replay``, bounds). Payloads are JSON and safetensors only.
 
+**Slices.** Each rank of an island job uploads its slice of a push over its own connection: the ``Upload``
+header names the fragment and the slice's ranges of its element order (:mod:`~atoll.runtime.service.slices`),
+and its bytes are the codec's encoded payload (:func:`~atoll.runtime.service.wire.payload_bytes`, at most
+what the run's codec makes of that many values). The island's leader then commits the push (``Push``),
+listing its slices' uploads; the server decodes each with the run's codec, checks that they tile the
+fragment exactly (else the push is refused and counted as ``slices``) and reassembles the island's Δ before
+the syncer's own checks, so admission, bounds, sessions and one vote per island stay per island. The bytes a
+push counts (``nbytes``) are those of the payloads received. ``Download`` serves the float32 values of the
+newest global fragment at the ranges asked for (all of it by default), so each rank pulls its own slice.
+
+**Leases.** ``ReserveSteps`` grants a lease of ``n`` steps (an island job asks a round ahead of need), with
+the steps of its session the island has used; ``Leave`` gives the unused back
+(:meth:`~atoll.strategies.decoupled.service.SyncerService.reserve_steps`). No step is granted before every
+island has joined (``{"granted": 0, "wait": true}``), or ``collective_timeout_s`` after the first did: the
+islands start together, as the learners of one run, and an island job that takes longer to start (torchrun,
+a cold data cache) does not find the budget spent by the others.
+
 Threads: gRPC runs calls on a pool of threads; every call into the service holds one lock, so the
 service sees one call at a time, as the Ray actor does. Tensor bytes are received and sent outside the
 lock, so a slow upload never holds up a heartbeat. A poll thread closes due grace windows, writes
@@ -22,61 +39,49 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent import futures
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from atoll.algorithms.codecs import make_codec
 from atoll.config import TrainConfig
-from atoll.errors import ConfigError
-from atoll.runtime.service import wire
+from atoll.runtime.service import slices, wire
 from atoll.strategies.decoupled.protocol import Push, is_index
 from atoll.strategies.decoupled.service import SyncerService
 
 log = logging.getLogger("atoll.syncer")
 
-#: uploads (a push's tensor in transfer) one island may have open at once; the oldest is dropped beyond
-OPEN_UPLOADS = 8
+#: bytes of uploads (slices of pushes in transfer) one island may hold, in whole fragments' payloads; the
+#: oldest uploads are dropped beyond (an island has at most one push per fragment in flight, two fragments
+#: in flight at the paper's settings)
+OPEN_FRAGMENTS = 8
+#: uploads one island may hold at once, whatever their size
+OPEN_UPLOADS = 4096
+#: slices one push may list
+MAX_SLICES = 4096
+#: bytes of a safetensors header the payload of a slice may take beyond the codec's own bytes
+HEADER_BYTES = 4096
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
+#: pulled slices kept serialized (a fragment's slices are pulled by every island's ranks alike), at most this
+#: many, and at most twice the global parameters' float32 bytes
+PULL_CACHE = 256
 
 
-def load_credentials(folder: Path, islands: int) -> list[str]:
-    """One secret per island from ``folder/island_<i>.token``; missing ones are made (:func:`secrets.token_hex`,
-    32 hex digits, the file readable by its owner only) and said once on stderr.
+@dataclass
+class Upload:
+    """One slice of a push in transfer: its fragment, its ranges, its declared size and the bytes so far."""
 
-    Raises:
-        ConfigError: the folder cannot be made or read, or a token file is empty.
-    """
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tokens, made = [], []
-        for i in range(islands):
-            path = folder / f"island_{i}.token"
-            if not path.exists():
-                tmp = folder / f".island_{i}.token.tmp"
-                tmp.write_text(secrets.token_hex(16) + "\n")
-                tmp.chmod(0o600)
-                tmp.replace(path)
-                made.append(path.name)
-            token = path.read_text().strip()
-            if not token:
-                raise ConfigError(f"credentials: '{path}' is empty; delete it to have a new secret made")
-            tokens.append(token)
-    except OSError as e:
-        raise ConfigError(f"credentials: cannot use the folder '{folder}' ({e.strerror or e}); pass a writable "
-                          "--credentials folder") from None
-    if made:
-        print(f"atoll syncer: made credentials {', '.join(made)} in {folder}; give island i only its own "
-              "island_<i>.token", flush=True)
-    return tokens
+    fragment: int
+    ranges: slices.Ranges
+    size: int
+    data: bytearray = field(default_factory=bytearray)
 
 
 class SyncerServer:
@@ -92,17 +97,24 @@ class SyncerServer:
         self.config, self.out = config, Path(out)
         self.service = SyncerService(config.model_dump_json(), str(self.out), credentials, pid_dir="service")
         self.lock = threading.Lock()
-        self.uploads: dict[int, OrderedDict[str, bytearray]] = {i: OrderedDict() for i in range(config.islands)}
+        self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(config.islands)}
         self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(config.islands)}
-        self.pulls: dict[int, tuple[int, bytes]] = {}  # fragment -> (version, safetensors bytes)
+        # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
+        self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
+        # the run's codec: what a push's payload must be (the islands encode with the same settings)
+        self.codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
+                                topk_fraction=config.topk_fraction)
         self.refused_calls: dict[str, int] = {}
         # island -> its report at leaving; kept beside the checkpoints so a restarted syncer knows who left
         self.left: dict[int, dict[str, Any]] = self._load_left()
         self.spent_at: float | None = None
+        self.first_join: float | None = None  # monotonic time of the first join (the start gate)
+        self.started_at: float | None = None
         self.done = threading.Event()
         self.final: dict[str, Any] | None = None
         self.written_status = ""
-        self.max_upload = 4 * max(self.service.syncer.numels) + (1 << 16)  # float32 + the safetensors header
+        numels = self.service.syncer.numels
+        self.max_open = OPEN_FRAGMENTS * max(self.codec.payload_bytes(n) + HEADER_BYTES for n in numels)
 
     # --- authentication -----------------------------------------------------------------------------------
     def _caller(self, context: grpc.ServicerContext) -> tuple[int, str]:
@@ -141,24 +153,34 @@ class SyncerServer:
                           f"model: this island's fragments hold {req.get('numels')} parameters, the syncer's {numels}; "
                           "give the island the syncer's --model, --fragments and --seed")
         with self.lock:
+            self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
             self._save_left()
         return wire.dumps({"versions": versions, "steps": steps, "session": session})
 
     def ReserveSteps(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+        """A lease of up to ``n`` steps; ``used``: the steps of its session the island has taken (``loss``,
+        ``lr``: its last, for the progress). Answers ``{"granted"}`` (fewer than ``n``: the budget is spent)."""
         island, credential = self._caller(context)
-        n = self._request(data, context).get("n", 1)
+        req = self._request(data, context)
+        n = req.get("n", 1)
         if not (is_index(n, 1 << 20) and n > 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: a positive int")
-        granted, buffered = 0, []
         with self.lock:
-            for _ in range(n):
-                go, buffered = self.service.reserve_step(island, credential)
-                if not go:
-                    break
-                granted += 1
-        return wire.dumps({"granted": granted, "buffered": buffered})
+            if not self._started():
+                return wire.dumps({"granted": 0, "wait": True})
+            granted = self.service.reserve_steps(island, credential, n, used=req.get("used"), loss=req.get("loss"),
+                                                 lr=req.get("lr"))
+        return wire.dumps({"granted": granted})
+
+    def _started(self) -> bool:
+        """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
+        the first did (a restarted syncer's run has started)?"""
+        late = self.first_join is not None and time.monotonic() - self.first_join > self.config.collective_timeout_s
+        if self.started_at is None and (len(self.joined) == self.config.islands or self.service.reserved > 0 or late):
+            self.started_at = time.monotonic()
+        return self.started_at is not None
 
     def Buffered(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         island, _ = self._caller(context)
@@ -172,56 +194,93 @@ class SyncerServer:
         return wire.dumps({**progress, "spent": self.service.reserved >= self.service.budget})
 
     def PullMeta(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+        """The newest version of a fragment (``{"version"}``)."""
         self._caller(context)
         fragment = self._request(data, context).get("fragment")
-        version, payload = self._pull(fragment, context)
-        return wire.dumps({"version": version, "size": len(payload)})
+        if not is_index(fragment, self.service.syncer.fragments):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
+        with self.lock:
+            return wire.dumps({"version": self.service.syncer.version(fragment)})
 
     def UploadStatus(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         island, _ = self._caller(context)
         upload = str(self._request(data, context).get("upload"))
         with self.lock:
-            buf = self.uploads[island].get(upload)
-            done = upload in self.answers[island]
-        return wire.dumps({"received": len(buf) if buf is not None else 0, "done": done})
+            held = self.uploads[island].get(upload)
+        return wire.dumps({"received": len(held.data) if held is not None else 0})
 
     def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        """Commit an uploaded push: decode its tensor, hand it to the syncer; answer (accepted, the version to pull)."""
+        """Commit a push whose slices were uploaded (``slices``: their upload ids, the island's ranks' or one):
+        decode each with the run's codec, reassemble the fragment's Δ, hand it to the syncer; answer (accepted,
+        answered: merged or refused now, the version to pull)."""
         island, credential = self._caller(context)
         req = self._request(data, context)
-        upload = str(req.get("upload"))
+        ids = req.get("slices")
+        if not (isinstance(ids, list) and 0 < len(ids) <= MAX_SLICES and all(isinstance(u, str) for u in ids)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"slices: a list of 1..{MAX_SLICES} upload ids")
+        key = "\n".join(ids)
         with self.lock:
-            if upload in self.answers[island]:  # a retry whose first reply was lost: the same answer
-                return wire.dumps(self.answers[island][upload])
-            buf = self.uploads[island].pop(upload, None)
-        if buf is None or len(buf) != req.get("size"):
+            if key in self.answers[island]:  # a retry whose first reply was lost: the same answer
+                return wire.dumps(self.answers[island][key])
+            held = [self.uploads[island].get(u) for u in ids]
+            complete = all(h is not None and len(h.data) == h.size for h in held)
+            if complete:
+                for u in ids:
+                    self.uploads[island].pop(u, None)
+        if not complete:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "upload: incomplete or unknown; upload it again")
-        try:
-            delta: Any = wire.bytes_tensor(bytes(buf))
-        except ValueError:
-            delta = None  # refused by the syncer's own check (type), and counted there
+        fragment, tokens = req.get("fragment"), req.get("tokens")
+        uploads = [h for h in held if h is not None]
+        delta: Any = None  # a fragment of no run's, or a payload that does not decode: the syncer refuses it
+        nbytes = 0
+        if is_index(fragment, self.service.syncer.fragments):
+            numel = self.service.syncer.numels[fragment]
+            if any(h.fragment != fragment for h in uploads) or not slices.tiles([h.ranges for h in uploads], numel):
+                with self.lock:
+                    self.service.refuse(island, fragment, "slices", tokens)
+                    return wire.dumps(self._answer(island, key, False, fragment))
+            try:  # decoded outside the lock: a large push never holds up the other islands' calls
+                decoded = []
+                for h in uploads:
+                    payload = wire.bytes_payload(bytes(h.data), self.codec, sum(b - a for a, b in h.ranges))
+                    nbytes += payload.nbytes
+                    decoded.append((h.ranges, self.codec.decode(payload)))
+                delta = slices.assemble(numel, decoded)
+            except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
+                delta = None
         round_s = req.get("round_s")
-        msg = Push(island, req.get("fragment"), delta, req.get("tokens"), req.get("base_version"),
-                   nbytes=req.get("nbytes", 0) if is_index(req.get("nbytes", 0), math.inf) else 0,
+        msg = Push(island, fragment, delta, tokens, req.get("base_version"), nbytes=nbytes,
                    round_s=float(round_s) if isinstance(round_s, int | float) and math.isfinite(round_s) else None,
                    session=req.get("session"), credential=credential)
         with self.lock:
             accepted, pull = self.service.push(msg)
             answer = {"accepted": accepted, "answered": pull is not None,
                       "version": pull.version if pull is not None else None}
-            self.answers[island][upload] = answer
-            while len(self.answers[island]) > ANSWERS:
-                self.answers[island].popitem(last=False)
+            self._remember(island, key, answer)
         return wire.dumps(answer)
 
+    def _answer(self, island: int, key: str, accepted: bool, fragment: int) -> dict[str, Any]:
+        """A push answered now (refused), remembered for a retried commit (under the lock)."""
+        answer = {"accepted": accepted, "answered": True, "version": self.service.syncer.version(fragment)}
+        self._remember(island, key, answer)
+        return answer
+
+    def _remember(self, island: int, key: str, answer: dict[str, Any]) -> None:
+        self.answers[island][key] = answer
+        while len(self.answers[island]) > ANSWERS:
+            self.answers[island].popitem(last=False)
+
     def Leave(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+        """The island is done: its counters, and ``used``, the steps of its session it took (the rest of its
+        lease goes back to the budget)."""
         island, _ = self._caller(context)
         report = self._request(data, context)
         keep = ("steps", "compute_s", "bytes_sent", "last_loss", "codec_s", "resets", "skipped_steps")
         with self.lock:
+            returned = self.service.leave_session(island, report.get("used"))
             self.left[island] = {k: report[k] for k in keep if isinstance(report.get(k), int | float)}
             self._save_left()
-        return wire.dumps({"ok": True})
+        return wire.dumps({"ok": True, "returned": returned})
 
     def _load_left(self) -> dict[int, dict[str, Any]]:
         try:
@@ -243,48 +302,78 @@ class SyncerServer:
 
     # --- bulk ---------------------------------------------------------------------------------------------
     def Upload(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        """A push's tensor bytes: a JSON header ``{"upload", "offset"}``, then raw chunks appended at ``offset``."""
+        """A slice of a push: a JSON header ``{"upload", "offset", "fragment", "ranges", "size"}`` (``ranges``
+        of the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of
+        that many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end)."""
         island, _ = self._caller(context)
         header = self._request(next(requests, b""), context)
-        upload, offset = str(header.get("upload")), header.get("offset", 0)
+        upload, offset, fragment, size = (str(header.get("upload")), header.get("offset", 0), header.get("fragment"),
+                                          header.get("size"))
+        if not is_index(fragment, self.service.syncer.fragments):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
+        try:
+            ranges = wire.parse_ranges(header.get("ranges"), self.service.syncer.numels[fragment])
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        most = self.codec.payload_bytes(sum(b - a for a, b in ranges)) + HEADER_BYTES
+        if not (is_index(size, most + 1) and size > 0):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"size: {size!r}; a slice's payload is 1..{most} bytes")
         with self.lock:
             uploads = self.uploads[island]
-            buf = uploads.setdefault(upload, bytearray())
+            held = uploads.get(upload)
+            if held is None or (held.fragment, held.ranges, held.size) != (fragment, ranges, size):
+                held = uploads[upload] = Upload(fragment, ranges, size)
             uploads.move_to_end(upload)
-            while len(uploads) > OPEN_UPLOADS:
+            while len(uploads) > OPEN_UPLOADS or sum(u.size for u in uploads.values()) > self.max_open:
                 uploads.popitem(last=False)
+        buf = held.data
         if not (is_index(offset, len(buf) + 1)):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"offset: {offset!r}, the syncer holds {len(buf)} bytes")
         del buf[offset:]
         for chunk in requests:
-            if len(buf) + len(chunk) > self.max_upload:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over {self.max_upload} bytes")
+            if len(buf) + len(chunk) > size:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over its declared {size} bytes")
             buf += chunk
         return wire.dumps({"received": len(buf)})
 
     def Download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
-        """A global fragment: a JSON header ``{"version", "size", "offset"}``, then its safetensors bytes from
-        ``offset`` (from 0 when the version asked for is no longer the newest)."""
+        """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):
+        a JSON header ``{"version", "size", "offset"}``, then their safetensors bytes from ``offset`` (from 0
+        when the version asked for is no longer the newest)."""
         self._caller(context)
         req = self._request(data, context)
-        version, payload = self._pull(req.get("fragment"), context)
+        fragment = req.get("fragment")
+        if not is_index(fragment, self.service.syncer.fragments):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
+        ranges = None
+        if req.get("ranges") is not None:
+            try:
+                ranges = wire.parse_ranges(req.get("ranges"), self.service.syncer.numels[fragment])
+            except ValueError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        version, payload = self._pull(fragment, ranges)
         offset = req.get("offset", 0)
         if req.get("version") != version or not is_index(offset, len(payload) + 1):
             offset = 0
         yield wire.dumps({"version": version, "size": len(payload), "offset": offset})
         yield from wire.chunks(payload, offset)
 
-    def _pull(self, fragment: Any, context: grpc.ServicerContext) -> tuple[int, bytes]:
-        if not is_index(fragment, self.service.syncer.fragments):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment: {fragment!r} is not one of the run's")
+    def _pull(self, fragment: int, ranges: slices.Ranges | None = None) -> tuple[int, bytes]:
+        """(version, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all)."""
+        key = (fragment, ranges)
         with self.lock:
-            cached = self.pulls.get(fragment)
+            cached = self.pulls.get(key)
             if cached is not None and cached[0] == self.service.syncer.version(fragment):
+                self.pulls.move_to_end(key)
                 return cached
             pull = self.service.pull(fragment)  # a copy: serialized below, outside the lock
-        cached = (pull.version, wire.tensor_bytes(pull.params))
+        values = pull.params if ranges is None else slices.take(pull.params, ranges)
+        cached = (pull.version, wire.tensor_bytes(values))
         with self.lock:
-            self.pulls[fragment] = cached
+            self.pulls[key] = cached
+            most = 8 * self.service.syncer.numel
+            while len(self.pulls) > PULL_CACHE or sum(len(b) for _, b in self.pulls.values()) > most:
+                self.pulls.popitem(last=False)
         return cached
 
     # --- the run ------------------------------------------------------------------------------------------
@@ -302,7 +391,8 @@ class SyncerServer:
                 "reserved": s.reserved, "budget": s.budget, "restarts": s.restarts,
                 "steps_by_island": list(s.steps_by_island),
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
-                "refused_calls": dict(self.refused_calls), "rejected_updates": s.syncer.rejected_updates,
+                "joins": list(s.joins), "refused_calls": dict(self.refused_calls),
+                "rejected_updates": s.syncer.rejected_updates,
                 "rejected_by_reason": dict(s.syncer.rejected_by_reason), "joined": sorted(self.joined),
                 "left": sorted(self.left), "done": self.done.is_set()}
 
@@ -325,78 +415,3 @@ class SyncerServer:
         if status != self.written_status:  # written when it changed, not ten times a second
             write_text_atomic(self.out / "service" / "status.json", status)
             self.written_status = status
-
-
-def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Path | None, tls_key: Path | None,
-          insecure: bool = False) -> dict[str, Any]:
-    """Run ``atoll syncer`` until the run is over; return its summary (the run folder ``<out>/run``).
-
-    Raises:
-        ConfigError: a bad listen address, TLS material or credentials folder; plaintext on a non-loopback
-            address without ``insecure``; an address that cannot be bound.
-    """
-    try:
-        host, _ = wire.parse_address(listen, "listen")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if (tls_cert is None) != (tls_key is None):
-        raise ConfigError("tls-cert: --tls-cert and --tls-key go together; pass both (or neither, on loopback)")
-    if tls_cert is None and not wire.is_loopback(host) and not insecure:
-        raise ConfigError(f"listen: '{listen}' is reachable from other hosts and no TLS is set; pass --tls-cert and "
-                          "--tls-key, or --insecure to serve plaintext anyway (never across the internet)")
-    from atoll.runtime.service.tls import read_key_pair
-
-    key_pair = read_key_pair(tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
-    if config.out is None:
-        raise ConfigError("out: atoll syncer keeps its state in a folder; pass --out DIR (the same on a restart)")
-    out = Path(config.out)
-    credentials = load_credentials(credentials_dir, config.islands)
-    server_state = SyncerServer(config, out, credentials)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + 4 * config.islands),
-                         handlers=[server_state.handler()],
-                         options=[("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
-                                  ("grpc.so_reuseport", 0)])
-    try:
-        if key_pair is not None:
-            port = server.add_secure_port(listen, grpc.ssl_server_credentials([key_pair]))
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as e:
-        raise ConfigError(f"listen: cannot listen on '{listen}' ({e}); pick a free port or another address") from None
-    if port == 0:
-        raise ConfigError(f"listen: cannot listen on '{listen}' (in use, or not this host's); pick a free port")
-    server.start()
-    restarted = (f", restarted from commit {server_state.service.syncer.commits}"
-                 if server_state.service.restarts else "")
-    print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}), {config.islands} islands, "
-          f"state in {out}{restarted}", flush=True)
-    try:
-        while not server_state.done.is_set():
-            server_state.tick()
-            time.sleep(0.1)
-    finally:
-        server.stop(grace=2.0)
-    return finish_run(config, out, server_state)
-
-
-def finish_run(config: TrainConfig, out: Path, state: SyncerServer) -> dict[str, Any]:
-    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would."""
-    from atoll.job.run import Run
-
-    final = state.final or {}
-    run = Run(config.model_copy(update={"out": out / "run"}))
-    run.begin()
-    reports = [state.left.get(i, {}) for i in range(config.islands)]
-    bytes_sent = [float(r.get("bytes_sent", 0.0)) for r in reports]
-    tokens = sum(final["steps_by_island"]) * config.tokens_per_step
-    wall_s = final["run_s"]
-    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
-    run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
-    compute = [float(r.get("compute_s", 0.0)) for r in reports]
-    return run.finish(tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands, compute_s=max(compute),
-                      sim_wall_s=wall_s, bytes_sent_by_island=bytes_sent, fragments=config.fragments, **final["stats"],
-                      steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
-                      island_utilization=[c / wall_s if wall_s > 0 else 0.0 for c in compute],
-                      rejoins=[max(0, j - 1) for j in final["joins"]], rejoin_s=final["rejoin_s"],
-                      versions=final["versions"], syncer_restarts=final["syncer_restarts"],
-                      refused_calls=dict(state.refused_calls), islands_left=sorted(state.left))

@@ -1,10 +1,18 @@
 """What travels between an island and ``atoll syncer``: method names, metadata keys, JSON and safetensors.
 
-Control calls (join, step grants, heartbeats, buffer and pull metadata, the commit of a push) are unary
+Control calls (join, step leases, heartbeats, buffer and pull metadata, the commit of a push) are unary
 calls of JSON objects on the control connection; tensors travel as safetensors bytes in chunks of
 :data:`CHUNK_BYTES` on a separate bulk connection (``Upload``: client-streaming, resumable at the offset the
-syncer reports; ``Download``: server-streaming from an offset). Nothing is ever unpickled: a payload that is
-not a JSON object or a safetensors file of exactly one tensor is refused.
+syncer reports; ``Download``: server-streaming from an offset). Each rank of an island has its own bulk
+connection and moves its own *slice* of a fragment: ranges of the fragment's element order
+(:mod:`~atoll.runtime.service.slices`) named in the ``Upload`` header and the ``Download`` request.
+
+What a push uploads is the codec's payload as it is encoded (:func:`payload_bytes`: the tensors of
+:class:`~atoll.algorithms.codec_base.Encoded`, ``values`` / ``scales`` / ``indices``, in one safetensors
+file), so the bytes on the wire are the ``nbytes`` the run reports (plus the safetensors header, about
+100 bytes); the syncer decodes it (:func:`bytes_payload`, checked against the run's codec as from a
+stranger). A pull downloads float32 values (:func:`tensor_bytes`). Nothing is ever unpickled: a payload that
+is not a JSON object or a safetensors file of the expected tensors is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +25,14 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from atoll.algorithms.codec_base import Codec, Encoded
+
 #: the gRPC service's name; methods are ``/atoll.Syncer/<Name>``
 SERVICE = "atoll.Syncer"
-#: unary JSON -> JSON methods on the control connection
+#: unary JSON -> JSON methods (``UploadStatus``, part of a transfer's retry, goes over the bulk connection)
 CONTROL = ("Join", "ReserveSteps", "Buffered", "Heartbeat", "UploadStatus", "Push", "PullMeta", "Leave")
+#: the most ranges one slice may name (a sharded rank's slice: one per parameter of the fragment)
+MAX_RANGES = 1 << 16
 #: bytes per chunk of a tensor transfer (gRPC's default message limit is 4 MiB)
 CHUNK_BYTES = 1 << 20
 #: call metadata carrying the caller's island index and its secret
@@ -69,6 +81,52 @@ def bytes_tensor(data: bytes) -> torch.Tensor:
     if set(tensors) != {TENSOR_NAME}:
         raise ValueError(f"expected one tensor named {TENSOR_NAME!r}, got {sorted(tensors)[:4]}")
     return tensors[TENSOR_NAME]
+
+
+def payload_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """A codec's payload (:attr:`Encoded.tensors <atoll.algorithms.codec_base.Encoded.tensors>`: 1-D tensors
+    by role) as a safetensors file's bytes, as it travels from an island to the syncer."""
+    return st_save({k: t.detach().contiguous().cpu() for k, t in tensors.items()})
+
+
+def bytes_payload(data: bytes, codec: Codec, numel: int) -> Encoded:
+    """The payload of :func:`payload_bytes`'s bytes, checked as from a stranger against ``codec``'s layout for
+    ``numel`` values: exactly its tensors (names, dtypes, lengths), and ``topk`` indices inside ``0..numel-1``.
+
+    Raises:
+        ValueError: not a safetensors file, or not that layout (one line).
+    """
+    try:
+        tensors = st_load(bytes(data))
+    except Exception as e:  # safetensors raises its own SafetensorError on malformed headers
+        raise ValueError(f"not a safetensors payload ({type(e).__name__})") from None
+    expected = sorted((k, dtype, n) for k, dtype, n in codec.layout(numel))
+    got = sorted((k, t.dtype, t.numel() if t.dim() == 1 else -1) for k, t in tensors.items())
+    if got != expected:
+        raise ValueError(f"a {codec.name} payload of {numel} values is {expected}, got {got[:4]}")
+    indices = tensors.get("indices")
+    if indices is not None and indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < numel):
+        raise ValueError(f"indices outside 0..{numel - 1}")
+    return Encoded(tensors, numel, codec.name)
+
+
+def parse_ranges(obj: Any, numel: int) -> tuple[tuple[int, int], ...]:
+    """A slice's ranges of a fragment of ``numel`` values, from JSON (``[[start, stop], ...]``), checked: ints,
+    ``0 <= start < stop <= numel``, ascending and disjoint, at most :data:`MAX_RANGES`.
+
+    Raises:
+        ValueError: anything else (one line).
+    """
+    if not isinstance(obj, list) or not 0 < len(obj) <= MAX_RANGES:
+        raise ValueError(f"ranges: a list of 1..{MAX_RANGES} [start, stop] pairs")
+    out, end = [], 0
+    for r in obj:
+        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+                and end <= r[0] < r[1] <= numel):
+            raise ValueError(f"ranges: {str(r)[:40]} is not an ascending [start, stop] within 0..{numel}")
+        out.append((r[0], r[1]))
+        end = r[1]
+    return tuple(out)
 
 
 def chunks(data: bytes, offset: int = 0) -> list[bytes]:

@@ -267,7 +267,8 @@ SPEC = StrategySpec(
     name="decoupled",
     summary="fragments' pseudo-gradients pushed asynchronously to a syncer, merged at a quorum, token-weighted "
             "(Decoupled DiLoCo, arXiv:2604.21428)",
-    config=DecoupledConfig, runtimes=("local", "ray"), validate=validate, lockstep=None, project=project,
+    config=DecoupledConfig, runtimes=("local", "ray", "service"), validate=validate, lockstep=None, project=project,
+    shards=True,
     suite=(SuiteRun("decoupled", "decoupled H={sync_every} P={fragments} {codec}", {"strategy": "decoupled"}),
            SuiteRun("decoupled_chaos", "decoupled H={sync_every} P={fragments} {codec}, standard failure trace",
                     {"strategy": "decoupled", "standard_chaos": True})),

@@ -103,39 +103,55 @@ class Transport(Protocol):
 class IslandWorker:
     """One island of a decoupled run: inner steps, pushes and pulls.
 
+    A rank of an island job of several ranks (:mod:`atoll.runtime.service.island`) is one too: it is given
+    its ``island`` (under DDP, or FSDP2-sharded) and the part of each fragment it ``held`` (a sharded rank
+    holds its shard's part only), pushes the ``send_range`` of it, and leaves the codec to its transport
+    (``transport_encodes``: the encoded payload is what travels).
+
     Args:
         index: the island's index.
-        job: the shared job (its model is copied).
+        job: the shared job (its model is copied, unless ``island`` is given).
         total_steps: the island's expected inner steps (sets its learning-rate schedule).
         device: where the island's replica and inner optimizer live (exchanged tensors are float32 on the CPU).
+        island: the island's replica, built by the caller (a rank's); None: a copy of the job's model.
+        held: per fragment, what of it this worker holds, as ranges of its island's flat vector
+            (:meth:`~atoll.job.island.Island.flat_params`); None: ``job.index``, every fragment whole. With
+            ``held``, the base starts at zeros: call :meth:`start_from` before training.
 
     Attributes:
         sync_every: the island's own H (:func:`local_sync_every`: proportional to its speed).
-        base, base_version: per fragment, the global fragment (float32, (numel_p,)) the island last pulled,
-            and its version; pseudo-gradients are taken against it.
+        base, base_version: per fragment, the global fragment (float32, (numel_p,): the values held) the island
+            last pulled, and its version; pseudo-gradients are taken against it.
         at_push: per fragment, the island's own parameters when it last pushed (float32 (numel_p,); None
             with no exchange in progress): its work since then is kept on top of the answer.
         tokens_since: per fragment, tokens trained since its last push.
         steps: inner steps taken (lost ones included); it also indexes the island's batches.
         round_step: inner steps since the island last (re)joined; drives the fragment schedule.
+        send_range: per fragment, the values ``[a, b)`` of what it holds that its push carries (default all).
+        transport_encodes: a push carries the raw Δ and its transport encodes it with :attr:`wire` (False: the
+            push carries the decoded Δ, ``wire.transmit``'s, as the local and Ray runtimes hand it over).
     """
 
-    def __init__(self, index: int, job: Job, total_steps: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, index: int, job: Job, total_steps: int, device: torch.device | str = "cpu",
+                 island: Island | None = None, held: list[FlatFragment] | None = None) -> None:
         config = job.config
         self.config = config
         self.index = index
         self.job = job
-        self.island: Island = make_island(index, copy.deepcopy(job.model).to(device), config, None,
-                                          total_steps=total_steps)
-        self.fragment_index = job.index
+        self.island: Island = island if island is not None else make_island(
+            index, copy.deepcopy(job.model).to(device), config, None, total_steps=total_steps)
+        self.fragment_index = held if held is not None else job.index
         self.sync_every = local_sync_every(config)[index]
         self.wire = make_wire(config.strategy_config, [index], config.seed)
-        self.base = [frag.gather(job.init_flat) for frag in job.index]
+        self.base = ([frag.gather(job.init_flat) for frag in job.index] if held is None else
+                     [torch.zeros(frag.numel()) for frag in held])
         self.base_version = [0] * len(job.index)
         self.at_push: list[torch.Tensor | None] = [None] * len(job.index)
         self.tokens_since = [0] * len(job.index)
         self.steps = 0
         self.round_step = 0
+        self.send_range = [(0, frag.numel()) for frag in self.fragment_index]
+        self.transport_encodes = False
 
     @property
     def fragments(self) -> int:
@@ -164,7 +180,7 @@ class IslandWorker:
         batch = sample_batch(self.job.data.island_tokens[self.index], c.step_batch_size, c.seq_len, c.seed,
                              self.index, self.steps)
         inject_fault(self.island, self.steps, "weights")  # test hook (atoll.job.divergence)
-        self.island.forward_backward(batch)
+        self.forward_backward(batch)
         inject_fault(self.island, self.steps, "grad")
         diverged = self.island.diverged
         if diverged:  # its weights are lost: restart from the global model it last pulled
@@ -178,17 +194,25 @@ class IslandWorker:
             self.tokens_since = [t + c.tokens_per_step for t in self.tokens_since]
         return self.island.last_loss
 
+    def forward_backward(self, batch: torch.Tensor) -> None:
+        """The gradient of the island's batch (int64 (rows, seq_len + 1)); a rank of an island job of several
+        ranks takes its rows and averages the gradient with its peers (:mod:`atoll.runtime.service.island`)."""
+        self.island.forward_backward(batch)
+
     def due(self) -> list[int]:
         """Fragments whose push is due after the step just taken (staggered schedule, own step count)."""
         return fragments_due(self.round_step - 1, self.fragments, self.sync_every) if self.round_step else []
 
     def push(self, p: int) -> Push:
-        """Fragment p's push: Δ = base − θ_island passed through the run's codec (encoded, then decoded in
-        float32, with the island's error feedback), the tokens since its last push, its base version and the
+        """Fragment p's push: Δ = base − θ_island (of its :attr:`send_range`) passed through the run's codec
+        (encoded, then decoded in float32, with the island's error feedback; left to the transport with
+        :attr:`transport_encodes`, nbytes 0), the tokens since its last push, its base version and the
         encoded payload's bytes. Remembers θ_island of the fragment for :meth:`adopt`."""
         mine = self.island.flat_params(self.fragment_index[p])  # a copy of the fragment's views alone
         self.at_push[p] = mine
-        delta, nbytes = self.wire.transmit(0, pseudo_gradient(self.base[p], mine), f"fragment{p}")
+        a, b = self.send_range[p]
+        raw = pseudo_gradient(self.base[p][a:b], mine[a:b])
+        delta, nbytes = (raw, 0) if self.transport_encodes else self.wire.transmit(0, raw, f"fragment{p}")
         tokens, self.tokens_since[p] = self.tokens_since[p], 0
         return Push(self.index, p, delta, tokens, self.base_version[p], int(nbytes))
 
@@ -229,10 +253,11 @@ class IslandWorker:
         """A diverged island (its loss not finite): back to the global fragments it last pulled, with a fresh
         inner optimizer, counted in ``island.reset_count``. Its work since its last pushes is lost (nothing
         of it is pushed); an answer still on the way replaces its fragment as a final pull would."""
-        flat = torch.empty_like(self.job.init_flat)
-        for frag, base in zip(self.fragment_index, self.base, strict=True):
-            frag.scatter_(flat, base)
-        self.island.reset_to(flat)
+        for frag, base in zip(self.fragment_index, self.base, strict=True):  # (the fragments tile the model)
+            self.island.set_flat_params(base, frag)
+        self.island.optimizer.state.clear()
+        self.island.optimizer.zero_grad(set_to_none=True)
+        self.island.reset_count += 1
         self.at_push = [None] * self.fragments
         self.tokens_since = [0] * self.fragments
 
@@ -243,10 +268,18 @@ class IslandWorker:
         return lost
 
     def rejoin(self, global_flat: torch.Tensor, versions: list[int]) -> None:
-        """Restart from the syncer's newest global parameters with a fresh inner optimizer state."""
-        self.island.set_flat_params(global_flat)
-        self.base = [frag.gather(global_flat) for frag in self.fragment_index]
-        self.base_version = list(versions)
+        """Restart from the syncer's newest global parameters (float32 (numel,)) with a fresh inner optimizer
+        state."""
+        self.start_from([Pull(p, frag.gather(global_flat), v)
+                         for p, (frag, v) in enumerate(zip(self.fragment_index, versions, strict=True))])
+
+    def start_from(self, pulls: list[Pull]) -> None:
+        """(Re)start from the global fragments ``pulls`` (one per fragment: the values held, float32, at their
+        versions) with a fresh inner optimizer state and schedule of pushes."""
+        for pull in pulls:
+            self.island.set_flat_params(pull.params, self.fragment_index[pull.fragment])
+            self.base[pull.fragment] = pull.params.clone()
+            self.base_version[pull.fragment] = pull.version
         self.at_push = [None] * self.fragments
         self.island.optimizer.state.clear()
         self.island.optimizer.zero_grad(set_to_none=True)

@@ -46,6 +46,13 @@ class SyncerService:
     each island one push of tokens at its own H more (the steps it granted since that checkpoint were taken
     and are not in it), so an honest push after a restart is not refused for its tokens.
 
+    **Leases.** An island job takes its steps a round at a time (:meth:`reserve_steps`, ahead of need: one
+    call per lease, not one per inner step), reporting the steps of its session it has used. Steps it was
+    granted and did not use go back to the budget: those it returns as it leaves (:meth:`leave_session`: the
+    ledger too, as they were never trained), and those of a session that ended without leaving (a killed
+    island) when the island joins again (the budget only: the ledger keeps them, as the island may have
+    pushed tokens of steps it had not reported yet).
+
     Args:
         config_json: the run's :class:`TrainConfig` as JSON.
         out: the run folder (checkpoints go to ``out/syncer``).
@@ -83,6 +90,9 @@ class SyncerService:
         self.last_loss: list[float | None] = [None] * self.config.islands  # each island's, with its lr
         self.last_lr: list[float | None] = [None] * self.config.islands
         self.bytes_by_island = [0.0] * self.config.islands  # as the pushes declare them
+        # per island, of its current session: steps granted, and the most it reported using (leases)
+        self.leased = [0] * self.config.islands
+        self.lease_used = [0] * self.config.islands
         for island in range(self.config.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
         try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
@@ -98,6 +108,8 @@ class SyncerService:
             self.joins = [int(x) for x in service.get("joins", self.joins)]
             self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
             self.restarts = int(service.get("restarts", 0)) + 1
+            self.leased = [int(x) for x in service.get("leased", self.leased)]
+            self.lease_used = [int(x) for x in service.get("lease_used", self.lease_used)]
             self.first_step_s = service.get("first_step_s")
             self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
@@ -116,6 +128,7 @@ class SyncerService:
         ``wait``: return once it is on disk (the end of the run)."""
         service = {"reserved": self.reserved, "steps_by_island": list(self.steps_by_island), "joins": list(self.joins),
                    "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
+                   "leased": list(self.leased), "lease_used": list(self.lease_used),
                    "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
         self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
         if wait:
@@ -159,6 +172,10 @@ class SyncerService:
             self.events.append(("rejoin", {"island": island, "rejoin_s": self.rejoin_s[-1],
                                            "sim_wall_s": self._run_clock(now)}))
         self.last_seen[island] = now
+        # a session that ended without leaving (killed): the steps it was granted and never said it used go
+        # back to the budget (not to the ledger: it may have pushed tokens of steps it had not reported)
+        self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=False)
+        self.leased[island] = self.lease_used[island] = 0
         self._poll()
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 self.steps_by_island[island], self.syncer.rejoin(island))
@@ -177,21 +194,78 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
             PermissionError: ``credential`` is not the island's.
         """
+        go = self.reserve_steps(island, credential, 1, loss=loss, lr=lr) == 1
+        self.lease_used[island] = self.leased[island]  # a step asked for alone is taken at once
+        return go, self._buffered(island)
+
+    def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
+                      lr: Any = None) -> int:
+        """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease): the steps granted
+        (fewer than ``n``: the budget is spent), each entered in the syncer's token ledger. ``used``: the steps
+        of its session the island has used so far (:meth:`release_steps` gives the rest back if it never
+        returns); ``loss``, ``lr``: as :meth:`reserve_step`.
+
+        Raises:
+            ValueError: ``island`` is not one of the run's, or ``n`` is not a positive int.
+            PermissionError: ``credential`` is not the island's.
+        """
         self._island("reserve_step", island, credential)
+        if not (is_index(n, math.inf) and n > 0):
+            raise ValueError(f"reserve_steps: n must be a positive int, got {n!r}")
         self.last_seen[island] = self.heard[island] = self._now()
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
             self.last_loss[island], self.last_lr[island] = loss, lr
+        self._used(island, used)
         self._poll()
-        if self.reserved >= self.budget:
-            return False, self._buffered(island)
-        self.reserved += 1
-        self.steps_by_island[island] += 1
-        self.syncer.grant(island, self.config.tokens_per_step)
+        granted = max(0, min(n, self.budget - self.reserved))
+        if granted == 0:
+            return 0
+        self.reserved += granted
+        self.steps_by_island[island] += granted
+        self.leased[island] += granted
+        self.syncer.grant(island, granted * self.config.tokens_per_step)
         if self.island_first_step_s[island] is None:
             self.island_first_step_s[island] = self.last_seen[island]
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
                 self.first_step_s = self.last_seen[island]
-        return True, self._buffered(island)
+        return granted
+
+    def _used(self, island: int, used: Any) -> None:
+        if is_index(used, math.inf):
+            self.lease_used[island] = max(self.lease_used[island], min(used, self.leased[island]))
+
+    def release_steps(self, island: int, n: int, ledger: bool) -> int:
+        """Give ``n`` steps granted to ``island`` back to the shared budget (at most those it was granted);
+        ``ledger``: take their tokens out of its token ledger too (steps never trained). Returns the steps
+        given back."""
+        n = max(0, min(int(n), self.steps_by_island[island]))
+        self.reserved -= n
+        self.steps_by_island[island] -= n
+        self.leased[island] -= min(n, self.leased[island])
+        if ledger and n:
+            self.syncer.grant(island, -n * self.config.tokens_per_step)
+        return n
+
+    def leave_session(self, island: int, used: Any) -> int:
+        """``island`` leaves, having used ``used`` steps of its session: the rest of its lease goes back to the
+        budget and out of its ledger (:meth:`release_steps`); returns those steps.
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+        """
+        self._island("leave", island)
+        self._used(island, used)
+        returned = self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=True)
+        self.leased[island] = self.lease_used[island] = 0
+        return returned
+
+    def refuse(self, island: int, fragment: Any, reason: str, tokens: Any) -> None:
+        """Count a push of ``island`` refused before it could reach the syncer's own checks (its slices did
+        not tile the fragment: ``slices``), as the syncer counts its refusals."""
+        self.syncer._refuse(island, fragment, reason, tokens)  # (the syncer's one counter of refusals)
+        self.events.append(("push", {"island": island, "fragment": fragment, "outcome": "refused",
+                                     "island_step": self.steps_by_island[island],
+                                     "sim_wall_s": self._run_clock(self._now())}))
 
     def stop(self) -> int:
         """Grant no more inner steps (the driver was asked to stop by SIGINT or SIGTERM): every island finishes

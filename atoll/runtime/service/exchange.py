@@ -1,0 +1,419 @@
+"""How the ranks of an island job exchange fragments with ``atoll syncer``: slices, in parallel, agreed.
+
+:class:`ServiceTransport` is the :class:`~atoll.strategies.decoupled.island.Transport` of
+:meth:`IslandWorker.run <atoll.strategies.decoupled.island.IslandWorker.run>` on every rank of an island job
+(one rank: an island as a single process). For each push of fragment p (:class:`SlicePlan` says who moves
+what):
+
+1. **push** (``slice_transfer = "ranks"``): every rank encodes its slice of Δ with the run's codec and uploads
+   the payload over its own bulk connection (``Upload`` names the slice's ranges); the leader, once the
+   agreement says every slice is up, commits the push listing the slices (``Push``), and the syncer
+   reassembles the island's Δ. (``"leader"``: rank 0 gathers the slices inside the island, encodes the whole
+   fragment and uploads it alone.)
+2. **wait**: the leader asks every ``poll_s`` (``Buffered``) until the push is merged (a quorum, or the
+   grace window), and says so in the agreement.
+3. **pull**: every rank downloads its slice of the newest global fragment over its own connection (the
+   leader alone the whole fragment with ``"leader"``); the versions the ranks got are agreed (a commit between
+   two ranks' downloads: the older ones download again), and the island's ranks then assemble what they hold
+   (all-gather of the slices; with ``--shard-island`` a rank's slice is what it holds), or the leader
+   broadcasts or scatters it.
+
+The network calls run in a thread per exchange, so the island trains on meanwhile; everything the ranks do
+together (the agreement, the slices' collectives, adopting a pulled fragment) runs on the main thread at
+points every rank reaches alike (:meth:`reserve_step`: once per inner step; :meth:`settle`, :meth:`close`),
+so no two ranks of an island ever hold a fragment of different versions. The agreement is one all-reduce
+(minimum) of ``1 + 5 P`` int64 per inner step (:meth:`IslandGroup.agree
+<atoll.runtime.service.group.IslandGroup.agree>`); each stage waits for the next one (at most an inner step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.fragments import FlatFragment
+from atoll.algorithms.wire import Wire
+from atoll.runtime.service import slices, wire
+from atoll.runtime.service.client import GO, WAIT, StepLease, SyncerClient, UploadLost
+from atoll.runtime.service.group import IslandGroup
+from atoll.runtime.service.slices import Part, Ranges
+from atoll.strategies.decoupled.protocol import Pull, Push
+
+#: what a rank sends for a value of the agreement only another rank knows (the all-reduce takes the minimum)
+INF = 2**63 - 1
+#: per fragment, the agreement's entries: the push whose slices are uploaded; the push the leader committed
+#: and saw merged; the push whose slices are downloaded; the version downloaded (its minimum, and its
+#: maximum as the minimum of its negation)
+UP, READY, DONE, VMIN, VNEG = range(5)
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    """Who of an island's ``ranks`` ranks moves what of each fragment (see :mod:`~atoll.runtime.service.slices`).
+
+    Attributes:
+        rank, ranks: this rank and the island's.
+        sharded: the island is FSDP2-sharded (a rank holds its shard's part of each fragment only).
+        leader_moves: ``slice_transfer = "leader"``: rank 0 alone pushes and pulls whole fragments.
+        numels: per fragment, its values.
+        parts: per fragment, per rank, its part (:class:`~atoll.runtime.service.slices.Part`).
+        held: per fragment, what this rank holds of it, as ranges of its local flat vector.
+    """
+
+    rank: int
+    ranks: int
+    sharded: bool
+    leader_moves: bool
+    numels: list[int]
+    parts: list[list[Part]]
+    held: list[FlatFragment]
+
+    @classmethod
+    def whole(cls, index: list[FlatFragment], rank: int, ranks: int, leader_moves: bool = False) -> SlicePlan:
+        """An island whose every rank holds the whole model (one rank, or R under DDP): rank r's slice is the
+        r-th of R contiguous runs of each fragment (:func:`~atoll.runtime.service.slices.even_parts`)."""
+        return cls(rank, ranks, False, leader_moves or ranks == 1, [f.numel() for f in index],
+                   [slices.even_parts(f, ranks) for f in index], list(index))
+
+    @classmethod
+    def shards(cls, index: list[FlatFragment], param_numels: list[int], counts: torch.Tensor, rank: int,
+               leader_moves: bool = False) -> SlicePlan:
+        """An FSDP2-sharded island: rank r's slice is its shard's part of each fragment (``counts``:
+        :attr:`ShardLayout.counts <atoll.runtime.collective.sharding.ShardLayout.counts>`, (R, params))."""
+        pieces = slices.shard_pieces(param_numels, counts)
+        parts = [slices.shard_parts(f, pieces) for f in index]
+        return cls(rank, len(pieces), True, leader_moves, [f.numel() for f in index], parts,
+                   [parts[p][rank].local for p in range(len(index))])
+
+    def sizes(self, p: int) -> list[int]:
+        """Each rank's part of fragment p, in values."""
+        return [part.numel() for part in self.parts[p]]
+
+    def send_range(self, p: int) -> tuple[int, int]:
+        """The values ``[a, b)`` of what this rank holds of fragment p that its push's Δ covers."""
+        if self.sharded:
+            return 0, self.held[p].numel()
+        if self.leader_moves:
+            return (0, self.numels[p]) if self.rank == 0 else (0, 0)
+        own = self.parts[p][self.rank].ranges
+        return own[0] if own else (0, 0)
+
+    def movers(self, p: int) -> list[int]:
+        """The ranks that upload and download fragment p over their own connections."""
+        return [0] if self.leader_moves else [r for r, n in enumerate(self.sizes(p)) if n]
+
+    def moves(self, p: int) -> bool:
+        """Does this rank upload and download fragment p?"""
+        return self.rank in self.movers(p)
+
+    def moved(self, p: int) -> Ranges:
+        """The ranges of fragment p this rank moves (all of it when the leader moves whole fragments)."""
+        return ((0, self.numels[p]),) if self.leader_moves else self.parts[p][self.rank].ranges
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A push as this rank's exchange thread sends it: its encoded slice (None: this rank uploads nothing)
+    and, for the leader, what the commit says."""
+
+    payload: dict[str, torch.Tensor] | None
+    tokens: int
+    base_version: int
+    round_s: float
+    credit_mark: int
+
+
+class ServiceTransport:
+    """The transport of one rank of an island job (see the module docstring).
+
+    Args:
+        client: this rank's :class:`~atoll.runtime.service.client.SyncerClient` (the leader's has the control
+            connection).
+        group: the island's :class:`~atoll.runtime.service.group.IslandGroup`.
+        plan: who moves what (:class:`SlicePlan`).
+        wire: the island's :class:`~atoll.algorithms.wire.Wire` (its codec, error feedback and random source):
+            a push's Δ is encoded with it here, and its payload is what travels.
+        codec: the run's codec (the bytes a slice's payload takes).
+        session: the island's session (from its join).
+        lease: the leader's :class:`~atoll.runtime.service.client.StepLease` (None on the other ranks).
+        poll_s: seconds between two agreements while waiting for an exchange, and between two ``Buffered``.
+        heartbeat_s: seconds between the leader's heartbeats (on the control connection).
+
+    Attributes:
+        bytes_sent: the encoded payload bytes of the island's pushes (the leader's count: every rank's slices).
+        refused, lost: pushes the syncer refused; pushes whose slices it lost (it restarted between the
+            upload and the commit of an island of several ranks: the island pulls the newest fragment).
+    """
+
+    def __init__(self, client: SyncerClient, group: IslandGroup, plan: SlicePlan, wire: Wire, codec: Codec,
+                 session: int, lease: StepLease | None, poll_s: float = 0.02, heartbeat_s: float = 2.0) -> None:
+        self.client, self.group, self.plan, self.wire, self.codec = client, group, plan, wire, codec
+        self.session, self.lease, self.poll_s = session, lease, poll_s
+        fragments = len(plan.numels)
+        self.ranks_move = not plan.leader_moves and group.size > 1
+        self.local = [INF] * (1 + 5 * fragments)
+        for p in range(fragments):
+            if self.ranks_move and plan.moves(p):
+                self.local[self._at(p, UP)] = 0
+            if group.leader:
+                self.local[self._at(p, READY)] = 0
+            if plan.moves(p):
+                self.local[self._at(p, DONE)] = 0
+        self.agreed = list(self.local)
+        self._cond = threading.Condition()
+        self._closed = False
+        self.count = [0] * fragments  # exchanges started per fragment (their number k)
+        self.pending: dict[int, int] = {}  # fragment -> the exchange k in progress
+        self.futures: dict[int, Future[None]] = {}
+        self.pulled: dict[int, tuple[int, torch.Tensor]] = {}  # this rank's download: (version, values)
+        self.pulled_at = [time.monotonic()] * fragments
+        self.pool = ThreadPoolExecutor(max_workers=max(2, fragments), thread_name_prefix="exchange")
+        self.bytes_sent = 0.0
+        self.refused = self.lost = 0
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if group.leader:
+            self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
+            self._beat.start()
+
+    # --- the agreement ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _at(p: int, what: int) -> int:
+        return 1 + 5 * p + what
+
+    def _set(self, p: int, what: int, value: int) -> None:
+        with self._cond:
+            self.local[self._at(p, what)] = value
+            self._publish()
+
+    def _publish(self) -> None:
+        """(Under the lock.) An island of one rank agrees with itself at once."""
+        if self.group.size == 1:
+            self.agreed = list(self.local)
+            self._cond.notify_all()
+
+    def _agree(self) -> list[int]:
+        """One round of the agreement (collective): every rank's entries, reduced to their minimum."""
+        with self._cond:
+            local = torch.tensor(self.local, dtype=torch.int64)
+        agreed = self.group.agree(local).tolist()
+        with self._cond:
+            self.agreed = agreed
+            self._cond.notify_all()
+        return agreed
+
+    def _wait(self, ready: Callable[[list[int]], bool]) -> list[int]:
+        """(An exchange thread.) Wait until the agreement says ``ready``; the agreement then."""
+        with self._cond:
+            while not ready(self.agreed):
+                if self._closed:
+                    raise RuntimeError("the island's transport closed while an exchange waited")
+                self._cond.wait(1.0)
+            return list(self.agreed)
+
+    def _arrived(self, agreed: list[int], p: int) -> bool:
+        """Has exchange ``pending[p]`` ended on every rank, with the same version everywhere?"""
+        k = self.pending[p]
+        return agreed[self._at(p, DONE)] >= k and agreed[self._at(p, VMIN)] == -agreed[self._at(p, VNEG)]
+
+    def _check(self) -> None:
+        """Raise an exchange thread's error on the main thread."""
+        for f in self.futures.values():
+            if f.done() and f.exception() is not None:
+                f.result()
+
+    # --- the Transport of IslandWorker.run --------------------------------------------------------------------
+    def reserve_step(self) -> bool:
+        """The leader takes a step of its lease (:class:`~atoll.runtime.service.client.StepLease`), and every
+        rank learns whether to take it, with the agreement of this step."""
+        while True:
+            if self.lease is not None:
+                go = self.lease.take()
+                with self._cond:
+                    self.local[0] = go
+            agreed = self._agree()
+            if agreed[0] != WAIT:
+                return agreed[0] == GO
+            self._check()
+            time.sleep(self.poll_s)
+
+    def start(self) -> list[Pull]:
+        """Pull the newest global fragments (what each rank holds of them, the same versions on every rank): the
+        island's start."""
+        for p in range(len(self.plan.numels)):
+            self._begin(p, None)
+        pulls: list[Pull] = []
+        while self.pending:
+            pulls += self._drain()
+        return sorted(pulls, key=lambda pull: pull.fragment)
+
+    def send(self, push: Push) -> None:
+        """Encode this rank's slice of ``push`` (the raw Δ of the plan's send range) and start its exchange."""
+        p, plan = push.fragment, self.plan
+        delta: torch.Tensor | None = push.delta if plan.moves(p) else None
+        if plan.sharded and plan.leader_moves and self.group.size > 1:  # the leader gathers the shards' slices
+            gathered = self.group.gather(push.delta, plan.sizes(p))
+            delta = None if gathered is None else slices.assemble(
+                plan.numels[p], [(part.ranges, d) for part, d in zip(plan.parts[p], gathered, strict=True)])
+        payload = self._encode(delta, p) if delta is not None else None
+        if self.group.leader:
+            moved = [plan.numels[p]] if plan.leader_moves else [n for n in plan.sizes(p) if n]
+            self.bytes_sent += sum(self.codec.payload_bytes(n) for n in moved)
+        credit = self.lease.credit_taken if self.lease is not None else 0
+        self._begin(p, Outgoing(payload, push.tokens, push.base_version, time.monotonic() - self.pulled_at[p],
+                                credit))
+
+    def _encode(self, delta: torch.Tensor, p: int) -> dict[str, torch.Tensor]:
+        """The codec's payload of ``delta`` (with the island's error feedback and random source)."""
+        if self.wire.codec is None:
+            return {"values": delta.detach().to("cpu", torch.float32).contiguous()}
+        t0 = time.perf_counter()
+        tensors = self.wire.encode(0, delta.detach().to("cpu", torch.float32), f"fragment{p}").tensors
+        self.wire.codec_s[0] += time.perf_counter() - t0
+        return tensors
+
+    def _begin(self, p: int, out: Outgoing | None) -> None:
+        self.count[p] += 1
+        k = self.pending[p] = self.count[p]
+        if self.plan.moves(p) or self.group.leader:
+            self.futures[p] = self.pool.submit(self._exchange, p, k, out)
+
+    def arrived(self) -> list[Pull]:
+        """The fragments the last agreement found pulled by every rank, assembled (collective)."""
+        return self._collect([p for p in sorted(self.pending) if self._arrived(self.agreed, p)])
+
+    def settle(self, fragment: int) -> list[Pull]:
+        """Agree until fragment's exchange has ended on every rank (and with it any other that did)."""
+        pulls: list[Pull] = []
+        while fragment in self.pending:
+            pulls += self._drain()
+        return pulls
+
+    def _drain(self) -> list[Pull]:
+        """One round of the agreement and the exchanges it finds ended (a short sleep if none)."""
+        agreed = self._agree()
+        done = [p for p in sorted(self.pending) if self._arrived(agreed, p)]
+        if not done:
+            self._check()
+            time.sleep(self.poll_s)
+        return self._collect(done)
+
+    def close(self) -> None:
+        """Wait until every exchange has ended (its push merged or refused, its answer pulled)."""
+        try:
+            while self.pending:
+                self._drain()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop: the heartbeats end, and exchanges waiting for the agreement raise (an island that stops on an
+        error does not wait for them)."""
+        self._stop.set()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.pool.shutdown(wait=False)
+
+    def _collect(self, fragments: list[int]) -> list[Pull]:
+        pulls = []
+        for p in fragments:
+            future = self.futures.pop(p, None)
+            if future is not None:
+                future.result()  # ended with the agreement just seen (or raises its error)
+            del self.pending[p]
+            pulls.append(self._assemble(p))
+            self.pulled_at[p] = time.monotonic()
+        return pulls
+
+    def _assemble(self, p: int) -> Pull:
+        """What this rank holds of fragment p, as the island pulled it (collective over the island)."""
+        plan, group = self.plan, self.group
+        version = self.agreed[self._at(p, VMIN)]
+        mine = self.pulled.pop(p, (version, torch.empty(0)))[1]
+        if group.size == 1:
+            values = mine
+        elif not plan.leader_moves:
+            values = mine if plan.sharded else group.all_gather(mine, plan.sizes(p))
+        elif plan.sharded:
+            values = group.scatter([slices.take(mine, part.ranges) for part in plan.parts[p]] if group.leader
+                                   else None, plan.sizes(p))
+        else:
+            values = group.broadcast(mine if group.leader else None, plan.numels[p])
+        return Pull(p, values, version)
+
+    # --- an exchange, in its thread ---------------------------------------------------------------------------
+    def _upload_id(self, p: int, k: int, rank: int) -> str:
+        return f"{self.session}.{p}.{k}.{rank}"
+
+    def _exchange(self, p: int, k: int, out: Outgoing | None) -> None:
+        """Exchange k of fragment p on this rank (``out`` None: a pull alone)."""
+        plan = self.plan
+        if self.ranks_move and plan.moves(p):
+            if out is not None and out.payload is not None:
+                self.client.upload(wire.payload_bytes(out.payload), p, plan.moved(p), self._upload_id(p, k, plan.rank))
+            self._set(p, UP, k)
+        if self.group.leader:
+            if out is not None:
+                self._wait(lambda a: a[self._at(p, UP)] >= k)  # every slice is up
+                self._commit(p, k, out)
+            self._set(p, READY, k)
+        if not plan.moves(p):
+            return
+        self._wait(lambda a: a[self._at(p, READY)] >= k)
+        while True:  # until every rank holds the same version (a commit may fall between two ranks' downloads)
+            version, values = self.client.download(p, plan.moved(p) if self.ranks_move else None)
+            with self._cond:
+                self.pulled[p] = (version, values)
+                self.local[self._at(p, DONE)] = k
+                self.local[self._at(p, VMIN)], self.local[self._at(p, VNEG)] = version, -version
+                self._publish()
+            if self._settled(p, k, version):
+                return
+
+    def _settled(self, p: int, k: int, version: int) -> bool:
+        """Wait until every rank downloaded exchange k of fragment p: True when they hold the same version,
+        False when this rank's ``version`` is older than another's (it downloads again)."""
+        agreed = self._wait(lambda a: a[self._at(p, DONE)] >= k and (
+            a[self._at(p, VMIN)] == -a[self._at(p, VNEG)] or version < -a[self._at(p, VNEG)]))
+        return agreed[self._at(p, VMIN)] == -agreed[self._at(p, VNEG)]
+
+    def _commit(self, p: int, k: int, out: Outgoing) -> None:
+        """(The leader.) Commit push k of fragment p, then wait until it has left the syncer's buffer."""
+        claim = self.lease.claimable(p, out.tokens, out.credit_mark) if self.lease is not None else out.tokens
+        if claim <= 0:  # no step of it was granted (the budget was spent): not sent, the newest pulled
+            return
+        if self.ranks_move:
+            ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
+            try:
+                answer = self.client.commit(ids, p, claim, out.base_version, self.session, out.round_s)
+            except UploadLost:  # the other ranks' slices cannot be sent again from here: the push is lost
+                self.lost += 1
+                return
+        else:
+            assert out.payload is not None
+            answer = self.client.push(wire.payload_bytes(out.payload), p, ((0, self.plan.numels[p]),), claim,
+                                      out.base_version, self.session, out.round_s)
+        if not answer["accepted"]:
+            self.refused += 1
+        if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
+            while p in self.client.call("Buffered")["buffered"]:
+                time.sleep(self.poll_s)
+
+    def _heartbeat(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            with contextlib.suppress(grpc.RpcError):  # the syncer is down: the calls that matter retry themselves
+                self.client.call("Heartbeat", timeout_s=5.0, retry=False)
+
+    def counters(self) -> dict[str, Any]:
+        """What this rank moved: its bulk connection's bytes up and down."""
+        return {"bytes_up": self.client.bytes_up, "bytes_down": self.client.bytes_down}

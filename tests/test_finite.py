@@ -1,0 +1,62 @@
+"""atoll.algorithms.finite.all_finite: one pass over the tensor, the exact element-wise check only on alarm."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from atoll.algorithms.finite import all_finite
+
+
+def _isfinite_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes (elements) of the tensors ``torch.isfinite`` is asked about from here on."""
+    sizes: list[int] = []
+    original = torch.isfinite
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return original(t)
+
+    monkeypatch.setattr(torch, "isfinite", counted)
+    return sizes
+
+
+def test_a_finite_tensor_is_checked_by_its_sum_alone(monkeypatch) -> None:
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    sizes = _isfinite_calls(monkeypatch)
+    assert all_finite(t) is True
+    assert sizes == [1]  # isfinite of the 0-d sum only: no boolean per element
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_one_nan_or_infinity_anywhere_is_not_finite(bad: float) -> None:
+    for at in (0, 517, 999):
+        t = torch.ones(1000)
+        t[at] = bad
+        assert all_finite(t) is False
+        assert all_finite(t.reshape(10, 100)) is False  # any shape
+
+
+def test_finite_values_whose_sum_overflows_are_finite_by_the_exact_check(monkeypatch) -> None:
+    big = torch.full((4,), 3.0e38)  # each below float32's max (3.4e38); their sum overflows to inf
+    assert not torch.isfinite(big.sum())
+    sizes = _isfinite_calls(monkeypatch)
+    assert all_finite(big) is True
+    assert sizes == [1, 4]  # the alarm of the sum, then the exact check of every element
+    mixed = torch.tensor([3.0e38, 3.0e38, -3.0e38, -3.0e38, 3.0e38] * 3)  # partial sums overflow, both signs
+    assert all_finite(mixed) is True
+    mixed[7] = math.nan
+    assert all_finite(mixed) is False
+
+
+def test_low_precision_integer_and_empty_tensors() -> None:
+    half = torch.full((8,), 60000.0, dtype=torch.float16)  # float16's max is 65504: the sum overflows
+    assert all_finite(half) is True
+    half[3] = math.inf
+    assert all_finite(half) is False
+    assert all_finite(torch.tensor([1.0, math.nan], dtype=torch.bfloat16)) is False
+    assert all_finite(torch.arange(10)) is True  # integers are always finite
+    assert all_finite(torch.empty(0)) is True
+    assert all_finite(torch.tensor(math.nan)) is False  # 0-d

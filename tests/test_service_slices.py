@@ -1,0 +1,203 @@
+"""An island of several ranks at ``atoll syncer``: slices of a fragment, the codec's payload on the wire, step
+leases, and an island back from a long outage.
+
+The geometry of slices is checked on a model's real fragments (every value in exactly one slice, each rank's
+local ranges holding the values its slice names); the rest against a syncer served in this process on
+loopback, with the run's int4 codec: real uploads, commits and downloads, assertions on what the syncer holds.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from atoll.algorithms.fragments import fragment_slices
+from atoll.runtime.service import slices, wire
+
+pytest.importorskip("cryptography")  # (grpcio comes with it in the dev extra)
+
+
+def _shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """A decoder's parameter shapes, embedding and head included (rows not a multiple of the ranks)."""
+    shapes = [("model.embed_tokens.weight", (37, 8))]
+    for layer in range(4):
+        shapes += [(f"model.layers.{layer}.attn.weight", (8, 8)), (f"model.layers.{layer}.norm.weight", (8,)),
+                   (f"model.layers.{layer}.mlp.weight", (13, 8))]
+    return shapes + [("model.norm.weight", (8,)), ("lm_head.weight", (37, 8))]
+
+
+def _fsdp_counts(shapes: list[tuple[str, tuple[int, ...]]], ranks: int) -> torch.Tensor:
+    """(R, params) elements per rank as FSDP2's Shard(0) cuts each parameter's rows (chunks of ceil(rows/R))."""
+    counts = torch.zeros(ranks, len(shapes), dtype=torch.int64)
+    for j, (_, shape) in enumerate(shapes):
+        rows, per_row = shape[0], (shape[1] if len(shape) > 1 else 1)
+        chunk = -(-rows // ranks)
+        for r in range(ranks):
+            counts[r, j] = max(0, min(rows, (r + 1) * chunk) - min(rows, r * chunk)) * per_row
+    return counts
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_every_rank_holds_the_values_its_slice_names_and_the_slices_tile_each_fragment(ranks: int) -> None:
+    shapes = _shapes()
+    numels = [int(torch.Size(s).numel()) for _, s in shapes]
+    index = fragment_slices(shapes, 3)
+    flat = torch.arange(sum(numels), dtype=torch.float32)  # value = its flat position
+    pieces = slices.shard_pieces(numels, _fsdp_counts(shapes, ranks))
+    shards = [torch.cat([flat[a:b] for a, b, _ in mine]) if mine else torch.empty(0) for mine in pieces]
+    for fragment in index:
+        whole = fragment.gather(flat)
+        for parts, local in ((slices.even_parts(fragment, ranks), [flat] * ranks),
+                             (slices.shard_parts(fragment, pieces), shards)):
+            assert slices.tiles([p.ranges for p in parts], fragment.numel())
+            for part, vector in zip(parts, local, strict=True):
+                assert part.numel() == part.local.numel()
+                # the rank's local ranges hold exactly the fragment's values at its slice's ranges
+                assert torch.equal(part.local.gather(vector) if part.numel() else torch.empty(0),
+                                   slices.take(whole, part.ranges))
+            rebuilt = slices.assemble(fragment.numel(), [(p.ranges, slices.take(whole, p.ranges)) for p in parts])
+            assert torch.equal(rebuilt, whole)
+    even = slices.even_parts(index[0], ranks)
+    assert max(p.numel() for p in even) - min(p.numel() for p in even) <= 1  # as equal as can be
+    n = index[0].numel()
+    assert not slices.tiles([((0, n // 2),), ((0, n // 2),)], n)  # twice the same half: a gap and an overlap
+    assert not slices.tiles([((0, n - 1),)], n)
+    assert not slices.tiles([((0, n // 2),), ((n // 2 - 1, n),)], n)
+
+
+@pytest.fixture()
+def syncer(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - a function serving a syncer of given settings
+    """``serve(**settings)`` -> (SyncerServer, address, credentials): a syncer in this process, plaintext on
+    loopback, the run's int4 codec; stopped after the test."""
+    from atoll.config import build_config
+    from atoll.runtime.service.server import SyncerServer
+
+    servers = []
+
+    def serve(**settings: object) -> tuple:
+        base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
+        config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
+                                     **settings})
+        creds = ["a" * 32, "b" * 32]
+        state = SyncerServer(config, tmp_path / "syncer", creds)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return state, f"127.0.0.1:{port}", creds
+
+    yield serve
+    for server in servers:
+        server.stop(grace=0)
+
+
+def _clients(state, address: str, creds: list[str]) -> tuple:  # noqa: ANN001
+    """Island 0's leader and its second rank (bulk only), island 1's leader; both islands joined (the run
+    starts); island 0 granted a round of steps. Returns (leader0, rank1, leader1, session0, session1)."""
+    from atoll.runtime.service.client import SyncerClient
+
+    numels = state.service.syncer.numels
+    lead = SyncerClient(address, 0, creds[0], plaintext=True)
+    rank1 = SyncerClient(address, 0, creds[0], plaintext=True, control=False)
+    other = SyncerClient(address, 1, creds[1], plaintext=True)
+    s0 = lead.call("Join", {"numels": numels})["session"]
+    s1 = other.call("Join", {"numels": numels})["session"]
+    assert lead.call("ReserveSteps", {"n": 5})["granted"] == 5
+    return lead, rank1, other, s0, s1
+
+
+@pytest.mark.slow
+def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(syncer) -> None:  # noqa: ANN001
+    """Each rank uploads its half of Δ as the int4 codec encodes it; the leader's commit lists both: the syncer
+    holds the halves decoded and reassembled, and counts the payloads' bytes (what travelled), not float32's.
+    Slices that do not tile the fragment are refused and counted (``slices``); a rank pulls its own slice."""
+    state, address, creds = syncer()
+    lead, rank1, _, session, _ = _clients(state, address, creds)
+    n = state.service.syncer.numels[0]
+    delta = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
+    halves = slices.even_parts(state.service.syncer.index[0], 2)
+    encoded = [state.codec.encode(slices.take(delta, part.ranges)) for part in halves]
+    ids = [client.upload(wire.payload_bytes(e.tensors), 0, part.ranges, f"s.0.1.{r}")
+           for r, (client, part, e) in enumerate(zip((lead, rank1), halves, encoded, strict=True))]
+    with pytest.raises(RuntimeError, match="leader"):  # a rank other than the leader has no control connection
+        rank1.call("Push", {})
+    answer = lead.commit(ids, 0, 5 * state.config.tokens_per_step, 0, session)
+    assert answer["accepted"] and not answer["answered"]  # in the buffer: quorum 2
+    expected = slices.assemble(n, [(p.ranges, state.codec.decode(e)) for p, e in zip(halves, encoded, strict=True)])
+    assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, expected)
+    payload = sum(e.nbytes for e in encoded)
+    assert payload == sum(state.codec.payload_bytes(p.numel()) for p in halves) < n  # int4: under a byte a value
+    assert state.service.bytes_by_island[0] == payload  # the syncer counts what it received
+    assert payload < lead.bytes_up + rank1.bytes_up < payload + 2 * 256  # each slice: its payload + a header
+    assert lead.bytes_up > 0 and rank1.bytes_up > 0  # both ranks' connections carried their half
+
+    # slices that do not tile fragment 1: one half twice (the other half missing), refused and counted
+    halves1 = slices.even_parts(state.service.syncer.index[1], 2)
+    same = state.codec.encode(torch.zeros(halves1[0].numel()))
+    bad = [lead.upload(wire.payload_bytes(same.tensors), 1, halves1[0].ranges) for _ in range(2)]
+    assert not lead.commit(bad, 1, 128, 0, session)["accepted"]
+    assert state.service.syncer.rejected_by_reason == {"slices": 1}
+    assert state.service.syncer.version(1) == 0
+
+    # a rank pulls its own slice: the global fragment's values at its ranges, float32
+    version, mine = rank1.download(0, halves[1].ranges)
+    assert version == 0 and torch.equal(mine, slices.take(state.service.syncer.pull(0).params, halves[1].ranges))
+    assert 4 * halves[1].numel() < rank1.bytes_down < 4 * halves[1].numel() + 256
+
+
+@pytest.mark.slow
+def test_a_lease_returns_its_unused_steps_at_leave_and_a_killed_sessions_at_its_rejoin(syncer) -> None:  # noqa: ANN001
+    state, address, creds = syncer()
+    lead, _, other, _, _ = _clients(state, address, creds)
+    s, tps = state.service, state.config.tokens_per_step
+    assert lead.call("ReserveSteps", {"n": 5, "used": 3})["granted"] == 5  # the next lease, 3 of the first used
+    assert s.steps_by_island[0] == s.reserved == 10
+    # the island is killed and started again: its new session gives back the 7 steps it never said it used
+    # (to the budget only: its ledger keeps them, as it may have pushed tokens of steps it had not reported)
+    lead.call("Join", {"numels": s.syncer.numels})
+    assert s.steps_by_island[0] == s.reserved == 3 and s.syncer.bounds.granted[0] == 10 * tps
+    assert lead.call("ReserveSteps", {"n": 5, "used": 0})["granted"] == 5
+    # it leaves having taken 2 of them: the other 3 go back to the budget and out of its ledger
+    assert lead.call("Leave", {"steps": 5, "used": 2})["returned"] == 3
+    assert s.steps_by_island[0] == 5 and s.syncer.bounds.granted[0] == (10 + 5 - 3) * tps
+    # the budget runs out: a lease is cut short, then nothing is granted
+    s.reserved = s.budget - 2
+    assert other.call("ReserveSteps", {"n": 5})["granted"] == 2
+    assert other.call("ReserveSteps", {"n": 5})["granted"] == 0
+
+
+@pytest.mark.slow
+def test_an_island_back_from_a_long_outage_never_becomes_the_global_state(syncer) -> None:  # noqa: ANN001
+    """Island 1 trains on alone (quorum 1) while island 0 is away: island 0's push, computed from version 0,
+    is refused as stale; the syncer answers it with the newest global fragment, which is what the island pulls
+    (and what it starts from when it rejoins). A push that would replace the model with the island's own
+    (a Δ of the parameters' size) is refused for its norm, whatever its version."""
+    state, address, creds = syncer(quorum=1, max_staleness=4)
+    lead, _, other, s0, s1 = _clients(state, address, creds)
+    n, tps = state.service.syncer.numels[0], state.config.tokens_per_step
+    assert other.call("ReserveSteps", {"n": 30})["granted"] == 30
+    for v in range(6):  # six merges of island 1 alone
+        step = state.codec.encode(torch.full((n,), 1e-3))
+        answer = other.push(wire.payload_bytes(step.tensors), 0, ((0, n),), 5 * tps, v, s1)
+        assert answer["accepted"] and answer["version"] == v + 1
+    before = state.service.syncer.pull(0).params.clone()
+    # island 0 comes back with the work of a long outage, computed from version 0
+    stale = state.codec.encode(torch.full((n,), -1e-3))
+    answer = lead.push(wire.payload_bytes(stale.tensors), 0, ((0, n),), 5 * tps, 0, s0)
+    assert not answer["accepted"] and answer["answered"] and answer["version"] == 6
+    assert state.service.syncer.stale_updates == 1, state.service.syncer.rejected_by_reason
+    assert torch.equal(state.service.syncer.pull(0).params, before)  # the global state is untouched
+    version, pulled = lead.download(0)  # what the island adopts: the newest global fragment
+    assert version == 6 and torch.equal(pulled, before)
+    rejoined = lead.call("Join", {"numels": state.service.syncer.numels})  # restarted: from the newest
+    assert rejoined["versions"][0] == 6
+    assert lead.call("ReserveSteps", {"n": 5})["granted"] == 5
+    # fresh, but a Δ that would make its own parameters the global ones (the size of the parameters)
+    own = state.codec.encode(before - torch.randn(n, generator=torch.Generator().manual_seed(1)))
+    answer = lead.push(wire.payload_bytes(own.tensors), 0, ((0, n),), 5 * tps, 6, rejoined["session"])
+    assert not answer["accepted"] and state.service.syncer.rejected_by_reason == {"norm": 1}
+    assert torch.equal(state.service.syncer.pull(0).params, before)
