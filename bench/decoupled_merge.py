@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model preset [the default: nano]")
     parser.add_argument("--fragments", type=int, default=None, help="fragments [the default: 4; micro: 2]")
     parser.add_argument("--steps", type=int, default=None, help="inner steps per island [the default]")
+    parser.add_argument("--seed", type=int, default=None, help="seed of every run [the default: 0]")
+    parser.add_argument("--conditions", default="equal,speeds",
+                        help="comma-separated conditions: equal, speeds (1,1,0.5,0.25) [equal,speeds]")
     parser.add_argument("--chaos", action="store_true", help="also train each variant under the standard failure "
                         "trace, at equal speeds")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, one core each [1]")
@@ -65,7 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def shared_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of every run from the flags: only those given (the rest are today's defaults)."""
-    given = {"model": args.model, "fragments": args.fragments, "steps": args.steps}
+    given = {"model": args.model, "fragments": args.fragments, "steps": args.steps, "seed": args.seed}
     return {"checkpoint_every": 0, **{k: v for k, v in given.items() if v is not None}}
 
 
@@ -84,7 +87,12 @@ def planned_runs(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str
         raise ConfigError(f"variants: {', '.join(unknown) or 'none'} not in bench/decoupled_merge.toml; pass some "
                           f"of {', '.join(VARIANTS)}")
     shared = shared_settings(args)
-    conditions = {"equal": {}, "speeds": {"island_speeds": list(SPEEDS)},
+    wanted = [c for c in args.conditions.split(",") if c]
+    if not wanted or any(c not in ("equal", "speeds") for c in wanted):
+        raise ConfigError(f"conditions: '{args.conditions}' is not a list of equal, speeds; pass --conditions "
+                          "equal,speeds or one of them")
+    conditions = {**({"equal": {}} if "equal" in wanted else {}),
+                  **({"speeds": {"island_speeds": list(SPEEDS)}} if "speeds" in wanted else {}),
                   **({"chaos": {"chaos": chaos_spec(args)}} if args.chaos else {})}
     return [(f"{variant}_{cond}", variant, cond, {**TODAY, **VARIANTS[variant], **shared, **extra})
             for variant in names for cond, extra in conditions.items()]
@@ -178,8 +186,9 @@ def study(args: argparse.Namespace, argv: list[str]) -> None:
              + (f", and the standard failure trace --chaos {chaos_spec(args)} at equal speeds" if args.chaos else "")
              + ".",
              f"machine load (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
-             f"{', '.join(f'{x:.2f}' for x in load_after)} (2 cores, shared); wall seconds per run in results.json "
-             "(bench_wall_s), not a measured figure here: the simulated clock sets the schedule.",
+             f"{', '.join(f'{x:.2f}' for x in load_after)} (2 cores, shared); wall seconds of each run in "
+             "results.json (runs.*.wall_s; bench_wall_s is this invocation's, about 0 for a run it reused), not a "
+             "measured figure here: the simulated clock sets the schedule.",
              "command: python bench/decoupled_merge.py " + " ".join(a for a in argv if a != "--fresh")]
     results = {"settings": shared_settings(args), "variants": {v: VARIANTS[v] for v in dict.fromkeys(
         v for _, v, _, _ in runs)}, "rows": rows, "runs": per_run, "load_before": list(load_before),
