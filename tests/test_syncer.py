@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -329,9 +330,9 @@ def test_radial_directional_merge_per_tensor_and_embeddings_by_the_mean() -> Non
 def test_push_weight_tokens_times_tokens_per_step() -> None:
     deltas = [torch.full((3,), -1.0), torch.full((3,), -4.0)]
 
-    def merged(**kw: object) -> torch.Tensor:
+    def merged(**kw: Any) -> torch.Tensor:
         s = Syncer(torch.zeros(3), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=2,
-                   staleness_exponent=0.0, **kw)  # type: ignore[arg-type]
+                   staleness_exponent=0.0, **kw)
         for i, d in enumerate(deltas):
             s.push(Push(i, 0, d, 10, 0))
         return s.global_params()
@@ -399,12 +400,12 @@ def test_merge_settings_refused_in_one_line() -> None:
 
 
 def test_slack_measurements_and_window_survive_a_restart() -> None:
-    kw = dict(islands=3, quorum=3, grace_window="slack", outer_lr=1.0, outer_momentum=0.0)
-    s = Syncer(torch.zeros(2), None, **kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = dict(islands=3, quorum=3, grace_window="slack", outer_lr=1.0, outer_momentum=0.0)
+    s = Syncer(torch.zeros(2), None, **kw)
     for i in range(3):
         s.push(Push(i, 0, torch.ones(2), 10, 0, round_s=3.0), now=1.0 + i)
     s.push(Push(0, 0, torch.ones(2), 10, 1, round_s=4.0), now=6.0)
-    t = Syncer(torch.zeros(2), None, **kw)  # type: ignore[arg-type]
+    t = Syncer(torch.zeros(2), None, **kw)
     t.load_state_dict(s.state_dict())
     assert t.next_deadline() == s.next_deadline() and list(t.push_gap_s) == list(s.push_gap_s)
     assert list(t.sync_s) == list(s.sync_s) and t.last_wait == s.last_wait
@@ -417,3 +418,49 @@ def test_slack_measurements_and_window_survive_a_restart() -> None:
         del b["first_at"]
     t.load_state_dict(old)
     assert not t.push_gap_s and t.buffers[0].first_at == t.buffers[0].opened_at
+
+
+def test_minimum_quorum_merges_the_pushes_in_when_the_window_closes() -> None:
+    kw: dict[str, Any] = dict(islands=3, quorum=3, outer_lr=1.0, outer_momentum=0.0, staleness_exponent=0.0,
+                              grace_window="slack", grace_factor=1.0)
+    d0, d1 = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 4.0])
+    # K = 1: the first push opens the window (the round window until a push-to-push gap is seen: 1 x 2 s)
+    s = Syncer(torch.zeros(2), None, min_quorum=1, **kw)
+    s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
+    assert s.next_deadline() == (2.0, 0) and s.poll(1.9) == 0
+    assert s.poll(2.0) == 1 and s.quorum_sizes == [1]
+    # one island of 3 merged alone: its delta scaled by 1/3 (scale_partial), stepped with lr 1
+    torch.testing.assert_close(s.global_params(), -d0 / 3)
+    # K = 1, a second island in before the window closes: both merged, token-weighted (equal tokens: the mean)
+    s = Syncer(torch.zeros(2), None, min_quorum=1, **kw)
+    s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
+    s.push(Push(1, 0, d1, 10, 0, round_s=2.0), now=1.0)
+    assert s.next_deadline() == (2.0, 0), "the window runs from the K-th (first) push, not the latest"
+    assert s.poll(2.0) == 1 and s.quorum_sizes == [2]
+    torch.testing.assert_close(s.global_params(), -(d0 + d1) / 2 * (2 / 3))
+    # K = 2: one push waits for a second island however long; the second opens the window, whose close merges 2
+    s = Syncer(torch.zeros(2), None, min_quorum=2, **kw)
+    s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
+    assert s.poll(1e6) == 0 and s.next_deadline() == (math.inf, 0)
+    s.push(Push(1, 0, d1, 10, 0, round_s=2.0), now=5.0)
+    assert s.next_deadline() == (7.0, 0) and s.poll(7.0) == 1 and s.quorum_sizes == [2]
+
+
+def test_the_runs_syncer_takes_the_merge_settings_and_their_defaults() -> None:
+    from atoll.algorithms.fragments import FlatFragment
+    from atoll.config import build_config
+    from atoll.strategies.decoupled import make_syncer
+
+    index = [FlatFragment(((0, 4),), ("model.layers.0.mlp.up_proj.weight",))]
+    config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10})
+    s = make_syncer(config, torch.zeros(4), index)
+    # the measured defaults (bench/out/decoupled_merge/results.md): K = 1 in a window of the overlap's slack
+    assert (s.min_quorum, s.quorum, s.grace_window, s.grace_slack_fraction, s.grace_overlap) == (1, 2, "slack",
+                                                                                               0.5, 1.0)
+    assert (s.push_weight, s.average) == ("tokens", config.merge_average)
+    config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10, "min_quorum": 2,
+                                     "grace_window": "round", "grace_overlap_steps": 5,
+                                     "push_weight": "tokens_x_tokens_per_step"})
+    s = make_syncer(config, torch.zeros(4), index)
+    assert (s.min_quorum, s.grace_window, s.grace_overlap, s.push_weight) == (2, "round", 0.5,
+                                                                              "tokens_x_tokens_per_step")

@@ -80,7 +80,7 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "short of it waits for islands, not for the clock. At most --quorum.",
     )
     grace_window: Literal["round", "slack"] = Field(
-        "round",
+        "slack",
         description="decoupled: how long a buffer at its minimum quorum waits for more islands: round "
         "(--grace-factor x the median round time the islands measured) or slack (Decoupled DiLoCo's adaptive "
         "window: --grace-slack-fraction x the slack the compute overlap leaves, tau x t_step - (t_quorum + "
@@ -98,7 +98,7 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "push of the fragment, which a later answer defers).",
     )
     merge_average: Literal["mean", "radial_directional"] = Field(
-        "mean",
+        "radial_directional",
         description="decoupled: how the syncer averages a buffer's pushes: mean (token-weighted, or "
         "--robust-merge's rule) or radial_directional (Decoupled DiLoCo: per tensor, the mean of the pushes' norms "
         "along the normalized mean of their directions, so nearly orthogonal pushes do not shrink; embeddings "
@@ -180,7 +180,8 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"min_quorum: {config.min_quorum} exceeds the quorum ({quorum}); lower --min-quorum")
     if config.merge_average == "radial_directional" and config.robust_merge not in ("none", "clip"):
         raise ValueError(f"merge_average: radial_directional averages norms and directions, --robust-merge "
-                         f"{config.robust_merge} coordinates; pass --robust-merge none or clip with it")
+                         f"{config.robust_merge} coordinates; pass --merge-average mean with it (or --robust-merge "
+                         "none or clip)")
     if config.island_speeds is not None:
         if len(config.island_speeds) != config.islands:
             raise ValueError(f"island_speeds: {len(config.island_speeds)} values for {config.islands} islands; "
