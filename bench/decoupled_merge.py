@@ -181,8 +181,9 @@ def study(args: argparse.Namespace, argv: list[str]) -> None:
     notes = [f"model {first['model']}, {first['islands']} islands, {first['steps']} inner steps per island (a budget "
              f"shared by speed), H = {first['sync_every']}, {first['fragments']} fragments, codec {first['codec']}, "
              f"simulated step {first['sim_step_s']} s, seed {first['seed']}; the final held-out loss at equal tokens.",
-             "every run takes [today] of bench/decoupled_merge.toml, then its variant's table; the conditions are "
-             "equal speeds, speeds 1,1,0.5,0.25"
+             "every run takes [today] of bench/decoupled_merge.toml, then its variant's table; the conditions: "
+             + ", ".join({"equal": "equal speeds", "speeds": "speeds 1,1,0.5,0.25"}[c]
+                         for c in args.conditions.split(",") if c)
              + (f", and the standard failure trace --chaos {chaos_spec(args)} at equal speeds" if args.chaos else "")
              + ".",
              f"machine load (1, 5, 15 min) before {', '.join(f'{x:.2f}' for x in load_before)}, after "
