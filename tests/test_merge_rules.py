@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from atoll.algorithms.fragments import fragment_slices, is_embedding, layer_index
-from atoll.algorithms.merge import radial_directional_mean, segmented_mean, weighted_mean
+from atoll.algorithms.fragments import fragment_slices, layer_index
+from atoll.algorithms.merge import is_embedding, radial_directional_mean, segmented_mean, weighted_mean
 
 
 def test_two_orthogonal_pushes_of_norms_1_and_3() -> None:

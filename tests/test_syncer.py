@@ -455,12 +455,14 @@ def test_the_runs_syncer_takes_the_merge_settings_and_their_defaults() -> None:
     config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10})
     s = make_syncer(config, torch.zeros(4), index)
     # the measured defaults (bench/out/decoupled_merge/results.md): K = 1 in a window of the overlap's slack
-    assert (s.min_quorum, s.quorum, s.grace_window, s.grace_slack_fraction, s.grace_overlap) == (1, 2, "slack",
+    r = s.rules
+    assert (r.min_quorum, r.quorum, r.grace_window, r.grace_slack_fraction, r.grace_overlap) == (1, 2, "slack",
                                                                                                0.5, 1.0)
-    assert (s.push_weight, s.average) == ("tokens", config.merge_average)
+    assert (r.push_weight, r.average) == ("tokens", "radial_directional")
     config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10, "min_quorum": 2,
                                      "grace_window": "round", "grace_overlap_steps": 5,
                                      "push_weight": "tokens_x_tokens_per_step"})
     s = make_syncer(config, torch.zeros(4), index)
-    assert (s.min_quorum, s.grace_window, s.grace_overlap, s.push_weight) == (2, "round", 0.5,
-                                                                              "tokens_x_tokens_per_step")
+    r = s.rules
+    assert (r.min_quorum, r.grace_window, r.grace_overlap) == (2, "round", 0.5)
+    assert r.push_weight == "tokens_x_tokens_per_step"

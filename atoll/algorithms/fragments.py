@@ -30,15 +30,10 @@ from functools import lru_cache
 import torch
 
 __all__ = ["FlatFragment", "Fragment", "as_fragments", "fragment_flat_indices", "fragment_slices",
-           "fragment_sync_steps", "fragments_due", "is_embedding", "layer_index", "split_fragments"]
+           "fragment_sync_steps", "fragments_due", "layer_index", "split_fragments"]
 
 # ``model.layers.3.``, ``transformer.h.3.``, ``blocks.3.`` (at the start of the name or after a dot).
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-# the lookup tables of Hugging Face causal LMs: token (and position) embeddings and an untied output head
-# (Llama, Mistral, Qwen: embed_tokens, lm_head; GPT-2: wte, wpe; GPT-NeoX: embed_in, embed_out; OPT:
-# embed_tokens, embed_positions; BLOOM, Falcon: word_embeddings); a tied head is not a parameter of its own
-_EMBEDDING_RE = re.compile(r"(?:^|\.)(?:embed_tokens|embed_positions|embed_in|embed_out|tok_embeddings|"
-                           r"word_embeddings|position_embeddings|wte|wpe|lm_head)\.")
 
 
 @dataclass(frozen=True)
@@ -67,18 +62,6 @@ def layer_index(name: str) -> tuple[str, int] | None:
         return None
     stack = name[: m.end() - len(m.group(1)) - 2]  # the name up to the index, without the dot before it
     return stack, int(m.group(1))
-
-
-def is_embedding(name: str) -> bool:
-    """Whether the parameter ``name`` is an embedding table or an untied output head (``lm_head``): the
-    tensors Decoupled DiLoCo merges by the plain mean (:func:`~atoll.algorithms.merge.segmented_mean`).
-
-    Recognises the module names of Hugging Face causal LMs (``embed_tokens``, ``embed_positions``, ``wte``,
-    ``wpe``, ``embed_in``, ``embed_out``, ``word_embeddings``, ``position_embeddings``, ``tok_embeddings``,
-    ``lm_head``), e.g. ``is_embedding("model.embed_tokens.weight")``; checked against the models' own
-    ``get_input_embeddings`` / ``get_output_embeddings`` in tests/test_fragments.py.
-    """
-    return _EMBEDDING_RE.search(name) is not None
 
 
 def split_fragments(param_names: list[str], num_fragments: int) -> list[Fragment]:
@@ -211,8 +194,7 @@ class FlatFragment:
 
     Attributes:
         ranges: ``(start, stop)`` flat positions, ascending and disjoint, in the fragment's element order.
-        params: per range, the name of the parameter it lies in (:func:`fragment_slices` names them); empty:
-            not known (a fragment made from positions), and :meth:`tensor_segments` takes it as one tensor.
+        params: per range, the name of its parameter (:func:`fragment_slices` names them); empty: unknown.
     """
 
     ranges: tuple[tuple[int, int], ...]
@@ -232,9 +214,8 @@ class FlatFragment:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
     def tensor_segments(self) -> list[tuple[int, int, str]]:
-        """The fragment's elements cut by parameter: ``(start, stop, name)`` in the fragment's element order
-        (offsets into :meth:`gather`'s result), consecutive ranges of one parameter joined; without
-        ``params``, one segment of every element, named "" (numel 0: none)."""
+        """The fragment cut by parameter: ``(start, stop, name)`` offsets into :meth:`gather`'s result, ranges of
+        one parameter joined; without ``params``, one segment of every element, named "" (numel 0: none)."""
         if not self.params:
             return [(0, self.numel(), "")] if self.numel() else []
         out: list[tuple[int, int, str]] = []

@@ -18,6 +18,7 @@ accumulation, arXiv:2501.18512). Pure tensor math; errors are ValueError.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +28,26 @@ import torch
 from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.wire import ErrorFeedback
 
-__all__ = ["CodecTimes", "Segment", "average_decoded", "average_encoded", "radial_directional_mean", "segmented_mean",
-           "weighted_mean"]
+__all__ = ["CodecTimes", "Segment", "average_decoded", "average_encoded", "is_embedding",
+           "radial_directional_mean", "segmented_mean", "weighted_mean"]
+
+# the lookup tables of Hugging Face causal LMs: token (and position) embeddings and an untied output head
+# (Llama, Mistral, Qwen: embed_tokens, lm_head; GPT-2: wte, wpe; GPT-NeoX: embed_in, embed_out; OPT:
+# embed_tokens, embed_positions; BLOOM, Falcon: word_embeddings); a tied head is not a parameter of its own
+_EMBEDDING_RE = re.compile(r"(?:^|\.)(?:embed_tokens|embed_positions|embed_in|embed_out|tok_embeddings|"
+                           r"word_embeddings|position_embeddings|wte|wpe|lm_head)\.")
+
+
+def is_embedding(name: str) -> bool:
+    """Whether the parameter ``name`` is an embedding table or an untied output head (``lm_head``): the
+    tensors Decoupled DiLoCo merges by the plain mean (:func:`~atoll.algorithms.merge.segmented_mean`).
+
+    Recognises the module names of Hugging Face causal LMs (``embed_tokens``, ``embed_positions``, ``wte``,
+    ``wpe``, ``embed_in``, ``embed_out``, ``word_embeddings``, ``position_embeddings``, ``tok_embeddings``,
+    ``lm_head``), e.g. ``is_embedding("model.embed_tokens.weight")``; checked against the models' own
+    ``get_input_embeddings`` / ``get_output_embeddings`` in tests/test_merge_rules.py.
+    """
+    return _EMBEDDING_RE.search(name) is not None
 
 
 @dataclass
