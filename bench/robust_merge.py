@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out or default_out("robust_merge")
         base = {"strategy": "decoupled", "runtime": "local", "islands": 5, "model": args.model, "vocab_size": 512,
                 "seq_len": 32, "batch_size": 4, "steps": args.steps, "sync_every": 10, "fragments": 2,
-                "eval_batches": 4, "threads": 1, "progress": False, "seed": 0, "codec": "fp32"}
+                "eval_batches": 4, "threads": 1, "progress": False, "seed": 0, "codec": "fp32",
+                "merge_average": "mean"}  # the coordinate-wise rules average coordinates
         if args.data:
             base["data"] = args.data
         rows = []

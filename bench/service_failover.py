@@ -59,6 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="trials (a median row follows) [3]")
     parser.add_argument("--quorum", type=int, default=None,
                         help="the syncer's quorum [the run's default: every island]")
+    parser.add_argument("--grace-window", choices=("round", "slack"), default=None,
+                        help="the syncer's grace window [the run's default]")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up a trial after this many seconds [900]")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/service_failover]")
     return parser.parse_args(argv)
@@ -196,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = ["--data", str(corpus), "--cache-dir", str(tmp / "cache"), "--model", args.model, "--vocab-size",
                  "512", "--seq-len", "32", "--batch-size", "4", "--islands", "2", "--steps", "100000",
                  "--sync-every", "10", "--fragments", "2", "--eval-batches", "1", "--threads", "1", "--no-progress",
-                 "--collective-timeout-s", "300", *(["--quorum", str(args.quorum)] if args.quorum else [])]
+                 "--collective-timeout-s", "300", *(["--quorum", str(args.quorum)] if args.quorum else []),
+                 *(["--grace-window", args.grace_window] if args.grace_window else [])]
         try:
             row = trial(args, tmp, flags, env)
         except RuntimeError as e:
@@ -208,7 +211,11 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
     keys = [k for k, v in rows[0].items() if isinstance(v, float)]
     median = {"trial": "median", **{k: statistics.median(r[k] for r in rows) for k in keys}}
-    machine = {"cpus": os.cpu_count(), "threads": 1, "model": args.model, "quorum": args.quorum, "island0_ranks": 2,
+    from atoll.strategies.decoupled import DecoupledConfig
+
+    grace = args.grace_window or DecoupledConfig.model_fields["grace_window"].default
+    machine = {"cpus": os.cpu_count(), "threads": 1, "model": args.model, "quorum": args.quorum,
+               "grace_window": grace, "island0_ranks": 2,
                "island1_ranks": args.other_ranks, "kill_at_step": args.kill_at, "pinned": rows[0]["pinned"]}
     pinned = "pinned to CPU 0, the syncer and island 1 to the others" if rows[0]["pinned"] else "not pinned"
     columns = [("trial", "trial"), ("load (1 min) before", "load_before"), ("peer rank exited, s", "peer_exit_s"),
@@ -218,7 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("ratio", "other_rate_ratio"), ("a fresh process's imports, s wall", "import_wall_s"),
                ("s CPU", "import_cpu_s")]
     quorum = f"quorum {args.quorum}" if args.quorum else "quorum: every island (the default)"
-    notes = [f"{args.model} model, {quorum}; island 0: 2 ranks (torchrun --max-restarts 1), rank 1 SIGKILLed at "
+    default = "" if args.grace_window else " (the default)"
+    notes = [f"{args.model} model, {quorum}, grace window {grace}{default}; island 0: 2 ranks (torchrun "
+             "--max-restarts 1), rank 1 SIGKILLed at "
              f"inner step {args.kill_at}; island 1: {args.other_ranks} rank(s); seconds from the kill. The other "
              "island's rate: inner steps the syncer granted it per second, over the "
              f"{args.window:g} s before the kill and from the kill until island 0 pushed again (granted in leases "

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # whole training runs, and Ray
 def _settings(fast_config: dict, tmp_path: Path, merge: str, name: str) -> dict:
     return {**{k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")},
             "strategy": "decoupled", "islands": 5, "steps": 40, "sync_every": 10, "fragments": 2, "codec": "fp32",
-            "robust_merge": merge, "out": str(tmp_path / name)}
+            "robust_merge": merge, "merge_average": "mean", "out": str(tmp_path / name)}
 
 
 def test_a_sign_flipped_island_ruins_the_mean_and_not_a_robust_merge(fast_config: dict, tmp_path: Path) -> None:

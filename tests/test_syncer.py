@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -304,3 +305,164 @@ def test_fragments_as_views_or_as_positions_give_the_same_syncer() -> None:
                 s.push(Push(i, p, delta.clone(), 100, 0))
     assert torch.equal(syncers[0].global_params(), syncers[1].global_params())
     assert all(s.commits == 2 for s in syncers)
+
+
+# --- the paper's merge settings (Decoupled DiLoCo, arXiv:2604.21428): average, push weight, grace window ---------
+def test_radial_directional_merge_per_tensor_and_embeddings_by_the_mean() -> None:
+    from atoll.algorithms.fragments import FlatFragment
+
+    # one fragment: a layer's tensor (elements 0-1) and a block of the token embedding (elements 2-3)
+    frag = FlatFragment(((0, 2), (2, 4)), ("model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"))
+    s = Syncer(torch.zeros(4), [frag], islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=2,
+               staleness_exponent=0.0, average="radial_directional")
+    s.push(Push(0, 0, torch.tensor([1.0, 0.0, 1.0, 1.0]), 10, 0))
+    assert s.push(Push(1, 0, torch.tensor([0.0, 3.0, 3.0, -1.0]), 10, 0)).committed == 1
+    # the tensor: norm 2 along (1, 1) / sqrt(2); the embedding: the plain mean (2, 0); stepped with lr 1
+    torch.testing.assert_close(s.global_params(), -torch.tensor([math.sqrt(2.0), math.sqrt(2.0), 2.0, 0.0]))
+    # an index without names (positions, or none) is one tensor, merged radial-directionally
+    s = Syncer(torch.zeros(2), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=2,
+               average="radial_directional")
+    s.push(Push(0, 0, torch.tensor([1.0, 0.0]), 10, 0))
+    s.push(Push(1, 0, torch.tensor([0.0, 3.0]), 10, 0))
+    torch.testing.assert_close(s.global_params(), -torch.tensor([math.sqrt(2.0), math.sqrt(2.0)]))
+
+
+def test_push_weight_tokens_times_tokens_per_step() -> None:
+    deltas = [torch.full((3,), -1.0), torch.full((3,), -4.0)]
+
+    def merged(**kw: Any) -> torch.Tensor:
+        s = Syncer(torch.zeros(3), None, islands=2, outer_lr=1.0, outer_momentum=0.0, quorum=2,
+                   staleness_exponent=0.0, **kw)
+        for i, d in enumerate(deltas):
+            s.push(Push(i, 0, d, 10, 0))
+        return s.global_params()
+
+    # island 1 trains half the tokens per inner step: it weighs 10 x 0.5 against island 0's 10 x 1
+    torch.testing.assert_close(merged(push_weight="tokens_x_tokens_per_step", step_tokens=[2048, 1024]),
+                               torch.full((3,), (10 * 1 + 5 * 4) / 15))
+    torch.testing.assert_close(merged(push_weight="tokens", step_tokens=[2048, 1024]), torch.full((3,), 2.5))
+    # every island of one batch (atoll's runs): the very same merge as token weights
+    assert torch.equal(merged(push_weight="tokens_x_tokens_per_step", step_tokens=[512, 512]), merged())
+
+
+def test_minimum_quorum_opens_the_grace_window() -> None:
+    s = Syncer(torch.zeros(2), None, islands=3, quorum=3, min_quorum=2, grace_factor=1.0)
+    s.push(Push(0, 0, torch.ones(2), 10, 0, round_s=4.0), now=1.0)
+    assert s.next_deadline() == (math.inf, 0) and s.poll(1e9) == 0, "short of K: waits for islands, not the clock"
+    s.push(Push(1, 0, torch.ones(2), 10, 0, round_s=4.0), now=2.0)
+    assert s.next_deadline() == (6.0, 0), "the window opens at the K-th push: 1 x the median round (4 s)"
+    assert s.poll(6.0) == 1 and s.quorum_sizes == [2] and s.merge_waits == [(4.0, 4.0)]
+    # a quorum of 1 merges every push as it arrives: none waits
+    s = Syncer(torch.zeros(2), None, islands=2, quorum=1)
+    s.push(Push(0, 0, torch.ones(2), 10, 0, round_s=4.0), now=7.0)
+    assert s.merge_waits == [(0.0, 4.0)]
+
+
+def test_slack_grace_window_waits_within_what_the_overlap_leaves() -> None:
+    s = Syncer(torch.zeros(2), None, islands=3, quorum=3, grace_window="slack", grace_slack_fraction=0.5,
+               grace_overlap=1.0, grace_factor=1.0)
+    # the first round: no push-to-push gap seen yet, so the round window (1 x the median claim, 3 s)
+    s.push(Push(0, 0, torch.ones(2), 10, 0, round_s=3.0), now=1.0)
+    assert s.next_deadline() == (4.0, 0)
+    s.push(Push(1, 0, torch.ones(2), 10, 0, round_s=3.0), now=1.0)
+    assert s.push(Push(2, 0, torch.ones(2), 10, 0, round_s=3.0), now=2.0).committed == 1  # merged at 2.0
+    assert s.last_wait[0][0] == 1.0 and s.last_wait[2][0] == 0.0
+    # island 2 again 5 s later, claiming 4.5 s from its pull: its transfers took 5 - 4.5 - 0 (its wait) = 0.5 s
+    s.push(Push(2, 0, torch.ones(2), 10, 1, round_s=4.5), now=7.0)
+    assert list(s.push_gap_s) == [5.0] and list(s.sync_s) == [0.5]
+    # slack = tau x t_step (one 5 s round) - (t_quorum 0 + t_sync 0.5) = 4.5; the window is half of it
+    assert s.next_deadline() == (7.0 + 2.25, 0)
+    # island 0 pushes 7 s after its last: the window of the next buffer grows with the median gap
+    s.poll(9.25)
+    s.push(Push(0, 0, torch.ones(2), 10, 1, round_s=5.0), now=8.0)
+    assert list(s.push_gap_s) == [5.0, 7.0] and list(s.sync_s) == [0.5, 1.0]
+    assert s.next_deadline() == (8.0 + 0.5 * (6.0 - 0.75), 0)
+    # no slack left: the window is 0 and the buffer merges as soon as the clock is polled
+    s = Syncer(torch.zeros(2), None, islands=2, quorum=2, grace_window="slack", grace_overlap=0.05)
+    s.push(Push(0, 0, torch.ones(2), 10, 0, round_s=2.0), now=0.0)
+    s.push(Push(1, 0, torch.ones(2), 10, 0, round_s=2.0), now=0.0)
+    s.push(Push(0, 0, torch.ones(2), 10, 1, round_s=1.9), now=2.0)
+    assert s.next_deadline() == (2.0, 0) and s.poll(2.0) == 1
+
+
+def test_merge_settings_refused_in_one_line() -> None:
+    theta = torch.zeros(2)
+    with pytest.raises(ValueError, match="min_quorum 3 outside 1..2"):
+        Syncer(theta, None, islands=4, quorum=2, min_quorum=3)
+    with pytest.raises(ValueError, match="average: unknown 'geometric'"):
+        Syncer(theta, None, islands=2, average="geometric")
+    with pytest.raises(ValueError, match="grace_window: unknown"):
+        Syncer(theta, None, islands=2, grace_window="soon")
+    with pytest.raises(ValueError, match="use robust_merge none or clip"):
+        Syncer(theta, None, islands=2, average="radial_directional", robust_merge="trimmed_mean")
+    with pytest.raises(ValueError, match="step_tokens"):
+        Syncer(theta, None, islands=2, step_tokens=[1])
+
+
+def test_slack_measurements_and_window_survive_a_restart() -> None:
+    kw: dict[str, Any] = dict(islands=3, quorum=3, grace_window="slack", outer_lr=1.0, outer_momentum=0.0)
+    s = Syncer(torch.zeros(2), None, **kw)
+    for i in range(3):
+        s.push(Push(i, 0, torch.ones(2), 10, 0, round_s=3.0), now=1.0 + i)
+    s.push(Push(0, 0, torch.ones(2), 10, 1, round_s=4.0), now=6.0)
+    t = Syncer(torch.zeros(2), None, **kw)
+    t.load_state_dict(s.state_dict())
+    assert t.next_deadline() == s.next_deadline() and list(t.push_gap_s) == list(s.push_gap_s)
+    assert list(t.sync_s) == list(s.sync_s) and t.last_wait == s.last_wait
+    assert [p.arrived_at for p in t.buffers[0].pushes] == [6.0] and t.buffers[0].first_at == 6.0
+    # a checkpoint written before these were kept loads with none measured
+    old = s.state_dict()
+    for key in ("push_gap_s", "sync_s", "last_wait"):
+        del old[key]
+    for b in old["buffers"]:
+        del b["first_at"]
+    t.load_state_dict(old)
+    assert not t.push_gap_s and t.buffers[0].first_at == t.buffers[0].opened_at
+
+
+def test_minimum_quorum_merges_the_pushes_in_when_the_window_closes() -> None:
+    kw: dict[str, Any] = dict(islands=3, quorum=3, outer_lr=1.0, outer_momentum=0.0, staleness_exponent=0.0,
+                              grace_window="slack", grace_factor=1.0)
+    d0, d1 = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 4.0])
+    # K = 1: the first push opens the window (the round window until a push-to-push gap is seen: 1 x 2 s)
+    s = Syncer(torch.zeros(2), None, min_quorum=1, **kw)
+    s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
+    assert s.next_deadline() == (2.0, 0) and s.poll(1.9) == 0
+    assert s.poll(2.0) == 1 and s.quorum_sizes == [1]
+    # one island of 3 merged alone: its delta scaled by 1/3 (scale_partial), stepped with lr 1
+    torch.testing.assert_close(s.global_params(), -d0 / 3)
+    # K = 1, a second island in before the window closes: both merged, token-weighted (equal tokens: the mean)
+    s = Syncer(torch.zeros(2), None, min_quorum=1, **kw)
+    s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
+    s.push(Push(1, 0, d1, 10, 0, round_s=2.0), now=1.0)
+    assert s.next_deadline() == (2.0, 0), "the window runs from the K-th (first) push, not the latest"
+    assert s.poll(2.0) == 1 and s.quorum_sizes == [2]
+    torch.testing.assert_close(s.global_params(), -(d0 + d1) / 2 * (2 / 3))
+    # K = 2: one push waits for a second island however long; the second opens the window, whose close merges 2
+    s = Syncer(torch.zeros(2), None, min_quorum=2, **kw)
+    s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
+    assert s.poll(1e6) == 0 and s.next_deadline() == (math.inf, 0)
+    s.push(Push(1, 0, d1, 10, 0, round_s=2.0), now=5.0)
+    assert s.next_deadline() == (7.0, 0) and s.poll(7.0) == 1 and s.quorum_sizes == [2]
+
+
+def test_the_runs_syncer_takes_the_merge_settings_and_their_defaults() -> None:
+    from atoll.algorithms.fragments import FlatFragment
+    from atoll.config import build_config
+    from atoll.strategies.decoupled import make_syncer
+
+    index = [FlatFragment(((0, 4),), ("model.layers.0.mlp.up_proj.weight",))]
+    config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10})
+    s = make_syncer(config, torch.zeros(4), index)
+    # the measured defaults (bench/out/decoupled_merge/results.md): K = 1 in a window of the overlap's slack
+    r = s.rules
+    assert (r.min_quorum, r.quorum, r.grace_window, r.grace_slack_fraction, r.grace_overlap) == (1, 2, "slack",
+                                                                                               0.5, 1.0)
+    assert (r.push_weight, r.average) == ("tokens", "radial_directional")
+    config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10, "min_quorum": 2,
+                                     "grace_window": "round", "grace_overlap_steps": 5,
+                                     "push_weight": "tokens_x_tokens_per_step"})
+    s = make_syncer(config, torch.zeros(4), index)
+    r = s.rules
+    assert (r.min_quorum, r.grace_window, r.grace_overlap) == (2, "round", 0.5)
+    assert r.push_weight == "tokens_x_tokens_per_step"

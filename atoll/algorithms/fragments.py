@@ -194,9 +194,15 @@ class FlatFragment:
 
     Attributes:
         ranges: ``(start, stop)`` flat positions, ascending and disjoint, in the fragment's element order.
+        params: per range, the name of its parameter (:func:`fragment_slices` names them); empty: unknown.
     """
 
     ranges: tuple[tuple[int, int], ...]
+    params: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.params and len(self.params) != len(self.ranges):
+            raise ValueError(f"fragment: {len(self.params)} parameter names for {len(self.ranges)} ranges")
 
     def numel(self) -> int:
         """Elements in the fragment."""
@@ -206,6 +212,21 @@ class FlatFragment:
         """The flat positions, int64 (numel,): what :func:`fragment_flat_indices` gives (for tests, old code)."""
         parts = [torch.arange(a, b) for a, b in self.ranges]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def tensor_segments(self) -> list[tuple[int, int, str]]:
+        """The fragment cut by parameter: ``(start, stop, name)`` offsets into :meth:`gather`'s result, ranges of
+        one parameter joined; without ``params``, one segment of every element, named "" (numel 0: none)."""
+        if not self.params:
+            return [(0, self.numel(), "")] if self.numel() else []
+        out: list[tuple[int, int, str]] = []
+        offset = 0
+        for (a, b), name in zip(self.ranges, self.params, strict=True):
+            if out and out[-1][2] == name and out[-1][1] == offset:
+                out[-1] = (out[-1][0], offset + b - a, name)
+            else:
+                out.append((offset, offset + b - a, name))
+            offset += b - a
+        return out
 
     @classmethod
     def of_positions(cls, positions: torch.Tensor) -> FlatFragment:
@@ -300,7 +321,8 @@ def as_fragments(index: Sequence[FlatFragment | torch.Tensor] | None, numel: int
 
 def fragment_slices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragments: int) -> list[FlatFragment]:
     """:func:`fragment_flat_indices` as ranges of the flat vector (:class:`FlatFragment`): the same
-    fragments, the same element order, one range per parameter or row block instead of an int64 per element.
+    fragments, the same element order, one range per parameter or row block instead of an int64 per element,
+    each named by its parameter (:attr:`FlatFragment.params`, for per-tensor merges).
 
     Raises:
         ValueError: as :func:`split_fragments`.
@@ -309,21 +331,22 @@ def fragment_slices(named_shapes: list[tuple[str, tuple[int, ...]]], num_fragmen
     fragments = split_fragments(names, num_fragments)
     owner = {n: f.index for f in fragments for n in f.param_names}
     no_layers = all(layer_index(n) is None for n in names)
-    parts: list[list[tuple[int, int]]] = [[] for _ in range(num_fragments)]
+    parts: list[list[tuple[int, int, str]]] = [[] for _ in range(num_fragments)]
     offset = 0
     for name, shape in named_shapes:
         numel = 1
         for d in shape:
             numel *= d
         if layer_index(name) is not None or num_fragments == 1 or not shape or no_layers:
-            parts[owner[name]].append((offset, offset + numel))
+            parts[owner[name]].append((offset, offset + numel, name))
         else:  # outside the layers: P row blocks, block p to fragment p (see fragment_flat_indices)
             rows, per_row = shape[0], numel // max(1, shape[0])
             bounds = [rows * p // num_fragments for p in range(num_fragments + 1)]
             for p in range(num_fragments):
-                parts[p].append((offset + bounds[p] * per_row, offset + bounds[p + 1] * per_row))
+                parts[p].append((offset + bounds[p] * per_row, offset + bounds[p + 1] * per_row, name))
         offset += numel
-    return [FlatFragment(tuple((a, b) for a, b in r if b > a)) for r in parts]
+    kept = [[(a, b, n) for a, b, n in r if b > a] for r in parts]
+    return [FlatFragment(tuple((a, b) for a, b, _ in r), tuple(n for _, _, n in r)) for r in kept]
 
 
 def _check_schedule(num_fragments: int, sync_every: int) -> None:

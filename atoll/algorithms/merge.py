@@ -7,6 +7,9 @@ are decoded and accumulated in float32 (Streaming DiLoCo's low-precision communi
 accumulation, arXiv:2501.18512). Pure tensor math; errors are ValueError.
 
 - :func:`weighted_mean`: plain tensors (an all-reduce of float32 values; the syncer's token-weighted merge).
+- :func:`radial_directional_mean`: the mean of the tensors' norms along the normalized mean of their unit
+  directions (Decoupled DiLoCo's merge of non-embedding tensors); :func:`segmented_mean` applies it, or the
+  plain weighted mean, to each tensor of a flat fragment.
 - :func:`average_encoded`: each island encodes its tensor with a codec (and its error feedback), every
   island decodes all of them and averages (an all-reduce of encoded payloads, priced by one payload).
 - :func:`average_decoded`: the receiving half of it, for payloads that arrived packed from other processes.
@@ -15,6 +18,7 @@ accumulation, arXiv:2501.18512). Pure tensor math; errors are ValueError.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +28,26 @@ import torch
 from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.wire import ErrorFeedback
 
-__all__ = ["CodecTimes", "average_decoded", "average_encoded", "weighted_mean"]
+__all__ = ["CodecTimes", "Segment", "average_decoded", "average_encoded", "is_embedding",
+           "radial_directional_mean", "segmented_mean", "weighted_mean"]
+
+# the lookup tables of Hugging Face causal LMs: token (and position) embeddings and an untied output head
+# (Llama, Mistral, Qwen: embed_tokens, lm_head; GPT-2: wte, wpe; GPT-NeoX: embed_in, embed_out; OPT:
+# embed_tokens, embed_positions; BLOOM, Falcon: word_embeddings); a tied head is not a parameter of its own
+_EMBEDDING_RE = re.compile(r"(?:^|\.)(?:embed_tokens|embed_positions|embed_in|embed_out|tok_embeddings|"
+                           r"word_embeddings|position_embeddings|wte|wpe|lm_head)\.")
+
+
+def is_embedding(name: str) -> bool:
+    """Whether the parameter ``name`` is an embedding table or an untied output head (``lm_head``): the
+    tensors Decoupled DiLoCo merges by the plain mean (:func:`~atoll.algorithms.merge.segmented_mean`).
+
+    Recognises the module names of Hugging Face causal LMs (``embed_tokens``, ``embed_positions``, ``wte``,
+    ``wpe``, ``embed_in``, ``embed_out``, ``word_embeddings``, ``position_embeddings``, ``tok_embeddings``,
+    ``lm_head``), e.g. ``is_embedding("model.embed_tokens.weight")``; checked against the models' own
+    ``get_input_embeddings`` / ``get_output_embeddings`` in tests/test_merge_rules.py.
+    """
+    return _EMBEDDING_RE.search(name) is not None
 
 
 @dataclass
@@ -77,6 +100,99 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | No
         out.zero_()
     for t, w in zip(tensors, weights, strict=True):
         out.add_(t.to(torch.float32), alpha=float(w) / total)
+    return out
+
+
+def radial_directional_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weighted mean of the tensors' L2 norms along the normalized weighted mean of their unit directions.
+
+    ``r̄ · d / ‖d‖`` with ``r̄ = Σ_i w_i ‖x_i‖ / Σ_i w_i`` and ``d = Σ_i w_i x_i / ‖x_i‖``: Decoupled DiLoCo's
+    radial-directional averaging (arXiv:2604.21428, as third-party readings describe it). Pseudo-gradients of
+    different islands are nearly orthogonal, so their plain mean is shorter than any of them (K orthogonal
+    tensors of norm r: r / sqrt(K)); this merge keeps their typical length and averages only their directions.
+    Two orthogonal unit directions u1, u2 with norms 1 and 3 give norm 2 along (u1 + u2) / sqrt(2), where the
+    plain mean (u1 + 3 u2) / 2 has norm sqrt(10) / 2. Its norm is never above the largest input norm.
+
+    A tensor of norm 0 has no direction: it adds its 0 to the mean norm and nothing to d; if d is 0 (all
+    tensors 0, or directions that cancel exactly) the result is 0.
+
+    Args:
+        tensors: same-shaped tensors (any float dtype; computed in float32).
+        weights: one non-negative weight per tensor (e.g. tokens trained); default equal.
+        out: a float32 tensor of the inputs' shape to write the result into; default a new one.
+
+    Returns:
+        A float32 tensor of the inputs' shape (``out`` when given).
+
+    Raises:
+        ValueError: no tensors, mismatched lengths or shapes, or weights negative, not finite or summing to zero.
+    """
+    if not tensors:
+        raise ValueError("radial_directional_mean of no tensors")
+    w = _check_weights(weights, len(tensors))
+    shape = tensors[0].shape
+    if any(t.shape != shape for t in tensors):
+        raise ValueError(f"radial_directional_mean: tensors of different shapes ({tuple(shape)} and others)")
+    if out is None:
+        out = torch.zeros(shape, dtype=torch.float32, device=tensors[0].device)
+    elif out.shape != shape or out.dtype != torch.float32:
+        raise ValueError(f"out: float32 of shape {tuple(shape)} needed, got {out.dtype} {tuple(out.shape)}")
+    else:
+        out.zero_()
+    total, radius = math.fsum(w), 0.0
+    for t, wi in zip(tensors, w, strict=True):
+        norm = float(torch.linalg.vector_norm(t.to(torch.float32)))
+        radius += wi * norm
+        if norm > 0 and wi > 0:
+            out.add_(t.to(torch.float32), alpha=wi / norm)
+    length = float(torch.linalg.vector_norm(out))
+    if length == 0.0 or not math.isfinite(length):
+        return out.zero_()
+    return out.mul_(radius / total / length)
+
+
+#: a tensor of a flat fragment: its elements ``start:stop`` in the fragment's order, and whether it is merged
+#: by :func:`radial_directional_mean` (True) or by the plain :func:`weighted_mean` (False: embeddings)
+Segment = tuple[int, int, bool]
+
+
+def segmented_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float] | None, segments: Sequence[Segment],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge flat tensors (numel,) tensor by tensor: each segment ``(start, stop, radial)`` of the elements
+    by :func:`radial_directional_mean` if ``radial``, else by :func:`weighted_mean` (Decoupled DiLoCo merges
+    embedding tensors by the plain mean, every other tensor radial-directionally).
+
+    Args:
+        tensors: same-shaped 1-D tensors, one per push (float32 (numel,)).
+        weights: one non-negative weight per tensor; None: equal.
+        segments: the tensors' element ranges, disjoint, covering ``0..numel`` exactly once (any order).
+        out: a float32 (numel,) tensor to write the result into; default a new one.
+
+    Returns:
+        A float32 tensor (numel,) (``out`` when given).
+
+    Raises:
+        ValueError: no tensors, mismatched shapes or weights (as the two means), tensors not 1-D, or segments
+            that do not cover the elements exactly once.
+    """
+    if not tensors:
+        raise ValueError("segmented_mean of no tensors")
+    numel = tensors[0].numel()
+    if tensors[0].dim() != 1:
+        raise ValueError(f"segmented_mean: flat (numel,) tensors needed, got shape {tuple(tensors[0].shape)}")
+    spans = sorted((int(a), int(b)) for a, b, _ in segments)
+    edges = [0] + [b for _, b in spans]  # each span starts where the one before it stopped, the last at numel
+    if any(a != e or b <= a for (a, b), e in zip(spans, edges, strict=False)) or edges[-1] != numel:
+        raise ValueError(f"segments: must cover the {numel} elements exactly once without gaps, got {spans[:4]}"
+                         + (" ..." if len(spans) > 4 else ""))
+    if out is None:
+        out = torch.empty(numel, dtype=torch.float32, device=tensors[0].device)
+    elif out.shape != (numel,) or out.dtype != torch.float32:
+        raise ValueError(f"out: float32 of shape ({numel},) needed, got {out.dtype} {tuple(out.shape)}")
+    for a, b, radial in segments:
+        merge = radial_directional_mean if radial else weighted_mean
+        merge([t[a:b] for t in tensors], weights, out=out[a:b])
     return out
 
 

@@ -31,6 +31,16 @@ from atoll.algorithms.merge import weighted_mean
 ROBUST_MERGES = ("none", "clip", "trimmed_mean", "median")
 
 
+def clip_to_median_norm(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor scaled to at most the lower median of their L2 norms (``clip``'s first half; a minority
+    never sets the median), the others returned as they are. Raises ValueError for no tensors."""
+    if not tensors:
+        raise ValueError("clip_to_median_norm: no tensors")
+    norms = [float(t.norm()) for t in tensors]
+    cap = sorted(norms)[(len(norms) - 1) // 2]  # the lower median: a minority never sets it
+    return [t * (cap / n) if n > cap else t for t, n in zip(tensors, norms, strict=True)]
+
+
 def robust_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float], method: str = "none",
                 trim: float = 0.25, out: torch.Tensor | None = None) -> torch.Tensor:
     """Merge same-shaped float32 tensors (numel,) with the robust rule ``method``; float32 (numel,).
@@ -51,10 +61,7 @@ def robust_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float], metho
     if not tensors:
         raise ValueError("robust_mean: no tensors to merge")
     if method == "clip":
-        norms = [float(t.norm()) for t in tensors]
-        cap = sorted(norms)[(len(norms) - 1) // 2]  # the lower median: a minority never sets it
-        clipped = [t * (cap / n) if n > cap else t for t, n in zip(tensors, norms, strict=True)]
-        return weighted_mean(clipped, weights)
+        return weighted_mean(clip_to_median_norm(tensors), weights)
     stacked = torch.stack([t.to(torch.float32) for t in tensors])  # (n, numel)
     n = stacked.shape[0]
     if method == "median" or (method == "trimmed_mean" and n < 3):

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection):
     """Decoupled DiLoCo's config: H, the inner AdamW, the syncer's outer optimizer, the codec of the pushes
     (4-bit by default, accumulated in fp32 at the syncer, as Streaming DiLoCo's outer gradients), the fragments,
-    and its own: the syncer (quorum, grace window, staleness, bounds), the islands' speeds, and the simulated
-    failures and step of the ``local`` runtime. The outer momentum stays light (the default 0.5): the syncer
+    and its own: the syncer (quorum and minimum quorum, grace window, staleness, bounds, how pushes are weighed
+    and averaged: Decoupled DiLoCo's rules as settings), the islands' speeds, and the simulated failures and step
+    of the ``local`` runtime. The outer momentum stays light (the default 0.5): the syncer
     steps at every partial merge, several per H, and a heavier momentum compounds them into an overshoot."""
 
     codec: Codec = "int4"
@@ -71,6 +72,43 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         description="decoupled: the syncer rejects a push whose norm exceeds this times what the recent pushes "
         "of its fragment vouch for (scaled by tokens, speed-free), or that claims more than this times its "
         "island's own push of tokens (where no ledger counts them).",
+    )
+    min_quorum: int = Field(
+        1, ge=1,
+        description="decoupled: K, the fewest distinct islands a merge of a fragment takes (Decoupled DiLoCo's "
+        "minimum quorum); its grace window opens when this many have pushed (1: at the first push), and a buffer "
+        "short of it waits for islands, not for the clock. At most --quorum.",
+    )
+    grace_window: Literal["round", "slack"] = Field(
+        "slack",
+        description="decoupled: how long a buffer at its minimum quorum waits for more islands: round "
+        "(--grace-factor x the median round time the islands measured) or slack (Decoupled DiLoCo's adaptive "
+        "window: --grace-slack-fraction x the slack the compute overlap leaves, tau x t_step - (t_quorum + "
+        "t_sync), tau = --grace-overlap-steps, all measured by the syncer; 0 when nothing is left: it merges at "
+        "once).",
+    )
+    grace_slack_fraction: float = Field(
+        0.5, gt=0, le=1,
+        description="decoupled, --grace-window slack: gamma, the share of the slack the grace window may wait.",
+    )
+    grace_overlap_steps: int | None = Field(
+        None, ge=1,
+        description="decoupled, --grace-window slack: tau, the inner steps (of a full-speed island) after its "
+        "push within which an island should have its merged fragment back; default --sync-every (its next "
+        "push of the fragment, which a later answer defers).",
+    )
+    merge_average: Literal["mean", "radial_directional"] = Field(
+        "radial_directional",
+        description="decoupled: how the syncer averages a buffer's pushes: mean (token-weighted, or "
+        "--robust-merge's rule) or radial_directional (Decoupled DiLoCo: per tensor, the mean of the pushes' norms "
+        "along the normalized mean of their directions, so nearly orthogonal pushes do not shrink; embeddings "
+        "and the output head by the mean; with --robust-merge none or clip).",
+    )
+    push_weight: Literal["tokens", "tokens_x_tokens_per_step"] = Field(
+        "tokens",
+        description="decoupled: a push's merge weight: tokens (one honest push's at most) or "
+        "tokens_x_tokens_per_step (Decoupled DiLoCo: times its island's tokens per inner step, so an island of a "
+        "larger batch weighs more; equal to tokens where every island has the same batch, as in atoll today).",
     )
     scale_partial_merges: bool = Field(
         True,
@@ -137,6 +175,13 @@ def validate(config: TrainConfig) -> None:
                          "or pass --runtime local")
     if config.quorum is not None and config.quorum > config.islands:
         raise ValueError(f"quorum: {config.quorum} exceeds islands ({config.islands}); lower --quorum")
+    quorum = config.quorum if config.quorum is not None else config.islands
+    if config.min_quorum > quorum:
+        raise ValueError(f"min_quorum: {config.min_quorum} exceeds the quorum ({quorum}); lower --min-quorum")
+    if config.merge_average == "radial_directional" and config.robust_merge not in ("none", "clip"):
+        raise ValueError(f"merge_average: radial_directional averages norms and directions, --robust-merge "
+                         f"{config.robust_merge} coordinates; pass --merge-average mean with it (or --robust-merge "
+                         "none or clip)")
     if config.island_speeds is not None:
         if len(config.island_speeds) != config.islands:
             raise ValueError(f"island_speeds: {len(config.island_speeds)} values for {config.islands} islands; "
@@ -178,17 +223,22 @@ def local_sync_every(config: TrainConfig) -> list[int]:
 def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragment],
                 credentials: list[str] | None = None) -> Syncer:
     """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
-    ``index``, from its settings (quorum, grace window, staleness, norm bound, outer optimizer, robust merge),
+    ``index``, from its settings (quorum and minimum quorum, grace window, staleness, norm bound, outer
+    optimizer, robust merge, average and push weight; every island's tokens per inner step the run's),
     each island's push declared as its own H (:func:`local_sync_every`) of inner steps; ``credentials``: per
     island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated. A round
     time no push of the island's was seen before is taken up to :func:`max_round_s`, so a claim cannot
     stretch the first grace windows beyond it either."""
+    tau = config.grace_overlap_steps if config.grace_overlap_steps is not None else config.sync_every
     return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
                   quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
                   staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
                   scale_partial=config.scale_partial_merges, credentials=credentials, robust_merge=config.robust_merge,
                   push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)],
-                  max_round_s=max_round_s(config))
+                  max_round_s=max_round_s(config), min_quorum=config.min_quorum, grace_window=config.grace_window,
+                  grace_slack_fraction=config.grace_slack_fraction, grace_overlap=tau / config.sync_every,
+                  average=config.merge_average, push_weight=config.push_weight,
+                  step_tokens=[config.tokens_per_step] * config.islands)
 
 
 def max_round_s(config: TrainConfig) -> float:

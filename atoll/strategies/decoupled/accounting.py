@@ -67,6 +67,7 @@ def syncer_stats(s: Any) -> dict[str, Any]:
         "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
         # buffers' waits for a quorum; merges' overruns of their window (> 0 only on Ray's call-driven clock)
         "merge_wait_max_s": max((w for w, _ in s.merge_waits), default=0.0),
+        "merge_wait_mean_s": sum(w for w, _ in s.merge_waits) / len(s.merge_waits) if s.merge_waits else 0.0,
         "grace_window_max_s": max((g for _, g in s.merge_waits), default=0.0),
         "merge_overrun_max_s": max((w - g for w, g in s.merge_waits if g >= 0), default=0.0),
         # per island, the tokens pushed by what became of them (times fragment share, as merged_tokens)

@@ -21,14 +21,17 @@ class Pending:
     tokens: int
     base_version: int
     vetted: bool = True
+    arrived_at: float = 0.0  # seconds, the syncer's clock: its wait in the buffer ends at the merge
 
 
 @dataclass
 class Buffer:
-    """A fragment's pending pushes, the time of its first (``opened_at``, seconds, the clock of
-    :meth:`Syncer.push <atoll.strategies.decoupled.syncer.Syncer.push>`) and its grace window (seconds;
-    inf: no round time measured yet)."""
+    """A fragment's pending pushes, when its grace window opened (``opened_at``, seconds, the clock of
+    :meth:`Syncer.push <atoll.strategies.decoupled.syncer.Syncer.push>`: at the push that brought it to the
+    minimum quorum, its first with the default of 1), the window (``grace_s``, seconds; inf: not open yet, or
+    no round time measured yet) and the time of its first push (``first_at``)."""
 
     pushes: list[Pending] = field(default_factory=list)
     opened_at: float = 0.0
     grace_s: float = math.inf
+    first_at: float = 0.0

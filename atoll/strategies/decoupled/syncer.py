@@ -1,70 +1,55 @@
 """The syncer of Decoupled DiLoCo: global parameters per fragment, merged from asynchronous island pushes.
 
-Decoupled DiLoCo (arXiv:2604.21428) lets islands (learners) run on their own clocks: after its inner steps an
-island *pushes* one fragment's pseudo-gradient Δ = θ_global(v) − θ_island to the syncer, tagged with the
-tokens it trained on and the version v of the global fragment it started from, then *pulls* the newest
-global fragment and goes on. It never waits for another island.
+Decoupled DiLoCo (arXiv:2604.21428) lets islands (learners) run on their own clocks: an island *pushes* one
+fragment's pseudo-gradient Δ = θ_global(v) − θ_island with its tokens and the version v it started from,
+then *pulls* the newest global fragment and goes on, never waiting for another island.
 
 The syncer keeps, per fragment, the global parameters and an outer optimizer
 (:class:`~atoll.algorithms.outer.OuterOptimizer`: SGD-Nesterov, float32, on the CPU) and a buffer of
 accepted pushes. It merges the buffer (one outer step) when
 
 - a **quorum** of distinct islands has pushed to it (at once), or
-- the buffer's **grace window** closes: ``grace_factor`` x the median of the recent round times the
-  islands measured on their own clocks (seconds from their pull to their next push), counted from the
-  buffer's first push. The deadline thus follows the measured step times, so a dead or slow island holds
-  a merge up by at most about one round, never indefinitely. A round time is taken once per island and
-  buffer, so one island's repeated pushes do not fill the recent ones, and it is a claim clamped to what the
-  syncer saw (:mod:`~atoll.strategies.decoupled.claims`): a claim of 1e300 s moves no deadline.
+- the buffer's **grace window** closes, opened at its minimum quorum of islands and as long as the
+  measured timings say (:mod:`~atoll.strategies.decoupled.merge_rules`, with Decoupled DiLoCo's other rules:
+  tokens x tokens per step, radial-directional averaging), so a dead or slow island never holds a merge up
+  indefinitely. A timing is taken once per island and buffer, and a claim is clamped to what the syncer saw
+  (:mod:`~atoll.strategies.decoupled.claims`): a claim of 1e300 s moves no deadline.
 
 The merge is **token-weighted**: Δ̄ = Σ_i w_i Δ_i / Σ_i w_i over the pushes that actually contributed, with
 ``w_i = min(tokens_i, T_i) · (1 + s_i)^(−a)``, where ``T_i`` is one honest push of island i (its own H x
-tokens per step, ``push_tokens``): an island that pushes a fragment rarely and claims the tokens of many
-rounds at once weighs (and is vouched a norm for, :meth:`PushBounds.weight_tokens
-<atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>`) one round's at most; its tokens still count
-as merged; the staleness ``s_i`` is how many outer steps of that fragment were committed since the version
-the island started from. The polynomial staleness discount is FedAsync's
-(Xie, Koyejo, Gupta 2019, arXiv:1903.03934, §5.2, ``s(t) = (t + 1)^(−a)``); a push staler than
-``max_staleness`` is dropped, as bounded-staleness async local SGD does (Liu et al. 2024, arXiv:2401.09135,
-keep the delay of pseudo-gradients small). With ``a = 0`` the merge is the plain token-weighted mean.
+tokens per step, ``push_tokens``): a push claiming many rounds' tokens weighs (and is vouched a norm for,
+:meth:`PushBounds.weight_tokens <atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>`) one round's at
+most; the staleness ``s_i`` counts the fragment's outer steps since the island's version. The discount is
+FedAsync's (Xie, Koyejo, Gupta 2019, arXiv:1903.03934, §5.2, ``s(t) = (t + 1)^(−a)``); a push staler than
+``max_staleness`` is dropped, as bounded-staleness async local SGD does (Liu et al. 2024, arXiv:2401.09135).
+The average itself is the merge rules' (:mod:`~atoll.strategies.decoupled.merge_rules`).
 
 **Partial merges.** The mean divides by the weights of the pushes that contributed, never by the configured
-count. But a merge of n < K islands is followed by merges of the others, each of whose Δ was taken from
-(about) the same global version: stepping each partial mean in full moves the globals about K/n times as far
-per round as synchronous DiLoCo, which overshoots with Nesterov momentum. So by default (``scale_partial``)
-Δ̄ is scaled by n/K before the outer step, the share of the islands it speaks for (as FedAsync mixes a stale
-update with a weight below 1). With a full quorum nothing is scaled: the step is synchronous DiLoCo's.
+count. A merge of n < K islands is followed by merges of the others from (about) the same version: each
+stepped in full moves the globals about K/n times as far per round as synchronous DiLoCo, which overshoots
+with Nesterov momentum. So by default (``scale_partial``) Δ̄ is scaled by n/K, the share of the islands it
+speaks for (as FedAsync mixes a stale update with a weight below 1); a full quorum's step is DiLoCo's.
 
 Every push is checked as if from a stranger before it can reach a buffer: its form, sender and freshness
-(:meth:`Admission.refusal <atoll.strategies.decoupled.trust.Admission.refusal>`: an island and a fragment of
-the run, a plain float32 CPU tensor of the fragment's shape with finite values, tokens > 0, a version issued
-and newer than the island's last accepted push of the fragment in its session), then the bounds of
-:class:`~atoll.strategies.decoupled.bounds.PushBounds`: tokens per island (within what it was granted, or
-``norm_bound`` x its declared push size) and a norm that the islands' most recent pushes of the fragment
-vouch for (one entry per island), whatever the islands' speeds, with a floor that the smallest pushes cannot
-lower. A refused push is counted (:attr:`Syncer.rejected_updates`, by reason, and per island in
-``rejected_by_island``), logged at WARNING on the ``atoll.syncer`` logger, and never touches the global
-parameters; no push makes :meth:`Syncer.push` raise. An island whose pushes are all refused is
-:meth:`Syncer.starved` (:mod:`~atoll.strategies.decoupled.claims`): the runtimes stop the run.
+(:meth:`Admission.refusal <atoll.strategies.decoupled.trust.Admission.refusal>`), then its tokens and a norm
+the islands' most recent pushes of the fragment vouch for (:class:`~atoll.strategies.decoupled.bounds.PushBounds`).
+A refused push is counted (by reason and island), logged at WARNING on ``atoll.syncer``, never touches the
+globals, never makes :meth:`Syncer.push` raise; an island refused throughout is :meth:`Syncer.starved`.
 
 **One vote per island per merge.** A fragment's buffer holds one push per island: a newer accepted one
-replaces the one waiting (``replaced_updates``; its tokens go to the ``stale`` bucket), so an island that opens
-sessions itself gains no second vote (:mod:`~atoll.strategies.decoupled.trust`). A push that passes is still
-a claim of its sender's: ``robust_merge`` (:func:`~atoll.algorithms.robust.robust_mean`: clipping, trimmed
-mean, median) bounds what a minority of in-bound hostile islands can do to a merge; ``none`` (default) is the
-token-weighted mean.
+replaces the one waiting (``replaced_updates``; its tokens go to ``stale``), so sessions buy no second vote
+(:mod:`~atoll.strategies.decoupled.trust`). ``robust_merge`` (:func:`~atoll.algorithms.robust.robust_mean`)
+bounds what a minority of in-bound hostile islands can do to a merge.
 
 **Fairness of staleness.** Who arrives after a quorum has merged is the same island round after round when
-the islands run alike (a slower link, or only the order of ties): with a tight ``max_staleness`` it would be
-dropped every round while the others merge. So each island earns one commit of **staleness credit** per
-fragment for every push of its dropped as stale, kept, at most ``islands``: its limit is ``max_staleness`` +
-its credit. An island that is always one commit late is dropped once and merged ever after; no island is
-starved, and no push is ever staler than ``max_staleness + islands``. Paying the credit back as soon as
-an island pushes fresh moves the starvation to the others in turn, so it is kept.
+the islands run alike, and a tight ``max_staleness`` would drop it every round. So each island earns one
+commit of **staleness credit** per fragment for every push of its dropped as stale, kept (paying it back
+moves the starvation to the others), at most ``islands``: its limit is ``max_staleness`` + its credit; no
+push is ever staler than ``max_staleness + islands``.
 
-**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` (or
-replaced) or ``rejected`` (:mod:`~atoll.strategies.decoupled.accounting`); a forged push (``identity``) or one
-naming no island is no island's claim, and in no bucket. Merges and refusals are journaled for the run events.
+**Token accounting.** Every token a push claims ends in one bucket per island, ``merged``, ``stale`` or
+``rejected`` (:mod:`~atoll.strategies.decoupled.accounting`; a forged push's in none); merges and refusals
+are journaled for the run events.
 
 :meth:`Syncer.state_dict` holds all, written atomically by :meth:`Syncer.save`: a syncer restarted from
 :meth:`Syncer.load` loses no committed outer step (:mod:`~atoll.strategies.decoupled.syncer_state`).
@@ -74,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -84,14 +68,15 @@ from typing import Any
 import torch
 
 from atoll.algorithms.fragments import FlatFragment, as_fragments
+from atoll.algorithms.merge import is_embedding
 from atoll.algorithms.outer import OuterOptimizer
-from atoll.algorithms.robust import robust_mean
 from atoll.strategies.decoupled import syncer_state
 from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.buffer import Buffer, Pending
 from atoll.strategies.decoupled.claims import round_time, since_last_push, starved, starved_message
 from atoll.strategies.decoupled.journal import Journal
+from atoll.strategies.decoupled.merge_rules import MergeRules, transfer_s
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult, is_index
 from atoll.strategies.decoupled.trust import Admission
 
@@ -106,34 +91,29 @@ class Syncer:
 
     Args:
         init: the initial global parameters, flat (numel,), any float dtype (held as float32 on the CPU).
-        index: per fragment, its ranges of the flat vector (:class:`~atoll.algorithms.fragments.FlatFragment`)
-            or its int64 ascending flat positions (:func:`~atoll.algorithms.fragments.as_fragments`); None: one
-            fragment of all of ``init``.
-        islands: number of islands that may push (K).
-        outer_lr: outer learning rate; ``outer_momentum``: Nesterov momentum (0: plain SGD).
+        index: per fragment, its ranges (:class:`~atoll.algorithms.fragments.FlatFragment`) or int64 ascending
+            flat positions (:func:`~atoll.algorithms.fragments.as_fragments`); None: one fragment of all.
+        islands: number of islands that may push (K); outer_lr, outer_momentum: the outer SGD-Nesterov's.
         quorum: distinct islands whose pushes merge a fragment at once; default every island (``K``): with
             failures, the grace window closes and merges those that pushed.
         grace_factor: the grace window is this times the median recent round time (seconds).
-        max_staleness: pushes staler than this many committed versions (plus the island's staleness credit,
-            see the module docstring) are dropped (counted in ``stale_updates``, not in ``rejected_updates``).
+        max_staleness: pushes staler than this many versions (plus the island's credit) are dropped as stale.
         staleness_exponent: a in the staleness discount ``(1 + s)^(−a)``; 0 disables it.
         norm_bound: the factor of the token and norm bounds (:class:`~atoll.strategies.decoupled.bounds.PushBounds`).
-        scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K before the outer step (see
-            the module docstring); False: every merge steps with the full mean.
-        push_tokens: per island, the tokens of one honest push at its own H, the token bound until the runtime
-            opens a ledger (:meth:`grant`), and always the most one push weighs in a merge and is vouched a norm
-            for (banked tokens buy nothing more); None: none declared (a push weighs all it claims).
+        scale_partial: scale the merged Δ̄ of n < K distinct islands by n / K (the module docstring).
+        push_tokens: per island, the tokens of one honest push at its own H: the token bound until a ledger opens
+            (:meth:`grant`), and the most one push weighs and is vouched a norm for; None: a push weighs its claim.
         credentials: per island its secret (:class:`~atoll.strategies.decoupled.trust.Admission`); None: none.
         robust_merge, trim: :func:`~atoll.algorithms.robust.robust_mean`'s method and trimmed fraction per end.
         cold_bound: the norm bound before a round of pushes, times the fragment's parameter norm (None: norm_bound).
-        max_round_s: the longest round time a push may claim, seconds, where the syncer has not seen the
-            island push the fragment before (None: no ceiling); see :meth:`round_time`.
-        starve_after: an island whose last this many pushes were all refused (and none accepted since) is
-            :meth:`starved`: the runtime stops the run (its pushes would never train the model).
+        max_round_s: the longest round time (seconds) a first push may claim (None: none); :meth:`round_time`.
+        starve_after: an island whose last this many pushes were all refused is :meth:`starved`.
+        min_quorum, grace_window, grace_slack_fraction, grace_overlap, average, push_weight, step_tokens:
+            Decoupled DiLoCo's merge rules (:class:`~atoll.strategies.decoupled.merge_rules.MergeRules`).
 
     Raises:
-        ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, or credentials that
-            are not one per island.
+        ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, credentials that are
+            not one per island, or merge rules :class:`~atoll.strategies.decoupled.merge_rules.MergeRules` refuses.
     """
 
     def __init__(self, init: torch.Tensor, index: Sequence[FlatFragment | torch.Tensor] | None, islands: int,
@@ -142,24 +122,33 @@ class Syncer:
                  norm_bound: float = 10.0, scale_partial: bool = True, push_tokens: Sequence[int] | None = None,
                  credentials: Sequence[str] | None = None, robust_merge: str = "none", trim: float = 0.25,
                  cold_bound: float | None = None, max_round_s: float | None = None,
-                 starve_after: int = 16) -> None:
+                 starve_after: int = 16, min_quorum: int = 1, grace_window: str = "round",
+                 grace_slack_fraction: float = 0.5, grace_overlap: float = 1.0, average: str = "mean",
+                 push_weight: str = "tokens", step_tokens: Sequence[int] | None = None) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = as_fragments(index, flat.numel())
         self.islands = islands
         self.quorum = quorum if quorum is not None else islands
         if not 1 <= self.quorum <= islands:
             raise ValueError(f"quorum {self.quorum} outside 1..{islands}")
-        self.grace_factor, self.max_staleness = grace_factor, max_staleness
+        self.rules = MergeRules(islands, self.quorum, min_quorum, grace_window, grace_factor, grace_slack_fraction,
+                                grace_overlap, average, push_weight, step_tokens, robust_merge, trim)
+        self.max_staleness = max_staleness
         self.staleness_exponent, self.norm_bound = staleness_exponent, norm_bound
         self.scale_partial, self.robust_merge, self.trim = scale_partial, robust_merge, trim
         self.numel = flat.numel()
         self.numels = [f.numel() for f in self.index]  # per fragment
         self.outer = [OuterOptimizer(f.gather(flat), outer_lr, outer_momentum) for f in self.index]
         self.buffers = [Buffer() for _ in self.index]
+        # per fragment, its tensors (start, stop, merged radial-directionally: not an embedding)
+        self.segments = [[(a, b, not is_embedding(name)) for a, b, name in f.tensor_segments()] for f in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
         self.admission = Admission(islands, len(self.index), credentials)
         self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
         self.round_s: deque[float] = deque(maxlen=WINDOW)
+        self.push_gap_s: deque[float] = deque(maxlen=WINDOW)  # push to next push of an island, the syncer's clock
+        self.sync_s: deque[float] = deque(maxlen=WINDOW)      # an exchange's transfer time, as inferred
+        self.last_wait: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
         self.max_round_s = max_round_s
         self.last_push_at: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
         self.starve_after = starve_after
@@ -173,8 +162,7 @@ class Syncer:
         self.commits = 0
         self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
         self.staleness: list[int] = []      # staleness of every merged push
-        # per island, times fragment share: the one count of merged tokens (merged_tokens and
-        # merged_tokens_per_island are derived from its "merged" bucket)
+        # per island, times fragment share: the one count of tokens by outcome (merged_tokens* read "merged")
         self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
@@ -247,21 +235,40 @@ class Syncer:
             return PushResult(False, "stale")
         self.accepted_updates += 1
         buf = self.buffers[fragment]
-        pending = Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm)
+        pending = Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm, now)
         if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
             replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
             self.replaced_updates += 1
             self._count("stale", island, fragment, replaced.tokens)
             return PushResult(True)
-        if (r := self.round_time(msg.round_s, observed)) is not None:  # once per island and buffer
-            self.round_s.append(r)
+        r = self.round_time(msg.round_s, observed)
+        self.measure(island, fragment, r, observed)  # once per island and buffer
         if not buf.pushes:
-            buf.opened_at = now
-            buf.grace_s = self.grace_factor * statistics.median(self.round_s) if self.round_s else math.inf
+            buf.first_at = now
         buf.pushes.append(pending)
+        if len(buf.pushes) == self.rules.min_quorum:  # the minimum quorum is in: the grace window opens
+            buf.opened_at, buf.grace_s = now, self.grace(now - buf.first_at)
         if len(buf.pushes) >= self.quorum:  # one push per island: as many distinct islands
             return PushResult(True, committed=self.commit(fragment, now))
         return PushResult(True)
+
+    def measure(self, island: int, fragment: int, round_s: float | None, gap_s: float | None) -> None:
+        """Take one push's timings for the grace windows (once per island and buffer): its clamped round time
+        ``round_s`` (:meth:`round_time`), the syncer's own ``gap_s`` since the island's previous push of the
+        fragment, and from both with its previous wait in the buffer, the transfer time (:func:`transfer_s`)."""
+        if round_s is not None:
+            self.round_s.append(round_s)
+        if gap_s is not None:
+            self.push_gap_s.append(gap_s)
+            waited = self.last_wait[island][fragment]
+            if round_s is not None and waited is not None:
+                self.sync_s.append(transfer_s(gap_s, round_s, waited))
+
+    def grace(self, waited_s: float) -> float:
+        """The grace window (seconds) of a buffer that reached its minimum quorum ``waited_s`` after its first
+        push, from the recent timings (:meth:`MergeRules.window
+        <atoll.strategies.decoupled.merge_rules.MergeRules.window>`); inf: nothing measured yet."""
+        return self.rules.window(waited_s, self.round_s, self.push_gap_s, self.sync_s)
 
     def round_time(self, claimed: Any, observed: float | None) -> float | None:
         """The round time (seconds) a push's claim ``claimed`` is taken as for the grace window, or None:
@@ -342,7 +349,11 @@ class Syncer:
         buf = self.buffers[fragment]
         pushes, self.buffers[fragment] = buf.pushes, Buffer()
         if now is not None and pushes:
-            self.merge_waits.append((now - buf.opened_at, buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+            opened = len(pushes) >= self.rules.min_quorum  # its window's wait (short of K: from the first push)
+            self.merge_waits.append((now - (buf.opened_at if opened else buf.first_at),
+                                     buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+            for p in pushes:
+                self.last_wait[p.island][fragment] = now - p.arrived_at
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
             ok = self.bounds.vet(fragment, [(p.island, float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
             for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
@@ -355,13 +366,12 @@ class Syncer:
             if s > self.max_staleness and not self._fresh_enough(p.island, fragment, s, p.tokens):
                 continue
             kept.append(p)  # weighed by one round's tokens at most: banked tokens buy no weight
-            weights.append(self.bounds.weight_tokens(p.island, p.tokens) * (1.0 + s) ** (-self.staleness_exponent))
+            weights.append(self.weight(p.island, p.tokens) * (1.0 + s) ** (-self.staleness_exponent))
             stale.append(s)
         if not kept:
             return 0
         t0 = time.perf_counter()
-        mean = robust_mean([p.delta for p in kept], weights, self.robust_merge, self.trim,
-                           out=self._means[fragment])  # none: weighted_mean
+        mean = self.rules.merge([p.delta for p in kept], weights, self.segments[fragment], out=self._means[fragment])
         self.merge_s += time.perf_counter() - t0
         contributors = len({p.island for p in kept})
         if self.scale_partial and contributors < self.islands:
@@ -375,6 +385,12 @@ class Syncer:
             self.refused_in_a_row[p.island] = 0
             self._count("merged", p.island, fragment, p.tokens)
         return 1
+
+    def weight(self, island: int, tokens: int) -> float:
+        """A push's merge weight before its staleness discount: its :meth:`PushBounds.weight_tokens
+        <atoll.strategies.decoupled.bounds.PushBounds.weight_tokens>` (one honest push's tokens at most) by the
+        push weight rule (:meth:`MergeRules.weight <atoll.strategies.decoupled.merge_rules.MergeRules.weight>`)."""
+        return self.rules.weight(island, float(self.bounds.weight_tokens(island, tokens)))
 
     def flush(self) -> int:
         """Merge every open buffer now (end of training); return the outer steps committed."""

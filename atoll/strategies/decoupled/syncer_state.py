@@ -2,8 +2,8 @@
 :class:`~atoll.strategies.decoupled.syncer.Syncer` needs to lose no committed outer step.
 
 :func:`state_dict` holds, per fragment, the globals and outer momentum (float32 CPU tensors), the open
-buffers (their pending Δs, float32 (numel_p,)), the push bounds and admission, the recent round times and
-last pushes (seconds), and every statistic; :func:`save` writes it atomically with
+buffers (their pending Δs, float32 (numel_p,)), the push bounds and admission, the recent round times, push
+gaps, transfer times and last pushes and waits (seconds), and every statistic; :func:`save` writes it atomically with
 :func:`~atoll.job.checkpoint.save_checkpoint` (tensors as safetensors, nothing as pickle), :func:`load` reads
 the newest complete one back. Entries absent from older checkpoints load as their defaults.
 
@@ -37,6 +37,9 @@ class SyncerView(Protocol):
     admission: Admission
     merge_s: float
     round_s: deque[float]
+    push_gap_s: deque[float]
+    sync_s: deque[float]
+    last_wait: list[list[float | None]]
     last_push_at: list[list[float | None]]
     refused_in_a_row: list[int]
     stale_credit: list[list[int]]
@@ -72,11 +75,14 @@ def state_dict(s: SyncerView) -> dict[str, Any]:
     return {
         "outer": [o.state_dict() for o in s.outer],
         "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
+                     "first_at": b.first_at,
                      "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
-                                 "base_version": p.base_version, "vetted": p.vetted} for p in b.pushes]}
+                                 "base_version": p.base_version, "vetted": p.vetted, "arrived_at": p.arrived_at}
+                                for p in b.pushes]}
                     for b in s.buffers],
         "bounds": s.bounds.state_dict(), "admission": s.admission.state_dict(), "merge_s": s.merge_s,
-        "round_s": list(s.round_s),
+        "round_s": list(s.round_s), "push_gap_s": list(s.push_gap_s), "sync_s": list(s.sync_s),
+        "last_wait": [[-1.0 if t is None else t for t in f] for f in s.last_wait],
         "last_push_at": [[-1.0 if t is None else t for t in f] for f in s.last_push_at],
         "refused_in_a_row": list(s.refused_in_a_row),
         "stale_credit": [list(c) for c in s.stale_credit],
@@ -100,14 +106,20 @@ def load_state_dict(s: SyncerView, state: dict[str, Any]) -> None:
     for b in state["buffers"]:
         grace = float(b["grace_s"])
         s.buffers.append(Buffer([Pending(int(p["island"]), p["delta"], int(p["tokens"]),
-                                         int(p["base_version"]), bool(p.get("vetted", True)))
+                                         int(p["base_version"]), bool(p.get("vetted", True)),
+                                         float(p.get("arrived_at", b["opened_at"])))
                                  for p in b["pushes"]],
-                                float(b["opened_at"]), grace if grace >= 0 else math.inf))
+                                float(b["opened_at"]), grace if grace >= 0 else math.inf,
+                                float(b.get("first_at", b["opened_at"]))))  # older checkpoints: the window's
     s.bounds.load_state_dict(state["bounds"])
     if "admission" in state:
         s.admission.load_state_dict(state["admission"])
     s.merge_s = float(state.get("merge_s", 0.0))
     s.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
+    s.push_gap_s = deque((float(x) for x in state.get("push_gap_s", [])), maxlen=WINDOW)  # absent: older ones
+    s.sync_s = deque((float(x) for x in state.get("sync_s", [])), maxlen=WINDOW)
+    if "last_wait" in state:
+        s.last_wait = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_wait"]]
     if "last_push_at" in state:  # absent from older checkpoints: no push seen yet
         s.last_push_at = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_push_at"]]
     s.refused_in_a_row = [int(x) for x in state.get("refused_in_a_row", [0] * s.islands)]
