@@ -28,6 +28,18 @@ torch.set_num_threads(1)
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for ``pytest -n 2 --dist loadgroup`` (pytest-xdist; the marks do nothing without it): a module's
+    tests stay on one worker, so a module-scoped fixture (a shared trained run) is built once; every test that
+    names Ray shares one group, so two local Ray clusters (each a dozen processes) never start at once on the
+    2-core machine."""
+    for item in items:
+        if not any(item.iter_markers("xdist_group")):
+            ray = "ray" in item.nodeid.lower()
+            item.add_marker(pytest.mark.xdist_group("ray" if ray else item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(autouse=True)
 def _no_fault_hook():
     """No test leaves a fault hook installed (:func:`atoll.job.divergence.set_fault_hook`) for the next."""

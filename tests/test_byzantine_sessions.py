@@ -213,7 +213,9 @@ def test_on_ray_token_claims_are_bounded_by_the_steps_granted(fast_config: dict)
     share = int(svc.syncer.index[0].numel()) / svc.syncer.numel
     assert stats["merged_tokens_by_island"] == pytest.approx([tps * share, 5 * tps * share])
     # a syncer restarted from its checkpoint keeps the ledger (plus one push per island at its own H: the steps
-    # granted since the checkpoint), and the claims
+    # granted since the checkpoint), and the claims; the commit's checkpoint is written by the writer thread: a
+    # restart reads what is on disk (on a loaded machine the write may not have finished yet)
+    assert svc.writer.flush(timeout=60)
     restarted = SyncerService(config.model_dump_json(), fast_config["out"], creds)
     h = config.sync_every * tps
     assert restarted.syncer.bounds.granted == [tps + h, 5 * tps + h]
