@@ -60,6 +60,8 @@ SPEEDS = [1.0, 1.0, 0.5, 0.25]  # (b): relative speeds of the 4 islands
 EARLIER_SETTING: dict[str, Any] = study_settings(__file__, "earlier")
 #: what synchronous diloco's runs add to :data:`EARLIER_SETTING`: its outer momentum then ([earlier_diloco])
 EARLIER_DILOCO: dict[str, Any] = study_settings(__file__, "earlier_diloco")
+#: what decoupled's runs add: the syncer's merge before the paper's rules became the defaults ([earlier_decoupled])
+EARLIER_DECOUPLED: dict[str, Any] = study_settings(__file__, "earlier_decoupled")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -87,11 +89,14 @@ def shared_settings(args: argparse.Namespace) -> tuple[int, dict[str, Any], str]
 def pinned(settings: dict[str, Any]) -> dict[str, Any]:
     """A run's settings over :data:`EARLIER_SETTING` (and :data:`EARLIER_DILOCO` for diloco): what it trains with.
 
-    A decoupled run's quorum is pinned to the earlier default, half the islands rounded up (now: every island).
+    A decoupled run's quorum is pinned to the earlier default, half the islands rounded up (now: every island),
+    and its merge to the earlier one (:data:`EARLIER_DECOUPLED`).
     """
     earlier = {**EARLIER_SETTING, **(EARLIER_DILOCO if settings.get("strategy") == "diloco" else {})}
-    if settings.get("strategy", "decoupled") == "decoupled" and "quorum" not in settings:
-        earlier["quorum"] = -(-int(settings.get("islands", 4)) // 2)
+    if settings.get("strategy", "decoupled") == "decoupled":
+        earlier.update(EARLIER_DECOUPLED)
+        if "quorum" not in settings:
+            earlier["quorum"] = -(-int(settings.get("islands", 4)) // 2)
     return {**earlier, **settings}
 
 

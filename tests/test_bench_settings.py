@@ -78,6 +78,7 @@ def test_studies_read_their_files() -> None:
     for module in (diloco_vs_ddp, streaming_codecs, demo_sweep, decoupled, overhead):
         assert table(module.__name__.split(".")[-1], "earlier") == module.EARLIER_SETTING, module.__name__
     assert table("decoupled", "earlier_diloco") == decoupled.EARLIER_DILOCO
+    assert table("decoupled", "earlier_decoupled") == decoupled.EARLIER_DECOUPLED
     assert table("beyond", "base") == beyond.BASE and table("beyond", "size_base") == beyond.SIZE_BASE
     assert table("survivors", "settings") == survivors.SETTINGS
 
@@ -127,7 +128,8 @@ def test_streaming_codecs_and_demo_sweep_runs() -> None:
 def test_decoupled_runs() -> None:
     for name, own in decoupled.planned_runs(decoupled.parse_args(["--train-sync"])):
         earlier = {**decoupled.EARLIER_SETTING,
-                   **(decoupled.EARLIER_DILOCO if own.get("strategy") == "diloco" else {})}
+                   **(decoupled.EARLIER_DILOCO if own.get("strategy") == "diloco" else {}),
+                   **(decoupled.EARLIER_DECOUPLED if own.get("strategy", "decoupled") == "decoupled" else {})}
         assert_keeps(via_train_once(decoupled.pinned(own)), earlier, own, name)
 
 
