@@ -46,11 +46,13 @@ def _serve(config, folder: Path, creds: list[str], **shard):  # noqa: ANN001, AN
 
 @pytest.fixture()
 def shards(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - ([state0, state1], [address0, address1], creds)
-    """Shards 0 and 1 of a syncer of 2 fragments, served in this process (plaintext on loopback)."""
+    """Shards 0 and 1 of a syncer of 2 fragments, served in this process (plaintext on loopback). A merge takes
+    both islands' pushes (``min_quorum`` 2): no grace window closes on a push alone, whatever the machine's pace."""
     from atoll.config import build_config
 
     base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
-    config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2})
+    config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
+                                 "min_quorum": 2})
     creds = ["a" * 32, "b" * 32]
     served = [_serve(config, tmp_path / f"shard_{s}", creds, shard=s, shards=2, key=KEY) for s in range(2)]
     yield [s for s, _, _ in served], [a for _, a, _ in served], creds

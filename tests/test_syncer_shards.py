@@ -52,6 +52,10 @@ def test_a_shard_holds_its_fragments_one_after_the_other() -> None:
     values, index = shard_vector(flat, frags)
     assert values.tolist() == [6.0, 7.0, 0.0, 1.0, 4.0]
     assert [f.ranges for f in index] == [((0, 2),), ((2, 5),)]
+    # named ranges keep their parameters' names: the shard's syncer merges per tensor as one syncer does
+    named = [FlatFragment(((6, 8),), ("c",)), FlatFragment(((0, 2), (4, 5)), ("a", "b.embed_tokens"))]
+    _, index = shard_vector(flat, named)
+    assert [f.tensor_segments() for f in index] == [[(0, 2, "c")], [(0, 2, "a"), (2, 3, "b.embed_tokens")]]
 
 
 def test_a_grant_verifies_only_unaltered_under_the_run_key() -> None:

@@ -72,11 +72,19 @@ def shard_map(numels: Sequence[int], shards: int) -> list[int]:
 def shard_vector(flat: torch.Tensor, fragments: Sequence[FlatFragment]) -> tuple[torch.Tensor, list[FlatFragment]]:
     """A shard's own parameters: its ``fragments`` of the model's flat vector ``flat`` (numel,) one after the
     other, a new float tensor (sum of their numels,), and each fragment as its one contiguous range of it, in
-    the same order (what a shard's :class:`~atoll.strategies.decoupled.syncer.Syncer` is built over)."""
+    the same order (what a shard's :class:`~atoll.strategies.decoupled.syncer.Syncer` is built over), its
+    ranges keeping their parameters' names (per-tensor merges, embeddings told apart, as on one syncer)."""
     index, start = [], 0
     for f in fragments:
-        index.append(FlatFragment(((start, start + f.numel()),)))
-        start += f.numel()
+        if not f.params:  # no names: one range
+            index.append(FlatFragment(((start, start + f.numel()),)))
+            start += f.numel()
+            continue
+        ranges = []
+        for a, b in f.ranges:
+            ranges.append((start, start + b - a))
+            start += b - a
+        index.append(FlatFragment(tuple(ranges), f.params))
     values = torch.cat([f.gather(flat) for f in fragments]) if fragments else flat.new_zeros(0)
     return values, index
 
