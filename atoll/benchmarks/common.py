@@ -60,6 +60,14 @@ def default_out(name: str) -> Path:
     return Path("bench") / "out" / name
 
 
+def command_line(script: str) -> str:
+    """The command that started this process, as a results file names it: ``python bench/<script> ARGS`` when
+    run as that script, ``atoll ARGS`` through the CLI, else the program's own name and its arguments."""
+    name = Path(sys.argv[0]).name
+    head = f"python bench/{script}" if name == script else "atoll" if name in ("atoll", "cli.py") else name
+    return " ".join([head, *sys.argv[1:]])
+
+
 def study_settings(script: str | Path, table: str = "earlier") -> dict[str, Any]:
     """The settings a study pins: the table ``table`` of the TOML file beside the script (``bench/<name>.toml``
     for ``bench/<name>.py``), TrainConfig fields and their values (tests/test_bench_settings.py checks every

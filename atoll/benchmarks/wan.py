@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atoll.benchmarks.common import default_out
+from atoll.benchmarks.common import command_line, default_out
 from atoll.benchmarks.folders import (
     check_benchmark_run,
     check_out_folder,
@@ -320,11 +320,6 @@ def check_out(args: argparse.Namespace) -> None:
             check_benchmark_run(args.out, name, WAN_MARKERS, WAN_FILES)
 
 
-def _command_line() -> str:
-    script = Path(sys.argv[0]).name
-    head = "python bench/wan.py" if script == "wan.py" else "atoll" if script in ("atoll", "cli.py") else script
-    return " ".join([head, *sys.argv[1:]])
-
 
 def run_benchmark(args: argparse.Namespace) -> int:
     """The benchmark; returns the exit status (0: done or skipped; 1: a run failed; 2: bad flags)."""
@@ -377,7 +372,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
         return 130
     meta = {"islands": args.islands, "model": args.model, "delay_ms": args.delay_ms,
             "tbf_latency_ms": args.tbf_latency_ms, "mtu": args.mtu,
-            "command": _command_line()}
+            "command": command_line("wan.py")}
     table = write_report(args.out, rows, meta)
     print(table)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from atoll.benchmarks.common import default_out
+from atoll.benchmarks.common import command_line, default_out
 from atoll.benchmarks.folders import (
     RUN_PATHS,
     check_benchmark_run,
@@ -345,12 +345,6 @@ def _uptime() -> str:
         return "load average: " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def _command_line() -> str:
-    script = Path(sys.argv[0]).name
-    head = "python bench/wan_decoupled.py" if script == "wan_decoupled.py" else \
-        "atoll" if script in ("atoll", "cli.py") else script
-    return " ".join([head, *sys.argv[1:]])
-
 
 def run_benchmark(args: argparse.Namespace) -> int:
     """The benchmark; the exit status (0: done or skipped; 1: a run failed; 2: bad flags or ``--out``)."""
@@ -405,7 +399,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "tokens_per_step": config.tokens_per_step, "uptime_start": uptime_start, "uptime_end": _uptime(),
             "trained_now": [r["run"] for r in rows if not r.get("reused")],
             "cpus": os.cpu_count(),
-            "command": _command_line()}
+            "command": command_line("wan_decoupled.py")}
     table = write_report(args.out, rows, meta, projections(rows, meta))
     print(table)
     return 0 if all(r["ok"] for r in rows) else 1
