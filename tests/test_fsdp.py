@@ -75,6 +75,20 @@ def _resume_from(source: Path, out: Path, step: int) -> subprocess.CompletedProc
     return _atoll("train", "--resume", str(out))  # the saved config: collective, 2 ranks per island
 
 
+def assert_resumes_bit_for_bit(source: Path, out: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Resume the 2x2 run ``source`` from its checkpoint at ``step`` in ``out`` (exit status 0) and check that it
+    writes the same files, tensor for tensor, as the uninterrupted run: state, model and four ranks'. Returns the
+    uninterrupted run's final files."""
+    r = _resume_from(source, out, step)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _every_file(source), _every_file(out)
+    assert a.keys() == b.keys() and len(a) == 6  # state, model, four ranks
+    for name in a:
+        assert a[name].keys() == b[name].keys()
+        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    return a
+
+
 @pytest.fixture(scope="module")
 def runs(corpus_file: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """diloco and ddp, each unsharded and sharded, 2 islands x 2 ranks; diloco int8 sharded. Every run starts
@@ -188,13 +202,7 @@ def test_unsharded_per_rank_checkpoint_resumes_exactly(runs: dict, tmp_path: Pat
 def test_sharded_checkpoint_resumes_bit_for_bit(runs: dict, tmp_path: Path) -> None:
     source, _ = runs["diloco-sharded"]
     out = tmp_path / "resumed"
-    r = _resume_from(source, out, 10)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _every_file(source), _every_file(out)
-    assert a.keys() == b.keys() and len(a) == 6  # state, model, four ranks
-    for name in a:
-        assert a[name].keys() == b[name].keys()
-        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert_resumes_bit_for_bit(source, out, 10)
     r = _atoll("train", "--resume", str(out), "--ranks-per-island", "1")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("atoll: error: shard_island: an island of one rank")

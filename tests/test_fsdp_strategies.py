@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fsdp import _checkpoint, _every_file, _resume_from, _settings, _train
+from test_fsdp import _checkpoint, _every_file, _settings, _train, assert_resumes_bit_for_bit
 
 from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.fragments import FlatFragment
@@ -107,14 +107,7 @@ def test_sharded_streaming_checkpoint_resumes_bit_for_bit(streaming: dict, tmp_p
     """Resumed at step 10, where fragment 1's exchange is in flight (H = 5, tau = 1): its result is saved per
     shard, and the resumed run writes the same files as the uninterrupted one."""
     source, _ = streaming["sharded"]
-    out = tmp_path / "resumed"
-    r = _resume_from(source, out, 10)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _every_file(source), _every_file(out)
-    assert a.keys() == b.keys() and len(a) == 6  # state, model, four ranks
-    for name in a:
-        assert a[name].keys() == b[name].keys()
-        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert_resumes_bit_for_bit(source, tmp_path / "resumed", 10)
     in_flight = [f for name, f in _every_file(source, 10).items() if "strategy.in_flight.0.result" in f]
     assert len(in_flight) == 2  # island 0's two ranks, each its shard's slice of the fragment in flight
 
@@ -147,14 +140,7 @@ def test_sharded_demo_checkpoint_resumes_bit_for_bit(demo: dict, tmp_path: Path)
     """Each rank checkpoints its rows of DeMo's momentum (a DTensor like its parameter), and a run resumed at
     step 10 writes the same files as the uninterrupted one."""
     source, _ = demo["sharded"]
-    out = tmp_path / "resumed"
-    r = _resume_from(source, out, 10)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _every_file(source), _every_file(out)
-    assert a.keys() == b.keys() and len(a) == 6  # state, model, four ranks
-    for name in a:
-        assert a[name].keys() == b[name].keys()
-        assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    a = assert_resumes_bit_for_bit(source, tmp_path / "resumed", 10)
     whole = _every_file(demo["whole"][0])
     rank0 = next(v for k, v in whole.items() if k.startswith("ranks/rank_00000/"))
     pieces = [next(v for k, v in a.items() if k.startswith(f"ranks/rank_0000{r}/")) for r in (0, 1)]
