@@ -310,12 +310,20 @@ class DeMo(torch.optim.Optimizer):
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 t = self.transform_for(p.shape)
-                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], p.device, count=True)
-                update = torch.sign(t.decode(mean))
-                if wd != 0.0:
-                    p.mul_(1.0 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr)
+                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True)
+                self._apply_update(p, torch.sign(t.decode(mean)), lr, wd)
                 i += 1
+
+    def _piece(self, p: torch.Tensor) -> torch.Tensor:
+        """The part of parameter ``p`` this optimizer writes: all of it (a sharded island's: its rank's rows)."""
+        return p
+
+    def _apply_update(self, p: torch.Tensor, update: torch.Tensor, lr: float, wd: float) -> None:
+        """Decoupled weight decay, then ``p -= lr * update`` (``update``: the sign of the decoded mean, shaped as
+        ``p``, float32)."""
+        if wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+        p.add_(update.to(p.dtype), alpha=-lr)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

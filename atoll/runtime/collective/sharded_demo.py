@@ -20,7 +20,7 @@ island (the fast link), and the selection computed redundantly on each of the is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,33 +89,17 @@ class ShardedDeMo(DeMo):
                     shape=t.shape, chunk_elems=t.chunk_elems, sign_values=self.sign_values))
         return payloads
 
-    @torch.no_grad()
-    def apply_step(self, gathered: Sequence[Sequence[DemoPayload]]) -> None:
-        """DeMo's step e (:meth:`DeMo.apply_step`): each coefficient averaged over the islands that selected it,
-        decoded for the whole tensor; this rank's rows of its sign applied to its piece.
+    def _piece(self, p: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``p`` (its local shard; ``p`` itself when not a DTensor)."""
+        return _local(p)
 
-        Raises:
-            ValueError: as :meth:`DeMo.apply_step` (checked before any parameter changes).
-        """
-        params = self._params()
-        if not gathered or any(len(pls) != len(params) for pls in gathered):
-            raise ValueError(f"DeMo.apply_step: every island must send one payload per parameter ({len(params)})")
-        if any(bool(pl.corrupt()) for pls in gathered for pl in pls if pl.sign_values):
-            raise ValueError("DeMo.apply_step: an island sent packed signs with the unused code 0b10; the "
-                             "payload is corrupt")
-        i = 0
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                t = self.transform_for(p.shape)
-                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], _local(p).device, count=True)
-                update = torch.sign(t.decode(mean))
-                piece = _local(p)
-                if wd != 0.0:
-                    piece.mul_(1.0 - lr * wd)
-                piece.add_((update[_rows(p)] if isinstance(p, DTensor) else update).to(piece.dtype), alpha=-lr)
-                i += 1
-
+    def _apply_update(self, p: torch.Tensor, update: torch.Tensor, lr: float, wd: float) -> None:
+        """DeMo's step e on this rank's piece (:meth:`DeMo.apply_step` checks the payloads, averages each
+        coefficient over the islands that selected it and decodes the whole tensor): its rows of ``update``."""
+        piece = _local(p)
+        if wd != 0.0:
+            piece.mul_(1.0 - lr * wd)
+        piece.add_((update[_rows(p)] if isinstance(p, DTensor) else update).to(piece.dtype), alpha=-lr)
 
 def shard_aware(factory: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer]
                 ) -> Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer]:
