@@ -53,7 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny", help="model preset [tiny]")
     parser.add_argument("--kill-at", type=int, default=150, help="island 0's inner step its rank 1 dies at [150]")
     parser.add_argument("--other-ranks", type=int, default=1, help="ranks of island 1 [1]")
-    parser.add_argument("--window", type=float, default=10.0, help="seconds before the kill the rate is taken over")
+    parser.add_argument("--window", type=float, default=30.0,
+                        help="seconds before the kill the rate is taken over [30]")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
                         help="island 0 on CPU 0, the rest on the other CPUs [on with 2+ CPUs]")
     parser.add_argument("--repeats", type=int, default=3, help="trials (a median row follows) [3]")
@@ -98,12 +99,22 @@ def _import_s(env: dict[str, str], pin: list[str]) -> tuple[float, float]:
 
 
 def _rate(samples: list[tuple[float, dict]], start: float, end: float, island: int = 1) -> float:
-    """An island's granted inner steps per second between ``start`` and ``end`` (first and last sample in it)."""
-    inside = [(t, s["steps_by_island"][island]) for t, s in samples
-              if start <= t <= end and s.get("steps_by_island")]
-    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+    """An island's granted inner steps per second between ``start`` and ``end``, from edge to edge: the steps are
+    granted in leases of H, so the count is a staircase; the rate is the steps between the first and the last
+    grant seen inside the interval over the time between them (a difference of samples at the interval's ends
+    would count a lease more or less, +-H steps, by where the ends fall)."""
+    edges: list[tuple[float, int]] = []
+    last = None
+    for t, s in samples:
+        if not s.get("steps_by_island"):
+            continue
+        count = s["steps_by_island"][island]
+        if last is not None and count != last and start <= t <= end:
+            edges.append((t, count))
+        last = count
+    if len(edges) < 2 or edges[-1][0] <= edges[0][0]:
         return float("nan")
-    return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+    return (edges[-1][1] - edges[0][1]) / (edges[-1][0] - edges[0][0])
 
 
 def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -231,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"inner step {args.kill_at}; island 1: {args.other_ranks} rank(s); seconds from the kill. The other "
              "island's rate: inner steps the syncer granted it per second, over the "
              f"{args.window:g} s before the kill and from the kill until island 0 pushed again (granted in leases "
-             "of its H = 10 steps). A fresh process's imports (torch, transformers, atoll's island; measured "
+             "of its H = 10 steps: from the first grant to the last inside each interval). A fresh process's imports (torch, transformers, atoll's island; measured "
              "before each trial): most of a restart when the machine is loaded.",
              "targets: back and pushing within 30 s; the other island's rate over the outage within 5% of before. "
              f"Island 0 {pinned}; machine: {machine['cpus']} CPUs, shared with other jobs (their load is in the "

@@ -201,3 +201,32 @@ def test_an_island_back_from_a_long_outage_never_becomes_the_global_state(syncer
     answer = lead.push(wire.payload_bytes(own.tensors), 0, ((0, n),), 5 * tps, 6, rejoined["session"])
     assert not answer["accepted"] and state.service.syncer.rejected_by_reason == {"norm": 1}
     assert torch.equal(state.service.syncer.pull(0).params, before)
+
+
+@pytest.mark.slow
+def test_a_push_waiting_for_its_quorum_is_answered_by_one_long_poll_when_it_merges(syncer) -> None:  # noqa: ANN001
+    """``Buffered`` with ``fragment`` and ``wait_s`` holds the call until the island's push leaves the buffer:
+    island 0's push waits for island 1's (quorum 2); one call, made before island 1 pushes, is answered when the
+    merge happens, with the fragment no longer buffered (one call per merge, not one per poll interval). Without
+    ``wait_s`` the answer is immediate; a bad ``wait_s`` is refused."""
+    import threading
+
+    state, address, creds = syncer(quorum=2, grace_window="round")
+    lead, _, other, s0, s1 = _clients(state, address, creds)
+    n, tps = state.service.syncer.numels[0], state.config.tokens_per_step
+    assert other.call("ReserveSteps", {"n": 5})["granted"] == 5
+    step = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors)
+    assert not lead.push(step, 0, ((0, n),), 5 * tps, 0, s0)["answered"]  # in the buffer: quorum 2
+    assert lead.call("Buffered", {"fragment": 0})["buffered"] == [0]  # no wait_s: answered at once
+    with pytest.raises(grpc.RpcError) as bad:
+        lead.call("Buffered", {"fragment": 0, "wait_s": "soon"}, retry=False)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    answers: list[list[int]] = []
+    waiting = threading.Thread(target=lambda: answers.append(
+        lead.call("Buffered", {"fragment": 0, "wait_s": wire.MAX_WAIT_S}, retry=False)["buffered"]))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and not answers  # held by the syncer: the push is still buffered
+    assert other.push(step, 0, ((0, n),), 5 * tps, 0, s1)["answered"]  # the quorum: merged
+    waiting.join(30)
+    assert answers == [[]] and state.service.syncer.version(0) == 1

@@ -10,8 +10,8 @@ what):
    agreement says every slice is up, commits the push listing the slices (``Push``), and the syncer
    reassembles the island's Δ. (``"leader"``: rank 0 gathers the slices inside the island, encodes the whole
    fragment and uploads it alone.)
-2. **wait**: the leader asks every ``poll_s`` (``Buffered``) until the push is merged (a quorum, or the
-   grace window), and says so in the agreement.
+2. **wait**: the leader waits (``Buffered``, a long poll of at most ``wire.MAX_WAIT_S``, asked again until) the
+   push is merged (a quorum, or the grace window), and says so in the agreement.
 3. **pull**: every rank downloads its slice of the newest global fragment over its own connection (the
    leader alone the whole fragment with ``"leader"``); the versions the ranks got are agreed (a commit between
    two ranks' downloads: the older ones download again), and the island's ranks then assemble what they hold
@@ -145,7 +145,7 @@ class ServiceTransport:
         codec: the run's codec (the bytes a slice's payload takes).
         session: the island's session (from its join).
         lease: the leader's :class:`~atoll.runtime.service.client.StepLease` (None on the other ranks).
-        poll_s: seconds between two agreements while waiting for an exchange, and between two ``Buffered``.
+        poll_s: seconds between two agreements while waiting for an exchange.
         heartbeat_s: seconds between the leader's heartbeats (on the control connection).
 
     Attributes:
@@ -407,8 +407,9 @@ class ServiceTransport:
         if not answer["accepted"]:
             self.refused += 1
         if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
-            while p in self.route[p].call("Buffered")["buffered"]:
-                time.sleep(self.poll_s)
+            ask = {"fragment": p, "wait_s": wire.MAX_WAIT_S}  # answered when it merged (or after MAX_WAIT_S)
+            while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]:
+                pass
 
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):

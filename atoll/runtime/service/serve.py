@@ -129,7 +129,8 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
         if not str(e).startswith("shards:"):
             raise
         raise ConfigError(str(e)) from None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + 4 * config.islands),
+    # a thread per call: per island its heartbeat, lease, transfers and a long poll per fragment (Buffered)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + config.islands * (4 + config.fragments)),
                          handlers=[server_state.handler()],
                          options=[("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
                                   ("grpc.so_reuseport", 0)])

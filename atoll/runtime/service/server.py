@@ -86,6 +86,7 @@ class SyncerServer(ShardCalls, BulkCalls):
                                      shard=shard, shards=shards, key=key)
         self._init_shards(key)  # (ShardCalls)
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when a push may have left a buffer
         self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(config.islands)}
         self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(config.islands)}
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
@@ -177,10 +178,27 @@ class SyncerServer(ShardCalls, BulkCalls):
         return self.started_at is not None
 
     def Buffered(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        """The run's fragments of this shard whose buffer holds a push of the island's not merged yet."""
+        """The run's fragments of this shard whose buffer holds a push of the island's not merged yet.
+
+        A long poll: with ``fragment`` (the run's index) and ``wait_s`` (seconds, at most
+        :data:`~atoll.runtime.service.wire.MAX_WAIT_S`) the answer comes once that fragment's buffer no longer
+        holds the island's push (merged at a quorum or its grace window), or when ``wait_s`` has passed, so an
+        island waiting for its push to merge makes one call per merge, not one per poll interval (each call
+        costs CPU on the syncer's host and on the island's)."""
         island, _ = self._caller(context)
-        with self.lock:
-            return wire.dumps({"buffered": [self.service.fragment_ids[j] for j in self.service.buffered(island)]})
+        req = self._request(data, context)
+        fragment, wait_s = req.get("fragment"), req.get("wait_s", 0)
+        if not (isinstance(wait_s, int | float) and not isinstance(wait_s, bool) and math.isfinite(wait_s)
+                and wait_s >= 0):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "wait_s: a number of seconds >= 0")
+        deadline = time.monotonic() + min(float(wait_s), wire.MAX_WAIT_S)
+        with self.changed:
+            while True:
+                ids = [self.service.fragment_ids[j] for j in self.service.buffered(island)]
+                left = deadline - time.monotonic()
+                if fragment not in ids or left <= 0 or not context.is_active():
+                    return wire.dumps({"buffered": ids})
+                self.changed.wait(min(left, 0.5))
 
     def Heartbeat(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         island, _ = self._caller(context)
@@ -250,6 +268,7 @@ class SyncerServer(ShardCalls, BulkCalls):
                    session=req.get("session"), credential=credential)
         with self.lock:
             accepted, pull = self.service.push(msg)
+            self.changed.notify_all()
             answer = {"accepted": accepted, "answered": pull is not None,
                       "version": pull.version if pull is not None else None}
             self._remember(island, key, answer)
@@ -326,6 +345,7 @@ class SyncerServer(ShardCalls, BulkCalls):
 
         with self.lock:
             self.service.progress()  # polls: closes due grace windows (and checkpoints a commit)
+            self.changed.notify_all()
             now = time.monotonic()
             # (a shard other than the coordinator spends no budget: its run ends when the coordinator closes it)
             if self.coordinator and self.spent_at is None and self.service.reserved >= self.service.budget:

@@ -34,6 +34,8 @@ SERVICE = "atoll.Syncer"
 #: to the other shards at the run's end (peer credential only)
 CONTROL = ("Join", "ReserveSteps", "Buffered", "Heartbeat", "UploadStatus", "Push", "PullMeta", "Leave", "Hello",
            "Finish", "Close")
+#: the longest a ``Buffered`` call (a long poll) waits for a push to leave the buffer, seconds; asked again after
+MAX_WAIT_S = 5.0
 #: the most ranges one slice may name (a sharded rank's slice: one per parameter of the fragment)
 MAX_RANGES = 1 << 16
 #: bytes per chunk of a tensor transfer (gRPC's default message limit is 4 MiB)
