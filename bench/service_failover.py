@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -45,13 +44,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from atoll.benchmarks.common import default_out, script_error, write_results  # noqa: E402
+from atoll.benchmarks.common import default_out, kill_tree, script_error, write_results  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="model preset [tiny]")
-    parser.add_argument("--kill-at", type=int, default=150, help="island 0's inner step its rank 1 dies at [150]")
+    parser.add_argument("--kill-at", type=int, default=600,
+                        help="island 0's inner step its rank 1 dies at [600: a rate over 30 s of steady training "
+                        "before it on an idle machine]")
     parser.add_argument("--other-ranks", type=int, default=1, help="ranks of island 1 [1]")
     parser.add_argument("--window", type=float, default=30.0,
                         help="seconds before the kill the rate is taken over [30]")
@@ -117,6 +118,12 @@ def _rate(samples: list[tuple[float, dict]], start: float, end: float, island: i
     return (edges[-1][1] - edges[0][1]) / (edges[-1][0] - edges[0][0])
 
 
+def _per_push(samples: list[tuple[float, dict]], method: str) -> float:
+    """The syncer's calls of ``method`` per ``Push`` over the trial (its last status; ``calls``)."""
+    calls = next((s["calls"] for _, s in reversed(samples) if s.get("calls")), {})
+    return calls.get(method, 0) / calls["Push"] if calls.get("Push") else float("nan")
+
+
 def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, str]) -> dict[str, Any]:
     """One run of the scenario (the module docstring); its figures. Raises RuntimeError: no result."""
     port, syncer_out, stamp = _free_port(), tmp / "syncer", tmp / "killed"
@@ -176,10 +183,9 @@ def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, 
         else:
             raise RuntimeError(f"island 0 was not back and pushing within {args.timeout:g} s; see {tmp}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        for p in procs:  # with torchrun's workers, which run in sessions of their own
+            kill_tree(p.pid)
+            p.wait()
     k = marks["killed"]
     before = _rate(samples, k - args.window, k)
     during = _rate(samples, k, marks["pushing"])
@@ -190,6 +196,7 @@ def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, 
             "pushing_s": marks["pushing"] - k, "other_rate_before": before, "other_rate_outage": during,
             "other_rate_ratio": during / before if before else float("nan"), "pinned": bool(pin0),
             "import_wall_s": import_wall, "import_cpu_s": import_cpu, "load_before": load_before,
+            "buffered_calls_per_push": _per_push(samples, "Buffered"),
             "load_after": os.getloadavg()[0]}
 
 
@@ -233,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                ("rejoined, s", "rejoin_s"), ("back and pushing, s", "pushing_s"),
                ("island 0 steps/s before", "island0_rate_before"),
                ("other island steps/s before", "other_rate_before"), ("over the outage", "other_rate_outage"),
-               ("ratio", "other_rate_ratio"), ("a fresh process's imports, s wall", "import_wall_s"),
+               ("ratio", "other_rate_ratio"), ("Buffered calls per push", "buffered_calls_per_push"),
+               ("a fresh process's imports, s wall", "import_wall_s"),
                ("s CPU", "import_cpu_s")]
     quorum = f"quorum {args.quorum}" if args.quorum else "quorum: every island (the default)"
     default = "" if args.grace_window else " (the default)"
@@ -242,8 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"inner step {args.kill_at}; island 1: {args.other_ranks} rank(s); seconds from the kill. The other "
              "island's rate: inner steps the syncer granted it per second, over the "
              f"{args.window:g} s before the kill and from the kill until island 0 pushed again (granted in leases "
-             "of its H = 10 steps: from the first grant to the last inside each interval). A fresh process's imports (torch, transformers, atoll's island; measured "
-             "before each trial): most of a restart when the machine is loaded.",
+             "of its H = 10 steps: from the first grant to the last inside each interval). A fresh process's "
+             "imports (torch, transformers, atoll's island; measured before each trial): most of a restart when "
+             "the machine is loaded.",
              "targets: back and pushing within 30 s; the other island's rate over the outage within 5% of before. "
              f"Island 0 {pinned}; machine: {machine['cpus']} CPUs, shared with other jobs (their load is in the "
              "table)."]

@@ -23,6 +23,7 @@ from tests.conftest import run_cli, syncer_commits_on_disk
 
 cryptography = pytest.importorskip("cryptography")
 
+from atoll.benchmarks.common import kill_tree  # noqa: E402
 from atoll.errors import ConfigError  # noqa: E402
 from atoll.runtime.service import wire  # noqa: E402
 from atoll.runtime.service.client import SyncerClient, SyncerUnreachable  # noqa: E402
@@ -70,8 +71,8 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
         for p in hung:  # islands dump their threads' stacks on SIGUSR1 (faulthandler): the log says where
             os.kill(p.pid, signal.SIGUSR1)
         time.sleep(1.0 if hung else 0.0)
-        for p in hung:
-            os.killpg(p.pid, signal.SIGKILL)
+        for p in hung:  # with torchrun's workers, which run in sessions of their own
+            kill_tree(p.pid)
             p.wait()
 
 

@@ -230,3 +230,4 @@ def test_a_push_waiting_for_its_quorum_is_answered_by_one_long_poll_when_it_merg
     assert other.push(step, 0, ((0, n),), 5 * tps, 0, s1)["answered"]  # the quorum: merged
     waiting.join(30)
     assert answers == [[]] and state.service.syncer.version(0) == 1
+    assert state.calls["Buffered"] == 3  # the immediate one, the refused one, and one for the whole wait

@@ -285,6 +285,38 @@ def _lock_alive(lock: Path) -> bool:
 # the results writer
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first), from ``/proc`` (Linux): torchrun's agent starts each
+    worker in a session of its own, so killing the agent's process group leaves its (restarted) workers
+    running; a benchmark or test ends them by pid."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every process below it (:func:`descendants`); wait for none."""
+    import contextlib
+    import signal
+
+    below = descendants(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in [pid, *below]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+
+
 def cell(v: Any, mega_digits: int = 1) -> str:
     """A table cell: ``-`` for None; a float as ``1.234``, ``12.3``, ``1,234``, and from a million on ``1.2 M``
     (``mega_digits`` decimals); a list's cells joined by `` / ``; anything else as ``str``."""

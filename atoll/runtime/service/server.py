@@ -95,6 +95,8 @@ class SyncerServer(ShardCalls, BulkCalls):
         self.codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
                                 topk_fraction=config.topk_fraction)
         self.refused_calls: dict[str, int] = {}
+        self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
+        self.count_lock = threading.Lock()
         # island -> its report at leaving; kept beside the checkpoints so a restarted syncer knows who left
         self.left: dict[int, dict[str, Any]] = self._load_left()
         self.spent_at: float | None = None
@@ -319,10 +321,22 @@ class SyncerServer(ShardCalls, BulkCalls):
     # --- the run ------------------------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's generic handler: raw bytes in and out (no protobuf, no pickle)."""
-        methods = {name: grpc.unary_unary_rpc_method_handler(getattr(self, name)) for name in wire.CONTROL}
+        methods = {name: grpc.unary_unary_rpc_method_handler(self._counted(name)) for name in wire.CONTROL}
         methods["Upload"] = grpc.stream_unary_rpc_method_handler(self.Upload)
         methods["Download"] = grpc.unary_stream_rpc_method_handler(self.Download)
         return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
+
+    def _counted(self, name: str) -> Any:
+        """The handler of control method ``name``, counting its calls (``calls`` in the status: what the
+        islands ask how often, for operators and benchmarks)."""
+        handle = getattr(self, name)
+
+        def counted(data: bytes, context: grpc.ServicerContext) -> bytes:
+            with self.count_lock:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return handle(data, context)
+
+        return counted
 
     def status(self) -> dict[str, Any]:
         """What ``<out>/service/status.json`` holds. A shard of a sharded syncer says which (``shard``,
@@ -336,7 +350,8 @@ class SyncerServer(ShardCalls, BulkCalls):
         return {**self._shard_status(), "commits": s.syncer.commits,
                 "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
-                "refused_calls": dict(self.refused_calls), "rejected_updates": s.syncer.rejected_updates,
+                "refused_calls": dict(self.refused_calls), "calls": dict(self.calls),
+                "rejected_updates": s.syncer.rejected_updates,
                 "rejected_by_reason": dict(s.syncer.rejected_by_reason), **budget, "done": self.done.is_set()}
 
     def tick(self) -> None:
