@@ -171,7 +171,7 @@ class LockstepJob:
         self.startup_host_bytes = host_memory_bytes() - host_before
         assert own.lockstep is not None  # train() sends an asynchronous strategy to its own driver
         self.comm = runtime.comm
-        self.strategy = own.lockstep(config.strategy_config, self.islands, self.comm, config.seed)
+        self.strategy = runtime.make_strategy(own.lockstep, config.strategy_config, self.islands, config.seed)
         joined = runtime.joined_state()  # a restarted island: the state of a live one, at its step
         if joined is not None:
             run.start_step, run.state = joined["step"], joined["job"]

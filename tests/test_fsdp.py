@@ -230,11 +230,17 @@ def test_sharded_island_starts_without_the_whole_model(corpus_file: Path, cache_
     (["--shard-island"], "shard_island: the local runtime does not use it (only collective, service: atoll island); "
      "drop --shard-island or use --runtime collective"),
     (["--runtime", "collective", "--shard-island"], "shard_island: an island of one rank has nothing to shard"),
-    (["--runtime", "collective", "--ranks-per-island", "2", "--shard-island", "--strategy", "sparseloco"],
-     "shard_island: the sparseloco strategy does not run on shards (only ddp, diloco, streaming, demo and "
-     "decoupled do)"),
-], ids=["local", "one-rank", "sparseloco"])
+], ids=["local", "one-rank"])
 def test_bad_shard_config_is_refused_with_one_line(flags: list[str], start: str) -> None:
     r = run_cli("train", *flags)
     assert r.returncode == 2
     assert r.stderr.startswith(f"atoll: error: {start}") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_sparseloco_runs_on_shards() -> None:
+    """Its tiles cross the ranks' rows, so a sharded island's ranks select from whole tensors together
+    (atoll.runtime.collective.sharded_sparseloco); it is no longer refused. (A strategy that does not shard is:
+    tests/test_strategy_plugin.py.)"""
+    config = build_config(overrides={"runtime": "collective", "ranks_per_island": 2, "shard_island": True,
+                                     "strategy": "sparseloco"})
+    assert config.shard_island and config.strategy == "sparseloco"

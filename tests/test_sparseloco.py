@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -295,3 +296,30 @@ def test_a_payload_from_a_stranger_is_checked() -> None:
         c.decompress(bad)
     with pytest.raises(ValueError, match="indices"):
         c.decompress({**bad, "indices": bad["indices"][:1]})
+
+
+@pytest.mark.parametrize(("layout", "bits", "tile_k"), [("tiles", 2, "scaled"), ("tiles", 32, "topk"),
+                                                         ("flat", 2, "scaled")])
+def test_one_tensor_at_a_time_makes_the_model_s_payload(layout: str, bits: int, tile_k: str) -> None:
+    """A sharded island compresses one whole tensor at a time (atoll.runtime.collective.sharded_sparseloco):
+    joined, the tensors' payloads are the model's payload bit for bit, and each tensor's part of the model's
+    payload aggregates (median clip, senders' mean) to the model's aggregate of that tensor."""
+    shapes = [(100, 96), (64,), (30,), (3, 64, 2), (128, 40)]  # two tile sizes and k, and 1-D runs
+    c = SparseCompressor(shapes, 1024, 16, bits=bits, layout=layout, tile_k=tile_k)
+    sizer = SparseCompressor(shapes, 1024, 16, bits=bits, layout=layout, tile_k=tile_k)
+    sizer.split(sizer.join([sizer.of_tensor(j).empty() for j in range(len(shapes))]))
+    assert sizer.payload_bytes() == c.payload_bytes() and "groups" not in vars(sizer)  # no table of the model
+    xs = [torch.randn(c.numel, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.1, 2.0, c.numel)
+          for seed in (1, 2, 3)]
+    ends = [0, *c.ends.tolist()]
+    payloads = [c.compress(x) for x in xs]
+    for x, payload in zip(xs, payloads, strict=True):
+        parts = [c.of_tensor(j).compress(x[a:b]) for j, (a, b) in enumerate(pairwise(ends))]
+        joined = c.join(parts)
+        assert joined.keys() == payload.keys() and all(torch.equal(joined[k], payload[k]) for k in payload)
+        assert [v.numel() for v in c.empty().values()] == [v.numel() for v in payload.values()]
+    whole = c.aggregate(payloads, [1.0, 2.0, 3.0])
+    split = [c.split(p) for p in payloads]
+    for j, (a, b) in enumerate(pairwise(ends)):
+        part = c.of_tensor(j).aggregate([s[j] for s in split], [1.0, 2.0, 3.0])
+        torch.testing.assert_close(part, whole[a:b], rtol=1e-6, atol=0)

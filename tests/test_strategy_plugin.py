@@ -112,6 +112,15 @@ def test_a_strategy_in_one_module_and_one_registry_line_trains(fedavg: str, fast
     assert '"fedavg_mix": 0.5' in saved and '"outer_lr"' not in saved  # its settings, none it does not read
 
 
+def test_a_strategy_that_does_not_shard_is_refused_on_sharded_islands(fedavg: str) -> None:
+    """A spec says whether its strategy runs on shards (default: no); the refusal names those that do."""
+    with pytest.raises(ConfigError, match=r"^shard_island: the fedavg strategy does not run on shards \(only ddp, "
+                                          r"diloco, streaming, demo, sparseloco and decoupled do\); pass --strategy "
+                                          r"diloco or drop --shard-island$"):
+        build_config(overrides={"strategy": fedavg, "runtime": "collective", "ranks_per_island": 2,
+                                "shard_island": True})
+
+
 def test_its_settings_are_its_own(fedavg: str) -> None:
     with pytest.raises(ConfigError, match=r"^fedavg_mix: the diloco strategy does not use it \(only fedavg\)"):
         build_config(overrides={"strategy": "diloco", "fedavg_mix": 0.5})

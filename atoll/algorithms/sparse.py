@@ -39,6 +39,13 @@ Aggregation (:meth:`SparseCompressor.aggregate`), as Templar's ``TopKCompressor.
 Dividing by every island (atoll's rule before issue 24) measured 6% worse on the micro model
 (bench/out/beyond_w24/results.md: 4.079 against 3.843) and is gone.
 
+One tensor at a time (a sharded island's: :mod:`atoll.runtime.collective.sharded_sparseloco`):
+:meth:`SparseCompressor.of_tensor` compresses one parameter alone with the same tiles, k and levels;
+:meth:`~SparseCompressor.join` puts the tensors' payloads together into the model's (what
+:meth:`~SparseCompressor.compress` makes of the flat vector, every tile being selected on its own) and
+:meth:`~SparseCompressor.split` cuts a model's payload into them. The tables of tile positions (8 bytes per
+element) are built on first use, so a compressor that only sizes, joins and splits payloads holds none.
+
 Bytes of one payload, for ``C`` tiles and ``n = sum of k_t`` kept entries (``index_bytes`` 1, 2 or 4: the
 smallest signed integer that holds the largest tile's ``h * w - 1``)::
 
@@ -48,6 +55,7 @@ smallest signed integer that holds the largest tile's ``h * w - 1``)::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -67,13 +75,19 @@ CLIPS = ("median", "none")
 CLIP_EPS = 1e-8
 
 
-def _tiles_of(shape: Sequence[int], offset: int, side: int) -> torch.Tensor:
-    """Flat positions (offset + row-major index) of every tile of a parameter, (tiles, h * w) int64,
-    tiles in (row-block, col-block) order, elements row-major inside a tile."""
+def _tile_grid(shape: Sequence[int], side: int) -> tuple[int, int, int, int]:
+    """How a parameter is cut into tiles: ``(rows, cols, h, w)``, the (rows, cols) view (a 1-D run along the
+    only axis: one row) and the tile's sides, the largest divisors of each that are <= ``side``."""
     rows, cols = _as_2d_shape(shape)
     if len(tuple(shape)) <= 1:  # a 1-D run along the only axis
         rows, cols = 1, rows * cols
-    h, w = largest_divisor_at_most(rows, side), largest_divisor_at_most(cols, side)
+    return rows, cols, largest_divisor_at_most(rows, side), largest_divisor_at_most(cols, side)
+
+
+def _tiles_of(shape: Sequence[int], offset: int, side: int) -> torch.Tensor:
+    """Flat positions (offset + row-major index) of every tile of a parameter, (tiles, h * w) int64,
+    tiles in (row-block, col-block) order, elements row-major inside a tile."""
+    rows, cols, h, w = _tile_grid(shape, side)
     grid = torch.arange(rows * cols).view(rows // h, h, cols // w, w).permute(0, 2, 1, 3)
     return grid.reshape(-1, h * w) + offset
 
@@ -111,32 +125,62 @@ class SparseCompressor:
         dims = [(int(s),) if isinstance(s, int) else tuple(int(d) for d in s) for s in shapes]
         self.numel, self.chunk, self.topk, self.bits, self.layout = sum(math.prod(d) for d in dims), chunk, topk, \
             bits, layout
-        groups: dict[tuple[int, int], list[torch.Tensor]] = {}  # (tile elements, k) -> tiles' positions
+        self.shapes, self.tile_k, self._side = dims, tile_k, side
         #: the end of each parameter in the flat vector, (P,) int64 (the clip's per-tensor norms)
         self.ends = torch.tensor([math.prod(d) for d in dims], dtype=torch.int64).cumsum(0)
-        offset = 0
+        # per parameter: (tile elements e, entries kept per tile k, tiles); the tiles' positions are built on first
+        # use (:attr:`groups`: 8 bytes per element), so the sizes of a model's payload cost no table of it
+        self._plan: list[tuple[int, int, int]] = []
+        self.kept_real = 0  # entries that can carry a value: at most the real (unpadded) elements of each tile
         for d in dims:
             n = math.prod(d)
             if layout == "tiles":
-                tiles = _tiles_of(d, offset, side)
-                e = tiles.shape[1]
+                _, _, h, w = _tile_grid(d, side)
+                e = h * w
                 k = min(e, max(1, round(topk * e / chunk)) if tile_k == "scaled" else topk)
-            else:  # padding points at index numel (a zero that is never sent as a value)
-                pos = torch.arange(offset, offset + math.ceil(n / chunk) * chunk)
-                tiles, e, k = torch.where(pos < offset + n, pos, torch.tensor(self.numel)).view(-1, chunk), chunk, topk
+                self._plan.append((e, k, n // e))
+                self.kept_real += n // e * k
+            else:  # the last chunk padded: it can carry at most its real elements
+                self._plan.append((chunk, topk, math.ceil(n / chunk)))
+                self.kept_real += n // chunk * topk + min(topk, n % chunk)
+        keys = list(dict.fromkeys((e, k) for e, k, _ in self._plan))  # the groups, in order of first appearance
+        self.chunks = sum(c for _, _, c in self._plan)
+        self.index_dtype = index_dtype_for(max(e for e, _ in keys) if keys else 1)
+        #: per parameter, where it sits in a payload (its group's tiles, in parameter order, then the next
+        #: group's): ``(first entry, end entry, first tile, end tile)``
+        self.spans: list[tuple[int, int, int, int]] = []
+        first = {}
+        entry = tile = 0
+        for key in keys:
+            first[key] = (entry, tile)
+            tiles = sum(c for e, k, c in self._plan if (e, k) == key)
+            entry, tile = entry + tiles * key[1], tile + tiles
+        for e, k, c in self._plan:
+            a, t = first[(e, k)]
+            self.spans.append((a, a + c * k, t, t + c))
+            first[(e, k)] = (a + c * k, t + c)
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[torch.Tensor, int]]:
+        """Tiles of equal size and k, in order of first appearance: (flat positions (C_g, e) int64, k); a flat
+        chunk's padding points at ``numel`` (a zero that is never sent as a value). Built on first use."""
+        groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+        offset = 0
+        for d, (e, k, _) in zip(self.shapes, self._plan, strict=True):
+            n = math.prod(d)
+            if self.layout == "tiles":
+                tiles = _tiles_of(d, offset, self._side)
+            else:
+                pos = torch.arange(offset, offset + math.ceil(n / e) * e)
+                tiles = torch.where(pos < offset + n, pos, torch.tensor(self.numel)).view(-1, e)
             groups.setdefault((e, k), []).append(tiles)
             offset += n
-        #: tiles of equal size and k: (positions (C_g, e) int64, k)
-        self.groups = [(torch.cat(t), k) for (_, k), t in groups.items()]
-        self.chunks = sum(int(g.shape[0]) for g, _ in self.groups)
-        self.index_dtype = index_dtype_for(max(e for e, _ in groups) if groups else 1)
-        # entries that can carry a value: at most the real (unpadded) elements of each tile
-        self.kept_real = sum(int((g < self.numel).sum(dim=1).clamp(max=k).sum()) for g, k in self.groups)
+        return [(torch.cat(t), k) for (_, k), t in groups.items()]
 
     @property
     def kept(self) -> int:
         """Entries sent per payload, the sum over tiles of their ``k`` (flat: padded positions included)."""
-        return sum(int(g.shape[0]) * k for g, k in self.groups)
+        return sum(c * k for _, k, c in self._plan)
 
     @property
     def density(self) -> float:
@@ -175,6 +219,27 @@ class SparseCompressor:
             return {**out, "values": torch.cat(val_parts)}
         return {**out, "signs": pack_2bit(torch.cat(codes)), "levels": torch.cat(levels)}
 
+    def _entries(self, payload: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A payload's entries, checked against this compressor's sizes: its indices (n,) as sent, and its
+        float32 values (n,) with None (``bits=32``) or its 2-bit codes (n,) uint8 with its levels (C, 2) float32.
+
+        Raises:
+            ValueError: the payload's tensors do not have this compressor's sizes.
+        """
+        n = self.kept
+        idx = payload["indices"].reshape(-1)
+        if idx.numel() != n:
+            raise ValueError(f"sparseloco payload: {idx.numel()} indices, expected {n}")
+        if self.bits == 32:
+            vals = payload["values"].float().reshape(-1)
+            if vals.numel() != n:
+                raise ValueError(f"sparseloco payload: {vals.numel()} values, expected {n}")
+            return idx, vals, None
+        levels = payload["levels"].float()
+        if tuple(levels.shape) != (self.chunks, 2):
+            raise ValueError(f"sparseloco payload: levels of shape {tuple(levels.shape)}, expected ({self.chunks}, 2)")
+        return idx, unpack_2bit(payload["signs"], n, "sparseloco"), levels
+
     def positions_and_values(self, payload: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat positions (n,) int64 (``numel`` for a flat chunk's padding) and float32 values (n,) that a
         payload sets.
@@ -183,20 +248,10 @@ class SparseCompressor:
             ValueError: the payload's tensors do not have this compressor's sizes, or an index lies outside
                 its tile (a payload is checked as if from a stranger).
         """
-        n = self.kept
-        idx = payload["indices"].long().reshape(-1)
-        if idx.numel() != n:
-            raise ValueError(f"sparseloco payload: {idx.numel()} indices, expected {n}")
-        if self.bits == 32:
-            vals = payload["values"].float().reshape(-1)
-            if vals.numel() != n:
-                raise ValueError(f"sparseloco payload: {vals.numel()} values, expected {n}")
-        else:
-            codes = unpack_2bit(payload["signs"], n, "sparseloco").long()
-            levels = payload["levels"].float()
-            if tuple(levels.shape) != (self.chunks, 2):
-                raise ValueError(f"sparseloco payload: levels of shape {tuple(levels.shape)}, expected "
-                                 f"({self.chunks}, 2)")
+        idx, vals, levels = self._entries(payload)
+        idx = idx.long()
+        if levels is not None:  # the 2-bit codes: one of the tile's two levels, with the sign
+            codes = vals.long()
             first = torch.tensor([0] + [int(g.shape[0]) for g, _ in self.groups[:-1]]).cumsum(0)
             tile = torch.cat([f + torch.arange(int(g.shape[0])).repeat_interleave(k)
                               for f, (g, k) in zip(first.tolist(), self.groups, strict=True)])
@@ -210,6 +265,52 @@ class SparseCompressor:
             positions.append(gather.gather(1, part).reshape(-1))
             start += part.numel()
         return torch.cat(positions), vals
+
+    # --- one parameter at a time (a sharded island's: atoll.runtime.collective.sharded_sparseloco) ------------
+    def of_tensor(self, j: int) -> SparseCompressor:
+        """The compressor of parameter ``j`` alone, with these settings: the same tiles, k and values, so its
+        payload of the tensor is the tensor's part of this compressor's payload of the model (:meth:`split`,
+        :meth:`join`; its indices may be of a narrower dtype). Its positions count from the tensor's start."""
+        return SparseCompressor([self.shapes[j]], self.chunk, self.topk, self.bits, self.layout, self.tile_k)
+
+    def split(self, payload: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Every parameter's part of a payload of the model, in parameter order, each a payload of
+        :meth:`of_tensor`: views of its indices and levels (or values), its 2-bit codes packed again.
+
+        Raises:
+            ValueError: the payload's tensors do not have this compressor's sizes.
+        """
+        idx, vals, levels = self._entries(payload)
+        if levels is None:
+            return [{"indices": idx[a:b], "values": vals[a:b]} for a, b, _, _ in self.spans]
+        return [{"indices": idx[a:b], "signs": pack_2bit(vals[a:b]), "levels": levels[s:t]}
+                for a, b, s, t in self.spans]
+
+    def join(self, parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The payload of the model from each parameter's own (parameter order; :meth:`of_tensor` ``(j)``'s
+        :meth:`compress` of tensor j): what :meth:`compress` makes of the flat vector, every tile being selected
+        and quantized on its own (:meth:`split` undoes it).
+
+        Raises:
+            ValueError: not one part per parameter.
+        """
+        if len(parts) != len(self.spans):
+            raise ValueError(f"sparseloco join: {len(parts)} parts for {len(self.spans)} parameters")
+        ordered = [parts[j] for j in sorted(range(len(parts)), key=lambda j: self.spans[j][0])]
+        out = {"indices": torch.cat([p["indices"].reshape(-1).to(self.index_dtype) for p in ordered])}
+        if self.bits == 32:
+            return {**out, "values": torch.cat([p["values"] for p in ordered])}
+        codes = torch.cat([unpack_2bit(p["signs"], p["indices"].numel(), "sparseloco") for p in ordered])
+        return {**out, "signs": pack_2bit(codes), "levels": torch.cat([p["levels"] for p in ordered])}
+
+    def empty(self) -> dict[str, torch.Tensor]:
+        """A payload of this compressor's sizes that sets zeros (index 0 of every tile, value 0): what an island
+        whose pseudo-gradient is not finite sends, with weight 0 (nobody decodes it)."""
+        n = self.kept
+        out = {"indices": torch.zeros(n, dtype=self.index_dtype)}
+        if self.bits == 32:
+            return {**out, "values": torch.zeros(n)}
+        return {**out, "signs": torch.zeros(math.ceil(n / 4), dtype=torch.uint8), "levels": torch.zeros(self.chunks, 2)}
 
     def decompress(self, payload: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 (numel,) vector a payload stands for (zeros where nothing was kept). Raises ValueError

@@ -53,7 +53,8 @@ class IslandRanksSection(Section):
         description="collective, atoll island: shard each island's model, gradients and AdamW state over its ranks "
         "with PyTorch FSDP2 (fully_shard), each rank holding 1/R; the strategy exchanges each rank's shard (with "
         "the ranks at its position in the other islands; atoll island: with the syncer, over the rank's own "
-        "connection). ddp, diloco and decoupled; needs --ranks-per-island 2 or more.",
+        "connection); demo and sparseloco select from each whole tensor, all-gathered inside the island. Every "
+        "built-in strategy; needs --ranks-per-island 2 or more.",
     )
 
 

@@ -86,6 +86,11 @@ class Runtime(ABC):
 
         return make_island(index, model.to(self.device_of(index)), config, self.clock, optimizer=optimizer)
 
+    def make_strategy(self, build: Callable[..., Strategy], config: Any, islands: list[Island], seed: int) -> Strategy:
+        """The lockstep strategy over this process's islands: ``build(config, islands, comm, seed)`` (a spec's
+        ``lockstep``, with the strategy's config). Called after :meth:`make_island`."""
+        return build(config, islands, self.comm, seed)
+
     def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
         """Mean held-out loss (nats per token) of the global model ``params`` (the strategy's
         ``global_params()``; None: the initial model) over ``batches``, on the first island's device

@@ -25,6 +25,10 @@ Bytes per island per round: a ring all-gather of one payload, ``(K − 1) × pay
 token weight), with the payload's exact size from
 :meth:`~atoll.algorithms.sparse.SparseCompressor.payload_bytes`.
 
+On sharded islands (``--shard-island``, collective runtime) each rank keeps its rows of the accumulator and
+the island's ranks select from each whole tensor in turn, all-gathered inside the island: the unsharded island's
+payload and bytes (:mod:`atoll.runtime.collective.sharded_sparseloco`).
+
 With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32``, ``sparseloco_beta = 0`` and
 ``sparseloco_clip = "none"`` the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a
 round is plain parameter averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
@@ -114,7 +118,8 @@ class SparseLoCo(OuterRounds):
     """Synchronous SparseLoCo: per-island error feedback, sparse 2-bit all-gather, averaged outer descent.
 
     Attributes:
-        error: each local island's error-feedback accumulator, float32 (numel,) on the CPU.
+        error: each local island's error-feedback accumulator, float32 (numel,) on the CPU (a sharded island's
+            rank: its shard's rows, shaped as its flat vector).
         dropped_updates: rounds in which an island's pseudo-gradient was not finite (it sent nothing, weight 0,
             and restarts from the new global model with a fresh inner optimizer).
         sent_energy_sum: the sum, over rounds and local islands that sent, of the share of the accumulator's
@@ -131,10 +136,12 @@ class SparseLoCo(OuterRounds):
 
     def __init__(self, config: SparseLoCoConfig, islands: list[Island], comm: Comm, seed: int = 0) -> None:
         super().__init__(config, islands, comm, seed)
+        # of the whole model's tensors (a sharded island's DTensors have their whole shapes); its tile tables are
+        # built when it first compresses
         self.compressor = SparseCompressor([tuple(p.shape) for p in islands[0].params], config.sparseloco_chunk,
                                            config.sparseloco_topk, config.sparseloco_bits, config.sparseloco_layout,
                                            config.sparseloco_tile_k)
-        self.error = [torch.zeros(self.compressor.numel) for _ in islands]
+        self.error = [torch.zeros(self.numel) for _ in islands]  # (a sharded island's rank: its shard's)
         self.sent_energy_sum, self.sent_rounds = 0.0, 0
         self.step_ratio_sum, self.step_rounds = 0.0, 0
 
@@ -145,35 +152,65 @@ class SparseLoCo(OuterRounds):
             Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
         """
         beta, rate = self.config.sparseloco_beta, self.config.outer_lr
-        payloads, dropped, deltas = [], [], []
-        for i, (island, weight) in enumerate(zip(self.islands, self.round_weights(), strict=True)):
-            delta = pseudo_gradient(self.outer.params, island.flat_params())
-            deltas.append(delta)
-            dropped.append(not all_finite(delta))
-            if not dropped[-1]:
-                self.error[i].mul_(beta).add_(delta, alpha=rate)  # the reference: the rate into the accumulator
-                before = float(self.error[i].square().sum())
-                payload = self.compressor.compress(self.error[i])
-                self.error[i].sub_(self.compressor.decompress(payload))
-                if before > 0:
-                    self.sent_energy_sum += 1.0 - float(self.error[i].square().sum()) / before
-                    self.sent_rounds += 1
-            else:  # a diverged island sends an empty update with no weight; its accumulator is untouched
+        deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
+        weights = self.round_weights()
+        dropped, plain = self._agree(deltas, weights)
+        payloads = []
+        for i, (delta, weight, bad) in enumerate(zip(deltas, weights, dropped, strict=True)):
+            if bad:  # a diverged island sends an empty update with no weight; its accumulator is untouched
                 self.dropped_updates += 1
-                payload, weight = self.compressor.compress(torch.zeros_like(delta)), 0.0
+                payload, weight = self.compressor.empty(), 0
+            else:
+                self.error[i].mul_(beta).add_(delta, alpha=rate)  # the reference: the rate into the accumulator
+                payload, before, after = self._send(i)
+                if before > 0:
+                    self.sent_energy_sum += 1.0 - after / before
+                    self.sent_rounds += 1
             payloads.append({**payload, "weight": torch.tensor([weight], dtype=torch.float32)})
-        gathered = self.comm.all_gather(payloads, payload_bytes=self.compressor.payload_bytes() + WEIGHT_BYTES)
-        weights = [float(p["weight"][0]) for p in gathered]
-        if not any(w > 0 for w in weights):
+        # every rank of an island holds its payload (a sharded island's ranks select together): moved once
+        gathered = self.comm.all_gather(payloads, payload_bytes=self.compressor.payload_bytes() + WEIGHT_BYTES,
+                                        replicated=True)
+        senders = [float(p["weight"][0]) for p in gathered]
+        if not any(w > 0 for w in senders):
             raise self.no_contribution(steps_done)
-        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip)
-        local = [(d, w) for d, w, bad in zip(deltas, self.round_weights(), dropped, strict=True) if not bad and w > 0]
-        if local:
-            plain = float(torch.stack([d * w for d, w in local]).sum(0).norm()) / sum(w for _, w in local)
-            if plain > 0:
-                self.step_ratio_sum += rate * float(agg.norm()) / plain
-                self.step_rounds += 1
+        agg, norm = self._aggregate(gathered, senders)
+        if plain > 0:
+            self.step_ratio_sum += rate * norm / plain
+            self.step_rounds += 1
         self.commit_round(self.outer.step(agg), dropped, steps_done)  # and the rate into the step
+
+    # --- what a sharded island does its own way (atoll.runtime.collective.sharded_sparseloco) ----------------
+    def _agree(self, deltas: list[torch.Tensor], weights: list[int]) -> tuple[list[bool], float]:
+        """Which local islands leave their pseudo-gradient Δ_i (float32, this process's flat vector) out, not
+        being finite, and the size of plain averaging's step, ``‖Σ w_i Δ_i‖ / Σ w_i`` over the islands that send
+        (0.0 if none; the summary's step ratio): both summed over an island's ranks (:meth:`_island_sum`)."""
+        bad = [not all_finite(d) for d in deltas]
+        sending = [(d, w) for d, w, b in zip(deltas, weights, bad, strict=True) if not b and w > 0]
+        square = float(torch.stack([d * w for d, w in sending]).sum(0).square().sum()) if sending else 0.0
+        sums = self._island_sum(torch.tensor([*map(float, bad), square], dtype=torch.float64)).tolist()
+        dropped = [b > 0 for b in sums[:-1]]
+        total = sum(w for w, b in zip(weights, dropped, strict=True) if not b and w > 0)
+        return dropped, math.sqrt(sums[-1]) / total if total > 0 else 0.0
+
+    def _island_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the ranks of this process's island: itself, an island's ranks each holding
+        the whole model (a sharded island's rank sums them)."""
+        return values
+
+    def _send(self, position: int) -> tuple[dict[str, torch.Tensor], float, float]:
+        """Local island ``position``'s payload of its accumulator, what it sends removed from it (SparseLoCo
+        Algorithm 1, ``e ← e − C(e)``), and the accumulator's squared norm before and after."""
+        error = self.error[position]
+        before = float(error.square().sum())
+        payload = self.compressor.compress(error)
+        error.sub_(self.compressor.decompress(payload))
+        return payload, before, float(error.square().sum())
+
+    def _aggregate(self, gathered: list[dict[str, torch.Tensor]], weights: list[float]) -> tuple[torch.Tensor, float]:
+        """The islands' combined update (:meth:`SparseCompressor.aggregate`), float32 shaped as this process's
+        flat vector, and the whole update's norm."""
+        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip)
+        return agg, float(agg.norm())
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor
@@ -230,7 +267,7 @@ SPEC = StrategySpec(
             "clipped to the median norm, each entry averaged over its senders, plain outer descent "
             "(arXiv:2508.15706)",
     config=SparseLoCoConfig, runtimes=("local", "collective"), lockstep=SparseLoCo, project=project,
-    syncs_per_h=True,
+    syncs_per_h=True, shards=True,
     suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
                     {"strategy": "sparseloco"}),
            # ten times the rounds (and the bytes): does SparseLoCo catch diloco when rounds are no limit?

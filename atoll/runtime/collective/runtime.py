@@ -289,6 +289,15 @@ class CollectiveRuntime(Runtime):
             return torch_ddp.hook_sharded(island, self.island_group, self.cross_group)
         return island
 
+    def make_strategy(self, build: Callable[..., Strategy], config: Any, islands: list[Island], seed: int) -> Strategy:
+        """:meth:`Runtime.make_strategy`; on sharded islands SparseLoCo selects from whole tensors
+        (:mod:`~.sharded_sparseloco`)."""
+        if self.config.shard_island:
+            from atoll.runtime.collective.sharded_sparseloco import shard_aware_strategy
+
+            build = shard_aware_strategy(build)
+        return super().make_strategy(build, config, islands, seed)
+
     def evaluate(self, islands: list[Island], params: torch.Tensor | None, batches: list[torch.Tensor]) -> float:
         """The global model's held-out loss, the windows split over the ranks, each on its own device
         (:func:`~.evaluation.split_evaluate`); every rank gets the same number. Collective."""

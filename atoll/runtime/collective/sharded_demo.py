@@ -31,7 +31,7 @@ from atoll.algorithms.demo import DeMo, DemoPayload
 from atoll.algorithms.demo_payload import pack_ternary
 
 
-def _rows(p: torch.Tensor) -> slice:
+def local_rows(p: torch.Tensor) -> slice:
     """The rows of ``p`` (a ``DTensor`` placed ``Shard(0)``) this rank holds, as a slice of its first dimension."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -82,7 +82,7 @@ class ShardedDeMo(DeMo):
                 idx = torch.topk(coeffs.abs(), min(self.topk, t.chunk_elems), dim=1, sorted=False).indices
                 vals = torch.gather(coeffs, 1, idx)
                 sent = t.decode(torch.zeros_like(coeffs).scatter_(1, idx, vals))
-                mine.sub_(sent[_rows(p)] if isinstance(m, DTensor) else sent)  # c. this rank's rows of it
+                mine.sub_(sent[local_rows(p)] if isinstance(m, DTensor) else sent)  # c. this rank's rows of it
                 payloads.append(DemoPayload(
                     indices=idx.to(index_dtype_for(t.chunk_elems)),
                     values=pack_ternary(torch.sign(vals)) if self.sign_values else vals,
@@ -99,7 +99,7 @@ class ShardedDeMo(DeMo):
         piece = _local(p)
         if wd != 0.0:
             piece.mul_(1.0 - lr * wd)
-        piece.add_((update[_rows(p)] if isinstance(p, DTensor) else update).to(piece.dtype), alpha=-lr)
+        piece.add_((update[local_rows(p)] if isinstance(p, DTensor) else update).to(piece.dtype), alpha=-lr)
 
 def shard_aware(factory: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer]
                 ) -> Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer]:
