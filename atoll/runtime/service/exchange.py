@@ -408,8 +408,7 @@ class ServiceTransport:
             self.refused += 1
         if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
             ask = {"fragment": p, "wait_s": wire.MAX_WAIT_S}  # answered when it merged (or after MAX_WAIT_S)
-            while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]:
-                pass
+            while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]: ...
 
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
