@@ -227,7 +227,17 @@ def test_a_push_waiting_for_its_quorum_is_answered_by_one_long_poll_when_it_merg
     waiting.start()
     waiting.join(0.5)
     assert waiting.is_alive() and not answers  # held by the syncer: the push is still buffered
+    # an island holds at most one waiting call per fragment of the shard (two here): a third is answered at
+    # once, however long it asked to wait, so no island can take the threads the others' calls need
+    second = threading.Thread(target=lambda: lead.call("Buffered", {"fragment": 0, "wait_s": 5}, retry=False))
+    second.start()
+    while state.waiting[0] < 2:
+        second.join(0.05)
+    assert lead.call("Buffered", {"fragment": 0, "wait_s": 5}, retry=False)["buffered"] == [0]
+    assert waiting.is_alive() and second.is_alive()  # the third came back while the two still wait
     assert other.push(step, 0, ((0, n),), 5 * tps, 0, s1)["answered"]  # the quorum: merged
+    second.join(30)
     waiting.join(30)
     assert answers == [[]] and state.service.syncer.version(0) == 1
-    assert state.calls["Buffered"] == 3  # the immediate one, the refused one, and one for the whole wait
+    assert state.calls["Buffered"] == 5  # immediate, refused, the two that waited for the merge, the third
+    assert state.waiting == [0, 0]

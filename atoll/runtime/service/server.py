@@ -87,6 +87,7 @@ class SyncerServer(ShardCalls, BulkCalls):
         self._init_shards(key)  # (ShardCalls)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified when a push may have left a buffer
+        self.waiting = [0] * config.islands  # per island, its Buffered calls waiting (a long poll each)
         self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(config.islands)}
         self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(config.islands)}
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
@@ -195,12 +196,19 @@ class SyncerServer(ShardCalls, BulkCalls):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "wait_s: a number of seconds >= 0")
         deadline = time.monotonic() + min(float(wait_s), wire.MAX_WAIT_S)
         with self.changed:
-            while True:
-                ids = [self.service.fragment_ids[j] for j in self.service.buffered(island)]
-                left = deadline - time.monotonic()
-                if fragment not in ids or left <= 0 or not context.is_active():
-                    return wire.dumps({"buffered": ids})
-                self.changed.wait(min(left, 0.5))
+            # an island waits on at most one call per fragment of this shard: more are answered at once, so no
+            # island can hold the threads the other islands' calls need
+            waits = self.waiting[island] < len(self.service.fragment_ids)
+            self.waiting[island] += waits
+            try:
+                while True:
+                    ids = [self.service.fragment_ids[j] for j in self.service.buffered(island)]
+                    left = deadline - time.monotonic()
+                    if fragment not in ids or left <= 0 or not waits or not context.is_active():
+                        return wire.dumps({"buffered": ids})
+                    self.changed.wait(min(left, 0.5))
+            finally:
+                self.waiting[island] -= waits
 
     def Heartbeat(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
         island, _ = self._caller(context)
