@@ -253,10 +253,9 @@ def table(results: dict[str, Any], command: str) -> tuple[list[Column], list[dic
 
 def plot(results: dict[str, Any], out_png: Path) -> Path:
     """Four panels: final loss, bytes per island, utilization and wall time against bandwidth."""
-    import matplotlib
+    from atoll.job.figures import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in results["rows"] if r["available"]]
     names = [r["run"] for r in rows]

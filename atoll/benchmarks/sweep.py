@@ -180,10 +180,9 @@ def compare(out: Path, names: list[str], points: list[dict[str, Any]], summaries
 
 def plot(results: dict[str, Any], out_png: Path) -> None:
     """Loss against tokens and against time on the link, one line per point."""
-    import matplotlib
+    from atoll.job.figures import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in results["rows"]:

@@ -89,10 +89,9 @@ def _rate(mbps: float) -> str:
 
 def plot(result: dict[str, Any], out_png: Path, labels: dict[str, str]) -> Path:
     """Seconds to the target against the link rate, one line per run (log-log; runs that never reach it left out)."""
-    import matplotlib
+    from atoll.job.figures import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     rates = result["rates_mbps"]

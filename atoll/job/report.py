@@ -12,13 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from atoll.errors import AtollError, ConfigError  # noqa: E402
-from atoll.job.metrics import read_metrics  # noqa: E402
+from atoll.errors import AtollError, ConfigError
+from atoll.job.figures import pyplot
+from atoll.job.metrics import read_metrics
 
 #: settings that do not change what a run computes, or that every label already shows: left out of labels
 _NOT_IN_LABEL = {"out", "cache_dir", "progress", "progress_every", "tracker", "threads", "checkpoint_every",
@@ -180,6 +176,7 @@ def plot_runs(run_dirs: list[Path], out_png: Path, labels: list[str] | None = No
                   and all(isinstance(e.get(k), (int, float)) for k in ("tokens", "loss", "sim_wall_s"))]
         curves.append((evals, trains))
     labels = run_labels([Path(r) for r in run_dirs], labels)
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     xs = (("tokens", "training tokens (all islands)"), ("sim_wall_s", "simulated wall time (s)"),
           ("bytes_sent_per_island", "bytes sent per island (log)"))
