@@ -75,14 +75,15 @@ def _collective(settings: dict, out: Path, ranks: int, env: dict | None = None,
 
 
 @pytest.mark.parametrize(("strategy", "ranks", "extra"), [
-    ("ddp", 1, {}), ("ddp", 2, {}), ("diloco", 1, {}), ("diloco", 2, {}),
+    # (diloco on islands of one rank: diloco-2x2's maths on the layout of ddp-2x1, not run again)
+    ("ddp", 1, {}), ("ddp", 2, {}), ("diloco", 2, {}),
     # exchanges in flight over inner steps, int4 with stochastic rounding and error feedback: the encoded
     # payloads are all-gathered and averaged exactly as the local runtime's average_encoded does
     ("streaming", 1, {"fragments": 2, "overlap_steps": 1, "codec": "int4", "codec_rounding": "stochastic",
                       "error_feedback": True}),
     # DeMo payloads (indices and values) all-gathered as bytes: sign values packed 2 bits each, float32
     ("demo", 2, {"demo_sign_values": True}), ("demo", 1, {"demo_sign_values": False}),
-], ids=["ddp-2x1", "ddp-2x2", "diloco-2x1", "diloco-2x2", "streaming-int4-2x1", "demo-sign-2x2", "demo-f32-2x1"])
+], ids=["ddp-2x1", "ddp-2x2", "diloco-2x2", "streaming-int4-2x1", "demo-sign-2x2", "demo-f32-2x1"])
 def test_collective_ends_with_the_weights_of_local(settings: dict, tmp_path: Path, strategy: str, ranks: int,
                                                    extra: dict) -> None:
     local = _local(settings, tmp_path / "local", strategy=strategy, **extra)

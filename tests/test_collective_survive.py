@@ -49,10 +49,11 @@ def _train(settings: dict, env: dict | None = None, timeout: float = 300) -> sub
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "ranks", "kill", "extra"), [
-    ("diloco", 1, 1, {}), ("ddp", 1, 1, {}), ("diloco", 2, 3, {}),
+    # (diloco on islands of one rank is diloco-3x2's maths on ddp-3x1's layout: not run again)
+    ("ddp", 1, 1, {}), ("diloco", 2, 3, {}),
     # an exchange in flight over an inner step, int4 payloads all-gathered; DeMo's all-gathered components
     ("streaming", 1, 1, {"fragments": 2, "overlap_steps": 1, "codec": "int4"}), ("demo", 1, 1, {}),
-], ids=["diloco-3x1", "ddp-3x1", "diloco-3x2", "streaming-int4-3x1", "demo-3x1"])
+], ids=["ddp-3x1", "diloco-3x2", "streaming-int4-3x1", "demo-3x1"])
 def test_survivors_of_a_killed_island_finish_the_run(settings: dict, tmp_path: Path, strategy: str, ranks: int,
                                                      kill: int, extra: dict) -> None:
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_flags
+from conftest import cli_flags, run_cli
 from safetensors.torch import load_file
 
 from atoll.config.applies import applicable
@@ -70,9 +70,12 @@ def test_a_signal_mid_run_checkpoints_the_step_reached_and_the_resume_equals_the
         fast_config: dict, tmp_path: Path, strategy: str, extra: dict, signum: int, group: bool) -> None:
     settings = applicable({**fast_config, "strategy": strategy, "steps": STEPS, "eval_every": 1000,
                            "checkpoint_every": 1000, **extra})
-    whole = subprocess.run([sys.executable, "-m", "atoll.cli", "train",
-                            *cli_flags({**settings, "out": str(tmp_path / "whole")})],
-                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    flags = cli_flags({**settings, "out": str(tmp_path / "whole")})
+    if settings.get("runtime", "local") == "local":  # the reference in this process (a process start spared)
+        whole = run_cli("train", *flags)
+    else:
+        whole = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *flags], capture_output=True, text=True,
+                               timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert whole.returncode == 0, whole.stderr[-2000:]
     out = tmp_path / "cut"
     code, err = _signal_mid_run(_start({**settings, "out": str(out)}), out, signum, group=group)
