@@ -147,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"some of {', '.join(RUNS)}", file=sys.stderr)
         return 2
     ref_path = args.out / "reference.json"
+    if not args.write and not ref_path.is_file():  # said before the runs, not after them
+        print(f"same_numbers: error: out: no reference at '{ref_path}'; record one with --write (on the code "
+              "before the change) or pass the --out that holds it", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as cwd:
         now = run_all(Path(cwd), names)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +173,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if diffs else 0
-
 
 
 if __name__ == "__main__":  # guarded: worker processes that import this file must not run it

@@ -186,7 +186,8 @@ class SparseLoCo(OuterRounds):
         (0.0 if none; the summary's step ratio): both summed over an island's ranks (:meth:`_island_sum`)."""
         bad = [not all_finite(d) for d in deltas]
         sending = [(d, w) for d, w, b in zip(deltas, weights, bad, strict=True) if not b and w > 0]
-        square = float(torch.stack([d * w for d, w in sending]).sum(0).square().sum()) if sending else 0.0
+        # the float32 norm squared in float64 (exact, and its square root gives the norm back bit for bit)
+        square = float(torch.stack([d * w for d, w in sending]).sum(0).norm()) ** 2 if sending else 0.0
         sums = self._island_sum(torch.tensor([*map(float, bad), square], dtype=torch.float64)).tolist()
         dropped = [b > 0 for b in sums[:-1]]
         total = sum(w for w, b in zip(weights, dropped, strict=True) if not b and w > 0)
