@@ -240,10 +240,12 @@ def test_deployed_decoupled_smoke_with_a_kill(corpus_file: Path, cache_dir: Path
     out = tmp_path / "wd"
     flags = ["--model", "micro", "--data", str(corpus_file), "--cache-dir", str(cache_dir), "--train-arg",
              "vocab_size=512", "--train-arg", "seq_len=32", "--train-arg", "batch_size=4", "--train-arg",
-             "eval_batches=2", "--fragments", "2", "--steps", "300", "--sync-every", "20", "--bandwidths", "100",
-             # island 0 alone takes about 15 steps/s (a step grant is a 40 ms round trip): while island 1 restarts
-             # (15-20 s on 2 loaded cores) it does not spend the budget of 600
-             "--delay-ms", "20", "--kill-step", "50", "--variants", "decoupled-kill", "--run-timeout-s", "240",
+             "eval_batches=2", "--fragments", "2", "--steps", "800", "--sync-every", "20", "--bandwidths", "100",
+             # island 0 alone takes 100-140 steps/s (steps come in leases of H, a round ahead): the budget of
+             # 1600 lasts it 9 s or more after the kill, time for island 1's job to start, join and take a lease
+             # on 2 loaded cores (with 600, a CI run saw island 0 spend the budget between island 1's join and
+             # its first lease); the kill at step 150 leaves a second or more of the others' rate before it
+             "--delay-ms", "20", "--kill-step", "150", "--variants", "decoupled-kill", "--run-timeout-s", "240",
              "--ranks-per-island", "1",
              "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -256,7 +258,7 @@ def test_deployed_decoupled_smoke_with_a_kill(corpus_file: Path, cache_dir: Path
     assert row["ok"] and row["exit_codes"] == {"syncer": 0, "islands": [0, 0], "killed": [-9]}
     assert (run / "syncer" / "run" / "summary.json").is_file() and (run / "island_1.1.log").is_file()
     assert "TLS" in (run / "syncer.log").read_text()
-    assert row["kill_record"]["step"] >= 50 and row["kill_record"]["restarted"] is not None
+    assert row["kill_record"]["step"] >= 150 and row["kill_record"]["restarted"] is not None
     summary = row["syncer_summary"]
     assert summary["rejoins"] == [0, 1] and summary["islands_left"] == [0, 1] and summary["refused_calls"] == {}
     # the restarted job was granted steps and its pushes were merged; the other island never stopped
