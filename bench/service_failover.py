@@ -184,7 +184,8 @@ def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, 
             raise RuntimeError(f"island 0 was not back and pushing within {args.timeout:g} s; see {tmp}")
     finally:
         for p in procs:  # with torchrun's workers, which run in sessions of their own
-            kill_tree(p.pid)
+            if p.poll() is None:  # (a pid reaped already may name another process by now)
+                kill_tree(p.pid)
             p.wait()
     k = marks["killed"]
     before = _rate(samples, k - args.window, k)

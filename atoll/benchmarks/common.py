@@ -288,12 +288,13 @@ def _lock_alive(lock: Path) -> bool:
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (children first), from ``/proc`` (Linux): torchrun's agent starts each
     worker in a session of its own, so killing the agent's process group leaves its (restarted) workers
-    running; a benchmark or test ends them by pid."""
+    running; a benchmark or test ends them by pid. (A process's name, in parentheses in ``/proc/PID/stat``, is
+    any 15 bytes: spaces, parentheses, a UTF-8 character cut in two; it is skipped as bytes.)"""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
+            fields = stat.read_bytes().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):  # ended meanwhile
             continue
         parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     found, todo = [], [pid]
@@ -305,16 +306,27 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``, its process group and every process below it (:func:`descendants`); wait for none."""
+    """SIGKILL ``pid``, its process group and every process below it (:func:`descendants`); wait for none.
+
+    The tree is frozen first (SIGSTOP, until a scan finds no process it did not stop): a stopped parent starts
+    no worker between the scan and the kill (torchrun restarting its workers), and reaps no child, so no pid
+    of the tree is reused by another process before its SIGKILL. The caller must not have reaped ``pid``."""
     import contextlib
     import signal
 
-    below = descendants(pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    for child in [pid, *below]:
+    def send(target: int, sig: int, group: bool = False) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(child, signal.SIGKILL)
+            (os.killpg if group else os.kill)(target, sig)
+
+    send(pid, signal.SIGSTOP)
+    stopped = {pid}
+    while below := [p for p in descendants(pid) if p not in stopped]:
+        for p in below:
+            send(p, signal.SIGSTOP)
+        stopped.update(below)
+    send(pid, signal.SIGKILL, group=True)
+    for p in [pid, *sorted(stopped - {pid})]:
+        send(p, signal.SIGKILL)
 
 
 def cell(v: Any, mega_digits: int = 1) -> str:

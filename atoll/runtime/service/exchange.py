@@ -145,7 +145,7 @@ class ServiceTransport:
         codec: the run's codec (the bytes a slice's payload takes).
         session: the island's session (from its join).
         lease: the leader's :class:`~atoll.runtime.service.client.StepLease` (None on the other ranks).
-        poll_s: seconds between two agreements while waiting for an exchange.
+        poll_s: seconds between two agreements while waiting for an exchange (and two ``Buffered``).
         heartbeat_s: seconds between the leader's heartbeats (on the control connection).
 
     Attributes:
@@ -404,11 +404,11 @@ class ServiceTransport:
             assert out.payload is not None
             answer = self.route[p].push(wire.payload_bytes(out.payload), p, ((0, self.plan.numels[p]),), claim,
                                         out.base_version, self.session, out.round_s)
-        if not answer["accepted"]:
-            self.refused += 1
+        self.refused += not answer["accepted"]
         if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
             ask = {"fragment": p, "wait_s": wire.MAX_WAIT_S}  # answered when it merged (or after MAX_WAIT_S)
-            while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]: ...
+            while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]:
+                time.sleep(self.poll_s)  # never back to back (answered at once: an older syncer, or slots taken)
 
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):

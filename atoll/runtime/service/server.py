@@ -191,10 +191,11 @@ class SyncerServer(ShardCalls, BulkCalls):
         island, _ = self._caller(context)
         req = self._request(data, context)
         fragment, wait_s = req.get("fragment"), req.get("wait_s", 0)
-        if not (isinstance(wait_s, int | float) and not isinstance(wait_s, bool) and math.isfinite(wait_s)
-                and wait_s >= 0):
+        # (an int of JSON may be too large for a float: compared as it is, converted once capped)
+        if not (isinstance(wait_s, int | float) and not isinstance(wait_s, bool) and wait_s == wait_s
+                and 0 <= wait_s < math.inf):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "wait_s: a number of seconds >= 0")
-        deadline = time.monotonic() + min(float(wait_s), wire.MAX_WAIT_S)
+        deadline = time.monotonic() + float(min(wait_s, wire.MAX_WAIT_S))
         with self.changed:
             # an island waits on at most one call per fragment of this shard: more are answered at once, so no
             # island can hold the threads the other islands' calls need

@@ -1,0 +1,113 @@
+"""Attacks on the long poll ``Buffered`` (brk review): bad ``wait_s``, the cap, a stopped server, the client loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from atoll.runtime.service import wire
+from tests.test_service_slices import _clients, syncer  # noqa: F401 - the fixture
+
+pytest.importorskip("cryptography")
+
+
+def _buffered_push(state, address, creds):  # noqa: ANN001, ANN202
+    lead, _, other, s0, s1 = _clients(state, address, creds)
+    assert other.call("ReserveSteps", {"n": 5})["granted"] == 5
+    n, tps = state.service.syncer.numels[0], state.config.tokens_per_step
+    step = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors)
+    assert not lead.push(step, 0, ((0, n),), 5 * tps, 0, s0)["answered"]  # in the buffer: quorum 2
+    return lead, other, step, s1
+
+
+@pytest.mark.parametrize("wait_s", [10 ** 400, -(10 ** 400)], ids=["huge", "huge-negative"])
+def test_a_huge_int_wait_s_is_answered_cleanly(syncer, wait_s: int) -> None:  # noqa: ANN001, F811
+    """A JSON int too large for a float: capped like any long wait (huge), or refused with INVALID_ARGUMENT like
+    any negative one; never an exception in the handler (UNKNOWN, which the islands' client even retries)."""
+    state, address, creds = syncer(quorum=2, grace_window="round")
+    lead, *_ = _buffered_push(state, address, creds)
+    if wait_s > 0:  # fragment 1 holds no push of the island's: answered at once
+        assert lead.call("Buffered", {"fragment": 1, "wait_s": wait_s}, retry=False)["buffered"] == [0]
+    else:
+        with pytest.raises(grpc.RpcError) as bad:
+            lead.call("Buffered", {"fragment": 0, "wait_s": wait_s}, retry=False)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value.details()
+    assert state.waiting == [0, 0]
+
+
+def test_the_islands_wait_loop_does_not_spin_when_answered_at_once(syncer) -> None:  # noqa: ANN001, F811
+    """An island's waiting slots taken (here by calls on its other fragment's push; in a run, a stale call of an
+    earlier incarnation of its leader that the syncer still holds, or a syncer older than the long poll, which
+    answers at once): each ``Buffered`` is answered at once with the push still buffered. The leader's wait
+    (``ServiceTransport._commit``) must not then call ``Buffered`` back to back (thousands of calls a second,
+    each on the syncer's lock): at most one per poll interval."""
+    from types import SimpleNamespace
+
+    from atoll.runtime.service.exchange import Outgoing, ServiceTransport
+
+    state, address, creds = syncer(quorum=2, grace_window="round")
+    lead, _, other, s0, s1 = _clients(state, address, creds)
+    assert other.call("ReserveSteps", {"n": 10})["granted"] == 10
+    numels, tps = state.service.syncer.numels, state.config.tokens_per_step
+    steps = [state.codec.encode(torch.full((n,), 1e-3)).tensors for n in numels]
+    assert not lead.push(wire.payload_bytes(steps[1]), 1, ((0, numels[1]),), 5 * tps, 0, s0)["answered"]
+    held = [threading.Thread(target=lambda: lead.call("Buffered", {"fragment": 1, "wait_s": 5}, retry=False))
+            for _ in range(2)]  # the cap: one per fragment of the shard (two), both on fragment 1
+    for t in held:
+        t.start()
+    while state.waiting[0] < 2:
+        time.sleep(0.01)
+    transport = ServiceTransport.__new__(ServiceTransport)  # what _commit reads, for island 0's leader
+    transport.route, transport.poll_s, transport.lease, transport.ranks_move = [lead, lead], 0.02, None, False
+    transport.plan, transport.session, transport.refused = SimpleNamespace(numels=numels), s0, 0
+    before = state.calls["Buffered"]
+    waiter = threading.Thread(target=transport._commit, args=(0, 1, Outgoing(steps[0], 5 * tps, 0, 600.0, 0)))
+    waiter.start()
+    time.sleep(1.0)
+    calls = state.calls["Buffered"] - before
+    for p in (0, 1):  # island 1's pushes: the quorum of each, merged
+        assert other.push(wire.payload_bytes(steps[p]), p, ((0, numels[p]),), 5 * tps, 0, s1)["answered"]
+    waiter.join(30)
+    for t in held:
+        t.join(30)
+    assert not waiter.is_alive() and state.waiting == [0, 0] and state.service.syncer.version(0) == 1
+    assert calls <= 1.0 / transport.poll_s + 5, f"{calls} Buffered calls in 1 s while the push waited"
+
+
+def test_a_long_poll_ends_soon_after_the_server_stops(syncer) -> None:  # noqa: ANN001, F811
+    """server.stop(grace): the waiting handler returns (its slot freed) shortly after the grace ends."""
+    state, address, creds = syncer(quorum=2, grace_window="round")
+    lead, *_ = _buffered_push(state, address, creds)
+    import atoll.runtime.service.server  # noqa: F401
+
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(_try(lead)))
+    t.start()
+    while state.waiting[0] < 1:
+        time.sleep(0.01)
+    servers = [s for s in _servers()]
+    assert servers
+    t0 = time.monotonic()
+    for s in servers:
+        s.stop(grace=0.5)
+    while state.waiting[0] and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert state.waiting == [0, 0] and time.monotonic() - t0 < 2.0
+    t.join(10)
+
+
+def _try(client):  # noqa: ANN001, ANN202
+    try:
+        return client.call("Buffered", {"fragment": 0, "wait_s": 5}, retry=False)
+    except grpc.RpcError as e:
+        return e.code()
+
+
+def _servers() -> list:
+    import gc
+
+    return [o for o in gc.get_objects() if type(o).__name__ == "_Server" and hasattr(o, "stop")]
