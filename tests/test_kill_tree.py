@@ -1,4 +1,4 @@
-"""atoll.benchmarks.common.descendants / kill_tree against odd process names (brk review)."""
+"""atoll.benchmarks.common.descendants and kill_tree: odd process names, and workers in sessions of their own."""
 
 from __future__ import annotations
 

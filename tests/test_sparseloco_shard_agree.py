@@ -1,4 +1,4 @@
-"""A sharded island's ranks agree to leave a pseudo-gradient out when it is not finite on one rank only (brk)."""
+"""A sharded island's ranks agree to leave a pseudo-gradient out when it is not finite on one rank only."""
 
 from __future__ import annotations
 
