@@ -68,15 +68,20 @@ def seeded(corpus_file: Path, cache_dir: Path, tmp_path_factory: pytest.TempPath
     return root, {**settings, "init_from": str(root / "seed")}
 
 
+def _whole_and_sharded(root: Path, settings: dict, strategy: str, **flags: object) -> dict:
+    """``strategy`` trained twice from the same weights, 2 islands x 2 ranks: {"whole": (folder, summary),
+    "sharded": (folder, summary)}, the second with ``--shard-island``."""
+    return {kind: (root / f"{strategy}-{kind}", _train(settings, root / f"{strategy}-{kind}", strategy=strategy,
+                                                       shard_island=kind == "sharded", **flags))
+            for kind in ("whole", "sharded")}
+
+
 @pytest.fixture(scope="module")
 def streaming(seeded: tuple[Path, dict]) -> dict:
     """streaming, 2 fragments, int4 with blocks of 16 (every piece of the micro model's shards is a multiple of
     16 elements at a multiple of 16 in its fragment: the blocks align), unsharded and sharded."""
     root, settings = seeded
-    flags = {"strategy": "streaming", "fragments": 2, "codec": "int4", "codec_block_size": 16}
-    return {kind: (root / f"streaming-{kind}", _train(settings, root / f"streaming-{kind}", **flags,
-                                                      shard_island=kind == "sharded"))
-            for kind in ("whole", "sharded")}
+    return _whole_and_sharded(root, settings, "streaming", fragments=2, codec="int4", codec_block_size=16)
 
 
 def _assert_same_run(whole_dir: Path, whole: dict, sharded_dir: Path, sharded: dict) -> None:
@@ -117,10 +122,7 @@ def test_sharded_streaming_checkpoint_resumes_bit_for_bit(streaming: dict, tmp_p
 def demo(seeded: tuple[Path, dict]) -> dict:
     """demo (every step, no H), unsharded and sharded."""
     root, settings = seeded
-    settings = {k: v for k, v in settings.items() if k != "sync_every"}
-    return {kind: (root / f"demo-{kind}", _train(settings, root / f"demo-{kind}", strategy="demo",
-                                                 shard_island=kind == "sharded"))
-            for kind in ("whole", "sharded")}
+    return _whole_and_sharded(root, {k: v for k, v in settings.items() if k != "sync_every"}, "demo")
 
 
 @pytest.mark.slow
@@ -156,9 +158,7 @@ def sparseloco(seeded: tuple[Path, dict]) -> dict:
     """sparseloco (rounds at steps 5, 10 and 12), unsharded and sharded. The micro model's square matrices and
     norms are one tile (one 1-D run) across both ranks' rows: a rank's piece alone could not select them."""
     root, settings = seeded
-    return {kind: (root / f"sparseloco-{kind}", _train(settings, root / f"sparseloco-{kind}", strategy="sparseloco",
-                                                       shard_island=kind == "sharded"))
-            for kind in ("whole", "sharded")}
+    return _whole_and_sharded(root, settings, "sparseloco")
 
 
 @pytest.mark.slow
