@@ -310,7 +310,7 @@ class SparseCompressor:
         out = {"indices": torch.zeros(n, dtype=self.index_dtype)}
         if self.bits == 32:
             return {**out, "values": torch.zeros(n)}
-        return {**out, "signs": torch.zeros(math.ceil(n / 4), dtype=torch.uint8), "levels": torch.zeros(self.chunks, 2)}
+        return {**out, "signs": pack_2bit(torch.zeros(n, dtype=torch.uint8)), "levels": torch.zeros(self.chunks, 2)}
 
     def decompress(self, payload: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 (numel,) vector a payload stands for (zeros where nothing was kept). Raises ValueError

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from atoll.job.figures import pyplot
 from atoll.job.metrics import read_metrics
 
 #: the kinds of run event besides ``start``/``train``/``eval``/``checkpoint``/``end`` (the module docstring)
@@ -132,8 +133,6 @@ def plot_timeline(metrics: Path | str, out: Path | str, runtime: str | None = No
     tl = read_timeline(events)
     if runtime is None:
         runtime = next((e["config"].get("runtime") for e in events if e.get("event") == "start"), None)
-    from atoll.job.figures import pyplot
-
     plt = pyplot()
     fig, (ax_steps, ax_lanes) = plt.subplots(2, 1, figsize=(10, 3 + 0.45 * (tl.islands + 1)), sharex=True,
                                              gridspec_kw={"height_ratios": [2, 1 + 0.25 * tl.islands]})
