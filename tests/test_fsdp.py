@@ -104,6 +104,9 @@ def runs(corpus_file: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFa
             name = f"{strategy}-{'sharded' if shard else 'whole'}"
             out[name] = (root / name, _train(settings, root / name, strategy=strategy, shard_island=shard))
     out["int8-sharded"] = (root / "int8", _train(settings, root / "int8", codec="int8", shard_island=True))
+    for shard in (False, True):  # the periodic checkpoints (steps 5 and 10) written in the background
+        name = f"diloco-{'sharded' if shard else 'whole'}-async"
+        out[name] = (root / name, _train(settings, root / name, shard_island=shard, async_checkpoint=True))
     return out
 
 
@@ -206,6 +209,38 @@ def test_sharded_checkpoint_resumes_bit_for_bit(runs: dict, tmp_path: Path) -> N
     r = _atoll("train", "--resume", str(out), "--ranks-per-island", "1")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("atoll: error: shard_island: an island of one rank")
+
+
+def _checkpoint_events(run: Path) -> dict[int, dict]:
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {e["step"]: e for e in events if e.get("event") == "checkpoint"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["whole", "sharded"])
+def test_async_checkpoint_writes_what_the_foreground_writes(runs: dict, kind: str) -> None:
+    """--async-checkpoint: the periodic checkpoints are written by threads from host copies while the ranks
+    train on, and hold the same tensors as the foreground's, file for file (state, model, every rank's); the
+    last one is written in the foreground."""
+    (sync_dir, sync), (async_dir, done) = runs[f"diloco-{kind}"], runs[f"diloco-{kind}-async"]
+    assert done["final_eval_loss"] == sync["final_eval_loss"]
+    for step in (10, STEPS):  # (step 5's was rotated out: two are kept)
+        a, b = _every_file(sync_dir, step), _every_file(async_dir, step)
+        assert a.keys() == b.keys() and len(a) >= 4, sorted(b)
+        for name in a:
+            assert a[name].keys() == b[name].keys(), name
+            assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), (step, name)
+    events = _checkpoint_events(async_dir)
+    assert sorted(events) == [5, 10, STEPS]
+    assert all(events[s]["background"] is True and events[s]["write_s"] > 0 for s in (5, 10))
+    assert "background" not in events[STEPS] and events[STEPS]["blocked_s"] > 0
+    assert sorted(p.name for p in (async_dir / "checkpoints").iterdir()) == ["latest", "step_0000010", "step_0000012"]
+
+
+@pytest.mark.slow
+def test_async_checkpoint_resumes_bit_for_bit(runs: dict, tmp_path: Path) -> None:
+    source, _ = runs["diloco-sharded-async"]
+    assert_resumes_bit_for_bit(source, tmp_path / "resumed", 10)
 
 
 @pytest.mark.slow

@@ -69,6 +69,14 @@ class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
         "(atoll.runtime.collective.comm.exchange_deadline_s). Too low only lengthens the wait for a hung peer "
         "(a dead one is found by its heartbeat within seconds); too high fails a slow but healthy exchange.",
     )
+    async_checkpoint: bool = Field(
+        False,
+        description="collective: write periodic checkpoints in the background (torchtitan's asynchronous mode): "
+        "each rank copies its part to host memory (pinned on a GPU; as many bytes as its state) and trains on "
+        "while a thread writes it; rank 0 commits the checkpoint once every part is on disk, and the next "
+        "checkpoint waits for it. The last checkpoint and a signal's are written in the foreground. A crash "
+        "while one is written resumes from the one before (atoll.runtime.collective.async_checkpoint).",
+    )
     collective_link_latency_ms: float = Field(
         10.0, ge=0, le=60000,
         description="collective: one-way latency of that link in milliseconds, once per ring step in the deadline.",

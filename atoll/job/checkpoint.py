@@ -164,14 +164,14 @@ def checkpoint_tmp(out: Path, step: int) -> Path:
 def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | None = None,
                     tokenizer: Any | None = None, keep: int = 2, tmp: Path | None = None,
                     meta: dict[str, Any] | None = None, model_state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a checkpoint of ``state`` at inner step ``step`` atomically; return its folder.
+    """Write a checkpoint of ``state`` at inner step ``step`` atomically (:func:`write_checkpoint_files`, then
+    :func:`commit_checkpoint`); return its folder.
 
     Args:
         out: the run folder; checkpoints go to ``out/checkpoints``.
-        step: inner steps completed.
-        state: nested dicts/lists of tensors and JSON scalars.
-        model: the global model (a ``PreTrainedModel`` holding the global weights), saved to ``model/``.
-        tokenizer: a ``PreTrainedTokenizerFast`` saved beside the model.
+        step, state: inner steps completed; nested dicts/lists of tensors and JSON scalars.
+        model, tokenizer: the global model (a ``PreTrainedModel`` holding the global weights) and a
+            ``PreTrainedTokenizerFast``, saved to ``model/``.
         keep: how many checkpoints to keep (older ones are removed after the new one is in place).
         tmp: a folder from :func:`checkpoint_tmp` that other processes have written their parts into (each
             fsynced its own files); None: a new one.
@@ -188,7 +188,17 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
         for stale in [*root.glob(".tmp-step_*"), *root.glob(".old-step_*")]:  # left by a process killed while
             shutil.rmtree(stale, ignore_errors=True)                            # writing (one writer per run)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:07d}-", dir=root))
-    final = root / f"step_{step:07d}"
+    write_checkpoint_files(tmp, step, state, model, tokenizer, meta, model_state)
+    return commit_checkpoint(out, tmp, step, keep)
+
+
+def write_checkpoint_files(tmp: Path, step: int, state: dict[str, Any], model: Any | None = None,
+                           tokenizer: Any | None = None, meta: dict[str, Any] | None = None,
+                           model_state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the shared part of the checkpoint at ``step`` into ``tmp`` (``state.json``, ``state.safetensors``,
+    ``model/``; arguments as :func:`save_checkpoint`'s), fsynced, with the umask's modes; renamed by
+    :func:`commit_checkpoint`. Reads only ``model``'s config when ``model_state`` holds the weights, so it may
+    run on a thread other than the one training. Raises OSError (a full disk...); ``tmp`` is then removed."""
     try:
         tree, tensors = flatten_state(state)
         with _writing(tmp / "state.safetensors"):
@@ -207,6 +217,23 @@ def save_checkpoint(out: Path, step: int, state: dict[str, Any], model: Any | No
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
         _open_modes(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def commit_checkpoint(out: Path, tmp: Path, step: int, keep: int = 2) -> Path:
+    """Rename the written folder ``tmp`` to ``checkpoints/step_<N>`` of the run folder ``out`` (swapping out an
+    earlier checkpoint of the same step, so a whole one is always on disk), point ``latest`` at it, and remove
+    all but the newest ``keep`` checkpoints; return its folder.
+
+    Raises:
+        OSError: a file or link holds the checkpoint's name, or the rename failed; ``tmp`` is removed and the
+            previous checkpoints are left as they were.
+    """
+    root = Path(out) / "checkpoints"
+    final = root / f"step_{step:07d}"
+    try:
         if final.is_symlink() or (final.exists() and not final.is_dir()):
             raise OSError(errno.EEXIST, f"'{final}' is a file or link with a checkpoint's name, not a checkpoint "
                                         "atoll wrote; move it out of the checkpoints folder")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +105,83 @@ def _open_modes(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
+@dataclass
+class StagedState:
+    """A rank's state ready to write: its JSON tree, its tensors by dotted key and the keys that were
+    ``DTensor`` pieces (:func:`stage_rank_state`)."""
+
+    tree: Any
+    tensors: dict[str, torch.Tensor]
+    dtensors: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class HostStaging:
+    """Host buffers that hold a copy of a rank's tensors while a background thread writes them (torchtitan's
+    asynchronous checkpointing with pinned memory): page-locked where the tensor is on an accelerator, so the
+    device-to-host copies run without a bounce buffer; kept from one checkpoint to the next (the same keys,
+    shapes and dtypes every time), so a checkpoint allocates nothing after the first. Holds as many bytes as
+    the rank's state (16 per parameter of an island with AdamW); not thread-safe (the training thread stages,
+    after the previous write finished)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` in the buffer kept for ``key`` (non-blocking from a device: call
+        :meth:`wait` before reading it)."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.device.type == "cuda" and torch.cuda.is_available()
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        return buf.copy_(t, non_blocking=t.device.type != "cpu")
+
+    @staticmethod
+    def wait() -> None:
+        """Wait for the copies in flight (one synchronization of the current device, at a checkpoint only)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+def stage_rank_state(state: dict[str, Any], staging: HostStaging | None = None) -> StagedState:
+    """``state`` (dicts, lists, tensors, JSON scalars) flattened for :func:`write_rank_state`: a ``DTensor``
+    as this rank's local piece, a tensor sharing another's memory (a tied head) once. With ``staging``, every
+    tensor is copied to its host buffer now, so training may change the originals while another thread
+    writes; without, the tensors are the state's own (written before anything changes them)."""
+    tree, tensors, dtensors = _local_tree(state)
+    if staging is not None:
+        tensors = {k: staging.copy(k, t) for k, t in tensors.items()}
+        staging.wait()
+    return StagedState(tree, tensors, dtensors)
+
+
+def write_rank_state(folder: Path, staged: StagedState) -> None:
+    """Write a staged rank state to ``folder`` (created): its tensors with DCP's safetensors writer (each file
+    fsynced), the JSON tree beside them. Touches no process group (``no_dist``), so it may run on a thread
+    of its own.
+
+    Raises:
+        OSError: the disk is full or the folder not writable.
+    """
+    folder.mkdir(parents=True, exist_ok=False)
+    if staged.tensors:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(staged.tensors, storage_writer=HuggingFaceStorageWriter(str(folder)), no_dist=True)
+    with open(folder / "state.json", "w") as f:
+        json.dump({"tree": staged.tree, "dtensors": staged.dtensors}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _open_modes(folder)
+
+
 def save_rank_state(folder: Path, state: dict[str, Any]) -> None:
-    """Write this rank's ``state`` to ``folder`` (created): its tensors with DCP's safetensors writer (each
-    file fsynced), the JSON tree beside them.
+    """Write this rank's ``state`` to ``folder`` (created) now: :func:`stage_rank_state` without copies, then
+    :func:`write_rank_state`.
 
     Tensors stay where they are (CPU or GPU); DCP copies them to the host as it writes. A ``DTensor`` is saved
     as this rank's piece and marked, so that :func:`load_rank_state` can say which were sharded.
@@ -114,17 +189,7 @@ def save_rank_state(folder: Path, state: dict[str, Any]) -> None:
     Raises:
         OSError: the disk is full or the folder not writable.
     """
-    folder.mkdir(parents=True, exist_ok=False)
-    tree, tensors, dtensors = _local_tree(state)
-    if tensors:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(folder)), no_dist=True)
-    with open(folder / "state.json", "w") as f:
-        json.dump({"tree": tree, "dtensors": dtensors}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _open_modes(folder)
+    write_rank_state(folder, stage_rank_state(state))
 
 
 def load_rank_state(folder: Path, device: torch.device | str = "cpu") -> tuple[dict[str, Any], set[str]]:

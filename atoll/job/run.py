@@ -29,7 +29,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
 from atoll.errors import CheckpointError, ConfigError, DataError
-from atoll.job.checkpoint import load_latest_state, new_run_dir, save_checkpoint, write_text_atomic
+from atoll.job.checkpoint import (
+    commit_checkpoint,
+    load_latest_state,
+    new_run_dir,
+    save_checkpoint,
+    write_checkpoint_files,
+    write_text_atomic,
+)
 from atoll.job.data import PreparedData, default_cache_dir, eval_batches, prepare_data
 from atoll.job.data.pretrained import load_pretrained_tokenizer, tokenizer_source
 from atoll.job.device import peak_accelerator_bytes, resolve_device
@@ -280,25 +287,64 @@ class Run:
         return self.eval_loss
 
     def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor, tmp: Path | None = None,
-                        meta: dict[str, Any] | None = None) -> Path:
+                        meta: dict[str, Any] | None = None, **fields: Any) -> Path:
         """Write a checkpoint atomically: the global parameters as a Hugging Face model with the tokenizer, and
         the driver's ``state`` with what a resume of this run needs (losses, wall time, data fingerprint).
         ``tmp`` and ``meta``: the folder other processes wrote their parts into, and its description
-        (:func:`atoll.job.checkpoint.save_checkpoint`)."""
-        state = {**state, "initial_eval_loss": self.initial_eval_loss, "eval_loss": self.eval_loss,
-                 "wall_s": self.wall_s(), "data_fingerprint": self.data.fingerprint}
+        (:func:`atoll.job.checkpoint.save_checkpoint`); ``fields``: more of the ``checkpoint`` event's."""
+        state = self.checkpoint_state(state)
         if is_meta(self.model):  # sharded islands: the export's tensors are views of params, no second copy
-            offset, views = 0, {}
-            for name, p in self.model.named_parameters():
-                views[name] = params[offset:offset + p.numel()].view(p.shape)
-                offset += p.numel()
             path = save_checkpoint(self.out, step, state, model=self.model, tokenizer=self.tokenizer, tmp=tmp,
-                                   meta=meta, model_state=views)
+                                   meta=meta, model_state=self.export_state(params))
         else:
             path = save_checkpoint(self.out, step, state, model=self.set_global(params), tokenizer=self.tokenizer,
                                    tmp=tmp, meta=meta)
-        self.log.log("checkpoint", step=step, path=str(path))
+        self.log.log("checkpoint", step=step, path=str(path), **fields)
         return path
+
+    def checkpoint_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The driver's ``state`` with what a resume of this run needs from the run itself (the losses, the wall
+        time so far, the data's fingerprint), as of now."""
+        return {**state, "initial_eval_loss": self.initial_eval_loss, "eval_loss": self.eval_loss,
+                "wall_s": self.wall_s(), "data_fingerprint": self.data.fingerprint}
+
+    def export_state(self, params: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The global model's weights by name as views of ``params`` (flat float32, (numel,), in ``parameters()``
+        order), for :meth:`PreTrainedModel.save_pretrained`: no copy, and :attr:`model` is left as it is (so
+        another thread may write them while this one trains). Tied names (a head sharing the embedding) view the
+        same elements; the model's buffers, if it has persistent ones, are its own."""
+        offsets: dict[int, tuple[int, torch.Size]] = {}
+        offset = 0
+        for p in self.model.parameters():
+            offsets[id(p)] = (offset, p.shape)
+            offset += p.numel()
+        views: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            at, shape = offsets[id(p)]
+            views[name] = params[at:at + shape.numel()].view(shape)
+        if not is_meta(self.model):
+            views.update({name: b for name, b in self.model.named_buffers()
+                          if name in self.model.state_dict() and name not in views})
+        return views
+
+    def write_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor, tmp: Path,
+                         meta: dict[str, Any] | None = None) -> None:
+        """Write the shared part of a checkpoint into ``tmp`` (:func:`~atoll.job.checkpoint.write_checkpoint_files`)
+        from ``state`` (already :meth:`checkpoint_state`) and the global parameters ``params`` (flat float32),
+        without touching :attr:`model`: safe on a background thread while the job trains. Renamed into place by
+        :meth:`commit_checkpoint`.
+
+        Raises:
+            OSError: the disk is full or the folder not writable; ``tmp`` is removed.
+        """
+        write_checkpoint_files(tmp, step, state, model=self.model, tokenizer=self.tokenizer, meta=meta,
+                               model_state=self.export_state(params))
+
+    def commit_checkpoint(self, step: int, tmp: Path) -> Path:
+        """Rename the written folder ``tmp`` into place as the checkpoint of ``step`` and point ``latest`` at it
+        (:func:`~atoll.job.checkpoint.commit_checkpoint`); return its folder. Logs nothing (the caller does,
+        on the thread that owns the log)."""
+        return commit_checkpoint(self.out, tmp, step)
 
     # --- the end --------------------------------------------------------------------------------------
     def interrupt(self, step: int | None, advice: str | None = None) -> BaseException:

@@ -131,8 +131,8 @@ class Runtime(ABC):
         :class:`~atoll.errors.Interrupted` is raised), then the islands restarted since are admitted
         (:meth:`admit`)."""
         stopping = done < run.config.steps and self.stop_after(done)
-        if checkpoint or stopping:
-            self.save_checkpoint(run, done, islands, strategy)  # collective: each rank writes its part
+        if checkpoint or stopping:  # collective: each rank writes its part; the last and a signal's in the foreground
+            self.save_checkpoint(run, done, islands, strategy, background=not stopping and done < run.config.steps)
         if stopping:
             raise run.interrupt(done)
         self.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss, eval_loss=run.eval_loss,
@@ -226,9 +226,12 @@ class Runtime(ABC):
             on the main process; None on the others.
         """
 
-    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy) -> None:
+    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy,
+                        background: bool = False) -> None:
         """Write the job's checkpoint at inner step ``step`` (collective call): by default the main process
-        writes :meth:`job_state` and the global model (:meth:`atoll.job.run.Run.save_checkpoint`)."""
+        writes :meth:`job_state` and the global model (:meth:`atoll.job.run.Run.save_checkpoint`).
+        ``background``: the job may train on while it is written (a periodic checkpoint, not the last one nor a
+        signal's), where the runtime can (the collective runtime's ``--async-checkpoint``); here it is ignored."""
         job = self.job_state(islands, strategy, wall_s=run.wall_s())  # None but on the main process
         params = self.full_params(strategy.global_params())
         if job is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +20,9 @@ from atoll.job.rank_checkpoint import (
     owner_of_shared,
     rank_folder,
     save_rank_state,
+    stage_rank_state,
 )
-from atoll.runtime.collective.failure import dist_call
+from atoll.runtime.collective.failure import HEARTBEAT_STALE_S, dist_call
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:
@@ -31,22 +33,26 @@ if TYPE_CHECKING:
 
 
 def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: list[Island],
-                         strategy: Strategy) -> None:
+                         strategy: Strategy, background: bool = False) -> None:
     """Write the checkpoint at inner step ``step`` per rank (:mod:`atoll.job.rank_checkpoint`); collective.
 
-    Every rank takes the strategy's shared state (it may finish an exchange in flight, an island
-    collective) and writes what only it holds into ``ranks/rank_<r>/`` of the temporary folder rank 0 made;
-    the ranks agree that every write succeeded (one all-reduce over the control group), then rank 0 writes
-    the shared state (counters, a :class:`~atoll.runtime.network.SimClock` at the real wall time, so the
-    ``local`` runtime can resume an unsharded checkpoint) and the global model, and renames the folder.
-    Island 0's ranks gather a sharded global model for the Hugging Face export; nothing else travels.
+    First the checkpoint in flight, if any, is settled (:func:`settle_checkpoint`). Every rank takes the
+    strategy's shared state (it may finish an exchange in flight, an island collective) and writes what only it
+    holds into ``ranks/rank_<r>/`` of the temporary folder rank 0 made; the ranks agree that every write
+    succeeded (one all-reduce over the control group), then rank 0 writes the shared state (counters, a
+    :class:`~atoll.runtime.network.SimClock` at the real wall time, so the ``local`` runtime can resume an
+    unsharded checkpoint) and the global model, and renames the folder. Island 0's ranks gather a sharded
+    global model for the Hugging Face export; nothing else travels.
+
+    With ``background`` each rank copies its part to host buffers and returns; threads write and commit it
+    (:mod:`~.async_checkpoint`), agreeing through the store instead of the all-reduce.
 
     Raises:
-        OSError: this rank, or another, could not write its part; the temporary folder is removed and the
-            previous checkpoints stay as they were.
+        OSError: this rank, or another, could not write its part (of this checkpoint, or of the one in flight);
+            the temporary folder is removed and the previous checkpoints stay as they were.
     """
-
-
+    t0 = time.perf_counter()
+    waited = settle_checkpoint(rt, run)
     sharded = rt.config.shard_island
     shared = strategy.state_dict()  # every rank: it may finish an exchange in flight
     tmp = run.out / "checkpoints" / f".tmp-step_{step:07d}"
@@ -62,6 +68,9 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
         entry["strategy_island"] = strategy.island_state(0)
         if rt.island == 0:  # the global model and the outer state, once (sharded: once per shard)
             entry["strategy"] = shared
+    if background:
+        _write_in_background(rt, run, step, tmp, entry, strategy)
+        return
     failure: OSError | None = None
     try:
         save_rank_state(rank_folder(tmp, rt.rank), entry)
@@ -84,12 +93,64 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
         raise OSError(errno.EIO, "another rank could not write its part of the checkpoint", str(tmp))
     if rt.is_main:
         assert params is not None
-        wall = run.wall_s()
-        state = {"islands": rt.islands, "ranks_per_island": rt.ranks_per_island,
-                 "shard_ranks": rt.ranks_per_island if sharded else None, "alive": list(rt.membership.alive),
-                 "comm": rt.comm.state_dict(), "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(),
-                 "wall_s": wall}
-        run.save_checkpoint(step, state, params, tmp=tmp, meta={"format": FORMAT})
+        run.save_checkpoint(step, _shared_state(rt, run), params, tmp=tmp, meta={"format": FORMAT},
+                            blocked_s=round(time.perf_counter() - t0 - waited, 6))
+
+
+def _shared_state(rt: CollectiveRuntime, run: Run) -> dict[str, Any]:
+    """The job's state rank 0 writes beside the ranks' folders (counters, membership, a clock at the real wall
+    time), as of now."""
+    wall = run.wall_s()
+    return {"islands": rt.islands, "ranks_per_island": rt.ranks_per_island,
+            "shard_ranks": rt.ranks_per_island if rt.config.shard_island else None,
+            "alive": list(rt.membership.alive), "comm": rt.comm.state_dict(),
+            "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(), "wall_s": wall}
+
+
+def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, entry: dict[str, Any],
+                         strategy: Strategy) -> None:
+    """Copy this rank's part (and on rank 0 the shared state and the global parameters) to host buffers and
+    hand it to a writer thread (:class:`~.async_checkpoint.InFlight`); returns once the copies are made."""
+    from atoll.runtime.collective.async_checkpoint import Commit, InFlight, writers
+    from atoll.runtime.collective.quorum import store_client
+
+    t0 = time.perf_counter()
+    background = rt.background
+    staging = background.staging
+    staged = stage_rank_state(entry, staging)
+    params = rt.full_params(strategy.global_params()) if rt.island == 0 else None
+    commit = None
+    if rt.is_main:
+        assert params is not None
+        host = staging.copy("__global_params__", params.detach().reshape(-1))
+        staging.wait()
+        alive = list(rt.membership.alive)
+        commit = Commit(run, run.checkpoint_state(_shared_state(rt, run)), host, {"format": FORMAT},
+                        writers(alive, rt.ranks_per_island, rt.config.shard_island), rt.membership.epoch,
+                        min(HEARTBEAT_STALE_S, rt.config.collective_timeout_s))
+    if background.store is None:
+        background.store = store_client(rt.config.collective_timeout_s)
+    background.in_flight = InFlight(rt, background.store, step, tmp, staged, commit)
+    background.in_flight.staged_s = time.perf_counter() - t0
+
+
+def settle_checkpoint(rt: CollectiveRuntime, run: Run) -> float:
+    """Wait for the checkpoint in flight, if any (:meth:`~.async_checkpoint.InFlight.settle`); rank 0 logs its
+    ``checkpoint`` event (with ``blocked_s``: the seconds training stood still for it, its copies and this
+    wait; ``write_s``: its writer thread's). Returns the seconds waited (0.0: none in flight).
+
+    Raises:
+        OSError: it could not be written (on every rank).
+    """
+    flight, rt.background.in_flight = rt.background.in_flight, None
+    if flight is None:
+        return 0.0
+    path, waited, dropped = flight.settle()
+    if rt.is_main:
+        run.log.log("checkpoint", step=flight.step, path=str(path), blocked_s=round(flight.staged_s + waited, 6),
+                    write_s=round(flight.write_s, 6), background=True,
+                    **({"islands_left_out": dropped} if dropped else {}))
+    return waited
 
 
 def load_rank_checkpoint(rt: CollectiveRuntime, state: dict[str, Any], islands: list[Island],

@@ -23,6 +23,7 @@ from atoll.job.device import resolve_device
 from atoll.job.divergence import inject_fault
 from atoll.runtime.base import Runtime
 from atoll.runtime.collective import report, torch_ddp
+from atoll.runtime.collective.async_checkpoint import BackgroundCheckpoints
 from atoll.runtime.collective.comm import DistComm
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
@@ -85,6 +86,7 @@ class CollectiveRuntime(Runtime):
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
         self.stopping: StopAgreement | None = None  # from start(): the step all ranks stop after on a signal
+        self.background = BackgroundCheckpoints()  # --async-checkpoint: the one in flight, its host copies
         self._aborting = threading.Lock()
         self.membership = Membership(self.islands)  # the islands alive, the epoch, losses and rejoins
         self.quorum: Quorum | None = None
@@ -381,12 +383,15 @@ class CollectiveRuntime(Runtime):
         """Not gathered: a collective checkpoint is written by every rank (:meth:`save_checkpoint`)."""
         raise NotImplementedError("the collective runtime writes per-rank checkpoints (save_checkpoint)")
 
-    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy) -> None:
+    def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy,
+                        background: bool = False) -> None:
         """Write the checkpoint at inner step ``step`` per rank (:func:`~.checkpointing.save_rank_checkpoint`,
-        :mod:`atoll.job.rank_checkpoint`): nothing of the islands travels to rank 0; collective."""
+        :mod:`atoll.job.rank_checkpoint`): nothing of the islands travels to rank 0; collective. On a
+        background thread where ``background`` and ``--async-checkpoint`` (:mod:`~.async_checkpoint`)."""
         from atoll.runtime.collective.checkpointing import save_rank_checkpoint
 
-        save_rank_checkpoint(self, run, step, islands, strategy)
+        save_rank_checkpoint(self, run, step, islands, strategy,
+                             background=background and self.config.async_checkpoint)
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
         """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its

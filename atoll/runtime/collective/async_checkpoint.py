@@ -1,0 +1,222 @@
+"""Asynchronous per-rank checkpoints of the collective runtime (``--async-checkpoint``).
+
+A synchronous checkpoint stalls every rank for as long as the slowest one takes to write its part (16 bytes per
+parameter of an island with AdamW, plus the global model and outer state on island 0) and fsync it. With
+``--async-checkpoint`` a rank only copies its part to host buffers (:class:`~atoll.job.rank_checkpoint.HostStaging`,
+page-locked on a GPU) and goes on training; a thread of its own writes the copy with DCP's safetensors writer,
+as torchtitan's asynchronous mode does (Liang et al. 2024, "TorchTitan", arXiv:2410.06511, section 3.2).
+
+The checkpoint is still written atomically for the whole job, without a collective off the training thread:
+
+1. every rank's writer thread posts its outcome (``ok``, or the ``OSError``) under ``ckpt/<step>/<rank>`` of the
+   run's rendezvous store (:func:`outcome_key`);
+2. rank 0's writer thread waits for the outcome of every rank that writes a part (:func:`writers`); an island
+   lost while it wrote (gone from the membership, restarted since, or its rank's heartbeat silent) is left
+   out of the checkpoint's ``alive`` (a resume takes its state from the first live island's, as it would have
+   rejoined); then it writes the shared state and the Hugging Face model into the temporary folder, renames it
+   into place, points ``latest`` at it and posts ``ok`` (or the error, having removed the folder) under
+   ``ckpt/<step>/result``;
+3. at the next checkpoint every rank first reads that result (:meth:`InFlight.settle`): at most one checkpoint
+   is in flight, a failed write is raised there on every rank as the ``OSError`` the synchronous path raises,
+   and rank 0 logs the ``checkpoint`` event. The run's last checkpoint, and a signal's, are written in the
+   foreground (after settling the one in flight), so a run that ends has every checkpoint on disk.
+
+A crash while a checkpoint is in flight loses that checkpoint only: its temporary folder is removed by the
+next writer (:func:`atoll.job.checkpoint.checkpoint_tmp`) and ``latest`` still names the previous one.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atoll.job.rank_checkpoint import HostStaging, StagedState, rank_folder, write_rank_state
+
+if TYPE_CHECKING:
+    from atoll.job.run import Run
+    from atoll.runtime.collective.view import CollectiveView
+
+RESULT = "result"
+POLL_S = 0.02  # seconds between two looks at the store for an outcome
+
+
+def outcome_key(prefix: str, step: int, who: int | str) -> str:
+    """The store key under which rank ``who`` (or ``"result"``: rank 0's commit) posts the outcome of the
+    checkpoint of inner step ``step`` of the run whose keys start with ``prefix``."""
+    return f"{prefix}ckpt/{step}/{who}"
+
+
+def writers(alive: list[int], ranks_per_island: int, sharded: bool) -> dict[int, list[int]]:
+    """Island -> the global ranks that write a part of it: every rank of a sharded island (its pieces), the
+    first rank of an unsharded one (its replicas are alike; the others write an empty folder, not waited for)."""
+    return {i: [i * ranks_per_island + p for p in (range(ranks_per_island) if sharded else [0])] for i in alive}
+
+
+def _error_text(e: BaseException) -> str:
+    number = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
+    text = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+    where = e.filename if isinstance(e, OSError) and e.filename else ""
+    return f"error\t{number}\t{text}\t{where}"
+
+
+def _raise(text: str, who: str) -> None:
+    _, number, message, where = (text.split("\t") + ["", "", ""])[:4]
+    raise OSError(int(number or errno.EIO), f"{message} ({who})", where or None)
+
+
+@dataclass
+class Commit:
+    """What rank 0 adds to a checkpoint once every part is on disk.
+
+    Attributes:
+        run: the run (its folder, tokenizer, model config; its model's weights are not read).
+        state: the job's shared state as of the checkpoint (:meth:`Run.checkpoint_state`); its ``alive`` loses
+            the islands lost while their parts were written.
+        params: the global parameters, a host copy, flat float32 (numel,).
+        meta: more entries of ``state.json`` (the per-rank format).
+        writers: island -> the ranks whose outcome is waited for (:func:`writers`).
+        epoch: the membership's epoch at the checkpoint (an island with a change after it restarted since).
+        silent_s: a writer whose heartbeat has not moved for this long is gone.
+    """
+
+    run: Run
+    state: dict[str, Any]
+    params: torch.Tensor
+    meta: dict[str, Any]
+    writers: dict[int, list[int]]
+    epoch: int
+    silent_s: float
+    dropped: list[int] = field(default_factory=list)
+
+
+class BackgroundCheckpoints:
+    """A rank's asynchronous checkpoints: the one in flight (None: none), the host buffers its copies go to
+    (kept from one checkpoint to the next) and the writer threads' store client (made at the first)."""
+
+    def __init__(self) -> None:
+        self.in_flight: InFlight | None = None
+        self.staging = HostStaging()
+        self.store: Any = None
+
+
+class InFlight:
+    """One checkpoint this rank writes in the background: its own part, and on rank 0 the commit.
+
+    Args:
+        rt: the started runtime (its rank, store prefix, membership and heartbeat; read, never changed).
+        store: a store client of this object's own (the thread and :meth:`settle` share it under a lock).
+        step: the checkpoint's inner step.
+        tmp: the temporary folder rank 0 made.
+        staged: this rank's part, already copied to host buffers.
+        commit: rank 0's commit; None on the other ranks.
+
+    Attributes:
+        write_s: seconds this rank's thread took to write its part (and commit it, on rank 0).
+    """
+
+    def __init__(self, rt: CollectiveView, store: Any, step: int, tmp: Path, staged: StagedState,
+                 commit: Commit | None) -> None:
+        self.rt, self.store, self.step, self.tmp, self.staged, self.commit = rt, store, step, tmp, staged, commit
+        self.rank, self.prefix = rt.rank, rt.prefix
+        self.lock = threading.Lock()
+        self.write_s = 0.0
+        self.staged_s = 0.0  # seconds the training thread took to copy the part (set by whoever started it)
+        self.thread = threading.Thread(target=self._run, name="atoll-checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def _post(self, who: int | str, text: str) -> None:
+        with self.lock:
+            self.store.set(outcome_key(self.prefix, self.step, who), text)
+
+    def _get(self, who: int | str) -> str | None:
+        key = outcome_key(self.prefix, self.step, who)
+        with self.lock:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            write_rank_state(rank_folder(self.tmp, self.rank), self.staged)
+            outcome = "ok"
+        except Exception as e:  # kept for every rank: raised at the next settle
+            outcome = _error_text(e)
+        self.staged = StagedState(None, {}, [])  # the host buffers stay with the staging, not here
+        try:
+            self._post(self.rank, outcome)
+            if self.commit is not None:
+                self._post(RESULT, self._commit(outcome))
+        except Exception:  # the store is gone: the heartbeat stops this rank
+            pass
+        self.write_s = time.perf_counter() - t0
+
+    def _gone(self, island: int, ranks: list[int]) -> bool:
+        """Whether ``island``'s writer is lost (so its part will never come): not in the membership now, changed
+        since the checkpoint (lost and restarted), or a writer's heartbeat silent."""
+        c, membership = self.commit, self.rt.membership
+        assert c is not None
+        if island not in list(membership.alive):
+            return True
+        if any(e.island == island and e.epoch > c.epoch for e in list(membership.events)):
+            return True
+        heartbeat = self.rt.heartbeat
+        return heartbeat is not None and any(heartbeat.is_gone(r, c.silent_s) for r in ranks)
+
+    def _commit(self, own: str) -> str:
+        """Rank 0: wait for every writer, then write the shared part and rename the folder; the result text."""
+        c = self.commit
+        assert c is not None
+        failure = own if own != "ok" else None
+        waiting = dict(c.writers)
+        while waiting and failure is None:
+            for island, ranks in list(waiting.items()):
+                outcomes = [self._get(r) for r in ranks]
+                if any(o is not None and o != "ok" for o in outcomes):
+                    failure = next(o for o in outcomes if o is not None and o != "ok")
+                    break
+                if all(o == "ok" for o in outcomes):
+                    del waiting[island]
+                elif self._gone(island, ranks):
+                    c.dropped.append(island)
+                    del waiting[island]
+            if waiting and failure is None:
+                time.sleep(POLL_S)
+        if failure is not None or 0 in c.dropped:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return failure or _error_text(OSError(errno.EIO, "island 0's part of the checkpoint was not written"))
+        state = {**c.state, "alive": [i for i in c.state["alive"] if i not in c.dropped]}
+        try:
+            c.run.write_checkpoint(self.step, state, c.params, self.tmp, meta=c.meta)
+            path = c.run.commit_checkpoint(self.step, self.tmp)
+        except Exception as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return _error_text(e)
+        return f"ok\t{path}"
+
+    def settle(self) -> tuple[Path, float, list[int]]:
+        """Wait until the checkpoint is committed or failed (every rank; the training thread).
+
+        Returns:
+            (its folder, seconds this call waited, the islands left out of it).
+
+        Raises:
+            OSError: a rank could not write its part, or rank 0 could not commit it (the same on every rank;
+                the temporary folder is removed, the previous checkpoint stays ``latest``).
+        """
+        t0 = time.perf_counter()
+        while (result := self._get(RESULT)) is None:
+            if self.commit is not None and not self.thread.is_alive():  # rank 0's thread posted it, or the store
+                result = self._get(RESULT) or _error_text(OSError(errno.EIO, "the checkpoint writer stopped"))
+                break
+            time.sleep(POLL_S)
+        self.thread.join()
+        waited = time.perf_counter() - t0
+        if not result.startswith("ok"):
+            _raise(result, f"checkpoint of step {self.step}")
+        return Path(result.split("\t", 1)[1]), waited, list(self.commit.dropped) if self.commit else []

@@ -1,0 +1,157 @@
+"""The collective runtime's checkpoints written in the background (atoll.runtime.collective.async_checkpoint): the
+writer threads agree through a real TCPStore, rank 0 commits once every part is on disk, a failed part fails
+the checkpoint on every rank and leaves the previous one, a lost island is left out; host copies are taken at
+the checkpoint (training may change the tensors after). Ranks are simulated in one process, each with its own
+store client; the runs themselves are tests/test_fsdp.py's (async against foreground, resume)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atoll.job.checkpoint import commit_checkpoint, latest_checkpoint, save_checkpoint, write_checkpoint_files
+from atoll.job.rank_checkpoint import HostStaging, load_rank_state, rank_folder, stage_rank_state
+from atoll.runtime.collective.async_checkpoint import Commit, InFlight, writers
+from atoll.runtime.collective.membership import Membership
+
+STEP = 10
+
+
+@pytest.fixture()
+def store() -> Any:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield master
+
+
+def _alive(path: Path) -> list[int]:
+    """The islands a checkpoint's shared state holds (``alive``), from its state.json."""
+    tree = json.loads((path / "state.json").read_text())["state"]
+    return dict(tree["__dict__"])["alive"]
+
+
+def _client(master: Any) -> Any:
+    return dist.TCPStore("127.0.0.1", master.port, is_master=False)
+
+
+class _Run:
+    """What rank 0's commit needs of a Run: the shared part written into the folder, then the rename."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def write_checkpoint(self, step: int, state: dict, params: torch.Tensor, tmp: Path, meta: dict) -> None:
+        write_checkpoint_files(tmp, step, {**state, "params": params}, meta=meta)
+
+    def commit_checkpoint(self, step: int, tmp: Path) -> Path:
+        return commit_checkpoint(self.out, tmp, step)
+
+
+def _rt(rank: int, membership: Membership, gone: set[int] | None = None) -> SimpleNamespace:
+    heartbeat = SimpleNamespace(is_gone=lambda r, s: r in (gone or set()))
+    return SimpleNamespace(rank=rank, prefix="atoll/test/", membership=membership, heartbeat=heartbeat)
+
+
+def _start(master: Any, out: Path, membership: Membership, ranks: list[int], values: dict[int, torch.Tensor],
+           gone: set[int] | None = None) -> dict[int, InFlight]:
+    """Islands of one rank each: ``ranks`` start writing their part (``{"w": values[rank]}``) of the checkpoint
+    at STEP, rank 0 with the commit."""
+    tmp = out / "checkpoints" / f".tmp-step_{STEP:07d}"
+    tmp.mkdir(parents=True)
+    alive = list(membership.alive)
+    flights = {}
+    for rank in ranks:
+        staged = stage_rank_state({"w": values[rank]}, HostStaging())
+        commit = None
+        if rank == 0:
+            commit = Commit(_Run(out), {"alive": alive, "step": STEP}, torch.arange(4.0), {"format": "ranks"},
+                            writers(alive, 1, False), membership.epoch, 1.0)
+        flights[rank] = InFlight(_rt(rank, membership, gone), _client(master), STEP, tmp, staged, commit)
+    return flights
+
+
+def test_writers_are_every_rank_of_a_sharded_island_and_the_first_of_a_replicated_one() -> None:
+    assert writers([0, 2], 2, sharded=False) == {0: [0], 2: [4]}
+    assert writers([0, 1], 2, sharded=True) == {0: [0, 1], 1: [2, 3]}
+
+
+def test_every_part_on_disk_then_one_commit_that_every_rank_reads(store: Any, tmp_path: Path) -> None:
+    values = {0: torch.full((3,), 1.0), 1: torch.full((3,), 2.0)}
+    flights = _start(store, tmp_path, Membership(2), [0, 1], values)
+    for v in values.values():  # training goes on: the tensors change after the checkpoint's copies were taken
+        v.add_(100.0)
+    paths = {rank: f.settle() for rank, f in flights.items()}
+    path = tmp_path / "checkpoints" / f"step_{STEP:07d}"
+    assert paths[0][0] == paths[1][0] == path and paths[0][2] == paths[1][2] == []
+    assert latest_checkpoint(tmp_path) == path
+    for rank, want in ((0, 1.0), (1, 2.0)):
+        got, _ = load_rank_state(rank_folder(path, rank))
+        assert torch.equal(got["w"], torch.full((3,), want)), rank  # the values at the checkpoint
+    assert _alive(path) == [0, 1] and json.loads((path / "state.json").read_text())["format"] == "ranks"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_part_that_cannot_be_written_fails_the_checkpoint_on_every_rank(store: Any, tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 5, {"step": 5})  # the previous checkpoint
+    tmp = tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}"
+    rank_folder(tmp, 1).mkdir(parents=True)  # rank 1's folder exists: its writer's mkdir fails (EEXIST)
+    membership = Membership(2)
+    values = {0: torch.ones(2), 1: torch.ones(2)}
+    alive = list(membership.alive)
+    flights = {}
+    for rank in (0, 1):
+        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 1, False), 0, 1.0)
+                  if rank == 0 else None)
+        flights[rank] = InFlight(_rt(rank, membership), _client(store), STEP, tmp, stage_rank_state(
+            {"w": values[rank]}, HostStaging()), commit)
+    for rank, flight in flights.items():
+        with pytest.raises(OSError, match=f"checkpoint of step {STEP}") as e:
+            flight.settle()
+        assert e.value.errno is not None and "exists" in str(e.value).lower(), (rank, e.value)
+    assert not tmp.exists()  # removed: the previous checkpoint stays the latest
+    assert latest_checkpoint(tmp_path).name == "step_0000005"
+
+
+def test_an_island_lost_while_writing_is_left_out(store: Any, tmp_path: Path) -> None:
+    membership = Membership(3)
+    values = {r: torch.full((2,), float(r)) for r in range(3)}
+    flights = _start(store, tmp_path, membership, [0, 2], values)  # island 1's rank died before it wrote
+    membership.drop([1], STEP + 1)  # the survivors regroup while the checkpoint is written
+    path, _, dropped = flights[0].settle()
+    assert dropped == [1] and flights[2].settle()[0] == path
+    assert _alive(path) == [0, 2]  # a resume takes island 1's state from island 0's
+    assert sorted(p.name for p in (path / "ranks").iterdir()) == ["rank_00000", "rank_00002"]
+
+
+def test_an_island_restarted_or_silent_while_writing_is_left_out(store: Any, tmp_path: Path) -> None:
+    # island 1 lost and admitted again since the checkpoint: its part (by the lost process) never comes
+    membership = Membership(2)
+    flights = _start(store, tmp_path / "a", membership, [0], {0: torch.ones(1)})
+    membership.drop([1], STEP + 1)
+    membership.admit([1], STEP + 3)
+    assert flights[0].settle()[2] == [1]
+    # island 1's rank silent (its heartbeat stopped): not waited for
+    flights = _start(store, tmp_path / "b", Membership(2), [0], {0: torch.ones(1)}, gone={1})
+    path, _, dropped = flights[0].settle()
+    assert dropped == [1] and _alive(path) == [0]
+
+
+def test_host_staging_keeps_its_buffers_and_copies() -> None:
+    staging = HostStaging()
+    embed = torch.randn(4, 3)
+    first = stage_rank_state({"model": {"embed": embed, "head": embed}, "n": 3}, staging)
+    assert list(first.tensors) == ["model.embed"] and first.nbytes == 4 * 12  # a tied head once
+    held = first.tensors["model.embed"]
+    assert held.data_ptr() != embed.data_ptr() and torch.equal(held, embed)
+    embed.mul_(2)
+    assert not torch.equal(held, embed)  # a copy, not the training tensor
+    second = stage_rank_state({"model": {"embed": embed, "head": embed}, "n": 4}, staging)
+    assert second.tensors["model.embed"].data_ptr() == held.data_ptr()  # the same buffer, refilled
+    assert torch.equal(second.tensors["model.embed"], embed) and second.tree != first.tree
+    unstaged = stage_rank_state({"w": embed})
+    assert unstaged.tensors["w"].data_ptr() == embed.data_ptr()  # the foreground writes the tensors themselves
