@@ -16,7 +16,11 @@ Written and tested on the CPU so that it runs first time on a GPU machine. For e
    copies around them: the strategy's time outside the islands' inner steps, ``outer_s``, per round) against
    the round's K x H inner steps, and the **evaluation** (on island 0's device, ``eval_s``, per evaluation);
    the job's tokens per second are over its time less the evaluations.
-3. With several GPUs, the same job with one island per GPU (round-robin placement).
+3. **Islands on several GPUs run concurrently** (:func:`measure_concurrency`, with 2 or more GPUs, or
+   ``--concurrency N`` to force it, as the CPU smoke run does): the ``local`` runtime's diloco job with one
+   island, then with G islands placed round-robin on G GPUs, the same H and steps; the seconds per inner step
+   of the whole job (less its evaluations) give the **speed-up** G x one island's / G islands' (G: the islands'
+   launches overlap, as they should with no host read per inner step; 1: they ran one after another).
 4. **Pinned against pageable host memory** (:func:`measure_copies`) for the copies around an exchange, at
    ``--copy-models`` (default ``1b`` on a GPU, ``tiny`` on the CPU): the parameters gathered on the device
    copied to a flat host vector (device to host, as ``flat_params``), and a flat host vector copied back into
@@ -172,7 +176,6 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, data: dic
     from atoll.config import build_config
     from atoll.job.device import peak_memory
     from atoll.job.model import build_model, count_parameters
-    from atoll.train import train
     from bench.overhead import compare_loops
 
     batch, seq = (args.batch, args.seq) if args.batch else SHAPES.get(name, (8, 256))
@@ -196,13 +199,8 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, data: dic
     }
     del model
     h = args.sync_every
-    with tempfile.TemporaryDirectory() as tmp, peak_memory(device) as peak_bytes:
-        t0 = time.perf_counter()
-        summary = train(build_config(overrides={
-            **own, "strategy": "diloco", "islands": args.islands, "sync_every": h, "steps": 2 * h,
-            "eval_every": 2 * h, "eval_batches": 1, "checkpoint_every": 0, "progress": False,
-            "out": str(Path(tmp) / "run")}))
-        job_s = time.perf_counter() - t0
+    with peak_memory(device) as peak_bytes:
+        job_s, summary = _diloco_job(own, args.islands, h)
         row["peak_memory_bytes"] = peak_bytes()
     rounds, evals = 2, 2  # two rounds of H; evaluations before training and at the end
     # the round's K x H inner steps as the job timed them (islands in turn on one device; compute_s is the
@@ -217,6 +215,34 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, data: dic
         "outer_vs_inner_round_pct": 100 * outer_s / inner_round_s, "final_eval_loss": summary["final_eval_loss"],
     })
     return row
+
+
+def _diloco_job(own: dict[str, Any], islands: int, h: int) -> tuple[float, dict[str, Any]]:
+    """A diloco job (the ``local`` runtime) of ``islands`` islands, two rounds of H, evaluated before and at
+    the end, no checkpoint: its wall seconds and its summary."""
+    from atoll.config import build_config
+    from atoll.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        summary = train(build_config(overrides={
+            **own, "strategy": "diloco", "islands": islands, "sync_every": h, "steps": 2 * h, "eval_every": 2 * h,
+            "eval_batches": 1, "checkpoint_every": 0, "progress": False, "out": str(Path(tmp) / "run")}))
+        return time.perf_counter() - t0, summary
+
+
+def measure_concurrency(name: str, args: argparse.Namespace, gpus: int, data: dict[str, Any]) -> dict[str, Any]:
+    """One island against ``gpus`` islands placed round-robin on ``gpus`` devices (the ``local`` runtime's
+    :func:`~atoll.job.device.island_devices`), same model, batch, H and steps: seconds per inner step of each
+    job (less evaluations) and the speed-up ``gpus`` x one's / all's (``gpus``: fully concurrent; 1: serial)."""
+    batch, seq = (args.batch, args.seq) if args.batch else SHAPES.get(name, (8, 256))
+    own = {"model": name, "batch_size": batch, "seq_len": seq, "precision": args.precision, "device": args.device,
+           "compile": args.compile, "vocab_size": args.vocab, **data}
+    steps = 2 * args.sync_every
+    (one_job_s, one), (all_job_s, summary) = (_diloco_job(own, k, args.sync_every) for k in (1, gpus))
+    one_s, all_s = (one_job_s - one["eval_s"]) / steps, (all_job_s - summary["eval_s"]) / steps
+    return {"model": name, "gpus": gpus, "one_island_step_s": one_s, "islands_step_s": all_s,
+            "speedup": gpus * one_s / all_s, "final_eval_loss": summary["final_eval_loss"]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="presets whose host copies are timed pinned against pageable [1b on a GPU, tiny on "
                              "the CPU; none: skip]")
     parser.add_argument("--copy-repeats", type=int, default=5, help="timed rounds of the copies (after one) [5]")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="islands (one per GPU) of the concurrency check [every GPU when 2 or more; 0: skip]")
     parser.add_argument("--quick", action="store_true", help="micro model, tiny shapes: a smoke run (CPU tests)")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/gpu]")
     args = parser.parse_args(argv)
@@ -273,8 +301,15 @@ def benchmark(args: argparse.Namespace) -> int:
     for m in [s.strip() for s in copy_models.split(",") if s.strip() and s.strip() != "none"]:
         copies.append(measure_copies(m, args.vocab, device, args.copy_repeats))
         print(json.dumps(copies[-1]), file=sys.stderr)
+    gpus = args.concurrency if args.concurrency is not None else (
+        torch.cuda.device_count() if device.type == "cuda" and torch.cuda.device_count() > 1 else 0)
+    concurrency = []
+    for m in [r["model"] for r in rows][:1] if gpus > 1 else []:  # the first size measured
+        concurrency.append(measure_concurrency(m, args, gpus, data))
+        print(json.dumps(concurrency[-1]), file=sys.stderr)
     result = {"device": name, "device_count": torch.cuda.device_count(), "torch": torch.__version__,
               "precision": args.precision, "rows": rows, "skipped": skipped, "copies": copies,
+              "concurrency": concurrency,
               "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
     pct = lambda v: "-" if v is None else f"{v:.1f}%"  # noqa: E731
     table = write_results(
@@ -307,6 +342,15 @@ def benchmark(args: argparse.Namespace) -> int:
                                       "preallocated host vector; host to device: one non-blocking copy per "
                                       "parameter from it; pinned needs an accelerator (-: the CPU)"],
             bullets=False)
+        (out / "results.md").write_text(table)
+    if concurrency:
+        table += "\n" + markdown_table(
+            [("model", "model"), ("GPUs", "gpus"), ("one island, s/step", "one_island_step_s", lambda v: f"{v:.4f}"),
+             ("one island per GPU, s/step", "islands_step_s", lambda v: f"{v:.4f}"),
+             ("speed-up", "speedup", lambda v: f"{v:.2f}x")],
+            concurrency, "local runtime: islands on several GPUs run concurrently",
+            ["speed-up: GPUs x one island's seconds per inner step / one island per GPU's (GPUs: concurrent; "
+             "1: one after another); the job's time less its evaluations"], bullets=False)
         (out / "results.md").write_text(table)
     print(table)
     return 0

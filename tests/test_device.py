@@ -40,6 +40,33 @@ def test_islands_go_round_robin_over_the_visible_gpus() -> None:
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+def test_an_island_times_its_work_on_its_own_devices_stream(monkeypatch) -> None:
+    """The local runtime puts islands on cuda:0, cuda:1, ...: an island's CUDA events are recorded on its own
+    device's stream, not the current device's (which timed another GPU's work, or none of this island's), and
+    the host waits for nothing as it records them (the islands' launches overlap across GPUs)."""
+    from types import SimpleNamespace
+
+    recorded, synchronized = [], []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+
+        def record(self, stream=None) -> None:
+            recorded.append(stream)
+
+        def synchronize(self) -> None:  # pragma: no cover - reading the timing is not part of the step
+            synchronized.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    island = SimpleNamespace(device=torch.device("cuda", 1), _timings=[], _label=None, clock=None)
+    with Island.timed(island):  # type: ignore[arg-type]
+        pass
+    assert recorded == ["stream of cuda:1", "stream of cuda:1"]
+    assert len(island._timings) == 1 and synchronized == []
+
+
 def test_cli_refuses_cuda_without_a_gpu(tmp_path) -> None:
     r = run_cli("train", "--device", "cuda", "--model", "micro", "--steps", "2", "--sync-every", "1", "--out",
                 str(tmp_path / "run"))

@@ -22,7 +22,7 @@ def test_flops_per_token_is_palm_formula() -> None:
 def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Path) -> None:
     out = tmp_path / "gpu"
     rc = main(["--device", "cpu", "--quick", "--out", str(out), "--data", str(corpus_file), "--cache-dir",
-               str(cache_dir), "--peak-tflops", "1"])
+               str(cache_dir), "--peak-tflops", "1", "--concurrency", "2"])
     assert rc == 0
     result = json.loads((out / "results.json").read_text())
     (row,) = result["rows"]
@@ -50,6 +50,11 @@ def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Pa
     assert copies["d2h_pageable_gbps"] == pytest.approx(4 * tiny / copies["d2h_pageable_s"] / 1e9)
     assert copies["d2h_pinned_s"] is None and copies["h2d_pinned_speedup"] is None
     assert "host copies of one exchange on cpu, pinned against pageable" in (out / "results.md").read_text()
+    # islands on several devices: here both on the one CPU thread (serial, about 1x); on GPUs, up to 2x
+    (c,) = result["concurrency"]
+    assert c["model"] == "micro" and c["gpus"] == 2 and c["one_island_step_s"] > 0 and c["islands_step_s"] > 0
+    assert c["speedup"] == pytest.approx(2 * c["one_island_step_s"] / c["islands_step_s"])
+    assert "islands on several GPUs run concurrently" in (out / "results.md").read_text()
 
 
 def test_copies_are_timed_apart_per_direction_and_kind() -> None:

@@ -219,10 +219,13 @@ class Island(FlatViews):
         ``--compile`` island) the seconds go to ``compile_s`` instead: a one-off start-up cost, not
         training compute."""
         if self.device.type == "cuda":
+            # on this island's device's stream: the current device may be another island's (the local runtime
+            # places islands round-robin on the GPUs), whose stream would time none of this work
+            stream = torch.cuda.current_stream(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._timings.append((start, end, compiling, self._label))
             if len(self._timings) > 64:  # the oldest are long done: reading them waits for nothing
                 self.settle_timing(keep=16)
