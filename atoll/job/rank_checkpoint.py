@@ -130,6 +130,7 @@ class HostStaging:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
+        self.devices: set[torch.device] = set()  # the accelerators copies are in flight from
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t`` in the buffer kept for ``key`` (non-blocking from a device: call
@@ -138,13 +139,17 @@ class HostStaging:
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             pin = t.device.type == "cuda" and torch.cuda.is_available()
             buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-        return buf.copy_(t, non_blocking=t.device.type != "cpu")
+        if t.device.type == "cuda":
+            self.devices.add(t.device)
+        return buf.copy_(t, non_blocking=t.device.type == "cuda")
 
-    @staticmethod
-    def wait() -> None:
-        """Wait for the copies in flight (one synchronization of the current device, at a checkpoint only)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+    def wait(self) -> None:
+        """Wait for the copies in flight (one synchronization of each device they came from, at a checkpoint
+        only; nothing on the CPU)."""
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        self.devices.clear()
 
 
 def stage_rank_state(state: dict[str, Any], staging: HostStaging | None = None) -> StagedState:
