@@ -111,3 +111,23 @@ def _servers() -> list:
     import gc
 
     return [o for o in gc.get_objects() if type(o).__name__ == "_Server" and hasattr(o, "stop")]
+
+
+def test_a_tick_wakes_the_waiting_calls_only_when_a_buffer_changed(syncer) -> None:  # noqa: ANN001, F811
+    """The syncer's poll thread ticks ten times a second: it wakes the waiting ``Buffered`` calls (each a lock
+    and a scan of the buffers) only when a push left a buffer (a grace window closed), not at every tick."""
+    state, address, creds = syncer(quorum=2, grace_window="round")
+    _buffered_push(state, address, creds)
+    woken = []
+    real = state.changed.notify_all
+    state.changed.notify_all = lambda: (woken.append(1), real())[1]
+    try:
+        for _ in range(3):  # the push waits for a second island's: nothing left a buffer
+            state.tick()
+        assert woken == [] and state._buffer_counts()[0] == 1
+        state.service.syncer.buffers[0].grace_s = 0.0  # its grace window is due: the next tick merges it
+        state.service.syncer.buffers[0].opened_at -= 1.0
+        state.tick()
+    finally:
+        state.changed.notify_all = real
+    assert state._buffer_counts()[0] == 0 and woken == [1]

@@ -363,13 +363,19 @@ class SyncerServer(ShardCalls, BulkCalls):
                 "rejected_updates": s.syncer.rejected_updates,
                 "rejected_by_reason": dict(s.syncer.rejected_by_reason), **budget, "done": self.done.is_set()}
 
+    def _buffer_counts(self) -> tuple[int, ...]:
+        """The pushes each fragment's buffer holds (under the lock): what a waiting ``Buffered`` call watches."""
+        return tuple(len(b.pushes) for b in self.service.syncer.buffers)
+
     def tick(self) -> None:
         """Close due grace windows, write the status, and end the run when it is over (the poll thread's step)."""
         from atoll.job.checkpoint import write_text_atomic
 
         with self.lock:
+            before = self._buffer_counts()
             self.service.progress()  # polls: closes due grace windows (and checkpoints a commit)
-            self.changed.notify_all()
+            if self._buffer_counts() != before:  # a push left a buffer: the long polls waiting on it answer now
+                self.changed.notify_all()
             now = time.monotonic()
             # (a shard other than the coordinator spends no budget: its run ends when the coordinator closes it)
             if self.coordinator and self.spent_at is None and self.service.reserved >= self.service.budget:
