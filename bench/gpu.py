@@ -28,6 +28,13 @@ Written and tested on the CPU so that it runs first time on a GPU machine. For e
    a preallocated pageable buffer and into a pinned one (the same bytes, only the pinning differs), in
    interleaved rounds: seconds, GB/s and the pinned buffer's speed-up per direction. Pinned memory needs an
    accelerator: on the CPU the pageable copies alone are timed (``pinned`` null).
+5. **The codec exchange of the collective runtime** (:func:`measure_exchange`), at ``--exchange-models``
+   (default ``125m`` on a GPU, ``tiny`` on the CPU): ``DistComm.start_all_reduce_mean`` of a pseudo-gradient of
+   the preset's size with a wire (``--exchange-codec``, stochastic rounding, error feedback) over a one-process
+   group, on the device (NCCL on a GPU: encoded, packed, gathered, decoded and averaged there, the residual
+   and the random source there too) against the host path the runtime took before (the vector copied to the
+   host and exchanged by a gloo comm on the CPU): seconds of each (median), the speed-up, and where the
+   result, the residual and the random source ended up.
 
 MFU, model FLOP utilization (Chowdhery et al. 2022, PaLM, appendix B): achieved model FLOPs per second over
 the device's peak, with model FLOPs per token = 6 N + 12 L d T (N: parameters that multiply, the tied
@@ -66,7 +73,7 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "GH200": 989.0, "B200": 2250.0, "A1
 #: per model: (batch sequences per island per step, sequence length) on an accelerator
 SHAPES = {"20m": (32, 1024), "125m": (16, 1024), "1b": (4, 2048)}
 QUICK = {"models": "micro", "batch": 4, "seq": 32, "sync_every": 3, "rounds": 3, "steps": 2, "vocab": 512,
-         "copy_repeats": 3}
+         "copy_repeats": 3, "exchange_repeats": 2}
 
 
 def _sync(device: torch.device) -> None:
@@ -138,6 +145,76 @@ def measure_copies(name: str, vocab: int, device: torch.device, repeats: int) ->
         pinned = row[f"{direction}_pinned_s"]
         row[f"{direction}_pinned_speedup"] = row[f"{direction}_pageable_s"] / pinned if pinned else None
     return row
+
+
+def measure_exchange(name: str, vocab: int, device: torch.device, repeats: int, codec: str = "int4") -> dict[str, Any]:
+    """The collective runtime's codec exchange of a pseudo-gradient of the model ``name``, on ``device`` against
+    the host path it took before.
+
+    One process is a group of one island (a ``torch.distributed`` group of world size 1: NCCL on CUDA, gloo
+    elsewhere; a gloo group beside it for the host path). A flat float32 vector of the preset's parameter count
+    lives on ``device``. **Device**: ``DistComm(device=device).start_all_reduce_mean`` with a :class:`Wire`
+    (``codec``, stochastic rounding, error feedback), waited for: encode, pack, weight header, all-gather,
+    decode and average on the device. **Host**: the vector copied to the host, then the same exchange by a
+    comm on the CPU (what the runtime did before: the codec on the host), its result on the host. Each timed
+    apart (the device waited for), interleaved, the first round a warm-up, the median of ``repeats`` others.
+
+    Returns:
+        ``model``, ``params``, ``codec``, ``payload_bytes`` (one island's), ``repeats``, ``device_s``,
+        ``host_s`` (seconds), ``host_over_device`` (their ratio), and where the device path left its result,
+        residual and random source (``result_device``, ``residual_device``: ``str`` of the device;
+        ``generator_device``: its type).
+
+    Raises:
+        RuntimeError: a process group is already initialized in this process.
+    """
+    import datetime
+    import statistics
+
+    import torch.distributed as dist
+
+    from atoll.algorithms.wire import Wire
+    from atoll.job.model import build_model
+    from atoll.runtime.collective.comm import DistComm
+
+    if dist.is_initialized():
+        raise RuntimeError("measure_exchange: a process group is already initialized in this process")
+    numel = sum(p.numel() for p in build_model(name, vocab, 128, seed=0, meta=True).parameters())
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(numel, generator=gen, device=device) * 1e-3  # a pseudo-gradient's scale
+    timeout = datetime.timedelta(seconds=600)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, timeout=timeout)
+    try:
+        host_group = dist.new_group([0], backend="gloo", timeout=timeout) if device.type == "cuda" \
+            else dist.group.WORLD
+        paths = {"device": (DistComm(1, 0, 1, 0, dist.group.WORLD, None, device), device),
+                 "host": (DistComm(1, 0, 1, 0, host_group, None, torch.device("cpu")), torch.device("cpu"))}
+        wires = {k: Wire(codec, [0], rounding="stochastic", error_feedback=True, seed=0) for k in paths}
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        results: dict[str, torch.Tensor] = {}
+        for r in range(repeats + 1):
+            for kind, (comm, where) in paths.items():  # interleaved: both see the same machine
+                _sync(device)
+                t0 = time.perf_counter()
+                results[kind] = comm.start_all_reduce_mean([x.to(where)], weights=[1.0], wire=wires[kind],
+                                                           key="g").wait()
+                _sync(device)
+                if r:
+                    times[kind].append(time.perf_counter() - t0)
+    finally:
+        dist.destroy_process_group()
+    wire = wires["device"]
+    residual = wire.feedback[0].residual("g") if wire.feedback else None
+    device_s, host_s = statistics.median(times["device"]), statistics.median(times["host"])
+    return {"model": name, "params": numel, "codec": codec,
+            "payload_bytes": wire.codec.payload_bytes(numel) if wire.codec is not None else 4 * numel,
+            "repeats": repeats, "device_s": device_s, "host_s": host_s, "host_over_device": host_s / device_s,
+            "result_device": str(results["device"].device),
+            "residual_device": str(residual.device) if residual is not None else None,
+            "generator_device": wire.island_state(0)["generator_device"]}
 
 
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
@@ -269,6 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--copy-repeats", type=int, default=5, help="timed rounds of the copies (after one) [5]")
     parser.add_argument("--concurrency", type=int, default=None,
                         help="islands (one per GPU) of the concurrency check [every GPU when 2 or more; 0: skip]")
+    parser.add_argument("--exchange-models", default=None,
+                        help="presets whose collective codec exchange is timed on the device against the host "
+                             "[125m on a GPU, tiny on the CPU; none: skip]")
+    parser.add_argument("--exchange-codec", default="int4", help="the codec of the timed exchange [int4]")
+    parser.add_argument("--exchange-repeats", type=int, default=5,
+                        help="timed rounds of the exchange (after one) [5]")
     parser.add_argument("--quick", action="store_true", help="micro model, tiny shapes: a smoke run (CPU tests)")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/gpu]")
     args = parser.parse_args(argv)
@@ -307,9 +390,15 @@ def benchmark(args: argparse.Namespace) -> int:
     for m in [r["model"] for r in rows][:1] if gpus > 1 else []:  # the first size measured
         concurrency.append(measure_concurrency(m, args, gpus, data))
         print(json.dumps(concurrency[-1]), file=sys.stderr)
+    exchange_models = (args.exchange_models if args.exchange_models is not None
+                       else ("125m" if device.type == "cuda" else "tiny"))
+    exchanges = []
+    for m in [s.strip() for s in exchange_models.split(",") if s.strip() and s.strip() != "none"]:
+        exchanges.append(measure_exchange(m, args.vocab, device, args.exchange_repeats, args.exchange_codec))
+        print(json.dumps(exchanges[-1]), file=sys.stderr)
     result = {"device": name, "device_count": torch.cuda.device_count(), "torch": torch.__version__,
               "precision": args.precision, "rows": rows, "skipped": skipped, "copies": copies,
-              "concurrency": concurrency,
+              "concurrency": concurrency, "exchanges": exchanges,
               "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
     pct = lambda v: "-" if v is None else f"{v:.1f}%"  # noqa: E731
     table = write_results(
@@ -342,7 +431,18 @@ def benchmark(args: argparse.Namespace) -> int:
                                       "preallocated host vector; host to device: one non-blocking copy per "
                                       "parameter from it; pinned needs an accelerator (-: the CPU)"],
             bullets=False)
-        (out / "results.md").write_text(table)
+    if exchanges:
+        msec = lambda v: f"{v * 1e3:.1f} ms"  # noqa: E731
+        table += "\n" + markdown_table(
+            [("model", "model"), ("params", "params", lambda v: f"{v / 1e6:.1f}M"), ("codec", "codec"),
+             ("payload", "payload_bytes", lambda v: f"{v / 2**20:.1f} MiB"), ("on the device", "device_s", msec),
+             ("on the host (before)", "host_s", msec), ("host / device", "host_over_device", lambda v: f"{v:.2f}x"),
+             ("result on", "result_device"), ("residual on", "residual_device"),
+             ("random source on", "generator_device")],
+            exchanges, f"the collective runtime's codec exchange on {name} against the host path (median of "
+            f"{args.exchange_repeats})", ["one process, a group of one island: encode (stochastic rounding, error "
+                                          "feedback), all-gather, decode and average; the host path copies the "
+                                          "vector to the host first and runs the codec there"], bullets=False)
     if concurrency:
         table += "\n" + markdown_table(
             [("model", "model"), ("GPUs", "gpus"), ("one island, s/step", "one_island_step_s", lambda v: f"{v:.4f}"),
@@ -351,6 +451,7 @@ def benchmark(args: argparse.Namespace) -> int:
             concurrency, "local runtime: islands on several GPUs run concurrently",
             ["speed-up: GPUs x one island's seconds per inner step / one island per GPU's (GPUs: concurrent; "
              "1: one after another); the job's time less its evaluations"], bullets=False)
+    if copies or exchanges or concurrency:
         (out / "results.md").write_text(table)
     print(table)
     return 0

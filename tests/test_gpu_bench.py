@@ -55,6 +55,13 @@ def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Pa
     assert c["model"] == "micro" and c["gpus"] == 2 and c["one_island_step_s"] > 0 and c["islands_step_s"] > 0
     assert c["speedup"] == pytest.approx(2 * c["one_island_step_s"] / c["islands_step_s"])
     assert "islands on several GPUs run concurrently" in (out / "results.md").read_text()
+    # the collective runtime's codec exchange, at the tiny preset: on the CPU both paths are the CPU's
+    (exchange,) = result["exchanges"]
+    assert exchange["model"] == "tiny" and exchange["params"] == tiny and exchange["codec"] == "int4"
+    assert exchange["repeats"] == 2 and exchange["device_s"] > 0 and exchange["host_s"] > 0
+    assert (exchange["result_device"], exchange["residual_device"], exchange["generator_device"]) == (
+        "cpu", "cpu", "cpu")
+    assert "the collective runtime's codec exchange on cpu" in (out / "results.md").read_text()
 
 
 def test_copies_are_timed_apart_per_direction_and_kind() -> None:
@@ -70,6 +77,22 @@ def test_copies_are_timed_apart_per_direction_and_kind() -> None:
         assert row[f"{direction}_pageable_gbps"] == pytest.approx(4 * micro / row[f"{direction}_pageable_s"] / 1e9)
         if not torch.cuda.is_available():
             assert row[f"{direction}_pinned_s"] is None and row[f"{direction}_pinned_gbps"] is None
+
+
+def test_the_codec_exchange_is_timed_where_the_comm_runs() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from atoll.algorithms.codecs import make_codec
+    from bench.gpu import measure_exchange
+
+    row = measure_exchange("micro", 512, torch.device("cpu"), repeats=1, codec="int8")
+    micro = sum(p.numel() for p in build_model("micro", 512, 32, seed=0, meta=True).parameters())
+    assert row["params"] == micro and row["payload_bytes"] == make_codec("int8").payload_bytes(micro)
+    assert row["device_s"] > 0 and row["host_s"] > 0
+    assert row["host_over_device"] == pytest.approx(row["host_s"] / row["device_s"])
+    assert row["result_device"] == row["residual_device"] == "cpu" and row["generator_device"] == "cpu"
+    assert not dist.is_initialized()  # its group of one process is gone
 
 
 def test_gpu_bench_refuses_a_missing_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

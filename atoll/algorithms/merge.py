@@ -206,24 +206,30 @@ def _check_weights(weights: Sequence[float] | None, n: int) -> list[float]:
 
 
 def average_decoded(codec: Codec, payloads: Sequence[torch.Tensor], numel: int,
-                    weights: Sequence[float] | None = None) -> torch.Tensor:
+                    weights: Sequence[float] | None = None, device: torch.device | None = None) -> torch.Tensor:
     """Σ_i w_i decode(payload_i) / Σ_i w_i in float32, for payloads packed by :meth:`Encoded.pack`.
+
+    Decoded and accumulated where the payloads are (nothing is copied to the host).
 
     Args:
         codec: the codec that encoded them.
-        payloads: one packed uint8 payload per island (a payload of weight 0 is not decoded).
+        payloads: one packed uint8 payload per island, all on one device (a payload of weight 0 is not
+            decoded).
         numel: elements of each decoded tensor.
         weights: one weight per payload; default equal.
+        device: where the average is accumulated; default the first payload's device (the CPU for none).
 
     Returns:
-        A float32 tensor of shape ``(numel,)``.
+        A float32 tensor of shape ``(numel,)`` on ``device``.
 
     Raises:
         ValueError: weights of the wrong length, negative, not finite or summing to zero; a payload of
             the wrong size.
     """
     w = _check_weights(weights, len(payloads))
-    acc = torch.zeros(numel, dtype=torch.float32)
+    if device is None:
+        device = payloads[0].device if payloads else torch.device("cpu")
+    acc = torch.zeros(numel, dtype=torch.float32, device=device)
     for buf, wi in zip(payloads, w, strict=True):
         if wi != 0.0:
             acc.add_(codec.decode(codec.unpack(buf, numel)), alpha=wi)

@@ -108,8 +108,8 @@ class LocalComm(Comm):
             return self.timer()
 
         times = CodecTimes(timer)
-        mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators, feedback=wire.feedback,
-                                        key=key, times=times)
+        mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators_for(device),
+                                        feedback=wire.feedback, key=key, times=times)
         self.clock.charge_codec(times.encode_s)  # each island encodes its tensor before sending it
         done_at = self.charge_allreduce(payload, blocking=False)
         decode = sum(times.decode_s)  # and decodes every island's payload once they arrived

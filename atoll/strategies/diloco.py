@@ -63,9 +63,9 @@ class DiLoCo(OuterRounds):
         mean, total = self.comm.all_reduce_mean_and_weight(deltas, weights=weights, wire=self.wire, key="all")
         if total <= 0:
             raise self.no_contribution(steps_done)
-        if self.agreement is not None:
+        if self.agreement is not None:  # the mean may be on the comm's device (a codec's exchange runs there)
             stats = [self.agreement.statistics(d, w / total) for d, w in zip(deltas, weights, strict=True)]
-            mean = self.agreement.weigh(mean, self.comm.all_reduce_mean(stats, weights=weights))
+            mean = self.agreement.weigh(mean.to("cpu"), self.comm.all_reduce_mean(stats, weights=weights))
         self.commit_round(self.outer.step(mean), dropped, steps_done)
 
     def summary(self) -> dict[str, Any]:

@@ -123,18 +123,19 @@ class _Exchange:
     """One payload moved across islands, cut into one shard per rank of the island (see the module doc).
 
     Started at construction (the cross-island part runs in the background, ``async_op=True``) and counted
-    ``cost(islands)`` bytes; :meth:`result` waits for it and all-gathers the shards inside the island. While
-    it is pending, a lost island makes the comm start it again over the survivors' groups (recounted at
-    their number).
+    ``cost(islands)`` bytes; :meth:`result` waits for it and all-gathers the shards inside the island, and
+    gives it on the CPU, or on the comm's device with ``on_device``. While it is pending, a lost island makes
+    the comm start it again over the survivors' groups (recounted at their number).
     """
 
     def __init__(self, comm: DistComm, buf: torch.Tensor | Callable[[], torch.Tensor], gather: bool,
-                 cost: Callable[[int], float], replicated: bool = False) -> None:
+                 cost: Callable[[int], float], replicated: bool = False, on_device: bool = False) -> None:
         # an all-reduce sums in place, into the buffer itself: ``buf`` is then a function that builds it (again
         # for a relaunch after a loss), so the payload is written once and never copied
         self.make = buf if callable(buf) else (lambda: buf)
         self.buf = self.make()
         self.comm, self.gather, self.length, self.cost = comm, gather, self.buf.numel(), cost
+        self.on_device = on_device  # the result stays on the comm's device (else it is copied to the CPU)
         # a payload every rank of the island holds alike is cut into one piece per rank, sharded island or not
         self.cut = comm.ranks_per_island if replicated else comm.cut
         self.launches = 0
@@ -173,7 +174,8 @@ class _Exchange:
             self.handle = dist_call(dist.all_reduce, shard, group=comm.cross_group, async_op=True)
 
     def result(self) -> torch.Tensor:
-        """All-reduce: the summed buffer (the input's length). All-gather: (islands alive, length), island order."""
+        """All-reduce: the summed buffer (the input's length). All-gather: (islands alive, length), island order.
+        On the CPU, or on the comm's device with ``on_device``."""
         comm = self.comm
         out = comm.resilient(self._finish)
         comm.pending.remove(self)
@@ -191,7 +193,9 @@ class _Exchange:
             pieces = [torch.empty_like(local) for _ in range(self.cut)]
             dist_call(dist.all_gather, pieces, local, group=comm.island_group)
             local = torch.cat(pieces, dim=1)  # shards side by side, in position order
-        local = local[:, :self.length].cpu()
+        local = local[:, :self.length]
+        if not self.on_device:
+            local = local.cpu()
         return local if self.gather else local[0]
 
 
@@ -301,10 +305,13 @@ class DistComm(Comm):
         """See :meth:`Comm.start_all_reduce_mean`; the cross-island transfer runs in the background.
 
         Without a codec: a ring all-reduce of ``[w * x, w]`` (float32), then the sum divided by the sum of
-        the weights; counted ``2(K-1)/K * 4 * numel`` bytes. With a codec: each island encodes its tensor
-        (with its error feedback and random source), the packed payloads are all-gathered, and every
-        island decodes them in island order and averages in float32, exactly as
-        :func:`~atoll.algorithms.merge.average_encoded` does; counted ``(K-1) * payload`` bytes.
+        the weights, on the CPU; counted ``2(K-1)/K * 4 * numel`` bytes. With a codec: each island encodes its
+        tensor (with its error feedback and random source), the packed payloads (``8`` bytes of float64
+        weight, then the codec's) are all-gathered, and every island decodes them in island order and
+        averages in float32, exactly as :func:`~atoll.algorithms.merge.average_encoded` does; counted
+        ``(K-1) * payload`` bytes. All of it runs on the comm's device (``self.device``: the GPU under NCCL,
+        the CPU under gloo), where the result is (float32 ``(numel,)``), the wire's residuals and random
+        source too; the host reads the K weights once, at ``wait()``.
 
         Raises:
             ConfigError: a weight that is negative or not finite (weights of every island summing to zero
@@ -334,22 +341,28 @@ class DistComm(Comm):
 
             return DistWork(finish_sum)
 
-        x = x.to("cpu", torch.float32)  # the codec and its error feedback run on the CPU (their state lives there)
-
+        # the codec, its error feedback and its random source run where the collective does: encoded, packed,
+        # gathered, decoded and averaged on the comm's device, no host trip but the weights' read at the end
+        device = self.device
+        x = x.to(device, torch.float32)
+        assert wire is not None
         if w == 0.0:  # like average_encoded: not encoded, its residual and random source untouched
-            packed = torch.zeros(codec.payload_bytes(n), dtype=torch.uint8)
+            packed = torch.zeros(codec.payload_bytes(n), dtype=torch.uint8, device=device)
         else:
-            packed = wire.encode(0, x, key).pack().cpu()  # type: ignore[union-attr]
-        header = torch.tensor([w], dtype=torch.float64).view(torch.uint8)
+            packed = wire.encode(0, x, key).pack()
+        header = torch.full((1,), w, dtype=torch.float64, device=device).view(torch.uint8)  # a fill: no host copy
         exchange = _Exchange(self, torch.cat([header, packed]), gather=True,
-                             cost=lambda k: ring_allgather_bytes(packed.numel(), k))
+                             cost=lambda k: ring_allgather_bytes(packed.numel(), k), on_device=True)
 
         def finish_decode() -> tuple[torch.Tensor, float]:
-            rows = exchange.result()  # (islands, 8 + payload bytes)
-            ws = [float(row[:8].clone().view(torch.float64)) for row in rows]
+            rows = exchange.result()  # (islands, 8 + payload bytes), on the comm's device
+            # every island's weight in one host read: the (islands, 8) header bytes, viewed as float64
+            # (cloned with rows of 8 bytes: one row's slice keeps the gathered row's stride, and float64 needs 8)
+            heads = rows[:, :8].cpu().clone(memory_format=torch.contiguous_format)
+            ws = heads.view(torch.float64).reshape(-1).tolist()
             if sum(ws) <= 0:
-                return torch.full((n,), math.nan), 0.0
-            return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws), sum(ws)
+                return torch.full((n,), math.nan, device=device), 0.0
+            return average_decoded(codec, [row[8:].contiguous() for row in rows], n, ws, device=device), sum(ws)
 
         return DistWork(finish_decode)
 
