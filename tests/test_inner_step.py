@@ -458,7 +458,7 @@ def test_cuda_timing_is_read_only_when_the_clock_or_compute_s_is(monkeypatch) ->
             Event.count += 1
             self.n = Event.count
 
-        def record(self) -> None:
+        def record(self, stream=None) -> None:
             pass
 
         def synchronize(self) -> None:
@@ -468,6 +468,7 @@ def test_cuda_timing_is_read_only_when_the_clock_or_compute_s_is(monkeypatch) ->
             return 2.0
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)  # (the island's device's stream)
     clock = SimClock(1)
     island = _island(batch_size=4)
     island.clock, island.device = clock, torch.device("cuda")  # the CUDA branch of timed(), computing on the CPU

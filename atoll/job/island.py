@@ -219,9 +219,7 @@ class Island(FlatViews):
         ``--compile`` island) the seconds go to ``compile_s`` instead: a one-off start-up cost, not
         training compute."""
         if self.device.type == "cuda":
-            # on this island's device's stream: the current device may be another island's (the local runtime
-            # places islands round-robin on the GPUs), whose stream would time none of this work
-            stream = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.current_stream(self.device)  # this island's GPU's, not the current device's
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             yield
