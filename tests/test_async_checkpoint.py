@@ -7,6 +7,11 @@ store client; the runs themselves are tests/test_fsdp.py's (async against foregr
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,9 +19,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cli_flags
 
+from atoll.config import build_config
+from atoll.config.applies import applicable
+from atoll.errors import PeerWriteError
 from atoll.job.checkpoint import commit_checkpoint, latest_checkpoint, save_checkpoint, write_checkpoint_files
 from atoll.job.rank_checkpoint import HostStaging, load_rank_state, rank_folder, stage_rank_state
+from atoll.job.run import prepare_inputs
+from atoll.runtime.collective import async_checkpoint
 from atoll.runtime.collective.async_checkpoint import Commit, InFlight, writers
 from atoll.runtime.collective.membership import Membership
 
@@ -155,3 +166,95 @@ def test_host_staging_keeps_its_buffers_and_copies() -> None:
     assert torch.equal(second.tensors["model.embed"], embed) and second.tree != first.tree
     unstaged = stage_rank_state({"w": embed})
     assert unstaged.tensors["w"].data_ptr() == embed.data_ptr()  # the foreground writes the tensors themselves
+
+
+def _settle_within(flight: InFlight, timeout: float = 60.0) -> Any:
+    """``flight.settle()``'s result or the exception it raised, from a thread given ``timeout`` seconds (a
+    settle that never returns fails the test instead of hanging it)."""
+    got: list[Any] = []
+
+    def settle() -> None:
+        try:
+            got.append(flight.settle())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            got.append(e)
+
+    waiter = threading.Thread(target=settle, daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    assert got, f"rank {flight.rank}'s settle still waits after {timeout} s"
+    return got[0]
+
+
+def test_a_writer_that_fails_with_a_base_exception_still_posts_its_outcome(store: Any, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP raises its CheckpointException, a BaseException: rank 1's thread ended without posting, rank 0's
+    waited for its part for ever (rank 1 alive, its heartbeat beating) and so did every settle. Any failure is
+    posted: the checkpoint fails on every rank, rank 0 raising the error and rank 1 a PeerWriteError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    real = async_checkpoint.write_rank_state
+
+    def failing(folder: Path, staged: Any) -> None:
+        if folder.name == "rank_00001":
+            raise CheckpointException("CheckpointException ranks:dict_keys([0])", {})
+        real(folder, staged)
+
+    monkeypatch.setattr(async_checkpoint, "write_rank_state", failing)
+    save_checkpoint(tmp_path, 5, {"step": 5})
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(2), 1: torch.ones(2)})
+    errors = {rank: _settle_within(flight) for rank, flight in flights.items()}
+    assert type(errors[0]) is OSError and isinstance(errors[1], PeerWriteError), errors
+    for e in errors.values():
+        assert str(e).startswith("[Errno 5] CheckpointException: CheckpointException ranks:"), e
+        assert str(e).endswith(f"(checkpoint of step {STEP})"), e
+        assert "\n" not in str(e)  # one line, though DCP's text holds tracebacks
+    assert latest_checkpoint(tmp_path).name == "step_0000005"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_commit_that_raises_still_posts_the_result(store: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's commit failing other than by an OSError (here a bug in it) is posted too: the other ranks' settle
+    raises it instead of waiting for a result that never comes."""
+
+    def broken(self: InFlight, own: str) -> str:
+        raise KeyError("alive")
+
+    monkeypatch.setattr(InFlight, "_commit", broken)
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(2), 1: torch.ones(2)})
+    errors = {rank: _settle_within(flight) for rank, flight in flights.items()}
+    assert all(isinstance(e, OSError) and "KeyError: 'alive'" in str(e) for e in errors.values()), errors
+    assert not (tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "async"])
+def test_a_full_disk_under_the_ranks_is_one_line_as_in_the_foreground(corpus_file: Path, cache_dir: Path,
+                                                                       tmp_path: Path, background: bool) -> None:
+    """The ranks may write no file over 256 KB (RLIMIT_FSIZE: a disk that fills up under DCP's writes; the
+    model's export, 150 KB, fits): the run stops with exit status 1 and one line with the resume advice, the
+    temporary folder removed, in the foreground and with --async-checkpoint alike. Before, DCP's
+    CheckpointException came out of every rank as a traceback (foreground) or ended the writer thread unsaid."""
+    settings = {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+                "seq_len": 32, "batch_size": 4, "islands": 2, "steps": 8, "sync_every": 5, "eval_every": 8,
+                "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1, "runtime": "collective",
+                "async_checkpoint": background, "out": str(tmp_path / "run")}
+    prepare_inputs(build_config(overrides=applicable({**settings, "out": str(tmp_path / "cache-warm")})))
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=small_files)
+    assert r.returncode == 1, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("atoll: error:")]
+    assert len(errors) == 1 and r.stderr.strip().splitlines()[-1] == errors[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "CheckpointException" not in r.stderr
+    out = tmp_path / "run"
+    folder = out / "checkpoints" / ".tmp-step_0000005" / "ranks" / "rank_00000"
+    step = " (checkpoint of step 5)" if background else ""
+    assert errors[0] == (f"atoll: error: File too large{step} ('{folder}'); free disk space or make the folder "
+                         f"writable, then no checkpoint was written yet in '{out}' (see --checkpoint-every); remove "
+                         "it and start again")
+    assert os.listdir(out / "checkpoints") == []  # the temporary folder removed, nothing committed
