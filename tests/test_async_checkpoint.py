@@ -25,6 +25,7 @@ from atoll.config import build_config
 from atoll.config.applies import applicable
 from atoll.errors import PeerWriteError
 from atoll.job.checkpoint import commit_checkpoint, latest_checkpoint, save_checkpoint, write_checkpoint_files
+from atoll.job.metrics import read_metrics
 from atoll.job.rank_checkpoint import HostStaging, load_rank_state, rank_folder, stage_rank_state
 from atoll.job.run import prepare_inputs
 from atoll.runtime.collective import async_checkpoint
@@ -258,3 +259,28 @@ def test_a_full_disk_under_the_ranks_is_one_line_as_in_the_foreground(corpus_fil
                          f"writable, then no checkpoint was written yet in '{out}' (see --checkpoint-every); remove "
                          "it and start again")
     assert os.listdir(out / "checkpoints") == []  # the temporary folder removed, nothing committed
+
+
+@pytest.mark.slow
+def test_a_job_that_diverges_with_a_checkpoint_in_flight_settles_it(corpus_file: Path, cache_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """A job that diverges ends without a last checkpoint: the one still written in the background is settled
+    before the summary (committed, its event logged), as the foreground had written it. Before, it was left to
+    a daemon thread the process's exit could cut, and its ``checkpoint`` event was never logged."""
+    out = tmp_path / "run"
+    settings = {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+                "seq_len": 32, "batch_size": 4, "islands": 2, "steps": 20, "sync_every": 5, "eval_every": 20,
+                "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1, "runtime": "collective",
+                "async_checkpoint": True, "out": str(out)}
+    r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings)], capture_output=True,
+                       text=True, timeout=300,  # every island's weights NaN at step 7: no pseudo-gradient at 10
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ATOLL_TEST_NAN_AT": "weights:0:7,weights:1:7"})
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("atoll: error: training diverged at step 10")
+    events = read_metrics(out / "metrics.jsonl")
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert [(e["step"], e["background"]) for e in saved] == [(5, True)], saved
+    assert saved[0]["path"] == str(out / "checkpoints" / "step_0000005")
+    assert events[-1]["event"] == "end" and events[-1]["diverged"]["step"] == 10
+    assert latest_checkpoint(out).name == "step_0000005"
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000005"]
