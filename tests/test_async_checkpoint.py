@@ -284,3 +284,19 @@ def test_a_job_that_diverges_with_a_checkpoint_in_flight_settles_it(corpus_file:
     assert events[-1]["event"] == "end" and events[-1]["diverged"]["step"] == 10
     assert latest_checkpoint(out).name == "step_0000005"
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000005"]
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_resumed_run_may_switch_async_checkpoint(tmp_path: Path, saved: bool) -> None:
+    """Where a checkpoint is written from changes nothing the run computes (the same files, the exact resume:
+    tests/test_fsdp.py), so a resume may switch it, as --activation-checkpointing; before, it was refused with
+    advice to start a new run (--init-from, without the optimizer's state)."""
+    from atoll.config import load_run_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    config = build_config(overrides={"runtime": "collective", "islands": 2, "model": "micro", "out": str(out),
+                                     "async_checkpoint": saved})
+    (out / "config.json").write_text(config.model_dump_json())
+    assert load_run_config(out, {"async_checkpoint": not saved}).async_checkpoint is (not saved)
+    assert load_run_config(out, {}).async_checkpoint is saved
