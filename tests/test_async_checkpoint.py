@@ -82,14 +82,14 @@ def _start(master: Any, out: Path, membership: Membership, ranks: list[int], val
         commit = None
         if rank == 0:
             commit = Commit(_Run(out), {"alive": alive, "step": STEP}, torch.arange(4.0), {"format": "ranks"},
-                            writers(alive, 1, False), membership.epoch, 1.0)
+                            writers(alive, 1), membership.epoch, 1.0)
         flights[rank] = InFlight(_rt(rank, membership, gone), _client(master), STEP, tmp, staged, commit)
     return flights
 
 
-def test_writers_are_every_rank_of_a_sharded_island_and_the_first_of_a_replicated_one() -> None:
-    assert writers([0, 2], 2, sharded=False) == {0: [0], 2: [4]}
-    assert writers([0, 1], 2, sharded=True) == {0: [0, 1], 1: [2, 3]}
+def test_writers_are_every_rank_of_every_island_alive() -> None:
+    assert writers([0, 2], 2) == {0: [0, 1], 2: [4, 5]}
+    assert writers([1], 1) == {1: [1]}
 
 
 def test_every_part_on_disk_then_one_commit_that_every_rank_reads(store: Any, tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_a_part_that_cannot_be_written_fails_the_checkpoint_on_every_rank(store:
     alive = list(membership.alive)
     flights = {}
     for rank in (0, 1):
-        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 1, False), 0, 1.0)
+        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 1), 0, 1.0)
                   if rank == 0 else None)
         flights[rank] = InFlight(_rt(rank, membership), _client(store), STEP, tmp, stage_rank_state(
             {"w": values[rank]}, HostStaging()), commit)
@@ -300,3 +300,36 @@ def test_a_resumed_run_may_switch_async_checkpoint(tmp_path: Path, saved: bool) 
     (out / "config.json").write_text(config.model_dump_json())
     assert load_run_config(out, {"async_checkpoint": not saved}).async_checkpoint is (not saved)
     assert load_run_config(out, {}).async_checkpoint is saved
+
+
+def test_a_replica_rank_that_writes_late_is_waited_for(store: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsharded islands of 2 ranks: a replica's second rank writes an empty folder, as in the foreground. It was
+    not waited for, so a late one (a loaded machine) wrote it after rank 0 had renamed the folder: the checkpoint
+    lacked it and a stray ``.tmp-step_*`` folder was left behind. Every rank's outcome is waited for."""
+    import time
+
+    real = async_checkpoint.write_rank_state
+
+    def late(folder: Path, staged: Any) -> None:
+        if folder.name == "rank_00001":
+            time.sleep(0.5)
+        real(folder, staged)
+
+    monkeypatch.setattr(async_checkpoint, "write_rank_state", late)
+    membership = Membership(2)
+    tmp = tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}"
+    tmp.mkdir(parents=True)
+    alive = list(membership.alive)
+    flights = {}
+    for rank in range(4):  # ranks 0, 2 hold their island's state; 1, 3 are replicas of it
+        part = {"w": torch.full((2,), float(rank))} if rank % 2 == 0 else {}
+        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 2), 0, 1.0)
+                  if rank == 0 else None)
+        flights[rank] = InFlight(_rt(rank, membership), _client(store), STEP, tmp, stage_rank_state(
+            part, HostStaging()), commit)
+    paths = {rank: _settle_within(flight)[0] for rank, flight in flights.items()}
+    path = tmp_path / "checkpoints" / f"step_{STEP:07d}"
+    assert set(paths.values()) == {path}
+    assert sorted(p.name for p in (path / "ranks").iterdir()) == [f"rank_{r:05d}" for r in range(4)]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", f"step_{STEP:07d}"]  # nothing stray

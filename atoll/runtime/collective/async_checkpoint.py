@@ -10,7 +10,7 @@ The checkpoint is still written atomically for the whole job, without a collecti
 
 1. every rank's writer thread posts its outcome (``ok``, or the ``OSError``) under ``ckpt/<step>/<rank>`` of the
    run's rendezvous store (:func:`outcome_key`);
-2. rank 0's writer thread waits for the outcome of every rank that writes a part (:func:`writers`); an island
+2. rank 0's writer thread waits for the outcome of every rank (:func:`writers`); an island
    lost while it wrote (gone from the membership, restarted since, or its rank's heartbeat silent) is left
    out of the checkpoint's ``alive`` (a resume takes its state from the first live island's, as it would have
    rejoined); then it writes the shared state and the Hugging Face model into the temporary folder, renames it
@@ -55,10 +55,12 @@ def outcome_key(prefix: str, step: int, who: int | str) -> str:
     return f"{prefix}ckpt/{step}/{who}"
 
 
-def writers(alive: list[int], ranks_per_island: int, sharded: bool) -> dict[int, list[int]]:
-    """Island -> the global ranks that write a part of it: every rank of a sharded island (its pieces), the
-    first rank of an unsharded one (its replicas are alike; the others write an empty folder, not waited for)."""
-    return {i: [i * ranks_per_island + p for p in (range(ranks_per_island) if sharded else [0])] for i in alive}
+def writers(alive: list[int], ranks_per_island: int) -> dict[int, list[int]]:
+    """Island -> the global ranks whose outcome rank 0 waits for: every rank of every island alive. A sharded
+    island's ranks write its pieces; an unsharded one's first rank its state, the others (replicas) an empty
+    folder, as in the foreground: waited for too, or a late one would write it after the folder was renamed
+    (a stray ``.tmp-step_*`` folder, a checkpoint without it)."""
+    return {i: [i * ranks_per_island + p for p in range(ranks_per_island)] for i in alive}
 
 
 def _error_text(e: BaseException) -> str:

@@ -129,7 +129,7 @@ def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, 
         staging.wait()
         alive = list(rt.membership.alive)
         commit = Commit(run, run.checkpoint_state(_shared_state(rt, run)), host, {"format": FORMAT},
-                        writers(alive, rt.ranks_per_island, rt.config.shard_island), rt.membership.epoch,
+                        writers(alive, rt.ranks_per_island), rt.membership.epoch,
                         min(HEARTBEAT_STALE_S, rt.config.collective_timeout_s))
     if background.store is None:
         background.store = store_client(rt.config.collective_timeout_s)
