@@ -333,3 +333,27 @@ def test_a_replica_rank_that_writes_late_is_waited_for(store: Any, tmp_path: Pat
     assert set(paths.values()) == {path}
     assert sorted(p.name for p in (path / "ranks").iterdir()) == [f"rank_{r:05d}" for r in range(4)]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", f"step_{STEP:07d}"]  # nothing stray
+
+
+def test_a_failed_part_removes_the_folder_after_the_last_write_into_it(store: Any, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's own part fails while rank 1 still writes: the folder was removed at once and rank 1's write made
+    it again (a stray ``.tmp-step_*`` folder after the run stopped). Rank 0 waits for every writer first."""
+    import errno
+    import time
+
+    real = async_checkpoint.write_rank_state
+
+    def writes(folder: Path, staged: Any) -> None:
+        if folder.name == "rank_00000":
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+        time.sleep(0.5)
+        real(folder, staged)
+
+    monkeypatch.setattr(async_checkpoint, "write_rank_state", writes)
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(2), 1: torch.ones(2)})
+    errors = {rank: _settle_within(flight) for rank, flight in flights.items()}
+    assert all(isinstance(e, OSError) and "No space left on device" in str(e) for e in errors.values()), errors
+    assert type(errors[0]) is OSError and isinstance(errors[1], PeerWriteError)
+    assert errors[0].filename == str(rank_folder(tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}", 0))
+    assert os.listdir(tmp_path / "checkpoints") == []  # removed after rank 1's write, not before it

@@ -185,23 +185,24 @@ class InFlight:
         return heartbeat is not None and any(heartbeat.is_gone(r, c.silent_s) for r in ranks)
 
     def _commit(self, own: str) -> str:
-        """Rank 0: wait for every writer, then write the shared part and rename the folder; the result text."""
+        """Rank 0: wait for every writer, then write the shared part and rename the folder; the result text.
+        A failed part fails the checkpoint, once every writer is done (or gone): the folder is removed after the
+        last write into it, as the foreground does after its all-reduce (a write still under way would make it
+        again, a stray ``.tmp-step_*`` folder)."""
         c = self.commit
         assert c is not None
         failure = own if own != "ok" else None
         waiting = dict(c.writers)
-        while waiting and failure is None:
+        while waiting:
             for island, ranks in list(waiting.items()):
                 outcomes = [self._get(r) for r in ranks]
-                if any(o is not None and o != "ok" for o in outcomes):
-                    failure = next(o for o in outcomes if o is not None and o != "ok")
-                    break
-                if all(o == "ok" for o in outcomes):
+                failure = failure or next((o for o in outcomes if o is not None and o != "ok"), None)
+                if all(o is not None for o in outcomes):
                     del waiting[island]
                 elif self._gone(island, ranks):
                     c.dropped.append(island)
                     del waiting[island]
-            if waiting and failure is None:
+            if waiting:
                 time.sleep(POLL_S)
         if failure is not None or 0 in c.dropped:
             shutil.rmtree(self.tmp, ignore_errors=True)
