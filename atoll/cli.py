@@ -35,7 +35,7 @@ import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
-from atoll.errors import AtollError, Interrupted, RunFailed
+from atoll.errors import AtollError, Interrupted, PeerWriteError, RunFailed, disk_error_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -391,9 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"atoll: interrupted; {_resume_hint(args)}", file=sys.stderr)
         return 130
     except OSError as e:  # the disk filled up, a folder became read-only: checkpoints are atomic, none is torn
-        where = f" ('{e.filename}')" if e.filename else ""
-        print(f"atoll: error: {e.strerror or e}{where}; free disk space or make the folder writable, then "
-              f"{_resume_hint(args)}", file=sys.stderr)
+        if not isinstance(e, PeerWriteError):  # (under torchrun: another rank said it)
+            print(disk_error_line(e, _resume_hint(args)), file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower():

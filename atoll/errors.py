@@ -39,6 +39,12 @@ class RunFailed(Exception):
         self.exit_code = exit_code
 
 
+class PeerWriteError(OSError):
+    """A checkpoint of several processes failed where another process said why (the collective runtime's
+    ranks: the first rank that could not write its part, or rank 0 for a part written in the background). Raised
+    on the other ranks so that they stop alike (exit status 1) without repeating the one line."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The run stopped on SIGINT or SIGTERM after writing a checkpoint of the step it had reached
     (:mod:`atoll.job.stop`). A ``KeyboardInterrupt``, so that no ``except Exception`` swallows it.
@@ -60,3 +66,10 @@ class Interrupted(KeyboardInterrupt):
         advice = advice or f"resume with 'atoll train --resume {out}'"
         where = f"checkpoint written at step {step}; {advice}" if step is not None else "no checkpoint written"
         super().__init__(f"stopped by {name}: {where}")
+
+
+def disk_error_line(e: OSError, advice: str) -> str:
+    """The one line a run stopped by ``e`` (a full disk, a folder made read-only) ends with: the error, the file
+    it names, and ``advice`` (how to resume) after freeing space."""
+    where = f" ('{e.filename}')" if e.filename else ""
+    return f"atoll: error: {e.strerror or e}{where}; free disk space or make the folder writable, then {advice}"

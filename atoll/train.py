@@ -140,6 +140,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                            eval_loss=eval_loss)
         except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)
             job.diverged = e
+    runtime.settle_checkpoints(run)  # one written in the background, where no last checkpoint settled it
     return job.finish()
 
 

@@ -7,6 +7,11 @@ store client; the runs themselves are tests/test_fsdp.py's (async against foregr
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,9 +19,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cli_flags
 
+from atoll.config import build_config
+from atoll.config.applies import applicable
+from atoll.errors import PeerWriteError
 from atoll.job.checkpoint import commit_checkpoint, latest_checkpoint, save_checkpoint, write_checkpoint_files
+from atoll.job.metrics import read_metrics
 from atoll.job.rank_checkpoint import HostStaging, load_rank_state, rank_folder, stage_rank_state
+from atoll.job.run import prepare_inputs
+from atoll.runtime.collective import async_checkpoint
 from atoll.runtime.collective.async_checkpoint import Commit, InFlight, writers
 from atoll.runtime.collective.membership import Membership
 
@@ -70,14 +82,14 @@ def _start(master: Any, out: Path, membership: Membership, ranks: list[int], val
         commit = None
         if rank == 0:
             commit = Commit(_Run(out), {"alive": alive, "step": STEP}, torch.arange(4.0), {"format": "ranks"},
-                            writers(alive, 1, False), membership.epoch, 1.0)
+                            writers(alive, 1), membership.epoch, 1.0)
         flights[rank] = InFlight(_rt(rank, membership, gone), _client(master), STEP, tmp, staged, commit)
     return flights
 
 
-def test_writers_are_every_rank_of_a_sharded_island_and_the_first_of_a_replicated_one() -> None:
-    assert writers([0, 2], 2, sharded=False) == {0: [0], 2: [4]}
-    assert writers([0, 1], 2, sharded=True) == {0: [0, 1], 1: [2, 3]}
+def test_writers_are_every_rank_of_every_island_alive() -> None:
+    assert writers([0, 2], 2) == {0: [0, 1], 2: [4, 5]}
+    assert writers([1], 1) == {1: [1]}
 
 
 def test_every_part_on_disk_then_one_commit_that_every_rank_reads(store: Any, tmp_path: Path) -> None:
@@ -105,7 +117,7 @@ def test_a_part_that_cannot_be_written_fails_the_checkpoint_on_every_rank(store:
     alive = list(membership.alive)
     flights = {}
     for rank in (0, 1):
-        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 1, False), 0, 1.0)
+        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 1), 0, 1.0)
                   if rank == 0 else None)
         flights[rank] = InFlight(_rt(rank, membership), _client(store), STEP, tmp, stage_rank_state(
             {"w": values[rank]}, HostStaging()), commit)
@@ -155,3 +167,193 @@ def test_host_staging_keeps_its_buffers_and_copies() -> None:
     assert torch.equal(second.tensors["model.embed"], embed) and second.tree != first.tree
     unstaged = stage_rank_state({"w": embed})
     assert unstaged.tensors["w"].data_ptr() == embed.data_ptr()  # the foreground writes the tensors themselves
+
+
+def _settle_within(flight: InFlight, timeout: float = 60.0) -> Any:
+    """``flight.settle()``'s result or the exception it raised, from a thread given ``timeout`` seconds (a
+    settle that never returns fails the test instead of hanging it)."""
+    got: list[Any] = []
+
+    def settle() -> None:
+        try:
+            got.append(flight.settle())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            got.append(e)
+
+    waiter = threading.Thread(target=settle, daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    assert got, f"rank {flight.rank}'s settle still waits after {timeout} s"
+    return got[0]
+
+
+def test_a_writer_that_fails_with_a_base_exception_still_posts_its_outcome(store: Any, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP raises its CheckpointException, a BaseException: rank 1's thread ended without posting, rank 0's
+    waited for its part for ever (rank 1 alive, its heartbeat beating) and so did every settle. Any failure is
+    posted: the checkpoint fails on every rank, rank 0 raising the error and rank 1 a PeerWriteError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    real = async_checkpoint.write_rank_state
+
+    def failing(folder: Path, staged: Any) -> None:
+        if folder.name == "rank_00001":
+            raise CheckpointException("CheckpointException ranks:dict_keys([0])", {})
+        real(folder, staged)
+
+    monkeypatch.setattr(async_checkpoint, "write_rank_state", failing)
+    save_checkpoint(tmp_path, 5, {"step": 5})
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(2), 1: torch.ones(2)})
+    errors = {rank: _settle_within(flight) for rank, flight in flights.items()}
+    assert type(errors[0]) is OSError and isinstance(errors[1], PeerWriteError), errors
+    for e in errors.values():
+        assert str(e).startswith("[Errno 5] CheckpointException: CheckpointException ranks:"), e
+        assert str(e).endswith(f"(checkpoint of step {STEP})"), e
+        assert "\n" not in str(e)  # one line, though DCP's text holds tracebacks
+    assert latest_checkpoint(tmp_path).name == "step_0000005"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_commit_that_raises_still_posts_the_result(store: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's commit failing other than by an OSError (here a bug in it) is posted too: the other ranks' settle
+    raises it instead of waiting for a result that never comes."""
+
+    def broken(self: InFlight, own: str) -> str:
+        raise KeyError("alive")
+
+    monkeypatch.setattr(InFlight, "_commit", broken)
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(2), 1: torch.ones(2)})
+    errors = {rank: _settle_within(flight) for rank, flight in flights.items()}
+    assert all(isinstance(e, OSError) and "KeyError: 'alive'" in str(e) for e in errors.values()), errors
+    assert not (tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "async"])
+def test_a_full_disk_under_the_ranks_is_one_line_as_in_the_foreground(corpus_file: Path, cache_dir: Path,
+                                                                       tmp_path: Path, background: bool) -> None:
+    """The ranks may write no file over 256 KB (RLIMIT_FSIZE: a disk that fills up under DCP's writes; the
+    model's export, 150 KB, fits): the run stops with exit status 1 and one line with the resume advice, the
+    temporary folder removed, in the foreground and with --async-checkpoint alike. Before, DCP's
+    CheckpointException came out of every rank as a traceback (foreground) or ended the writer thread unsaid."""
+    settings = {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+                "seq_len": 32, "batch_size": 4, "islands": 2, "steps": 8, "sync_every": 5, "eval_every": 8,
+                "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1, "runtime": "collective",
+                "async_checkpoint": background, "out": str(tmp_path / "run")}
+    prepare_inputs(build_config(overrides=applicable({**settings, "out": str(tmp_path / "cache-warm")})))
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=small_files)
+    assert r.returncode == 1, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("atoll: error:")]
+    assert len(errors) == 1 and r.stderr.strip().splitlines()[-1] == errors[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "CheckpointException" not in r.stderr
+    out = tmp_path / "run"
+    folder = out / "checkpoints" / ".tmp-step_0000005" / "ranks" / "rank_00000"
+    step = " (checkpoint of step 5)" if background else ""
+    assert errors[0] == (f"atoll: error: File too large{step} ('{folder}'); free disk space or make the folder "
+                         f"writable, then no checkpoint was written yet in '{out}' (see --checkpoint-every); remove "
+                         "it and start again")
+    assert os.listdir(out / "checkpoints") == []  # the temporary folder removed, nothing committed
+
+
+@pytest.mark.slow
+def test_a_job_that_diverges_with_a_checkpoint_in_flight_settles_it(corpus_file: Path, cache_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """A job that diverges ends without a last checkpoint: the one still written in the background is settled
+    before the summary (committed, its event logged), as the foreground had written it. Before, it was left to
+    a daemon thread the process's exit could cut, and its ``checkpoint`` event was never logged."""
+    out = tmp_path / "run"
+    settings = {"data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512,
+                "seq_len": 32, "batch_size": 4, "islands": 2, "steps": 20, "sync_every": 5, "eval_every": 20,
+                "eval_batches": 2, "checkpoint_every": 5, "progress": False, "threads": 1, "runtime": "collective",
+                "async_checkpoint": True, "out": str(out)}
+    r = subprocess.run([sys.executable, "-m", "atoll.cli", "train", *cli_flags(settings)], capture_output=True,
+                       text=True, timeout=300,  # every island's weights NaN at step 7: no pseudo-gradient at 10
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "ATOLL_TEST_NAN_AT": "weights:0:7,weights:1:7"})
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("atoll: error: training diverged at step 10")
+    events = read_metrics(out / "metrics.jsonl")
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert [(e["step"], e["background"]) for e in saved] == [(5, True)], saved
+    assert saved[0]["path"] == str(out / "checkpoints" / "step_0000005")
+    assert events[-1]["event"] == "end" and events[-1]["diverged"]["step"] == 10
+    assert latest_checkpoint(out).name == "step_0000005"
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000005"]
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_resumed_run_may_switch_async_checkpoint(tmp_path: Path, saved: bool) -> None:
+    """Where a checkpoint is written from changes nothing the run computes (the same files, the exact resume:
+    tests/test_fsdp.py), so a resume may switch it, as --activation-checkpointing; before, it was refused with
+    advice to start a new run (--init-from, without the optimizer's state)."""
+    from atoll.config import load_run_config
+
+    out = tmp_path / "run"
+    out.mkdir()
+    config = build_config(overrides={"runtime": "collective", "islands": 2, "model": "micro", "out": str(out),
+                                     "async_checkpoint": saved})
+    (out / "config.json").write_text(config.model_dump_json())
+    assert load_run_config(out, {"async_checkpoint": not saved}).async_checkpoint is (not saved)
+    assert load_run_config(out, {}).async_checkpoint is saved
+
+
+def test_a_replica_rank_that_writes_late_is_waited_for(store: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsharded islands of 2 ranks: a replica's second rank writes an empty folder, as in the foreground. It was
+    not waited for, so a late one (a loaded machine) wrote it after rank 0 had renamed the folder: the checkpoint
+    lacked it and a stray ``.tmp-step_*`` folder was left behind. Every rank's outcome is waited for."""
+    import time
+
+    real = async_checkpoint.write_rank_state
+
+    def late(folder: Path, staged: Any) -> None:
+        if folder.name == "rank_00001":
+            time.sleep(0.5)
+        real(folder, staged)
+
+    monkeypatch.setattr(async_checkpoint, "write_rank_state", late)
+    membership = Membership(2)
+    tmp = tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}"
+    tmp.mkdir(parents=True)
+    alive = list(membership.alive)
+    flights = {}
+    for rank in range(4):  # ranks 0, 2 hold their island's state; 1, 3 are replicas of it
+        part = {"w": torch.full((2,), float(rank))} if rank % 2 == 0 else {}
+        commit = (Commit(_Run(tmp_path), {"alive": alive}, torch.zeros(2), {}, writers(alive, 2), 0, 1.0)
+                  if rank == 0 else None)
+        flights[rank] = InFlight(_rt(rank, membership), _client(store), STEP, tmp, stage_rank_state(
+            part, HostStaging()), commit)
+    paths = {rank: _settle_within(flight)[0] for rank, flight in flights.items()}
+    path = tmp_path / "checkpoints" / f"step_{STEP:07d}"
+    assert set(paths.values()) == {path}
+    assert sorted(p.name for p in (path / "ranks").iterdir()) == [f"rank_{r:05d}" for r in range(4)]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", f"step_{STEP:07d}"]  # nothing stray
+
+
+def test_a_failed_part_removes_the_folder_after_the_last_write_into_it(store: Any, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's own part fails while rank 1 still writes: the folder was removed at once and rank 1's write made
+    it again (a stray ``.tmp-step_*`` folder after the run stopped). Rank 0 waits for every writer first."""
+    import errno
+    import time
+
+    real = async_checkpoint.write_rank_state
+
+    def writes(folder: Path, staged: Any) -> None:
+        if folder.name == "rank_00000":
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+        time.sleep(0.5)
+        real(folder, staged)
+
+    monkeypatch.setattr(async_checkpoint, "write_rank_state", writes)
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(2), 1: torch.ones(2)})
+    errors = {rank: _settle_within(flight) for rank, flight in flights.items()}
+    assert all(isinstance(e, OSError) and "No space left on device" in str(e) for e in errors.values()), errors
+    assert type(errors[0]) is OSError and isinstance(errors[1], PeerWriteError)
+    assert errors[0].filename == str(rank_folder(tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}", 0))
+    assert os.listdir(tmp_path / "checkpoints") == []  # removed after rank 1's write, not before it

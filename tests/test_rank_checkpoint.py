@@ -3,7 +3,12 @@ no pickle; shared memory (a tied head) written once; owners of replicated state;
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import resource
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,3 +88,27 @@ def test_consolidate_assembles_every_island_and_refuses_shards(tmp_path: Path) -
     assert torch.equal(state["strategy"]["outer"], torch.zeros(2)) and state["comm"] == {}
     with pytest.raises(CheckpointError, match="--shard-island --ranks-per-island 2"):
         consolidate(path, {**shared, "shard_ranks": 2})
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    """This process may write files of at most ``nbytes`` (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a longer
+    write fails with EFBIG): a disk that fills up under a write, for real."""
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_write_that_fails_in_dcp_is_the_oserror_naming_the_folder(tmp_path: Path) -> None:
+    """DCP wraps a failed write in its CheckpointException, a BaseException: it escaped the callers' ``except
+    OSError`` (a traceback instead of the one line) and a background writer's ``except Exception`` (its thread
+    ended without posting, and the job waited for it for ever). It is the OSError it wraps, naming the folder."""
+    folder = rank_folder(tmp_path / "step_0000001", 1)
+    with _file_size_limit(64 * 1024), pytest.raises(OSError) as e:
+        save_rank_state(folder, {"island_state": {"w": torch.zeros(64 * 1024)}})  # 256 KB
+    assert e.value.errno == errno.EFBIG and e.value.filename == str(folder), e.value
+    assert type(e.value) is OSError and "File too large" in str(e.value)

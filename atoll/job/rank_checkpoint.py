@@ -31,6 +31,7 @@ the shared state and the model, then renames the folder and points ``latest`` at
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import warnings
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from atoll.errors import CheckpointError
@@ -176,12 +178,29 @@ def write_rank_state(folder: Path, staged: StagedState) -> None:
     if staged.tensors:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(staged.tensors, storage_writer=HuggingFaceStorageWriter(str(folder)), no_dist=True)
+            try:
+                dcp.save(staged.tensors, storage_writer=HuggingFaceStorageWriter(str(folder)), no_dist=True)
+            except CheckpointException as e:
+                raise _unwrapped(e, folder) from None
     with open(folder / "state.json", "w") as f:
         json.dump({"tree": staged.tree, "dtensors": staged.dtensors}, f)
         f.flush()
         os.fsync(f.fileno())
     _open_modes(folder)
+
+
+def _unwrapped(e: CheckpointException, folder: Path) -> BaseException:
+    """The error DCP wrapped in ``e`` (its first rank's), an ``OSError`` naming ``folder`` where it named no file:
+    a full disk is an ``OSError`` again, which the callers catch (one line with the resume advice; a background
+    writer posts it), not DCP's ``CheckpointException``, a ``BaseException`` that escaped them (a traceback, or
+    a writer thread that ended without a word)."""
+    for failure in e.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, OSError) and not inner.filename:
+            return OSError(inner.errno or errno.EIO, inner.strerror or str(inner), str(folder))
+        if isinstance(inner, BaseException):
+            return inner
+    return OSError(errno.EIO, str(e).splitlines()[0] if str(e) else "the checkpoint writer failed", str(folder))
 
 
 def save_rank_state(folder: Path, state: dict[str, Any]) -> None:

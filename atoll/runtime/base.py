@@ -138,6 +138,10 @@ class Runtime(ABC):
         self.admit(done, islands, strategy, initial_eval_loss=run.initial_eval_loss, eval_loss=run.eval_loss,
                    wall_s=run.wall_s())
 
+    def settle_checkpoints(self, run: Run) -> None:  # noqa: B027 - optional hook
+        """Wait for the checkpoint still written in the background, if any, when the loop ends without a last
+        checkpoint of its own (a job that diverged): the collective runtime's ``--async-checkpoint``."""
+
     def job_totals(self, islands: list[Island]) -> JobTotals:
         """The job's totals at its end, for the summary (collective call: :meth:`totals`, :meth:`island_counts`,
         :meth:`compute_s`, in that order on every process)."""

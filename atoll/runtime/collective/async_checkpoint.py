@@ -10,7 +10,7 @@ The checkpoint is still written atomically for the whole job, without a collecti
 
 1. every rank's writer thread posts its outcome (``ok``, or the ``OSError``) under ``ckpt/<step>/<rank>`` of the
    run's rendezvous store (:func:`outcome_key`);
-2. rank 0's writer thread waits for the outcome of every rank that writes a part (:func:`writers`); an island
+2. rank 0's writer thread waits for the outcome of every rank (:func:`writers`); an island
    lost while it wrote (gone from the membership, restarted since, or its rank's heartbeat silent) is left
    out of the checkpoint's ``alive`` (a resume takes its state from the first live island's, as it would have
    rejoined); then it writes the shared state and the Hugging Face model into the temporary folder, renames it
@@ -27,6 +27,7 @@ next writer (:func:`atoll.job.checkpoint.checkpoint_tmp`) and ``latest`` still n
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import shutil
 import threading
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atoll.errors import PeerWriteError
 from atoll.job.rank_checkpoint import HostStaging, StagedState, rank_folder, write_rank_state
 
 if TYPE_CHECKING:
@@ -53,22 +55,30 @@ def outcome_key(prefix: str, step: int, who: int | str) -> str:
     return f"{prefix}ckpt/{step}/{who}"
 
 
-def writers(alive: list[int], ranks_per_island: int, sharded: bool) -> dict[int, list[int]]:
-    """Island -> the global ranks that write a part of it: every rank of a sharded island (its pieces), the
-    first rank of an unsharded one (its replicas are alike; the others write an empty folder, not waited for)."""
-    return {i: [i * ranks_per_island + p for p in (range(ranks_per_island) if sharded else [0])] for i in alive}
+def writers(alive: list[int], ranks_per_island: int) -> dict[int, list[int]]:
+    """Island -> the global ranks whose outcome rank 0 waits for: every rank of every island alive. A sharded
+    island's ranks write its pieces; an unsharded one's first rank its state, the others (replicas) an empty
+    folder, as in the foreground: waited for too, or a late one would write it after the folder was renamed
+    (a stray ``.tmp-step_*`` folder, a checkpoint without it)."""
+    return {i: [i * ranks_per_island + p for p in range(ranks_per_island)] for i in alive}
 
 
 def _error_text(e: BaseException) -> str:
+    """``e`` as the outcome posted in the store: ``error``, its errno (EIO where it has none), its message and
+    file name, tab-separated, each on one line (:func:`_raise` reads it back)."""
     number = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
     text = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-    where = e.filename if isinstance(e, OSError) and e.filename else ""
+    where = str(e.filename) if isinstance(e, OSError) and e.filename else ""
+    text, where = (" ".join(str(x).split("\t")).strip().split("\n")[0] for x in (text, where))
     return f"error\t{number}\t{text}\t{where}"
 
 
-def _raise(text: str, who: str) -> None:
+def _raise(text: str, who: str, said_elsewhere: bool = False) -> None:
+    """Raise the error posted as ``text`` (:func:`_error_text`), ``who`` added to its message; with
+    ``said_elsewhere`` as a :class:`~atoll.errors.PeerWriteError` (rank 0 says it; the other ranks stop quietly)."""
     _, number, message, where = (text.split("\t") + ["", "", ""])[:4]
-    raise OSError(int(number or errno.EIO), f"{message} ({who})", where or None)
+    kind = PeerWriteError if said_elsewhere else OSError
+    raise kind(int(number or errno.EIO), f"{message} ({who})", where or None)
 
 
 @dataclass
@@ -141,19 +151,25 @@ class InFlight:
             return self.store.get(key).decode() if self.store.check([key]) else None
 
     def _run(self) -> None:
+        """The thread: write this rank's part, post its outcome, and on rank 0 commit and post the result. Any
+        failure is posted (a thread that ended without a word would leave the other ranks waiting for it)."""
         t0 = time.perf_counter()
         try:
             write_rank_state(rank_folder(self.tmp, self.rank), self.staged)
             outcome = "ok"
-        except Exception as e:  # kept for every rank: raised at the next settle
+        except BaseException as e:  # kept for every rank: raised at the next settle
             outcome = _error_text(e)
         self.staged = StagedState(None, {}, [])  # the host buffers stay with the staging, not here
-        try:
+        with contextlib.suppress(Exception):  # the store is gone: the heartbeat stops this rank
             self._post(self.rank, outcome)
-            if self.commit is not None:
-                self._post(RESULT, self._commit(outcome))
-        except Exception:  # the store is gone: the heartbeat stops this rank
-            pass
+        if self.commit is not None:
+            try:
+                result = self._commit(outcome)
+            except BaseException as e:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                result = _error_text(e)
+            with contextlib.suppress(Exception):
+                self._post(RESULT, result)
         self.write_s = time.perf_counter() - t0
 
     def _gone(self, island: int, ranks: list[int]) -> bool:
@@ -169,23 +185,24 @@ class InFlight:
         return heartbeat is not None and any(heartbeat.is_gone(r, c.silent_s) for r in ranks)
 
     def _commit(self, own: str) -> str:
-        """Rank 0: wait for every writer, then write the shared part and rename the folder; the result text."""
+        """Rank 0: wait for every writer, then write the shared part and rename the folder; the result text.
+        A failed part fails the checkpoint, once every writer is done (or gone): the folder is removed after the
+        last write into it, as the foreground does after its all-reduce (a write still under way would make it
+        again, a stray ``.tmp-step_*`` folder)."""
         c = self.commit
         assert c is not None
         failure = own if own != "ok" else None
         waiting = dict(c.writers)
-        while waiting and failure is None:
+        while waiting:
             for island, ranks in list(waiting.items()):
                 outcomes = [self._get(r) for r in ranks]
-                if any(o is not None and o != "ok" for o in outcomes):
-                    failure = next(o for o in outcomes if o is not None and o != "ok")
-                    break
-                if all(o == "ok" for o in outcomes):
+                failure = failure or next((o for o in outcomes if o is not None and o != "ok"), None)
+                if all(o is not None for o in outcomes):
                     del waiting[island]
                 elif self._gone(island, ranks):
                     c.dropped.append(island)
                     del waiting[island]
-            if waiting and failure is None:
+            if waiting:
                 time.sleep(POLL_S)
         if failure is not None or 0 in c.dropped:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -207,7 +224,8 @@ class InFlight:
 
         Raises:
             OSError: a rank could not write its part, or rank 0 could not commit it (the same on every rank;
-                the temporary folder is removed, the previous checkpoint stays ``latest``).
+                the temporary folder is removed, the previous checkpoint stays ``latest``): on rank 0, which says
+                it in one line; a :class:`~atoll.errors.PeerWriteError` on the others.
         """
         t0 = time.perf_counter()
         while (result := self._get(RESULT)) is None:
@@ -218,5 +236,5 @@ class InFlight:
         self.thread.join()
         waited = time.perf_counter() - t0
         if not result.startswith("ok"):
-            _raise(result, f"checkpoint of step {self.step}")
+            _raise(result, f"checkpoint of step {self.step}", said_elsewhere=self.rank != 0)
         return Path(result.split("\t", 1)[1]), waited, list(self.commit.dropped) if self.commit else []

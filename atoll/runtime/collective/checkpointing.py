@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from atoll.errors import CheckpointError
+from atoll.errors import CheckpointError, PeerWriteError
 from atoll.job.checkpoint import checkpoint_tmp
 from atoll.job.rank_checkpoint import (
     FORMAT,
@@ -49,7 +49,9 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
 
     Raises:
         OSError: this rank, or another, could not write its part (of this checkpoint, or of the one in flight);
-            the temporary folder is removed and the previous checkpoints stay as they were.
+            the temporary folder is removed and the previous checkpoints stay as they were. One rank raises the
+            error itself (the first that failed; rank 0 for the one in flight), the others a
+            :class:`~atoll.errors.PeerWriteError`, so that the job says it in one line.
     """
     t0 = time.perf_counter()
     waited = settle_checkpoint(rt, run)
@@ -76,21 +78,22 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
         save_rank_state(rank_folder(tmp, rt.rank), entry)
     except OSError as e:
         failure = e
-    ok = torch.tensor([0.0 if failure is not None else 1.0], dtype=torch.float64)
+    # the first rank that could not write its part (rt.world: none): it says why, the others stop quietly
+    mine = torch.tensor([float(rt.rank if failure is not None else rt.world)], dtype=torch.float64)
 
     def agree() -> torch.Tensor:
-        out = ok.clone()
+        out = mine.clone()
         dist_call(dist.all_reduce, out, op=dist.ReduceOp.MIN, group=rt.control)
         return out
 
-    everyone = float(rt.comm.resilient(agree)[0]) == 1.0
+    first = int(rt.comm.resilient(agree)[0])
     params = rt.full_params(strategy.global_params()) if rt.island == 0 else None
-    if not everyone:
+    if first < rt.world:
         if rt.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
+        if failure is not None and first == rt.rank:
             raise failure
-        raise OSError(errno.EIO, "another rank could not write its part of the checkpoint", str(tmp))
+        raise PeerWriteError(errno.EIO, f"rank {first} could not write its part of the checkpoint", str(tmp))
     if rt.is_main:
         assert params is not None
         run.save_checkpoint(step, _shared_state(rt, run), params, tmp=tmp, meta={"format": FORMAT},
@@ -126,7 +129,7 @@ def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, 
         staging.wait()
         alive = list(rt.membership.alive)
         commit = Commit(run, run.checkpoint_state(_shared_state(rt, run)), host, {"format": FORMAT},
-                        writers(alive, rt.ranks_per_island, rt.config.shard_island), rt.membership.epoch,
+                        writers(alive, rt.ranks_per_island), rt.membership.epoch,
                         min(HEARTBEAT_STALE_S, rt.config.collective_timeout_s))
     if background.store is None:
         background.store = store_client(rt.config.collective_timeout_s)

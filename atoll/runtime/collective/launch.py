@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from atoll.errors import AtollError, Interrupted, RunFailed
+from atoll.errors import AtollError, Interrupted, PeerWriteError, RunFailed, disk_error_line
 from atoll.job import stop
 from atoll.job.checkpoint import latest_checkpoint, resume_advice
 from atoll.job.divergence import install_fault_hook_from_env
@@ -321,5 +321,9 @@ def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, st
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except OSError as e:  # a checkpoint's disk filled up: as `atoll train` says it (one rank says it, once)
+        if not isinstance(e, PeerWriteError):
+            print(disk_error_line(e, resume_advice(config.out)), file=sys.stderr, flush=True)
+        sys.exit(1)
 
 

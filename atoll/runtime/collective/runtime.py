@@ -393,6 +393,13 @@ class CollectiveRuntime(Runtime):
         save_rank_checkpoint(self, run, step, islands, strategy,
                              background=background and self.config.async_checkpoint)
 
+    def settle_checkpoints(self, run: Run) -> None:
+        """Wait for the checkpoint in flight (:func:`~.checkpointing.settle_checkpoint`): committed and logged
+        before the job ends, or its failure raised (OSError, on every rank)."""
+        from atoll.runtime.collective.checkpointing import settle_checkpoint
+
+        settle_checkpoint(self, run)
+
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
         """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its
         own folder (and its owners') of a per-rank checkpoint, or from a state that holds every island's (a
