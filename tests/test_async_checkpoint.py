@@ -70,7 +70,7 @@ def _rt(rank: int, membership: Membership, gone: set[int] | None = None) -> Simp
 
 
 def _start(master: Any, out: Path, membership: Membership, ranks: list[int], values: dict[int, torch.Tensor],
-           gone: set[int] | None = None) -> dict[int, InFlight]:
+           gone: set[int] | None = None, survives: bool = True) -> dict[int, InFlight]:
     """Islands of one rank each: ``ranks`` start writing their part (``{"w": values[rank]}``) of the checkpoint
     at STEP, rank 0 with the commit."""
     tmp = out / "checkpoints" / f".tmp-step_{STEP:07d}"
@@ -82,7 +82,7 @@ def _start(master: Any, out: Path, membership: Membership, ranks: list[int], val
         commit = None
         if rank == 0:
             commit = Commit(_Run(out), {"alive": alive, "step": STEP}, torch.arange(4.0), {"format": "ranks"},
-                            writers(alive, 1), membership.epoch, 1.0)
+                            writers(alive, 1), membership.epoch, 1.0, survives=survives)
         flights[rank] = InFlight(_rt(rank, membership, gone), _client(master), STEP, tmp, staged, commit)
     return flights
 
@@ -151,6 +151,31 @@ def test_an_island_restarted_or_silent_while_writing_is_left_out(store: Any, tmp
     flights = _start(store, tmp_path / "b", Membership(2), [0], {0: torch.ones(1)}, gone={1})
     path, _, dropped = flights[0].settle()
     assert dropped == [1] and _alive(path) == [0]
+
+
+def test_a_job_that_cannot_survive_a_loss_gets_no_checkpoint_of_it(store: Any, tmp_path: Path) -> None:
+    """Sharded islands, or --min-islands equal to the islands: a loss stops the job, and the checkpoint being
+    written fails instead of leaving the lost island out (the foreground's all-reduce fails alike)."""
+    membership = Membership(2)
+    flights = _start(store, tmp_path, membership, [0], {0: torch.ones(1)}, survives=False)
+    membership.drop([1], STEP + 1)
+    with pytest.raises(OSError, match="island 1 was lost while its part of the checkpoint was written"):
+        flights[0].settle()
+    assert not (tmp_path / "checkpoints" / f"step_{STEP:07d}").exists()
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_the_outcome_keys_are_forgotten_once_read(store: Any, tmp_path: Path) -> None:
+    from atoll.runtime.collective.async_checkpoint import RESULT, forget, outcome_key
+
+    flights = _start(store, tmp_path, Membership(2), [0, 1], {0: torch.ones(1), 1: torch.ones(1)})
+    for flight in flights.values():
+        flight.settle()
+    keys = [outcome_key("atoll/test/", STEP, who) for who in (0, 1, RESULT)]
+    assert all(store.check([k]) for k in keys)
+    forget(store, "atoll/test/", STEP, world=2)
+    assert not any(store.check([k]) for k in keys)
+    forget(store, "atoll/test/", STEP, world=2)  # again: nothing left, no error
 
 
 def test_host_staging_keeps_its_buffers_and_copies() -> None:

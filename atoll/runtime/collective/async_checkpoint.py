@@ -13,9 +13,10 @@ The checkpoint is still written atomically for the whole job, without a collecti
 2. rank 0's writer thread waits for the outcome of every rank (:func:`writers`); an island
    lost while it wrote (gone from the membership, restarted since, or its rank's heartbeat silent) is left
    out of the checkpoint's ``alive`` (a resume takes its state from the first live island's, as it would have
-   rejoined); then it writes the shared state and the Hugging Face model into the temporary folder, renames it
-   into place, points ``latest`` at it and posts ``ok`` (or the error, having removed the folder) under
-   ``ckpt/<step>/result``;
+   rejoined), in a job that goes on without it (else the checkpoint fails: the job is stopping); then it
+   writes the shared state and the Hugging Face model into the temporary folder, renames it into place,
+   points ``latest`` at it and posts ``ok`` (or the error, having removed the folder) under
+   ``ckpt/<step>/result`` (the keys are deleted once every rank has read it: :func:`forget`);
 3. at the next checkpoint every rank first reads that result (:meth:`InFlight.settle`): at most one checkpoint
    is in flight, a failed write is raised there on every rank as the ``OSError`` the synchronous path raises,
    and rank 0 logs the ``checkpoint`` event. The run's last checkpoint, and a signal's, are written in the
@@ -53,6 +54,15 @@ def outcome_key(prefix: str, step: int, who: int | str) -> str:
     """The store key under which rank ``who`` (or ``"result"``: rank 0's commit) posts the outcome of the
     checkpoint of inner step ``step`` of the run whose keys start with ``prefix``."""
     return f"{prefix}ckpt/{step}/{who}"
+
+
+def forget(store: Any, prefix: str, step: int, world: int) -> None:
+    """Delete the outcome keys of the checkpoint of ``step`` (every rank's and the result) once every rank has
+    read its result (rank 0, after the next checkpoint's barrier), so a long run's store does not grow with
+    every checkpoint. A key already gone, or a store gone, is no error."""
+    for who in [*range(world), RESULT]:
+        with contextlib.suppress(Exception):
+            store.delete_key(outcome_key(prefix, step, who))
 
 
 def writers(alive: list[int], ranks_per_island: int) -> dict[int, list[int]]:
@@ -94,6 +104,8 @@ class Commit:
         writers: island -> the ranks whose outcome is waited for (:func:`writers`).
         epoch: the membership's epoch at the checkpoint (an island with a change after it restarted since).
         silent_s: a writer whose heartbeat has not moved for this long is gone.
+        survives: the job goes on without a lost island (``--min-islands`` below the islands, unsharded): a lost
+            island is left out of the checkpoint; else it fails the checkpoint (the job is stopping).
     """
 
     run: Run
@@ -103,6 +115,7 @@ class Commit:
     writers: dict[int, list[int]]
     epoch: int
     silent_s: float
+    survives: bool = True
     dropped: list[int] = field(default_factory=list)
 
 
@@ -200,6 +213,9 @@ class InFlight:
                 if all(o is not None for o in outcomes):
                     del waiting[island]
                 elif self._gone(island, ranks):
+                    if not c.survives:  # the job stops on a loss: no checkpoint of it, as in the foreground
+                        failure = failure or _error_text(OSError(
+                            errno.EIO, f"island {island} was lost while its part of the checkpoint was written"))
                     c.dropped.append(island)
                     del waiting[island]
             if waiting:

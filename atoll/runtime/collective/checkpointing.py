@@ -54,6 +54,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
             :class:`~atoll.errors.PeerWriteError`, so that the job says it in one line.
     """
     t0 = time.perf_counter()
+    settled = rt.background.in_flight.step if rt.background.in_flight is not None else None
     waited = settle_checkpoint(rt, run)
     sharded = rt.config.shard_island
     shared = strategy.state_dict()  # every rank: it may finish an exchange in flight
@@ -61,6 +62,10 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
     if rt.is_main:
         tmp = checkpoint_tmp(run.out, step)
     rt.comm.resilient(lambda: dist_call(dist.barrier, group=rt.control))
+    if settled is not None and rt.is_main:  # every rank has read its result: its keys go
+        from atoll.runtime.collective.async_checkpoint import forget
+
+        forget(rt.background.store, rt.prefix, settled, rt.world)
     entry: dict[str, Any] = {"island": rt.island, "position": rt.position}
     if sharded or rt.position == 0:  # an island's replicas are alike: its first rank writes it
         island = islands[0]
@@ -130,7 +135,8 @@ def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, 
         alive = list(rt.membership.alive)
         commit = Commit(run, run.checkpoint_state(_shared_state(rt, run)), host, {"format": FORMAT},
                         writers(alive, rt.ranks_per_island), rt.membership.epoch,
-                        min(HEARTBEAT_STALE_S, rt.config.collective_timeout_s))
+                        min(HEARTBEAT_STALE_S, rt.config.collective_timeout_s),
+                        survives=rt.config.min_islands < rt.islands and not rt.config.shard_island)
     if background.store is None:
         background.store = store_client(rt.config.collective_timeout_s)
     background.in_flight = InFlight(rt, background.store, step, tmp, staged, commit)
