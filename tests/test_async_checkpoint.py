@@ -56,6 +56,8 @@ class _Run:
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.events: list[dict] = []
+        self.log = SimpleNamespace(log=lambda event, **fields: self.events.append({"event": event, **fields}))
 
     def write_checkpoint(self, step: int, state: dict, params: torch.Tensor, tmp: Path, meta: dict) -> None:
         write_checkpoint_files(tmp, step, {**state, "params": params}, meta=meta)
@@ -97,8 +99,12 @@ def test_every_part_on_disk_then_one_commit_that_every_rank_reads(store: Any, tm
     flights = _start(store, tmp_path, Membership(2), [0, 1], values)
     for v in values.values():  # training goes on: the tensors change after the checkpoint's copies were taken
         v.add_(100.0)
-    paths = {rank: f.settle() for rank, f in flights.items()}
+    flights[0].thread.join(60)  # committed by rank 0's thread, which logs it then (before any settle)
     path = tmp_path / "checkpoints" / f"step_{STEP:07d}"
+    (event,) = flights[0].commit.run.events
+    assert event["event"] == "checkpoint" and event["step"] == STEP and event["path"] == str(path)
+    assert event["background"] is True and event["write_s"] > 0 and "islands_left_out" not in event
+    paths = {rank: f.settle() for rank, f in flights.items()}
     assert paths[0][0] == paths[1][0] == path and paths[0][2] == paths[1][2] == []
     assert latest_checkpoint(tmp_path) == path
     for rank, want in ((0, 1.0), (1, 2.0)):
@@ -163,6 +169,22 @@ def test_a_job_that_cannot_survive_a_loss_gets_no_checkpoint_of_it(store: Any, t
         flights[0].settle()
     assert not (tmp_path / "checkpoints" / f"step_{STEP:07d}").exists()
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_store_gone_is_nothing_come_yet_not_a_traceback(store: Any, tmp_path: Path) -> None:
+    """The launcher (the store's host) died: a rank waiting for the result reads nothing (the heartbeat then
+    stops it with the one line naming the launcher), it does not die on the store client's error."""
+    from atoll.runtime.collective.async_checkpoint import RESULT
+
+    flights = _start(store, tmp_path, Membership(1), [0], {0: torch.ones(1)})
+    flights[0].settle()
+
+    class Gone:
+        def check(self, keys: list[str]) -> bool:
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    flights[0].store = Gone()
+    assert flights[0]._get(RESULT) is None
 
 
 def test_the_outcome_keys_are_forgotten_once_read(store: Any, tmp_path: Path) -> None:

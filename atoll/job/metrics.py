@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,16 +52,19 @@ class MetricsLog:
                     kept.append(line)
             self.path.write_text("".join(line + "\n" for line in kept))
         self._f = open(self.path, "a")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()  # a background checkpoint's writer logs its commit from its own thread
 
     def log(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Write one event with a wall-clock timestamp; return it."""
+        """Write one event with a wall-clock timestamp, a whole line even from two threads; return it."""
         record = {"event": event, "time": time.time(), **fields}
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        with self._lock:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
         return record
 
     def close(self) -> None:
-        self._f.close()
+        with self._lock:
+            self._f.close()
 
 
 class NullLog:

@@ -145,12 +145,12 @@ class InFlight:
     """
 
     def __init__(self, rt: CollectiveView, store: Any, step: int, tmp: Path, staged: StagedState,
-                 commit: Commit | None) -> None:
+                 commit: Commit | None, blocked_s: float = 0.0) -> None:
         self.rt, self.store, self.step, self.tmp, self.staged, self.commit = rt, store, step, tmp, staged, commit
         self.rank, self.prefix = rt.rank, rt.prefix
         self.lock = threading.Lock()
         self.write_s = 0.0
-        self.staged_s = 0.0  # seconds the training thread took to copy the part (set by whoever started it)
+        self.blocked_s = blocked_s  # seconds the training thread stood still for it (copies, the previous' wait)
         self.thread = threading.Thread(target=self._run, name="atoll-checkpoint-writer", daemon=True)
         self.thread.start()
 
@@ -160,8 +160,11 @@ class InFlight:
 
     def _get(self, who: int | str) -> str | None:
         key = outcome_key(self.prefix, self.step, who)
-        with self.lock:
-            return self.store.get(key).decode() if self.store.check([key]) else None
+        try:
+            with self.lock:
+                return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:  # the store is gone (its host, the launcher, died): the heartbeat stops this rank
+            return None    # with the one line that says so; until then, nothing has come
 
     def _run(self) -> None:
         """The thread: write this rank's part, post its outcome, and on rank 0 commit and post the result. Any
@@ -181,6 +184,13 @@ class InFlight:
             except BaseException as e:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 result = _error_text(e)
+            self.write_s = time.perf_counter() - t0
+            if result.startswith("ok"):  # logged now, not at the next checkpoint: a crash before it keeps the event
+                with contextlib.suppress(Exception):  # (a closed log: the run ended without settling it)
+                    self.commit.run.log.log(
+                        "checkpoint", step=self.step, path=result.split("\t", 1)[1], blocked_s=round(self.blocked_s, 6),
+                        write_s=round(self.write_s, 6), background=True,
+                        **({"islands_left_out": self.commit.dropped} if self.commit.dropped else {}))
             with contextlib.suppress(Exception):
                 self._post(RESULT, result)
         self.write_s = time.perf_counter() - t0

@@ -55,7 +55,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
     """
     t0 = time.perf_counter()
     settled = rt.background.in_flight.step if rt.background.in_flight is not None else None
-    waited = settle_checkpoint(rt, run)
+    settle_checkpoint(rt)  # (its wait counts in this one's blocked_s)
     sharded = rt.config.shard_island
     shared = strategy.state_dict()  # every rank: it may finish an exchange in flight
     tmp = run.out / "checkpoints" / f".tmp-step_{step:07d}"
@@ -76,7 +76,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
         if rt.island == 0:  # the global model and the outer state, once (sharded: once per shard)
             entry["strategy"] = shared
     if background:
-        _write_in_background(rt, run, step, tmp, entry, strategy)
+        _write_in_background(rt, run, step, tmp, entry, strategy, t0)
         return
     failure: OSError | None = None
     try:
@@ -102,7 +102,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
     if rt.is_main:
         assert params is not None
         run.save_checkpoint(step, _shared_state(rt, run), params, tmp=tmp, meta={"format": FORMAT},
-                            blocked_s=round(time.perf_counter() - t0 - waited, 6))
+                            blocked_s=round(time.perf_counter() - t0, 6))
 
 
 def _shared_state(rt: CollectiveRuntime, run: Run) -> dict[str, Any]:
@@ -116,13 +116,13 @@ def _shared_state(rt: CollectiveRuntime, run: Run) -> dict[str, Any]:
 
 
 def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, entry: dict[str, Any],
-                         strategy: Strategy) -> None:
+                         strategy: Strategy, t0: float) -> None:
     """Copy this rank's part (and on rank 0 the shared state and the global parameters) to host buffers and
-    hand it to a writer thread (:class:`~.async_checkpoint.InFlight`); returns once the copies are made."""
+    hand it to a writer thread (:class:`~.async_checkpoint.InFlight`); returns once the copies are made. ``t0``:
+    when the checkpoint's call began (``perf_counter``), from which the training thread's stall is counted."""
     from atoll.runtime.collective.async_checkpoint import Commit, InFlight, writers
     from atoll.runtime.collective.quorum import store_client
 
-    t0 = time.perf_counter()
     background = rt.background
     staging = background.staging
     staged = stage_rank_state(entry, staging)
@@ -139,14 +139,15 @@ def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, 
                         survives=rt.config.min_islands < rt.islands and not rt.config.shard_island)
     if background.store is None:
         background.store = store_client(rt.config.collective_timeout_s)
-    background.in_flight = InFlight(rt, background.store, step, tmp, staged, commit)
-    background.in_flight.staged_s = time.perf_counter() - t0
+    background.in_flight = InFlight(rt, background.store, step, tmp, staged, commit,
+                                    blocked_s=time.perf_counter() - t0)
 
 
-def settle_checkpoint(rt: CollectiveRuntime, run: Run) -> float:
-    """Wait for the checkpoint in flight, if any (:meth:`~.async_checkpoint.InFlight.settle`); rank 0 logs its
-    ``checkpoint`` event (with ``blocked_s``: the seconds training stood still for it, its copies and this
-    wait; ``write_s``: its writer thread's). Returns the seconds waited (0.0: none in flight).
+def settle_checkpoint(rt: CollectiveRuntime) -> float:
+    """Wait for the checkpoint in flight, if any (:meth:`~.async_checkpoint.InFlight.settle`; rank 0's writer
+    thread logged its ``checkpoint`` event as it committed it, with ``blocked_s``: the seconds training stood
+    still for it, ``write_s``: the thread's). Returns the seconds waited (0.0: none in flight), which count in
+    the stall of the checkpoint that waits.
 
     Raises:
         OSError: it could not be written (on every rank).
@@ -154,11 +155,7 @@ def settle_checkpoint(rt: CollectiveRuntime, run: Run) -> float:
     flight, rt.background.in_flight = rt.background.in_flight, None
     if flight is None:
         return 0.0
-    path, waited, dropped = flight.settle()
-    if rt.is_main:
-        run.log.log("checkpoint", step=flight.step, path=str(path), blocked_s=round(flight.staged_s + waited, 6),
-                    write_s=round(flight.write_s, 6), background=True,
-                    **({"islands_left_out": dropped} if dropped else {}))
+    _, waited, _ = flight.settle()
     return waited
 
 

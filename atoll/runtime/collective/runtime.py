@@ -398,7 +398,7 @@ class CollectiveRuntime(Runtime):
         before the job ends, or its failure raised (OSError, on every rank)."""
         from atoll.runtime.collective.checkpointing import settle_checkpoint
 
-        settle_checkpoint(self, run)
+        settle_checkpoint(self)
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
         """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its
