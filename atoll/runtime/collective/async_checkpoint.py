@@ -150,6 +150,7 @@ class InFlight:
         self.rank, self.prefix = rt.rank, rt.prefix
         self.lock = threading.Lock()
         self.write_s = 0.0
+        self.result: str | None = None  # rank 0: the commit's result, also kept here (the store may be gone)
         self.blocked_s = blocked_s  # seconds the training thread stood still for it (copies, the previous' wait)
         self.thread = threading.Thread(target=self._run, name="atoll-checkpoint-writer", daemon=True)
         self.thread.start()
@@ -184,7 +185,7 @@ class InFlight:
             except BaseException as e:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 result = _error_text(e)
-            self.write_s = time.perf_counter() - t0
+            self.write_s, self.result = time.perf_counter() - t0, result
             if result.startswith("ok"):  # logged now, not at the next checkpoint: a crash before it keeps the event
                 with contextlib.suppress(Exception):  # (a closed log: the run ended without settling it)
                     self.commit.run.log.log(
@@ -256,7 +257,7 @@ class InFlight:
         t0 = time.perf_counter()
         while (result := self._get(RESULT)) is None:
             if self.commit is not None and not self.thread.is_alive():  # rank 0's thread posted it, or the store
-                result = self._get(RESULT) or _error_text(OSError(errno.EIO, "the checkpoint writer stopped"))
+                result = self.result or _error_text(OSError(errno.EIO, "the checkpoint writer stopped"))
                 break
             time.sleep(POLL_S)
         self.thread.join()
