@@ -12,6 +12,7 @@ import resource
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -266,7 +267,9 @@ def test_a_commit_that_raises_still_posts_the_result(store: Any, tmp_path: Path,
     """Rank 0's commit failing other than by an OSError (here a bug in it) is posted too: the other ranks' settle
     raises it instead of waiting for a result that never comes."""
 
-    def broken(self: InFlight, own: str) -> str:
+    def broken(self: InFlight, own: str) -> str:  # after the writers' wait, as the real one fails
+        while self._get(1) is None:  # (raising before rank 1 wrote: its write would make the folder again)
+            time.sleep(0.01)
         raise KeyError("alive")
 
     monkeypatch.setattr(InFlight, "_commit", broken)
@@ -404,3 +407,26 @@ def test_a_failed_part_removes_the_folder_after_the_last_write_into_it(store: An
     assert type(errors[0]) is OSError and isinstance(errors[1], PeerWriteError)
     assert errors[0].filename == str(rank_folder(tmp_path / "checkpoints" / f".tmp-step_{STEP:07d}", 0))
     assert os.listdir(tmp_path / "checkpoints") == []  # removed after rank 1's write, not before it
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_the_background_export_is_the_foregrounds_byte_for_byte(tmp_path: Path, head: str) -> None:
+    """Rank 0's writer thread exports the global model from views of a host copy of the flat parameters
+    (Run.export_state: tied names included), leaving the live model alone; the files equal the foreground's,
+    which loads the parameters into the model first."""
+    from atoll.job.model import build_model
+    from atoll.job.run import Run
+
+    m = build_model("micro", 512, 32, 0)
+    if head == "untied":  # (as the 1b preset's)
+        m.config.tie_word_embeddings = False
+        m = type(m)(m.config)
+        assert m.lm_head.weight.data_ptr() != m.model.embed_tokens.weight.data_ptr()
+    params = torch.nn.utils.parameters_to_vector(list(m.parameters())).detach() * 1.5
+    before = [p.detach().clone() for p in m.parameters()]
+    m.save_pretrained(tmp_path / "background", state_dict=Run.export_state(SimpleNamespace(model=m), params))
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))  # the model untouched
+    torch.nn.utils.vector_to_parameters(params, list(m.parameters()))
+    m.save_pretrained(tmp_path / "foreground")
+    a, b = (tmp_path / d / "model.safetensors" for d in ("background", "foreground"))
+    assert a.read_bytes() == b.read_bytes()

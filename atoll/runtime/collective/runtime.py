@@ -385,30 +385,23 @@ class CollectiveRuntime(Runtime):
 
     def save_checkpoint(self, run: Run, step: int, islands: list[Island], strategy: Strategy,
                         background: bool = False) -> None:
-        """Write the checkpoint at inner step ``step`` per rank (:func:`~.checkpointing.save_rank_checkpoint`,
-        :mod:`atoll.job.rank_checkpoint`): nothing of the islands travels to rank 0; collective. On a
-        background thread where ``background`` and ``--async-checkpoint`` (:mod:`~.async_checkpoint`)."""
-        from atoll.runtime.collective.checkpointing import save_rank_checkpoint
-
-        save_rank_checkpoint(self, run, step, islands, strategy,
-                             background=background and self.config.async_checkpoint)
+        """Write the checkpoint of inner step ``step`` per rank, nothing of the islands sent to rank 0; in the
+        background with ``--async-checkpoint`` (:func:`~.checkpointing.save_rank_checkpoint`); collective."""
+        from atoll.runtime.collective.checkpointing import save_rank_checkpoint as save
+        save(self, run, step, islands, strategy, background and self.config.async_checkpoint)
 
     def settle_checkpoints(self, run: Run) -> None:
-        """Wait for the checkpoint in flight (:func:`~.checkpointing.settle_checkpoint`): committed and logged
-        before the job ends, or its failure raised (OSError, on every rank)."""
-        from atoll.runtime.collective.checkpointing import settle_checkpoint
-
-        settle_checkpoint(self)
+        """Wait for the one in flight: committed, or its OSError raised on every rank (:mod:`~.checkpointing`)."""
+        from atoll.runtime.collective import checkpointing
+        checkpointing.settle_checkpoint(self)
 
     def load_job_state(self, state: dict[str, Any], islands: list[Island], strategy: Strategy) -> None:
         """Each rank loads its own island's entry (the checkpoint must be readable on every node): from its
         own folder (and its owners') of a per-rank checkpoint, or from a state that holds every island's (a
         rejoining rank's, an older checkpoint's)."""
         if state.get("checkpoint_path") is not None:
-            from atoll.runtime.collective.checkpointing import load_rank_checkpoint
-
-            load_rank_checkpoint(self, state, islands, strategy)
-            return
+            from atoll.runtime.collective import checkpointing
+            return checkpointing.load_rank_checkpoint(self, state, islands, strategy)
         if len(state["islands"]) != self.islands:
             raise CheckpointError(f"resume: the checkpoint holds {len(state['islands'])} islands, this run "
                                   f"{self.islands}; resume with the run's own --islands")
