@@ -132,7 +132,7 @@ class HostStaging:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self.devices: set[torch.device] = set()  # the accelerators copies are in flight from
+        self.devices: set[torch.device] = set()  # the CUDA devices copies are in flight from
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """A host copy of ``t`` in the buffer kept for ``key`` (non-blocking from a device: call
@@ -149,8 +149,7 @@ class HostStaging:
         """Wait for the copies in flight (one synchronization of each device they came from, at a checkpoint
         only; nothing on the CPU)."""
         for device in self.devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
         self.devices.clear()
 
 

@@ -54,8 +54,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
             :class:`~atoll.errors.PeerWriteError`, so that the job says it in one line.
     """
     t0 = time.perf_counter()
-    settled = rt.background.in_flight.step if rt.background.in_flight is not None else None
-    settle_checkpoint(rt)  # (its wait counts in this one's blocked_s)
+    settled = settle_checkpoint(rt)  # (its wait counts in this one's blocked_s)
     sharded = rt.config.shard_island
     shared = strategy.state_dict()  # every rank: it may finish an exchange in flight
     tmp = run.out / "checkpoints" / f".tmp-step_{step:07d}"
@@ -136,27 +135,27 @@ def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, 
         commit = Commit(run, run.checkpoint_state(_shared_state(rt, run)), host, {"format": FORMAT},
                         writers(alive, rt.ranks_per_island), rt.membership.epoch,
                         min(HEARTBEAT_STALE_S, rt.config.collective_timeout_s),
-                        survives=rt.config.min_islands < rt.islands and not rt.config.shard_island)
+                        survives=rt.quorum is not None)  # (set where the job goes on without a lost island)
     if background.store is None:
         background.store = store_client(rt.config.collective_timeout_s)
     background.in_flight = InFlight(rt, background.store, step, tmp, staged, commit,
                                     blocked_s=time.perf_counter() - t0)
 
 
-def settle_checkpoint(rt: CollectiveRuntime) -> float:
+def settle_checkpoint(rt: CollectiveRuntime) -> int | None:
     """Wait for the checkpoint in flight, if any (:meth:`~.async_checkpoint.InFlight.settle`; rank 0's writer
     thread logged its ``checkpoint`` event as it committed it, with ``blocked_s``: the seconds training stood
-    still for it, ``write_s``: the thread's). Returns the seconds waited (0.0: none in flight), which count in
-    the stall of the checkpoint that waits.
+    still for it, ``write_s``: the thread's); the wait counts in the stall of the checkpoint that waits.
+    Returns its inner step (None: none in flight).
 
     Raises:
         OSError: it could not be written (on every rank).
     """
     flight, rt.background.in_flight = rt.background.in_flight, None
     if flight is None:
-        return 0.0
-    _, waited, _ = flight.settle()
-    return waited
+        return None
+    flight.settle()
+    return flight.step
 
 
 def load_rank_checkpoint(rt: CollectiveRuntime, state: dict[str, Any], islands: list[Island],
