@@ -1,116 +1,85 @@
-"""The package's layout: no import cycles (lazy imports and the strategy registry's included), short modules."""
+"""The package's layout: each module one concept, named in its docstring; the layers' directions.
+
+A module is placed by its reason to change, not by a line count: its docstring's first line names that one
+concept (what would make someone edit this file), and docs/architecture.md's Layout lists every module under its
+layer. Size stays a signal, not a rule: a module over :data:`SIZE_SIGNAL` lines draws a warning (in pytest's
+summary) asking whether it holds two concepts, unless :data:`LARGE_BY_DESIGN` names it with the reason it is one.
+Import cycles are checked in one graph that sees every import: :mod:`tests.test_import_cycles`.
+"""
 
 from __future__ import annotations
 
 import ast
-import functools
+import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "atoll"
-MAX_LINES = 420  # "about 400": docs/architecture.md's Layout section names any exception and why
+from test_import_cycles import ROOT, _modules, import_graph, parsed
+
+#: lines above which a module draws a warning (a signal to look for a second concept, never a failure)
+SIZE_SIGNAL = 500
+#: modules known to be long for one concept, each with why it stays whole
+LARGE_BY_DESIGN: dict[str, str] = {}
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def test_every_module_names_its_one_concept() -> None:
+    """Each module's docstring opens with a line that says what it is (its one reason to change)."""
+    missing = []
+    for name, path in sorted(_modules().items()):
+        doc = ast.get_docstring(parsed(path))
+        if path.name == "__init__.py" and not path.read_text(encoding="utf-8").strip():
+            continue  # an empty package marker holds no code
+        if not doc or not doc.splitlines()[0].strip():
+            missing.append(name)
+    assert missing == [], f"modules without a first docstring line naming their concept: {missing}"
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+def test_architecture_lists_every_module() -> None:
+    """docs/architecture.md's Layout places every module (by its file name) under its folder."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    absent = sorted(name for name, path in _modules().items()
+                    if path.name != "__init__.py" and path.stem not in text)
+    assert absent == [], f"docs/architecture.md's Layout does not place: {absent}"
 
 
-@functools.cache
-def parsed(path: Path) -> ast.Module:
-    """The syntax tree of ``path``, parsed once for every check of the session (test_import_cycles' too)."""
-    return ast.parse(path.read_text(encoding="utf-8"))
-
-
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    """Lines inside ``if TYPE_CHECKING:`` blocks (imports there never run)."""
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
-@functools.cache
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the atoll modules it imports, at module level or inside functions (lazy imports), plus the
-    strategy modules that the registry imports by name (built once; the checks only read it)."""
-    modules = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for name, path in modules.items():
-        tree = parsed(path)
-        skip = _type_checking_lines(tree)
-        for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                           for a in node.names]
-            graph[name].update(t for t in targets if t in modules and t != name)
-    from atoll.strategies.registry import STRATEGIES
-
-    graph["atoll.strategies.registry"].update(f"atoll.strategies.{s}" for s in STRATEGIES)
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), each a list of modules."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
-def test_no_import_cycles() -> None:
-    assert cycles(import_graph()) == []
-
-
-def test_the_check_finds_a_cycle() -> None:
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_modules_stay_short() -> None:
+def test_size_is_a_signal() -> None:
+    """Long modules warn (never fail), except those named with a reason in :data:`LARGE_BY_DESIGN`."""
     long = {name: n for name, path in _modules().items()
-            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
-    assert long == {}
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > SIZE_SIGNAL and name not in LARGE_BY_DESIGN}
+    for name, n in sorted(long.items()):
+        warnings.warn(f"{name} has {n} lines (> {SIZE_SIGNAL}): does it hold two concepts? Split it by reason to "
+                      "change, or name it in tests/test_layout.py's LARGE_BY_DESIGN with why it is one", stacklevel=1)
+    assert all(reason.strip() for reason in LARGE_BY_DESIGN.values())
 
 
 def test_runtimes_do_not_import_the_training_loop() -> None:
     graph = import_graph()
     for module in graph:
         if module.startswith("atoll.runtime"):
+            assert "atoll.training" not in graph[module], module
             assert "atoll.train" not in graph[module], module
+
+
+def test_pure_maths_imports_no_job_runtime_or_strategy() -> None:
+    """Layer 1 (atoll.algorithms: tensor maths) stands on nothing above it."""
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith("atoll.algorithms"):
+            above = [t for t in targets if t.startswith(("atoll.job", "atoll.runtime", "atoll.strategies",
+                                                         "atoll.config", "atoll.training", "atoll.cli"))]
+            assert above == [], f"{module} imports {above}"
+
+
+def test_config_imports_no_torch_at_module_level() -> None:
+    """The config package stays torch-free when imported (the CLI's --help and the launcher read it)."""
+    for name, path in _modules().items():
+        if not name.startswith("atoll.config"):
+            continue
+        tree = parsed(path)
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in names if m == "torch" or m.startswith("torch.")], name
+
+
+_ = Path  # (type hints only)
