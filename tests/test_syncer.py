@@ -366,7 +366,7 @@ def test_slack_grace_window_waits_within_what_the_overlap_leaves() -> None:
     assert s.next_deadline() == (4.0, 0)
     s.push(Push(1, 0, torch.ones(2), 10, 0, round_s=3.0), now=1.0)
     assert s.push(Push(2, 0, torch.ones(2), 10, 0, round_s=3.0), now=2.0).committed == 1  # merged at 2.0
-    assert s.last_wait[0][0] == 1.0 and s.last_wait[2][0] == 0.0
+    assert s.per_island[0].last_wait[0] == 1.0 and s.per_island[2].last_wait[0] == 0.0
     # island 2 again 5 s later, claiming 4.5 s from its pull: its transfers took 5 - 4.5 - 0 (its wait) = 0.5 s
     s.push(Push(2, 0, torch.ones(2), 10, 1, round_s=4.5), now=7.0)
     assert list(s.push_gap_s) == [5.0] and list(s.sync_s) == [0.5]
@@ -408,7 +408,7 @@ def test_slack_measurements_and_window_survive_a_restart() -> None:
     t = Syncer(torch.zeros(2), None, **kw)
     t.load_state_dict(s.state_dict())
     assert t.next_deadline() == s.next_deadline() and list(t.push_gap_s) == list(s.push_gap_s)
-    assert list(t.sync_s) == list(s.sync_s) and t.last_wait == s.last_wait
+    assert list(t.sync_s) == list(s.sync_s) and t.per_island == s.per_island
     assert [p.arrived_at for p in t.buffers[0].pushes] == [6.0] and t.buffers[0].first_at == 6.0
     # a checkpoint written before these were kept loads with none measured
     old = s.state_dict()

@@ -75,16 +75,13 @@ from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.buffer import Buffer, Pending
 from atoll.strategies.decoupled.claims import round_time, since_last_push, starved, starved_message
+from atoll.strategies.decoupled.island_record import OUTCOMES, IslandRecord
 from atoll.strategies.decoupled.journal import Journal
 from atoll.strategies.decoupled.merge_rules import MergeRules, transfer_s
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult, is_index
 from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
-
-#: the buckets of the tokens pushed, per island (:meth:`Syncer.stats`)
-OUTCOMES = ("merged", "stale", "rejected")
-
 
 class Syncer:
     """Global parameters per fragment, merged asynchronously from validated, token-weighted island pushes.
@@ -144,15 +141,12 @@ class Syncer:
         self.segments = [[(a, b, not is_embedding(name)) for a, b, name in f.tensor_segments()] for f in self.index]
         self.bounds = PushBounds(islands, len(self.index), norm_bound, push_tokens, cold_bound)
         self.admission = Admission(islands, len(self.index), credentials)
-        self.stale_credit = [[0] * len(self.index) for _ in range(islands)]  # per island and fragment
+        self.per_island = [IslandRecord.new(len(self.index)) for _ in range(islands)]
         self.round_s: deque[float] = deque(maxlen=WINDOW)
         self.push_gap_s: deque[float] = deque(maxlen=WINDOW)  # push to next push of an island, the syncer's clock
         self.sync_s: deque[float] = deque(maxlen=WINDOW)      # an exchange's transfer time, as inferred
-        self.last_wait: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
         self.max_round_s = max_round_s
-        self.last_push_at: list[list[float | None]] = [[None] * len(self.index) for _ in range(islands)]
         self.starve_after = starve_after
-        self.refused_in_a_row = [0] * islands  # per island: pushes refused since its last accepted one
         # statistics (all in state_dict)
         self.rejected_updates = 0
         self.rejected_by_reason: dict[str, int] = {}
@@ -162,25 +156,29 @@ class Syncer:
         self.commits = 0
         self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
         self.staleness: list[int] = []      # staleness of every merged push
-        # per island, times fragment share: the one count of tokens by outcome (merged_tokens* read "merged")
-        self.tokens_by_outcome = {k: [0.0] * islands for k in OUTCOMES}
         self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
         self._means = [torch.empty(n) for n in self.numels]  # per fragment: where its Δ̄ is summed (lazy pages)
         self.journal = Journal()  # its merges and refusals, for the run events; drained by the runtime, not saved
 
     @property
+    def tokens_by_outcome(self) -> dict[str, list[float]]:
+        """Per outcome (:data:`OUTCOMES`), per island in index order, its pushed tokens times their fragments'
+        shares (float tokens): a view of the records' one count (:attr:`IslandRecord.tokens`)."""
+        return {k: [r.tokens[k] for r in self.per_island] for k in OUTCOMES}
+
+    @property
     def merged_tokens_per_island(self) -> list[float]:
         """Per island, the tokens of its merged pushes, each times its fragment's share of the parameters
-        (float tokens): ``tokens_by_outcome["merged"]`` (the summary's ``merged_tokens_by_island``), the one
+        (float tokens): the records' ``tokens["merged"]`` (the summary's ``merged_tokens_by_island``), the one
         count of merged tokens."""
-        return self.tokens_by_outcome["merged"]
+        return [r.tokens["merged"] for r in self.per_island]
 
     @property
     def merged_tokens(self) -> float:
         """The tokens of every merged push, each times its fragment's share (float tokens; the runs'
         ``useful_tokens``): the sum over islands of :attr:`merged_tokens_per_island`."""
-        return float(sum(self.tokens_by_outcome["merged"]))
+        return float(sum(r.tokens["merged"] for r in self.per_island))
 
     # --- islands' side ------------------------------------------------------------------------------
     @property
@@ -221,15 +219,15 @@ class Syncer:
         island, fragment, delta, tokens, base_version = (msg.island, msg.fragment, msg.delta, msg.tokens,
                                                          msg.base_version)
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
-        observed = since_last_push(self.last_push_at, island, fragment, now)
+        observed = since_last_push([r.last_push_at for r in self.per_island], island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
             island, fragment, float(delta.detach().norm()), tokens, self.outer[fragment].params_norm())
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
-        self.last_push_at[island][fragment] = now  # its own push (its identity checked): the syncer's clock
+        self.per_island[island].last_push_at[fragment] = now  # its own push (its identity checked): the syncer's clock
         if warm:  # checked for good (a cold push is vetted at its merge, and counts there)
-            self.refused_in_a_row[island] = 0
+            self.per_island[island].refused_in_a_row = 0
         self.admission.accepted(island, fragment, base_version, msg.session)
         if not self._fresh_enough(island, fragment, self.version(fragment) - base_version, tokens):
             return PushResult(False, "stale")
@@ -260,7 +258,7 @@ class Syncer:
             self.round_s.append(round_s)
         if gap_s is not None:
             self.push_gap_s.append(gap_s)
-            waited = self.last_wait[island][fragment]
+            waited = self.per_island[island].last_wait[fragment]
             if round_s is not None and waited is not None:
                 self.sync_s.append(transfer_s(gap_s, round_s, waited))
 
@@ -278,7 +276,7 @@ class Syncer:
     def starved(self) -> list[int]:
         """Islands whose last ``starve_after`` pushes were all refused, none accepted since: the runtime stops
         the run with :meth:`starved_message` (:func:`~atoll.strategies.decoupled.claims.starved`)."""
-        return starved(self.refused_in_a_row, self.starve_after)
+        return starved([r.refused_in_a_row for r in self.per_island], self.starve_after)
 
     def starved_message(self) -> str:
         """One line for a run that stops because of :meth:`starved` islands: who, why, and what to do."""
@@ -302,7 +300,7 @@ class Syncer:
         if named:
             self.admission.rejected(island, reason)
             if reason not in ("identity", "replay"):  # its own pushes (a stranger's or a copy say nothing)
-                self.refused_in_a_row[island] += 1
+                self.per_island[island].refused_in_a_row += 1
         self.rejected_updates += 1
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
         log.warning("syncer: rejected a push of island %r, fragment %r: %s", island, fragment, reason)
@@ -312,16 +310,16 @@ class Syncer:
 
     def _fresh_enough(self, island: int, fragment: int, staleness: int, tokens: int) -> bool:
         """Within the island's staleness limit (``max_staleness`` + its credit)? Drops (and credits) it if not."""
-        credit = self.stale_credit[island][fragment]
+        credit = self.per_island[island].stale_credit[fragment]
         if staleness <= self.max_staleness + credit:
             return True
         self.stale_updates += 1
-        self.stale_credit[island][fragment] = min(credit + 1, self.islands)
+        self.per_island[island].stale_credit[fragment] = min(credit + 1, self.islands)
         self._count("stale", island, fragment, tokens)
         return False
 
     def _count(self, outcome: str, island: int, fragment: int, tokens: int) -> None:
-        self.tokens_by_outcome[outcome][island] += tokens * self.numels[fragment] / self.numel
+        self.per_island[island].tokens[outcome] += tokens * self.numels[fragment] / self.numel
 
     # --- merging ------------------------------------------------------------------------------------
     def next_deadline(self) -> tuple[float, int] | None:
@@ -353,7 +351,7 @@ class Syncer:
             self.merge_waits.append((now - (buf.opened_at if opened else buf.first_at),
                                      buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
             for p in pushes:
-                self.last_wait[p.island][fragment] = now - p.arrived_at
+                self.per_island[p.island].last_wait[fragment] = now - p.arrived_at
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
             ok = self.bounds.vet(fragment, [(p.island, float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
             for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
@@ -382,7 +380,7 @@ class Syncer:
         self.quorum_sizes.append(contributors)
         self.staleness += stale
         for p in kept:
-            self.refused_in_a_row[p.island] = 0
+            self.per_island[p.island].refused_in_a_row = 0
             self._count("merged", p.island, fragment, p.tokens)
         return 1
 

@@ -23,6 +23,7 @@ from atoll.strategies.decoupled.buffer import Buffer, Pending
 if TYPE_CHECKING:
     from atoll.algorithms.outer import OuterOptimizer
     from atoll.strategies.decoupled.bounds import PushBounds
+    from atoll.strategies.decoupled.island_record import IslandRecord
     from atoll.strategies.decoupled.trust import Admission
 
 
@@ -39,11 +40,7 @@ class SyncerView(Protocol):
     round_s: deque[float]
     push_gap_s: deque[float]
     sync_s: deque[float]
-    last_wait: list[list[float | None]]
-    last_push_at: list[list[float | None]]
-    refused_in_a_row: list[int]
-    stale_credit: list[list[int]]
-    tokens_by_outcome: dict[str, list[float]]
+    per_island: list[IslandRecord]
     rejected_updates: int
     rejected_by_reason: dict[str, int]
     stale_updates: int
@@ -53,6 +50,10 @@ class SyncerView(Protocol):
     quorum_sizes: list[int]
     staleness: list[int]
     merge_waits: list[tuple[float, float]]
+
+    @property
+    def tokens_by_outcome(self) -> dict[str, list[float]]:
+        """Per outcome, per island, tokens pushed."""
 
     @property
     def merged_tokens(self) -> float:
@@ -82,10 +83,11 @@ def state_dict(s: SyncerView) -> dict[str, Any]:
                     for b in s.buffers],
         "bounds": s.bounds.state_dict(), "admission": s.admission.state_dict(), "merge_s": s.merge_s,
         "round_s": list(s.round_s), "push_gap_s": list(s.push_gap_s), "sync_s": list(s.sync_s),
-        "last_wait": [[-1.0 if t is None else t for t in f] for f in s.last_wait],
-        "last_push_at": [[-1.0 if t is None else t for t in f] for f in s.last_push_at],
-        "refused_in_a_row": list(s.refused_in_a_row),
-        "stale_credit": [list(c) for c in s.stale_credit],
+        # per island (the checkpoint keeps its layout of one list per field, indexed by island)
+        "last_wait": [[-1.0 if t is None else t for t in r.last_wait] for r in s.per_island],
+        "last_push_at": [[-1.0 if t is None else t for t in r.last_push_at] for r in s.per_island],
+        "refused_in_a_row": [r.refused_in_a_row for r in s.per_island],
+        "stale_credit": [list(r.stale_credit) for r in s.per_island],
         "tokens_by_outcome": {k: list(v) for k, v in s.tokens_by_outcome.items()},
         "rejected_updates": s.rejected_updates, "rejected_by_reason": dict(s.rejected_by_reason),
         "stale_updates": s.stale_updates, "replaced_updates": s.replaced_updates,
@@ -118,13 +120,14 @@ def load_state_dict(s: SyncerView, state: dict[str, Any]) -> None:
     s.round_s = deque((float(x) for x in state["round_s"]), maxlen=WINDOW)
     s.push_gap_s = deque((float(x) for x in state.get("push_gap_s", [])), maxlen=WINDOW)  # absent: older ones
     s.sync_s = deque((float(x) for x in state.get("sync_s", [])), maxlen=WINDOW)
-    if "last_wait" in state:
-        s.last_wait = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_wait"]]
-    if "last_push_at" in state:  # absent from older checkpoints: no push seen yet
-        s.last_push_at = [[None if float(t) < 0 else float(t) for t in f] for f in state["last_push_at"]]
-    s.refused_in_a_row = [int(x) for x in state.get("refused_in_a_row", [0] * s.islands)]
-    s.stale_credit = [[int(x) for x in c] for c in state["stale_credit"]]
-    s.tokens_by_outcome = {k: [float(x) for x in v] for k, v in state["tokens_by_outcome"].items()}
+    for i, r in enumerate(s.per_island):
+        if "last_wait" in state:
+            r.last_wait = [None if float(t) < 0 else float(t) for t in state["last_wait"][i]]
+        if "last_push_at" in state:  # absent from older checkpoints: no push seen yet
+            r.last_push_at = [None if float(t) < 0 else float(t) for t in state["last_push_at"][i]]
+        r.refused_in_a_row = int(state.get("refused_in_a_row", [0] * s.islands)[i])
+        r.stale_credit = [int(x) for x in state["stale_credit"][i]]
+        r.tokens = {k: float(v[i]) for k, v in state["tokens_by_outcome"].items()}
     for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
         setattr(s, name, int(state.get(name, 0)))  # replaced_updates: absent from older checkpoints
     s.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
