@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 
 def train(config: Any, resume: bool = False) -> dict:
-    """Run one training job; see :func:`atoll.train.train`."""
-    from atoll.train import train as _train
+    """Run one training job; see :func:`atoll.training.train`."""
+    from atoll.training import train as _train
 
     return _train(config, resume=resume)
 

@@ -218,9 +218,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if config.runtime == "collective" and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         from atoll.runtime.collective import launch  # start the ranks on this machine; no model here
 
-        summary = launch(config, "atoll.train:train", resume=args.resume is not None)
+        summary = launch(config, "atoll.training:train", resume=args.resume is not None)
     else:
-        from atoll.train import train
+        from atoll.training import train
 
         summary = train(config, resume=args.resume is not None)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run

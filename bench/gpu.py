@@ -298,7 +298,7 @@ def _diloco_job(own: dict[str, Any], islands: int, h: int) -> tuple[float, dict[
     """A diloco job (the ``local`` runtime) of ``islands`` islands, two rounds of H, evaluated before and at
     the end, no checkpoint: its wall seconds and its summary."""
     from atoll.config import build_config
-    from atoll.train import train
+    from atoll.training import train
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

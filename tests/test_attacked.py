@@ -25,7 +25,7 @@ from atoll.job.checkpoint import (
     save_checkpoint,
 )
 from atoll.job.metrics import read_metrics
-from atoll.train import train
+from atoll.training import train
 
 
 def test_only_ascii_digits_name_a_checkpoint(tmp_path: Path) -> None:

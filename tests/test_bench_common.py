@@ -169,7 +169,7 @@ def test_clear_run_dir_keeps_a_users_file_nested_in_a_run(tmp_path: Path, mine: 
 def test_a_trained_run_folder_holds_only_files_atoll_writes(fast_config: dict, tmp_path: Path) -> None:
     """The list of atoll's files (RUN_PATHS) stays true to what a run writes: a run with checkpoints is cleared."""
     from atoll.config import build_config
-    from atoll.train import train
+    from atoll.training import train
 
     out = tmp_path / "run"
     train(build_config(overrides={**fast_config, "steps": 4, "checkpoint_every": 2, "eval_every": 4,

@@ -58,7 +58,7 @@ def test_cross_field_error_names_the_field() -> None:
 
 @pytest.mark.slow
 def test_report_draws_several_runs(fast_config: dict, tmp_path: Path) -> None:
-    from atoll.train import train
+    from atoll.training import train
 
     a = train(build_config(overrides={**fast_config, "steps": 4, "eval_every": 2, "out": str(tmp_path / "a")}))
     b = train(build_config(overrides=applicable({**fast_config, "steps": 4, "eval_every": 2, "strategy": "ddp",

@@ -24,7 +24,7 @@ from atoll.config import build_config, load_run_config
 from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
 from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
-from atoll.train import train
+from atoll.training import train
 
 pytestmark = pytest.mark.slow  # real processes (and Ray) in every test
 

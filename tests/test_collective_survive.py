@@ -196,7 +196,7 @@ def test_a_frozen_rank_is_killed_as_soon_as_its_peers_report_it(settings: dict, 
     code = ("import sys\nfrom atoll.config import build_config\nfrom atoll.errors import RunFailed\n"
             "from atoll.runtime.collective import launch\n"
             f"config = build_config(overrides={overrides!r})\n"
-            "try:\n    launch(config, 'atoll.train:train', grace_s=36000)\n"
+            "try:\n    launch(config, 'atoll.training:train', grace_s=36000)\n"
             "except RunFailed as e:\n    print(e, file=sys.stderr)\n    sys.exit(e.exit_code)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                        env={**os.environ, KILL_HOOK_ENV: "1:8:STOP"})

@@ -9,7 +9,7 @@ import pytest
 
 from atoll.analysis.curves import Curve, loss_vs_time, loss_vs_tokens
 from atoll.config import build_config
-from atoll.train import train
+from atoll.training import train
 
 
 def test_interpolation_and_first_crossing() -> None:

@@ -12,7 +12,7 @@ from conftest import run_cli
 from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 from atoll.config import build_config
 from atoll.errors import ConfigError
-from atoll.train import train
+from atoll.training import train
 
 
 def _decoupled(fast_config: dict, **extra: object) -> dict:
@@ -233,7 +233,7 @@ def test_ray_is_imported_only_for_the_ray_runtime() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, atoll.cli, atoll.train, atoll.strategies.decoupled, atoll.runtime.events; "
+    code = ("import sys, atoll.cli, atoll.training, atoll.strategies.decoupled, atoll.runtime.events; "
             "from atoll.cli import build_parser; build_parser(); assert 'ray' not in sys.modules, 'ray imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -14,7 +14,7 @@ from atoll.algorithms.demo import DeMo
 from atoll.algorithms.demo_payload import DemoPayload, pack_ternary, payload_bytes, unpack_ternary
 from atoll.config import build_config
 from atoll.config.applies import applicable
-from atoll.train import train
+from atoll.training import train
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -123,7 +123,7 @@ def test_cuda_island_uses_fused_adamw_and_matches_the_cpu() -> None:  # pragma: 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_run_places_islands_on_the_gpus(tmp_path, corpus_file, cache_dir) -> None:  # pragma: no cover
-    from atoll.train import train
+    from atoll.training import train
 
     summary = train(build_config(overrides={
         "data": str(corpus_file), "cache_dir": str(cache_dir), "model": "micro", "vocab_size": 512, "seq_len": 32,
@@ -168,7 +168,7 @@ def test_the_compiling_step_is_start_up_not_compute(monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_compiled_run_matches_eager(fast_config) -> None:  # torch.compile for real: Inductor on the CPU
-    from atoll.train import train
+    from atoll.training import train
 
     base = {**fast_config, "islands": 2, "steps": 4, "sync_every": 2, "threads": 1}
     eager = train(build_config(overrides={**base, "out": fast_config["out"] + "-eager"}))

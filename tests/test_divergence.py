@@ -46,7 +46,7 @@ from atoll.strategies.demo import DeMoStrategy, make_optimizer
 from atoll.strategies.diloco import DiLoCo
 from atoll.strategies.sparseloco import SparseLoCo
 from atoll.strategies.streaming import StreamingDiLoCo
-from atoll.train import train
+from atoll.training import train
 
 VOCAB, SEQ, BATCH = 300, 16, 4
 

@@ -96,7 +96,7 @@ def test_the_decoupled_simulation_evaluates_on_island_0s_device(monkeypatch, fas
     own model on its device, with the CPU's numbers on a CPU."""
     from atoll.job import evaluation
     from atoll.job.metrics import read_metrics
-    from atoll.train import train
+    from atoll.training import train
 
     seen: list[tuple[torch.device, float, float]] = []
     original = evaluation.evaluate_island

@@ -13,7 +13,7 @@ import pytest
 
 from atoll.config import build_config
 from atoll.job.metrics import read_metrics
-from atoll.train import train
+from atoll.training import train
 
 BENCHES = ("suite", "diloco_vs_ddp", "streaming_codecs", "demo_sweep", "decoupled", "overhead", "same_numbers")
 

@@ -24,7 +24,7 @@ from atoll.job.device import CompiledForward
 from atoll.job.island import Island, make_island
 from atoll.job.loss import chunked_cross_entropy
 from atoll.job.model import build_model
-from atoll.train import train
+from atoll.training import train
 
 VOCAB, SEQ = 512, 16
 

@@ -57,7 +57,6 @@ def test_runtimes_do_not_import_the_training_loop() -> None:
     for module in graph:
         if module.startswith("atoll.runtime"):
             assert "atoll.training" not in graph[module], module
-            assert "atoll.train" not in graph[module], module
 
 
 def test_pure_maths_imports_no_job_runtime_or_strategy() -> None:

@@ -14,7 +14,7 @@ from conftest import cli_flags, run_cli
 from atoll.config import build_config, load_run_config
 from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
-from atoll.train import train
+from atoll.training import train
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from atoll.config import build_config
 from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
 from atoll.runtime.network import ClockTrace, Link, SimClock, load_trace, replay
-from atoll.train import train
+from atoll.training import train
 
 
 def test_replay_of_a_hand_made_trace_matches_the_clock() -> None:

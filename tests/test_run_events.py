@@ -20,7 +20,7 @@ from atoll.strategies.decoupled.journal import Merged, Refused
 from atoll.strategies.decoupled.progress import progress_detail, syncer_events
 from atoll.strategies.decoupled.protocol import Push
 from atoll.strategies.decoupled.syncer import Syncer
-from atoll.train import train
+from atoll.training import train
 
 
 def _decoupled(fast_config: dict, **over) -> dict:

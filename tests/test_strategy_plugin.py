@@ -15,7 +15,7 @@ from atoll.config import build_config
 from atoll.config.applies import catalog
 from atoll.errors import ConfigError
 from atoll.strategies import registry
-from atoll.train import train
+from atoll.training import train
 
 #: the whole new strategy: FedAvg (McMahan et al. 2017), every H inner steps the islands' parameters are
 #: averaged, token-weighted, moved a fraction ``fedavg_mix`` of the way to that mean

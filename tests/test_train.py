@@ -12,7 +12,7 @@ import atoll.job.run as train_mod
 from atoll.config import build_config, load_run_config
 from atoll.config.applies import applicable
 from atoll.job.metrics import read_metrics
-from atoll.train import train
+from atoll.training import train
 
 
 @pytest.mark.slow
@@ -234,3 +234,29 @@ def test_init_from_a_decoupled_run_stopped_before_its_first_checkpoint(tmp_path:
         assert torch.equal(torch.nn.utils.parameters_to_vector(fresh.parameters()).detach(), syncer.global_params())
     with pytest.raises(ConfigError, match="init_from: the syncer's model"):
         train_mod.load_init_weights(build_model("micro", 1024, 32, seed=0), tmp_path / "killed")
+
+
+def test_atoll_train_stays_callable_however_often_it_is_called() -> None:
+    """``import atoll; atoll.train(c); atoll.train(c)``: importing the loop's module never rebinds the package's
+    ``train`` (the module is ``atoll.training``), so a second call reaches the loop as the first did; and
+    ``from atoll import train`` is the same function. Run in a fresh interpreter (no earlier import of atoll)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atoll\n"
+        "from atoll import ConfigError, TrainConfig, train\n"
+        "c = TrainConfig(strategy='decoupled', runtime='service')\n"
+        "said = []\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        atoll.train(c)\n"
+        "    except ConfigError as e:\n"
+        "        said.append(str(e).split(' ')[0])\n"
+        "import atoll.training\n"
+        "assert atoll.train is train and callable(atoll.train), atoll.train\n"
+        "print(said)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['runtime:', 'runtime:']"  # the loop's own refusal, both times

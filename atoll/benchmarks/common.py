@@ -239,7 +239,7 @@ def train_once(suite_dir: Path, name: str, fresh: bool = False, *, tag: str = "b
             out.rename(previous)
         register(suite_dir, name)
         print(f"[{tag}] {name}: {settings}", file=sys.stderr, flush=True)
-        from atoll.train import train
+        from atoll.training import train
 
         try:
             summary = train(config)

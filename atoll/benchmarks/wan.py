@@ -66,7 +66,7 @@ from atoll.benchmarks.netns import (
 from atoll.benchmarks.wan_report import steady_state, write_report
 from atoll.config.applies import applicable
 
-LOG_EVERY = 10  # atoll.train logs a ``train`` event every 10 inner steps
+LOG_EVERY = 10  # atoll.training logs a ``train`` event every 10 inner steps
 
 #: The defaults before the nano regime (TrainConfig up to commit 568f3bb) that differ from today's and that the
 #: runs do not set themselves (model, steps, H, evaluation and checkpoints are the flags'): the committed results

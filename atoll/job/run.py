@@ -1,6 +1,6 @@
 """One training job's bookkeeping, written once for every driver.
 
-A driver (the lockstep loop of :mod:`atoll.train`, the decoupled event simulation of
+A driver (the lockstep loop of :mod:`atoll.training`, the decoupled event simulation of
 :mod:`atoll.runtime.events`, the Ray driver of :mod:`atoll.runtime.ray`, every rank of the collective runtime)
 owns only its loop; a :class:`Run` owns the rest::
 

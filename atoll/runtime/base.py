@@ -6,7 +6,7 @@ computes an island's gradient for its batch (data parallel over the island's ran
 sums what the loop reports over every island of the job, assembles a checkpoint's state in one format
 whatever the runtime, and says which process writes the run's outputs.
 
-The loop (:func:`atoll.train.train_lockstep`) meets it at a few named points per inner step:
+The loop (:func:`atoll.training.train_lockstep`) meets it at a few named points per inner step:
 :meth:`Runtime.inner_steps` (the islands' passes, a test's faults around them), :meth:`Runtime.log_membership`
 (islands lost and rejoined) and :meth:`Runtime.end_step` (checkpoint, a signal's stop, restarted islands
 admitted), and at its end for the job's totals (:meth:`Runtime.job_totals`).
@@ -110,7 +110,7 @@ class Runtime(ABC):
         ``collective`` runtime's): none where islands are not processes of their own."""
         return []
 
-    # --- the loop's entry points (atoll.train.train_lockstep) ---------------------------------------------
+    # --- the loop's entry points (atoll.training.train_lockstep) ---------------------------------------------
     def inner_steps(self, islands: list[Island], batches: list[torch.Tensor], step: int) -> None:
         """Inner step ``step`` (0-based) of this process's islands: each one's forward and backward pass on its
         batch (:meth:`forward_backward`; ``batches[k]`` is ``islands[k]``'s), with a test's faults injected

@@ -42,7 +42,7 @@ class StrategySpec:
             message naming the field and the fix.
         defaults: values of settings every run reads (not its config's: those have their own defaults) for this
             strategy when the user gives none (e.g. demo's constant learning rate after warmup).
-        lockstep: the :class:`~atoll.strategies.base.Strategy` the lockstep loop (``atoll.train``) runs, built
+        lockstep: the :class:`~atoll.strategies.base.Strategy` the lockstep loop (``atoll.training``) runs, built
             as ``lockstep(config.strategy_config, islands, comm, config.seed)``;
             None for an asynchronous strategy, which the ``local`` runtime's event simulation
             (:mod:`atoll.runtime.events`) and the ``ray`` runtime drive instead.

@@ -77,7 +77,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     Args:
         config: the run (``runtime="collective"``).
         worker: what each rank runs, as ``"module:function"`` called ``function(config, resume)``
-            (``"atoll.train:train"``); the fork server imports the module once, this process never does.
+            (``"atoll.training:train"``); the fork server imports the module once, this process never does.
         resume: continue the run in ``config.out`` from its latest checkpoint.
         grace_s: seconds the other ranks get to stop after the first failure (or rank 0's exit).
 

@@ -109,7 +109,7 @@ def _train(config: TrainConfig, resume: bool) -> dict[str, Any]:
         from atoll.runtime import collective
 
         if not collective.in_worker():
-            return collective.launch(config, "atoll.train:train", resume)
+            return collective.launch(config, "atoll.training:train", resume)
     runtime = make_runtime(config)
     with runtime.guard():
         return train_lockstep(config, resume, runtime)
