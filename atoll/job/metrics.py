@@ -263,7 +263,7 @@ def _bytes_rows(s: dict[str, Any]) -> list[Row]:
 def _time_rows(s: dict[str, Any]) -> list[Row]:
     per_island = "island_utilization" in s
     rows = [("compute (slowest island)" + (", simulated" if per_island else ""), f"{s['compute_s']:.1f} s")]
-    if s.get("runtime") in ("collective", "ray"):  # the run's clock is the real one: one wall time
+    if s.get("runtime") in ("collective", "ray") or "link_bandwidth_mbps" not in s:  # a real clock: one wall time
         rows.append(("real wall time", f"{s['wall_s']:.1f} s"))
         rows.append(("compute utilization" + (" (busiest island)" if per_island else ""),
                      f"{s['compute_utilization']:.1%}"))
