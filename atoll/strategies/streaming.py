@@ -74,7 +74,10 @@ def validate(config: TrainConfig) -> None:
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
-    check_fragments(config.model, config.fragments)
+    own = config.strategy_config
+    if not isinstance(own, StreamingConfig):  # (the spec validates a streaming run's config only)
+        raise TypeError(f"a {config.strategy} run has no streaming config ({type(own).__name__})")
+    check_fragments(config.model, own.fragments)
 
 
 @dataclass
