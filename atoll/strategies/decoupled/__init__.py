@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import Field, field_validator
 
-from atoll.analysis.cost import Cost, Setting
+from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.parse import parse_chaos
 from atoll.config.runtimes import TimeoutSection
 from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
@@ -283,16 +283,20 @@ def max_round_s(config: TrainConfig) -> float:
     return max(timeout, 2.0 * slowest)
 
 
-def project(s: Setting) -> Cost:
-    """decoupled's cost per inner step: each island pushes its b-bit fragments to a syncer and pulls the
-    merge, never waiting for the other islands; the syncer's link is assumed not to be the bottleneck (a
-    datacenter link, or one syncer per fragment)::
+def project(config: DecoupledConfig, s: Setting) -> Cost:
+    """decoupled's cost per inner step: each island pushes its b-bit fragments (its codec's) to a syncer and
+    pulls the merge, never waiting for the other islands; the syncer's link is assumed not to be the bottleneck
+    (a datacenter link, or one syncer per fragment)::
 
         bytes = N*b/8 / H;   step = max(t_c, bytes*8/B)
+
+    Raises:
+        ValueError: a codec without fixed bits per element (topk).
     """
-    sent = s.params * s.codec_bits / 8 / s.sync_every if s.islands > 1 else 0.0
-    t = s.params * s.codec_bits / s.fragments / s.bandwidth_bps + s.latency_s if s.islands > 1 else 0.0
-    return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps), sent, t)
+    h, b = config.sync_every, codec_bits(config.codec)
+    sent = s.params * b / 8 / h if s.islands > 1 else 0.0
+    t = s.params * b / config.fragments / s.bandwidth_bps + s.latency_s if s.islands > 1 else 0.0
+    return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps), sent, t, sync_every=h)
 
 
 SPEC = StrategySpec(
