@@ -53,7 +53,7 @@ def test_the_summary_settings_come_from_the_strategy_and_the_runtime() -> None:
     """The settings a summary reports are those of the run's owners: the local runtime's simulated links, none
     of them under the collective runtime (a real clock); H of a strategy of rounds, none for ddp."""
     from atoll.config import TrainConfig
-    from atoll.job.run import LINK_SETTINGS, owned_settings
+    from atoll.job.metrics import LINK_SETTINGS, owned_settings
 
     def settings(**given: object) -> dict:
         config = TrainConfig(**given)

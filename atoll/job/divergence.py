@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,16 +100,20 @@ def check_resets(step: int, resets: int, islands: int) -> None:
         raise Diverged(step, why)
 
 
-def advice(strategy: StrategyConfig, rates: Sequence[str], schedule: ScheduleSection) -> str:
-    """What to change before starting again: lower the learning rates ``rates`` of the ``strategy``'s own
-    config (its spec's :meth:`~atoll.strategies.spec.StrategySpec.learning_rates`: a strategy without an outer
-    optimizer, ddp, demo or a plain-averaging FedAvg, is never told of ``--outer-lr``), raise the run's warmup
-    (``schedule``: the run's section), and keep its gradient clipping on.
+def learning_rates(strategy: StrategyConfig) -> tuple[str, ...]:
+    """The learning rates of a strategy's own config, in its order: every setting of it named ``lr`` or ending
+    in ``_lr`` (ddp: lr; diloco: lr, outer_lr; demo: demo_lr; a plain-averaging FedAvg, no outer optimizer:
+    lr)."""
+    return tuple(name for name in type(strategy).model_fields if name == "lr" or name.endswith("_lr"))
 
-    Raises:
-        AttributeError: a name of ``rates`` that ``strategy`` does not have.
-    """
-    lower = " or ".join(f"--{name.replace('_', '-')} (it is {getattr(strategy, name):g})" for name in rates)
+
+def advice(strategy: StrategyConfig, schedule: ScheduleSection) -> str:
+    """What to change before starting again: lower the learning rates of the ``strategy``'s own config
+    (:func:`learning_rates`: a strategy without an outer optimizer, ddp, demo or a plain-averaging FedAvg, is
+    never told of ``--outer-lr``), raise the run's warmup (``schedule``: the run's section), and keep its
+    gradient clipping on."""
+    lower = " or ".join(f"--{name.replace('_', '-')} (it is {getattr(strategy, name):g})"
+                        for name in learning_rates(strategy))
     clip = "" if schedule.grad_clip > 0 else ", keep --grad-clip on"
     return f"{'lower ' + lower + ', ' if lower else ''}raise --warmup-steps (it is {schedule.warmup_steps}){clip}, " \
            "and start again"
@@ -118,10 +122,7 @@ def advice(strategy: StrategyConfig, rates: Sequence[str], schedule: ScheduleSec
 def record(config: TrainConfig, error: Diverged) -> dict[str, Any]:
     """The summary's ``diverged`` entry: ``step`` (1-based inner step), ``reason``, ``fix`` (:func:`advice`, from
     the strategy's own config and the run's schedule)."""
-    from atoll.strategies.registry import spec
-
-    fix = advice(config.strategy_config, spec(config.strategy).learning_rates(), config)
-    return {"step": error.step, "reason": error.what, "fix": fix}
+    return {"step": error.step, "reason": error.what, "fix": advice(config.strategy_config, config)}
 
 
 def until_diverged(run: Callable[..., Any], *args: Any) -> Diverged | None:

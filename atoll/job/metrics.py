@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.errors import DataError
 
 
@@ -244,6 +245,23 @@ class ProgressDisplay:
 
 
 Row = tuple[str, str]
+
+#: the settings of the simulated network clock a summary reports (where the runtime owns them: ``local``)
+LINK_SETTINGS = ("link_bandwidth_mbps", "link_latency_ms")
+
+
+def owned_settings(strategy: StrategyConfig, runtime: RuntimeConfig, names: tuple[str, ...]) -> dict[str, Any]:
+    """Of the settings ``names``, those the run's ``strategy`` config or ``runtime`` config owns -> their values,
+    in ``names`` order: a summary reports the settings of the run's owners only (no ``sync_every`` for a
+    strategy without outer rounds, no simulated links for a runtime on a real clock), never a default of a
+    setting the run did not read."""
+    out: dict[str, Any] = {}
+    for name in names:
+        owner = next((o for o in (strategy, runtime) if name in type(o).model_fields), None)
+        if owner is not None:
+            out[name] = getattr(owner, name)
+    return out
+
 
 
 def _model_rows(s: dict[str, Any]) -> list[Row]:

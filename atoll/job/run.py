@@ -29,7 +29,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
 from atoll.config.runtimes import CollectiveConfig
-from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import (
     commit_checkpoint,
@@ -45,7 +44,15 @@ from atoll.job.device import peak_accelerator_bytes, resolve_device
 from atoll.job.evaluation import evaluate
 from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
-from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
+from atoll.job.metrics import (
+    LINK_SETTINGS,
+    MetricsLog,
+    NullLog,
+    owned_settings,
+    perplexity,
+    read_metrics,
+    write_summary,
+)
 from atoll.job.model import (
     PRESETS,
     build_model,
@@ -62,23 +69,6 @@ from atoll.runtime.network import ring_allreduce_bytes
 
 #: held-out windows per evaluation batch, whatever the run's batch size (runs are compared on the same text)
 EVAL_ROWS = 8
-#: the settings of the simulated network clock a summary reports (where the runtime owns them: ``local``)
-LINK_SETTINGS = ("link_bandwidth_mbps", "link_latency_ms")
-
-
-def owned_settings(strategy: StrategyConfig, runtime: RuntimeConfig, names: tuple[str, ...]) -> dict[str, Any]:
-    """Of the settings ``names``, those the run's ``strategy`` config or ``runtime`` config owns -> their values,
-    in ``names`` order: a summary reports the settings of the run's owners only (no ``sync_every`` for a
-    strategy without outer rounds, no simulated links for a runtime on a real clock), never a default of a
-    setting the run did not read."""
-    out: dict[str, Any] = {}
-    for name in names:
-        owner = next((o for o in (strategy, runtime) if name in type(o).model_fields), None)
-        if owner is not None:
-            out[name] = getattr(owner, name)
-    return out
-
-
 def is_meta(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are on the meta device (shapes without storage)."""
     return any(p.is_meta for p in model.parameters())

@@ -56,9 +56,6 @@ class StrategySpec:
             ``sync_every`` steps; ``False``: every step).
         shards: it runs on sharded islands (``shard_island``): its exchanges and state are per flat
             position, so they work on each rank's shard of the flat parameter vector.
-        rates: the settings of its config that are learning rates, which a diverged run is advised to lower
-            (:func:`atoll.job.divergence.advice`); None: those its config has named ``lr`` or ``*_lr``
-            (:meth:`learning_rates`).
     """
 
     name: str
@@ -73,20 +70,3 @@ class StrategySpec:
     suite: tuple[SuiteRun, ...] = ()
     syncs_per_h: bool = False
     shards: bool = False
-    rates: tuple[str, ...] | None = None
-
-    def learning_rates(self) -> tuple[str, ...]:
-        """The learning rates of its config, in the config's order: :attr:`rates`, else every setting of its
-        config named ``lr`` or ending in ``_lr`` (ddp: lr; diloco: lr, outer_lr; demo: demo_lr; a strategy of
-        plain averaging, with no outer optimizer: lr alone).
-
-        Raises:
-            ValueError: a name of :attr:`rates` that its config does not have.
-        """
-        fields = self.config.model_fields
-        if self.rates is None:
-            return tuple(name for name in fields if name == "lr" or name.endswith("_lr"))
-        unknown = [name for name in self.rates if name not in fields]
-        if unknown:
-            raise ValueError(f"rates: {unknown[0]!r} is no setting of the {self.name} strategy's config")
-        return self.rates
