@@ -263,7 +263,6 @@ def owned_settings(strategy: StrategyConfig, runtime: RuntimeConfig, names: tupl
     return out
 
 
-
 def _model_rows(s: dict[str, Any]) -> list[Row]:
     return [("parameters", f"{s['params']:,}"),
             ("device / precision", f"{s.get('device', 'cpu')} / {s.get('precision', 'fp32')}"),

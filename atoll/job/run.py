@@ -69,6 +69,8 @@ from atoll.runtime.network import ring_allreduce_bytes
 
 #: held-out windows per evaluation batch, whatever the run's batch size (runs are compared on the same text)
 EVAL_ROWS = 8
+
+
 def is_meta(model: torch.nn.Module) -> bool:
     """Whether ``model``'s parameters are on the meta device (shapes without storage)."""
     return any(p.is_meta for p in model.parameters())
@@ -387,8 +389,7 @@ class Run:
         summary: dict[str, Any] = {
             "strategy": config.strategy, "runtime": config.runtime, "islands": config.islands,
             **owned_settings(config.strategy_config, config.runtime_config, ("sync_every",)),
-            "steps": config.steps, "model": config.model, "params": self.n_params,
-            "vocab_size": self.data.vocab_size,
+            "steps": config.steps, "model": config.model, "params": self.n_params, "vocab_size": self.data.vocab_size,
             "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
             "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": self.eval_loss,
             "final_perplexity": perplexity(self.eval_loss),
