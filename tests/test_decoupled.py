@@ -12,6 +12,7 @@ from conftest import run_cli
 from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 from atoll.config import build_config
 from atoll.errors import ConfigError
+from atoll.strategies.decoupled import DecoupledConfig
 from atoll.training import train
 
 
@@ -155,8 +156,8 @@ def test_decoupled_only_flags_are_refused() -> None:
     with pytest.raises(ConfigError, match="ray_address: the local runtime does not use it"):
         build_config(overrides={"strategy": "decoupled", "ray_address": "10.0.0.1:6379"})
     with pytest.raises(ConfigError, match="grace_factor: the diloco strategy does not use it .*--strategy decoupled"):
-        build_config(overrides={"strategy": "diloco", "grace_factor": build_config().grace_factor})
-    build_config(base={"strategy": "diloco", "grace_factor": build_config().grace_factor})
+        build_config(overrides={"strategy": "diloco", "grace_factor": DecoupledConfig().grace_factor})
+    build_config(base={"strategy": "diloco", "grace_factor": DecoupledConfig().grace_factor})
 
 
 def test_ray_island_resources_one_entry_or_one_per_island() -> None:
@@ -240,11 +241,13 @@ def test_ray_is_imported_only_for_the_ray_runtime() -> None:
 
 
 def test_strategy_defaults_outer_momentum_and_codec() -> None:
-    assert build_config(overrides={"strategy": "decoupled"}).outer_momentum == 0.5
-    assert build_config(overrides={"strategy": "diloco"}).outer_momentum == 0.5  # not the paper's 0.9: docs/results.md
-    assert build_config(overrides={"strategy": "decoupled", "outer_momentum": 0.9}).outer_momentum == 0.9
-    assert build_config(overrides={"strategy": "decoupled"}).codec == "int4" == build_config(
-        overrides={"strategy": "streaming"}).codec and build_config().codec == "fp32"
+    def own(**overrides: object):
+        return build_config(overrides=overrides).strategy_config
+
+    assert own(strategy="decoupled").outer_momentum == 0.5
+    assert own(strategy="diloco").outer_momentum == 0.5  # not the paper's 0.9: docs/results.md
+    assert own(strategy="decoupled", outer_momentum=0.9).outer_momentum == 0.9
+    assert own(strategy="decoupled").codec == "int4" == own(strategy="streaming").codec and own().codec == "fp32"
 
 
 def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -> None:
@@ -333,7 +336,7 @@ def test_a_speed_spread_the_cadence_cannot_hold_is_refused_with_one_line() -> No
         build_config(overrides={"strategy": "decoupled", "islands": 4, "fragments": 2, "sync_every": 6,
                                 "island_speeds": "1,1,1,0.05"})
     assert build_config(overrides={"strategy": "decoupled", "islands": 2, "fragments": 2, "sync_every": 40,
-                                   "island_speeds": "1,0.05"}).island_speeds == [1.0, 0.05]
+                                   "island_speeds": "1,0.05"}).strategy_config.island_speeds == [1.0, 0.05]
 
 
 @pytest.mark.slow

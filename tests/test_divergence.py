@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import run_cli
 from rich.console import Console
+from test_strategy_plugin import fedavg  # noqa: F401 (the FedAvg plugin's fixture)
 
 from atoll.config import TrainConfig, build_config
 from atoll.config.applies import applicable
@@ -33,6 +34,7 @@ from atoll.job.divergence import (
     inject_fault,
     install_fault_hook_from_env,
     message,
+    record,
     resets_diverged,
     set_fault_hook,
 )
@@ -266,6 +268,26 @@ def test_divergence_rules_and_the_line() -> None:
     assert resets_diverged(RESET_LIMIT * 2, 2) is None and "reset 11 times" in resets_diverged(RESET_LIMIT * 2 + 1, 2)
     line = message({"step": 7, "reason": "x", "fix": "lower --lr (it is 10)"})
     assert line == "training diverged at step 7: x; lower --lr (it is 10)"
+
+
+def test_the_advice_names_only_flags_the_strategy_or_the_run_accepts(fedavg: str) -> None:  # noqa: F811
+    """Every registered strategy's advice (the FedAvg plugin's too: plain averaging, no outer optimizer) names
+    only its own config's settings and the run's: ddp, demo and FedAvg are never told of --outer-lr."""
+    import re
+
+    from atoll.config.applies import run_settings
+    from atoll.strategies.registry import specs
+
+    for own in specs():
+        config = build_config(overrides={"strategy": own.name})
+        fix = record(config, Diverged(3, "x"))["fix"]
+        flags = {f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", fix)}
+        assert flags and flags <= set(own.config.model_fields) | run_settings(), (own.name, fix)
+        assert ("outer_lr" in flags) == ("outer_lr" in own.config.model_fields), (own.name, fix)
+        assert {"lr", "demo_lr"} & flags, (own.name, fix)  # an inner rate: its own
+    assert {s.name for s in specs()} >= {"ddp", "demo", fedavg}
+    fix = record(build_config(overrides={"strategy": fedavg, "lr": 0.5, "grad_clip": 0}), Diverged(3, "x"))["fix"]
+    assert fix == "lower --lr (it is 0.5), raise --warmup-steps (it is 40), keep --grad-clip on, and start again"
 
 
 def test_the_fault_hook_names_its_format(monkeypatch, fault_hook) -> None:

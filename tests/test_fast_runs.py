@@ -39,6 +39,34 @@ def test_a_decoupled_run_end_to_end(fast_config: dict) -> None:
     assert (Path(summary["out"]) / "syncer").is_dir()
 
 
+def test_a_summary_reports_only_settings_its_owners_have(fast_config: dict) -> None:
+    """A ddp run has no H: its summary has no ``sync_every`` (the flat view handed out the default before)."""
+    tiny = {k: v for k, v in _tiny(fast_config, strategy="ddp", steps=2, eval_every=2, checkpoint_every=0).items()
+            if k != "sync_every"}
+    summary = train(build_config(overrides=tiny))
+    saved = json.loads((Path(summary["out"]) / "summary.json").read_text())
+    assert "sync_every" not in saved and "sync_every" not in summary
+    assert (saved["link_bandwidth_mbps"], saved["link_latency_ms"]) == (100.0, 10.0)  # the local runtime's own
+
+
+def test_the_summary_settings_come_from_the_strategy_and_the_runtime() -> None:
+    """The settings a summary reports are those of the run's owners: the local runtime's simulated links, none
+    of them under the collective runtime (a real clock); H of a strategy of rounds, none for ddp."""
+    from atoll.config import TrainConfig
+    from atoll.job.metrics import LINK_SETTINGS, owned_settings
+
+    def settings(**given: object) -> dict:
+        config = TrainConfig(**given)
+        return owned_settings(config.strategy_config, config.runtime_config, ("sync_every", "codec", *LINK_SETTINGS))
+
+    assert settings(strategy="diloco", sync_every=7, link_bandwidth_mbps=25.0) == {
+        "sync_every": 7, "codec": "fp32", "link_bandwidth_mbps": 25.0, "link_latency_ms": 10.0}
+    assert settings(strategy="diloco", runtime="collective", sync_every=9) == {"sync_every": 9, "codec": "fp32"}
+    assert settings(strategy="ddp", runtime="collective") == {"codec": "fp32"}
+    assert settings(strategy="demo") == {"link_bandwidth_mbps": 100.0, "link_latency_ms": 10.0}
+    assert settings(strategy="decoupled", runtime="ray", sync_every=8) == {"sync_every": 8, "codec": "int4"}
+
+
 @pytest.mark.slow  # real processes (tests/test_collective.py holds the others)
 def test_a_collective_run_end_to_end(fast_config: dict) -> None:
     summary = train(build_config(overrides=_tiny(fast_config, runtime="collective", steps=2, eval_every=2,

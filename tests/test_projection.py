@@ -14,6 +14,7 @@ from atoll.analysis.projection import (
     CODEC_BITS,
     STRATEGIES,
     Setting,
+    config_from_summary,
     format_table,
     fragment_syncs,
     project,
@@ -21,6 +22,7 @@ from atoll.analysis.projection import (
     real_scale_table,
     setting_from_summary,
 )
+from atoll.strategies.registry import spec
 
 FIXTURE = Path(__file__).parent / "fixtures" / "measured_runs.json"
 RESULTS = [Path(__file__).parents[1] / "bench" / "out" / s / "results.json"
@@ -54,7 +56,7 @@ def test_fixture_matches_the_committed_results() -> None:
 @pytest.mark.parametrize("key", sorted(measured_runs()))
 def test_projection_within_15_percent_of_measured_runs(key: str) -> None:
     run = measured_runs()[key]
-    p = project_run(setting_from_summary(run), run["strategy"], run["steps"])
+    p = project_run(setting_from_summary(run), run["strategy"], run["steps"], config_from_summary(run))
     assert _err(p["sim_wall_s"], run["sim_wall_s"]) < 0.15
     assert _err(p["compute_utilization"], run["compute_utilization"]) < 0.15
     assert _err(p["bytes"], run["bytes_sent_per_island"]) < 0.15 if run["bytes_sent_per_island"] else p["bytes"] == 0
@@ -66,46 +68,69 @@ def test_calibration_covers_every_measured_kind() -> None:
     assert {r["link_bandwidth_mbps"] for r in runs.values()} == {10.0, 100.0}
     # bytes are exact (the ring formula and the codecs' bits per element), not just within 15%
     for r in runs.values():
-        p = project_run(setting_from_summary(r), r["strategy"], r["steps"])
+        p = project_run(setting_from_summary(r), r["strategy"], r["steps"], config_from_summary(r))
         assert p["bytes"] == pytest.approx(r["bytes_sent_per_island"], rel=1e-4, abs=1)
 
 
+def _own(strategy: str, **settings):
+    """The strategy's own config with ``settings``."""
+    return spec(strategy).config(**settings)
+
+
 def test_limits_of_the_formulas() -> None:
-    s = Setting(params=1e6, step_compute_s=0.1, islands=4, bandwidth_mbps=10, latency_ms=10, sync_every=50,
-                fragments=4, overlap_steps=5)
+    s = Setting(params=1e6, step_compute_s=0.1, islands=4, bandwidth_mbps=10, latency_ms=10)
+    diloco = _own("diloco", sync_every=50)
+    streaming = _own("streaming", sync_every=50, fragments=4, overlap_steps=5, codec="fp32")
     ddp = project(s, "ddp")
     assert ddp.bytes_per_step == pytest.approx(1.5 * 4e6)           # 2(K-1)/K x 4N
     assert ddp.step_s == pytest.approx(0.1 + 6e6 * 8 / 1e7 + 6 * 0.01)
     # diloco with H=1 sends what ddp sends; with H=50, 50x less
-    assert project(replace(s, sync_every=1, fragments=1), "diloco").bytes_per_step == pytest.approx(ddp.bytes_per_step)
-    assert project(s, "diloco").bytes_per_step == pytest.approx(ddp.bytes_per_step / 50)
+    assert project(s, "diloco", _own("diloco", sync_every=1)).bytes_per_step == pytest.approx(ddp.bytes_per_step)
+    assert project(s, "diloco", diloco).bytes_per_step == pytest.approx(ddp.bytes_per_step / 50)
     # streaming with one fragment and no overlap is diloco
-    one = replace(s, fragments=1, overlap_steps=0)
-    assert project(one, "streaming").step_s == pytest.approx(project(one, "diloco").step_s)
+    one = _own("streaming", sync_every=50, fragments=1, overlap_steps=0, codec="fp32")
+    assert project(s, "streaming", one).step_s == pytest.approx(project(s, "diloco", diloco).step_s)
     # overlap hides a fragment's exchange when tau compute steps outlast it: 1.2 MB/4 at 10 Mbit/s ~ 0.3 s
-    fast = replace(s, codec_bits=CODEC_BITS["int4"], overlap_steps=5)
-    assert project(fast, "streaming").step_s == pytest.approx(0.1)
+    fast = streaming.model_copy(update={"codec": "int4"})
+    assert project(s, "streaming", fast).step_s == pytest.approx(0.1)
     # ... and does not when the link is the bottleneck: the link-bound rate P/H x T_f
     slow = replace(s, bandwidth_mbps=0.1)
     t_f = 1.5 * 4e6 / 4 * 8 / 1e5 + 6 * 0.01
-    assert project(slow, "streaming").step_s == pytest.approx(max(0.1 + 4 / 50 * (t_f - 0.5), 4 / 50 * t_f))
+    assert project(slow, "streaming", streaming).step_s == pytest.approx(max(0.1 + 4 / 50 * (t_f - 0.5), 4 / 50 * t_f))
     # DeMo: k x (2-byte index + 2-bit sign) per 64x64 chunk, all-gathered to K-1 peers; float32 values: k x 6
     assert project(s, "demo").bytes_per_step == pytest.approx(3 * 1e6 / 4096 * 32 * 2.25)
-    assert project(replace(s, demo_sign_values=False), "demo").bytes_per_step == pytest.approx(3 * 1e6 / 4096 * 32 * 6)
+    floats = _own("demo", demo_sign_values=False)
+    assert project(s, "demo", floats).bytes_per_step == pytest.approx(3 * 1e6 / 4096 * 32 * 6)
     # one island sends nothing and computes all the time
     for name in STRATEGIES:
         alone = project(replace(s, islands=1), name)
         assert alone.bytes_per_step == 0 and alone.compute_utilization == pytest.approx(1.0)
 
 
+def test_the_projection_reads_only_the_strategys_own_config() -> None:
+    """Each strategy is priced from its own config (H, P, the codec's bits are its settings, not the run's): a
+    strategy's config of another strategy is refused, and a summary's settings of another strategy are not read."""
+    s = Setting(params=1e6, step_compute_s=0.1, islands=4, bandwidth_mbps=10, latency_ms=10)
+    assert project(s, "diloco", _own("diloco", codec="int8")).bytes_per_step == pytest.approx(
+        project(s, "diloco").bytes_per_step * CODEC_BITS["int8"] / 32)
+    with pytest.raises(TypeError, match="DiLoCoConfig"):
+        project(s, "diloco", _own("streaming"))
+    ddp = {"strategy": "ddp", "sync_every": 50, "fragments": 1, "overlap_steps": 0, "codec": "fp32"}  # an old one
+    assert config_from_summary(ddp) == _own("ddp")
+    assert config_from_summary({**ddp, "strategy": "demo", "codec": None}) == _own("demo")
+    with pytest.raises(ValueError, match="no simulated links"):
+        setting_from_summary({"runtime": "collective", "params": 1, "compute_s": 1.0, "steps": 1, "islands": 2})
+
+
 def test_goodput_synchronous_against_decoupled() -> None:
-    s = Setting(params=1e9, step_compute_s=1.0, islands=4, bandwidth_mbps=2000, sync_every=100,
+    s = Setting(params=1e9, step_compute_s=1.0, islands=4, bandwidth_mbps=2000,
                 mtbf_s=2400, downtime_s=600, checkpoint_every_s=1800)
     sync = project(s, "ddp").goodput
     assert sync == pytest.approx(1 / (1 + 4 / 2400 * (600 + 900)))
     for name in ("diloco", "streaming", "demo"):
-        assert project(s, name).goodput == pytest.approx(sync)
-    dec = project(s, "decoupled")
+        assert project(s, name, _own(name, **({"sync_every": 100} if name != "demo" else {}))).goodput == \
+            pytest.approx(sync)
+    dec = project(s, "decoupled", _own("decoupled", sync_every=100))
     assert dec.goodput == pytest.approx(1 / (1 + (600 + 100 * dec.step_s / 2) / 2400))
     assert dec.goodput > 2.5 * sync
     assert project(replace(s, mtbf_s=math.inf), "ddp").goodput == 1.0

@@ -10,7 +10,6 @@ import torch
 from test_strategies import _batch, _setup
 
 from atoll.algorithms.sparse import SparseCompressor
-from atoll.analysis.cost import Setting
 from atoll.config import build_config
 from atoll.errors import ConfigError
 from atoll.runtime.network import ring_allgather_bytes
@@ -141,8 +140,8 @@ def test_density_counts_real_entries_not_a_chunks_padding() -> None:
 def test_projection_prices_the_payload_exactly() -> None:  # exact for flat chunks that divide every parameter
     comm, islands, strategy = _round(2, 2, sparseloco_topk=4, sparseloco_chunk=16, sparseloco_layout="flat")
     assert all(p.numel() % 16 == 0 for p in islands[0].params)  # whole chunks, as the projection assumes
-    s = Setting(params=strategy.compressor.numel, step_compute_s=1.0, sparseloco_topk=4, sparseloco_chunk=16)
-    assert payload_bytes(s) == strategy.compressor.payload_bytes() + WEIGHT_BYTES
+    predicted = payload_bytes(strategy.config, strategy.compressor.numel)
+    assert predicted == strategy.compressor.payload_bytes() + WEIGHT_BYTES
 
 
 def test_a_top_k_above_the_chunk_is_refused() -> None:

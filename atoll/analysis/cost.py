@@ -1,8 +1,9 @@
 """What a strategy's exchanges cost, in closed form: the inputs (:class:`Setting`) and the answer (:class:`Cost`).
 
-The types every strategy's cost formula (``SPEC.project`` in its module) takes and returns; the projection to
-real scale (:mod:`atoll.analysis.projection`) runs those formulas. Units: parameters (elements), seconds,
-bytes (8 bits), bits per second. No torch.
+The types every strategy's cost formula (``SPEC.project`` in its module) takes and returns: it takes the
+strategy's own config (its H, fragments, codec...) and a :class:`Setting` (the facts of any run: model, compute,
+islands, links, failures); the projection to real scale (:mod:`atoll.analysis.projection`) runs those
+formulas. Units: parameters (elements), seconds, bytes (8 bits), bits per second. No torch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "fp8-e4m3": 8.5, "fp8-e5
 
 @dataclass(frozen=True)
 class Setting:
-    """One training setting to project.
+    """The facts of one training setting to project, whatever the strategy: the model, one inner step's compute,
+    the islands, their links and their failures. A strategy's own settings (H, fragments, codec, top-k...) are
+    its config's (:class:`~atoll.config.section.StrategyConfig`), which its cost formula takes beside this.
 
     Attributes:
         params: N, model parameters (elements).
@@ -28,19 +31,13 @@ class Setting:
         islands: K.
         bandwidth_mbps: each island's link, Mbit/s (10^6 bit/s), each direction.
         latency_ms: one-way latency per message, milliseconds.
-        sync_every: H, inner steps per outer round (diloco, streaming, decoupled).
-        fragments: P (streaming, decoupled).
-        overlap_steps: tau, inner steps that overlap a fragment's exchange (streaming).
-        codec_bits: b, bits per exchanged element of pseudo-gradients (diloco, streaming, decoupled); see
-            :data:`CODEC_BITS`.
-        demo_topk, demo_chunk: DeMo's k components kept per c x c DCT chunk.
-        demo_sign_values: DeMo values as 2-bit signs (True, atoll's default) or float32 (False).
-        sparseloco_topk, sparseloco_chunk, sparseloco_bits: SparseLoCo's k entries kept per chunk of c
-            elements, and the bits per kept value (2 or 32).
         mtbf_s: mean time between failures of one island, seconds (inf: no failures).
         downtime_s: seconds from an island's failure to its replacement computing again.
         checkpoint_every_s: seconds between the checkpoints a synchronous job rolls back to.
         tokens_per_step: tokens one island consumes per inner step (for tokens/s; informative only).
+
+    Raises:
+        ConfigError: a value out of range (one line naming the ``atoll project`` flag).
     """
 
     params: float
@@ -48,16 +45,6 @@ class Setting:
     islands: int = 4
     bandwidth_mbps: float = 100.0
     latency_ms: float = 10.0
-    sync_every: int = 50
-    fragments: int = 4
-    overlap_steps: int = 5
-    codec_bits: float = 32.0
-    demo_topk: int = 32
-    demo_chunk: int = 64
-    demo_sign_values: bool = True
-    sparseloco_topk: int = 64
-    sparseloco_chunk: int = 4096
-    sparseloco_bits: int = 2
     mtbf_s: float = math.inf
     downtime_s: float = 0.0
     checkpoint_every_s: float = 0.0
@@ -65,23 +52,17 @@ class Setting:
 
     def __post_init__(self) -> None:
         flags = {"mtbf_s": "--mtbf-h", "downtime_s": "--downtime-min", "checkpoint_every_s": "--checkpoint-min"}
-        for name in ("params", "step_compute_s", "bandwidth_mbps", "codec_bits", "mtbf_s"):
+        for name in ("params", "step_compute_s", "bandwidth_mbps", "mtbf_s"):
             value = getattr(self, name)
             if not value > 0 or (name != "mtbf_s" and not math.isfinite(value)):
                 raise ConfigError(f"{name}: must be positive and finite (got {value!r}); "
                                   f"set {flags.get(name, '--' + name.replace('_', '-'))}")
-        for name in ("islands", "sync_every", "fragments", "demo_topk", "demo_chunk", "sparseloco_topk",
-                     "sparseloco_chunk"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be at least 1 (got {getattr(self, name)!r}); "
-                                  f"set --{name.replace('_', '-')}")
-        for name in ("latency_ms", "downtime_s", "checkpoint_every_s", "overlap_steps"):
+        if self.islands < 1:
+            raise ConfigError(f"islands: must be at least 1 (got {self.islands!r}); set --islands")
+        for name in ("latency_ms", "downtime_s", "checkpoint_every_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name}: must be finite and not negative (got {getattr(self, name)!r}); "
                                   f"set {flags.get(name, '--' + name.replace('_', '-'))}")
-        if self.sync_every < self.fragments:
-            raise ConfigError(f"sync_every ({self.sync_every}) must be at least fragments ({self.fragments}); "
-                              "raise --sync-every or lower --fragments")
 
     @property
     def bandwidth_bps(self) -> float:
@@ -101,8 +82,11 @@ class Cost:
         bytes_per_step: bytes one island sends per inner step.
         exchange_s: seconds of one exchange (of a fragment where there are several).
         fragments: fragments on the staggered sync schedule (1: every H steps, all at once; 0: no schedule,
-            an exchange every step or none), for the end of a run (:func:`project_run`).
+            an exchange every step or none), for the end of a run
+            (:func:`~atoll.analysis.projection.project_run`).
         overlapped: whether exchanges overlap compute (their time is inside ``step_s``).
+        sync_every: H, inner steps between an island's exchanges of a fragment (1: every step): the schedule
+            of the end of a run, and the work an asynchronous island loses when it fails.
     """
 
     step_s: float
@@ -110,12 +94,15 @@ class Cost:
     exchange_s: float
     fragments: int = 0
     overlapped: bool = False
+    sync_every: int = 1
 
 
-def demo_payload_bytes(s: Setting) -> float:
-    """Bytes one island's DeMo payload holds per step: N/c^2 chunks x k x (2-byte index + value bytes).
+def codec_bits(codec: str) -> float:
+    """b, bits per exchanged element of ``codec`` (:data:`CODEC_BITS`).
 
-    Value bytes: 1/4 for 2-bit sign values (``demo_sign_values``), 4 for float32 values.
+    Raises:
+        ValueError: a codec without a fixed number of bits per element (``topk``: its indices and values).
     """
-    k = min(s.demo_topk, s.demo_chunk ** 2)
-    return s.params / s.demo_chunk ** 2 * k * (2 + (0.25 if s.demo_sign_values else 4))
+    if codec not in CODEC_BITS:
+        raise ValueError(f"codec {codec!r} has no fixed bits per element (those that do: {', '.join(CODEC_BITS)})")
+    return CODEC_BITS[codec]

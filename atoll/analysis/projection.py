@@ -11,8 +11,10 @@ L one-way latency (s), H inner steps per outer round, P fragments, tau overlappe
 exchanged element.
 
 Per inner step (steady state), each strategy prices itself (``SPEC.project`` in its module under
-:mod:`atoll.strategies`, with the formula in its docstring): a :class:`Cost` of seconds per step, bytes per
-step and seconds per exchange. Exchanges are ring collectives (Patarasuk & Yuan 2009): an all-reduce of B
+:mod:`atoll.strategies`, with the formula in its docstring) from its own config (H, P, tau, its codec's b, its
+top-k: :class:`~atoll.config.section.StrategyConfig`) and the facts of the run (:class:`Setting`: N, t_c, K, B, L,
+failures): a :class:`Cost` of seconds per step, bytes per step and seconds per exchange. Nothing here reads a
+setting the strategy does not own. Exchanges are ring collectives (Patarasuk & Yuan 2009): an all-reduce of B
 bytes sends 2(K-1)/K*B per island in 2(K-1) rounds, an all-gather of B per island (K-1)*B in K-1 rounds
 (:func:`atoll.runtime.network.ring_allreduce_bytes`, :func:`~atoll.runtime.network.ring_allgather_bytes`, the
 formulas of the simulated clock).
@@ -36,17 +38,22 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from atoll.analysis.cost import CODEC_BITS, Cost, Setting, demo_payload_bytes
+from pydantic import ValidationError
+
+from atoll.analysis.cost import CODEC_BITS, Cost, Setting, codec_bits
+from atoll.config.parse import format_validation_error
+from atoll.config.section import StrategyConfig
 from atoll.errors import ConfigError
 from atoll.job.metrics import human_bytes
 from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
 from atoll.strategies.registry import STRATEGIES, spec
+from atoll.strategies.spec import StrategySpec
 
-__all__ = ["CODEC_BITS", "STRATEGIES", "Cost", "Projection", "Setting", "demo_payload_bytes", "project", "project_run",
-           "ring_allgather_bytes", "ring_allreduce_bytes"]
+__all__ = ["CODEC_BITS", "STRATEGIES", "Cost", "Projection", "Setting", "codec_bits", "config_from_summary", "project",
+           "project_run", "ring_allgather_bytes", "ring_allreduce_bytes", "setting_from_summary"]
 
 #: published figures, for the table beside the projection
 PUBLISHED = {
@@ -86,20 +93,40 @@ def _sync_goodput(s: Setting) -> float:
     return 1.0 / (1.0 + s.islands / s.mtbf_s * (s.downtime_s + s.checkpoint_every_s / 2))
 
 
-def project(s: Setting, strategy: str) -> Projection:
-    """Steady-state cost of ``strategy`` in setting ``s`` (its spec's formula; goodput as the module says).
-
-    Raises:
-        ConfigError: an unknown strategy.
-    """
+def _spec(strategy: str) -> StrategySpec:
     try:
         own = spec(strategy)
     except KeyError:
         raise ConfigError(f"strategy: unknown strategy '{strategy}'; use one of {', '.join(STRATEGIES)}") from None
-    assert own.project is not None, f"strategy {strategy} has no cost model"
-    c = own.project(s)
+    if own.project is None:
+        raise ConfigError(f"strategy: the {strategy} strategy has no cost model (its spec's project); "
+                          f"use one of {', '.join(s for s in STRATEGIES if spec(s).project is not None)}")
+    return own
+
+
+def _cost(s: Setting, strategy: str, config: StrategyConfig | None) -> tuple[StrategySpec, Cost]:
+    """The strategy's spec and its cost formula's answer for its ``config`` (None: its defaults) in ``s``."""
+    own = _spec(strategy)
+    config = own.config() if config is None else config
+    if not isinstance(config, own.config):
+        raise TypeError(f"the {strategy} strategy's cost takes its {own.config.__name__}, not a "
+                        f"{type(config).__name__}")
+    assert own.project is not None  # (_spec)
+    return own, own.project(config, s)
+
+
+def project(s: Setting, strategy: str, config: StrategyConfig | None = None) -> Projection:
+    """Steady-state cost of ``strategy`` with its own ``config`` (its spec's config; None: its defaults) in the
+    setting ``s`` (its spec's formula; goodput as the module says).
+
+    Raises:
+        ConfigError: an unknown strategy, or one without a cost model.
+        TypeError: ``config`` is not the strategy's config.
+        ValueError: a codec without fixed bits per element (topk).
+    """
+    own, c = _cost(s, strategy, config)
     if own.lockstep is None:  # asynchronous: only the failed island's time and its unsent work are lost
-        goodput = 1.0 if math.isinf(s.mtbf_s) else 1.0 / (1.0 + (s.downtime_s + s.sync_every * c.step_s / 2) / s.mtbf_s)
+        goodput = 1.0 if math.isinf(s.mtbf_s) else 1.0 / (1.0 + (s.downtime_s + c.sync_every * c.step_s / 2) / s.mtbf_s)
     else:
         goodput = _sync_goodput(s)
     return Projection(strategy, c.step_s, s.step_compute_s / c.step_s, c.bytes_per_step, goodput, c.exchange_s)
@@ -123,21 +150,24 @@ def fragment_syncs(steps: int, fragments: int, sync_every: int) -> tuple[int, in
     return scheduled, flushes
 
 
-def project_run(s: Setting, strategy: str, steps: int) -> dict[str, float]:
-    """A whole run of ``steps`` inner steps: ``sim_wall_s``, ``compute_s``, ``compute_utilization``, ``bytes``.
+def project_run(s: Setting, strategy: str, steps: int, config: StrategyConfig | None = None) -> dict[str, float]:
+    """A whole run of ``steps`` inner steps of ``strategy`` with its ``config`` (None: its defaults):
+    ``sim_wall_s``, ``compute_s``, ``compute_utilization``, ``bytes``.
 
     The steady state of :func:`project` times ``steps``, plus the end of the run as atoll's strategies do it:
     a strategy on the fragment schedule (diloco, streaming) syncs what was trained since the last sync,
-    blocking (:func:`fragment_syncs`).
+    blocking (:func:`fragment_syncs`; its H and P are its cost's).
+
+    Raises:
+        as :func:`project`.
     """
-    p = project(s, strategy)
-    c = spec(strategy).project(s)  # type: ignore[misc]
+    p = project(s, strategy, config)
+    _, c = _cost(s, strategy, config)
     compute = steps * s.step_compute_s
     wall, sent = steps * p.step_s, steps * p.bytes_per_step
     if c.fragments and s.islands > 1:
-        scheduled, flushes = fragment_syncs(steps, c.fragments, s.sync_every)
-        per_sync = ring_allreduce_bytes(s.params * s.codec_bits / 8 / c.fragments, s.islands)
-        sent = (scheduled + flushes) * per_sync
+        scheduled, flushes = fragment_syncs(steps, c.fragments, c.sync_every)
+        sent = (scheduled + flushes) * c.bytes_per_step * c.sync_every / c.fragments
         if not c.overlapped:
             wall = compute + (scheduled + flushes) * p.exchange_s
         else:  # the steady state, plus the blocking flushes at the end
@@ -146,14 +176,36 @@ def project_run(s: Setting, strategy: str, steps: int) -> dict[str, float]:
 
 
 def setting_from_summary(summary: dict[str, Any]) -> Setting:
-    """The :class:`Setting` of a measured atoll run, from its ``summary.json`` (t_c = compute_s / steps)."""
+    """The :class:`Setting` of a measured run of the ``local`` runtime, from its ``summary.json``: its model,
+    islands and simulated links (t_c = compute_s / steps).
+
+    Raises:
+        ValueError: the summary has no simulated links (a runtime on a real clock).
+    """
+    if "link_bandwidth_mbps" not in summary:
+        raise ValueError(f"a {summary.get('runtime')} run's summary has no simulated links (link_bandwidth_mbps): "
+                         "project a run of the local runtime")
     return Setting(
         params=summary["params"], step_compute_s=summary["compute_s"] / summary["steps"],
         islands=summary["islands"], bandwidth_mbps=summary["link_bandwidth_mbps"],
-        latency_ms=summary["link_latency_ms"], sync_every=summary["sync_every"],
-        fragments=summary.get("fragments", 1) or 1, overlap_steps=summary.get("overlap_steps", 0) or 0,
-        codec_bits=CODEC_BITS.get(summary.get("codec", "fp32"), 32.0),
+        latency_ms=summary["link_latency_ms"],
     )
+
+
+def config_from_summary(summary: dict[str, Any]) -> StrategyConfig:
+    """The strategy's own config of a measured run, from its ``summary.json``: the settings of the summary that
+    the strategy's config has (its H, fragments, overlap, codec...; None: not set), the config's defaults for
+    the others. An entry of another strategy's (an older summary's ``sync_every`` of a ddp run) is not read.
+
+    Raises:
+        ConfigError: an unknown strategy, or a value its config refuses (one line naming it).
+    """
+    own = _spec(summary["strategy"])
+    given = {k: v for k, v in summary.items() if k in own.config.model_fields and v is not None}
+    try:
+        return own.config(**given)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
 
 
 # --- real scale --------------------------------------------------------------------------------------
@@ -195,13 +247,14 @@ LINKS = (("WAN 5 Gbit/s", 5000.0, 35.0), ("WAN 2 Gbit/s", 2000.0, 35.0),
 #: minutes later; a synchronous job checkpoints every 30 minutes.
 HEAVY_FAILURES = {"mtbf_s": 40 * 60.0, "downtime_s": 10 * 60.0, "checkpoint_every_s": 30 * 60.0}
 
-#: strategy settings at real scale (DiLoCo's H of hundreds of steps; Streaming DiLoCo's int4 fragments)
+#: each strategy's own settings at real scale, for its config (DiLoCo's H of hundreds of steps; Streaming
+#: DiLoCo's int4 fragments); a strategy not named here: its config's defaults
 TABLE_SETTINGS: dict[str, dict[str, Any]] = {
-    "ddp": {}, "diloco": {"sync_every": 100, "codec_bits": 32.0},
-    "streaming": {"sync_every": 100, "fragments": 4, "overlap_steps": 5, "codec_bits": CODEC_BITS["int4"]},
+    "ddp": {}, "diloco": {"sync_every": 100, "codec": "fp32"},
+    "streaming": {"sync_every": 100, "fragments": 4, "overlap_steps": 5, "codec": "int4"},
     "demo": {"demo_topk": 32, "demo_chunk": 64, "demo_sign_values": True},
     "sparseloco": {"sync_every": 100, "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_bits": 2},
-    "decoupled": {"sync_every": 100, "fragments": 4, "codec_bits": CODEC_BITS["int4"]},
+    "decoupled": {"sync_every": 100, "fragments": 4, "codec": "int4"},
 }
 
 
@@ -215,7 +268,7 @@ def real_scale_table(islands: int = 4) -> list[dict[str, Any]]:
                            **HEAVY_FAILURES)
             ddp_step = project(base, "ddp").step_s
             for strategy in STRATEGIES:
-                p = project(replace(base, **TABLE_SETTINGS.get(strategy, {})), strategy)
+                p = project(base, strategy, spec(strategy).config(**TABLE_SETTINGS.get(strategy, {})))
                 rows.append({"model": scale.name, "link": label, "strategy": strategy, "step_s": p.step_s,
                              "compute_utilization": p.compute_utilization, "bytes_per_step": p.bytes_per_step,
                              "reduction_vs_ddp": (project(base, "ddp").bytes_per_step / p.bytes_per_step
@@ -234,8 +287,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                      f"{r['reduction_vs_ddp']:.0f}x | {r['speedup_vs_ddp']:.1f}x | {r['goodput_heavy_failures']:.0%} |")
     assumptions = "; ".join(f"{m.name}: {m.tokens_per_step / 2 ** 20:g}M tokens/step on {m.gpus_per_island} H100 "
                             f"at {m.mfu:.0%} MFU -> t_c = {m.step_compute_s:.2f} s" for m in SCALES)
-    demo = Setting(params=1.2e9, step_compute_s=1.0)
-    demo_red = 4 * 1.2e9 / demo_payload_bytes(demo)
+    from atoll.strategies.demo import projected_payload_bytes
+
+    demo_red = 4 * 1.2e9 / projected_payload_bytes(spec("demo").config(**TABLE_SETTINGS["demo"]), 1.2e9)
     lines += [
         "",
         f"Assumptions: 4 islands; t_c = 6*N*tokens / (GPUs * 989 TFLOP/s * MFU): {assumptions}. "
@@ -367,21 +421,47 @@ def run_cli(args: Any) -> str:
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise ConfigError(f"strategy: unknown strategy '{args.strategy}'; use all or one of {', '.join(STRATEGIES)}")
     s = Setting(params=args.params, step_compute_s=args.step_compute_s, islands=args.islands,
-                bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms, sync_every=args.sync_every,
-                fragments=args.fragments, overlap_steps=args.overlap_steps, codec_bits=CODEC_BITS[args.codec or "fp32"],
-                mtbf_s=args.mtbf_h * 3600, downtime_s=args.downtime_min * 60,
-                checkpoint_every_s=args.checkpoint_min * 60)
+                bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms, mtbf_s=args.mtbf_h * 3600,
+                downtime_s=args.downtime_min * 60, checkpoint_every_s=args.checkpoint_min * 60)
     ddp = project(s, "ddp")
     lines = ["| strategy | codec | step s | utilization | bytes/island/step | less than ddp | goodput |",
              "|---|---|---|---|---|---|---|"]
     for name in strategies:
-        # the strategy's own codec, as atoll train; demo and sparseloco have their own encodings, and ddp is
-        # priced as the fp32 baseline
-        codec_field = spec(name).config.model_fields.get("codec")
-        uses_codec = codec_field is not None and name != "ddp"
-        codec = (args.codec or str(codec_field.default)) if codec_field is not None and uses_codec else "fp32"
-        p = project(replace(s, codec_bits=CODEC_BITS[codec]), name)
+        config = cli_config(args, name)
+        # the strategy's own codec, as atoll train (ddp is priced as the fp32 baseline); demo and sparseloco
+        # have their own encodings
+        codec = getattr(config, "codec", None) if name != "ddp" else "fp32"
+        p = project(s, name, config)
         red = f"{ddp.bytes_per_step / p.bytes_per_step:.0f}x" if p.bytes_per_step else "-"
-        lines.append(f"| {name} | {codec if uses_codec else 'fp32' if name == 'ddp' else '-'} | {p.step_s:.3f} | "
-                     f"{p.compute_utilization:.1%} | {human_bytes(p.bytes_per_step)} | {red} | {p.goodput:.1%} |")
+        lines.append(f"| {name} | {codec or '-'} | {p.step_s:.3f} | {p.compute_utilization:.1%} | "
+                     f"{human_bytes(p.bytes_per_step)} | {red} | {p.goodput:.1%} |")
     return "\n".join(lines)
+
+
+#: the flags of ``atoll project`` that are settings of a strategy's own config (each read by those that own it)
+CONFIG_FLAGS = ("sync_every", "fragments", "overlap_steps", "codec")
+
+
+def cli_config(args: Any, strategy: str) -> StrategyConfig:
+    """The ``strategy``'s own config of ``atoll project``'s flags: those of :data:`CONFIG_FLAGS` its config has
+    (``--codec`` unset: its own default codec; ddp keeps its fp32 baseline), its defaults for the others.
+
+    Raises:
+        ConfigError: a value its config refuses, or H below P for a strategy of fragments (one line naming the
+            setting).
+    """
+    own = _spec(strategy).config
+    given = {k: getattr(args, k) for k in CONFIG_FLAGS if k in own.model_fields and getattr(args, k) is not None}
+    if strategy == "ddp":
+        given.pop("codec", None)
+    try:
+        config = own(**given)
+    except ValidationError as e:
+        text = format_validation_error(e)
+        if "atoll train --help" in text:  # a value out of its range: the fix is this command's flag
+            text = f"{text.split('; ')[0]}; set --{text.split(':')[0].replace('_', '-')}"
+        raise ConfigError(text) from None
+    h, p = given.get("sync_every"), given.get("fragments")
+    if h is not None and p is not None and h < p:  # (as atoll train refuses it: streaming's config, decoupled's checks)
+        raise ConfigError(f"sync_every ({h}) must be at least fragments ({p}); raise --sync-every or lower --fragments")
+    return config

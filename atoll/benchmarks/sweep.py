@@ -268,6 +268,7 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
     axes = list(points[0])  # the settings swept, also those some points do not read (one column each)
     points, unread = trim(shared, points)
     from atoll.config import build_config
+    from atoll.config.sections import SyncSection
     from atoll.strategies.registry import spec
 
     settings, configs = [], []
@@ -283,11 +284,13 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
         print(f"atoll: warning: {len(points) - len(keep)} duplicate point{'s' * (len(points) - len(keep) != 1)} "
               f"dropped, the same settings once parsed ({', '.join(dropped)}): each trains once", file=sys.stderr)
     points, settings, configs = ([x[i] for i in keep] for x in (points, settings, configs))
-    long_h = [(point_name(p), c) for p, c in zip(points, configs, strict=True) if c.sync_every > c.steps
+    # H of the strategies that own it (a strategy without outer rounds has none)
+    h = [c.strategy_config.sync_every if isinstance(c.strategy_config, SyncSection) else 0 for c in configs]
+    long_h = [(point_name(p), c, n) for p, c, n in zip(points, configs, h, strict=True) if n > c.steps
               and (spec(c.strategy).syncs_per_h or spec(c.strategy).lockstep is None)]
     if long_h:
-        name, c = long_h[0]
-        print(f"atoll: warning: sync_every is larger than steps ({name}: {c.sync_every} > {c.steps}"
+        name, c, n = long_h[0]
+        print(f"atoll: warning: sync_every is larger than steps ({name}: {n} > {c.steps}"
               f"{f' and {len(long_h) - 1} more' if len(long_h) > 1 else ''}): no outer sync before the final one; "
               "pass --sync-every at most --steps", file=sys.stderr)
     for line in unread:  # e.g. ddp in a grid of strategies and H: it trains once, not once per H

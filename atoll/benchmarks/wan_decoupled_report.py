@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,8 @@ def projections(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
     and against diloco."""
     from atoll.analysis.cost import CODEC_BITS, Setting
     from atoll.analysis.projection import PUBLISHED, project, real_scale_table
+    from atoll.strategies.decoupled import DecoupledConfig
+    from atoll.strategies.diloco import DiLoCoConfig
 
     here = []
     for mbps in sorted({r["mbps"] for r in rows}):
@@ -65,9 +66,10 @@ def projections(rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, A
         if not steps or not meta.get("params"):
             continue
         s = Setting(params=float(meta["params"]), step_compute_s=sum(steps) / len(steps), islands=meta["islands"],
-                    bandwidth_mbps=mbps, latency_ms=meta["delay_ms"], sync_every=meta["sync_every"],
-                    fragments=meta["fragments"], codec_bits=CODEC_BITS.get(meta["codec"], 32.0))
-        sync, dec, ddp = project(s, "diloco"), project(replace(s), "decoupled"), project(s, "ddp")
+                    bandwidth_mbps=mbps, latency_ms=meta["delay_ms"])
+        own = {"sync_every": meta["sync_every"], "codec": meta["codec"] if meta["codec"] in CODEC_BITS else "fp32"}
+        sync, ddp = project(s, "diloco", DiLoCoConfig(**own)), project(s, "ddp")
+        dec = project(s, "decoupled", DecoupledConfig(**own, fragments=meta["fragments"]))
         measured = next((r.get("utilization_ratio") for r in rows if r["mbps"] == mbps and r.get("ok")
                          and r["strategy"] == "decoupled" and not r["kill"]), None)
         here.append({"mbps": mbps, "step_compute_s": s.step_compute_s, "diloco_step_s": sync.step_s,

@@ -40,6 +40,8 @@ from atoll.errors import ConfigError
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
+    from atoll.config.section import StrategyConfig
+    from atoll.config.sections import ScheduleSection
     from atoll.job.island import Island
 
 #: resets per island, on average over the job's islands, past which the job counts as diverged
@@ -98,21 +100,29 @@ def check_resets(step: int, resets: int, islands: int) -> None:
         raise Diverged(step, why)
 
 
-def advice(config: TrainConfig) -> str:
-    """What to change before starting again: the learning rates the strategy uses, and the warmup."""
-    if config.strategy == "demo":
-        rates = f"--demo-lr (it is {config.demo_lr:g})"
-    elif config.strategy == "ddp":
-        rates = f"--lr (it is {config.lr:g})"
-    else:
-        rates = f"--lr (it is {config.lr:g}) or --outer-lr (it is {config.outer_lr:g})"
-    clip = "" if config.grad_clip > 0 else ", keep --grad-clip on"
-    return f"lower {rates}, raise --warmup-steps (it is {config.warmup_steps}){clip}, and start again"
+def learning_rates(strategy: StrategyConfig) -> tuple[str, ...]:
+    """The learning rates of a strategy's own config, in its order: every setting of it named ``lr`` or ending
+    in ``_lr`` (ddp: lr; diloco: lr, outer_lr; demo: demo_lr; a plain-averaging FedAvg, no outer optimizer:
+    lr)."""
+    return tuple(name for name in type(strategy).model_fields if name == "lr" or name.endswith("_lr"))
+
+
+def advice(strategy: StrategyConfig, schedule: ScheduleSection) -> str:
+    """What to change before starting again: lower the learning rates of the ``strategy``'s own config
+    (:func:`learning_rates`: a strategy without an outer optimizer, ddp, demo or a plain-averaging FedAvg, is
+    never told of ``--outer-lr``), raise the run's warmup (``schedule``: the run's section), and keep its
+    gradient clipping on."""
+    lower = " or ".join(f"--{name.replace('_', '-')} (it is {getattr(strategy, name):g})"
+                        for name in learning_rates(strategy))
+    clip = "" if schedule.grad_clip > 0 else ", keep --grad-clip on"
+    return f"{'lower ' + lower + ', ' if lower else ''}raise --warmup-steps (it is {schedule.warmup_steps}){clip}, " \
+           "and start again"
 
 
 def record(config: TrainConfig, error: Diverged) -> dict[str, Any]:
-    """The summary's ``diverged`` entry: ``step`` (1-based inner step), ``reason``, ``fix``."""
-    return {"step": error.step, "reason": error.what, "fix": advice(config)}
+    """The summary's ``diverged`` entry: ``step`` (1-based inner step), ``reason``, ``fix`` (:func:`advice`, from
+    the strategy's own config and the run's schedule)."""
+    return {"step": error.step, "reason": error.what, "fix": advice(config.strategy_config, config)}
 
 
 def until_diverged(run: Callable[..., Any], *args: Any) -> Diverged | None:

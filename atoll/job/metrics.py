@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.errors import DataError
 
 
@@ -245,6 +246,22 @@ class ProgressDisplay:
 
 Row = tuple[str, str]
 
+#: the settings of the simulated network clock a summary reports (where the runtime owns them: ``local``)
+LINK_SETTINGS = ("link_bandwidth_mbps", "link_latency_ms")
+
+
+def owned_settings(strategy: StrategyConfig, runtime: RuntimeConfig, names: tuple[str, ...]) -> dict[str, Any]:
+    """Of the settings ``names``, those the run's ``strategy`` config or ``runtime`` config owns -> their values,
+    in ``names`` order: a summary reports the settings of the run's owners only (no ``sync_every`` for a
+    strategy without outer rounds, no simulated links for a runtime on a real clock), never a default of a
+    setting the run did not read."""
+    out: dict[str, Any] = {}
+    for name in names:
+        owner = next((o for o in (strategy, runtime) if name in type(o).model_fields), None)
+        if owner is not None:
+            out[name] = getattr(owner, name)
+    return out
+
 
 def _model_rows(s: dict[str, Any]) -> list[Row]:
     return [("parameters", f"{s['params']:,}"),
@@ -263,7 +280,7 @@ def _bytes_rows(s: dict[str, Any]) -> list[Row]:
 def _time_rows(s: dict[str, Any]) -> list[Row]:
     per_island = "island_utilization" in s
     rows = [("compute (slowest island)" + (", simulated" if per_island else ""), f"{s['compute_s']:.1f} s")]
-    if s.get("runtime") in ("collective", "ray"):  # the run's clock is the real one: one wall time
+    if s.get("runtime") in ("collective", "ray") or "link_bandwidth_mbps" not in s:  # a real clock: one wall time
         rows.append(("real wall time", f"{s['wall_s']:.1f} s"))
         rows.append(("compute utilization" + (" (busiest island)" if per_island else ""),
                      f"{s['compute_utilization']:.1%}"))

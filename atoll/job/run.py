@@ -28,6 +28,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from atoll.config import TrainConfig
+from atoll.config.runtimes import CollectiveConfig
 from atoll.errors import CheckpointError, ConfigError, DataError
 from atoll.job.checkpoint import (
     commit_checkpoint,
@@ -43,7 +44,15 @@ from atoll.job.device import peak_accelerator_bytes, resolve_device
 from atoll.job.evaluation import evaluate
 from atoll.job.island import copy_flat_into
 from atoll.job.lock import RunLock, claim_run_folder
-from atoll.job.metrics import MetricsLog, NullLog, perplexity, read_metrics, write_summary
+from atoll.job.metrics import (
+    LINK_SETTINGS,
+    MetricsLog,
+    NullLog,
+    owned_settings,
+    perplexity,
+    read_metrics,
+    write_summary,
+)
 from atoll.job.model import (
     PRESETS,
     build_model,
@@ -102,7 +111,7 @@ def prepare_inputs(config: TrainConfig, warm_start: bool = True, notes: bool = T
               "vocab_size); pass a larger corpus for more", file=sys.stderr)
     # sharded islands of a preset: no whole model in any process (each rank materialises its pieces)
     if meta is None:
-        meta = config.shard_island and config.runtime == "collective"
+        meta = isinstance(config.runtime_config, CollectiveConfig) and config.runtime_config.shard_island
     if model is None:
         model = build_model(config.model, data.vocab_size, config.seq_len, config.seed, meta=meta)
     elif pretrained is None:
@@ -379,18 +388,18 @@ class Run:
         ddp_bytes = config.steps * ring_allreduce_bytes(param_bytes(self.model), config.islands)
         summary: dict[str, Any] = {
             "strategy": config.strategy, "runtime": config.runtime, "islands": config.islands,
-            "sync_every": config.sync_every, "steps": config.steps, "model": config.model, "params": self.n_params,
-            "vocab_size": self.data.vocab_size,
+            **owned_settings(config.strategy_config, config.runtime_config, ("sync_every",)),
+            "steps": config.steps, "model": config.model, "params": self.n_params, "vocab_size": self.data.vocab_size,
             "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
             "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": self.eval_loss,
             "final_perplexity": perplexity(self.eval_loss),
             "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
             # demo and sparseloco encode in their own way (their sections), not with the run's codec
-            "codec": config.codec if "codec" in type(config.strategy_config).model_fields else None,
+            "codec": owned_settings(config.strategy_config, config.runtime_config, ("codec",)).get("codec"),
             "device": config.device if config.runtime == "ray" else resolve_device(config.device),
             "precision": config.precision, "compile": config.compile, **own,
-            "link_bandwidth_mbps": config.link_bandwidth_mbps, "link_latency_ms": config.link_latency_ms,
+            **owned_settings(config.strategy_config, config.runtime_config, LINK_SETTINGS),
             "compute_s": compute_s, "sim_wall_s": sim_wall_s,
             "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,
             "wall_s": self.wall_s(),

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from atoll.algorithms.finite import all_finite
-from atoll.analysis.cost import Cost, Setting
+from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.section import StrategyConfig
 from atoll.config.sections import AdamWSection, CodecSection
 from atoll.runtime.network import ring_allreduce_bytes
@@ -118,13 +118,16 @@ class DDP(Strategy):
         self.wire.load_island_state(position, state["wire"])
 
 
-def project(s: Setting) -> Cost:
-    """ddp's cost per inner step: a ring all-reduce of the fp32 gradient every step, not overlapped with the
-    backward pass (as the simulated clock prices it)::
+def project(config: DDPConfig, s: Setting) -> Cost:
+    """ddp's cost per inner step: a ring all-reduce of the b-bit gradient (its codec's; fp32: 32) every step,
+    not overlapped with the backward pass (as the simulated clock prices it)::
 
-        bytes = 2(K-1)/K * 4N;  step = t_c + bytes*8/B + 2(K-1)L
+        bytes = 2(K-1)/K * N*b/8;  step = t_c + bytes*8/B + 2(K-1)L
+
+    Raises:
+        ValueError: a codec without fixed bits per element (topk).
     """
-    x = ring_allreduce_bytes(4 * s.params, s.islands)
+    x = ring_allreduce_bytes(s.params * codec_bits(config.codec) / 8, s.islands)
     t = x * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
     return Cost(s.step_compute_s + t, x, t)
 

@@ -20,7 +20,7 @@ import torch
 from pydantic import Field, model_validator
 
 from atoll.algorithms.demo import DeMo, DemoPayload
-from atoll.analysis.cost import Cost, Setting, demo_payload_bytes
+from atoll.analysis.cost import Cost, Setting
 from atoll.config.section import StrategyConfig
 from atoll.runtime.network import ring_allgather_bytes
 from atoll.strategies.base import Strategy
@@ -118,14 +118,21 @@ class DeMoStrategy(Strategy):
         return {}
 
 
-def project(s: Setting) -> Cost:
+def projected_payload_bytes(config: DeMoConfig, params: float) -> float:
+    """Bytes one island's DeMo payload holds per step for ``params`` parameters: N/c^2 chunks x k x (2-byte
+    index + value bytes); value bytes: 1/4 for 2-bit sign values (``demo_sign_values``), 4 for float32 values."""
+    k = min(config.demo_topk, config.demo_chunk ** 2)
+    return params / config.demo_chunk ** 2 * k * (2 + (0.25 if config.demo_sign_values else 4))
+
+
+def project(config: DeMoConfig, s: Setting) -> Cost:
     """demo's cost per inner step: a ring all-gather of each island's top-k DCT components every step (k per
     chunk of c x c elements, each a 2-byte index and a value of v bytes: 1/4 for 2-bit sign values, 4 for
-    float32)::
+    float32; :func:`projected_payload_bytes`)::
 
         S = N * k*(2+v)/c^2;   bytes = (K-1)S;   step = t_c + bytes*8/B + (K-1)L
     """
-    x = ring_allgather_bytes(demo_payload_bytes(s), s.islands)
+    x = ring_allgather_bytes(projected_payload_bytes(config, s.params), s.islands)
     t = x * 8 / s.bandwidth_bps + (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
     return Cost(s.step_compute_s + t, x, t)
 

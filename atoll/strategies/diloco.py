@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from atoll.algorithms.agreement import AgreementScaler
-from atoll.analysis.cost import Cost, Setting
+from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.sections import AdamWSection, CodecSection
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import drop_non_finite, make_wire
@@ -87,14 +87,19 @@ class DiLoCo(OuterRounds):
         super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
 
-def project(s: Setting) -> Cost:
-    """diloco's cost per inner step: a blocking all-reduce of the b-bit pseudo-gradient every H steps::
+def project(config: DiLoCoConfig, s: Setting) -> Cost:
+    """diloco's cost per inner step: a blocking all-reduce of the b-bit pseudo-gradient (its codec's) every H
+    steps::
 
         X = 2(K-1)/K * N*b/8;   bytes = X/H;   step = t_c + (X*8/B + 2(K-1)L) / H
+
+    Raises:
+        ValueError: a codec without fixed bits per element (topk).
     """
-    x = ring_allreduce_bytes(s.params * s.codec_bits / 8, s.islands)
+    h = config.sync_every
+    x = ring_allreduce_bytes(s.params * codec_bits(config.codec) / 8, s.islands)
     t = x * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
-    return Cost(s.step_compute_s + t / s.sync_every, x / s.sync_every, t, fragments=1)
+    return Cost(s.step_compute_s + t / h, x / h, t, fragments=1, sync_every=h)
 
 
 SPEC = StrategySpec(

@@ -239,27 +239,28 @@ class SparseLoCo(OuterRounds):
         super().load_island_state(position, state)
         self.error[position].copy_(state["error"])
 
-def payload_bytes(s: Setting) -> float:
-    """Bytes of one island's SparseLoCo payload, for N parameters in N/c chunks of k kept entries each: an
-    index (1, 2 or 4 bytes: the smallest integer that holds c - 1) and, at 2 bits, a quarter byte per entry
-    plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact for the
+def payload_bytes(config: SparseLoCoConfig, params: float) -> float:
+    """Bytes of one island's SparseLoCo payload, for N = ``params`` parameters in N/c chunks of k kept entries
+    each: an index (1, 2 or 4 bytes: the smallest integer that holds c - 1) and, at 2 bits, a quarter byte per
+    entry plus two float32 levels per chunk (4 bytes per entry at 32 bits); plus the token weight. Exact for the
     flat layout when every parameter is a whole number of chunks; for tiles (the default) exact when every
     matrix is a whole number of full tiles, and within the bias and norm vectors' small share otherwise
     (their runs of sqrt(chunk) keep about one entry each, with the levels of a tile)."""
-    k, c = min(s.sparseloco_topk, s.sparseloco_chunk), s.sparseloco_chunk
-    chunks = math.ceil(s.params / c)
-    per_entry = index_dtype_for(c).itemsize + (0.25 if s.sparseloco_bits == 2 else 4)
-    return chunks * (k * per_entry + (8 if s.sparseloco_bits == 2 else 0)) + WEIGHT_BYTES
+    k, c = min(config.sparseloco_topk, config.sparseloco_chunk), config.sparseloco_chunk
+    chunks = math.ceil(params / c)
+    per_entry = index_dtype_for(c).itemsize + (0.25 if config.sparseloco_bits == 2 else 4)
+    return chunks * (k * per_entry + (8 if config.sparseloco_bits == 2 else 0)) + WEIGHT_BYTES
 
 
-def project(s: Setting) -> Cost:
+def project(config: SparseLoCoConfig, s: Setting) -> Cost:
     """sparseloco's cost per inner step: a ring all-gather of one sparse payload S every H steps::
 
         bytes = (K-1)S/H;   step = t_c + ((K-1)S*8/B + (K-1)L) / H
     """
-    x = ring_allgather_bytes(payload_bytes(s), s.islands)
+    h = config.sync_every
+    x = ring_allgather_bytes(payload_bytes(config, s.params), s.islands)
     t = x * 8 / s.bandwidth_bps + (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
-    return Cost(s.step_compute_s + t / s.sync_every, x / s.sync_every, t, fragments=1)
+    return Cost(s.step_compute_s + t / h, x / h, t, fragments=1, sync_every=h)
 
 
 SPEC = StrategySpec(

@@ -48,8 +48,9 @@ class StrategySpec:
             (:mod:`atoll.runtime.events`) and the ``ray`` runtime drive instead.
         inner_optimizer: ``(param_groups, strategy config) -> torch.optim.Optimizer`` for an island's inner steps;
             None: AdamW (:func:`atoll.job.island.adamw`).
-        project: the steady-state cost per inner step of one island in a
-            :class:`~atoll.analysis.projection.Setting` (:func:`atoll.analysis.projection.project`).
+        project: the steady-state cost per inner step of one island, ``project(strategy config, setting)``: its
+            own config (H, fragments, codec...) in a :class:`~atoll.analysis.cost.Setting` (the facts of the
+            run: model, compute, islands, links; :func:`atoll.analysis.projection.project`).
         suite: its rows of ``atoll bench suite``.
         syncs_per_h: the H of its exchanges for the synchronous failure accounting (``True``: every
             ``sync_every`` steps; ``False``: every step).
@@ -65,7 +66,7 @@ class StrategySpec:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     lockstep: Callable[..., Strategy] | None = None
     inner_optimizer: Callable[[list[dict[str, Any]], Any], Optimizer] | None = None
-    project: Callable[[Setting], Cost] | None = None
+    project: Callable[[Any, Setting], Cost] | None = None
     suite: tuple[SuiteRun, ...] = ()
     syncs_per_h: bool = False
     shards: bool = False

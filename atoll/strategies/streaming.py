@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 
 from atoll.algorithms.fragments import fragments_due
 from atoll.algorithms.outer import OuterOptimizer
-from atoll.analysis.cost import Cost, Setting
+from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
 from atoll.runtime.comm import Work
 from atoll.runtime.network import ring_allreduce_bytes
@@ -74,7 +74,10 @@ def validate(config: TrainConfig) -> None:
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
-    check_fragments(config.model, config.fragments)
+    own = config.strategy_config
+    if not isinstance(own, StreamingConfig):  # (the spec validates a streaming run's config only)
+        raise TypeError(f"a {config.strategy} run has no streaming config ({type(own).__name__})")
+    check_fragments(config.model, own.fragments)
 
 
 @dataclass
@@ -178,18 +181,22 @@ class StreamingDiLoCo(Rounds):
             job.dropped = tuple(bool(dropped) if i == position else d for i, d in enumerate(job.dropped))
         self.wire.load_island_state(position, state["wire"])
 
-def project(s: Setting) -> Cost:
+def project(config: StreamingConfig, s: Setting) -> Cost:
     """streaming's cost per inner step: one fragment of N/P every H/P steps, overlapped with tau inner steps;
     exchanges share the link one after another::
 
         X = 2(K-1)/K * N*b/8;   T_f = X/P*8/B + 2(K-1)L;   bytes = X/H
         step = max(t_c + P/H * max(0, T_f - tau*t_c), P/H * T_f)
+
+    Raises:
+        ValueError: a codec without fixed bits per element (topk).
     """
-    x = ring_allreduce_bytes(s.params * s.codec_bits / 8, s.islands)
-    t = x / s.fragments * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
-    per = s.fragments / s.sync_every
-    step = max(s.step_compute_s + per * max(0.0, t - s.overlap_steps * s.step_compute_s), per * t)
-    return Cost(step, x / s.sync_every, t, fragments=s.fragments, overlapped=True)
+    h, p, tau = config.sync_every, config.fragments, config.overlap_steps
+    x = ring_allreduce_bytes(s.params * codec_bits(config.codec) / 8, s.islands)
+    t = x / p * 8 / s.bandwidth_bps + 2 * (s.islands - 1) * s.latency_s if s.islands > 1 else 0.0
+    per = p / h
+    step = max(s.step_compute_s + per * max(0.0, t - tau * s.step_compute_s), per * t)
+    return Cost(step, x / h, t, fragments=p, overlapped=True, sync_every=h)
 
 
 SPEC = StrategySpec(

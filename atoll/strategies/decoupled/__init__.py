@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import Field, field_validator
 
-from atoll.analysis.cost import Cost, Setting
+from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.parse import parse_chaos
+from atoll.config.runtimes import TimeoutSection
 from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
 from atoll.strategies.decoupled.syncer import Syncer
 from atoll.strategies.rounds import RoundsConfig
@@ -159,6 +160,23 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         return value
 
 
+def own_config(config: TrainConfig) -> DecoupledConfig:
+    """The decoupled strategy's own config of a run's ``config``.
+
+    Raises:
+        TypeError: the run is not a decoupled run (its strategy's config is another).
+    """
+    own = config.strategy_config
+    if not isinstance(own, DecoupledConfig):
+        raise TypeError(f"a {config.strategy} run has no decoupled config ({type(own).__name__})")
+    return own
+
+
+def island_speeds(own: DecoupledConfig, islands: int) -> list[float]:
+    """Each of the ``islands`` islands' relative speed: ``island_speeds``, default all 1.0."""
+    return list(own.island_speeds) if own.island_speeds is not None else [1.0] * islands
+
+
 def validate(config: TrainConfig) -> None:
     """The quorum, the speeds and the fragment schedule fit the run; failures and speeds are simulated only.
 
@@ -167,40 +185,41 @@ def validate(config: TrainConfig) -> None:
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
-    check_fragments(config.model, config.fragments)
-    if config.runtime == "ray" and (config.chaos is not None or config.island_speeds is not None):
-        name = "chaos" if config.chaos is not None else "island_speeds"
+    own = own_config(config)
+    check_fragments(config.model, own.fragments)
+    if config.runtime == "ray" and (own.chaos is not None or own.island_speeds is not None):
+        name = "chaos" if own.chaos is not None else "island_speeds"
         raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
                          f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
                          "or pass --runtime local")
-    if config.quorum is not None and config.quorum > config.islands:
-        raise ValueError(f"quorum: {config.quorum} exceeds islands ({config.islands}); lower --quorum")
-    quorum = config.quorum if config.quorum is not None else config.islands
-    if config.min_quorum > quorum:
-        raise ValueError(f"min_quorum: {config.min_quorum} exceeds the quorum ({quorum}); lower --min-quorum")
-    if config.merge_average == "radial_directional" and config.robust_merge not in ("none", "clip"):
+    if own.quorum is not None and own.quorum > config.islands:
+        raise ValueError(f"quorum: {own.quorum} exceeds islands ({config.islands}); lower --quorum")
+    quorum = own.quorum if own.quorum is not None else config.islands
+    if own.min_quorum > quorum:
+        raise ValueError(f"min_quorum: {own.min_quorum} exceeds the quorum ({quorum}); lower --min-quorum")
+    if own.merge_average == "radial_directional" and own.robust_merge not in ("none", "clip"):
         raise ValueError(f"merge_average: radial_directional averages norms and directions, --robust-merge "
-                         f"{config.robust_merge} coordinates; pass --merge-average mean with it (or --robust-merge "
+                         f"{own.robust_merge} coordinates; pass --merge-average mean with it (or --robust-merge "
                          "none or clip)")
-    if config.island_speeds is not None:
-        if len(config.island_speeds) != config.islands:
-            raise ValueError(f"island_speeds: {len(config.island_speeds)} values for {config.islands} islands; "
+    if own.island_speeds is not None:
+        if len(own.island_speeds) != config.islands:
+            raise ValueError(f"island_speeds: {len(own.island_speeds)} values for {config.islands} islands; "
                              "give one speed per island, e.g. --island-speeds 1,1,0.5,0.25")
-        bad = [s for s in config.island_speeds if not 0 < s <= 1]
+        bad = [s for s in own.island_speeds if not 0 < s <= 1]
         if bad:
             raise ValueError(f"island_speeds: {bad[0]} is outside (0, 1]; the fastest island is 1, a "
                              "half-speed one 0.5")
-    if config.sync_every < config.fragments:
-        raise ValueError(f"sync_every ({config.sync_every}) must be at least fragments ({config.fragments}) "
+    if own.sync_every < own.fragments:
+        raise ValueError(f"sync_every ({own.sync_every}) must be at least fragments ({own.fragments}) "
                          "so each fragment syncs once per H steps; raise --sync-every or lower --fragments")
-    if config.island_speeds is not None:  # an island at relative speed s takes s x H inner steps per round:
+    if own.island_speeds is not None:  # an island at relative speed s takes s x H inner steps per round:
         # fewer than P cannot push every fragment once a round, so it falls behind and its pushes go stale
-        slow, fastest = min(config.island_speeds), max(config.island_speeds)
-        if config.sync_every * slow / fastest < config.fragments - 1e-9:
-            need = math.ceil(config.fragments * fastest / slow - 1e-9)
+        slow, fastest = min(own.island_speeds), max(own.island_speeds)
+        if own.sync_every * slow / fastest < own.fragments - 1e-9:
+            need = math.ceil(own.fragments * fastest / slow - 1e-9)
             raise ValueError(f"island_speeds: an island at {slow:g} of the fastest's speed takes "
-                             f"{config.sync_every * slow / fastest:g} inner steps per round of --sync-every "
-                             f"{config.sync_every}, fewer than --fragments {config.fragments}, so it cannot push at "
+                             f"{own.sync_every * slow / fastest:g} inner steps per round of --sync-every "
+                             f"{own.sync_every}, fewer than --fragments {own.fragments}, so it cannot push at "
                              f"the others' cadence; raise --sync-every to {need} or more (fragments / slowest speed) "
                              "or lower --fragments")
 
@@ -216,8 +235,10 @@ def local_sync_every(config: TrainConfig) -> list[int]:
     below ``fragments`` (the cadence could not hold: at most one fragment is pushed per inner step), so the
     floor at ``fragments`` never lengthens an island's round.
     """
-    fastest = max(config.speeds)
-    return [max(config.fragments, round(config.sync_every * s / fastest)) for s in config.speeds]
+    own = own_config(config)
+    speeds = island_speeds(own, config.islands)
+    fastest = max(speeds)
+    return [max(own.fragments, round(own.sync_every * s / fastest)) for s in speeds]
 
 
 def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragment],
@@ -229,39 +250,53 @@ def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragmen
     island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated. A round
     time no push of the island's was seen before is taken up to :func:`max_round_s`, so a claim cannot
     stretch the first grace windows beyond it either."""
-    tau = config.grace_overlap_steps if config.grace_overlap_steps is not None else config.sync_every
-    return Syncer(init, index, config.islands, config.outer_lr, config.outer_momentum,
-                  quorum=config.quorum, grace_factor=config.grace_factor, max_staleness=config.max_staleness,
-                  staleness_exponent=config.staleness_exponent, norm_bound=config.update_norm_bound,
-                  scale_partial=config.scale_partial_merges, credentials=credentials, robust_merge=config.robust_merge,
+    own = own_config(config)
+    tau = own.grace_overlap_steps if own.grace_overlap_steps is not None else own.sync_every
+    return Syncer(init, index, config.islands, own.outer_lr, own.outer_momentum,
+                  quorum=own.quorum, grace_factor=own.grace_factor, max_staleness=own.max_staleness,
+                  staleness_exponent=own.staleness_exponent, norm_bound=own.update_norm_bound,
+                  scale_partial=own.scale_partial_merges, credentials=credentials, robust_merge=own.robust_merge,
                   push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)],
-                  max_round_s=max_round_s(config), min_quorum=config.min_quorum, grace_window=config.grace_window,
-                  grace_slack_fraction=config.grace_slack_fraction, grace_overlap=tau / config.sync_every,
-                  average=config.merge_average, push_weight=config.push_weight,
+                  max_round_s=max_round_s(config), min_quorum=own.min_quorum, grace_window=own.grace_window,
+                  grace_slack_fraction=own.grace_slack_fraction, grace_overlap=tau / own.sync_every,
+                  average=own.merge_average, push_weight=own.push_weight,
                   step_tokens=[config.tokens_per_step] * config.islands)
+
+
+#: the deadline a run under a runtime without one (``local``: a simulated clock) allows a first round: the
+#: default of the real runtimes' ``collective_timeout_s``
+DEFAULT_TIMEOUT_S: float = TimeoutSection.model_fields["collective_timeout_s"].default
 
 
 def max_round_s(config: TrainConfig) -> float:
     """The longest round time (seconds) the syncer takes from a push it has no earlier push of the island's to
-    compare with: ``collective_timeout_s`` (the wait the run allows), and in the ``local`` runtime at least
-    twice the slowest island's simulated round (its H x ``sim_step_s`` / speed), so a slow simulation's honest
-    first round is never cut short."""
+    compare with: the runtime's ``collective_timeout_s`` (the wait the run allows; :data:`DEFAULT_TIMEOUT_S`
+    under a runtime without one), and in the ``local`` runtime at least twice the slowest island's simulated
+    round (its H x ``sim_step_s`` / speed), so a slow simulation's honest first round is never cut short."""
+    runtime = config.runtime_config
+    timeout = runtime.collective_timeout_s if isinstance(runtime, TimeoutSection) else DEFAULT_TIMEOUT_S
     if config.runtime != "local":
-        return config.collective_timeout_s
-    slowest = max(h * config.sim_step_s / s for h, s in zip(local_sync_every(config), config.speeds, strict=True))
-    return max(config.collective_timeout_s, 2.0 * slowest)
+        return timeout
+    own = own_config(config)
+    speeds = island_speeds(own, config.islands)
+    slowest = max(h * own.sim_step_s / s for h, s in zip(local_sync_every(config), speeds, strict=True))
+    return max(timeout, 2.0 * slowest)
 
 
-def project(s: Setting) -> Cost:
-    """decoupled's cost per inner step: each island pushes its b-bit fragments to a syncer and pulls the
-    merge, never waiting for the other islands; the syncer's link is assumed not to be the bottleneck (a
-    datacenter link, or one syncer per fragment)::
+def project(config: DecoupledConfig, s: Setting) -> Cost:
+    """decoupled's cost per inner step: each island pushes its b-bit fragments (its codec's) to a syncer and
+    pulls the merge, never waiting for the other islands; the syncer's link is assumed not to be the bottleneck
+    (a datacenter link, or one syncer per fragment)::
 
         bytes = N*b/8 / H;   step = max(t_c, bytes*8/B)
+
+    Raises:
+        ValueError: a codec without fixed bits per element (topk).
     """
-    sent = s.params * s.codec_bits / 8 / s.sync_every if s.islands > 1 else 0.0
-    t = s.params * s.codec_bits / s.fragments / s.bandwidth_bps + s.latency_s if s.islands > 1 else 0.0
-    return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps), sent, t)
+    h, b = config.sync_every, codec_bits(config.codec)
+    sent = s.params * b / 8 / h if s.islands > 1 else 0.0
+    t = s.params * b / config.fragments / s.bandwidth_bps + s.latency_s if s.islands > 1 else 0.0
+    return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps), sent, t, sync_every=h)
 
 
 SPEC = StrategySpec(

@@ -27,7 +27,7 @@ from atoll.job.data import PreparedData, sample_batch
 from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, make_island
 from atoll.strategies.base import make_wire, model_fragments
-from atoll.strategies.decoupled import local_sync_every
+from atoll.strategies.decoupled import island_speeds, local_sync_every, own_config
 from atoll.strategies.decoupled.protocol import Pull, Push
 
 if TYPE_CHECKING:
@@ -57,7 +57,8 @@ class Job:
         Raises:
             ConfigError: the model has fewer layers than ``fragments``.
         """
-        index = model_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], config.fragments)
+        index = model_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                                own_config(config).fragments)
         init_flat = torch.nn.utils.parameters_to_vector([p.detach() for p in model.parameters()]).float().clone()
         return cls(config, data, model, index, init_flat)
 
@@ -77,7 +78,7 @@ class Job:
 
 def expected_steps(config: TrainConfig) -> list[int]:
     """Each island's share of the ``islands x steps`` budget, proportional to its speed (its LR schedule)."""
-    speeds = config.speeds
+    speeds = island_speeds(own_config(config), config.islands)
     return [max(1, math.ceil(config.islands * config.steps * s / sum(speeds))) for s in speeds]
 
 
