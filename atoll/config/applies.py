@@ -53,20 +53,24 @@ def catalog() -> dict[str, FieldInfo]:
     """Every setting atoll knows -> its field (description, type, default), in ``--help`` order: the run's,
     the shared sections', each strategy's own, the runtimes'. A shared setting's field is its section's (a
     strategy may change its default for itself: :func:`strategy_defaults`)."""
+    from atoll.runtime.registry import RUNTIMES as runtimes
     from atoll.strategies.registry import STRATEGIES
 
-    return _catalog(STRATEGIES)
+    return _catalog(STRATEGIES, runtimes)
 
 
 @cache
-def _catalog(strategies: tuple[str, ...]) -> dict[str, FieldInfo]:
+def _catalog(strategies: tuple[str, ...], runtimes: tuple[str, ...]) -> dict[str, FieldInfo]:
     from atoll.strategies.registry import specs
 
     run, model, device, data, schedule, output = RUN_SECTIONS
     sync, *shared = SHARED_SECTIONS
+    built_in = ("collective", "ray", "local", "service")
+    others = [config for name, config in RUNTIMES.items() if name not in built_in]  # registered beyond atoll's
     out: dict[str, FieldInfo] = {}
     for section in (run, sync, RUNTIMES["collective"], model, device, data, schedule, *shared,
-                    *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], RUNTIMES["service"], output):
+                    *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], RUNTIMES["service"], *others,
+                    output):
         out.update({k: v for k, v in section.model_fields.items() if k not in out})
     return out
 

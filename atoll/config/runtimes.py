@@ -1,15 +1,19 @@
 """Each runtime's own config: the settings the ``local``, ``collective`` and ``ray`` runtimes read.
 
 They live here rather than in the runtimes' packages so that the config imports neither torch nor Ray (an
-optional extra): :data:`RUNTIMES` maps each ``--runtime`` name to its config. A setting of one runtime given
-under another is refused (:func:`atoll.config.applies.unused_setting`).
+optional extra). Each is built and validated alone (``CollectiveConfig(min_islands=2)``): its checks of its own
+settings are its validators; a check across owners (the run's islands, the batch) is the whole config's.
+:data:`RUNTIMES` maps each ``--runtime`` name to its config, derived from the runtime registry
+(:mod:`atoll.runtime.registry`). A setting of one runtime given under another is refused
+(:func:`atoll.config.applies.unused_setting`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from atoll.config.parse import parse_resources
 from atoll.config.section import RuntimeConfig, Section
@@ -56,6 +60,13 @@ class IslandRanksSection(Section):
         "connection); demo and sparseloco select from each whole tensor, all-gathered inside the island. Every "
         "built-in strategy; needs --ranks-per-island 2 or more.",
     )
+
+    @model_validator(mode="after")
+    def _shards_need_ranks(self) -> IslandRanksSection:
+        if self.shard_island and self.ranks_per_island < 2:
+            raise ValueError("shard_island: an island of one rank has nothing to shard; pass --ranks-per-island 2 "
+                             "or more, or drop --shard-island")
+        return self
 
 
 class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
@@ -130,6 +141,18 @@ class RayConfig(TimeoutSection, RuntimeConfig):
             return [parse_resources(part) for part in value.split(";")]
         return value
 
+    @field_validator("ray_island_resources")
+    @classmethod
+    def _custom_resources(cls, value: list[dict[str, float]] | None) -> list[dict[str, float]] | None:
+        for res in value or []:
+            for name, amount in res.items():
+                if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ValueError(f"'{name}' is not a custom resource name; use --ray-cpus-per-island / "
+                                     "--ray-gpus-per-island for CPUs and GPUs")
+                if not 0 < amount < float("inf"):
+                    raise ValueError(f"{name}={amount} must be a positive number")
+        return value
+
 
 class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
     """The ``service`` runtime's settings: ``atoll syncer`` and ``atoll island``, each island a job of its own
@@ -147,6 +170,25 @@ class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
     )
 
 
-#: each ``--runtime`` name -> its config, in --help order
-RUNTIMES: dict[str, type[RuntimeConfig]] = {"local": LocalConfig, "collective": CollectiveConfig, "ray": RayConfig,
-                                            "service": ServiceConfig}
+class _Runtimes(Mapping[str, type[RuntimeConfig]]):
+    """Each ``--runtime`` name -> its config, in registry order, read from :mod:`atoll.runtime.registry` at
+    each use (a runtime registered later is seen; the registry is imported on first use, not with the config)."""
+
+    @staticmethod
+    def _table() -> dict[str, type[RuntimeConfig]]:
+        from atoll.runtime.registry import specs
+
+        return {s.name: s.config for s in specs()}
+
+    def __getitem__(self, name: str) -> type[RuntimeConfig]:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+#: each ``--runtime`` name -> its config, in --help order (derived from the runtime registry)
+RUNTIMES: Mapping[str, type[RuntimeConfig]] = _Runtimes()
