@@ -3,14 +3,13 @@
 They live here rather than in the runtimes' packages so that the config imports neither torch nor Ray (an
 optional extra). Each is built and validated alone (``CollectiveConfig(min_islands=2)``): its checks of its own
 settings are its validators; a check across owners (the run's islands, the batch) is the whole config's.
-:data:`RUNTIMES` maps each ``--runtime`` name to its config, derived from the runtime registry
-(:mod:`atoll.runtime.registry`). A setting of one runtime given under another is refused
-(:func:`atoll.config.applies.unused_setting`).
+The runtime registry (:mod:`atoll.runtime.registry`) lists each runtime with its config
+(:func:`atoll.runtime.registry.configs`: each ``--runtime`` name -> its config). A setting of one runtime given
+under another is refused (:func:`atoll.config.applies.unused_setting`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -168,27 +167,3 @@ class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
         "all-gather the pulled slices; leader: rank 0 gathers the slices, pushes and pulls the whole fragment "
         "and hands the ranks their parts.",
     )
-
-
-class _Runtimes(Mapping[str, type[RuntimeConfig]]):
-    """Each ``--runtime`` name -> its config, in registry order, read from :mod:`atoll.runtime.registry` at
-    each use (a runtime registered later is seen; the registry is imported on first use, not with the config)."""
-
-    @staticmethod
-    def _table() -> dict[str, type[RuntimeConfig]]:
-        from atoll.runtime.registry import specs
-
-        return {s.name: s.config for s in specs()}
-
-    def __getitem__(self, name: str) -> type[RuntimeConfig]:
-        return self._table()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-
-#: each ``--runtime`` name -> its config, in --help order (derived from the runtime registry)
-RUNTIMES: Mapping[str, type[RuntimeConfig]] = _Runtimes()

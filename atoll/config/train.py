@@ -32,7 +32,6 @@ from pydantic.main import IncEx
 
 from atoll.config.applies import applicable, catalog, run_settings, runtime_readers, strategy_readers, unused_setting
 from atoll.config.parse import fix_hint, format_validation_error
-from atoll.config.runtimes import RUNTIMES
 from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.config.sections import (
     DataSection,
@@ -61,13 +60,15 @@ def tree_path(name: str, strategy: str, runtime: str) -> str | None:
     Raises:
         KeyError: no strategy of that name.
     """
+    from atoll.runtime.registry import configs
     from atoll.strategies.registry import spec
 
     if name in run_settings():
         return name
     if name in spec(strategy).config.model_fields:
         return f"strategy_config.{name}"
-    if runtime in RUNTIMES and name in RUNTIMES[runtime].model_fields:
+    runtimes = configs()
+    if runtime in runtimes and name in runtimes[runtime].model_fields:
         return f"runtime_config.{name}"
     return None
 
@@ -119,6 +120,7 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         """Flat keys to the tree: a strategy's defaults for the run's settings the user left unset (its spec's
         ``defaults``), then each owned key into the strategy's or the runtime's config, which validate it; a
         setting of another strategy or runtime is refused (:func:`~atoll.config.applies.unused_setting`)."""
+        from atoll.runtime.registry import configs
         from atoll.strategies.registry import names, spec
 
         if not isinstance(data, dict):
@@ -128,8 +130,9 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         if strategy not in names():
             known = ", ".join(repr(n) for n in names())
             raise ValueError(f"strategy: {strategy!r} is not a strategy ({known}); {fix_hint('strategy')}")
-        if runtime not in RUNTIMES:
-            known = ", ".join(repr(n) for n in RUNTIMES)
+        runtimes = configs()
+        if runtime not in runtimes:
+            known = ", ".join(repr(n) for n in runtimes)
             raise ValueError(f"runtime: {runtime!r} is not a runtime ({known}); {fix_hint('runtime')}")
         own = spec(strategy)
         for part in TREE:  # a part given as a table (a TOML file's [strategy_config]): its keys, as flat ones
@@ -137,7 +140,7 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                 data = {**data[part], **{k: v for k, v in data.items() if k != part}}
         data = {**data, **{k: v for k, v in own.defaults.items() if data.get(k) is None}}
         shared, strategy_keys, runtime_keys = run_settings(), {}, {}
-        runtime_type = RUNTIMES[runtime]
+        runtime_type = runtimes[runtime]
         for key in [k for k in data if k not in shared and k not in TREE]:
             if key in own.config.model_fields:
                 strategy_keys[key] = data.pop(key)
@@ -192,9 +195,12 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         from atoll.runtime.registry import spec as runtime_spec
         from atoll.strategies.registry import spec, specs
 
+        def runs_under(s: Any) -> bool:  # listed by the strategy, or a runtime that runs its kind
+            return self.runtime in s.runtimes or ("lockstep" if s.lockstep else "asynchronous") in where.kinds
+
         own, where = spec(self.strategy), runtime_spec(self.runtime)
-        if self.runtime not in own.runtimes and ("lockstep" if own.lockstep else "asynchronous") not in where.kinds:
-            runs = [s.name for s in specs() if self.runtime in s.runtimes]
+        if not runs_under(own):
+            runs = [s.name for s in specs() if runs_under(s)]
             which = runs[0] + " strategy" if len(runs) == 1 else ", ".join(runs[:-1]) + f" and {runs[-1]} strategies"
             raise ValueError(f"runtime: {self.runtime} runs only the {which}, not {self.strategy}; add --strategy "
                              f"{runs[0]} or pass --runtime {own.runtimes[0]}")

@@ -8,8 +8,8 @@ module-level ``SPEC = RuntimeSpec(...)`` (:mod:`atoll.runtime.spec`), and add th
 :mod:`atoll.config.runtimes`, their code is imported only when a run is built under them), so the config sees
 every runtime without importing torch. ``tests/test_runtime_plugin.py`` adds one that way and trains under it.
 
-:data:`atoll.config.runtimes.RUNTIMES` (name -> config) and the values ``--runtime`` accepts are derived from
-this list.
+The runtimes' configs (:func:`configs`: name -> config) and the values ``--runtime`` accepts are derived from
+this list; the config reads it on first use (as it reads the strategy registry), not at import.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import importlib
 from functools import cache
 
 from atoll.config.runtimes import CollectiveConfig, LocalConfig, RayConfig, ServiceConfig
+from atoll.config.section import RuntimeConfig
 from atoll.runtime.spec import RuntimeSpec
 
-__all__ = ["RUNTIMES", "RuntimeSpec", "names", "spec", "specs"]
+__all__ = ["RUNTIMES", "RuntimeSpec", "configs", "names", "spec", "specs"]
 
 LOCAL = RuntimeSpec(
     name="local", summary="every island in one process, run in turn, on a simulated network clock",
@@ -59,6 +60,11 @@ def _load(entries: tuple[str, ...]) -> tuple[RuntimeSpec, ...]:
 def names() -> tuple[str, ...]:
     """Every runtime's ``--runtime`` name, in :data:`RUNTIMES` order."""
     return tuple(s.name for s in specs())
+
+
+def configs() -> dict[str, type[RuntimeConfig]]:
+    """Each ``--runtime`` name -> its config, in :data:`RUNTIMES` order."""
+    return {s.name: s.config for s in specs()}
 
 
 def spec(name: str) -> RuntimeSpec:

@@ -25,7 +25,7 @@ import copy
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,12 +40,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import parameters_to_vector
 
 from atoll.algorithms.fragments import FlatFragment
-from atoll.job.island import Island, copy_flat_into
+from atoll.config.facts import IslandSettings
+from atoll.job.island import InnerOptimizer, Island, build_island, copy_flat_into, inner_optimizer
 from atoll.runtime.collective.failure import dist_call
-
-if TYPE_CHECKING:
-    from atoll.config.facts import IslandSettings
-    from atoll.job.island import InnerOptimizer
 
 _FULL = StateDictOptions(full_state_dict=True)
 
@@ -372,7 +369,6 @@ def build_sharded_island(index: int, model: torch.nn.Module, settings: IslandSet
     so the optimizer holds this rank's shard only; and the layout of the shards. A model on the meta device
     takes storage for this rank's pieces here (:func:`materialize`: initialised from ``seed``, or the weights
     of run folder ``init_from``). ``settings``, ``optimizer``: as :func:`~atoll.job.island.build_island`'s."""
-    from atoll.job.island import build_island
     from atoll.job.model import enable_activation_checkpointing
     from atoll.runtime.collective.sharded_demo import shard_aware
 
@@ -392,9 +388,6 @@ def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimiz
     """:func:`build_sharded_island` from a whole run's config (an entry point's: ``atoll island``): its island
     settings (the schedule over ``total_steps``, default ``steps``), the strategy's inner optimizer
     (``optimizer``: a spec's ``inner_optimizer``, or None), its seed and warm start."""
-    from atoll.config.facts import IslandSettings
-    from atoll.job.island import inner_optimizer
-
     return build_sharded_island(index, model, IslandSettings.of(config, total_steps),
                                 inner_optimizer(config.strategy_config, optimizer), group, device, config.seed,
                                 config.init_from)
