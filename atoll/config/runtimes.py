@@ -68,6 +68,11 @@ class IslandRanksSection(Section):
         return self
 
 
+#: why --max-restarts is refused (a restarted island rejoins survivors: fewer islands needed than run, one rank each)
+RESTARTS_NEED = ("max_restarts: a restarted island rejoins survivors that went on without it; it needs --min-islands "
+                 "below --islands and --ranks-per-island 1")
+
+
 class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
     """The ``collective`` runtime's settings: real processes over torch.distributed
     (:mod:`atoll.runtime.collective`)."""
@@ -104,6 +109,12 @@ class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
         "rejoins the running job at the end of an inner step with the state of a live island (not from disk). "
         "Needs --min-islands below --islands and one rank per island.",
     )
+
+    @model_validator(mode="after")
+    def _restarts_need_one_rank(self) -> CollectiveConfig:
+        if self.max_restarts and self.ranks_per_island > 1:  # (and survivors: the whole config's check)
+            raise ValueError(RESTARTS_NEED)
+        return self
 
 
 class RayConfig(TimeoutSection, RuntimeConfig):

@@ -32,6 +32,7 @@ from pydantic.main import IncEx
 
 from atoll.config.applies import applicable, catalog, run_settings, runtime_readers, strategy_readers, unused_setting
 from atoll.config.parse import fix_hint, format_validation_error
+from atoll.config.runtimes import RESTARTS_NEED
 from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.config.sections import (
     DataSection,
@@ -227,9 +228,8 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         if min_islands > self.islands:
             raise ValueError(f"min_islands ({min_islands}) exceeds islands ({self.islands}); set "
                              "--min-islands to at most --islands")
-        if getattr(runtime, "max_restarts", 0) and (min_islands >= self.islands or ranks > 1):
-            raise ValueError("max_restarts: a restarted island rejoins survivors that went on without it; it needs "
-                             "--min-islands below --islands and --ranks-per-island 1")
+        if getattr(runtime, "max_restarts", 0) and min_islands >= self.islands:  # (its ranks: its config's check)
+            raise ValueError(RESTARTS_NEED)
         if own.validate is not None:
             own.validate(self)
         return self
