@@ -32,33 +32,32 @@ from typing import Any
 import torch
 
 from atoll.config import TrainConfig
+from atoll.config.facts import IslandSettings, RunFacts
 from atoll.job import stop
 from atoll.job.data import sample_batch
 from atoll.job.device import host_memory_bytes, resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
-from atoll.job.island import Island, compile_skipped
+from atoll.job.island import Island, compile_skipped, inner_optimizer
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.runtime.base import Runtime
+from atoll.runtime.registry import spec as runtime_spec
+from atoll.runtime.spec import load
 from atoll.strategies.registry import spec
 
 LOG_EVERY = 10  # inner steps between two ``train`` events in metrics.jsonl
 
 
 def make_runtime(config: TrainConfig) -> Runtime:
-    """The runtime named by ``config.runtime`` for a lockstep strategy: which islands this process runs,
-    their Comm, who writes.
+    """The runtime named by ``config.runtime`` for a lockstep strategy (its spec in
+    :mod:`atoll.runtime.registry`), built from its own config, the run's facts and the strategy's config:
+    which islands this process runs, their Comm, who writes.
 
     Raises:
         ConfigError: ``collective`` outside a launched process group of the right size.
     """
-    if config.runtime == "collective":
-        from atoll.runtime.collective import CollectiveRuntime
-
-        return CollectiveRuntime(config)
-    from atoll.runtime.local import LocalRuntime
-
-    return LocalRuntime(config)
+    build = runtime_spec(config.runtime).runtime_class()
+    return build(config.runtime_config, RunFacts.of(config), strategy=config.strategy_config)
 
 
 def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -90,26 +89,19 @@ def train(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
 
 def _train(config: TrainConfig, resume: bool) -> dict[str, Any]:
     """:func:`train` with the signals routed to :mod:`atoll.job.stop`."""
-    if config.runtime == "service":
+    where = runtime_spec(config.runtime)
+    if where.refusal is not None:  # (the service runtime: atoll syncer and atoll island run it)
         from atoll.errors import ConfigError
 
-        raise ConfigError("runtime: service is run by 'atoll syncer' and 'atoll island' (one job per site, "
-                          "docs/deployment.md), not atoll train; run those, or pass --runtime local or ray")
+        raise ConfigError(where.refusal)
     if config.runtime != "ray":  # a device that is not here is bad input before anything is written (Ray:
         resolve_device(config.device)  # the islands' nodes decide)
     if spec(config.strategy).lockstep is None:  # asynchronous: islands on their own clocks, a syncer
-        if config.runtime == "ray":
-            from atoll.runtime.ray import train_ray  # Ray is imported only here
-
-            return train_ray(config, resume)
-        from atoll.runtime.events import train_simulated
-
-        return train_simulated(config, resume)
-    if config.runtime == "collective":
-        from atoll.runtime import collective
-
-        if not collective.in_worker():
-            return collective.launch(config, "atoll.training:train", resume)
+        return where.driver()(config, resume)  # (Ray is imported only there)
+    if where.launcher is not None:  # the collective runtime outside torchrun: start its processes
+        summary = load(where.launcher)(config, "atoll.training:train", resume)
+        if summary is not None:
+            return summary
     runtime = make_runtime(config)
     with runtime.guard():
         return train_lockstep(config, resume, runtime)
@@ -167,7 +159,8 @@ class LockstepJob:
         self.run = run = Run(config, resume, is_main=runtime.is_main)
         runtime.start()
         own = spec(config.strategy)
-        self.islands = [runtime.make_island(i, copy.deepcopy(run.model), config, optimizer=own.inner_optimizer)
+        settings, inner = IslandSettings.of(config), inner_optimizer(config.strategy_config, own.inner_optimizer)
+        self.islands = [runtime.make_island(i, copy.deepcopy(run.model), settings, inner)
                         for i in runtime.local_islands]
         self.startup_host_bytes = host_memory_bytes() - host_before
         assert own.lockstep is not None  # train() sends an asynchronous strategy to its own driver
@@ -284,7 +277,7 @@ class LockstepJob:
             **({"diverged": record(config, self.diverged)} if self.diverged is not None else {}),
             **end.extra)
         if runtime.is_main:
-            runtime.save_trace(self.run.out / "clock_trace.json", config, summary["sim_wall_s"])
+            runtime.save_trace(self.run.out / "clock_trace.json", summary["sim_wall_s"])
         return summary
 
 

@@ -166,10 +166,10 @@ def test_ray_island_resources_one_entry_or_one_per_island() -> None:
 
     base = {"strategy": "decoupled", "runtime": "ray", "islands": 3}
     one = build_config(overrides={**base, "ray_island_resources": "h100=1, us_east=0.5"})
-    assert island_resources(one) == [{"h100": 1.0, "us_east": 0.5}] * 3
+    assert island_resources(one.runtime_config, 3) == [{"h100": 1.0, "us_east": 0.5}] * 3
     each = build_config(overrides={**base, "ray_island_resources": "us=1;us=1;eu=1"})
-    assert island_resources(each) == [{"us": 1.0}, {"us": 1.0}, {"eu": 1.0}]
-    assert island_resources(build_config(overrides=base)) == [{}, {}, {}]
+    assert island_resources(each.runtime_config, 3) == [{"us": 1.0}, {"us": 1.0}, {"eu": 1.0}]
+    assert island_resources(build_config(overrides=base).runtime_config, 3) == [{}, {}, {}]
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from atoll.config import build_config
+from atoll.config.facts import RunFacts
 from atoll.job.evaluation import evaluate, evaluate_island
 from atoll.job.island import make_island
 from atoll.job.model import build_model
@@ -48,7 +49,7 @@ def test_island_evaluation_equals_the_cpu_evaluation_of_the_global_model(tmp_pat
     part = evaluate_island(island, params, batches, range(1, 5, 2))
     assert part == {1: losses[1], 3: losses[3]}
     # the local runtime evaluates on island 0's device through the same path
-    assert LocalRuntime(config).evaluate([island], params, batches) == expected
+    assert LocalRuntime(config.runtime_config, RunFacts.of(config)).evaluate([island], params, batches) == expected
     # None: the island's model as it is
     own = copy.deepcopy(model)
     torch.nn.utils.vector_to_parameters(before.clone(), own.parameters())

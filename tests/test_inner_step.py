@@ -503,3 +503,30 @@ def test_a_resumed_run_may_switch_activation_checkpointing_on_but_not_change_gra
     assert load_run_config(out, {"activation_checkpointing": True}).activation_checkpointing
     with pytest.raises(ConfigError, match="^grad_accum: cannot change on resume"):
         load_run_config(out, {"grad_accum": 4})
+
+
+def test_an_island_is_built_from_its_settings_and_the_strategys_optimizer_not_the_run() -> None:
+    """The island takes its own settings (precision, accumulation, clipping, schedule...) and the strategy's
+    inner-optimizer factory, without a whole run's config; the same island as one built from the run's."""
+    from atoll.config.facts import IslandSettings
+    from atoll.job.island import build_island, inner_optimizer
+    from atoll.strategies.demo import DeMoConfig, make_optimizer
+    from atoll.strategies.diloco import DiLoCoConfig
+
+    settings = IslandSettings(steps=40, warmup_steps=4, min_lr_ratio=0.5, grad_clip=0.5, grad_accum=2)
+    island = build_island(0, build_model("micro", VOCAB, SEQ, seed=0), settings,
+                          inner_optimizer(DiLoCoConfig(lr=1e-3, weight_decay=0.2)))
+    assert (island.grad_accum, island.grad_clip, island.precision) == (2, 0.5, "fp32")
+    assert type(island.optimizer) is torch.optim.AdamW and island.optimizer.param_groups[0]["weight_decay"] == 0.2
+    assert island.scheduler.get_last_lr()[0] == pytest.approx(1e-3 / 4)  # warmup: 1 of 4 steps
+    config = TrainConfig(model="micro", vocab_size=VOCAB, seq_len=SEQ, steps=40, warmup_steps=4, min_lr_ratio=0.5,
+                         grad_clip=0.5, grad_accum=2, lr=1e-3, weight_decay=0.2)
+    assert IslandSettings.of(config) == IslandSettings(40, 4, 0.5, 0.5, 2, "fp32", False, False)
+    twin = make_island(0, build_model("micro", VOCAB, SEQ, seed=0), config)
+    assert twin.scheduler.get_last_lr() == island.scheduler.get_last_lr()
+    for a, b in zip(island.optimizer.param_groups, twin.optimizer.param_groups, strict=True):
+        assert {k: v for k, v in a.items() if k != "params"} == {k: v for k, v in b.items() if k != "params"}
+    # a strategy's own optimizer (DeMo) from its own config; its groups carry the AdamW default's weight decay
+    demo = build_island(0, build_model("micro", VOCAB, SEQ, seed=0), settings,
+                        inner_optimizer(DeMoConfig(), make_optimizer))
+    assert type(demo.optimizer).__name__ == "DeMo" and demo.optimizer.param_groups[0]["weight_decay"] == 0.1

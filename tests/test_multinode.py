@@ -138,20 +138,20 @@ def _syncer_state(out: Path) -> dict | None:
 
 def test_an_island_is_lost_when_no_live_node_has_its_resources(monkeypatch: pytest.MonkeyPatch) -> None:
     ray = pytest.importorskip("ray")
-    from atoll.config import build_config
-    from atoll.runtime.ray.cluster import island_demand, placeable
+    from atoll.config.runtimes import RayConfig
+    from atoll.runtime.ray import cluster
+    from atoll.runtime.ray.cluster import placeable
 
-    config = build_config(overrides={"strategy": "decoupled", "runtime": "ray", "islands": 2,
-                                     "ray_island_resources": "host_a=1;host_b=1", "ray_cpus_per_island": 2})
-    assert island_demand(config, 1) == {"CPU": 2.0, "host_b": 1.0}  # no GPU asked: not a demand
+    config = RayConfig(ray_island_resources="host_a=1;host_b=1", ray_cpus_per_island=2)  # of 2 islands
+    assert cluster.island_demand(config, 2, 1) == {"CPU": 2.0, "host_b": 1.0}  # no GPU asked: not a demand
     head = {"Alive": True, "Resources": {"CPU": 4.0, "host_a": 1.0}}
     worker = {"Alive": True, "Resources": {"CPU": 4.0, "host_b": 1.0}}
     monkeypatch.setattr(ray, "nodes", lambda: [head, worker])
-    assert placeable(island_demand(config, 0)) and placeable(island_demand(config, 1))
+    assert placeable(cluster.island_demand(config, 2, 0)) and placeable(cluster.island_demand(config, 2, 1))
     monkeypatch.setattr(ray, "nodes", lambda: [head, {**worker, "Alive": False}])  # the worker node died
-    assert placeable(island_demand(config, 0)) and not placeable(island_demand(config, 1))
+    assert placeable(cluster.island_demand(config, 2, 0)) and not placeable(cluster.island_demand(config, 2, 1))
     monkeypatch.setattr(ray, "nodes", lambda: [head, {"Alive": True, "Resources": {"CPU": 1.0, "host_b": 1.0}}])
-    assert not placeable(island_demand(config, 1))  # a node with the resource but too few CPUs in total
+    assert not placeable(cluster.island_demand(config, 2, 1))  # a node with the resource but too few CPUs in total
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def test_a_custom_resource_no_node_has_is_refused(fast_config: dict) -> None:
     import ray
 
     from atoll.config import build_config
+    from atoll.config.runtimes import RayConfig
     from atoll.errors import ConfigError
     from atoll.runtime.ray.cluster import check_resources
 
@@ -74,10 +75,9 @@ def test_a_custom_resource_no_node_has_is_refused(fast_config: dict) -> None:
         with pytest.raises(ConfigError, match=r"^ray_island_resources: island 1 asks Ray for CPU=1, region_b=1 "
                                               r"and no node of the cluster has region_b=1 \(node 0: CPU=2, GPU=\d+, "
                                               r"region_a=1\)"):
-            check_resources(config)
+            check_resources(config.runtime_config, config.islands)
         with pytest.raises(ConfigError, match=r"^ray_cpus_per_island: the 2 islands ask Ray for CPU=4 in all"):
-            check_resources(build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray",
-                                                    "fragments": 2, "ray_cpus_per_island": 2}))
+            check_resources(RayConfig(ray_cpus_per_island=2), 2)  # (a runtime's config is built alone)
     finally:
         ray.shutdown()
 
@@ -155,7 +155,7 @@ def test_a_local_ray_gets_the_drivers_pythonpath(fast_config: dict, monkeypatch:
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/opt/users/lib", "/srv/more"]))
     config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2})
-    assert cluster.init_ray(config)
+    assert cluster.init_ray(config.runtime_config, config.islands, config.threads)
     paths = seen["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)
     assert paths[1:] == ["/opt/users/lib", "/srv/more"]
     assert Path(paths[0], "atoll", "__init__.py").is_file()

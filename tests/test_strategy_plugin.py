@@ -173,7 +173,7 @@ def test_another_strategys_config_given_whole_is_refused_in_the_one_sentence() -
     """A config of another strategy (or runtime) handed over whole gets the sentence its flat keys get, not
     the owned config's "unknown setting"; the setting named is one the user set, where there is one."""
     from atoll.config import TrainConfig
-    from atoll.config.runtimes import RUNTIMES
+    from atoll.runtime.registry import configs
     from atoll.strategies.demo import DeMoConfig
     from atoll.strategies.diloco import DiLoCoConfig
 
@@ -185,5 +185,5 @@ def test_another_strategys_config_given_whole_is_refused_in_the_one_sentence() -
     with pytest.raises(ValueError, match=r"sync_every: the demo strategy does not use it \(only diloco, "):
         TrainConfig(strategy="demo", strategy_config=DiLoCoConfig(sync_every=5))  # (codec comes first, not set)
     with pytest.raises(ValueError, match=r"collective_timeout_s: the local runtime does not use it \(only "):
-        TrainConfig(runtime="local", runtime_config=RUNTIMES["collective"]())
+        TrainConfig(runtime="local", runtime_config=configs()["collective"]())
     assert TrainConfig(strategy="diloco", strategy_config=DiLoCoConfig(sync_every=7)).sync_every == 7

@@ -4,7 +4,7 @@ is refused.
 Every setting is either read by every run (a field of :class:`~atoll.config.train.TrainConfig`'s own sections,
 :data:`atoll.config.sections.RUN_SECTIONS`) or owned: a field of some strategies' configs
 (:class:`~atoll.config.section.StrategyConfig`, each in its strategy's module) or of some runtimes' configs
-(:data:`atoll.config.runtimes.RUNTIMES`). There is no table to keep: ``sync_every`` is read by the strategies
+(:func:`atoll.runtime.registry.configs`). There is no table to keep: ``sync_every`` is read by the strategies
 whose config has it. A setting the user set explicitly (a flag, a TOML key, an override of
 :func:`atoll.config.build_config`, a keyword of ``TrainConfig(...)``) that the chosen strategy or runtime does
 not own is refused in one line naming it, who reads it, and the fix; a resumed run's saved ``config.json`` and
@@ -20,7 +20,6 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from atoll.config.runtimes import RUNTIMES
 from atoll.config.sections import RUN_SECTIONS, SHARED_SECTIONS
 
 
@@ -45,28 +44,36 @@ def _readers(strategies: tuple[str, ...], name: str) -> tuple[str, ...]:
 
 
 def runtime_readers(name: str) -> tuple[str, ...]:
-    """The runtimes whose config has setting ``name`` (empty: no runtime owns it)."""
-    return tuple(r for r, config in RUNTIMES.items() if name in config.model_fields)
+    """The runtimes whose config has setting ``name`` (in registry order; empty: no runtime owns it)."""
+    from atoll.runtime.registry import configs
+
+    return tuple(r for r, config in configs().items() if name in config.model_fields)
 
 
 def catalog() -> dict[str, FieldInfo]:
     """Every setting atoll knows -> its field (description, type, default), in ``--help`` order: the run's,
     the shared sections', each strategy's own, the runtimes'. A shared setting's field is its section's (a
     strategy may change its default for itself: :func:`strategy_defaults`)."""
+    from atoll.runtime.registry import RUNTIMES as runtimes
     from atoll.strategies.registry import STRATEGIES
 
-    return _catalog(STRATEGIES)
+    return _catalog(STRATEGIES, runtimes)
 
 
 @cache
-def _catalog(strategies: tuple[str, ...]) -> dict[str, FieldInfo]:
+def _catalog(strategies: tuple[str, ...], runtimes: tuple[str, ...]) -> dict[str, FieldInfo]:
+    from atoll.runtime.registry import configs
     from atoll.strategies.registry import specs
 
     run, model, device, data, schedule, output = RUN_SECTIONS
+    runtime = configs()
     sync, *shared = SHARED_SECTIONS
+    built_in = ("collective", "ray", "local", "service")
+    others = [config for name, config in runtime.items() if name not in built_in]  # registered beyond atoll's
     out: dict[str, FieldInfo] = {}
-    for section in (run, sync, RUNTIMES["collective"], model, device, data, schedule, *shared,
-                    *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], RUNTIMES["service"], output):
+    for section in (run, sync, runtime["collective"], model, device, data, schedule, *shared,
+                    *(s.config for s in specs()), runtime["ray"], runtime["local"], runtime["service"], *others,
+                    output):
         out.update({k: v for k, v in section.model_fields.items() if k not in out})
     return out
 

@@ -1,7 +1,10 @@
 """Each runtime's own config: the settings the ``local``, ``collective`` and ``ray`` runtimes read.
 
 They live here rather than in the runtimes' packages so that the config imports neither torch nor Ray (an
-optional extra): :data:`RUNTIMES` maps each ``--runtime`` name to its config. A setting of one runtime given
+optional extra). Each is built and validated alone (``CollectiveConfig(min_islands=2)``): its checks of its own
+settings are its validators; a check across owners (the run's islands, the batch) is the whole config's.
+The runtime registry (:mod:`atoll.runtime.registry`) lists each runtime with its config
+(:func:`atoll.runtime.registry.configs`: each ``--runtime`` name -> its config). A setting of one runtime given
 under another is refused (:func:`atoll.config.applies.unused_setting`).
 """
 
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from atoll.config.parse import parse_resources
 from atoll.config.section import RuntimeConfig, Section
@@ -57,6 +60,18 @@ class IslandRanksSection(Section):
         "built-in strategy; needs --ranks-per-island 2 or more.",
     )
 
+    @model_validator(mode="after")
+    def _shards_need_ranks(self) -> IslandRanksSection:
+        if self.shard_island and self.ranks_per_island < 2:
+            raise ValueError("shard_island: an island of one rank has nothing to shard; pass --ranks-per-island 2 "
+                             "or more, or drop --shard-island")
+        return self
+
+
+#: why --max-restarts is refused (a restarted island rejoins survivors: fewer islands needed than run, one rank each)
+RESTARTS_NEED = ("max_restarts: a restarted island rejoins survivors that went on without it; it needs --min-islands "
+                 "below --islands and --ranks-per-island 1")
+
 
 class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
     """The ``collective`` runtime's settings: real processes over torch.distributed
@@ -95,6 +110,12 @@ class CollectiveConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
         "Needs --min-islands below --islands and one rank per island.",
     )
 
+    @model_validator(mode="after")
+    def _restarts_need_one_rank(self) -> CollectiveConfig:
+        if self.max_restarts and self.ranks_per_island > 1:  # (and survivors: the whole config's check)
+            raise ValueError(RESTARTS_NEED)
+        return self
+
 
 class RayConfig(TimeoutSection, RuntimeConfig):
     """The ``ray`` runtime's settings: islands and the syncer as Ray actors (:mod:`atoll.runtime.ray`)."""
@@ -130,6 +151,18 @@ class RayConfig(TimeoutSection, RuntimeConfig):
             return [parse_resources(part) for part in value.split(";")]
         return value
 
+    @field_validator("ray_island_resources")
+    @classmethod
+    def _custom_resources(cls, value: list[dict[str, float]] | None) -> list[dict[str, float]] | None:
+        for res in value or []:
+            for name, amount in res.items():
+                if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ValueError(f"'{name}' is not a custom resource name; use --ray-cpus-per-island / "
+                                     "--ray-gpus-per-island for CPUs and GPUs")
+                if not 0 < amount < float("inf"):
+                    raise ValueError(f"{name}={amount} must be a positive number")
+        return value
+
 
 class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
     """The ``service`` runtime's settings: ``atoll syncer`` and ``atoll island``, each island a job of its own
@@ -145,8 +178,3 @@ class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
         "all-gather the pulled slices; leader: rank 0 gathers the slices, pushes and pulls the whole fragment "
         "and hands the ranks their parts.",
     )
-
-
-#: each ``--runtime`` name -> its config, in --help order
-RUNTIMES: dict[str, type[RuntimeConfig]] = {"local": LocalConfig, "collective": CollectiveConfig, "ray": RayConfig,
-                                            "service": ServiceConfig}

@@ -33,13 +33,14 @@ class RunSection(Section):
         "DiLoCo: islands on their own clocks push fragments to a syncer that merges a "
         "quorum, token-weighted). The strategies are listed in atoll.strategies.registry.",
     )
-    runtime: Literal["local", "collective", "ray", "service"] = Field(
+    runtime: str = Field(
         "local",
         description="How islands run: local (one process, islands in turn, simulated network clock) or "
         "collective (real processes over torch.distributed: gloo on CPU, NCCL on GPUs; started by 'atoll "
         "train' on one machine, or by torchrun across machines) or ray (decoupled only: the syncer and "
         "every island as Ray actors on real clocks; see ray_address) or service (decoupled across sites: the "
-        "runtime of 'atoll syncer' and 'atoll island', which set it; not 'atoll train').",
+        "runtime of 'atoll syncer' and 'atoll island', which set it; not 'atoll train'). The runtimes are "
+        "listed in atoll.runtime.registry.",
     )
     islands: int = Field(4, ge=1, le=1024, description="Number of islands (model replicas, each its own shard).")
     steps: int = Field(800, ge=1, le=MAX_STEPS, description="Inner steps per island (each island sees steps x batch "

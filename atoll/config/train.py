@@ -32,7 +32,7 @@ from pydantic.main import IncEx
 
 from atoll.config.applies import applicable, catalog, run_settings, runtime_readers, strategy_readers, unused_setting
 from atoll.config.parse import fix_hint, format_validation_error
-from atoll.config.runtimes import RUNTIMES
+from atoll.config.runtimes import RESTARTS_NEED
 from atoll.config.section import RuntimeConfig, StrategyConfig
 from atoll.config.sections import (
     DataSection,
@@ -61,13 +61,15 @@ def tree_path(name: str, strategy: str, runtime: str) -> str | None:
     Raises:
         KeyError: no strategy of that name.
     """
+    from atoll.runtime.registry import configs
     from atoll.strategies.registry import spec
 
     if name in run_settings():
         return name
     if name in spec(strategy).config.model_fields:
         return f"strategy_config.{name}"
-    if runtime in RUNTIMES and name in RUNTIMES[runtime].model_fields:
+    runtimes = configs()
+    if runtime in runtimes and name in runtimes[runtime].model_fields:
         return f"runtime_config.{name}"
     return None
 
@@ -119,6 +121,7 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         """Flat keys to the tree: a strategy's defaults for the run's settings the user left unset (its spec's
         ``defaults``), then each owned key into the strategy's or the runtime's config, which validate it; a
         setting of another strategy or runtime is refused (:func:`~atoll.config.applies.unused_setting`)."""
+        from atoll.runtime.registry import configs
         from atoll.strategies.registry import names, spec
 
         if not isinstance(data, dict):
@@ -128,24 +131,26 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         if strategy not in names():
             known = ", ".join(repr(n) for n in names())
             raise ValueError(f"strategy: {strategy!r} is not a strategy ({known}); {fix_hint('strategy')}")
+        runtimes = configs()
+        if runtime not in runtimes:
+            known = ", ".join(repr(n) for n in runtimes)
+            raise ValueError(f"runtime: {runtime!r} is not a runtime ({known}); {fix_hint('runtime')}")
         own = spec(strategy)
         for part in TREE:  # a part given as a table (a TOML file's [strategy_config]): its keys, as flat ones
             if isinstance(data.get(part), dict):
                 data = {**data[part], **{k: v for k, v in data.items() if k != part}}
         data = {**data, **{k: v for k, v in own.defaults.items() if data.get(k) is None}}
         shared, strategy_keys, runtime_keys = run_settings(), {}, {}
-        runtime_type = RUNTIMES.get(runtime)
+        runtime_type = runtimes[runtime]
         for key in [k for k in data if k not in shared and k not in TREE]:
             if key in own.config.model_fields:
                 strategy_keys[key] = data.pop(key)
-            elif runtime_type is not None and key in runtime_type.model_fields:
+            elif key in runtime_type.model_fields:
                 runtime_keys[key] = data.pop(key)
             elif (strategy_readers(key) or runtime_readers(key)) and data.pop(key) is not None:  # None: unset
                 raise ValueError(unused_setting(strategy, runtime, [key]))
         data["strategy_config"] = _owned(own.config, data.get("strategy_config"), strategy_keys, strategy, runtime)
-        if runtime_type is not None:  # else the runtime's own error names it
-            data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys, strategy,
-                                            runtime)
+        data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys, strategy, runtime)
         return data
 
     def __getattr__(self, name: str) -> Any:
@@ -186,34 +191,32 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
+        """The checks across owners (the strategy and the runtime, the run's islands and batch); each owned
+        config checks its own settings alone (its validators)."""
+        from atoll.runtime.registry import spec as runtime_spec
         from atoll.strategies.registry import spec, specs
 
-        own = spec(self.strategy)
-        if self.runtime not in own.runtimes:
-            runs = [s.name for s in specs() if self.runtime in s.runtimes]
+        def runs_under(s: Any) -> bool:  # listed by the strategy, or a runtime that runs its kind
+            return self.runtime in s.runtimes or ("lockstep" if s.lockstep else "asynchronous") in where.kinds
+
+        own, where = spec(self.strategy), runtime_spec(self.runtime)
+        if not runs_under(own):
+            runs = [s.name for s in specs() if runs_under(s)]
             which = runs[0] + " strategy" if len(runs) == 1 else ", ".join(runs[:-1]) + f" and {runs[-1]} strategies"
             raise ValueError(f"runtime: {self.runtime} runs only the {which}, not {self.strategy}; add --strategy "
                              f"{runs[0]} or pass --runtime {own.runtimes[0]}")
-        if self.ray_island_resources is not None:
-            if len(self.ray_island_resources) not in (1, self.islands):
-                raise ValueError(f"ray_island_resources: {len(self.ray_island_resources)} entries for "
-                                 f"{self.islands} islands; give one per island (';'-separated) or one for all")
-            for res in self.ray_island_resources:
-                for name, amount in res.items():
-                    if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
-                        raise ValueError(f"ray_island_resources: '{name}' is not a custom resource name; use "
-                                         "--ray-cpus-per-island / --ray-gpus-per-island for CPUs and GPUs")
-                    if not 0 < amount < float("inf"):
-                        raise ValueError(f"ray_island_resources: {name}={amount} must be a positive number")
-        if self.runtime in ("collective", "service") and self.batch_size % self.ranks_per_island:
+        runtime = self.runtime_config
+        resources = getattr(runtime, "ray_island_resources", None)
+        if resources is not None and len(resources) not in (1, self.islands):
+            raise ValueError(f"ray_island_resources: {len(resources)} entries for {self.islands} islands; give one "
+                             "per island (';'-separated) or one for all")
+        ranks = getattr(runtime, "ranks_per_island", 1)
+        if self.batch_size % ranks:  # (collective and service: the runtimes of islands of several ranks)
             raise ValueError(f"batch_size ({self.batch_size}) must be divisible by ranks_per_island "
-                             f"({self.ranks_per_island}), each rank taking an equal share of the island's "
+                             f"({ranks}), each rank taking an equal share of the island's "
                              "rows; change --batch-size or --ranks-per-island")
-        if self.shard_island:  # (collective and service: under another runtime it is refused as not read)
-            if self.ranks_per_island < 2:
-                raise ValueError("shard_island: an island of one rank has nothing to shard; pass "
-                                 "--ranks-per-island 2 or more, or drop --shard-island")
-            if self.inner_optimizer == "muon":
+        if getattr(runtime, "shard_island", False):  # (its ranks: the runtime config's own check)
+            if getattr(self.strategy_config, "inner_optimizer", "adamw") == "muon":
                 raise ValueError("shard_island: Muon orthogonalizes whole matrices, not shards; drop "
                                  "--inner-optimizer muon or --shard-island")
             if not own.shards:
@@ -221,12 +224,12 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
                 which = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
                 raise ValueError(f"shard_island: the {self.strategy} strategy does not run on shards (only "
                                  f"{which} do); pass --strategy diloco or drop --shard-island")
-        if self.min_islands > self.islands:
-            raise ValueError(f"min_islands ({self.min_islands}) exceeds islands ({self.islands}); set "
+        min_islands = getattr(runtime, "min_islands", 1)
+        if min_islands > self.islands:
+            raise ValueError(f"min_islands ({min_islands}) exceeds islands ({self.islands}); set "
                              "--min-islands to at most --islands")
-        if self.max_restarts and (self.min_islands >= self.islands or self.ranks_per_island > 1):
-            raise ValueError("max_restarts: a restarted island rejoins survivors that went on without it; it needs "
-                             "--min-islands below --islands and --ranks-per-island 1")
+        if getattr(runtime, "max_restarts", 0) and min_islands >= self.islands:  # (its ranks: its config's check)
+            raise ValueError(RESTARTS_NEED)
         if own.validate is not None:
             own.validate(self)
         return self

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from atoll.algorithms.muon import muon_with_adamw
+from atoll.config.facts import IslandSettings
 from atoll.job.device import CompiledForward, autocast, synchronize
 from atoll.job.flat_views import FlatViews
 from atoll.job.loss import next_token_loss
@@ -374,45 +375,72 @@ class Island(FlatViews):
         self.reset_count = int(state.get("reset_count", 0))
 
 
-def adamw(groups: list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:
-    """The inner optimizer of every strategy but those that bring their own: AdamW, betas (0.9, 0.95); the
-    fused CUDA kernel when the parameters are on a GPU (one launch for all of them), else PyTorch's default."""
+#: an island's inner-optimizer factory: its model -> the optimizer over its parameters (:func:`inner_optimizer`)
+InnerOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
+
+
+def adamw(groups: list[dict[str, Any]], config: Any) -> torch.optim.Optimizer:
+    """The inner optimizer of every strategy but those that bring their own: AdamW at ``config.lr`` (a
+    strategy's config with the AdamW section), betas (0.9, 0.95); the fused CUDA kernel when the parameters are
+    on a GPU (one launch for all of them), else PyTorch's default."""
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), **({"fused": True} if on_cuda else {}))
+
+
+def inner_optimizer(strategy: Any, own: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer] | None = None
+                    ) -> InnerOptimizer:
+    """An island's inner-optimizer factory from the strategy's config ``strategy``: ``own(param_groups,
+    strategy)`` (a strategy's own, e.g. DeMo; its spec's ``inner_optimizer``), else AdamW (:func:`adamw`) or,
+    with ``inner_optimizer = "muon"``, Muon on the hidden matrices and AdamW on the rest
+    (:func:`atoll.algorithms.muon.muon_with_adamw`). Weight decay only on matrices: the strategy's
+    ``weight_decay``, or the AdamW section's default for a strategy without one (its groups carry it all the
+    same: DeMo reads it)."""
+    from atoll.config.sections import AdamWSection
+
+    weight_decay = getattr(strategy, "weight_decay", AdamWSection.model_fields["weight_decay"].default)
+
+    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if own is not None:
+            return own(groups, strategy)
+        if strategy.inner_optimizer == "muon":
+            return muon_with_adamw(list(model.named_parameters()), strategy.lr, weight_decay)
+        return adamw(groups, strategy)
+
+    return build
+
+
+def build_island(index: int, model: PreTrainedModel, settings: IslandSettings, optimizer: InnerOptimizer,
+                 clock: SimClock | None = None, speed: float = 1.0, island_type: type[Island] = Island) -> Island:
+    """An island with its own replica, inner optimizer (``optimizer(model)``: :func:`inner_optimizer`) and
+    warmup-cosine schedule: warmup over ``settings.warmup_steps`` (at most a tenth of the island's steps),
+    decay to ``min_lr_ratio`` at ``settings.steps``. ``island_type`` is the class built (a
+    :class:`~atoll.runtime.collective.sharding.ShardedIsland` for a model sharded beforehand)."""
+    inner = optimizer(model)
+    total = settings.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        inner, cosine_with_warmup(min(settings.warmup_steps, total // 10), total, settings.min_lr_ratio))
+    if settings.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    island = island_type(index, model, inner, scheduler, grad_clip=settings.grad_clip, clock=clock, speed=speed,
+                         precision=settings.precision, grad_accum=settings.grad_accum)
+    if settings.compile:
+        island.forward = CompiledForward(model)
+    return island
 
 
 def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
                 total_steps: int | None = None, speed: float = 1.0,
                 optimizer: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer] | None = None,
                 island_type: type[Island] = Island) -> Island:
-    """An island with its own replica, inner optimizer and warmup-cosine schedule.
-
-    The inner optimizer is ``optimizer(param_groups, config.strategy_config)`` (a strategy's own, e.g. DeMo,
-    from its own config; its spec's ``inner_optimizer``), else AdamW (:func:`adamw`) or, with
-    ``inner_optimizer = "muon"``, Muon on the hidden matrices and AdamW on the rest
-    (:func:`atoll.algorithms.muon.muon_with_adamw`); weight decay only on matrices. The schedule warms up
-    over ``warmup_steps`` (at most a tenth of the island's steps) and decays to ``min_lr_ratio`` at
-    ``total_steps`` (default ``steps``). ``island_type`` is the class built (a
-    :class:`~atoll.runtime.collective.sharding.ShardedIsland` for a model sharded beforehand).
-    """
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if optimizer is None and config.inner_optimizer == "muon":
-        inner: torch.optim.Optimizer = muon_with_adamw(list(model.named_parameters()), config.lr,
-                                                       config.weight_decay)
-    else:
-        inner = adamw(groups, config) if optimizer is None else optimizer(groups, config.strategy_config)
-    total = config.steps if total_steps is None else total_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        inner, cosine_with_warmup(min(config.warmup_steps, total // 10), total, config.min_lr_ratio))
-    if config.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    island = island_type(index, model, inner, scheduler, grad_clip=config.grad_clip, clock=clock, speed=speed,
-                         precision=config.precision, grad_accum=config.grad_accum)
-    if config.compile:
-        island.forward = CompiledForward(model)
-    return island
+    """:func:`build_island` from a whole run's config (an entry point's, a test's): its island settings
+    (:meth:`~atoll.config.facts.IslandSettings.of`, the schedule over ``total_steps``, default ``steps``) and
+    the strategy's inner optimizer (:func:`inner_optimizer` of ``config.strategy_config`` and ``optimizer``, a
+    spec's ``inner_optimizer``)."""
+    return build_island(index, model, IslandSettings.of(config, total_steps),
+                        inner_optimizer(config.strategy_config, optimizer), clock, speed, island_type)
 
 
 def compile_skipped(islands: list[Island]) -> str | None:

@@ -27,7 +27,8 @@ from atoll.runtime.comm import Comm
 from atoll.runtime.network import SimClock
 
 if TYPE_CHECKING:  # not at run time: the collective launcher imports this without transformers
-    from atoll.job.island import Island
+    from atoll.config.facts import IslandSettings
+    from atoll.job.island import InnerOptimizer, Island
     from atoll.job.run import Run
     from atoll.strategies.base import Strategy
 
@@ -55,6 +56,10 @@ class JobTotals(NamedTuple):
 class Runtime(ABC):
     """How the islands of one job run and talk.
 
+    Built by the entry point (:func:`atoll.train.make_runtime`, from its spec in :mod:`atoll.runtime.registry`) as
+    ``cls(config, facts, strategy=...)``: its own config (a :class:`~atoll.config.section.RuntimeConfig`), the
+    run's :class:`~atoll.config.facts.RunFacts` and the strategy's config; never the whole run's config.
+
     Attributes:
         comm: the collectives across every island (valid after :meth:`start`).
         clock: the simulated network clock charged by the islands, or None where time is real.
@@ -77,14 +82,14 @@ class Runtime(ABC):
         """Where island ``island`` of this process computes (default: :attr:`device`)."""
         return self.device
 
-    def make_island(self, index: int, model: torch.nn.Module, config: Any,
-                    optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> Island:
+    def make_island(self, index: int, model: torch.nn.Module, settings: IslandSettings,
+                    optimizer: InnerOptimizer) -> Island:
         """Island ``index`` of this process around ``model`` (a CPU copy of the global model it may keep):
-        moved to :meth:`device_of` and given its inner optimizer (:func:`atoll.job.island.make_island`).
-        Called after :meth:`start`."""
-        from atoll.job.island import make_island
+        moved to :meth:`device_of`, built from the island ``settings`` with its inner optimizer
+        (``optimizer(model)``: :func:`atoll.job.island.build_island`). Called after :meth:`start`."""
+        from atoll.job.island import build_island
 
-        return make_island(index, model.to(self.device_of(index)), config, self.clock, optimizer=optimizer)
+        return build_island(index, model.to(self.device_of(index)), settings, optimizer, self.clock)
 
     def make_strategy(self, build: Callable[..., Strategy], config: Any, islands: list[Island], seed: int) -> Strategy:
         """The lockstep strategy over this process's islands: ``build(config, islands, comm, seed)`` (a spec's
@@ -160,13 +165,9 @@ class Runtime(ABC):
         ``compute_s``); None where time is real (the codec's time is in the wall time itself)."""
         return max(self.clock.codec_s) if self.clock is not None else None
 
-    def save_trace(self, path: Path, config: Any, sim_wall_s: float) -> None:
+    def save_trace(self, path: Path, sim_wall_s: float) -> None:  # noqa: B027 - optional hook
         """Write the simulated clock's trace to ``path`` (JSON), so the run can be re-timed at other links
-        (:func:`atoll.runtime.network.replay`); nothing where there is none. ``config``: the run's (its link)."""
-        trace = getattr(self.clock, "trace", None) if self.clock is not None else None
-        if trace is not None:
-            trace.save(path, link_bandwidth_mbps=config.link_bandwidth_mbps, link_latency_ms=config.link_latency_ms,
-                       sim_wall_s=sim_wall_s)
+        (:func:`atoll.runtime.network.replay`): the local runtime's; nothing where time is real."""
 
     def summary(self) -> dict[str, Any]:
         """What the runtime adds to ``summary.json`` (the collective runtime: sharded islands, the islands it

@@ -87,7 +87,7 @@ class Simulation:
         self.K, self.speeds = config.islands, config.speeds
         self.credentials = [secrets.token_hex(16) for _ in range(self.K)]  # each island pushes only as itself
         self.syncer = make_syncer(config, self.job.init_flat, self.job.index, self.credentials)
-        self.link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
+        self.link = Link.from_config(config.runtime_config.link_bandwidth_mbps, config.runtime_config.link_latency_ms)
         self.trace = FailureTrace.from_spec(config.chaos, self.K, config.seed) if config.chaos else None
         devices = island_devices(self.K, config.device)  # GPUs round-robin, or all on one device
         self.workers = [IslandWorker(i, self.job, n, devices[i]) for i, n in enumerate(expected_steps(config))]

@@ -26,7 +26,10 @@ from atoll.runtime.comm import Comm, Work
 from atoll.runtime.network import ClockTrace, Link, SimClock, ring_allgather_bytes, ring_allreduce_bytes
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
+    from pathlib import Path
+
+    from atoll.config.facts import RunFacts
+    from atoll.config.runtimes import LocalConfig
     from atoll.job.island import Island
     from atoll.strategies.base import Strategy
 
@@ -156,21 +159,32 @@ class LocalRuntime(Runtime):
     """Every island in this process, run in turn, on a simulated network clock (:class:`LocalComm`).
 
     Args:
-        config: the run's configuration (``islands``, ``link_bandwidth_mbps``, ``link_latency_ms``, ``device``).
+        config: its own settings: the links of the simulated clock.
+        facts: the run's (``islands``, ``device``).
+        strategy: the strategy's config (not read here).
 
     Raises:
         ConfigError: ``device`` names a device that is not there.
     """
 
-    def __init__(self, config: TrainConfig) -> None:
-        self.islands = config.islands
-        self.local_islands = list(range(config.islands))
+    def __init__(self, config: LocalConfig, facts: RunFacts, strategy: Any = None) -> None:
+        self.config = config
+        self.islands = facts.islands
+        self.local_islands = list(range(facts.islands))
         # the trace lets a finished run be re-timed at other links (atoll.runtime.network.replay)
-        self.clock = SimClock(config.islands, trace=ClockTrace(config.islands))
+        self.clock = SimClock(facts.islands, trace=ClockTrace(facts.islands))
         link = Link.from_config(config.link_bandwidth_mbps, config.link_latency_ms)
-        self.comm = LocalComm(config.islands, link, self.clock)
-        self.devices = island_devices(config.islands, config.device)  # GPUs round-robin, or all on one device
+        self.comm = LocalComm(facts.islands, link, self.clock)
+        self.devices = island_devices(facts.islands, facts.device)  # GPUs round-robin, or all on one device
         self.device = self.devices[0]
+
+    def save_trace(self, path: Path, sim_wall_s: float) -> None:
+        """Write the simulated clock's trace to ``path`` (JSON) with this runtime's link, so the run can be
+        re-timed at other links (:func:`atoll.runtime.network.replay`)."""
+        trace = self.clock.trace
+        if trace is not None:
+            trace.save(path, link_bandwidth_mbps=self.config.link_bandwidth_mbps,
+                       link_latency_ms=self.config.link_latency_ms, sim_wall_s=sim_wall_s)
 
     def device_of(self, island: int) -> torch.device:
         return self.devices[island]

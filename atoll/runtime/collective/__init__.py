@@ -55,6 +55,10 @@ rank starts (never in a step), as is ``ATOLL_TEST_KILL_STAMP`` (a file where the
 died); for fault-injection tests.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from atoll.job.faults import KILL_HOOK_ENV
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
@@ -66,5 +70,15 @@ from atoll.runtime.collective.failure import (
 from atoll.runtime.collective.launch import launch
 from atoll.runtime.collective.runtime import CollectiveRuntime
 
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
+
 __all__ = ["EXIT_PEER_FAILURE", "HEARTBEAT_S", "HEARTBEAT_STALE_S", "KILL_HOOK_ENV", "CollectiveRuntime",
-           "PeerFailure", "in_worker", "launch"]
+           "PeerFailure", "in_worker", "launch", "start_job"]
+
+
+def start_job(config: TrainConfig, entry: str, resume: bool = False) -> dict[str, Any] | None:
+    """The runtime's launcher (:attr:`atoll.runtime.spec.RuntimeSpec.launcher`): outside torchrun, start the
+    job's processes on this machine, each running ``entry`` (``module:function``) with the whole config
+    (:func:`launch`), and return rank 0's summary; None inside one of them (torchrun set ``RANK``)."""
+    return None if in_worker() else launch(config, entry, resume)

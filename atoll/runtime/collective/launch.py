@@ -95,7 +95,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     out, lock = claim_run_folder(config.out, config.strategy, resume)  # held by the launcher for its ranks
     config = config.model_copy(update={"out": out})
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
-    store = loopback_store(config.collective_timeout_s)
+    store = loopback_store(config.runtime_config.collective_timeout_s)
     ranks = Supervisor(config, worker, resume, rank_env(config, store.port), grace_s)
     try:
         _prepare_data(config)
@@ -115,7 +115,7 @@ def rank_env(config: TrainConfig, port: int) -> dict[str, str]:
     """The environment every rank of a one-machine launch shares, as torchrun would set it (``RANK`` and
     ``LOCAL_RANK`` are each rank's): the store at 127.0.0.1:``port``, gloo on the loopback, and one torch
     thread pool per rank that does not oversubscribe the cores (unless ``threads`` or ``OMP_NUM_THREADS`` say)."""
-    world = config.islands * config.ranks_per_island
+    world = config.islands * config.runtime_config.ranks_per_island
     env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     if "GLOO_SOCKET_IFNAME" not in os.environ:  # one machine: gloo's pairs on the loopback too
@@ -165,14 +165,14 @@ class Supervisor:
         self.config, self.worker, self.resume, self.env, self.grace_s = config, worker, resume, env, grace_s
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload([worker.split(":")[0]])
-        self.world = config.islands * config.ranks_per_island
+        self.world = config.islands * config.runtime_config.ranks_per_island
         self.procs = [self._process(r) for r in range(self.world)]
         self.first: tuple[int, int] | None = None  # (rank, exit status) of the first rank to fail
         self.reported: set[int] = set()  # ranks reported silent by their peers
         self.killed: set[int] = set()  # ranks killed here (reported while running, or restarted)
         self.joining: dict[int, str] = {}  # restarted rank -> its incarnation, until the job admitted it
-        self.survive = config.min_islands < config.islands
-        self.restarts = [config.max_restarts] * self.world
+        self.survive = config.runtime_config.min_islands < config.islands
+        self.restarts = [config.runtime_config.max_restarts] * self.world
         self.deadline = math.inf
         self.relayed = False
 
@@ -227,7 +227,7 @@ class Supervisor:
                 self.restarts[rank] -= 1
                 self.reported.add(rank)  # the survivors' report of the lost one must not kill the new one
                 self.killed.add(rank)
-                self.joining[rank] = str(self.config.max_restarts - self.restarts[rank])
+                self.joining[rank] = str(self.config.runtime_config.max_restarts - self.restarts[rank])
                 self.procs[rank] = self._process(rank, self.joining[rank])
                 self.procs[rank].start()
 
@@ -288,7 +288,8 @@ class Supervisor:
         if self.first is not None:
             rank, code = self.first
             if code < 0:
-                raise RunFailed(f"rank {rank} (island {rank // self.config.ranks_per_island}) was killed by "
+                island = rank // self.config.runtime_config.ranks_per_island
+                raise RunFailed(f"rank {rank} (island {island}) was killed by "
                                 f"{signal.Signals(-code).name}; {resume_advice(out)}", 128 - code)
             raise RunFailed("", code)
         return json.loads((out / "summary.json").read_text())

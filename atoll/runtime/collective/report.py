@@ -67,7 +67,7 @@ def summary(rt: CollectiveView) -> dict[str, Any]:
     wall seconds of each exchange a loss interrupted, from its start to its result over the survivors;
     ``resumed_at``: the wall clock (Unix seconds) at that result, when training goes on."""
     shard = {**({"shard_island": True, "params_per_rank": rt.layout.numel_per_rank} if rt.config.shard_island
-                else {}), **torch_ddp.describe(rt.config)}
+                else {}), **torch_ddp.describe(rt.torch_ddp, rt.config.shard_island)}
     members = rt.membership
     if not members.events:
         return shard

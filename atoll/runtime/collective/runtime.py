@@ -41,8 +41,9 @@ from atoll.runtime.collective.transfer import broadcast_state
 from atoll.runtime.network import Link
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
-    from atoll.job.island import Island
+    from atoll.config.facts import IslandSettings, RunFacts
+    from atoll.config.runtimes import CollectiveConfig
+    from atoll.job.island import InnerOptimizer, Island
     from atoll.job.run import Run
     from atoll.strategies.base import Strategy
 
@@ -57,16 +58,20 @@ class CollectiveRuntime(Runtime):
     them. :meth:`start` joins the process groups (deadline ``collective_timeout_s``).
 
     Args:
-        config: the run's configuration.
+        config: its own settings (ranks, sharding, deadlines, survival, checkpoints in the background).
+        facts: the run's (``islands``, ``device``, ``steps``, ``seed``, ``out``...).
+        strategy: the strategy's config (whether a ``ddp`` run averages with torch's DDP hooks reads its codec:
+            :func:`~.torch_ddp.applies`).
 
     Raises:
         ConfigError: ``WORLD_SIZE`` is not ``islands x ranks_per_island``.
     """
 
-    def __init__(self, config: TrainConfig) -> None:
-        self.config = config
+    def __init__(self, config: CollectiveConfig, facts: RunFacts, strategy: Any = None) -> None:
+        self.config, self.facts = config, facts
+        self.torch_ddp = torch_ddp.applies(config, facts, strategy)  # ddp's gradients under torch's DDP hooks
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.islands, self.ranks_per_island = config.islands, config.ranks_per_island
+        self.islands, self.ranks_per_island = facts.islands, config.ranks_per_island
         if self.world != self.islands * self.ranks_per_island:
             raise ConfigError(f"ranks_per_island: {self.world} processes were started but islands x "
                               f"ranks_per_island = {self.islands} x {self.ranks_per_island}; start that many "
@@ -75,7 +80,7 @@ class CollectiveRuntime(Runtime):
         self.local_islands = [self.island]
         self.is_main = self.rank == 0
         self.early_checkpoint = True  # a rank can be lost before checkpoint_every: resume from the first sync
-        kind = resolve_device(config.device)
+        kind = resolve_device(facts.device)
         if kind == "mps":
             raise ConfigError("device: the collective runtime runs on CPUs (gloo) or CUDA GPUs (NCCL), not mps; "
                               "pass --device cpu or use the local runtime")
@@ -261,7 +266,7 @@ class CollectiveRuntime(Runtime):
             if suspect is not None:  # the launcher kills it if it still runs (frozen)
                 self.heartbeat.report([suspect])
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
-        resume = advice or resume_advice(self.config.out)
+        resume = advice or resume_advice(self.facts.out)
         if signalled and suspect is None:
             line = f"atoll: error: stopped by SIGTERM {where}; {resume}"
         else:
@@ -277,17 +282,18 @@ class CollectiveRuntime(Runtime):
             os._exit(EXIT_PEER_FAILURE)
 
     # --- sharded islands (shard_island; atoll.runtime.collective.sharding) ---------------------------
-    def make_island(self, index: int, model: torch.nn.Module, config: Any,
-                    optimizer: Callable[..., torch.optim.Optimizer] | None = None) -> Island:
+    def make_island(self, index: int, model: torch.nn.Module, settings: IslandSettings,
+                    optimizer: InnerOptimizer) -> Island:
         """The island of this rank; with ``shard_island`` its model is sharded over the island's ranks
         (FSDP2) before the inner optimizer is built, so the optimizer holds this rank's shard only."""
         if not self.config.shard_island:
-            island = super().make_island(index, model, config, optimizer)
-            return torch_ddp.wrap(island, self.config, self.device) if torch_ddp.applies(self.config) else island
-        from atoll.runtime.collective.sharding import make_sharded_island
+            island = super().make_island(index, model, settings, optimizer)
+            return torch_ddp.wrap(island, settings, self.device) if self.torch_ddp else island
+        from atoll.runtime.collective.sharding import build_sharded_island
 
-        island, self.layout = make_sharded_island(index, model, config, optimizer, self.island_group, self.device)
-        if torch_ddp.applies(self.config):
+        island, self.layout = build_sharded_island(index, model, settings, optimizer, self.island_group,
+                                                   self.device, self.facts.seed, self.facts.init_from)
+        if self.torch_ddp:
             return torch_ddp.hook_sharded(island, self.island_group, self.cross_group)
         return island
 

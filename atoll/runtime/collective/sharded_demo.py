@@ -21,7 +21,6 @@ island (the fast link), and the selection computed redundantly on each of the is
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -101,12 +100,13 @@ class ShardedDeMo(DeMo):
             piece.mul_(1.0 - lr * wd)
         piece.add_((update[local_rows(p)] if isinstance(p, DTensor) else update).to(piece.dtype), alpha=-lr)
 
-def shard_aware(factory: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer]
-                ) -> Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer]:
-    """A strategy's inner-optimizer factory for a sharded island's parameters: a :class:`DeMo` it builds becomes
-    a :class:`ShardedDeMo` of the same groups and settings; any other optimizer is kept (AdamW is element-wise)."""
-    def build(groups: list[dict[str, Any]], config: Any) -> torch.optim.Optimizer:
-        opt = factory(groups, config)
+def shard_aware(factory: Callable[[torch.nn.Module], torch.optim.Optimizer]
+                ) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    """An island's inner-optimizer factory (:func:`atoll.job.island.inner_optimizer`) for a sharded island's
+    parameters: a :class:`DeMo` it builds becomes a :class:`ShardedDeMo` of the same groups and settings; any
+    other optimizer is kept (AdamW is element-wise)."""
+    def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+        opt = factory(model)
         if type(opt) is not DeMo:
             return opt
         return ShardedDeMo(opt.param_groups, lr=opt.defaults["lr"], beta=opt.defaults["beta"], chunk=opt.chunk,

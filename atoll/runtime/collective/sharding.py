@@ -24,6 +24,7 @@ import contextlib
 import copy
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +40,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.utils import parameters_to_vector
 
 from atoll.algorithms.fragments import FlatFragment
-from atoll.job.island import Island, copy_flat_into
+from atoll.config.facts import IslandSettings
+from atoll.job.island import InnerOptimizer, Island, build_island, copy_flat_into, inner_optimizer
 from atoll.runtime.collective.failure import dist_call
 
 _FULL = StateDictOptions(full_state_dict=True)
@@ -360,28 +362,35 @@ def _load_rows(model: torch.nn.Module, init_from: str, rows: Any) -> None:
                           "finished lockstep run") from None
 
 
-def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
-                        device: torch.device, total_steps: int | None = None) -> tuple[Island, ShardLayout]:
+def build_sharded_island(index: int, model: torch.nn.Module, settings: IslandSettings, optimizer: InnerOptimizer,
+                         group: Any, device: torch.device, seed: int, init_from: Path | None = None
+                         ) -> tuple[Island, ShardLayout]:
     """Island ``index`` with ``model`` sharded over its ranks (``group``) before the inner optimizer is built,
     so the optimizer holds this rank's shard only; and the layout of the shards. A model on the meta device
-    takes storage for this rank's pieces here (:func:`materialize`). ``total_steps``: the island's schedule
-    (:func:`~atoll.job.island.make_island`; default ``steps``)."""
-    from atoll.job.island import make_island
+    takes storage for this rank's pieces here (:func:`materialize`: initialised from ``seed``, or the weights
+    of run folder ``init_from``). ``settings``, ``optimizer``: as :func:`~atoll.job.island.build_island`'s."""
     from atoll.job.model import enable_activation_checkpointing
+    from atoll.runtime.collective.sharded_demo import shard_aware
 
-    if config.activation_checkpointing:  # checkpoint the blocks before FSDP2 wraps them (torchtitan's order)
+    if settings.activation_checkpointing:  # checkpoint the blocks before FSDP2 wraps them (torchtitan's order)
         enable_activation_checkpointing(model)
     meta = any(p.is_meta for p in model.parameters())
-    shard_model(model, group, device, config.precision)
+    shard_model(model, group, device, settings.precision)
     if meta:
-        materialize(model, config.seed, device, str(config.init_from) if config.init_from else None)
-    if optimizer is not None:  # a strategy's own: DeMo selects from whole tensors (sharded_demo)
-        from atoll.runtime.collective.sharded_demo import shard_aware
-
-        optimizer = shard_aware(optimizer)
-    island = make_island(index, model, config, None, total_steps=total_steps, optimizer=optimizer,
-                         island_type=ShardedIsland)
+        materialize(model, seed, device, str(init_from) if init_from else None)
+    # a strategy's own optimizer, DeMo, selects from whole tensors (sharded_demo); AdamW stays as built
+    island = build_island(index, model, settings, shard_aware(optimizer), island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
+
+
+def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
+                        device: torch.device, total_steps: int | None = None) -> tuple[Island, ShardLayout]:
+    """:func:`build_sharded_island` from a whole run's config (an entry point's: ``atoll island``): its island
+    settings (the schedule over ``total_steps``, default ``steps``), the strategy's inner optimizer
+    (``optimizer``: a spec's ``inner_optimizer``, or None), its seed and warm start."""
+    return build_sharded_island(index, model, IslandSettings.of(config, total_steps),
+                                inner_optimizer(config.strategy_config, optimizer), group, device, config.seed,
+                                config.init_from)
 
 
 def load_sharded_job_state(rt: Any, state: dict[str, Any], islands: list[Island], strategy: Any) -> None:

@@ -71,7 +71,7 @@ class StopAgreement:
 
         r_count, timeout_s = rt.ranks_per_island, rt.config.collective_timeout_s
         return cls(store_client(timeout_s), rt.prefix, rt.rank,
-                   lambda: rt.membership.ranks(r_count), rt.config.steps, timeout_s,
+                   lambda: rt.membership.ranks(r_count), rt.facts.steps, timeout_s,
                    closed=rt.heartbeat.stopped)
 
     def _key(self, rank: int) -> str:

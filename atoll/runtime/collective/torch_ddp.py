@@ -41,14 +41,16 @@ from atoll.job.device import CompiledForward
 from atoll.runtime.collective.failure import dist_call
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
+    from atoll.config.facts import RunFacts
+    from atoll.config.runtimes import CollectiveConfig
     from atoll.job.island import Island
 
 
-def applies(config: TrainConfig) -> bool:
-    """Whether the run's ``ddp`` averages its gradients with torch's DDP hooks (see the module docstring)."""
-    return (config.strategy == "ddp" and config.runtime == "collective" and config.codec == "fp32"
-            and (config.min_islands >= config.islands or config.shard_island) and not config.max_restarts)
+def applies(config: CollectiveConfig, facts: RunFacts, strategy: Any) -> bool:
+    """Whether a ``ddp`` run under the collective runtime (its ``config``, the run's ``facts``, the strategy's
+    config ``strategy``) averages its gradients with torch's DDP hooks (see the module docstring)."""
+    return (facts.strategy == "ddp" and getattr(strategy, "codec", None) == "fp32"
+            and (config.min_islands >= facts.islands or config.shard_island) and not config.max_restarts)
 
 
 def healthy_sum_hook(island, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations here
@@ -62,11 +64,11 @@ def healthy_sum_hook(island, bucket):  # type: ignore[no-untyped-def]  # DDP ref
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def wrap(island: Island, config: TrainConfig, device: torch.device) -> Island:
+def wrap(island: Island, config: Any, device: torch.device) -> Island:
     """Put ``island``'s model under DDP (default process group: every rank of the job) with
     :func:`healthy_sum_hook`; its training forward pass goes through the DDP module (compiled with
-    ``--compile``); returns the island. The replicas start identical (the same seed), so no initial
-    broadcast is needed."""
+    ``config.compile``: the island settings, or a whole run's config); returns the island. The replicas start
+    identical (the same seed), so no initial broadcast is needed."""
     # no buffer sync in the forward pass (the argument's name changed in torch 2.13; the old one warns there)
     no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
                inspect.signature(DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False})
@@ -152,9 +154,9 @@ def finish_mean(island: Island, ranks_per_island: int) -> torch.Tensor:
     return (count / ranks_per_island)[0]
 
 
-def describe(config: Any) -> dict[str, Any]:
-    """What ``summary.json`` says about it where it applies: ``{"gradient_sync": "torch_ddp"}``, or
-    ``"fsdp_hybrid"`` for sharded islands (:class:`HybridSync`)."""
-    if not applies(config):
+def describe(applied: bool, sharded: bool) -> dict[str, Any]:
+    """What ``summary.json`` says about it where it ``applied``: ``{"gradient_sync": "torch_ddp"}``, or
+    ``"fsdp_hybrid"`` for ``sharded`` islands (:class:`HybridSync`)."""
+    if not applied:
         return {}
-    return {"gradient_sync": "fsdp_hybrid" if config.shard_island else "torch_ddp"}
+    return {"gradient_sync": "fsdp_hybrid" if sharded else "torch_ddp"}

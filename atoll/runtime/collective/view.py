@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from atoll.config import TrainConfig
+    from atoll.config.facts import RunFacts
+    from atoll.config.runtimes import CollectiveConfig
     from atoll.runtime.collective.comm import DistComm
     from atoll.runtime.collective.heartbeat import _Heartbeat
     from atoll.runtime.collective.membership import Membership
@@ -21,7 +22,9 @@ class CollectiveView(Protocol):
     """One rank of the collective runtime, as its helpers see it: its place in the job, the islands alive,
     its store, groups and comm, and the calls that re-form the groups or end the process."""
 
-    config: TrainConfig
+    config: CollectiveConfig
+    facts: RunFacts
+    torch_ddp: bool
     rank: int
     islands: int
     ranks_per_island: int

@@ -95,7 +95,7 @@ STOP_POLL_S = 0.5  # seconds between two looks for a stop request while the driv
 def _run_actors(config: TrainConfig, run: Run,
                 bar: ProgressDisplay) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list[int]]:
     """Start the syncer and the islands, re-run an island whose process died, until the budget is spent."""
-    out = run.out.resolve()
+    out, own = run.out.resolve(), config.runtime_config  # (own: the RayConfig)
     cfg = config.model_dump_json()
     # one secret per island, given to that island's actor and to the syncer only: a push counts only as its own
     credentials = [secrets.token_hex(16) for _ in range(config.islands)]
@@ -105,11 +105,11 @@ def _run_actors(config: TrainConfig, run: Run,
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     syncer = ray.remote(num_cpus=0, max_restarts=MAX_RESTARTS, max_task_retries=-1,
                         scheduling_strategy=here)(SyncerService).remote(cfg, str(out), credentials)
-    island_cls = ray.remote(num_cpus=config.ray_cpus_per_island, num_gpus=config.ray_gpus_per_island,
+    island_cls = ray.remote(num_cpus=own.ray_cpus_per_island, num_gpus=own.ray_gpus_per_island,
                             max_restarts=MAX_RESTARTS, max_task_retries=0)(IslandService)
     islands = [island_cls.options(resources=res).remote(cfg, i, syncer, str(out), credentials[i]) if res else
                island_cls.remote(cfg, i, syncer, str(out), credentials[i])
-               for i, res in enumerate(island_resources(config))]
+               for i, res in enumerate(island_resources(own, config.islands))]
     running = {isl.run.remote(): i for i, isl in enumerate(islands)}
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands
@@ -119,7 +119,7 @@ def _run_actors(config: TrainConfig, run: Run,
     # no wait on Ray without a deadline: between short waits for the islands, the syncer must answer within
     # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
     # called it within as long (else it is killed and restarted): atoll.runtime.ray.watch
-    watch = Watch(syncer, islands, out, config.collective_timeout_s)
+    watch = Watch(syncer, islands, out, own.collective_timeout_s)
     report = RayReport(config, run, bar)
     first_done: float | None = None  # when the first island finished or a stop was asked: the others then
     stopping = False  # have the deadline. SIGINT/SIGTERM (atoll.job.stop): the syncer grants no more steps
@@ -128,7 +128,7 @@ def _run_actors(config: TrainConfig, run: Run,
             stopping = True
             first_done = first_done if first_done is not None else time.monotonic()
             with contextlib.suppress(ray.exceptions.GetTimeoutError):
-                ray.get(syncer.stop.remote(), timeout=config.collective_timeout_s)
+                ray.get(syncer.stop.remote(), timeout=own.collective_timeout_s)
         ready = _wait_one(list(running), watch.poll_s, stopping)
         if not ready:
             if not stopping and stop.requested() is not None:
@@ -145,12 +145,12 @@ def _run_actors(config: TrainConfig, run: Run,
                 watch.kill_island(i)  # its run call fails: restarted below like a crashed island
             # the others' deadline runs from the first finish, and again from a silent island's restart
             since = max([first_done] + [k for k in watch.killed_at if k is not None]) if first_done else None
-            if since is not None and time.monotonic() - since > config.collective_timeout_s:
+            if since is not None and time.monotonic() - since > own.collective_timeout_s:
                 for i in running.values():  # hung islands: stop waiting for them (their un-pushed work is lost)
                     abandoned.append(i)
                     ray.kill(islands[i], no_restart=True)
                 print(f"atoll: warning: islands {sorted(abandoned)} did not finish within "
-                      f"{config.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
+                      f"{own.collective_timeout_s:g} s of the others; their un-pushed work is lost", file=sys.stderr)
                 break
             continue
         i = running.pop(ready[0])
@@ -163,7 +163,7 @@ def _run_actors(config: TrainConfig, run: Run,
             failures[i] += 1  # the process died: Ray restarts the actor, which rejoins; run it again
             report.failure(i)
             try:
-                wait_restarted(islands[i], island_demand(config, i))
+                wait_restarted(islands[i], island_demand(own, config.islands, i))
             except IslandLost as e:  # its node died and no other can run it: the others go on without it
                 lost.append(i)
                 ray.kill(islands[i], no_restart=True)
@@ -211,11 +211,12 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     if resume:
         raise ConfigError("resume: a decoupled run on Ray cannot be resumed (only its syncer state is saved, under "
                           "<out>/syncer); start a new run from its final model with --init-from RUN_DIR")
-    check_ray_address(config.ray_address)  # before any folder is made
-    started = init_ray(config)
+    own = config.runtime_config  # the RayConfig: the cluster, the islands' resources, the deadline
+    check_ray_address(own.ray_address)  # before any folder is made
+    started = init_ray(own, config.islands, config.threads)
     stop.reinstall()  # ray.init sets a SIGTERM handler that exits: a signal checkpoints the run instead
     try:
-        check_resources(config)  # islands no node can run are refused here, not queued by Ray forever
+        check_resources(own, config.islands)  # islands no node can run are refused here, not queued by Ray forever
         run = Run(config)  # fills the tokenizer and token caches before the actors read them
         # the global model, moved to the device for each evaluation
         run.evaluator = evaluator = GlobalEvaluator(run.model, run.val, evaluation_device(config), config.precision)
@@ -265,7 +266,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         island_utilization=[r["compute_s"] / wall_s if wall_s > 0 else 0.0 for r in res], failures=failures,
         rejoins=[j - 1 for j in final["joins"]], rejoin_s=final["rejoin_s"], versions=final["versions"],
         abandoned_islands=final["abandoned"], lost_islands=final["lost"], syncer_restarts=final["syncer_restarts"],
-        island_resources=island_resources(config), island_nodes=[r.get("node_id") for r in res],
+        island_resources=island_resources(own, config.islands), island_nodes=[r.get("node_id") for r in res],
         startup_s=startup_s, island_start_s=final["island_start_s"], codec_s=[r["codec_s"] for r in res],
         eval_s=evaluator.seconds,
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),

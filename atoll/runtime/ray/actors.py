@@ -107,8 +107,8 @@ class IslandService:
         job = Job.prepare(config)
         # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
         # a GPU when Ray gave the actor one and the run does not pin the CPU (--device cpu)
-        device = "cuda" if config.ray_gpus_per_island > 0 and config.device != "cpu" and torch.cuda.is_available() \
-            else "cpu"
+        gpus = config.runtime_config.ray_gpus_per_island
+        device = "cuda" if gpus > 0 and config.device != "cpu" and torch.cuda.is_available() else "cpu"
         self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
         flat, versions, steps, self.session = ray.get(syncer.join.remote(index, credential))
         self.worker.rejoin(flat, versions)

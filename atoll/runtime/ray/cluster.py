@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from atoll.config import TrainConfig
+from atoll.config.runtimes import RayConfig
 from atoll.errors import ConfigError
 
 
@@ -39,8 +39,9 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
                           "`ray start --head` there or fix --ray-address") from None
 
 
-def init_ray(config: TrainConfig) -> bool:
-    """Connect to ``ray_address``, or start a local Ray; True if this call started or connected it.
+def init_ray(config: RayConfig, islands: int, threads: int | None = None) -> bool:
+    """Connect to ``ray_address``, or start a local Ray for ``islands`` island actors (each with ``threads``
+    torch threads, default 1); True if this call started or connected it.
 
     Ray's own output (its workers' lines, the autoscaler's, its info logs) stays out of atoll's unless
     ``ray_logs`` (``--ray-logs``) asks for it: ``log_to_driver`` and ``logging_level``. atoll's islands and
@@ -55,24 +56,24 @@ def init_ray(config: TrainConfig) -> bool:
     # the folder atoll is imported from, then this process's PYTHONPATH (the islands import what the driver can)
     paths = [str(Path(__file__).resolve().parents[3])]
     paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    threads = str(config.threads or 1)
-    cpus = max(os.cpu_count() or 1, math.ceil(config.islands * config.ray_cpus_per_island) + 1)
+    cpus = max(os.cpu_count() or 1, math.ceil(islands * config.ray_cpus_per_island) + 1)
     # a local Ray is one node: it declares the custom resources the islands ask for (regions, hardware
     # generations), so a run meant for a cluster can be tried on one machine
     custom: dict[str, float] = {}
-    for res in island_resources(config):
+    for res in island_resources(config, islands):
         for name, amount in res.items():
             custom[name] = custom.get(name, 0.0) + amount
     ray.init(num_cpus=cpus, resources=custom or None, include_dashboard=False, **quiet,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-                                       "OMP_NUM_THREADS": threads}})
+                                       "OMP_NUM_THREADS": str(threads or 1)}})
     return True
 
 
-def island_resources(config: TrainConfig) -> list[dict[str, float]]:
-    """Each island's custom Ray resources (``ray_island_resources``; one entry applies to every island)."""
+def island_resources(config: RayConfig, islands: int) -> list[dict[str, float]]:
+    """Each of the ``islands`` islands' custom Ray resources (``ray_island_resources``; one entry applies to
+    every island)."""
     res = config.ray_island_resources or [{}]
-    return [dict(r) for r in (res * config.islands if len(res) == 1 else res)]
+    return [dict(r) for r in (res * islands if len(res) == 1 else res)]
 
 
 class IslandLost(Exception):
@@ -80,9 +81,11 @@ class IslandLost(Exception):
     is gone, and with it the only place it could run); the message says which resources."""
 
 
-def island_demand(config: TrainConfig, island: int) -> dict[str, float]:
-    """What island ``island``'s actor asks Ray for: ``CPU``, ``GPU`` (when > 0) and its custom resources."""
-    demand = {"CPU": config.ray_cpus_per_island, "GPU": config.ray_gpus_per_island, **island_resources(config)[island]}
+def island_demand(config: RayConfig, islands: int, island: int) -> dict[str, float]:
+    """What island ``island``'s actor (of ``islands``) asks Ray for: ``CPU``, ``GPU`` (when > 0) and its custom
+    resources."""
+    demand = {"CPU": config.ray_cpus_per_island, "GPU": config.ray_gpus_per_island,
+              **island_resources(config, islands)[island]}
     return {name: amount for name, amount in demand.items() if amount > 0}
 
 
@@ -100,8 +103,8 @@ def _field(name: str) -> str:
     return {"CPU": "ray_cpus_per_island", "GPU": "ray_gpus_per_island"}.get(name, "ray_island_resources")
 
 
-def check_resources(config: TrainConfig) -> None:
-    """Refuse, before any actor is placed, islands that no node of the cluster can ever run.
+def check_resources(config: RayConfig, islands: int) -> None:
+    """Refuse, before any actor is placed, ``islands`` islands that no node of the cluster can ever run.
 
     Ray queues an actor whose resources no node has and waits for an autoscaler to add one, forever on a
     fixed cluster (printing only its own autoscaler errors). So each island's demand (:func:`island_demand`)
@@ -113,8 +116,8 @@ def check_resources(config: TrainConfig) -> None:
     """
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     offers = "; ".join(f"node {i}: {_offer(r)}" for i, r in enumerate(nodes)) or "no live node"
-    for island in range(config.islands):
-        demand = island_demand(config, island)
+    for island in range(islands):
+        demand = island_demand(config, islands, island)
         if any(all(r.get(name, 0.0) >= amount for name, amount in demand.items()) for r in nodes):
             continue
         lacking = [name for name, amount in demand.items() if not any(r.get(name, 0.0) >= amount for r in nodes)]
@@ -124,13 +127,13 @@ def check_resources(config: TrainConfig) -> None:
                           f"{short}={demand[short]:g} ({offers}); lower --{_field(short).replace('_', '-')} or add a "
                           "node that offers it (ray start --resources / --num-gpus)")
     total: dict[str, float] = {}
-    for island in range(config.islands):
-        for name, amount in island_demand(config, island).items():
+    for island in range(islands):
+        for name, amount in island_demand(config, islands, island).items():
             total[name] = total.get(name, 0.0) + amount
     for name, amount in total.items():
         have = sum(r.get(name, 0.0) for r in nodes)
         if amount > have + 1e-9:
-            raise ConfigError(f"{_field(name)}: the {config.islands} islands ask Ray for {name}={amount:g} in all, "
+            raise ConfigError(f"{_field(name)}: the {islands} islands ask Ray for {name}={amount:g} in all, "
                               f"and the cluster has {name}={have:g} ({offers}); the islands run at once, so lower "
                               f"--islands or --{_field(name).replace('_', '-')}, or add nodes")
 
