@@ -1,5 +1,5 @@
 """Facts of one run that its components read besides their own config: a small frozen record, built once from
-the whole config by the entry points (:func:`atoll.train.train` and the drivers), so that the runtimes and the
+the whole config by the entry points (:func:`atoll.training.train` and the drivers), so that the runtimes and the
 islands never take the whole :class:`~atoll.config.train.TrainConfig`. No torch here.
 
 :class:`RunFacts` is what a runtime reads of the run (how many islands, how long, where, which strategy);

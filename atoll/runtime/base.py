@@ -56,7 +56,7 @@ class JobTotals(NamedTuple):
 class Runtime(ABC):
     """How the islands of one job run and talk.
 
-    Built by the entry point (:func:`atoll.train.make_runtime`, from its spec in :mod:`atoll.runtime.registry`) as
+    Built by the entry point (:func:`atoll.training.make_runtime`, from its spec in :mod:`atoll.runtime.registry`) as
     ``cls(config, facts, strategy=...)``: its own config (a :class:`~atoll.config.section.RuntimeConfig`), the
     run's :class:`~atoll.config.facts.RunFacts` and the strategy's config; never the whole run's config.
 

@@ -1,5 +1,5 @@
 """What a runtime declares about itself (:class:`RuntimeSpec`), listed in :mod:`atoll.runtime.registry`; read
-by the config (its settings, its name), the entry point :func:`atoll.train.train` and ``--help``.
+by the config (its settings, its name), the entry point :func:`atoll.training.train` and ``--help``.
 
 A spec is light: it imports neither torch nor the runtime's module, which it names by dotted path and imports
 when a run is built under it (the config stays torch-free)."""
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from atoll.config.section import RuntimeConfig
 
-#: the two kinds of strategies: lockstep ones (a spec's ``lockstep`` class, the loop of atoll.train) and
+#: the two kinds of strategies: lockstep ones (a spec's ``lockstep`` class, the loop of atoll.training) and
 #: asynchronous ones (islands on their own clocks, driven by the runtime's own event loop)
 Kind = Literal["lockstep", "asynchronous"]
 
