@@ -274,7 +274,8 @@ class LockstepJob:
             **({"compile_skipped": compile_skipped(islands), "compile_s": max(i.compile_s for i in islands)}
                if config.compile else {}),
             **({"island_resets": end.island_resets} if any(end.island_resets) else {}),
-            **({"diverged": record(config, self.diverged)} if self.diverged is not None else {}),
+            **({"diverged": record(config.strategy_config, config, self.diverged)}
+               if self.diverged is not None else {}),
             **end.extra)
         if runtime.is_main:
             runtime.save_trace(self.run.out / "clock_trace.json", summary["sim_wall_s"])

@@ -280,13 +280,14 @@ def test_the_advice_names_only_flags_the_strategy_or_the_run_accepts(fedavg: str
 
     for own in specs():
         config = build_config(overrides={"strategy": own.name})
-        fix = record(config, Diverged(3, "x"))["fix"]
+        fix = record(config.strategy_config, config, Diverged(3, "x"))["fix"]
         flags = {f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", fix)}
         assert flags and flags <= set(own.config.model_fields) | run_settings(), (own.name, fix)
         assert ("outer_lr" in flags) == ("outer_lr" in own.config.model_fields), (own.name, fix)
         assert {"lr", "demo_lr"} & flags, (own.name, fix)  # an inner rate: its own
     assert {s.name for s in specs()} >= {"ddp", "demo", fedavg}
-    fix = record(build_config(overrides={"strategy": fedavg, "lr": 0.5, "grad_clip": 0}), Diverged(3, "x"))["fix"]
+    config = build_config(overrides={"strategy": fedavg, "lr": 0.5, "grad_clip": 0})
+    fix = record(config.strategy_config, config, Diverged(3, "x"))["fix"]
     assert fix == "lower --lr (it is 0.5), raise --warmup-steps (it is 40), keep --grad-clip on, and start again"
 
 

@@ -39,7 +39,6 @@ import torch
 from atoll.errors import ConfigError
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
     from atoll.config.section import StrategyConfig
     from atoll.config.sections import ScheduleSection
     from atoll.job.island import Island
@@ -119,10 +118,10 @@ def advice(strategy: StrategyConfig, schedule: ScheduleSection) -> str:
            "and start again"
 
 
-def record(config: TrainConfig, error: Diverged) -> dict[str, Any]:
+def record(strategy: StrategyConfig, schedule: ScheduleSection, error: Diverged) -> dict[str, Any]:
     """The summary's ``diverged`` entry: ``step`` (1-based inner step), ``reason``, ``fix`` (:func:`advice`, from
-    the strategy's own config and the run's schedule)."""
-    return {"step": error.step, "reason": error.what, "fix": advice(config.strategy_config, config)}
+    the ``strategy``'s own config and the run's ``schedule``)."""
+    return {"step": error.step, "reason": error.what, "fix": advice(strategy, schedule)}
 
 
 def until_diverged(run: Callable[..., Any], *args: Any) -> Diverged | None:
@@ -134,12 +133,14 @@ def until_diverged(run: Callable[..., Any], *args: Any) -> Diverged | None:
     return None
 
 
-def island_extras(config: TrainConfig, islands: list[Island], diverged: Diverged | None) -> dict[str, Any]:
+def island_extras(strategy: StrategyConfig, schedule: ScheduleSection, islands: list[Island],
+                  diverged: Diverged | None) -> dict[str, Any]:
     """The summary's entries of a driver that holds every island: ``island_resets`` (per island, when one
-    was reset) and ``diverged`` (:func:`record`, when the job diverged)."""
+    was reset) and ``diverged`` (:func:`record` with the ``strategy``'s config and the run's ``schedule``, when
+    the job diverged)."""
     resets = [i.reset_count for i in islands]
     return {**({"island_resets": resets} if any(resets) else {}),
-            **({"diverged": record(config, diverged)} if diverged is not None else {})}
+            **({"diverged": record(strategy, schedule, diverged)} if diverged is not None else {})}
 
 
 def message(diverged: dict[str, Any]) -> str:

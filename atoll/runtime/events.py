@@ -400,7 +400,8 @@ class Simulation:
             **({"starved_islands": syncer.starved(), "starved": self.starved} if self.starved else {}),
             measured_compute_s=[w.island.compute_s for w in self.workers], eval_s=self.evaluator.seconds,
             codec_s=[w.wire.codec_s[0] for w in self.workers],
-            timeline=True, **island_extras(config, [w.island for w in self.workers], self.diverged))
+            timeline=True,
+            **island_extras(config.strategy_config, config, [w.island for w in self.workers], self.diverged))
 
 
 def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]:

@@ -272,4 +272,4 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         skipped_steps=sum(int(r.get("skipped_steps", 0)) for r in res),
         timeline=True, **({"island_resets": resets} if any(resets) else {}),
         **({"starved": final["starved"]} if final["starved"] else {}),
-        **({"diverged": record(config, diverged)} if diverged is not None else {}))
+        **({"diverged": record(config.strategy_config, config, diverged)} if diverged is not None else {}))
