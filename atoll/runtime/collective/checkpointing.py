@@ -28,11 +28,11 @@ from atoll.runtime.network import SimClock
 if TYPE_CHECKING:
     from atoll.job.island import Island
     from atoll.job.run import Run
-    from atoll.runtime.collective.runtime import CollectiveRuntime
+    from atoll.runtime.collective.view import CollectiveView
     from atoll.strategies.base import Strategy
 
 
-def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: list[Island],
+def save_rank_checkpoint(rt: CollectiveView, run: Run, step: int, islands: list[Island],
                          strategy: Strategy, background: bool = False) -> None:
     """Write the checkpoint at inner step ``step`` per rank (:mod:`atoll.job.rank_checkpoint`); collective.
 
@@ -104,7 +104,7 @@ def save_rank_checkpoint(rt: CollectiveRuntime, run: Run, step: int, islands: li
                             blocked_s=round(time.perf_counter() - t0, 6))
 
 
-def _shared_state(rt: CollectiveRuntime, run: Run) -> dict[str, Any]:
+def _shared_state(rt: CollectiveView, run: Run) -> dict[str, Any]:
     """The job's state rank 0 writes beside the ranks' folders (counters, membership, a clock at the real wall
     time), as of now."""
     wall = run.wall_s()
@@ -114,7 +114,7 @@ def _shared_state(rt: CollectiveRuntime, run: Run) -> dict[str, Any]:
             "clock": SimClock(rt.islands, [wall] * rt.islands).state_dict(), "wall_s": wall}
 
 
-def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, entry: dict[str, Any],
+def _write_in_background(rt: CollectiveView, run: Run, step: int, tmp: Path, entry: dict[str, Any],
                          strategy: Strategy, t0: float) -> None:
     """Copy this rank's part (and on rank 0 the shared state and the global parameters) to host buffers and
     hand it to a writer thread (:class:`~.async_checkpoint.InFlight`); returns once the copies are made. ``t0``:
@@ -142,7 +142,7 @@ def _write_in_background(rt: CollectiveRuntime, run: Run, step: int, tmp: Path, 
                                     blocked_s=time.perf_counter() - t0)
 
 
-def settle_checkpoint(rt: CollectiveRuntime) -> int | None:
+def settle_checkpoint(rt: CollectiveView) -> int | None:
     """Wait for the checkpoint in flight, if any (:meth:`~.async_checkpoint.InFlight.settle`; rank 0's writer
     thread logged its ``checkpoint`` event as it committed it, with ``blocked_s``: the seconds training stood
     still for it, ``write_s``: the thread's); the wait counts in the stall of the checkpoint that waits.
@@ -158,7 +158,7 @@ def settle_checkpoint(rt: CollectiveRuntime) -> int | None:
     return flight.step
 
 
-def load_rank_checkpoint(rt: CollectiveRuntime, state: dict[str, Any], islands: list[Island],
+def load_rank_checkpoint(rt: CollectiveView, state: dict[str, Any], islands: list[Island],
                          strategy: Strategy) -> None:
     """Restore from a per-rank checkpoint: this rank reads its island's folder and the shared state's owner
     (:func:`~atoll.job.rank_checkpoint.owner_of_island`), nothing of the other islands."""

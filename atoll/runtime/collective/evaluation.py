@@ -12,10 +12,10 @@ from atoll.runtime.collective.failure import dist_call
 
 if TYPE_CHECKING:
     from atoll.job.island import Island
-    from atoll.runtime.collective.runtime import CollectiveRuntime
+    from atoll.runtime.collective.view import CollectiveView
 
 
-def split_evaluate(rt: CollectiveRuntime, island: Island, params: torch.Tensor | None,
+def split_evaluate(rt: CollectiveView, island: Island, params: torch.Tensor | None,
                    batches: list[torch.Tensor]) -> float:
     """Mean held-out loss (nats per token) of the global model ``params`` (this rank's ``global_params()``;
     None: the initial model) over ``batches``, the same number on every rank; collective over the control group.

@@ -1,5 +1,6 @@
 """What the collective runtime's helpers (:mod:`~atoll.runtime.collective.quorum`,
-:mod:`~atoll.runtime.collective.rejoin`, :mod:`~atoll.runtime.collective.report`) use of a
+:mod:`~atoll.runtime.collective.rejoin`, :mod:`~atoll.runtime.collective.report`,
+:mod:`~atoll.runtime.collective.checkpointing`, :mod:`~atoll.runtime.collective.evaluation`) use of a
 :class:`~atoll.runtime.collective.runtime.CollectiveRuntime`: a protocol, so that they annotate their ``rt``
 without importing the runtime, which imports them."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
     from atoll.config.facts import RunFacts
@@ -26,6 +28,7 @@ class CollectiveView(Protocol):
     facts: RunFacts
     torch_ddp: bool
     rank: int
+    world: int
     islands: int
     ranks_per_island: int
     island: int
@@ -42,6 +45,15 @@ class CollectiveView(Protocol):
     token_offset: int
     tokens_of: list[int]
     layout: ShardLayout
+    #: --async-checkpoint's state (:class:`~atoll.runtime.collective.async_checkpoint.BackgroundCheckpoints`, which
+    #: builds on this protocol)
+    background: Any
+    #: the survivors' quorum (:class:`~atoll.runtime.collective.quorum.Quorum`, which builds on this protocol), or
+    #: None where a loss is not survived
+    quorum: Any
+
+    def full_params(self, params: torch.Tensor) -> torch.Tensor:
+        """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""
 
     def close_groups(self) -> None:
         """Close this rank's connections and process groups at once."""
