@@ -209,12 +209,12 @@ def test_bad_addresses_and_certificates_exit_2(tmp_path: Path) -> None:
     cases = {
         "listen": ["syncer", "--listen", "nohost", *out],
         "listen ": ["syncer", "--listen", "0.0.0.0:7070", *out],  # other hosts can reach it, no TLS
-        "tls-cert": ["syncer", "--tls-cert", str(junk), "--tls-key", str(key), *out],
-        "tls-key": ["syncer", "--tls-cert", str(other_cert), "--tls-key", str(key), *out],
-        "tls-cert ": ["syncer", "--tls-cert", str(cert), *out],
+        "tls_cert": ["syncer", "--tls-cert", str(junk), "--tls-key", str(key), *out],
+        "tls_key": ["syncer", "--tls-cert", str(other_cert), "--tls-key", str(key), *out],
+        "tls_cert ": ["syncer", "--tls-cert", str(cert), *out],
         "syncer": ["island", "--syncer", "syncer.example.org", "--island", "0", "--credential", str(token)],
         "syncer ": ["island", "--syncer", "10.1.2.3:7070", "--plaintext", "--island", "0", "--credential", str(token)],
-        "tls-ca": ["island", "--syncer", "127.0.0.1:7070", "--tls-ca", str(junk), "--island", "0",
+        "tls_ca": ["island", "--syncer", "127.0.0.1:7070", "--tls-ca", str(junk), "--island", "0",
                    "--credential", str(token)],
         "credential": ["island", "--syncer", "127.0.0.1:7070", "--island", "0", "--credential", str(tmp_path / "none")],
     }

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from atoll.config.runtimes import RUNTIMES
+from atoll.config.runtimes import RUNTIMES, SERVICE_COMMANDS_ONLY, service_command
 from atoll.config.sections import RUN_SECTIONS, SHARED_SECTIONS
 
 
@@ -50,9 +50,10 @@ def runtime_readers(name: str) -> tuple[str, ...]:
 
 
 def catalog() -> dict[str, FieldInfo]:
-    """Every setting atoll knows -> its field (description, type, default), in ``--help`` order: the run's,
-    the shared sections', each strategy's own, the runtimes'. A shared setting's field is its section's (a
-    strategy may change its default for itself: :func:`strategy_defaults`)."""
+    """Every setting of ``atoll train`` -> its field (description, type, default), in ``--help`` order: the run's,
+    the shared sections', each strategy's own, the runtimes' (but those of the ``atoll syncer`` and ``atoll
+    island`` commands alone, :data:`~atoll.config.runtimes.SERVICE_COMMANDS_ONLY`). A shared setting's field is
+    its section's (a strategy may change its default for itself: :func:`strategy_defaults`)."""
     from atoll.strategies.registry import STRATEGIES
 
     return _catalog(STRATEGIES)
@@ -67,7 +68,7 @@ def _catalog(strategies: tuple[str, ...]) -> dict[str, FieldInfo]:
     out: dict[str, FieldInfo] = {}
     for section in (run, sync, RUNTIMES["collective"], model, device, data, schedule, *shared,
                     *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], RUNTIMES["service"], output):
-        out.update({k: v for k, v in section.model_fields.items() if k not in out})
+        out.update({k: v for k, v in section.model_fields.items() if k not in out and k not in SERVICE_COMMANDS_ONLY})
     return out
 
 
@@ -125,7 +126,7 @@ def unused_setting(strategy: str, runtime: str, given: Iterable[str],
                     f"{'; ' + instead if instead else ''}); {drop} or use {_which(readers, 'strategy')}")
         readers = runtime_readers(name)
         if readers and runtime not in readers:  # (the service runtime is atoll island's, not atoll train's)
-            named = ", ".join("service: atoll island" if r == "service" else r for r in readers)
+            named = ", ".join(f"service: {service_command(name)}" if r == "service" else r for r in readers)
             trained = tuple(r for r in readers if r != "service")
             return (f"{name}: the {runtime} runtime does not use it (only {named}); {drop}"
                     + (f" or use {_which(trained, 'runtime')}" if trained and runtime != "service" else ""))

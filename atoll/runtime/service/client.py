@@ -144,7 +144,7 @@ class SyncerClient:
                 # port) repeats whatever the load; a handshake cut short (a busy host, a lost packet) is retried
                 handshakes = handshakes + 1 if is_tls_protocol_error(last) else 0
                 if handshakes >= 3:  # a syncer that answers, but not in TLS this island trusts: not transient
-                    raise ConfigError(f"tls-ca: the TLS handshake with the syncer at '{self.address}' failed 3 times "
+                    raise ConfigError(f"tls_ca: the TLS handshake with the syncer at '{self.address}' failed 3 times "
                                       f"({last.split(': ')[-1][:120]}); pass the CA that signed its certificate with "
                                       "--tls-ca, --tls-server-name, or --plaintext if it serves plaintext") from None
             if time.monotonic() > deadline:

@@ -193,6 +193,54 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
             "lease_fetches": lease.fetches if lease is not None else 0, **transport.counters()}
 
 
+def island_job(config: TrainConfig) -> dict[str, Any]:
+    """This process's rank of the island job ``config`` describes (its ``runtime_config``, a
+    :class:`~atoll.config.runtimes.ServiceConfig`: the syncer's addresses, the island, its credential, TLS):
+    join the island's ranks, dial every shard of the syncer, train (:func:`run_island`); return its report.
+    ``kill -USR1 PID`` prints every thread's stack on stderr (a hang's diagnosis).
+
+    Raises:
+        ConfigError: a setting is missing or wrong (the credential unreadable, more shards than fragments...).
+        SyncerUnreachable: the syncer gave no answer for ``give_up_s``.
+        SystemExit: (status 3, via :func:`lost_peer`) another rank of the island stopped responding.
+    """
+    import faulthandler
+    import signal
+
+    from atoll.runtime.service.serve import service_settings
+    from atoll.runtime.service.tls import read_certificate
+
+    settings = service_settings(config)
+    settings.require_island_job()
+    assert settings.syncer is not None and settings.island is not None and settings.credential is not None
+    if sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__)
+    token = read_token(settings.credential)
+    ca = read_certificate(settings.tls_ca, "tls_ca") if settings.tls_ca is not None else None
+    fragments = config.strategy_config.fragments
+    if len(settings.syncer) > fragments:
+        raise ConfigError(f"syncer: {len(settings.syncer)} shards for {fragments} fragments; give --syncer the "
+                          "shards' --shards list")
+    group = IslandGroup.from_env(settings.ranks_per_island, config.device, settings.collective_timeout_s)
+    clients: list[SyncerClient] = []
+    try:
+        for address in settings.syncer:  # one client per shard (shard 0 first: the coordinator)
+            clients.append(SyncerClient(address, settings.island, token, root_certificates=ca,
+                                        plaintext=settings.plaintext, insecure=settings.insecure,
+                                        give_up_s=settings.give_up_s, server_name=settings.tls_server_name,
+                                        control=group.leader))
+        group.start()
+        report = run_island(config, settings.island, clients, group)
+    except PeerFailure as e:
+        lost_peer(e, settings.island, group)  # exits with status 3
+        raise
+    finally:
+        for client in clients:
+            client.close()
+    group.close()
+    return report
+
+
 def lost_peer(e: PeerFailure, island: int, group: IslandGroup) -> None:
     """A rank of this island stopped responding: one line (the leader's), and exit with status 3 at once (a
     backend with a dead peer can hang in its clean-up); torchrun's agent restarts the job (--max-restarts)."""
