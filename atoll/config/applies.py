@@ -50,10 +50,9 @@ def runtime_readers(name: str) -> tuple[str, ...]:
 
 
 def catalog() -> dict[str, FieldInfo]:
-    """Every setting of ``atoll train`` -> its field (description, type, default), in ``--help`` order: the run's,
-    the shared sections', each strategy's own, the runtimes' (but those of the ``atoll syncer`` and ``atoll
-    island`` commands alone, :data:`~atoll.config.runtimes.SERVICE_COMMANDS_ONLY`). A shared setting's field is
-    its section's (a strategy may change its default for itself: :func:`strategy_defaults`)."""
+    """Every setting atoll knows -> its field (description, type, default), in ``--help`` order: the run's,
+    the shared sections', each strategy's own, the runtimes'. A shared setting's field is its section's (a
+    strategy may change its default for itself: :func:`strategy_defaults`)."""
     from atoll.strategies.registry import STRATEGIES
 
     return _catalog(STRATEGIES)
@@ -68,7 +67,9 @@ def _catalog(strategies: tuple[str, ...]) -> dict[str, FieldInfo]:
     out: dict[str, FieldInfo] = {}
     for section in (run, sync, RUNTIMES["collective"], model, device, data, schedule, *shared,
                     *(s.config for s in specs()), RUNTIMES["ray"], RUNTIMES["local"], RUNTIMES["service"], output):
-        out.update({k: v for k, v in section.model_fields.items() if k not in out and k not in SERVICE_COMMANDS_ONLY})
+        out.update({k: v for k, v in section.model_fields.items() if k not in out})
+    for name in SERVICE_COMMANDS_ONLY:  # atoll syncer's and atoll island's own: not settings of atoll train
+        del out[name]
     return out
 
 

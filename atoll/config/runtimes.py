@@ -1,5 +1,4 @@
-"""Each runtime's own config: the settings the ``local``, ``collective`` and ``ray`` runtimes read, and the
-``service`` runtime's (``atoll syncer`` and ``atoll island``).
+"""Each runtime's own config: the settings the ``local``, ``collective`` and ``ray`` runtimes read.
 
 They live here rather than in the runtimes' packages so that the config imports neither torch nor Ray (an
 optional extra): :data:`RUNTIMES` maps each ``--runtime`` name to its config. A setting of one runtime given
@@ -8,13 +7,12 @@ under another is refused (:func:`atoll.config.applies.unused_setting`).
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from atoll.config.parse import parse_resources
+from atoll.config.parse import is_loopback, parse_address, parse_resources
 from atoll.config.section import RuntimeConfig, Section
 from atoll.errors import ConfigError
 
@@ -133,31 +131,6 @@ class RayConfig(TimeoutSection, RuntimeConfig):
         if isinstance(value, str):
             return [parse_resources(part) for part in value.split(";")]
         return value
-
-
-def parse_address(text: str, field: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port).
-
-    Raises:
-        ValueError: one line naming ``field``: no port, a port outside 1..65535 (0 for ``listen``: any), or no host.
-    """
-    host, sep, port = str(text).rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    low = 0 if field == "listen" else 1
-    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535:
-        raise ValueError(f"{field}: '{text}' is not HOST:PORT with a port in {low}..65535; pass e.g. "
-                         f"--{field} {'0.0.0.0' if field == 'listen' else 'syncer.example.org'}:7070")
-    return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Does ``host`` name this machine only (``localhost``, 127.0.0.0/8, ::1)? Names are not resolved."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _addresses(value: object, field: str) -> object:
@@ -298,6 +271,21 @@ class IslandJobSection(Section):
         return _existing(value, "the island_<i>.token file atoll syncer made for this island")
 
 
+#: the settings of ``atoll syncer`` alone (``atoll island`` sets them aside from the TOML file, refuses the flags)
+SYNCER_ONLY: tuple[str, ...] = tuple(SyncerSection.model_fields)
+#: the settings of an ``atoll island`` job alone (islands of one run may differ in them): the syncer sets aside
+ISLAND_ONLY: tuple[str, ...] = (*IslandJobSection.model_fields, *IslandRanksSection.model_fields, "slice_transfer")
+#: the settings only the ``atoll syncer`` and ``atoll island`` commands take (not ``atoll train``'s flags)
+SERVICE_COMMANDS_ONLY: frozenset[str] = frozenset(
+    (*SyncerSection.model_fields, *IslandJobSection.model_fields, *ServiceLinkSection.model_fields))
+
+
+def service_command(name: str) -> str:
+    """Which command reads service setting ``name``: ``atoll syncer``, ``atoll island``, or both."""
+    return "atoll syncer" if name in SYNCER_ONLY else "atoll island" if name in ISLAND_ONLY else \
+        "atoll syncer and atoll island"
+
+
 class ServiceConfig(SyncerSection, IslandJobSection, ServiceLinkSection, IslandRanksSection, TimeoutSection,
                     RuntimeConfig):
     """The ``service`` runtime's settings: ``atoll syncer`` and ``atoll island``, each island a job of its own
@@ -351,21 +339,6 @@ class ServiceConfig(SyncerSection, IslandJobSection, ServiceLinkSection, IslandR
                 metavar = (field.json_schema_extra or {}).get("metavar", "VALUE")  # type: ignore[union-attr]
                 raise ConfigError(f"{name}: atoll island needs it; pass --{name} {metavar} (or set {name} in the "
                                   "TOML file)")
-
-
-#: the settings of ``atoll syncer`` alone (``atoll island`` sets them aside from the TOML file, refuses the flags)
-SYNCER_ONLY: tuple[str, ...] = tuple(SyncerSection.model_fields)
-#: the settings of an ``atoll island`` job alone (islands of one run may differ in them): the syncer sets aside
-ISLAND_ONLY: tuple[str, ...] = (*IslandJobSection.model_fields, *IslandRanksSection.model_fields, "slice_transfer")
-#: the settings only the ``atoll syncer`` and ``atoll island`` commands take (not ``atoll train``'s flags)
-SERVICE_COMMANDS_ONLY: frozenset[str] = frozenset(
-    (*SyncerSection.model_fields, *IslandJobSection.model_fields, *ServiceLinkSection.model_fields))
-
-
-def service_command(name: str) -> str:
-    """Which command reads service setting ``name``: ``atoll syncer``, ``atoll island``, or both."""
-    return "atoll syncer" if name in SYNCER_ONLY else "atoll island" if name in ISLAND_ONLY else \
-        "atoll syncer and atoll island"
 
 
 #: each ``--runtime`` name -> its config, in --help order

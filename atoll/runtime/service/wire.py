@@ -25,7 +25,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from atoll.algorithms.codec_base import Codec, Encoded
-from atoll.config.runtimes import is_loopback, parse_address  # noqa: F401 - (part of the wire's API)
+from atoll.config.parse import is_loopback, parse_address  # noqa: F401 - (part of the wire's API)
 
 #: the gRPC service's name; methods are ``/atoll.Syncer/<Name>``
 SERVICE = "atoll.Syncer"
