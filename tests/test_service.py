@@ -136,7 +136,7 @@ def served(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - (server state, 
 
     config = build_config(None, {**{k: v for k, v in fast_config.items()
                                     if k not in ("eval_every", "checkpoint_every")},
-                                 "strategy": "decoupled", "fragments": 2})
+                                 "strategy": "decoupled", "runtime": "service", "fragments": 2})
     cert, key = make_cert(tmp_path)
     creds = ["a" * 32, "b" * 32]
     state = SyncerServer(config, tmp_path / "syncer", creds)

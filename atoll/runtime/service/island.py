@@ -40,6 +40,7 @@ from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dis
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
+from atoll.runtime.service.server import service_settings
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
 from atoll.strategies.decoupled.syncer_shards import shard_map
 
@@ -101,11 +102,12 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     """The rank's worker (its island: the whole model under DDP, or its FSDP2 shard) and the slice plan."""
     from atoll.job.run import prepare_inputs
 
-    sharded = bool(config.shard_island)
+    settings = service_settings(config)
+    sharded = settings.shard_island
     data, model = prepare_inputs(config, notes=group.leader, meta=sharded)  # sharded: shapes only
     job = Job.of(config, data, model)
     total = expected_steps(config)[index]
-    leader_moves = config.slice_transfer == "leader"
+    leader_moves = settings.slice_transfer == "leader"
     if sharded:
         from atoll.runtime.collective.sharding import make_sharded_island
 
@@ -157,7 +159,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])
     from atoll.algorithms.codecs import make_codec
 
-    c = config
+    c = config.strategy_config
     codec = make_codec(c.codec, block_size=c.codec_block_size, rounding=c.codec_rounding, topk_fraction=c.topk_fraction)
     lease = (StepLease(client, worker.sync_every, worker.sync_every, config.tokens_per_step, worker.fragments,
                        status=lambda: (float(worker.island.last_loss),
@@ -207,7 +209,6 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
     import faulthandler
     import signal
 
-    from atoll.runtime.service.serve import service_settings
     from atoll.runtime.service.tls import read_certificate
 
     settings = service_settings(config)

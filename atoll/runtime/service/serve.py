@@ -19,10 +19,9 @@ from typing import Any
 import grpc
 
 from atoll.config import TrainConfig
-from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.runtime.service import wire
-from atoll.runtime.service.server import SyncerServer
+from atoll.runtime.service.server import SyncerServer, service_settings
 
 #: the run's secret of a sharded syncer (in the credentials folder, beside the islands' tokens; never an island's)
 RUN_KEY = "syncer.key"
@@ -77,19 +76,6 @@ def load_credentials(folder: Path, islands: int, run_key: bool = False, make: bo
               f"island_<i>.token{'; every shard the whole folder' if run_key else ''}", flush=True)
     return tokens
 
-
-
-def service_settings(config: TrainConfig) -> ServiceConfig:
-    """The ``service`` runtime's own config of ``config``.
-
-    Raises:
-        ConfigError: ``config`` is not a run of the service runtime.
-    """
-    service = config.runtime_config
-    if not isinstance(service, ServiceConfig):
-        raise ConfigError(f"runtime: atoll syncer and atoll island run the service runtime, not '{config.runtime}'; "
-                          "drop --runtime")
-    return service
 
 
 def serve(config: TrainConfig) -> dict[str, Any]:

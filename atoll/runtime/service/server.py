@@ -54,11 +54,13 @@ import grpc
 
 from atoll.algorithms.codecs import make_codec
 from atoll.config import TrainConfig
+from atoll.config.runtimes import ServiceConfig
+from atoll.errors import ConfigError
 from atoll.runtime.service import slices, wire
 from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
 from atoll.runtime.service.shards import ShardCalls
 from atoll.strategies.decoupled.protocol import Push, is_index
-from atoll.strategies.decoupled.service import SyncerService
+from atoll.strategies.decoupled.service import SyncerService, prepare
 
 log = logging.getLogger("atoll.syncer")
 
@@ -66,6 +68,19 @@ log = logging.getLogger("atoll.syncer")
 MAX_SLICES = 4096
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
+
+
+def service_settings(config: TrainConfig) -> ServiceConfig:
+    """The ``service`` runtime's own config of ``config``.
+
+    Raises:
+        ConfigError: ``config`` is not a run of the service runtime.
+    """
+    service = config.runtime_config
+    if not isinstance(service, ServiceConfig):
+        raise ConfigError(f"runtime: atoll syncer and atoll island run the service runtime, not '{config.runtime}'; "
+                          "drop --runtime")
+    return service
 
 
 class SyncerServer(ShardCalls, BulkCalls):
@@ -82,8 +97,9 @@ class SyncerServer(ShardCalls, BulkCalls):
     def __init__(self, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
                  key: bytes = b"") -> None:
         self.config, self.out = config, Path(out)
-        self.service = SyncerService(config.model_dump_json(), str(self.out), credentials, pid_dir="service",
-                                     shard=shard, shards=shards, key=key)
+        self.timeout_s = service_settings(config).collective_timeout_s  # (the islands' joins, the end's wait)
+        run, index, syncer, spec = prepare(config, credentials, shard=shard, shards=shards, key=key)
+        self.service = SyncerService(run, index, syncer, str(self.out), spec, key=key, pid_dir="service")
         self._init_shards(key)  # (ShardCalls)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified when a push may have left a buffer
@@ -93,8 +109,9 @@ class SyncerServer(ShardCalls, BulkCalls):
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         # the run's codec: what a push's payload must be (the islands encode with the same settings)
-        self.codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
-                                topk_fraction=config.topk_fraction)
+        c = config.strategy_config
+        self.codec = make_codec(c.codec, block_size=c.codec_block_size, rounding=c.codec_rounding,
+                                topk_fraction=c.topk_fraction)
         self.refused_calls: dict[str, int] = {}
         self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
         self.count_lock = threading.Lock()
@@ -175,7 +192,7 @@ class SyncerServer(ShardCalls, BulkCalls):
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
         the first did (a restarted syncer's run has started)?"""
-        late = self.first_join is not None and time.monotonic() - self.first_join > self.config.collective_timeout_s
+        late = self.first_join is not None and time.monotonic() - self.first_join > self.timeout_s
         if self.started_at is None and (len(self.joined) == self.config.islands or self.service.reserved > 0 or late):
             self.started_at = time.monotonic()
         return self.started_at is not None
@@ -382,7 +399,7 @@ class SyncerServer(ShardCalls, BulkCalls):
                 self.spent_at = now
             over = self.spent_at is not None and (
                 (self.joined and self.joined <= set(self.left))
-                or now - self.spent_at > self.config.collective_timeout_s)
+                or now - self.spent_at > self.timeout_s)
             if over and self.final is None:
                 self.final = self.service.finish()
                 self.done.set()
