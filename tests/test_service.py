@@ -139,7 +139,7 @@ def served(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - (server state, 
                                  "strategy": "decoupled", "runtime": "service", "fragments": 2})
     cert, key = make_cert(tmp_path)
     creds = ["a" * 32, "b" * 32]
-    state = SyncerServer(config, tmp_path / "syncer", creds)
+    state = SyncerServer.of_run(config, tmp_path / "syncer", creds)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
     tls_port = server.add_secure_port("127.0.0.1:0",
                                       grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
@@ -372,7 +372,7 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
     session = me.call("Join", {"numels": numels})["session"]
     SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca).call("Join", {"numels": numels})
-    tps = state.service.config.tokens_per_step
+    tps = state.service.run.tokens_per_step
     lease = StepLease(me, size=2, offline_steps=2, tokens_per_step=tps, fragments=2)
     real_call, fail = me.call, [True]
 

@@ -112,8 +112,8 @@ def serve(config: TrainConfig) -> dict[str, Any]:
     credentials = load_credentials(credentials_dir, config.islands, run_key=sharded, make=shard == 0)
     key = (Path(credentials_dir) / RUN_KEY).read_text().strip().encode() if sharded else b""
     try:
-        server_state = SyncerServer(config, out / f"shard_{shard}" if sharded else out, credentials, shard=shard,
-                                    shards=count, key=key)
+        server_state = SyncerServer.of_run(config, out / f"shard_{shard}" if sharded else out, credentials,
+                                           shard=shard, shards=count, key=key)
     except ValueError as e:  # a checkpoint of another shard, or of another map
         if not str(e).startswith("shards:"):
             raise
