@@ -131,7 +131,7 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
 
     # only a shard's peer credential opens Finish: an island's, or another run's key, is refused and counted
     from atoll.runtime.service.gather import PeerClient
-    from atoll.strategies.decoupled.syncer_shards import peer_token
+    from atoll.runtime.service.syncer_shards import peer_token
 
     with pytest.raises(ConfigError, match="credential"):
         c1.call("Finish")
@@ -157,7 +157,7 @@ def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pus
     gathered global model, its versions, commits and merged tokens are those of the one syncer, bit for bit
     (a shard's merge is the unsharded syncer's, over its own fragments)."""
     from atoll.runtime.service.gather import PeerClient, gather
-    from atoll.strategies.decoupled.syncer_shards import peer_token
+    from atoll.runtime.service.syncer_shards import peer_token
 
     (coord, shard), addresses, creds = shards
     one, one_address, one_server = _serve(_config(fast_config), tmp_path / "one", creds)

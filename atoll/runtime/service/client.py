@@ -73,7 +73,7 @@ class SyncerClient:
     Attributes:
         bytes_up, bytes_down: safetensors bytes this process sent and received over its bulk connection.
         grant: the newest grant a sharded syncer's coordinator answered with (its ``Join``, ``ReserveSteps``,
-            ``Leave``; :class:`~atoll.strategies.decoupled.syncer_shards.Grant`, as JSON); None: none yet (or
+            ``Leave``; :class:`~atoll.runtime.service.syncer_shards.Grant`, as JSON); None: none yet (or
             an unsharded syncer).
         grant_source: (a client of a shard other than the coordinator) the coordinator's client, whose newest
             ``grant`` every commit here carries; None: none (the coordinator, or an unsharded syncer).

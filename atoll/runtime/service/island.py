@@ -41,8 +41,8 @@ from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
 from atoll.runtime.service.server import service_settings
+from atoll.runtime.service.syncer_shards import shard_map
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
-from atoll.strategies.decoupled.syncer_shards import shard_map
 
 
 def read_token(path: Path) -> str:
@@ -132,7 +132,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     the other ranks return their own bulk counters).
 
     Sharded, the leader joins the coordinator (shard 0) with the fragment -> shard map it derives from the
-    number of shards (:func:`~atoll.strategies.decoupled.syncer_shards.shard_map`), says ``Hello`` to every
+    number of shards (:func:`~atoll.runtime.service.syncer_shards.shard_map`), says ``Hello`` to every
     other shard (the same map, the shard it dialed, the coordinator's grant verifies there), and every rank
     routes each fragment's exchanges to its shard.
 

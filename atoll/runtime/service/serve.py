@@ -157,7 +157,7 @@ def serve(config: TrainConfig) -> dict[str, Any]:
     if not sharded:
         return finish_run(config, out, server_state)
     from atoll.runtime.service.gather import PeerClient, gather
-    from atoll.strategies.decoupled.syncer_shards import peer_token
+    from atoll.runtime.service.syncer_shards import peer_token
 
     clients = [PeerClient(shards[s], s, peer_token(key), root_certificates=tls_ca, plaintext=key_pair is None,
                           insecure=settings.insecure, give_up_s=settings.give_up_s) for s in range(1, count)]

@@ -1,4 +1,4 @@
-"""``atoll syncer``: one :class:`~atoll.strategies.decoupled.service.SyncerService` served over gRPC.
+"""``atoll syncer``: one :class:`~atoll.runtime.service.syncer.SyncerService` served over gRPC.
 
 Every call is authenticated: its metadata carries the caller's island index and secret (``atoll-island``,
 ``atoll-credential``), checked with the syncer's own admission check
@@ -20,7 +20,7 @@ newest global fragment at the ranges asked for (all of it by default), so each r
 
 **Leases.** ``ReserveSteps`` grants a lease of ``n`` steps (an island job asks a round ahead of need), with
 the steps of its session the island has used; ``Leave`` gives the unused back
-(:meth:`~atoll.strategies.decoupled.service.SyncerService.reserve_steps`). No step is granted before every
+(:meth:`~atoll.runtime.service.syncer.SyncerService.reserve_steps`). No step is granted before every
 island has joined (``{"granted": 0, "wait": true}``), or ``collective_timeout_s`` after the first did: the
 islands start together, as the learners of one run, and an island job that takes longer to start (torchrun,
 a cold data cache) does not find the budget spent by the others.
@@ -59,9 +59,9 @@ from atoll.errors import ConfigError
 from atoll.runtime.service import slices, wire
 from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
 from atoll.runtime.service.shards import ShardCalls
+from atoll.runtime.service.syncer import SyncerService, prepare
 from atoll.strategies.decoupled import DecoupledConfig
 from atoll.strategies.decoupled.protocol import Push, is_index
-from atoll.strategies.decoupled.service import SyncerService, prepare
 
 log = logging.getLogger("atoll.syncer")
 
@@ -132,7 +132,7 @@ class SyncerServer(ShardCalls, BulkCalls):
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
                key: bytes = b"") -> SyncerServer:
         """The server of a run's settings ``config`` (the same the islands are given; its runtime ``service``):
-        its :class:`SyncerService` in ``out`` (:func:`~atoll.strategies.decoupled.service.prepare`), shard
+        its :class:`SyncerService` in ``out`` (:func:`~atoll.runtime.service.syncer.prepare`), shard
         ``shard`` of ``shards`` of a syncer sharded by fragment with the run's secret ``key``, the islands'
         ``credentials``.
 

@@ -24,8 +24,8 @@ from atoll.algorithms.fragments import FlatFragment
 from atoll.config import TrainConfig
 from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
+from atoll.runtime.service import syncer_shards as sharding
 from atoll.strategies.decoupled import local_sync_every, make_syncer
-from atoll.strategies.decoupled import syncer_shards as sharding
 from atoll.strategies.decoupled.island import Job, save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
@@ -62,7 +62,7 @@ def prepare(config: TrainConfig, credentials: list[str] | None = None, shard: in
     """The pieces of a :class:`SyncerService` from a run's settings (an entry point's: ``atoll syncer``, the Ray
     actor's process): the run's facts, its job prepared (data and initial model, the same as the islands'; its
     fragments), the syncer of shard ``shard`` of ``shards`` (the whole model when 1, else the fragments the
-    shard owns, :class:`~atoll.strategies.decoupled.syncer_shards.ShardSpec` with the run's secret ``key``)
+    shard owns, :class:`~atoll.runtime.service.syncer_shards.ShardSpec` with the run's secret ``key``)
     built from the decoupled strategy's settings with the islands' ``credentials``."""
     torch.set_num_threads(1)
     job = Job.prepare(config)
@@ -106,7 +106,7 @@ class SyncerService:
             (:class:`~atoll.strategies.decoupled.trust.Admission`).
         out: the run folder (checkpoints go to ``out/syncer``).
         shard, key: this service is shard ``shard`` of a syncer sharded by fragment, ``key`` the run's secret
-            (:mod:`~atoll.strategies.decoupled.syncer_shards`): its syncer holds the fragments ``fragment_ids``
+            (:mod:`~atoll.runtime.service.syncer_shards`): its syncer holds the fragments ``fragment_ids``
             only. A checkpoint of another shard or map is refused (ValueError). None: unsharded.
         pid_dir: the folder under ``out`` where the process writes ``syncer.pid`` (for tests and operators).
     """
@@ -195,14 +195,14 @@ class SyncerService:
 
     def grant(self, island: int) -> dict[str, Any] | None:
         """(The coordinator of a sharded syncer.) ``island``'s signed grant of its session and tokens granted
-        (:class:`~atoll.strategies.decoupled.syncer_shards.GrantIssuer`); None unsharded or on another shard."""
+        (:class:`~atoll.runtime.service.syncer_shards.GrantIssuer`); None unsharded or on another shard."""
         if self.issuer is None:
             return None
         return self.issuer.sign(island, self.syncer.admission.session[island], self.syncer.bounds.granted[island])
 
     def admit_grant(self, island: int, grant: Any, session: Any) -> str:
         """(A shard but the coordinator.) Why a push of ``island`` in ``session`` with ``grant`` is refused, or ""
-        and its ledger set to its newest grant (:meth:`~atoll.strategies.decoupled.syncer_shards.GrantBook.admit`)."""
+        and its ledger set to its newest grant (:meth:`~atoll.runtime.service.syncer_shards.GrantBook.admit`)."""
         reason, tokens = self.grants.admit(island, grant, session) if self.grants is not None else ("", None)
         if tokens is not None:
             granted = self.syncer.bounds.granted
