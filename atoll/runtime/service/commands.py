@@ -58,12 +58,12 @@ def _add_service_flags(parser: argparse.ArgumentParser, command: str) -> None:
     group = parser.add_argument_group(f"atoll {command}'s settings (each also a key of the TOML file)")
     for section, where in ((own, group), (ServiceLinkSection, group), (other, parser)):
         for name, field in section.model_fields.items():
-            default = field.get_default()
-            required = name in ("syncer", "island", "credential")
+            said = field.default is None and "default" in str(field.description).lower()  # (or required)
             text = argparse.SUPPRESS if section is other else \
-                f"{field.description} [{'required' if required else f'default: {default}'}]"
+                str(field.description) + ("" if said or "(required)" in str(field.description) else
+                                          f" [default: {field.default}]")
             flag = "--" + name.replace("_", "-")
-            if field.annotation is bool or field.annotation == "bool":
+            if field.annotation is bool:
                 where.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                    help=text)
             else:
