@@ -8,7 +8,7 @@ under another is refused (:func:`atoll.config.applies.unused_setting`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -325,6 +325,19 @@ class ServiceConfig(SyncerSection, IslandJobSection, ServiceLinkSection, IslandR
                 raise ValueError(f"syncer: '{address}' is another host and --plaintext sends in the clear; pass "
                                  "--tls-ca (or trust the system's CAs), or --insecure to send plaintext anyway")
         return self
+
+    @classmethod
+    def of_run(cls, config: Any) -> ServiceConfig:
+        """The service runtime's config of a whole run's ``config`` (its ``runtime_config``).
+
+        Raises:
+            ConfigError: ``config`` is not a run of the service runtime.
+        """
+        own = config.runtime_config
+        if not isinstance(own, cls):
+            raise ConfigError(f"runtime: atoll syncer and atoll island run the service runtime, not "
+                              f"'{config.runtime}'; drop --runtime")
+        return own
 
     def require_island_job(self) -> None:
         """Check that ``atoll island`` has the settings it cannot run without (the syncer's address, the island's

@@ -112,7 +112,7 @@ def build(args: argparse.Namespace) -> TrainConfig:
         raise AtollError("chaos: simulated in the local runtime only; islands of atoll island fail for real "
                          "(kill one): drop --chaos")
     if args.command == "island":
-        ServiceConfig.model_validate(config.runtime_config).require_island_job()
+        ServiceConfig.of_run(config).require_island_job()
     return config
 
 

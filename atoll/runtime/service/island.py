@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.config import TrainConfig
+from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, make_island
@@ -40,7 +41,6 @@ from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dis
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
-from atoll.runtime.service.server import service_settings
 from atoll.runtime.service.syncer_shards import shard_map
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
 
@@ -102,7 +102,7 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     """The rank's worker (its island: the whole model under DDP, or its FSDP2 shard) and the slice plan."""
     from atoll.job.run import prepare_inputs
 
-    settings = service_settings(config)
+    settings = ServiceConfig.of_run(config)
     sharded = settings.shard_island
     data, model = prepare_inputs(config, notes=group.leader, meta=sharded)  # sharded: shapes only
     job = Job.of(config, data, model)
@@ -211,7 +211,7 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
 
     from atoll.runtime.service.tls import read_certificate
 
-    settings = service_settings(config)
+    settings = ServiceConfig.of_run(config)
     settings.require_island_job()
     assert settings.syncer is not None and settings.island is not None and settings.credential is not None
     if sys.__stderr__ is not None:

@@ -19,9 +19,10 @@ from typing import Any
 import grpc
 
 from atoll.config import TrainConfig
+from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.runtime.service import wire
-from atoll.runtime.service.server import SyncerServer, service_settings
+from atoll.runtime.service.server import SyncerServer
 
 #: the run's secret of a sharded syncer (in the credentials folder, beside the islands' tokens; never an island's)
 RUN_KEY = "syncer.key"
@@ -92,7 +93,7 @@ def serve(config: TrainConfig) -> dict[str, Any]:
             address that cannot be bound.
         SyncerUnreachable: (the coordinator) a shard gave no answer to its gathering for ``give_up_s``.
     """
-    settings = service_settings(config)
+    settings = ServiceConfig.of_run(config)
     fragments = config.strategy_config.fragments
     shard, shards, listen = settings.shard, settings.shards, settings.listen
     count = max(1, len(shards or []))

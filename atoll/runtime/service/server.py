@@ -55,7 +55,6 @@ import grpc
 from atoll.algorithms.codecs import make_codec
 from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
-from atoll.errors import ConfigError
 from atoll.runtime.service import slices, wire
 from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
 from atoll.runtime.service.shards import ShardCalls
@@ -69,19 +68,6 @@ log = logging.getLogger("atoll.syncer")
 MAX_SLICES = 4096
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
-
-
-def service_settings(config: TrainConfig) -> ServiceConfig:
-    """The ``service`` runtime's own config of ``config``.
-
-    Raises:
-        ConfigError: ``config`` is not a run of the service runtime.
-    """
-    service = config.runtime_config
-    if not isinstance(service, ServiceConfig):
-        raise ConfigError(f"runtime: atoll syncer and atoll island run the service runtime, not '{config.runtime}'; "
-                          "drop --runtime")
-    return service
 
 
 class SyncerServer(ShardCalls, BulkCalls):
@@ -139,7 +125,7 @@ class SyncerServer(ShardCalls, BulkCalls):
         Raises:
             ConfigError: ``config`` is not a run of the service runtime.
         """
-        settings = service_settings(config)
+        settings = ServiceConfig.of_run(config)
         run, index, syncer, spec = prepare(config, credentials, shard=shard, shards=shards, key=key)
         service = SyncerService(run, index, syncer, str(out), spec, key=key, pid_dir="service")
         return cls(service, config.strategy_config, settings, out, key=key)
