@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "data": str(corpus), "vocab_size": 512, "cache_dir": str(tmp / "cache"),
                                  "out": str(tmp / "syncer"), "steps": 10, "sync_every": 5, "progress": False})
     creds = ["a" * 32, "b" * 32]
-    state = SyncerServer(config, tmp / "syncer", creds)
+    state = SyncerServer.of_run(config, tmp / "syncer", creds)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), handlers=[state.handler()])
     ca = None
     if args.plaintext:

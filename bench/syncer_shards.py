@@ -12,7 +12,7 @@ the syncer (its checks: form, identity, freshness, the token and norm bounds), a
 the fragment (the token-weighted mean and the outer Nesterov step). The K payloads are encoded once before the
 timing (an island's cost, not the syncer's). The model is the preset's shapes (``--vocab`` tokens, tied head)
 cut into fragments as a run cuts them (:func:`~atoll.strategies.base.model_fragments`), each shard owning the
-fragments :func:`~atoll.strategies.decoupled.syncer_shards.shard_map` gives it; the values are random (the
+fragments :func:`~atoll.runtime.service.syncer_shards.shard_map` gives it; the values are random (the
 merge's cost does not depend on them).
 
 The N shard processes start each window together (a barrier) and run at once; a window's time is the slowest
@@ -66,9 +66,9 @@ def shard_worker(shard: int, shards: int, args: dict[str, Any], barrier: Any, re
     torch.set_num_threads(1)
     from atoll.algorithms.codecs import make_codec
     from atoll.config import TrainConfig
+    from atoll.runtime.service.syncer_shards import owned, shard_map
     from atoll.strategies.decoupled import make_syncer
     from atoll.strategies.decoupled.protocol import Push
-    from atoll.strategies.decoupled.syncer_shards import owned, shard_map
 
     index = fragments_of(args["model"], args["vocab"], args["fragments"])
     numels = [f.numel() for f in index]

@@ -136,10 +136,10 @@ def served(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - (server state, 
 
     config = build_config(None, {**{k: v for k, v in fast_config.items()
                                     if k not in ("eval_every", "checkpoint_every")},
-                                 "strategy": "decoupled", "fragments": 2})
+                                 "strategy": "decoupled", "runtime": "service", "fragments": 2})
     cert, key = make_cert(tmp_path)
     creds = ["a" * 32, "b" * 32]
-    state = SyncerServer(config, tmp_path / "syncer", creds)
+    state = SyncerServer.of_run(config, tmp_path / "syncer", creds)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
     tls_port = server.add_secure_port("127.0.0.1:0",
                                       grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
@@ -209,12 +209,12 @@ def test_bad_addresses_and_certificates_exit_2(tmp_path: Path) -> None:
     cases = {
         "listen": ["syncer", "--listen", "nohost", *out],
         "listen ": ["syncer", "--listen", "0.0.0.0:7070", *out],  # other hosts can reach it, no TLS
-        "tls-cert": ["syncer", "--tls-cert", str(junk), "--tls-key", str(key), *out],
-        "tls-key": ["syncer", "--tls-cert", str(other_cert), "--tls-key", str(key), *out],
-        "tls-cert ": ["syncer", "--tls-cert", str(cert), *out],
+        "tls_cert": ["syncer", "--tls-cert", str(junk), "--tls-key", str(key), *out],
+        "tls_key": ["syncer", "--tls-cert", str(other_cert), "--tls-key", str(key), *out],
+        "tls_cert ": ["syncer", "--tls-cert", str(cert), *out],
         "syncer": ["island", "--syncer", "syncer.example.org", "--island", "0", "--credential", str(token)],
         "syncer ": ["island", "--syncer", "10.1.2.3:7070", "--plaintext", "--island", "0", "--credential", str(token)],
-        "tls-ca": ["island", "--syncer", "127.0.0.1:7070", "--tls-ca", str(junk), "--island", "0",
+        "tls_ca": ["island", "--syncer", "127.0.0.1:7070", "--tls-ca", str(junk), "--island", "0",
                    "--credential", str(token)],
         "credential": ["island", "--syncer", "127.0.0.1:7070", "--island", "0", "--credential", str(tmp_path / "none")],
     }
@@ -372,7 +372,7 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     me = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca)
     session = me.call("Join", {"numels": numels})["session"]
     SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca).call("Join", {"numels": numels})
-    tps = state.service.config.tokens_per_step
+    tps = state.service.run.tokens_per_step
     lease = StepLease(me, size=2, offline_steps=2, tokens_per_step=tps, fragments=2)
     real_call, fail = me.call, [True]
 

@@ -18,7 +18,7 @@ pytest.importorskip("cryptography")
 def _buffered_push(state, address, creds):  # noqa: ANN001, ANN202
     lead, _, other, s0, s1 = _clients(state, address, creds)
     assert other.call("ReserveSteps", {"n": 5})["granted"] == 5
-    n, tps = state.service.syncer.numels[0], state.config.tokens_per_step
+    n, tps = state.service.syncer.numels[0], state.service.run.tokens_per_step
     step = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors)
     assert not lead.push(step, 0, ((0, n),), 5 * tps, 0, s0)["answered"]  # in the buffer: quorum 2
     return lead, other, step, s1
@@ -52,7 +52,7 @@ def test_the_islands_wait_loop_does_not_spin_when_answered_at_once(syncer) -> No
     state, address, creds = syncer(quorum=2, grace_window="round")
     lead, _, other, s0, s1 = _clients(state, address, creds)
     assert other.call("ReserveSteps", {"n": 10})["granted"] == 10
-    numels, tps = state.service.syncer.numels, state.config.tokens_per_step
+    numels, tps = state.service.syncer.numels, state.service.run.tokens_per_step
     steps = [state.codec.encode(torch.full((n,), 1e-3)).tensors for n in numels]
     assert not lead.push(wire.payload_bytes(steps[1]), 1, ((0, numels[1]),), 5 * tps, 0, s0)["answered"]
     held = [threading.Thread(target=lambda: lead.call("Buffered", {"fragment": 1, "wait_s": 5}, retry=False))

@@ -37,22 +37,26 @@ def _serve(config, folder: Path, creds: list[str], **shard):  # noqa: ANN001, AN
     """A :class:`SyncerServer` of ``config`` (shard ``shard``, else unsharded) on a loopback port in this process."""
     from atoll.runtime.service.server import SyncerServer
 
-    state = SyncerServer(config, folder, creds, **shard)
+    state = SyncerServer.of_run(config, folder, creds, **shard)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     return state, address, server
 
 
+def _config(fast_config: dict):  # noqa: ANN202 - the TrainConfig
+    """The run of the in-process shards: 2 fragments, a merge takes both islands' pushes."""
+    from atoll.config import build_config
+
+    base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
+    return build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2, "min_quorum": 2})
+
+
 @pytest.fixture()
 def shards(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - ([state0, state1], [address0, address1], creds)
     """Shards 0 and 1 of a syncer of 2 fragments, served in this process (plaintext on loopback). A merge takes
     both islands' pushes (``min_quorum`` 2): no grace window closes on a push alone, whatever the machine's pace."""
-    from atoll.config import build_config
-
-    base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
-    config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
-                                 "min_quorum": 2})
+    config = _config(fast_config)
     creds = ["a" * 32, "b" * 32]
     served = [_serve(config, tmp_path / f"shard_{s}", creds, shard=s, shards=2, key=KEY) for s in range(2)]
     yield [s for s, _, _ in served], [a for _, a, _ in served], creds
@@ -87,7 +91,7 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
     assert c1.call("Hello", {"numels": numels, "shards": owners, "shard": 1, "grant": c0.grant})["fragments"] == [mine]
     other0.call("Join", {"numels": numels, "shards": owners})
     assert c0.call("ReserveSteps", {"n": 5})["granted"] == 5 and other0.call("ReserveSteps", {"n": 5})["granted"] == 5
-    tokens = 5 * coord.config.tokens_per_step
+    tokens = 5 * coord.service.run.tokens_per_step
     assert c0.grant["tokens"] == tokens and c0.grant["session"] == session
 
     # a fragment sent to the shard that does not own it: refused (one line at the island) and counted
@@ -127,7 +131,7 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
 
     # only a shard's peer credential opens Finish: an island's, or another run's key, is refused and counted
     from atoll.runtime.service.gather import PeerClient
-    from atoll.strategies.decoupled.syncer_shards import peer_token
+    from atoll.runtime.service.syncer_shards import peer_token
 
     with pytest.raises(ConfigError, match="credential"):
         c1.call("Finish")
@@ -146,16 +150,17 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
 
 
 @pytest.mark.slow
-def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pushes(shards, tmp_path: Path) -> None:  # noqa: ANN001
+def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pushes(shards, fast_config: dict,  # noqa: ANN001
+                                                                                    tmp_path: Path) -> None:
     """The same pushes (values, tokens, order) sent to 2 shards (each fragment to its owner, over gRPC, with the
     coordinator's grants) and to one unsharded syncer: every merge happens on the fragment's owner, and the
     gathered global model, its versions, commits and merged tokens are those of the one syncer, bit for bit
     (a shard's merge is the unsharded syncer's, over its own fragments)."""
     from atoll.runtime.service.gather import PeerClient, gather
-    from atoll.strategies.decoupled.syncer_shards import peer_token
+    from atoll.runtime.service.syncer_shards import peer_token
 
     (coord, shard), addresses, creds = shards
-    one, one_address, one_server = _serve(coord.config, tmp_path / "one", creds)
+    one, one_address, one_server = _serve(_config(fast_config), tmp_path / "one", creds)
     try:
         numels, owners = coord.service.numels, coord.owners
         init = one.service.syncer.global_params()
@@ -176,7 +181,7 @@ def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pus
                 for i in range(2):
                     data = wire.payload_bytes(coord.codec.encode(
                         torch.empty(numels[g]).normal_(0, 1e-3, generator=gen)).tensors)
-                    tokens = steps[i] * coord.config.tokens_per_step
+                    tokens = steps[i] * coord.service.run.tokens_per_step
                     to = sharded[i][owners[g]]
                     grant = sharded[i][0].grant if owners[g] else None
                     assert to.push(data, g, ((0, numels[g]),), tokens, r, 1, grant=grant)["accepted"]

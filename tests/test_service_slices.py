@@ -83,7 +83,7 @@ def syncer(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - a function serv
         config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
                                      **settings})
         creds = ["a" * 32, "b" * 32]
-        state = SyncerServer(config, tmp_path / "syncer", creds)
+        state = SyncerServer.of_run(config, tmp_path / "syncer", creds)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
@@ -125,7 +125,7 @@ def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(sy
            for r, (client, part, e) in enumerate(zip((lead, rank1), halves, encoded, strict=True))]
     with pytest.raises(RuntimeError, match="leader"):  # a rank other than the leader has no control connection
         rank1.call("Push", {})
-    answer = lead.commit(ids, 0, 5 * state.config.tokens_per_step, 0, session)
+    answer = lead.commit(ids, 0, 5 * state.service.run.tokens_per_step, 0, session)
     assert answer["accepted"] and not answer["answered"]  # in the buffer: quorum 2
     expected = slices.assemble(n, [(p.ranges, state.codec.decode(e)) for p, e in zip(halves, encoded, strict=True)])
     assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, expected)
@@ -153,7 +153,7 @@ def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(sy
 def test_a_lease_returns_its_unused_steps_at_leave_and_a_killed_sessions_at_its_rejoin(syncer) -> None:  # noqa: ANN001
     state, address, creds = syncer()
     lead, _, other, _, _ = _clients(state, address, creds)
-    s, tps = state.service, state.config.tokens_per_step
+    s, tps = state.service, state.service.run.tokens_per_step
     assert lead.call("ReserveSteps", {"n": 5, "used": 3})["granted"] == 5  # the next lease, 3 of the first used
     assert s.steps_by_island[0] == s.reserved == 10
     # the island is killed and started again: its new session gives back the 7 steps it never said it used
@@ -178,7 +178,7 @@ def test_an_island_back_from_a_long_outage_never_becomes_the_global_state(syncer
     (a Δ of the parameters' size) is refused for its norm, whatever its version."""
     state, address, creds = syncer(quorum=1, max_staleness=4)
     lead, _, other, s0, s1 = _clients(state, address, creds)
-    n, tps = state.service.syncer.numels[0], state.config.tokens_per_step
+    n, tps = state.service.syncer.numels[0], state.service.run.tokens_per_step
     assert other.call("ReserveSteps", {"n": 30})["granted"] == 30
     for v in range(6):  # six merges of island 1 alone
         step = state.codec.encode(torch.full((n,), 1e-3))
@@ -213,7 +213,7 @@ def test_a_push_waiting_for_its_quorum_is_answered_by_one_long_poll_when_it_merg
 
     state, address, creds = syncer(quorum=2, grace_window="round")
     lead, _, other, s0, s1 = _clients(state, address, creds)
-    n, tps = state.service.syncer.numels[0], state.config.tokens_per_step
+    n, tps = state.service.syncer.numels[0], state.service.run.tokens_per_step
     assert other.call("ReserveSteps", {"n": 5})["granted"] == 5
     step = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors)
     assert not lead.push(step, 0, ((0, n),), 5 * tps, 0, s0)["answered"]  # in the buffer: quorum 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from atoll.algorithms.fragments import FlatFragment
-from atoll.strategies.decoupled.syncer_shards import (
+from atoll.runtime.service.syncer_shards import (
     Grant,
     GrantBook,
     combine_stats,

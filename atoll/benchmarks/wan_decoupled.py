@@ -257,7 +257,8 @@ def _step_s(summary: dict[str, Any], exclude: set[int]) -> float | None:
 def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) -> dict[str, Any]:
     """Decoupled DiLoCo as a syncer service and island jobs in the emulated WAN; its row."""
     s = settings(args, "decoupled")
-    flags = _flags({k: v for k, v in s.items() if k not in ("strategy", "runtime")})
+    # (each island job's ranks: torchrun's world size; atoll syncer refuses --ranks-per-island, an island's own)
+    flags = _flags({k: v for k, v in s.items() if k not in ("strategy", "runtime", "ranks_per_island")})
     shapes = [_shape(args, mbps)] * args.islands + [_shape(args, args.syncer_mbps)]
     plan = Kill(KILLED, kill_step(args)) if kill else None
     with EmulatedWan(args.islands + 1, shapes=shapes) as wan:

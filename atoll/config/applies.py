@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
+from atoll.config.runtimes import SERVICE_COMMANDS_ONLY, service_command
 from atoll.config.sections import RUN_SECTIONS, SHARED_SECTIONS
 
 
@@ -75,6 +76,8 @@ def _catalog(strategies: tuple[str, ...], runtimes: tuple[str, ...]) -> dict[str
                     *(s.config for s in specs()), runtime["ray"], runtime["local"], runtime["service"], *others,
                     output):
         out.update({k: v for k, v in section.model_fields.items() if k not in out})
+    for name in SERVICE_COMMANDS_ONLY:  # atoll syncer's and atoll island's own: not settings of atoll train
+        del out[name]
     return out
 
 
@@ -132,7 +135,7 @@ def unused_setting(strategy: str, runtime: str, given: Iterable[str],
                     f"{'; ' + instead if instead else ''}); {drop} or use {_which(readers, 'strategy')}")
         readers = runtime_readers(name)
         if readers and runtime not in readers:  # (the service runtime is atoll island's, not atoll train's)
-            named = ", ".join("service: atoll island" if r == "service" else r for r in readers)
+            named = ", ".join(f"service: {service_command(name)}" if r == "service" else r for r in readers)
             trained = tuple(r for r in readers if r != "service")
             return (f"{name}: the {runtime} runtime does not use it (only {named}); {drop}"
                     + (f" or use {_which(trained, 'runtime')}" if trained and runtime != "service" else ""))

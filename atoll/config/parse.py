@@ -1,9 +1,11 @@
-"""Parsing of the settings given as text (Ray resources, failure traces) and one-line validation errors.
+"""Parsing of the settings given as text (Ray resources, failure traces, addresses) and one-line validation errors.
 
 No torch and no strategy here: the command line and the failure traces (:mod:`atoll.analysis.chaos`) use it.
 """
 
 from __future__ import annotations
+
+import ipaddress
 
 from pydantic import ValidationError
 
@@ -43,6 +45,31 @@ def parse_chaos(value: str) -> tuple[float, float]:
         raise ValueError(f"'{value}' is not MTBF_S:DOWNTIME_S with two positive numbers of seconds; "
                          "pass e.g. --chaos 90:10 (down about 10% of the time)")
     return mtbf, down
+
+
+def parse_address(text: str, field: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port).
+
+    Raises:
+        ValueError: one line naming ``field``: no port, a port outside 1..65535 (0 for ``listen``: any), or no host.
+    """
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    low = 0 if field == "listen" else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535:
+        raise ValueError(f"{field}: '{text}' is not HOST:PORT with a port in {low}..65535; pass e.g. "
+                         f"--{field} {'0.0.0.0' if field == 'listen' else 'syncer.example.org'}:7070")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Does ``host`` name this machine only (``localhost``, 127.0.0.0/8, ::1)? Names are not resolved."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def fix_hint(field: str) -> str:

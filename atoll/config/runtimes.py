@@ -10,12 +10,14 @@ under another is refused (:func:`atoll.config.applies.unused_setting`).
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from atoll.config.parse import parse_resources
+from atoll.config.parse import is_loopback, parse_address, parse_resources
 from atoll.config.section import RuntimeConfig, Section
+from atoll.errors import ConfigError
 
 
 class TimeoutSection(Section):
@@ -164,11 +166,168 @@ class RayConfig(TimeoutSection, RuntimeConfig):
         return value
 
 
-class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
+def _addresses(value: object, field: str) -> object:
+    """A comma-separated text (a flag) or a list (a TOML array) of ``HOST:PORT`` -> the list, each checked."""
+    if isinstance(value, str):
+        value = [a.strip() for a in value.split(",")]
+    if isinstance(value, list):
+        for address in value:
+            if isinstance(address, str):
+                _parsed(address, field)
+    return value
+
+
+def _parsed(address: str, field: str) -> tuple[str, int]:
+    try:
+        return parse_address(address, field)
+    except ValueError as e:  # (its text names the field, as pydantic's location does)
+        raise ValueError(str(e).split(": ", 1)[1]) from None
+
+
+def _existing(path: Path | None, what: str) -> Path | None:
+    if path is not None and not path.is_file():
+        raise ValueError(f"'{path}' is not a file; pass the path of {what}")
+    return path
+
+
+class ServiceLinkSection(Section):
+    """The settings of both ``atoll syncer`` and ``atoll island``: how they trust, and how long they wait for,
+    the other end of a connection."""
+
+    tls_ca: Path | None = Field(
+        None, json_schema_extra={"metavar": "PEM"},
+        description="atoll island: the CA (or self-signed certificate) to trust for the syncer; atoll syncer (shard "
+        "0 of a sharded one): the CA of the other shards' certificates, to gather them at the run's end. Default: "
+        "the system's CAs.",
+    )
+    insecure: bool = Field(
+        False,
+        description="atoll syncer: allow plaintext on an address other hosts can reach; atoll island: allow "
+        "--plaintext to another host. Never across the internet.",
+    )
+    give_up_s: float = Field(
+        600.0, gt=0, le=30 * 86400,
+        description="atoll island: seconds without an answer from the syncer after which the island stops (status "
+        "1); atoll syncer: (shard 0) seconds a shard it gathers may stay unreachable, (other shards) seconds to "
+        "wait for shard 0 once gathered.",
+    )
+
+    @field_validator("tls_ca")
+    @classmethod
+    def _tls_ca_exists(cls, value: Path | None) -> Path | None:
+        return _existing(value, "a PEM certificate")
+
+
+class SyncerSection(Section):
+    """``atoll syncer``'s own settings: where it listens, its TLS identity, the islands' credentials, its shards.
+    ``atoll island`` sets them aside when they come from the run's TOML file (one file serves every process)."""
+
+    listen: str = Field(
+        "127.0.0.1:7070", json_schema_extra={"metavar": "HOST:PORT"},
+        description="atoll syncer: the address to listen on (127.0.0.1: this host only; 0.0.0.0: every interface, "
+        "which needs --tls-cert and --tls-key, or --insecure).",
+    )
+    credentials: Path | None = Field(
+        None, json_schema_extra={"metavar": "DIR"},
+        description="atoll syncer: the folder of island_<i>.token secrets, one per island; missing ones are made. "
+        "Default: OUT/credentials.",
+    )
+    tls_cert: Path | None = Field(
+        None, json_schema_extra={"metavar": "PEM"},
+        description="atoll syncer: its TLS certificate (with --tls-key); default: none (plaintext, loopback only).",
+    )
+    tls_key: Path | None = Field(
+        None, json_schema_extra={"metavar": "PEM"},
+        description="atoll syncer: the private key of --tls-cert (unencrypted PEM).",
+    )
+    shards: list[str] | None = Field(
+        None, json_schema_extra={"metavar": "HOST:PORT,..."},
+        description="atoll syncer sharded by fragment: every shard's address, comma-separated (a TOML list): the "
+        "islands' --syncer list, the same on every shard. Default: one syncer.",
+    )
+    shard: int = Field(
+        0, ge=0, le=4095, json_schema_extra={"metavar": "S"},
+        description="atoll syncer sharded by fragment: this shard's place in --shards, 0-based; shard 0 "
+        "coordinates.",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_address(cls, value: str) -> str:
+        _parsed(value, "listen")
+        return value
+
+    @field_validator("shards", mode="before")
+    @classmethod
+    def _shard_addresses(cls, value: object) -> object:
+        return _addresses(value, "shards")
+
+    @field_validator("tls_cert", "tls_key")
+    @classmethod
+    def _tls_files_exist(cls, value: Path | None) -> Path | None:
+        return _existing(value, "a PEM file")
+
+
+class IslandJobSection(Section):
+    """``atoll island``'s own settings: which syncer to dial, as which island, with which secret. ``atoll syncer``
+    sets them aside when they come from the run's TOML file; ``atoll island`` needs the first three."""
+
+    syncer: list[str] | None = Field(
+        None, json_schema_extra={"metavar": "HOST:PORT[,...]"},
+        description="atoll island (required): the address of atoll syncer; of a sharded one, every shard's, in the "
+        "order of its --shards (comma-separated; a TOML list).",
+    )
+    island: int | None = Field(
+        None, ge=0, le=4095, json_schema_extra={"metavar": "N"},
+        description="atoll island (required): this island's index, 0-based.",
+    )
+    credential: Path | None = Field(
+        None, json_schema_extra={"metavar": "FILE"},
+        description="atoll island (required): this island's secret, the island_<N>.token file atoll syncer made.",
+    )
+    tls_server_name: str | None = Field(
+        None, json_schema_extra={"metavar": "NAME"},
+        description="atoll island: the name on the syncer's certificate, when it is not --syncer's host.",
+    )
+    plaintext: bool = Field(
+        False, description="atoll island: no TLS to the syncer (loopback only, unless --insecure).",
+    )
+
+    @field_validator("syncer", mode="before")
+    @classmethod
+    def _syncer_addresses(cls, value: object) -> object:
+        return _addresses(value, "syncer")
+
+    @field_validator("credential")
+    @classmethod
+    def _credential_exists(cls, value: Path | None) -> Path | None:
+        return _existing(value, "the island_<i>.token file atoll syncer made for this island")
+
+
+#: the settings of ``atoll syncer`` alone (``atoll island`` sets them aside from the TOML file, refuses the flags)
+SYNCER_ONLY: tuple[str, ...] = tuple(SyncerSection.model_fields)
+#: the settings of an ``atoll island`` job alone (islands of one run may differ in them): the syncer sets aside
+ISLAND_ONLY: tuple[str, ...] = (*IslandJobSection.model_fields, *IslandRanksSection.model_fields, "slice_transfer")
+#: the settings only the ``atoll syncer`` and ``atoll island`` commands take (not ``atoll train``'s flags)
+SERVICE_COMMANDS_ONLY: frozenset[str] = frozenset(
+    (*SyncerSection.model_fields, *IslandJobSection.model_fields, *ServiceLinkSection.model_fields))
+
+
+def service_command(name: str) -> str:
+    """Which command reads service setting ``name``: ``atoll syncer``, ``atoll island``, or both."""
+    return "atoll syncer" if name in SYNCER_ONLY else "atoll island" if name in ISLAND_ONLY else \
+        "atoll syncer and atoll island"
+
+
+class ServiceConfig(SyncerSection, IslandJobSection, ServiceLinkSection, IslandRanksSection, TimeoutSection,
+                    RuntimeConfig):
     """The ``service`` runtime's settings: ``atoll syncer`` and ``atoll island``, each island a job of its own
     (torchrun) that dials out to the syncer (:mod:`atoll.runtime.service`). ``atoll train`` does not run it.
-    The ranks, the sharding and the slices are each island job's own (islands of one run may differ in them);
-    the syncer reads none of them."""
+
+    One TOML file serves the syncer and every island: each command sets aside the other's own settings found in
+    the file (:data:`SYNCER_ONLY`, :data:`ISLAND_ONLY`) and refuses them as flags. The ranks, the sharding and the
+    slices are each island job's own (islands of one run may differ in them).
+    """
 
     slice_transfer: Literal["ranks", "leader"] = Field(
         "ranks",
@@ -178,3 +337,52 @@ class ServiceConfig(IslandRanksSection, TimeoutSection, RuntimeConfig):
         "all-gather the pulled slices; leader: rank 0 gathers the slices, pushes and pulls the whole fragment "
         "and hands the ranks their parts.",
     )
+
+    @model_validator(mode="after")
+    def _check_service(self) -> ServiceConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert: --tls-cert and --tls-key go together; pass both (or neither, on loopback)")
+        host, _ = parse_address(self.listen, "listen")
+        if self.tls_cert is None and not is_loopback(host) and not self.insecure:
+            raise ValueError(f"listen: '{self.listen}' is reachable from other hosts and no TLS is set; pass "
+                             "--tls-cert and --tls-key, or --insecure to serve plaintext anyway (never across the "
+                             "internet)")
+        count = max(1, len(self.shards or []))
+        if self.shard >= count:
+            raise ValueError(f"shard: {self.shard} is not one of the {count} shards of --shards (0..{count - 1}); "
+                             "pass --shard S with S this shard's place in --shards")
+        if self.plaintext and self.tls_ca is not None:
+            raise ValueError("tls_ca: --tls-ca and --plaintext exclude each other; drop one")
+        for address in (self.syncer or []) if self.plaintext and not self.insecure else []:
+            if not is_loopback(parse_address(address, "syncer")[0]):
+                raise ValueError(f"syncer: '{address}' is another host and --plaintext sends in the clear; pass "
+                                 "--tls-ca (or trust the system's CAs), or --insecure to send plaintext anyway")
+        return self
+
+    @classmethod
+    def of_run(cls, config: Any) -> ServiceConfig:
+        """The service runtime's config of a whole run's ``config`` (its ``runtime_config``).
+
+        Raises:
+            ConfigError: ``config`` is not a run of the service runtime.
+        """
+        own = config.runtime_config
+        if not isinstance(own, cls):
+            raise ConfigError(f"runtime: atoll syncer and atoll island run the service runtime, not "
+                              f"'{config.runtime}'; drop --runtime")
+        return own
+
+    def require_island_job(self) -> None:
+        """Check that ``atoll island`` has the settings it cannot run without (the syncer's address, the island's
+        index and its credential), given as a flag or in the TOML file.
+
+        Raises:
+            ConfigError: one of them is unset (one line naming it and the flag).
+        """
+        for name in ("syncer", "island", "credential"):
+            if getattr(self, name) is None:
+                field = IslandJobSection.model_fields[name]
+                metavar = (field.json_schema_extra or {}).get("metavar", "VALUE")  # type: ignore[union-attr]
+                raise ConfigError(f"{name}: atoll island needs it; pass --{name} {metavar} (or set {name} in the "
+                                  "TOML file)")
+

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.config.applies import catalog
+from atoll.config.runtimes import ServiceConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,7 +42,7 @@ def toml_type_error(table: dict[str, Any], path: Path | str) -> str | None:
     settings, and settings of other types (text, paths, lists), are left to the validation.
     """
     for key, value in table.items():
-        field = catalog().get(key)
+        field = catalog().get(key) or ServiceConfig.model_fields.get(key)  # (and atoll syncer's, island's)
         kind = _scalar_kind(field.annotation) if field is not None else None
         if kind is None:
             continue

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +262,7 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
 
 
 def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None = None,
-                 base: dict[str, Any] | None = None) -> TrainConfig:
+                 base: dict[str, Any] | None = None, set_aside: Collection[str] = ()) -> TrainConfig:
     """Build a :class:`TrainConfig` from defaults, an optional base dict, a TOML file and overrides.
 
     Args:
@@ -272,6 +273,8 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         base: values applied before the file (a resumed run's saved config, a benchmark's settings shared by
             runs of several strategies); unlike the file's and the overrides', a setting of the base that the
             strategy or runtime does not read is not refused.
+        set_aside: settings of the TOML file left out, unread (a file shared by commands that each read part of
+            it: ``atoll syncer`` and ``atoll island``).
 
     Returns:
         The validated config.
@@ -304,6 +307,7 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
         problem = toml_type_error(table, toml_path)
         if problem is not None:
             raise ConfigError(problem)
+        table = {k: v for k, v in table.items() if k not in set_aside}
         values.update(table)
         from_file = {k: str(toml_path) for k, v in table.items() if v is not None and k not in given}
         given |= set(from_file)

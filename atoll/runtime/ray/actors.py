@@ -1,6 +1,6 @@
-"""The actors of a decoupled run on Ray: the syncer (:class:`~atoll.strategies.decoupled.service.SyncerService`,
-Ray-free, made an actor as it is) and the islands (:class:`IslandService`, which reach the syncer through
-:class:`RayTransport`)."""
+"""The actors of a decoupled run on Ray: the syncer (:class:`SyncerService`, the Ray-free
+:class:`~atoll.runtime.service.syncer.SyncerService` built in the actor's process) and the islands
+(:class:`IslandService`, which reach the syncer through :class:`RayTransport`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,24 @@ import torch
 
 from atoll.config import TrainConfig
 from atoll.job.divergence import install_fault_hook_from_env
+from atoll.runtime.service import syncer as service
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
 from atoll.strategies.decoupled.protocol import Pull, Push
-from atoll.strategies.decoupled.service import SyncerService
 
 __all__ = ["MAX_RESTARTS", "IslandService", "RayTransport", "SyncerService"]
 
 #: how often an actor may be restarted after its process died
 MAX_RESTARTS = 4
+
+
+class SyncerService(service.SyncerService):
+    """The syncer actor: a :class:`~atoll.runtime.service.syncer.SyncerService` built in the actor's own
+    process from the run's settings, JSON across the process boundary (it prepares the job's fragments and
+    initial model from them, as the island actors do: :func:`~atoll.runtime.service.syncer.prepare`)."""
+
+    def __init__(self, config_json: str, out: str, credentials: list[str] | None = None) -> None:
+        run, index, syncer, _ = service.prepare(TrainConfig.model_validate_json(config_json), credentials)
+        super().__init__(run, index, syncer, out)
 
 
 class RayTransport:

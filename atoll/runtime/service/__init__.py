@@ -10,7 +10,7 @@ Launch (one command per site; docs/deployment.md says more)::
         --tls-ca ca.pem --island 1 --credential creds/island_1.token [--shard-island] ...  # of 4 ranks
 
 The syncer (:mod:`~atoll.runtime.service.server`) serves one
-:class:`~atoll.strategies.decoupled.service.SyncerService` (the same object the Ray runtime makes an actor:
+:class:`~atoll.runtime.service.syncer.SyncerService` (the same object the Ray runtime makes an actor:
 the syncer's maths and admission checks in one place) over gRPC; an island
 (:mod:`~atoll.runtime.service.island`), one process or the R ranks torchrun starts
 (:mod:`~atoll.runtime.service.group`), runs :meth:`IslandWorker.run

@@ -24,7 +24,7 @@ from atoll.strategies.decoupled.protocol import is_index
 
 if TYPE_CHECKING:
     from atoll.algorithms.codec_base import Codec
-    from atoll.strategies.decoupled.service import SyncerService
+    from atoll.runtime.service.syncer import SyncerService
 
 #: bytes of uploads (slices of pushes in transfer) one island may hold, in whole fragments' payloads; the
 #: oldest uploads are dropped beyond (an island has at most one push per fragment in flight, two fragments

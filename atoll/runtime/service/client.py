@@ -73,7 +73,7 @@ class SyncerClient:
     Attributes:
         bytes_up, bytes_down: safetensors bytes this process sent and received over its bulk connection.
         grant: the newest grant a sharded syncer's coordinator answered with (its ``Join``, ``ReserveSteps``,
-            ``Leave``; :class:`~atoll.strategies.decoupled.syncer_shards.Grant`, as JSON); None: none yet (or
+            ``Leave``; :class:`~atoll.runtime.service.syncer_shards.Grant`, as JSON); None: none yet (or
             an unsharded syncer).
         grant_source: (a client of a shard other than the coordinator) the coordinator's client, whose newest
             ``grant`` every commit here carries; None: none (the coordinator, or an unsharded syncer).
@@ -144,7 +144,7 @@ class SyncerClient:
                 # port) repeats whatever the load; a handshake cut short (a busy host, a lost packet) is retried
                 handshakes = handshakes + 1 if is_tls_protocol_error(last) else 0
                 if handshakes >= 3:  # a syncer that answers, but not in TLS this island trusts: not transient
-                    raise ConfigError(f"tls-ca: the TLS handshake with the syncer at '{self.address}' failed 3 times "
+                    raise ConfigError(f"tls_ca: the TLS handshake with the syncer at '{self.address}' failed 3 times "
                                       f"({last.split(': ')[-1][:120]}); pass the CA that signed its certificate with "
                                       "--tls-ca, --tls-server-name, or --plaintext if it serves plaintext") from None
             if time.monotonic() > deadline:

@@ -1,10 +1,12 @@
 """The ``atoll syncer`` and ``atoll island`` commands: their flags and what they run (grpc imported only then).
 
-Both run the ``service`` runtime (:class:`~atoll.config.runtimes.ServiceConfig`): ``--ranks-per-island``
-(default: torchrun's world size), ``--shard-island`` and ``--slice-transfer`` are each island job's own, so
-the syncer sets them aside. Bad input raises :class:`~atoll.errors.AtollError` (one line, exit status 2 from
-:func:`atoll.cli.main`); an island that lost its syncer for ``--give-up-s`` exits with status 1, a rank whose
-island peer stopped responding with status 3.
+Both run the ``service`` runtime, whose config (:class:`~atoll.config.runtimes.ServiceConfig`) holds every
+setting of the two commands (``--listen``, ``--tls-cert``, ``--syncer``, ``--island``...: flags and TOML keys):
+those of one command alone are set aside by the other where one TOML file holds them for every process, and
+refused as its flags. ``--ranks-per-island`` (default: torchrun's world size), ``--shard-island`` and
+``--slice-transfer`` are each island job's own (islands of one run may differ in them). Bad input raises
+:class:`~atoll.errors.AtollError` (one line, exit status 2 from :func:`atoll.cli.main`); an island that lost
+its syncer for ``--give-up-s`` exits with status 1, a rank whose island peer stopped responding with status 3.
 """
 
 from __future__ import annotations
@@ -14,112 +16,115 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atoll.errors import AtollError
+
+if TYPE_CHECKING:
+    from atoll.config import TrainConfig
 
 
 def add_parsers(sub: Any, add_config_flags: Callable[[argparse.ArgumentParser], None] | None) -> None:
     """Add ``atoll syncer`` and ``atoll island`` to the subcommands ``sub``; ``add_config_flags``: adds the run
-    settings' flags (None: left out, for a fast parser)."""
+    settings' flags (None: left out, with the service's own, for a fast parser)."""
     p_syncer = sub.add_parser("syncer", help="serve the syncer of a decoupled run to island jobs that dial in "
                               "(gRPC, TLS, per-island credentials)",
                               description="Serve the syncer of a decoupled run. Give it the run's settings (the "
                               "same as every island's); it keeps its state in --out and continues from it when "
                               "restarted. See docs/deployment.md.")
-    p_syncer.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
-    p_syncer.add_argument("--listen", default="127.0.0.1:7070", metavar="HOST:PORT",
-                          help="address to listen on [default: 127.0.0.1:7070, this host only]")
-    p_syncer.add_argument("--credentials", type=Path, default=None, metavar="DIR",
-                          help="folder of island_<i>.token secrets, one per island; missing ones are made "
-                          "[default: OUT/credentials]")
-    p_syncer.add_argument("--tls-cert", type=Path, default=None, metavar="PEM", help="the syncer's TLS certificate")
-    p_syncer.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="its private key")
-    p_syncer.add_argument("--insecure", action="store_true",
-                          help="allow plaintext on an address other hosts can reach (never across the internet)")
-    p_syncer.add_argument("--shards", default=None, metavar="HOST:PORT,...",
-                          help="a syncer sharded by fragment: every shard's address, the islands' --syncer list, the "
-                          "same on every shard [default: one syncer]")
-    p_syncer.add_argument("--shard", type=int, default=0, metavar="S",
-                          help="this shard's place in --shards, 0-based; shard 0 coordinates [default: 0]")
-    p_syncer.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
-                          help="(shard 0) the CA of the other shards' certificates, to gather them at the run's end "
-                          "[default: the system's]")
-    p_syncer.add_argument("--give-up-s", type=float, default=600.0, metavar="X",
-                          help="(shard 0) seconds a shard it gathers may stay unreachable; (other shards) seconds to "
-                          "wait for shard 0 once gathered [default: 600]")
+    p_syncer.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings "
+                          "(one file may serve the syncer and every island: each sets aside the other's own settings)")
     p_island = sub.add_parser("island", help="run one island of a decoupled run as its own job, dialing out to "
                               "atoll syncer", description="Run one island of a decoupled run against the syncer "
                               "at --syncer, as one process or as the R ranks torchrun starts (torchrun "
                               "--nproc-per-node R -m atoll island ...). Give it the run's settings (the same as "
                               "the syncer's). See docs/deployment.md.")
-    p_island.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings")
-    p_island.add_argument("--syncer", required=True, metavar="HOST:PORT[,...]",
-                          help="the address of atoll syncer; of a sharded one, every shard's, in the order of its "
-                          "--shards")
-    p_island.add_argument("--island", type=int, required=True, metavar="N", help="this island's index, 0-based")
-    p_island.add_argument("--credential", type=Path, required=True, metavar="FILE",
-                          help="this island's secret: the island_<N>.token file atoll syncer made")
-    p_island.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
-                          help="the CA (or self-signed certificate) to trust for the syncer [default: the system's]")
-    p_island.add_argument("--tls-server-name", default=None, metavar="NAME",
-                          help="the name on the syncer's certificate, when it is not --syncer's host")
-    p_island.add_argument("--plaintext", action="store_true", help="no TLS (loopback only, unless --insecure)")
-    p_island.add_argument("--insecure", action="store_true", help="allow --plaintext to another host")
-    p_island.add_argument("--give-up-s", type=float, default=600.0, metavar="X",
-                          help="seconds without an answer from the syncer after which the island stops "
-                          "(status 1) [default: 600]")
+    p_island.add_argument("--config", type=Path, default=None, metavar="PATH", help="a TOML file of run settings "
+                          "(one file may serve the syncer and every island: each sets aside the other's own settings)")
     if add_config_flags is not None:
+        _add_service_flags(p_syncer, "syncer")
+        _add_service_flags(p_island, "island")
         add_config_flags(p_syncer)
         add_config_flags(p_island)
 
 
-#: the settings of an island job alone (islands of one run may differ in them): the syncer sets them aside
-ISLAND_ONLY = ("ranks_per_island", "shard_island", "slice_transfer")
+def _add_service_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """One flag per setting of ``atoll <command>`` alone and of both commands (:mod:`atoll.config.runtimes`'
+    sections of :class:`~atoll.config.runtimes.ServiceConfig`), documented from the field; the other command's
+    own settings are flags too, hidden, so that giving one is refused in one sentence (:func:`build`)."""
+    from atoll.config.runtimes import IslandJobSection, ServiceLinkSection, SyncerSection
+
+    own, other = (SyncerSection, IslandJobSection) if command == "syncer" else (IslandJobSection, SyncerSection)
+    group = parser.add_argument_group(f"atoll {command}'s settings (each also a key of the TOML file)")
+    for section, where in ((own, group), (ServiceLinkSection, group), (other, parser)):
+        for name, field in section.model_fields.items():
+            said = field.default is None and "default" in str(field.description).lower()  # (or required)
+            text = argparse.SUPPRESS if section is other else \
+                str(field.description) + ("" if said or "(required)" in str(field.description) else
+                                          f" [default: {field.default}]")
+            flag = "--" + name.replace("_", "-")
+            if field.annotation is bool:
+                where.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                   help=text)
+            else:
+                metavar = (field.json_schema_extra or {}).get("metavar", "X")  # type: ignore[union-attr]
+                where.add_argument(flag, dest=name, metavar=metavar, default=argparse.SUPPRESS, help=text)
 
 
-def _service_config(args: argparse.Namespace) -> Any:
+def build(args: argparse.Namespace) -> TrainConfig:
+    """The run's config of ``atoll syncer`` or ``atoll island`` (``args.command``): defaults < ``--config`` TOML <
+    flags, the decoupled strategy under the service runtime. The other command's own settings
+    (:data:`~atoll.config.runtimes.ISLAND_ONLY`, :data:`~atoll.config.runtimes.SYNCER_ONLY`) are set aside where
+    the TOML file has them and refused as flags; ``atoll island``'s ranks default to torchrun's world size.
+
+    Raises:
+        AtollError: a flag of the other command, another strategy or runtime, a chaos trace, or any bad setting
+            (:func:`atoll.config.build_config`), in one line.
+    """
     from atoll.config import build_config
     from atoll.config.applies import catalog
+    from atoll.config.runtimes import ISLAND_ONLY, SYNCER_ONLY, ServiceConfig, service_command
 
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC's own INFO lines (each retried handshake) are noise
 
-    overrides = {k: v for k, v in vars(args).items() if k in catalog()}
+    command = f"atoll {args.command}"
+    other = ISLAND_ONLY if args.command == "syncer" else SYNCER_ONLY
+    overrides = {k: v for k, v in vars(args).items() if k in catalog() or k in ServiceConfig.model_fields}
+    refused = next((k for k in overrides if k in other), None)
+    if refused is not None:
+        raise AtollError(f"{refused}: {command} does not use it (only {service_command(refused)}); drop "
+                         f"--{refused.replace('_', '-')}")
     if overrides.setdefault("strategy", "decoupled") != "decoupled":
-        raise AtollError(f"strategy: atoll {args.command} runs the decoupled strategy, not '{overrides['strategy']}'; "
+        raise AtollError(f"strategy: {command} runs the decoupled strategy, not '{overrides['strategy']}'; "
                          "drop --strategy")
     if overrides.setdefault("runtime", "service") != "service":
-        raise AtollError(f"runtime: atoll {args.command} runs the service runtime, not '{overrides['runtime']}'; "
-                         "drop --runtime")
-    if args.command == "syncer":
-        overrides = {k: v for k, v in overrides.items() if k not in ISLAND_ONLY}
-    elif "WORLD_SIZE" in os.environ and "ranks_per_island" not in overrides:
+        raise AtollError(f"runtime: {command} runs the service runtime, not '{overrides['runtime']}'; drop --runtime")
+    if args.command == "island" and "WORLD_SIZE" in os.environ and "ranks_per_island" not in overrides:
         overrides["ranks_per_island"] = os.environ["WORLD_SIZE"]  # torchrun's ranks: the island's, by default
-    config = build_config(args.config, overrides)
+    config = build_config(args.config, overrides, set_aside=other)
     if config.strategy != "decoupled":
-        raise AtollError(f"strategy: atoll {args.command} runs the decoupled strategy, not '{config.strategy}'; "
+        raise AtollError(f"strategy: {command} runs the decoupled strategy, not '{config.strategy}'; "
                          "set strategy = \"decoupled\" in the TOML file")
-    if config.chaos is not None:
+    if config.runtime != "service":
+        raise AtollError(f"runtime: {command} runs the service runtime, not '{config.runtime}'; "
+                         "set runtime = \"service\" in the TOML file (or leave it out)")
+    if config.strategy_config.chaos is not None:
         raise AtollError("chaos: simulated in the local runtime only; islands of atoll island fail for real "
                          "(kill one): drop --chaos")
+    if args.command == "island":
+        ServiceConfig.of_run(config).require_island_job()
     return config
 
 
 def syncer(args: argparse.Namespace) -> int:
-    config = _service_config(args)
+    """``atoll syncer``: serve the run's syncer until the run is over; its last line, status 0 (1: a shard the
+    coordinator gathers stayed unreachable)."""
+    config = build(args)
+    from atoll.runtime.service.client import SyncerUnreachable
     from atoll.runtime.service.serve import serve
 
-    if config.out is None:
-        raise AtollError("out: atoll syncer keeps its state in a folder; pass --out DIR (the same on a restart)")
-    credentials = args.credentials if args.credentials is not None else Path(config.out) / "credentials"
-    shards = args.shards.split(",") if args.shards else None
-    from atoll.runtime.service.client import SyncerUnreachable
-    from atoll.runtime.service.tls import read_certificate
-
-    ca = read_certificate(args.tls_ca, "tls-ca") if args.tls_ca is not None else None
     try:
-        summary = serve(config, args.listen, credentials, args.tls_cert, args.tls_key, insecure=args.insecure,
-                        shard=args.shard, shards=shards, tls_ca=ca, give_up_s=args.give_up_s)
+        summary = serve(config)
     except SyncerUnreachable as e:  # a shard the coordinator gathers: its state stays in its checkpoint
         print(f"atoll: error: {e}; restart that shard on its folder, then this one", file=sys.stderr)
         return 1
@@ -131,50 +136,22 @@ def syncer(args: argparse.Namespace) -> int:
 
 
 def island(args: argparse.Namespace) -> int:
-    config = _service_config(args)
-    import faulthandler
-    import signal
+    """``atoll island``: run this rank of the island job until the run's budget is spent; the leader's last line,
+    status 0 (1: the syncer stayed unreachable; 3: a rank of the island stopped responding)."""
+    config = build(args)
+    from atoll.runtime.service.client import SyncerUnreachable
+    from atoll.runtime.service.island import island_job
 
-    from atoll.runtime.collective.failure import PeerFailure
-    from atoll.runtime.service.client import SyncerClient, SyncerUnreachable
-    from atoll.runtime.service.group import IslandGroup
-    from atoll.runtime.service.island import lost_peer, read_token, run_island
-    from atoll.runtime.service.tls import read_certificate
-
-    if sys.__stderr__ is not None:  # kill -USR1 PID: every thread's stack on stderr (a hang's diagnosis)
-        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__)
-    token = read_token(args.credential)
-    ca = read_certificate(args.tls_ca, "tls-ca") if args.tls_ca is not None else None
-    if ca is not None and args.plaintext:
-        raise AtollError("tls-ca: --tls-ca and --plaintext exclude each other; drop one")
-    group = IslandGroup.from_env(config.ranks_per_island, config.device, config.collective_timeout_s)
-    addresses = args.syncer.split(",")
-    if len(addresses) > config.fragments:
-        raise AtollError(f"syncer: {len(addresses)} shards for {config.fragments} fragments; give --syncer the "
-                         "shards' --shards list")
-    clients: list[SyncerClient] = []
-    for address in addresses:  # one client per shard (shard 0 first: the coordinator)
-        clients.append(SyncerClient(address, args.island, token, root_certificates=ca, plaintext=args.plaintext,
-                                    insecure=args.insecure, give_up_s=args.give_up_s,
-                                    server_name=args.tls_server_name, control=group.leader))
     try:
-        group.start()
-        report = run_island(config, args.island, clients, group)
+        report = island_job(config)
     except SyncerUnreachable as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 1
-    except PeerFailure as e:
-        lost_peer(e, args.island, group)  # exits with status 3
-        raise
-    finally:
-        for client in clients:
-            client.close()
-    group.close()
-    if group.leader:
-        ranks = f" ({group.size} ranks)" if group.size > 1 else ""
-        print(f"atoll island {args.island}{ranks}: done; {report['steps']} inner steps, {report['bytes_sent']:,.0f} "
-              f"bytes sent, {report['retries']} retried calls, {report['offline_steps']} steps while the syncer was "
-              f"unreachable, {report['lease_fetches']} step leases", flush=True)
+    if report["rank"] == 0:
+        ranks = f" ({report['ranks']} ranks)" if report["ranks"] > 1 else ""
+        print(f"atoll island {report['island']}{ranks}: done; {report['steps']} inner steps, "
+              f"{report['bytes_sent']:,.0f} bytes sent, {report['retries']} retried calls, {report['offline_steps']} "
+              f"steps while the syncer was unreachable, {report['lease_fetches']} step leases", flush=True)
     return 0
 
 

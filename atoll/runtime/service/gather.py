@@ -25,7 +25,7 @@ from atoll.errors import ConfigError
 from atoll.runtime.service import wire
 from atoll.runtime.service.client import SyncerClient
 from atoll.runtime.service.server import SyncerServer
-from atoll.strategies.decoupled.syncer_shards import combine_stats, owned
+from atoll.runtime.service.syncer_shards import combine_stats, owned
 
 
 class PeerClient(SyncerClient):
@@ -50,9 +50,9 @@ class PeerClient(SyncerClient):
 
 def gather(state: SyncerServer, peers: list[PeerClient]) -> tuple[dict[str, Any], dict[str, int]]:
     """The run's final state from the coordinator's ``state`` (its :meth:`SyncerService.finish
-    <atoll.strategies.decoupled.service.SyncerService.finish>` in ``state.final``) and every other shard's
+    <atoll.runtime.service.syncer.SyncerService.finish>` in ``state.final``) and every other shard's
     (``peers[s - 1]`` is shard s): the whole model's global parameters (float32 (numel,)), the versions of
-    every fragment, the statistics combined (:func:`~atoll.strategies.decoupled.syncer_shards.combine_stats`),
+    every fragment, the statistics combined (:func:`~atoll.runtime.service.syncer_shards.combine_stats`),
     the merged tokens, the restarts of all shards; and the calls every shard refused, by reason.
 
     Raises:

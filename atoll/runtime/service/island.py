@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.config import TrainConfig
+from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, make_island
@@ -40,8 +41,8 @@ from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dis
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
+from atoll.runtime.service.syncer_shards import shard_map
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
-from atoll.strategies.decoupled.syncer_shards import shard_map
 
 
 def read_token(path: Path) -> str:
@@ -101,11 +102,12 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     """The rank's worker (its island: the whole model under DDP, or its FSDP2 shard) and the slice plan."""
     from atoll.job.run import prepare_inputs
 
-    sharded = bool(config.shard_island)
+    settings = ServiceConfig.of_run(config)
+    sharded = settings.shard_island
     data, model = prepare_inputs(config, notes=group.leader, meta=sharded)  # sharded: shapes only
     job = Job.of(config, data, model)
     total = expected_steps(config)[index]
-    leader_moves = config.slice_transfer == "leader"
+    leader_moves = settings.slice_transfer == "leader"
     if sharded:
         from atoll.runtime.collective.sharding import make_sharded_island
 
@@ -130,7 +132,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     the other ranks return their own bulk counters).
 
     Sharded, the leader joins the coordinator (shard 0) with the fragment -> shard map it derives from the
-    number of shards (:func:`~atoll.strategies.decoupled.syncer_shards.shard_map`), says ``Hello`` to every
+    number of shards (:func:`~atoll.runtime.service.syncer_shards.shard_map`), says ``Hello`` to every
     other shard (the same map, the shard it dialed, the coordinator's grant verifies there), and every rank
     routes each fragment's exchanges to its shard.
 
@@ -157,7 +159,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])
     from atoll.algorithms.codecs import make_codec
 
-    c = config
+    c = config.strategy_config
     codec = make_codec(c.codec, block_size=c.codec_block_size, rounding=c.codec_rounding, topk_fraction=c.topk_fraction)
     lease = (StepLease(client, worker.sync_every, worker.sync_every, config.tokens_per_step, worker.fragments,
                        status=lambda: (float(worker.island.last_loss),
@@ -191,6 +193,53 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
             "offline_steps": lease.offline_steps_taken if lease is not None else 0,
             "refused_pushes": transport.refused, "lost_pushes": transport.lost, "session": session,
             "lease_fetches": lease.fetches if lease is not None else 0, **transport.counters()}
+
+
+def island_job(config: TrainConfig) -> dict[str, Any]:
+    """This process's rank of the island job ``config`` describes (its ``runtime_config``, a
+    :class:`~atoll.config.runtimes.ServiceConfig`: the syncer's addresses, the island, its credential, TLS):
+    join the island's ranks, dial every shard of the syncer, train (:func:`run_island`); return its report.
+    ``kill -USR1 PID`` prints every thread's stack on stderr (a hang's diagnosis).
+
+    Raises:
+        ConfigError: a setting is missing or wrong (the credential unreadable, more shards than fragments...).
+        SyncerUnreachable: the syncer gave no answer for ``give_up_s``.
+        SystemExit: (status 3, via :func:`lost_peer`) another rank of the island stopped responding.
+    """
+    import faulthandler
+    import signal
+
+    from atoll.runtime.service.tls import read_certificate
+
+    settings = ServiceConfig.of_run(config)
+    settings.require_island_job()
+    assert settings.syncer is not None and settings.island is not None and settings.credential is not None
+    if sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__)
+    token = read_token(settings.credential)
+    ca = read_certificate(settings.tls_ca, "tls_ca") if settings.tls_ca is not None else None
+    fragments = config.strategy_config.fragments
+    if len(settings.syncer) > fragments:
+        raise ConfigError(f"syncer: {len(settings.syncer)} shards for {fragments} fragments; give --syncer the "
+                          "shards' --shards list")
+    group = IslandGroup.from_env(settings.ranks_per_island, config.device, settings.collective_timeout_s)
+    clients: list[SyncerClient] = []
+    try:
+        for address in settings.syncer:  # one client per shard (shard 0 first: the coordinator)
+            clients.append(SyncerClient(address, settings.island, token, root_certificates=ca,
+                                        plaintext=settings.plaintext, insecure=settings.insecure,
+                                        give_up_s=settings.give_up_s, server_name=settings.tls_server_name,
+                                        control=group.leader))
+        group.start()
+        report = run_island(config, settings.island, clients, group)
+    except PeerFailure as e:
+        lost_peer(e, settings.island, group)  # exits with status 3
+        raise
+    finally:
+        for client in clients:
+            client.close()
+    group.close()
+    return report
 
 
 def lost_peer(e: PeerFailure, island: int, group: IslandGroup) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from atoll.config import TrainConfig
+from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.runtime.service import wire
 from atoll.runtime.service.server import SyncerServer
@@ -78,59 +79,48 @@ def load_credentials(folder: Path, islands: int, run_key: bool = False, make: bo
 
 
 
-def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Path | None, tls_key: Path | None,
-          insecure: bool = False, shard: int = 0, shards: list[str] | None = None, tls_ca: bytes | None = None,
-          give_up_s: float = 600.0) -> dict[str, Any]:
+def serve(config: TrainConfig) -> dict[str, Any]:
     """Run ``atoll syncer`` until the run is over; return its summary (the run folder ``<out>/run``), or, for a
     shard other than the coordinator, ``{"shard": S}`` once the coordinator has gathered it.
 
-    Args:
-        shard, shards: this process is shard ``shard`` of a syncer sharded over the addresses ``shards`` (the
-            islands' ``--syncer`` list; None or one address: unsharded).
-        tls_ca: (the coordinator) the CA of the other shards' certificates, PEM (None: the system's).
-        give_up_s: (the coordinator) seconds it retries a shard it gathers before it gives up; (another shard)
-            seconds it waits, once gathered, for the coordinator's ``Close``.
+    ``config`` is the run's, its ``runtime_config`` the service's (:class:`~atoll.config.runtimes.ServiceConfig`:
+    the address to listen on, TLS, the credentials folder, ``shard`` of ``shards`` for a syncer sharded by
+    fragment, ``tls_ca`` and ``give_up_s`` for the coordinator's gathering: seconds it retries a shard before
+    it gives up; another shard: seconds it waits, once gathered, for the coordinator's ``Close``).
 
     Raises:
-        ConfigError: a bad listen address, TLS material, shard list or credentials folder; plaintext on a
-            non-loopback address without ``insecure``; an address that cannot be bound.
+        ConfigError: no ``out``, more shards than fragments, unreadable TLS material or credentials folder, an
+            address that cannot be bound.
         SyncerUnreachable: (the coordinator) a shard gave no answer to its gathering for ``give_up_s``.
     """
-    try:
-        host, _ = wire.parse_address(listen, "listen")
-        peers = [wire.parse_address(a, "shards") for a in shards or []]
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    count = max(1, len(peers))
-    if not 0 <= shard < count:
-        raise ConfigError(f"shard: {shard} is not one of the {count} shards of --shards (0..{count - 1}); pass "
-                          "--shard S with S this shard's place in --shards")
-    if count > config.fragments:
-        raise ConfigError(f"shards: {count} shards for {config.fragments} fragments; each shard owns at least one "
+    settings = ServiceConfig.of_run(config)
+    fragments = config.strategy_config.fragments
+    shard, shards, listen = settings.shard, settings.shards, settings.listen
+    count = max(1, len(shards or []))
+    if count > fragments:
+        raise ConfigError(f"shards: {count} shards for {fragments} fragments; each shard owns at least one "
                           "fragment: list at most --fragments addresses in --shards")
-    if (tls_cert is None) != (tls_key is None):
-        raise ConfigError("tls-cert: --tls-cert and --tls-key go together; pass both (or neither, on loopback)")
-    if tls_cert is None and not wire.is_loopback(host) and not insecure:
-        raise ConfigError(f"listen: '{listen}' is reachable from other hosts and no TLS is set; pass --tls-cert and "
-                          "--tls-key, or --insecure to serve plaintext anyway (never across the internet)")
-    from atoll.runtime.service.tls import read_key_pair
-
-    key_pair = read_key_pair(tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
     if config.out is None:
         raise ConfigError("out: atoll syncer keeps its state in a folder; pass --out DIR (the same on a restart)")
+    from atoll.runtime.service.tls import read_certificate, read_key_pair
+
+    key_pair = read_key_pair(settings.tls_cert, settings.tls_key) \
+        if settings.tls_cert is not None and settings.tls_key is not None else None
+    tls_ca = read_certificate(settings.tls_ca, "tls_ca") if settings.tls_ca is not None else None
     out = Path(config.out)
+    credentials_dir = settings.credentials if settings.credentials is not None else out / "credentials"
     sharded = count > 1
     credentials = load_credentials(credentials_dir, config.islands, run_key=sharded, make=shard == 0)
     key = (Path(credentials_dir) / RUN_KEY).read_text().strip().encode() if sharded else b""
     try:
-        server_state = SyncerServer(config, out / f"shard_{shard}" if sharded else out, credentials, shard=shard,
-                                    shards=count, key=key)
+        server_state = SyncerServer.of_run(config, out / f"shard_{shard}" if sharded else out, credentials,
+                                           shard=shard, shards=count, key=key)
     except ValueError as e:  # a checkpoint of another shard, or of another map
         if not str(e).startswith("shards:"):
             raise
         raise ConfigError(str(e)) from None
     # a thread per call: per island its heartbeat, lease, transfers and a long poll per fragment (Buffered)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + config.islands * (4 + config.fragments)),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + config.islands * (4 + fragments)),
                          handlers=[server_state.handler()],
                          options=[("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
                                   ("grpc.so_reuseport", 0)])
@@ -158,7 +148,7 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
             time.sleep(0.1)
             if server_state.finished is not None:  # gathered; the coordinator's Close may never come
                 finished_at = finished_at or time.monotonic()
-                if time.monotonic() - finished_at > give_up_s:
+                if time.monotonic() - finished_at > settings.give_up_s:
                     break
     finally:
         server.stop(grace=2.0)
@@ -168,10 +158,10 @@ def serve(config: TrainConfig, listen: str, credentials_dir: Path, tls_cert: Pat
     if not sharded:
         return finish_run(config, out, server_state)
     from atoll.runtime.service.gather import PeerClient, gather
-    from atoll.strategies.decoupled.syncer_shards import peer_token
+    from atoll.runtime.service.syncer_shards import peer_token
 
     clients = [PeerClient(shards[s], s, peer_token(key), root_certificates=tls_ca, plaintext=key_pair is None,
-                          insecure=insecure, give_up_s=give_up_s) for s in range(1, count)]
+                          insecure=settings.insecure, give_up_s=settings.give_up_s) for s in range(1, count)]
     try:
         final, refused = gather(server_state, clients)
     finally:
@@ -199,7 +189,8 @@ def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[
     run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
     compute = [float(r.get("compute_s", 0.0)) for r in reports]
     return run.finish(tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands, compute_s=max(compute),
-                      sim_wall_s=wall_s, bytes_sent_by_island=bytes_sent, fragments=config.fragments, **final["stats"],
+                      sim_wall_s=wall_s, bytes_sent_by_island=bytes_sent, fragments=config.strategy_config.fragments,
+                      **final["stats"],
                       steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
                       island_utilization=[c / wall_s if wall_s > 0 else 0.0 for c in compute],
                       rejoins=[max(0, j - 1) for j in final["joins"]], rejoin_s=final["rejoin_s"],

@@ -1,4 +1,4 @@
-"""``atoll syncer``: one :class:`~atoll.strategies.decoupled.service.SyncerService` served over gRPC.
+"""``atoll syncer``: one :class:`~atoll.runtime.service.syncer.SyncerService` served over gRPC.
 
 Every call is authenticated: its metadata carries the caller's island index and secret (``atoll-island``,
 ``atoll-credential``), checked with the syncer's own admission check
@@ -20,7 +20,7 @@ newest global fragment at the ranges asked for (all of it by default), so each r
 
 **Leases.** ``ReserveSteps`` grants a lease of ``n`` steps (an island job asks a round ahead of need), with
 the steps of its session the island has used; ``Leave`` gives the unused back
-(:meth:`~atoll.strategies.decoupled.service.SyncerService.reserve_steps`). No step is granted before every
+(:meth:`~atoll.runtime.service.syncer.SyncerService.reserve_steps`). No step is granted before every
 island has joined (``{"granted": 0, "wait": true}``), or ``collective_timeout_s`` after the first did: the
 islands start together, as the learners of one run, and an island job that takes longer to start (torchrun,
 a cold data cache) does not find the budget spent by the others.
@@ -54,11 +54,13 @@ import grpc
 
 from atoll.algorithms.codecs import make_codec
 from atoll.config import TrainConfig
+from atoll.config.runtimes import ServiceConfig
 from atoll.runtime.service import slices, wire
 from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
 from atoll.runtime.service.shards import ShardCalls
+from atoll.runtime.service.syncer import SyncerService, prepare
+from atoll.strategies.decoupled import DecoupledConfig
 from atoll.strategies.decoupled.protocol import Push, is_index
-from atoll.strategies.decoupled.service import SyncerService
 
 log = logging.getLogger("atoll.syncer")
 
@@ -72,29 +74,32 @@ class SyncerServer(ShardCalls, BulkCalls):
     """The gRPC handlers around one :class:`SyncerService` (see the module docstring).
 
     Args:
-        config: the run's settings (the same the islands are given).
-        out: the syncer's folder (``syncer/`` checkpoints, ``service/status.json``, ``run/`` at the end).
-        credentials: per island its secret.
-        shard, shards, key: this server is shard ``shard`` of ``shards`` of a syncer sharded by fragment
-            (``key``: the run's secret; see :class:`SyncerService` and the module docstring).
+        service: the syncer service it serves (:meth:`of_run` builds it from a run's settings).
+        strategy: the decoupled strategy's config: the codec a push's payload must be encoded with.
+        settings: the service runtime's config (``collective_timeout_s``: how long the islands' joins and the
+            end wait for a missing island).
+        out: the syncer's folder (``syncer/`` checkpoints, ``service/status.json``, ``run/`` at the end), the
+            service's.
+        key: the run's secret of a syncer sharded by fragment (see :class:`SyncerService` and the module
+            docstring); empty unsharded.
     """
 
-    def __init__(self, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
+    def __init__(self, service: SyncerService, strategy: DecoupledConfig, settings: ServiceConfig, out: Path,
                  key: bytes = b"") -> None:
-        self.config, self.out = config, Path(out)
-        self.service = SyncerService(config.model_dump_json(), str(self.out), credentials, pid_dir="service",
-                                     shard=shard, shards=shards, key=key)
+        self.service, self.out = service, Path(out)
+        self.islands = service.run.islands
+        self.timeout_s = settings.collective_timeout_s  # (the islands' joins, the end's wait)
         self._init_shards(key)  # (ShardCalls)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified when a push may have left a buffer
-        self.waiting = [0] * config.islands  # per island, its Buffered calls waiting (a long poll each)
-        self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(config.islands)}
-        self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(config.islands)}
+        self.waiting = [0] * self.islands  # per island, its Buffered calls waiting (a long poll each)
+        self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(self.islands)}
+        self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(self.islands)}
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         # the run's codec: what a push's payload must be (the islands encode with the same settings)
-        self.codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
-                                topk_fraction=config.topk_fraction)
+        self.codec = make_codec(strategy.codec, block_size=strategy.codec_block_size, rounding=strategy.codec_rounding,
+                                topk_fraction=strategy.topk_fraction)
         self.refused_calls: dict[str, int] = {}
         self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
         self.count_lock = threading.Lock()
@@ -109,6 +114,22 @@ class SyncerServer(ShardCalls, BulkCalls):
         numels = self.service.syncer.numels
         self.max_open = OPEN_FRAGMENTS * max(self.codec.payload_bytes(n) + HEADER_BYTES for n in numels)
 
+    @classmethod
+    def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
+               key: bytes = b"") -> SyncerServer:
+        """The server of a run's settings ``config`` (the same the islands are given; its runtime ``service``):
+        its :class:`SyncerService` in ``out`` (:func:`~atoll.runtime.service.syncer.prepare`), shard
+        ``shard`` of ``shards`` of a syncer sharded by fragment with the run's secret ``key``, the islands'
+        ``credentials``.
+
+        Raises:
+            ConfigError: ``config`` is not a run of the service runtime.
+        """
+        settings = ServiceConfig.of_run(config)
+        run, index, syncer, spec = prepare(config, credentials, shard=shard, shards=shards, key=key)
+        service = SyncerService(run, index, syncer, str(out), spec, key=key, pid_dir="service")
+        return cls(service, config.strategy_config, settings, out, key=key)
+
     # --- authentication -----------------------------------------------------------------------------------
     def _caller(self, context: grpc.ServicerContext, peer: bool = False) -> tuple[int, str]:
         """The calling island and its secret, or abort the call (UNAUTHENTICATED), counted by reason; ``peer``:
@@ -121,7 +142,7 @@ class SyncerServer(ShardCalls, BulkCalls):
             reason = "peer"  # a shard's credential opens only what shards call of each other
         elif island is None or credential is None:
             reason = "no_credential"
-        elif not (island.isdigit() and is_index(int(island), self.config.islands)):
+        elif not (island.isdigit() and is_index(int(island), self.islands)):
             reason = "island"
         elif not self.service.syncer.admission.identity(int(island), credential):
             reason = "identity"
@@ -175,8 +196,8 @@ class SyncerServer(ShardCalls, BulkCalls):
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
         the first did (a restarted syncer's run has started)?"""
-        late = self.first_join is not None and time.monotonic() - self.first_join > self.config.collective_timeout_s
-        if self.started_at is None and (len(self.joined) == self.config.islands or self.service.reserved > 0 or late):
+        late = self.first_join is not None and time.monotonic() - self.first_join > self.timeout_s
+        if self.started_at is None and (len(self.joined) == self.islands or self.service.reserved > 0 or late):
             self.started_at = time.monotonic()
         return self.started_at is not None
 
@@ -382,7 +403,7 @@ class SyncerServer(ShardCalls, BulkCalls):
                 self.spent_at = now
             over = self.spent_at is not None and (
                 (self.joined and self.joined <= set(self.left))
-                or now - self.spent_at > self.config.collective_timeout_s)
+                or now - self.spent_at > self.timeout_s)
             if over and self.final is None:
                 self.final = self.service.finish()
                 self.done.set()

@@ -1,7 +1,7 @@
 """A syncer sharded by fragment, on the wire: what a shard adds to ``atoll syncer``'s handlers, and how the
 coordinator gathers the run at its end.
 
-Each shard is an ``atoll syncer`` of its own fragments (:mod:`~atoll.strategies.decoupled.syncer_shards`: the map,
+Each shard is an ``atoll syncer`` of its own fragments (:mod:`~atoll.runtime.service.syncer_shards`: the map,
 the grants). :class:`ShardCalls` is the part of :class:`~atoll.runtime.service.server.SyncerServer` that knows
 it is one shard of several:
 
@@ -15,7 +15,7 @@ it is one shard of several:
 - **Grants.** The coordinator answers ``Join``, ``ReserveSteps`` and ``Leave`` with the island's signed grant;
   another shard checks the grant a push carries before the syncer's own checks (``SyncerService.admit_grant``).
 - **Peers.** Another shard's calls carry the peer credential (``atoll-peer`` metadata,
-  :func:`~atoll.strategies.decoupled.syncer_shards.peer_token`): only they open ``Finish`` and ``Close``
+  :func:`~atoll.runtime.service.syncer_shards.peer_token`): only they open ``Finish`` and ``Close``
   (refused to an island, and counted as ``peer``), and ``Download`` takes them too.
 
 **The end** is the coordinator's (:mod:`~atoll.runtime.service.gather`): it calls each other shard's
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from atoll.runtime.service import wire
+from atoll.runtime.service.syncer_shards import Grant, ShardSpec, peer_token
 from atoll.strategies.decoupled.protocol import is_index
-from atoll.strategies.decoupled.syncer_shards import Grant, ShardSpec, peer_token
 
 if TYPE_CHECKING:
-    from atoll.strategies.decoupled.service import SyncerService
+    from atoll.runtime.service.syncer import SyncerService
 
 log = logging.getLogger("atoll.syncer")
 
@@ -71,7 +71,7 @@ class ShardCalls:
 
     def _peer(self, context: grpc.ServicerContext) -> tuple[int, str]:
         """Another shard of this syncer (the coordinator gathering the model), proven by the peer credential
-        derived from the run's key (:func:`~atoll.strategies.decoupled.syncer_shards.peer_token`); else abort
+        derived from the run's key (:func:`~atoll.runtime.service.syncer_shards.peer_token`); else abort
         (UNAUTHENTICATED) and count ``peer``: an island, or a shard of another run."""
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         credential = md.get(wire.CREDENTIAL_KEY)

@@ -56,20 +56,20 @@ def read_key_pair(cert: Path, key: Path) -> tuple[bytes, bytes]:
         ConfigError: either file unreadable or malformed, an encrypted key, or a key that is not the
             certificate's.
     """
-    cert_pem = read_certificate(cert, "tls-cert")
-    key_pem = _read(key, "tls-key")
+    cert_pem = read_certificate(cert, "tls_cert")
+    key_pem = _read(key, "tls_key")
     crypto = _crypto()
     if crypto is not None:
         x509, serialization = crypto
         try:
             private = serialization.load_pem_private_key(key_pem, password=None)
         except (ValueError, TypeError):
-            raise ConfigError(f"tls-key: '{key}' is not an unencrypted PEM private key; pass the certificate's "
+            raise ConfigError(f"tls_key: '{key}' is not an unencrypted PEM private key; pass the certificate's "
                               "key (decrypt it with openssl pkey)") from None
         leaf = x509.load_pem_x509_certificates(cert_pem)[0]
         raw = serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         if private.public_key().public_bytes(*raw) != leaf.public_key().public_bytes(*raw):
-            raise ConfigError(f"tls-key: '{key}' is not the key of the certificate '{cert}'; pass the matching pair")
+            raise ConfigError(f"tls_key: '{key}' is not the key of the certificate '{cert}'; pass the matching pair")
     return key_pem, cert_pem
 
 

@@ -17,7 +17,6 @@ is not a JSON object or a safetensors file of the expected tensors is refused.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from typing import Any
 
@@ -26,6 +25,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from atoll.algorithms.codec_base import Codec, Encoded
+from atoll.config.parse import is_loopback, parse_address  # noqa: F401 - (part of the wire's API)
 
 #: the gRPC service's name; methods are ``/atoll.Syncer/<Name>``
 SERVICE = "atoll.Syncer"
@@ -139,28 +139,3 @@ def parse_ranges(obj: Any, numel: int) -> tuple[tuple[int, int], ...]:
 def chunks(data: bytes, offset: int = 0) -> list[bytes]:
     """``data[offset:]`` cut into chunks of at most :data:`CHUNK_BYTES`."""
     return [data[i:i + CHUNK_BYTES] for i in range(offset, len(data), CHUNK_BYTES)]
-
-
-def parse_address(text: str, field: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port).
-
-    Raises:
-        ValueError: one line naming ``field``: no port, a port outside 1..65535 (0 for ``listen``: any), or no host.
-    """
-    host, sep, port = str(text).rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    low = 0 if field == "listen" else 1
-    if not sep or not host or not port.isdigit() or not low <= int(port) <= 65535:
-        raise ValueError(f"{field}: '{text}' is not HOST:PORT with a port in {low}..65535; pass e.g. "
-                         f"--{field} {'0.0.0.0' if field == 'listen' else 'syncer.example.org'}:7070")
-    return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Does ``host`` name this machine only (``localhost``, 127.0.0.0/8, ::1)? Names are not resolved."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

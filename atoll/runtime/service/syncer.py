@@ -14,20 +14,63 @@ import math
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from atoll.algorithms.fragments import FlatFragment
 from atoll.config import TrainConfig
 from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
+from atoll.runtime.service import syncer_shards as sharding
 from atoll.strategies.decoupled import local_sync_every, make_syncer
-from atoll.strategies.decoupled import syncer_shards as sharding
 from atoll.strategies.decoupled.island import Job, save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
 from atoll.strategies.decoupled.protocol import Pull, Push, is_index
+from atoll.strategies.decoupled.syncer import Syncer
+
+
+@dataclass(frozen=True)
+class SyncerRun:
+    """What the syncer service reads of the run beside its syncer (plain data: it crosses process boundaries).
+
+    Attributes:
+        islands: the run's islands.
+        steps: inner steps per island: the shared budget is ``islands x steps``.
+        tokens_per_step: training tokens of one inner step of an island (its ledger grants them per step).
+        push_tokens: per island, the tokens of one honest push at its own H (a restarted syncer grants each
+            island that much more: the steps granted since its checkpoint were taken and are not in it).
+    """
+
+    islands: int
+    steps: int
+    tokens_per_step: int
+    push_tokens: tuple[int, ...]
+
+    @classmethod
+    def of(cls, config: TrainConfig) -> SyncerRun:
+        """The facts of a whole run's settings (an entry point's)."""
+        return cls(islands=config.islands, steps=config.steps, tokens_per_step=config.tokens_per_step,
+                   push_tokens=tuple(h * config.tokens_per_step for h in local_sync_every(config)))
+
+
+def prepare(config: TrainConfig, credentials: list[str] | None = None, shard: int = 0, shards: int = 1,
+            key: bytes = b"") -> tuple[SyncerRun, list[FlatFragment], Syncer, sharding.ShardSpec | None]:
+    """The pieces of a :class:`SyncerService` from a run's settings (an entry point's: ``atoll syncer``, the Ray
+    actor's process): the run's facts, its job prepared (data and initial model, the same as the islands'; its
+    fragments), the syncer of shard ``shard`` of ``shards`` (the whole model when 1, else the fragments the
+    shard owns, :class:`~atoll.runtime.service.syncer_shards.ShardSpec` with the run's secret ``key``)
+    built from the decoupled strategy's settings with the islands' ``credentials``."""
+    torch.set_num_threads(1)
+    job = Job.prepare(config)
+    numels = [int(f.numel()) for f in job.index]
+    spec = sharding.ShardSpec.of(shard, shards, key, numels) if shards > 1 else None
+    init, index = sharding.shard_vector(job.init_flat, [job.index[p] for p in spec.fragments]) \
+        if spec is not None else (job.init_flat, job.index)
+    return SyncerRun.of(config), job.index, make_syncer(config, init, index, credentials), spec
 
 
 class SyncerService:
@@ -55,56 +98,54 @@ class SyncerService:
     pushed tokens of steps it had not reported yet).
 
     Args:
-        config_json: the run's :class:`TrainConfig` as JSON.
-        out: the run folder (checkpoints go to ``out/syncer``).
-        credentials: per island its secret, issued by the driver (each island actor is given only its own): a
-            push counts only as the island whose secret it carries
+        run: what the service reads of the run (:class:`SyncerRun`).
+        index: the run's fragments (every one, also those of other shards), their ranges of the flat vector.
+        syncer: the syncer of this shard's fragments (all of them unsharded), built from the decoupled strategy's
+            config (:func:`prepare` does both from a run's settings), its credentials per island (each island
+            actor is given only its own): a push counts only as the island whose secret it carries
             (:class:`~atoll.strategies.decoupled.trust.Admission`).
+        out: the run folder (checkpoints go to ``out/syncer``).
+        shard, key: this service is shard ``shard`` of a syncer sharded by fragment, ``key`` the run's secret
+            (:mod:`~atoll.runtime.service.syncer_shards`): its syncer holds the fragments ``fragment_ids``
+            only. A checkpoint of another shard or map is refused (ValueError). None: unsharded.
         pid_dir: the folder under ``out`` where the process writes ``syncer.pid`` (for tests and operators).
-        shard, shards, key: shard ``shard`` of ``shards`` of a syncer sharded by fragment, ``key`` the run's
-            secret (:mod:`~atoll.strategies.decoupled.syncer_shards`): its syncer holds the run's fragments
-            ``fragment_ids`` only. A checkpoint of another shard or map is refused (ValueError).
     """
 
-    def __init__(self, config_json: str, out: str, credentials: list[str] | None = None,
-                 pid_dir: str = "ray", shard: int = 0, shards: int = 1, key: bytes = b"") -> None:
+    def __init__(self, run: SyncerRun, index: list[FlatFragment], syncer: Syncer, out: str,
+                 shard: sharding.ShardSpec | None = None, key: bytes = b"", pid_dir: str = "ray") -> None:
         from atoll.errors import CheckpointError
         from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
-        self.config = TrainConfig.model_validate_json(config_json)
-        torch.set_num_threads(1)
-        job = Job.prepare(self.config)
-        self.index, self.numels = job.index, [int(f.numel()) for f in job.index]  # the run's fragments
-        self.shard = sharding.ShardSpec.of(shard, shards, key, self.numels) if shards > 1 else None
-        self.fragment_ids = self.shard.fragments if self.shard is not None else list(range(len(job.index)))
-        init, index = sharding.shard_vector(job.init_flat, [job.index[p] for p in self.fragment_ids]) \
-            if self.shard is not None else (job.init_flat, job.index)
-        self.grants = sharding.GrantBook(self.config.islands, key, self.shard.run) \
-            if self.shard is not None and not self.shard.coordinator else None
-        self.syncer = make_syncer(self.config, init, index, credentials)
+        self.run = run
+        self.index, self.numels = index, [int(f.numel()) for f in index]  # the run's fragments
+        self.shard = shard
+        self.fragment_ids = shard.fragments if shard is not None else list(range(len(index)))
+        self.grants = sharding.GrantBook(run.islands, key, shard.run) \
+            if shard is not None and not shard.coordinator else None
+        self.syncer = syncer
         self.out = Path(out)
         self.t0 = time.monotonic()
-        self.budget = self.config.islands * self.config.steps
+        self.budget = run.islands * run.steps
         self.reserved = 0
-        self.steps_by_island = [0] * self.config.islands
-        self.last_seen = [0.0] * self.config.islands
-        self.heard: list[float | None] = [None] * self.config.islands  # _now() of each island's last call
-        self.joins = [0] * self.config.islands
+        self.steps_by_island = [0] * run.islands
+        self.last_seen = [0.0] * run.islands
+        self.heard: list[float | None] = [None] * run.islands  # _now() of each island's last call
+        self.joins = [0] * run.islands
         self.rejoin_s: list[float] = []
         self.restarts = 0
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
-        self.island_first_step_s: list[float | None] = [None] * self.config.islands
+        self.island_first_step_s: list[float | None] = [None] * run.islands
         # for the driver's progress and run events (progress()): not checkpointed, a restart starts them anew
         # pushes and rejoins (the syncer journals the rest); the oldest go first where nobody drains them
         self.events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=JOURNAL_SIZE)
-        self.last_loss: list[float | None] = [None] * self.config.islands  # each island's, with its lr
-        self.last_lr: list[float | None] = [None] * self.config.islands
-        self.bytes_by_island = [0.0] * self.config.islands  # as the pushes declare them
+        self.last_loss: list[float | None] = [None] * run.islands  # each island's, with its lr
+        self.last_lr: list[float | None] = [None] * run.islands
+        self.bytes_by_island = [0.0] * run.islands  # as the pushes declare them
         # per island, of its current session: steps granted, and the most it reported using (leases)
-        self.leased = [0] * self.config.islands
-        self.lease_used = [0] * self.config.islands
-        for island in range(self.config.islands):  # the token ledger holds from the first push on
+        self.leased = [0] * run.islands
+        self.lease_used = [0] * run.islands
+        for island in range(run.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
         try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
             _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
@@ -112,7 +153,7 @@ class SyncerService:
             state = None
         if state is not None:
             self.syncer.load_state_dict(state["syncer"])
-            self.syncer.grant_since_checkpoint([h * self.config.tokens_per_step for h in local_sync_every(self.config)])
+            self.syncer.grant_since_checkpoint(list(run.push_tokens))
             service = state.get("service", {})
             self.reserved = int(service.get("reserved", 0))
             self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
@@ -154,14 +195,14 @@ class SyncerService:
 
     def grant(self, island: int) -> dict[str, Any] | None:
         """(The coordinator of a sharded syncer.) ``island``'s signed grant of its session and tokens granted
-        (:class:`~atoll.strategies.decoupled.syncer_shards.GrantIssuer`); None unsharded or on another shard."""
+        (:class:`~atoll.runtime.service.syncer_shards.GrantIssuer`); None unsharded or on another shard."""
         if self.issuer is None:
             return None
         return self.issuer.sign(island, self.syncer.admission.session[island], self.syncer.bounds.granted[island])
 
     def admit_grant(self, island: int, grant: Any, session: Any) -> str:
         """(A shard but the coordinator.) Why a push of ``island`` in ``session`` with ``grant`` is refused, or ""
-        and its ledger set to its newest grant (:meth:`~atoll.strategies.decoupled.syncer_shards.GrantBook.admit`)."""
+        and its ledger set to its newest grant (:meth:`~atoll.runtime.service.syncer_shards.GrantBook.admit`)."""
         reason, tokens = self.grants.admit(island, grant, session) if self.grants is not None else ("", None)
         if tokens is not None:
             granted = self.syncer.bounds.granted
@@ -179,9 +220,9 @@ class SyncerService:
     def _island(self, call: str, island: Any, credential: Any = None) -> None:
         """Refuse a call that names no island of the run (ValueError) or, given a ``credential``, not its own
         (PermissionError); one-line messages."""
-        if not is_index(island, self.config.islands):
+        if not is_index(island, self.run.islands):
             raise ValueError(f"{call}: island {island!r} is not one of this run's islands "
-                             f"0..{self.config.islands - 1}")
+                             f"0..{self.run.islands - 1}")
         if credential is not None and not self.syncer.admission.identity(island, credential):
             raise PermissionError(f"{call}: island {island}'s credential does not match; "
                                   "an island calls only as itself")
@@ -257,7 +298,7 @@ class SyncerService:
         self.reserved += granted
         self.steps_by_island[island] += granted
         self.leased[island] += granted
-        self.syncer.grant(island, granted * self.config.tokens_per_step)
+        self.syncer.grant(island, granted * self.run.tokens_per_step)
         if self.island_first_step_s[island] is None:
             self.island_first_step_s[island] = self.last_seen[island]
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
@@ -277,7 +318,7 @@ class SyncerService:
         self.steps_by_island[island] -= n
         self.leased[island] -= min(n, self.leased[island])
         if ledger and n:
-            self.syncer.grant(island, -n * self.config.tokens_per_step)
+            self.syncer.grant(island, -n * self.run.tokens_per_step)
         return n
 
     def leave_session(self, island: int, used: Any) -> int:
