@@ -152,7 +152,8 @@ def reference_run(refs: dict[str, Any], name: str, own: dict[str, Any]) -> dict[
     if not name.startswith("size_") or own.get("strategy") not in ("diloco", "ddp") or name not in refs:
         return None
     c, r = build_config(base={**BASE, **own, "progress": False}), refs[name]
-    want = {k: getattr(c, k) for k in MATCHED} | {"tokens": c.steps * c.islands * c.batch_size * c.seq_len,
+    flat = c.model_dump()  # every setting by its name
+    want = {k: flat.get(k) for k in MATCHED} | {"tokens": c.steps * c.islands * c.batch_size * c.seq_len,
                                                   "device": resolve_device(c.device)}
     if c.strategy == "ddp":  # ddp's summary records no sync interval
         want.pop("sync_every")

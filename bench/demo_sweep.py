@@ -69,7 +69,8 @@ def _tag(sign_values: bool) -> str:
 def demo_defaults() -> tuple[bool, float, int]:
     """The ``demo`` strategy's value format, cosine floor and chunk by default (the sweeps start from them)."""
     defaults = build_config(base=pinned({"strategy": "demo"}))
-    return defaults.demo_sign_values, defaults.min_lr_ratio, defaults.demo_chunk
+    own = defaults.strategy_config
+    return own.demo_sign_values, defaults.min_lr_ratio, own.demo_chunk
 
 
 def demo_run(sign_values: bool, lr: float, floor: float, topk: int, n_steps: int, chunk: int) -> tuple[str, dict]:

@@ -186,15 +186,15 @@ def worker(case: str, size: int, repeats: int) -> dict:
             if r:
                 times.append(time.perf_counter() - t0)
     elif case == "decoupled":
-        from atoll.strategies.decoupled import make_syncer
-        from atoll.strategies.decoupled.island import IslandWorker, Job
+        from atoll.runtime.decoupled_job import job_of, syncer_of
+        from atoll.strategies.decoupled.island import IslandWorker
 
         config = TrainConfig(strategy="decoupled", fragments=FRAGMENTS, **common)
-        job = Job.of(config, None, model)
+        job = job_of(config, None, model)  # type: ignore[arg-type]
         workers = [IslandWorker(i, job, 100, "cpu") for i in range(ISLANDS)]
         job.model = None  # the workers hold their copies
         del model
-        syncer = make_syncer(config, job.init_flat, job.index)
+        syncer = syncer_of(config, job.init_flat, job.index)
         for w in workers:
             syncer.grant(w.index, 10 ** 12)
         for r in range(repeats + 1):

@@ -37,8 +37,9 @@ from transformers import PreTrainedModel
 
 from atoll.benchmarks.common import default_out, study_settings, write_results
 from atoll.config import TrainConfig, build_config
+from atoll.config.facts import IslandSettings
 from atoll.job.device import CompiledForward, autocast, synchronize
-from atoll.job.island import adamw, cosine_with_warmup, make_island
+from atoll.job.island import adamw, build_island, cosine_with_warmup, inner_optimizer
 from atoll.job.loss import next_token_loss
 from atoll.job.model import build_model, count_parameters
 
@@ -86,7 +87,8 @@ def compare_loops(config: TrainConfig, model: PreTrainedModel, device: torch.dev
         ``median_s`` and ``rounds_s`` ({"atoll", "plain"}: seconds per step), ``max_weight_diff`` (the largest
         absolute difference of the two models' weights after the same steps; round-off only).
     """
-    island = make_island(0, copy.deepcopy(model).to(device), config, clock=None)
+    island = build_island(0, copy.deepcopy(model).to(device), IslandSettings.of(config),
+                          inner_optimizer(config.strategy_config))
     plain = copy.deepcopy(model).to(device)
     decay = [p for p in plain.parameters() if p.ndim >= 2]
     no_decay = [p for p in plain.parameters() if p.ndim < 2]

@@ -73,11 +73,11 @@ def worker(spec_path: Path) -> int:
     from atoll.algorithms.codecs import make_codec
     from atoll.config import build_config
     from atoll.job.run import prepare_inputs
+    from atoll.runtime.decoupled_job import job_of
     from atoll.runtime.service.client import SyncerClient
     from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
     from atoll.runtime.service.group import IslandGroup
     from atoll.strategies.base import make_wire
-    from atoll.strategies.decoupled.island import Job
     from atoll.strategies.decoupled.protocol import Push
 
     spec = json.loads(spec_path.read_text())
@@ -88,7 +88,7 @@ def worker(spec_path: Path) -> int:
     group = IslandGroup.from_env(2, "cpu", 300.0)
     group.start()
     data, model = prepare_inputs(config, notes=False, meta=spec["sharded"])
-    job = Job.of(config, data, model)
+    job = job_of(config, data, model)
     if spec["sharded"]:
         from atoll.runtime.collective.sharding import make_sharded_island
 

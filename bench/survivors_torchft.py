@@ -42,14 +42,16 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
     from torchft.process_group import ProcessGroupGloo
 
     from atoll.config import TrainConfig
+    from atoll.config.facts import IslandSettings
     from atoll.job.data import eval_batches, sample_batch
-    from atoll.job.island import make_island
+    from atoll.job.island import build_island, inner_optimizer
     from atoll.job.run import EVAL_ROWS, evaluate, prepare_inputs
 
     config = TrainConfig(**json.loads(config_json))
     torch.set_num_threads(1)
     data, model = prepare_inputs(config)
-    island = make_island(replica, copy.deepcopy(model), config)
+    island = build_island(replica, copy.deepcopy(model), IslandSettings.of(config),
+                          inner_optimizer(config.strategy_config))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1, use_async_quorum=False,

@@ -6,7 +6,7 @@
 
 What one shard does per window, timed on the CPU with one torch thread per shard process, as ``atoll syncer``
 does it (:class:`~atoll.strategies.decoupled.syncer.Syncer` over the shard's own fragments, built by
-:func:`~atoll.strategies.decoupled.make_syncer` with the run's defaults): for each fragment it owns, each of the
+:func:`~atoll.runtime.decoupled_job.syncer_of` with the run's defaults): for each fragment it owns, each of the
 K islands' pushes is decoded from the run's codec (int4 by default, as it arrives on the wire) and handed to
 the syncer (its checks: form, identity, freshness, the token and norm bounds), and the quorum's push merges
 the fragment (the token-weighted mean and the outer Nesterov step). The K payloads are encoded once before the
@@ -66,8 +66,8 @@ def shard_worker(shard: int, shards: int, args: dict[str, Any], barrier: Any, re
     torch.set_num_threads(1)
     from atoll.algorithms.codecs import make_codec
     from atoll.config import TrainConfig
+    from atoll.runtime.decoupled_job import syncer_of
     from atoll.runtime.service.syncer_shards import owned, shard_map
-    from atoll.strategies.decoupled import make_syncer
     from atoll.strategies.decoupled.protocol import Push
 
     index = fragments_of(args["model"], args["vocab"], args["fragments"])
@@ -84,7 +84,7 @@ def shard_worker(shard: int, shards: int, args: dict[str, Any], barrier: Any, re
     for n in sizes:
         local.append(FlatFragment(((start, start + n),)))
         start += n
-    syncer = make_syncer(config, init, local)
+    syncer = syncer_of(config, init, local)
     del init
     codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
                        topk_fraction=config.topk_fraction)

@@ -129,3 +129,15 @@ def syncer_commits_on_disk(out: Path) -> int:
         return int(name.split("_")[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def make_island(index: int, model: torch.nn.Module, config, clock=None, total_steps: int | None = None,
+                speed: float = 1.0, optimizer=None, island_type=None):
+    """A test's island from a whole run's ``config``: :func:`atoll.job.island.build_island` with its island
+    settings (the schedule over ``total_steps``, default ``steps``) and the strategy's inner optimizer
+    (``optimizer``: a spec's ``inner_optimizer``), as the entry points build one."""
+    from atoll.config.facts import IslandSettings
+    from atoll.job.island import Island, build_island, inner_optimizer
+
+    return build_island(index, model, IslandSettings.of(config, total_steps),
+                        inner_optimizer(config.strategy_config, optimizer), clock, speed, island_type or Island)

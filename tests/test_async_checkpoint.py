@@ -348,8 +348,8 @@ def test_a_resumed_run_may_switch_async_checkpoint(tmp_path: Path, saved: bool) 
     config = build_config(overrides={"runtime": "collective", "islands": 2, "model": "micro", "out": str(out),
                                      "async_checkpoint": saved})
     (out / "config.json").write_text(config.model_dump_json())
-    assert load_run_config(out, {"async_checkpoint": not saved}).async_checkpoint is (not saved)
-    assert load_run_config(out, {}).async_checkpoint is saved
+    assert load_run_config(out, {"async_checkpoint": not saved}).runtime_config.async_checkpoint is (not saved)
+    assert load_run_config(out, {}).runtime_config.async_checkpoint is saved
 
 
 def test_a_replica_rank_that_writes_late_is_waited_for(store: Any, tmp_path: Path,

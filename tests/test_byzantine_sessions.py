@@ -217,7 +217,7 @@ def test_on_ray_token_claims_are_bounded_by_the_steps_granted(fast_config: dict)
     # restart reads what is on disk (on a loaded machine the write may not have finished yet)
     assert svc.writer.flush(timeout=60)
     restarted = SyncerService(config.model_dump_json(), fast_config["out"], creds)
-    h = config.sync_every * tps
+    h = config.strategy_config.sync_every * tps
     assert restarted.syncer.bounds.granted == [tps + h, 5 * tps + h]
     assert restarted.syncer.bounds.claimed == svc.syncer.bounds.claimed
     pull = restarted.syncer.pull(0)

@@ -44,7 +44,8 @@ def test_toml_types_are_strict_but_a_whole_number_is_a_float(tmp_path: Path) -> 
     toml = tmp_path / "run.toml"
     toml.write_text("lr = 1\nlink_bandwidth_mbps = 10\ncompile = false\nsteps = 5\n")
     config = build_config(toml)
-    assert config.lr == 1.0 and config.link_bandwidth_mbps == 10.0 and config.compile is False
+    assert config.strategy_config.lr == 1.0 and config.runtime_config.link_bandwidth_mbps == 10.0
+    assert config.compile is False
     toml.write_text('seq_len = "32"\n')
     with pytest.raises(ConfigError) as e:
         build_config(toml, {"seq_len": "32"})  # refused even where a flag overrides it: the file is wrong

@@ -42,7 +42,8 @@ def test_the_deadline_is_the_transfer_time_times_the_safety_factor_plus_latencie
 def test_the_link_is_a_collective_setting() -> None:
     config = build_config(overrides={"runtime": "collective", "collective_link_mbps": 1000,
                                      "collective_link_latency_ms": 30})
-    assert (config.collective_link_mbps, config.collective_link_latency_ms) == (1000.0, 30.0)
+    link = config.runtime_config
+    assert (link.collective_link_mbps, link.collective_link_latency_ms) == (1000.0, 30.0)
     with pytest.raises(ConfigError, match="^collective_link_mbps"):
         build_config(overrides={"runtime": "collective", "collective_link_mbps": 0})
     with pytest.raises(ConfigError, match="^collective_link_mbps: the local runtime"):

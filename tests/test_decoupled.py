@@ -98,10 +98,10 @@ def test_island_speeds_scale_step_counts(fast_config: dict) -> None:
         assert abs(got - want) <= 1, steps
     # local steps proportional to speed (H = 8 scaled, at least the 2 fragments): every island pushes each
     # fragment at the same wall-clock cadence, so the slow ones' pushes are not staler than the fast ones'
-    from atoll.strategies.decoupled.island import local_sync_every
+    from atoll.runtime.decoupled_job import push_sync_every
 
-    assert local_sync_every(build_config(overrides=_decoupled(fast_config, island_speeds="1,1,0.5,0.25",
-                                                              sync_every=8))) == [8, 8, 4, 2]
+    assert push_sync_every(build_config(overrides=_decoupled(fast_config, island_speeds="1,1,0.5,0.25",
+                                                             sync_every=8))) == [8, 8, 4, 2]
     assert summary["stale_updates"] == 0
     # nobody waits, neither for the slow islands nor for the link (transfers overlap compute): every island
     # computes all the time but the last push's flight at the end
@@ -251,10 +251,11 @@ def test_strategy_defaults_outer_momentum_and_codec() -> None:
 
 
 def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -> None:
-    from atoll.strategies.decoupled.island import IslandWorker, Job
+    from atoll.runtime.decoupled_job import prepare_job
+    from atoll.strategies.decoupled.island import IslandWorker
     from atoll.strategies.decoupled.protocol import Pull
 
-    job = Job.prepare(build_config(overrides=_decoupled(fast_config)))
+    job = prepare_job(build_config(overrides=_decoupled(fast_config)))
     w = IslandWorker(0, job, total_steps=16)
 
     def fragment(p: int) -> torch.Tensor:
@@ -264,7 +265,7 @@ def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -
         w.train_step()
     at_push = fragment(0)
     push = w.push(0)
-    assert torch.equal(push.delta, w.base[0] - at_push) and push.tokens == 3 * job.config.tokens_per_step
+    assert torch.equal(push.delta, w.base[0] - at_push) and push.tokens == 3 * job.facts.tokens_per_step
     assert torch.equal(w.at_push[0], at_push)
     for _ in range(2):  # the island trains on while its push and the pull are on the wire
         w.train_step()

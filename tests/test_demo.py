@@ -587,8 +587,9 @@ def test_demo_defaults_to_packed_sign_values_and_a_flag_turns_them_off() -> None
     from atoll.cli import build_parser
 
     # the best of bench/demo_sweep.py; the DeMo optimizer itself keeps DeMo's float32 values by default
-    assert build_config(overrides={"strategy": "demo"}).demo_sign_values is True
-    assert build_config(overrides={"strategy": "demo", "demo_sign_values": False}).demo_sign_values is False
+    assert build_config(overrides={"strategy": "demo"}).strategy_config.demo_sign_values is True
+    off = build_config(overrides={"strategy": "demo", "demo_sign_values": False})
+    assert off.strategy_config.demo_sign_values is False
     assert build_parser().parse_args(["train", "--no-demo-sign-values"]).demo_sign_values is False
     assert build_parser().parse_args(["train", "--demo-sign-values"]).demo_sign_values is True
     assert DeMo([torch.nn.Parameter(torch.zeros(2))]).sign_values is False

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import make_island, run_cli
 
 from atoll.config import TrainConfig, build_config
 from atoll.errors import ConfigError
 from atoll.job.device import autocast, island_devices, resolve_device
-from atoll.job.island import Island, adamw, compile_skipped, make_island
+from atoll.job.island import Island, adamw, compile_skipped
 from atoll.job.model import build_model
 
 CUDA = torch.cuda.is_available()
@@ -105,7 +105,7 @@ def test_unknown_precision_is_refused_at_config_time() -> None:
 
 def test_adamw_is_the_default_kernel_on_the_cpu() -> None:
     config = TrainConfig()
-    opt = adamw([{"params": [torch.nn.Parameter(torch.zeros(3))]}], config)
+    opt = adamw([{"params": [torch.nn.Parameter(torch.zeros(3))]}], config.strategy_config)
     assert not opt.defaults.get("fused")  # fused only where the parameters are on CUDA
 
 

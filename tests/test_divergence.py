@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import make_island, run_cli
 from rich.console import Console
 from test_strategy_plugin import fedavg  # noqa: F401 (the FedAvg plugin's fixture)
 
@@ -38,7 +38,6 @@ from atoll.job.divergence import (
     resets_diverged,
     set_fault_hook,
 )
-from atoll.job.island import make_island
 from atoll.job.metrics import read_metrics, summary_table
 from atoll.job.model import build_model
 from atoll.runtime.local import LocalComm
@@ -239,14 +238,15 @@ def test_sparseloco_with_a_non_finite_global_model_is_the_job_diverged() -> None
 
 def test_decoupled_island_with_nan_weights_is_reset_from_its_last_pull() -> None:
     # before: its pushes were refused (non_finite) for the rest of the run and it never recovered
-    from atoll.strategies.decoupled.island import IslandWorker, Job
+    from atoll.runtime.decoupled_job import job_of
+    from atoll.strategies.decoupled.island import IslandWorker
 
     config = TrainConfig(strategy="decoupled", islands=2, steps=12, lr=1e-2, warmup_steps=0, seq_len=SEQ,
                          batch_size=BATCH, fragments=2, sync_every=4)
     model = build_model("micro", VOCAB, SEQ, seed=0)
     rng = np.random.default_rng(0)
     data = SimpleNamespace(island_tokens=[rng.integers(0, VOCAB, 5000).astype(np.uint16) for _ in range(2)])
-    job = Job.of(config, data, model)  # type: ignore[arg-type]
+    job = job_of(config, data, model)  # type: ignore[arg-type]
     worker = IslandWorker(1, job, 12)
     worker.train_step()
     worker.push(0)  # an exchange in progress: the reset drops it

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_island
 
 from atoll.config import build_config
 from atoll.config.facts import RunFacts
 from atoll.job.evaluation import evaluate, evaluate_island
-from atoll.job.island import make_island
 from atoll.job.model import build_model
 from atoll.runtime.local import LocalRuntime
 

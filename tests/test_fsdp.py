@@ -278,4 +278,4 @@ def test_sparseloco_runs_on_shards() -> None:
     tests/test_strategy_plugin.py.)"""
     config = build_config(overrides={"runtime": "collective", "ranks_per_island": 2, "shard_island": True,
                                      "strategy": "sparseloco"})
-    assert config.shard_island and config.strategy == "sparseloco"
+    assert config.runtime_config.shard_island and config.strategy == "sparseloco"

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import make_island, run_cli
 
 from atoll.config import TrainConfig, build_config
 from atoll.errors import ConfigError
 from atoll.job import loss as loss_mod
 from atoll.job import model as model_mod
 from atoll.job.device import CompiledForward
-from atoll.job.island import Island, make_island
+from atoll.job.island import Island
 from atoll.job.loss import chunked_cross_entropy
 from atoll.job.model import build_model
 from atoll.training import train

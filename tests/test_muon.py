@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
+from conftest import make_island
 from test_strategies import _batch
 
 from atoll.algorithms.muon import MuonWithAdamW, muon_eligible
 from atoll.config import TrainConfig, build_config
 from atoll.errors import ConfigError
-from atoll.job.island import make_island
 from atoll.job.model import build_model
 
 
@@ -66,4 +66,5 @@ def test_muon_is_refused_where_a_strategy_brings_its_optimizer() -> None:
     with pytest.raises(ConfigError,
                        match="inner_optimizer: the demo strategy does not use it .*demo brings its own"):
         build_config(overrides={"strategy": "demo", "inner_optimizer": "muon"})
-    assert build_config(overrides={"strategy": "diloco", "inner_optimizer": "muon"}).inner_optimizer == "muon"
+    muon = build_config(overrides={"strategy": "diloco", "inner_optimizer": "muon"})
+    assert muon.strategy_config.inner_optimizer == "muon"

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from conftest import make_island
 
 from atoll.config import TrainConfig
 from atoll.config.applies import applicable
-from atoll.job.island import make_island
 from atoll.job.loss import next_token_loss
 from atoll.job.model import build_model, param_bytes
 from atoll.runtime.local import LocalComm

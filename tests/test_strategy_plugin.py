@@ -102,7 +102,7 @@ def test_a_strategy_in_one_module_and_one_registry_line_trains(fedavg: str, fast
     config = build_config(overrides={**fast_config, "strategy": fedavg, "steps": 6, "sync_every": 3,
                                      "fedavg_mix": "0.5", "eval_every": 3, "checkpoint_every": 3, "seq_len": 16,
                                      "batch_size": 2, "eval_batches": 1, "islands": 2})
-    assert type(config.strategy_config).__name__ == "FedAvgConfig" and config.fedavg_mix == 0.5
+    assert type(config.strategy_config).__name__ == "FedAvgConfig" and config.strategy_config.fedavg_mix == 0.5
     summary = train(config)
     assert summary["strategy"] == "fedavg" and summary["fedavg_rounds"] == 2 and summary["steps"] == 6
     assert torch.isfinite(torch.tensor(summary["final_eval_loss"]))
@@ -160,7 +160,8 @@ def test_a_toml_file_may_give_the_owned_parts_as_tables(tmp_path: Path) -> None:
     path.write_text('strategy = "streaming"\nislands = 2\n[strategy_config]\nsync_every = 8\nfragments = 2\n'
                     '[runtime_config]\nlink_bandwidth_mbps = 25.0\n')
     config = build_config(path)
-    assert (config.sync_every, config.fragments, config.codec, config.link_bandwidth_mbps) == (8, 2, "int4", 25.0)
+    own, link = config.strategy_config, config.runtime_config
+    assert (own.sync_every, own.fragments, own.codec, link.link_bandwidth_mbps) == (8, 2, "int4", 25.0)
     assert tree_path("sync_every", "streaming", "local") == "strategy_config.sync_every"
     assert tree_path("islands", "streaming", "local") == "islands"
     assert tree_path("link_bandwidth_mbps", "ddp", "collective") is None
@@ -186,4 +187,4 @@ def test_another_strategys_config_given_whole_is_refused_in_the_one_sentence() -
         TrainConfig(strategy="demo", strategy_config=DiLoCoConfig(sync_every=5))  # (codec comes first, not set)
     with pytest.raises(ValueError, match=r"collective_timeout_s: the local runtime does not use it \(only "):
         TrainConfig(runtime="local", runtime_config=configs()["collective"]())
-    assert TrainConfig(strategy="diloco", strategy_config=DiLoCoConfig(sync_every=7)).sync_every == 7
+    assert TrainConfig(strategy="diloco", strategy_config=DiLoCoConfig(sync_every=7)).strategy_config.sync_every == 7

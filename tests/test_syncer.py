@@ -449,11 +449,11 @@ def test_minimum_quorum_merges_the_pushes_in_when_the_window_closes() -> None:
 def test_the_runs_syncer_takes_the_merge_settings_and_their_defaults() -> None:
     from atoll.algorithms.fragments import FlatFragment
     from atoll.config import build_config
-    from atoll.strategies.decoupled import make_syncer
+    from atoll.runtime.decoupled_job import syncer_of
 
     index = [FlatFragment(((0, 4),), ("model.layers.0.mlp.up_proj.weight",))]
     config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10})
-    s = make_syncer(config, torch.zeros(4), index)
+    s = syncer_of(config, torch.zeros(4), index)
     # the measured defaults (bench/out/decoupled_merge/results.md): K = 1 in a window of the overlap's slack
     r = s.rules
     assert (r.min_quorum, r.quorum, r.grace_window, r.grace_slack_fraction, r.grace_overlap) == (1, 2, "slack",
@@ -462,7 +462,7 @@ def test_the_runs_syncer_takes_the_merge_settings_and_their_defaults() -> None:
     config = build_config(overrides={"strategy": "decoupled", "islands": 2, "sync_every": 10, "min_quorum": 2,
                                      "grace_window": "round", "grace_overlap_steps": 5,
                                      "push_weight": "tokens_x_tokens_per_step"})
-    s = make_syncer(config, torch.zeros(4), index)
+    s = syncer_of(config, torch.zeros(4), index)
     r = s.rules
     assert (r.min_quorum, r.grace_window, r.grace_overlap) == (2, "round", 0.5)
     assert r.push_weight == "tokens_x_tokens_per_step"

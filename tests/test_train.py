@@ -218,14 +218,14 @@ def test_init_from_a_decoupled_run_stopped_before_its_first_checkpoint(tmp_path:
     from atoll.config import TrainConfig
     from atoll.errors import ConfigError
     from atoll.job.model import build_model
+    from atoll.runtime.decoupled_job import syncer_of
     from atoll.strategies.base import model_fragments
-    from atoll.strategies.decoupled import make_syncer
 
     config = TrainConfig(strategy="decoupled", model="micro", vocab_size=512, seq_len=32, islands=2, fragments=2)
     trained = build_model("micro", 512, 32, seed=7)
     flat = torch.nn.utils.parameters_to_vector(trained.parameters()).detach()
     index = model_fragments([(n, tuple(p.shape)) for n, p in trained.named_parameters()], 2)
-    syncer = make_syncer(config, flat, index)
+    syncer = syncer_of(config, flat, index)
     syncer.save(tmp_path / "killed" / "syncer")
     for source in (tmp_path / "killed", tmp_path / "killed" / "syncer"):
         fresh = build_model("micro", 512, 32, seed=0)

@@ -328,12 +328,11 @@ def evaluate_snapshots(flags: dict[str, Any], snapshots: Path) -> list[dict[str,
     from atoll.job.evaluation import evaluate
     from atoll.job.island import copy_flat_into
     from atoll.job.run import EVAL_ROWS
-    from atoll.strategies.decoupled import make_syncer
-    from atoll.strategies.decoupled.island import Job
+    from atoll.runtime.decoupled_job import prepare_job, syncer_of
 
     config = build_config(None, {**flags, "strategy": "decoupled"})
-    job = Job.prepare(config)
-    syncer = make_syncer(config, job.init_flat, job.index)
+    job = prepare_job(config)
+    syncer = syncer_of(config, job.init_flat, job.index)
     val = eval_batches(job.data.val_tokens, EVAL_ROWS, config.seq_len, config.eval_batches)
     params = list(job.model.parameters())
     points = []

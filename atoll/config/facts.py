@@ -27,6 +27,8 @@ class RunFacts:
         device: ``auto``, ``cpu``, ``cuda`` or ``mps`` (:func:`atoll.job.device.resolve_device`).
         speeds: each island's relative speed (1.0: as measured).
         tokens_per_step: training tokens one island consumes per inner step.
+        step_batch_size: sequences one island consumes per inner step (grad_accum x batch_size).
+        seq_len: tokens per training sequence.
         init_from: the run folder whose weights the model starts from (a warm start), or None.
     """
 
@@ -39,13 +41,16 @@ class RunFacts:
     speeds: tuple[float, ...] = ()
     tokens_per_step: int = 0
     init_from: Path | None = None
+    step_batch_size: int = 0
+    seq_len: int = 0
 
     @classmethod
     def of(cls, config: Any) -> RunFacts:
         """The facts of a whole :class:`~atoll.config.train.TrainConfig` (an entry point's)."""
         return cls(strategy=config.strategy, islands=config.islands, steps=config.steps, seed=config.seed,
                    out=config.out, device=config.device, speeds=tuple(config.speeds),
-                   tokens_per_step=config.tokens_per_step, init_from=config.init_from)
+                   tokens_per_step=config.tokens_per_step, init_from=config.init_from,
+                   step_batch_size=config.step_batch_size, seq_len=config.seq_len)
 
 
 @dataclass(frozen=True)

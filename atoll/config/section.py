@@ -11,7 +11,7 @@ every run reads plus the chosen strategy's and runtime's configs (the tree), sel
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -70,3 +70,16 @@ class StrategyConfig(Section):
 class RuntimeConfig(Section):
     """A runtime's config: every setting the runtime reads beyond those of every run
     (:mod:`atoll.config.runtimes`)."""
+
+
+class RunSettings(Protocol):
+    """What a strategy's check across owners (its spec's ``validate``) reads of the run beside its own config: the
+    run's own settings (:data:`atoll.config.sections.RUN_SECTIONS`), never another owner's. The run's whole
+    config is one; a protocol here, so that a strategy's module depends on this leaf and not on the config that
+    assembles every strategy."""
+
+    strategy: str
+    runtime: str
+    islands: int
+    steps: int
+    model: str

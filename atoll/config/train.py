@@ -1,4 +1,4 @@
-"""Typed, validated configuration of a training run: a tree with a flat view.
+"""Typed, validated configuration of a training run: the run's settings and the owned configs of its parts.
 
 :class:`TrainConfig` holds the settings every run reads (run, model, device, data, schedule, output:
 :data:`atoll.config.sections.RUN_SECTIONS`) and two owned parts: ``strategy_config``, the chosen strategy's
@@ -11,9 +11,10 @@ its spec), and ``runtime_config``, the chosen runtime's (:mod:`atoll.config.runt
 Flat keys stay the interface: every flag, TOML key and saved ``config.json`` names a setting by its field
 name, and the one mapping to the tree is ownership (:func:`tree_path`: a run setting stays at the top, any
 other goes to the strategy's or the runtime's config that has it). A setting neither owns is refused in one
-sentence (:func:`atoll.config.applies.unused_setting`). Reading ``config.sync_every`` reads the owned part;
-a setting the chosen strategy or runtime does not own reads as its default (the run ignores it).
-``config.json`` is written flat, with the run's and the owners' settings. ``atoll train --help`` documents
+sentence (:func:`atoll.config.applies.unused_setting`). In code a setting is read from its owner:
+``config.strategy_config.sync_every``, ``config.runtime_config.collective_timeout_s``; there is no flat view
+(a setting the chosen strategy does not own has no value in the run, not a default). ``config.json`` is written
+flat, with the run's and the owners' settings. ``atoll train --help`` documents
 every setting (:func:`atoll.config.applies.catalog`).
 
 A bad value raises :class:`atoll.errors.ConfigError` with one line that names the field and the fix;
@@ -154,22 +155,6 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         data["runtime_config"] = _owned(runtime_type, data.get("runtime_config"), runtime_keys, strategy, runtime)
         return data
 
-    def __getattr__(self, name: str) -> Any:
-        """The flat view: a setting of the strategy's or the runtime's config, or, where neither owns it, its
-        default (the run does not read it).
-
-        Raises:
-            AttributeError: ``name`` is no setting.
-        """
-        for part in TREE:  # (TrainConfig has no private attributes nor extras, pydantic's own use of this hook)
-            owned = self.__dict__.get(part)
-            if owned is not None and name in type(owned).model_fields:
-                return getattr(owned, name)
-        field = catalog().get(name)
-        if field is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return field.get_default(call_default_factory=True)
-
     def model_dump(self, *, mode: str = "python", include: IncEx | None = None, exclude: IncEx | None = None,
                    exclude_defaults: bool = False,
                    **kwargs: Any) -> dict[str, Any]:
@@ -232,13 +217,15 @@ class TrainConfig(OutputSection, ScheduleSection, DataSection, DeviceSection, Mo
         if getattr(runtime, "max_restarts", 0) and min_islands >= self.islands:  # (its ranks: its config's check)
             raise ValueError(RESTARTS_NEED)
         if own.validate is not None:
-            own.validate(self)
+            own.validate(self.strategy_config, self)
         return self
 
     @property
     def speeds(self) -> list[float]:
         """Each island's relative speed (``island_speeds``, default all 1.0)."""
-        return list(self.island_speeds) if self.island_speeds is not None else [1.0] * self.islands
+        own = self.strategy_config  # (only a strategy with islands of unequal speeds owns island_speeds)
+        speeds = own.island_speeds if "island_speeds" in type(own).model_fields else None
+        return list(speeds) if speeds is not None else [1.0] * self.islands
 
     @property
     def effective_warmup_steps(self) -> int:
@@ -379,10 +366,11 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> T
                           f"'{out}', pass --resume {out})")
     overrides = {k: v for k, v in (overrides or {}).items() if k != "out"}
     config = build_config(base=saved.model_dump(), overrides={**overrides, "out": str(run_dir)})
+    now, before = config.model_dump(), saved.model_dump()  # flat: every setting by its name
     for name in overrides:
-        if name not in RESUMABLE_OVERRIDES and getattr(config, name) != getattr(saved, name):
+        if name not in RESUMABLE_OVERRIDES and now.get(name) != before.get(name):
             raise ConfigError(
-                f"{name}: cannot change on resume (the run has {getattr(saved, name)!r}); start a new run with "
+                f"{name}: cannot change on resume (the run has {before.get(name)!r}); start a new run with "
                 f"--init-from {run_dir} instead"
             )
     return config

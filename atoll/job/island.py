@@ -8,7 +8,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -20,9 +20,6 @@ from atoll.job.flat_views import FlatViews
 from atoll.job.loss import next_token_loss
 from atoll.job.model import enable_activation_checkpointing
 from atoll.runtime.network import SimClock
-
-if TYPE_CHECKING:
-    from atoll.config import TrainConfig
 
 
 def cosine_with_warmup(warmup_steps: int, total_steps: int, min_ratio: float):
@@ -429,18 +426,6 @@ def build_island(index: int, model: PreTrainedModel, settings: IslandSettings, o
     if settings.compile:
         island.forward = CompiledForward(model)
     return island
-
-
-def make_island(index: int, model: PreTrainedModel, config: TrainConfig, clock: SimClock | None = None,
-                total_steps: int | None = None, speed: float = 1.0,
-                optimizer: Callable[[list[dict[str, Any]], Any], torch.optim.Optimizer] | None = None,
-                island_type: type[Island] = Island) -> Island:
-    """:func:`build_island` from a whole run's config (an entry point's, a test's): its island settings
-    (:meth:`~atoll.config.facts.IslandSettings.of`, the schedule over ``total_steps``, default ``steps``) and
-    the strategy's inner optimizer (:func:`inner_optimizer` of ``config.strategy_config`` and ``optimizer``, a
-    spec's ``inner_optimizer``)."""
-    return build_island(index, model, IslandSettings.of(config, total_steps),
-                        inner_optimizer(config.strategy_config, optimizer), clock, speed, island_type)
 
 
 def compile_skipped(islands: list[Island]) -> str | None:

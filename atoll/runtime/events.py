@@ -57,11 +57,12 @@ from atoll.job.divergence import Diverged, check_eval, check_resets, island_extr
 from atoll.job.evaluation import IslandEvaluator
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
+from atoll.runtime.decoupled_job import island_steps, job_of, syncer_of
+from atoll.runtime.decoupled_job import own as decoupled_config
 from atoll.runtime.network import Link
 from atoll.runtime.sim_state import SimState, Transfer, Waiter
-from atoll.strategies.decoupled import make_syncer
 from atoll.strategies.decoupled.accounting import token_buckets
-from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.island import IslandWorker, save_path
 from atoll.strategies.decoupled.progress import progress_detail, syncer_events
 
 if TYPE_CHECKING:
@@ -83,14 +84,15 @@ class Simulation:
 
     def __init__(self, config: TrainConfig, run: Run) -> None:
         self.config, self.run = config, run
-        self.job = Job.of(config, run.data, run.model)
+        self.own = own = decoupled_config(config)  # the strategy's settings: speeds, clock, failures
+        self.job = job_of(config, run.data, run.model)
         self.K, self.speeds = config.islands, config.speeds
         self.credentials = [secrets.token_hex(16) for _ in range(self.K)]  # each island pushes only as itself
-        self.syncer = make_syncer(config, self.job.init_flat, self.job.index, self.credentials)
+        self.syncer = syncer_of(config, self.job.init_flat, self.job.index, self.credentials)
         self.link = Link.from_config(config.runtime_config.link_bandwidth_mbps, config.runtime_config.link_latency_ms)
-        self.trace = FailureTrace.from_spec(config.chaos, self.K, config.seed) if config.chaos else None
+        self.trace = FailureTrace.from_spec(own.chaos, self.K, config.seed) if own.chaos else None
         devices = island_devices(self.K, config.device)  # GPUs round-robin, or all on one device
-        self.workers = [IslandWorker(i, self.job, n, devices[i]) for i, n in enumerate(expected_steps(config))]
+        self.workers = [IslandWorker(i, self.job, n, devices[i]) for i, n in enumerate(island_steps(config))]
         self.frag_bytes = [int(idx.numel()) * 4 for idx in self.job.index]
         self.budget = self.K * config.steps
         self.st = SimState.new(self.K, self.syncer.fragments)
@@ -99,7 +101,7 @@ class Simulation:
         self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
         self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
         self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
-        self.ideal_rate = sum(config.tokens_per_step * s / config.sim_step_s for s in self.speeds)  # tokens/s
+        self.ideal_rate = sum(config.tokens_per_step * s / own.sim_step_s for s in self.speeds)  # tokens/s
         self.evaluator = IslandEvaluator(self.workers[0].island, run.val, self.job.init_flat)
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -129,7 +131,7 @@ class Simulation:
                     self.schedule(i, self.trace.next_outage(i, st.failed_at[i])[1], "rejoin")  # type: ignore[union-attr, arg-type]
                 else:
                     self.next_step(i)
-        give_up_at = GIVE_UP_FACTOR * self.config.steps * self.config.sim_step_s / min(self.speeds)
+        give_up_at = GIVE_UP_FACTOR * self.config.steps * self.own.sim_step_s / min(self.speeds)
         handlers = {"step": self.on_step, "push": self.on_push, "pull": self.on_pull, "fail": self.on_fail,
                     "rejoin": self.on_rejoin}
         while st.queue or syncer.next_deadline() is not None:
@@ -148,7 +150,7 @@ class Simulation:
                 break
             if t > give_up_at:
                 self.gave_up = True
-                print(f"atoll: warning: chaos: {self.config.chaos} leaves almost no up-time for a step; stopped at "
+                print(f"atoll: warning: chaos: {self.own.chaos} leaves almost no up-time for a step; stopped at "
                       f"simulated {t:.3g} s ({GIVE_UP_FACTOR:g}x the failure-free time) with {st.done} of "
                       f"{self.budget} inner steps done (raise MTBF_S or lower DOWNTIME_S)", file=sys.stderr)
                 break
@@ -170,7 +172,7 @@ class Simulation:
         st = self.st
         if st.started >= self.budget:
             return  # the budget is spent: the island stops
-        t, dur = st.clock[i], self.config.sim_step_s / self.speeds[i]
+        t, dur = st.clock[i], self.own.sim_step_s / self.speeds[i]
         if self.trace is not None:
             down, _ = self.trace.next_outage(i, t)
             if down < t + dur:
@@ -183,9 +185,9 @@ class Simulation:
     # --- one method per event ----------------------------------------------------------------------------
     def on_step(self, i: int, t: float, seq: int, p: int) -> None:
         """Island i finished an inner step at t: push a due fragment (beside compute), start the next step."""
-        st, w, config = self.st, self.workers[i], self.config
+        st, w = self.st, self.workers[i]
         st.last_loss[i] = w.train_step()
-        st.clock[i], st.compute[i] = t, st.compute[i] + config.sim_step_s / self.speeds[i]
+        st.clock[i], st.compute[i] = t, st.compute[i] + self.own.sim_step_s / self.speeds[i]
         st.done += 1
         due = w.due()  # at most one fragment is due per step
         if due and st.awaiting[i][due[0]]:  # its previous push or pull is still on the wire: next time
@@ -386,11 +388,11 @@ class Simulation:
                                 [self.on_the_wire(i) for i in range(K)])
         return self.run.finish(
             tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K, compute_s=max(st.compute),
-            sim_wall_s=sim_wall_s, bytes_sent_by_island=st.bytes_sent, fragments=config.fragments, overlap_steps=0,
+            sim_wall_s=sim_wall_s, bytes_sent_by_island=st.bytes_sent, fragments=self.own.fragments, overlap_steps=0,
             exchanges=stats["accepted_updates"],
-            peak_bytes_per_exchange=float(max(self.frag_bytes)) if config.codec == "fp32" else None,
+            peak_bytes_per_exchange=float(max(self.frag_bytes)) if self.own.codec == "fp32" else None,
             **stats, skipped_steps=sum(w.island.skipped_steps for w in self.workers),
-            island_speeds=self.speeds, sim_step_s=config.sim_step_s, chaos=config.chaos,
+            island_speeds=self.speeds, sim_step_s=self.own.sim_step_s, chaos=self.own.chaos,
             steps_per_island=[w.steps for w in self.workers], deferred_pushes=st.deferred_pushes,
             lost_pushes=st.lost_pushes, useful_tokens=syncer.merged_tokens, lost_tokens=st.lost_tokens,
             goodput=syncer.merged_tokens / sim_wall_s / self.ideal_rate if sim_wall_s > 0 else 1.0,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from atoll.config.section import StrategyConfig
+from atoll.config.section import RunSettings, StrategyConfig
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -62,7 +62,7 @@ class StrategySpec:
     summary: str
     config: type[StrategyConfig] = StrategyConfig
     runtimes: tuple[str, ...] = ("local", "collective")
-    validate: Callable[[Any], None] | None = None
+    validate: Callable[[Any, RunSettings], None] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     lockstep: Callable[..., Strategy] | None = None
     inner_optimizer: Callable[[list[dict[str, Any]], Any], Optimizer] | None = None

@@ -29,7 +29,7 @@ from atoll.strategies.rounds import Rounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
+    from atoll.config.section import RunSettings
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
 
@@ -66,18 +66,15 @@ class StreamingConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         return self
 
 
-def validate(config: TrainConfig) -> None:
-    """The model can be cut into ``fragments`` fragments (its layers bound them).
+def validate(own: StreamingConfig, run: RunSettings) -> None:
+    """The run's model can be cut into ``own.fragments`` fragments (its layers bound them).
 
     Raises:
         ValueError: too many fragments for the model (one line naming the fix).
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
-    own = config.strategy_config
-    if not isinstance(own, StreamingConfig):  # (the spec validates a streaming run's config only)
-        raise TypeError(f"a {config.strategy} run has no streaming config ({type(own).__name__})")
-    check_fragments(config.model, own.fragments)
+    check_fragments(run.model, own.fragments)
 
 
 @dataclass

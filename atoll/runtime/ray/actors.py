@@ -15,8 +15,9 @@ import torch
 
 from atoll.config import TrainConfig
 from atoll.job.divergence import install_fault_hook_from_env
+from atoll.runtime.decoupled_job import island_steps, prepare_job
 from atoll.runtime.service import syncer as service
-from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
+from atoll.strategies.decoupled.island import IslandWorker
 from atoll.strategies.decoupled.protocol import Pull, Push
 
 __all__ = ["MAX_RESTARTS", "IslandService", "RayTransport", "SyncerService"]
@@ -114,12 +115,12 @@ class IslandService:
         config = TrainConfig.model_validate_json(config_json)
         self.index, self.credential = index, credential
         self.syncer = syncer
-        job = Job.prepare(config)
+        job = prepare_job(config)
         # an island given GPUs (ray_gpus_per_island) trains on the one Ray made visible to it
         # a GPU when Ray gave the actor one and the run does not pin the CPU (--device cpu)
         gpus = config.runtime_config.ray_gpus_per_island
         device = "cuda" if gpus > 0 and config.device != "cpu" and torch.cuda.is_available() else "cpu"
-        self.worker = IslandWorker(index, job, expected_steps(config)[index], device)
+        self.worker = IslandWorker(index, job, island_steps(config)[index], device)
         flat, versions, steps, self.session = ray.get(syncer.join.remote(index, credential))
         self.worker.rejoin(flat, versions)
         self.worker.steps = steps

@@ -36,13 +36,14 @@ from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import inject_fault
-from atoll.job.island import Island, make_island
+from atoll.job.island import Island, build_island, inner_optimizer
 from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call
+from atoll.runtime.decoupled_job import island_steps, job_of
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
 from atoll.runtime.service.syncer_shards import shard_map
-from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps
+from atoll.strategies.decoupled.island import IslandWorker, Job
 
 
 def read_token(path: Path) -> str:
@@ -105,8 +106,8 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     settings = ServiceConfig.of_run(config)
     sharded = settings.shard_island
     data, model = prepare_inputs(config, notes=group.leader, meta=sharded)  # sharded: shapes only
-    job = Job.of(config, data, model)
-    total = expected_steps(config)[index]
+    job = job_of(config, data, model)
+    total = island_steps(config)[index]
     leader_moves = settings.slice_transfer == "leader"
     if sharded:
         from atoll.runtime.collective.sharding import make_sharded_island
@@ -121,8 +122,9 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     if group.size > 1:
         from atoll.runtime.collective import torch_ddp
 
-        island = torch_ddp.wrap(make_island(index, copy.deepcopy(model).to(group.device), config, None,
-                                            total_steps=total), config, group.device)
+        replica = build_island(index, copy.deepcopy(model).to(group.device), job.settings.lasting(total),
+                               inner_optimizer(job.own))
+        island = torch_ddp.wrap(replica, job.settings, group.device)
     return RankWorker(index, job, total, group, False, island=island), plan, job
 
 

@@ -24,9 +24,9 @@ from atoll.algorithms.fragments import FlatFragment
 from atoll.config import TrainConfig
 from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
+from atoll.runtime.decoupled_job import prepare_job, push_sync_every, syncer_of
 from atoll.runtime.service import syncer_shards as sharding
-from atoll.strategies.decoupled import local_sync_every, make_syncer
-from atoll.strategies.decoupled.island import Job, save_path
+from atoll.strategies.decoupled.island import save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
 from atoll.strategies.decoupled.protocol import Pull, Push, is_index
@@ -54,7 +54,7 @@ class SyncerRun:
     def of(cls, config: TrainConfig) -> SyncerRun:
         """The facts of a whole run's settings (an entry point's)."""
         return cls(islands=config.islands, steps=config.steps, tokens_per_step=config.tokens_per_step,
-                   push_tokens=tuple(h * config.tokens_per_step for h in local_sync_every(config)))
+                   push_tokens=tuple(h * config.tokens_per_step for h in push_sync_every(config)))
 
 
 def prepare(config: TrainConfig, credentials: list[str] | None = None, shard: int = 0, shards: int = 1,
@@ -65,12 +65,12 @@ def prepare(config: TrainConfig, credentials: list[str] | None = None, shard: in
     shard owns, :class:`~atoll.runtime.service.syncer_shards.ShardSpec` with the run's secret ``key``)
     built from the decoupled strategy's settings with the islands' ``credentials``."""
     torch.set_num_threads(1)
-    job = Job.prepare(config)
+    job = prepare_job(config)
     numels = [int(f.numel()) for f in job.index]
     spec = sharding.ShardSpec.of(shard, shards, key, numels) if shards > 1 else None
     init, index = sharding.shard_vector(job.init_flat, [job.index[p] for p in spec.fragments]) \
         if spec is not None else (job.init_flat, job.index)
-    return SyncerRun.of(config), job.index, make_syncer(config, init, index, credentials), spec
+    return SyncerRun.of(config), job.index, syncer_of(config, init, index, credentials), spec
 
 
 class SyncerService:

@@ -32,7 +32,8 @@ from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
     from atoll.algorithms.fragments import FlatFragment
-    from atoll.config import TrainConfig
+    from atoll.config.facts import RunFacts
+    from atoll.config.section import RunSettings
 
 
 class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection):
@@ -160,41 +161,28 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         return value
 
 
-def own_config(config: TrainConfig) -> DecoupledConfig:
-    """The decoupled strategy's own config of a run's ``config``.
-
-    Raises:
-        TypeError: the run is not a decoupled run (its strategy's config is another).
-    """
-    own = config.strategy_config
-    if not isinstance(own, DecoupledConfig):
-        raise TypeError(f"a {config.strategy} run has no decoupled config ({type(own).__name__})")
-    return own
-
-
 def island_speeds(own: DecoupledConfig, islands: int) -> list[float]:
     """Each of the ``islands`` islands' relative speed: ``island_speeds``, default all 1.0."""
     return list(own.island_speeds) if own.island_speeds is not None else [1.0] * islands
 
 
-def validate(config: TrainConfig) -> None:
-    """The quorum, the speeds and the fragment schedule fit the run; failures and speeds are simulated only.
+def validate(own: DecoupledConfig, run: RunSettings) -> None:
+    """The quorum, the speeds and the fragment schedule fit the ``run``; failures and speeds are simulated only.
 
     Raises:
         ValueError: one line naming the field and the fix.
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
-    own = own_config(config)
-    check_fragments(config.model, own.fragments)
-    if config.runtime == "ray" and (own.chaos is not None or own.island_speeds is not None):
+    check_fragments(run.model, own.fragments)
+    if run.runtime == "ray" and (own.chaos is not None or own.island_speeds is not None):
         name = "chaos" if own.chaos is not None else "island_speeds"
         raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
                          f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
                          "or pass --runtime local")
-    if own.quorum is not None and own.quorum > config.islands:
-        raise ValueError(f"quorum: {own.quorum} exceeds islands ({config.islands}); lower --quorum")
-    quorum = own.quorum if own.quorum is not None else config.islands
+    if own.quorum is not None and own.quorum > run.islands:
+        raise ValueError(f"quorum: {own.quorum} exceeds islands ({run.islands}); lower --quorum")
+    quorum = own.quorum if own.quorum is not None else run.islands
     if own.min_quorum > quorum:
         raise ValueError(f"min_quorum: {own.min_quorum} exceeds the quorum ({quorum}); lower --min-quorum")
     if own.merge_average == "radial_directional" and own.robust_merge not in ("none", "clip"):
@@ -202,8 +190,8 @@ def validate(config: TrainConfig) -> None:
                          f"{own.robust_merge} coordinates; pass --merge-average mean with it (or --robust-merge "
                          "none or clip)")
     if own.island_speeds is not None:
-        if len(own.island_speeds) != config.islands:
-            raise ValueError(f"island_speeds: {len(own.island_speeds)} values for {config.islands} islands; "
+        if len(own.island_speeds) != run.islands:
+            raise ValueError(f"island_speeds: {len(own.island_speeds)} values for {run.islands} islands; "
                              "give one speed per island, e.g. --island-speeds 1,1,0.5,0.25")
         bad = [s for s in own.island_speeds if not 0 < s <= 1]
         if bad:
@@ -224,8 +212,9 @@ def validate(config: TrainConfig) -> None:
                              "or lower --fragments")
 
 
-def local_sync_every(config: TrainConfig) -> list[int]:
-    """Each island's H: ``sync_every`` scaled by its speed over the fastest island's, at least ``fragments``.
+def local_sync_every(own: DecoupledConfig, islands: int) -> list[int]:
+    """Each of the ``islands`` islands' H: ``sync_every`` scaled by its speed over the fastest island's, at least
+    ``fragments``.
 
     Dynamic Local Updates (Liu et al. 2024, arXiv:2401.09135, §4.2): an island at half speed takes half as
     many inner steps per round, so every island pushes each fragment at about the same wall-clock cadence.
@@ -235,32 +224,32 @@ def local_sync_every(config: TrainConfig) -> list[int]:
     below ``fragments`` (the cadence could not hold: at most one fragment is pushed per inner step), so the
     floor at ``fragments`` never lengthens an island's round.
     """
-    own = own_config(config)
-    speeds = island_speeds(own, config.islands)
+    speeds = island_speeds(own, islands)
     fastest = max(speeds)
     return [max(own.fragments, round(own.sync_every * s / fastest)) for s in speeds]
 
 
-def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragment],
-                credentials: list[str] | None = None) -> Syncer:
+def make_syncer(own: DecoupledConfig, facts: RunFacts, init: torch.Tensor, index: list[FlatFragment],
+                credentials: list[str] | None = None, timeout_s: float | None = None) -> Syncer:
     """The run's syncer over the initial global parameters ``init`` (float32 (numel,)) cut into the fragments
-    ``index``, from its settings (quorum and minimum quorum, grace window, staleness, norm bound, outer
-    optimizer, robust merge, average and push weight; every island's tokens per inner step the run's),
-    each island's push declared as its own H (:func:`local_sync_every`) of inner steps; ``credentials``: per
-    island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not authenticated. A round
-    time no push of the island's was seen before is taken up to :func:`max_round_s`, so a claim cannot
-    stretch the first grace windows beyond it either."""
-    own = own_config(config)
+    ``index``, from the strategy's settings ``own`` (quorum and minimum quorum, grace window, staleness, norm
+    bound, outer optimizer, robust merge, average and push weight) and the run's ``facts`` (its islands, every
+    island's tokens per inner step), each island's push declared as its own H (:func:`local_sync_every`) of inner
+    steps; ``credentials``: per island its secret (:mod:`~atoll.strategies.decoupled.trust`), None: pushes not
+    authenticated. A round time no push of the island's was seen before is taken up to :func:`max_round_s`
+    (``timeout_s``: the runtime's deadline, None on a simulated clock), so a claim cannot stretch the first
+    grace windows beyond it either."""
     tau = own.grace_overlap_steps if own.grace_overlap_steps is not None else own.sync_every
-    return Syncer(init, index, config.islands, own.outer_lr, own.outer_momentum,
+    return Syncer(init, index, facts.islands, own.outer_lr, own.outer_momentum,
                   quorum=own.quorum, grace_factor=own.grace_factor, max_staleness=own.max_staleness,
                   staleness_exponent=own.staleness_exponent, norm_bound=own.update_norm_bound,
                   scale_partial=own.scale_partial_merges, credentials=credentials, robust_merge=own.robust_merge,
-                  push_tokens=[h * config.tokens_per_step for h in local_sync_every(config)],
-                  max_round_s=max_round_s(config), min_quorum=own.min_quorum, grace_window=own.grace_window,
+                  push_tokens=[h * facts.tokens_per_step for h in local_sync_every(own, facts.islands)],
+                  max_round_s=max_round_s(own, facts.islands, timeout_s), min_quorum=own.min_quorum,
+                  grace_window=own.grace_window,
                   grace_slack_fraction=own.grace_slack_fraction, grace_overlap=tau / own.sync_every,
                   average=own.merge_average, push_weight=own.push_weight,
-                  step_tokens=[config.tokens_per_step] * config.islands)
+                  step_tokens=[facts.tokens_per_step] * facts.islands)
 
 
 #: the deadline a run under a runtime without one (``local``: a simulated clock) allows a first round: the
@@ -268,19 +257,17 @@ def make_syncer(config: TrainConfig, init: torch.Tensor, index: list[FlatFragmen
 DEFAULT_TIMEOUT_S: float = TimeoutSection.model_fields["collective_timeout_s"].default
 
 
-def max_round_s(config: TrainConfig) -> float:
+def max_round_s(own: DecoupledConfig, islands: int, timeout_s: float | None) -> float:
     """The longest round time (seconds) the syncer takes from a push it has no earlier push of the island's to
-    compare with: the runtime's ``collective_timeout_s`` (the wait the run allows; :data:`DEFAULT_TIMEOUT_S`
-    under a runtime without one), and in the ``local`` runtime at least twice the slowest island's simulated
-    round (its H x ``sim_step_s`` / speed), so a slow simulation's honest first round is never cut short."""
-    runtime = config.runtime_config
-    timeout = runtime.collective_timeout_s if isinstance(runtime, TimeoutSection) else DEFAULT_TIMEOUT_S
-    if config.runtime != "local":
-        return timeout
-    own = own_config(config)
-    speeds = island_speeds(own, config.islands)
-    slowest = max(h * own.sim_step_s / s for h, s in zip(local_sync_every(config), speeds, strict=True))
-    return max(timeout, 2.0 * slowest)
+    compare with: the runtime's deadline ``timeout_s`` (its ``collective_timeout_s``: the wait the run allows),
+    or on a simulated clock (``timeout_s`` None: the ``local`` runtime) :data:`DEFAULT_TIMEOUT_S` and at least
+    twice the slowest island's simulated round (its H x ``sim_step_s`` / speed), so a slow simulation's honest
+    first round is never cut short."""
+    if timeout_s is not None:
+        return timeout_s
+    speeds = island_speeds(own, islands)
+    slowest = max(h * own.sim_step_s / s for h, s in zip(local_sync_every(own, islands), speeds, strict=True))
+    return max(DEFAULT_TIMEOUT_S, 2.0 * slowest)
 
 
 def project(config: DecoupledConfig, s: Setting) -> Cost:

@@ -25,13 +25,13 @@ from atoll.algorithms.fragments import FlatFragment, fragments_due
 from atoll.algorithms.outer import pseudo_gradient
 from atoll.job.data import PreparedData, sample_batch
 from atoll.job.divergence import inject_fault
-from atoll.job.island import Island, make_island
+from atoll.job.island import Island, build_island, inner_optimizer
 from atoll.strategies.base import make_wire, model_fragments
-from atoll.strategies.decoupled import island_speeds, local_sync_every, own_config
+from atoll.strategies.decoupled import DecoupledConfig, island_speeds, local_sync_every
 from atoll.strategies.decoupled.protocol import Pull, Push
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
+    from atoll.config.facts import IslandSettings, RunFacts
 
 
 @dataclass
@@ -39,36 +39,33 @@ class Job:
     """What every island and the syncer of a decoupled run share: settings, data, the initial model, fragments.
 
     Attributes:
+        own: the decoupled strategy's config.
+        facts: the run's facts the islands read (islands, steps, seed, batch, tokens per step).
+        settings: how an island is built (its schedule set per island, :func:`expected_steps`).
         index: per fragment, its ranges of the flat vector (:class:`~atoll.algorithms.fragments.FlatFragment`,
             views of the parameters; the same on every island).
         init_flat: the initial global parameters, float32 (numel,), in ``model.parameters()`` order.
     """
 
-    config: TrainConfig
+    own: DecoupledConfig
+    facts: RunFacts
+    settings: IslandSettings
     data: PreparedData
     model: PreTrainedModel
     index: list[FlatFragment]
     init_flat: torch.Tensor
 
     @classmethod
-    def of(cls, config: TrainConfig, data: PreparedData, model: PreTrainedModel) -> Job:
+    def of(cls, own: DecoupledConfig, facts: RunFacts, settings: IslandSettings, data: PreparedData,
+           model: PreTrainedModel) -> Job:
         """The job of a run's data and initial model (its fragments cut from the model's layers).
 
         Raises:
             ConfigError: the model has fewer layers than ``fragments``.
         """
-        index = model_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()],
-                                own_config(config).fragments)
+        index = model_fragments([(n, tuple(p.shape)) for n, p in model.named_parameters()], own.fragments)
         init_flat = torch.nn.utils.parameters_to_vector([p.detach() for p in model.parameters()]).float().clone()
-        return cls(config, data, model, index, init_flat)
-
-    @classmethod
-    def prepare(cls, config: TrainConfig) -> Job:
-        """The job prepared from the settings alone (a Ray actor's: the same data and model as the driver's)."""
-        from atoll.job.run import prepare_inputs
-
-        data, model = prepare_inputs(config, notes=False)  # the driver said any note already
-        return cls.of(config, data, model)
+        return cls(own, facts, settings, data, model, index, init_flat)
 
     @property
     def shares(self) -> list[float]:
@@ -76,10 +73,10 @@ class Job:
         return [int(idx.numel()) / int(self.init_flat.numel()) for idx in self.index]
 
 
-def expected_steps(config: TrainConfig) -> list[int]:
+def expected_steps(own: DecoupledConfig, islands: int, steps: int) -> list[int]:
     """Each island's share of the ``islands x steps`` budget, proportional to its speed (its LR schedule)."""
-    speeds = island_speeds(own_config(config), config.islands)
-    return [max(1, math.ceil(config.islands * config.steps * s / sum(speeds))) for s in speeds]
+    speeds = island_speeds(own, islands)
+    return [max(1, math.ceil(islands * steps * s / sum(speeds))) for s in speeds]
 
 
 class Transport(Protocol):
@@ -135,15 +132,13 @@ class IslandWorker:
 
     def __init__(self, index: int, job: Job, total_steps: int, device: torch.device | str = "cpu",
                  island: Island | None = None, held: list[FlatFragment] | None = None) -> None:
-        config = job.config
-        self.config = config
         self.index = index
         self.job = job
-        self.island: Island = island if island is not None else make_island(
-            index, copy.deepcopy(job.model).to(device), config, None, total_steps=total_steps)
+        self.island: Island = island if island is not None else build_island(
+            index, copy.deepcopy(job.model).to(device), job.settings.lasting(total_steps), inner_optimizer(job.own))
         self.fragment_index = held if held is not None else job.index
-        self.sync_every = local_sync_every(config)[index]
-        self.wire = make_wire(config.strategy_config, [index], config.seed)
+        self.sync_every = local_sync_every(job.own, job.facts.islands)[index]
+        self.wire = make_wire(job.own, [index], job.facts.seed)
         self.base = ([frag.gather(job.init_flat) for frag in job.index] if held is None else
                      [torch.zeros(frag.numel()) for frag in held])
         self.base_version = [0] * len(job.index)
@@ -177,7 +172,7 @@ class IslandWorker:
 
     def train_step(self) -> float:
         """One inner step on the island's next batch; returns its training loss."""
-        c = self.config
+        c = self.job.facts
         batch = sample_batch(self.job.data.island_tokens[self.index], c.step_batch_size, c.seq_len, c.seed,
                              self.index, self.steps)
         inject_fault(self.island, self.steps, "weights")  # test hook (atoll.job.divergence)
