@@ -92,7 +92,7 @@ class DeMo(torch.optim.Optimizer):
             otherwise become spurious +1s that the sign step applies. With int16 indices a kept
             coefficient costs 2.25 bytes instead of 6; the indices dominate. The momentum still loses
             the full-precision selected components (step c), as with float values. Default False here
-            (DeMo's reference); the ``demo`` strategy's default is ``TrainConfig.demo_sign_values``.
+            (DeMo's reference); the ``demo`` strategy's default is ``DemoConfig.demo_sign_values``.
         all_gather_fn: ``payloads -> gathered[island][param]``; must return the same list, in the same
             island order, on every island. Defaults to a single island (``[payloads]``).
 

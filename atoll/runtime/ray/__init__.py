@@ -67,6 +67,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
+from atoll.config.facts import RunFacts
 from atoll.errors import ConfigError
 from atoll.job import stop
 from atoll.job.device import resolve_device
@@ -120,7 +121,7 @@ def _run_actors(config: TrainConfig, run: Run,
     # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
     # called it within as long (else it is killed and restarted): atoll.runtime.ray.watch
     watch = Watch(syncer, islands, out, own.collective_timeout_s)
-    report = RayReport(config, run, bar)
+    report = RayReport(RunFacts.of(config), run, bar)
     first_done: float | None = None  # when the first island finished or a stop was asked: the others then
     stopping = False  # have the deadline. SIGINT/SIGTERM (atoll.job.stop): the syncer grants no more steps
     while running:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from atoll.config import TrainConfig
+from atoll.config.facts import RunFacts
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
 from atoll.strategies.decoupled.progress import progress_detail
@@ -22,8 +22,8 @@ class RayReport:
     run has shown between two looks (the failure-free rate is measured only at the end).
     """
 
-    def __init__(self, config: TrainConfig, run: Run, bar: ProgressDisplay) -> None:
-        self.config, self.run, self.bar = config, run, bar
+    def __init__(self, facts: RunFacts, run: Run, bar: ProgressDisplay) -> None:
+        self.facts, self.run, self.bar = facts, run, bar
         self.step = self.logged = 0    # the islands' mean inner step at the last look; of the last train event
         self.run_s = 0.0               # the run's clock at the last look
         self.at = time.monotonic()     # this process's clock at the last look
@@ -32,8 +32,8 @@ class RayReport:
 
     def show(self, p: dict[str, Any]) -> None:
         """Show and log how the run stands: ``p``, the syncer's progress."""
-        config, run = self.config, self.run
-        tps, k = config.tokens_per_step, config.islands
+        run = self.run
+        tps, k = self.facts.tokens_per_step, self.facts.islands
         if p["run_s"] > self.run_s and p["reserved"] > self.reserved:
             self.peak_rate = max(self.peak_rate, (p["reserved"] - self.reserved) * tps / (p["run_s"] - self.run_s))
         self.step, self.run_s, self.reserved, self.at = p["reserved"] // k, p["run_s"], p["reserved"], time.monotonic()
