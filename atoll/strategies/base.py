@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.finite import all_finite
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
@@ -89,6 +91,18 @@ class Strategy(ABC):
 
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restore :meth:`island_state` of the local island at ``position``."""
+
+
+def codec_of(config: CodecSection) -> Codec:
+    """The codec of a strategy's codec settings (``codec``, its block size, rounding and top-k fraction): the one
+    place they become a :class:`~atoll.algorithms.codec_base.Codec` (the ``atoll syncer``'s check of a push's
+    payload and an island job's encoding build it here, :func:`make_wire` through :class:`Wire`'s).
+
+    Raises:
+        ValueError: an unknown codec name.
+    """
+    return make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
+                      topk_fraction=config.topk_fraction)
 
 
 def make_wire(config: CodecSection, local_islands: list[int], seed: int) -> Wire:

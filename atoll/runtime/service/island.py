@@ -43,6 +43,7 @@ from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
 from atoll.runtime.service.syncer_shards import shard_map
+from atoll.strategies.base import codec_of
 from atoll.strategies.decoupled.island import IslandWorker, Job
 
 
@@ -159,10 +160,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
         if group.leader:
             shard.call("Hello", {"numels": numels, "shards": owners, "shard": s, "grant": client.grant})
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])
-    from atoll.algorithms.codecs import make_codec
-
-    c = config.strategy_config
-    codec = make_codec(c.codec, block_size=c.codec_block_size, rounding=c.codec_rounding, topk_fraction=c.topk_fraction)
+    codec = codec_of(config.strategy_config)
     lease = (StepLease(client, worker.sync_every, worker.sync_every, config.tokens_per_step, worker.fragments,
                        status=lambda: (float(worker.island.last_loss),
                                        float(worker.island.scheduler.get_last_lr()[0])))

@@ -52,13 +52,13 @@ from typing import Any
 
 import grpc
 
-from atoll.algorithms.codecs import make_codec
 from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
 from atoll.runtime.service import slices, wire
 from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
 from atoll.runtime.service.shards import ShardCalls
 from atoll.runtime.service.syncer import SyncerService, prepare
+from atoll.strategies.base import codec_of
 from atoll.strategies.decoupled import DecoupledConfig
 from atoll.strategies.decoupled.protocol import Push, is_index
 
@@ -98,8 +98,7 @@ class SyncerServer(ShardCalls, BulkCalls):
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         # the run's codec: what a push's payload must be (the islands encode with the same settings)
-        self.codec = make_codec(strategy.codec, block_size=strategy.codec_block_size, rounding=strategy.codec_rounding,
-                                topk_fraction=strategy.topk_fraction)
+        self.codec = codec_of(strategy)
         self.refused_calls: dict[str, int] = {}
         self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
         self.count_lock = threading.Lock()
