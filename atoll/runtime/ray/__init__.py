@@ -260,7 +260,7 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     return run.finish(
         tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands,
         compute_s=max(r["compute_s"] for r in res), sim_wall_s=wall_s,
-        bytes_sent_by_island=bytes_sent, fragments=config.fragments, **final["stats"],
+        bytes_sent_by_island=bytes_sent, fragments=config.strategy_config.fragments, **final["stats"],
         steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
         # measured: useful tokens per second of wall time over the islands' summed failure-free step rate
         goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 and wall_s > 0 else None,
