@@ -73,8 +73,9 @@ def defaults(base: dict[str, Any] | None = None) -> dict[str, Any]:
     from atoll.config import build_config
 
     c = build_config(base={k: v for k, v in (base or {}).items() if k != "progress"})
-    return {"steps": c.steps, "batch_size": c.batch_size, "sync_every": c.sync_every, "lr": c.lr,
-            "outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum, "warmup_steps": c.warmup_steps}
+    own = c.strategy_config  # the default strategy's (diloco): H, the inner and the outer rates
+    return {"steps": c.steps, "batch_size": c.batch_size, "sync_every": own.sync_every, "lr": own.lr,
+            "outer_lr": own.outer_lr, "outer_momentum": own.outer_momentum, "warmup_steps": c.warmup_steps}
 
 
 def runs(study: str, d: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -92,8 +92,9 @@ def compare_loops(config: TrainConfig, model: PreTrainedModel, device: torch.dev
     plain = copy.deepcopy(model).to(device)
     decay = [p for p in plain.parameters() if p.ndim >= 2]
     no_decay = [p for p in plain.parameters() if p.ndim < 2]
-    opt = adamw([{"params": decay, "weight_decay": config.weight_decay},
-                 {"params": no_decay, "weight_decay": 0.0}], config)
+    own = config.strategy_config  # diloco's: the inner AdamW's settings
+    opt = adamw([{"params": decay, "weight_decay": own.weight_decay},
+                 {"params": no_decay, "weight_decay": 0.0}], own)
     # the same schedule as the island's, so both loops compute the same maths step for step
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, cosine_with_warmup(config.effective_warmup_steps, config.steps, config.min_lr_ratio))

@@ -103,7 +103,7 @@ def worker(spec_path: Path) -> int:
     if group.leader:
         client.call("ReserveSteps", {"n": 5_000})
     session, = group.broadcast_ints([int(joined.get("session", 0))])
-    codec = make_codec(config.codec, block_size=config.codec_block_size)
+    codec = make_codec(config.strategy_config.codec, block_size=config.strategy_config.codec_block_size)
     transport = ServiceTransport(client, group, plan, make_wire(config.strategy_config, [0], config.seed), codec,
                                  session, None, poll_s=0.005)
     versions = {pull.fragment: pull.version for pull in transport.start()}

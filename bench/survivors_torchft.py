@@ -64,10 +64,11 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
     start.add("ready", 1)
     while int(start.add("ready", 0)) < config.islands:
         time.sleep(0.05)
-    outer = torch.optim.SGD(island.model.parameters(), lr=config.outer_lr, momentum=config.outer_momentum,
-                            nesterov=config.outer_momentum > 0)
+    own = config.strategy_config  # diloco: H and the outer optimizer
+    outer = torch.optim.SGD(island.model.parameters(), lr=own.outer_lr, momentum=own.outer_momentum,
+                            nesterov=own.outer_momentum > 0)
     syncs: list[dict[str, Any]] = []
-    with DiLoCo(manager, [island.model], island.optimizer, outer, sync_every=config.sync_every):
+    with DiLoCo(manager, [island.model], island.optimizer, outer, sync_every=own.sync_every):
         for step in range(config.steps):
             if step + 1 == kill_step:
                 with open(out + ".kill", "w") as f:
@@ -80,7 +81,7 @@ def replica_main(lighthouse: str, replica: int, config_json: str, kill_step: int
             committed_before = manager.current_step()
             began = time.time()
             island.optimizer.step()  # DiLoCo's hook syncs every sync_every steps
-            if (step + 1) % config.sync_every == 0:
+            if (step + 1) % own.sync_every == 0:
                 syncs.append({"step": step + 1, "start": began, "end": time.time(),
                               "committed": manager.current_step() > committed_before,
                               "participants": manager.num_participants()})

@@ -64,7 +64,7 @@ def shard_worker(shard: int, shards: int, args: dict[str, Any], barrier: Any, re
     import torch
 
     torch.set_num_threads(1)
-    from atoll.algorithms.codecs import make_codec
+    from atoll.strategies.base import codec_of
     from atoll.config import TrainConfig
     from atoll.runtime.decoupled_job import syncer_of
     from atoll.runtime.service.syncer_shards import owned, shard_map
@@ -86,8 +86,7 @@ def shard_worker(shard: int, shards: int, args: dict[str, Any], barrier: Any, re
         start += n
     syncer = syncer_of(config, init, local)
     del init
-    codec = make_codec(config.codec, block_size=config.codec_block_size, rounding=config.codec_rounding,
-                       topk_fraction=config.topk_fraction)
+    codec = codec_of(config.strategy_config)
     for island in range(args["islands"]):
         syncer.grant(island, 10 ** 15)
     # the islands' pushes as they arrive: the codec's payload of a small Δ per island and fragment

@@ -577,7 +577,8 @@ def test_run_bytes_per_step_equal_the_formula(fast_config: dict, sign_values: bo
                                                 "checkpoint_every": 4, "demo_sign_values": sign_values}))
     summary = train(config)
     model = AutoModelForCausalLM.from_pretrained(Path(fast_config["out"]) / "checkpoints" / "step_0000004" / "model")
-    per_step = sum(payload_bytes(p.shape, config.demo_chunk, config.demo_topk, sign_values)
+    own = config.strategy_config
+    per_step = sum(payload_bytes(p.shape, own.demo_chunk, own.demo_topk, sign_values)
                    for p in model.parameters())
     assert summary["bytes_sent_per_island"] == 4 * (config.islands - 1) * per_step
     assert summary["exchanges"] == 4
