@@ -64,10 +64,10 @@ def shard_worker(shard: int, shards: int, args: dict[str, Any], barrier: Any, re
     import torch
 
     torch.set_num_threads(1)
-    from atoll.strategies.base import codec_of
     from atoll.config import TrainConfig
     from atoll.runtime.decoupled_job import syncer_of
     from atoll.runtime.service.syncer_shards import owned, shard_map
+    from atoll.strategies.base import codec_of
     from atoll.strategies.decoupled.protocol import Push
 
     index = fragments_of(args["model"], args["vocab"], args["fragments"])
