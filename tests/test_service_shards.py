@@ -145,7 +145,8 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
     assert version == 1 and torch.equal(values, shard.service.syncer.pull(0).params)
     assert peer.call("Finish") == finished  # asked again (a restarted coordinator): the same answer
     with pytest.raises(grpc.RpcError) as e:  # the run is over at this shard: no more pushes
-        c1.call("Push", {"slices": ["x"]}, retry=False)
+        c1.call("Push", {"slices": ["x"], "fragment": mine, "tokens": 1, "base_version": 1, "session": session},
+                retry=False)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
