@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -114,9 +115,9 @@ def test_json_nested_100000_deep_is_refused_before_it_is_parsed() -> None:
     assert wire.loads(b'{"a": "[[[[{{{{\\"[[[[", "b": [[1]]}') == {"a": '[[[[{{{{"[[[[', "b": [[1]]}
 
 
-def _refused(call: object, *args: object) -> grpc.RpcError:
+def _refused(call: Callable[..., object], *args: object) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as e:
-        call(*args)  # type: ignore[operator]
+        call(*args)
     return e.value
 
 
@@ -135,6 +136,9 @@ def test_the_server_refuses_what_fails_the_schema_in_one_line_counted_and_logged
     with caplog.at_level(logging.WARNING, logger="atoll.syncer"):
         e = _refused(control, wire.dumps(bad_push), None, None)  # no credential: refused before its body is read
         assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+        huge_island = ((wire.ISLAND_KEY, "9" * 5000), (wire.CREDENTIAL_KEY, creds[0]))  # not even int()'s
+        e = _refused(control, wire.dumps(bad_push), None, huge_island)
+        assert e.code() == grpc.StatusCode.UNAUTHENTICATED and e.details() == "refused: island"
         e = _refused(raw, lead.control, "Push", wire.dumps(bad_push))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("Push: session: "), e.details()
         grant = {**GRANT.model_dump(), "island": HUGE}  # an island index of 4,300 digits
@@ -154,7 +158,7 @@ def test_the_server_refuses_what_fails_the_schema_in_one_line_counted_and_logged
         ranges = [[i, i + 1] for i in range(wire.MAX_RANGES + 1)]
         e = _refused(lambda: list(download(wire.dumps({"fragment": 0, "ranges": ranges}), metadata=md, timeout=10)))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("Download: ranges: ")
-    assert state.refused_calls == {"no_credential": 1, "schema": 6}
+    assert state.refused_calls == {"no_credential": 1, "island": 1, "schema": 6}
     lines = [r for r in caplog.records if "schema" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]  # six refusals, one line (the rest counted in the next)
     assert "\n" not in lines[0].getMessage()

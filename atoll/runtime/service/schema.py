@@ -93,7 +93,7 @@ class HelloRequest(JoinRequest):
 class ReserveStepsRequest(Record):
     """``ReserveSteps``: a lease of ``n`` steps; ``used``: the steps of its session taken; its last loss and lr."""
 
-    n: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+    n: Annotated[int, Field(ge=1, lt=1 << 20)] = 1
     used: Int | None = None
     loss: Reported = None
     lr: Reported = None

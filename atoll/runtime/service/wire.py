@@ -12,7 +12,9 @@ What a push uploads is the codec's payload as it is encoded (:func:`payload_byte
 file), so the bytes on the wire are the ``nbytes`` the run reports (plus the safetensors header, about
 100 bytes); the syncer decodes it (:func:`bytes_payload`, checked against the run's codec as from a
 stranger). A pull downloads float32 values (:func:`tensor_bytes`). Nothing is ever unpickled: a payload that
-is not a JSON object or a safetensors file of the expected tensors is refused.
+is not a JSON object or a safetensors file of the expected tensors is refused, and a JSON message nested
+deeper than :data:`MAX_DEPTH` is refused before it is parsed (:func:`check_depth`). What each message holds
+is :mod:`~atoll.runtime.service.schema`'s.
 """
 
 from __future__ import annotations
