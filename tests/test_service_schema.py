@@ -168,3 +168,14 @@ def test_the_server_refuses_what_fails_the_schema_in_one_line_counted_and_logged
     with pytest.raises(TypeError, match="FragmentRequest"):
         lead.call("Buffered", schema.FragmentRequest(fragment=0))
     assert session >= 1
+
+
+def test_the_client_checks_each_reply_against_its_record() -> None:
+    from atoll.runtime.service.client import _reply
+
+    assert _reply("Push", b'{"accepted":true,"answered":false,"version":null}') == {
+        "accepted": True, "answered": False, "version": None}
+    with pytest.raises(RuntimeError, match=r"^syncer: its reply to Push is not a PushReply \(accepted: "):
+        _reply("Push", b'{"accepted":1,"answered":false}')
+    with pytest.raises(RuntimeError, match="nested deeper"):
+        _reply("Heartbeat", b"[" * 100_000)

@@ -175,7 +175,7 @@ class SyncerClient:
         stub = channel.unary_unary(wire.method(name))
 
         def attempt() -> dict[str, Any]:
-            reply = wire.loads(stub(data, metadata=self.metadata, timeout=timeout_s))
+            reply = _reply(name, stub(data, metadata=self.metadata, timeout=timeout_s))
             if isinstance(reply.get("grant"), dict):
                 self._keep_grant(reply["grant"])
             return reply
@@ -207,7 +207,7 @@ class SyncerClient:
             header = schema.UploadHeader(upload=upload, fragment=fragment, ranges=ranges, size=len(data),
                                          offset=offset)
             messages = iter([schema.encode(header), *wire.chunks(data, offset)])
-            received = wire.loads(stub(messages, metadata=self.metadata, timeout=600.0))["received"]
+            received = _reply("Upload", stub(messages, metadata=self.metadata, timeout=600.0))["received"]
             self.bytes_up += len(data) - offset
             if received != len(data):
                 raise RuntimeError(f"upload: the syncer holds {received} of {len(data)} bytes")
@@ -225,7 +225,7 @@ class SyncerClient:
             nonlocal version
             request = schema.DownloadRequest(fragment=fragment, ranges=ranges, version=version, offset=len(got))
             replies: Iterator[bytes] = stub(schema.encode(request), metadata=self.metadata, timeout=600.0)
-            header = wire.loads(next(replies))
+            header = _reply("Download", next(replies))
             if header["version"] != version or header["offset"] != len(got):  # a newer version: from the start
                 version = header["version"]
                 del got[:]
@@ -271,6 +271,21 @@ class SyncerClient:
             except UploadLost:
                 continue
         raise SyncerUnreachable(f"syncer: '{self.address}' lost this island's upload three times; check its log")
+
+
+def _reply(name: str, data: bytes) -> dict[str, Any]:
+    """Method ``name``'s reply ``data`` as a JSON object, checked against its record
+    (:data:`~atoll.runtime.service.schema.REPLIES`).
+
+    Raises:
+        RuntimeError: the reply is not its method's record (a syncer of another version, or no syncer): one line.
+    """
+    try:
+        schema.parse(schema.REPLIES[name], data)
+    except schema.SchemaError as e:
+        raise RuntimeError(f"syncer: its reply to {name} is not a {schema.REPLIES[name].__name__} ({e}); run the "
+                           "same atoll on the syncer and the islands") from None
+    return wire.loads(data)
 
 
 #: what :meth:`StepLease.take` answers: take a step, stop (the budget is spent), or wait and ask again
