@@ -26,16 +26,16 @@ def _buffered_push(state, address, creds):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("wait_s", [10 ** 400, -(10 ** 400)], ids=["huge", "huge-negative"])
 def test_a_huge_int_wait_s_is_answered_cleanly(syncer, wait_s: int) -> None:  # noqa: ANN001, F811
-    """A JSON int too large for a float: capped like any long wait (huge), or refused with INVALID_ARGUMENT like
-    any negative one; never an exception in the handler (UNKNOWN, which the islands' client even retries)."""
+    """A JSON int too large for a float is no number of seconds: refused at parse by the schema (INVALID_ARGUMENT,
+    counted as ``schema``) like any negative one; never an exception in the handler (UNKNOWN, which the islands'
+    client even retries), and no waiting slot taken."""
     state, address, creds = syncer(quorum=2, grace_window="round")
     lead, *_ = _buffered_push(state, address, creds)
-    if wait_s > 0:  # fragment 1 holds no push of the island's: answered at once
-        assert lead.call("Buffered", {"fragment": 1, "wait_s": wait_s}, retry=False)["buffered"] == [0]
-    else:
-        with pytest.raises(grpc.RpcError) as bad:
-            lead.call("Buffered", {"fragment": 0, "wait_s": wait_s}, retry=False)
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value.details()
+    with pytest.raises(grpc.RpcError) as bad:
+        lead.call("Buffered", {"fragment": 0, "wait_s": wait_s}, retry=False)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value.details()
+    assert bad.value.details().startswith("Buffered: wait_s: ")
+    assert state.refused_calls == {"schema": 1}
     assert state.waiting == [0, 0]
 
 

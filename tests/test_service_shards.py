@@ -71,7 +71,7 @@ def _payload(state, n: int, scale: float = 1e-3) -> bytes:  # noqa: ANN001 - the
 @pytest.mark.slow
 def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch_for(shards) -> None:  # noqa: ANN001
     (coord, shard), (a0, a1), creds = shards
-    numels, owners = coord.service.numels, coord.owners
+    numels, owners = coord.service.numels, coord.shards.owners
     assert sorted(owners) == [0, 1] and shard.service.fragment_ids == [owners.index(1)]
     mine, theirs = owners.index(1), owners.index(0)  # shard 1's fragment, and the coordinator's
     n = numels[mine]
@@ -145,7 +145,8 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
     assert version == 1 and torch.equal(values, shard.service.syncer.pull(0).params)
     assert peer.call("Finish") == finished  # asked again (a restarted coordinator): the same answer
     with pytest.raises(grpc.RpcError) as e:  # the run is over at this shard: no more pushes
-        c1.call("Push", {"slices": ["x"]}, retry=False)
+        c1.call("Push", {"slices": ["x"], "fragment": mine, "tokens": 1, "base_version": 1, "session": session},
+                retry=False)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -162,7 +163,7 @@ def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pus
     (coord, shard), addresses, creds = shards
     one, one_address, one_server = _serve(_config(fast_config), tmp_path / "one", creds)
     try:
-        numels, owners = coord.service.numels, coord.owners
+        numels, owners = coord.service.numels, coord.shards.owners
         init = one.service.syncer.global_params()
         sharded = [[SyncerClient(a, i, creds[i], plaintext=True) for a in addresses] for i in range(2)]
         single = [SyncerClient(one_address, i, creds[i], plaintext=True) for i in range(2)]
@@ -188,7 +189,7 @@ def test_two_shards_merge_the_same_global_model_as_one_syncer_given_the_same_pus
                     assert single[i].push(data, g, ((0, numels[g]),), tokens, r, 1)["accepted"]
         for g in range(2):  # each fragment merged 3 times, on its owner only
             owner = (coord, shard)[owners[g]]
-            assert owner.service.syncer.version(owner.local[g]) == 3 and one.service.syncer.version(g) == 3
+            assert owner.service.syncer.version(owner.shards.local[g]) == 3 and one.service.syncer.version(g) == 3
         assert coord.service.syncer.commits == shard.service.syncer.commits == 3
 
         coord.final = coord.service.finish()

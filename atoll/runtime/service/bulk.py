@@ -6,7 +6,8 @@ slices are decoded and checked); ``Download`` serves the float32 values of the n
 ranges a rank asks for, serialized once per version and slice and cached (every island's ranks pull the same
 slices). Both resume after a failure at the offset the syncer holds (``UploadStatus``; ``Download`` from an
 offset). Bytes are received and sent outside the server's lock, so a slow transfer never holds up a heartbeat.
-:class:`BulkCalls` is mixed into :class:`~atoll.runtime.service.server.SyncerServer`.
+:class:`Bulk` is the collaborator of :class:`~atoll.runtime.service.server.SyncerServer` that holds the
+transfers.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
-from atoll.runtime.service import slices, wire
-from atoll.strategies.decoupled.protocol import is_index
+from atoll.runtime.service import schema, slices, wire
+from atoll.runtime.service.calls import Gate
+from atoll.runtime.service.shards import Shards
 
 if TYPE_CHECKING:
     from atoll.algorithms.codec_base import Codec
@@ -49,50 +51,58 @@ class Upload:
     data: bytearray = field(default_factory=bytearray)
 
 
-class BulkCalls:
-    """``Upload``, ``UploadStatus`` and ``Download`` (see the module docstring), mixed into
-    :class:`~atoll.runtime.service.server.SyncerServer`, whose state they use."""
+class Bulk:
+    """``Upload``, ``UploadStatus`` and ``Download`` (see the module docstring): the uploads each island holds
+    and the pulled slices cached, held by :class:`~atoll.runtime.service.server.SyncerServer`.
 
-    service: SyncerService
-    codec: Codec
-    lock: threading.Lock
-    uploads: dict[int, OrderedDict[str, Upload]]
-    pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]]
-    max_open: int
+    Args:
+        service: the syncer service served (its fragments' sizes and newest values).
+        codec: the run's codec (the most bytes a slice's payload may take).
+        lock: the server's lock (one call into the service at a time; never held while bytes move).
+        gate: the server's :class:`~atoll.runtime.service.calls.Gate` (who calls; refusals, counted).
+        shards: the server's :class:`~atoll.runtime.service.shards.Shards` (which fragments this shard owns).
+    """
 
-    def _caller(self, context: grpc.ServicerContext, peer: bool = False) -> tuple[int, str]:
-        raise NotImplementedError  # SyncerServer's
+    def __init__(self, service: SyncerService, codec: Codec, lock: threading.Lock, gate: Gate,
+                 shards: Shards) -> None:
+        self.service, self.codec, self.lock, self.gate, self.shards = service, codec, lock, gate, shards
+        self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(service.run.islands)}
+        # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
+        self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
+        self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
 
-    @staticmethod
-    def _request(data: bytes, context: grpc.ServicerContext) -> dict[str, Any]:
-        raise NotImplementedError  # SyncerServer's
-
-    def _fragment(self, fragment: Any, context: grpc.ServicerContext) -> int:
-        raise NotImplementedError  # ShardCalls'
-
-    def UploadStatus(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        island, _ = self._caller(context)
-        upload = str(self._request(data, context).get("upload"))
+    def upload_status(self, island: int, req: schema.UploadStatusRequest) -> schema.ReceivedReply:
+        """The bytes the syncer holds of the island's upload ``req.upload`` (0: none)."""
         with self.lock:
-            held = self.uploads[island].get(upload)
-        return wire.dumps({"received": len(held.data) if held is not None else 0})
+            held = self.uploads[island].get(req.upload)
+        return schema.ReceivedReply(received=len(held.data) if held is not None else 0)
 
-    def Upload(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        """A slice of a push: a JSON header ``{"upload", "offset", "fragment", "ranges", "size"}`` (``ranges``
-        of the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of
-        that many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end)."""
-        island, _ = self._caller(context)
-        header = self._request(next(requests, b""), context)
-        upload, offset, fragment, size = (str(header.get("upload")), header.get("offset", 0), header.get("fragment"),
-                                          header.get("size"))
-        fragment = self._fragment(fragment, context)
+    def taken(self, island: int, ids: tuple[str, ...]) -> list[Upload] | None:
+        """(Under the lock.) The island's uploads ``ids``, taken out of those held, if every one is complete;
+        None (and nothing taken) if one is missing or incomplete (the syncer restarted since)."""
+        held = [self.uploads[island].get(u) for u in ids]
+        complete = [h for h in held if h is not None and len(h.data) == h.size]
+        if len(complete) != len(ids):
+            return None
+        for u in ids:
+            self.uploads[island].pop(u, None)
+        return complete
+
+    def upload(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """A slice of a push: a JSON header (:class:`~atoll.runtime.service.schema.UploadHeader`: ``ranges`` of
+        the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of that
+        many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end)."""
+        island, _ = self.gate.caller(context)
+        header = self.gate.parse(schema.UploadHeader, next(requests, b""), context, "Upload")
+        upload, offset, size = header.upload, header.offset, header.size
+        fragment = self.shards.fragment(header.fragment, context)
         try:
-            ranges = wire.parse_ranges(header.get("ranges"), self.service.syncer.numels[fragment])
+            ranges = wire.parse_ranges(header.ranges, self.service.syncer.numels[fragment])
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         most = self.codec.payload_bytes(sum(b - a for a, b in ranges)) + HEADER_BYTES
-        if not (is_index(size, most + 1) and size > 0):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"size: {size!r}; a slice's payload is 1..{most} bytes")
+        if not 0 < size <= most:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"size: {size}; a slice's payload is 1..{most} bytes")
         with self.lock:
             uploads = self.uploads[island]
             held = uploads.get(upload)
@@ -102,33 +112,31 @@ class BulkCalls:
             while len(uploads) > OPEN_UPLOADS or sum(u.size for u in uploads.values()) > self.max_open:
                 uploads.popitem(last=False)
         buf = held.data
-        if not (is_index(offset, len(buf) + 1)):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"offset: {offset!r}, the syncer holds {len(buf)} bytes")
+        if offset > len(buf):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"offset: {offset}, the syncer holds {len(buf)} bytes")
         del buf[offset:]
         for chunk in requests:
             if len(buf) + len(chunk) > size:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over its declared {size} bytes")
             buf += chunk
-        return wire.dumps({"received": len(buf)})
+        return schema.encode(schema.ReceivedReply(received=len(buf)))
 
-    def Download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:  # noqa: N802
+    def download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):
-        a JSON header ``{"version", "size", "offset"}``, then their safetensors bytes from ``offset`` (from 0
-        when the version asked for is no longer the newest)."""
-        self._caller(context, peer=True)
-        req = self._request(data, context)
-        fragment = self._fragment(req.get("fragment"), context)
+        a JSON header (:class:`~atoll.runtime.service.schema.DownloadHeader`), then their safetensors bytes from
+        ``offset`` (from 0 when the version asked for is no longer the newest)."""
+        self.gate.caller(context, peer=True)
+        req = self.gate.parse(schema.DownloadRequest, data, context, "Download")
+        fragment = self.shards.fragment(req.fragment, context)
         ranges = None
-        if req.get("ranges") is not None:
+        if req.ranges is not None:
             try:
-                ranges = wire.parse_ranges(req.get("ranges"), self.service.syncer.numels[fragment])
+                ranges = wire.parse_ranges(req.ranges, self.service.syncer.numels[fragment])
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version, payload = self._pull(fragment, ranges)
-        offset = req.get("offset", 0)
-        if req.get("version") != version or not is_index(offset, len(payload) + 1):
-            offset = 0
-        yield wire.dumps({"version": version, "size": len(payload), "offset": offset})
+        offset = req.offset if req.version == version and req.offset <= len(payload) else 0
+        yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
         yield from wire.chunks(payload, offset)
 
     def _pull(self, fragment: int, ranges: slices.Ranges | None = None) -> tuple[int, bytes]:

@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from atoll.errors import AtollError, ConfigError
-from atoll.runtime.service import wire
+from atoll.runtime.service import schema, wire
 from atoll.runtime.service.slices import Ranges
 
 T = TypeVar("T")
@@ -154,21 +154,28 @@ class SyncerClient:
             time.sleep(delay)
             delay = min(2 * delay, 5.0)
 
-    def call(self, name: str, payload: dict[str, Any] | None = None, timeout_s: float = 30.0,
+    def call(self, name: str, payload: schema.Record | dict[str, Any] | None = None, timeout_s: float = 30.0,
              retry: bool = True, bulk: bool = False) -> dict[str, Any]:
-        """A control call (JSON in and out; ``bulk``: over the bulk connection, a transfer's own calls);
+        """A control call: its request ``payload``, the method's record of the service's schema
+        (:data:`~atoll.runtime.service.schema.REQUESTS`), or a JSON object as it is (a test's malformed
+        request); its reply as a JSON object. ``bulk``: over the bulk connection, a transfer's own calls;
         ``retry=False``: one attempt (grpc.RpcError when it fails).
 
         Raises:
             RuntimeError: a control call of a client without the control connection (not the leader).
+            TypeError: ``payload`` is a record of another method's request.
         """
         channel = self.bulk if bulk else self.control
         if channel is None:
             raise RuntimeError(f"{name}: only an island's leader (rank 0) calls the syncer's control methods")
+        if isinstance(payload, schema.Record) and type(payload) is not schema.REQUESTS[name]:
+            raise TypeError(f"{name}: its request is a {schema.REQUESTS[name].__name__}, not a "
+                            f"{type(payload).__name__}")
+        data = schema.encode(payload) if isinstance(payload, schema.Record) else wire.dumps(payload or {})
         stub = channel.unary_unary(wire.method(name))
 
         def attempt() -> dict[str, Any]:
-            reply = wire.loads(stub(wire.dumps(payload or {}), metadata=self.metadata, timeout=timeout_s))
+            reply = _reply(name, stub(data, metadata=self.metadata, timeout=timeout_s))
             if isinstance(reply.get("grant"), dict):
                 self._keep_grant(reply["grant"])
             return reply
@@ -190,15 +197,17 @@ class SyncerClient:
         or a fresh one)."""
         upload, first = upload or uuid.uuid4().hex, True
         stub = self.bulk.stream_unary(wire.method("Upload"))
-        header = {"upload": upload, "fragment": fragment, "ranges": [list(r) for r in ranges], "size": len(data)}
 
         def attempt() -> None:
             nonlocal first
             # a retry continues where the syncer's copy ends (0 if the syncer restarted and lost it)
-            offset = 0 if first else self.call("UploadStatus", {"upload": upload}, bulk=True)["received"]
+            offset = 0 if first else self.call("UploadStatus", schema.UploadStatusRequest(upload=upload),
+                                               bulk=True)["received"]
             first = False
-            messages = iter([wire.dumps({**header, "offset": offset}), *wire.chunks(data, offset)])
-            received = wire.loads(stub(messages, metadata=self.metadata, timeout=600.0))["received"]
+            header = schema.UploadHeader(upload=upload, fragment=fragment, ranges=ranges, size=len(data),
+                                         offset=offset)
+            messages = iter([schema.encode(header), *wire.chunks(data, offset)])
+            received = _reply("Upload", stub(messages, metadata=self.metadata, timeout=600.0))["received"]
             self.bytes_up += len(data) - offset
             if received != len(data):
                 raise RuntimeError(f"upload: the syncer holds {received} of {len(data)} bytes")
@@ -211,13 +220,12 @@ class SyncerClient:
         version, float32 (values,)), resumed from its offset after a failure."""
         stub = self.bulk.unary_stream(wire.method("Download"))
         got, version = bytearray(), None
-        request = {"fragment": fragment, "ranges": None if ranges is None else [list(r) for r in ranges]}
 
         def attempt() -> None:
             nonlocal version
-            replies: Iterator[bytes] = stub(wire.dumps({**request, "version": version, "offset": len(got)}),
-                                            metadata=self.metadata, timeout=600.0)
-            header = wire.loads(next(replies))
+            request = schema.DownloadRequest(fragment=fragment, ranges=ranges, version=version, offset=len(got))
+            replies: Iterator[bytes] = stub(schema.encode(request), metadata=self.metadata, timeout=600.0)
+            header = _reply("Download", next(replies))
             if header["version"] != version or header["offset"] != len(got):  # a newer version: from the start
                 version = header["version"]
                 del got[:]
@@ -241,8 +249,9 @@ class SyncerClient:
         """
         if grant is None and self.grant_source is not None:
             grant = self.grant_source.grant
-        request = {"slices": uploads, "fragment": fragment, "tokens": tokens, "base_version": base_version,
-                   "round_s": round_s, "session": session, **({"grant": grant} if grant is not None else {})}
+        request = schema.PushRequest(slices=uploads, fragment=fragment, tokens=tokens, base_version=base_version,
+                                     round_s=round_s, session=session,
+                                     **({"grant": grant} if grant is not None else {}))
         try:
             return self.call("Push", request)
         except grpc.RpcError as e:
@@ -262,6 +271,21 @@ class SyncerClient:
             except UploadLost:
                 continue
         raise SyncerUnreachable(f"syncer: '{self.address}' lost this island's upload three times; check its log")
+
+
+def _reply(name: str, data: bytes) -> dict[str, Any]:
+    """Method ``name``'s reply ``data`` as a JSON object, checked against its record
+    (:data:`~atoll.runtime.service.schema.REPLIES`).
+
+    Raises:
+        RuntimeError: the reply is not its method's record (a syncer of another version, or no syncer): one line.
+    """
+    try:
+        schema.parse(schema.REPLIES[name], data)
+    except schema.SchemaError as e:
+        raise RuntimeError(f"syncer: its reply to {name} is not a {schema.REPLIES[name].__name__} ({e}); run the "
+                           "same atoll on the syncer and the islands") from None
+    return wire.loads(data)
 
 
 #: what :meth:`StepLease.take` answers: take a step, stop (the budget is spent), or wait and ask again
@@ -349,9 +373,10 @@ class StepLease:
     def _run_fetch(self) -> None:
         with self._cond:
             owed = self.owed
-            request: dict[str, Any] = {"n": owed + self.size, "used": self.used}
+            asked = {"n": owed + self.size, "used": self.used}
         if self.status is not None:
-            request["loss"], request["lr"] = self.status()
+            asked["loss"], asked["lr"] = self.status()
+        request = schema.ReserveStepsRequest(**asked)
         try:
             reply = self.client.call("ReserveSteps", request, timeout_s=10.0, retry=False)
             granted = int(reply["granted"])
@@ -391,7 +416,7 @@ class StepLease:
             self.owed -= owed
             self.credit_settled += owed
             self.leased += granted - paid
-            self.spent = self.spent or granted < request["n"]
+            self.spent = self.spent or granted < request.n
             self.fetches += 1
             self.unreachable_since, self._delay, self._retry_at = None, 0.1, 0.0
             self._fetching = False

@@ -42,7 +42,7 @@ import torch
 from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
-from atoll.runtime.service import slices, wire
+from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.client import GO, WAIT, StepLease, SyncerClient, UploadLost
 from atoll.runtime.service.group import IslandGroup
 from atoll.runtime.service.slices import Part, Ranges
@@ -406,14 +406,14 @@ class ServiceTransport:
                                         out.base_version, self.session, out.round_s)
         self.refused += not answer["accepted"]
         if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
-            ask = {"fragment": p, "wait_s": wire.MAX_WAIT_S}  # answered when it merged (or after MAX_WAIT_S)
+            ask = schema.BufferedRequest(fragment=p, wait_s=wire.MAX_WAIT_S)  # answered once merged (or MAX_WAIT_S)
             while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]:
                 time.sleep(self.poll_s)  # never back to back (answered at once: an older syncer, or slots taken)
 
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
             with contextlib.suppress(grpc.RpcError):  # the syncer is down: the calls that matter retry themselves
-                self.client.call("Heartbeat", timeout_s=5.0, retry=False)
+                self.client.call("Heartbeat", schema.Empty(), timeout_s=5.0, retry=False)
 
     def counters(self) -> dict[str, Any]:
         """What this rank moved: its bulk connections' bytes up and down (to every shard)."""

@@ -6,7 +6,7 @@ shard merges what is buffered, checkpoints, takes no more pushes, and answers it
 each of its fragments (float32, chunked, resumed after a failure), then ``Close`` (the shard exits 0). A shard
 that is down meanwhile is retried with backoff up to ``give_up_s`` (restarted, it answers from its
 checkpoint). The coordinator then evaluates and saves the one model of the run, as an unsharded syncer does.
-The shards' side of these calls is :class:`~atoll.runtime.service.shards.ShardCalls`.
+The shards' side of these calls is :class:`~atoll.runtime.service.shards.Shards`.
 
 Chosen over each shard writing its fragments for a separate ``--gather`` step: the run ends by itself, with
 ``summary.json`` and the model in ``OUT/run`` on shard 0's host, and no shard needs a filesystem shared with

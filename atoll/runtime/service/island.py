@@ -39,6 +39,7 @@ from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, build_island, inner_optimizer
 from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call
 from atoll.runtime.decoupled_job import island_steps, job_of
+from atoll.runtime.service import schema
 from atoll.runtime.service.client import StepLease, SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
@@ -154,11 +155,11 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     numels = [int(i.numel()) for i in job.index]
     client = clients[0]  # the coordinator: the join, leases, heartbeats, Leave
     owners = shard_map(numels, len(clients))
-    joined = client.call("Join", {"numels": numels, "shards": owners}) if group.leader else {}
+    joined = client.call("Join", schema.JoinRequest(numels=numels, shards=owners)) if group.leader else {}
     for s, shard in enumerate(clients[1:], 1):  # each shard is the one dialed, with the same map and run key
         shard.grant_source = client
         if group.leader:
-            shard.call("Hello", {"numels": numels, "shards": owners, "shard": s, "grant": client.grant})
+            shard.call("Hello", schema.HelloRequest(numels=numels, shards=owners, shard=s, grant=client.grant))
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])
     codec = codec_of(config.strategy_config)
     lease = (StepLease(client, worker.sync_every, worker.sync_every, config.tokens_per_step, worker.fragments,
@@ -187,7 +188,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
               "last_loss": worker.island.last_loss, "codec_s": worker.wire.codec_s[0],
               "resets": worker.island.reset_count, "skipped_steps": worker.island.skipped_steps}
     if lease is not None:
-        client.call("Leave", {**report, "used": lease.used})
+        client.call("Leave", schema.LeaveRequest(**report, used=lease.used))
     return {**report, "island": island, "rank": group.rank, "ranks": group.size, "wall_s": time.monotonic() - t0,
             "retries": sum(c.retries for c in clients),
             "offline_steps": lease.offline_steps_taken if lease is not None else 0,

@@ -5,8 +5,12 @@ Every call is authenticated: its metadata carries the caller's island index and 
 (:meth:`Admission.identity <atoll.strategies.decoupled.trust.Admission.identity>`, constant time) before
 anything else; a call without them (``no_credential``), naming no island of the run (``island``) or with
 another island's secret (``identity``) is refused with UNAUTHENTICATED, counted in ``refused_calls`` by
-reason and logged. A push that passes is then checked as the syncer checks every push (form, identity,
-freshness: a replay is refused and counted as ``replay``, bounds). Payloads are JSON and safetensors only.
+reason and logged (at a bounded rate: :class:`~atoll.runtime.service.calls.Gate`). Its request is then parsed
+by the service's schema (:mod:`~atoll.runtime.service.schema`: one typed record per request, every field
+bounded); one that fails it is refused with INVALID_ARGUMENT naming the field and counted as ``schema``, and
+the handlers receive typed records only. A push that passes is then checked as the syncer checks every push
+(identity, freshness: a replay is refused and counted as ``replay``, bounds). Payloads are JSON and
+safetensors only.
 
 **Slices.** Each rank of an island job uploads its slice of a push over its own connection: the ``Upload``
 header names the fragment and the slice's ranges of its element order (:mod:`~atoll.runtime.service.slices`),
@@ -28,7 +32,9 @@ a cold data cache) does not find the budget spent by the others.
 **Sharded by fragment** (``atoll syncer --shard S --shards ADDR0,ADDR1,...``): each shard serves the same
 calls for its own fragments (:mod:`~atoll.runtime.service.shards`: ownership, the map checked at the join,
 the coordinator's grants, the peer calls of the run's end); shard 0 alone grants leases, opens sessions and
-ends the run. The tensors' calls are :mod:`~atoll.runtime.service.bulk`'s.
+ends the run. The tensors' calls are :mod:`~atoll.runtime.service.bulk`'s. Both are collaborators the server
+holds (:class:`~atoll.runtime.service.shards.Shards`, :class:`~atoll.runtime.service.bulk.Bulk`), given the
+service, the lock and the gate; every method is registered in one place, :meth:`SyncerServer.handler`.
 
 Threads: gRPC runs calls on a pool of threads; every call into the service holds one lock, so the
 service sees one call at a time, as the Ray actor does. Tensor bytes are received and sent outside the
@@ -42,11 +48,10 @@ At the end the global model is evaluated and saved, with a summary, in the run f
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,23 +59,23 @@ import grpc
 
 from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
-from atoll.runtime.service import slices, wire
-from atoll.runtime.service.bulk import HEADER_BYTES, OPEN_FRAGMENTS, BulkCalls, Upload
-from atoll.runtime.service.shards import ShardCalls
+from atoll.runtime.service import schema, slices, wire
+from atoll.runtime.service.bulk import Bulk
+from atoll.runtime.service.calls import Gate
+from atoll.runtime.service.shards import Shards
 from atoll.runtime.service.syncer import SyncerService, prepare
+from atoll.runtime.service.syncer_shards import peer_token
 from atoll.strategies.base import codec_of
 from atoll.strategies.decoupled import DecoupledConfig
-from atoll.strategies.decoupled.protocol import Push, is_index
+from atoll.strategies.decoupled.protocol import Push
 
-log = logging.getLogger("atoll.syncer")
-
-#: slices one push may list
-MAX_SLICES = 4096
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
+#: a control method's handler: (the caller's island and secret, its request, the call) -> the reply
+Handle = Callable[[tuple[int, str], Any, grpc.ServicerContext], schema.Record]
 
 
-class SyncerServer(ShardCalls, BulkCalls):
+class SyncerServer:
     """The gRPC handlers around one :class:`SyncerService` (see the module docstring).
 
     Args:
@@ -89,17 +94,17 @@ class SyncerServer(ShardCalls, BulkCalls):
         self.service, self.out = service, Path(out)
         self.islands = service.run.islands
         self.timeout_s = settings.collective_timeout_s  # (the islands' joins, the end's wait)
-        self._init_shards(key)  # (ShardCalls)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified when a push may have left a buffer
-        self.waiting = [0] * self.islands  # per island, its Buffered calls waiting (a long poll each)
-        self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(self.islands)}
-        self.answers: dict[int, OrderedDict[str, dict[str, Any]]] = {i: OrderedDict() for i in range(self.islands)}
-        # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
-        self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
+        self.done = threading.Event()
+        self.gate = Gate(self.islands, lambda i, c: service.syncer.admission.identity(i, c),
+                         peer_token(key) if service.shard is not None else None, self.lock)
+        self.shards = Shards(service, self.lock, self.gate, self.done)
         # the run's codec: what a push's payload must be (the islands encode with the same settings)
         self.codec = codec_of(strategy)
-        self.refused_calls: dict[str, int] = {}
+        self.bulk = Bulk(service, self.codec, self.lock, self.gate, self.shards)
+        self.waiting = [0] * self.islands  # per island, its Buffered calls waiting (a long poll each)
+        self.answers: dict[int, OrderedDict[str, schema.PushReply]] = {i: OrderedDict() for i in range(self.islands)}
         self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
         self.count_lock = threading.Lock()
         # island -> its report at leaving; kept beside the checkpoints so a restarted syncer knows who left
@@ -107,11 +112,8 @@ class SyncerServer(ShardCalls, BulkCalls):
         self.spent_at: float | None = None
         self.first_join: float | None = None  # monotonic time of the first join (the start gate)
         self.started_at: float | None = None
-        self.done = threading.Event()
         self.final: dict[str, Any] | None = None
         self.written_status = ""
-        numels = self.service.syncer.numels
-        self.max_open = OPEN_FRAGMENTS * max(self.codec.payload_bytes(n) + HEADER_BYTES for n in numels)
 
     @classmethod
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
@@ -129,68 +131,57 @@ class SyncerServer(ShardCalls, BulkCalls):
         service = SyncerService(run, index, syncer, str(out), spec, key=key, pid_dir="service")
         return cls(service, config.strategy_config, settings, out, key=key)
 
-    # --- authentication -----------------------------------------------------------------------------------
-    def _caller(self, context: grpc.ServicerContext, peer: bool = False) -> tuple[int, str]:
-        """The calling island and its secret, or abort the call (UNAUTHENTICATED), counted by reason; ``peer``:
-        another shard of this syncer may call too (answered as island -1, after its peer credential)."""
-        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        island, credential = md.get(wire.ISLAND_KEY), md.get(wire.CREDENTIAL_KEY)
-        if wire.PEER_KEY in md:
-            if peer:
-                return self._peer(context)
-            reason = "peer"  # a shard's credential opens only what shards call of each other
-        elif island is None or credential is None:
-            reason = "no_credential"
-        elif not (island.isdigit() and is_index(int(island), self.islands)):
-            reason = "island"
-        elif not self.service.syncer.admission.identity(int(island), credential):
-            reason = "identity"
-        else:
-            return int(island), credential
-        with self.lock:
-            self.refused_calls[reason] = self.refused_calls.get(reason, 0) + 1
-        log.warning("refused a call from %s: %s (island %r)", context.peer(), reason, island)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused: {reason}")
-        raise AssertionError("unreachable")  # abort raises
+    # --- what the drivers and the status read -------------------------------------------------------------
+    @property
+    def refused_calls(self) -> dict[str, int]:
+        """Calls refused, by reason (the gate's count)."""
+        return self.gate.refused
 
-    @staticmethod
-    def _request(data: bytes, context: grpc.ServicerContext) -> dict[str, Any]:
-        try:
-            return wire.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a JSON object ({e})"[:200])
-            raise AssertionError("unreachable") from None
+    @property
+    def shard(self) -> Any:
+        """This shard's :class:`~atoll.runtime.service.syncer_shards.ShardSpec` (None unsharded)."""
+        return self.shards.shard
+
+    @property
+    def coordinator(self) -> bool:
+        """Is this the coordinator (shard 0, or an unsharded syncer)?"""
+        return self.shards.coordinator
+
+    @property
+    def finished(self) -> schema.FinishReply | None:
+        """This shard's answer to the coordinator's ``Finish`` (None before)."""
+        return self.shards.finished
 
     # --- control ------------------------------------------------------------------------------------------
-    def Join(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802 - gRPC method names
+    def join(self, caller: tuple[int, str], req: schema.JoinRequest,
+             context: grpc.ServicerContext) -> schema.JoinReply:
         """An island (re)joins (the coordinator): its new session and steps so far, and, sharded, its grant."""
-        island, credential = self._caller(context)
-        req = self._request(data, context)
-        self._coordinator_only(context, "Join")
-        self._check_map(req, context)
+        island, credential = caller
+        self.shards.coordinator_only(context, "Join")
+        self.shards.check_map(req, context)
         with self.lock:
             self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
             self._save_left()
-            return wire.dumps({"versions": versions, "steps": steps, "session": session,
-                               **self._grant(island)})
+            return schema.JoinReply(versions=versions, steps=steps, session=session, **self.shards.grant(island))
 
-    def ReserveSteps(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+    def hello(self, caller: tuple[int, str], req: schema.HelloRequest,
+              context: grpc.ServicerContext) -> schema.HelloReply:
+        return self.shards.hello(caller[0], req, context)
+
+    def reserve_steps(self, caller: tuple[int, str], req: schema.ReserveStepsRequest,
+                      context: grpc.ServicerContext) -> schema.ReserveStepsReply:
         """A lease of up to ``n`` steps; ``used``: the steps of its session the island has taken (``loss``,
-        ``lr``: its last, for the progress). Answers ``{"granted"}`` (fewer than ``n``: the budget is spent)."""
-        island, credential = self._caller(context)
-        req = self._request(data, context)
-        self._coordinator_only(context, "ReserveSteps")
-        n = req.get("n", 1)
-        if not (is_index(n, 1 << 20) and n > 0):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n: a positive int")
+        ``lr``: its last, for the progress). Fewer than ``n`` granted: the budget is spent; ``wait``: the run
+        has not started (not every island joined)."""
+        island, credential = caller
+        self.shards.coordinator_only(context, "ReserveSteps")
         with self.lock:
             if not self._started():
-                return wire.dumps({"granted": 0, "wait": True})
-            granted = self.service.reserve_steps(island, credential, n, used=req.get("used"), loss=req.get("loss"),
-                                                 lr=req.get("lr"))
-            return wire.dumps({"granted": granted, **self._grant(island)})
+                return schema.ReserveStepsReply(granted=0, wait=True)
+            granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss, lr=req.lr)
+            return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
 
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
@@ -200,7 +191,8 @@ class SyncerServer(ShardCalls, BulkCalls):
             self.started_at = time.monotonic()
         return self.started_at is not None
 
-    def Buffered(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+    def buffered(self, caller: tuple[int, str], req: schema.BufferedRequest,
+                 context: grpc.ServicerContext) -> schema.BufferedReply:
         """The run's fragments of this shard whose buffer holds a push of the island's not merged yet.
 
         A long poll: with ``fragment`` (the run's index) and ``wait_s`` (seconds, at most
@@ -208,14 +200,8 @@ class SyncerServer(ShardCalls, BulkCalls):
         holds the island's push (merged at a quorum or its grace window), or when ``wait_s`` has passed, so an
         island waiting for its push to merge makes one call per merge, not one per poll interval (each call
         costs CPU on the syncer's host and on the island's)."""
-        island, _ = self._caller(context)
-        req = self._request(data, context)
-        fragment, wait_s = req.get("fragment"), req.get("wait_s", 0)
-        # (an int of JSON may be too large for a float: compared as it is, converted once capped)
-        if not (isinstance(wait_s, int | float) and not isinstance(wait_s, bool) and wait_s == wait_s
-                and 0 <= wait_s < math.inf):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "wait_s: a number of seconds >= 0")
-        deadline = time.monotonic() + float(min(wait_s, wire.MAX_WAIT_S))
+        island = caller[0]
+        deadline = time.monotonic() + min(req.wait_s, wire.MAX_WAIT_S)
         with self.changed:
             # an island waits on at most one call per fragment of this shard: more are answered at once, so no
             # island can hold the threads the other islands' calls need
@@ -225,65 +211,60 @@ class SyncerServer(ShardCalls, BulkCalls):
                 while True:
                     ids = [self.service.fragment_ids[j] for j in self.service.buffered(island)]
                     left = deadline - time.monotonic()
-                    if fragment not in ids or left <= 0 or not waits or not context.is_active():
-                        return wire.dumps({"buffered": ids})
+                    if req.fragment not in ids or left <= 0 or not waits or not context.is_active():
+                        return schema.BufferedReply(buffered=ids)
                     self.changed.wait(min(left, 0.5))
             finally:
                 self.waiting[island] -= waits
 
-    def Heartbeat(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        island, _ = self._caller(context)
-        self._coordinator_only(context, "Heartbeat")
+    def heartbeat(self, caller: tuple[int, str], req: schema.Empty,
+                  context: grpc.ServicerContext) -> schema.HeartbeatReply:
+        """The island is alive; answers whether the step budget is spent."""
+        self.shards.coordinator_only(context, "Heartbeat")
         with self.lock:
-            progress = self.service.heartbeat(island)
-        return wire.dumps({**progress, "spent": self.service.reserved >= self.service.budget})
+            self.service.heartbeat(caller[0])
+            return schema.HeartbeatReply(spent=self.service.reserved >= self.service.budget)
 
-    def PullMeta(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
-        """The newest version of a fragment (``{"version"}``)."""
-        self._caller(context)
-        fragment = self._fragment(self._request(data, context).get("fragment"), context)
+    def pull_meta(self, caller: tuple[int, str], req: schema.FragmentRequest,
+                  context: grpc.ServicerContext) -> schema.VersionReply:
+        """The newest version of a fragment."""
+        fragment = self.shards.fragment(req.fragment, context)
         with self.lock:
-            return wire.dumps({"version": self.service.syncer.version(fragment)})
+            return schema.VersionReply(version=self.service.syncer.version(fragment))
 
-    def Push(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+    def push(self, caller: tuple[int, str], req: schema.PushRequest,
+             context: grpc.ServicerContext) -> schema.PushReply:
         """Commit a push whose slices were uploaded (``slices``: their upload ids, the island's ranks' or one):
         decode each with the run's codec, reassemble the fragment's Δ, hand it to the syncer; answer (accepted,
         answered: merged or refused now, the version to pull)."""
-        island, credential = self._caller(context)
-        req = self._request(data, context)
-        if self.finished is not None:  # the coordinator gathered this shard: the run is over
+        island, credential = caller
+        if self.shards.finished is not None:  # the coordinator gathered this shard: the run is over
             context.abort(grpc.StatusCode.UNAVAILABLE, "the run is over")
-        ids = req.get("slices")
-        if not (isinstance(ids, list) and 0 < len(ids) <= MAX_SLICES and all(isinstance(u, str) for u in ids)):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"slices: a list of 1..{MAX_SLICES} upload ids")
-        key = "\n".join(ids)
+        key = "\n".join(req.slices)
         with self.lock:
             if key in self.answers[island]:  # a retry whose first reply was lost: the same answer
-                return wire.dumps(self.answers[island][key])
-            held = [self.uploads[island].get(u) for u in ids]
-            complete = all(h is not None and len(h.data) == h.size for h in held)
-            if complete:
-                for u in ids:
-                    self.uploads[island].pop(u, None)
-        if not complete:
+                return self.answers[island][key]
+            uploads = self.bulk.taken(island, req.slices)
+        if uploads is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "upload: incomplete or unknown; upload it again")
-        fragment, tokens = req.get("fragment"), req.get("tokens")
-        if is_index(fragment, len(self.owners)):  # this shard's syncer's index (another shard's: refused)
-            fragment = self._own(fragment, context)
-        uploads = [h for h in held if h is not None]
+        fragment, tokens, syncer = req.fragment, req.tokens, self.service.syncer
+        if fragment < len(self.shards.owners):  # this shard's syncer's index (another shard's: refused)
+            fragment = self.shards.own(fragment, context)
+        ours = fragment < syncer.fragments  # else a fragment of no run's: the syncer refuses it
         delta: Any = None  # a fragment of no run's, or a payload that does not decode: the syncer refuses it
         nbytes = 0
-        if self.service.grants is not None and is_index(fragment, self.service.syncer.fragments):
+        if self.service.grants is not None and ours:
             with self.lock:  # a shard checks the coordinator's grant first: the tokens and session it vouches for
-                if reason := self.service.admit_grant(island, req.get("grant"), req.get("session")):
+                grant = req.grant.model_dump() if req.grant is not None else None
+                if reason := self.service.admit_grant(island, grant, req.session):
                     self.service.refuse(island, fragment, reason, tokens)
-                    return wire.dumps(self._answer(island, key, False, fragment))
-        if is_index(fragment, self.service.syncer.fragments):
-            numel = self.service.syncer.numels[fragment]
+                    return self._answer(island, key, False, fragment)
+        if ours:
+            numel = syncer.numels[fragment]
             if any(h.fragment != fragment for h in uploads) or not slices.tiles([h.ranges for h in uploads], numel):
                 with self.lock:
                     self.service.refuse(island, fragment, "slices", tokens)
-                    return wire.dumps(self._answer(island, key, False, fragment))
+                    return self._answer(island, key, False, fragment)
             try:  # decoded outside the lock: a large push never holds up the other islands' calls
                 decoded = []
                 for h in uploads:
@@ -293,41 +274,50 @@ class SyncerServer(ShardCalls, BulkCalls):
                 delta = slices.assemble(numel, decoded)
             except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
                 delta = None
-        round_s = req.get("round_s")
-        msg = Push(island, fragment, delta, tokens, req.get("base_version"), nbytes=nbytes,
-                   round_s=float(round_s) if isinstance(round_s, int | float) and math.isfinite(round_s) else None,
-                   session=req.get("session"), credential=credential)
+        msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,
+                   session=req.session, credential=credential)
         with self.lock:
             accepted, pull = self.service.push(msg)
             self.changed.notify_all()
-            answer = {"accepted": accepted, "answered": pull is not None,
-                      "version": pull.version if pull is not None else None}
+            answer = schema.PushReply(accepted=accepted, answered=pull is not None,
+                                      version=pull.version if pull is not None else None)
             self._remember(island, key, answer)
-        return wire.dumps(answer)
+        return answer
 
-    def _answer(self, island: int, key: str, accepted: bool, fragment: int) -> dict[str, Any]:
+    def _answer(self, island: int, key: str, accepted: bool, fragment: int) -> schema.PushReply:
         """A push answered now (refused), remembered for a retried commit (under the lock)."""
-        answer = {"accepted": accepted, "answered": True, "version": self.service.syncer.version(fragment)}
+        answer = schema.PushReply(accepted=accepted, answered=True, version=self.service.syncer.version(fragment))
         self._remember(island, key, answer)
         return answer
 
-    def _remember(self, island: int, key: str, answer: dict[str, Any]) -> None:
+    def _remember(self, island: int, key: str, answer: schema.PushReply) -> None:
         self.answers[island][key] = answer
         while len(self.answers[island]) > ANSWERS:
             self.answers[island].popitem(last=False)
 
-    def Leave(self, data: bytes, context: grpc.ServicerContext) -> bytes:  # noqa: N802
+    def leave(self, caller: tuple[int, str], req: schema.LeaveRequest,
+              context: grpc.ServicerContext) -> schema.LeaveReply:
         """The island is done: its counters, and ``used``, the steps of its session it took (the rest of its
         lease goes back to the budget)."""
-        island, _ = self._caller(context)
-        report = self._request(data, context)
-        self._coordinator_only(context, "Leave")
-        keep = ("steps", "compute_s", "bytes_sent", "last_loss", "codec_s", "resets", "skipped_steps")
+        island = caller[0]
+        self.shards.coordinator_only(context, "Leave")
+        report = req.model_dump(exclude={"used"}, exclude_none=True)
         with self.lock:
-            returned = self.service.leave_session(island, report.get("used"))
-            self.left[island] = {k: report[k] for k in keep if isinstance(report.get(k), int | float)}
+            returned = self.service.leave_session(island, req.used)
+            self.left[island] = report
             self._save_left()
-            return wire.dumps({"ok": True, "returned": returned, **self._grant(island)})
+            return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))
+
+    def upload_status(self, caller: tuple[int, str], req: schema.UploadStatusRequest,
+                      context: grpc.ServicerContext) -> schema.ReceivedReply:
+        return self.bulk.upload_status(caller[0], req)
+
+    def finish(self, caller: tuple[int, str], req: schema.Empty,
+               context: grpc.ServicerContext) -> schema.FinishReply:
+        return self.shards.finish()
+
+    def close(self, caller: tuple[int, str], req: schema.Empty, context: grpc.ServicerContext) -> schema.OkReply:
+        return self.shards.close()
 
     def _load_left(self) -> dict[int, dict[str, Any]]:
         try:
@@ -349,23 +339,35 @@ class SyncerServer(ShardCalls, BulkCalls):
 
     # --- the run ------------------------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
-        """The service's generic handler: raw bytes in and out (no protobuf, no pickle)."""
-        methods = {name: grpc.unary_unary_rpc_method_handler(self._counted(name)) for name in wire.CONTROL}
-        methods["Upload"] = grpc.stream_unary_rpc_method_handler(self.Upload)
-        methods["Download"] = grpc.unary_stream_rpc_method_handler(self.Download)
+        """The service's generic handler: raw bytes in and out (no protobuf, no pickle). Every method is here:
+        the control methods (unary: who may call, the handler of their typed request), ``Upload``
+        (client-streaming) and ``Download`` (server-streaming)."""
+        control: dict[str, tuple[str, Handle]] = {  # name -> (who may call: island, peer; its handler)
+            "Join": ("island", self.join), "Hello": ("island", self.hello),
+            "ReserveSteps": ("island", self.reserve_steps), "Buffered": ("island", self.buffered),
+            "Heartbeat": ("island", self.heartbeat), "UploadStatus": ("island", self.upload_status),
+            "Push": ("island", self.push), "PullMeta": ("island", self.pull_meta), "Leave": ("island", self.leave),
+            "Finish": ("peer", self.finish), "Close": ("peer", self.close)}
+        assert set(control) == set(wire.CONTROL), "every control method of the wire, and only those"
+        methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, who, handle))
+                   for name, (who, handle) in control.items()}
+        methods["Upload"] = grpc.stream_unary_rpc_method_handler(self.bulk.upload)
+        methods["Download"] = grpc.unary_stream_rpc_method_handler(self.bulk.download)
         return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
 
-    def _counted(self, name: str) -> Any:
-        """The handler of control method ``name``, counting its calls (``calls`` in the status: what the
-        islands ask how often, for operators and benchmarks)."""
-        handle = getattr(self, name)
+    def _unary(self, name: str, who: str, handle: Handle) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        """Control method ``name``: count the call (``calls`` in the status: what the islands ask how often, for
+        operators and benchmarks), check who calls (``who``: an island, or a shard's ``peer``), parse its request
+        with the schema, and answer the handler's reply as JSON."""
+        model = schema.REQUESTS[name]
 
-        def counted(data: bytes, context: grpc.ServicerContext) -> bytes:
+        def unary(data: bytes, context: grpc.ServicerContext) -> bytes:
             with self.count_lock:
                 self.calls[name] = self.calls.get(name, 0) + 1
-            return handle(data, context)
+            caller = self.gate.peer(context) if who == "peer" else self.gate.caller(context)
+            return schema.encode(handle(caller, self.gate.parse(model, data, context, name), context))
 
-        return counted
+        return unary
 
     def status(self) -> dict[str, Any]:
         """What ``<out>/service/status.json`` holds. A shard of a sharded syncer says which (``shard``,
@@ -376,7 +378,7 @@ class SyncerServer(ShardCalls, BulkCalls):
         budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": list(s.steps_by_island),
                   "joins": list(s.joins), "joined": sorted(self.joined), "left": sorted(self.left)} \
             if self.coordinator else {}
-        return {**self._shard_status(), "commits": s.syncer.commits,
+        return {**self.shards.status(self.final is not None), "commits": s.syncer.commits,
                 "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
                 "refused_calls": dict(self.refused_calls), "calls": dict(self.calls),

@@ -12,12 +12,15 @@ What a push uploads is the codec's payload as it is encoded (:func:`payload_byte
 file), so the bytes on the wire are the ``nbytes`` the run reports (plus the safetensors header, about
 100 bytes); the syncer decodes it (:func:`bytes_payload`, checked against the run's codec as from a
 stranger). A pull downloads float32 values (:func:`tensor_bytes`). Nothing is ever unpickled: a payload that
-is not a JSON object or a safetensors file of the expected tensors is refused.
+is not a JSON object or a safetensors file of the expected tensors is refused, and a JSON message nested
+deeper than :data:`MAX_DEPTH` is refused before it is parsed (:func:`check_depth`). What each message holds
+is :mod:`~atoll.runtime.service.schema`'s.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -38,6 +41,8 @@ CONTROL = ("Join", "ReserveSteps", "Buffered", "Heartbeat", "UploadStatus", "Pus
 MAX_WAIT_S = 5.0
 #: the most ranges one slice may name (a sharded rank's slice: one per parameter of the fragment)
 MAX_RANGES = 1 << 16
+#: the deepest a JSON message may nest (objects and arrays; the service's own go 4 deep)
+MAX_DEPTH = 32
 #: bytes per chunk of a tensor transfer (gRPC's default message limit is 4 MiB)
 CHUNK_BYTES = 1 << 20
 #: call metadata carrying the caller's island index and its secret
@@ -58,12 +63,32 @@ def dumps(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def loads(data: bytes) -> dict[str, Any]:
-    """A JSON object from bytes.
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = re.compile(rb"[][{}]")
+
+
+def check_depth(data: bytes, limit: int = MAX_DEPTH) -> None:
+    """Check, without parsing, that the JSON text ``data`` nests objects and arrays at most ``limit`` deep (a
+    parser recurses once per level: 100,000 levels would exhaust Python's stack). Brackets inside strings do
+    not count; an unbalanced text passes here and fails its parse.
 
     Raises:
-        ValueError: not UTF-8 JSON, or not an object.
+        ValueError: nested deeper than ``limit``.
     """
+    depth = 0
+    for m in _BRACKETS.finditer(_STRINGS.sub(b"", bytes(data))):
+        depth += 1 if m.group() in (b"[", b"{") else -1
+        if depth > limit:
+            raise ValueError(f"message: JSON nested deeper than {limit} levels")
+
+
+def loads(data: bytes) -> dict[str, Any]:
+    """A JSON object from bytes, its nesting checked first (:func:`check_depth`).
+
+    Raises:
+        ValueError: nested too deep, not UTF-8 JSON, or not an object.
+    """
+    check_depth(data)
     obj = json.loads(data.decode())
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -118,18 +143,18 @@ def bytes_payload(data: bytes, codec: Codec, numel: int) -> Encoded:
 
 
 def parse_ranges(obj: Any, numel: int) -> tuple[tuple[int, int], ...]:
-    """A slice's ranges of a fragment of ``numel`` values, from JSON (``[[start, stop], ...]``), checked: ints,
+    """A slice's ranges of a fragment of ``numel`` values (``[[start, stop], ...]``, lists or tuples), checked: ints,
     ``0 <= start < stop <= numel``, ascending and disjoint, at most :data:`MAX_RANGES`.
 
     Raises:
         ValueError: anything else (one line).
     """
-    if not isinstance(obj, list) or not 0 < len(obj) <= MAX_RANGES:
+    if not isinstance(obj, list | tuple) or not 0 < len(obj) <= MAX_RANGES:
         raise ValueError(f"ranges: a list of 1..{MAX_RANGES} [start, stop] pairs")
     out, end = [], 0
     for r in obj:
-        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
-                and end <= r[0] < r[1] <= numel):
+        if not (isinstance(r, list | tuple) and len(r) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in r) and end <= r[0] < r[1] <= numel):
             raise ValueError(f"ranges: {str(r)[:40]} is not an ascending [start, stop] within 0..{numel}")
         out.append((r[0], r[1]))
         end = r[1]
