@@ -11,11 +11,9 @@ every run reads plus the chosen strategy's and runtime's configs (the tree), sel
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
-
-S = TypeVar("S", bound="Section")
 
 
 class Section(BaseModel):
@@ -45,11 +43,6 @@ class Section(BaseModel):
             if ("str" in annotation or "Path" in annotation) and "list" not in annotation:
                 raise ValueError("empty; pass a value, or leave the setting out for its default")
         return value
-
-    @classmethod
-    def of(cls: type[S], config: Any) -> S:
-        """This section's values taken from a whole config (any object with these attributes)."""
-        return cls.model_construct(**{name: getattr(config, name) for name in cls.model_fields})
 
 
 class StrategyConfig(Section):
