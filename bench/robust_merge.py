@@ -77,7 +77,7 @@ def train(settings: dict[str, Any], hostile: int | None, scale: float) -> dict[s
 
     config = TrainConfig(**settings)
     run = Run(config)
-    sim = Simulation(config, run)
+    sim = Simulation.of_run(config, run)
     if hostile is not None:
         flip_pushes(sim.syncer, hostile, scale)
     run.begin(restore=sim.restore)

@@ -152,7 +152,7 @@ def test_a_run_whose_island_is_refused_throughout_stops_and_says_so(fast_config:
     config = TrainConfig(**{**fast_config, "strategy": "decoupled", "steps": 120, "codec": "fp32", "fragments": 1,
                             "eval_every": 1000, "checkpoint_every": 1000})
     run = Run(config)
-    sim = Simulation(config, run)
+    sim = Simulation.of_run(config, run)
     flip_pushes(sim.syncer, 1, -1e-4)  # -(-1e-4) x its honest Δ
     run.begin(restore=sim.restore)
     sim.diverged = until_diverged(sim.run_events, False)

@@ -30,6 +30,8 @@ class RunFacts:
         step_batch_size: sequences one island consumes per inner step (grad_accum x batch_size).
         seq_len: tokens per training sequence.
         init_from: the run folder whose weights the model starts from (a warm start), or None.
+        evaluate_every: inner steps between two evaluations of the global model.
+        checkpoint_every: inner steps between two checkpoints (0: only at the end).
     """
 
     strategy: str
@@ -43,6 +45,8 @@ class RunFacts:
     init_from: Path | None = None
     step_batch_size: int = 0
     seq_len: int = 0
+    evaluate_every: int = 1
+    checkpoint_every: int = 0
 
     @classmethod
     def of(cls, config: Any) -> RunFacts:
@@ -50,7 +54,8 @@ class RunFacts:
         return cls(strategy=config.strategy, islands=config.islands, steps=config.steps, seed=config.seed,
                    out=config.out, device=config.device, speeds=tuple(config.speeds),
                    tokens_per_step=config.tokens_per_step, init_from=config.init_from,
-                   step_batch_size=config.step_batch_size, seq_len=config.seq_len)
+                   step_batch_size=config.step_batch_size, seq_len=config.seq_len,
+                   evaluate_every=config.evaluate_every, checkpoint_every=config.checkpoint_every)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from atoll.analysis.chaos import GIVE_UP_FACTOR, FailureTrace
+from atoll.config.facts import RunFacts
 from atoll.errors import CheckpointError
 from atoll.job import stop
 from atoll.job.device import island_devices
@@ -57,16 +58,19 @@ from atoll.job.divergence import Diverged, check_eval, check_resets, island_extr
 from atoll.job.evaluation import IslandEvaluator
 from atoll.job.metrics import ProgressDisplay
 from atoll.job.run import Run
-from atoll.runtime.decoupled_job import island_steps, job_of, syncer_of
+from atoll.runtime.decoupled_job import job_of
 from atoll.runtime.decoupled_job import own as decoupled_config
 from atoll.runtime.network import Link
 from atoll.runtime.sim_state import SimState, Transfer, Waiter
+from atoll.strategies.decoupled import DecoupledConfig, make_syncer
 from atoll.strategies.decoupled.accounting import token_buckets
-from atoll.strategies.decoupled.island import IslandWorker, save_path
+from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
 from atoll.strategies.decoupled.progress import progress_detail, syncer_events
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
+    from atoll.config.runtimes import LocalConfig
+    from atoll.config.sections import ScheduleSection
 
 LOG_EVERY = 10  # mean inner steps per island between two ``train`` events
 
@@ -75,34 +79,41 @@ class Simulation:
     """A decoupled run's islands and syncer in one process, on simulated clocks (see the module docstring).
 
     Args:
-        config: the run's settings (``strategy="decoupled"``, ``runtime="local"``).
+        own: the decoupled strategy's settings (speeds, the simulated step, failures, codec, fragments).
+        link: the ``local`` runtime's simulated links (bandwidth, latency).
+        facts: the run's facts (islands, steps, seed, device, tokens per step, evaluation and checkpoint cadence).
+        schedule: the run's learning-rate schedule (a diverged run's advice names its settings).
         run: the run's bookkeeping (its data, model, events and checkpoints).
-
-    Raises:
-        ConfigError: the model cannot be cut into ``fragments``.
+        job: what every island shares (its fragments, data and initial parameters).
     """
 
-    def __init__(self, config: TrainConfig, run: Run) -> None:
-        self.config, self.run = config, run
-        self.own = own = decoupled_config(config)  # the strategy's settings: speeds, clock, failures
-        self.job = job_of(config, run.data, run.model)
-        self.K, self.speeds = config.islands, config.speeds
+    def __init__(self, own: DecoupledConfig, link: LocalConfig, facts: RunFacts, schedule: ScheduleSection,
+                 run: Run, job: Job) -> None:
+        self.own, self.facts, self.lr_schedule, self.run, self.job = own, facts, schedule, run, job
+        self.K, self.speeds = facts.islands, list(facts.speeds)
         self.credentials = [secrets.token_hex(16) for _ in range(self.K)]  # each island pushes only as itself
-        self.syncer = syncer_of(config, self.job.init_flat, self.job.index, self.credentials)
-        self.link = Link.from_config(config.runtime_config.link_bandwidth_mbps, config.runtime_config.link_latency_ms)
-        self.trace = FailureTrace.from_spec(own.chaos, self.K, config.seed) if own.chaos else None
-        devices = island_devices(self.K, config.device)  # GPUs round-robin, or all on one device
-        self.workers = [IslandWorker(i, self.job, n, devices[i]) for i, n in enumerate(island_steps(config))]
+        self.syncer = make_syncer(own, facts, self.job.init_flat, self.job.index, self.credentials, timeout_s=None)
+        self.link = Link.from_config(link.link_bandwidth_mbps, link.link_latency_ms)
+        self.trace = FailureTrace.from_spec(own.chaos, self.K, facts.seed) if own.chaos else None
+        devices = island_devices(self.K, facts.device)  # GPUs round-robin, or all on one device
+        steps = expected_steps(own, facts.islands, facts.steps)
+        self.workers = [IslandWorker(i, self.job, n, devices[i]) for i, n in enumerate(steps)]
         self.frag_bytes = [int(idx.numel()) * 4 for idx in self.job.index]
-        self.budget = self.K * config.steps
+        self.budget = self.K * facts.steps
         self.st = SimState.new(self.K, self.syncer.fragments)
         self.gave_up = False
         self.starved = ""  # why the run stopped early because an island's pushes were all refused ("": it did not)
         self.diverged: Diverged | None = None  # set when the job diverged (atoll.job.divergence): it stopped
         self.restored_done: int | None = None  # inner steps done at the checkpoint resumed (None: a new run)
         self.bar: ProgressDisplay | None = None  # the live progress (train_simulated sets it)
-        self.ideal_rate = sum(config.tokens_per_step * s / own.sim_step_s for s in self.speeds)  # tokens/s
+        self.ideal_rate = sum(facts.tokens_per_step * s / own.sim_step_s for s in self.speeds)  # tokens/s
         self.evaluator = IslandEvaluator(self.workers[0].island, run.val, self.job.init_flat)
+
+    @classmethod
+    def of_run(cls, config: TrainConfig, run: Run) -> Simulation:
+        """The simulation of a whole run's ``config`` (its driver's, :func:`train_simulated`)."""
+        return cls(decoupled_config(config), config.runtime_config, RunFacts.of(config), config, run,
+                   job_of(config, run.data, run.model))
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's state (the syncer, every island, the clocks and pending events)."""
@@ -131,7 +142,7 @@ class Simulation:
                     self.schedule(i, self.trace.next_outage(i, st.failed_at[i])[1], "rejoin")  # type: ignore[union-attr, arg-type]
                 else:
                     self.next_step(i)
-        give_up_at = GIVE_UP_FACTOR * self.config.steps * self.own.sim_step_s / min(self.speeds)
+        give_up_at = GIVE_UP_FACTOR * self.facts.steps * self.own.sim_step_s / min(self.speeds)
         handlers = {"step": self.on_step, "push": self.on_push, "pull": self.on_pull, "fail": self.on_fail,
                     "rejoin": self.on_rejoin}
         while st.queue or syncer.next_deadline() is not None:
@@ -179,7 +190,7 @@ class Simulation:
                 self.schedule(i, max(down, t), "fail")
                 return
         st.started += 1
-        self.syncer.grant(i, self.config.tokens_per_step)  # the ledger that bounds the island's token claims
+        self.syncer.grant(i, self.facts.tokens_per_step)  # the ledger that bounds the island's token claims
         self.schedule(i, t + dur, "step")
 
     # --- one method per event ----------------------------------------------------------------------------
@@ -309,8 +320,8 @@ class Simulation:
 
     def report(self, w: IslandWorker) -> None:
         """The ``train``/``eval`` events and checkpoints due after a finished inner step."""
-        st, config, run, K = self.st, self.config, self.run, self.K
-        tps = config.tokens_per_step
+        st, facts, run, K = self.st, self.facts, self.run, self.K
+        tps = facts.tokens_per_step
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0], island_loss=list(st.last_loss),
@@ -318,11 +329,11 @@ class Simulation:
             run.events.note_resets(st.done // K, resets := [w.island.reset_count for w in self.workers], max(st.clock))
             check_resets(st.done // K, sum(resets), K)
         eval_loss = None
-        if st.done % (K * config.evaluate_every) == 0 and st.done < self.budget:
+        if st.done % (K * facts.evaluate_every) == 0 and st.done < self.budget:
             eval_loss = run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
                                      sum(st.bytes_sent) / K, max(st.clock))
             check_eval(st.done // K, eval_loss, run.data.vocab_size)
-        if checkpointed := (config.checkpoint_every and st.done % (K * config.checkpoint_every) == 0
+        if checkpointed := (facts.checkpoint_every and st.done % (K * facts.checkpoint_every) == 0
                             and st.done < self.budget):
             self.checkpoint(st.done // K)
         if st.done % K == 0 and st.done < self.budget:  # once per mean inner step; the last one: finish()
@@ -339,7 +350,7 @@ class Simulation:
         st, K = self.st, self.K
         stepped = [x for x in st.last_loss if not math.isnan(x)]  # islands that have not stepped: no loss yet
         self.bar.update(st.done // K, sum(stepped) / len(stepped) if stepped else None,
-                        (st.done - K * self.run.start_step) * self.config.tokens_per_step
+                        (st.done - K * self.run.start_step) * self.facts.tokens_per_step
                         / max(1e-9, self.run.wall_s() - self.run.prior_wall_s), sum(st.bytes_sent) / K,
                         eval_loss=eval_loss, detail=progress_detail(
                             [w.steps for w in self.workers], self.syncer.commits, self.syncer.staleness,
@@ -355,7 +366,7 @@ class Simulation:
 
     def finish(self) -> dict[str, Any]:
         """Every live island pushes what it has not pushed, the syncer merges every buffer; the summary."""
-        st, syncer, config, K, tps = self.st, self.syncer, self.config, self.K, self.config.tokens_per_step
+        st, syncer, facts, K, tps = self.st, self.syncer, self.facts, self.K, self.facts.tokens_per_step
         alive = [i for i in range(K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i]]
         for i in sorted(alive if self.diverged is None else [], key=lambda j: (st.clock[j], j)):
             w = self.workers[i]
@@ -377,12 +388,12 @@ class Simulation:
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
         self.run.events.note_resets(st.done // K, [w.island.reset_count for w in self.workers], sim_wall_s)
         # a finished run resumed with no more steps: its final eval and checkpoint are in the log already
-        again = self.restored_done is not None and st.done == self.restored_done and self.run.start_step == config.steps
-        final_eval = None if again else self.run.log_eval(config.steps, st.done * tps, syncer.global_params(),
+        again = self.restored_done is not None and st.done == self.restored_done and self.run.start_step == facts.steps
+        final_eval = None if again else self.run.log_eval(facts.steps, st.done * tps, syncer.global_params(),
                                                           sum(st.bytes_sent) / K, sim_wall_s)
         self.show_progress(final_eval, sim_wall_s)  # the last line: after the final merges, as the summary
         if self.diverged is None and not again:  # a diverged run keeps its last good checkpoint
-            self.checkpoint(config.steps)
+            self.checkpoint(facts.steps)
         stats = syncer.stats()  # the syncer's token buckets, and the run's: lost, on the wire (if it gave up)
         buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
                                 [self.on_the_wire(i) for i in range(K)])
@@ -403,7 +414,7 @@ class Simulation:
             measured_compute_s=[w.island.compute_s for w in self.workers], eval_s=self.evaluator.seconds,
             codec_s=[w.wire.codec_s[0] for w in self.workers],
             timeline=True,
-            **island_extras(config.strategy_config, config, [w.island for w in self.workers], self.diverged))
+            **island_extras(self.own, self.lr_schedule, [w.island for w in self.workers], self.diverged))
 
 
 def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
@@ -415,7 +426,7 @@ def train_simulated(config: TrainConfig, resume: bool = False) -> dict[str, Any]
     (steps per island, merges, staleness, goodput so far) is shown as for every run (``--progress``).
     """
     run = Run(config, resume)
-    sim = Simulation(config, run)
+    sim = Simulation.of_run(config, run)
     run.evaluator = sim.evaluator  # on the islands' device (island 0's), as lockstep runs
     run.begin(restore=sim.restore)
     with ProgressDisplay(config.steps, run.start_step, config.progress, every=config.progress_every) as sim.bar:
