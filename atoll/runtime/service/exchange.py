@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -43,17 +42,11 @@ from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
 from atoll.runtime.service import schema, slices, wire
+from atoll.runtime.service.agreement import DONE, READY, UP, VMIN, VNEG, Agreement, at
 from atoll.runtime.service.client import GO, WAIT, StepLease, SyncerClient, UploadLost
 from atoll.runtime.service.group import IslandGroup
 from atoll.runtime.service.slices import Part, Ranges
 from atoll.strategies.decoupled.protocol import Pull, Push
-
-#: what a rank sends for a value of the agreement only another rank knows (the all-reduce takes the minimum)
-INF = 2**63 - 1
-#: per fragment, the agreement's entries: the push whose slices are uploaded; the push the leader committed
-#: and saw merged; the push whose slices are downloaded; the version downloaded (its minimum, and its
-#: maximum as the minimum of its negation)
-UP, READY, DONE, VMIN, VNEG = range(5)
 
 
 @dataclass(frozen=True)
@@ -161,17 +154,15 @@ class ServiceTransport:
         fragments = len(plan.numels)
         self.session, self.lease, self.poll_s, self.route = session, lease, poll_s, route or [client] * fragments
         self.ranks_move = not plan.leader_moves and group.size > 1
-        self.local = [INF] * (1 + 5 * fragments)
+        self.agreement = Agreement(group, fragments)
         for p in range(fragments):
             if self.ranks_move and plan.moves(p):
-                self.local[self._at(p, UP)] = 0
+                self.agreement.local[at(p, UP)] = 0
             if group.leader:
-                self.local[self._at(p, READY)] = 0
+                self.agreement.local[at(p, READY)] = 0
             if plan.moves(p):
-                self.local[self._at(p, DONE)] = 0
-        self.agreed = list(self.local)
-        self._cond = threading.Condition()
-        self._closed = False
+                self.agreement.local[at(p, DONE)] = 0
+        self.agreement.agreed = list(self.agreement.local)
         self.count = [0] * fragments  # exchanges started per fragment (their number k)
         self.pending: dict[int, int] = {}  # fragment -> the exchange k in progress
         self.futures: dict[int, Future[None]] = {}
@@ -187,44 +178,10 @@ class ServiceTransport:
             self._beat.start()
 
     # --- the agreement ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _at(p: int, what: int) -> int:
-        return 1 + 5 * p + what
-
-    def _set(self, p: int, what: int, value: int) -> None:
-        with self._cond:
-            self.local[self._at(p, what)] = value
-            self._publish()
-
-    def _publish(self) -> None:
-        """(Under the lock.) An island of one rank agrees with itself at once."""
-        if self.group.size == 1:
-            self.agreed = list(self.local)
-            self._cond.notify_all()
-
-    def _agree(self) -> list[int]:
-        """One round of the agreement (collective): every rank's entries, reduced to their minimum."""
-        with self._cond:
-            local = torch.tensor(self.local, dtype=torch.int64)
-        agreed = self.group.agree(local).tolist()
-        with self._cond:
-            self.agreed = agreed
-            self._cond.notify_all()
-        return agreed
-
-    def _wait(self, ready: Callable[[list[int]], bool]) -> list[int]:
-        """(An exchange thread.) Wait until the agreement says ``ready``; the agreement then."""
-        with self._cond:
-            while not ready(self.agreed):
-                if self._closed:
-                    raise RuntimeError("the island's transport closed while an exchange waited")
-                self._cond.wait(1.0)
-            return list(self.agreed)
-
     def _arrived(self, agreed: list[int], p: int) -> bool:
         """Has exchange ``pending[p]`` ended on every rank, with the same version everywhere?"""
         k = self.pending[p]
-        return agreed[self._at(p, DONE)] >= k and agreed[self._at(p, VMIN)] == -agreed[self._at(p, VNEG)]
+        return agreed[at(p, DONE)] >= k and agreed[at(p, VMIN)] == -agreed[at(p, VNEG)]
 
     def _check(self) -> None:
         """Raise an exchange thread's error on the main thread."""
@@ -238,10 +195,8 @@ class ServiceTransport:
         rank learns whether to take it, with the agreement of this step."""
         while True:
             if self.lease is not None:
-                go = self.lease.take()
-                with self._cond:
-                    self.local[0] = go
-            agreed = self._agree()
+                self.agreement.update({0: self.lease.take()})
+            agreed = self.agreement.agree()
             if agreed[0] != WAIT:
                 return agreed[0] == GO
             self._check()
@@ -290,7 +245,7 @@ class ServiceTransport:
 
     def arrived(self) -> list[Pull]:
         """The fragments the last agreement found pulled by every rank, assembled (collective)."""
-        return self._collect([p for p in sorted(self.pending) if self._arrived(self.agreed, p)])
+        return self._collect([p for p in sorted(self.pending) if self._arrived(self.agreement.agreed, p)])
 
     def settle(self, fragment: int) -> list[Pull]:
         """Agree until fragment's exchange has ended on every rank (and with it any other that did)."""
@@ -301,7 +256,7 @@ class ServiceTransport:
 
     def _drain(self) -> list[Pull]:
         """One round of the agreement and the exchanges it finds ended (a short sleep if none)."""
-        agreed = self._agree()
+        agreed = self.agreement.agree()
         done = [p for p in sorted(self.pending) if self._arrived(agreed, p)]
         if not done:
             self._check()
@@ -320,9 +275,7 @@ class ServiceTransport:
         """Stop: the heartbeats end, and exchanges waiting for the agreement raise (an island that stops on an
         error does not wait for them)."""
         self._stop.set()
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        self.agreement.close()
         self.pool.shutdown(wait=False)
 
     def _collect(self, fragments: list[int]) -> list[Pull]:
@@ -339,7 +292,7 @@ class ServiceTransport:
     def _assemble(self, p: int) -> Pull:
         """What this rank holds of fragment p, as the island pulled it (collective over the island)."""
         plan, group = self.plan, self.group
-        version = self.agreed[self._at(p, VMIN)]
+        version = self.agreement.entry(p, VMIN)
         mine = self.pulled.pop(p, (version, torch.empty(0)))[1]
         if group.size == 1:
             values = mine
@@ -362,31 +315,28 @@ class ServiceTransport:
         if self.ranks_move and plan.moves(p):
             if out is not None and out.payload is not None:
                 client.upload(wire.payload_bytes(out.payload), p, plan.moved(p), self._upload_id(p, k, plan.rank))
-            self._set(p, UP, k)
+            self.agreement.set(p, UP, k)
         if self.group.leader:
             if out is not None:
-                self._wait(lambda a: a[self._at(p, UP)] >= k)  # every slice is up
+                self.agreement.wait(lambda a: a[at(p, UP)] >= k)  # every slice is up
                 self._commit(p, k, out)
-            self._set(p, READY, k)
+            self.agreement.set(p, READY, k)
         if not plan.moves(p):
             return
-        self._wait(lambda a: a[self._at(p, READY)] >= k)
+        self.agreement.wait(lambda a: a[at(p, READY)] >= k)
         while True:  # until every rank holds the same version (a commit may fall between two ranks' downloads)
             version, values = client.download(p, plan.moved(p) if self.ranks_move else None)
-            with self._cond:
-                self.pulled[p] = (version, values)
-                self.local[self._at(p, DONE)] = k
-                self.local[self._at(p, VMIN)], self.local[self._at(p, VNEG)] = version, -version
-                self._publish()
+            self.pulled[p] = (version, values)  # (read on the main thread once the agreement says DONE)
+            self.agreement.update({at(p, DONE): k, at(p, VMIN): version, at(p, VNEG): -version})
             if self._settled(p, k, version):
                 return
 
     def _settled(self, p: int, k: int, version: int) -> bool:
         """Wait until every rank downloaded exchange k of fragment p: True when they hold the same version,
         False when this rank's ``version`` is older than another's (it downloads again)."""
-        agreed = self._wait(lambda a: a[self._at(p, DONE)] >= k and (
-            a[self._at(p, VMIN)] == -a[self._at(p, VNEG)] or version < -a[self._at(p, VNEG)]))
-        return agreed[self._at(p, VMIN)] == -agreed[self._at(p, VNEG)]
+        agreed = self.agreement.wait(lambda a: a[at(p, DONE)] >= k and (
+            a[at(p, VMIN)] == -a[at(p, VNEG)] or version < -a[at(p, VNEG)]))
+        return agreed[at(p, VMIN)] == -agreed[at(p, VNEG)]
 
     def _commit(self, p: int, k: int, out: Outgoing) -> None:
         """(The leader.) Commit push k of fragment p, then wait until it has left the syncer's buffer."""
