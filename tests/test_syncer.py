@@ -27,7 +27,7 @@ def test_token_weighted_merge_equals_the_formula() -> None:
         s.push(Push(i, 0, deltas[i], tokens[i], 0))
     expected = theta - 0.5 * sum(t * d for t, d in zip(tokens, deltas, strict=True)) / sum(tokens)
     torch.testing.assert_close(s.global_params(), expected, rtol=0, atol=1e-6)
-    assert s.commits == 1 and s.quorum_sizes == [3] and s.version(0) == 1
+    assert s.commits == 1 and list(s.quorum_sizes.recent) == [3] and s.version(0) == 1
 
 
 def test_one_island_full_quorum_lr1_momentum0_is_plain_averaging() -> None:
@@ -54,14 +54,14 @@ def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:
     # the grace window is 0.5 x the median measured round time (4 s), opened at the first push
     assert s.next_deadline() == (3.0, 0)
     assert s.poll(2.9) == 0 and s.version(0) == 0
-    assert s.poll(3.0) == 1 and s.version(0) == 1 and s.quorum_sizes == [1]
+    assert s.poll(3.0) == 1 and s.version(0) == 1 and list(s.quorum_sizes.recent) == [1]
     torch.testing.assert_close(s.global_params(), torch.ones(10))
     # two distinct islands reach the quorum: merged at once, divided by what they contributed
     s.push(Push(1, 0, torch.full((10,), -1.0), 10, 1, round_s=4.0), now=5.0)
     assert s.push(Push(1, 0, torch.full((10,), -2.0), 10, 1), now=5.5).reason == "replay", "one push per version"
     assert s.push(Push(2, 0, torch.full((10,), -3.0), 20, 1), now=6.0).committed == 1
     torch.testing.assert_close(s.global_params(), torch.full((10,), 1.0 + (10 + 60) / 30))
-    assert s.quorum_sizes == [1, 2] and s.next_deadline() is None
+    assert list(s.quorum_sizes.recent) == [1, 2] and s.next_deadline() is None
 
 
 def test_partial_merge_is_scaled_by_the_share_of_islands() -> None:
@@ -93,7 +93,7 @@ def test_staleness_discount_and_max_staleness() -> None:
     s2.push(Push(2, 0, torch.full((4,), 0.0), 10, 0))   # staleness 1: weight 5
     expected = 1.0 + (30 + 30 + 0) / 25
     torch.testing.assert_close(s2.global_params(), torch.full((4,), expected))
-    assert s2.staleness == [0, 0, 0, 0, 0, 1]
+    assert list(s2.staleness.recent) == [0, 0, 0, 0, 0, 1]
 
 
 @pytest.mark.parametrize(("bad", "reason"), [
@@ -351,11 +351,12 @@ def test_minimum_quorum_opens_the_grace_window() -> None:
     assert s.next_deadline() == (math.inf, 0) and s.poll(1e9) == 0, "short of K: waits for islands, not the clock"
     s.push(Push(1, 0, torch.ones(2), 10, 0, round_s=4.0), now=2.0)
     assert s.next_deadline() == (6.0, 0), "the window opens at the K-th push: 1 x the median round (4 s)"
-    assert s.poll(6.0) == 1 and s.quorum_sizes == [2] and s.merge_waits == [(4.0, 4.0)]
+    assert s.poll(6.0) == 1 and list(s.quorum_sizes.recent) == [2]
+    assert s.merge_waits.last == (4.0, 4.0) and s.merge_waits.count == 1
     # a quorum of 1 merges every push as it arrives: none waits
     s = Syncer(torch.zeros(2), None, islands=2, quorum=1)
     s.push(Push(0, 0, torch.ones(2), 10, 0, round_s=4.0), now=7.0)
-    assert s.merge_waits == [(0.0, 4.0)]
+    assert s.merge_waits.last == (0.0, 4.0) and s.merge_waits.summary()["merge_wait_max_s"] == 0.0
 
 
 def test_slack_grace_window_waits_within_what_the_overlap_leaves() -> None:
@@ -428,7 +429,7 @@ def test_minimum_quorum_merges_the_pushes_in_when_the_window_closes() -> None:
     s = Syncer(torch.zeros(2), None, min_quorum=1, **kw)
     s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
     assert s.next_deadline() == (2.0, 0) and s.poll(1.9) == 0
-    assert s.poll(2.0) == 1 and s.quorum_sizes == [1]
+    assert s.poll(2.0) == 1 and list(s.quorum_sizes.recent) == [1]
     # one island of 3 merged alone: its delta scaled by 1/3 (scale_partial), stepped with lr 1
     torch.testing.assert_close(s.global_params(), -d0 / 3)
     # K = 1, a second island in before the window closes: both merged, token-weighted (equal tokens: the mean)
@@ -436,14 +437,14 @@ def test_minimum_quorum_merges_the_pushes_in_when_the_window_closes() -> None:
     s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
     s.push(Push(1, 0, d1, 10, 0, round_s=2.0), now=1.0)
     assert s.next_deadline() == (2.0, 0), "the window runs from the K-th (first) push, not the latest"
-    assert s.poll(2.0) == 1 and s.quorum_sizes == [2]
+    assert s.poll(2.0) == 1 and list(s.quorum_sizes.recent) == [2]
     torch.testing.assert_close(s.global_params(), -(d0 + d1) / 2 * (2 / 3))
     # K = 2: one push waits for a second island however long; the second opens the window, whose close merges 2
     s = Syncer(torch.zeros(2), None, min_quorum=2, **kw)
     s.push(Push(0, 0, d0, 10, 0, round_s=2.0), now=0.0)
     assert s.poll(1e6) == 0 and s.next_deadline() == (math.inf, 0)
     s.push(Push(1, 0, d1, 10, 0, round_s=2.0), now=5.0)
-    assert s.next_deadline() == (7.0, 0) and s.poll(7.0) == 1 and s.quorum_sizes == [2]
+    assert s.next_deadline() == (7.0, 0) and s.poll(7.0) == 1 and list(s.quorum_sizes.recent) == [2]
 
 
 def test_the_runs_syncer_takes_the_merge_settings_and_their_defaults() -> None:

@@ -55,7 +55,7 @@ def test_a_claimed_round_time_cannot_stall_the_merges_of_a_full_quorum() -> None
     assert s.push(Push(0, 0, _honest(0, 21), TOK, s.version(0), round_s=0.9), now=21.0).accepted
     deadline, fragment = s.next_deadline()  # type: ignore[misc]
     assert fragment == 0 and deadline <= 21.0 + 2.0, deadline
-    assert s.poll(21.0 + 2.0) == 1 and s.quorum_sizes[-1] == 1
+    assert s.poll(21.0 + 2.0) == 1 and s.quorum_sizes.recent[-1] == 1
     # a claim is clamped to the seconds since the island's own previous push of the fragment
     assert s.round_time(1e300, 0.98) == 0.98 and s.round_time(0.5, 0.98) == 0.5
     assert s.round_time(float("nan"), 1.0) is None and s.round_time(True, 1.0) is None
@@ -99,7 +99,7 @@ def test_banked_tokens_buy_no_more_weight_or_norm_than_one_round() -> None:
     # at the bound of one round's tokens (9x its Δ, sign-flipped) it is accepted, and weighs one island's share
     s, honest_round = _banked()
     result, moved = _merge_round_13(s, Push(4, 0, -9.0 * _honest(4, 13), 10 * TOK, s.version(0), round_s=0.9))
-    assert result.accepted and s.quorum_sizes[-1] == 5  # type: ignore[attr-defined]
+    assert result.accepted and s.quorum_sizes.recent[-1] == 5  # type: ignore[attr-defined]
     assert -1.5 < moved / honest_round < 0.0, moved / honest_round  # (4 - 9) / 5 = -1, not (4 - 90) / 14 = -6
     assert s.stats()["merged_tokens_by_island"][4] == 13 * TOK  # its tokens still count as merged
 

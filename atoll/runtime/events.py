@@ -353,7 +353,7 @@ class Simulation:
                         (st.done - K * self.run.start_step) * self.facts.tokens_per_step
                         / max(1e-9, self.run.wall_s() - self.run.prior_wall_s), sum(st.bytes_sent) / K,
                         eval_loss=eval_loss, detail=progress_detail(
-                            [w.steps for w in self.workers], self.syncer.commits, self.syncer.staleness,
+                            [w.steps for w in self.workers], self.syncer.commits, self.syncer.staleness.recent,
                             self.syncer.merged_tokens / now / self.ideal_rate if now > 0 else None,
                             [i for i in range(K) if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]]))
 

@@ -457,5 +457,5 @@ class SyncerService:
                 "run_s": now - start if start is not None else 0.0,
                 "steps_by_island": list(self.steps_by_island), "loss_by_island": list(self.last_loss),
                 "lr_by_island": list(self.last_lr), "bytes_by_island": list(self.bytes_by_island),
-                "staleness": self.syncer.staleness[-RECENT:], "merged_tokens": self.syncer.merged_tokens,
+                "staleness": list(self.syncer.staleness.recent)[-RECENT:], "merged_tokens": self.syncer.merged_tokens,
                 "events": events}

@@ -53,23 +53,18 @@ def syncer_stats(s: Any) -> dict[str, Any]:
     """The summary's counts of a :class:`~atoll.strategies.decoupled.syncer.Syncer` ``s``: commits, pushes
     accepted and refused (by reason, and per island and reason), staleness, quorum sizes, merge waits, the
     robust merge and its measured seconds, and the tokens pushed per island by what became of them."""
-    st, qs = s.staleness, s.quorum_sizes
+    st, qs = s.staleness, s.quorum_sizes  # (tallies: atoll.strategies.decoupled.tallies)
     return {
         "commits": s.commits, "accepted_updates": s.accepted_updates,
         "rejected_updates": s.rejected_updates, "rejected_by_reason": dict(s.rejected_by_reason),
         "rejected_by_island": {k: list(v) for k, v in s.admission.rejected_by_island.items()},
         "robust_merge": s.robust_merge, "merge_s": s.merge_s, "stale_updates": s.stale_updates,
         "replaced_updates": s.replaced_updates,
-        "quorum": s.quorum, "quorum_size_mean": sum(qs) / len(qs) if qs else 0.0,
-        "quorum_size_min": min(qs, default=0), "quorum_size_max": max(qs, default=0),
-        "quorum_size_counts": {str(k): qs.count(k) for k in sorted(set(qs))},
-        "staleness_mean": sum(st) / len(st) if st else 0.0, "staleness_max": max(st, default=0),
-        "staleness_counts": {str(k): st.count(k) for k in sorted(set(st))},
+        "quorum": s.quorum, "quorum_size_mean": qs.mean(),
+        "quorum_size_min": qs.least(), "quorum_size_max": qs.greatest(), "quorum_size_counts": qs.histogram(),
+        "staleness_mean": st.mean(), "staleness_max": st.greatest(), "staleness_counts": st.histogram(),
         # buffers' waits for a quorum; merges' overruns of their window (> 0 only on Ray's call-driven clock)
-        "merge_wait_max_s": max((w for w, _ in s.merge_waits), default=0.0),
-        "merge_wait_mean_s": sum(w for w, _ in s.merge_waits) / len(s.merge_waits) if s.merge_waits else 0.0,
-        "grace_window_max_s": max((g for _, g in s.merge_waits), default=0.0),
-        "merge_overrun_max_s": max((w - g for w, g in s.merge_waits if g >= 0), default=0.0),
+        **s.merge_waits.summary(),
         # per island, the tokens pushed by what became of them (times fragment share, as merged_tokens)
         **{f"{k}_tokens_by_island": list(v) for k, v in s.tokens_by_outcome.items()},
     }

@@ -79,6 +79,7 @@ from atoll.strategies.decoupled.island_record import OUTCOMES, IslandRecord
 from atoll.strategies.decoupled.journal import Journal
 from atoll.strategies.decoupled.merge_rules import MergeRules, transfer_s
 from atoll.strategies.decoupled.protocol import Pull, Push, PushResult, is_index
+from atoll.strategies.decoupled.tallies import MergeWaits, Tally
 from atoll.strategies.decoupled.trust import Admission
 
 log = logging.getLogger("atoll.syncer")
@@ -154,9 +155,9 @@ class Syncer:
         self.replaced_updates = 0  # accepted pushes replaced in their buffer by a newer one of the same island
         self.accepted_updates = 0
         self.commits = 0
-        self.quorum_sizes: list[int] = []   # distinct islands merged by each commit
-        self.staleness: list[int] = []      # staleness of every merged push
-        self.merge_waits: list[tuple[float, float]] = []  # per timed merge: (seconds waited, grace window; -1: none)
+        self.quorum_sizes = Tally()  # distinct islands merged by each commit
+        self.staleness = Tally()     # staleness of every merged push
+        self.merge_waits = MergeWaits()  # per timed merge: seconds waited, grace window (-1: none)
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
         self._means = [torch.empty(n) for n in self.numels]  # per fragment: where its Δ̄ is summed (lazy pages)
         self.journal = Journal()  # its merges and refusals, for the run events; drained by the runtime, not saved
@@ -348,8 +349,8 @@ class Syncer:
         pushes, self.buffers[fragment] = buf.pushes, Buffer()
         if now is not None and pushes:
             opened = len(pushes) >= self.rules.min_quorum  # its window's wait (short of K: from the first push)
-            self.merge_waits.append((now - (buf.opened_at if opened else buf.first_at),
-                                     buf.grace_s if math.isfinite(buf.grace_s) else -1.0))
+            self.merge_waits.add(now - (buf.opened_at if opened else buf.first_at),
+                                 buf.grace_s if math.isfinite(buf.grace_s) else -1.0)
             for p in pushes:
                 self.per_island[p.island].last_wait[fragment] = now - p.arrived_at
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
@@ -377,8 +378,8 @@ class Syncer:
         self.outer[fragment].step(mean)
         self.journal.merged(fragment, self.version(fragment), {p.island for p in kept}, now)
         self.commits += 1
-        self.quorum_sizes.append(contributors)
-        self.staleness += stale
+        self.quorum_sizes.add(contributors)
+        self.staleness.extend(stale)
         for p in kept:
             self.per_island[p.island].refused_in_a_row = 0
             self._count("merged", p.island, fragment, p.tokens)

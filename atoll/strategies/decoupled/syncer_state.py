@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from atoll.strategies.decoupled.bounds import WINDOW
 from atoll.strategies.decoupled.buffer import Buffer, Pending
+from atoll.strategies.decoupled.tallies import MergeWaits, Tally
 
 if TYPE_CHECKING:
     from atoll.algorithms.outer import OuterOptimizer
@@ -47,9 +48,9 @@ class SyncerView(Protocol):
     replaced_updates: int
     accepted_updates: int
     commits: int
-    quorum_sizes: list[int]
-    staleness: list[int]
-    merge_waits: list[tuple[float, float]]
+    quorum_sizes: Tally
+    staleness: Tally
+    merge_waits: MergeWaits
 
     @property
     def tokens_by_outcome(self) -> dict[str, list[float]]:
@@ -92,10 +93,10 @@ def state_dict(s: SyncerView) -> dict[str, Any]:
         "rejected_updates": s.rejected_updates, "rejected_by_reason": dict(s.rejected_by_reason),
         "stale_updates": s.stale_updates, "replaced_updates": s.replaced_updates,
         "accepted_updates": s.accepted_updates, "commits": s.commits,
-        "quorum_sizes": list(s.quorum_sizes), "staleness": list(s.staleness),
+        "quorum_sizes": s.quorum_sizes.state_dict(), "staleness": s.staleness.state_dict(),
         # derived from tokens_by_outcome["merged"] (not read back): for readers of the checkpoint
         "merged_tokens": s.merged_tokens, "merged_tokens_per_island": list(s.merged_tokens_per_island),
-        "merge_waits": [list(w) for w in s.merge_waits],
+        "merge_waits": s.merge_waits.state_dict(),
     }
 
 
@@ -131,11 +132,11 @@ def load_state_dict(s: SyncerView, state: dict[str, Any]) -> None:
     for name in ("rejected_updates", "stale_updates", "accepted_updates", "commits", "replaced_updates"):
         setattr(s, name, int(state.get(name, 0)))  # replaced_updates: absent from older checkpoints
     s.rejected_by_reason = {str(k): int(v) for k, v in state["rejected_by_reason"].items()}
-    s.quorum_sizes = [int(x) for x in state["quorum_sizes"]]
-    s.staleness = [int(x) for x in state["staleness"]]
+    s.quorum_sizes = Tally.from_state(state["quorum_sizes"])  # (older checkpoints: one entry per merge)
+    s.staleness = Tally.from_state(state["staleness"])
     # merged_tokens and merged_tokens_per_island (still written, for readers of the checkpoint) are derived
     # from tokens_by_outcome["merged"] on load; older checkpoints' copies of them are not read
-    s.merge_waits = [(float(w), float(g)) for w, g in state.get("merge_waits", [])]
+    s.merge_waits = MergeWaits.from_state(state.get("merge_waits", []))
 
 
 def save(s: SyncerView, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
