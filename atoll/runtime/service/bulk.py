@@ -199,6 +199,7 @@ class Bulk:
                     sum(len(u.ranges) for u in uploads.values()) > ISLAND_RANGES:
                 uploads.popitem(last=False)
                 evicted += 1
+        self.moved(transfer)  # (the wait for the lock, behind a merge, is no silence of the island's)
         if evicted:  # the island's oldest uploads: a commit naming one is answered "upload it again"
             self.gate.note("quota", context.peer(), f"island {island}'s uploads over their quota; {evicted} dropped")
         buf = held.data
@@ -220,11 +221,11 @@ class Bulk:
         ``offset`` (from 0 when the version asked for is no longer the newest)."""
         island, _ = self.gate.caller(context, peer=True)
         with self.admitted(island, context) as transfer:
-            for chunk in self._download(data, context):
+            for chunk in self._download(data, context, transfer):
                 yield chunk
                 self.moved(transfer)
 
-    def _download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _download(self, data: bytes, context: grpc.ServicerContext, transfer: Transfer) -> Iterator[bytes]:
         req = self.gate.parse(schema.DownloadRequest, data, context, "Download")
         fragment = self.shards.fragment(req.fragment, context)
         ranges = None
@@ -234,6 +235,7 @@ class Bulk:
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version, payload = self._pull(fragment, ranges)
+        self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
         offset = req.offset if req.version == version and req.offset <= len(payload) else 0
         yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
         yield from wire.chunks(payload, offset)
