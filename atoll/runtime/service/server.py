@@ -38,7 +38,9 @@ service, the lock and the gate; every method is registered in one place, :meth:`
 
 Threads: gRPC runs calls on a pool of threads; every call into the service holds one lock, so the
 service sees one call at a time, as the Ray actor does. Tensor bytes are received and sent outside the
-lock, so a slow upload never holds up a heartbeat. A poll thread closes due grace windows, writes
+lock, so a slow upload never holds up a heartbeat; and transfers are admitted apart, within ``bulk_slots``
+and ``island_transfers`` (:meth:`Bulk.admitted <atoll.runtime.service.bulk.Bulk.admitted>`), so they never
+take the control calls' threads. A poll thread closes due grace windows, writes
 ``<out>/service/status.json`` (commits, versions, refusals: for operators and tests) and ends the run once
 the step budget is spent and every island that joined has left (or ``collective_timeout_s`` after the
 budget was spent). The service checkpoints atomically after every commit (``<out>/syncer``); restarted on
