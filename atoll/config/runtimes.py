@@ -250,6 +250,22 @@ class SyncerSection(Section):
         description="atoll syncer sharded by fragment: this shard's place in --shards, 0-based; shard 0 "
         "coordinates.",
     )
+    bulk_slots: int = Field(
+        64, ge=1, le=4096, json_schema_extra={"metavar": "N"},
+        description="atoll syncer: transfers (uploads and downloads of tensor slices) it serves at once, every "
+        "island together; one more is refused as busy (the island retries). The server's threads are these plus "
+        "the control calls' own, so heartbeats, leases and commits never wait behind transfers.",
+    )
+    island_transfers: int = Field(
+        16, ge=1, le=4096, json_schema_extra={"metavar": "N"},
+        description="atoll syncer: transfers one island may have open at once (an island of R ranks moves R "
+        "slices at once); one more is refused as busy (the island retries).",
+    )
+    chunk_timeout_s: float = Field(
+        30.0, gt=0, le=3600, json_schema_extra={"metavar": "S"},
+        description="atoll syncer: seconds a transfer may go without a chunk moving before it is cut (the island "
+        "resumes it where the syncer's bytes end).",
+    )
 
     @field_validator("listen")
     @classmethod

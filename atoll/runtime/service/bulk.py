@@ -8,13 +8,24 @@ slices). Both resume after a failure at the offset the syncer holds (``UploadSta
 offset). Bytes are received and sent outside the server's lock, so a slow transfer never holds up a heartbeat.
 :class:`Bulk` is the collaborator of :class:`~atoll.runtime.service.server.SyncerServer` that holds the
 transfers.
+
+**Admission.** A transfer takes one of the server's ``bulk_slots`` (every island together) and one of its
+island's ``island_transfers`` before it reads a byte; without a free one it is refused UNAVAILABLE (counted
+``busy`` or ``transfers``; the island retries with backoff), so the server's threads beyond the slots are
+the control calls' (:func:`~atoll.runtime.service.serve.build_server`). A transfer with no chunk moving for
+``chunk_timeout_s`` (a header and then silence, a reader that stopped reading) is cut (counted ``stalled``;
+the island resumes it); an empty chunk is refused (``empty_chunk``). Per island the uploads held are bounded
+by count (:data:`ISLAND_UPLOADS`), by their ranges (:data:`ISLAND_RANGES`) and by their declared bytes
+(:data:`OPEN_FRAGMENTS` fragments' payloads): beyond, the oldest are dropped (counted ``quota``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,8 +43,10 @@ if TYPE_CHECKING:
 #: oldest uploads are dropped beyond (an island has at most one push per fragment in flight, two fragments
 #: in flight at the paper's settings)
 OPEN_FRAGMENTS = 8
-#: uploads one island may hold at once, whatever their size
-OPEN_UPLOADS = 4096
+#: uploads one island may hold at once, whatever their size (each id at most schema.MAX_ID characters)
+ISLAND_UPLOADS = 256
+#: ranges the uploads one island holds may name together (one upload names at most wire.MAX_RANGES)
+ISLAND_RANGES = 2 * wire.MAX_RANGES
 #: bytes of a safetensors header the payload of a slice may take beyond the codec's own bytes
 HEADER_BYTES = 4096
 #: pulled slices kept serialized (a fragment's slices are pulled by every island's ranks alike), at most this
@@ -51,6 +64,17 @@ class Upload:
     data: bytearray = field(default_factory=bytearray)
 
 
+@dataclass
+class Transfer:
+    """One admitted transfer: its island (-1: a shard of this syncer), its call, when a chunk last moved
+    (monotonic seconds), and whether it was cut for silence."""
+
+    island: int
+    context: grpc.ServicerContext
+    moved: float
+    cut: bool = False
+
+
 class Bulk:
     """``Upload``, ``UploadStatus`` and ``Download`` (see the module docstring): the uploads each island holds
     and the pulled slices cached, held by :class:`~atoll.runtime.service.server.SyncerServer`.
@@ -61,15 +85,70 @@ class Bulk:
         lock: the server's lock (one call into the service at a time; never held while bytes move).
         gate: the server's :class:`~atoll.runtime.service.calls.Gate` (who calls; refusals, counted).
         shards: the server's :class:`~atoll.runtime.service.shards.Shards` (which fragments this shard owns).
+        slots: transfers served at once, every island together (``bulk_slots``).
+        per_island: transfers one island may have open at once (``island_transfers``).
+        chunk_timeout_s: seconds a transfer may go without a chunk moving before it is cut.
     """
 
     def __init__(self, service: SyncerService, codec: Codec, lock: threading.Lock, gate: Gate,
-                 shards: Shards) -> None:
+                 shards: Shards, slots: int = 64, per_island: int = 16, chunk_timeout_s: float = 30.0) -> None:
         self.service, self.codec, self.lock, self.gate, self.shards = service, codec, lock, gate, shards
+        self.slots, self.per_island, self.chunk_timeout_s = slots, per_island, chunk_timeout_s
+        self.open: dict[int, Transfer] = {}  # id(transfer) -> the transfers admitted, not ended
+        self._open_lock = threading.Lock()  # (the admission's own: never the server's, never held while waiting)
+        self._watching = False
         self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(service.run.islands)}
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
+
+    @contextmanager
+    def admitted(self, island: int, context: grpc.ServicerContext) -> Iterator[Transfer]:
+        """Hold one of the server's transfer slots and one of ``island``'s while the block runs, or refuse the
+        call UNAVAILABLE (``busy``: every slot taken; ``transfers``: the island's taken); the transfer is
+        watched for silence (:meth:`moved` marks a chunk) and cut after ``chunk_timeout_s``."""
+        with self._open_lock:
+            own = sum(1 for t in self.open.values() if t.island == island)
+            reason = "transfers" if own >= self.per_island else "busy" if len(self.open) >= self.slots else None
+            if reason is None:
+                transfer = Transfer(island, context, time.monotonic())
+                self.open[id(transfer)] = transfer
+                start, self._watching = not self._watching, True
+        if reason is not None:
+            most = self.per_island if reason == "transfers" else self.slots
+            self.gate.refuse(context, grpc.StatusCode.UNAVAILABLE, reason,
+                             f"busy: {most} transfers open{' of this island' if reason == 'transfers' else ''}; "
+                             "retry later")
+        if start:
+            threading.Thread(target=self._watch, name="atoll-bulk-watch", daemon=True).start()
+        try:
+            yield transfer
+        finally:
+            with self._open_lock:
+                self.open.pop(id(transfer), None)
+
+    @staticmethod
+    def moved(transfer: Transfer) -> None:
+        """A chunk of ``transfer`` moved: its silence starts again."""
+        transfer.moved = time.monotonic()
+
+    def _watch(self) -> None:
+        """Cut every transfer silent for ``chunk_timeout_s`` (its call cancelled: the thread it holds returns);
+        ends when no transfer is open (the next admitted starts it again)."""
+        while True:
+            time.sleep(min(1.0, self.chunk_timeout_s / 4))
+            now, cut = time.monotonic(), []
+            with self._open_lock:
+                if not self.open:
+                    self._watching = False
+                    return
+                for t in self.open.values():
+                    if not t.cut and now - t.moved > self.chunk_timeout_s:
+                        t.cut = True
+                        cut.append(t)
+            for t in cut:
+                self.gate.note("stalled", t.context.peer(), f"no chunk for {self.chunk_timeout_s:g} s; cut")
+                t.context.cancel()
 
     def upload_status(self, island: int, req: schema.UploadStatusRequest) -> schema.ReceivedReply:
         """The bytes the syncer holds of the island's upload ``req.upload`` (0: none)."""
@@ -93,7 +172,13 @@ class Bulk:
         the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of that
         many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end)."""
         island, _ = self.gate.caller(context)
+        with self.admitted(island, context) as transfer:
+            return self._upload(island, requests, context, transfer)
+
+    def _upload(self, island: int, requests: Iterator[bytes], context: grpc.ServicerContext,
+                transfer: Transfer) -> bytes:
         header = self.gate.parse(schema.UploadHeader, next(requests, b""), context, "Upload")
+        self.moved(transfer)
         upload, offset, size = header.upload, header.offset, header.size
         fragment = self.shards.fragment(header.fragment, context)
         try:
@@ -103,19 +188,28 @@ class Bulk:
         most = self.codec.payload_bytes(sum(b - a for a, b in ranges)) + HEADER_BYTES
         if not 0 < size <= most:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"size: {size}; a slice's payload is 1..{most} bytes")
+        evicted = 0
         with self.lock:
             uploads = self.uploads[island]
             held = uploads.get(upload)
             if held is None or (held.fragment, held.ranges, held.size) != (fragment, ranges, size):
                 held = uploads[upload] = Upload(fragment, ranges, size)
             uploads.move_to_end(upload)
-            while len(uploads) > OPEN_UPLOADS or sum(u.size for u in uploads.values()) > self.max_open:
+            while len(uploads) > ISLAND_UPLOADS or sum(u.size for u in uploads.values()) > self.max_open or \
+                    sum(len(u.ranges) for u in uploads.values()) > ISLAND_RANGES:
                 uploads.popitem(last=False)
+                evicted += 1
+        self.moved(transfer)  # (the wait for the lock, behind a merge, is no silence of the island's)
+        if evicted:  # the island's oldest uploads: a commit naming one is answered "upload it again"
+            self.gate.note("quota", context.peer(), f"island {island}'s uploads over their quota; {evicted} dropped")
         buf = held.data
         if offset > len(buf):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"offset: {offset}, the syncer holds {len(buf)} bytes")
         del buf[offset:]
         for chunk in requests:
+            self.moved(transfer)
+            if not chunk:
+                self.gate.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "empty_chunk", "upload: an empty chunk")
             if len(buf) + len(chunk) > size:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over its declared {size} bytes")
             buf += chunk
@@ -125,7 +219,13 @@ class Bulk:
         """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):
         a JSON header (:class:`~atoll.runtime.service.schema.DownloadHeader`), then their safetensors bytes from
         ``offset`` (from 0 when the version asked for is no longer the newest)."""
-        self.gate.caller(context, peer=True)
+        island, _ = self.gate.caller(context, peer=True)
+        with self.admitted(island, context) as transfer:
+            for chunk in self._download(data, context, transfer):
+                yield chunk
+                self.moved(transfer)
+
+    def _download(self, data: bytes, context: grpc.ServicerContext, transfer: Transfer) -> Iterator[bytes]:
         req = self.gate.parse(schema.DownloadRequest, data, context, "Download")
         fragment = self.shards.fragment(req.fragment, context)
         ranges = None
@@ -135,6 +235,7 @@ class Bulk:
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version, payload = self._pull(fragment, ranges)
+        self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
         offset = req.offset if req.version == version and req.offset <= len(payload) else 0
         yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
         yield from wire.chunks(payload, offset)

@@ -4,7 +4,10 @@ asks (its request parsed by the schema), and every refusal, counted by reason an
 Every handler of :class:`~atoll.runtime.service.server.SyncerServer` and of its collaborators (the shards'
 calls, :mod:`~atoll.runtime.service.shards`; the tensors', :mod:`~atoll.runtime.service.bulk`) refuses through
 one :class:`Gate`, so ``refused_calls`` in the status counts every refusal of the server, and a flood of bad
-calls makes a few log lines, not one per call.
+calls makes a few log lines, not one per call. Every handler also runs inside :meth:`Gate.guarded`: an
+exception a handler did not mean (a bug, or an input no check foresaw) is counted by its kind
+(``handler_errors`` in the status), logged at the same bounded rate, and answered INTERNAL naming only its
+kind (gRPC's own logger, which has a NullHandler, would drop it).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -40,13 +43,15 @@ class Gate:
 
     Attributes:
         refused: calls refused, by reason (``no_credential``, ``island``, ``identity``, ``peer``, ``shard``,
-            ``schema``).
+            ``schema``; the bulk calls' ``transfers``, ``busy``, ``empty_chunk``, ``stalled``, ``quota``).
+        errors: handler exceptions no check foresaw, by kind (the exception's class name).
     """
 
     def __init__(self, islands: int, identity: Callable[[int, str], bool], peer_token: str | None,
                  lock: threading.Lock) -> None:
         self.islands, self.identity, self.peer_token, self.lock = islands, identity, peer_token, lock
         self.refused: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
         self._log_lock = threading.Lock()
         self._logged_at: dict[str, float] = {}  # reason -> monotonic time of its last log line
         self._quiet: dict[str, int] = {}  # reason -> refusals not logged since that line
@@ -59,6 +64,46 @@ class Gate:
         self._log(reason, f"refused a call from {context.peer()}: {reason}: {message}")
         context.abort(code, message)
         raise AssertionError("unreachable")  # abort raises
+
+    def note(self, reason: str, peer: str, message: str) -> None:
+        """Count a refusal of ``reason`` that ends no call here (a stalled transfer cut, an upload evicted over
+        its island's quota) and log it at the bounded rate of :meth:`refuse`. Not under the server's lock."""
+        with self.lock:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+        self._log(reason, f"refused a transfer of {peer}: {reason}: {message}")
+
+    def guarded(self, method: str, handle: Callable[..., Any], streaming: bool = False) -> Callable[..., Any]:
+        """``handle`` (a gRPC handler: ``(request, context)``; ``streaming``: it returns an iterator of replies)
+        with its unforeseen exceptions counted in :attr:`errors` by kind, logged at the bounded rate, and
+        answered INTERNAL naming the kind only (no server path or Python text travels). A refusal (the call's
+        ``abort``) and a call its client ended go on as they are."""
+
+        def unforeseen(e: Exception, context: grpc.ServicerContext) -> bool:
+            if context.code() is not None or not context.is_active():  # aborted on purpose, or the client left
+                return False
+            kind = type(e).__name__
+            with self.lock:
+                self.errors[kind] = self.errors.get(kind, 0) + 1
+            self._log(f"error:{kind}", f"{method}: the handler failed on a call from {context.peer()}: {kind}: {e}")
+            return True
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                return handle(request, context)
+            except Exception as e:
+                if unforeseen(e, context):
+                    context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(e).__name__})")
+                raise
+
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from handle(request, context)
+            except Exception as e:
+                if unforeseen(e, context):
+                    context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(e).__name__})")
+                raise
+
+        return stream if streaming else unary
 
     def _log(self, reason: str, line: str) -> None:
         now = time.monotonic()

@@ -79,6 +79,60 @@ def load_credentials(folder: Path, islands: int, run_key: bool = False, make: bo
 
 
 
+#: server keepalive: seconds between the server's pings of a connection, and to wait for the answer before it
+#: closes the connection (a peer gone without a FIN)
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 60.0, 20.0
+#: seconds a connection with no call in progress is kept (an idle stranger's, or an island's between calls: it
+#: reconnects at its next call)
+IDLE_S = 300.0
+#: seconds a new connection may take for its TLS and HTTP/2 handshakes
+HANDSHAKE_S = 20.0
+#: file descriptors kept out of the connections' share (checkpoints, logs, the status, gRPC's own)
+FILES_RESERVED = 256
+
+
+def raise_nofile() -> int:
+    """Raise this process's soft limit of open files (``RLIMIT_NOFILE``) to its hard limit (an inherited soft
+    limit of 1,024 is a thousand idle connections); returns the soft limit now (-1: no such limit here)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX host
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # a container's limit above what this process may take: keep the soft one
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def build_server(state: SyncerServer, settings: ServiceConfig, islands: int, fragments: int) -> grpc.Server:
+    """The gRPC server of ``state``'s handlers (not started, no port yet), bounded by construction.
+
+    Threads: the control calls' (``8 + islands x (4 + fragments)``: per island its heartbeat, lease, commit
+    and a long poll per fragment, ``Buffered``) plus ``bulk_slots`` (the transfers' admission,
+    :meth:`~atoll.runtime.service.bulk.Bulk.admitted`, never lets more run at once), so control calls never
+    wait behind transfers. Connections: server keepalive (:data:`KEEPALIVE_S`), idle ones closed after
+    :data:`IDLE_S`, handshakes bounded (:data:`HANDSHAKE_S`), and at most the open-file limit (raised to its
+    hard limit, :func:`raise_nofile`) less :data:`FILES_RESERVED` of them, so connections never take the
+    descriptors of the syncer's own files. gRPC has no cap per peer address: one address may hold them all.
+    """
+    files = raise_nofile()
+    connections = max(64, files - FILES_RESERVED) if files > 0 else 1 << 16
+    control = 8 + islands * (4 + fragments)
+    options = [("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)), ("grpc.so_reuseport", 0),
+               ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+               ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+               ("grpc.max_connection_idle_ms", int(IDLE_S * 1000)),
+               ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
+               ("grpc.max_allowed_incoming_connections", connections)]
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=control + settings.bulk_slots),
+                       handlers=[state.handler()], options=options)
+
+
 def serve(config: TrainConfig) -> dict[str, Any]:
     """Run ``atoll syncer`` until the run is over; return its summary (the run folder ``<out>/run``), or, for a
     shard other than the coordinator, ``{"shard": S}`` once the coordinator has gathered it.
@@ -119,11 +173,7 @@ def serve(config: TrainConfig) -> dict[str, Any]:
         if not str(e).startswith("shards:"):
             raise
         raise ConfigError(str(e)) from None
-    # a thread per call: per island its heartbeat, lease, transfers and a long poll per fragment (Buffered)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + config.islands * (4 + fragments)),
-                         handlers=[server_state.handler()],
-                         options=[("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
-                                  ("grpc.so_reuseport", 0)])
+    server = build_server(server_state, settings, config.islands, fragments)
     try:
         if key_pair is not None:
             port = server.add_secure_port(listen, grpc.ssl_server_credentials([key_pair]))

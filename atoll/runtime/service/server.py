@@ -38,7 +38,9 @@ service, the lock and the gate; every method is registered in one place, :meth:`
 
 Threads: gRPC runs calls on a pool of threads; every call into the service holds one lock, so the
 service sees one call at a time, as the Ray actor does. Tensor bytes are received and sent outside the
-lock, so a slow upload never holds up a heartbeat. A poll thread closes due grace windows, writes
+lock, so a slow upload never holds up a heartbeat; and transfers are admitted apart, within ``bulk_slots``
+and ``island_transfers`` (:meth:`Bulk.admitted <atoll.runtime.service.bulk.Bulk.admitted>`), so they never
+take the control calls' threads. A poll thread closes due grace windows, writes
 ``<out>/service/status.json`` (commits, versions, refusals: for operators and tests) and ends the run once
 the step budget is spent and every island that joined has left (or ``collective_timeout_s`` after the
 budget was spent). The service checkpoints atomically after every commit (``<out>/syncer``); restarted on
@@ -102,7 +104,8 @@ class SyncerServer:
         self.shards = Shards(service, self.lock, self.gate, self.done)
         # the run's codec: what a push's payload must be (the islands encode with the same settings)
         self.codec = codec_of(strategy)
-        self.bulk = Bulk(service, self.codec, self.lock, self.gate, self.shards)
+        self.bulk = Bulk(service, self.codec, self.lock, self.gate, self.shards, slots=settings.bulk_slots,
+                         per_island=settings.island_transfers, chunk_timeout_s=settings.chunk_timeout_s)
         self.waiting = [0] * self.islands  # per island, its Buffered calls waiting (a long poll each)
         self.answers: dict[int, OrderedDict[str, schema.PushReply]] = {i: OrderedDict() for i in range(self.islands)}
         self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
@@ -349,10 +352,11 @@ class SyncerServer:
             "Push": ("island", self.push), "PullMeta": ("island", self.pull_meta), "Leave": ("island", self.leave),
             "Finish": ("peer", self.finish), "Close": ("peer", self.close)}
         assert set(control) == set(wire.CONTROL), "every control method of the wire, and only those"
-        methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, who, handle))
+        guarded = self.gate.guarded  # an exception no check foresaw: counted by kind, logged, INTERNAL
+        methods = {name: grpc.unary_unary_rpc_method_handler(guarded(name, self._unary(name, who, handle)))
                    for name, (who, handle) in control.items()}
-        methods["Upload"] = grpc.stream_unary_rpc_method_handler(self.bulk.upload)
-        methods["Download"] = grpc.unary_stream_rpc_method_handler(self.bulk.download)
+        methods["Upload"] = grpc.stream_unary_rpc_method_handler(guarded("Upload", self.bulk.upload))
+        methods["Download"] = grpc.unary_stream_rpc_method_handler(guarded("Download", self.bulk.download, True))
         return grpc.method_handlers_generic_handler(wire.SERVICE, methods)
 
     def _unary(self, name: str, who: str, handle: Handle) -> Callable[[bytes, grpc.ServicerContext], bytes]:
@@ -382,6 +386,7 @@ class SyncerServer:
                 "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
                 "refused_calls": dict(self.refused_calls), "calls": dict(self.calls),
+                "handler_errors": dict(self.gate.errors),
                 "rejected_updates": s.syncer.rejected_updates,
                 "rejected_by_reason": dict(s.syncer.rejected_by_reason), **budget, "done": self.done.is_set()}
 

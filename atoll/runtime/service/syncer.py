@@ -275,10 +275,11 @@ class SyncerService:
 
     def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
                       lr: Any = None) -> int:
-        """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease): the steps granted
-        (fewer than ``n``: the budget is spent), each entered in the syncer's token ledger. ``used``: the steps
-        of its session the island has used so far (:meth:`release_steps` gives the rest back if it never
-        returns); ``loss``, ``lr``: as :meth:`reserve_step`.
+        """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease), at most
+        :meth:`lease_share`: the steps granted (fewer than ``n``: the budget is spent), each entered in the
+        syncer's token ledger. ``used``: the steps of its session the island has used so far
+        (:meth:`release_steps` gives the rest back if it never returns); ``loss``, ``lr``: as
+        :meth:`reserve_step`.
 
         Raises:
             ValueError: ``island`` is not one of the run's, or ``n`` is not a positive int.
@@ -292,7 +293,7 @@ class SyncerService:
             self.last_loss[island], self.last_lr[island] = loss, lr
         self._used(island, used)
         self._poll()
-        granted = max(0, min(n, self.budget - self.reserved))
+        granted = max(0, min(n, self.budget - self.reserved, self.lease_share(island)))
         if granted == 0:
             return 0
         self.reserved += granted
@@ -304,6 +305,14 @@ class SyncerService:
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
                 self.first_step_s = self.last_seen[island]
         return granted
+
+    def lease_share(self, island: int) -> int:
+        """The most steps one lease of ``island`` may take: its share of the budget (``steps``, the budget over
+        the islands), or two rounds at its own H if more (what an honest island asks at most: a round ahead
+        and the steps it trained on credit), so no single call takes the other islands' budget."""
+        h = self.run.push_tokens[island] // self.run.tokens_per_step \
+            if self.run.tokens_per_step > 0 and island < len(self.run.push_tokens) else 0
+        return max(1, self.run.steps, 2 * h)
 
     def _used(self, island: int, used: Any) -> None:
         if is_index(used, math.inf):
