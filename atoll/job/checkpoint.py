@@ -122,8 +122,9 @@ def verify_checksums(path: Path) -> None:
         return
     try:
         want = json.loads(sums.read_text())["sha256"]
-        assert isinstance(want, dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        if not isinstance(want, dict):
+            raise TypeError(CHECKSUMS)
+    except (OSError, ValueError, KeyError, TypeError):
         raise ValueError(f"{CHECKSUMS} is unreadable") from None
     for name, digest in want.items():
         try:

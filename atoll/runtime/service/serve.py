@@ -115,14 +115,15 @@ def claim_folder(config: TrainConfig, out: Path, state_dir: Path) -> RunLock:
     if path.exists():
         try:
             saved = json.loads(path.read_text(encoding="utf-8"))
-            assert isinstance(saved, dict)
-        except (OSError, ValueError, AssertionError):
+            if not isinstance(saved, dict):
+                raise ValueError("not a record of settings")
+        except (OSError, ValueError):
             raise ConfigError(f"out: '{path}' is unreadable; it names the run this folder holds: restore it, or "
                               "choose another --out") from None
-        for key in sorted(set(record) | set(saved)):
-            if json.dumps(saved.get(key), sort_keys=True) != json.dumps(record.get(key), sort_keys=True):
-                raise ConfigError(f"{key}: '{out}' holds a run with {key} = {saved.get(key)!r}, not "
-                                  f"{record.get(key)!r}; restart with the settings it was started with (the same "
+        for key in sorted(set(record) & set(saved)):  # (a setting one side does not know: another atoll version's)
+            if json.dumps(saved[key], sort_keys=True) != json.dumps(record[key], sort_keys=True):
+                raise ConfigError(f"{key}: '{out}' holds a run with {key} = {saved[key]!r}, not "
+                                  f"{record[key]!r}; restart with the settings it was started with (the same "
                                   "command), or choose another --out for a new run")
     state_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(state_dir)
