@@ -275,3 +275,19 @@ def test_a_folder_of_another_run_is_refused_before_anything_is_written(fast_conf
     assert _snapshot(out) == before
     assert refused.returncode == 2 and "'atoll train' run" in refused.stderr, refused.stderr
     assert sorted(p.name for p in train.iterdir()) == ["config.json"]
+
+
+def test_a_folder_in_use_by_a_live_syncer_is_refused(fast_config: dict, tmp_path: Path) -> None:
+    """A second syncer on the folder a live one holds: one line naming the folder (the lock, as ``atoll train``);
+    free again once the first one ends."""
+    from atoll.errors import ConfigError
+    from atoll.runtime.service.serve import SETTINGS, claim_folder
+
+    out = tmp_path / "syncer"
+    config = _config(fast_config, out=str(out))
+    held = claim_folder(config, out, out)
+    assert (out / SETTINGS).is_file()
+    with pytest.raises(ConfigError, match="^out: .* is in use by another atoll process"):
+        claim_folder(config, out, out)
+    held.release()
+    claim_folder(config, out, out).release()
