@@ -408,6 +408,8 @@ def _resume_hint(args: argparse.Namespace) -> str:
     from atoll.job import checkpoint
 
     run = Path(args.resume) if getattr(args, "resume", None) else checkpoint.last_run_dir
+    if args.command == "syncer":  # its restart rule (docs/deployment.md): the same command continues its run
+        return "run the same atoll syncer command again (it continues its run)"
     if args.command != "train" or run is None:
         return "run the command again (finished runs are reused)" if args.command in ("sweep", "bench") else \
             "nothing to resume"

@@ -25,16 +25,21 @@ class LatestStateWriter:
     Args:
         write: ``write(state)`` writes one state durably (e.g. ``save_checkpoint`` bound to a folder); it runs
             on the writer's thread only, never two at once.
+        on_error: ``on_error(error)`` is told of each write that raised an ``Exception`` (a full disk), on the
+            writer's thread, instead of the error being kept for the caller; the next state handed in is
+            written as usual (a retry at the next commit). None: the error is kept (below).
 
     Attributes:
         written: states written so far; ``coalesced``: states replaced by a newer one before their write.
 
-    The first exception a write raises is kept and raised again by the next :meth:`submit` or :meth:`flush`
-    (the caller's thread), so a full disk is not silent; later states are still written.
+    Without ``on_error``, the first exception a write raises is kept and raised again by the next :meth:`submit`
+    or :meth:`flush` (the caller's thread), so a full disk is not silent; later states are still written.
     """
 
-    def __init__(self, write: Callable[[Any], Any]) -> None:
+    def __init__(self, write: Callable[[Any], Any], on_error: Callable[[Exception], None] | None = None) -> None:
         self._write = write
+        self._on_error = on_error
+        self.failed = 0  # writes that raised
         self._cond = threading.Condition()
         self._next: Any = None
         self._pending = False
@@ -83,9 +88,18 @@ class LatestStateWriter:
                 self._write(state)
                 with self._cond:
                     self.written += 1
-            except BaseException as e:  # kept for the caller's thread
+            except BaseException as e:  # told, or kept for the caller's thread
                 with self._cond:
-                    self._error = self._error or e
+                    self.failed += 1
+                if self._on_error is not None and isinstance(e, Exception):
+                    try:
+                        self._on_error(e)
+                    except Exception as told:  # noqa: BLE001 - the teller's own failure: kept as the write's
+                        with self._cond:
+                            self._error = self._error or told
+                else:
+                    with self._cond:
+                        self._error = self._error or e
             finally:
                 with self._cond:
                     self._busy = False

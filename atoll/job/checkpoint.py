@@ -6,7 +6,10 @@ A checkpoint is a folder ``<out>/checkpoints/step_<N>/`` holding
   tokenizer), loadable with ``AutoModelForCausalLM.from_pretrained``;
 - ``state.safetensors``: every tensor of the run state (each island's weights and inner optimizer, the
   outer optimizer, residuals), under dotted keys;
-- ``state.json``: the rest of the state (step, counters, clocks) with references to those tensors.
+- ``state.json``: the rest of the state (step, counters, clocks) with references to those tensors;
+- ``checksums.json``: the SHA-256 of ``state.json`` and ``state.safetensors``, checked when the checkpoint is
+  read (:func:`load_checkpoint`): a damaged file is an unreadable checkpoint, never wrong state (a checkpoint
+  written before checksums were kept has none, and is read unchecked).
 
 The collective runtime writes a checkpoint per rank instead of ``state.safetensors``: each rank's own
 tensors under ``ranks/rank_<r>/`` (:mod:`atoll.job.rank_checkpoint`), the shared state in ``state.json``.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -29,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +94,45 @@ def unflatten_state(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, list):
         return [unflatten_state(v, tensors) for v in tree]
     return tree
+
+
+#: the file of a checkpoint holding the SHA-256 of :data:`CHECKSUMMED` (what :func:`load_checkpoint` reads)
+CHECKSUMS = "checksums.json"
+CHECKSUMMED = ("state.json", "state.safetensors")
+
+
+def _sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read 1 MiB at a time. Raises OSError."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checksums(path: Path) -> None:
+    """Check the files of the checkpoint folder ``path`` against its ``checksums.json`` (none: nothing to check,
+    a checkpoint written before checksums were kept).
+
+    Raises:
+        ValueError: the checksums file is unreadable, or a file is missing or its bytes differ (one line naming it).
+    """
+    sums = Path(path) / CHECKSUMS
+    if not sums.exists():
+        return
+    try:
+        want = json.loads(sums.read_text())["sha256"]
+        if not isinstance(want, dict):
+            raise TypeError(CHECKSUMS)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{CHECKSUMS} is unreadable") from None
+    for name, digest in want.items():
+        try:
+            got = _sha256(Path(path) / str(name))
+        except OSError as e:
+            raise ValueError(f"{name} cannot be read ({e.strerror or e})") from None
+        if got != digest:
+            raise ValueError(f"{name} does not match its SHA-256 in {CHECKSUMS} (damaged)")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -207,6 +250,8 @@ def write_checkpoint_files(tmp: Path, step: int, state: dict[str, Any], model: A
             json.dump({"step": step, "state": tree, **(meta or {})}, f)
             f.flush()
             os.fsync(f.fileno())
+        with open(tmp / CHECKSUMS, "w") as f:
+            json.dump({"sha256": {name: _sha256(tmp / name) for name in CHECKSUMMED}}, f)
         if model is not None:
             with _writing(tmp / "model"):  # transformers writes the weights with safetensors too
                 model.save_pretrained(tmp / "model", state_dict=model_state)
@@ -358,10 +403,11 @@ def load_checkpoint(path: Path, consolidate: bool = True) -> tuple[int, dict[str
     that runs every island in one process), every island's state assembled from the rank folders.
 
     Raises:
-        CheckpointError: a missing or corrupt file, naming it.
+        CheckpointError: a missing or corrupt file (one that differs from its checksum too), naming it.
     """
     path = Path(path)
     try:
+        verify_checksums(path)
         meta = json.loads((path / "state.json").read_text())
         tensors = load_file(str(path / "state.safetensors"))
         state = unflatten_state(meta["state"], tensors)
@@ -379,16 +425,33 @@ def load_checkpoint(path: Path, consolidate: bool = True) -> tuple[int, dict[str
     return int(meta["step"]), state
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a torn one (a
-    temporary file beside it, then ``os.replace``).
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Write ``text`` to ``path`` durably and atomically: readers (and a restart after a power cut) see the old
+    file or the new one, never a torn or empty one. The one way atoll writes its small state files
+    (``config.json``, the syncer's ``coordinator.json``, ``left.json``, ``status.json``, pid files): a
+    temporary file beside it, written and fsynced, renamed over ``path`` (``os.replace``), then the folder
+    fsynced so the rename itself survives a power cut. ``mode``: the file's permission bits, set before any
+    byte is written (a secret is never readable by others, even for a moment); None: the umask's.
 
     Raises:
-        OSError: the folder is not writable.
+        OSError: the folder is not writable, or the disk is full (the temporary file is removed; ``path`` is
+            left as it was).
     """
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)  # an older temporary file keeps its mode through O_CREAT
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
 
 
 def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[str, Any]]:
@@ -416,3 +479,48 @@ def load_latest_state(out: Path, consolidate: bool = True) -> tuple[int, dict[st
         except CheckpointError as e:
             error = error or e
     raise error  # type: ignore[misc]
+
+
+def load_newest_readable(out: Path, check: Callable[[dict[str, Any]], None] | None = None
+                         ) -> tuple[int, dict[str, Any], Path, list[tuple[Path, str]]]:
+    """The newest checkpoint of ``out`` (its ``checkpoints/`` folder) that reads back whole and agrees with its
+    checksums, newest step first: (step, state, its folder, the newer ones skipped with why each is unreadable).
+    ``check(state)`` may refuse a state that read back but is not whole (raising ValueError or
+    CheckpointError). A per-rank checkpoint is read as :func:`load_checkpoint` with ``consolidate``.
+
+    Raises:
+        CheckpointError: ``out`` holds no checkpoint folder, or none is readable: one line naming the folder,
+            the newest one's fault and the fix (never a silent fresh start).
+    """
+    root = Path(out) / "checkpoints"
+    folders = list(reversed(checkpoint_folders(root)))
+    if not folders:
+        raise CheckpointError(f"resume: no checkpoint in '{root}'")
+    skipped: list[tuple[Path, str]] = []
+    for path in folders:
+        try:
+            step, state = load_checkpoint(path)
+            if check is not None:
+                check(state)
+            return step, state, path, skipped
+        except (CheckpointError, ValueError, KeyError, TypeError) as e:
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            skipped.append((path, text.split("; resume from an earlier")[0]))
+    raise CheckpointError(f"resume: none of the {len(folders)} checkpoints in '{root}' is readable (the newest: "
+                          f"{skipped[0][1]}); restore a checkpoint from a backup into that folder, or move "
+                          f"'{Path(out)}' away to start the run anew")
+
+
+def set_aside(path: Path) -> Path:
+    """Rename the checkpoint folder ``path`` (an unreadable one) to ``<name>.damaged`` (``.damaged-2``, ... where
+    taken): kept for inspection, but no longer a checkpoint's name (:data:`CHECKPOINT_NAME`), so it is never read
+    again nor counted by the rotation (which would otherwise delete the newer run's checkpoints as older than
+    it). Returns the new path. Raises OSError."""
+    path = Path(path)
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, target)
+    _fsync_dir(path.parent)
+    return target

@@ -10,6 +10,7 @@ and exit once the coordinator has gathered them.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from concurrent import futures
@@ -21,6 +22,8 @@ import grpc
 from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
+from atoll.job.checkpoint import write_text_atomic
+from atoll.job.lock import RunLock
 from atoll.runtime.service import wire
 from atoll.runtime.service.server import SyncerServer
 
@@ -58,11 +61,8 @@ def load_credentials(folder: Path, islands: int, run_key: bool = False, make: bo
         tokens, made = [], []
         for name in names:
             path = folder / name
-            if not path.exists():
-                tmp = folder / f".{name}.tmp"
-                tmp.write_text(secrets.token_hex(32 if name == RUN_KEY else 16) + "\n")
-                tmp.chmod(0o600)
-                tmp.replace(path)
+            if not path.exists():  # readable by its owner only from its first byte on, fsynced
+                write_text_atomic(path, secrets.token_hex(32 if name == RUN_KEY else 16) + "\n", mode=0o600)
                 made.append(path.name)
             token = path.read_text().strip()
             if not token:
@@ -133,6 +133,63 @@ def build_server(state: SyncerServer, settings: ServiceConfig, islands: int, fra
                        handlers=[state.handler()], options=options)
 
 
+#: the record, in the syncer's folder, of the run whose state it holds (:func:`run_record`), made at its first start
+SETTINGS = "settings.json"
+
+
+def run_record(config: TrainConfig) -> dict[str, Any]:
+    """The settings that make a run this run, by name (JSON values): the run's own (strategy, islands, steps,
+    seed), the model, the data and the schedule, and the strategy's config; not the service's own (addresses,
+    TLS, shards' addresses), the output's or the device's, which a restart may change."""
+    from atoll.config.train import DataSection, ModelSection, RunSection, ScheduleSection
+
+    dumped = config.model_dump(mode="json")
+    names = [*RunSection.model_fields, *ModelSection.model_fields, *DataSection.model_fields,
+             *ScheduleSection.model_fields]
+    return {**{k: dumped[k] for k in names}, **config.strategy_config.model_dump(mode="json")}
+
+
+def claim_folder(config: TrainConfig, out: Path, state_dir: Path) -> RunLock:
+    """The restart rule of ``atoll syncer`` (docs/deployment.md): the same command resumes its own run; a folder
+    of a finished run, of another run (other settings: :func:`run_record`) or of ``atoll train`` is refused
+    before anything is written. Then ``state_dir`` (``out``, or a shard's ``out/shard_<S>``) is locked for this
+    process (:class:`~atoll.job.lock.RunLock`) and, at a first start, the run's record written there.
+
+    Raises:
+        ConfigError: one line naming the folder (or the first differing setting, with both values) and the fix.
+    """
+    summary = out / "run" / "summary.json"
+    if summary.is_file():
+        raise ConfigError(f"out: '{out}' holds a finished run (its summary: '{summary}'); a syncer never rewrites "
+                          "it: choose another --out for a new run")
+    if (out / "config.json").is_file() or (out / "checkpoints").is_dir():
+        raise ConfigError(f"out: '{out}' holds an 'atoll train' run (config.json, checkpoints/), not a syncer's; "
+                          "choose another --out")
+    record, path = run_record(config), state_dir / SETTINGS
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(saved, dict):
+                raise ValueError("not a record of settings")
+        except (OSError, ValueError):
+            raise ConfigError(f"out: '{path}' is unreadable; it names the run this folder holds: restore it, or "
+                              "choose another --out") from None
+        for key in sorted(set(record) & set(saved)):  # (a setting one side does not know: another atoll version's)
+            if json.dumps(saved[key], sort_keys=True) != json.dumps(record[key], sort_keys=True):
+                raise ConfigError(f"{key}: '{out}' holds a run with {key} = {saved[key]!r}, not "
+                                  f"{record[key]!r}; restart with the settings it was started with (the same "
+                                  "command), or choose another --out for a new run")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(state_dir)
+    if not path.exists():
+        try:
+            write_text_atomic(path, json.dumps(record, indent=1, sort_keys=True))
+        except BaseException:
+            lock.release()
+            raise
+    return lock
+
+
 def serve(config: TrainConfig) -> dict[str, Any]:
     """Run ``atoll syncer`` until the run is over; return its summary (the run folder ``<out>/run``), or, for a
     shard other than the coordinator, ``{"shard": S}`` once the coordinator has gathered it.
@@ -142,14 +199,19 @@ def serve(config: TrainConfig) -> dict[str, Any]:
     fragment, ``tls_ca`` and ``give_up_s`` for the coordinator's gathering: seconds it retries a shard before
     it gives up; another shard: seconds it waits, once gathered, for the coordinator's ``Close``).
 
+    Restarted with the same command on its folder, it continues its run from its newest readable checkpoint
+    (and completes an end that was cut: :func:`finish_run`); a folder of another or a finished run is refused
+    (:func:`claim_folder`).
+
     Raises:
         ConfigError: no ``out``, more shards than fragments, unreadable TLS material or credentials folder, an
-            address that cannot be bound.
+            address that cannot be bound, a folder of another run or of a finished one.
+        CheckpointError: the folder has checkpoints and none is readable.
         SyncerUnreachable: (the coordinator) a shard gave no answer to its gathering for ``give_up_s``.
     """
     settings = ServiceConfig.of_run(config)
     fragments = config.strategy_config.fragments
-    shard, shards, listen = settings.shard, settings.shards, settings.listen
+    shard, shards = settings.shard, settings.shards
     count = max(1, len(shards or []))
     if count > fragments:
         raise ConfigError(f"shards: {count} shards for {fragments} fragments; each shard owns at least one "
@@ -162,6 +224,20 @@ def serve(config: TrainConfig) -> dict[str, Any]:
         if settings.tls_cert is not None and settings.tls_key is not None else None
     tls_ca = read_certificate(settings.tls_ca, "tls_ca") if settings.tls_ca is not None else None
     out = Path(config.out)
+    sharded = count > 1
+    lock = claim_folder(config, out, out / f"shard_{shard}" if sharded else out)  # before anything is written
+    try:
+        return _serve(config, settings, out, key_pair, tls_ca)
+    finally:
+        lock.release()
+
+
+def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tuple[bytes, bytes] | None,
+           tls_ca: bytes | None) -> dict[str, Any]:
+    """:func:`serve` once its folder is claimed."""
+    fragments = config.strategy_config.fragments
+    shard, shards, listen = settings.shard, settings.shards, settings.listen
+    count = max(1, len(shards or []))
     credentials_dir = settings.credentials if settings.credentials is not None else out / "credentials"
     sharded = count > 1
     credentials = load_credentials(credentials_dir, config.islands, run_key=sharded, make=shard == 0)
@@ -223,10 +299,19 @@ def serve(config: TrainConfig) -> dict[str, Any]:
 def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[str, Any] | None = None,
                refused_calls: dict[str, int] | None = None) -> dict[str, Any]:
     """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would;
-    ``final``, ``refused_calls``: the whole run's, gathered from its shards (default: ``state``'s own)."""
+    ``final``, ``refused_calls``: the whole run's, gathered from its shards (default: ``state``'s own). Resumable:
+    a ``<out>/run`` without its summary (an end cut by a kill or a power cut) is written again whole from the
+    syncer's final state, which its last checkpoint holds."""
+    import shutil
+
     from atoll.job.run import Run
 
     final = final or state.final or {}
+    folder = out / "run"
+    if folder.is_dir() and not (folder / "summary.json").is_file():  # this run's end, cut during its final write
+        print(f"atoll syncer: '{folder}' holds an end of this run that was cut before its summary; writing it "
+              "again from the syncer's final state", flush=True)
+        shutil.rmtree(folder)
     sharded = {"shards": len(final["shard_restarts"]), "shard_restarts": final["shard_restarts"]} \
         if "shard_restarts" in final else {}
     run = Run(config.model_copy(update={"out": out / "run"}))

@@ -50,6 +50,7 @@ At the end the global model is evaluated and saved, with a summary, in the run f
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -116,7 +117,7 @@ class SyncerServer:
         self.first_join: float | None = None  # monotonic time of the first join (the start gate)
         self.started_at: float | None = None
         self.final: dict[str, Any] | None = None
-        self.written_status = ""
+        self.written_status: str | None = ""  # None: the last write failed
 
     @classmethod
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
@@ -323,17 +324,34 @@ class SyncerServer:
         return self.shards.close()
 
     def _load_left(self) -> dict[int, dict[str, Any]]:
+        """The islands that left and their reports (``service/left.json``); {} before any left. An unreadable
+        file (damaged) is one line: the islands that left are then waited for ``collective_timeout_s`` at the
+        end, and their reports are missing from the summary."""
+        path = self.out / "service" / "left.json"
         try:
-            saved = wire.loads((self.out / "service" / "left.json").read_bytes())
-        except (OSError, ValueError):
+            saved = wire.loads(path.read_bytes())
+            if not isinstance(saved, dict):
+                raise ValueError("not a record of islands")
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            print(f"atoll: warning: syncer: '{path}' is unreadable ({str(e).splitlines()[0][:80] if str(e) else e!r}); "
+                  "the islands that left are not known: the end waits for them up to collective_timeout_s",
+                  file=sys.stderr, flush=True)
             return {}
         return {int(k): v for k, v in saved.items() if str(k).isdigit() and isinstance(v, dict)}
 
     def _save_left(self) -> None:
+        """Keep :attr:`left` durably (fsynced, :func:`~atoll.job.checkpoint.write_text_atomic`). A failed write
+        (a full disk) is one line: the Leave is answered, and the file is written again at the next one."""
         from atoll.job.checkpoint import write_text_atomic
 
-        write_text_atomic(self.out / "service" / "left.json",
-                          wire.dumps({str(k): v for k, v in self.left.items()}).decode())
+        try:
+            write_text_atomic(self.out / "service" / "left.json",
+                              wire.dumps({str(k): v for k, v in self.left.items()}).decode())
+        except OSError as e:
+            print(f"atoll: warning: syncer: '{self.out / 'service' / 'left.json'}' not written ({e.strerror or e}); "
+                  "the leave is kept in memory and written at the next one", file=sys.stderr, flush=True)
 
     @property
     def joined(self) -> set[int]:
@@ -415,5 +433,12 @@ class SyncerServer:
                 self.done.set()
             status = wire.dumps(self.status()).decode()
         if status != self.written_status:  # written when it changed, not ten times a second
-            write_text_atomic(self.out / "service" / "status.json", status)
+            try:
+                write_text_atomic(self.out / "service" / "status.json", status)
+            except OSError as e:  # a full disk: one line until a write succeeds again; the syncer goes on
+                if self.written_status is not None:
+                    print(f"atoll: warning: syncer: status not written ({e.strerror or e}); the syncer goes on",
+                          file=sys.stderr, flush=True)
+                self.written_status = None
+                return
             self.written_status = status

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from atoll.algorithms.fragments import FlatFragment
 from atoll.config import TrainConfig
 from atoll.job.async_save import LatestStateWriter
-from atoll.job.checkpoint import save_checkpoint
+from atoll.job.checkpoint import save_checkpoint, write_text_atomic
 from atoll.runtime.decoupled_job import prepare_job, push_sync_every, syncer_of
 from atoll.runtime.service import syncer_shards as sharding
 from atoll.strategies.decoupled.island import save_path
@@ -114,7 +115,6 @@ class SyncerService:
     def __init__(self, run: SyncerRun, index: list[FlatFragment], syncer: Syncer, out: str,
                  shard: sharding.ShardSpec | None = None, key: bytes = b"", pid_dir: str = "ray") -> None:
         from atoll.errors import CheckpointError
-        from atoll.job.checkpoint import latest_checkpoint, load_checkpoint
 
         self.run = run
         self.index, self.numels = index, [int(f.numel()) for f in index]  # the run's fragments
@@ -147,12 +147,16 @@ class SyncerService:
         self.lease_used = [0] * run.islands
         for island in range(run.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
-        try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
-            _, state = load_checkpoint(latest_checkpoint(save_path(self.out)))
-        except CheckpointError:
-            state = None
+        # a restart after a crash: continue from the newest readable checkpoint (written after every commit)
+        state = self._newest_state()
         if state is not None:
-            self.syncer.load_state_dict(state["syncer"])
+            try:
+                self.syncer.load_state_dict(state["syncer"])
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:  # another model's, or another run's
+                raise CheckpointError(f"resume: the syncer's checkpoint in '{save_path(self.out)}' does not fit this "
+                                      f"run ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                                      "restart with the settings it was started with, or choose another --out"
+                                      ) from None
             self.syncer.grant_since_checkpoint(list(run.push_tokens))
             service = state.get("service", {})
             self.reserved = int(service.get("reserved", 0))
@@ -167,25 +171,70 @@ class SyncerService:
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
             self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
             sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
+        epoch = state.get("service", {}).get("grant_epoch") if state is not None else None
         self.issuer = (sharding.GrantIssuer(self.shard, save_path(self.out) / "coordinator.json",
-                                            self.syncer.admission) if self.shard and self.shard.coordinator else None)
+                                            self.syncer.admission, checkpoint_epoch=epoch)
+                       if self.shard and self.shard.coordinator else None)
         folder = save_path(self.out)
-        self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2))
+        # a write that fails (a full disk) is one line; merging goes on and the next commit's state is written
+        self.last_write_error: Exception | None = None
+        self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2),
+                                        on_error=self._write_failed)
         pids = self.out / pid_dir
         pids.mkdir(parents=True, exist_ok=True)
-        (pids / ".syncer.pid.tmp").write_text(str(os.getpid()))
-        os.replace(pids / ".syncer.pid.tmp", pids / "syncer.pid")
+        write_text_atomic(pids / "syncer.pid", str(os.getpid()))
+
+    def _newest_state(self) -> dict[str, Any] | None:
+        """The state of the newest readable checkpoint in ``out/syncer`` (None: no checkpoint folder, a new
+        run). Newer ones that are unreadable (damaged, or disagreeing with their checksums) are named in one
+        line each and set aside (:func:`~atoll.job.checkpoint.set_aside`), so the rotation never deletes this
+        run's new checkpoints as older than them.
+
+        Raises:
+            CheckpointError: there are checkpoints, and none is readable (one line: the folder and the fix;
+                never a silent fresh start).
+        """
+        from atoll.job.checkpoint import checkpoint_folders, load_newest_readable, set_aside
+
+        folder = save_path(self.out)
+        if not checkpoint_folders(folder / "checkpoints"):
+            return None
+
+        def whole(state: dict[str, Any]) -> None:
+            if not (isinstance(state, dict) and isinstance(state.get("syncer"), dict)):
+                raise ValueError("it holds no syncer state")
+
+        step, state, path, skipped = load_newest_readable(folder, whole)
+        for bad, why in skipped:
+            moved = set_aside(bad)
+            print(f"atoll: warning: syncer: checkpoint '{bad}' is unreadable ({why}); continuing from the newest "
+                  f"readable one, {path.name} (commit {step}); the damaged one kept as '{moved.name}'",
+                  file=sys.stderr, flush=True)
+        return state
+
+    def _write_failed(self, error: Exception) -> None:
+        """(The writer's thread.) A checkpoint could not be written (a full disk, a read-only folder): one line
+        per failed write; the syncer keeps merging and answering, and writes the state of its next commit (the
+        checkpoint on disk stays the last one written whole)."""
+        self.last_write_error = error
+        what = f"{error.strerror or error}" if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+        print(f"atoll: warning: syncer: checkpoint not written ({what}; {self.writer.failed} failed so far); "
+              "merging goes on and the next commit's state is written; free space on the disk of "
+              f"'{save_path(self.out)}'", file=sys.stderr, flush=True)
 
     def _save(self, wait: bool = False) -> None:
         """Checkpoint the syncer and the shared budget atomically (``out/syncer``), off the critical path: the
         state is snapshotted here (copies of the globals and momenta) and written and fsynced by the
         :class:`~atoll.job.async_save.LatestStateWriter` thread, so the islands' calls are answered meanwhile;
-        ``wait``: return once it is on disk (the end of the run)."""
+        ``wait``: return once it is on disk (the end of the run). A write that fails is one line
+        (:meth:`_write_failed`), never an error of the call that merged."""
         service = {"reserved": self.reserved, "steps_by_island": list(self.steps_by_island), "joins": list(self.joins),
                    "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
                    "leased": list(self.leased), "lease_used": list(self.lease_used),
                    "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
         service.update(sharding.shard_entries(self.shard, self.grants))
+        if self.issuer is not None:  # a copy of the grant epoch: recovered from it if coordinator.json is lost
+            service["grant_epoch"] = self.issuer.epoch
         self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
         if wait:
             self.writer.flush()
@@ -410,14 +459,18 @@ class SyncerService:
         return self.syncer.pull(fragment)
 
     def finish(self) -> dict[str, Any]:
-        """Merge every open buffer, checkpoint, and return the statistics and the global parameters.
+        """Merge every open buffer, checkpoint, and return the statistics and the global parameters. Raises the
+        error of that last checkpoint's write (OSError: a full disk), which no later commit retries.
 
         Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was), and
         ``island_start_s``, per island the seconds from that first step to the island's own first step (None:
         it took none).
         """
         self.syncer.flush()
+        failed = self.writer.failed
         self._save(wait=True)
+        if self.writer.failed > failed and self.last_write_error is not None:  # no next commit to retry at
+            raise self.last_write_error
         start = self.first_step_s
         run_s = self._now() - start if start is not None else 0.0
         island_start_s = [None if t is None or start is None else t - start for t in self.island_first_step_s]

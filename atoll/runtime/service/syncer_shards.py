@@ -23,7 +23,8 @@ fragments; the merge of one fragment never needs another's, so the shards share 
 - **The end**: the coordinator gathers every shard's fragments and statistics (:func:`combine_stats`) and
   evaluates and saves the run's one model.
 
-Pure functions and small records; no sockets. Errors: ValueError (one line) for a map that cannot be made.
+Pure functions and small records; no sockets. Errors: ValueError (one line) for a map that cannot be made;
+CheckpointError (one line) for an unreadable ``coordinator.json``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
 
 #: the HMAC of a grant and of the shards' peer credential: SHA-256
 DIGEST = hashlib.sha256
+#: how far a coordinator whose ``coordinator.json`` is missing skips its grant epoch past its checkpoint's copy
+EPOCH_RECOVERY_SKIP = 1000
 
 
 def shard_map(numels: Sequence[int], shards: int) -> list[int]:
@@ -258,14 +262,16 @@ class GrantIssuer:
     Args:
         spec: the coordinator's :class:`ShardSpec`; admission: its syncer's
             :class:`~atoll.strategies.decoupled.trust.Admission` (its sessions).
+        checkpoint_epoch: the epoch its newest checkpoint holds (a copy: where ``path`` is missing), or None.
+
+    Raises:
+        CheckpointError: ``path`` is there but unreadable (never a silent epoch 1).
     """
 
-    def __init__(self, spec: ShardSpec, path: Path, admission: Admission) -> None:
+    def __init__(self, spec: ShardSpec, path: Path, admission: Admission,
+                 checkpoint_epoch: int | None = None) -> None:
         self.spec, self.path, self.seq = spec, Path(path), 0
-        try:
-            saved = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            saved = {}
+        saved = self._read(checkpoint_epoch)
         for island, session in enumerate(saved.get("session", [])[:admission.islands]):
             if is_index(session, 1 << 62) and session > admission.session[island]:
                 admission.session[island] = session  # as Admission.rejoin: any base version is new in it
@@ -273,8 +279,43 @@ class GrantIssuer:
         self.epoch = int(saved.get("epoch", 0)) + 1
         self.opened(admission)
 
+    def _read(self, checkpoint_epoch: int | None) -> dict[str, Any]:
+        """What ``path`` holds (``epoch``, ``session``); {} for a coordinator's first start (no file, no
+        checkpoint). A missing file beside a checkpoint (deleted, or never made: an older syncer): the epoch of
+        the newest checkpoint ``checkpoint_epoch`` plus :data:`EPOCH_RECOVERY_SKIP` (more starts than a
+        coordinator makes between two commits, so its grants are newer than any it signed before), said in one
+        line.
+
+        Raises:
+            CheckpointError: the file is there but unreadable (empty, torn, not this format): one line naming
+                it and the fix; an epoch started again at 1 would make the other shards refuse every grant.
+        """
+        from atoll.errors import CheckpointError
+
+        if not self.path.exists():
+            if checkpoint_epoch is None:
+                return {}
+            epoch = int(checkpoint_epoch) + EPOCH_RECOVERY_SKIP
+            print(f"atoll: warning: coordinator: '{self.path}' is missing; its grant epoch is recovered from the "
+                  f"newest checkpoint's copy ({checkpoint_epoch}) as {epoch + 1}", file=sys.stderr, flush=True)
+            return {"epoch": epoch}
+        try:
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+            if not (isinstance(saved, dict) and is_index(saved.get("epoch"), 1 << 62)
+                    and isinstance(saved.get("session", []), list)):
+                raise ValueError("not a coordinator's record")
+        except (OSError, ValueError) as e:
+            why = "empty" if self.path.is_file() and self.path.stat().st_size == 0 else \
+                (str(e).splitlines()[0][:80] if str(e) else type(e).__name__)
+            raise CheckpointError(
+                f"coordinator: '{self.path}' is unreadable ({why}); it holds the grant epoch the other shards know: "
+                "restore it from a backup, or delete it to recover the epoch from the newest checkpoint") from None
+        return saved
+
     def opened(self, admission: Admission) -> None:
-        """Keep the sessions of ``admission`` (an island just joined: before its grant goes out)."""
+        """Keep the sessions of ``admission`` (an island just joined: before its grant goes out), durably
+        (:func:`~atoll.job.checkpoint.write_text_atomic`: fsynced, so a power cut leaves the old file or the
+        new one, never an empty one)."""
         from atoll.job.checkpoint import write_text_atomic
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
