@@ -44,13 +44,16 @@ class CollectiveView(Protocol):
     recovery_s: list[float]
     token_offset: int
     tokens_of: list[int]
-    layout: ShardLayout
     #: --async-checkpoint's state (:class:`~atoll.runtime.collective.async_checkpoint.BackgroundCheckpoints`, which
     #: builds on this protocol)
     background: Any
     #: the survivors' quorum (:class:`~atoll.runtime.collective.quorum.Quorum`, which builds on this protocol), or
     #: None where a loss is not survived
     quorum: Any
+
+    @property
+    def layout(self) -> ShardLayout:
+        """Sharded islands: the layout of the island's shards."""
 
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""
