@@ -101,8 +101,8 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     island = rank_island.build(index, copy.deepcopy(model), job.settings.lasting(total), inner_optimizer(job.own),
                                ddp=group.size > 1 and not sharded, seed=job.facts.seed, init_from=job.facts.init_from)
     if rank_island.layout is not None:
-        plan = SlicePlan.shards(job.index, [p.numel() for p in model.parameters()], rank_island.layout.counts,
-                                group.rank, leader_moves)
+        plan = SlicePlan.sharded_island(job.index, [p.numel() for p in model.parameters()],
+                                        rank_island.layout.counts, group.rank, leader_moves)
         return RankWorker(index, job, total, group, rank_island, island, held=plan.held), plan, job
     plan = SlicePlan.whole(job.index, group.rank, group.size, leader_moves)
     return RankWorker(index, job, total, group, rank_island, island), plan, job
