@@ -101,8 +101,7 @@ class CollectiveRuntime(Runtime):
         self.quorum: Quorum | None = None
         self.recovery_s: list[float] = []
         self._joined: dict[str, Any] | None = None  # the state received on rejoining
-        self.token_offset = 0  # a rejoined island: its tokens before the loss, less those of the state it took
-        self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
+        self.job_tokens = report.JobTokens([0] * self.islands)  # each island's at the last totals(); a rejoin's offset
 
     # --- joining and leaving ----------------------------------------------------------------------
     def start(self) -> None:
@@ -154,7 +153,7 @@ class CollectiveRuntime(Runtime):
         self.init_epoch()
         got = broadcast_state(None, self.control)
         self.comm.ops = int(got["ops"])  # the live ranks' operation count: a later loss is agreed on by number
-        self.tokens_of = [int(t) for t in got["tokens_of"]]
+        self.job_tokens.of = [int(t) for t in got["tokens_of"]]
         return got
 
     def stop_after(self, done: int) -> bool:
@@ -353,9 +352,7 @@ class CollectiveRuntime(Runtime):
     def totals(self, islands: list[Island]) -> tuple[float, int]:
         """Mean loss over the islands alive; tokens of every island (:func:`~.report.totals`)."""
         loss, tokens_alive = report.totals(self, islands)
-        for island, tokens in tokens_alive.items():  # a lost island's stay as last reported
-            self.tokens_of[island] = tokens
-        return loss, sum(self.tokens_of)
+        return loss, self.job_tokens.update(tokens_alive)  # a lost island's stay as last reported
 
     def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
         return report.island_counts(self, islands)
@@ -412,4 +409,4 @@ class CollectiveRuntime(Runtime):
             strategy.load_island_state(position, state["strategy_islands"][island.index])
         self.comm.load_state_dict(state["comm"])
         if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
-            self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
+            self.job_tokens.rejoined(self.island, sum(i.tokens for i in islands))

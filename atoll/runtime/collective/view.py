@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from atoll.runtime.collective.comm import DistComm
     from atoll.runtime.collective.heartbeat import _Heartbeat
     from atoll.runtime.collective.membership import Membership
+    from atoll.runtime.collective.report import JobTokens
     from atoll.runtime.collective.sharding import ShardLayout
 
 
@@ -42,8 +43,7 @@ class CollectiveView(Protocol):
     control: Any
     comm: DistComm
     recovery_s: list[float]
-    token_offset: int
-    tokens_of: list[int]
+    job_tokens: JobTokens
     #: --async-checkpoint's state (:class:`~atoll.runtime.collective.async_checkpoint.BackgroundCheckpoints`, which
     #: builds on this protocol)
     background: Any
