@@ -90,11 +90,15 @@ def worker(spec_path: Path) -> int:
     data, model = prepare_inputs(config, notes=False, meta=spec["sharded"])
     job = job_of(config, data, model)
     if spec["sharded"]:
-        from atoll.runtime.collective.sharding import make_sharded_island
+        from atoll.job.island import inner_optimizer
+        from atoll.runtime.collective.rank_island import RankIsland
 
-        _, layout = make_sharded_island(0, model, config, None, group.world, group.device)
-        plan = SlicePlan.shards(job.index, [p.numel() for p in model.parameters()], layout.counts, group.rank,
-                                spec["transfer"] == "leader")
+        island = RankIsland(group.size, group.rank, group.device, True, group=group.world)
+        island.build(0, model, job.settings, inner_optimizer(job.own), ddp=False, seed=job.facts.seed,
+                     init_from=job.facts.init_from)
+        assert island.layout is not None
+        plan = SlicePlan.sharded_island(job.index, [p.numel() for p in model.parameters()], island.layout.counts,
+                                        group.rank, spec["transfer"] == "leader")
     else:
         plan = SlicePlan.whole(job.index, group.rank, 2, spec["transfer"] == "leader")
     client = SyncerClient(spec["address"], 0, spec["token"], root_certificates=Path(spec["ca"]).read_bytes(),

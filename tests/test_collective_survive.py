@@ -408,6 +408,16 @@ def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(mon
         beat.thread.join(timeout=5)
 
 
+def test_the_jobs_tokens_keep_a_lost_islands_count_and_a_rejoined_islands_offset() -> None:
+    from atoll.runtime.collective.report import JobTokens
+
+    tokens = JobTokens([0] * 3)
+    assert tokens.update({0: 100, 1: 90, 2: 80}) == 270
+    assert tokens.update({0: 200, 2: 160}) == 200 + 90 + 160  # island 1 lost: its count stays as last reported
+    tokens.rejoined(1, counted=200)  # it took island 0's state (200 tokens of its own count)
+    assert tokens.offset == 90 - 200 and tokens.of == [200, 90, 160]
+
+
 def test_membership_counts_every_loss_and_rejoin() -> None:
     from atoll.runtime.collective.membership import Membership
 

@@ -16,10 +16,11 @@ Every rank runs one island (the strategy's ``islands`` list has length 1). Two k
 
 - an *island group* per island (its R ranks): plain data parallel every inner step. Each rank computes
   the gradient of its ``batch_size / R`` rows of the island's batch and the ranks average their gradients
-  before the strategy sees them, so an island of R ranks computes what one rank with the whole batch would.
+  before the strategy sees them, so an island of R ranks computes what one rank with the whole batch would
+  (:mod:`~atoll.runtime.collective.rank_island`, shared with ``atoll island``'s jobs of R ranks).
 - a *cross-island group* per position r in an island (ranks r, R + r, 2R + r, ...): it carries only what
-  the strategy sends. A payload is cut into R equal shards; rank r moves shard r over its cross-island
-  group, then the island's ranks all-gather their shards. Every island therefore sends each byte once
+  the strategy sends. A payload is cut into R equal pieces; rank r moves piece r over its cross-island
+  group, then the island's ranks all-gather their pieces. Every island therefore sends each byte once
   (spread over its R ranks' links), and every rank of every island ends with bitwise the same result.
 
 Backend: NCCL when CUDA is available (each rank on GPU ``LOCAL_RANK``; a gloo group carries checkpoints and
@@ -27,7 +28,7 @@ counters), gloo otherwise.
 
 Bytes are counted from the tensors handed to the network, with the ring costs of :mod:`atoll.runtime.network`
 (all-reduce of B bytes: 2(K-1)/K*B per island; all-gather of B bytes per island: (K-1)*B). Protocol
-scalars (one weight per exchange, and at most R-1 bytes or elements of padding to cut equal shards) are
+scalars (one weight per exchange, and at most R-1 bytes or elements of padding to cut equal pieces) are
 not counted.
 
 Failure: every collective has a deadline: ``collective_timeout_s``, and for an exchange across islands that

@@ -1,4 +1,4 @@
-"""The collectives of the collective runtime: one payload cut into one shard per rank of an island, moved
+"""The collectives of the collective runtime: one payload cut into one piece per rank of an island, moved
 across islands over ``torch.distributed`` (see the package docstring for the layout and the byte counts).
 
 Deadlines: each exchange gets its own, sized from the bytes it sends and the configured link
@@ -120,10 +120,10 @@ class DistWork(Work):
 
 
 class _Exchange:
-    """One payload moved across islands, cut into one shard per rank of the island (see the module doc).
+    """One payload moved across islands, cut into one piece per rank of the island (see the module doc).
 
     Started at construction (the cross-island part runs in the background, ``async_op=True``) and counted
-    ``cost(islands)`` bytes; :meth:`result` waits for it and all-gathers the shards inside the island, and
+    ``cost(islands)`` bytes; :meth:`result` waits for it and all-gathers the pieces inside the island, and
     gives it on the CPU, or on the comm's device with ``on_device``. While it is pending, a lost island makes
     the comm start it again over the survivors' groups (recounted at their number).
     """
@@ -165,13 +165,13 @@ class _Exchange:
         if size * r_count != buf.numel():
             buf = torch.cat([buf, buf.new_zeros(size * r_count - buf.numel())])
         part = comm.position if r_count > 1 else 0
-        shard = buf[part * size:(part + 1) * size].contiguous().to(comm.device)
+        piece = buf[part * size:(part + 1) * size].contiguous().to(comm.device)
         if self.gather:
-            self.parts = [torch.empty_like(shard) for _ in range(comm.islands)]
-            self.handle = dist_call(dist.all_gather, self.parts, shard, group=comm.cross_group, async_op=True)
+            self.parts = [torch.empty_like(piece) for _ in range(comm.islands)]
+            self.handle = dist_call(dist.all_gather, self.parts, piece, group=comm.cross_group, async_op=True)
         else:
-            self.parts = [shard]
-            self.handle = dist_call(dist.all_reduce, shard, group=comm.cross_group, async_op=True)
+            self.parts = [piece]
+            self.handle = dist_call(dist.all_reduce, piece, group=comm.cross_group, async_op=True)
 
     def result(self) -> torch.Tensor:
         """All-reduce: the summed buffer (the input's length). All-gather: (islands alive, length), island order.
@@ -188,11 +188,11 @@ class _Exchange:
     def _finish(self) -> torch.Tensor:
         comm = self.comm
         dist_call(self.handle.wait, timeout=timedelta(seconds=self.deadline_s))  # its own deadline, in user space
-        local = self.parts[0][None] if len(self.parts) == 1 else torch.stack(self.parts)  # (islands or 1, shard)
+        local = self.parts[0][None] if len(self.parts) == 1 else torch.stack(self.parts)  # (islands or 1, piece)
         if self.cut > 1:
             pieces = [torch.empty_like(local) for _ in range(self.cut)]
             dist_call(dist.all_gather, pieces, local, group=comm.island_group)
-            local = torch.cat(pieces, dim=1)  # shards side by side, in position order
+            local = torch.cat(pieces, dim=1)  # pieces side by side, in position order
         local = local[:, :self.length]
         if not self.on_device:
             local = local.cpu()
@@ -240,7 +240,7 @@ class DistComm(Comm):
         self.island_group = island_group
         self.device = device
         self.sharded = sharded
-        self.cut = 1 if sharded else ranks_per_island  # shards one payload is cut into, one per rank
+        self.cut = 1 if sharded else ranks_per_island  # pieces one payload is cut into, one per rank
         self.recover: Callable[[PeerFailure, int], None] | None = None
         self.ops = 0  # operations run through resilient(), the same count on every rank
         self.pending: list[_Exchange] = []

@@ -117,7 +117,7 @@ def admit(rt: CollectiveView, done: int, islands: list[Island], strategy: Strate
         island = islands[0]
         state = {"step": done, "island": island.state_dict(), "strategy": strategy.state_dict(),
                  "strategy_island": strategy.island_state(0), "comm": rt.comm.state_dict(), "ops": rt.comm.ops,
-                 "tokens_of": list(rt.tokens_of), **extra}
+                 "tokens_of": list(rt.job_tokens.of), **extra}
     broadcast_state(state, rt.control)
 
 

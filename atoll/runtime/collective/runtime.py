@@ -30,11 +30,11 @@ from atoll.runtime.collective.failure import (
     HEARTBEAT_STALE_S,
     PeerFailure,
     dist_call,
-    hooked_call,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
 from atoll.runtime.collective.membership import Membership
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
+from atoll.runtime.collective.rank_island import RankIsland
 from atoll.runtime.collective.rejoin import FINISHED, PREFIX_KEY, REJOIN_ENV, admit, joined_job, wait_for_admission
 from atoll.runtime.collective.stop import StopAgreement
 from atoll.runtime.collective.transfer import broadcast_state
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from atoll.config.runtimes import CollectiveConfig
     from atoll.job.island import InnerOptimizer, Island
     from atoll.job.run import Run
+    from atoll.runtime.collective.sharding import ShardLayout
     from atoll.strategies.base import Strategy
 
 # ----------------------------------------------------------------------------------------------------------
@@ -88,6 +89,9 @@ class CollectiveRuntime(Runtime):
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device("cuda", local_rank) if self.backend == "nccl" else torch.device("cpu")
         self.timeout = timedelta(seconds=config.collective_timeout_s)
+        # this rank of its island: its rows, the gradient and loss means, its tokens; its island group, once formed
+        self.rank_island = RankIsland(self.ranks_per_island, self.position, self.device, config.shard_island,
+                                      resilient=lambda op: self.comm.resilient(op))
         self.step: int | None = None  # the 0-based inner step in progress, once the loop runs
         self.heartbeat: _Heartbeat | None = None
         self.stopping: StopAgreement | None = None  # from start(): the step all ranks stop after on a signal
@@ -97,8 +101,7 @@ class CollectiveRuntime(Runtime):
         self.quorum: Quorum | None = None
         self.recovery_s: list[float] = []
         self._joined: dict[str, Any] | None = None  # the state received on rejoining
-        self.token_offset = 0  # a rejoined island: its tokens before the loss, less those of the state it took
-        self.tokens_of = [0] * self.islands  # each island's tokens at the last totals()
+        self.job_tokens = report.JobTokens([0] * self.islands)  # each island's at the last totals(); a rejoin's offset
 
     # --- joining and leaving ----------------------------------------------------------------------
     def start(self) -> None:
@@ -150,7 +153,7 @@ class CollectiveRuntime(Runtime):
         self.init_epoch()
         got = broadcast_state(None, self.control)
         self.comm.ops = int(got["ops"])  # the live ranks' operation count: a later loss is agreed on by number
-        self.tokens_of = [int(t) for t in got["tokens_of"]]
+        self.job_tokens.of = [int(t) for t in got["tokens_of"]]
         return got
 
     def stop_after(self, done: int) -> bool:
@@ -284,18 +287,32 @@ class CollectiveRuntime(Runtime):
     # --- sharded islands (shard_island; atoll.runtime.collective.sharding) ---------------------------
     def make_island(self, index: int, model: torch.nn.Module, settings: IslandSettings,
                     optimizer: InnerOptimizer) -> Island:
-        """The island of this rank; with ``shard_island`` its model is sharded over the island's ranks
-        (FSDP2) before the inner optimizer is built, so the optimizer holds this rank's shard only."""
-        if not self.config.shard_island:
-            island = super().make_island(index, model, settings, optimizer)
-            return torch_ddp.wrap(island, settings, self.device) if self.torch_ddp else island
-        from atoll.runtime.collective.sharding import build_sharded_island
+        """The island of this rank (:meth:`RankIsland.build <.rank_island.RankIsland.build>`); with ``shard_island``
+        its model is sharded over the island's ranks (FSDP2) before the inner optimizer is built, so the optimizer
+        holds this rank's shard only; a ``ddp`` run under torch's hooks (:mod:`~.torch_ddp`) averages across the
+        islands in the backward pass."""
+        return self.rank_island.build(index, model, settings, optimizer, self.torch_ddp, self.facts.seed,
+                                      self.facts.init_from, cross_group=self.cross_group)
 
-        island, self.layout = build_sharded_island(index, model, settings, optimizer, self.island_group,
-                                                   self.device, self.facts.seed, self.facts.init_from)
-        if self.torch_ddp:
-            return torch_ddp.hook_sharded(island, self.island_group, self.cross_group)
-        return island
+    @property
+    def island_group(self) -> Any:
+        """The process group of this rank's island (None with one rank, or closed): its rank island's."""
+        return self.rank_island.group
+
+    @island_group.setter
+    def island_group(self, group: Any) -> None:
+        self.rank_island.group = group
+
+    @property
+    def layout(self) -> ShardLayout:
+        """Sharded islands: the layout of the island's shards (:attr:`.rank_island.RankIsland.layout`).
+
+        Raises:
+            AttributeError: the island is whole, or not built yet.
+        """
+        if self.rank_island.layout is None:
+            raise AttributeError("layout: the island is not sharded (or not built yet)")
+        return self.rank_island.layout
 
     def make_strategy(self, build: Callable[..., Strategy], config: Any, islands: list[Island], seed: int) -> Strategy:
         """:meth:`Runtime.make_strategy`; on sharded islands SparseLoCo selects from whole tensors
@@ -328,45 +345,14 @@ class CollectiveRuntime(Runtime):
 
     def forward_backward(self, island: Island, batch: torch.Tensor, step: int) -> None:
         """This rank's rows of the island's batch, then the gradient averaged over the island's ranks
-        (all-reduced here; reduce-scattered by FSDP2 in the backward pass of a sharded island)."""
-        r_count = self.ranks_per_island
-        rows = batch.shape[0] // r_count
-        mine = batch[self.position * rows:(self.position + 1) * rows]
-        if island.ddp is not None:  # DDP's hooks sum every rank's gradient in the backward pass: a peer lost
-            hooked_call(island.forward_backward, mine)  # there is a PeerFailure, as in any collective
-            island.sync_islands = hooked_call(torch_ddp.finish_mean, island, r_count)
-        else:
-            island.forward_backward(mine)  # its grad_accum micro-batches (a sharded island syncs on the last)
-        if r_count == 1:
-            return
-        island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
-        if self.config.shard_island or island.ddp is not None:  # the gradient is averaged: the loss's ranks' mean
-            loss = island.loss_tensor.reshape(1).to(torch.float32)
-            dist_call(dist.all_reduce, loss, group=self.island_group)
-            island.last_loss = loss.div_(r_count)[0]  # stays on the device until read
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in island.params]
-        loss = island.loss_tensor.reshape(1).to(grads[0].dtype)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
-        flat = self.comm.resilient(lambda: self._island_sum(flat))
-        flat.div_(r_count)
-        offset = 0
-        for p in island.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        island.last_loss = flat[-1].clone()  # (not a view keeping the gradients' buffer)
-
-    def _island_sum(self, flat: torch.Tensor) -> torch.Tensor:
-        out = flat.clone()
-        dist_call(dist.all_reduce, out, group=self.island_group)
-        return out
+        (all-reduced here; reduce-scattered by FSDP2 in the backward pass of a sharded island):
+        :meth:`RankIsland.forward_backward <.rank_island.RankIsland.forward_backward>`."""
+        self.rank_island.forward_backward(island, batch)
 
     def totals(self, islands: list[Island]) -> tuple[float, int]:
         """Mean loss over the islands alive; tokens of every island (:func:`~.report.totals`)."""
         loss, tokens_alive = report.totals(self, islands)
-        for island, tokens in tokens_alive.items():  # a lost island's stay as last reported
-            self.tokens_of[island] = tokens
-        return loss, sum(self.tokens_of)
+        return loss, self.job_tokens.update(tokens_alive)  # a lost island's stay as last reported
 
     def island_counts(self, islands: list[Island]) -> tuple[list[int], list[int]]:
         return report.island_counts(self, islands)
@@ -423,4 +409,4 @@ class CollectiveRuntime(Runtime):
             strategy.load_island_state(position, state["strategy_islands"][island.index])
         self.comm.load_state_dict(state["comm"])
         if self._joined is not None:  # a live island's state (its tokens drive the weights); totals count ours
-            self.token_offset = self.tokens_of[self.island] - sum(i.tokens for i in islands)
+            self.job_tokens.rejoined(self.island, sum(i.tokens for i in islands))

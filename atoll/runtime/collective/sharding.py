@@ -41,7 +41,7 @@ from torch.nn.utils import parameters_to_vector
 
 from atoll.algorithms.fragments import FlatFragment
 from atoll.config.facts import IslandSettings
-from atoll.job.island import InnerOptimizer, Island, build_island, copy_flat_into, inner_optimizer
+from atoll.job.island import InnerOptimizer, Island, build_island, copy_flat_into
 from atoll.runtime.collective.failure import dist_call
 
 _FULL = StateDictOptions(full_state_dict=True)
@@ -381,16 +381,6 @@ def build_sharded_island(index: int, model: torch.nn.Module, settings: IslandSet
     # a strategy's own optimizer, DeMo, selects from whole tensors (sharded_demo); AdamW stays as built
     island = build_island(index, model, settings, shard_aware(optimizer), island_type=ShardedIsland)
     return island, ShardLayout(island.params, group, device)
-
-
-def make_sharded_island(index: int, model: torch.nn.Module, config: Any, optimizer: Any, group: Any,
-                        device: torch.device, total_steps: int | None = None) -> tuple[Island, ShardLayout]:
-    """:func:`build_sharded_island` from a whole run's config (an entry point's: ``atoll island``): its island
-    settings (the schedule over ``total_steps``, default ``steps``), the strategy's inner optimizer
-    (``optimizer``: a spec's ``inner_optimizer``, or None), its seed and warm start."""
-    return build_sharded_island(index, model, IslandSettings.of(config, total_steps),
-                                inner_optimizer(config.strategy_config, optimizer), group, device, config.seed,
-                                config.init_from)
 
 
 def load_sharded_job_state(rt: Any, state: dict[str, Any], islands: list[Island], strategy: Any) -> None:

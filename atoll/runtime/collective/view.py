@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from atoll.runtime.collective.comm import DistComm
     from atoll.runtime.collective.heartbeat import _Heartbeat
     from atoll.runtime.collective.membership import Membership
+    from atoll.runtime.collective.report import JobTokens
     from atoll.runtime.collective.sharding import ShardLayout
 
 
@@ -42,15 +43,17 @@ class CollectiveView(Protocol):
     control: Any
     comm: DistComm
     recovery_s: list[float]
-    token_offset: int
-    tokens_of: list[int]
-    layout: ShardLayout
+    job_tokens: JobTokens
     #: --async-checkpoint's state (:class:`~atoll.runtime.collective.async_checkpoint.BackgroundCheckpoints`, which
     #: builds on this protocol)
     background: Any
     #: the survivors' quorum (:class:`~atoll.runtime.collective.quorum.Quorum`, which builds on this protocol), or
     #: None where a loss is not survived
     quorum: Any
+
+    @property
+    def layout(self) -> ShardLayout:
+        """Sharded islands: the layout of the island's shards."""
 
     def full_params(self, params: torch.Tensor) -> torch.Tensor:
         """Sharded islands: every rank's shard of ``params`` gathered into the whole vector (collective)."""

@@ -78,8 +78,8 @@ class SlicePlan:
                    [slices.even_parts(f, ranks) for f in index], list(index))
 
     @classmethod
-    def shards(cls, index: list[FlatFragment], param_numels: list[int], counts: torch.Tensor, rank: int,
-               leader_moves: bool = False) -> SlicePlan:
+    def sharded_island(cls, index: list[FlatFragment], param_numels: list[int], counts: torch.Tensor, rank: int,
+                       leader_moves: bool = False) -> SlicePlan:
         """An FSDP2-sharded island: rank r's slice is its shard's part of each fragment (``counts``:
         :attr:`ShardLayout.counts <atoll.runtime.collective.sharding.ShardLayout.counts>`, (R, params))."""
         pieces = slices.shard_pieces(param_numels, counts)

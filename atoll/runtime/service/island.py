@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import inject_fault
-from atoll.job.island import Island, build_island, inner_optimizer
-from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure, dist_call, hooked_call
+from atoll.job.island import Island, inner_optimizer
+from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure
+from atoll.runtime.collective.rank_island import RankIsland
 from atoll.runtime.decoupled_job import island_steps, job_of
 from atoll.runtime.service import schema
 from atoll.runtime.service.client import StepLease, SyncerClient
@@ -66,43 +66,29 @@ def read_token(path: Path) -> str:
 
 class RankWorker(IslandWorker):
     """A rank of an island job of ``group.size`` ranks: its rows of each batch, the gradient averaged with its
-    peers (torch DDP's all-reduce, or FSDP2's reduce-scatter when ``sharded``), the loss the island's mean.
+    peers (torch DDP's all-reduce, or FSDP2's reduce-scatter when ``sharded``), the loss the island's mean: its
+    :class:`~atoll.runtime.collective.rank_island.RankIsland`, as the collective runtime's ranks.
 
     A test's kill hook (:mod:`atoll.job.faults`, ``ATOLL_TEST_KILL_RANK_AT_STEP=RANK:STEP[:STOP]`` with RANK
     this island's rank and STEP its inner step, 1-based) is told each step of the job's first start (not of a
     torchrun restart) with ``kind="start"``, as the collective runtime tells its ranks.
     """
 
-    def __init__(self, index: int, job: Job, total_steps: int, group: IslandGroup, sharded: bool,
-                 island: Island | None = None, held: list[Any] | None = None) -> None:
+    def __init__(self, index: int, job: Job, total_steps: int, group: IslandGroup, rank_island: RankIsland,
+                 island: Island, held: list[Any] | None = None) -> None:
         super().__init__(index, job, total_steps, group.device, island=island, held=held)
-        self.group, self.sharded = group, sharded
+        self.group, self.rank_island = group, rank_island
         self.first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def forward_backward(self, batch: torch.Tensor) -> None:
         if self.first_start:  # a test's kill hook (see the class docstring)
             inject_fault(self.island, self.steps, "start", rank=self.group.rank)
-        r_count = self.group.size
-        if r_count == 1:
-            super().forward_backward(batch)
-            return
-        rows = batch.shape[0] // r_count
-        mine = batch[self.group.rank * rows:(self.group.rank + 1) * rows]
-        if self.sharded:  # FSDP2 reduce-scatters the mean gradient in the last micro-batch's backward pass
-            self.island.forward_backward(mine)
-        else:  # torch DDP all-reduces in the backward pass; the sum over the ranks that contributed, then /
-            from atoll.runtime.collective import torch_ddp
-
-            hooked_call(self.island.forward_backward, mine)
-            hooked_call(torch_ddp.finish_mean, self.island, r_count)
-        loss = self.island.loss_tensor.reshape(1).to(torch.float32)
-        dist_call(dist.all_reduce, loss, group=self.group.world)
-        self.island.last_loss = loss.div_(r_count)[0]  # every rank decides alike (a diverged island resets)
-        self.island.tokens += (r_count - 1) * mine[:, 1:].numel()  # the island's tokens, as one rank would count
+        self.rank_island.forward_backward(self.island, batch)
 
 
 def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWorker, SlicePlan, Job]:
-    """The rank's worker (its island: the whole model under DDP, or its FSDP2 shard) and the slice plan."""
+    """The rank's worker (its island: the whole model under DDP, or its FSDP2 shard, built by its
+    :class:`~atoll.runtime.collective.rank_island.RankIsland`) and the slice plan."""
     from atoll.job.run import prepare_inputs
 
     settings = ServiceConfig.of_run(config)
@@ -111,23 +97,15 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     job = job_of(config, data, model)
     total = island_steps(config)[index]
     leader_moves = settings.slice_transfer == "leader"
-    if sharded:
-        from atoll.runtime.collective.sharding import make_sharded_island
-
-        island, layout = make_sharded_island(index, copy.deepcopy(model), config, None, group.world, group.device,
-                                             total_steps=total)
-        plan = SlicePlan.shards(job.index, [p.numel() for p in model.parameters()], layout.counts, group.rank,
-                                leader_moves)
-        return RankWorker(index, job, total, group, True, island=island, held=plan.held), plan, job
+    rank_island = RankIsland(group.size, group.rank, group.device, sharded, group=group.world)
+    island = rank_island.build(index, copy.deepcopy(model), job.settings.lasting(total), inner_optimizer(job.own),
+                               ddp=group.size > 1 and not sharded, seed=job.facts.seed, init_from=job.facts.init_from)
+    if rank_island.layout is not None:
+        plan = SlicePlan.sharded_island(job.index, [p.numel() for p in model.parameters()],
+                                        rank_island.layout.counts, group.rank, leader_moves)
+        return RankWorker(index, job, total, group, rank_island, island, held=plan.held), plan, job
     plan = SlicePlan.whole(job.index, group.rank, group.size, leader_moves)
-    island = None
-    if group.size > 1:
-        from atoll.runtime.collective import torch_ddp
-
-        replica = build_island(index, copy.deepcopy(model).to(group.device), job.settings.lasting(total),
-                               inner_optimizer(job.own))
-        island = torch_ddp.wrap(replica, job.settings, group.device)
-    return RankWorker(index, job, total, group, False, island=island), plan, job
+    return RankWorker(index, job, total, group, rank_island, island), plan, job
 
 
 def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], group: IslandGroup) -> dict[str, Any]:
