@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from atoll.config import TrainConfig
+from atoll.config.run_record import digest as record_digest
+from atoll.config.run_record import run_record
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import inject_fault
@@ -155,9 +157,12 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     numels = [int(i.numel()) for i in job.index]
     client = clients[0]  # the coordinator: the join, leases, heartbeats, Leave
     owners = shard_map(numels, len(clients))
-    joined = client.call("Join", schema.JoinRequest(numels=numels, shards=owners)) if group.leader else {}
+    record = run_record(config)  # the syncer refuses a join whose run settings differ from its own (one line)
+    joined = client.call("Join", schema.JoinRequest(numels=numels, shards=owners, settings=record,
+                                                    digest=record_digest(record))) if group.leader else {}
     for s, shard in enumerate(clients[1:], 1):  # each shard is the one dialed, with the same map and run key
         shard.grant_source = client
+        shard.session = client.session
         if group.leader:
             shard.call("Hello", schema.HelloRequest(numels=numels, shards=owners, shard=s, grant=client.grant))
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])

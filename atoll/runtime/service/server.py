@@ -58,6 +58,8 @@ from typing import Any
 import grpc
 
 from atoll.config import TrainConfig
+from atoll.config.run_record import digest as record_digest
+from atoll.config.run_record import mismatch, run_record
 from atoll.config.runtimes import ServiceConfig
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.bulk import Bulk
@@ -114,6 +116,10 @@ class SyncerServer:
         self.started_at: float | None = None
         self.final: dict[str, Any] | None = None
         self.written_status = ""
+        # the record of the run's settings and its digest (atoll.config.run_record), compared with each island's
+        # at its join; None: not checked (a server built without its run's config)
+        self.record: dict[str, str] | None = None
+        self.digest = ""
 
     @classmethod
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
@@ -129,7 +135,10 @@ class SyncerServer:
         settings = ServiceConfig.of_run(config)
         run, index, syncer, spec = prepare(config, credentials, shard=shard, shards=shards, key=key)
         service = SyncerService(run, index, syncer, str(out), spec, key=key, pid_dir="service")
-        return cls(service, config.strategy_config, settings, out, key=key)
+        server = cls(service, config.strategy_config, settings, out, key=key)
+        server.record = run_record(config)
+        server.digest = record_digest(server.record)
+        return server
 
     # --- what the drivers and the status read -------------------------------------------------------------
     @property
@@ -159,12 +168,46 @@ class SyncerServer:
         island, credential = caller
         self.shards.coordinator_only(context, "Join")
         self.shards.check_map(req, context)
+        if (refusal := self._settings_refusal(island, req)) is not None:
+            self.gate.refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "settings", refusal)
         with self.lock:
             self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
             self._save_left()
             return schema.JoinReply(versions=versions, steps=steps, session=session, **self.shards.grant(island))
+
+    def _settings_refusal(self, island: int, req: schema.JoinRequest) -> str | None:
+        """Why ``island``'s join is refused for its run's settings (one line: the first setting its record has
+        otherwise than the syncer's, both values), or None: the same run, or nothing to compare (a server
+        without its run's record, a join without one)."""
+        if self.record is None or (req.digest is None and req.settings is None) or req.digest == self.digest:
+            return None
+        if req.settings is None:
+            return (f"settings: island {island}'s run settings differ from the syncer's (their digests differ); "
+                    "start every island with the syncer's run.toml")
+        return mismatch(island, self.record, dict(req.settings)) or (
+            f"settings: island {island}'s digest of its run settings is not the digest of its record; run the same "
+            "atoll on the syncer and the islands")
+
+    def _stale(self, island: int, session: int | None) -> str | None:
+        """(Under the lock.) Why a call of ``island`` carrying ``session`` is refused as ``stale_session`` (one
+        line: a newer join superseded that session, so this job stops), or None (a later session than the
+        syncer's becomes the present one: :meth:`~atoll.strategies.decoupled.trust.Admission.seen`)."""
+        admission = self.service.syncer.admission
+        if not admission.stale(island, session):
+            admission.seen(island, session)
+            return None
+        return (f"session: island {island} joined again as session {admission.session[island]} (another job with "
+                f"--island {island}, or a restart) and this job's session {session} is over; this job stops: run one "
+                "job per island index")
+
+    def _fence(self, island: int, session: int | None, context: grpc.ServicerContext) -> None:
+        """Refuse (ABORTED) and count as ``stale_session`` a call of a superseded session (:meth:`_stale`)."""
+        with self.lock:
+            why = self._stale(island, session)
+        if why is not None:
+            self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def hello(self, caller: tuple[int, str], req: schema.HelloRequest,
               context: grpc.ServicerContext) -> schema.HelloReply:
@@ -178,10 +221,14 @@ class SyncerServer:
         island, credential = caller
         self.shards.coordinator_only(context, "ReserveSteps")
         with self.lock:
-            if not self._started():
+            why = self._stale(island, req.session)
+            if why is None and not self._started():
                 return schema.ReserveStepsReply(granted=0, wait=True)
-            granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss, lr=req.lr)
-            return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
+            if why is None:
+                granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss,
+                                                     lr=req.lr)
+                return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
@@ -201,6 +248,7 @@ class SyncerServer:
         island waiting for its push to merge makes one call per merge, not one per poll interval (each call
         costs CPU on the syncer's host and on the island's)."""
         island = caller[0]
+        self._fence(island, req.session, context)
         deadline = time.monotonic() + min(req.wait_s, wire.MAX_WAIT_S)
         with self.changed:
             # an island waits on at most one call per fragment of this shard: more are answered at once, so no
@@ -217,13 +265,16 @@ class SyncerServer:
             finally:
                 self.waiting[island] -= waits
 
-    def heartbeat(self, caller: tuple[int, str], req: schema.Empty,
+    def heartbeat(self, caller: tuple[int, str], req: schema.HeartbeatRequest,
                   context: grpc.ServicerContext) -> schema.HeartbeatReply:
-        """The island is alive; answers whether the step budget is spent."""
+        """The island is alive; answers whether the step budget is spent (a superseded session: refused)."""
         self.shards.coordinator_only(context, "Heartbeat")
         with self.lock:
-            self.service.heartbeat(caller[0])
-            return schema.HeartbeatReply(spent=self.service.reserved >= self.service.budget)
+            why = self._stale(caller[0], req.session)
+            if why is None:
+                self.service.heartbeat(caller[0])
+                return schema.HeartbeatReply(spent=self.service.reserved >= self.service.budget)
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def pull_meta(self, caller: tuple[int, str], req: schema.FragmentRequest,
                   context: grpc.ServicerContext) -> schema.VersionReply:
@@ -241,6 +292,10 @@ class SyncerServer:
         if self.shards.finished is not None:  # the coordinator gathered this shard: the run is over
             context.abort(grpc.StatusCode.UNAVAILABLE, "the run is over")
         key = "\n".join(req.slices)
+        with self.lock:
+            stale = self.service.syncer.admission.stale(island, req.session)
+        if stale:
+            self._fence(island, req.session, context)
         with self.lock:
             if key in self.answers[island]:  # a retry whose first reply was lost: the same answer
                 return self.answers[island][key]
@@ -301,12 +356,15 @@ class SyncerServer:
         lease goes back to the budget)."""
         island = caller[0]
         self.shards.coordinator_only(context, "Leave")
-        report = req.model_dump(exclude={"used"}, exclude_none=True)
+        report = req.model_dump(exclude={"used", "session"}, exclude_none=True)
         with self.lock:
-            returned = self.service.leave_session(island, req.used)
-            self.left[island] = report
-            self._save_left()
-            return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))
+            why = self._stale(island, req.session)  # an older session's Leave never ends the present one's lease
+            if why is None:
+                returned = self.service.leave_session(island, req.used)
+                self.left[island] = report
+                self._save_left()
+                return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def upload_status(self, caller: tuple[int, str], req: schema.UploadStatusRequest,
                       context: grpc.ServicerContext) -> schema.ReceivedReply:
