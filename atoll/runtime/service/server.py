@@ -12,6 +12,14 @@ the handlers receive typed records only. A push that passes is then checked as t
 (identity, freshness: a replay is refused and counted as ``replay``, bounds). Payloads are JSON and
 safetensors only.
 
+**Joins and sessions.** A ``Join`` carries the record of the island's run settings and its digest
+(:mod:`atoll.config.run_record`); one that differs from the syncer's is refused with FAILED_PRECONDITION and one
+line naming the first differing setting and both values, counted as ``settings``. Each join opens a new
+session and fences the ones before it: a control call carrying an older session (``Heartbeat``,
+``ReserveSteps``, ``Buffered``, ``Push``, ``Leave``) is refused with ABORTED and counted as ``stale_session``,
+and the island's job stops (a second job of one island index, or an old torchrun attempt, never acts for the
+live session: its ``Leave`` returns no lease of the live session's).
+
 **Slices.** Each rank of an island job uploads its slice of a push over its own connection: the ``Upload``
 header names the fragment and the slice's ranges of its element order (:mod:`~atoll.runtime.service.slices`),
 and its bytes are the codec's encoded payload (:func:`~atoll.runtime.service.wire.payload_bytes`, at most
