@@ -26,6 +26,7 @@ import copy
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +159,10 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     client = clients[0]  # the coordinator: the join, leases, heartbeats, Leave
     owners = shard_map(numels, len(clients))
     record = run_record(config)  # the syncer refuses a join whose run settings differ from its own (one line)
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex  # every attempt of one torchrun launch
     joined = client.call("Join", schema.JoinRequest(numels=numels, shards=owners, settings=record,
-                                                    digest=record_digest(record))) if group.leader else {}
+                                                    digest=record_digest(record), job=job[:schema.MAX_ID])) \
+        if group.leader else {}
     for s, shard in enumerate(clients[1:], 1):  # each shard is the one dialed, with the same map and run key
         shard.grant_source = client
         shard.session = client.session

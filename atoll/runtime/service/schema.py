@@ -90,12 +90,15 @@ class Grant(Record):
 class JoinRequest(Record):
     """``Join``: the island's fragments' sizes and the fragment -> shard map it routes by (default: all shard 0);
     the record of its run's settings and its digest (:mod:`atoll.config.run_record`: compared with the syncer's,
-    a difference refused as ``settings``; an island of this atoll always sends them)."""
+    a difference refused as ``settings``; an island of this atoll always sends them); ``job``: the island job's
+    id, the same for every attempt of one torchrun launch (a job whose session a newer job superseded is refused
+    at its next join, so its torchrun restarts do not supersede the newer job in turn)."""
 
     numels: Ints
     shards: Ints | None = None
     settings: Settings | None = None
     digest: Digest | None = None
+    job: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
 
     @field_validator("settings")
     @classmethod

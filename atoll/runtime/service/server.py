@@ -81,6 +81,8 @@ from atoll.strategies.decoupled.protocol import Push
 
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
+#: superseded island jobs remembered per island (their torchrun restarts are refused at the join)
+JOBS_KEPT = 16
 #: a control method's handler: (the caller's island and secret, its request, the call) -> the reply
 Handle = Callable[[tuple[int, str], Any, grpc.ServicerContext], schema.Record]
 
@@ -128,6 +130,9 @@ class SyncerServer:
         # at its join; None: not checked (a server built without its run's config)
         self.record: dict[str, str] | None = None
         self.digest = ""
+        # per island: the job id of its present session, and the jobs a newer job superseded (the newest JOBS_KEPT)
+        self.job_of: dict[int, str] = {}
+        self.superseded_jobs: dict[int, OrderedDict[str, None]] = {}
 
     @classmethod
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
@@ -179,6 +184,10 @@ class SyncerServer:
         if (refusal := self._settings_refusal(island, req)) is not None:
             self.gate.refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "settings", refusal)
         with self.lock:
+            superseded = self._job_superseded(island, req.job)
+        if superseded is not None:
+            self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", superseded)
+        with self.lock:
             self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
@@ -197,6 +206,24 @@ class SyncerServer:
         return mismatch(island, self.record, dict(req.settings)) or (
             f"settings: island {island}'s digest of its run settings is not the digest of its record; run the same "
             "atoll on the syncer and the islands")
+
+    def _job_superseded(self, island: int, job: str | None) -> str | None:
+        """(Under the lock.) Why the join of ``island``'s job ``job`` is refused: a newer job of the island
+        superseded it (its torchrun restarts would supersede the newer job in turn); or None, the job noted as the
+        present session's, and the job it replaces, if another, as superseded."""
+        if job is None:
+            return None
+        jobs = self.superseded_jobs.setdefault(island, OrderedDict())
+        if job in jobs:
+            return (f"session: island {island} was joined by another job (with --island {island}) after this one; "
+                    "this job stops: run one job per island index")
+        before = self.job_of.get(island)
+        if before is not None and before != job:
+            jobs[before] = None
+            while len(jobs) > JOBS_KEPT:
+                jobs.popitem(last=False)
+        self.job_of[island] = job
+        return None
 
     def _stale(self, island: int, session: int | None) -> str | None:
         """(Under the lock.) Why a call of ``island`` carrying ``session`` is refused as ``stale_session`` (one
