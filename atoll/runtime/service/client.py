@@ -7,7 +7,9 @@ fragment over it), so a heartbeat is never queued behind a transfer. A call that
 (UNAVAILABLE, a deadline) is retried with exponential backoff (0.1 s doubling to 5 s) until ``give_up_s``
 have passed without an answer; a transfer that breaks resumes at the offset the syncer holds
 (``UploadStatus``, ``Download`` from an offset), so a failed chunk is sent again, not the whole fragment. A
-refused credential is an error at once.
+refused credential is an error at once. Every control call carries the island's session (its ``Join``'s
+answer): one the syncer refuses as superseded (a newer job of the same island index joined) stops the job with
+one line (:class:`SessionSuperseded`, exit status 2).
 
 :class:`StepLease` is how the leader takes inner steps from the run's shared budget: a lease of a round of
 steps at a time, fetched in the background before the last one is used (no round trip per step across a
