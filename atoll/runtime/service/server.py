@@ -328,13 +328,12 @@ class SyncerServer:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the run is over")
         key = "\n".join(req.slices)
         with self.lock:
-            stale = self.service.syncer.admission.stale(island, req.session)
-        if stale:
-            self._fence(island, req.session, context)
-        with self.lock:
             if key in self.answers[island]:  # a retry whose first reply was lost: the same answer
                 return self.answers[island][key]
             uploads = self.bulk.taken(island, req.slices)
+            stale = self.service.syncer.admission.stale(island, req.session)
+        if stale:  # a superseded session's push (its uploads dropped): refused and counted as stale_session
+            self._fence(island, req.session, context)
         if uploads is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "upload: incomplete or unknown; upload it again")
         fragment, tokens, syncer = req.fragment, req.tokens, self.service.syncer
