@@ -124,8 +124,6 @@ class SyncerServer:
         self.spent_at: float | None = None
         self.first_join: float | None = None  # monotonic time of the first join (the start gate)
         self.started_at: float | None = None
-        self.final: dict[str, Any] | None = None
-        self.written_status = ""
         # the record of the run's settings and its digest (atoll.config.run_record), compared with each island's
         # at its join; None: not checked (a server built without its run's config)
         self.record: dict[str, str] | None = None
@@ -133,6 +131,8 @@ class SyncerServer:
         # per island: the job id of its present session, and the jobs a newer job superseded (the newest JOBS_KEPT)
         self.job_of: dict[int, str] = {}
         self.superseded_jobs: dict[int, OrderedDict[str, None]] = {}
+        self.final: dict[str, Any] | None = None
+        self.written_status = ""
 
     @classmethod
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
