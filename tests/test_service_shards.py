@@ -28,7 +28,7 @@ pytest.importorskip("cryptography")
 
 from atoll.errors import ConfigError  # noqa: E402
 from atoll.runtime.service import wire  # noqa: E402
-from atoll.runtime.service.client import SyncerClient  # noqa: E402
+from atoll.runtime.service.client import SessionSuperseded, SyncerClient  # noqa: E402
 
 KEY = b"ab" * 32
 
@@ -122,9 +122,12 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
     assert not push(c1, c0.grant, new_session)  # a rejoin grants no tokens: the ledger holds one push's
     assert c0.call("ReserveSteps", {"n": 5})["granted"] == 5 and c0.grant["tokens"] == 2 * tokens
     assert push(c1, c0.grant, new_session)
-    assert not push(c1, old_grant, session, base=1)      # an old session's grant
-    assert not push(c1, c0.grant, session, base=1)       # an old session's push under the new grant
-    assert shard.service.syncer.rejected_by_reason == {"grant": 3, "session": 1, "tokens": 2, "replay": 2}
+    with pytest.raises(SessionSuperseded):  # an old session's grant: fenced (refused and counted as stale_session)
+        push(c1, old_grant, session, base=1)
+    with pytest.raises(SessionSuperseded):  # an old session's push under the new grant
+        push(c1, c0.grant, session, base=1)
+    assert shard.service.syncer.rejected_by_reason == {"grant": 3, "session": 1, "tokens": 2}
+    assert shard.refused_calls == {"shard": 2, "stale_session": 2}
     assert shard.service.syncer.admission.rejected_by_island["grant"] == [3, 0]
     assert other1.push(_payload(shard, n), mine, ((0, n),), tokens, 0, 1, grant=other0.grant)["accepted"]
     assert shard.service.syncer.version(0) == 1  # the quorum of both islands merged
@@ -137,7 +140,7 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
         c1.call("Finish")
     with pytest.raises(ConfigError, match="^shards: shard 1 .* refused the coordinator's peer credential"):
         PeerClient(a1, 1, peer_token(b"x" * 64), plaintext=True).call("Finish")
-    assert shard.refused_calls == {"shard": 2, "peer": 2}
+    assert shard.refused_calls == {"shard": 2, "stale_session": 2, "peer": 2}
     peer = PeerClient(a1, 1, peer_token(KEY), plaintext=True)
     finished = peer.call("Finish")
     assert finished["fragments"] == [mine] and finished["versions"] == [1] and finished["stats"]["commits"] == 1

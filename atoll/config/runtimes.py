@@ -329,6 +329,15 @@ SERVICE_COMMANDS_ONLY: frozenset[str] = frozenset(
     (*SyncerSection.model_fields, *IslandJobSection.model_fields, *ServiceLinkSection.model_fields))
 
 
+#: the service's settings that are no part of the run's record (:mod:`atoll.config.run_record`, compared at an
+#: island's join): the syncer's own (:data:`SYNCER_ONLY`: where it listens, its TLS identity, the credentials, its
+#: shards), each island job's own (:data:`ISLAND_ONLY`: its syncer, index, secret, ranks, sharding, slices), and
+#: how each end trusts and waits for the other (TLS trust, give-up, the collective deadline): none changes the
+#: maths, the data or the schedule
+NOT_OF_THE_RUN: frozenset[str] = frozenset(
+    (*SYNCER_ONLY, *ISLAND_ONLY, *ServiceLinkSection.model_fields, *TimeoutSection.model_fields))
+
+
 def service_command(name: str) -> str:
     """Which command reads service setting ``name``: ``atoll syncer``, ``atoll island``, or both."""
     return "atoll syncer" if name in SYNCER_ONLY else "atoll island" if name in ISLAND_ONLY else \

@@ -7,7 +7,9 @@ fragment over it), so a heartbeat is never queued behind a transfer. A call that
 (UNAVAILABLE, a deadline) is retried with exponential backoff (0.1 s doubling to 5 s) until ``give_up_s``
 have passed without an answer; a transfer that breaks resumes at the offset the syncer holds
 (``UploadStatus``, ``Download`` from an offset), so a failed chunk is sent again, not the whole fragment. A
-refused credential is an error at once.
+refused credential is an error at once. Every control call carries the island's session (its ``Join``'s
+answer): one the syncer refuses as superseded (a newer job of the same island index joined) stops the job with
+one line (:class:`SessionSuperseded`, exit status 2).
 
 :class:`StepLease` is how the leader takes inner steps from the run's shared budget: a lease of a round of
 steps at a time, fetched in the background before the last one is used (no round trip per step across a
@@ -44,6 +46,11 @@ RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.St
 
 class SyncerUnreachable(AtollError):
     """The syncer gave no answer for ``give_up_s`` seconds."""
+
+
+class SessionSuperseded(ConfigError):
+    """The syncer refused a call of this island's session: a newer join of the same island index superseded it
+    (another job started with this ``--island``): this job stops (one line, exit status 2)."""
 
 
 class UploadLost(Exception):
@@ -99,6 +106,8 @@ class SyncerClient:
         self.grant: dict[str, Any] | None = None
         self.grant_source: SyncerClient | None = None
         self._grant_lock = threading.Lock()
+        self.session: int | None = None  # the island's session (its Join's answer): every control call carries it
+        self.superseded: str | None = None  # the syncer's line refusing a call of a superseded session
         options = [("grpc.use_local_subchannel_pool", 1),  # control and bulk: two connections, not one shared
                    ("grpc.max_receive_message_length", 2 * wire.CHUNK_BYTES + (1 << 16)),
                    # gRPC's own reconnect backoff grows to 120 s by default: a syncer back after an outage would
@@ -137,6 +146,8 @@ class SyncerClient:
                     raise ConfigError(e.details()) from None  # another model, map or shard: one line
                 if code == grpc.StatusCode.PERMISSION_DENIED:  # a fragment sent to a shard that does not own it
                     raise ConfigError(e.details()) from None
+                if code == grpc.StatusCode.ABORTED:  # a newer job of this island joined: this one stops
+                    raise SessionSuperseded(e.details()) from None
                 if code not in RETRY:
                     raise
                 last = (e.details() or str(code))[:300]
@@ -159,7 +170,8 @@ class SyncerClient:
         """A control call: its request ``payload``, the method's record of the service's schema
         (:data:`~atoll.runtime.service.schema.REQUESTS`), or a JSON object as it is (a test's malformed
         request); its reply as a JSON object. ``bulk``: over the bulk connection, a transfer's own calls;
-        ``retry=False``: one attempt (grpc.RpcError when it fails).
+        ``retry=False``: one attempt (grpc.RpcError when it fails). A request record with a ``session`` field left
+        unset carries this client's :attr:`session` (from its ``Join``); a ``Join``'s answer sets it.
 
         Raises:
             RuntimeError: a control call of a client without the control connection (not the leader).
@@ -171,13 +183,23 @@ class SyncerClient:
         if isinstance(payload, schema.Record) and type(payload) is not schema.REQUESTS[name]:
             raise TypeError(f"{name}: its request is a {schema.REQUESTS[name].__name__}, not a "
                             f"{type(payload).__name__}")
+        if isinstance(payload, schema.Record) and "session" in type(payload).model_fields and \
+                "session" not in payload.model_fields_set and self.session is not None:
+            payload = type(payload)(**payload.model_dump(exclude_unset=True), session=self.session)
         data = schema.encode(payload) if isinstance(payload, schema.Record) else wire.dumps(payload or {})
         stub = channel.unary_unary(wire.method(name))
 
         def attempt() -> dict[str, Any]:
-            reply = _reply(name, stub(data, metadata=self.metadata, timeout=timeout_s))
+            try:
+                reply = _reply(name, stub(data, metadata=self.metadata, timeout=timeout_s))
+            except grpc.RpcError as e:
+                if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.ABORTED:
+                    self.superseded = e.details()  # (a heartbeat's: the lease's next step stops the job)
+                raise
             if isinstance(reply.get("grant"), dict):
                 self._keep_grant(reply["grant"])
+            if name == "Join":
+                self.session = int(reply["session"])
             return reply
 
         return self._retrying(name, attempt) if retry else attempt()
@@ -347,6 +369,8 @@ class StepLease:
         with self._cond:
             if self._error is not None:
                 raise self._error
+            if self.client.superseded is not None:  # a newer job of this island joined (seen by any call)
+                raise SessionSuperseded(self.client.superseded)
             if self.leased > 0:
                 self.leased -= 1
                 self.used += 1
@@ -385,7 +409,9 @@ class StepLease:
             with self._cond:
                 self._fetching = False
                 now = time.monotonic()
-                if code not in RETRY:
+                if code == grpc.StatusCode.ABORTED:  # a newer job of this island joined: this one stops
+                    self._error = SessionSuperseded(e.details() if isinstance(e, grpc.Call) else str(e))
+                elif code not in RETRY:
                     self._error = (ConfigError(f"credential: the syncer refused island {self.client.island}'s "
                                                f"step lease ({e.details() if isinstance(e, grpc.Call) else e}); "
                                                "pass this island's own --credential and --island")

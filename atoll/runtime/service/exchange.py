@@ -363,7 +363,7 @@ class ServiceTransport:
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
             with contextlib.suppress(grpc.RpcError):  # the syncer is down: the calls that matter retry themselves
-                self.client.call("Heartbeat", schema.Empty(), timeout_s=5.0, retry=False)
+                self.client.call("Heartbeat", schema.HeartbeatRequest(), timeout_s=5.0, retry=False)
 
     def counters(self) -> dict[str, Any]:
         """What this rank moved: its bulk connections' bytes up and down (to every shard)."""

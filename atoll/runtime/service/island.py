@@ -26,12 +26,15 @@ import copy
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from atoll.config import TrainConfig
+from atoll.config.run_record import digest as record_digest
+from atoll.config.run_record import run_record
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.divergence import inject_fault
@@ -133,9 +136,14 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     numels = [int(i.numel()) for i in job.index]
     client = clients[0]  # the coordinator: the join, leases, heartbeats, Leave
     owners = shard_map(numels, len(clients))
-    joined = client.call("Join", schema.JoinRequest(numels=numels, shards=owners)) if group.leader else {}
+    record = run_record(config)  # the syncer refuses a join whose run settings differ from its own (one line)
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex  # every attempt of one torchrun launch
+    joined = client.call("Join", schema.JoinRequest(numels=numels, shards=owners, settings=record,
+                                                    digest=record_digest(record), job=job[:schema.MAX_ID])) \
+        if group.leader else {}
     for s, shard in enumerate(clients[1:], 1):  # each shard is the one dialed, with the same map and run key
         shard.grant_source = client
+        shard.session = client.session
         if group.leader:
             shard.call("Hello", schema.HelloRequest(numels=numels, shards=owners, shard=s, grant=client.grant))
     session, steps = group.broadcast_ints([int(joined.get("session", 0)), int(joined.get("steps", 0))])

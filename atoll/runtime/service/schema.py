@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from atoll.runtime.service import wire
 
@@ -37,6 +37,9 @@ MAX_SLICES = 4096
 MAX_FRAGMENTS = 1 << 16
 #: the longest free string of a message (a grant's run fingerprint and MAC)
 MAX_TEXT = 256
+#: the most settings a run's record may hold (:mod:`atoll.config.run_record`), the longest name of one, the
+#: longest value (its JSON text), and the most characters of all its values together
+MAX_SETTINGS, MAX_SETTING_NAME, MAX_SETTING_VALUE, MAX_RECORD_CHARS = 512, 64, 16384, 1 << 16
 
 Int = Annotated[int, Field(ge=0, lt=MAX_INT)]
 #: a number of seconds: finite, >= 0
@@ -46,6 +49,14 @@ Reported = float | None
 UploadId = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Ints = Annotated[tuple[Int, ...], Field(max_length=MAX_FRAGMENTS)]
+#: a run's record (:func:`~atoll.config.run_record.run_record`): setting name -> its canonical JSON text
+Settings = Annotated[dict[Annotated[str, Field(min_length=1, max_length=MAX_SETTING_NAME)],
+                          Annotated[str, Field(max_length=MAX_SETTING_VALUE)]], Field(max_length=MAX_SETTINGS)]
+#: a record's digest (:func:`~atoll.config.run_record.digest`): 64 hex digits
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+#: an island's session (from its join): every control call of an island carries it, so the syncer refuses the
+#: calls of a session a newer join superseded (``stale_session``)
+Session = Int | None
 #: a slice's ranges of a fragment's element order: ``[[start, stop], ...]`` (ascending and inside the fragment:
 #: the server's check, :func:`~atoll.runtime.service.wire.parse_ranges`)
 Ranges = Annotated[tuple[tuple[Int, Int], ...], Field(min_length=1, max_length=wire.MAX_RANGES)]
@@ -59,7 +70,7 @@ class Record(BaseModel):
 
 
 class Empty(Record):
-    """A request with no fields (``Heartbeat``, ``Finish``, ``Close``)."""
+    """A request with no fields (``Finish``, ``Close``)."""
 
 
 class Grant(Record):
@@ -77,10 +88,24 @@ class Grant(Record):
 
 # --- requests -----------------------------------------------------------------------------------------------
 class JoinRequest(Record):
-    """``Join``: the island's fragments' sizes and the fragment -> shard map it routes by (default: all shard 0)."""
+    """``Join``: the island's fragments' sizes and the fragment -> shard map it routes by (default: all shard 0);
+    the record of its run's settings and its digest (:mod:`atoll.config.run_record`: compared with the syncer's,
+    a difference refused as ``settings``; an island of this atoll always sends them); ``job``: the island job's
+    id, the same for every attempt of one torchrun launch (a job whose session a newer job superseded is refused
+    at its next join, so its torchrun restarts do not supersede the newer job in turn)."""
 
     numels: Ints
     shards: Ints | None = None
+    settings: Settings | None = None
+    digest: Digest | None = None
+    job: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
+
+    @field_validator("settings")
+    @classmethod
+    def _record_size(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and sum(len(k) + len(v) for k, v in value.items()) > MAX_RECORD_CHARS:
+            raise ValueError(f"the record of the run's settings is longer than {MAX_RECORD_CHARS} characters")
+        return value
 
 
 class HelloRequest(JoinRequest):
@@ -97,6 +122,7 @@ class ReserveStepsRequest(Record):
     used: Int | None = None
     loss: Reported = None
     lr: Reported = None
+    session: Session = None
 
 
 class BufferedRequest(Record):
@@ -104,6 +130,13 @@ class BufferedRequest(Record):
 
     fragment: Int | None = None
     wait_s: Seconds = 0.0
+    session: Session = None
+
+
+class HeartbeatRequest(Record):
+    """``Heartbeat``: the island's session (its calls of a superseded session are refused)."""
+
+    session: Session = None
 
 
 class FragmentRequest(Record):
@@ -142,6 +175,7 @@ class LeaveRequest(Record):
     codec_s: Reported = None
     resets: Int | None = None
     skipped_steps: Int | None = None
+    session: Session = None
 
 
 class UploadHeader(Record):
@@ -241,8 +275,9 @@ class DownloadHeader(Record):
 #: each method's request record (``Upload``: its header)
 REQUESTS: dict[str, type[Record]] = {
     "Join": JoinRequest, "Hello": HelloRequest, "ReserveSteps": ReserveStepsRequest, "Buffered": BufferedRequest,
-    "Heartbeat": Empty, "UploadStatus": UploadStatusRequest, "Push": PushRequest, "PullMeta": FragmentRequest,
-    "Leave": LeaveRequest, "Finish": Empty, "Close": Empty, "Upload": UploadHeader, "Download": DownloadRequest}
+    "Heartbeat": HeartbeatRequest, "UploadStatus": UploadStatusRequest, "Push": PushRequest,
+    "PullMeta": FragmentRequest, "Leave": LeaveRequest, "Finish": Empty, "Close": Empty, "Upload": UploadHeader,
+    "Download": DownloadRequest}
 #: each method's reply record (``Download``: its header)
 REPLIES: dict[str, type[Record]] = {
     "Join": JoinReply, "Hello": HelloReply, "ReserveSteps": ReserveStepsReply, "Buffered": BufferedReply,

@@ -12,6 +12,14 @@ the handlers receive typed records only. A push that passes is then checked as t
 (identity, freshness: a replay is refused and counted as ``replay``, bounds). Payloads are JSON and
 safetensors only.
 
+**Joins and sessions.** A ``Join`` carries the record of the island's run settings and its digest
+(:mod:`atoll.config.run_record`); one that differs from the syncer's is refused with FAILED_PRECONDITION and one
+line naming the first differing setting and both values, counted as ``settings``. Each join opens a new
+session and fences the ones before it: a control call carrying an older session (``Heartbeat``,
+``ReserveSteps``, ``Buffered``, ``Push``, ``Leave``) is refused with ABORTED and counted as ``stale_session``,
+and the island's job stops (a second job of one island index, or an old torchrun attempt, never acts for the
+live session: its ``Leave`` returns no lease of the live session's).
+
 **Slices.** Each rank of an island job uploads its slice of a push over its own connection: the ``Upload``
 header names the fragment and the slice's ranges of its element order (:mod:`~atoll.runtime.service.slices`),
 and its bytes are the codec's encoded payload (:func:`~atoll.runtime.service.wire.payload_bytes`, at most
@@ -61,6 +69,8 @@ from typing import Any
 import grpc
 
 from atoll.config import TrainConfig
+from atoll.config.run_record import digest as record_digest
+from atoll.config.run_record import mismatch, run_record
 from atoll.config.runtimes import ServiceConfig
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.bulk import Bulk
@@ -74,6 +84,8 @@ from atoll.strategies.decoupled.protocol import Push
 
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
 ANSWERS = 16
+#: superseded island jobs remembered per island (their torchrun restarts are refused at the join)
+JOBS_KEPT = 16
 #: a control method's handler: (the caller's island and secret, its request, the call) -> the reply
 Handle = Callable[[tuple[int, str], Any, grpc.ServicerContext], schema.Record]
 
@@ -116,6 +128,13 @@ class SyncerServer:
         self.spent_at: float | None = None
         self.first_join: float | None = None  # monotonic time of the first join (the start gate)
         self.started_at: float | None = None
+        # the record of the run's settings and its digest (atoll.config.run_record), compared with each island's
+        # at its join; None: not checked (a server built without its run's config)
+        self.record: dict[str, str] | None = None
+        self.digest = ""
+        # per island: the job id of its present session, and the jobs a newer job superseded (the newest JOBS_KEPT)
+        self.job_of: dict[int, str] = {}
+        self.superseded_jobs: dict[int, OrderedDict[str, None]] = {}
         self.final: dict[str, Any] | None = None
         self.written_status: str | None = ""  # None: the last write failed
 
@@ -133,7 +152,10 @@ class SyncerServer:
         settings = ServiceConfig.of_run(config)
         run, index, syncer, spec = prepare(config, credentials, shard=shard, shards=shards, key=key)
         service = SyncerService(run, index, syncer, str(out), spec, key=key, pid_dir="service")
-        return cls(service, config.strategy_config, settings, out, key=key)
+        server = cls(service, config.strategy_config, settings, out, key=key)
+        server.record = run_record(config)
+        server.digest = record_digest(server.record)
+        return server
 
     # --- what the drivers and the status read -------------------------------------------------------------
     @property
@@ -163,12 +185,68 @@ class SyncerServer:
         island, credential = caller
         self.shards.coordinator_only(context, "Join")
         self.shards.check_map(req, context)
+        if (refusal := self._settings_refusal(island, req)) is not None:
+            self.gate.refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "settings", refusal)
+        with self.lock:
+            superseded = self._job_superseded(island, req.job)
+        if superseded is not None:
+            self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", superseded)
         with self.lock:
             self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
             self._save_left()
             return schema.JoinReply(versions=versions, steps=steps, session=session, **self.shards.grant(island))
+
+    def _settings_refusal(self, island: int, req: schema.JoinRequest) -> str | None:
+        """Why ``island``'s join is refused for its run's settings (one line: the first setting its record has
+        otherwise than the syncer's, both values), or None: the same run, or nothing to compare (a server
+        without its run's record, a join without one)."""
+        if self.record is None or (req.digest is None and req.settings is None) or req.digest == self.digest:
+            return None
+        if req.settings is None:
+            return (f"settings: island {island}'s run settings differ from the syncer's (their digests differ); "
+                    "start every island with the syncer's run.toml")
+        return mismatch(island, self.record, dict(req.settings)) or (
+            f"settings: island {island}'s digest of its run settings is not the digest of its record; run the same "
+            "atoll on the syncer and the islands")
+
+    def _job_superseded(self, island: int, job: str | None) -> str | None:
+        """(Under the lock.) Why the join of ``island``'s job ``job`` is refused: a newer job of the island
+        superseded it (its torchrun restarts would supersede the newer job in turn); or None, the job noted as the
+        present session's, and the job it replaces, if another, as superseded."""
+        if job is None:
+            return None
+        jobs = self.superseded_jobs.setdefault(island, OrderedDict())
+        if job in jobs:
+            return (f"session: island {island} was joined by another job (with --island {island}) after this one; "
+                    "this job stops: run one job per island index")
+        before = self.job_of.get(island)
+        if before is not None and before != job:
+            jobs[before] = None
+            while len(jobs) > JOBS_KEPT:
+                jobs.popitem(last=False)
+        self.job_of[island] = job
+        return None
+
+    def _stale(self, island: int, session: int | None) -> str | None:
+        """(Under the lock.) Why a call of ``island`` carrying ``session`` is refused as ``stale_session`` (one
+        line: a newer join superseded that session, so this job stops), or None (a later session than the
+        syncer's becomes the present one: :meth:`~atoll.strategies.decoupled.trust.Admission.seen`)."""
+        admission = self.service.syncer.admission
+        if not admission.stale(island, session):
+            admission.seen(island, session)
+            return None
+        return (f"session: island {island} joined again as session {admission.session[island]} (another job with "
+                f"--island {island}, or a restart) and this job's session {session} is over; this job stops: run one "
+                "job per island index")
+
+    def _fence(self, island: int, session: int | None, context: grpc.ServicerContext) -> None:
+        """Refuse (ABORTED) and count as ``stale_session`` a call of a superseded session (:meth:`_stale`)."""
+        with self.lock:
+            why = self._stale(island, session)
+        if why is not None:
+            self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def hello(self, caller: tuple[int, str], req: schema.HelloRequest,
               context: grpc.ServicerContext) -> schema.HelloReply:
@@ -182,10 +260,14 @@ class SyncerServer:
         island, credential = caller
         self.shards.coordinator_only(context, "ReserveSteps")
         with self.lock:
-            if not self._started():
+            why = self._stale(island, req.session)
+            if why is None and not self._started():
                 return schema.ReserveStepsReply(granted=0, wait=True)
-            granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss, lr=req.lr)
-            return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
+            if why is None:
+                granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss,
+                                                     lr=req.lr)
+                return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
@@ -205,6 +287,7 @@ class SyncerServer:
         island waiting for its push to merge makes one call per merge, not one per poll interval (each call
         costs CPU on the syncer's host and on the island's)."""
         island = caller[0]
+        self._fence(island, req.session, context)
         deadline = time.monotonic() + min(req.wait_s, wire.MAX_WAIT_S)
         with self.changed:
             # an island waits on at most one call per fragment of this shard: more are answered at once, so no
@@ -221,13 +304,16 @@ class SyncerServer:
             finally:
                 self.waiting[island] -= waits
 
-    def heartbeat(self, caller: tuple[int, str], req: schema.Empty,
+    def heartbeat(self, caller: tuple[int, str], req: schema.HeartbeatRequest,
                   context: grpc.ServicerContext) -> schema.HeartbeatReply:
-        """The island is alive; answers whether the step budget is spent."""
+        """The island is alive; answers whether the step budget is spent (a superseded session: refused)."""
         self.shards.coordinator_only(context, "Heartbeat")
         with self.lock:
-            self.service.heartbeat(caller[0])
-            return schema.HeartbeatReply(spent=self.service.reserved >= self.service.budget)
+            why = self._stale(caller[0], req.session)
+            if why is None:
+                self.service.heartbeat(caller[0])
+                return schema.HeartbeatReply(spent=self.service.reserved >= self.service.budget)
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def pull_meta(self, caller: tuple[int, str], req: schema.FragmentRequest,
                   context: grpc.ServicerContext) -> schema.VersionReply:
@@ -249,6 +335,9 @@ class SyncerServer:
             if key in self.answers[island]:  # a retry whose first reply was lost: the same answer
                 return self.answers[island][key]
             uploads = self.bulk.taken(island, req.slices)
+            stale = self.service.syncer.admission.stale(island, req.session)
+        if stale:  # a superseded session's push (its uploads dropped): refused and counted as stale_session
+            self._fence(island, req.session, context)
         if uploads is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "upload: incomplete or unknown; upload it again")
         fragment, tokens, syncer = req.fragment, req.tokens, self.service.syncer
@@ -305,12 +394,15 @@ class SyncerServer:
         lease goes back to the budget)."""
         island = caller[0]
         self.shards.coordinator_only(context, "Leave")
-        report = req.model_dump(exclude={"used"}, exclude_none=True)
+        report = req.model_dump(exclude={"used", "session"}, exclude_none=True)
         with self.lock:
-            returned = self.service.leave_session(island, req.used)
-            self.left[island] = report
-            self._save_left()
-            return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))
+            why = self._stale(island, req.session)  # an older session's Leave never ends the present one's lease
+            if why is None:
+                returned = self.service.leave_session(island, req.used)
+                self.left[island] = report
+                self._save_left()
+                return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
     def upload_status(self, caller: tuple[int, str], req: schema.UploadStatusRequest,
                       context: grpc.ServicerContext) -> schema.ReceivedReply:

@@ -17,6 +17,10 @@ of an earlier session is a replay too. A push of a later session than the syncer
 checkpoint older than the island's join) opens that session: only the island's own pushes can, and a replay
 of any of them is still refused.
 
+**Fencing.** A join supersedes the island's sessions before it: the calls of an older session (an island job
+started twice with one index, or a torchrun attempt that outlived its restart) are refused (:meth:`Admission.stale`;
+the service counts them as ``stale_session``), so the newest job alone trains as the island.
+
 **What sessions do not guard.** The island holds its credential, so it can open a session whenever it likes
 (a push of a later session, or ``join`` again on Ray), and push again from a version it has pushed from:
 the replay rule keeps a third party's copy of a push out, not the island's own repeated pushes. Those are
@@ -102,6 +106,20 @@ class Admission:
         self.session[island] += 1
         self.last_base[island] = [-1] * len(self.last_base[island])
         return self.session[island]
+
+    def stale(self, island: int, session: Any) -> bool:
+        """Is ``session`` (an int a call of ``island`` carries) older than the island's present one: a session a
+        newer join superseded (fenced: its calls are refused, so an older job or torchrun attempt of the island
+        cannot act for the present one)? None (a call that names no session) is not stale."""
+        return isinstance(session, int) and not isinstance(session, bool) and session < self.session[island]
+
+    def seen(self, island: int, session: Any) -> None:
+        """A call of ``island`` carried ``session``: a later one than the present (a syncer restarted from a
+        checkpoint older than the island's join) becomes the present one, as its first accepted push would make
+        it (so the island's next join opens a newer session still, and fences this one)."""
+        if isinstance(session, int) and not isinstance(session, bool) and session > self.session[island]:
+            self.session[island] = session
+            self.last_base[island] = [-1] * len(self.last_base[island])
 
     def accepted(self, island: int, fragment: int, base_version: int, session: int) -> None:
         """A push of ``island`` from ``base_version`` in ``session`` was accepted: an equal or older one is a
