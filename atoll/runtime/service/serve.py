@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from atoll.config import TrainConfig
+from atoll.config.run_record import run_record, shown
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.checkpoint import write_text_atomic
@@ -133,25 +134,15 @@ def build_server(state: SyncerServer, settings: ServiceConfig, islands: int, fra
                        handlers=[state.handler()], options=options)
 
 
-#: the record, in the syncer's folder, of the run whose state it holds (:func:`run_record`), made at its first start
+#: the run's record (:func:`atoll.config.run_record.run_record`), in the syncer's folder: whose run its state is;
+#: written at its first start
 SETTINGS = "settings.json"
-
-
-def run_record(config: TrainConfig) -> dict[str, Any]:
-    """The settings that make a run this run, by name (JSON values): the run's own (strategy, islands, steps,
-    seed), the model, the data and the schedule, and the strategy's config; not the service's own (addresses,
-    TLS, shards' addresses), the output's or the device's, which a restart may change."""
-    from atoll.config.train import DataSection, ModelSection, RunSection, ScheduleSection
-
-    dumped = config.model_dump(mode="json")
-    names = [*RunSection.model_fields, *ModelSection.model_fields, *DataSection.model_fields,
-             *ScheduleSection.model_fields]
-    return {**{k: dumped[k] for k in names}, **config.strategy_config.model_dump(mode="json")}
 
 
 def claim_folder(config: TrainConfig, out: Path, state_dir: Path) -> RunLock:
     """The restart rule of ``atoll syncer`` (docs/deployment.md): the same command resumes its own run; a folder
-    of a finished run, of another run (other settings: :func:`run_record`) or of ``atoll train`` is refused
+    of a finished run, of another run (another :func:`~atoll.config.run_record.run_record`: the record an island's
+    join is checked against) or of ``atoll train`` is refused
     before anything is written. Then ``state_dir`` (``out``, or a shard's ``out/shard_<S>``) is locked for this
     process (:class:`~atoll.job.lock.RunLock`) and, at a first start, the run's record written there.
 
@@ -174,10 +165,10 @@ def claim_folder(config: TrainConfig, out: Path, state_dir: Path) -> RunLock:
         except (OSError, ValueError):
             raise ConfigError(f"out: '{path}' is unreadable; it names the run this folder holds: restore it, or "
                               "choose another --out") from None
-        for key in sorted(set(record) & set(saved)):  # (a setting one side does not know: another atoll version's)
-            if json.dumps(saved[key], sort_keys=True) != json.dumps(record[key], sort_keys=True):
-                raise ConfigError(f"{key}: '{out}' holds a run with {key} = {saved[key]!r}, not "
-                                  f"{record[key]!r}; restart with the settings it was started with (the same "
+        for key in (k for k in record if k in saved):  # (a setting one side does not know: another version's)
+            if saved[key] != record[key]:
+                raise ConfigError(f"{key}: '{out}' holds a run with {key} = {shown(saved[key])}, not "
+                                  f"{shown(record[key])}; restart with the settings it was started with (the same "
                                   "command), or choose another --out for a new run")
     state_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(state_dir)
