@@ -70,6 +70,7 @@ class Bulk:
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
+        self.bytes_out = 0  # bytes of the global fragments served by Download (the live view's bytes out)
 
     def upload_status(self, island: int, req: schema.UploadStatusRequest) -> schema.ReceivedReply:
         """The bytes the syncer holds of the island's upload ``req.upload`` (0: none)."""
@@ -136,6 +137,8 @@ class Bulk:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version, payload = self._pull(fragment, ranges)
         offset = req.offset if req.version == version and req.offset <= len(payload) else 0
+        with self.lock:
+            self.bytes_out += len(payload) - offset  # (the live view's bytes out)
         yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
         yield from wire.chunks(payload, offset)
 

@@ -10,11 +10,12 @@ and exit once the coordinator has gathered them.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -22,7 +23,12 @@ from atoll.config import TrainConfig
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.runtime.service import wire
+from atoll.runtime.service.monitor import Monitor
 from atoll.runtime.service.server import SyncerServer
+from atoll.runtime.service.status import StatusServer
+
+if TYPE_CHECKING:
+    from atoll.job.run import Run
 
 #: the run's secret of a sharded syncer (in the credentials folder, beside the islands' tokens; never an island's)
 RUN_KEY = "syncer.key"
@@ -142,7 +148,19 @@ def serve(config: TrainConfig) -> dict[str, Any]:
     print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}){role}, {config.islands} "
           f"islands, state in {server_state.out}{restarted}", flush=True)
     finished_at: float | None = None
+    monitor: Monitor | None = None
+    run: Run | None = None
+    page: StatusServer | None = None
     try:
+        # the live view (atoll.runtime.service.monitor): the run folder's events from now on (the coordinator's),
+        # the progress line, and the status page with its metrics where --metrics-listen asks for them
+        run = open_run(config, out / "run") if server_state.coordinator else None
+        monitor = Monitor(server_state, config, run).start()
+        if settings.metrics_listen is not None:
+            page = StatusServer(settings.metrics_listen, lambda: monitor.current if monitor is not None else {},
+                                title=f"atoll syncer{f' shard {shard}' if sharded else ''}: {out}")
+            host = settings.metrics_listen.rsplit(":", 1)[0]
+            print(f"atoll syncer: status page on http://{host}:{page.port}/ (/status.json, /metrics)", flush=True)
         while not server_state.done.is_set():
             server_state.tick()
             time.sleep(0.1)
@@ -153,10 +171,14 @@ def serve(config: TrainConfig) -> dict[str, Any]:
     finally:
         server.stop(grace=2.0)
         server_state.tick()  # the last status (gathered, done)
+        if monitor is not None:
+            monitor.stop()  # its last look: the events of the final merges
+        if page is not None:
+            page.close()
     if not server_state.coordinator:
         return {"shard": shard}
     if not sharded:
-        return finish_run(config, out, server_state)
+        return finish_run(config, out, server_state, run=run)
     from atoll.runtime.service.gather import PeerClient, gather
     from atoll.runtime.service.syncer_shards import peer_token
 
@@ -167,20 +189,53 @@ def serve(config: TrainConfig) -> dict[str, Any]:
     finally:
         for c in clients:
             c.close()
-    return finish_run(config, out, server_state, final, refused)
+    return finish_run(config, out, server_state, final, refused, run=run)
+
+
+def open_run(config: TrainConfig, folder: Path) -> Run:
+    """The run folder ``folder`` (``<out>/run``) of a syncer, opened and begun (its ``start`` and initial ``eval``
+    events; the trackers of ``--tracker``) so that its events are written as they happen. A syncer restarted
+    on its own folder continues the events it had written (a run folder with events, no checkpoint and no
+    summary: the run was not over).
+
+    Raises:
+        ConfigError: the folder holds another run (a checkpoint or a summary), or is not writable.
+    """
+    from atoll.errors import DataError
+    from atoll.job.checkpoint import checkpoint_folders
+    from atoll.job.metrics import read_metrics
+    from atoll.job.run import Run
+
+    metrics = folder / "metrics.jsonl"
+    history: list[dict[str, Any]] = []
+    if metrics.is_file() and not (folder / "summary.json").exists() and not checkpoint_folders(folder / "checkpoints"):
+        try:
+            history = read_metrics(metrics)
+        except DataError:
+            history = []
+        metrics.unlink()  # written again below, with this start's own events after it
+        (folder / "config.json").unlink(missing_ok=True)
+    run = Run(config.model_copy(update={"out": folder}))
+    if history:
+        metrics.write_text("".join(json.dumps(e) + "\n" for e in history))
+    run.begin()
+    run.events.restore(history)
+    return run
 
 
 def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[str, Any] | None = None,
-               refused_calls: dict[str, int] | None = None) -> dict[str, Any]:
-    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would;
-    ``final``, ``refused_calls``: the whole run's, gathered from its shards (default: ``state``'s own)."""
+               refused_calls: dict[str, int] | None = None, run: Run | None = None) -> dict[str, Any]:
+    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would, and
+    draw its ``timeline.png``; ``final``, ``refused_calls``: the whole run's, gathered from its shards (default:
+    ``state``'s own); ``run``: the run folder opened at the start (:func:`open_run`; default: opened now)."""
     from atoll.job.run import Run
 
     final = final or state.final or {}
     sharded = {"shards": len(final["shard_restarts"]), "shard_restarts": final["shard_restarts"]} \
         if "shard_restarts" in final else {}
-    run = Run(config.model_copy(update={"out": out / "run"}))
-    run.begin()
+    if run is None:
+        run = Run(config.model_copy(update={"out": out / "run"}))
+        run.begin()
     reports = [state.left.get(i, {}) for i in range(config.islands)]
     bytes_sent = [float(r.get("bytes_sent", 0.0)) for r in reports]
     tokens = sum(final["steps_by_island"]) * config.tokens_per_step
@@ -196,4 +251,4 @@ def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[
                       rejoins=[max(0, j - 1) for j in final["joins"]], rejoin_s=final["rejoin_s"],
                       versions=final["versions"], syncer_restarts=final["syncer_restarts"],
                       refused_calls=dict(refused_calls if refused_calls is not None else state.refused_calls),
-                      islands_left=sorted(state.left), **sharded)
+                      islands_left=sorted(state.left), timeline=True, **sharded)

@@ -1,0 +1,187 @@
+"""The live view of a running ``atoll syncer``: its progress line, the events of ``metrics.jsonl`` as they happen,
+the Prometheus metrics and the status page over HTTP (:mod:`atoll.runtime.service.monitor`,
+:mod:`atoll.runtime.service.status`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("grpc")
+pytest.importorskip("prometheus_client")
+
+from atoll.config import build_config  # noqa: E402
+from atoll.errors import ConfigError  # noqa: E402
+from tests.test_service import free_port, start, wait_all  # noqa: E402
+
+
+def http(url: str) -> tuple[str, str]:
+    """(body, content type) of a GET."""
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode(), r.headers["Content-Type"]
+
+
+def events(path: Path) -> list[dict[str, Any]]:
+    """The events of a ``metrics.jsonl`` being written (a torn last line left out)."""
+    from atoll.job.metrics import read_metrics
+
+    return read_metrics(path) if path.is_file() else []
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample of a Prometheus exposition ``text``."""
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
+    assert match is not None, (name, labels, text[:2000])
+    return float(match.group(1))
+
+
+def test_metrics_listen_is_loopback_only() -> None:
+    with pytest.raises(ConfigError, match="metrics_listen: '0.0.0.0:9400' is reachable from other hosts"):
+        build_config(None, {"strategy": "decoupled", "runtime": "service", "metrics_listen": "0.0.0.0:9400"})
+    config = build_config(None, {"strategy": "decoupled", "runtime": "service", "metrics_listen": "127.0.0.1:9400"})
+    assert config.runtime_config.metrics_listen == "127.0.0.1:9400"
+    assert config.runtime_config.progress_every_s == 30.0
+
+
+def test_status_page_of_a_view() -> None:
+    """The page, the JSON and the metrics of a hand-made view (no syncer): every number where it belongs."""
+    from atoll.runtime.service.status import StatusServer
+
+    islands = [{"island": 0, "state": "alive", "steps": 40, "loss": 3.5, "silent_s": 0.4, "since_push_s": 2.0,
+                "joins": 1, "bytes_in": 1e6},
+               {"island": 1, "state": "lost", "steps": 12, "loss": None, "silent_s": 31.0, "since_push_s": None,
+                "joins": 2, "bytes_in": 0.0}]
+    view = {"uptime_s": 65.0, "run_s": 60.0, "islands": islands, "shard": None, "merges": 7, "versions": [4, 3],
+            "reserved": 52, "budget": 80, "merged_tokens": 4096, "merged_steps": 16, "staleness": 0.5,
+            "goodput": 0.8, "bytes_in": 1e6, "bytes_out": 2e6, "refused_pushes": {"replay": 3},
+            "refused_calls": {"identity": 2}, "calls": {}, "evals": [
+                {"merged_steps": 0, "eval_loss": 6.2, "perplexity": 490.0},
+                {"merged_steps": 10, "eval_loss": 5.1, "perplexity": 164.0}],
+            "eval_loss": 5.1, "checkpoint": 7, "done": False, "starved": ""}
+    server = StatusServer("127.0.0.1:0", lambda: view)
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        text, kind = http(base + "/metrics")
+        assert kind.startswith("text/plain")
+        assert metric(text, "atoll_syncer_merges_total") == 7
+        assert metric(text, "atoll_syncer_islands", '{state="lost"}') == 1
+        assert metric(text, "atoll_syncer_island_up", '{island="1"}') == 0
+        assert metric(text, "atoll_syncer_refusals_total", '{reason="replay",what="push"}') == 3
+        assert metric(text, "atoll_syncer_refusals_total", '{reason="identity",what="call"}') == 2
+        assert json.loads(http(base + "/status.json")[0])["islands"][1]["state"] == "lost"
+        html, kind = http(base + "/")
+        assert kind.startswith("text/html") and "<svg" in html and "lost" in html and "replay" in html
+        with pytest.raises(urllib.error.HTTPError):
+            http(base + "/nothing")
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_running_syncer_shows_its_progress_events_metrics_and_page(fast_config: dict, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """A syncer served in this process with 2 island jobs: while it runs, its progress lines, the live events of
+    its run folder, /metrics, /status.json and the page; at its end, the merges each counted equal the run's."""
+    from atoll.runtime.service.serve import serve
+
+    port, page_port, out = free_port(), free_port(), tmp_path / "syncer"
+    settings = {k: v for k, v in fast_config.items() if k not in ("out", "checkpoint_every")}
+    settings.update(strategy="decoupled", runtime="service", fragments=2, steps=200, eval_every=50,
+                    collective_timeout_s=300,
+                    listen=f"127.0.0.1:{port}", metrics_listen=f"127.0.0.1:{page_port}", progress=True,
+                    progress_every_s=1.0, out=str(out))
+    config = build_config(None, settings)
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["summary"] = serve(config)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            result["error"] = e
+
+    syncer = threading.Thread(target=run, daemon=True)
+    syncer.start()
+    deadline = time.monotonic() + 120
+    while not (out / "credentials" / "island_1.token").is_file():
+        assert "error" not in result and time.monotonic() < deadline, result
+        time.sleep(0.2)
+    flags = ["--data", fast_config["data"], "--cache-dir", fast_config["cache_dir"], "--model", "micro",
+             "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--islands", "2", "--steps", "200",
+             "--sync-every", "5", "--fragments", "2", "--eval-batches", "2", "--eval-every", "50", "--threads", "1",
+             "--no-progress"]
+    islands = [start(["island", "--syncer", f"127.0.0.1:{port}", "--plaintext", "--island", str(i),
+                      "--credential", str(out / "credentials" / f"island_{i}.token"), *flags],
+                     tmp_path / f"island_{i}.log") for i in range(2)]
+    base = f"http://127.0.0.1:{page_port}"
+    live: dict[str, Any] = {}
+    stopped = False
+    try:
+        deadline = time.monotonic() + 300
+        while syncer.is_alive() and time.monotonic() < deadline and "metrics" not in live:
+            try:
+                view = json.loads(http(base + "/status.json")[0])
+            except OSError:  # not serving yet
+                time.sleep(0.2)
+                continue
+            if view and view["reserved"] > 0 and not stopped:  # training: island 1 stops answering (SIGSTOP)
+                os.kill(islands[1].pid, signal.SIGSTOP)
+                stopped = True
+            if view and view["islands"][1]["state"] == "lost" and view["merges"] > 0:  # the run cannot end
+                live["view"] = view  # without island 1: look at everything while it runs
+                live["metrics"] = http(base + "/metrics")[0]
+                live["page"] = http(base + "/")[0]
+                live["events"] = [e["event"] for e in events(out / "run" / "metrics.jsonl")]
+            time.sleep(0.1)
+    finally:
+        if stopped:
+            os.kill(islands[1].pid, signal.SIGCONT)
+        codes = wait_all(islands, timeout=300)
+        syncer.join(timeout=300)
+    logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
+    assert codes == [0, 0] and "summary" in result, (result, logs)
+    summary = result["summary"]
+    # seen while it ran: a view with merges, the same in the metrics, the page, and events already on disk
+    assert "metrics" in live, "the syncer ended before the test could look at it"
+    assert metric(live["metrics"], "atoll_syncer_merges_total") >= live["view"]["merges"] > 0
+    assert metric(live["metrics"], "atoll_syncer_islands", '{state="lost"}') == 1
+    assert metric(live["metrics"], "atoll_syncer_island_up", '{island="1"}') == 0
+    assert metric(live["metrics"], "atoll_syncer_island_steps", '{island="0"}') > 0
+    assert "<tr class='lost'><td>1</td><td>lost</td>" in live["page"] and "merges" in live["page"]
+    assert {"start", "join", "push", "merge", "lost"} <= set(live["events"]) and "end" not in live["events"]
+    # at the end: every merge counted once, by the events, the last progress line and the summary
+    logged = events(out / "run" / "metrics.jsonl")
+    kinds = [e["event"] for e in logged]
+    assert kinds.count("merge") == summary["commits"] > 0
+    assert kinds.count("join") == 2 and kinds.count("leave") == 2 and kinds.count("lost") == 1
+    assert kinds.count("eval") >= 3  # the initial one, at least one every 50 merged steps, the final one
+    assert "checkpoint" in kinds and "train" in kinds
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("atoll syncer: ")]
+    assert len(lines) >= 2, lines
+    assert f"merges {summary['commits']} " in lines[-1] + " ", lines[-1]
+    assert "islands 0/2 alive: 0 left, 1 left" in lines[-1], lines[-1]
+    assert (out / "run" / "timeline.png").is_file()
+    status = json.loads((out / "service" / "status.json").read_text())
+    assert status["islands"] == ["left", "left"]
+
+
+def test_a_silent_island_is_lost_not_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """island_states: joined and silent past LOST_AFTER_S is lost; alive again once it calls; left stays left."""
+    from types import SimpleNamespace
+
+    from atoll.runtime.service import monitor
+
+    now = [100.0]
+    service = SimpleNamespace(heard=[None, 95.0, 80.0, 99.0], joins=[0, 1, 1, 1], _now=lambda: now[0])
+    assert monitor.island_states(service, {3}) == ["waiting", "alive", "lost", "left"]  # type: ignore[arg-type]
+    service.heard[2] = 99.5
+    assert monitor.island_states(service, set())[2] == "alive"  # type: ignore[arg-type]
