@@ -185,3 +185,18 @@ def test_a_silent_island_is_lost_not_joined(monkeypatch: pytest.MonkeyPatch) -> 
     assert monitor.island_states(service, {3}) == ["waiting", "alive", "lost", "left"]  # type: ignore[arg-type]
     service.heard[2] = 99.5
     assert monitor.island_states(service, set())[2] == "alive"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("flag", [["--tracker", "tensorboard"], ["--out", "somewhere"], ["--progress-every", "5"]])
+def test_an_island_refuses_the_settings_it_does_not_read(tmp_path: Path, flag: list[str]) -> None:
+    """--tracker, --out and --progress-every are the syncer's: atoll island refuses them in one line, status 2."""
+    from tests.conftest import run_cli
+
+    token = tmp_path / "island_0.token"
+    token.write_text("a" * 32)
+    result = run_cli("island", "--syncer", "127.0.0.1:7070", "--island", "0", "--credential", str(token), *flag)
+    lines = result.stderr.strip().splitlines()
+    name = flag[0][2:].replace("-", "_")
+    assert result.returncode == 2 and len(lines) == 1, (result.stdout, result.stderr)
+    assert lines[0].startswith(f"atoll: error: {name}: atoll island does not use it"), lines
+    assert not (tmp_path / "somewhere").exists()

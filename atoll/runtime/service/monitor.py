@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 LOST_AFTER_S = 10.0
 #: seconds between two looks of the monitor at the syncer
 LOOK_S = 0.5
+#: seconds of the run's clock over which the rate of inner steps is measured (goodput's failure-free rate)
+RATE_WINDOW_S = 5.0
 #: held-out losses the view keeps (the status page's curve)
 EVAL_POINTS = 512
 
@@ -179,9 +181,12 @@ class Monitor:
         return view
 
     def _rates(self, p: dict[str, Any]) -> None:
-        """The fastest rate of inner steps between two looks (tokens per second of the run's clock)."""
+        """The fastest rate of inner steps over windows of at least :data:`RATE_WINDOW_S` seconds of the run's
+        clock (tokens per second)."""
         run_s, reserved = p["run_s"], p["reserved"]
-        if run_s > self.mark[0] and reserved > self.mark[1]:
+        if run_s - self.mark[0] < RATE_WINDOW_S:  # a window long enough to hold leases of every island
+            return
+        if reserved > self.mark[1]:
             self.peak_rate = max(self.peak_rate, (reserved - self.mark[1]) * self.tps / (run_s - self.mark[0]))
         self.mark = (run_s, reserved)
 
