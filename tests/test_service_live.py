@@ -162,7 +162,7 @@ def test_a_running_syncer_shows_its_progress_events_metrics_and_page(fast_config
     logged = events(out / "run" / "metrics.jsonl")
     kinds = [e["event"] for e in logged]
     assert kinds.count("merge") == summary["commits"] > 0
-    assert kinds.count("join") == 2 and kinds.count("leave") == 2 and kinds.count("lost") == 1
+    assert kinds.count("join") == 2 and kinds.count("leave") == 2 and kinds.count("lost") == kinds.count("back") == 1
     assert kinds.count("eval") >= 3  # the initial one, at least one every 50 merged steps, the final one
     assert "checkpoint" in kinds and "train" in kinds
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("atoll syncer: ")]

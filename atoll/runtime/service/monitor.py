@@ -10,7 +10,8 @@ A :class:`Monitor` thread looks at the served syncer every :data:`LOOK_S` second
 - writes the run's **events** to ``<out>/run/metrics.jsonl`` and the trackers (``--tracker``) as they happen
   (the coordinator of a sharded syncer only): ``join`` (an island's session opens; ``rejoin`` too from its
   second), ``leave``, ``lost`` (an island that joined, did not leave and made no call for :data:`LOST_AFTER_S`
-  seconds), the syncer's ``push``, ``merge`` and ``refusal`` run events (:mod:`atoll.job.timeline`), a
+  seconds; at the time of its last call), ``back`` (a lost island called again, in the same session), the
+  syncer's ``push``, ``merge`` and ``refusal`` run events (:mod:`atoll.job.timeline`), a
   ``refusal`` of a call its gate refused (``call``: true), ``checkpoint`` (each syncer checkpoint on disk),
   ``train`` (the islands' last losses, when their mean inner step grew) and ``eval``: the global model on the
   held-out windows every ``eval_every`` merged inner steps (the merged tokens over the islands' tokens per
@@ -163,8 +164,10 @@ class Monitor:
                 self._emit("join", step, island=i, joins=joins[i], sim_wall_s=run_s)
             if i in left and i not in self.left:
                 self._emit("leave", step, island=i, island_steps=p["steps_by_island"][i], sim_wall_s=run_s)
-            if states[i] == "lost" and self.states[i] != "lost":
-                self._emit("lost", step, island=i, silent_s=heard[i], sim_wall_s=run_s)
+            if states[i] == "lost" and self.states[i] != "lost":  # since its last call, on the run's clock
+                self._emit("lost", step, island=i, silent_s=heard[i], sim_wall_s=max(0.0, run_s - (heard[i] or 0.0)))
+            if states[i] == "alive" and self.states[i] == "lost" and joins[i] == self.joins[i]:  # (not a rejoin)
+                self._emit("back", step, island=i, sim_wall_s=run_s)
         for reason, n in refused_calls.items():
             for _ in range(self.refused_calls.get(reason, 0), n):
                 self._event("refusal", step, {"reason": reason, "call": True, "sim_wall_s": run_s})
