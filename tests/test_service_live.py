@@ -200,3 +200,28 @@ def test_an_island_refuses_the_settings_it_does_not_read(tmp_path: Path, flag: l
     assert result.returncode == 2 and len(lines) == 1, (result.stdout, result.stderr)
     assert lines[0].startswith(f"atoll: error: {name}: atoll island does not use it"), lines
     assert not (tmp_path / "somewhere").exists()
+
+
+def test_a_restarted_syncer_keeps_the_events_it_had_written(fast_config: dict, tmp_path: Path) -> None:
+    """open_run on a run folder a syncer left unfinished (events, no checkpoint, no summary): its events are kept
+    and the run events' counts go on; a folder holding a finished run is refused."""
+    from atoll.job.metrics import write_summary
+    from atoll.runtime.service.serve import open_run
+
+    config = build_config(None, {**{k: v for k, v in fast_config.items() if k != "checkpoint_every"},
+                                 "strategy": "decoupled", "runtime": "service", "fragments": 2})
+    folder = tmp_path / "syncer" / "run"
+    first = open_run(config, folder)
+    first.events.log("merge", 0, fragment=0, version=1, islands=[0, 1], sim_wall_s=1.0)
+    first.emit("lost", step=0, island=1, silent_s=11.0, sim_wall_s=2.0)
+    first.log.close()
+    first.lock.release()  # (a killed syncer's lock goes with its process)
+    again = open_run(config, folder)
+    kinds = [e["event"] for e in events(folder / "metrics.jsonl")]
+    assert kinds == ["start", "eval", "merge", "lost", "start", "eval"]
+    assert again.events.log("merge", 0, fragment=1, version=1, islands=[0], sim_wall_s=3.0)["count"] == 2
+    again.log.close()
+    again.lock.release()
+    write_summary(folder, {"done": True})
+    with pytest.raises(ConfigError, match="out:"):
+        open_run(config, folder)
