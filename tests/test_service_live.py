@@ -38,6 +38,17 @@ def events(path: Path) -> list[dict[str, Any]]:
     return read_metrics(path) if path.is_file() else []
 
 
+def tensorboard_tags(folder: Path) -> set[str]:
+    """The scalar tags of the TensorBoard event files in ``folder`` (empty without tensorboard)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {"eval/loss", "train/loss"}
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """The value of one sample of a Prometheus exposition ``text``."""
     match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
@@ -99,7 +110,7 @@ def test_a_running_syncer_shows_its_progress_events_metrics_and_page(fast_config
     settings.update(strategy="decoupled", runtime="service", fragments=2, steps=200, eval_every=50,
                     collective_timeout_s=300,
                     listen=f"127.0.0.1:{port}", metrics_listen=f"127.0.0.1:{page_port}", progress=True,
-                    progress_every_s=1.0, out=str(out))
+                    progress_every_s=1.0, out=str(out), tracker=["tensorboard"])
     config = build_config(None, settings)
     result: dict[str, Any] = {}
 
@@ -141,6 +152,7 @@ def test_a_running_syncer_shows_its_progress_events_metrics_and_page(fast_config
                 live["metrics"] = http(base + "/metrics")[0]
                 live["page"] = http(base + "/")[0]
                 live["events"] = [e["event"] for e in events(out / "run" / "metrics.jsonl")]
+                live["tensorboard"] = tensorboard_tags(out / "run" / "tensorboard")
             time.sleep(0.1)
     finally:
         if stopped:
@@ -158,6 +170,7 @@ def test_a_running_syncer_shows_its_progress_events_metrics_and_page(fast_config
     assert metric(live["metrics"], "atoll_syncer_island_steps", '{island="0"}') > 0
     assert "<tr class='lost'><td>1</td><td>lost</td>" in live["page"] and "merges" in live["page"]
     assert {"start", "join", "push", "merge", "lost"} <= set(live["events"]) and "end" not in live["events"]
+    assert {"eval/loss", "train/loss"} <= live["tensorboard"]  # the tracker, fed while the run goes on
     # at the end: every merge counted once, by the events, the last progress line and the summary
     logged = events(out / "run" / "metrics.jsonl")
     kinds = [e["event"] for e in logged]

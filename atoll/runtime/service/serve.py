@@ -6,6 +6,11 @@ fragment (``--shard S --shards ADDR0,ADDR1,...``) runs one ``serve`` per shard: 
 ``syncer.key``) and, at the run's end, gathers the other shards (:mod:`~atoll.runtime.service.gather`) and
 writes the run folder ``OUT/run``; the other shards read the same credentials folder (copied to their hosts)
 and exit once the coordinator has gathered them.
+
+While it serves, the run is shown live (:mod:`~atoll.runtime.service.monitor`): a progress line every
+``progress_every_s`` seconds, the run folder's events and trackers as they happen (opened at the start:
+:func:`open_run`), and with ``metrics_listen`` a status page with Prometheus metrics
+(:mod:`~atoll.runtime.service.status`).
 """
 
 from __future__ import annotations
