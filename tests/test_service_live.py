@@ -238,3 +238,19 @@ def test_a_restarted_syncer_keeps_the_events_it_had_written(fast_config: dict, t
     write_summary(folder, {"done": True})
     with pytest.raises(ConfigError, match="out:"):
         open_run(config, folder)
+
+
+def test_the_progress_line_of_a_view() -> None:
+    """Each island's state, step and last push; merges; refusals of pushes and calls summed by reason."""
+    from atoll.runtime.service.monitor import Monitor
+
+    monitor = Monitor.__new__(Monitor)  # (the line reads the view only)
+    monitor.islands = 2
+    view = {"uptime_s": 65, "shard": None, "reserved": 6, "budget": 40, "merges": 2, "staleness": 0.5,
+            "goodput": 0.8, "bytes_in": 1500, "bytes_out": 10, "eval_loss": 5.1234,
+            "islands": [{"island": 0, "state": "alive", "steps": 3, "since_push_s": 2.2, "silent_s": 0.1},
+                        {"island": 1, "state": "lost", "steps": 3, "since_push_s": 14.0, "silent_s": 12.0}],
+            "refused_pushes": {"replay": 1}, "refused_calls": {"replay": 2, "identity": 1}}
+    assert monitor.line(view) == (
+        "atoll syncer: 0:01:05 | islands 1/2 alive: 0 step 3 (push 2s ago), 1 lost (silent 12s) | steps 6/40 | "
+        "merges 2 | staleness 0.50 | goodput 80% | in 1.5 KB, out 10 B | eval 5.123 | refused identity 1, replay 3")

@@ -285,9 +285,10 @@ class Monitor:
                 parts.append(f"{v['island']} {v['state']}")
         refused = Counter(view["refused_pushes"]) + Counter(view["refused_calls"])  # (pushes', calls' reasons)
         staleness, goodput = view["staleness"], view["goodput"]
+        islands = f"islands {alive}/{self.islands} alive: " + ", ".join(parts) if view["shard"] in (None, 0) \
+            else f"shard {view['shard']} (the islands' sessions and steps: shard 0's line)"
         return " | ".join([
-            f"atoll syncer: {clock_text(view['uptime_s'])}",
-            f"islands {alive}/{self.islands} alive: " + ", ".join(parts),
+            f"atoll syncer: {clock_text(view['uptime_s'])}", islands,
             f"steps {view['reserved']}/{view['budget']}", f"merges {view['merges']}",
             f"staleness {staleness:.2f}" if staleness is not None else "staleness -",
             f"goodput {goodput:.0%}" if goodput is not None else "goodput -",
