@@ -266,6 +266,17 @@ class SyncerSection(Section):
         description="atoll syncer: seconds a transfer may go without a chunk moving before it is cut (the island "
         "resumes it where the syncer's bytes end).",
     )
+    progress_every_s: float = Field(
+        30.0, ge=0, le=86400, json_schema_extra={"metavar": "SECONDS"},
+        description="atoll syncer: seconds between two progress lines on stderr (islands alive with their inner "
+        "step and last push, merges, staleness, goodput, bytes in and out, refusals by reason); 0: none.",
+    )
+    metrics_listen: str | None = Field(
+        None, json_schema_extra={"metavar": "HOST:PORT"},
+        description="atoll syncer: serve a status page (/), its JSON (/status.json) and Prometheus metrics "
+        "(/metrics) over HTTP at this address, e.g. 127.0.0.1:9400; loopback addresses only (the page has no "
+        "TLS or login: reach it from elsewhere through an SSH tunnel). Default: none.",
+    )
 
     @field_validator("listen")
     @classmethod
@@ -277,6 +288,15 @@ class SyncerSection(Section):
     @classmethod
     def _shard_addresses(cls, value: object) -> object:
         return _addresses(value, "shards")
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_loopback(cls, value: str | None) -> str | None:
+        if value is not None and not is_loopback(_parsed(value, "metrics_listen")[0]):
+            raise ValueError(f"'{value}' is reachable from other hosts and the status page has no "
+                             "TLS or login; pass a loopback address (127.0.0.1:PORT) and reach it through an SSH "
+                             "tunnel")
+        return value
 
     @field_validator("tls_cert", "tls_key")
     @classmethod

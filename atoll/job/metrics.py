@@ -162,6 +162,38 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
+def clock_text(seconds: float) -> str:
+    """``3723.4`` -> ``'1:02:03'`` (hours, minutes, seconds)."""
+    return _clock(seconds)
+
+
+class TimedLines:
+    """Plain progress lines every ``every_s`` seconds of a process that has no steps of its own to count (the
+    syncer service: :mod:`atoll.runtime.service.monitor`), each written whole and flushed.
+
+    Args:
+        every_s: seconds between two lines; 0: none.
+        file: where they go (a text stream; stderr for a command's progress).
+    """
+
+    def __init__(self, every_s: float, file: Any) -> None:
+        self.every_s, self.file = float(every_s), file
+        self.next_at = time.monotonic() + self.every_s
+
+    def due(self) -> bool:
+        """Is a line due now (and the next one ``every_s`` from now)?"""
+        now = time.monotonic()
+        if self.every_s <= 0 or now < self.next_at:
+            return False
+        self.next_at = now + self.every_s
+        return True
+
+    def write(self, line: str) -> None:
+        """Write one line and flush it."""
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
 class ProgressDisplay:
     """Training progress on stderr: a live bar on a terminal; where stderr is not one (a log file, a cluster
     job's output) one plain line every ``every`` inner steps (at the first update past each multiple, for a

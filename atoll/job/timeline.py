@@ -105,9 +105,9 @@ def read_timeline(events: list[dict[str, Any]]) -> Timeline:
             tl.pushes[i].append((t, str(e.get("outcome", "accepted"))))
             if isinstance(e.get("island_step"), int):
                 tl.steps[i].append((t, e["island_step"]))
-        elif kind == "failure":
+        elif kind in ("failure", "lost"):  # (lost: the syncer service's island that went silent)
             tl.outages[i].append((t, None))
-        elif kind == "rejoin" and tl.outages[i] and tl.outages[i][-1][1] is None:
+        elif kind in ("rejoin", "back") and tl.outages[i] and tl.outages[i][-1][1] is None:  # (back: service)
             tl.outages[i][-1] = (tl.outages[i][-1][0], t)
         elif kind == "reset":
             tl.resets[i].append(t)

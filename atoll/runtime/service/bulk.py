@@ -101,6 +101,7 @@ class Bulk:
         # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
+        self.bytes_out = 0  # bytes of the global fragments served by Download (the live view's bytes out)
 
     @contextmanager
     def admitted(self, island: int, context: grpc.ServicerContext) -> Iterator[Transfer]:
@@ -237,6 +238,8 @@ class Bulk:
         version, payload = self._pull(fragment, ranges)
         self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
         offset = req.offset if req.version == version and req.offset <= len(payload) else 0
+        with self.lock:
+            self.bytes_out += len(payload) - offset  # (the live view's bytes out)
         yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
         yield from wire.chunks(payload, offset)
 

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from atoll.config import TrainConfig
 
 
+#: run settings ``atoll island`` does not read, refused as its flags (from a TOML file serving every process they
+#: are the syncer's): the run folder, its metrics and trackers are the syncer's, an island has no progress bar
+ISLAND_UNREAD = ("out", "tracker", "progress_every")
+
+
 def add_parsers(sub: Any, add_config_flags: Callable[[argparse.ArgumentParser], None] | None) -> None:
     """Add ``atoll syncer`` and ``atoll island`` to the subcommands ``sub``; ``add_config_flags``: adds the run
     settings' flags (None: left out, with the service's own, for a fast parser)."""
@@ -94,6 +99,10 @@ def build(args: argparse.Namespace) -> TrainConfig:
     if refused is not None:
         raise AtollError(f"{refused}: {command} does not use it (only {service_command(refused)}); drop "
                          f"--{refused.replace('_', '-')}")
+    unread = next((k for k in ISLAND_UNREAD if k in overrides), None) if args.command == "island" else None
+    if unread is not None:  # the run's folder, metrics and trackers are the syncer's (docs/deployment.md)
+        raise AtollError(f"{unread}: atoll island does not use it (the syncer writes the run's folder, events and "
+                         f"trackers: give it to atoll syncer, see its status page); drop --{unread.replace('_', '-')}")
     if overrides.setdefault("strategy", "decoupled") != "decoupled":
         raise AtollError(f"strategy: {command} runs the decoupled strategy, not '{overrides['strategy']}'; "
                          "drop --strategy")

@@ -6,6 +6,11 @@ fragment (``--shard S --shards ADDR0,ADDR1,...``) runs one ``serve`` per shard: 
 ``syncer.key``) and, at the run's end, gathers the other shards (:mod:`~atoll.runtime.service.gather`) and
 writes the run folder ``OUT/run``; the other shards read the same credentials folder (copied to their hosts)
 and exit once the coordinator has gathered them.
+
+While it serves, the run is shown live (:mod:`~atoll.runtime.service.monitor`): a progress line every
+``progress_every_s`` seconds, the run folder's events and trackers as they happen (opened at the start:
+:func:`open_run`), and with ``metrics_listen`` a status page with Prometheus metrics
+(:mod:`~atoll.runtime.service.status`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import secrets
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -26,7 +31,12 @@ from atoll.errors import ConfigError
 from atoll.job.checkpoint import write_text_atomic
 from atoll.job.lock import RunLock
 from atoll.runtime.service import wire
+from atoll.runtime.service.monitor import Monitor
 from atoll.runtime.service.server import SyncerServer
+from atoll.runtime.service.status import StatusServer
+
+if TYPE_CHECKING:
+    from atoll.job.run import Run
 
 #: the run's secret of a sharded syncer (in the credentials folder, beside the islands' tokens; never an island's)
 RUN_KEY = "syncer.key"
@@ -259,7 +269,19 @@ def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tu
     print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}){role}, {config.islands} "
           f"islands, state in {server_state.out}{restarted}", flush=True)
     finished_at: float | None = None
+    monitor: Monitor | None = None
+    run: Run | None = None
+    page: StatusServer | None = None
     try:
+        # the live view (atoll.runtime.service.monitor): the run folder's events from now on (the coordinator's),
+        # the progress line, and the status page with its metrics where --metrics-listen asks for them
+        run = open_run(config, out / "run") if server_state.coordinator else None
+        monitor = Monitor(server_state, config, run).start()
+        if settings.metrics_listen is not None:
+            page = StatusServer(settings.metrics_listen, lambda: monitor.current if monitor is not None else {},
+                                title=f"atoll syncer{f' shard {shard}' if sharded else ''}: {out}")
+            host = settings.metrics_listen.rsplit(":", 1)[0]
+            print(f"atoll syncer: status page on http://{host}:{page.port}/ (/status.json, /metrics)", flush=True)
         while not server_state.done.is_set():
             server_state.tick()
             time.sleep(0.1)
@@ -270,10 +292,14 @@ def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tu
     finally:
         server.stop(grace=2.0)
         server_state.tick()  # the last status (gathered, done)
+        if monitor is not None:
+            monitor.stop()  # its last look: the events of the final merges
+        if page is not None:
+            page.close()
     if not server_state.coordinator:
         return {"shard": shard}
     if not sharded:
-        return finish_run(config, out, server_state)
+        return finish_run(config, out, server_state, run=run)
     from atoll.runtime.service.gather import PeerClient, gather
     from atoll.runtime.service.syncer_shards import peer_token
 
@@ -284,29 +310,62 @@ def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tu
     finally:
         for c in clients:
             c.close()
-    return finish_run(config, out, server_state, final, refused)
+    return finish_run(config, out, server_state, final, refused, run=run)
+
+
+def open_run(config: TrainConfig, folder: Path) -> Run:
+    """The run folder ``folder`` (``<out>/run``) of a syncer, opened and begun (its ``start`` and initial ``eval``
+    events; the trackers of ``--tracker``) so that its events are written as they happen. A syncer restarted
+    on its own folder continues the events it had written (a run folder with events, no checkpoint and no
+    summary: the run was not over).
+
+    An end of this run cut during its final write (the final model written, no summary) is set aside: the end is
+    written again whole (:func:`finish_run`).
+
+    Raises:
+        ConfigError: the folder holds another run (a summary), or is not writable.
+    """
+    import shutil
+
+    from atoll.errors import DataError
+    from atoll.job.checkpoint import checkpoint_folders
+    from atoll.job.metrics import read_metrics
+    from atoll.job.run import Run
+
+    metrics = folder / "metrics.jsonl"
+    history: list[dict[str, Any]] = []
+    if not (folder / "summary.json").exists() and checkpoint_folders(folder / "checkpoints"):
+        # this run's end, cut during its final write (claim_folder refused any other run's folder)
+        print(f"atoll syncer: '{folder}' holds an end of this run that was cut before its summary; writing it "
+              "again from the syncer's final state", flush=True)
+        shutil.rmtree(folder / "checkpoints")
+    if metrics.is_file() and not (folder / "summary.json").exists():
+        try:
+            history = read_metrics(metrics)
+        except DataError:
+            history = []
+        metrics.unlink()  # written again below, with this start's own events after it
+        (folder / "config.json").unlink(missing_ok=True)
+    run = Run(config.model_copy(update={"out": folder}))
+    if history:
+        metrics.write_text("".join(json.dumps(e) + "\n" for e in history))
+    run.begin()
+    run.events.restore(history)
+    return run
 
 
 def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[str, Any] | None = None,
-               refused_calls: dict[str, int] | None = None) -> dict[str, Any]:
-    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would;
-    ``final``, ``refused_calls``: the whole run's, gathered from its shards (default: ``state``'s own). Resumable:
-    a ``<out>/run`` without its summary (an end cut by a kill or a power cut) is written again whole from the
-    syncer's final state, which its last checkpoint holds."""
-    import shutil
-
-    from atoll.job.run import Run
-
+               refused_calls: dict[str, int] | None = None, run: Run | None = None) -> dict[str, Any]:
+    """Evaluate and save the final global model with its summary in ``<out>/run``, as ``atoll train`` would, and
+    draw its ``timeline.png``; ``final``, ``refused_calls``: the whole run's, gathered from its shards (default:
+    ``state``'s own); ``run``: the run folder opened at the start (:func:`open_run`; default: opened now).
+    Resumable: an end cut by a kill or a power cut before its summary is written again whole from the syncer's
+    final state, which its last checkpoint holds (:func:`open_run` sets the cut end's model aside)."""
     final = final or state.final or {}
-    folder = out / "run"
-    if folder.is_dir() and not (folder / "summary.json").is_file():  # this run's end, cut during its final write
-        print(f"atoll syncer: '{folder}' holds an end of this run that was cut before its summary; writing it "
-              "again from the syncer's final state", flush=True)
-        shutil.rmtree(folder)
     sharded = {"shards": len(final["shard_restarts"]), "shard_restarts": final["shard_restarts"]} \
         if "shard_restarts" in final else {}
-    run = Run(config.model_copy(update={"out": out / "run"}))
-    run.begin()
+    if run is None:
+        run = open_run(config, out / "run")
     reports = [state.left.get(i, {}) for i in range(config.islands)]
     bytes_sent = [float(r.get("bytes_sent", 0.0)) for r in reports]
     tokens = sum(final["steps_by_island"]) * config.tokens_per_step
@@ -322,4 +381,4 @@ def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[
                       rejoins=[max(0, j - 1) for j in final["joins"]], rejoin_s=final["rejoin_s"],
                       versions=final["versions"], syncer_restarts=final["syncer_restarts"],
                       refused_calls=dict(refused_calls if refused_calls is not None else state.refused_calls),
-                      islands_left=sorted(state.left), **sharded)
+                      islands_left=sorted(state.left), timeline=True, **sharded)

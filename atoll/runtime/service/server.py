@@ -61,7 +61,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,11 +75,13 @@ from atoll.config.runtimes import ServiceConfig
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.bulk import Bulk
 from atoll.runtime.service.calls import Gate
+from atoll.runtime.service.monitor import island_states
 from atoll.runtime.service.shards import Shards
 from atoll.runtime.service.syncer import SyncerService, prepare
 from atoll.runtime.service.syncer_shards import peer_token
 from atoll.strategies.base import codec_of
 from atoll.strategies.decoupled import DecoupledConfig
+from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.protocol import Push
 
 #: answers to completed pushes remembered per island, so a commit retried after a lost reply is not a replay
@@ -137,6 +139,8 @@ class SyncerServer:
         self.superseded_jobs: dict[int, OrderedDict[str, None]] = {}
         self.final: dict[str, Any] | None = None
         self.written_status: str | None = ""  # None: the last write failed
+        # the run events tick() drains from the service, for the live view (atoll.runtime.service.monitor)
+        self.drained: deque[tuple[str, dict[str, Any]]] = deque(maxlen=JOURNAL_SIZE)
 
     @classmethod
     def of_run(cls, config: TrainConfig, out: Path, credentials: list[str], shard: int = 0, shards: int = 1,
@@ -490,8 +494,8 @@ class SyncerServer:
         own parameters; the budget, leases, joins and leaves are the coordinator's alone."""
         s = self.service
         budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": list(s.steps_by_island),
-                  "joins": list(s.joins), "joined": sorted(self.joined), "left": sorted(self.left)} \
-            if self.coordinator else {}
+                  "joins": list(s.joins), "joined": sorted(self.joined), "left": sorted(self.left),
+                  "islands": island_states(s, self.left)} if self.coordinator else {}
         return {**self.shards.status(self.final is not None), "commits": s.syncer.commits,
                 "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,
                 "merged_tokens_by_island": list(s.syncer.tokens_by_outcome["merged"]),
@@ -510,7 +514,8 @@ class SyncerServer:
 
         with self.lock:
             before = self._buffer_counts()
-            self.service.progress()  # polls: closes due grace windows (and checkpoints a commit)
+            # polls: closes due grace windows (and checkpoints a commit); its run events go to the live view
+            self.drained.extend(self.service.progress()["events"])
             if self._buffer_counts() != before:  # a push left a buffer: the long polls waiting on it answer now
                 self.changed.notify_all()
             now = time.monotonic()
