@@ -74,7 +74,7 @@ RANKS = (2, 1, 2, 1, 2, 1)
 KINDS = {"rank": 0.4, "island": 0.2, "stop": 0.2, "shard": 0.2}
 #: inner steps per island per minute of the failure-free run (the budget is islands x steps), measured on this
 #: 2-core machine with the throttle (bench/out/service_soak/smoke: its baseline's granted steps over its wall time)
-STEPS_PER_MINUTE = 700
+STEPS_PER_MINUTE = 370
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -101,6 +101,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between /proc samples of the shards [5]")
     parser.add_argument("--end-timeout-s", type=float, default=900.0,
                         help="seconds past the phase's expected end before it is killed (not ending by itself) [900]")
+    parser.add_argument("--run-flag", action="append", default=[], metavar="FLAG",
+                        help="a run setting for every process on top of the pinned ones, e.g. "
+                        "--run-flag=--grace-window=round (repeat for more) [none]")
     parser.add_argument("--report", type=Path, default=None,
                         help="no run: write the figures of the records in this results.json (into --out)")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/service_soak]")
@@ -182,7 +185,7 @@ class Phase:
         flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                  for k, v in SETTINGS.items() if k != "strategy"]
         self.flags = [*flags, f"--steps={steps}", "--data", str(corpus), "--cache-dir", str(self.tmp / "cache"),
-                      "--no-progress", "--collective-timeout-s", "300"]
+                      "--no-progress", "--collective-timeout-s", "300", *args.run_flag]
         self.out = self.tmp / "syncer"
         ports = [sl.free_port(), sl.free_port()]
         addrs = [f"127.0.0.1:{p}" for p in ports]
@@ -210,7 +213,6 @@ class Phase:
     # --- starting and ending -------------------------------------------------------------------------
     def start_shard(self, shard: Shard, append: bool = False) -> None:
         shard.proc = sl.launch(shard.cmd, self.tmp / f"shard_{shard.index}.log", self.env, append=append)
-        shard.down = False
 
     def start_job(self, job: Job) -> None:
         job.proc = sl.launch(job.cmd, self.tmp / f"island_{job.island}.log", self.env, append=job.starts > 0)
@@ -334,7 +336,7 @@ class Phase:
                 common.kill_tree(shard.proc.pid)  # type: ignore[union-attr]
                 code = shard.proc.wait()  # type: ignore[union-attr]
             record.update(shard=shard.index, exit=code, commits_before=before.get("commits"),
-                          versions_before=before.get("versions"))
+                          versions_before=before.get("versions"), starts_before=self.log_count(shard))
             self.restarts.append(record)
             time.sleep(1.0)
             self.start_shard(shard, append=True)
@@ -343,7 +345,7 @@ class Phase:
                                                                           if k not in ("t", "versions_before")))
 
     def down(self, job: Job, now: float, record: dict[str, Any]) -> None:
-        job.down_since, job.joins_at_fault = now, self.joins[job.island]
+        job.down_since, job.joins_at_fault = now, self.log_count(job)
         self.outages[job.island].append([now - self.t0, None])
         self.pending.append({"record": record, "island": job.island, "at": now, "merged": None})
 
@@ -358,22 +360,47 @@ class Phase:
                                  "merged": self.merged_tokens[job.island], "rejoined": True})
 
     # --- the watch -----------------------------------------------------------------------------------
+    def log_count(self, who: Job | Shard) -> int:
+        """How many times ``who`` has joined (an island job: its leader's ``joined (session`` lines) or started
+        listening (a shard: ``atoll syncer: listening on`` lines), from its log: a count no restart of a syncer
+        resets."""
+        name, needle = (f"island_{who.island}", ": joined (session") if isinstance(who, Job) \
+            else (f"shard_{who.index}", "atoll syncer: listening on")
+        try:
+            return (self.tmp / f"{name}.log").read_text(errors="replace").count(needle)
+        except OSError:
+            return 0
+
+    def shard_back(self, shard: Shard, now: float) -> None:
+        """A killed shard listens again: when, and from which commit (0: it found no checkpoint)."""
+        import re
+
+        for r in self.restarts:
+            if r.get("shard") == shard.index and "restarted_commits" not in r:
+                text = (self.tmp / f"shard_{shard.index}.log").read_text(errors="replace")
+                line = [x for x in text.splitlines() if "atoll syncer: listening on" in x][-1]
+                found = re.search(r"restarted from commit (\d+)", line)
+                r["restarted_commits"] = int(found.group(1)) if found else 0
+                r["back_s"] = now - self.t0 - r["t"]
+                log(f"{self.name}: shard {shard.index} back after {r['back_s']:.1f} s, from commit "
+                    f"{r['restarted_commits']} (it showed {r['commits_before']} before its kill)")
+        shard.down = False
+
     def poll(self) -> None:
         """Read both shards' status; record merges (with their islands), joins, grants, rejoins."""
         now = time.time()
         for shard in self.shards:
+            if shard.down:
+                restart = next((r for r in self.restarts if r.get("shard") == shard.index
+                                and "restarted_commits" not in r), None)
+                if restart is None or self.log_count(shard) > restart["starts_before"]:
+                    self.shard_back(shard, now)
+                    self.status.pop(shard.index, None)  # its counts restart from its checkpoint
+                continue
             s = sl.read_status(shard.folder)
             if not s or "versions" not in s:
                 continue
             prev = self.status.get(shard.index)
-            if prev is not None and prev.get("restarts") != s.get("restarts"):
-                for r in self.restarts:
-                    if r.get("shard") == shard.index and "restarted_commits" not in r:
-                        r["restarted_commits"], r["restarted_versions"] = s["commits"], s["versions"]
-                        r["back_s"] = now - self.t0 - r["t"]
-                        log(f"{self.name}: shard {shard.index} back after {r['back_s']:.1f} s, from commit "
-                            f"{s['commits']} (it showed {r['commits_before']} before its kill)")
-                prev = None  # its counts restart from its checkpoint
             if prev is not None and s["versions"] != prev["versions"]:
                 grew = [i for i, (a, b) in enumerate(zip(s["merged_tokens_by_island"],
                                                          prev["merged_tokens_by_island"], strict=False)) if a > b]
@@ -390,7 +417,7 @@ class Phase:
                 totals[i] += t
         self.merged_tokens = totals
         for job in self.jobs:
-            if job.down_since is not None and self.joins[job.island] > job.joins_at_fault:
+            if job.down_since is not None and self.log_count(job) > job.joins_at_fault:
                 self.outages[job.island][-1][1] = now - self.t0
                 for p in self.pending:
                     if p["island"] == job.island and "rejoined" not in p:
@@ -573,6 +600,7 @@ def figures(phase: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str,
     return {"phase": phase["name"], "wall_s": phase["wall_s"], "run_s": run_s,
             "load_end": phase["load_end"][0], "faults": sum(by_kind.values()), "faults_by_kind": by_kind,
             "useful_tokens": useful, "trained_tokens": s.get("tokens"), "goodput_tok_s": goodput,
+            "merged_le_trained": None if useful is None or s.get("tokens") is None else useful <= s["tokens"],
             "alive_bound_tok_s": bound, "goodput_vs_alive": goodput / bound if goodput and bound else None,
             "island_rates": own_rates, "island_up_share": shares,
             "participation_mean": statistics.fmean(parts) if parts else None,
@@ -639,6 +667,7 @@ def report(out: Path, args: argparse.Namespace, phases: dict[str, dict[str, Any]
                ("rejoin p50 / p90 / max s", "rejoin_cell"), ("back pushing p50 / max s", "pushing_cell"),
                ("shard restarts", "shard_restarts"), ("committed steps lost", "committed_lost"),
                ("shard RSS MiB first / last / max", "rss_mib"), ("threads", "threads"), ("open files", "fds"),
+               ("merged <= trained tokens", "merged_le_trained_cell"),
                ("final loss", "final_eval_loss"), ("vs failure-free %", "loss_gap_pct"),
                ("ended by itself", "ended_by_itself"), ("exit statuses (shards, islands)", "exits")]
 
@@ -650,6 +679,7 @@ def report(out: Path, args: argparse.Namespace, phases: dict[str, dict[str, Any]
         r["rejoin_cell"] = f"{f1(r['rejoin_p50_s'])} / {f1(r['rejoin_p90_s'])} / {f1(r['rejoin_max_s'])}"
         r["pushing_cell"] = f"{f1(r['pushing_p50_s'])} / {f1(r['pushing_max_s'])}"
         r["ended_by_itself"] = str(r["ended_by_itself"])
+        r["merged_le_trained_cell"] = str(r["merged_le_trained"])
     faults = phases.get("faults", {}).get("faults", [])
     fault_lines = ", ".join(
         f"{f['t']:.0f} s {f['kind']}" + (f" island {f['island']}" if "island" in f else "")
@@ -671,8 +701,8 @@ def report(out: Path, args: argparse.Namespace, phases: dict[str, dict[str, Any]
              f"faults (seconds from the phase's start): {fault_lines or 'none'}."]
     results = {"command": command, "settings": SETTINGS, "steps": steps,
                "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "phases": phases}
-    print(common.write_results(out, results, columns, rows, title="A storm, measured: 2 syncer shards, 6 island jobs, "
-                        "faults injected (`python bench/service_soak.py`)", notes=notes))
+    title = "A storm, measured: 2 syncer shards, 6 island jobs, faults injected (`python bench/service_soak.py`)"
+    print(common.write_results(out, results, columns, rows, title=title, notes=notes))
     return 0 if all(p["ended_by_itself"] for p in phases.values()) else 1
 
 

@@ -55,7 +55,8 @@ def test_figures_goodput_participation_rejoins_and_lost_commits() -> None:
                                None)
     assert row["run_s"] == pytest.approx(100.0)  # the first grant at 11 s, the last at 111 s
     rate = 100 / 100  # each island: 100 steps over 100 s
-    bound = sum(rate * share * 128 for share in [0.8, 1, 1, 1, 1, 1])
+    tps = service_soak.SETTINGS["batch_size"] * service_soak.SETTINGS["seq_len"]  # tokens per inner step
+    bound = sum(rate * share * tps for share in [0.8, 1, 1, 1, 1, 1])
     assert row["alive_bound_tok_s"] == pytest.approx(bound)
     assert row["goodput_vs_alive"] == pytest.approx(600 * 128 / 100 / bound)
     assert row["participation_mean"] == pytest.approx((1.0 + 0.5) / 2)
