@@ -533,15 +533,21 @@ def edge_rate(grants: Sequence[tuple[float, list[int]]], island: int, start: flo
 
 def rates(phase: dict[str, Any]) -> tuple[list[float], float, float]:
     """Per island its granted inner steps per second from the run's first grant to its last (the steps granted
-    after the first, over the time between them: each lease is trained after its grant); and those two times
-    (seconds from the phase's start)."""
-    g = phase["grants"]
-    started = [(t, steps) for t, steps in g if sum(steps) > 0]
+    after the first, over the time between them: each lease is trained after its grant; a count that falls, a
+    coordinator restarted from an older ledger, adds nothing); and those two times (seconds from the phase's
+    start)."""
+    grants = phase["grants"]
+    begin = next((k for k, (_, steps) in enumerate(grants) if sum(steps) > 0), len(grants))
+    started = grants[begin:]
     if len(started) < 2:
         return [float("nan")] * len(RANKS), 0.0, 0.0
-    (first, at_first), (last, at_last) = started[0], started[-1]
+    first, last = started[0][0], started[-1][0]
     span = last - first
-    return [(b - a) / span if span > 0 else float("nan") for a, b in zip(at_first, at_last, strict=True)], first, last
+    grown = [0] * len(RANKS)
+    for (_, a), (_, b) in zip(started, started[1:], strict=False):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            grown[i] += max(0, y - x)
+    return [g / span if span > 0 else float("nan") for g in grown], first, last
 
 
 def up_share(phase: dict[str, Any], island: int, start: float, end: float) -> float:

@@ -19,6 +19,13 @@ def test_edge_rate_counts_from_the_first_grant_to_the_last() -> None:
     assert service_soak.edge_rate(grants, 1, 0.5, 4.0) is None  # one grant inside
 
 
+def test_rates_add_what_grew_between_the_first_grant_and_the_last() -> None:
+    grants = [(0.0, [0, 0]), (10.0, [40, 10]), (20.0, [80, 20]), (25.0, [0, 0]), (30.0, [40, 10])]
+    rates, first, last = service_soak.rates({"grants": grants})
+    assert (first, last) == (10.0, 30.0)
+    assert rates[:2] == pytest.approx([80 / 20, 20 / 20])  # the fall at 25 s (a ledger lost) adds nothing
+
+
 def test_up_share_and_live_islands() -> None:
     phase = {"outages": [[[10.0, 20.0]], [], [[50.0, None]]]}
     assert service_soak.up_share(phase, 0, 0.0, 100.0) == pytest.approx(0.9)
