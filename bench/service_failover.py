@@ -30,11 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
@@ -45,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from atoll.benchmarks.common import default_out, kill_tree, script_error, write_results  # noqa: E402
+from bench import service_launch as sl  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -66,27 +65,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0, help="give up a trial after this many seconds [900]")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/service_failover]")
     return parser.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "service" / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
-                                               check=False).stdout.split()]
-    except OSError:
-        return []
 
 
 def _import_s(env: dict[str, str], pin: list[str]) -> tuple[float, float]:
@@ -126,28 +104,25 @@ def _per_push(samples: list[tuple[float, dict]], method: str) -> float:
 
 def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, str]) -> dict[str, Any]:
     """One run of the scenario (the module docstring); its figures. Raises RuntimeError: no result."""
-    port, syncer_out, stamp = _free_port(), tmp / "syncer", tmp / "killed"
+    port, syncer_out, stamp = sl.free_port(), tmp / "syncer", tmp / "killed"
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pin0 = ["taskset", "-c", str(cpus[0])] if args.pin and len(cpus) >= 2 else []
     pin1 = ["taskset", "-c", ",".join(map(str, cpus[1:]))] if args.pin and len(cpus) >= 2 else []
 
     def launch(cmd: list[str], name: str, extra: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env={**env, **(extra or {})}, stdout=(tmp / f"{name}.log").open("w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return sl.launch(cmd, tmp / f"{name}.log", env, extra)
 
     def island(i: int) -> list[str]:
-        return ["island", "--syncer", f"127.0.0.1:{port}", "--plaintext", "--island", str(i), "--credential",
-                str(syncer_out / "credentials" / f"island_{i}.token"), "--give-up-s", "300", *flags]
+        return sl.island_args(i, [f"127.0.0.1:{port}"], syncer_out / "credentials", flags)
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--monitor-interval", "0.1"]
+    torchrun = sl.TORCHRUN
     procs: list[subprocess.Popen] = []
     samples: list[tuple[float, dict]] = []
     marks: dict[str, float] = {}
     load_before = os.getloadavg()[0]
     import_wall, import_cpu = _import_s(env, pin0)
     try:
-        procs.append(launch([*pin1, sys.executable, "-m", "atoll", "syncer", "--listen", f"127.0.0.1:{port}",
-                             "--out", str(syncer_out), *flags], "syncer"))
+        procs.append(launch([*pin1, *sl.syncer_command(syncer_out, f"127.0.0.1:{port}", flags)], "syncer"))
         deadline = time.monotonic() + args.timeout
         while not (syncer_out / "credentials" / "island_1.token").is_file():
             if procs[0].poll() is not None or time.monotonic() > deadline:
@@ -162,10 +137,10 @@ def trial(args: argparse.Namespace, tmp: Path, flags: list[str], env: dict[str, 
         ranks0: list[int] = []
         merged_at_rejoin = None
         while time.monotonic() < deadline:
-            now, s = time.time(), _status(syncer_out)
+            now, s = time.time(), sl.read_status(syncer_out)
             samples.append((now, s))
             if len(ranks0) < 2:
-                ranks0 = _children(procs[1].pid)
+                ranks0 = sl.children(procs[1].pid)
             if stamp.is_file() and "killed" not in marks:
                 marks["killed"] = float(stamp.read_text())
             if "killed" in marks and "peer_exit" not in marks and ranks0 and not any(
@@ -207,13 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kill_at < 2 or args.other_ranks < 1 or args.repeats < 1:
         return script_error("service_failover", ValueError("kill-at: must be >= 2; other-ranks, repeats: >= 1"))
     out = args.out or default_out("service_failover")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "ERROR"}
+    env = sl.study_env()
     rows = []
     for r in range(args.repeats):
         tmp = Path(tempfile.mkdtemp(prefix="atoll-service-failover-"))
-        corpus = tmp / "corpus.txt"
-        std = Path(sysconfig.get_paths()["stdlib"])
-        corpus.write_text("\n\n\n".join(f.read_text(encoding="utf-8") for f in sorted((std / "json").glob("*.py"))))
+        corpus = sl.write_corpus(tmp / "corpus.txt")
         flags = ["--data", str(corpus), "--cache-dir", str(tmp / "cache"), "--model", args.model, "--vocab-size",
                  "512", "--seq-len", "32", "--batch-size", "4", "--islands", "2", "--steps", "100000",
                  "--sync-every", "10", "--fragments", "2", "--eval-batches", "1", "--threads", "1", "--no-progress",
