@@ -230,7 +230,7 @@ def test_on_ray_bad_calls_are_refused_never_raised_as_index_errors(fast_config: 
     config, svc = _service(fast_config, creds)
     svc.reserve_step(1, creds[1])
     delta = 1e-3 * svc.syncer.pull(0).params
-    seen = list(svc.last_seen)
+    seen = [i.last_seen for i in svc.islands]
     for island in (99, 2, -1, "x", None, True):
         assert svc.push(Push(island, 0, delta, 10, 0, credential=creds[1])) == (False, None)  # type: ignore[arg-type]
         for call in (svc.reserve_step, svc.buffered):
@@ -243,5 +243,6 @@ def test_on_ray_bad_calls_are_refused_never_raised_as_index_errors(fast_config: 
     assert svc.push("not a push") == (False, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pull: fragment 7"):
         svc.pull(7)
-    assert svc.last_seen == seen  # island -1 did not overwrite island 1's entry, a forged push not island 0's
+    # island -1 did not overwrite island 1's entry, a forged push not island 0's
+    assert [i.last_seen for i in svc.islands] == seen
     assert svc.syncer.rejected_by_reason == {"island": 6, "fragment": 1, "identity": 1, "type": 1}

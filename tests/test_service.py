@@ -386,12 +386,12 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     monkeypatch.setattr(me, "call", call)
     lease._delay = 3600.0  # the retry waits until the test says
     _take(lease, GO)  # the lease's fetch went unanswered: a step on credit
-    assert lease.offline_steps_taken == 1 and lease.owed == 1 and state.service.steps_by_island[0] == 0
+    assert lease.offline_steps_taken == 1 and lease.owed == 1 and state.service.islands[0].steps == 0
     if not budget_left:
         state.service.reserved = state.service.budget  # the others spent it while this island was unanswered
     lease._retry_at = 0.0
     claim = lease.claimable(0, tps, lease.credit_taken)  # the round's push claims the credit step
-    granted = state.service.steps_by_island[0]
+    granted = state.service.islands[0].steps
     assert granted == (3 if budget_left else 0) and lease.owed == 0  # the credit step and a lease of 2
     assert claim == (tps if budget_left else 0)  # it claims no token it was not granted
     if claim:
@@ -402,5 +402,5 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     lease.close()
     # leaving, it gives the 2 steps of its lease it did not take back to the budget (and its ledger)
     assert me.call("Leave", {"steps": 1, "used": lease.used})["returned"] == (2 if budget_left else 0)
-    assert state.service.steps_by_island[0] == (1 if budget_left else 0)
-    assert state.service.syncer.bounds.granted[0] == state.service.steps_by_island[0] * tps
+    assert state.service.islands[0].steps == (1 if budget_left else 0)
+    assert state.service.syncer.bounds.granted[0] == state.service.islands[0].steps * tps

@@ -335,7 +335,7 @@ class SyncerServer:
     @property
     def joined(self) -> set[int]:
         """Islands that joined the run (in the syncer's checkpoint: a restarted syncer waits for them too)."""
-        return {i for i, n in enumerate(self.service.joins) if n > 0}
+        return {i for i, state in enumerate(self.service.islands) if state.joins > 0}
 
     # --- the run ------------------------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -375,8 +375,8 @@ class SyncerServer:
         merged its last, and was gathered by the coordinator); its ``merged_tokens_by_island`` are shares of its
         own parameters; the budget, leases, joins and leaves are the coordinator's alone."""
         s = self.service
-        budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": list(s.steps_by_island),
-                  "joins": list(s.joins), "joined": sorted(self.joined), "left": sorted(self.left)} \
+        budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": [i.steps for i in s.islands],
+                  "joins": [i.joins for i in s.islands], "joined": sorted(self.joined), "left": sorted(self.left)} \
             if self.coordinator else {}
         return {**self.shards.status(self.final is not None), "commits": s.syncer.commits,
                 "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,

@@ -26,6 +26,7 @@ from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
 from atoll.runtime.decoupled_job import prepare_job, push_sync_every, syncer_of
 from atoll.runtime.service import syncer_shards as sharding
+from atoll.runtime.service.island_state import IslandState
 from atoll.strategies.decoupled.island import save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
@@ -127,24 +128,14 @@ class SyncerService:
         self.t0 = time.monotonic()
         self.budget = run.islands * run.steps
         self.reserved = 0
-        self.steps_by_island = [0] * run.islands
-        self.last_seen = [0.0] * run.islands
-        self.heard: list[float | None] = [None] * run.islands  # _now() of each island's last call
-        self.joins = [0] * run.islands
+        self.islands = [IslandState() for _ in range(run.islands)]  # what the service keeps of each island
         self.rejoin_s: list[float] = []
         self.restarts = 0
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
-        self.island_first_step_s: list[float | None] = [None] * run.islands
         # for the driver's progress and run events (progress()): not checkpointed, a restart starts them anew
         # pushes and rejoins (the syncer journals the rest); the oldest go first where nobody drains them
         self.events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=JOURNAL_SIZE)
-        self.last_loss: list[float | None] = [None] * run.islands  # each island's, with its lr
-        self.last_lr: list[float | None] = [None] * run.islands
-        self.bytes_by_island = [0.0] * run.islands  # as the pushes declare them
-        # per island, of its current session: steps granted, and the most it reported using (leases)
-        self.leased = [0] * run.islands
-        self.lease_used = [0] * run.islands
         for island in range(run.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
         try:  # a restart after a crash: continue from the last checkpoint (written after every commit)
@@ -156,14 +147,11 @@ class SyncerService:
             self.syncer.grant_since_checkpoint(list(run.push_tokens))
             service = state.get("service", {})
             self.reserved = int(service.get("reserved", 0))
-            self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
-            self.joins = [int(x) for x in service.get("joins", self.joins)]
+            self.islands = [IslandState.of(x) for x in service["islands"]] if "islands" in service \
+                else IslandState.of_lists(service, run.islands)
             self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
             self.restarts = int(service.get("restarts", 0)) + 1
-            self.leased = [int(x) for x in service.get("leased", self.leased)]
-            self.lease_used = [int(x) for x in service.get("lease_used", self.lease_used)]
             self.first_step_s = service.get("first_step_s")
-            self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
             self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
             sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
@@ -181,10 +169,9 @@ class SyncerService:
         state is snapshotted here (copies of the globals and momenta) and written and fsynced by the
         :class:`~atoll.job.async_save.LatestStateWriter` thread, so the islands' calls are answered meanwhile;
         ``wait``: return once it is on disk (the end of the run)."""
-        service = {"reserved": self.reserved, "steps_by_island": list(self.steps_by_island), "joins": list(self.joins),
+        service = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
                    "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
-                   "leased": list(self.leased), "lease_used": list(self.lease_used),
-                   "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
+                   "first_step_s": self.first_step_s}
         service.update(sharding.shard_entries(self.shard, self.grants))
         self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
         if wait:
@@ -237,23 +224,24 @@ class SyncerService:
         """
         self._island("join", island, credential)
         now = self._now()
-        self.heard[island] = now
-        self.joins[island] += 1
-        if self.joins[island] > 1:
-            self.rejoin_s.append(now - self.last_seen[island])
+        state = self.islands[island]
+        state.heard = now
+        state.joins += 1
+        if state.joins > 1:
+            self.rejoin_s.append(now - state.last_seen)
             self.events.append(("rejoin", {"island": island, "rejoin_s": self.rejoin_s[-1],
                                            "sim_wall_s": self._run_clock(now)}))
-        self.last_seen[island] = now
+        state.last_seen = now
         # a session that ended without leaving (killed): the steps it was granted and never said it used go
         # back to the budget (not to the ledger: it may have pushed tokens of steps it had not reported)
-        self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=False)
-        self.leased[island] = self.lease_used[island] = 0
+        self.release_steps(island, state.leased - state.lease_used, ledger=False)
+        state.leased = state.lease_used = 0
         self._poll()
         session = self.syncer.rejoin(island)
         if self.issuer is not None:  # kept before its grant goes out
             self.issuer.opened(self.syncer.admission)
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                self.steps_by_island[island], session)
+                state.steps, session)
 
     def reserve_step(self, island: int, credential: str = "", loss: Any = None,
                      lr: Any = None) -> tuple[bool, list[int]]:
@@ -270,7 +258,8 @@ class SyncerService:
             PermissionError: ``credential`` is not the island's.
         """
         go = self.reserve_steps(island, credential, 1, loss=loss, lr=lr) == 1
-        self.lease_used[island] = self.leased[island]  # a step asked for alone is taken at once
+        state = self.islands[island]
+        state.lease_used = state.leased  # a step asked for alone is taken at once
         return go, self._buffered(island)
 
     def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
@@ -287,36 +276,39 @@ class SyncerService:
         self._island("reserve_step", island, credential)
         if not (is_index(n, math.inf) and n > 0):
             raise ValueError(f"reserve_steps: n must be a positive int, got {n!r}")
-        self.last_seen[island] = self.heard[island] = self._now()
+        state = self.islands[island]
+        state.last_seen = state.heard = self._now()
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
-            self.last_loss[island], self.last_lr[island] = loss, lr
+            state.last_loss, state.last_lr = loss, lr
         self._used(island, used)
         self._poll()
         granted = max(0, min(n, self.budget - self.reserved))
         if granted == 0:
             return 0
         self.reserved += granted
-        self.steps_by_island[island] += granted
-        self.leased[island] += granted
+        state.steps += granted
+        state.leased += granted
         self.syncer.grant(island, granted * self.run.tokens_per_step)
-        if self.island_first_step_s[island] is None:
-            self.island_first_step_s[island] = self.last_seen[island]
+        if state.first_step_s is None:
+            state.first_step_s = state.last_seen
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
-                self.first_step_s = self.last_seen[island]
+                self.first_step_s = state.last_seen
         return granted
 
     def _used(self, island: int, used: Any) -> None:
         if is_index(used, math.inf):
-            self.lease_used[island] = max(self.lease_used[island], min(used, self.leased[island]))
+            state = self.islands[island]
+            state.lease_used = max(state.lease_used, min(used, state.leased))
 
     def release_steps(self, island: int, n: int, ledger: bool) -> int:
         """Give ``n`` steps granted to ``island`` back to the shared budget (at most those it was granted);
         ``ledger``: take their tokens out of its token ledger too (steps never trained). Returns the steps
         given back."""
-        n = max(0, min(int(n), self.steps_by_island[island]))
+        state = self.islands[island]
+        n = max(0, min(int(n), state.steps))
         self.reserved -= n
-        self.steps_by_island[island] -= n
-        self.leased[island] -= min(n, self.leased[island])
+        state.steps -= n
+        state.leased -= min(n, state.leased)
         if ledger and n:
             self.syncer.grant(island, -n * self.run.tokens_per_step)
         return n
@@ -330,8 +322,9 @@ class SyncerService:
         """
         self._island("leave", island)
         self._used(island, used)
-        returned = self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=True)
-        self.leased[island] = self.lease_used[island] = 0
+        state = self.islands[island]
+        returned = self.release_steps(island, state.leased - state.lease_used, ledger=True)
+        state.leased = state.lease_used = 0
         return returned
 
     def refuse(self, island: int, fragment: Any, reason: str, tokens: Any) -> None:
@@ -339,7 +332,7 @@ class SyncerService:
         not tile the fragment: ``slices``), as the syncer counts its refusals."""
         self.syncer._refuse(island, fragment, reason, tokens)  # (the syncer's one counter of refusals)
         self.events.append(("push", {"island": island, "fragment": fragment, "outcome": "refused",
-                                     "island_step": self.steps_by_island[island],
+                                     "island_step": self.islands[island].steps,
                                      "sim_wall_s": self._run_clock(self._now())}))
 
     def stop(self) -> int:
@@ -356,7 +349,7 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("buffered", island)
-        self.heard[island] = self._now()  # waiting for its push to merge: alive
+        self.islands[island].heard = self._now()  # waiting for its push to merge: alive
         self._poll()
         return self._buffered(island)
 
@@ -376,11 +369,12 @@ class SyncerService:
         if result.reason in ("type", "island", "fragment"):
             return False, None
         if result.reason != "identity":  # the island's own call
-            self.last_seen[msg.island] = self.heard[msg.island] = now
-            self.bytes_by_island[msg.island] += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
+            state = self.islands[msg.island]
+            state.last_seen = state.heard = now
+            state.bytes_received += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
             outcome = "accepted" if result.accepted else "stale" if result.reason == "stale" else "refused"
             self.events.append(("push", {"island": msg.island, "fragment": msg.fragment, "outcome": outcome,
-                                         "island_step": self.steps_by_island[msg.island],
+                                         "island_step": state.steps,
                                          "sim_wall_s": self._run_clock(now)}))
         if result.committed:
             self._save()
@@ -411,11 +405,12 @@ class SyncerService:
         self._save(wait=True)
         start = self.first_step_s
         run_s = self._now() - start if start is not None else 0.0
-        island_start_s = [None if t is None or start is None else t - start for t in self.island_first_step_s]
+        island_start_s = [None if i.first_step_s is None or start is None else i.first_step_s - start
+                          for i in self.islands]
         return {"run_s": run_s, "island_start_s": island_start_s,
                 "stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
                 "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
-                "joins": self.joins, "steps_by_island": self.steps_by_island,
+                "joins": [i.joins for i in self.islands], "steps_by_island": [i.steps for i in self.islands],
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
     def heartbeat(self, island: int) -> dict[str, Any]:
@@ -426,7 +421,8 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("heartbeat", island)
-        self.last_seen[island] = self.heard[island] = self._now()
+        state = self.islands[island]
+        state.last_seen = state.heard = self._now()
         return self.progress(drain=False)
 
     def progress(self, drain: bool = True) -> dict[str, Any]:
@@ -452,10 +448,12 @@ class SyncerService:
         start = self.first_step_s
         return {"commits": self.syncer.commits, "reserved": self.reserved, "budget": self.budget,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                "silent_s": [None if h is None else now - h for h in self.heard],
+                "silent_s": [None if i.heard is None else now - i.heard for i in self.islands],
                 "starved": self.syncer.starved_message() if self.syncer.starved() else "",
                 "run_s": now - start if start is not None else 0.0,
-                "steps_by_island": list(self.steps_by_island), "loss_by_island": list(self.last_loss),
-                "lr_by_island": list(self.last_lr), "bytes_by_island": list(self.bytes_by_island),
+                "steps_by_island": [i.steps for i in self.islands],
+                "loss_by_island": [i.last_loss for i in self.islands],
+                "lr_by_island": [i.last_lr for i in self.islands],
+                "bytes_by_island": [i.bytes_received for i in self.islands],
                 "staleness": self.syncer.staleness[-RECENT:], "merged_tokens": self.syncer.merged_tokens,
                 "events": events}
