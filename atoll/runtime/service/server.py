@@ -180,7 +180,8 @@ class SyncerServer:
         with self.lock:
             if not self._started():
                 return schema.ReserveStepsReply(granted=0, wait=True)
-            granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss, lr=req.lr)
+            granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss, lr=req.lr,
+                                                 compute_s=req.compute_s, bytes_sent=req.bytes_sent)
             return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
 
     def _started(self) -> bool:
@@ -303,7 +304,7 @@ class SyncerServer:
         self.shards.coordinator_only(context, "Leave")
         report = req.model_dump(exclude={"used"}, exclude_none=True)
         with self.lock:
-            returned = self.service.leave_session(island, req.used)
+            returned = self.service.leave_session(island, req.used, req.compute_s, req.bytes_sent)
             self.left[island] = report
             self._save_left()
             return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))

@@ -10,6 +10,7 @@ them in threads holds one lock around each.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -26,12 +27,15 @@ from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
 from atoll.runtime.decoupled_job import prepare_job, push_sync_every, syncer_of
 from atoll.runtime.service import syncer_shards as sharding
-from atoll.runtime.service.island_state import IslandState
+from atoll.runtime.service.island_state import IslandState, RejoinTimes
 from atoll.strategies.decoupled.island import save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
 from atoll.strategies.decoupled.protocol import Pull, Push, is_index
 from atoll.strategies.decoupled.syncer import Syncer
+
+#: the file beside the syncer's checkpoints that holds its budget and token ledger (:meth:`SyncerService._save_ledger`)
+LEDGER = "ledger.json"
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,9 @@ class SyncerRun:
         islands: the run's islands.
         steps: inner steps per island: the shared budget is ``islands x steps``.
         tokens_per_step: training tokens of one inner step of an island (its ledger grants them per step).
-        push_tokens: per island, the tokens of one honest push at its own H (a restarted syncer grants each
-            island that much more: the steps granted since its checkpoint were taken and are not in it).
+        push_tokens: per island, the tokens of one honest push at its own H (a syncer restarted from a
+            checkpoint without its ledger grants each island that much more: the steps granted since were taken
+            and are not in it).
     """
 
     islands: int
@@ -87,9 +92,10 @@ class SyncerService:
     session (:meth:`join`) or takes a step (:meth:`reserve_step`, else PermissionError). Each step granted is
     entered in the syncer's token ledger (:meth:`~atoll.strategies.decoupled.syncer.Syncer.grant`, open from
     the start), so an island's token claims are bounded by the steps it was granted, as in the local
-    simulation. The ledger is checkpointed with the syncer; a syncer restarted from its checkpoint grants
-    each island one push of tokens at its own H more (the steps it granted since that checkpoint were taken
-    and are not in it), so an honest push after a restart is not refused for its tokens.
+    simulation. The ledger is checkpointed with the syncer, and with the budget at every grant, release, join
+    and leave (``ledger.json``, :meth:`_save_ledger`): a restarted syncer continues from it, so an honest push
+    after a restart is not refused for its tokens and the merged tokens never exceed the steps granted (a
+    checkpoint without one: each island is granted one push of tokens at its own H more).
 
     **Leases.** An island job takes its steps a round at a time (:meth:`reserve_steps`, ahead of need: one
     call per lease, not one per inner step), reporting the steps of its session it has used. Steps it was
@@ -129,7 +135,7 @@ class SyncerService:
         self.budget = run.islands * run.steps
         self.reserved = 0
         self.islands = [IslandState() for _ in range(run.islands)]  # what the service keeps of each island
-        self.rejoin_s: list[float] = []
+        self.rejoins = RejoinTimes()  # bounded however often islands join
         self.restarts = 0
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
@@ -144,16 +150,20 @@ class SyncerService:
             state = None
         if state is not None:
             self.syncer.load_state_dict(state["syncer"])
-            self.syncer.grant_since_checkpoint(list(run.push_tokens))
-            service = state.get("service", {})
+            ledger = self._load_ledger()
+            if ledger is None:  # (a checkpoint written without one, or a shard that grants no steps)
+                self.syncer.grant_since_checkpoint(list(run.push_tokens))
+            service = {**state.get("service", {}), **(ledger or {})}
             self.reserved = int(service.get("reserved", 0))
             self.islands = [IslandState.of(x) for x in service["islands"]] if "islands" in service \
                 else IslandState.of_lists(service, run.islands)
-            self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
+            self.rejoins = RejoinTimes.of(service.get("rejoins", service.get("rejoin_s", [])))
             self.restarts = int(service.get("restarts", 0)) + 1
             self.first_step_s = service.get("first_step_s")
+            if ledger is not None:
+                self.syncer.bounds.granted = [int(x) for x in ledger["granted"]]
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
-            self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
+            self.t0 = time.monotonic() - float(state.get("service", {}).get("clock_s", 0.0))
             sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
         self.issuer = (sharding.GrantIssuer(self.shard, save_path(self.out) / "coordinator.json",
                                             self.syncer.admission) if self.shard and self.shard.coordinator else None)
@@ -169,16 +179,49 @@ class SyncerService:
         state is snapshotted here (copies of the globals and momenta) and written and fsynced by the
         :class:`~atoll.job.async_save.LatestStateWriter` thread, so the islands' calls are answered meanwhile;
         ``wait``: return once it is on disk (the end of the run)."""
-        service = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
-                   "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
-                   "first_step_s": self.first_step_s}
-        service.update(sharding.shard_entries(self.shard, self.grants))
-        self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
+        self.writer.submit((self.syncer.commits, {"service": self.service_state(), "syncer": self.syncer.state_dict()}))
         if wait:
             self.writer.flush()
 
+    def service_state(self) -> dict[str, Any]:
+        """The service's part of its checkpoint (JSON-able, bounded however long the run): the budget, each
+        island's record, the rejoin times, restarts, the clock, and a shard's entries."""
+        service = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
+                   "rejoins": self.rejoins.state_dict(), "restarts": self.restarts, "clock_s": self._now(),
+                   "first_step_s": self.first_step_s}
+        service.update(sharding.shard_entries(self.shard, self.grants))
+        return service
+
     def _now(self) -> float:
         return time.monotonic() - self.t0
+
+    def _save_ledger(self) -> None:
+        """The shared budget and the token ledger as they are now (steps granted, leases, sessions, tokens
+        granted per island) in ``out/syncer/ledger.json``, beside the checkpoint: written at every grant,
+        release, join and leave (the checkpoint only at commits), so a restarted syncer continues from them
+        instead of granting each island a push of tokens more: the steps it counts as trained are every step it
+        granted, and the merged tokens never exceed them."""
+        from atoll.job.checkpoint import write_text_atomic
+
+        granted = self.syncer.bounds.granted
+        if granted is None:
+            return
+        ledger = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
+                  "granted": list(granted), "first_step_s": self.first_step_s}
+        save_path(self.out).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(save_path(self.out) / LEDGER, json.dumps(ledger))
+
+    def _load_ledger(self) -> dict[str, Any] | None:
+        """:meth:`_save_ledger`'s record, or None: none, unreadable, or not this run's islands."""
+        try:
+            ledger = json.loads((save_path(self.out) / LEDGER).read_text(encoding="utf-8"))
+            if len(ledger["islands"]) != self.run.islands or len(ledger["granted"]) != self.run.islands:
+                return None
+            [IslandState.of(x) for x in ledger["islands"]]  # noqa: B018 - readable, else None
+            int(ledger["reserved"])
+            return ledger
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
 
     def grant(self, island: int) -> dict[str, Any] | None:
         """(The coordinator of a sharded syncer.) ``island``'s signed grant of its session and tokens granted
@@ -228,8 +271,8 @@ class SyncerService:
         state.heard = now
         state.joins += 1
         if state.joins > 1:
-            self.rejoin_s.append(now - state.last_seen)
-            self.events.append(("rejoin", {"island": island, "rejoin_s": self.rejoin_s[-1],
+            self.rejoins.add(now - state.last_seen)
+            self.events.append(("rejoin", {"island": island, "rejoin_s": now - state.last_seen,
                                            "sim_wall_s": self._run_clock(now)}))
         state.last_seen = now
         # a session that ended without leaving (killed): the steps it was granted and never said it used go
@@ -238,6 +281,8 @@ class SyncerService:
         state.leased = state.lease_used = 0
         self._poll()
         session = self.syncer.rejoin(island)
+        state.open_session(session)  # this job's figures (its reports) from here on
+        self._save_ledger()
         if self.issuer is not None:  # kept before its grant goes out
             self.issuer.opened(self.syncer.admission)
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
@@ -263,11 +308,13 @@ class SyncerService:
         return go, self._buffered(island)
 
     def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
-                      lr: Any = None) -> int:
+                      lr: Any = None, compute_s: Any = None, bytes_sent: Any = None) -> int:
         """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease): the steps granted
         (fewer than ``n``: the budget is spent), each entered in the syncer's token ledger. ``used``: the steps
         of its session the island has used so far (:meth:`release_steps` gives the rest back if it never
-        returns); ``loss``, ``lr``: as :meth:`reserve_step`.
+        returns); ``loss``, ``lr``: as :meth:`reserve_step`; ``compute_s``, ``bytes_sent``: the session's
+        figures so far (seconds of compute, bytes; :meth:`IslandState.report
+        <atoll.runtime.service.island_state.IslandState.report>`).
 
         Raises:
             ValueError: ``island`` is not one of the run's, or ``n`` is not a positive int.
@@ -280,10 +327,12 @@ class SyncerService:
         state.last_seen = state.heard = self._now()
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
             state.last_loss, state.last_lr = loss, lr
+        state.report(compute_s=compute_s, bytes_sent=bytes_sent)
         self._used(island, used)
         self._poll()
         granted = max(0, min(n, self.budget - self.reserved))
         if granted == 0:
+            self._save_ledger()
             return 0
         self.reserved += granted
         state.steps += granted
@@ -293,12 +342,14 @@ class SyncerService:
             state.first_step_s = state.last_seen
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
                 self.first_step_s = state.last_seen
+        self._save_ledger()
         return granted
 
     def _used(self, island: int, used: Any) -> None:
         if is_index(used, math.inf):
             state = self.islands[island]
             state.lease_used = max(state.lease_used, min(used, state.leased))
+            state.report(steps=used)
 
     def release_steps(self, island: int, n: int, ledger: bool) -> int:
         """Give ``n`` steps granted to ``island`` back to the shared budget (at most those it was granted);
@@ -313,9 +364,10 @@ class SyncerService:
             self.syncer.grant(island, -n * self.run.tokens_per_step)
         return n
 
-    def leave_session(self, island: int, used: Any) -> int:
+    def leave_session(self, island: int, used: Any, compute_s: Any = None, bytes_sent: Any = None) -> int:
         """``island`` leaves, having used ``used`` steps of its session: the rest of its lease goes back to the
-        budget and out of its ledger (:meth:`release_steps`); returns those steps.
+        budget and out of its ledger (:meth:`release_steps`); returns those steps. ``compute_s``, ``bytes_sent``:
+        its session's figures at the end (its Leave report).
 
         Raises:
             ValueError: ``island`` is not one of the run's.
@@ -323,8 +375,10 @@ class SyncerService:
         self._island("leave", island)
         self._used(island, used)
         state = self.islands[island]
+        state.report(compute_s=compute_s, bytes_sent=bytes_sent)
         returned = self.release_steps(island, state.leased - state.lease_used, ledger=True)
         state.leased = state.lease_used = 0
+        self._save_ledger()
         return returned
 
     def refuse(self, island: int, fragment: Any, reason: str, tokens: Any) -> None:
@@ -397,9 +451,12 @@ class SyncerService:
     def finish(self) -> dict[str, Any]:
         """Merge every open buffer, checkpoint, and return the statistics and the global parameters.
 
-        Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was), and
-        ``island_start_s``, per island the seconds from that first step to the island's own first step (None:
-        it took none).
+        Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was),
+        ``clock_s``, the seconds of this service's clock (from its first start, continued across restarts from
+        the checkpoint's), and ``island_start_s``, per island the seconds from that first step to the island's
+        own first step (None: it took none); ``sessions``: per island its sessions' figures (the most recent,
+        :class:`~atoll.runtime.service.island_state.Session` as dicts) and ``island_totals``: per island those
+        figures summed over every session.
         """
         self.syncer.flush()
         self._save(wait=True)
@@ -407,9 +464,12 @@ class SyncerService:
         run_s = self._now() - start if start is not None else 0.0
         island_start_s = [None if i.first_step_s is None or start is None else i.first_step_s - start
                           for i in self.islands]
-        return {"run_s": run_s, "island_start_s": island_start_s,
+        return {"run_s": run_s, "clock_s": self._now(), "island_start_s": island_start_s,
+                "sessions": [[x.state_dict() for x in i.sessions] for i in self.islands],
+                "island_totals": [i.total().state_dict() for i in self.islands],
                 "stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
-                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
+                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": list(self.rejoins.recent),
+                "rejoin_times": self.rejoins.summary(),
                 "joins": [i.joins for i in self.islands], "steps_by_island": [i.steps for i in self.islands],
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
