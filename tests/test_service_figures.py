@@ -159,3 +159,18 @@ def test_the_syncers_state_is_bounded_however_often_islands_join(fast_config: di
     times = s.finish()["rejoin_times"]
     assert times["count"] == 2999 and len(s.rejoins.recent) == REJOIN_WINDOW
     assert times["max_s"] >= times["p90_s"] >= times["p50_s"] >= 0.0
+
+
+def test_a_checkpoint_of_parallel_lists_loads_as_one_record_per_island() -> None:
+    """A syncer checkpoint written before the per-island records (one list per figure, every rejoin time) loads."""
+    from atoll.runtime.service.island_state import IslandState, RejoinTimes
+
+    old = {"steps_by_island": [3, 4], "joins": [1, 2], "leased": [5, 0], "lease_used": [2, 0],
+           "island_first_step_s": [1.5, None], "rejoin_s": [2.0, 4.0]}
+    islands = IslandState.of_lists(old, 2)
+    assert [(i.steps, i.joins, i.leased, i.lease_used, i.first_step_s) for i in islands] == \
+        [(3, 1, 5, 2, 1.5), (4, 2, 0, 0, None)]
+    assert [IslandState.of(i.state_dict()) for i in islands] == islands
+    times = RejoinTimes.of(old["rejoin_s"])
+    assert times.summary()["count"] == 2 and times.summary()["mean_s"] == 3.0 and times.summary()["max_s"] == 4.0
+    assert RejoinTimes.of(times.state_dict()).state_dict() == times.state_dict()
