@@ -212,15 +212,18 @@ def test_on_ray_token_claims_are_bounded_by_the_steps_granted(fast_config: dict)
     assert svc.syncer.commits == 1 and stats["rejected_by_reason"] == {"tokens": 22}
     share = int(svc.syncer.index[0].numel()) / svc.syncer.numel
     assert stats["merged_tokens_by_island"] == pytest.approx([tps * share, 5 * tps * share])
-    # a syncer restarted from its checkpoint keeps the ledger (plus one push per island at its own H: the steps
-    # granted since the checkpoint), and the claims; the commit's checkpoint is written by the writer thread: a
-    # restart reads what is on disk (on a loaded machine the write may not have finished yet)
+    # a syncer restarted from its checkpoint keeps the ledger as it was at its last grant (ledger.json: not a push
+    # of tokens more, which would let the merged tokens exceed the steps granted), and the claims; the commit's
+    # checkpoint is written by the writer thread: a restart reads what is on disk (on a loaded machine the write
+    # may not have finished yet)
     assert svc.writer.flush(timeout=60)
     restarted = SyncerService(config.model_dump_json(), fast_config["out"], creds)
     h = config.strategy_config.sync_every * tps
-    assert restarted.syncer.bounds.granted == [tps + h, 5 * tps + h]
+    assert restarted.syncer.bounds.granted == [tps, 5 * tps]
     assert restarted.syncer.bounds.claimed == svc.syncer.bounds.claimed
     pull = restarted.syncer.pull(0)
+    assert not restarted.push(Push(1, 0, delta, h, pull.version, session=session + 1, credential=creds[1]))[0]
+    assert restarted.reserve_steps(1, creds[1], config.strategy_config.sync_every) == config.strategy_config.sync_every
     assert not restarted.push(Push(1, 0, delta, h + 1, pull.version, session=session + 1, credential=creds[1]))[0]
     assert restarted.push(Push(1, 0, delta, h, pull.version, session=session + 1, credential=creds[1]))[0]
 
@@ -230,7 +233,7 @@ def test_on_ray_bad_calls_are_refused_never_raised_as_index_errors(fast_config: 
     config, svc = _service(fast_config, creds)
     svc.reserve_step(1, creds[1])
     delta = 1e-3 * svc.syncer.pull(0).params
-    seen = list(svc.last_seen)
+    seen = [i.last_seen for i in svc.islands]
     for island in (99, 2, -1, "x", None, True):
         assert svc.push(Push(island, 0, delta, 10, 0, credential=creds[1])) == (False, None)  # type: ignore[arg-type]
         for call in (svc.reserve_step, svc.buffered):
@@ -243,5 +246,6 @@ def test_on_ray_bad_calls_are_refused_never_raised_as_index_errors(fast_config: 
     assert svc.push("not a push") == (False, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pull: fragment 7"):
         svc.pull(7)
-    assert svc.last_seen == seen  # island -1 did not overwrite island 1's entry, a forged push not island 0's
+    # island -1 did not overwrite island 1's entry, a forged push not island 0's
+    assert [i.last_seen for i in svc.islands] == seen
     assert svc.syncer.rejected_by_reason == {"island": 6, "fragment": 1, "identity": 1, "type": 1}

@@ -119,6 +119,8 @@ def test_two_island_jobs_over_tls_end_near_the_local_run(fast_config: dict, tmp_
     assert served["commits"] > 0 and served["refused_calls"] == {} and served["rejected_updates"] == 0, \
         (served.get("rejected_by_reason"), rejected)
     assert served["islands_left"] == [0, 1]
+    assert all(b > 0 for b in served["bytes_sent_by_island"]) and all(c > 0 for c in served["compute_s_by_island"])
+    assert "sim_wall_s" not in served and served["wall_s"] >= served["run_s"] > 0
     assert served["final_eval_loss"] < served["initial_eval_loss"] - 0.3
     assert abs(served["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"] < 0.02, \
         (served["final_eval_loss"], ref["final_eval_loss"], served["steps_per_island"], served["commits"],
@@ -255,6 +257,7 @@ def test_killed_syncer_restarts_without_losing_a_commit(fast_config: dict, tmp_p
     assert restarted >= before  # nothing committed before the kill was lost
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["syncer_restarts"] == 1
+    assert summary["useful_tokens"] <= summary["tokens"]  # the ledger survived the restart: no token merged twice
     assert summary["commits"] > restarted  # the islands pushed again, and their pushes were merged
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     retried = [int(logs[f"island_{i}.log"].split(" retried calls")[0].rsplit(" ", 1)[1]) for i in range(2)]
@@ -328,6 +331,8 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     assert codes == [0, 0, 0], logs
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["rejoins"] == [0, 1] and len(summary["rejoin_s"]) == 1
+    killed, restarted = summary["island_sessions"][1]  # the killed job's figures are counted with the new one's
+    assert killed["compute_s"] > 0 and summary["compute_s_by_island"][1] == killed["compute_s"] + restarted["compute_s"]
     assert summary["islands_left"] == [0, 1]
     # the restarted island trained and was merged after its rejoin (from the steps it had used: the rest of
     # the lease its killed session held went back to the budget); its new session's pushes are no replays
@@ -386,12 +391,12 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     monkeypatch.setattr(me, "call", call)
     lease._delay = 3600.0  # the retry waits until the test says
     _take(lease, GO)  # the lease's fetch went unanswered: a step on credit
-    assert lease.offline_steps_taken == 1 and lease.owed == 1 and state.service.steps_by_island[0] == 0
+    assert lease.offline_steps_taken == 1 and lease.owed == 1 and state.service.islands[0].steps == 0
     if not budget_left:
         state.service.reserved = state.service.budget  # the others spent it while this island was unanswered
     lease._retry_at = 0.0
     claim = lease.claimable(0, tps, lease.credit_taken)  # the round's push claims the credit step
-    granted = state.service.steps_by_island[0]
+    granted = state.service.islands[0].steps
     assert granted == (3 if budget_left else 0) and lease.owed == 0  # the credit step and a lease of 2
     assert claim == (tps if budget_left else 0)  # it claims no token it was not granted
     if claim:
@@ -402,5 +407,5 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     lease.close()
     # leaving, it gives the 2 steps of its lease it did not take back to the budget (and its ledger)
     assert me.call("Leave", {"steps": 1, "used": lease.used})["returned"] == (2 if budget_left else 0)
-    assert state.service.steps_by_island[0] == (1 if budget_left else 0)
-    assert state.service.syncer.bounds.granted[0] == state.service.steps_by_island[0] * tps
+    assert state.service.islands[0].steps == (1 if budget_left else 0)
+    assert state.service.syncer.bounds.granted[0] == state.service.islands[0].steps * tps

@@ -102,7 +102,7 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_previous_one_named(fast_co
         (newest / "state.json").write_text(text.replace('"reserved", 20]', '"reserved", 28]'))
     capsys.readouterr()
     restarted = _server(config, tmp_path).service
-    assert restarted.reserved == 10 and restarted.steps_by_island == [5, 5] and restarted.restarts == 1
+    assert restarted.reserved == 10 and [i.steps for i in restarted.islands] == [5, 5] and restarted.restarts == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if "unreadable" in line]
     assert len(lines) == 1 and "step_0000002" in lines[0] and "step_0000001" in lines[0], lines
     root = tmp_path / "syncer" / "checkpoints"

@@ -186,7 +186,7 @@ def test_an_older_sessions_leave_cannot_end_the_live_session(syncer) -> None:  #
     with pytest.raises(SessionSuperseded):
         old.call("ReserveSteps", schema.ReserveStepsRequest(n=5, used=0))
     assert state.refused_calls == {"stale_session": 2}
-    assert 0 not in state.left and state.service.leased[0] == 5
+    assert 0 not in state.left and state.service.islands[0].leased == 5
     answer = _push(state, live, 5 * 4 * 32)
     assert answer["accepted"], state.service.syncer.rejected_by_reason
     assert state.service.syncer.rejected_by_reason == {}

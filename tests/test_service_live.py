@@ -194,9 +194,10 @@ def test_a_silent_island_is_lost_not_joined(monkeypatch: pytest.MonkeyPatch) -> 
     from atoll.runtime.service import monitor
 
     now = [100.0]
-    service = SimpleNamespace(heard=[None, 95.0, 80.0, 99.0], joins=[0, 1, 1, 1], _now=lambda: now[0])
+    service = SimpleNamespace(islands=[SimpleNamespace(heard=h, joins=j) for h, j in
+                                       zip([None, 95.0, 80.0, 99.0], [0, 1, 1, 1], strict=True)], _now=lambda: now[0])
     assert monitor.island_states(service, {3}) == ["waiting", "alive", "lost", "left"]  # type: ignore[arg-type]
-    service.heard[2] = 99.5
+    service.islands[2].heard = 99.5
     assert monitor.island_states(service, set())[2] == "alive"  # type: ignore[arg-type]
 
 

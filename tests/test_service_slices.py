@@ -131,7 +131,7 @@ def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(sy
     assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, expected)
     payload = sum(e.nbytes for e in encoded)
     assert payload == sum(state.codec.payload_bytes(p.numel()) for p in halves) < n  # int4: under a byte a value
-    assert state.service.bytes_by_island[0] == payload  # the syncer counts what it received
+    assert state.service.islands[0].bytes_received == payload  # the syncer counts what it received
     assert payload < lead.bytes_up + rank1.bytes_up < payload + 2 * 256  # each slice: its payload + a header
     assert lead.bytes_up > 0 and rank1.bytes_up > 0  # both ranks' connections carried their half
 
@@ -155,15 +155,15 @@ def test_a_lease_returns_its_unused_steps_at_leave_and_a_killed_sessions_at_its_
     lead, _, other, _, _ = _clients(state, address, creds)
     s, tps = state.service, state.service.run.tokens_per_step
     assert lead.call("ReserveSteps", {"n": 5, "used": 3})["granted"] == 5  # the next lease, 3 of the first used
-    assert s.steps_by_island[0] == s.reserved == 10
+    assert s.islands[0].steps == s.reserved == 10
     # the island is killed and started again: its new session gives back the 7 steps it never said it used
     # (to the budget only: its ledger keeps them, as it may have pushed tokens of steps it had not reported)
     lead.call("Join", {"numels": s.syncer.numels})
-    assert s.steps_by_island[0] == s.reserved == 3 and s.syncer.bounds.granted[0] == 10 * tps
+    assert s.islands[0].steps == s.reserved == 3 and s.syncer.bounds.granted[0] == 10 * tps
     assert lead.call("ReserveSteps", {"n": 5, "used": 0})["granted"] == 5
     # it leaves having taken 2 of them: the other 3 go back to the budget and out of its ledger
     assert lead.call("Leave", {"steps": 5, "used": 2})["returned"] == 3
-    assert s.steps_by_island[0] == 5 and s.syncer.bounds.granted[0] == (10 + 5 - 3) * tps
+    assert s.islands[0].steps == 5 and s.syncer.bounds.granted[0] == (10 + 5 - 3) * tps
     # the budget runs out: a lease is cut short, then nothing is granted
     s.reserved = s.budget - 2
     assert other.call("ReserveSteps", {"n": 5})["granted"] == 2

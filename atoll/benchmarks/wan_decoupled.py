@@ -248,7 +248,7 @@ def _step_s(summary: dict[str, Any], exclude: set[int]) -> float | None:
     """Compute seconds per inner step of the decoupled run's islands (their mean), from the compute each reported
     at its end; not the islands in ``exclude`` (one restarted reports its last job's compute only, one that
     never left reports none)."""
-    wall = summary["sim_wall_s"]
+    wall = summary.get("run_s", summary.get("sim_wall_s"))  # (the service's training clock; older summaries')
     steps = [u * wall / n for i, (u, n) in enumerate(zip(summary["island_utilization"], summary["steps_per_island"],
                                                           strict=True)) if i not in exclude and u > 0 and n > 0]
     return sum(steps) / len(steps) if steps else None
@@ -275,7 +275,8 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
     status = [(t, st) for t, st in res["status"]]
     tps = _tokens_per_step(s)
     rate = granted_rate(status, args.islands, args.sync_every, tps)
-    wall = summary["sim_wall_s"]  # until every island left: the syncer's end, not the last merge
+    # until every island left: the syncer's end, not the last merge (older summaries: sim_wall_s)
+    wall = summary.get("run_s", summary.get("sim_wall_s"))
     row.update({"curve": [(0.0, summary["initial_eval_loss"])] + [(p["run_s"], p["eval_loss"]) for p in points],
                 "tokens_curve": [(0.0, 0.0)] + [(p["run_s"], p["merged_tokens"]) for p in points],
                 "commits_evaluated": len(points), "run_s": points[-1]["run_s"] if points else wall,

@@ -166,6 +166,12 @@ class Island(FlatViews):
         self.settle_timing()
         return self._compute_s
 
+    @property
+    def settled_compute_s(self) -> float:
+        """Compute seconds charged so far, without waiting for the device (CUDA timings not read yet are not in
+        it): what another thread may read while this island trains (a progress report)."""
+        return self._compute_s
+
     @compute_s.setter
     def compute_s(self, value: float) -> None:
         self.settle_timing()

@@ -369,7 +369,7 @@ class Run:
             self.lock.release()
         return stop.interrupted(step, self.out, advice)
 
-    def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float,
+    def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float | None,
                timeline: bool = False, **own: Any) -> dict[str, Any]:
         """The summary: what every run reports, then the driver's ``own`` entries; the ``end`` event,
         ``summary.json`` and ``report.png`` (main process), and with ``timeline`` (an asynchronous run's
@@ -379,7 +379,8 @@ class Run:
             tokens: training tokens of every island.
             bytes_sent_per_island: bytes one island sent (the mean over islands where they differ).
             compute_s: compute seconds of the slowest island.
-            sim_wall_s: the run's wall time on its clock (simulated, or real).
+            sim_wall_s: the run's wall time on its clock (simulated, or real); None: the run has no clock but the
+                real one (the service's): no ``sim_wall_s`` in the summary, its utilization over ``wall_s``.
             own: the driver's own entries (codec, fragments, exchanges, goodput, ...), in order; a run that
                 diverged passes ``diverged`` (:func:`atoll.job.divergence.record`): its ``end`` event is at
                 that step.
@@ -400,8 +401,8 @@ class Run:
             "device": config.device if config.runtime == "ray" else resolve_device(config.device),
             "precision": config.precision, "compile": config.compile, **own,
             **owned_settings(config.strategy_config, config.runtime_config, LINK_SETTINGS),
-            "compute_s": compute_s, "sim_wall_s": sim_wall_s,
-            "compute_utilization": compute_s / sim_wall_s if sim_wall_s > 0 else 1.0,
+            "compute_s": compute_s, **({"sim_wall_s": sim_wall_s} if sim_wall_s is not None else {}),
+            "compute_utilization": _utilization(compute_s, sim_wall_s if sim_wall_s is not None else self.wall_s()),
             "wall_s": self.wall_s(),
             "init_from": str(config.init_from) if config.init_from else None, "out": str(self.out),
         }
@@ -418,3 +419,8 @@ class Run:
         if self.lock is not None:
             self.lock.release()
         return summary
+
+
+def _utilization(compute_s: float, wall_s: float) -> float:
+    """Compute seconds over wall seconds (1 without wall time)."""
+    return compute_s / wall_s if wall_s > 0 else 1.0

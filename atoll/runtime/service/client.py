@@ -333,6 +333,8 @@ class StepLease:
         tokens_per_step: tokens of one inner step of the island.
         fragments: P.
         status: () -> (last training loss, inner learning rate), sent with each fetch for the progress.
+        figures: () -> the session's figures so far (``compute_s``, ``bytes_sent``), sent with each fetch (the
+            syncer sums an island's sessions, a killed one's too).
 
     Attributes:
         used: steps of this session taken (leased and on credit).
@@ -340,9 +342,10 @@ class StepLease:
     """
 
     def __init__(self, client: SyncerClient, size: int, offline_steps: int, tokens_per_step: int, fragments: int,
-                 status: Callable[[], tuple[float, float]] | None = None) -> None:
+                 status: Callable[[], tuple[float, float]] | None = None,
+                 figures: Callable[[], dict[str, float]] | None = None) -> None:
         self.client, self.size, self.offline_steps = client, max(1, size), offline_steps
-        self.tokens_per_step, self.status = tokens_per_step, status
+        self.tokens_per_step, self.status, self.figures = tokens_per_step, status, figures
         self.leased = 0  # granted, not taken yet
         self.used = 0
         self.owed = 0  # steps taken on credit, not asked for yet
@@ -400,6 +403,8 @@ class StepLease:
             asked = {"n": owed + self.size, "used": self.used}
         if self.status is not None:
             asked["loss"], asked["lr"] = self.status()
+        if self.figures is not None:
+            asked.update(self.figures())
         request = schema.ReserveStepsRequest(**asked)
         try:
             reply = self.client.call("ReserveSteps", request, timeout_s=10.0, retry=False)

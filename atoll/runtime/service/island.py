@@ -150,7 +150,9 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     codec = codec_of(config.strategy_config)
     lease = (StepLease(client, worker.sync_every, worker.sync_every, config.tokens_per_step, worker.fragments,
                        status=lambda: (float(worker.island.last_loss),
-                                       float(worker.island.scheduler.get_last_lr()[0])))
+                                       float(worker.island.scheduler.get_last_lr()[0])),
+                       figures=lambda: {"compute_s": worker.island.settled_compute_s,
+                                        "bytes_sent": transport.bytes_sent})
              if group.leader else None)
     transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease,
                                  route=[clients[owners[p]] for p in range(len(numels))])

@@ -55,10 +55,11 @@ def island_states(service: SyncerService, left: dict[int, Any] | set[int]) -> li
     the server's lock."""
     now = service._now()
     states = []
-    for i, heard in enumerate(service.heard):
+    for i, record in enumerate(service.islands):
+        heard = record.heard
         if i in left:
             states.append("left")
-        elif heard is None or service.joins[i] == 0:
+        elif heard is None or record.joins == 0:
             states.append("waiting")
         else:
             states.append("lost" if now - heard > LOST_AFTER_S else "alive")
@@ -93,7 +94,7 @@ class Monitor:
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         # what the last look saw (to emit what changed since)
-        self.joins = list(server.service.joins)
+        self.joins = [i.joins for i in server.service.islands]
         self.states = ["waiting"] * self.islands
         self.left: set[int] = set(server.left)
         self.refused_calls: dict[str, int] = dict(server.refused_calls)
@@ -145,10 +146,10 @@ class Monitor:
             events = list(server.drained)
             server.drained.clear()
             states = island_states(service, server.left)
-            joins, left = list(service.joins), set(server.left)
+            joins, left = [i.joins for i in service.islands], set(server.left)
             refused_calls = dict(server.refused_calls)
             refused_pushes = dict(service.syncer.rejected_by_reason)
-            heard = [None if h is None else service._now() - h for h in service.heard]
+            heard = [None if i.heard is None else service._now() - i.heard for i in service.islands]
             bytes_out = server.bulk.bytes_out
             calls = dict(server.calls)
             params = service.syncer.global_params() if self._eval_due(p) else None
@@ -162,12 +163,13 @@ class Monitor:
         for i in range(self.islands):
             if joins[i] > self.joins[i]:
                 self._emit("join", step, island=i, joins=joins[i], sim_wall_s=run_s)
+            # a lost island that called again in its session (not a rejoin): back, also when that call was its Leave
+            if states[i] in ("alive", "left") and self.states[i] == "lost" and joins[i] == self.joins[i]:
+                self._emit("back", step, island=i, sim_wall_s=run_s)
             if i in left and i not in self.left:
                 self._emit("leave", step, island=i, island_steps=p["steps_by_island"][i], sim_wall_s=run_s)
             if states[i] == "lost" and self.states[i] != "lost":  # since its last call, on the run's clock
                 self._emit("lost", step, island=i, silent_s=heard[i], sim_wall_s=max(0.0, run_s - (heard[i] or 0.0)))
-            if states[i] == "alive" and self.states[i] == "lost" and joins[i] == self.joins[i]:  # (not a rejoin)
-                self._emit("back", step, island=i, sim_wall_s=run_s)
         for reason, n in refused_calls.items():
             for _ in range(self.refused_calls.get(reason, 0), n):
                 self._event("refusal", step, {"reason": reason, "call": True, "sim_wall_s": run_s})

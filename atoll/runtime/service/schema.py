@@ -46,6 +46,9 @@ Int = Annotated[int, Field(ge=0, lt=MAX_INT)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 #: a number an island reports (a loss may be NaN or infinite: a diverged island says so)
 Reported = float | None
+#: a figure an island counts (seconds of compute, bytes): finite, >= 0, below :data:`MAX_INT` (a huge JSON integer
+#: reads as an infinite float: refused)
+Figure = Annotated[float, Field(ge=0, le=MAX_INT, allow_inf_nan=False)]
 UploadId = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Ints = Annotated[tuple[Int, ...], Field(max_length=MAX_FRAGMENTS)]
@@ -116,13 +119,16 @@ class HelloRequest(JoinRequest):
 
 
 class ReserveStepsRequest(Record):
-    """``ReserveSteps``: a lease of ``n`` steps; ``used``: the steps of its session taken; its last loss and lr."""
+    """``ReserveSteps``: a lease of ``n`` steps; ``used``: the steps of its session taken; its last loss and lr;
+    its session's ``compute_s`` and ``bytes_sent`` so far (summed over its sessions for the run's summary)."""
 
     n: Annotated[int, Field(ge=1, lt=1 << 20)] = 1
     used: Int | None = None
     loss: Reported = None
     lr: Reported = None
     session: Session = None
+    compute_s: Figure | None = None
+    bytes_sent: Figure | None = None
 
 
 class BufferedRequest(Record):
@@ -169,10 +175,10 @@ class LeaveRequest(Record):
 
     used: Int | None = None
     steps: Int | None = None
-    compute_s: Reported = None
-    bytes_sent: Reported = None
+    compute_s: Figure | None = None
+    bytes_sent: Figure | None = None
     last_loss: Reported = None
-    codec_s: Reported = None
+    codec_s: Figure | None = None
     resets: Int | None = None
     skipped_steps: Int | None = None
     session: Session = None

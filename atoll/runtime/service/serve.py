@@ -31,6 +31,7 @@ from atoll.errors import ConfigError
 from atoll.job.checkpoint import write_text_atomic
 from atoll.job.lock import RunLock
 from atoll.runtime.service import wire
+from atoll.runtime.service.island_state import Session, finite
 from atoll.runtime.service.monitor import Monitor
 from atoll.runtime.service.server import SyncerServer
 from atoll.runtime.service.status import StatusServer
@@ -276,6 +277,8 @@ def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tu
         # the live view (atoll.runtime.service.monitor): the run folder's events from now on (the coordinator's),
         # the progress line, and the status page with its metrics where --metrics-listen asks for them
         run = open_run(config, out / "run") if server_state.coordinator else None
+        if run is not None:  # the run's wall time: the syncer's clock (continued across restarts), then this run's
+            run.prior_wall_s = server_state.service._now()
         monitor = Monitor(server_state, config, run).start()
         if settings.metrics_listen is not None:
             page = StatusServer(settings.metrics_listen, lambda: monitor.current if monitor is not None else {},
@@ -360,25 +363,35 @@ def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[
     draw its ``timeline.png``; ``final``, ``refused_calls``: the whole run's, gathered from its shards (default:
     ``state``'s own); ``run``: the run folder opened at the start (:func:`open_run`; default: opened now).
     Resumable: an end cut by a kill or a power cut before its summary is written again whole from the syncer's
-    final state, which its last checkpoint holds (:func:`open_run` sets the cut end's model aside)."""
+    final state, which its last checkpoint holds (:func:`open_run` sets the cut end's model aside).
+
+    An island's bytes, compute and tokens are summed over its sessions (each job it ran, a killed one's as far
+    as it reported; ``island_sessions``: per session); ``wall_s`` is the run's real wall time (the syncer's
+    clock from its first start, restarts continued, and the final evaluation), ``run_s`` the seconds from the
+    first inner step granted to the end (``island_utilization``'s denominator); no simulated-link field. Every
+    figure an island reported is read as a finite number (else 0), so no report can stop the summary."""
     final = final or state.final or {}
     sharded = {"shards": len(final["shard_restarts"]), "shard_restarts": final["shard_restarts"]} \
         if "shard_restarts" in final else {}
-    if run is None:
+    if run is None:  # opened only now: the run's wall time before is the syncer's clock
         run = open_run(config, out / "run")
-    reports = [state.left.get(i, {}) for i in range(config.islands)]
-    bytes_sent = [float(r.get("bytes_sent", 0.0)) for r in reports]
+        run.prior_wall_s = finite(final.get("clock_s", 0.0))
+    totals = [Session.of(t) for t in final["island_totals"]]
+    bytes_sent = [t.bytes_sent for t in totals]
     tokens = sum(final["steps_by_island"]) * config.tokens_per_step
-    wall_s = final["run_s"]
-    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+    run_s = finite(final["run_s"])
+    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, run_s)
     run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
-    compute = [float(r.get("compute_s", 0.0)) for r in reports]
+    compute = [t.compute_s for t in totals]
+    sessions = [[{**x, "tokens": x["steps"] * config.tokens_per_step} for x in island] for island in final["sessions"]]
     return run.finish(tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands, compute_s=max(compute),
-                      sim_wall_s=wall_s, bytes_sent_by_island=bytes_sent, fragments=config.strategy_config.fragments,
-                      **final["stats"],
+                      sim_wall_s=None, bytes_sent_by_island=bytes_sent, fragments=config.strategy_config.fragments,
+                      **final["stats"], run_s=run_s,
                       steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
-                      island_utilization=[c / wall_s if wall_s > 0 else 0.0 for c in compute],
+                      island_utilization=[c / run_s if run_s > 0 else 0.0 for c in compute],
+                      island_sessions=sessions, compute_s_by_island=compute,
                       rejoins=[max(0, j - 1) for j in final["joins"]], rejoin_s=final["rejoin_s"],
+                      rejoin_times=final["rejoin_times"],
                       versions=final["versions"], syncer_restarts=final["syncer_restarts"],
                       refused_calls=dict(refused_calls if refused_calls is not None else state.refused_calls),
                       islands_left=sorted(state.left), timeline=True, **sharded)

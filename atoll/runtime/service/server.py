@@ -269,7 +269,7 @@ class SyncerServer:
                 return schema.ReserveStepsReply(granted=0, wait=True)
             if why is None:
                 granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss,
-                                                     lr=req.lr)
+                                                     lr=req.lr, compute_s=req.compute_s, bytes_sent=req.bytes_sent)
                 return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
         self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
@@ -402,7 +402,7 @@ class SyncerServer:
         with self.lock:
             why = self._stale(island, req.session)  # an older session's Leave never ends the present one's lease
             if why is None:
-                returned = self.service.leave_session(island, req.used)
+                returned = self.service.leave_session(island, req.used, req.compute_s, req.bytes_sent)
                 self.left[island] = report
                 self._save_left()
                 return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))
@@ -452,7 +452,7 @@ class SyncerServer:
     @property
     def joined(self) -> set[int]:
         """Islands that joined the run (in the syncer's checkpoint: a restarted syncer waits for them too)."""
-        return {i for i, n in enumerate(self.service.joins) if n > 0}
+        return {i for i, state in enumerate(self.service.islands) if state.joins > 0}
 
     # --- the run ------------------------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -493,8 +493,8 @@ class SyncerServer:
         merged its last, and was gathered by the coordinator); its ``merged_tokens_by_island`` are shares of its
         own parameters; the budget, leases, joins and leaves are the coordinator's alone."""
         s = self.service
-        budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": list(s.steps_by_island),
-                  "joins": list(s.joins), "joined": sorted(self.joined), "left": sorted(self.left),
+        budget = {"reserved": s.reserved, "budget": s.budget, "steps_by_island": [i.steps for i in s.islands],
+                  "joins": [i.joins for i in s.islands], "joined": sorted(self.joined), "left": sorted(self.left),
                   "islands": island_states(s, self.left)} if self.coordinator else {}
         return {**self.shards.status(self.final is not None), "commits": s.syncer.commits,
                 "versions": [s.syncer.version(p) for p in range(s.syncer.fragments)], "restarts": s.restarts,

@@ -10,6 +10,7 @@ them in threads holds one lock around each.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -27,11 +28,15 @@ from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint, write_text_atomic
 from atoll.runtime.decoupled_job import prepare_job, push_sync_every, syncer_of
 from atoll.runtime.service import syncer_shards as sharding
+from atoll.runtime.service.island_state import IslandState, RejoinTimes
 from atoll.strategies.decoupled.island import save_path
 from atoll.strategies.decoupled.journal import JOURNAL_SIZE
 from atoll.strategies.decoupled.progress import RECENT, syncer_events
 from atoll.strategies.decoupled.protocol import Pull, Push, is_index
 from atoll.strategies.decoupled.syncer import Syncer
+
+#: the file beside the syncer's checkpoints that holds its budget and token ledger (:meth:`SyncerService._save_ledger`)
+LEDGER = "ledger.json"
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,9 @@ class SyncerRun:
         islands: the run's islands.
         steps: inner steps per island: the shared budget is ``islands x steps``.
         tokens_per_step: training tokens of one inner step of an island (its ledger grants them per step).
-        push_tokens: per island, the tokens of one honest push at its own H (a restarted syncer grants each
-            island that much more: the steps granted since its checkpoint were taken and are not in it).
+        push_tokens: per island, the tokens of one honest push at its own H (a syncer restarted from a
+            checkpoint without its ledger grants each island that much more: the steps granted since were taken
+            and are not in it).
     """
 
     islands: int
@@ -87,9 +93,10 @@ class SyncerService:
     session (:meth:`join`) or takes a step (:meth:`reserve_step`, else PermissionError). Each step granted is
     entered in the syncer's token ledger (:meth:`~atoll.strategies.decoupled.syncer.Syncer.grant`, open from
     the start), so an island's token claims are bounded by the steps it was granted, as in the local
-    simulation. The ledger is checkpointed with the syncer; a syncer restarted from its checkpoint grants
-    each island one push of tokens at its own H more (the steps it granted since that checkpoint were taken
-    and are not in it), so an honest push after a restart is not refused for its tokens.
+    simulation. The ledger is checkpointed with the syncer, and with the budget at every grant, release, join
+    and leave (``ledger.json``, :meth:`_save_ledger`): a restarted syncer continues from it, so an honest push
+    after a restart is not refused for its tokens and the merged tokens never exceed the steps granted (a
+    checkpoint without one: each island is granted one push of tokens at its own H more).
 
     **Leases.** An island job takes its steps a round at a time (:meth:`reserve_steps`, ahead of need: one
     call per lease, not one per inner step), reporting the steps of its session it has used. Steps it was
@@ -127,24 +134,14 @@ class SyncerService:
         self.t0 = time.monotonic()
         self.budget = run.islands * run.steps
         self.reserved = 0
-        self.steps_by_island = [0] * run.islands
-        self.last_seen = [0.0] * run.islands
-        self.heard: list[float | None] = [None] * run.islands  # _now() of each island's last call
-        self.joins = [0] * run.islands
-        self.rejoin_s: list[float] = []
+        self.islands = [IslandState() for _ in range(run.islands)]  # what the service keeps of each island
+        self.rejoins = RejoinTimes()  # bounded however often islands join
         self.restarts = 0
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
-        self.island_first_step_s: list[float | None] = [None] * run.islands
         # for the driver's progress and run events (progress()): not checkpointed, a restart starts them anew
         # pushes and rejoins (the syncer journals the rest); the oldest go first where nobody drains them
         self.events: deque[tuple[str, dict[str, Any]]] = deque(maxlen=JOURNAL_SIZE)
-        self.last_loss: list[float | None] = [None] * run.islands  # each island's, with its lr
-        self.last_lr: list[float | None] = [None] * run.islands
-        self.bytes_by_island = [0.0] * run.islands  # as the pushes declare them
-        # per island, of its current session: steps granted, and the most it reported using (leases)
-        self.leased = [0] * run.islands
-        self.lease_used = [0] * run.islands
         for island in range(run.islands):  # the token ledger holds from the first push on
             self.syncer.grant(island, 0)
         # a restart after a crash: continue from the newest readable checkpoint (written after every commit)
@@ -157,19 +154,20 @@ class SyncerService:
                                       f"run ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
                                       "restart with the settings it was started with, or choose another --out"
                                       ) from None
-            self.syncer.grant_since_checkpoint(list(run.push_tokens))
-            service = state.get("service", {})
+            ledger = self._load_ledger()
+            if ledger is None:  # (a checkpoint written without one, or a shard that grants no steps)
+                self.syncer.grant_since_checkpoint(list(run.push_tokens))
+            service = {**state.get("service", {}), **(ledger or {})}
             self.reserved = int(service.get("reserved", 0))
-            self.steps_by_island = [int(x) for x in service.get("steps_by_island", self.steps_by_island)]
-            self.joins = [int(x) for x in service.get("joins", self.joins)]
-            self.rejoin_s = [float(x) for x in service.get("rejoin_s", [])]
+            self.islands = [IslandState.of(x) for x in service["islands"]] if "islands" in service \
+                else IslandState.of_lists(service, run.islands)
+            self.rejoins = RejoinTimes.of(service.get("rejoins", service.get("rejoin_s", [])))
             self.restarts = int(service.get("restarts", 0)) + 1
-            self.leased = [int(x) for x in service.get("leased", self.leased)]
-            self.lease_used = [int(x) for x in service.get("lease_used", self.lease_used)]
             self.first_step_s = service.get("first_step_s")
-            self.island_first_step_s = list(service.get("island_first_step_s", self.island_first_step_s))
+            if ledger is not None:
+                self.syncer.bounds.granted = [int(x) for x in ledger["granted"]]
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
-            self.t0 = time.monotonic() - float(service.get("clock_s", 0.0))
+            self.t0 = time.monotonic() - float(state.get("service", {}).get("clock_s", 0.0))
             sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
         epoch = state.get("service", {}).get("grant_epoch") if state is not None else None
         self.issuer = (sharding.GrantIssuer(self.shard, save_path(self.out) / "coordinator.json",
@@ -228,19 +226,52 @@ class SyncerService:
         :class:`~atoll.job.async_save.LatestStateWriter` thread, so the islands' calls are answered meanwhile;
         ``wait``: return once it is on disk (the end of the run). A write that fails is one line
         (:meth:`_write_failed`), never an error of the call that merged."""
-        service = {"reserved": self.reserved, "steps_by_island": list(self.steps_by_island), "joins": list(self.joins),
-                   "rejoin_s": list(self.rejoin_s), "restarts": self.restarts, "clock_s": self._now(),
-                   "leased": list(self.leased), "lease_used": list(self.lease_used),
-                   "first_step_s": self.first_step_s, "island_first_step_s": list(self.island_first_step_s)}
-        service.update(sharding.shard_entries(self.shard, self.grants))
+        service = self.service_state()
         if self.issuer is not None:  # a copy of the grant epoch: recovered from it if coordinator.json is lost
             service["grant_epoch"] = self.issuer.epoch
         self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
         if wait:
             self.writer.flush()
 
+    def service_state(self) -> dict[str, Any]:
+        """The service's part of its checkpoint (JSON-able, bounded however long the run): the budget, each
+        island's record, the rejoin times, restarts, the clock, and a shard's entries."""
+        service = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
+                   "rejoins": self.rejoins.state_dict(), "restarts": self.restarts, "clock_s": self._now(),
+                   "first_step_s": self.first_step_s}
+        service.update(sharding.shard_entries(self.shard, self.grants))
+        return service
+
     def _now(self) -> float:
         return time.monotonic() - self.t0
+
+    def _save_ledger(self) -> None:
+        """The shared budget and the token ledger as they are now (steps granted, leases, sessions, tokens
+        granted per island) in ``out/syncer/ledger.json``, beside the checkpoint: written at every grant,
+        release, join and leave (the checkpoint only at commits), so a restarted syncer continues from them
+        instead of granting each island a push of tokens more: the steps it counts as trained are every step it
+        granted, and the merged tokens never exceed them."""
+        from atoll.job.checkpoint import write_text_atomic
+
+        granted = self.syncer.bounds.granted
+        if granted is None:
+            return
+        ledger = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
+                  "granted": list(granted), "first_step_s": self.first_step_s}
+        save_path(self.out).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(save_path(self.out) / LEDGER, json.dumps(ledger))
+
+    def _load_ledger(self) -> dict[str, Any] | None:
+        """:meth:`_save_ledger`'s record, or None: none, unreadable, or not this run's islands."""
+        try:
+            ledger = json.loads((save_path(self.out) / LEDGER).read_text(encoding="utf-8"))
+            if len(ledger["islands"]) != self.run.islands or len(ledger["granted"]) != self.run.islands:
+                return None
+            [IslandState.of(x) for x in ledger["islands"]]  # noqa: B018 - readable, else None
+            int(ledger["reserved"])
+            return ledger
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            return None
 
     def grant(self, island: int) -> dict[str, Any] | None:
         """(The coordinator of a sharded syncer.) ``island``'s signed grant of its session and tokens granted
@@ -286,23 +317,26 @@ class SyncerService:
         """
         self._island("join", island, credential)
         now = self._now()
-        self.heard[island] = now
-        self.joins[island] += 1
-        if self.joins[island] > 1:
-            self.rejoin_s.append(now - self.last_seen[island])
-            self.events.append(("rejoin", {"island": island, "rejoin_s": self.rejoin_s[-1],
+        state = self.islands[island]
+        state.heard = now
+        state.joins += 1
+        if state.joins > 1:
+            self.rejoins.add(now - state.last_seen)
+            self.events.append(("rejoin", {"island": island, "rejoin_s": now - state.last_seen,
                                            "sim_wall_s": self._run_clock(now)}))
-        self.last_seen[island] = now
+        state.last_seen = now
         # a session that ended without leaving (killed): the steps it was granted and never said it used go
         # back to the budget (not to the ledger: it may have pushed tokens of steps it had not reported)
-        self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=False)
-        self.leased[island] = self.lease_used[island] = 0
+        self.release_steps(island, state.leased - state.lease_used, ledger=False)
+        state.leased = state.lease_used = 0
         self._poll()
         session = self.syncer.rejoin(island)
+        state.open_session(session)  # this job's figures (its reports) from here on
+        self._save_ledger()
         if self.issuer is not None:  # kept before its grant goes out
             self.issuer.opened(self.syncer.admission)
         return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                self.steps_by_island[island], session)
+                state.steps, session)
 
     def reserve_step(self, island: int, credential: str = "", loss: Any = None,
                      lr: Any = None) -> tuple[bool, list[int]]:
@@ -319,16 +353,18 @@ class SyncerService:
             PermissionError: ``credential`` is not the island's.
         """
         go = self.reserve_steps(island, credential, 1, loss=loss, lr=lr) == 1
-        self.lease_used[island] = self.leased[island]  # a step asked for alone is taken at once
+        state = self.islands[island]
+        state.lease_used = state.leased  # a step asked for alone is taken at once
         return go, self._buffered(island)
 
     def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
-                      lr: Any = None) -> int:
+                      lr: Any = None, compute_s: Any = None, bytes_sent: Any = None) -> int:
         """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease), at most
         :meth:`lease_share`: the steps granted (fewer than ``n``: the budget is spent), each entered in the
         syncer's token ledger. ``used``: the steps of its session the island has used so far
         (:meth:`release_steps` gives the rest back if it never returns); ``loss``, ``lr``: as
-        :meth:`reserve_step`.
+        :meth:`reserve_step`; ``compute_s``, ``bytes_sent``: the session's figures so far (seconds of compute,
+        bytes; :meth:`IslandState.report <atoll.runtime.service.island_state.IslandState.report>`).
 
         Raises:
             ValueError: ``island`` is not one of the run's, or ``n`` is not a positive int.
@@ -337,22 +373,26 @@ class SyncerService:
         self._island("reserve_step", island, credential)
         if not (is_index(n, math.inf) and n > 0):
             raise ValueError(f"reserve_steps: n must be a positive int, got {n!r}")
-        self.last_seen[island] = self.heard[island] = self._now()
+        state = self.islands[island]
+        state.last_seen = state.heard = self._now()
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
-            self.last_loss[island], self.last_lr[island] = loss, lr
+            state.last_loss, state.last_lr = loss, lr
+        state.report(compute_s=compute_s, bytes_sent=bytes_sent)
         self._used(island, used)
         self._poll()
         granted = max(0, min(n, self.budget - self.reserved, self.lease_share(island)))
         if granted == 0:
+            self._save_ledger()
             return 0
         self.reserved += granted
-        self.steps_by_island[island] += granted
-        self.leased[island] += granted
+        state.steps += granted
+        state.leased += granted
         self.syncer.grant(island, granted * self.run.tokens_per_step)
-        if self.island_first_step_s[island] is None:
-            self.island_first_step_s[island] = self.last_seen[island]
+        if state.first_step_s is None:
+            state.first_step_s = state.last_seen
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
-                self.first_step_s = self.last_seen[island]
+                self.first_step_s = state.last_seen
+        self._save_ledger()
         return granted
 
     def lease_share(self, island: int) -> int:
@@ -365,31 +405,38 @@ class SyncerService:
 
     def _used(self, island: int, used: Any) -> None:
         if is_index(used, math.inf):
-            self.lease_used[island] = max(self.lease_used[island], min(used, self.leased[island]))
+            state = self.islands[island]
+            state.lease_used = max(state.lease_used, min(used, state.leased))
+            state.report(steps=used)
 
     def release_steps(self, island: int, n: int, ledger: bool) -> int:
         """Give ``n`` steps granted to ``island`` back to the shared budget (at most those it was granted);
         ``ledger``: take their tokens out of its token ledger too (steps never trained). Returns the steps
         given back."""
-        n = max(0, min(int(n), self.steps_by_island[island]))
+        state = self.islands[island]
+        n = max(0, min(int(n), state.steps))
         self.reserved -= n
-        self.steps_by_island[island] -= n
-        self.leased[island] -= min(n, self.leased[island])
+        state.steps -= n
+        state.leased -= min(n, state.leased)
         if ledger and n:
             self.syncer.grant(island, -n * self.run.tokens_per_step)
         return n
 
-    def leave_session(self, island: int, used: Any) -> int:
+    def leave_session(self, island: int, used: Any, compute_s: Any = None, bytes_sent: Any = None) -> int:
         """``island`` leaves, having used ``used`` steps of its session: the rest of its lease goes back to the
-        budget and out of its ledger (:meth:`release_steps`); returns those steps.
+        budget and out of its ledger (:meth:`release_steps`); returns those steps. ``compute_s``, ``bytes_sent``:
+        its session's figures at the end (its Leave report).
 
         Raises:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("leave", island)
         self._used(island, used)
-        returned = self.release_steps(island, self.leased[island] - self.lease_used[island], ledger=True)
-        self.leased[island] = self.lease_used[island] = 0
+        state = self.islands[island]
+        state.report(compute_s=compute_s, bytes_sent=bytes_sent)
+        returned = self.release_steps(island, state.leased - state.lease_used, ledger=True)
+        state.leased = state.lease_used = 0
+        self._save_ledger()
         return returned
 
     def refuse(self, island: int, fragment: Any, reason: str, tokens: Any) -> None:
@@ -397,7 +444,7 @@ class SyncerService:
         not tile the fragment: ``slices``), as the syncer counts its refusals."""
         self.syncer._refuse(island, fragment, reason, tokens)  # (the syncer's one counter of refusals)
         self.events.append(("push", {"island": island, "fragment": fragment, "outcome": "refused",
-                                     "island_step": self.steps_by_island[island],
+                                     "island_step": self.islands[island].steps,
                                      "sim_wall_s": self._run_clock(self._now())}))
 
     def stop(self) -> int:
@@ -414,7 +461,7 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("buffered", island)
-        self.heard[island] = self._now()  # waiting for its push to merge: alive
+        self.islands[island].heard = self._now()  # waiting for its push to merge: alive
         self._poll()
         return self._buffered(island)
 
@@ -434,11 +481,12 @@ class SyncerService:
         if result.reason in ("type", "island", "fragment"):
             return False, None
         if result.reason != "identity":  # the island's own call
-            self.last_seen[msg.island] = self.heard[msg.island] = now
-            self.bytes_by_island[msg.island] += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
+            state = self.islands[msg.island]
+            state.last_seen = state.heard = now
+            state.bytes_received += float(msg.nbytes) if isinstance(msg.nbytes, int | float) else 0.0
             outcome = "accepted" if result.accepted else "stale" if result.reason == "stale" else "refused"
             self.events.append(("push", {"island": msg.island, "fragment": msg.fragment, "outcome": outcome,
-                                         "island_step": self.steps_by_island[msg.island],
+                                         "island_step": state.steps,
                                          "sim_wall_s": self._run_clock(now)}))
         if result.committed:
             self._save()
@@ -462,9 +510,12 @@ class SyncerService:
         """Merge every open buffer, checkpoint, and return the statistics and the global parameters. Raises the
         error of that last checkpoint's write (OSError: a full disk), which no later commit retries.
 
-        Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was), and
-        ``island_start_s``, per island the seconds from that first step to the island's own first step (None:
-        it took none).
+        Also the run's clock: ``run_s``, seconds from the first inner step granted to now (0 if none was),
+        ``clock_s``, the seconds of this service's clock (from its first start, continued across restarts from
+        the checkpoint's), and ``island_start_s``, per island the seconds from that first step to the island's
+        own first step (None: it took none); ``sessions``: per island its sessions' figures (the most recent,
+        :class:`~atoll.runtime.service.island_state.Session` as dicts) and ``island_totals``: per island those
+        figures summed over every session.
         """
         self.syncer.flush()
         failed = self.writer.failed
@@ -473,11 +524,15 @@ class SyncerService:
             raise self.last_write_error
         start = self.first_step_s
         run_s = self._now() - start if start is not None else 0.0
-        island_start_s = [None if t is None or start is None else t - start for t in self.island_first_step_s]
-        return {"run_s": run_s, "island_start_s": island_start_s,
+        island_start_s = [None if i.first_step_s is None or start is None else i.first_step_s - start
+                          for i in self.islands]
+        return {"run_s": run_s, "clock_s": self._now(), "island_start_s": island_start_s,
+                "sessions": [[x.state_dict() for x in i.sessions] for i in self.islands],
+                "island_totals": [i.total().state_dict() for i in self.islands],
                 "stats": self.syncer.stats(), "global": self.syncer.global_params(), "syncer_restarts": self.restarts,
-                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": self.rejoin_s,
-                "joins": self.joins, "steps_by_island": self.steps_by_island,
+                "merged_tokens": self.syncer.merged_tokens, "rejoin_s": list(self.rejoins.recent),
+                "rejoin_times": self.rejoins.summary(),
+                "joins": [i.joins for i in self.islands], "steps_by_island": [i.steps for i in self.islands],
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
     def heartbeat(self, island: int) -> dict[str, Any]:
@@ -488,7 +543,8 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("heartbeat", island)
-        self.last_seen[island] = self.heard[island] = self._now()
+        state = self.islands[island]
+        state.last_seen = state.heard = self._now()
         return self.progress(drain=False)
 
     def progress(self, drain: bool = True) -> dict[str, Any]:
@@ -514,10 +570,12 @@ class SyncerService:
         start = self.first_step_s
         return {"commits": self.syncer.commits, "reserved": self.reserved, "budget": self.budget,
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)],
-                "silent_s": [None if h is None else now - h for h in self.heard],
+                "silent_s": [None if i.heard is None else now - i.heard for i in self.islands],
                 "starved": self.syncer.starved_message() if self.syncer.starved() else "",
                 "run_s": now - start if start is not None else 0.0,
-                "steps_by_island": list(self.steps_by_island), "loss_by_island": list(self.last_loss),
-                "lr_by_island": list(self.last_lr), "bytes_by_island": list(self.bytes_by_island),
+                "steps_by_island": [i.steps for i in self.islands],
+                "loss_by_island": [i.last_loss for i in self.islands],
+                "lr_by_island": [i.last_lr for i in self.islands],
+                "bytes_by_island": [i.bytes_received for i in self.islands],
                 "staleness": list(self.syncer.staleness.recent)[-RECENT:], "merged_tokens": self.syncer.merged_tokens,
                 "events": events}
