@@ -174,3 +174,24 @@ def test_a_checkpoint_of_parallel_lists_loads_as_one_record_per_island() -> None
     times = RejoinTimes.of(old["rejoin_s"])
     assert times.summary()["count"] == 2 and times.summary()["mean_s"] == 3.0 and times.summary()["max_s"] == 4.0
     assert RejoinTimes.of(times.state_dict()).state_dict() == times.state_dict()
+
+
+def test_a_syncer_killed_before_its_first_commit_goes_on_with_the_steps_it_granted(fast_config: dict,
+                                                                                   tmp_path: Path) -> None:
+    """No checkpoint yet, but steps granted (``ledger.json``): the restarted syncer counts them, has started (no
+    island needs to join it again: before, every lease waited for joins that never came), and the islands'
+    pushes of those steps, in their sessions, are accepted."""
+    config = _config(fast_config)
+    out = tmp_path / "syncer"
+    s = _server(config, out).service
+    tps, h = config.tokens_per_step, config.strategy_config.sync_every
+    sessions = [s.join(i, CREDS[i])[3] for i in range(2)]
+    for i in range(2):
+        assert s.reserve_steps(i, CREDS[i], h) == h
+    assert s.syncer.commits == 0 and not (out / "syncer" / "checkpoints").exists()
+    restarted = _server(config, out).service
+    assert restarted.restarts == 1 and restarted.reserved == 2 * h
+    assert [i.steps for i in restarted.islands] == [h, h]
+    for i in range(2):
+        assert all(_push_round(restarted, i, sessions[i], h * tps))
+    assert restarted.syncer.commits >= 1 and restarted.syncer.rejected_updates == 0

@@ -169,6 +169,8 @@ class SyncerService:
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
             self.t0 = time.monotonic() - float(state.get("service", {}).get("clock_s", 0.0))
             sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
+        elif (ledger := self._load_ledger()) is not None:  # killed before its first commit's checkpoint: the budget
+            self._restore_ledger(ledger)  # and the ledger it had granted go on (the islands' sessions do too)
         epoch = state.get("service", {}).get("grant_epoch") if state is not None else None
         self.issuer = (sharding.GrantIssuer(self.shard, save_path(self.out) / "coordinator.json",
                                             self.syncer.admission, checkpoint_epoch=epoch)
@@ -257,9 +259,22 @@ class SyncerService:
         if granted is None:
             return
         ledger = {"reserved": self.reserved, "islands": [i.state_dict() for i in self.islands],
-                  "granted": list(granted), "first_step_s": self.first_step_s}
+                  "granted": list(granted), "first_step_s": self.first_step_s, "clock_s": self._now()}
         save_path(self.out).mkdir(parents=True, exist_ok=True)
         write_text_atomic(save_path(self.out) / LEDGER, json.dumps(ledger))
+
+    def _restore_ledger(self, ledger: dict[str, Any]) -> None:
+        """Continue from :meth:`_save_ledger`'s record alone (a syncer killed after granting steps and before its
+        first checkpoint): the budget taken, each island's record, the tokens granted and the clock; the global
+        model is the initial one (no commit was written)."""
+        self.reserved = int(ledger["reserved"])
+        self.islands = [IslandState.of(x) for x in ledger["islands"]]
+        self.syncer.bounds.granted = [int(x) for x in ledger["granted"]]
+        self.first_step_s = ledger.get("first_step_s")
+        self.t0 = time.monotonic() - float(ledger.get("clock_s", 0.0))
+        self.restarts = 1
+        print(f"atoll syncer: restarted before its first commit: {self.reserved} inner steps granted so far go on "
+              f"(from {save_path(self.out) / LEDGER})", flush=True)
 
     def _load_ledger(self) -> dict[str, Any] | None:
         """:meth:`_save_ledger`'s record, or None: none, unreadable, or not this run's islands."""
