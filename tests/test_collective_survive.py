@@ -409,7 +409,7 @@ def test_a_heartbeat_forgives_a_pause_it_sat_through_but_finds_a_silent_rank(mon
 
 
 def test_the_jobs_tokens_keep_a_lost_islands_count_and_a_rejoined_islands_offset() -> None:
-    from atoll.runtime.collective.report import JobTokens
+    from atoll.runtime.collective.job_tokens import JobTokens
 
     tokens = JobTokens([0] * 3)
     assert tokens.update({0: 100, 1: 90, 2: 80}) == 270

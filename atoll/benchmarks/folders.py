@@ -38,7 +38,7 @@ RUN_PATHS = (
     r"config\.json", r"metrics\.jsonl", r"summary\.json", r"report\.png", r"clock_trace\.json",
     re.escape(LOCK_NAME), r"\.(?:config|summary)\.json\.tmp", r"\.atoll-write-test",
     r"syncer", _CHECKPOINTS, _CHECKPOINTS + r"/(?:latest|\.latest\.tmp)", _STEP,
-    _STEP + r"/(?:state\.json|state\.safetensors|model)", _STEP + r"/model/" + _MODEL_FILES,
+    _STEP + r"/(?:state\.json|state\.safetensors|checksums\.json|model)", _STEP + r"/model/" + _MODEL_FILES,
     # the collective runtime's per-rank checkpoint (atoll.job.rank_checkpoint): ranks/rank_<r>/ with its tensors
     _STEP + r"/ranks(?:/rank_[0-9]+)?", _STEP + r"/ranks/rank_[0-9]+/(?:state\.json|" + _MODEL_FILES + ")",
     r"tensorboard", r"tensorboard/events\.out\.tfevents\.[^/]+",

@@ -32,6 +32,7 @@ from atoll.runtime.collective.failure import (
     dist_call,
 )
 from atoll.runtime.collective.heartbeat import _Heartbeat
+from atoll.runtime.collective.job_tokens import JobTokens
 from atoll.runtime.collective.membership import Membership
 from atoll.runtime.collective.quorum import Quorum, recover, store_client
 from atoll.runtime.collective.rank_island import RankIsland
@@ -101,7 +102,7 @@ class CollectiveRuntime(Runtime):
         self.quorum: Quorum | None = None
         self.recovery_s: list[float] = []
         self._joined: dict[str, Any] | None = None  # the state received on rejoining
-        self.job_tokens = report.JobTokens([0] * self.islands)  # each island's at the last totals(); a rejoin's offset
+        self.job_tokens = JobTokens([0] * self.islands)  # each island's at the last totals(); a rejoin's offset
 
     # --- joining and leaving ----------------------------------------------------------------------
     def start(self) -> None:

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from atoll.config.runtimes import CollectiveConfig
     from atoll.runtime.collective.comm import DistComm
     from atoll.runtime.collective.heartbeat import _Heartbeat
+    from atoll.runtime.collective.job_tokens import JobTokens
     from atoll.runtime.collective.membership import Membership
-    from atoll.runtime.collective.report import JobTokens
     from atoll.runtime.collective.sharding import ShardLayout
 
 
