@@ -165,7 +165,9 @@ def explain(name: str, address: str, details: str, server_name: str | None = Non
     if name == "unknown_ca":
         cert = _certificate(address)
         issuer = f" (issued by {cert.issuer.rfc4514_string()})" if cert is not None else ""
-        reason = said.split("CERTIFICATE_VERIFY_FAILED: ")[-1].removesuffix(": OK")[:80]
+        marker = "CERTIFICATE_VERIFY_FAILED: "
+        reason = (details.split(marker)[-1].strip().removesuffix(": OK")[:80] if marker in details
+                  else "certificate verify failed")
         return Cause(name, True, f"tls_ca: the syncer's certificate at '{address}'{issuer} is not signed by a CA "
                                  f"this island trusts ({reason}); pass --tls-ca with the CA that signed it")
     if name == "tls_to_plaintext":
