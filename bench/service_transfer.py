@@ -91,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()
     client = SyncerClient(f"127.0.0.1:{port}", 0, creds[0], ca, plaintext=args.plaintext)
     session = client.call("Join", {"numels": state.service.syncer.numels})["session"]
-    SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca, plaintext=args.plaintext).call(
-        "Join", {"numels": state.service.syncer.numels})  # the run starts once every island joined
+    other = SyncerClient(f"127.0.0.1:{port}", 1, creds[1], ca, plaintext=args.plaintext)
+    other.call("Join", {"numels": state.service.syncer.numels})  # the run starts once every island joined
     numel = state.service.syncer.numels[0]
     idle: list[float] = []
     stop = threading.Event()
@@ -120,7 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         size = len(payload)
     stop.set()
     beat.join()
-    server.stop(grace=0)
+    # channels closed and the server stopped (waited for) before the interpreter's teardown: gRPC's threads of
+    # an open channel or a server still stopping are left to the finalizers otherwise
+    client.close()
+    other.close()
+    server.stop(grace=0).wait()
     load_after = os.getloadavg()
     mb = size / 1e6
     row = {"model": args.model, "tls": not args.plaintext, "payload_mb": mb,

@@ -33,7 +33,9 @@ def backend_reason(e: BaseException) -> str:
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)
     text = text.split(". This is typically")[0].rstrip(". ")
-    return text[:160] or type(e).__name__
+    if len(text) > 160:  # the cause ends the backend's text ("... Connection closed by peer [host]:port"): keep it
+        text = f"{text[:60]} ... {text[-95:]}"
+    return text or type(e).__name__
 
 
 def dist_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

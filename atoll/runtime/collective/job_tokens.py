@@ -10,7 +10,8 @@ class JobTokens:
     """The job's trained tokens as this rank knows them (its runtime's ``job_tokens``).
 
     Attributes:
-        of: each island's tokens at the last :func:`~atoll.runtime.collective.report.totals` (a lost island's stay as last reported).
+        of: each island's tokens at the last :func:`~atoll.runtime.collective.report.totals` (a lost island's
+            stay as last reported).
         offset: this island's tokens not in its islands' own counts: a rejoined island's before the loss, less
             those of the live island's state it took (added to what it reports).
     """
@@ -19,7 +20,8 @@ class JobTokens:
     offset: int = 0
 
     def update(self, alive: dict[int, int]) -> int:
-        """Take the live islands' counts (island -> tokens, :func:`~atoll.runtime.collective.report.totals`); return every island's sum."""
+        """Take the live islands' counts (island -> tokens, :func:`~atoll.runtime.collective.report.totals`);
+        return every island's sum."""
         for island, tokens in alive.items():
             self.of[island] = tokens
         return sum(self.of)

@@ -23,6 +23,7 @@ The island's transport, which runs the exchanges of a fragment's slices, is
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -55,14 +56,6 @@ class SessionSuperseded(ConfigError):
 
 class UploadLost(Exception):
     """The syncer no longer holds a push's uploaded slices (it restarted between the upload and the commit)."""
-
-
-def is_tls_protocol_error(details: str) -> bool:
-    """Whether a failed call's details (gRPC's text) name a TLS protocol error from the TLS library
-    (``SSL_ERROR_SSL``: e.g. ``CERTIFICATE_VERIFY_FAILED``, ``WRONG_VERSION_NUMBER``), which a retry cannot fix,
-    rather than a handshake that was cut short or timed out on a busy host or network, which one can."""
-    text = details.lower()
-    return "handshake" in text and "ssl_error_ssl" in text
 
 
 class SyncerClient:
@@ -100,6 +93,9 @@ class SyncerClient:
             raise ConfigError(f"syncer: '{address}' is another host and no TLS is set; pass --tls-ca (or trust the "
                               "system's CAs), or --insecure to send plaintext anyway")
         self.address, self.island, self.give_up_s = address, island, give_up_s
+        self.plaintext, self.server_name = plaintext, server_name
+        #: seconds between the lines saying that calls wait for an unreachable syncer (the first after 10 s)
+        self.waiting_every_s = 20.0
         self.metadata = ((wire.ISLAND_KEY, str(island)), (wire.CREDENTIAL_KEY, credential))
         self.retries = 0
         self.bytes_up = self.bytes_down = 0
@@ -132,8 +128,22 @@ class SyncerClient:
         self.bulk.close()
 
     def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
-        """``attempt()`` until it answers; retried with backoff on a lost syncer, up to ``give_up_s``."""
-        deadline, delay, last, handshakes = time.monotonic() + self.give_up_s, 0.1, "", 0
+        """``attempt()`` until it answers; retried with backoff on a lost syncer, up to ``give_up_s``.
+
+        A failure is looked up in :mod:`~atoll.runtime.service.diagnose`'s table: a mistake of the transport's
+        settings (server name, CA, expired certificate, TLS to plaintext or plaintext to TLS) is a ConfigError at
+        once; a text that names no cause is settled by asking the port (its second time in a row); while the
+        syncer does not answer, a line on stderr says so (after 10 s, then every ``waiting_every_s``).
+
+        Raises:
+            ConfigError: a refused credential, another model or shard, or a transport mistake (one line).
+            SyncerUnreachable: no answer for ``give_up_s``.
+        """
+        from atoll.runtime.service import diagnose
+
+        start = time.monotonic()
+        deadline, delay, last, unnamed = start + self.give_up_s, 0.1, "", 0
+        said_at = start - self.waiting_every_s + 10.0  # the first waiting line 10 s after the first failure
         while True:
             try:
                 return attempt()
@@ -151,19 +161,45 @@ class SyncerClient:
                 if code not in RETRY:
                     raise
                 last = (e.details() or str(code))[:300]
-                # a TLS protocol error (SSL_ERROR_SSL: a certificate this island's CA did not sign, a plaintext
-                # port) repeats whatever the load; a handshake cut short (a busy host, a lost packet) is retried
-                handshakes = handshakes + 1 if is_tls_protocol_error(last) else 0
-                if handshakes >= 3:  # a syncer that answers, but not in TLS this island trusts: not transient
-                    raise ConfigError(f"tls_ca: the TLS handshake with the syncer at '{self.address}' failed 3 times "
-                                      f"({last.split(': ')[-1][:120]}); pass the CA that signed its certificate with "
-                                      "--tls-ca, --tls-server-name, or --plaintext if it serves plaintext") from None
-            if time.monotonic() > deadline:
+                found = diagnose.classify(last)
+                unnamed = unnamed + 1 if found is None else 0
+                if found is None and unnamed % 5 == 2:  # "Socket closed", a handshake cut short: ask the port
+                    kind = diagnose.cross_check(self.address, self.plaintext)
+                    found = (kind, True) if kind is not None else None
+                if found is not None and found[1]:
+                    raise ConfigError(diagnose.explain(found[0], self.address, last, self.server_name).line) from None
+            now = time.monotonic()
+            if now > deadline:
                 raise SyncerUnreachable(f"syncer: no answer from '{self.address}' to {what} for {self.give_up_s:g} s "
                                         f"({last}); check that atoll syncer runs there and the TLS settings")
+            if now - said_at >= self.waiting_every_s:
+                said_at = now
+                print(f"atoll: waiting for the syncer at '{self.address}' ({what}: "
+                      f"{last.split('last error: ')[-1][:160]}) for {now - start:.0f} s; retrying until "
+                      f"--give-up-s {self.give_up_s:g}", file=sys.stderr, flush=True)
             self.retries += 1
             time.sleep(delay)
             delay = min(2 * delay, 5.0)
+
+    def probe(self, timeout_s: float = 5.0) -> None:
+        """Check this client's connection (bulk) before any work: a call of a method no syncer serves, whose
+        answer (UNIMPLEMENTED) proves that the transport works; retried as :meth:`_retrying` does.
+
+        Raises:
+            ConfigError: a transport mistake (one line naming the cause and the fix).
+            SyncerUnreachable: no answer for ``give_up_s``.
+        """
+        stub = self.bulk.unary_unary(wire.method("Probe"))
+
+        def attempt() -> None:
+            try:
+                stub(b"", timeout=timeout_s)  # no credential: the transport is not checked yet
+            except grpc.RpcError as e:
+                if isinstance(e, grpc.Call) and e.code() in RETRY:
+                    raise
+            # any answer of a gRPC server (UNIMPLEMENTED) is one
+
+        self._retrying("connect", attempt)
 
     def call(self, name: str, payload: schema.Record | dict[str, Any] | None = None, timeout_s: float = 30.0,
              retry: bool = True, bulk: bool = False) -> dict[str, Any]:

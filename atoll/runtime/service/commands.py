@@ -6,7 +6,8 @@ those of one command alone are set aside by the other where one TOML file holds 
 refused as its flags. ``--ranks-per-island`` (default: torchrun's world size), ``--shard-island`` and
 ``--slice-transfer`` are each island job's own (islands of one run may differ in them). Bad input raises
 :class:`~atoll.errors.AtollError` (one line, exit status 2 from :func:`atoll.cli.main`); an island that lost
-its syncer for ``--give-up-s`` exits with status 1, a rank whose island peer stopped responding with status 3.
+its syncer for ``--give-up-s`` exits with status 1, a rank whose island peer stopped responding with status 3,
+a SIGTERMed island (after leaving the syncer) with status 143.
 """
 
 from __future__ import annotations
@@ -146,16 +147,28 @@ def syncer(args: argparse.Namespace) -> int:
 
 def island(args: argparse.Namespace) -> int:
     """``atoll island``: run this rank of the island job until the run's budget is spent; the leader's last line,
-    status 0 (1: the syncer stayed unreachable; 3: a rank of the island stopped responding)."""
+    status 0 (1: the syncer stayed unreachable; 3: a rank of the island stopped responding; 143: SIGTERM, after
+    leaving the syncer)."""
     config = build(args)
     from atoll.runtime.service.client import SyncerUnreachable
-    from atoll.runtime.service.island import island_job
+    from atoll.runtime.service.island import Terminated, island_job
 
     try:
         report = island_job(config)
     except SyncerUnreachable as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 1
+    except Terminated:  # before it joined, or after it left: nothing to return to the syncer
+        from atoll.config.runtimes import ServiceConfig
+
+        print(f"atoll island {ServiceConfig.of_run(config).island}: SIGTERM: stopped", file=sys.stderr, flush=True)
+        return 143
+    if report["terminated"]:
+        if report["rank"] == 0:
+            print(f"atoll island {report['island']}: SIGTERM: stopped after {report['steps']} inner steps and left "
+                  "the syncer (the rest of its step lease returned); the same command rejoins", file=sys.stderr,
+                  flush=True)
+        end_process(143)
     if report["rank"] == 0:
         ranks = f" ({report['ranks']} ranks)" if report["ranks"] > 1 else ""
         print(f"atoll island {report['island']}{ranks}: done; {report['steps']} inner steps, "

@@ -277,6 +277,10 @@ class ServiceTransport:
         self._stop.set()
         self.agreement.close()
         self.pool.shutdown(wait=False)
+        if self._beat is not None and self._beat is not threading.current_thread():
+            # a daemon thread still inside a gRPC call when the channels close and the interpreter ends is
+            # one way to an abort at exit: its call has a 5 s deadline, so this wait is bounded
+            self._beat.join(timeout=6.0)
 
     def _collect(self, fragments: list[int]) -> list[Pull]:
         pulls = []

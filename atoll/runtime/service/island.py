@@ -22,14 +22,18 @@ un-pushed work is lost. The other islands never wait for it beyond the syncer's 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from atoll.config import TrainConfig
@@ -159,6 +163,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     worker.send_range = [plan.send_range(p) for p in range(worker.fragments)]
     worker.transport_encodes = True
     t0 = time.monotonic()
+    terminated = False
     try:
         pulls = transport.start()  # the newest global fragments, the same versions on every rank
         worker.start_from(pulls)
@@ -168,6 +173,8 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
             print(f"atoll island {island}{ranks}: joined (session {session}, {steps} inner steps so far), from the "
                   f"global fragments at versions {[p.version for p in pulls]}", flush=True)
         worker.run(transport)
+    except Terminated:  # SIGTERM: stop training, and leave the syncer below (its lease returned)
+        terminated = True
     finally:
         transport.abort()
         if lease is not None:
@@ -175,9 +182,13 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     report = {"steps": worker.steps, "compute_s": worker.island.compute_s, "bytes_sent": transport.bytes_sent,
               "last_loss": worker.island.last_loss, "codec_s": worker.wire.codec_s[0],
               "resets": worker.island.reset_count, "skipped_steps": worker.island.skipped_steps}
-    if lease is not None:
+    if lease is not None and terminated:  # at once: the signal's sender waits a short while only
+        with contextlib.suppress(grpc.RpcError):
+            client.call("Leave", schema.LeaveRequest(**report, used=lease.used), timeout_s=10.0, retry=False)
+    elif lease is not None:
         client.call("Leave", schema.LeaveRequest(**report, used=lease.used))
-    return {**report, "island": island, "rank": group.rank, "ranks": group.size, "wall_s": time.monotonic() - t0,
+    return {**report, "terminated": terminated,
+            "island": island, "rank": group.rank, "ranks": group.size, "wall_s": time.monotonic() - t0,
             "retries": sum(c.retries for c in clients),
             "offline_steps": lease.offline_steps_taken if lease is not None else 0,
             "refused_pushes": transport.refused, "lost_pushes": transport.lost, "session": session,
@@ -196,7 +207,6 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
         SystemExit: (status 3, via :func:`lost_peer`) another rank of the island stopped responding.
     """
     import faulthandler
-    import signal
 
     from atoll.runtime.service.tls import read_certificate
 
@@ -212,6 +222,8 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
         raise ConfigError(f"syncer: {len(settings.syncer)} shards for {fragments} fragments; give --syncer the "
                           "shards' --shards list")
     group = IslandGroup.from_env(settings.ranks_per_island, config.device, settings.collective_timeout_s)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     clients: list[SyncerClient] = []
     try:
         for address in settings.syncer:  # one client per shard (shard 0 first: the coordinator)
@@ -219,6 +231,8 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
                                         plaintext=settings.plaintext, insecure=settings.insecure,
                                         give_up_s=settings.give_up_s, server_name=settings.tls_server_name,
                                         control=group.leader))
+        for client in clients:  # the transport checked before any work: a mistake is one line, in seconds
+            client.probe()
         group.start()
         report = run_island(config, settings.island, clients, group)
     except PeerFailure as e:
@@ -229,6 +243,17 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
             client.close()
     group.close()
     return report
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (torchrun's agent stopping the job, a scheduler's preemption): raised on the main thread
+    where it runs; :func:`run_island` then leaves the syncer, and the command exits with status 143."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """The first SIGTERM stops the island (:class:`Terminated`); a second one ends the process at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated(signum)
 
 
 def lost_peer(e: PeerFailure, island: int, group: IslandGroup) -> None:
