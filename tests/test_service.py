@@ -355,7 +355,7 @@ class _Unavailable(grpc.RpcError, grpc.Call):  # a syncer that did not answer in
 
 
 def _take(lease, want: int) -> None:  # noqa: ANN001 - StepLease.take until it answers ``want`` (GO, STOP)
-    from atoll.runtime.service.client import WAIT
+    from atoll.runtime.service.lease import WAIT
 
     deadline = time.monotonic() + 30
     while (got := lease.take()) == WAIT:
@@ -370,7 +370,7 @@ def test_steps_taken_on_credit_are_granted_before_the_push_that_claims_them(
     """An island whose step lease went unanswered trains a step on credit; the push that claims its tokens is
     not refused (``tokens``): the credit is reserved first, and a step the syncer no longer grants (the budget
     was spent meanwhile) is taken out of the claim. The lease's unused steps go back to the budget at Leave."""
-    from atoll.runtime.service.client import GO, StepLease
+    from atoll.runtime.service.lease import GO, StepLease
 
     state, port, _, ca, creds = served
     numels = state.service.syncer.numels

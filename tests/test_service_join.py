@@ -110,7 +110,8 @@ def _push(state, client, tokens: int):  # noqa: ANN001, ANN202 - a whole push of
 
 
 def test_a_second_job_of_an_island_fences_the_first_whose_calls_are_refused_and_counted(syncer) -> None:  # noqa: F811
-    from atoll.runtime.service.client import GO, SessionSuperseded, StepLease, SyncerClient
+    from atoll.runtime.service.client import SessionSuperseded, SyncerClient
+    from atoll.runtime.service.lease import GO, StepLease
 
     state, address, creds = syncer()
     numels = state.service.syncer.numels

@@ -43,8 +43,9 @@ from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.agreement import DONE, READY, UP, VMIN, VNEG, Agreement, at
-from atoll.runtime.service.client import GO, WAIT, StepLease, SyncerClient, UploadLost
+from atoll.runtime.service.client import SyncerClient, UploadLost
 from atoll.runtime.service.group import IslandGroup
+from atoll.runtime.service.lease import GO, WAIT, StepLease
 from atoll.runtime.service.slices import Part, Ranges
 from atoll.strategies.decoupled.protocol import Pull, Push
 
@@ -137,7 +138,7 @@ class ServiceTransport:
             a push's Δ is encoded with it here, and its payload is what travels.
         codec: the run's codec (the bytes a slice's payload takes).
         session: the island's session (from its join).
-        lease: the leader's :class:`~atoll.runtime.service.client.StepLease` (None on the other ranks).
+        lease: the leader's :class:`~atoll.runtime.service.lease.StepLease` (None on the other ranks).
         poll_s: seconds between two agreements while waiting for an exchange (and two ``Buffered``).
         heartbeat_s: seconds between the leader's heartbeats (on the control connection).
 
@@ -191,7 +192,7 @@ class ServiceTransport:
 
     # --- the Transport of IslandWorker.run --------------------------------------------------------------------
     def reserve_step(self) -> bool:
-        """The leader takes a step of its lease (:class:`~atoll.runtime.service.client.StepLease`), and every
+        """The leader takes a step of its lease (:class:`~atoll.runtime.service.lease.StepLease`), and every
         rank learns whether to take it, with the agreement of this step."""
         while True:
             if self.lease is not None:

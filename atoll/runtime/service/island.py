@@ -47,9 +47,10 @@ from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure
 from atoll.runtime.collective.rank_island import RankIsland
 from atoll.runtime.decoupled_job import island_steps, job_of
 from atoll.runtime.service import schema
-from atoll.runtime.service.client import StepLease, SyncerClient
+from atoll.runtime.service.client import SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
+from atoll.runtime.service.lease import StepLease
 from atoll.runtime.service.syncer_shards import shard_map
 from atoll.strategies.base import codec_of
 from atoll.strategies.decoupled.island import IslandWorker, Job
