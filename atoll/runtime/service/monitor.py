@@ -35,7 +35,7 @@ from atoll.job.metrics import TimedLines, human_bytes, perplexity
 from atoll.strategies.decoupled.progress import RECENT
 
 if TYPE_CHECKING:
-    from atoll.config import TrainConfig
+    from atoll.config.facts import RunFacts
     from atoll.job.run import Run
     from atoll.runtime.service.syncer import SyncerService
 
@@ -72,22 +72,22 @@ class Monitor:
     Args:
         server: the served syncer, a :class:`~atoll.runtime.service.server.SyncerServer` (which imports this
             module: not named in the hint); its lock is taken for each look, briefly.
-        config: the run's settings (``eval_every``, ``tracker``, ``progress``; its runtime's
-            ``progress_every_s``).
+        facts: the run's facts (islands, steps, tokens per step, ``evaluate_every``: inner steps per island between
+            two evaluations of the global model).
+        progress_every_s: seconds between two progress lines (0: none; the syncer's ``progress_every_s``, or 0
+            with ``--no-progress``).
         run: the run folder ``<out>/run`` opened for its events (:class:`~atoll.job.run.Run`, begun), or None
             (a shard other than the coordinator: the view and the progress line only).
         out: where a line is written (default: stderr).
     """
 
-    def __init__(self, server: Any, config: TrainConfig, run: Run | None = None,
+    def __init__(self, server: Any, facts: RunFacts, progress_every_s: float, run: Run | None = None,
                  out: Any = None) -> None:
-        self.server, self.config, self.run = server, config, run
-        own = config.runtime_config
-        every = float(getattr(own, "progress_every_s", 0.0)) if config.progress else 0.0
-        self.lines = TimedLines(every, out if out is not None else sys.stderr)
+        self.server, self.run = server, run
+        self.lines = TimedLines(progress_every_s, out if out is not None else sys.stderr)
         self.islands = server.islands
-        self.tps = config.tokens_per_step
-        self.eval_every = config.eval_every or max(1, config.steps // 20)
+        self.tps = facts.tokens_per_step
+        self.eval_every = facts.evaluate_every
         self.evaluate = run is not None and server.service.shard is None
         self.t0 = time.monotonic()
         self.stop_event = threading.Event()

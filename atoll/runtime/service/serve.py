@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from atoll.config import TrainConfig
+from atoll.config.facts import RunFacts
 from atoll.config.run_record import run_record, shown
 from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
@@ -279,7 +280,8 @@ def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tu
         run = open_run(config, out / "run") if server_state.coordinator else None
         if run is not None:  # the run's wall time: the syncer's clock (continued across restarts), then this run's
             run.prior_wall_s = server_state.service._now()
-        monitor = Monitor(server_state, config, run).start()
+        monitor = Monitor(server_state, RunFacts.of(config), settings.progress_every_s if config.progress else 0.0,
+                          run).start()
         if settings.metrics_listen is not None:
             page = StatusServer(settings.metrics_listen, lambda: monitor.current if monitor is not None else {},
                                 title=f"atoll syncer{f' shard {shard}' if sharded else ''}: {out}")
