@@ -5,6 +5,7 @@ island's share, handler exceptions counted by kind, the open-file limit raised a
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +101,9 @@ def test_stalled_uploads_of_one_island_leave_the_others_calls_their_threads(boun
         codes = [_code(c, PATIENCE_S) for c in calls]  # the stalled ones are cut: each thread back
         assert codes.count(grpc.StatusCode.UNAVAILABLE) == 21 and codes.count(grpc.StatusCode.CANCELLED) == 3
         assert state.refused_calls["transfers"] == 21 and state.refused_calls["stalled"] == 3
+        deadline = time.monotonic() + PATIENCE_S  # each cut handler's thread gives its slot back as it ends,
+        while state.bulk.open and time.monotonic() < deadline:  # after its caller saw CANCELLED
+            time.sleep(0.05)
         assert not state.bulk.open
     finally:
         release.set()
