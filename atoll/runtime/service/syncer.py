@@ -158,19 +158,13 @@ class SyncerService:
             if ledger is None:  # (a checkpoint written without one, or a shard that grants no steps)
                 self.syncer.grant_since_checkpoint(list(run.push_tokens))
             service = {**state.get("service", {}), **(ledger or {})}
-            self.reserved = int(service.get("reserved", 0))
-            self.islands = [IslandState.of(x) for x in service["islands"]] if "islands" in service \
-                else IslandState.of_lists(service, run.islands)
-            self.rejoins = RejoinTimes.of(service.get("rejoins", service.get("rejoin_s", [])))
-            self.restarts = int(service.get("restarts", 0)) + 1
-            self.first_step_s = service.get("first_step_s")
-            if ledger is not None:
-                self.syncer.bounds.granted = [int(x) for x in ledger["granted"]]
             # continue the checkpoint's clock: restored buffers' grace windows (opened_at) are on it
-            self.t0 = time.monotonic() - float(state.get("service", {}).get("clock_s", 0.0))
+            self._continue(service, float(state.get("service", {}).get("clock_s", 0.0)))
             sharding.restore_shard(self.shard, self.grants, service, save_path(self.out))
         elif (ledger := self._load_ledger()) is not None:  # killed before its first commit's checkpoint: the budget
-            self._restore_ledger(ledger)  # and the ledger it had granted go on (the islands' sessions do too)
+            self._continue(ledger, float(ledger.get("clock_s", 0.0)))  # and the ledger it had granted go on
+            print(f"atoll syncer: restarted before its first commit: {self.reserved} inner steps granted so far go "
+                  f"on (from {save_path(self.out) / LEDGER})", flush=True)
         epoch = state.get("service", {}).get("grant_epoch") if state is not None else None
         self.issuer = (sharding.GrantIssuer(self.shard, save_path(self.out) / "coordinator.json",
                                             self.syncer.admission, checkpoint_epoch=epoch)
@@ -263,18 +257,21 @@ class SyncerService:
         save_path(self.out).mkdir(parents=True, exist_ok=True)
         write_text_atomic(save_path(self.out) / LEDGER, json.dumps(ledger))
 
-    def _restore_ledger(self, ledger: dict[str, Any]) -> None:
-        """Continue from :meth:`_save_ledger`'s record alone (a syncer killed after granting steps and before its
-        first checkpoint): the budget taken, each island's record, the tokens granted and the clock; the global
-        model is the initial one (no commit was written)."""
-        self.reserved = int(ledger["reserved"])
-        self.islands = [IslandState.of(x) for x in ledger["islands"]]
-        self.syncer.bounds.granted = [int(x) for x in ledger["granted"]]
-        self.first_step_s = ledger.get("first_step_s")
-        self.t0 = time.monotonic() - float(ledger.get("clock_s", 0.0))
-        self.restarts = 1
-        print(f"atoll syncer: restarted before its first commit: {self.reserved} inner steps granted so far go on "
-              f"(from {save_path(self.out) / LEDGER})", flush=True)
+    def _continue(self, record: dict[str, Any], clock_s: float) -> None:
+        """Continue a restarted syncer from ``record``: its checkpoint's service part overlaid by
+        :meth:`_save_ledger`'s newer record, or the ledger alone (killed after granting steps, before its first
+        commit; the global model is then the initial one). The budget taken, each island's record, the rejoin
+        times, the restarts (one more), the first step's time, the tokens granted (where the record has them)
+        and the clock, which goes on from ``clock_s`` (seconds)."""
+        self.reserved = int(record.get("reserved", 0))
+        self.islands = [IslandState.of(x) for x in record["islands"]] if "islands" in record \
+            else IslandState.of_lists(record, self.run.islands)
+        self.rejoins = RejoinTimes.of(record.get("rejoins", record.get("rejoin_s", [])))
+        self.restarts = int(record.get("restarts", 0)) + 1
+        self.first_step_s = record.get("first_step_s")
+        if "granted" in record:
+            self.syncer.bounds.granted = [int(x) for x in record["granted"]]
+        self.t0 = time.monotonic() - clock_s
 
     def _load_ledger(self) -> dict[str, Any] | None:
         """:meth:`_save_ledger`'s record, or None: none, unreadable, or not this run's islands."""
