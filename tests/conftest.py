@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -118,6 +121,45 @@ def run_atoll(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the ``atoll`` command in a subprocess; a hang fails the test at ``timeout`` seconds."""
     return subprocess.run([sys.executable, "-m", "atoll.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(argv: list[str], world: int, timeout: float, **env: str) -> tuple[list[int | None], list[str],
+                                                                                 list[str]]:
+    """Start ``world`` processes of ``python ARGV`` as torchrun starts its ranks (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on a free loopback port; one torch thread each; ``env`` added),
+    wait for all up to ``timeout`` seconds and kill what is left. Returns each rank's exit code, stdout and stderr.
+
+    Raises:
+        subprocess.TimeoutExpired: a rank ran past ``timeout`` (it and the others are killed).
+    """
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1", **env}
+    # files, not pipes: a rank blocked on a full pipe while its peer is read would stall the collective
+    with contextlib.ExitStack() as files:
+        logs = [(files.enter_context(tempfile.TemporaryFile("w+")), files.enter_context(tempfile.TemporaryFile("w+")))
+                for _ in range(world)]
+        procs = [subprocess.Popen([sys.executable, *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  stdout=out, stderr=err, text=True) for r, (out, err) in enumerate(logs)]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        texts = []
+        for out, err in logs:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+    return [p.returncode for p in procs], [o for o, _ in texts], [e for _, e in texts]
 
 
 def syncer_commits_on_disk(out: Path) -> int:

@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +12,7 @@ from atoll.config import build_config
 from atoll.errors import ConfigError
 from atoll.runtime.collective.comm import DEADLINE_SAFETY, DistComm, exchange_deadline_s
 from atoll.runtime.network import Link, ring_allgather_bytes, ring_allreduce_bytes
+from tests.conftest import run_ranks
 
 
 def test_the_deadline_is_the_transfer_time_times_the_safety_factor_plus_latencies_plus_the_floor() -> None:
@@ -127,21 +124,10 @@ def test_a_late_peer_is_waited_for_within_the_exchange_deadline_and_no_longer(mb
     """Two gloo processes whose groups time out at 2 s; rank 1 joins the all-reduce 5 s late. At 10 kbit/s the
     4000 bytes' deadline is about 15 s: the exchange completes (before, gloo failed it at 2 s). At 100 Gbit/s
     the deadline is the 2 s floor: rank 0 fails the exchange with the backend's time-out, as a peer failure."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "LINK_MBPS": str(mbps), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    codes, outs, errs = run_ranks(["-c", _RANK], 2, timeout=120, LINK_MBPS=str(mbps))
     if arrives:
-        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-        assert all("mean 0.5" in o[0] for o in outs)
+        assert codes == [0, 0], [e[-2000:] for e in errs]
+        assert all("mean 0.5" in o for o in outs)
     else:
-        assert procs[0].returncode == 3, outs[0][1][-2000:]
-        assert "failure" in outs[0][0] and "timed out" in outs[0][0].lower()
+        assert codes[0] == 3, errs[0][-2000:]
+        assert "failure" in outs[0] and "timed out" in outs[0].lower()

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cli_flags
+from conftest import cli_flags, run_ranks
 
 from atoll.config import build_config
 from atoll.config.applies import applicable
@@ -86,23 +85,14 @@ def test_survivors_go_on_under_torchruns_environment(settings: dict, tmp_path: P
     """Ranks started as torchrun starts them, without an agent store: rank 0's default group hosts the store,
     which must outlive the group that the survivors destroy."""
     out = tmp_path / "run"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3",
-           KILL_HOOK_ENV: "2:8"}
     flags = cli_flags({**settings, "strategy": "diloco", "out": str(out)})
-    procs = [subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(3)]
-    try:
-        errs = [p.communicate(timeout=240)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0, -9], errs[0][-3000:]
+    codes, _, errs = run_ranks(["-m", "atoll.cli", "train", *flags], 3, timeout=240, **{KILL_HOOK_ENV: "2:8"})
+    assert codes == [0, 0, -9], errs[0][-3000:]
     assert json.loads((out / "summary.json").read_text())["lost_islands"] == {"2": 10}
-    assert errs[0].strip().startswith("atoll: warning: island 2 (rank 2) stopped responding at inner step 10")
+    # the first warning names the lost island (the first test of a session notes the tokenizer it trains before)
+    warnings = [line for line in errs[0].splitlines() if line.startswith("atoll: warning:")]
+    assert warnings[0].startswith("atoll: warning: island 2 (rank 2) stopped responding at inner step 10")
+    assert "Traceback" not in errs[0]
 
 
 @pytest.mark.slow

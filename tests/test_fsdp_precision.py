@@ -10,13 +10,11 @@ bfloat16 rounding of its piece of the float32 mean gradient; with ``fp32`` both 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import run_ranks
 
 _RANK = textwrap.dedent("""
     import copy, datetime, json, os, sys
@@ -66,20 +64,9 @@ _RANK = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
     """What each of the two ranks measured, by precision."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    return [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    codes, outs, errs = run_ranks(["-c", _RANK], 2, timeout=300)
+    assert codes == [0, 0], [e[-2000:] for e in errs]
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
 @pytest.mark.slow

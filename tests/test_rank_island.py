@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -25,6 +21,7 @@ from atoll.job.island import build_island, inner_optimizer
 from atoll.job.model import build_model
 from atoll.runtime.collective.rank_island import RankIsland
 from atoll.strategies.diloco import DiLoCoConfig
+from tests.conftest import run_ranks
 
 VOCAB, SEQ, ROWS = 128, 16, 8
 
@@ -96,20 +93,9 @@ def test_the_collective_runtime_and_the_island_job_share_it() -> None:
 
 @pytest.mark.slow
 def test_two_ranks_end_with_the_whole_batch_loss_tokens_and_gradient() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
-    for rank, (stdout, _) in enumerate(outs):
+    codes, outs, errs = run_ranks(["-c", _RANK], 2, timeout=600)
+    assert codes == [0, 0], [e[-2000:] for e in errs]
+    for rank, stdout in enumerate(outs):
         got = json.loads(stdout.strip().splitlines()[-1])
         assert set(got) == {"ddp", "host", "fsdp"}
         assert got["ddp"]["ddp"] and not got["host"]["ddp"] and not got["fsdp"]["ddp"]

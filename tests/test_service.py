@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import run_cli, syncer_commits_on_disk
+from tests.conftest import free_port, run_cli, syncer_commits_on_disk
 
 cryptography = pytest.importorskip("cryptography")
 
@@ -37,12 +36,6 @@ def make_cert(folder: Path, name: str = "syncer") -> tuple[Path, Path]:
     cert_path.write_bytes(cert)
     key_path.write_bytes(key)
     return cert_path, key_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_flags(fast_config: dict, steps: int = 20) -> list[str]:

@@ -27,8 +27,8 @@ import torch
 
 from atoll.errors import CheckpointError
 from atoll.runtime.service import wire
-from tests.conftest import run_cli
-from tests.test_service import free_port, run_flags
+from tests.conftest import free_port, run_cli
+from tests.test_service import run_flags
 
 KEY = b"ab" * 32
 CREDS = ["a" * 32, "b" * 32]

@@ -198,7 +198,8 @@ def test_an_older_sessions_leave_cannot_end_the_live_session(syncer) -> None:  #
 @pytest.mark.slow
 def test_an_island_job_of_another_run_exits_2_in_one_line(fast_config: dict, tmp_path: Path) -> None:
     """End to end: ``atoll syncer`` and an ``atoll island`` whose --sync-every differs: one line, exit 2, counted."""
-    from tests.test_service import free_port, run_flags, start, status, wait_all, wait_for
+    from tests.conftest import free_port
+    from tests.test_service import run_flags, start, status, wait_all, wait_for
 
     out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config)
     procs = [start(["syncer", "--listen", f"127.0.0.1:{port}", "--out", str(out), *flags], tmp_path / "syncer.log")]
@@ -223,7 +224,8 @@ def test_an_island_job_of_another_run_exits_2_in_one_line(fast_config: dict, tmp
 def test_the_same_island_index_started_twice_ends_with_one_job_training(fast_config: dict, tmp_path: Path) -> None:
     """A second ``atoll island --island 1`` while the first trains: the first stops in one line with status 2 (its
     session superseded), the second trains to the end; the run ends with every process done."""
-    from tests.test_service import free_port, run_flags, start, wait_all, wait_for
+    from tests.conftest import free_port
+    from tests.test_service import run_flags, start, wait_all, wait_for
 
     # a budget the first two jobs do not spend before the second job of island 1 has started (imports, data: about
     # 20 s on the loaded 2-core machine, in which the two islands take about 400 steps)

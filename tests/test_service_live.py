@@ -22,7 +22,8 @@ pytest.importorskip("prometheus_client")
 
 from atoll.config import build_config  # noqa: E402
 from atoll.errors import ConfigError  # noqa: E402
-from tests.test_service import free_port, start, wait_all  # noqa: E402
+from tests.conftest import free_port
+from tests.test_service import start, wait_all  # noqa: E402
 
 
 def http(url: str) -> tuple[str, str]:

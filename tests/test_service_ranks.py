@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.test_service import free_port, make_cert, run_flags, start, status, wait_all, wait_for
+from tests.conftest import free_port, run_cli
+from tests.test_service import make_cert, run_flags, start, status, wait_all, wait_for
 
 pytest.importorskip("cryptography")
 

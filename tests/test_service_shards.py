@@ -21,8 +21,8 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import syncer_commits_on_disk
-from tests.test_service import free_port, make_cert, run_flags, start, status, wait_all, wait_for
+from tests.conftest import free_port, syncer_commits_on_disk
+from tests.test_service import make_cert, run_flags, start, status, wait_all, wait_for
 
 pytest.importorskip("cryptography")
 

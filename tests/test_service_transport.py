@@ -190,7 +190,8 @@ def test_a_sigtermed_island_says_so_and_leaves_the_syncer(fast_config: dict, tmp
     """SIGTERM to a training island: one line, ``Leave`` (the syncer lists it as left), status 143."""
     import signal
 
-    from tests.test_service import free_port, run_flags, start, status, wait_all, wait_for
+    from tests.conftest import free_port
+    from tests.test_service import run_flags, start, status, wait_all, wait_for
 
     out, port, flags = tmp_path / "syncer", free_port(), run_flags(fast_config, steps=400)
     procs = [start(["syncer", "--listen", f"127.0.0.1:{port}", "--out", str(out), *flags], tmp_path / "syncer.log")]
