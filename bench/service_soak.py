@@ -7,11 +7,11 @@ failure-free run of the same settings (``python bench/service_soak.py``).
 Two ``atoll syncer`` shards (``--shard 0/1 --shards``, plaintext on loopback, each in a session of its own) and six
 ``atoll island`` jobs, each a ``torchrun --max-restarts`` job (islands 0, 2, 4 of 2 ranks, 1, 3, 5 of one), with
 the speeds of ``bench/service_soak.toml`` (1, 1, 0.5, 0.5, 0.25, 0.25: an island of speed s pushes every s x H
-inner steps). The speeds are made real here, as slower hardware would make them: each island is held
-(SIGSTOP/SIGCONT of its ranks) for 1 - d of every ``--throttle-period-s``, its duty d adjusted every
-``--control-s`` so that the islands' granted steps per second follow their speeds (on a shared 2-core machine
-the jobs' own rates differ: a 2-rank job, a 1-rank job, other jobs' load). The run's budget (``--steps``) is sized so
-the failure-free run takes about ``--minutes`` (``--steps-per-minute``, measured on this machine).
+inner steps). The speeds are made real here, as slower hardware would make them: each island job runs with
+``--emulate-step-s`` of ``--step-s`` / its speed, so each of its inner steps lasts at least that long (it waits out
+the rest; on one shared host the jobs' own rates differ otherwise: a 2-rank job, a 1-rank job, the host's load).
+``--step-s`` must exceed a speed-1 island's own step time on the loaded host. The run's budget (``--steps``) is
+sized so the failure-free run takes about ``--minutes``.
 
 The fault injector (``random.Random(--seed)``, exponential gaps at ``--faults-per-hour``, from the moment every
 island has joined until 85% of the budget is granted) draws one of:
@@ -72,9 +72,6 @@ SETTINGS: dict[str, Any] = common.study_settings(__file__, "settings")
 RANKS = (2, 1, 2, 1, 2, 1)
 #: the fault kinds and their odds
 KINDS = {"rank": 0.4, "island": 0.2, "stop": 0.2, "shard": 0.2}
-#: inner steps per island per minute of the failure-free run (the budget is islands x steps), measured on this
-#: 2-core machine with the throttle (bench/out/service_soak/smoke: its baseline's granted steps over its wall time)
-STEPS_PER_MINUTE = 370
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -83,20 +80,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--faults-per-hour", type=float, default=60.0, help="the injector's rate [60]")
     parser.add_argument("--seed", type=int, default=0, help="the injector's random seed [0]")
     parser.add_argument("--steps", type=int, default=None,
-                        help="inner steps per island (the budget is islands x steps) [minutes x --steps-per-minute]")
-    parser.add_argument("--steps-per-minute", type=float, default=STEPS_PER_MINUTE,
-                        help=f"inner steps per island per minute of the failure-free run [{STEPS_PER_MINUTE}]")
+                        help="inner steps per island (the budget is islands x steps) [what the islands' paces "
+                        "take in --minutes]")
+    parser.add_argument("--step-s", type=float, default=0.25,
+                        help="the least seconds of a speed-1 island's inner step (an island of speed s: --step-s / "
+                        "s, its --emulate-step-s) [0.25]")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="the failure-free run as a second phase [on]")
     parser.add_argument("--only-baseline", action="store_true", help="only the failure-free run")
     parser.add_argument("--stop-s", type=float, default=30.0, help="seconds a stopped island is held [30]")
     parser.add_argument("--max-restarts", type=int, default=100, help="each torchrun job's --max-restarts [100]")
-    parser.add_argument("--throttle-period-s", type=float, default=0.2,
-                        help="the period of the speed throttle (an island of speed s runs s of it) [0.2]")
-    parser.add_argument("--control-s", type=float, default=5.0,
-                        help="seconds between the throttle's adjustments of the islands' duties [5]")
-    parser.add_argument("--control-window-s", type=float, default=30.0,
-                        help="seconds of grants each adjustment measures the islands' rates over [30]")
     parser.add_argument("--poll-s", type=float, default=0.2, help="seconds between status samples [0.2]")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between /proc samples of the shards [5]")
     parser.add_argument("--end-timeout-s", type=float, default=900.0,
@@ -151,7 +144,7 @@ class Job:
     proc: subprocess.Popen | None = None
     starts: int = 0
     exits: list[int] = field(default_factory=list)  # the exit statuses of the agents it killed (none: killed)
-    held: bool = False  # stopped by a fault (the throttle keeps off)
+    held: bool = False  # stopped by a fault
     down_since: float | None = None  # killed at (until it joins again)
     joins_at_fault: int = 0
 
@@ -172,7 +165,7 @@ class Shard:
 
 
 class Phase:
-    """One run of the settings: the processes, the samples, the injector (``faults``) and the throttle."""
+    """One run of the settings: the processes, the samples and the injector (``faults``)."""
 
     def __init__(self, args: argparse.Namespace, name: str, faults: bool, steps: int) -> None:
         self.args, self.name, self.faults_on, self.steps = args, name, faults, steps
@@ -191,13 +184,11 @@ class Phase:
         addrs = [f"127.0.0.1:{p}" for p in ports]
         self.shards = [Shard(s, sl.syncer_command(self.out, addrs[s], self.flags, shard=s, shards=addrs),
                              self.out / f"shard_{s}") for s in range(2)]
-        speeds = SETTINGS["island_speeds"]
-        self.speeds = list(speeds)
-        self.duty = list(speeds)  # the share of each throttle period an island runs (starts at its speed)
-        self.duties: list[tuple[float, list[float]]] = []
+        self.speeds = list(SETTINGS["island_speeds"])
         self.jobs = [Job(i, [*sl.TORCHRUN, "--nproc-per-node", str(RANKS[i]), "--max-restarts",
                              str(args.max_restarts), "-m", "atoll",
-                             *sl.island_args(i, addrs, self.out / "credentials", self.flags)])
+                             *sl.island_args(i, addrs, self.out / "credentials", self.flags),
+                             f"--emulate-step-s={args.step_s / self.speeds[i]:g}"])
                      for i in range(SETTINGS["islands"])]
         self.faults: list[dict[str, Any]] = []
         self.outages: list[list[list[float | None]]] = [[] for _ in self.jobs]  # per island [start, end]
@@ -224,66 +215,6 @@ class Phase:
             if p is not None and p.poll() is None:
                 common.kill_tree(p.pid)
                 p.wait()
-
-    # --- the throttle ----------------------------------------------------------------------------------
-    def throttle(self) -> None:
-        """Hold each island for ``1 - duty`` of every period (its ranks SIGSTOPped, then SIGCONTed), ``duty`` set
-        by :meth:`control` so that the islands' real rates follow their speeds (an island held by a fault is
-        left alone)."""
-        period = self.args.throttle_period_s
-        pids: dict[int, list[int]] = {}
-        refreshed = controlled = 0.0
-        while not self.stop_event.is_set():
-            now = time.monotonic()
-            if now - refreshed > 1.0:
-                pids = {j.island: j.ranks() for j in self.jobs}
-                refreshed = now
-            if now - controlled > self.args.control_s:
-                self.control()
-                controlled = now
-            start = time.monotonic()
-            duties = list(self.duty)
-            for j in sorted(self.jobs, key=lambda j: duties[j.island]):
-                if duties[j.island] >= 0.999:
-                    continue
-                wait = start + duties[j.island] * period - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                with self.lock:
-                    if not j.held:
-                        signal_pids(pids[j.island], signal.SIGSTOP)
-            rest = start + period - time.monotonic()
-            if rest > 0:
-                time.sleep(rest)
-            with self.lock:
-                for j in self.jobs:
-                    if not j.held and duties[j.island] < 0.999:
-                        signal_pids(pids[j.island], signal.SIGCONT)
-        for j in self.jobs:  # never leave a rank stopped
-            signal_pids(j.ranks(), signal.SIGCONT)
-
-    def control(self) -> None:
-        """Set each island's duty so that its rate over the last ``--control-window-s`` over its speed is the
-        same for every island up: the islands' capacities (rate / duty) are estimated, the slowest (per unit of
-        speed) runs at full duty and the others are held down to its pace (half way there at each call)."""
-        now = time.time() - self.t0
-        window = self.args.control_window_s
-        caps: dict[int, float] = {}
-        for j in self.jobs:
-            i = j.island
-            if j.held or j.down_since is not None or any(b is None or b > now - window
-                                                          for _, b in self.outages[i]):
-                continue
-            r = edge_rate(self.grants, i, now - window, now)
-            if r and r > 0:
-                caps[i] = r / self.duty[i]
-        if len(caps) < 2:
-            return
-        pace = min(c / self.speeds[i] for i, c in caps.items())
-        for i, c in caps.items():
-            target = min(1.0, max(0.05, pace * self.speeds[i] / c))
-            self.duty[i] = 0.5 * self.duty[i] + 0.5 * target
-        self.duties.append((now, [round(d, 3) for d in self.duty]))
 
     # --- the faults ------------------------------------------------------------------------------------
     def inject(self, rng: random.Random) -> None:
@@ -448,7 +379,6 @@ class Phase:
         args = self.args
         log(f"{self.name}: starting 2 shards and {len(self.jobs)} island jobs ({self.steps} steps per island, "
             f"folder {self.tmp})")
-        throttle = threading.Thread(target=self.throttle, daemon=True)
         try:
             self.start_shard(self.shards[0])
             self.start_shard(self.shards[1])
@@ -458,7 +388,6 @@ class Phase:
                 time.sleep(0.2)
             for job in self.jobs:
                 self.start_job(job)
-            throttle.start()
             rng = random.Random(args.seed)
             next_fault: float | None = None
             started = None
@@ -494,8 +423,6 @@ class Phase:
             ended_by_itself = not self.running()
         finally:
             self.stop_event.set()
-            if throttle.is_alive():
-                throttle.join(timeout=5)
             self.kill_all()
         wall = time.time() - self.t0
         self.poll()
@@ -508,7 +435,7 @@ class Phase:
                 "exit_codes": exits, "killed_job_exits": {j.island: j.exits for j in self.jobs if j.exits},
                 "job_starts": [j.starts for j in self.jobs], "faults": self.faults, "outages": self.outages,
                 "merges": self.merges, "proc_samples": self.samples, "grants": self.grants,
-                "shard_restarts": self.restarts, "duties": self.duties, "summary": {k: v for k, v in summary.items()
+                "shard_restarts": self.restarts, "summary": {k: v for k, v in summary.items()
                                                              if not isinstance(v, dict | list) or len(str(v)) < 2000},
                 "load_end": os.getloadavg()}
 
@@ -621,20 +548,26 @@ def figures(phase: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str,
             "exits": " ".join(f"{v}" for v in phase["exit_codes"].values())}
 
 
+def paced_steps(minutes: float, step_s: float) -> int:
+    """Inner steps per island that the islands' paces take about ``minutes`` for (the budget is islands x steps,
+    shared: the islands take steps at sum(speeds) / ``step_s`` per second together)."""
+    return round(minutes * 60 * sum(SETTINGS["island_speeds"]) / (step_s * SETTINGS["islands"]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python bench/service_soak.py [flags]``; the exit status (2: bad flags, 1: a phase did not finish)."""
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM ends the phase as Ctrl-C does: killed
-    if args.minutes <= 0 or args.faults_per_hour <= 0 or args.stop_s <= 0 or args.throttle_period_s <= 0:
-        return common.script_error("service_soak", ValueError("minutes, faults-per-hour, stop-s, "
-                                                              "throttle-period-s: must be > 0"))
+    if args.minutes <= 0 or args.faults_per_hour <= 0 or args.stop_s <= 0 or args.step_s <= 0:
+        return common.script_error("service_soak", ValueError("minutes, faults-per-hour, stop-s, step-s: must be "
+                                                              "> 0"))
     out = args.out or common.default_out("service_soak")
     if args.report is not None:  # the figures again, from a run's records
         import json
 
         done = json.loads(args.report.read_text())
         return report(out, args, done["phases"], done["steps"], done.get("command", "?"))
-    steps = args.steps or max(SETTINGS["sync_every"] * 2, round(args.minutes * args.steps_per_minute))
+    steps = args.steps or max(SETTINGS["sync_every"] * 2, paced_steps(args.minutes, args.step_s))
     names = [] if args.only_baseline else ["faults"]
     if args.baseline or args.only_baseline:
         names.append("baseline")
@@ -694,7 +627,7 @@ def report(out: Path, args: argparse.Namespace, phases: dict[str, dict[str, Any]
     notes = [f"command: `{command}`; "
              f"{steps} inner steps per island (budget {steps * SETTINGS['islands']}), settings "
              "bench/service_soak.toml (micro model, 6 islands of 2,1,2,1,2,1 ranks, speeds 1,1,0.5,0.5,0.25,0.25 "
-             "made real by a SIGSTOP/SIGCONT throttle, 2 fragments on 2 syncer shards), "
+             f"made real by each job's --emulate-step-s: {args.step_s:g} s / speed), 2 fragments on 2 syncer shards), "
              f"{args.faults_per_hour:g} faults per hour (seed {args.seed}), stops of {args.stop_s:g} s; machine: "
              f"{os.cpu_count()} CPUs, shared (load: 1-minute average at each phase's end).",
              "goodput: merged tokens per second from the first grant to the last; alive bound: each island's "

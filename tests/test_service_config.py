@@ -69,7 +69,37 @@ def test_island_reads_its_settings_from_the_same_file(tmp_path: Path) -> None:
     assert service.credential == tmp_path / "island_1.token" and service.tls_server_name == "syncer.example.org"
     assert service.ranks_per_island == 2 and service.slice_transfer == "leader" and service.give_up_s == 30.0
     assert service.listen == "127.0.0.1:7070" and service.tls_cert is None  # the syncer's own: set aside
-    assert service.credentials is None
+    assert service.credentials is None and service.emulate_step_s is None
+    assert _built("island", "--config", str(toml), "--island", "1", "--emulate-step-s", "0.4").emulate_step_s == 0.4
+    assert "emulate_step_s" in ISLAND_ONLY  # an island job's own: no part of the run's record
+
+
+def test_an_emulated_step_waits_out_the_rest_of_its_least_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--emulate-step-s 0.5``: each inner step starts at least 0.5 s after the previous one started; a step
+    already longer is not made up for; without the setting nothing waits."""
+    from atoll.runtime.service import island as island_job
+
+    clock = [100.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(island_job.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(island_job.time, "sleep", sleep)
+    pace = island_job.StepPace(0.5)
+    pace.wait()  # the first step: nothing to wait for
+    clock[0] += 0.2  # a 0.2 s step
+    pace.wait()
+    clock[0] += 0.8  # a 0.8 s step: longer than the least time
+    pace.wait()
+    clock[0] += 0.1
+    pace.wait()
+    assert slept == [pytest.approx(0.3), pytest.approx(0.4)] and pace.waited_s == pytest.approx(0.7)
+    free = island_job.StepPace(None)
+    free.wait(), free.wait()
+    assert len(slept) == 2 and free.waited_s == 0.0
 
 
 @pytest.mark.parametrize(("argv", "line"), [
@@ -79,6 +109,8 @@ def test_island_reads_its_settings_from_the_same_file(tmp_path: Path) -> None:
      "ranks_per_island: atoll syncer does not use it (only atoll island); drop --ranks-per-island"),
     (["island", "--listen", "0.0.0.0:7070"], "listen: atoll island does not use it (only atoll syncer); drop --listen"),
     (["island", "--shard", "1"], "shard: atoll island does not use it (only atoll syncer); drop --shard"),
+    (["syncer", "--emulate-step-s", "0.5"],
+     "emulate_step_s: atoll syncer does not use it (only atoll island); drop --emulate-step-s"),
 ])
 def test_the_other_commands_flag_is_refused_in_one_line(argv: list[str], line: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
@@ -113,6 +145,7 @@ def test_an_island_without_a_required_setting_says_which(tmp_path: Path, argv: l
     ({"tls_ca": "FILE", "plaintext": True}, "tls_ca"),
     ({"credential": "MISSING"}, "credential"),
     ({"give_up_s": 0}, "give_up_s"),
+    ({"emulate_step_s": 0}, "emulate_step_s"),
 ])
 def test_service_settings_are_checked_by_their_config(tmp_path: Path, settings: dict, field: str) -> None:
     (tmp_path / "file.pem").write_text("x")

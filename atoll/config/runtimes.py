@@ -328,6 +328,12 @@ class IslandJobSection(Section):
     plaintext: bool = Field(
         False, description="atoll island: no TLS to the syncer (loopback only, unless --insecure).",
     )
+    emulate_step_s: float | None = Field(
+        None, gt=0, le=3600, json_schema_extra={"metavar": "S"},
+        description="atoll island, for benchmarks of several islands on one host: each inner step lasts at least S "
+        "seconds (the island waits out the rest), so islands on equal hardware run at the island_speeds the run "
+        "declares (an island of speed s: S = the fastest's S / s). Default: as fast as the hardware goes.",
+    )
 
     @field_validator("syncer", mode="before")
     @classmethod

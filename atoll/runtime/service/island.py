@@ -83,15 +83,40 @@ class RankWorker(IslandWorker):
     """
 
     def __init__(self, index: int, job: Job, total_steps: int, group: IslandGroup, rank_island: RankIsland,
-                 island: Island, held: list[Any] | None = None) -> None:
+                 island: Island, held: list[Any] | None = None, pace: StepPace | None = None) -> None:
         super().__init__(index, job, total_steps, group.device, island=island, held=held)
         self.group, self.rank_island = group, rank_island
+        self.pace = pace or StepPace(None)
         self.first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def forward_backward(self, batch: torch.Tensor) -> None:
         if self.first_start:  # a test's kill hook (see the class docstring)
             inject_fault(self.island, self.steps, "start", rank=self.group.rank)
+        self.pace.wait()
         self.rank_island.forward_backward(self.island, batch)
+
+
+class StepPace:
+    """The least wall time of one inner step (``emulate_step_s``, seconds; None: no wait): :meth:`wait`, called
+    at the start of every inner step, sleeps until ``step_s`` after the previous step's start. It makes the
+    declared ``island_speeds`` real for islands sharing one host's CPUs in a benchmark (each island's period is
+    set, whatever its ranks or the host's load, as long as its own step is shorter); a step already longer
+    (or a wait for a lease or a rejoin between two steps) is not made up for later."""
+
+    def __init__(self, step_s: float | None) -> None:
+        self.step_s = step_s
+        self.last: float | None = None  # the previous step's start (monotonic seconds)
+        self.waited_s = 0.0  # seconds slept in all
+
+    def wait(self) -> None:
+        if self.step_s is None:
+            return
+        now = time.monotonic()
+        if self.last is not None and (due := self.last + self.step_s) > now:
+            time.sleep(due - now)
+            self.waited_s += due - now
+            now = due
+        self.last = now
 
 
 def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWorker, SlicePlan, Job]:
@@ -105,15 +130,16 @@ def _build(config: TrainConfig, index: int, group: IslandGroup) -> tuple[RankWor
     job = job_of(config, data, model)
     total = island_steps(config)[index]
     leader_moves = settings.slice_transfer == "leader"
+    pace = StepPace(settings.emulate_step_s)
     rank_island = RankIsland(group.size, group.rank, group.device, sharded, group=group.world)
     island = rank_island.build(index, copy.deepcopy(model), job.settings.lasting(total), inner_optimizer(job.own),
                                ddp=group.size > 1 and not sharded, seed=job.facts.seed, init_from=job.facts.init_from)
     if rank_island.layout is not None:
         plan = SlicePlan.sharded_island(job.index, [p.numel() for p in model.parameters()],
                                         rank_island.layout.counts, group.rank, leader_moves)
-        return RankWorker(index, job, total, group, rank_island, island, held=plan.held), plan, job
+        return RankWorker(index, job, total, group, rank_island, island, held=plan.held, pace=pace), plan, job
     plan = SlicePlan.whole(job.index, group.rank, group.size, leader_moves)
-    return RankWorker(index, job, total, group, rank_island, island), plan, job
+    return RankWorker(index, job, total, group, rank_island, island, pace=pace), plan, job
 
 
 def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], group: IslandGroup) -> dict[str, Any]:
