@@ -627,7 +627,7 @@ def report(out: Path, args: argparse.Namespace, phases: dict[str, dict[str, Any]
     notes = [f"command: `{command}`; "
              f"{steps} inner steps per island (budget {steps * SETTINGS['islands']}), settings "
              "bench/service_soak.toml (micro model, 6 islands of 2,1,2,1,2,1 ranks, speeds 1,1,0.5,0.5,0.25,0.25 "
-             f"made real by each job's --emulate-step-s: {args.step_s:g} s / speed), 2 fragments on 2 syncer shards), "
+             f"made real by each job's --emulate-step-s: {args.step_s:g} s / speed, 2 fragments on 2 syncer shards), "
              f"{args.faults_per_hour:g} faults per hour (seed {args.seed}), stops of {args.stop_s:g} s; machine: "
              f"{os.cpu_count()} CPUs, shared (load: 1-minute average at each phase's end).",
              "goodput: merged tokens per second from the first grant to the last; alive bound: each island's "
