@@ -530,3 +530,21 @@ def test_an_island_is_built_from_its_settings_and_the_strategys_optimizer_not_th
     demo = build_island(0, build_model("micro", VOCAB, SEQ, seed=0), settings,
                         inner_optimizer(DeMoConfig(), make_optimizer))
     assert type(demo.optimizer).__name__ == "DeMo" and demo.optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_an_island_started_again_continues_its_learning_rate_schedule() -> None:
+    """An island job started again at its 30th step (the syncer's count at its join) takes the learning rate of
+    an island that stepped 30 times, not the warmup's first (a restarted island re-warmed to the peak rate late
+    in a run); moving to a step it has passed changes nothing."""
+    config = TrainConfig(model="micro", vocab_size=VOCAB, seq_len=SEQ, steps=100, warmup_steps=10)
+    stepped = make_island(0, build_model("micro", VOCAB, SEQ, seed=0), config)
+    for _ in range(30):
+        stepped.optimizer.step()
+        stepped.finish_step()
+    started = make_island(0, build_model("micro", VOCAB, SEQ, seed=0), config)
+    started.schedule_to(30)
+    assert started.scheduler.last_epoch == stepped.scheduler.last_epoch == 30
+    assert started.scheduler.get_last_lr() == stepped.scheduler.get_last_lr()
+    assert started.scheduler.get_last_lr()[0] < config.strategy_config.lr  # past the warmup, decaying
+    started.schedule_to(5)
+    assert started.scheduler.last_epoch == 30

@@ -334,9 +334,18 @@ class Island(FlatViews):
     def skip_step(self) -> None:
         """Advance the learning-rate schedule without an optimizer step (a step lost to a reset), so every
         island's schedule stays at its step count; clear the gradients."""
+        self.schedule_to(self.scheduler.last_epoch + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def schedule_to(self, step: int) -> None:
+        """Move the learning-rate schedule forward to inner step ``step`` (its count of steps taken), without
+        optimizer steps: an island job started again continues the schedule where its steps so far left it
+        (the syncer's count at its join), not from the warmup's first step. A schedule at or past ``step``
+        stays."""
         with warnings.catch_warnings():  # torch warns when the schedule moves before any optimizer step
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            self.finish_step()
+            while self.scheduler.last_epoch < step:
+                self.scheduler.step()
 
     @property
     def diverged(self) -> bool:

@@ -194,7 +194,8 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
     try:
         pulls = transport.start()  # the newest global fragments, the same versions on every rank
         worker.start_from(pulls)
-        worker.steps = steps
+        worker.steps = steps  # a job started again continues its steps' count and its learning-rate schedule
+        worker.island.schedule_to(steps)
         if group.leader:
             ranks = f" ({group.size} ranks{', sharded' if plan.sharded else ''})" if group.size > 1 else ""
             print(f"atoll island {island}{ranks}: joined (session {session}, {steps} inner steps so far), from the "
