@@ -304,9 +304,17 @@ def _model_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def _bytes_rows(s: dict[str, Any]) -> list[Row]:
-    return [("bytes sent per island", human_bytes(s["bytes_sent_per_island"])),
-            ("ddp would send per island", human_bytes(s["ddp_bytes_per_island"])),
-            ("reduction vs ddp", f"{s['reduction_vs_ddp']:.1f}x" if s["reduction_vs_ddp"] else "-")]
+    rows = [("bytes sent per island", human_bytes(s["bytes_sent_per_island"]))]
+    if "bytes_received_per_island" in s:  # (a summary from before the received side was counted has none)
+        rows.append(("bytes received per island", human_bytes(s["bytes_received_per_island"])))
+    rows += [("ddp would send (and receive) per island", human_bytes(s["ddp_bytes_per_island"])),
+             ("reduction vs ddp (sent)", f"{s['reduction_vs_ddp']:.1f}x" if s["reduction_vs_ddp"] else "-")]
+    if "bytes_received_per_island" in s:
+        rows += [("reduction vs ddp (received)",
+                  f"{s['reduction_vs_ddp_received']:.1f}x" if s.get("reduction_vs_ddp_received") else "-"),
+                 ("reduction vs ddp (both ways)",
+                  f"{s['reduction_vs_ddp_total']:.1f}x" if s.get("reduction_vs_ddp_total") else "-")]
+    return rows
 
 
 def _time_rows(s: dict[str, Any]) -> list[Row]:
