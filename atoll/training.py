@@ -129,7 +129,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 loss, eval_loss = job.log(done, shown=bar.prints(done))  # train, eval events; divergence checks
                 runtime.end_step(run, done, islands, strategy, checkpoint=job.checkpoint_due(done))
                 bar.update(done, loss, job.tokens_per_s(done, bar.t0), job.comm.bytes_sent_per_island,
-                           eval_loss=eval_loss)
+                           eval_loss=eval_loss, bytes_received=job.comm.bytes_received_per_island)
         except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)
             job.diverged = e
     runtime.settle_checkpoints(run)  # one written in the background, where no last checkpoint settled it

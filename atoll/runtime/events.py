@@ -359,7 +359,8 @@ class Simulation:
                         eval_loss=eval_loss, detail=progress_detail(
                             [w.steps for w in self.workers], self.syncer.commits, self.syncer.staleness.recent,
                             self.syncer.merged_tokens / now / self.ideal_rate if now > 0 else None,
-                            [i for i in range(K) if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]]))
+                            [i for i in range(K) if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]]),
+                        bytes_received=sum(st.bytes_received) / K)
 
     def checkpoint(self, step: int) -> None:
         """Everything to continue exactly: syncer, islands, clocks and pending events (atomic)."""
