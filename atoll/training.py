@@ -129,7 +129,7 @@ def train_lockstep(config: TrainConfig, resume: bool, runtime: Runtime) -> dict[
                 loss, eval_loss = job.log(done, shown=bar.prints(done))  # train, eval events; divergence checks
                 runtime.end_step(run, done, islands, strategy, checkpoint=job.checkpoint_due(done))
                 bar.update(done, loss, job.tokens_per_s(done, bar.t0), job.comm.bytes_sent_per_island,
-                           eval_loss=eval_loss)
+                           eval_loss=eval_loss, bytes_received=job.comm.bytes_received_per_island)
         except Diverged as e:  # every process of the job stops at the same step (the checks are the job's)
             job.diverged = e
     runtime.settle_checkpoints(run)  # one written in the background, where no last checkpoint settled it
@@ -230,7 +230,8 @@ class LockstepJob:
             self.strategy.reset_diverged(done)  # the losses are read now: a diverged island is reset at the latest
             own_losses = [i.last_loss for i in islands] if len(islands) == config.islands else None
             run.log_train(done, tokens, self.train_loss, self.comm.bytes_sent_per_island, self.sim_wall_s(),
-                          islands[0].scheduler.get_last_lr()[0], island_loss=own_losses)
+                          islands[0].scheduler.get_last_lr()[0], island_loss=own_losses,
+                          bytes_received_per_island=self.comm.bytes_received_per_island)
             resets = runtime.island_counts(islands)[1]  # a reset event per island reset since
             run.events.note_resets(done, resets, self.sim_wall_s())
             check_resets(done, sum(resets), config.islands)
@@ -238,7 +239,7 @@ class LockstepJob:
         if eval_now:
             runtime.mark_eval(done)  # the evaluation's time, re-timed with the run at other links
             eval_loss = run.log_eval(done, tokens, self.strategy.global_params(), self.comm.bytes_sent_per_island,
-                                     self.sim_wall_s())
+                                     self.sim_wall_s(), self.comm.bytes_received_per_island)
             check_eval(done, eval_loss, run.data.vocab_size)  # every process evaluates the same model
         if log_now:
             return self.train_loss, eval_loss
@@ -266,7 +267,8 @@ class LockstepJob:
         config, runtime, islands, strategy, comm = self.config, self.runtime, self.islands, self.strategy, self.comm
         end = runtime.job_totals(islands)
         summary = self.run.finish(
-            tokens=end.tokens, bytes_sent_per_island=comm.bytes_sent_per_island, compute_s=end.compute_s,
+            tokens=end.tokens, bytes_sent_per_island=comm.bytes_sent_per_island,
+            bytes_received_per_island=comm.bytes_received_per_island, compute_s=end.compute_s,
             sim_wall_s=self.sim_wall_s(), strategy_s=self.strategy_s, outer_s=self.outer_s, eval_s=self.eval_s,
             startup_host_bytes=self.startup_host_bytes,
             **strategy.summary(), exchanges=comm.exchanges, peak_bytes_per_exchange=comm.peak_bytes_per_exchange,

@@ -581,6 +581,7 @@ def test_run_bytes_per_step_equal_the_formula(fast_config: dict, sign_values: bo
     per_step = sum(payload_bytes(p.shape, own.demo_chunk, own.demo_topk, sign_values)
                    for p in model.parameters())
     assert summary["bytes_sent_per_island"] == 4 * (config.islands - 1) * per_step
+    assert summary["bytes_received_per_island"] == summary["bytes_sent_per_island"]  # the all-gather's other half
     assert summary["exchanges"] == 4
 
 

@@ -25,7 +25,19 @@ def test_local_comm_counts_bytes_of_the_tensors_exchanged() -> None:
     assert comm.bytes_sent_per_island == pytest.approx(2 * (k - 1) / k * n * 4)
     comm.all_reduce_mean([t.to(torch.bfloat16) for t in fp32])
     assert comm.bytes_sent_per_island == pytest.approx(2 * (k - 1) / k * n * (4 + 2))
-    assert comm.exchanges == 2
+    # a ring: each island receives from its predecessor what it sends to its successor
+    assert comm.bytes_received_per_island == comm.bytes_sent_per_island
+    comm.all_gather([None] * k, payload_bytes=1000)
+    assert comm.bytes_received_per_island == comm.bytes_sent_per_island == pytest.approx(
+        2 * (k - 1) / k * n * (4 + 2) + (k - 1) * 1000)
+    restored = LocalComm(k, link, SimClock(k))
+    restored.load_state_dict(comm.state_dict())
+    assert restored.bytes_received_per_island == comm.bytes_received_per_island
+    old = {key: v for key, v in comm.state_dict().items() if key != "bytes_received_per_island"}
+    restored.load_state_dict(old)  # a checkpoint from before the receive half was counted: rings only
+    assert restored.bytes_received_per_island == comm.bytes_sent_per_island
+    comm.all_reduce_mean(fp32)
+    assert comm.exchanges == 4
     assert comm.peak_bytes_per_exchange == pytest.approx(2 * (k - 1) / k * n * 4)
 
 

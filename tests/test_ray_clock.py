@@ -55,6 +55,10 @@ def test_ray_run_reports_startup_apart_from_its_clock(fast_config: dict, tmp_pat
     s = json.loads((out / "summary.json").read_text())
     assert s["startup_s"] > 0 and s["sim_wall_s"] > 0
     assert s["sim_wall_s"] + s["startup_s"] <= s["wall_s"]
+    # each island that trained pulled the whole model at its join (float32), and the fragments it pushed after
+    assert all(r >= 4 * s["params"] and r % 4 == 0
+               for r, n in zip(s["bytes_received_by_island"], s["steps_per_island"], strict=True) if n > 0)
+    assert s["bytes_received_per_island"] > s["bytes_sent_per_island"] > 0
     # None for an island that started after the shared 24-step budget was spent (a slow start-up)
     starts = [t for t in s["island_start_s"] if t is not None]
     assert starts and min(starts) == 0.0 and all(t >= 0 for t in starts)

@@ -113,6 +113,9 @@ def test_two_island_jobs_over_tls_end_near_the_local_run(fast_config: dict, tmp_
         (served.get("rejected_by_reason"), rejected)
     assert served["islands_left"] == [0, 1]
     assert all(b > 0 for b in served["bytes_sent_by_island"]) and all(c > 0 for c in served["compute_s_by_island"])
+    # each island pulled the whole model in float32 when it joined, then every fragment it pushed: more than once
+    assert all(r > 4 * served["params"] for r in served["bytes_received_by_island"])
+    assert all(r % 4 == 0 for r in served["bytes_received_by_island"])
     assert "sim_wall_s" not in served and served["wall_s"] >= served["run_s"] > 0
     assert served["final_eval_loss"] < served["initial_eval_loss"] - 0.3
     assert abs(served["final_eval_loss"] - ref["final_eval_loss"]) / ref["final_eval_loss"] < 0.02, \

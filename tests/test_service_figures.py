@@ -53,17 +53,20 @@ def test_an_islands_bytes_compute_and_tokens_sum_over_its_sessions(fast_config: 
     first = s.join(0, CREDS[0])[3]
     s.join(1, CREDS[1])
     assert s.reserve_steps(0, CREDS[0], 5, used=0, compute_s=0.0, bytes_sent=0.0) == 5
-    assert s.reserve_steps(0, CREDS[0], 5, used=5, compute_s=2.0, bytes_sent=100.0) == 5  # killed after this
+    assert s.reserve_steps(0, CREDS[0], 5, used=5, compute_s=2.0, bytes_sent=100.0,
+                           bytes_received=800.0) == 5  # killed after this
     second = s.join(0, CREDS[0])[3]  # torchrun's restart: a new session, whose figures start at 0
     assert second > first
     assert s.reserve_steps(0, CREDS[0], 5, used=0, compute_s=0.5, bytes_sent=10.0) == 5
-    s.leave_session(0, used=5, compute_s=1.5, bytes_sent=60.0)
+    s.leave_session(0, used=5, compute_s=1.5, bytes_sent=60.0, bytes_received=480.0)
     assert s.reserve_steps(1, CREDS[1], 5, used=0) == 5
     s.leave_session(1, used=5, compute_s=1.0, bytes_sent=40.0)
     state.left = {0: {"compute_s": 1.5, "bytes_sent": 60.0}, 1: {"compute_s": 1.0, "bytes_sent": 40.0}}
     state.final = s.finish()
     summary = finish_run(config, out, state)
     assert summary["bytes_sent_by_island"] == [160.0, 40.0]
+    assert summary["bytes_received_by_island"] == [1280.0, 0.0]  # the pulls, summed over the sessions as well
+    assert summary["bytes_received_per_island"] == 640.0
     assert summary["compute_s_by_island"] == [3.5, 1.0] and summary["compute_s"] == 3.5
     run_s = summary["run_s"]
     assert 0 < run_s < 100 and summary["island_utilization"] == [3.5 / run_s, 1.0 / run_s]

@@ -119,6 +119,7 @@ def test_error_feedback_keeps_what_was_not_sent_and_bytes_follow_the_formula() -
     assert float(senders.max()) == k and float(senders[senders > 0].min()) == 1  # both overlap and not
     torch.testing.assert_close(strategy.global_params(), before - expected, rtol=0, atol=1e-6)
     assert comm.bytes_sent_per_island == ring_allgather_bytes(strategy.compressor.payload_bytes() + WEIGHT_BYTES, k)
+    assert comm.bytes_received_per_island == comm.bytes_sent_per_island  # the all-gather's receive half
     shares = [1 - float(e.square().sum()) / float((beta * p + d).square().sum())
               for e, p, d in zip(strategy.error, previous, deltas, strict=True)]
     assert strategy.summary()["sparseloco_sent_energy"] == pytest.approx(sum(shares) / k, rel=1e-5)

@@ -50,6 +50,7 @@ def test_ddp_equals_one_model_with_k_times_the_batch() -> None:
         # float round-off of the grouped sums, amplified by Adam's 1/sqrt(v), stays far below lr = 1e-2
         torch.testing.assert_close(island.flat_params(), reference.flat_params(), rtol=0, atol=1e-4)
     assert comm.bytes_sent_per_island == pytest.approx(5 * ring_allreduce_bytes(param_bytes(model), k))
+    assert comm.bytes_received_per_island == comm.bytes_sent_per_island  # a ring's receive half
 
 
 def test_diloco_islands_identical_after_each_sync_and_bytes_match_formula() -> None:
@@ -67,6 +68,7 @@ def test_diloco_islands_identical_after_each_sync_and_bytes_match_formula() -> N
             assert not torch.equal(flats[0], flats[1]), "islands diverge between syncs (different data)"
     assert diloco.outer.version == 3
     assert comm.bytes_sent_per_island == pytest.approx(3 * ring_allreduce_bytes(param_bytes(model), k))
+    assert comm.bytes_received_per_island == comm.bytes_sent_per_island  # a ring's receive half
 
 
 def test_diloco_lr1_momentum0_global_is_average_of_islands() -> None:

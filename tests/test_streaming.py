@@ -41,6 +41,7 @@ def test_each_fragment_synced_once_per_window_and_bytes_per_fragment() -> None:
     assert torch.equal(torch.sort(torch.cat([f.positions() for f in streaming.index])).values,
                        torch.arange(streaming.numel))
     assert comm.bytes_sent_per_island == pytest.approx(3 * ring_allreduce_bytes(param_bytes(model), k))
+    assert comm.bytes_received_per_island == comm.bytes_sent_per_island  # a ring's receive half
     assert comm.peak_bytes_per_exchange < ring_allreduce_bytes(param_bytes(model), k)
     # the end merges fragment 1 and syncs fragment 0 (last sent after step 10, offset H/2) once more
     streaming.finish(3 * h)

@@ -203,6 +203,10 @@ def test_progress_prints_plain_lines_where_stderr_is_not_a_terminal() -> None:
                                                         for s in (5, 8, 10, 15, 20)]
     assert "| loss 5.200 | eval 5.500 | 1,000 tok/s | sent 16.4 KB/island |" in lines[1]
     assert "eval" not in lines[0] and "\x1b" not in buf.getvalue() and "eta" in lines[-1]
+    both = io.StringIO()
+    with ProgressDisplay(20, 0, True, console=Console(file=both), every=20) as bar:
+        bar.update(20, 5.0, 1000.0, 2048.0, bytes_received=4096.0)
+    assert "| sent 2.0 KB, received 4.1 KB/island |" in both.getvalue()
     quiet = io.StringIO()
     with ProgressDisplay(20, 0, False, console=Console(file=quiet), every=5) as bar:
         bar.update(5, 6.0, 1000.0, 0.0)

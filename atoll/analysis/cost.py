@@ -87,6 +87,8 @@ class Cost:
         overlapped: whether exchanges overlap compute (their time is inside ``step_s``).
         sync_every: H, inner steps between an island's exchanges of a fragment (1: every step): the schedule
             of the end of a run, and the work an asynchronous island loses when it fails.
+        bytes_received_per_step: bytes one island receives per inner step; None: as many as it sends (every
+            exchange a ring collective, whose receive half equals its send half). See :attr:`received_per_step`.
     """
 
     step_s: float
@@ -95,6 +97,12 @@ class Cost:
     fragments: int = 0
     overlapped: bool = False
     sync_every: int = 1
+    bytes_received_per_step: float | None = None
+
+    @property
+    def received_per_step(self) -> float:
+        """Bytes one island receives per inner step (:attr:`bytes_received_per_step`, else as many as sent)."""
+        return self.bytes_per_step if self.bytes_received_per_step is None else self.bytes_received_per_step
 
 
 def codec_bits(codec: str) -> float:

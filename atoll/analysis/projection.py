@@ -84,6 +84,11 @@ class Projection:
     goodput: float
     exchange_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    bytes_received_per_step: float = math.nan  # bytes one island receives per inner step (NaN: not given)
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.bytes_received_per_step):  # a ring collective's: as many in as out
+            object.__setattr__(self, "bytes_received_per_step", self.bytes_per_step)
 
 
 def _sync_goodput(s: Setting) -> float:
@@ -129,7 +134,8 @@ def project(s: Setting, strategy: str, config: StrategyConfig | None = None) -> 
         goodput = 1.0 if math.isinf(s.mtbf_s) else 1.0 / (1.0 + (s.downtime_s + c.sync_every * c.step_s / 2) / s.mtbf_s)
     else:
         goodput = _sync_goodput(s)
-    return Projection(strategy, c.step_s, s.step_compute_s / c.step_s, c.bytes_per_step, goodput, c.exchange_s)
+    return Projection(strategy, c.step_s, s.step_compute_s / c.step_s, c.bytes_per_step, goodput, c.exchange_s,
+                      bytes_received_per_step=c.received_per_step)
 
 
 def fragment_syncs(steps: int, fragments: int, sync_every: int) -> tuple[int, int]:
@@ -152,7 +158,7 @@ def fragment_syncs(steps: int, fragments: int, sync_every: int) -> tuple[int, in
 
 def project_run(s: Setting, strategy: str, steps: int, config: StrategyConfig | None = None) -> dict[str, float]:
     """A whole run of ``steps`` inner steps of ``strategy`` with its ``config`` (None: its defaults):
-    ``sim_wall_s``, ``compute_s``, ``compute_utilization``, ``bytes``.
+    ``sim_wall_s``, ``compute_s``, ``compute_utilization``, ``bytes`` (sent by one island), ``bytes_received``.
 
     The steady state of :func:`project` times ``steps``, plus the end of the run as atoll's strategies do it:
     a strategy on the fragment schedule (diloco, streaming) syncs what was trained since the last sync,
@@ -164,15 +170,17 @@ def project_run(s: Setting, strategy: str, steps: int, config: StrategyConfig | 
     p = project(s, strategy, config)
     _, c = _cost(s, strategy, config)
     compute = steps * s.step_compute_s
-    wall, sent = steps * p.step_s, steps * p.bytes_per_step
+    wall, sent, received = steps * p.step_s, steps * p.bytes_per_step, steps * p.bytes_received_per_step
     if c.fragments and s.islands > 1:
         scheduled, flushes = fragment_syncs(steps, c.fragments, c.sync_every)
         sent = (scheduled + flushes) * c.bytes_per_step * c.sync_every / c.fragments
+        received = (scheduled + flushes) * c.received_per_step * c.sync_every / c.fragments
         if not c.overlapped:
             wall = compute + (scheduled + flushes) * p.exchange_s
         else:  # the steady state, plus the blocking flushes at the end
             wall += flushes * p.exchange_s
-    return {"sim_wall_s": wall, "compute_s": compute, "compute_utilization": compute / wall, "bytes": sent}
+    return {"sim_wall_s": wall, "compute_s": compute, "compute_utilization": compute / wall, "bytes": sent,
+            "bytes_received": received}
 
 
 def setting_from_summary(summary: dict[str, Any]) -> Setting:
@@ -271,20 +279,28 @@ def real_scale_table(islands: int = 4) -> list[dict[str, Any]]:
                 p = project(base, strategy, spec(strategy).config(**TABLE_SETTINGS.get(strategy, {})))
                 rows.append({"model": scale.name, "link": label, "strategy": strategy, "step_s": p.step_s,
                              "compute_utilization": p.compute_utilization, "bytes_per_step": p.bytes_per_step,
+                             "bytes_received_per_step": p.bytes_received_per_step,
                              "reduction_vs_ddp": (project(base, "ddp").bytes_per_step / p.bytes_per_step
                                                   if p.bytes_per_step else math.inf),
+                             "reduction_vs_ddp_total": (2 * project(base, "ddp").bytes_per_step
+                                                        / (p.bytes_per_step + p.bytes_received_per_step)
+                                                        if p.bytes_per_step + p.bytes_received_per_step
+                                                        else math.inf),
                              "speedup_vs_ddp": ddp_step / p.step_s, "goodput_heavy_failures": p.goodput})
     return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The real-scale table as Markdown, with the assumptions and the published figures under it."""
-    lines = ["| model | link | strategy | step s | utilization | bytes/island/step | less than ddp | "
-             "speed vs ddp | goodput (heavy failures) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | link | strategy | step s | utilization | sent/island/step | received/island/step | "
+             "less than ddp (sent) | less than ddp (both) | speed vs ddp | goodput (heavy failures) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['link']} | {r['strategy']} | {r['step_s']:.2f} | "
                      f"{r['compute_utilization']:.1%} | {human_bytes(r['bytes_per_step'])} | "
-                     f"{r['reduction_vs_ddp']:.0f}x | {r['speedup_vs_ddp']:.1f}x | {r['goodput_heavy_failures']:.0%} |")
+                     f"{human_bytes(r['bytes_received_per_step'])} | {r['reduction_vs_ddp']:.0f}x | "
+                     f"{r['reduction_vs_ddp_total']:.0f}x | {r['speedup_vs_ddp']:.1f}x | "
+                     f"{r['goodput_heavy_failures']:.0%} |")
     assumptions = "; ".join(f"{m.name}: {m.tokens_per_step / 2 ** 20:g}M tokens/step on {m.gpus_per_island} H100 "
                             f"at {m.mfu:.0%} MFU -> t_c = {m.step_compute_s:.2f} s" for m in SCALES)
     from atoll.strategies.demo import projected_payload_bytes
@@ -424,8 +440,8 @@ def run_cli(args: Any) -> str:
                 bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms, mtbf_s=args.mtbf_h * 3600,
                 downtime_s=args.downtime_min * 60, checkpoint_every_s=args.checkpoint_min * 60)
     ddp = project(s, "ddp")
-    lines = ["| strategy | codec | step s | utilization | bytes/island/step | less than ddp | goodput |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| strategy | codec | step s | utilization | sent/island/step | received/island/step | "
+             "less than ddp (sent) | less than ddp (both) | goodput |", "|---|---|---|---|---|---|---|---|---|"]
     for name in strategies:
         config = cli_config(args, name)
         # the strategy's own codec, as atoll train (ddp is priced as the fp32 baseline); demo and sparseloco
@@ -433,8 +449,11 @@ def run_cli(args: Any) -> str:
         codec = getattr(config, "codec", None) if name != "ddp" else "fp32"
         p = project(s, name, config)
         red = f"{ddp.bytes_per_step / p.bytes_per_step:.0f}x" if p.bytes_per_step else "-"
+        both = p.bytes_per_step + p.bytes_received_per_step
+        red_both = f"{2 * ddp.bytes_per_step / both:.0f}x" if both else "-"
         lines.append(f"| {name} | {codec or '-'} | {p.step_s:.3f} | {p.compute_utilization:.1%} | "
-                     f"{human_bytes(p.bytes_per_step)} | {red} | {p.goodput:.1%} |")
+                     f"{human_bytes(p.bytes_per_step)} | {human_bytes(p.bytes_received_per_step)} | {red} | "
+                     f"{red_both} | {p.goodput:.1%} |")
     return "\n".join(lines)
 
 

@@ -252,24 +252,27 @@ class ProgressDisplay:
             step // self.every > self.printed // self.every or evaluated or step == self.total)
 
     def update(self, step: int, loss: float | None, tokens_per_s: float, bytes_sent: float,
-               eval_loss: float | None = None, detail: str | None = None) -> None:
+               eval_loss: float | None = None, detail: str | None = None, bytes_received: float | None = None) -> None:
         """Inner step ``step`` done (1-based): the islands' mean training loss (None: not read at this step;
         the last one read is shown), this session's tokens per second, bytes one island sent so far, the
         held-out loss when this step evaluated, and ``detail``: a strategy's own state in a few words
-        (decoupled: steps per island, merges, staleness, goodput)."""
+        (decoupled: steps per island, merges, staleness, goodput); ``bytes_received``: bytes one island received
+        so far (None: not known live, not shown)."""
         if loss is None:
             loss = self.last_loss
         self.last_loss = loss
         eta = self.eta_s(step)
         eta_text = _clock(eta) if eta is not None else "-"
+        sent = human_bytes(bytes_sent) + ("" if bytes_received is None
+                                          else f", received {human_bytes(bytes_received)}")
         if self.live:
             self.progress.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tokens_per_s:,.0f}",
-                                 sent=human_bytes(bytes_sent), eta=eta_text, detail=detail or "")
+                                 sent=sent, eta=eta_text, detail=detail or "")
         elif self.prints(step, evaluated=eval_loss is not None):
             self.printed = step
             line = (f"atoll: step {step}/{self.total} ({step / self.total:.0%}) | loss {loss:.3f}"
                     + (f" | eval {eval_loss:.3f}" if eval_loss is not None else "")
-                    + f" | {tokens_per_s:,.0f} tok/s | sent {human_bytes(bytes_sent)}/island"
+                    + f" | {tokens_per_s:,.0f} tok/s | sent {sent}/island"
                     + (f" | {detail}" if detail else "")
                     + f" | {_clock(time.perf_counter() - self.t0)} elapsed, eta {eta_text}")
             self.console.file.write(line + "\n")
@@ -304,9 +307,17 @@ def _model_rows(s: dict[str, Any]) -> list[Row]:
 
 
 def _bytes_rows(s: dict[str, Any]) -> list[Row]:
-    return [("bytes sent per island", human_bytes(s["bytes_sent_per_island"])),
-            ("ddp would send per island", human_bytes(s["ddp_bytes_per_island"])),
-            ("reduction vs ddp", f"{s['reduction_vs_ddp']:.1f}x" if s["reduction_vs_ddp"] else "-")]
+    rows = [("bytes sent per island", human_bytes(s["bytes_sent_per_island"]))]
+    if "bytes_received_per_island" in s:  # (a summary from before the received side was counted has none)
+        rows.append(("bytes received per island", human_bytes(s["bytes_received_per_island"])))
+    rows += [("ddp would send (and receive) per island", human_bytes(s["ddp_bytes_per_island"])),
+             ("reduction vs ddp (sent)", f"{s['reduction_vs_ddp']:.1f}x" if s["reduction_vs_ddp"] else "-")]
+    if "bytes_received_per_island" in s:
+        rows += [("reduction vs ddp (received)",
+                  f"{s['reduction_vs_ddp_received']:.1f}x" if s.get("reduction_vs_ddp_received") else "-"),
+                 ("reduction vs ddp (both ways)",
+                  f"{s['reduction_vs_ddp_total']:.1f}x" if s.get("reduction_vs_ddp_total") else "-")]
+    return rows
 
 
 def _time_rows(s: dict[str, Any]) -> list[Row]:

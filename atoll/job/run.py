@@ -8,7 +8,8 @@ owns only its loop; a :class:`Run` owns the rest::
                                                   # data, tokenizer, global model (or --init-from's weights)
     run.begin(restore=load_my_state)              # metrics log; the checkpoint's state, or the initial eval
     ... the driver's loop: run.log_train(...), run.log_eval(...), run.save_checkpoint(...)
-    summary = run.finish(tokens=..., bytes_sent_per_island=..., compute_s=..., sim_wall_s=..., **own)
+    summary = run.finish(tokens=..., bytes_sent_per_island=..., bytes_received_per_island=..., compute_s=...,
+                         sim_wall_s=..., **own)
 
 Units: tokens, bytes, seconds; losses in nats per token. Only the main process (``is_main``) writes the
 run folder; the others keep the same numbers and write nothing.
@@ -244,7 +245,8 @@ class Run:
                          train_tokens=self.data.num_train_tokens, val_tokens=self.data.num_val_tokens,
                          tokenizer_from_cache=self.data.tokenizer_from_cache)
             self.emit("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
-                      perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0)
+                      perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0,
+                  bytes_received_per_island=0.0)
         if self.is_main:  # only now: a resume that failed above has left the run folder untouched
             write_text_atomic(self.out / "config.json", config.model_dump_json(indent=2))
         self.rate_mark = (time.perf_counter(), self.start_step * config.islands * config.tokens_per_step)
@@ -264,9 +266,12 @@ class Run:
 
     def log_train(self, step: int, tokens: int, loss: float, bytes_sent_per_island: float, sim_wall_s: float,
                   lr: float, island_loss: list[float] | None = None,
-                  island_bytes_sent: list[float] | None = None, island_steps: list[int] | None = None) -> None:
+                  island_bytes_sent: list[float] | None = None, island_steps: list[int] | None = None,
+                  bytes_received_per_island: float | None = None,
+                  island_bytes_received: list[float] | None = None) -> None:
         """A ``train`` event: the islands' mean training loss at inner step ``step`` (1-based count); with
-        each island's own loss (nats per token), bytes sent and inner steps where the driver has them.
+        each island's own loss (nats per token), bytes sent and received and inner steps where the driver has
+        them (``bytes_received_per_island`` None: not known live, left out of the event).
 
         Every ``train`` event also carries the interval's pace and memory since the previous one (or since
         :meth:`begin`): ``tokens_per_s``, training tokens of every island per real second, and
@@ -277,22 +282,29 @@ class Run:
             extra["island_loss"] = [float(x) for x in island_loss]
         if island_bytes_sent is not None:
             extra["island_bytes_sent"] = [float(x) for x in island_bytes_sent]
+        if island_bytes_received is not None:
+            extra["island_bytes_received"] = [float(x) for x in island_bytes_received]
         if island_steps is not None:
             extra["island_steps"] = [int(x) for x in island_steps]
         now, (then, tokens_then) = time.perf_counter(), self.rate_mark
         self.rate_mark = (now, tokens)
+        if bytes_received_per_island is not None:
+            extra["bytes_received_per_island"] = float(bytes_received_per_island)
         self.emit("train", step=step, tokens=tokens, loss=loss, bytes_sent_per_island=bytes_sent_per_island,
                   sim_wall_s=sim_wall_s, lr=lr, tokens_per_s=(tokens - tokens_then) / max(now - then, 1e-9),
                   peak_accelerator_bytes=peak_accelerator_bytes(), **extra)
 
     def log_eval(self, step: int, tokens: int, params: torch.Tensor, bytes_sent_per_island: float,
-                 sim_wall_s: float) -> float:
+                 sim_wall_s: float, bytes_received_per_island: float | None = None) -> float:
         """Evaluate the global parameters ``params`` on the held-out batches (with :attr:`evaluator` where the
-        driver set one); log an ``eval`` event; return it."""
+        driver set one); log an ``eval`` event; return it. ``bytes_received_per_island`` None: not known, left
+        out of the event."""
         self.eval_loss = (self.evaluator(params) if self.evaluator is not None
                           else evaluate(self.set_global(params), self.val))
         self.emit("eval", step=step, tokens=tokens, eval_loss=self.eval_loss, perplexity=perplexity(self.eval_loss),
-                  sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island)
+                  sim_wall_s=sim_wall_s, bytes_sent_per_island=bytes_sent_per_island,
+                  **({} if bytes_received_per_island is None
+                     else {"bytes_received_per_island": float(bytes_received_per_island)}))
         return self.eval_loss
 
     def save_checkpoint(self, step: int, state: dict[str, Any], params: torch.Tensor, tmp: Path | None = None,
@@ -369,8 +381,8 @@ class Run:
             self.lock.release()
         return stop.interrupted(step, self.out, advice)
 
-    def finish(self, *, tokens: int, bytes_sent_per_island: float, compute_s: float, sim_wall_s: float | None,
-               timeline: bool = False, **own: Any) -> dict[str, Any]:
+    def finish(self, *, tokens: int, bytes_sent_per_island: float, bytes_received_per_island: float,
+               compute_s: float, sim_wall_s: float | None, timeline: bool = False, **own: Any) -> dict[str, Any]:
         """The summary: what every run reports, then the driver's ``own`` entries; the ``end`` event,
         ``summary.json`` and ``report.png`` (main process), and with ``timeline`` (an asynchronous run's
         drivers) ``timeline.png`` (:func:`atoll.job.timeline.plot_timeline`). Returns the summary.
@@ -378,6 +390,11 @@ class Run:
         Args:
             tokens: training tokens of every island.
             bytes_sent_per_island: bytes one island sent (the mean over islands where they differ).
+            bytes_received_per_island: bytes one island received, counted the same way (a ring collective's
+                receive half; a decoupled island's pulls). ddp's ring all-reduce moves as many bytes each way, so
+                the summary's ``ddp_bytes_per_island`` is both directions' baseline, and ``reduction_vs_ddp``
+                (sent), ``reduction_vs_ddp_received`` and ``reduction_vs_ddp_total`` (both directions over
+                twice ddp's) divide it by each.
             compute_s: compute seconds of the slowest island.
             sim_wall_s: the run's wall time on its clock (simulated, or real); None: the run has no clock but the
                 real one (the service's): no ``sim_wall_s`` in the summary, its utilization over ``wall_s``.
@@ -394,8 +411,12 @@ class Run:
             "data": config.data, "partition": config.partition, "seed": config.seed, "tokens": tokens,
             "initial_eval_loss": self.initial_eval_loss, "final_eval_loss": self.eval_loss,
             "final_perplexity": perplexity(self.eval_loss),
-            "bytes_sent_per_island": bytes_sent_per_island, "ddp_bytes_per_island": ddp_bytes,
+            "bytes_sent_per_island": bytes_sent_per_island, "bytes_received_per_island": bytes_received_per_island,
+            "ddp_bytes_per_island": ddp_bytes,
             "reduction_vs_ddp": (ddp_bytes / bytes_sent_per_island) if bytes_sent_per_island else None,
+            "reduction_vs_ddp_received": (ddp_bytes / bytes_received_per_island) if bytes_received_per_island else None,
+            "reduction_vs_ddp_total": (2 * ddp_bytes / (bytes_sent_per_island + bytes_received_per_island)
+                                       if bytes_sent_per_island + bytes_received_per_island else None),
             # demo and sparseloco encode in their own way (their sections), not with the run's codec
             "codec": owned_settings(config.strategy_config, config.runtime_config, ("codec",)).get("codec"),
             "device": config.device if config.runtime == "ray" else resolve_device(config.device),

@@ -9,8 +9,10 @@ Each is an optional extra (``pip install atoll[tensorboard]``, ``atoll[wandb]``)
 asks for it. The metrics, under the same names in both (only the main process of a run writes them):
 
 - ``train/loss`` (the islands' mean training loss), ``train/lr``, ``train/tokens`` (all islands);
-  ``islands/loss_<i>`` (island i's training loss), ``islands/bytes_sent_<i>`` (where islands differ);
-- ``comm/bytes_sent_per_island``, ``time/sim_wall_s`` (the run's clock, simulated or real, seconds);
+  ``islands/loss_<i>`` (island i's training loss), ``islands/bytes_sent_<i>`` and ``islands/bytes_received_<i>``
+  (where islands differ);
+- ``comm/bytes_sent_per_island``, ``comm/bytes_received_per_island`` (where the driver knows it live),
+  ``time/sim_wall_s`` (the run's clock, simulated or real, seconds);
 - ``eval/loss``, ``eval/perplexity``: the global model on the held-out windows;
 - ``eval_vs_bytes/loss``, ``eval_vs_sim_time/loss``, ``eval_vs_tokens/loss``: the held-out loss against
   bytes one island sent, the run's clock and training tokens;
@@ -68,6 +70,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
                "perf/peak_accelerator_bytes": record.get("peak_accelerator_bytes")}
         out.update({f"islands/loss_{i}": v for i, v in enumerate(record.get("island_loss") or [])})
         out.update({f"islands/bytes_sent_{i}": v for i, v in enumerate(record.get("island_bytes_sent") or [])})
+        out.update({f"islands/bytes_received_{i}": v
+                    for i, v in enumerate(record.get("island_bytes_received") or [])})
     elif event == "eval":
         out = {"eval/loss": record["eval_loss"], "eval/perplexity": record.get("perplexity")}
     elif event in TRACKED_EVENTS:
@@ -78,6 +82,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
                 and math.isfinite(v)}
     if event in ("train", "eval"):
         out["comm/bytes_sent_per_island"] = record.get("bytes_sent_per_island")
+        out["comm/bytes_received_per_island"] = record.get("bytes_received_per_island")
         out["time/sim_wall_s"] = record.get("sim_wall_s")
     return {k: float(v) for k, v in out.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}

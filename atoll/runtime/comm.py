@@ -57,6 +57,10 @@ class Comm(ABC):
         local_islands: indices of the islands this process runs.
         bytes_sent_per_island: bytes one island has sent so far (payload as encoded on the wire,
             ring-collective cost included).
+        bytes_received_per_island: bytes one island has received so far, counted the same way. Every collective
+            here is a ring (all-reduce: reduce-scatter then all-gather; all-gather), in which each island
+            receives from its predecessor exactly what it sends to its successor, so the two counts are equal;
+            kept apart so that an exchange whose directions differ (a pull from a syncer) counts each its own.
         exchanges: number of collectives issued so far.
         peak_bytes_per_exchange: the largest payload one island sent in one collective, bytes.
     """
@@ -66,17 +70,21 @@ class Comm(ABC):
 
     def __init__(self) -> None:
         self.bytes_sent_per_island = 0.0
+        self.bytes_received_per_island = 0.0
         self.exchanges = 0
         self.peak_bytes_per_exchange = 0.0
 
     def _count(self, bytes_sent: float) -> None:
+        """Count one ring collective in which each island sent ``bytes_sent`` bytes, and received as many."""
         self.bytes_sent_per_island += bytes_sent
+        self.bytes_received_per_island += bytes_sent
         self.exchanges += 1
         self.peak_bytes_per_exchange = max(self.peak_bytes_per_exchange, bytes_sent)
 
     def count_island(self, bytes_sent: float) -> None:
-        """Count one exchange made outside the comm (torch's DDP hooks, FSDP2's all-reduce hook) in which an
-        island sent ``bytes_sent`` bytes in all (its ranks together): no collective, nothing read."""
+        """Count one exchange made outside the comm (torch's DDP hooks, FSDP2's all-reduce hook, both ring
+        all-reduces) in which an island sent ``bytes_sent`` bytes in all (its ranks together), and received as
+        many: no collective, nothing read."""
         Comm._count(self, bytes_sent)
 
     def all_reduce_mean(self, per_island: Sequence[torch.Tensor], weights: Sequence[float] | None = None,
@@ -139,10 +147,14 @@ class Comm(ABC):
 
     def state_dict(self) -> dict[str, float]:
         """Counters, for checkpoints."""
-        return {"bytes_sent_per_island": self.bytes_sent_per_island, "exchanges": self.exchanges,
+        return {"bytes_sent_per_island": self.bytes_sent_per_island,
+                "bytes_received_per_island": self.bytes_received_per_island, "exchanges": self.exchanges,
                 "peak_bytes_per_exchange": self.peak_bytes_per_exchange}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore the counters; a checkpoint from before the received side was counted (no
+        ``bytes_received_per_island``) had only ring collectives: its received count is its sent count."""
         self.bytes_sent_per_island = float(state["bytes_sent_per_island"])
+        self.bytes_received_per_island = float(state.get("bytes_received_per_island", self.bytes_sent_per_island))
         self.exchanges = int(state["exchanges"])
         self.peak_bytes_per_exchange = float(state["peak_bytes_per_exchange"])

@@ -238,6 +238,7 @@ class Simulation:
         if msg.epoch != st.epoch[i]:
             return
         self.workers[i].adopt(msg.pull)  # type: ignore[arg-type]
+        st.bytes_received[i] += msg.pull.nbytes  # type: ignore[union-attr]
         st.awaiting[i][p] = False
         st.pulled_at[i][p] = t
 
@@ -264,6 +265,7 @@ class Simulation:
         self.workers[i].rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
         syncer.rejoin(i)  # a new session: it may push from the versions of its pushes before the failure
         st.clock[i] = t + self.link.transfer_seconds(sum(self.frag_bytes), 1)  # nothing to train on yet
+        st.bytes_received[i] += sum(self.frag_bytes)  # the whole model, float32
         st.uplink_free[i] = st.downlink_free[i] = st.clock[i]
         st.pulled_at[i] = [st.clock[i]] * syncer.fragments
         st.rejoin_s.append(st.clock[i] - st.failed_at[i])  # type: ignore[operator]
@@ -325,13 +327,15 @@ class Simulation:
         if st.done % (K * LOG_EVERY) == 0:
             run.log_train(st.done // K, st.done * tps, sum(st.last_loss) / K, sum(st.bytes_sent) / K, max(st.clock),
                           w.island.scheduler.get_last_lr()[0], island_loss=list(st.last_loss),
-                          island_bytes_sent=list(st.bytes_sent), island_steps=[w.steps for w in self.workers])
+                          island_bytes_sent=list(st.bytes_sent), island_steps=[w.steps for w in self.workers],
+                          bytes_received_per_island=sum(st.bytes_received) / K,
+                          island_bytes_received=list(st.bytes_received))
             run.events.note_resets(st.done // K, resets := [w.island.reset_count for w in self.workers], max(st.clock))
             check_resets(st.done // K, sum(resets), K)
         eval_loss = None
         if st.done % (K * facts.evaluate_every) == 0 and st.done < self.budget:
             eval_loss = run.log_eval(int(st.done / K), st.done * tps, self.syncer.global_params(),
-                                     sum(st.bytes_sent) / K, max(st.clock))
+                                     sum(st.bytes_sent) / K, max(st.clock), sum(st.bytes_received) / K)
             check_eval(st.done // K, eval_loss, run.data.vocab_size)
         if checkpointed := (facts.checkpoint_every and st.done % (K * facts.checkpoint_every) == 0
                             and st.done < self.budget):
@@ -355,7 +359,8 @@ class Simulation:
                         eval_loss=eval_loss, detail=progress_detail(
                             [w.steps for w in self.workers], self.syncer.commits, self.syncer.staleness.recent,
                             self.syncer.merged_tokens / now / self.ideal_rate if now > 0 else None,
-                            [i for i in range(K) if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]]))
+                            [i for i in range(K) if st.failed_at[i] is not None and st.clock[i] <= st.failed_at[i]]),
+                        bytes_received=sum(st.bytes_received) / K)
 
     def checkpoint(self, step: int) -> None:
         """Everything to continue exactly: syncer, islands, clocks and pending events (atomic)."""
@@ -390,7 +395,8 @@ class Simulation:
         # a finished run resumed with no more steps: its final eval and checkpoint are in the log already
         again = self.restored_done is not None and st.done == self.restored_done and self.run.start_step == facts.steps
         final_eval = None if again else self.run.log_eval(facts.steps, st.done * tps, syncer.global_params(),
-                                                          sum(st.bytes_sent) / K, sim_wall_s)
+                                                          sum(st.bytes_sent) / K, sim_wall_s,
+                                                          sum(st.bytes_received) / K)
         self.show_progress(final_eval, sim_wall_s)  # the last line: after the final merges, as the summary
         if self.diverged is None and not again:  # a diverged run keeps its last good checkpoint
             self.checkpoint(facts.steps)
@@ -398,8 +404,10 @@ class Simulation:
         buckets = token_buckets(stats, [w.steps * tps for w in self.workers], st.lost_by_island,
                                 [self.on_the_wire(i) for i in range(K)])
         return self.run.finish(
-            tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K, compute_s=max(st.compute),
-            sim_wall_s=sim_wall_s, bytes_sent_by_island=st.bytes_sent, fragments=self.own.fragments, overlap_steps=0,
+            tokens=st.done * tps, bytes_sent_per_island=sum(st.bytes_sent) / K,
+            bytes_received_per_island=sum(st.bytes_received) / K, compute_s=max(st.compute),
+            sim_wall_s=sim_wall_s, bytes_sent_by_island=st.bytes_sent, bytes_received_by_island=st.bytes_received,
+            fragments=self.own.fragments, overlap_steps=0,
             exchanges=stats["accepted_updates"],
             peak_bytes_per_exchange=float(max(self.frag_bytes)) if self.own.codec == "fp32" else None,
             **stats, skipped_steps=sum(w.island.skipped_steps for w in self.workers),

@@ -35,12 +35,13 @@ class SimState:
     clock: list[float]                      # each island's simulated time, seconds
     compute: list[float]                    # simulated compute seconds (lost work included)
     pulled_at: list[list[float]]            # per island and fragment: time of the last pull
-    bytes_sent: list[float]
+    bytes_sent: list[float]                 # per island: its pushes' encoded bytes
     failures: list[int]
     failed_at: list[float | None]
     rejoins: list[int]
     last_loss: list[float]
     rejoin_s: list[float] = field(default_factory=list)
+    bytes_received: list[float] = field(default_factory=list)  # per island: the float32 fragments it pulled
     lost_tokens: float = 0.0
     lost_by_island: list[float] = field(default_factory=list)  # lost_tokens per island
     started: int = 0                        # inner steps begun (the budget counts these)
@@ -63,7 +64,7 @@ class SimState:
                    [0] * islands, [None] * islands, [0] * islands, [float("nan")] * islands,
                    uplink_free=[0.0] * islands, downlink_free=[0.0] * islands,
                    awaiting=[[False] * fragments for _ in range(islands)], waiting=[[] for _ in range(fragments)],
-                   epoch=[0] * islands, lost_by_island=[0.0] * islands)
+                   epoch=[0] * islands, lost_by_island=[0.0] * islands, bytes_received=[0.0] * islands)
 
     def state_dict(self) -> dict[str, Any]:
         state = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -84,4 +85,6 @@ class SimState:
         state["waiting"] = [[Waiter(int(w["island"]), int(w["epoch"])) for w in ws] for ws in state["waiting"]]
         state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
         state.setdefault("lost_by_island", [0.0] * len(state["clock"]))  # a checkpoint from before the buckets
+        # a checkpoint from before the pulls were counted: those before it are not known, only those after
+        state.setdefault("bytes_received", [0.0] * len(state["clock"]))
         return cls(**state)

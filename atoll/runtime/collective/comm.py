@@ -156,6 +156,7 @@ class _Exchange:
         counted = self.cost(comm.islands)
         self.relaunched = self.relaunched or counted != self.counted
         comm.bytes_sent_per_island += counted - self.counted
+        comm.bytes_received_per_island += counted - self.counted  # a ring: as much in as out
         self.counted = counted
         rounds = (comm.islands - 1) * (1 if self.gather else 2)
         self.deadline_s = comm.deadline_s(counted, rounds)

@@ -236,16 +236,19 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     startup_s = max(0.0, driver_s - wall_s)
     tps = config.tokens_per_step
     tokens = sum(final["steps_by_island"]) * tps
-    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0, "codec_s": 0.0}
+    idle = {"steps": 0, "compute_s": 0.0, "bytes_sent": 0.0, "bytes_received": 0.0, "codec_s": 0.0}
     res = [results.get(i, idle) for i in range(config.islands)]
     bytes_sent = [r["bytes_sent"] for r in res]
+    bytes_received = [r["bytes_received"] for r in res]
     if stop.requested() is not None:  # the islands finished the steps granted: a checkpoint of them, then stop
         step = sum(final["steps_by_island"]) // config.islands
-        run.log_eval(step, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+        run.log_eval(step, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s,
+                     sum(bytes_received) / config.islands)
         run.save_checkpoint(step, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
         raise run.interrupt(step, advice=f"a run on Ray cannot be resumed: continue from it with 'atoll train "
                                          f"--init-from {run.out}' (its global model)")
-    loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s)
+    loss = run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, wall_s,
+                        sum(bytes_received) / config.islands)
     resets = [int(r.get("resets", 0)) for r in res]  # the islands reset themselves (atoll.job.divergence)
     run.events.note_resets(config.steps, resets, wall_s)
     diverged: Diverged | None = None  # checked at the end only: the driver sees the islands when they finish
@@ -259,8 +262,10 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
     step_rate = sum(r["steps"] / r["compute_s"] for r in res if r["compute_s"] > 0)  # failure-free steps/s
     return run.finish(
         tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands,
+        bytes_received_per_island=sum(bytes_received) / config.islands,
         compute_s=max(r["compute_s"] for r in res), sim_wall_s=wall_s,
-        bytes_sent_by_island=bytes_sent, fragments=config.strategy_config.fragments, **final["stats"],
+        bytes_sent_by_island=bytes_sent, bytes_received_by_island=bytes_received,
+        fragments=config.strategy_config.fragments, **final["stats"],
         steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
         # measured: useful tokens per second of wall time over the islands' summed failure-free step rate
         goodput=final["merged_tokens"] / wall_s / (step_rate * tps) if step_rate > 0 and wall_s > 0 else None,

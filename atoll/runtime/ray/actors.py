@@ -52,7 +52,8 @@ class RayTransport:
         self.pulled_at = [time.monotonic()] * fragments
         self.exchanges: dict[int, dict[str, Any]] = {}  # fragment -> {"stage", "ref"}
         self.buffered: list[int] = []                   # fragments whose buffer holds this island's push
-        self.bytes_sent = 0.0
+        self.bytes_sent = 0.0      # its pushes' encoded bytes
+        self.bytes_received = 0.0  # the global fragments it pulled (float32), its join's whole model included
 
     def reserve_step(self) -> bool:
         loss, lr = self.status() if self.status is not None else (None, None)
@@ -100,6 +101,7 @@ class RayTransport:
                     e["stage"] = "wait"
                     continue
             pulls.append(reply)
+            self.bytes_received += reply.nbytes
             self.pulled_at[p] = time.monotonic()
             del self.exchanges[p]
         return pulls
@@ -122,6 +124,7 @@ class IslandService:
         device = "cuda" if gpus > 0 and config.device != "cpu" and torch.cuda.is_available() else "cpu"
         self.worker = IslandWorker(index, job, island_steps(config)[index], device)
         flat, versions, steps, self.session = ray.get(syncer.join.remote(index, credential))
+        self.joined_bytes = float(flat.numel() * flat.element_size())  # the whole model, pulled at its join
         self.worker.rejoin(flat, versions)
         self.worker.steps = steps
         pid_dir = Path(out) / "ray"
@@ -135,10 +138,12 @@ class IslandService:
         :meth:`~atoll.strategies.decoupled.island.IslandWorker.run`); return this island's counters."""
         transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential, self.session,
                                  status=self.status)
+        transport.bytes_received = self.joined_bytes
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,
-                "bytes_sent": transport.bytes_sent, "last_loss": island.last_loss,
+                "bytes_sent": transport.bytes_sent, "bytes_received": transport.bytes_received,
+                "last_loss": island.last_loss,
                 "codec_s": self.worker.wire.codec_s[0],
                 "resets": island.reset_count, "skipped_steps": island.skipped_steps,
                 "node_id": ray.get_runtime_context().get_node_id()}

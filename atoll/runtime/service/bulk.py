@@ -102,6 +102,7 @@ class Bulk:
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
         self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
         self.bytes_out = 0  # bytes of the global fragments served by Download (the live view's bytes out)
+        self.bytes_out_by_island = [0] * service.run.islands  # the same, per island that downloaded them
 
     @contextmanager
     def admitted(self, island: int, context: grpc.ServicerContext) -> Iterator[Transfer]:
@@ -222,11 +223,12 @@ class Bulk:
         ``offset`` (from 0 when the version asked for is no longer the newest)."""
         island, _ = self.gate.caller(context, peer=True)
         with self.admitted(island, context) as transfer:
-            for chunk in self._download(data, context, transfer):
+            for chunk in self._download(data, context, transfer, island):
                 yield chunk
                 self.moved(transfer)
 
-    def _download(self, data: bytes, context: grpc.ServicerContext, transfer: Transfer) -> Iterator[bytes]:
+    def _download(self, data: bytes, context: grpc.ServicerContext, transfer: Transfer,
+                  island: int) -> Iterator[bytes]:
         req = self.gate.parse(schema.DownloadRequest, data, context, "Download")
         fragment = self.shards.fragment(req.fragment, context)
         ranges = None
@@ -240,6 +242,7 @@ class Bulk:
         offset = req.offset if req.version == version and req.offset <= len(payload) else 0
         with self.lock:
             self.bytes_out += len(payload) - offset  # (the live view's bytes out)
+            self.bytes_out_by_island[island] += len(payload) - offset
         yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
         yield from wire.chunks(payload, offset)
 

@@ -172,7 +172,8 @@ def island(args: argparse.Namespace) -> int:
     if report["rank"] == 0:
         ranks = f" ({report['ranks']} ranks)" if report["ranks"] > 1 else ""
         print(f"atoll island {report['island']}{ranks}: done; {report['steps']} inner steps, "
-              f"{report['bytes_sent']:,.0f} bytes sent, {report['retries']} retried calls, {report['offline_steps']} "
+              f"{report['bytes_sent']:,.0f} bytes sent, {report.get('bytes_received', 0.0):,.0f} received, "
+              f"{report['retries']} retried calls, {report['offline_steps']} "
               f"steps while the syncer was unreachable, {report['lease_fetches']} step leases", flush=True)
     end_process(0)
 

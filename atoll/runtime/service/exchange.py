@@ -144,6 +144,9 @@ class ServiceTransport:
 
     Attributes:
         bytes_sent: the encoded payload bytes of the island's pushes (the leader's count: every rank's slices).
+        bytes_received: the float32 bytes of the global fragments the island pulled (the leader's count: every
+            rank's slices, once per exchange, the start's pull of every fragment included; a download a rank
+            repeats because a commit fell between two ranks' downloads is not counted).
         refused, lost: pushes the syncer refused; pushes whose slices it lost (it restarted between the
             upload and the commit of an island of several ranks: the island pulls the newest fragment).
     """
@@ -171,6 +174,7 @@ class ServiceTransport:
         self.pulled_at = [time.monotonic()] * fragments
         self.pool = ThreadPoolExecutor(max_workers=max(2, fragments), thread_name_prefix="exchange")
         self.bytes_sent = 0.0
+        self.bytes_received = 0.0
         self.refused = self.lost = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -290,6 +294,9 @@ class ServiceTransport:
             if future is not None:
                 future.result()  # ended with the agreement just seen (or raises its error)
             del self.pending[p]
+            if self.group.leader:  # float32 values of the slices every rank downloaded, as bytes_sent counts
+                moved = [self.plan.numels[p]] if self.plan.leader_moves else [n for n in self.plan.sizes(p) if n]
+                self.bytes_received += 4.0 * sum(moved)
             pulls.append(self._assemble(p))
             self.pulled_at[p] = time.monotonic()
         return pulls

@@ -183,7 +183,8 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
                        status=lambda: (float(worker.island.last_loss),
                                        float(worker.island.scheduler.get_last_lr()[0])),
                        figures=lambda: {"compute_s": worker.island.settled_compute_s,
-                                        "bytes_sent": transport.bytes_sent})
+                                        "bytes_sent": transport.bytes_sent,
+                                        "bytes_received": transport.bytes_received})
              if group.leader else None)
     transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease,
                                  route=[clients[owners[p]] for p in range(len(numels))])
@@ -208,6 +209,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
         if lease is not None:
             lease.close()
     report = {"steps": worker.steps, "compute_s": worker.island.compute_s, "bytes_sent": transport.bytes_sent,
+              "bytes_received": transport.bytes_received,
               "last_loss": worker.island.last_loss, "codec_s": worker.wire.codec_s[0],
               "resets": worker.island.reset_count, "skipped_steps": worker.island.skipped_steps}
     if lease is not None and terminated:  # at once: the signal's sender waits a short while only

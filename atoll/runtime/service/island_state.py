@@ -31,21 +31,24 @@ def finite(value: Any, default: float = 0.0) -> float:
 class Session:
     """The figures of one session of an island (a job's life from its Join): ``session`` (the syncer's number),
     ``steps`` (inner steps it reported using), ``compute_s`` (seconds of compute), ``bytes_sent`` (bytes it
-    reported sending); the latest it reported (with each step lease, and at its Leave)."""
+    reported sending: its pushes), ``bytes_received`` (bytes it reported receiving: the global fragments it
+    pulled, float32, its join's included); the latest it reported (with each step lease, and at its Leave)."""
 
     session: int = 0
     steps: int = 0
     compute_s: float = 0.0
     bytes_sent: float = 0.0
+    bytes_received: float = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {"session": self.session, "steps": self.steps, "compute_s": self.compute_s,
-                "bytes_sent": self.bytes_sent}
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
 
     @classmethod
     def of(cls, state: dict[str, Any]) -> Session:
         return cls(session=int(state.get("session", 0)), steps=int(state.get("steps", 0)),
-                   compute_s=finite(state.get("compute_s")), bytes_sent=finite(state.get("bytes_sent")))
+                   compute_s=finite(state.get("compute_s")), bytes_sent=finite(state.get("bytes_sent")),
+                   bytes_received=finite(state.get("bytes_received")))
 
 
 @dataclass
@@ -86,9 +89,11 @@ class IslandState:
         while len(self.sessions) > SESSION_WINDOW:
             old = self.sessions.pop(0)
             self.closed = Session(self.closed.session + 1, self.closed.steps + old.steps,
-                                  self.closed.compute_s + old.compute_s, self.closed.bytes_sent + old.bytes_sent)
+                                  self.closed.compute_s + old.compute_s, self.closed.bytes_sent + old.bytes_sent,
+                                  self.closed.bytes_received + old.bytes_received)
 
-    def report(self, steps: Any = None, compute_s: Any = None, bytes_sent: Any = None) -> None:
+    def report(self, steps: Any = None, compute_s: Any = None, bytes_sent: Any = None,
+               bytes_received: Any = None) -> None:
         """The current session's figures so far, as the island reports them (a value that is not a finite
         number >= 0 is ignored; figures only grow within a session)."""
         if not self.sessions:
@@ -96,16 +101,18 @@ class IslandState:
         s = self.sessions[-1]
         if isinstance(steps, int) and steps >= 0:
             s.steps = max(s.steps, steps)
-        c, b = finite(compute_s, -1.0), finite(bytes_sent, -1.0)
+        c, b, r = finite(compute_s, -1.0), finite(bytes_sent, -1.0), finite(bytes_received, -1.0)
         s.compute_s = max(s.compute_s, c)
         s.bytes_sent = max(s.bytes_sent, b)
+        s.bytes_received = max(s.bytes_received, r)
 
     def total(self) -> Session:
         """Its figures summed over every session (``session``: the sessions counted)."""
         return Session(self.closed.session + len(self.sessions),
                        self.closed.steps + sum(s.steps for s in self.sessions),
                        self.closed.compute_s + sum(s.compute_s for s in self.sessions),
-                       self.closed.bytes_sent + sum(s.bytes_sent for s in self.sessions))
+                       self.closed.bytes_sent + sum(s.bytes_sent for s in self.sessions),
+                       self.closed.bytes_received + sum(s.bytes_received for s in self.sessions))
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed part (JSON-able)."""

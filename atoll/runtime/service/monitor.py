@@ -150,7 +150,7 @@ class Monitor:
             refused_calls = dict(server.refused_calls)
             refused_pushes = dict(service.syncer.rejected_by_reason)
             heard = [None if i.heard is None else service._now() - i.heard for i in service.islands]
-            bytes_out = server.bulk.bytes_out
+            bytes_out, out_by_island = server.bulk.bytes_out, list(server.bulk.bytes_out_by_island)
             calls = dict(server.calls)
             params = service.syncer.global_params() if self._eval_due(p) else None
         run_s = p["run_s"]
@@ -178,7 +178,7 @@ class Monitor:
         self._train(p, step)
         if params is not None:
             self._eval(p, params)
-        view = self._view(p, states, heard, refused_calls, refused_pushes, bytes_out, calls)
+        view = self._view(p, states, heard, refused_calls, refused_pushes, bytes_out, calls, out_by_island)
         self.current = view
         if self.lines.due() or (final and self.lines.every_s > 0):
             self.lines.write(self.line(view))
@@ -249,14 +249,17 @@ class Monitor:
 
     # --- what is shown ------------------------------------------------------------------------------------
     def _view(self, p: dict[str, Any], states: list[str], heard: list[float | None], refused_calls: dict[str, int],
-              refused_pushes: dict[str, int], bytes_out: int, calls: dict[str, int]) -> dict[str, Any]:
+              refused_pushes: dict[str, int], bytes_out: int, calls: dict[str, int],
+              out_by_island: list[int] | None = None) -> dict[str, Any]:
         run_s = p["run_s"]
         recent = list(p["staleness"])[-RECENT:]
         goodput = p["merged_tokens"] / run_s / self.peak_rate if self.peak_rate > 0 and run_s > 0 else None
         islands = [{"island": i, "state": states[i], "steps": p["steps_by_island"][i], "loss": p["loss_by_island"][i],
                     "silent_s": heard[i], "since_push_s": None if self.last_push_s[i] is None
                     else max(0.0, run_s - self.last_push_s[i]), "joins": self.joins[i],
-                    "bytes_in": p["bytes_by_island"][i]} for i in range(self.islands)]
+                    "bytes_in": p["bytes_by_island"][i],
+                    "bytes_out": out_by_island[i] if out_by_island is not None else None}
+                   for i in range(self.islands)]
         last_eval = self.evals[-1] if self.evals else None
         return {"uptime_s": time.monotonic() - self.t0, "run_s": run_s, "islands": islands,
                 "shard": self.server.service.shard.shard if self.server.service.shard is not None else None,

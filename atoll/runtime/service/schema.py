@@ -120,7 +120,8 @@ class HelloRequest(JoinRequest):
 
 class ReserveStepsRequest(Record):
     """``ReserveSteps``: a lease of ``n`` steps; ``used``: the steps of its session taken; its last loss and lr;
-    its session's ``compute_s`` and ``bytes_sent`` so far (summed over its sessions for the run's summary)."""
+    its session's ``compute_s``, ``bytes_sent`` and ``bytes_received`` so far (summed over its sessions for the
+    run's summary)."""
 
     n: Annotated[int, Field(ge=1, lt=1 << 20)] = 1
     used: Int | None = None
@@ -129,6 +130,7 @@ class ReserveStepsRequest(Record):
     session: Session = None
     compute_s: Figure | None = None
     bytes_sent: Figure | None = None
+    bytes_received: Figure | None = None
 
 
 class BufferedRequest(Record):
@@ -177,6 +179,7 @@ class LeaveRequest(Record):
     steps: Int | None = None
     compute_s: Figure | None = None
     bytes_sent: Figure | None = None
+    bytes_received: Figure | None = None
     last_loss: Reported = None
     codec_s: Figure | None = None
     resets: Int | None = None

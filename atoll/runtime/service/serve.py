@@ -380,14 +380,18 @@ def finish_run(config: TrainConfig, out: Path, state: SyncerServer, final: dict[
         run.prior_wall_s = finite(final.get("clock_s", 0.0))
     totals = [Session.of(t) for t in final["island_totals"]]
     bytes_sent = [t.bytes_sent for t in totals]
+    bytes_received = [t.bytes_received for t in totals]
     tokens = sum(final["steps_by_island"]) * config.tokens_per_step
     run_s = finite(final["run_s"])
-    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, run_s)
+    run.log_eval(config.steps, tokens, final["global"], sum(bytes_sent) / config.islands, run_s,
+                 sum(bytes_received) / config.islands)
     run.save_checkpoint(config.steps, {"strategy": "decoupled", "versions": final["versions"]}, final["global"])
     compute = [t.compute_s for t in totals]
     sessions = [[{**x, "tokens": x["steps"] * config.tokens_per_step} for x in island] for island in final["sessions"]]
-    return run.finish(tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands, compute_s=max(compute),
-                      sim_wall_s=None, bytes_sent_by_island=bytes_sent, fragments=config.strategy_config.fragments,
+    return run.finish(tokens=tokens, bytes_sent_per_island=sum(bytes_sent) / config.islands,
+                      bytes_received_per_island=sum(bytes_received) / config.islands, compute_s=max(compute),
+                      sim_wall_s=None, bytes_sent_by_island=bytes_sent, bytes_received_by_island=bytes_received,
+                      fragments=config.strategy_config.fragments,
                       **final["stats"], run_s=run_s,
                       steps_per_island=final["steps_by_island"], useful_tokens=final["merged_tokens"],
                       island_utilization=[c / run_s if run_s > 0 else 0.0 for c in compute],

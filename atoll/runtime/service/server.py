@@ -269,7 +269,8 @@ class SyncerServer:
                 return schema.ReserveStepsReply(granted=0, wait=True)
             if why is None:
                 granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss,
-                                                     lr=req.lr, compute_s=req.compute_s, bytes_sent=req.bytes_sent)
+                                                     lr=req.lr, compute_s=req.compute_s, bytes_sent=req.bytes_sent,
+                                                     bytes_received=req.bytes_received)
                 return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
         self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
 
@@ -402,7 +403,8 @@ class SyncerServer:
         with self.lock:
             why = self._stale(island, req.session)  # an older session's Leave never ends the present one's lease
             if why is None:
-                returned = self.service.leave_session(island, req.used, req.compute_s, req.bytes_sent)
+                returned = self.service.leave_session(island, req.used, req.compute_s, req.bytes_sent,
+                                                      req.bytes_received)
                 self.left[island] = report
                 self._save_left()
                 return schema.LeaveReply(ok=True, returned=returned, **self.shards.grant(island))

@@ -74,11 +74,13 @@ class ViewCollector:
                       ("island_loss", "the island's last training loss (nats per token)", "loss"),
                       ("island_silent_seconds", "seconds since the island's last call", "silent_s"),
                       ("island_since_push_seconds", "seconds of the run's clock since its last push", "since_push_s"),
-                      ("island_bytes_received", "bytes of its pushes", "bytes_in"))
+                      ("island_bytes_received", "bytes of its pushes", "bytes_in"),
+                      ("island_bytes_sent", "bytes of the global fragments served to it (safetensors, with "
+                       "their headers)", "bytes_out"))
         for name, text, key in per_island:
             family = GaugeMetricFamily(f"atoll_syncer_{name}", text, labels=["island"])
             for i in v["islands"]:
-                if i[key] is not None:
+                if i.get(key) is not None:
                     family.add_metric([str(i["island"])], float(i[key]))
             yield family
         up = GaugeMetricFamily("atoll_syncer_island_up", "1 while the island is alive", labels=["island"])

@@ -370,13 +370,15 @@ class SyncerService:
         return go, self._buffered(island)
 
     def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
-                      lr: Any = None, compute_s: Any = None, bytes_sent: Any = None) -> int:
+                      lr: Any = None, compute_s: Any = None, bytes_sent: Any = None,
+                      bytes_received: Any = None) -> int:
         """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease), at most
         :meth:`lease_share`: the steps granted (fewer than ``n``: the budget is spent), each entered in the
         syncer's token ledger. ``used``: the steps of its session the island has used so far
         (:meth:`release_steps` gives the rest back if it never returns); ``loss``, ``lr``: as
-        :meth:`reserve_step`; ``compute_s``, ``bytes_sent``: the session's figures so far (seconds of compute,
-        bytes; :meth:`IslandState.report <atoll.runtime.service.island_state.IslandState.report>`).
+        :meth:`reserve_step`; ``compute_s``, ``bytes_sent``, ``bytes_received``: the session's figures so far
+        (seconds of compute, bytes of its pushes, bytes of the global fragments it pulled;
+        :meth:`IslandState.report <atoll.runtime.service.island_state.IslandState.report>`).
 
         Raises:
             ValueError: ``island`` is not one of the run's, or ``n`` is not a positive int.
@@ -389,7 +391,7 @@ class SyncerService:
         state.last_seen = state.heard = self._now()
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
             state.last_loss, state.last_lr = loss, lr
-        state.report(compute_s=compute_s, bytes_sent=bytes_sent)
+        state.report(compute_s=compute_s, bytes_sent=bytes_sent, bytes_received=bytes_received)
         self._used(island, used)
         self._poll()
         granted = max(0, min(n, self.budget - self.reserved, self.lease_share(island)))
@@ -434,10 +436,11 @@ class SyncerService:
             self.syncer.grant(island, -n * self.run.tokens_per_step)
         return n
 
-    def leave_session(self, island: int, used: Any, compute_s: Any = None, bytes_sent: Any = None) -> int:
+    def leave_session(self, island: int, used: Any, compute_s: Any = None, bytes_sent: Any = None,
+                      bytes_received: Any = None) -> int:
         """``island`` leaves, having used ``used`` steps of its session: the rest of its lease goes back to the
-        budget and out of its ledger (:meth:`release_steps`); returns those steps. ``compute_s``, ``bytes_sent``:
-        its session's figures at the end (its Leave report).
+        budget and out of its ledger (:meth:`release_steps`); returns those steps. ``compute_s``, ``bytes_sent``,
+        ``bytes_received``: its session's figures at the end (its Leave report).
 
         Raises:
             ValueError: ``island`` is not one of the run's.
@@ -445,7 +448,7 @@ class SyncerService:
         self._island("leave", island)
         self._used(island, used)
         state = self.islands[island]
-        state.report(compute_s=compute_s, bytes_sent=bytes_sent)
+        state.report(compute_s=compute_s, bytes_sent=bytes_sent, bytes_received=bytes_received)
         returned = self.release_steps(island, state.leased - state.lease_used, ledger=True)
         state.leased = state.lease_used = 0
         self._save_ledger()

@@ -60,6 +60,11 @@ class Pull:
     params: torch.Tensor
     version: int
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pull on the wire: its values as they travel (float32: 4 per parameter)."""
+        return self.params.numel() * self.params.element_size()
+
 
 @dataclass(frozen=True)
 class PushResult:
