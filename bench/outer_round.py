@@ -40,7 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE_COMMIT = "d2f719d"
-CASES = ("diloco_local", "diloco_collective", "streaming", "decoupled")
+CASES = ("diloco_local", "diloco_collective", "streaming", "decoupled", "diloco_int4", "streaming_int4",
+         "sparseloco", "demo", "syncer_commit")
 #: (hidden, layers, vocab) of each size, about the parameters named (millions)
 SHAPES = {1: (128, 4, 2048), 10: (256, 12, 8192), 50: (512, 16, 16384), 100: (768, 12, 32000),
           200: (1024, 12, 50304)}
@@ -96,7 +97,7 @@ def llama_like(hidden: int, layers: int, vocab: int, seed: int):
     return root
 
 
-def _islands(model, config, k: int):
+def _islands(model, config, k: int, make_opt=None):
     """K islands around copies of ``model``, each moved a little away from it, with tokens trained."""
     import torch
 
@@ -108,7 +109,7 @@ def _islands(model, config, k: int):
         with torch.no_grad():
             for p in replica.parameters():
                 p.add_(1e-3 * (i + 1))
-        opt = torch.optim.SGD(replica.parameters(), lr=0.0)
+        opt = torch.optim.SGD(replica.parameters(), lr=0.0) if make_opt is None else make_opt(replica)
         island = Island(i, replica, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
         island.tokens = 1000 * (i + 1)
         islands.append(island)
@@ -170,10 +171,49 @@ def worker(case: str, size: int, repeats: int) -> dict:
             strategy.outer_step(8 * (r + 1))
             if r:  # the first round is a warm-up (the outer momentum is allocated)
                 times.append(time.perf_counter() - t0)
-    elif case == "streaming":
+    elif case in ("diloco_int4", "sparseloco"):
+        if case == "diloco_int4":
+            from atoll.strategies.diloco import DiLoCo as cls
+        else:
+            from atoll.strategies.sparseloco import SparseLoCo as cls
+        if case == "diloco_int4":
+            config = TrainConfig(strategy="diloco", **{**common, "codec": "int4"})
+        else:  # sparseloco compresses its own way: no codec
+            config = TrainConfig(strategy="sparseloco", **{k: v for k, v in common.items() if k != "codec"})
+        islands = _islands(model, config, ISLANDS)
+        del model
+        comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
+        strategy = _strategy(cls, config, islands, comm)
+        for r in range(repeats + 1):
+            _nudge(islands)
+            t0 = time.perf_counter()
+            strategy.outer_step(8 * (r + 1))
+            if r:
+                times.append(time.perf_counter() - t0)
+    elif case == "demo":
+        from atoll.strategies.demo import DeMoStrategy, make_optimizer
+
+        config = TrainConfig(strategy="demo", **{k: v for k, v in common.items() if k not in ("sync_every", "codec")})
+        own = config.strategy_config
+        islands = _islands(model, config, ISLANDS, lambda m: make_optimizer([{"params": list(m.parameters())}], own))
+        del model
+        comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
+        strategy = _strategy(DeMoStrategy, config, islands, comm)
+        gen = torch.Generator().manual_seed(1)
+        for r in range(repeats + 1):
+            for island in islands:  # a gradient per parameter and a finite loss, as after a backward pass
+                island.last_loss = 1.0
+                for p in island.params:
+                    p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=gen)
+            t0 = time.perf_counter()
+            strategy.step(r)  # one step: every island encodes, the payloads are all-gathered, every island applies
+            if r:
+                times.append(time.perf_counter() - t0)
+    elif case in ("streaming", "streaming_int4"):
         from atoll.strategies.streaming import StreamingDiLoCo
 
-        config = TrainConfig(strategy="streaming", fragments=FRAGMENTS, overlap_steps=0, mixing_alpha=0.5, **common)
+        config = TrainConfig(strategy="streaming", fragments=FRAGMENTS, overlap_steps=0, mixing_alpha=0.5,
+                             **{**common, "codec": "int4" if case == "streaming_int4" else "fp32"})
         islands = _islands(model, config, ISLANDS)
         del model
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
@@ -185,7 +225,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
                 strategy._start(p, 8 * r + p, overlap=0)
             if r:
                 times.append(time.perf_counter() - t0)
-    elif case == "decoupled":
+    elif case in ("decoupled", "syncer_commit"):
         from atoll.runtime.decoupled_job import job_of, syncer_of
         from atoll.strategies.decoupled.island import IslandWorker
 
@@ -201,15 +241,19 @@ def worker(case: str, size: int, repeats: int) -> dict:
             _nudge([w.island for w in workers])
             for w in workers:
                 w.tokens_since = [1000] * FRAGMENTS
-            t0 = time.perf_counter()
+            t0, snapshots = time.perf_counter(), 0.0
             for p in range(FRAGMENTS):  # one window: every island pushes fragment p, the quorum merges, all adopt
                 for w in workers:
                     result = syncer.push(w.push(p), now=float(r))
                     assert result.accepted, result.reason
+                if case == "syncer_commit":  # the service checkpoints at every commit: its snapshot of the state
+                    t1 = time.perf_counter()
+                    syncer.state_dict()
+                    snapshots += time.perf_counter() - t1
                 for w in workers:
                     w.adopt(syncer.pull(p))
             if r:
-                times.append(time.perf_counter() - t0)
+                times.append(snapshots if case == "syncer_commit" else time.perf_counter() - t0)
         assert syncer.commits == (repeats + 1) * FRAGMENTS
     else:
         raise ValueError(f"case: {case!r} is not one of {CASES}")
@@ -242,9 +286,9 @@ def finite_checks(size: int, repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # the driver
 
-def before_tree(folder: Path) -> Path:
-    """``atoll/`` of commit d2f719d, extracted under ``folder`` (``git archive``; the repository is untouched)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE_COMMIT, "atoll"], check=True,
+def before_tree(folder: Path, commit: str = BEFORE_COMMIT) -> Path:
+    """``atoll/`` of ``commit``, extracted under ``folder`` (``git archive``; the repository is untouched)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "atoll"], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
     return folder
@@ -288,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild", nargs="+", type=Path, metavar="ROWS_JSON",
                         help="write results.json/.md from the rows of interrupted runs (rows.partial.json files)")
     parser.add_argument("--command", default=None, help="with --rebuild: the command(s) that measured the rows")
+    parser.add_argument("--before", default=BEFORE_COMMIT,
+                        help=f"the commit measured as before [{BEFORE_COMMIT}: the round before issue 25; the cases "
+                        "after decoupled need a commit from issue 36 on]")
     parser.add_argument("--worker", choices=CASES, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -309,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     before_run = uptime()
     with tempfile.TemporaryDirectory(prefix="atoll-before-") as tmp:
-        variants = {"before": before_tree(Path(tmp)), "after": ROOT}
+        variants = {"before": before_tree(Path(tmp), args.before), "after": ROOT}
         for size in sizes:
             for case in cases:
                 order = ("before", "after") if len(rows) % 4 == 0 else ("after", "before")  # alternate who goes first
@@ -322,12 +369,12 @@ def main(argv: list[str] | None = None) -> int:
                           f"load {row['load_before']:.2f}->{row['load_after']:.2f}  rss {row['peak_rss_gb']:.1f} GB",
                           flush=True)
     write_results(rows, args.out, "OMP_NUM_THREADS=1 python bench/outer_round.py " + " ".join(argv or sys.argv[1:]),
-                  finite_checks(50, args.repeats), (before_run, uptime()))
+                  finite_checks(50, args.repeats), (before_run, uptime()), args.before)
     return 0
 
 
 def write_results(rows: list[dict], out: Path, command: str, checks: dict,
-                  uptimes: tuple[str, str] | None = None) -> None:
+                  uptimes: tuple[str, str] | None = None, before: str = BEFORE_COMMIT) -> None:
     """``results.json`` and ``results.md`` of ``rows`` (the projection at the largest size measured)."""
     sizes = sorted({r["size_m"] for r in rows})
     cases = [c for c in CASES if any(r["case"] == c for r in rows)]
@@ -339,21 +386,23 @@ def write_results(rows: list[dict], out: Path, command: str, checks: dict,
     measured = {c: {v: by[(c, largest, v)] for v in ("before", "after")} for c, m in both if m == largest}
     projection = exchange_table(measured)
     result = {"command": command,
-              "before_commit": BEFORE_COMMIT, "islands": ISLANDS, "fragments": FRAGMENTS, "torch_threads": 1,
+              "before_commit": before, "islands": ISLANDS, "fragments": FRAGMENTS, "torch_threads": 1,
               "cpu_count": os.cpu_count(), "rows": rows, "finite_checks_ns_per_element_50m": checks,
               "projection_size_m": largest, "projection": projection,
               **({"uptime_before": uptimes[0], "uptime_after": uptimes[1]} if uptimes else {})}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "rows.partial.json").unlink(missing_ok=True)
     md = [f"# Outer round, ns per parameter (one torch thread, K = {ISLANDS}, P = {FRAGMENTS}, fp32 exchanges)", "",
-          f"Command: `{result['command']}`; before = `{BEFORE_COMMIT}`, after = this commit, in the same run.",
+          f"Command: `{result['command']}`; before = `{before}`, after = this commit, in the same run.",
           f"Load is the 1-minute load average of this {os.cpu_count()}-core machine before and after each process.",
           *([f"`uptime` before the run: `{uptimes[0]}`; after: `{uptimes[1]}`."] if uptimes else []), "",
           table(rows), "",
           f"Finite checks at 50M float32 elements: `isfinite(t).all()` {checks['isfinite_all']:.2f} ns/element, "
           f"`isfinite(t.sum())` {checks['isfinite_sum']:.2f}.", "",
           f"## Projection against a GPU's inner step (ns/param measured at {largest}M)", "",
-          format_exchange_table(projection)]
+          format_exchange_table(projection),
+          *(["", "demo: its round is every inner step (H = 1), so its least H x tokens is the tokens per step."]
+            if "demo" in measured else [])]
     (out / "results.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

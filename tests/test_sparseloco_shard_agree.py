@@ -27,7 +27,8 @@ def test_a_pseudo_gradient_not_finite_on_one_rank_is_dropped_on_both() -> None:
     out: list = [None, None]
 
     def rank(r: int) -> None:
-        me = SimpleNamespace(_island_sum=island_sum(r))
+        me = SimpleNamespace(_island_sum=island_sum(r), _scratch=lambda n: torch.empty(n))
+        me._weighted_sum = lambda sending: SparseLoCo._weighted_sum(me, sending)
         out[r] = SparseLoCo._agree(me, [shards[r]], [1])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]

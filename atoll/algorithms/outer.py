@@ -54,6 +54,7 @@ class OuterOptimizer:
         self.version = 0
         self._landing: torch.Tensor | None = None  # pinned buffer for a pseudo-gradient from a device
         self._norm: tuple[int, float] | None = None  # (version, norm of the globals at it)
+        self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, state_dict at it)
 
     def params_norm(self) -> float:
         """The L2 norm of the global parameters, computed once per version (a syncer checks every push
@@ -82,13 +83,23 @@ class OuterOptimizer:
         return self.params.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        # deep copy: torch's optimizer state_dict shares its buffers, which the next step mutates in place
-        return {"params": self.params.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "version": self.version}
+        """A snapshot of the globals and the outer momentum at this version (copies: the next step does not change
+        them). Copied once per version: until the next :meth:`step` or :meth:`load_state_dict` every call returns
+        the same tensors (never changed afterwards), so a syncer that checkpoints at every commit copies only the
+        fragment that stepped, not the whole model (bench/outer_round.py). Treat the tensors as read-only."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            # deep copy: torch's optimizer state_dict shares its buffers, which the next step mutates in place
+            self._snapshot = (self.version, {"params": self.params.detach().clone(),
+                                             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                                             "version": self.version})
+        return dict(self._snapshot[1])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             self.params.copy_(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # a copy: torch's load keeps the given momentum tensor itself, which the next step would change in place
+        # (and ``state`` may be another optimizer's snapshot, read-only)
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.version = int(state["version"])
         self._norm = None
+        self._snapshot = None

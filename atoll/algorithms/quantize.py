@@ -274,9 +274,20 @@ class _IntCodec(_BlockCodec):
         return self._dequantize(v, enc.tensors["scales"], enc.numel, _unpack_nibbles)
 
 
+# the float32 pair (low nibble, high nibble) - 8 of each of the 256 int4 bytes: decoding by table lookup
+_INT4_TABLE = torch.stack([torch.arange(256) & 0x0F, torch.arange(256) >> 4], dim=1).sub_(8).float()
+
+
 def _unpack_nibbles(v: torch.Tensor, a: int, b: int, dst: torch.Tensor) -> None:
     """Write elements ``[a, b)`` (``a`` even) of int4's packed bytes ``v`` (uint8), ``q`` in ``[-8, 7]``, into the
-    float32 ``dst``."""
+    float32 ``dst``: on the CPU one lookup per byte of its two values (exact small integers) into ``dst``."""
     byte = v[a // 2 : (b + 1) // 2]
-    nib = torch.stack([byte & 0x0F, byte >> 4], dim=1).view(-1)[: b - a]
-    dst.copy_(nib.view(torch.int8).sub_(8))
+    if byte.device.type != "cpu":
+        nib = torch.stack([byte & 0x0F, byte >> 4], dim=1).view(-1)[: b - a]
+        dst.copy_(nib.view(torch.int8).sub_(8))
+        return
+    whole = (b - a) // 2  # bytes whose two values are both in [a, b)
+    index = byte.to(torch.int32)
+    torch.index_select(_INT4_TABLE, 0, index[:whole], out=dst[: 2 * whole].view(whole, 2))
+    if (b - a) % 2:  # the last element: the low nibble of the last byte (its high nibble is the pad)
+        dst[-1] = _INT4_TABLE[index[whole], 0]

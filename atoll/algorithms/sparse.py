@@ -197,12 +197,10 @@ class SparseCompressor:
         """The payload of ``x`` (float32, (numel,)): ``indices`` (n,) within each tile (tile by tile), and
         ``signs`` (the 2-bit level codes, (ceil(n / 4),) uint8) with ``levels`` (C, 2) float32 ``[lo, hi]``
         for ``bits=2``, or ``values`` (n,) float32 for ``bits=32``."""
-        flat = torch.cat([x.detach().reshape(-1).float(), x.new_zeros(1, dtype=torch.float32)])
+        flat = x.detach().reshape(-1).float()
         idx_parts, val_parts, levels, codes = [], [], [], []
-        for gather, k in self.groups:
-            xc = flat[gather]
-            idx = torch.topk(xc.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-            vals = xc.gather(1, idx)
+        for k, tiles in self._select(flat):
+            idx, vals = (torch.cat(t) for t in zip(*tiles, strict=True))
             idx_parts.append(idx.reshape(-1))
             if self.bits == 32:
                 val_parts.append(vals.reshape(-1))
@@ -218,6 +216,52 @@ class SparseCompressor:
         if self.bits == 32:
             return {**out, "values": torch.cat(val_parts)}
         return {**out, "signs": pack_2bit(torch.cat(codes)), "levels": torch.cat(levels)}
+
+    def _select(self, flat: torch.Tensor) -> list[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Per group (:attr:`groups`' order): its k and, in pieces of consecutive tiles, the sorted indices
+        (tiles, k) int64 of each tile's k entries of largest magnitude and their values (tiles, k) float32.
+
+        Tiles: each parameter's tiles are copied (a strided view, row-blocks at a time of about 1 MiB) into one
+        scratch buffer, so no table of positions is read and nothing of the model's size is allocated; every
+        tile is selected alone, so its entries are those of one selection over the whole group. Flat chunks:
+        gathered through the positions' table (the padding points at a zero after the vector)."""
+        if self.layout != "tiles":
+            flat = torch.cat([flat, flat.new_zeros(1)])
+            out = []
+            for gather, k in self.groups:
+                xc = flat[gather]
+                idx = torch.topk(xc.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+                out.append((k, [(idx, xc.gather(1, idx))]))
+            return out
+        scratch = torch.empty(0, dtype=torch.float32)
+        out = []
+        for (e, k), members in self._tile_plan.items():
+            pieces = []
+            for offset, rows, cols, h, w in members:
+                blocks = flat[offset:offset + rows * cols].view(rows // h, h, cols // w, w)
+                step = max(1, (1 << 18) // (h * cols))  # row-blocks per piece
+                for a in range(0, rows // h, step):
+                    part = blocks[a:a + step]
+                    n = part.numel()
+                    if scratch.numel() < n:
+                        scratch = torch.empty(n, dtype=torch.float32)
+                    xc = scratch[:n].view(part.shape[0], cols // w, h, w).copy_(part.permute(0, 2, 1, 3))
+                    xc = xc.view(-1, e)
+                    idx = torch.topk(xc.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+                    pieces.append((idx, xc.gather(1, idx)))
+            out.append((k, pieces))
+        return out
+
+    @functools.cached_property
+    def _tile_plan(self) -> dict[tuple[int, int], list[tuple[int, int, int, int, int]]]:
+        """Tiles: per group (tile elements, k), in order of first appearance, its parameters in flat order as
+        ``(offset, rows, cols, h, w)`` (:func:`_tile_grid`)."""
+        plan: dict[tuple[int, int], list[tuple[int, int, int, int, int]]] = {}
+        offset = 0
+        for d, (e, k, _) in zip(self.shapes, self._plan, strict=True):
+            plan.setdefault((e, k), []).append((offset, *_tile_grid(d, self._side)))
+            offset += math.prod(d)
+        return plan
 
     def _entries(self, payload: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A payload's entries, checked against this compressor's sizes: its indices (n,) as sent, and its
@@ -320,13 +364,24 @@ class SparseCompressor:
         out[pos] = vals
         return out[:-1]
 
+    def subtract_(self, x: torch.Tensor, payload: dict[str, torch.Tensor]) -> torch.Tensor:
+        """In place, ``x.sub_(decompress(payload))`` (the same floats: ``x − 0`` is ``x``) without the dense
+        (numel,) vector: only the payload's entries are read and written. ``x``: float32 (numel,), contiguous.
+        Returns ``x``. Raises ValueError as :meth:`positions_and_values`."""
+        pos, vals = self.positions_and_values(payload)
+        if self.layout != "tiles":  # a flat chunk's padding (position numel) sets nothing
+            keep = pos < self.numel
+            pos, vals = pos[keep], vals[keep]
+        x[pos] = x[pos] - vals  # positions within a payload are distinct
+        return x
+
     def parameter_of(self, positions: torch.Tensor) -> torch.Tensor:
         """The parameter index (0..P-1) of each flat position, int64 of the same shape; a flat chunk's padding
         (position ``numel``) gets index P."""
         return torch.bucketize(positions, self.ends, right=True)
 
     def aggregate(self, payloads: Sequence[dict[str, torch.Tensor]], weights: Sequence[float],
-                  clip: str = "median") -> torch.Tensor:
+                  clip: str = "median", out: torch.Tensor | None = None) -> torch.Tensor:
         """The islands' combined update, float32 (numel,) (module docstring, "Aggregation").
 
         With ``clip="median"`` each island's values for a parameter tensor are first scaled by
@@ -335,6 +390,9 @@ class SparseCompressor:
         that sent it, ``sum_i w_i v_i / sum_i w_i`` over senders i of that entry (0 where nobody sent it); with
         equal weights the reference's ``scatter_reduce(mean, include_self=False)``. Payloads of weight 0 count
         nowhere, in the median neither.
+
+        ``out``: a float32 (numel,) tensor to write the result into (kept by the caller across rounds), or None
+        for a fresh one. The float64 sums live in buffers this compressor keeps (16 bytes per element each).
 
         Raises:
             ValueError: no positive weight, an unknown clip, or a malformed payload.
@@ -352,9 +410,14 @@ class SparseCompressor:
                                  for o, (_, vals) in zip(owner, decoded, strict=True)])  # (islands, tensors)
             factor = (norms.median(dim=0).values / (norms + CLIP_EPS)).clamp(max=1.0)
             decoded = [(pos, vals * f[o]) for (pos, vals), f, o in zip(decoded, factor, owner, strict=True)]
-        num = torch.zeros(self.numel + 1, dtype=torch.float64)
-        den = torch.zeros(self.numel + 1, dtype=torch.float64)
+        sums = self.__dict__.get("_sums")
+        if sums is None:
+            sums = self.__dict__["_sums"] = torch.empty(2, self.numel + 1, dtype=torch.float64)
+        num, den = sums.zero_()
         for (pos, vals), (_, w) in zip(decoded, live, strict=True):
             num.index_add_(0, pos, vals.double() * w)
             den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
-        return torch.where(den[:-1] > 0, num[:-1] / den[:-1].clamp(min=1e-300), 0.0).float()
+        # where(den > 0, num / den.clamp(min=1e-300), 0) in place: where den is 0 nobody sent, num is +0.0 and
+        # 0 / 1e-300 is +0.0; elsewhere den >= the least positive weight, above the clamp
+        mean = num[:-1].div_(den[:-1].clamp_(min=1e-300))
+        return mean.float() if out is None else out.copy_(mean)

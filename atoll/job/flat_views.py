@@ -113,6 +113,23 @@ class FlatViews:
             buf = buffers[fragment] = torch.empty(numel, dtype=torch.float32)
         return buf
 
+    @staticmethod
+    def _mix_cpu(views: list[torch.Tensor], global_flat: torch.Tensor, alpha: float) -> None:
+        """:meth:`mix_params` on the CPU in slices of 64 Ki elements through one small scratch buffer: per element
+        ``θ·α`` rounded, plus ``θ_global·(1 − α)`` rounded (the same two products and sum as on whole tensors),
+        with no temporary of the fragment's size."""
+        step = 1 << 16
+        scratch = torch.empty(step, dtype=torch.float32)
+        with torch.no_grad():
+            offset = 0
+            for v in views:
+                n = v.numel()
+                for a in range(0, n, step):
+                    b = min(a + step, n)
+                    scaled = torch.mul(global_flat[offset + a:offset + b], 1 - alpha, out=scratch[:b - a])
+                    v[a:b].mul_(alpha).add_(scaled)
+                offset += n
+
     def mix_params(self, global_flat: torch.Tensor, alpha: float, fragment: FlatFragment | None = None) -> None:
         """θ ← α·θ + (1 − α)·θ_global, in place, for all parameters or ``fragment``'s (Streaming DiLoCo's
         mixing, arXiv:2501.18512 §2.3); ``alpha`` = 0 copies the global. ``global_flat``: float32 (numel,).
@@ -121,6 +138,9 @@ class FlatViews:
             self.set_flat_params(global_flat, fragment)
             return
         views = self.param_views(fragment)
+        if self.device.type == "cpu" and global_flat.device.type == "cpu" and global_flat.dtype == torch.float32:
+            self._mix_cpu(views, global_flat.reshape(-1), alpha)
+            return
         scaled = (1 - alpha) * global_flat.reshape(-1).to(self.device, torch.float32, non_blocking=True)
         with torch.no_grad():
             offset = 0

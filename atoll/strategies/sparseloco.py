@@ -44,7 +44,6 @@ from pydantic import Field, model_validator
 
 from atoll.algorithms.dct import index_dtype_for
 from atoll.algorithms.finite import all_finite
-from atoll.algorithms.outer import pseudo_gradient
 from atoll.algorithms.sparse import SparseCompressor
 from atoll.analysis.cost import Cost, Setting
 from atoll.config.sections import AdamWSection
@@ -152,7 +151,8 @@ class SparseLoCo(OuterRounds):
             Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
         """
         beta, rate = self.config.sparseloco_beta, self.config.outer_lr
-        deltas = [pseudo_gradient(self.outer.params, island.flat_params()) for island in self.islands]
+        # each island's Δ in a buffer it keeps (the same floats as pseudo_gradient(globals, flat_params()))
+        deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
         weights = self.round_weights()
         dropped, plain = self._agree(deltas, weights)
         payloads = []
@@ -187,11 +187,30 @@ class SparseLoCo(OuterRounds):
         bad = [not all_finite(d) for d in deltas]
         sending = [(d, w) for d, w, b in zip(deltas, weights, bad, strict=True) if not b and w > 0]
         # the float32 norm squared in float64 (exact, and its square root gives the norm back bit for bit)
-        square = float(torch.stack([d * w for d, w in sending]).sum(0).norm()) ** 2 if sending else 0.0
+        square = float(self._weighted_sum(sending).norm()) ** 2 if sending else 0.0
         sums = self._island_sum(torch.tensor([*map(float, bad), square], dtype=torch.float64)).tolist()
         dropped = [b > 0 for b in sums[:-1]]
         total = sum(w for w, b in zip(weights, dropped, strict=True) if not b and w > 0)
         return dropped, math.sqrt(sums[-1]) / total if total > 0 else 0.0
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """A float32 (numel,) buffer kept across rounds for the diagnostics' whole-vector intermediates (a fresh
+        one costs a page fault per 4 KiB, more than the arithmetic); its contents hold until the next call."""
+        buf = self.__dict__.get("_scratch_buf")
+        if buf is None or buf.numel() != numel:
+            buf = self.__dict__["_scratch_buf"] = torch.empty(numel, dtype=torch.float32)
+        return buf
+
+    def _weighted_sum(self, sending: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """``Σ w_i Δ_i``, float32 (numel,), as ``torch.stack([d * w ...]).sum(0)`` computes it (the same floats:
+        the stack and its sum over the islands run on slices of 64 Ki elements, each element's sum in the same
+        order), in :meth:`_scratch`: no (islands, numel) stack."""
+        out = self._scratch(sending[0][0].numel())
+        step = 1 << 16
+        for a in range(0, out.numel(), step):
+            b = min(a + step, out.numel())
+            torch.sum(torch.stack([d[a:b] * w for d, w in sending]), 0, out=out[a:b])
+        return out
 
     def _island_sum(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over the ranks of this process's island: itself, an island's ranks each holding
@@ -201,16 +220,19 @@ class SparseLoCo(OuterRounds):
     def _send(self, position: int) -> tuple[dict[str, torch.Tensor], float, float]:
         """Local island ``position``'s payload of its accumulator, what it sends removed from it (SparseLoCo
         Algorithm 1, ``e ← e − C(e)``), and the accumulator's squared norm before and after."""
-        error = self.error[position]
-        before = float(error.square().sum())
+        error, scratch = self.error[position], self._scratch(self.error[position].numel())
+        before = float(torch.square(error, out=scratch).sum())
         payload = self.compressor.compress(error)
-        error.sub_(self.compressor.decompress(payload))
-        return payload, before, float(error.square().sum())
+        self.compressor.subtract_(error, payload)  # error.sub_(decompress(payload)) without the dense vector
+        return payload, before, float(torch.square(error, out=scratch).sum())
 
     def _aggregate(self, gathered: list[dict[str, torch.Tensor]], weights: list[float]) -> tuple[torch.Tensor, float]:
         """The islands' combined update (:meth:`SparseCompressor.aggregate`), float32 shaped as this process's
         flat vector, and the whole update's norm."""
-        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip)
+        out = self.__dict__.get("_agg_buf")
+        if out is None or out.numel() != self.compressor.numel:
+            out = self.__dict__["_agg_buf"] = torch.empty(self.compressor.numel, dtype=torch.float32)
+        agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip, out=out)
         return agg, float(agg.norm())
 
     def summary(self) -> dict[str, Any]:
