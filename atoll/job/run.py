@@ -246,7 +246,7 @@ class Run:
                          tokenizer_from_cache=self.data.tokenizer_from_cache)
             self.emit("eval", step=0, tokens=0, eval_loss=self.initial_eval_loss,
                       perplexity=perplexity(self.initial_eval_loss), sim_wall_s=0.0, bytes_sent_per_island=0.0,
-                  bytes_received_per_island=0.0)
+                      bytes_received_per_island=0.0)
         if self.is_main:  # only now: a resume that failed above has left the run folder untouched
             write_text_atomic(self.out / "config.json", config.model_dump_json(indent=2))
         self.rate_mark = (time.perf_counter(), self.start_step * config.islands * config.tokens_per_step)
