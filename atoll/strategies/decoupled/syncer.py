@@ -217,10 +217,11 @@ class Syncer:
         The islands push each fragment at one wall cadence (their H proportional to their speed), so a round is
         the median push-to-push time the syncer saw (``push_gap_s``). The push is behind when the ``previous``
         merge (its first arrival, its islands) did not hold its island, held more islands than this one (or as
-        many, and the push is less than half a round behind: of two equal groups, the later one moves), and
-        began less than a round before it. Not in Decoupled DiLoCo (arXiv:2604.21428) nor Streaming DiLoCo
-        (arXiv:2501.18512), whose islands keep their schedule's phase: a stopped or restarted island otherwise
-        splits every merge of a fragment in two for the rest of the run (bench/out/service_soak, the context).
+        many, the lowest island index among them: of two equal groups exactly one moves, so they never swap
+        phases for ever), and began less than a round before it. Not in Decoupled DiLoCo (arXiv:2604.21428)
+        nor Streaming DiLoCo (arXiv:2501.18512), whose islands keep their schedule's phase: a stopped or
+        restarted island otherwise splits every merge of a fragment in two for the rest of the run
+        (bench/out/service_soak, the context).
         """
         if previous is None or not self.push_gap_s:
             return 0.0
@@ -229,8 +230,8 @@ class Syncer:
         lag = arrived_at - first
         if island in held or period <= 0 or not 0 < lag < period:
             return 0.0
-        share = lag / period
-        return share if len(held) > len(merged) or (len(held) == len(merged) and share < 0.5) else 0.0
+        return lag / period if len(held) > len(merged) or (len(held) == len(merged) and min(held) < min(merged)) \
+            else 0.0
 
     def global_params(self) -> torch.Tensor:
         """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
