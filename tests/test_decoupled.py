@@ -190,14 +190,17 @@ class _Crash(Exception):
 
 
 @pytest.mark.slow
-def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("realign", [False, True])
+def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch,
+                                                  realign: bool) -> None:
     import atoll.job.run as run_mod
     from atoll.config import load_run_config
     from atoll.job.metrics import read_metrics
 
     # chaos and speeds: islands are down, pushes in flight and buffers open at the checkpoint
     base = _decoupled(fast_config, chaos="0.6:0.2", island_speeds="1,1,0.5,0.25", sync_every=8,
-                      checkpoint_every=6, codec="int4", codec_rounding="stochastic", error_feedback=True)
+                      checkpoint_every=6, codec="int4", codec_rounding="stochastic", error_feedback=True,
+                      realign_pushes=realign)
     full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
     real_save = run_mod.save_checkpoint
 
@@ -213,7 +216,8 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
     monkeypatch.setattr(run_mod, "save_checkpoint", real_save)
     resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
     for key in ("final_eval_loss", "steps_per_island", "failures", "rejoin_s", "commits", "staleness_counts",
-                "sim_wall_s", "goodput", "bytes_sent_by_island", "rejected_updates"):
+                "sim_wall_s", "goodput", "bytes_sent_by_island", "rejected_updates", "participation",
+                "merges_all_live"):
         assert resumed[key] == full[key], key
     evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
     assert evals == [0, 8, 16], "the log of a resumed run reads as one run"

@@ -65,6 +65,7 @@ from atoll.runtime.sim_state import SimState, Transfer, Waiter
 from atoll.strategies.decoupled import DecoupledConfig, make_syncer
 from atoll.strategies.decoupled.accounting import token_buckets
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
+from atoll.strategies.decoupled.journal import Merged
 from atoll.strategies.decoupled.progress import progress_detail, syncer_events
 
 if TYPE_CHECKING:
@@ -274,15 +275,17 @@ class Simulation:
         self.next_step(i)
 
     # --- the syncer's answers ------------------------------------------------------------------------
-    def send_pull(self, p: int, t: float, waiters: list[Waiter]) -> None:
-        """Send the global fragment p as it is at time t to each waiting island, over its downlink."""
+    def send_pull(self, p: int, t: float, waiters: list[Waiter], merged: bool = False) -> None:
+        """Send the global fragment p as it is at time t to each waiting island, over its downlink (``merged``:
+        the answer to its push's merge, which says how far behind it arrived, with ``realign_pushes``)."""
         st = self.st
         pull = self.syncer.pull(p)
         for m in waiters:
             i = m.island
             st.downlink_free[i] = arrive = (max(t, st.downlink_free[i])
                                             + self.link.transfer_seconds(self.frag_bytes[p], 1))
-            st.in_flight[self.schedule(i, arrive, "pull", p)] = Transfer(i, m.epoch, pull=pull)
+            mine = replace(pull, realign=self.syncer.take_behind(i, p)) if merged and self.syncer.realign else pull
+            st.in_flight[self.schedule(i, arrive, "pull", p)] = Transfer(i, m.epoch, pull=mine)
 
     def close_windows(self, at: float, flush: bool = False) -> None:
         """Merge the buffers whose grace window has closed by ``at`` (``flush``: every open buffer) and
@@ -300,7 +303,7 @@ class Simulation:
         self.log_syncer(t)
         if not self.syncer.buffers[p].pushes and st.waiting[p]:
             waiters, st.waiting[p] = st.waiting[p], []
-            self.send_pull(p, t, [m for m in waiters if m.epoch == st.epoch[m.island]])
+            self.send_pull(p, t, [m for m in waiters if m.epoch == st.epoch[m.island]], merged=True)
 
     # --- events, checkpoints and the end -----------------------------------------------------------------
     def log_push(self, i: int, p: int, t: float, accepted: bool, reason: str | None, island_step: int) -> None:
@@ -311,9 +314,19 @@ class Simulation:
         self.log_syncer(t)
 
     def log_syncer(self, t: float) -> None:
-        """The syncer's merges and refusals since the last call, as run events (the mean step of now)."""
-        for event, fields in syncer_events(self.syncer.journal.drain()):
-            self.run.events.log(event, self.st.done // self.K, **fields)
+        """The syncer's merges and refusals since the last call, as run events (the mean step of now), and
+        each merge's participation: the islands it held over the islands alive then (not down for a failure;
+        the run's ``participation`` is the mean over merges, ``merges_all_live`` those that held them all)."""
+        st = self.st
+        records = self.syncer.journal.drain()
+        alive = sum(1 for i in range(self.K) if st.failed_at[i] is None or st.clock[i] > st.failed_at[i])
+        for r in records:
+            if isinstance(r, Merged):
+                st.merges_seen += 1
+                st.participation_sum += min(1.0, len(r.islands) / max(1, alive))
+                st.merges_all_live += len(r.islands) >= alive
+        for event, fields in syncer_events(records):
+            self.run.events.log(event, st.done // self.K, **fields)
 
     def on_the_wire(self, i: int) -> float:
         """Tokens (times fragment share) of island i's pushes on the wire in its present epoch."""
@@ -413,7 +426,10 @@ class Simulation:
             **stats, skipped_steps=sum(w.island.skipped_steps for w in self.workers),
             island_speeds=self.speeds, sim_step_s=self.own.sim_step_s, chaos=self.own.chaos,
             steps_per_island=[w.steps for w in self.workers], deferred_pushes=st.deferred_pushes,
-            lost_pushes=st.lost_pushes, useful_tokens=syncer.merged_tokens, lost_tokens=st.lost_tokens,
+            lost_pushes=st.lost_pushes,
+            participation=st.participation_sum / st.merges_seen if st.merges_seen else None,
+            merges_all_live=st.merges_all_live, realign_pushes=self.own.realign_pushes,
+            useful_tokens=syncer.merged_tokens, lost_tokens=st.lost_tokens,
             goodput=syncer.merged_tokens / sim_wall_s / self.ideal_rate if sim_wall_s > 0 else 1.0,
             island_utilization=[c / sim_wall_s if sim_wall_s > 0 else 1.0 for c in st.compute],
             failures=st.failures, rejoins=st.rejoins, rejoin_s=st.rejoin_s,

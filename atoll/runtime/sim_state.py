@@ -56,6 +56,9 @@ class SimState:
     deferred_pushes: int = 0                # pushes skipped because the fragment's previous one was in flight
     lost_pushes: int = 0                    # pushes on the wire when their island failed
     last_arrival: float = 0.0               # simulated time of the last push that reached the syncer
+    merges_seen: int = 0                    # merges (timed or final) the participation counts
+    participation_sum: float = 0.0          # over those merges: islands merged over islands alive then
+    merges_all_live: int = 0                # merges that held every island alive then
     seq: int = 0
 
     @classmethod

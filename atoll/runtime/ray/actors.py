@@ -90,7 +90,7 @@ class RayTransport:
                     if block:
                         time.sleep(0.01)  # the syncer merges at the quorum or when the grace window closes
                     continue
-                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p)
+                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p, self.island)  # its merge's answer
             ready, _ = ray.wait([e["ref"]], timeout=None if block else 0)
             if not ready:
                 continue

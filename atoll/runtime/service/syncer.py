@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -507,10 +507,12 @@ class SyncerService:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
             return True, None
-        return result.accepted, self.syncer.pull(msg.fragment)
+        return result.accepted, self._answer(msg.fragment, msg.island if result.accepted else None)
 
-    def pull(self, fragment: int) -> Pull:
-        """The newest global fragment.
+    def pull(self, fragment: int, island: int | None = None) -> Pull:
+        """The newest global fragment; ``island``: the answer to that island's merged push, which says how far
+        behind it arrived with ``realign_pushes`` (:meth:`Syncer.take_behind
+        <atoll.strategies.decoupled.syncer.Syncer.take_behind>`; the ``ray`` runtime's islands ask so).
 
         Raises:
             ValueError: ``fragment`` is not one of the run's.
@@ -519,7 +521,13 @@ class SyncerService:
             raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments "
                              f"0..{self.syncer.fragments - 1}")
         self._poll()
-        return self.syncer.pull(fragment)
+        return self._answer(fragment, island)
+
+    def _answer(self, fragment: int, island: int | None) -> Pull:
+        pull = self.syncer.pull(fragment)
+        if island is None or not self.syncer.realign or not is_index(island, self.syncer.islands):
+            return pull
+        return replace(pull, realign=self.syncer.take_behind(island, fragment))
 
     def finish(self) -> dict[str, Any]:
         """Merge every open buffer, checkpoint, and return the statistics and the global parameters. Raises the

@@ -124,6 +124,16 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "quarter dropped) or median (per coordinate); the robust ones bound what a minority of hostile islands "
         "can do to a merge (docs/security.md).",
     )
+    realign_pushes: bool = Field(
+        False,
+        description="decoupled: put an island whose pushes drifted out of phase back in step (a deviation from "
+        "Decoupled DiLoCo and Streaming DiLoCo, whose islands keep their fragment schedule's phase for good): when "
+        "a fragment's merge holds an island's push but the fragment's previous merge held more islands and not it "
+        "(or as many, with the lowest island index), the syncer answers with how far behind it arrived "
+        "(a share of the median push-to-push time), and the island shortens its next round by that share of its "
+        "H once, so its pushes join the others' merges again; its shorter rounds weigh by their tokens. Off: the "
+        "paper's fixed schedule (a stopped or restarted island stays shifted for the rest of the run).",
+    )
     island_speeds: list[float] | None = Field(
         None,
         description="decoupled: relative speed of each island, comma separated, one per island, each in "
@@ -249,7 +259,7 @@ def make_syncer(own: DecoupledConfig, facts: RunFacts, init: torch.Tensor, index
                   grace_window=own.grace_window,
                   grace_slack_fraction=own.grace_slack_fraction, grace_overlap=tau / own.sync_every,
                   average=own.merge_average, push_weight=own.push_weight,
-                  step_tokens=[facts.tokens_per_step] * facts.islands)
+                  step_tokens=[facts.tokens_per_step] * facts.islands, realign=own.realign_pushes)
 
 
 #: the deadline a run under a runtime without one (``local``: a simulated clock) allows a first round: the

@@ -124,7 +124,11 @@ class IslandWorker:
             with no exchange in progress): its work since then is kept on top of the answer.
         tokens_since: per fragment, tokens trained since its last push.
         steps: inner steps taken (lost ones included); it also indexes the island's batches.
-        round_step: inner steps since the island last (re)joined; drives the fragment schedule.
+        round_step: inner steps since the island last (re)joined, plus the steps its realignments skipped
+            (:meth:`realign`); drives the fragment schedule.
+        pushed_at: per fragment, :attr:`steps` at its last push (-1: none yet).
+        realigned_at: :attr:`steps` at the island's last realignment or (re)join: an answer to a push from
+            before it is not acted on again (-1: none yet).
         send_range: per fragment, the values ``[a, b)`` of what it holds that its push carries (default all).
         transport_encodes: a push carries the raw Δ and its transport encodes it with :attr:`wire` (False: the
             push carries the decoded Δ, ``wire.transmit``'s, as the local and Ray runtimes hand it over).
@@ -146,6 +150,8 @@ class IslandWorker:
         self.tokens_since = [0] * len(job.index)
         self.steps = 0
         self.round_step = 0
+        self.pushed_at = [-1] * len(job.index)
+        self.realigned_at = -1
         self.send_range = [(0, frag.numel()) for frag in self.fragment_index]
         self.transport_encodes = False
 
@@ -210,6 +216,7 @@ class IslandWorker:
         raw = pseudo_gradient(self.base[p][a:b], mine[a:b])
         delta, nbytes = (raw, 0) if self.transport_encodes else self.wire.transmit(0, raw, f"fragment{p}")
         tokens, self.tokens_since[p] = self.tokens_since[p], 0
+        self.pushed_at[p] = self.steps
         return Push(self.index, p, delta, tokens, self.base_version[p], int(nbytes))
 
     def adopt(self, pull: Pull) -> None:
@@ -244,6 +251,30 @@ class IslandWorker:
         self.base[p] = pull.params.clone()
         self.base_version[p] = pull.version
         self.at_push[p] = None
+        if self.job.own.realign_pushes and at_push is not None:
+            self.realign(p, pull.realign)
+
+    def realign(self, p: int, behind: float) -> int:
+        """``realign_pushes``: the answer to fragment p's push says it arrived ``behind`` (a share of a round,
+        [0, 1)) the fragment's previous, larger merge (:meth:`Syncer.realign_share
+        <atoll.strategies.decoupled.syncer.Syncer.realign_share>`): shorten the next round by that share of the
+        island's H, once, so its pushes arrive with the others'. Returns the inner steps skipped (0: none).
+
+        The whole schedule moves (``round_step`` jumps ahead by ``round(behind x H)``): a stop or a restart
+        shifts every fragment of the island alike, and the staggered order is kept (at most one fragment due
+        per step). A fragment whose due step falls in the skipped steps is pushed one round later, its longer
+        round weighed by its tokens (at most one round's, :meth:`Syncer.weight
+        <atoll.strategies.decoupled.syncer.Syncer.weight>`); no fragment is pushed sooner than its next
+        scheduled push minus the shift, so an island never pushes a fragment twice into one merge. An answer to
+        a push made before (or at the step of) the island's last realignment or (re)join is not acted on (it
+        measured the old phase).
+        """
+        steps = round(behind * self.sync_every)
+        if not 0 < steps < self.sync_every or self.pushed_at[p] <= self.realigned_at:
+            return 0
+        self.round_step += steps
+        self.realigned_at = self.steps
+        return steps
 
     def reset(self) -> None:
         """A diverged island (its loss not finite): back to the global fragments it last pulled, with a fresh
@@ -281,13 +312,15 @@ class IslandWorker:
         self.island.optimizer.zero_grad(set_to_none=True)
         self.tokens_since = [0] * self.fragments
         self.round_step = 0
+        self.realigned_at = self.steps
 
     def state_dict(self) -> dict[str, Any]:
         """The island (weights, inner optimizer, schedule) and its exchange state, for checkpoints."""
         return {"island": self.island.state_dict(), "base": [b.clone() for b in self.base],
                 "base_version": list(self.base_version), "tokens_since": list(self.tokens_since),
                 "at_push": [None if t is None else t.clone() for t in self.at_push],
-                "steps": self.steps, "round_step": self.round_step, "wire": self.wire.island_state(0)}
+                "steps": self.steps, "round_step": self.round_step, "wire": self.wire.island_state(0),
+                "pushed_at": list(self.pushed_at), "realigned_at": self.realigned_at}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.island.load_state_dict(state["island"])
@@ -296,6 +329,8 @@ class IslandWorker:
         self.tokens_since = [int(t) for t in state["tokens_since"]]
         self.at_push = [None if t is None else t.clone() for t in state["at_push"]]
         self.steps, self.round_step = int(state["steps"]), int(state["round_step"])
+        self.pushed_at = [int(x) for x in state.get("pushed_at", self.pushed_at)]  # absent: older checkpoints
+        self.realigned_at = int(state.get("realigned_at", self.realigned_at))
         self.wire.load_island_state(0, state["wire"])
 
 

@@ -54,11 +54,19 @@ class Push:
 
 @dataclass(frozen=True)
 class Pull:
-    """A global fragment sent to an island: float32 parameters (numel_p,) at ``version``."""
+    """A global fragment sent to an island: float32 parameters (numel_p,) at ``version``.
+
+    ``realign``: the share of a round, in [0, 1), by which the island's push that this pull answers arrived
+    behind the fragment's previous, larger merge (:meth:`Syncer.take_behind
+    <atoll.strategies.decoupled.syncer.Syncer.take_behind>`); 0: in phase, not measured, or the rule off. An
+    island with ``realign_pushes`` shortens its next round by that share of its H
+    (:meth:`IslandWorker.adopt <atoll.strategies.decoupled.island.IslandWorker.adopt>`).
+    """
 
     fragment: int
     params: torch.Tensor
     version: int
+    realign: float = 0.0
 
     @property
     def nbytes(self) -> int:

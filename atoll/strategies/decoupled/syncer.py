@@ -108,6 +108,8 @@ class Syncer:
         starve_after: an island whose last this many pushes were all refused is :meth:`starved`.
         min_quorum, grace_window, grace_slack_fraction, grace_overlap, average, push_weight, step_tokens:
             Decoupled DiLoCo's merge rules (:class:`~atoll.strategies.decoupled.merge_rules.MergeRules`).
+        realign: measure, at each timed merge, how far behind each of its islands arrived (:meth:`realign_share`)
+            and send it with the island's answer (:meth:`take_behind`), for ``realign_pushes``.
 
     Raises:
         ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, credentials that are
@@ -122,7 +124,8 @@ class Syncer:
                  cold_bound: float | None = None, max_round_s: float | None = None,
                  starve_after: int = 16, min_quorum: int = 1, grace_window: str = "round",
                  grace_slack_fraction: float = 0.5, grace_overlap: float = 1.0, average: str = "mean",
-                 push_weight: str = "tokens", step_tokens: Sequence[int] | None = None) -> None:
+                 push_weight: str = "tokens", step_tokens: Sequence[int] | None = None,
+                 realign: bool = False) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = as_fragments(index, flat.numel())
         self.islands = islands
@@ -161,6 +164,11 @@ class Syncer:
         self.merge_s = 0.0  # seconds spent computing merged Δ̄s (the robust merge's cost)
         self._means = [torch.empty(n) for n in self.numels]  # per fragment: where its Δ̄ is summed (lazy pages)
         self.journal = Journal()  # its merges and refusals, for the run events; drained by the runtime, not saved
+        self.realign = realign
+        # per fragment, its last timed merge: (its first push's arrival, seconds; the islands it held)
+        self.last_merge: list[tuple[float, frozenset[int]] | None] = [None] * len(self.index)
+        # per island and fragment, the share of a round its last merged push arrived behind (realign_share)
+        self.behind = [[0.0] * len(self.index) for _ in range(islands)]
 
     @property
     def tokens_by_outcome(self) -> dict[str, list[float]]:
@@ -193,6 +201,37 @@ class Syncer:
     def pull(self, fragment: int) -> Pull:
         """The newest global fragment: a float32 copy (numel_p,) and its version."""
         return Pull(fragment, self.outer[fragment].params.detach().clone(), self.outer[fragment].version)
+
+    def take_behind(self, island: int, fragment: int) -> float:
+        """With ``realign``: how far behind (:meth:`realign_share`) ``island``'s push of ``fragment`` merged
+        last arrived, for the answer to it (a :class:`Pull`'s ``realign``); said once (then 0), so a later
+        answer (to a refused push) does not repeat it. 0.0 without ``realign``."""
+        behind, self.behind[island][fragment] = self.behind[island][fragment], 0.0
+        return behind
+
+    def realign_share(self, previous: tuple[float, frozenset[int]] | None, merged: frozenset[int], island: int,
+                      arrived_at: float) -> float:
+        """How far behind the fragment's previous merge ``island``'s push that arrived at ``arrived_at``
+        (seconds) and was merged with the islands ``merged`` is, as a share of a round in [0, 1); 0: in phase.
+
+        The islands push each fragment at one wall cadence (their H proportional to their speed), so a round is
+        the median push-to-push time the syncer saw (``push_gap_s``). The push is behind when the ``previous``
+        merge (its first arrival, its islands) did not hold its island, held more islands than this one (or as
+        many, the lowest island index among them: of two equal groups exactly one moves, so they never swap
+        phases for ever), and began less than a round before it. Not in Decoupled DiLoCo (arXiv:2604.21428)
+        nor Streaming DiLoCo (arXiv:2501.18512), whose islands keep their schedule's phase: a stopped or
+        restarted island otherwise splits every merge of a fragment in two for the rest of the run
+        (bench/out/service_soak, the context).
+        """
+        if previous is None or not self.push_gap_s:
+            return 0.0
+        first, held = previous
+        period = sorted(self.push_gap_s)[len(self.push_gap_s) // 2]
+        lag = arrived_at - first
+        if island in held or period <= 0 or not 0 < lag < period:
+            return 0.0
+        return lag / period if len(held) > len(merged) or (len(held) == len(merged) and min(held) < min(merged)) \
+            else 0.0
 
     def global_params(self) -> torch.Tensor:
         """All global parameters, a flat float32 CPU vector (numel,), in the order of ``init``."""
@@ -376,6 +415,12 @@ class Syncer:
         if self.scale_partial and contributors < self.islands:
             mean = mean * (contributors / self.islands)
         self.outer[fragment].step(mean)
+        if self.realign and now is not None:  # how far behind the previous merge each island arrived
+            merged = frozenset(p.island for p in kept)
+            for p in kept:
+                self.behind[p.island][fragment] = self.realign_share(self.last_merge[fragment], merged, p.island,
+                                                                           p.arrived_at)
+            self.last_merge[fragment] = (min(p.arrived_at for p in kept), merged)
         self.journal.merged(fragment, self.version(fragment), {p.island for p in kept}, now)
         self.commits += 1
         self.quorum_sizes.add(contributors)

@@ -51,6 +51,8 @@ class SyncerView(Protocol):
     quorum_sizes: Tally
     staleness: Tally
     merge_waits: MergeWaits
+    last_merge: list[tuple[float, frozenset[int]] | None]
+    behind: list[list[float]]
 
     @property
     def tokens_by_outcome(self) -> dict[str, list[float]]:
@@ -97,6 +99,11 @@ def state_dict(s: SyncerView) -> dict[str, Any]:
         # derived from tokens_by_outcome["merged"] (not read back): for readers of the checkpoint
         "merged_tokens": s.merged_tokens, "merged_tokens_per_island": list(s.merged_tokens_per_island),
         "merge_waits": s.merge_waits.state_dict(),
+        # realign_pushes: per fragment its last timed merge (its first arrival, -1.0: none; its islands); per
+        # island and fragment how far behind its last merged push arrived
+        "last_merge_at": [-1.0 if m is None else m[0] for m in s.last_merge],
+        "last_merge_islands": [[] if m is None else sorted(m[1]) for m in s.last_merge],
+        "behind": [list(b) for b in s.behind],
     }
 
 
@@ -137,6 +144,10 @@ def load_state_dict(s: SyncerView, state: dict[str, Any]) -> None:
     # merged_tokens and merged_tokens_per_island (still written, for readers of the checkpoint) are derived
     # from tokens_by_outcome["merged"] on load; older checkpoints' copies of them are not read
     s.merge_waits = MergeWaits.from_state(state.get("merge_waits", []))
+    if "last_merge_at" in state:  # absent from older checkpoints: no merge measured yet
+        s.last_merge = [None if float(t) < 0 else (float(t), frozenset(int(i) for i in held))
+                        for t, held in zip(state["last_merge_at"], state["last_merge_islands"], strict=True)]
+        s.behind = [[float(x) for x in b] for b in state["behind"]]
 
 
 def save(s: SyncerView, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:
