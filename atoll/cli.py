@@ -240,6 +240,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"atoll: error: chaos: the run stopped early with {summary.get('tokens', 0):,} tokens trained (see the "
               "warning above); raise MTBF_S or lower DOWNTIME_S", file=sys.stderr)
         return 1
+    if config.runtime == "collective" and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from atoll.runtime.process_end import end_process
+
+        end_process(0)  # a rank under torchrun, its run finished: no teardown that could abort it (SIGABRT)
     return 0
 
 

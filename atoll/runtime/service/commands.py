@@ -17,9 +17,10 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from atoll.errors import AtollError
+from atoll.runtime.process_end import end_process
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -176,25 +177,6 @@ def island(args: argparse.Namespace) -> int:
               f"{report['retries']} retried calls, {report['offline_steps']} "
               f"steps while the syncer was unreachable, {report['lease_fetches']} step leases", flush=True)
     end_process(0)
-
-
-def end_process(code: int) -> NoReturn:
-    """End a finished island job's process with status ``code`` without the interpreter's teardown.
-
-    A rank whose work was done and said sometimes died at interpreter exit with SIGABRT ("terminate called
-    without an active exception": a native thread still joinable when its owner was destroyed), so torchrun
-    reported a finished island job as failed and ``--max-restarts`` could start it again. The threads of the
-    libraries an island holds (gloo's, gRPC's) can outlive Python's finalization; their process group and
-    channels are closed before this point, and nothing is left to run at exit, so the process ends here: stdout,
-    stderr and the logging handlers flushed, then :func:`os._exit`. Only the success path takes it; errors end
-    through the usual exit.
-    """
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
 
 
 def run(args: argparse.Namespace) -> int:
