@@ -225,3 +225,55 @@ def test_both_ranks_of_an_island_job_apply_the_share_their_leader_received(serve
     assert p0.realign == p1.realign == 0.5  # the one share, on both ranks
     assert p0.version == p1.version == state.service.syncer.version(0) == base + 1
     assert torch.equal(p0.params, p1.params) and torch.equal(p0.params, state.service.syncer.pull(0).params)
+
+
+def test_each_shard_answers_its_own_fragments_share(fast_config: dict, tmp_path: Path) -> None:
+    """A syncer of 2 shards, one fragment each: the same cadence on both fragments; each push goes to its
+    fragment's owner, which measures its own merges and says the share with its own replies (the run's fragment
+    index mapped to the shard's): islands 2 and 3 are told 0.5 for both fragments at t = 20, by both shards."""
+    from atoll.config import build_config
+    from atoll.runtime.service.client import SyncerClient
+    from tests.test_service_shards import KEY, _serve
+
+    base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
+    config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "islands": 4,
+                                 "fragments": 2, "sync_every": H, "steps": 64, "quorum": 2,
+                                 "grace_window": "round", "realign_pushes": True})
+    served = [_serve(config, tmp_path / f"shard_{s}", CREDS, shard=s, shards=2, key=KEY) for s in range(2)]
+    try:
+        states, addresses = [s for s, _, _ in served], [a for _, a, _ in served]
+        clock = [0.0]
+        for state in states:
+            state.service._now = lambda: clock[0]
+        numels, owners = states[0].service.numels, states[0].shards.owners
+        assert sorted(owners) == [0, 1]
+        tps = states[0].service.run.tokens_per_step
+        clients = [[SyncerClient(a, i, CREDS[i], plaintext=True) for a in addresses] for i in range(4)]
+        sessions = []
+        for i in range(4):
+            sessions.append(clients[i][0].call("Join", {"numels": numels, "shards": owners})["session"])
+            clients[i][1].call("Hello", {"numels": numels, "shards": owners, "shard": 1, "grant": clients[i][0].grant})
+        for i in range(4):
+            assert clients[i][0].call("ReserveSteps", {"n": 3 * H})["granted"] == 3 * H
+
+        def push(i: int, g: int) -> dict:
+            owner = states[owners[g]]
+            data = wire.payload_bytes(owner.codec.encode(torch.full((numels[g],), 1e-3)).tensors)
+            version = owner.service.syncer.version(owner.shards.local[g])
+            return clients[i][owners[g]].push(data, g, ((0, numels[g]),), H * tps, version, sessions[i],
+                                              round_s=float(H), grant=clients[i][0].grant if owners[g] else None)
+
+        shares = {}
+        for t, (first, second) in ((8.0, (0, 1)), (12.0, (2, 3)), (16.0, (0, 1)), (20.0, (2, 3))):
+            clock[0] = t
+            for g in range(2):
+                assert not push(first, g)["answered"]
+                answer = push(second, g)
+                assert answer["answered"]
+                waited = clients[first][owners[g]].call("Buffered", schema.BufferedRequest(fragment=g, wait_s=0.0))
+                shares[t, g] = (answer["realign"], waited["realign"])
+        assert {k: v for k, v in shares.items() if v != (0.0, 0.0)} == {(20.0, 0): (0.5, 0.5), (20.0, 1): (0.5, 0.5)}
+        assert [s.service.syncer.commits for s in states] == [4, 4]
+    finally:
+        for _, _, server in served:
+            server.stop(grace=0)
