@@ -1,19 +1,24 @@
 """The agreement of an island job's ranks on their exchanges: one int64 vector, reduced to its minimum each step.
 
-Every rank of an island keeps a local vector of ``1 + 5 P`` int64 (P fragments): entry 0 is the leader's
+Every rank of an island keeps a local vector of ``1 + 6 P`` int64 (P fragments): entry 0 is the leader's
 answer to "take the next inner step?" (:data:`~atoll.runtime.service.client.GO`,
-:data:`~atoll.runtime.service.client.WAIT`, or stop), then per fragment p five entries (:data:`UP`,
-:data:`READY`, :data:`DONE`, :data:`VMIN`, :data:`VNEG`): the exchange whose slices this rank uploaded, the one
-the leader committed and saw merged, the one this rank downloaded, and the version it downloaded (as itself and
-negated, so that one all-reduce of minima gives both the least and the greatest version). A rank writes
-:data:`INF` where only another rank knows the value. :meth:`Agreement.agree` is that all-reduce
-(:meth:`IslandGroup.agree <atoll.runtime.service.group.IslandGroup.agree>`), run on the main thread at points
-every rank reaches alike; the exchange threads write their entries (:meth:`Agreement.set`) and wait on the
-agreed vector (:meth:`Agreement.wait`). An island of one rank agrees with itself at once.
+:data:`~atoll.runtime.service.client.WAIT`, or stop), then per fragment p six entries (:data:`UP`,
+:data:`READY`, :data:`DONE`, :data:`VMIN`, :data:`VNEG`, :data:`SHIFT`): the exchange whose slices this rank
+uploaded, the one the leader committed and saw merged, the one this rank downloaded, the version it downloaded
+(as itself and negated, so that one all-reduce of minima gives both the least and the greatest version), and
+the realignment the syncer's answer to the leader's push carried (``realign_pushes``: a share of a round in
+[0, 1) as its float64 bits, :func:`share_bits`; written with :data:`READY`, so every rank reads the one
+value of that exchange). A rank writes :data:`INF` where only another rank knows the value.
+:meth:`Agreement.agree` is that all-reduce (:meth:`IslandGroup.agree
+<atoll.runtime.service.group.IslandGroup.agree>`), run on the main thread at points every rank reaches alike;
+the exchange threads write their entries (:meth:`Agreement.set`) and wait on the agreed vector
+(:meth:`Agreement.wait`). An island of one rank agrees with itself at once.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 import threading
 from collections.abc import Callable
 
@@ -25,13 +30,31 @@ from atoll.runtime.service.group import IslandGroup
 INF = 2**63 - 1
 #: per fragment, the agreement's entries: the push whose slices are uploaded; the push the leader committed
 #: and saw merged; the push whose slices are downloaded; the version downloaded (its minimum, and its
-#: maximum as the minimum of its negation)
-UP, READY, DONE, VMIN, VNEG = range(5)
+#: maximum as the minimum of its negation); the realignment of the leader's answer (its float64 bits)
+UP, READY, DONE, VMIN, VNEG, SHIFT = range(6)
+#: the entries per fragment
+ENTRIES = 6
 
 
 def at(p: int, what: int) -> int:
-    """The index of fragment p's entry ``what`` (:data:`UP` ... :data:`VNEG`) in the vector."""
-    return 1 + 5 * p + what
+    """The index of fragment p's entry ``what`` (:data:`UP` ... :data:`SHIFT`) in the vector."""
+    return 1 + ENTRIES * p + what
+
+
+def share_bits(share: float) -> int:
+    """A realignment share as an agreement entry: the float64 bits of ``share`` if it is a finite number in
+    [0, 1), else of 0.0 (an answer is not trusted blindly). Exact (the ranks apply the very float the leader
+    received) and in [0, 2**62), below :data:`INF`, so the minimum over the ranks is the leader's."""
+    ok = isinstance(share, int | float) and not isinstance(share, bool) and math.isfinite(share) and 0 <= share < 1
+    return struct.unpack("<q", struct.pack("<d", float(share) if ok and share > 0 else 0.0))[0]  # (-0.0: 0.0)
+
+
+def bits_share(value: int) -> float:
+    """The share :func:`share_bits` encoded (0.0 for :data:`INF`, no leader's value, or anything not a share)."""
+    if not 0 <= value < INF:
+        return 0.0
+    share = struct.unpack("<d", struct.pack("<q", value))[0]
+    return share if math.isfinite(share) and 0 <= share < 1 else 0.0
 
 
 class Agreement:
@@ -42,13 +65,13 @@ class Agreement:
         fragments: P, the run's fragments.
 
     Attributes:
-        local: this rank's entries, ``1 + 5 P`` ints (start: :data:`INF`, the caller sets its own).
+        local: this rank's entries, ``1 + 6 P`` ints (start: :data:`INF`, the caller sets its own).
         agreed: the last agreed vector (the element-wise minimum over the island's ranks).
     """
 
     def __init__(self, group: IslandGroup, fragments: int) -> None:
         self.group = group
-        self.local = [INF] * (1 + 5 * fragments)
+        self.local = [INF] * (1 + ENTRIES * fragments)
         self.agreed = list(self.local)
         self._cond = threading.Condition()
         self._closed = False

@@ -22,7 +22,7 @@ The network calls run in a thread per exchange, so the island trains on meanwhil
 together (the agreement, the slices' collectives, adopting a pulled fragment) runs on the main thread at
 points every rank reaches alike (:meth:`reserve_step`: once per inner step; :meth:`settle`, :meth:`close`),
 so no two ranks of an island ever hold a fragment of different versions. The agreement is one all-reduce
-(minimum) of ``1 + 5 P`` int64 per inner step (:meth:`IslandGroup.agree
+(minimum) of ``1 + 6 P`` int64 per inner step (:meth:`IslandGroup.agree
 <atoll.runtime.service.group.IslandGroup.agree>`); each stage waits for the next one (at most an inner step).
 """
 
@@ -42,7 +42,7 @@ from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
 from atoll.runtime.service import schema, slices, wire
-from atoll.runtime.service.agreement import DONE, READY, UP, VMIN, VNEG, Agreement, at
+from atoll.runtime.service.agreement import DONE, READY, SHIFT, UP, VMIN, VNEG, Agreement, at, bits_share, share_bits
 from atoll.runtime.service.client import SyncerClient, UploadLost
 from atoll.runtime.service.group import IslandGroup
 from atoll.runtime.service.lease import GO, WAIT, StepLease
@@ -164,6 +164,7 @@ class ServiceTransport:
                 self.agreement.local[at(p, UP)] = 0
             if group.leader:
                 self.agreement.local[at(p, READY)] = 0
+                self.agreement.local[at(p, SHIFT)] = share_bits(0.0)
             if plan.moves(p):
                 self.agreement.local[at(p, DONE)] = 0
         self.agreement.agreed = list(self.agreement.local)
@@ -315,7 +316,9 @@ class ServiceTransport:
                                    else None, plan.sizes(p))
         else:
             values = group.broadcast(mine if group.leader else None, plan.numels[p])
-        return Pull(p, values, version)
+        # realign_pushes: the share of a round the answer to the leader's push said (0: none), the same on every
+        # rank (the agreement's), so every rank shifts its schedule alike at this adoption's step
+        return Pull(p, values, version, realign=bits_share(self.agreement.entry(p, SHIFT)))
 
     # --- an exchange, in its thread ---------------------------------------------------------------------------
     def _upload_id(self, p: int, k: int, rank: int) -> str:
@@ -329,10 +332,12 @@ class ServiceTransport:
                 client.upload(wire.payload_bytes(out.payload), p, plan.moved(p), self._upload_id(p, k, plan.rank))
             self.agreement.set(p, UP, k)
         if self.group.leader:
+            share = 0.0
             if out is not None:
                 self.agreement.wait(lambda a: a[at(p, UP)] >= k)  # every slice is up
-                self._commit(p, k, out)
-            self.agreement.set(p, READY, k)
+                share = self._commit(p, k, out)
+            # the answer's realignment with READY, under one lock: every rank reads this exchange's
+            self.agreement.update({at(p, READY): k, at(p, SHIFT): share_bits(share)})
         if not plan.moves(p):
             return
         self.agreement.wait(lambda a: a[at(p, READY)] >= k)
@@ -350,27 +355,34 @@ class ServiceTransport:
             a[at(p, VMIN)] == -a[at(p, VNEG)] or version < -a[at(p, VNEG)]))
         return agreed[at(p, VMIN)] == -agreed[at(p, VNEG)]
 
-    def _commit(self, p: int, k: int, out: Outgoing) -> None:
-        """(The leader.) Commit push k of fragment p, then wait until it has left the syncer's buffer."""
+    def _commit(self, p: int, k: int, out: Outgoing) -> float:
+        """(The leader.) Commit push k of fragment p, then wait until it has left the syncer's buffer. Returns
+        the realignment the answer to its merge carried (``realign_pushes``: a share of a round in [0, 1); 0.0
+        when none, or when the push was not sent, refused or lost)."""
         claim = self.lease.claimable(p, out.tokens, out.credit_mark) if self.lease is not None else out.tokens
         if claim <= 0:  # no step of it was granted (the budget was spent): not sent, the newest pulled
-            return
+            return 0.0
         if self.ranks_move:  # (to another shard than the coordinator, the commit carries its newest grant)
             ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
             try:
                 answer = self.route[p].commit(ids, p, claim, out.base_version, self.session, out.round_s)
             except UploadLost:  # the other ranks' slices cannot be sent again from here: the push is lost
                 self.lost += 1
-                return
+                return 0.0
         else:
             assert out.payload is not None
             answer = self.route[p].push(wire.payload_bytes(out.payload), p, ((0, self.plan.numels[p]),), claim,
                                         out.base_version, self.session, out.round_s)
         self.refused += not answer["accepted"]
-        if answer["accepted"] and not answer["answered"]:  # waits in the buffer for a quorum or its grace window
+        if not answer["accepted"]:
+            return 0.0
+        if not answer["answered"]:  # waits in the buffer for a quorum or its grace window
             ask = schema.BufferedRequest(fragment=p, wait_s=wire.MAX_WAIT_S)  # answered once merged (or MAX_WAIT_S)
-            while p in self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0)["buffered"]:
+            while p in (answer := self.route[p].call("Buffered", ask, timeout_s=wire.MAX_WAIT_S + 30.0))["buffered"]:
                 time.sleep(self.poll_s)  # never back to back (answered at once: an older syncer, or slots taken)
+        # the realignment of its merge's answer (a syncer with realign_pushes; the schema checked its range, and
+        # share_bits checks it again)
+        return answer.get("realign") or 0.0
 
     def _heartbeat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):

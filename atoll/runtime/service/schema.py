@@ -49,6 +49,9 @@ Reported = float | None
 #: a figure an island counts (seconds of compute, bytes): finite, >= 0, below :data:`MAX_INT` (a huge JSON integer
 #: reads as an infinite float: refused)
 Figure = Annotated[float, Field(ge=0, le=MAX_INT, allow_inf_nan=False)]
+#: a share of a round in [0, 1), finite: how far behind the fragment's previous, larger merge an island's merged
+#: push arrived (``realign_pushes``: :attr:`Pull.realign <atoll.strategies.decoupled.protocol.Pull.realign>`)
+Share = Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)]
 UploadId = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Ints = Annotated[tuple[Int, ...], Field(max_length=MAX_FRAGMENTS)]
@@ -227,7 +230,12 @@ class ReserveStepsReply(Record):
 
 
 class BufferedReply(Record):
+    """``Buffered``'s: the fragments whose buffer holds the island's push; ``realign`` (only from a syncer with
+    ``realign_pushes``, when the asked ``fragment``'s push has left the buffer: merged): the share of a round its
+    merge arrived behind the fragment's previous, larger merge (:data:`Share`; said once)."""
+
     buffered: Ints
+    realign: Share | None = None
 
 
 class HeartbeatReply(Record):
@@ -245,9 +253,14 @@ class ReceivedReply(Record):
 
 
 class PushReply(Record):
+    """``Push``'s: accepted, answered (merged or refused now; else it waits in the buffer: ``Buffered``), the
+    version to pull; ``realign`` (only from a syncer with ``realign_pushes``, a push merged now): as
+    :class:`BufferedReply`'s."""
+
     accepted: bool
     answered: bool
     version: Int | None = None
+    realign: Share | None = None
 
 
 class LeaveReply(Record):

@@ -290,7 +290,11 @@ class SyncerServer:
         :data:`~atoll.runtime.service.wire.MAX_WAIT_S`) the answer comes once that fragment's buffer no longer
         holds the island's push (merged at a quorum or its grace window), or when ``wait_s`` has passed, so an
         island waiting for its push to merge makes one call per merge, not one per poll interval (each call
-        costs CPU on the syncer's host and on the island's)."""
+        costs CPU on the syncer's host and on the island's). With ``realign_pushes``, the answer that finds
+        ``fragment``'s push merged carries ``realign``: the share of a round it arrived behind the fragment's
+        previous, larger merge (:meth:`SyncerService.merged_answer
+        <atoll.runtime.service.syncer.SyncerService.merged_answer>`, said once), as ``Push``'s answer does for a
+        push merged at once."""
         island = caller[0]
         self._fence(island, req.session, context)
         deadline = time.monotonic() + min(req.wait_s, wire.MAX_WAIT_S)
@@ -303,6 +307,10 @@ class SyncerServer:
                 while True:
                     ids = [self.service.fragment_ids[j] for j in self.service.buffered(island)]
                     left = deadline - time.monotonic()
+                    if req.fragment is not None and req.fragment not in ids and \
+                            req.fragment in self.service.fragment_ids:  # its push merged: its answer's share
+                        share = self.service.merged_answer(island, self.service.fragment_ids.index(req.fragment))
+                        return schema.BufferedReply(buffered=ids, **({} if share is None else {"realign": share}))
                     if req.fragment not in ids or left <= 0 or not waits or not context.is_active():
                         return schema.BufferedReply(buffered=ids)
                     self.changed.wait(min(left, 0.5))
@@ -331,7 +339,7 @@ class SyncerServer:
              context: grpc.ServicerContext) -> schema.PushReply:
         """Commit a push whose slices were uploaded (``slices``: their upload ids, the island's ranks' or one):
         decode each with the run's codec, reassemble the fragment's Δ, hand it to the syncer; answer (accepted,
-        answered: merged or refused now, the version to pull)."""
+        answered: merged or refused now, the version to pull; merged now with ``realign_pushes``: ``realign``)."""
         island, credential = caller
         if self.shards.finished is not None:  # the coordinator gathered this shard: the run is over
             context.abort(grpc.StatusCode.UNAVAILABLE, "the run is over")
@@ -377,8 +385,10 @@ class SyncerServer:
         with self.lock:
             accepted, pull = self.service.push(msg)
             self.changed.notify_all()
+            # merged now, with realign_pushes: the share of a round it arrived behind (SyncerService._answer)
+            share = {"realign": pull.realign} if pull is not None and accepted and syncer.realign else {}
             answer = schema.PushReply(accepted=accepted, answered=pull is not None,
-                                      version=pull.version if pull is not None else None)
+                                      version=pull.version if pull is not None else None, **share)
             self._remember(island, key, answer)
         return answer
 

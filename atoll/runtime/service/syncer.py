@@ -523,6 +523,17 @@ class SyncerService:
         self._poll()
         return self._answer(fragment, island)
 
+    def merged_answer(self, island: int, fragment: int) -> float | None:
+        """The realignment that goes with the answer to ``island``'s push of ``fragment`` (this syncer's index)
+        that has left the buffer, merged (the service's ``Buffered`` says so): the share of a round it arrived
+        behind the fragment's previous, larger merge, in [0, 1), said once (:meth:`Syncer.take_behind
+        <atoll.strategies.decoupled.syncer.Syncer.take_behind>`); None without ``realign_pushes`` (the reply
+        leaves the field out) or for no island or fragment of this syncer's."""
+        if not self.syncer.realign or not is_index(island, self.syncer.islands) or \
+                not is_index(fragment, self.syncer.fragments):
+            return None
+        return self.syncer.take_behind(island, fragment)
+
     def _answer(self, fragment: int, island: int | None) -> Pull:
         pull = self.syncer.pull(fragment)
         if island is None or not self.syncer.realign or not is_index(island, self.syncer.islands):

@@ -267,8 +267,12 @@ class IslandWorker:
         <atoll.strategies.decoupled.syncer.Syncer.weight>`); no fragment is pushed sooner than its next
         scheduled push minus the shift, so an island never pushes a fragment twice into one merge. An answer to
         a push made before (or at the step of) the island's last realignment or (re)join is not acted on (it
-        measured the old phase).
+        measured the old phase). A ``behind`` that is no finite number in [0, 1) (an answer over a network, not
+        trusted blindly) is not acted on.
         """
+        if isinstance(behind, bool) or not isinstance(behind, int | float) or not (
+                math.isfinite(behind) and 0 <= behind < 1):
+            return 0
         steps = round(behind * self.sync_every)
         if not 0 < steps < self.sync_every or self.pushed_at[p] <= self.realigned_at:
             return 0
