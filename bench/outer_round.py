@@ -134,6 +134,19 @@ def _strategy(cls, config, islands, comm):
     return cls(config, islands, comm) if own is None else cls(own, islands, comm, config.seed)
 
 
+def _timed_rounds(repeats: int, prepare, round_) -> list[float]:  # noqa: ANN001
+    """Seconds of ``repeats`` calls of ``round_(r)`` (r = 1..repeats) after a warm-up call (r = 0: buffers and the
+    outer momentum allocated), each after ``prepare(r)`` (untimed)."""
+    times = []
+    for r in range(repeats + 1):
+        prepare(r)
+        t0 = time.perf_counter()
+        round_(r)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def worker(case: str, size: int, repeats: int) -> dict:
     import torch
 
@@ -165,31 +178,21 @@ def worker(case: str, size: int, repeats: int) -> dict:
             comm = DistComm(1, 0, 1, 0, dist.group.WORLD, None, torch.device("cpu"))
         del model
         strategy = _strategy(DiLoCo, config, islands, comm)
-        for r in range(repeats + 1):
-            _nudge(islands)
-            t0 = time.perf_counter()
-            strategy.outer_step(8 * (r + 1))
-            if r:  # the first round is a warm-up (the outer momentum is allocated)
-                times.append(time.perf_counter() - t0)
+        times = _timed_rounds(repeats, lambda r: _nudge(islands), lambda r: strategy.outer_step(8 * (r + 1)))
     elif case in ("diloco_int4", "sparseloco"):
         if case == "diloco_int4":
             from atoll.strategies.diloco import DiLoCo as cls
-        else:
-            from atoll.strategies.sparseloco import SparseLoCo as cls
-        if case == "diloco_int4":
+
             config = TrainConfig(strategy="diloco", **{**common, "codec": "int4"})
         else:  # sparseloco compresses its own way: no codec
+            from atoll.strategies.sparseloco import SparseLoCo as cls
+
             config = TrainConfig(strategy="sparseloco", **{k: v for k, v in common.items() if k != "codec"})
         islands = _islands(model, config, ISLANDS)
         del model
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
         strategy = _strategy(cls, config, islands, comm)
-        for r in range(repeats + 1):
-            _nudge(islands)
-            t0 = time.perf_counter()
-            strategy.outer_step(8 * (r + 1))
-            if r:
-                times.append(time.perf_counter() - t0)
+        times = _timed_rounds(repeats, lambda r: _nudge(islands), lambda r: strategy.outer_step(8 * (r + 1)))
     elif case == "demo":
         from atoll.strategies.demo import DeMoStrategy, make_optimizer
 
@@ -200,15 +203,15 @@ def worker(case: str, size: int, repeats: int) -> dict:
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
         strategy = _strategy(DeMoStrategy, config, islands, comm)
         gen = torch.Generator().manual_seed(1)
-        for r in range(repeats + 1):
-            for island in islands:  # a gradient per parameter and a finite loss, as after a backward pass
+
+        def gradients(r: int) -> None:  # a gradient per parameter and a finite loss, as after a backward pass
+            for island in islands:
                 island.last_loss = 1.0
                 for p in island.params:
                     p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=gen)
-            t0 = time.perf_counter()
-            strategy.step(r)  # one step: every island encodes, the payloads are all-gathered, every island applies
-            if r:
-                times.append(time.perf_counter() - t0)
+
+        # one step: every island encodes, the payloads are all-gathered, every island applies
+        times = _timed_rounds(repeats, gradients, strategy.step)
     elif case in ("streaming", "streaming_int4"):
         from atoll.strategies.streaming import StreamingDiLoCo
 
@@ -218,13 +221,11 @@ def worker(case: str, size: int, repeats: int) -> dict:
         del model
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
         strategy = _strategy(StreamingDiLoCo, config, islands, comm)
-        for r in range(repeats + 1):
-            _nudge(islands)
-            t0 = time.perf_counter()
-            for p in range(FRAGMENTS):  # one window: every fragment started and merged (tau = 0)
+        def window(r: int) -> None:  # one window: every fragment started and merged (tau = 0)
+            for p in range(FRAGMENTS):
                 strategy._start(p, 8 * r + p, overlap=0)
-            if r:
-                times.append(time.perf_counter() - t0)
+
+        times = _timed_rounds(repeats, lambda r: _nudge(islands), window)
     elif case in ("decoupled", "syncer_commit"):
         from atoll.runtime.decoupled_job import job_of, syncer_of
         from atoll.strategies.decoupled.island import IslandWorker
