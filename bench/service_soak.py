@@ -28,7 +28,8 @@ Measured (the syncer's ``service/status.json`` of each shard sampled every ``--p
   alive would train at their failure-free rates (each island's rate in the baseline times the share of the run
   it was up: outages are from a kill to its rejoin, and a stop's 30 s);
 - participation: for each merge (a fragment's version rising on its shard), the share of the islands up at that
-  moment whose push is in it (their merged tokens on that shard rose with it);
+  moment and still training (not past their last merged push: the shared budget spent) whose push is in it
+  (their merged tokens on that shard rose with it);
 - rejoin times: from a kill to the island's next join (the coordinator's ``joins``), and to its next merged push;
 - committed steps lost: per shard restart, the commits (fragment versions) the shard showed before its kill
   minus those it restarted from (must be 0);
@@ -174,7 +175,7 @@ class Phase:
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.t0 = time.time()
-        corpus = sl.write_corpus(self.tmp / "corpus.txt")
+        corpus = sl.write_corpus(self.tmp / "corpus.txt", large=True)
         flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, list) else v}"
                  for k, v in SETTINGS.items() if k != "strategy"]
         self.flags = [*flags, f"--steps={steps}", "--data", str(corpus), "--cache-dir", str(self.tmp / "cache"),
@@ -487,10 +488,21 @@ def up_share(phase: dict[str, Any], island: int, start: float, end: float) -> fl
     return 1.0 - down / (end - start) if end > start else float("nan")
 
 
-def live_at(phase: dict[str, Any], t: float) -> set[int]:
-    """The islands up at ``t`` (seconds from the phase's start)."""
+def last_pushes(phase: dict[str, Any]) -> list[float]:
+    """Per island the time (seconds from the phase's start) of the last merge that held its push: after it the
+    island has no steps left to train (the shared budget is spent), so no merge can hold it (-inf: none)."""
+    last = [float("-inf")] * len(phase["outages"])
+    for m in phase["merges"]:
+        for i in m["islands"]:
+            last[i] = max(last[i], m["t"])
+    return last
+
+
+def live_at(phase: dict[str, Any], t: float, done: Sequence[float] | None = None) -> set[int]:
+    """The islands up at ``t`` (seconds from the phase's start); with ``done`` (:func:`last_pushes`), only
+    those whose last merged push is not before ``t``: still training."""
     return {i for i, spans in enumerate(phase["outages"])
-            if not any(a <= t and (b is None or t < b) for a, b in spans)}
+            if not any(a <= t and (b is None or t < b) for a, b in spans) and (done is None or t <= done[i])}
 
 
 def figures(phase: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str, Any]:
@@ -505,10 +517,11 @@ def figures(phase: dict[str, Any], baseline: dict[str, Any] | None) -> dict[str,
     shares = [up_share(phase, i, first, last) for i in range(len(RANKS))]
     bound = sum(r * u * tps for r, u in zip(base_rates, shares, strict=True))
     parts, full = [], 0
+    done = last_pushes(phase)
     for m in phase["merges"]:
         if not first <= m["t"] <= last + 5:
             continue
-        live = live_at(phase, m["t"])
+        live = live_at(phase, m["t"], done)
         if live:
             p = len(set(m["islands"]) & live) / len(live)
             parts.append(p)
@@ -627,13 +640,15 @@ def report(out: Path, args: argparse.Namespace, phases: dict[str, dict[str, Any]
     notes = [f"command: `{command}`; "
              f"{steps} inner steps per island (budget {steps * SETTINGS['islands']}), settings "
              "bench/service_soak.toml (micro model, 6 islands of 2,1,2,1,2,1 ranks, speeds 1,1,0.5,0.5,0.25,0.25 "
-             f"made real by each job's --emulate-step-s: {args.step_s:g} s / speed, 2 fragments on 2 syncer shards), "
+             f"made real by each job's --emulate-step-s: {args.step_s:g} s / speed, 2 fragments on 2 syncer shards; "
+             "corpus: the standard library's top-level modules, 4.7 MB), "
              f"{args.faults_per_hour:g} faults per hour (seed {args.seed}), stops of {args.stop_s:g} s; machine: "
              f"{os.cpu_count()} CPUs, shared (load: 1-minute average at each phase's end).",
              "goodput: merged tokens per second from the first grant to the last; alive bound: each island's "
              "failure-free rate (the baseline's) times the share of that time it was up. Participation: per merge "
              "seen in the shards' status (sampled every "
-             f"{args.poll_s:g} s), the islands up whose merged tokens rose with it over the islands up. Rejoin: "
+             f"{args.poll_s:g} s), the islands up whose merged tokens rose with it over the islands up and still "
+             "training (not past their last merged push). Rejoin: "
              "kill to the coordinator counting its next join; back pushing: to its next merged push (a stop: "
              "from the stop). Committed steps lost: commits a shard showed before its kill minus those it "
              "restarted from. Shard RSS / threads / open files: the first samples' lowest, the last, the highest.",

@@ -98,6 +98,9 @@ def test_realign_share_rules() -> None:
     assert s.realign_share((100.0, frozenset({2, 3})), frozenset({0, 1}), 0, 105.0) == 0.0
     s.behind[3][0] = 0.3
     assert s.take_behind(3, 0) == pytest.approx(0.3) and s.take_behind(3, 0) == 0.0  # said once
+    s.behind[3][0] = 0.4
+    s.rejoin(3)  # a new session starts its rounds at its join: the old session's share is not said to it
+    assert s.take_behind(3, 0) == 0.0
 
 
 def test_the_setting_is_reported_with_participation(fast_config: dict, tmp_path: Path) -> None:

@@ -34,6 +34,17 @@ def test_up_share_and_live_islands() -> None:
     assert service_soak.live_at(phase, 15.0) == {1, 2}
     assert service_soak.live_at(phase, 30.0) == {0, 1, 2}
     assert service_soak.live_at(phase, 60.0) == {0, 1}
+    assert service_soak.live_at(phase, 30.0, done=[100.0, 25.0, 30.0]) == {0, 2}  # island 1 pushed its last
+
+
+def test_an_island_past_its_last_push_is_not_counted_live() -> None:
+    # the budget spent, islands 3-5 have pushed their last steps at 40 s: the merge at 50 s holds every island
+    # still training
+    merges = [{"t": 40.0, "shard": 0, "merges": 1, "islands": [0, 1, 2, 3, 4, 5]},
+              {"t": 50.0, "shard": 0, "merges": 1, "islands": [0, 1, 2]}]
+    assert service_soak.last_pushes({"outages": [[]] * 6, "merges": merges}) == [50.0] * 3 + [40.0] * 3
+    row = service_soak.figures(_phase(merges=merges), None)
+    assert row["participation_mean"] == pytest.approx(1.0) and row["merges_full"] == 2
 
 
 def test_percentile_nearest_rank() -> None:
@@ -54,7 +65,8 @@ def _phase(**extra: object) -> dict:
 def test_figures_goodput_participation_rejoins_and_lost_commits() -> None:
     outages = [[[20.0, 40.0]], [], [], [], [], []]
     merges = [{"t": 30.0, "shard": 0, "merges": 1, "islands": [1, 2, 3, 4, 5]},  # island 0 down: all 5 live in
-              {"t": 50.0, "shard": 1, "merges": 1, "islands": [0, 1, 2]}]  # 3 of 6
+              {"t": 50.0, "shard": 1, "merges": 1, "islands": [0, 1, 2]},  # 3 of 6
+              {"t": 100.0, "shard": 0, "merges": 1, "islands": [0, 1, 2, 3, 4, 5]}]  # all 6 still train
     faults = [{"t": 20.0, "kind": "rank", "island": 0, "rejoin_s": 20.0, "pushing_s": 25.0},
               {"t": 60.0, "kind": "shard", "shard": 1}]
     restarts = [{"t": 60.0, "kind": "shard", "shard": 1, "commits_before": 7, "restarted_commits": 6}]
@@ -66,8 +78,8 @@ def test_figures_goodput_participation_rejoins_and_lost_commits() -> None:
     bound = sum(rate * share * tps for share in [0.8, 1, 1, 1, 1, 1])
     assert row["alive_bound_tok_s"] == pytest.approx(bound)
     assert row["goodput_vs_alive"] == pytest.approx(600 * 128 / 100 / bound)
-    assert row["participation_mean"] == pytest.approx((1.0 + 0.5) / 2)
-    assert row["merges_full"] == 1 and row["merges_seen"] == 2
+    assert row["participation_mean"] == pytest.approx((1.0 + 0.5 + 1.0) / 3)
+    assert row["merges_full"] == 2 and row["merges_seen"] == 3
     assert row["rejoins"] == 1 and row["rejoin_p50_s"] == 20.0 and row["pushing_max_s"] == 25.0
     assert row["committed_lost"] == 1
     assert row["faults_by_kind"] == {"rank": 1, "shard": 1}

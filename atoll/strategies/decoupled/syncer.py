@@ -323,7 +323,10 @@ class Syncer:
         return starved_message(self.starved(), self.admission.rejected_by_island, self.starve_after)
 
     def rejoin(self, island: int) -> int:
-        """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``)."""
+        """``island`` (re)joins from the newest global parameters: its new session (its pushes' ``session``).
+        Its realignment shares (:meth:`take_behind`) are forgotten: they measured the old session's phase, and
+        the new one starts its rounds at the join."""
+        self.behind[island] = [0.0] * len(self.index)
         return self.admission.rejoin(island)
 
     def grant(self, island: int, tokens: int) -> None:
