@@ -46,8 +46,7 @@ def folder(case: str, seed: int, on: bool) -> str:
 def run(runs: Path, case: str, seed: int, on: bool) -> None:
     steps, extra = CASES[case]
     args = [*COMMON, "--steps", str(steps), *extra, "--seed", str(seed), "--out", str(runs / folder(case, seed, on))]
-    if on:
-        args.append("--realign-pushes")
+    args.append("--realign-pushes" if on else "--no-realign-pushes")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "atoll", "train", *args], capture_output=True, text=True, env=env)
     if r.returncode != 0:
