@@ -374,7 +374,7 @@ class SyncerServer:
             try:  # decoded outside the lock: a large push never holds up the other islands' calls
                 decoded = []
                 for h in uploads:
-                    payload = wire.bytes_payload(bytes(h.data), self.codec, sum(b - a for a, b in h.ranges))
+                    payload = wire.bytes_payload(h.data, self.codec, sum(b - a for a, b in h.ranges))
                     nbytes += payload.nbytes
                     decoded.append((h.ranges, self.codec.decode(payload)))
                 delta = slices.assemble(numel, decoded)
