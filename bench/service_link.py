@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import resource
 import signal
 import socket
@@ -48,6 +49,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fragments", type=int, default=4, help="P, fragments [4]")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of each island [2]")
     parser.add_argument("--islands", type=int, default=1, help="islands pushing and pulling at once [1]")
+    parser.add_argument("--in-flight", type=int, default=1,
+                        help="fragments pushed (or pulled) at once: an island's exchanges in flight [1]")
     parser.add_argument("--loopback", action="store_true",
                         help="no link: every process on 127.0.0.1 (the CPU's ceiling; no root needed)")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds over every fragment [2]")
@@ -148,8 +152,9 @@ def _syncer(spec: dict[str, Any]) -> None:
     server.start()
     _say({"numels": list(state.service.syncer.numels)})
     for line in sys.stdin:
-        if json.loads(line)["op"] == "cpu":
-            _say({"cpu_s": _cpu_s(), "threads": _threads_cpu_s()})
+        cmd = json.loads(line)
+        if cmd["op"] == "cpu":
+            _say({"id": cmd.get("id"), "cpu_s": _cpu_s(), "threads": _threads_cpu_s()})
     server.stop(grace=0).wait()
 
 
@@ -164,7 +169,7 @@ def _beats(client: Any, stop: threading.Event, out: list[float]) -> None:
 
 def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
     """One rank of an island: uploads and downloads its slice of a fragment when told (rank 0 also joins its
-    island, commits, and sends heartbeats; island 0's rank 0 also joins the silent last island)."""
+    island, commits, and sends heartbeats)."""
     import torch
 
     from atoll.algorithms.fragments import FlatFragment
@@ -187,9 +192,8 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
     session = 0
     if rank == 0:
         session = me.call("Join", {"numels": numels})["session"]
-    if rank == 0 and island == 0:  # the run starts once every island joined; the last one never pushes, so the
-        other = client(spec["islands"], True)  # buffer never reaches its quorum: nothing is merged
-        other.call("Join", {"numels": numels})
+    if rank == 0 and island == 0:  # the run starts once every island joined: island 0 joins the silent one
+        client(spec["islands"], True).call("Join", {"numels": numels})
     parts = [even_parts(FlatFragment(((0, n),)), ranks)[rank].ranges for n in numels]
     seeds = [7 * p + rank + 1000 * island for p in range(len(parts))]
     deltas = [torch.randn(sum(b - a for a, b in r), generator=torch.Generator().manual_seed(seed)) * 1e-4
@@ -197,24 +201,26 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
     beats: list[float] = []
     stop = threading.Event()
     beat: threading.Thread | None = None
-    _say({"ready": True})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op, t0, c0 = cmd["op"], time.perf_counter(), _cpu_s()
-        reply: dict[str, Any] = {}
+    say = threading.Lock()
+
+    def serve(cmd: dict[str, Any]) -> None:  # (one request, in a thread of its own: several may run at once)
+        nonlocal beats, stop, beat
+        op, t0 = cmd["op"], time.perf_counter()
+        reply: dict[str, Any] = {"id": cmd.get("id")}
         if op == "push":
             payload = wire.payload_bytes({"values": deltas[cmd["p"]]})
             me.upload(payload, cmd["p"], parts[cmd["p"]], f"{cmd['k']}.{cmd['p']}.{rank}")
             reply["bytes"] = len(payload)
-        elif op == "commit":
+        elif op == "reserve":  # the lease the commit claims (an island takes it ahead, not on a push's path)
             me.call("ReserveSteps", {"n": 5})
+        elif op == "commit":
             ids = [f"{cmd['k']}.{cmd['p']}.{r}" for r in range(ranks)]
             reply["accepted"] = me.commit(ids, cmd["p"], 5 * spec["tokens_per_step"], 0, session)["accepted"]
         elif op == "pull":
             version, values = me.download(cmd["p"], parts[cmd["p"]])
             reply["bytes"] = 4 * values.numel()
         elif op == "cpu":
-            reply["threads"] = _threads_cpu_s()
+            reply.update(cpu_s=_cpu_s(), threads=_threads_cpu_s())
         elif op == "beats":
             if cmd["on"]:
                 beats, stop = [], threading.Event()
@@ -224,8 +230,15 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
                 stop.set()
                 beat.join()
                 reply["beats"] = beats
-        reply.update(s=time.perf_counter() - t0, cpu_s=_cpu_s() - c0)
-        _say(reply)
+        reply["s"] = time.perf_counter() - t0
+        with say:
+            _say(reply)
+
+    pool = ThreadPoolExecutor(max_workers=16)
+    _say({"ready": True})
+    for line in sys.stdin:
+        pool.submit(serve, json.loads(line))
+    pool.shutdown(wait=True)
     me.close()
 
 
@@ -269,7 +282,7 @@ def _source(spec: dict[str, Any]) -> None:
 
 class Child:
     """A child process of this script, in namespace ``ns`` of ``wan`` (None: this host), spoken to in JSON
-    lines."""
+    lines; requests carry an id, so several may be in flight (:meth:`ask` from several threads)."""
 
     def __init__(self, wan: Any, ns: int, role: str, spec: Path, island: int = 0, rank: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
@@ -277,27 +290,53 @@ class Child:
                 str(island), "--rank", str(rank)]
         kwargs: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True, "env": env}
         self.proc = wan.popen(ns, argv, **kwargs) if wan is not None else subprocess.Popen(argv, **kwargs)
+        self.lock = threading.Lock()
+        self.waiting: dict[int, Future] = {}
+        self.next = 0
+        self.lines: queue.Queue = queue.Queue()  # lines without an id (a readiness, a sink's count)
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def send(self, obj: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(obj) + "\n")
-        self.proc.stdin.flush()
-
-    def read(self) -> dict[str, Any]:
+    def _read(self) -> None:
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a child ({' '.join(map(str, self.proc.args[-8:]))}) ended with status "
-                               f"{self.proc.wait()}")
-        return json.loads(line)
+        for line in self.proc.stdout:
+            reply = json.loads(line)
+            with self.lock:
+                future = self.waiting.pop(reply["id"], None) if reply.get("id") is not None else None
+            if future is not None:
+                future.set_result(reply)
+            else:
+                self.lines.put(reply)
+        error = RuntimeError(f"a child ({' '.join(map(str, self.proc.args[-8:]))}) ended with status "
+                             f"{self.proc.wait()}")
+        with self.lock:
+            for f in self.waiting.values():
+                f.set_exception(error)
+        self.lines.put(error)
+
+    def line(self) -> dict[str, Any]:
+        """The child's next line without an id (its readiness, a sink's count)."""
+        got = self.lines.get()
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def send(self, obj: dict[str, Any]) -> Future:
+        assert self.proc.stdin is not None
+        with self.lock:
+            self.next += 1
+            future: Future = Future()
+            self.waiting[self.next] = future
+            self.proc.stdin.write(json.dumps({**obj, "id": self.next}) + "\n")
+            self.proc.stdin.flush()
+        return future
 
     def ask(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.send(obj)
-        return self.read()
+        return self.send(obj).result()
 
     def close(self) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.close()
+        with self.lock:
+            self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
@@ -332,11 +371,11 @@ def instrument(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
             spec = tmp / f"tcp{mtu}.json"
             spec.write_text(json.dumps({"host": wan.island_ip(0), "seconds": args.seconds}))
             sink = Child(wan, 0, "sink", spec)
-            sink.read()
+            sink.line()
             c0 = _cpu_s()
             source = Child(wan, 1, "source", spec)
-            source.read()
-            marks = sink.read()["marks"]
+            source.line()
+            marks = sink.line()["marks"]
             cpu = _cpu_s() - c0
             stats = wan.delay_stats()
         (t1, b1) = next((t, b) for t, b in marks if t >= 1.0)
@@ -366,7 +405,11 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     std = Path(sysconfig.get_paths()["stdlib"])
     corpus.write_text("\n\n\n".join(f.read_text(encoding="utf-8") for f in sorted((std / "json").glob("*.py"))))
     host = "127.0.0.1" if args.loopback else EmulatedWan.island_ip(0)
-    total = args.islands + 1  # and a silent island: the quorum (every island) is never reached, nothing merged
+    # and a silent island: the quorum (every island) is never reached, so nothing is merged: the rounds time the
+    # transfers, not the merge (bench/outer_round.py times that). A fragment's first push waits in the buffer; the
+    # later ones are refused as replays (same base version) after their slices were received, decoded and
+    # assembled, as any push's are
+    total = args.islands + 1
     overrides = {"strategy": "decoupled", "model": args.model, "fragments": args.fragments, "islands": total,
                  "quorum": total, "min_quorum": total, "codec": "fp32", "runtime": "service", "data": str(corpus),
                  "vocab_size": 512, "cache_dir": str(tmp / "cache"), "out": str(tmp / "syncer"), "steps": 100000,
@@ -394,53 +437,59 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
         if wan is not None:
             _tune(wan, args.tcp_buffer_mib)
         syncer = Child(wan, 0, "syncer", spec_path)
-        numels = syncer.read()["numels"]
+        numels = syncer.line()["numels"]
         spec["numels"] = numels
         spec_path.write_text(json.dumps(spec))
         ranks = [[Child(wan, 1, "rank", spec_path, i, r) for r in range(args.ranks)] for i in range(args.islands)]
         every = [c for island in ranks for c in island]
         for c in every:
-            c.read()
+            c.line()
         beater = ranks[0][0]
         idle = _beat_window(beater, 2.0)
 
-        def push(p: int, k: int) -> tuple[float, int, float]:
-            t0 = time.perf_counter()
-            for c in every:
-                c.send({"op": "push", "p": p, "k": k})
-            replies = [c.read() for c in every]
+        def push(p: int, k: int) -> int:  # every rank uploads its slice at once, then each island's rank 0 commits
             for island in ranks:
-                island[0].send({"op": "commit", "p": p, "k": k})
-            commits = [island[0].read() for island in ranks]
-            return (time.perf_counter() - t0, sum(x["bytes"] for x in replies),
-                    sum(x["cpu_s"] for x in [*replies, *commits]))
-
-        def pull(p: int) -> tuple[float, int, float]:
+                island[0].ask({"op": "reserve"})  # (the lease: taken ahead by an island, so not on the clock)
             t0 = time.perf_counter()
-            for c in every:
-                c.send({"op": "pull", "p": p})
-            replies = [c.read() for c in every]
-            return time.perf_counter() - t0, sum(x["bytes"] for x in replies), sum(x["cpu_s"] for x in replies)
+            replies = [f.result() for f in [c.send({"op": "push", "p": p, "k": k}) for c in every]]
+            uploaded = time.perf_counter() - t0
+            commits = [f.result() for f in [i[0].send({"op": "commit", "p": p, "k": k}) for i in ranks]]
+            accepted.extend(c["accepted"] for c in commits)
+            upload_s.append(uploaded)
+            return sum(x["bytes"] for x in replies)
 
-        for p in range(len(numels)):  # warm-up: connections made, windows grown
-            push(p, 0)
-            pull(p)
+        def pull(p: int) -> int:  # every rank downloads its slice at once
+            return sum(f.result()["bytes"] for f in [c.send({"op": "pull", "p": p}) for c in every])
+
+        def phase(run: Any, k: int) -> tuple[float, int, float, float]:
+            """Every fragment's push (or pull) of round k, ``--in-flight`` at once: (seconds, bytes, the islands'
+            CPU seconds, the syncer's)."""
+            before = [c.ask({"op": "cpu"}) for c in [syncer, *every]]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=args.in_flight) as pool:
+                moved = sum(pool.map(lambda p: run(p, k), range(len(numels))))
+            seconds = time.perf_counter() - t0
+            after = [c.ask({"op": "cpu"}) for c in [syncer, *every]]
+            for name, v in after[0]["threads"].items():
+                threads[name] = threads.get(name, 0.0) + v - before[0]["threads"].get(name, 0.0)
+            cpu = [a["cpu_s"] - b["cpu_s"] for a, b in zip(after, before, strict=True)]
+            return seconds, moved, sum(cpu[1:]), cpu[0]
+
+        upload_s: list[float] = []
+        accepted: list[bool] = []
+        threads: dict[str, float] = {}
+        cold = [phase(push, 0), phase(lambda p, k: pull(p), 0)]  # warm-up: connections made, windows grown
+        upload_s.clear()
         beater.ask({"op": "beats", "on": True})
-        recorders = [] if perf is None else [  # where the CPU goes in the timed rounds, gRPC's and TLS's C included
+        recorders = [] if perf is None else [  # where the CPU goes in the timed rounds: perf (C: gRPC, TLS, copies)
             subprocess.Popen(["perf", "record", "-q", "-g", "-F", "499", "-p", str(c.proc.pid), "-o",
                               str(perf / f"{name}.data")]) for name, c in (("syncer", syncer), ("rank0", beater))]
-        pushes, pulls, syncer_cpu = [], [], {"push": 0.0, "pull": 0.0}
-        threads: dict[str, float] = {}
-        for k in range(1, args.repeats + 1):
-            for p in range(len(numels)):
-                for phase, run, done in (("push", lambda p=p, k=k: push(p, k), pushes),
-                                         ("pull", lambda p=p: pull(p), pulls)):
-                    before = syncer.ask({"op": "cpu"})
-                    done.append(run())
-                    after = syncer.ask({"op": "cpu"})
-                    syncer_cpu[phase] += after["cpu_s"] - before["cpu_s"]
-                    for name, v in after["threads"].items():
-                        threads[name] = threads.get(name, 0.0) + v - before["threads"].get(name, 0.0)
+        recorders += [] if perf is None else [  # and py-spy (Python's lines, native frames under them)
+            subprocess.Popen(["py-spy", "record", "--native", "-r", "200", "-f", "raw", "-p", str(c.proc.pid), "-o",
+                              str(perf / f"{name}.pyspy.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, c in (("syncer", syncer), ("rank0", beater))]
+        pushes = [phase(push, k) for k in range(1, args.repeats + 1)]
+        pulls = [phase(lambda p, k: pull(p), k) for k in range(1, args.repeats + 1)]
         busy = beater.ask({"op": "beats", "on": False})["beats"]
         for rec in recorders:
             rec.send_signal(signal.SIGINT)
@@ -450,8 +499,10 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
         for c in [*every, syncer]:
             c.close()
     rate = args.rate_mbps * 1e6 / 8  # bytes per second
-    push_b, push_s = sum(b for _, b, _ in pushes), sum(s for s, _, _ in pushes)
-    pull_b, pull_s = sum(b for _, b, _ in pulls), sum(s for s, _, _ in pulls)
+    push_b, push_s = sum(x[1] for x in pushes), sum(x[0] for x in pushes)
+    pull_b, pull_s = sum(x[1] for x in pulls), sum(x[0] for x in pulls)
+    # (one fragment at a time: its uploads timed apart from its commit, the link's share without the round trips)
+    upload_share = push_b / sum(upload_s) / rate if args.in_flight == 1 and not args.loopback else None
     row = {"label": args.label or ("TLS" if not args.plaintext else "plaintext"),
            "what": f"{args.islands} island{'s' if args.islands > 1 else ''} x {args.ranks} ranks",
            "link": "loopback" if args.loopback else f"{args.rate_mbps:g} Mbit/s, {2 * args.delay_ms:g} ms RTT",
@@ -461,13 +512,17 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
            "rtt_ms": None if args.loopback else 2 * args.delay_ms,
            "fragment_mb": statistics.mean(numels) * 4 / 1e6,
            "push_mbps": 8 * push_b / push_s / 1e6, "pull_mbps": 8 * pull_b / pull_s / 1e6,
-           "push_share": None if args.loopback else push_b / push_s / rate,
+           "push_share": None if args.loopback else push_b / push_s / rate, "upload_share": upload_share,
+           # the warm-up round: fresh connections, TCP and HTTP/2 windows grown from their start
+           "cold_push_share": None if args.loopback else cold[0][1] / cold[0][0] / rate,
+           "cold_pull_share": None if args.loopback else cold[1][1] / cold[1][0] / rate,
            "pull_share": None if args.loopback else pull_b / pull_s / rate,
-           "push_s": [s for s, _, _ in pushes], "pull_s": [s for s, _, _ in pulls],
-           "island_push_cpu_s_per_gb": 1e9 * sum(c for *_, c in pushes) / push_b,
-           "island_pull_cpu_s_per_gb": 1e9 * sum(c for *_, c in pulls) / pull_b,
-           "syncer_push_cpu_s_per_gb": 1e9 * syncer_cpu["push"] / push_b,
-           "syncer_pull_cpu_s_per_gb": 1e9 * syncer_cpu["pull"] / pull_b,
+           "in_flight": args.in_flight, "push_round_s": [x[0] for x in pushes], "pull_round_s": [x[0] for x in pulls],
+           "upload_s": upload_s, "accepted": sum(accepted), "refused_replays": len(accepted) - sum(accepted),
+           "island_push_cpu_s_per_gb": 1e9 * sum(x[2] for x in pushes) / push_b,
+           "island_pull_cpu_s_per_gb": 1e9 * sum(x[2] for x in pulls) / pull_b,
+           "syncer_push_cpu_s_per_gb": 1e9 * sum(x[3] for x in pushes) / push_b,
+           "syncer_pull_cpu_s_per_gb": 1e9 * sum(x[3] for x in pulls) / pull_b,
            "syncer_threads_cpu_s": dict(sorted(threads.items(), key=lambda kv: -kv[1])),
            "heartbeat_idle_ms": 1e3 * statistics.median(idle), "heartbeat_busy_ms": 1e3 * statistics.median(busy),
            "heartbeat_busy_max_ms": 1e3 * max(busy), "heartbeats": len(busy),
@@ -490,8 +545,10 @@ def _beat_window(rank0: Child, seconds: float) -> list[float]:
 
 
 COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("MTU", "mtu"), ("window MiB", "window_mib"),
+           ("in flight", "in_flight"),
            ("TCP Mbit/s", "mbps"), ("TCP share", "share"), ("push Mbit/s", "push_mbps"), ("push share", "push_share"),
-           ("pull Mbit/s", "pull_mbps"), ("pull share", "pull_share"),
+           ("upload share", "upload_share"), ("pull Mbit/s", "pull_mbps"), ("pull share", "pull_share"),
+           ("cold push share", "cold_push_share"), ("cold pull share", "cold_pull_share"),
            ("island CPU s/GB push", "island_push_cpu_s_per_gb"), ("island CPU s/GB pull", "island_pull_cpu_s_per_gb"),
            ("syncer CPU s/GB push", "syncer_push_cpu_s_per_gb"), ("syncer CPU s/GB pull", "syncer_pull_cpu_s_per_gb"),
            ("heartbeat ms idle", "heartbeat_idle_ms"), ("heartbeat ms worst, busy", "heartbeat_busy_max_ms"),

@@ -383,7 +383,7 @@ class SyncerServer:
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,
                    session=req.session, credential=credential)
         with self.lock:
-            accepted, pull = self.service.push(msg)
+            accepted, pull = self.service.push(msg, values=False)  # (the version only: no copy under the lock)
             self.changed.notify_all()
             # merged now, with realign_pushes: the share of a round it arrived behind (SyncerService._answer)
             share = {"realign": pull.realign} if pull is not None and accepted and syncer.realign else {}
