@@ -594,8 +594,9 @@ NOTES = [
     "Commands (as root), each appending its row: `--instrument --mtu 1500 9000 65000 --seconds 8`; then `--label "
     "LABEL --repeats 2` with: (default) nothing; `--window-mib 0`; `--in-flight 2`; `--plaintext`; "
     "`--tcp-buffer-mib 0`; `--loopback`; `--loopback --plaintext`; `--loopback --islands 4 --ranks 1`; "
-    "`--mtu 65000`; `--mtu 65000 --in-flight 2`. Model 125m (vocab 512): 4 fragments of 113.7 MB float32, "
-    "fp32 pushes; TLS unless plaintext; hosts' TCP buffers 64 MiB (`--tcp-buffer-mib`), BBR.",
+    "`--mtu 65000`; `--mtu 65000 --in-flight 2`; `--model 20m`; `--model 20m --window-mib 0`. Model 125m "
+    "(vocab 512): 4 fragments of 113.7 MB float32, fp32 pushes; TLS unless plaintext; hosts' TCP buffers 64 MiB "
+    "(`--tcp-buffer-mib`), BBR.",
     "Shares: payload bits per second over the link rate (TCP/IP/TLS/HTTP2 headers not counted). Push: every "
     "rank uploads its slice at once, then rank 0 commits (one more round trip, and the syncer decodes, "
     "reassembles and checks the fragment before it answers); upload share: the uploads alone; pull: every rank "
