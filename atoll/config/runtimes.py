@@ -212,6 +212,14 @@ class ServiceLinkSection(Section):
         "wait for shard 0 once gathered.",
     )
 
+    bulk_window_mib: float = Field(
+        8.0, gt=0, le=1024, json_schema_extra={"metavar": "MIB"},
+        description="atoll syncer and atoll island: the HTTP/2 receive window each bulk transfer (a slice's upload or "
+        "download) starts with, in MiB; size it to the link's bandwidth-delay product (1 Gbit/s x 70 ms round trip: "
+        "8.75 MB, shared by an island's ranks), and raise the hosts' TCP buffers to match (docs/deployment.md). The "
+        "syncer holds at most --bulk-slots windows of unread bytes.",
+    )
+
     @field_validator("tls_ca")
     @classmethod
     def _tls_ca_exists(cls, value: Path | None) -> Path | None:

@@ -18,6 +18,7 @@ budget; the island's transport, which runs the exchanges of a fragment's slices,
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ import grpc
 import torch
 
 from atoll.errors import AtollError, ConfigError
-from atoll.runtime.service import schema, wire
+from atoll.runtime.service import flow, schema, wire
 from atoll.runtime.service.slices import Ranges
 
 T = TypeVar("T")
@@ -63,6 +64,8 @@ class SyncerClient:
         give_up_s: seconds without any answer after which a call raises :class:`SyncerUnreachable`.
         server_name: the name the syncer's certificate must carry, when it differs from the address's host.
         control: open the control connection (an island's leader); False: bulk only (its other ranks).
+        window: bytes of HTTP/2 receive window each transfer on the bulk connection starts with
+            (:func:`~atoll.runtime.service.flow.bulk_options`, ``bulk_window_mib``); None: gRPC's default (64 KiB).
 
     Attributes:
         bytes_up, bytes_down: safetensors bytes this process sent and received over its bulk connection.
@@ -78,7 +81,7 @@ class SyncerClient:
 
     def __init__(self, address: str, island: int, credential: str, root_certificates: bytes | None = None,
                  plaintext: bool = False, insecure: bool = False, give_up_s: float = 600.0,
-                 server_name: str | None = None, control: bool = True) -> None:
+                 server_name: str | None = None, control: bool = True, window: int | None = None) -> None:
         try:
             host, _ = wire.parse_address(address, "syncer")
         except ValueError as e:
@@ -109,6 +112,8 @@ class SyncerClient:
 
         def channel(kind: str) -> grpc.Channel:
             opts = [*options, ("atoll.connection", kind)]
+            if kind == "bulk" and window is not None:
+                opts += flow.bulk_options(window)
             if plaintext:
                 return grpc.insecure_channel(address, options=opts)
             return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options=opts)
@@ -258,7 +263,7 @@ class SyncerClient:
             first = False
             header = schema.UploadHeader(upload=upload, fragment=fragment, ranges=ranges, size=len(data),
                                          offset=offset)
-            messages = iter([schema.encode(header), *wire.chunks(data, offset)])
+            messages = itertools.chain((schema.encode(header),), wire.iter_chunks(data, offset))
             received = _reply("Upload", stub(messages, metadata=self.metadata, timeout=600.0))["received"]
             self.bytes_up += len(data) - offset
             if received != len(data):
@@ -288,7 +293,7 @@ class SyncerClient:
                 raise RuntimeError(f"download: {len(got)} of {header['size']} bytes")
 
         self._retrying("Download", attempt)
-        return int(version), wire.bytes_tensor(bytes(got))  # type: ignore[arg-type]
+        return int(version), wire.bytes_tensor(got)  # (a view of the bytes received: no copy)
 
     def commit(self, uploads: list[str], fragment: int, tokens: int, base_version: int, session: int,
                round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:

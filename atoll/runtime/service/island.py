@@ -46,7 +46,7 @@ from atoll.job.island import Island, inner_optimizer
 from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, PeerFailure
 from atoll.runtime.collective.rank_island import RankIsland
 from atoll.runtime.decoupled_job import island_steps, job_of
-from atoll.runtime.service import schema
+from atoll.runtime.service import flow, schema
 from atoll.runtime.service.client import SyncerClient
 from atoll.runtime.service.exchange import ServiceTransport, SlicePlan
 from atoll.runtime.service.group import IslandGroup
@@ -260,7 +260,8 @@ def island_job(config: TrainConfig) -> dict[str, Any]:
             clients.append(SyncerClient(address, settings.island, token, root_certificates=ca,
                                         plaintext=settings.plaintext, insecure=settings.insecure,
                                         give_up_s=settings.give_up_s, server_name=settings.tls_server_name,
-                                        control=group.leader))
+                                        control=group.leader,
+                                        window=flow.window_bytes(settings.bulk_window_mib)))
         for client in clients:  # the transport checked before any work: a mistake is one line, in seconds
             client.probe()
         group.start()

@@ -31,7 +31,7 @@ from atoll.config.runtimes import ServiceConfig
 from atoll.errors import ConfigError
 from atoll.job.checkpoint import write_text_atomic
 from atoll.job.lock import RunLock
-from atoll.runtime.service import wire
+from atoll.runtime.service import flow, wire
 from atoll.runtime.service.island_state import Session, finite
 from atoll.runtime.service.monitor import Monitor
 from atoll.runtime.service.server import SyncerServer
@@ -131,6 +131,8 @@ def build_server(state: SyncerServer, settings: ServiceConfig, islands: int, fra
     :data:`IDLE_S`, handshakes bounded (:data:`HANDSHAKE_S`), and at most the open-file limit (raised to its
     hard limit, :func:`raise_nofile`) less :data:`FILES_RESERVED` of them, so connections never take the
     descriptors of the syncer's own files. gRPC has no cap per peer address: one address may hold them all.
+    Every stream starts with a ``bulk_window_mib`` receive window (:mod:`~atoll.runtime.service.flow`), so at
+    most ``bulk_slots`` such windows of uploads wait unread.
     """
     files = raise_nofile()
     connections = max(64, files - FILES_RESERVED) if files > 0 else 1 << 16
@@ -141,7 +143,8 @@ def build_server(state: SyncerServer, settings: ServiceConfig, islands: int, fra
                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
                ("grpc.max_connection_idle_ms", int(IDLE_S * 1000)),
                ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_S * 1000)),
-               ("grpc.max_allowed_incoming_connections", connections)]
+               ("grpc.max_allowed_incoming_connections", connections),
+               *flow.bulk_options(flow.window_bytes(settings.bulk_window_mib))]
     return grpc.server(futures.ThreadPoolExecutor(max_workers=control + settings.bulk_slots),
                        handlers=[state.handler()], options=options)
 

@@ -374,7 +374,7 @@ class SyncerServer:
             try:  # decoded outside the lock: a large push never holds up the other islands' calls
                 decoded = []
                 for h in uploads:
-                    payload = wire.bytes_payload(bytes(h.data), self.codec, sum(b - a for a, b in h.ranges))
+                    payload = wire.bytes_payload(h.data, self.codec, sum(b - a for a, b in h.ranges))
                     nbytes += payload.nbytes
                     decoded.append((h.ranges, self.codec.decode(payload)))
                 delta = slices.assemble(numel, decoded)
@@ -383,7 +383,7 @@ class SyncerServer:
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,
                    session=req.session, credential=credential)
         with self.lock:
-            accepted, pull = self.service.push(msg)
+            accepted, pull = self.service.push(msg, values=False)  # (the version only: no copy under the lock)
             self.changed.notify_all()
             # merged now, with realign_pushes: the share of a round it arrived behind (SyncerService._answer)
             share = {"realign": pull.realign} if pull is not None and accepted and syncer.realign else {}

@@ -483,12 +483,14 @@ class SyncerService:
     def _buffered(self, island: int) -> list[int]:
         return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
 
-    def push(self, msg: Push) -> tuple[bool, Pull | None]:
+    def push(self, msg: Push, values: bool = True) -> tuple[bool, Pull | None]:
         """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
 
         The answer comes back at once when the push is merged (it completed a quorum) or refused (None if it
         named no island or fragment of the run); while it waits in the buffer the island pulls once
-        :meth:`buffered` no longer lists it. A bad push is refused and counted, never raised.
+        :meth:`buffered` no longer lists it. A bad push is refused and counted, never raised. ``values`` False:
+        the answer's ``params`` are empty (its version and realignment only: the service's islands download the
+        values apart, so no copy of the fragment is made under the server's lock).
         """
         now = self._now()
         self._poll()
@@ -507,7 +509,7 @@ class SyncerService:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
             return True, None
-        return result.accepted, self._answer(msg.fragment, msg.island if result.accepted else None)
+        return result.accepted, self._answer(msg.fragment, msg.island if result.accepted else None, values)
 
     def pull(self, fragment: int, island: int | None = None) -> Pull:
         """The newest global fragment; ``island``: the answer to that island's merged push, which says how far
@@ -534,8 +536,9 @@ class SyncerService:
             return None
         return self.syncer.take_behind(island, fragment)
 
-    def _answer(self, fragment: int, island: int | None) -> Pull:
-        pull = self.syncer.pull(fragment)
+    def _answer(self, fragment: int, island: int | None, values: bool = True) -> Pull:
+        pull = self.syncer.pull(fragment) if values else \
+            Pull(fragment, torch.empty(0), self.syncer.version(fragment))
         if island is None or not self.syncer.realign or not is_index(island, self.syncer.islands):
             return pull
         return replace(pull, realign=self.syncer.take_behind(island, fragment))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -95,21 +96,88 @@ def loads(data: bytes) -> dict[str, Any]:
     return obj
 
 
+#: safetensors' dtype names (those a codec's payload or a pull uses) and torch's
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+#: the longest safetensors header read (safetensors' own limit is 100 MB; ours name at most a few tensors)
+MAX_HEADER = 1 << 16
+
+
+def view_tensors(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``data``, as views of its bytes (no copy: the tensors keep
+    ``data`` alive, and while they live it cannot be resized: BufferError). Checked as from a stranger, as
+    ``safetensors.torch.load`` checks: an 8-byte little-endian header length, a JSON object of at most
+    :data:`MAX_HEADER` bytes naming each tensor's dtype, shape and ``data_offsets``, the tensors tiling the bytes
+    after the header exactly.
+
+    Raises:
+        ValueError: anything else (one line).
+    """
+    if len(data) < 8:
+        raise ValueError("not a safetensors payload (shorter than its header's length)")
+    n = int.from_bytes(data[:8], "little")
+    if not 2 <= n <= min(MAX_HEADER, len(data) - 8):
+        raise ValueError(f"not a safetensors payload (header of {n} bytes in {len(data)})")
+    try:
+        header = loads(bytes(data[8:8 + n]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not a safetensors payload (its header: {str(e)[:80]})") from None
+    header.pop("__metadata__", None)
+    # through one memoryview, which the tensors keep alive: while any of them lives, ``data`` cannot be resized
+    # (BufferError), so a call still appending to it can never move the memory under them
+    view = memoryview(data)
+    body, spans, out = 8 + n, [], {}
+    for name, entry in header.items():
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = [int(x) for x in entry["shape"]]
+            a, b = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"not a safetensors payload (tensor {name[:40]!r}: {str(entry)[:80]})") from None
+        numel = 1
+        for x in shape:
+            if x < 0:
+                raise ValueError(f"not a safetensors payload (tensor {name[:40]!r}: shape {shape})")
+            numel *= x
+        if not 0 <= a <= b <= len(data) - body or b - a != numel * dtype.itemsize:
+            raise ValueError(f"not a safetensors payload (tensor {name[:40]!r}: offsets {a}..{b} for {shape})")
+        spans.append((a, b))
+        out[name] = (torch.frombuffer(view, dtype=dtype, count=numel, offset=body + a) if numel
+                     else torch.empty(0, dtype=dtype)).view(shape)
+    end = 0
+    for a, b in sorted(spans):
+        if a != end:
+            raise ValueError("not a safetensors payload (its tensors' bytes overlap or leave gaps)")
+        end = b
+    if body + end != len(data):
+        raise ValueError(f"not a safetensors payload ({len(data) - body} bytes after its header, its tensors {end})")
+    return out
+
+
+def _load(data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """``safetensors.torch.load``, without copying a ``bytearray`` (:func:`view_tensors`)."""
+    if isinstance(data, bytearray):
+        return view_tensors(data)
+    try:
+        return st_load(bytes(data))
+    except Exception as e:  # safetensors raises its own SafetensorError on malformed headers
+        raise ValueError(f"not a safetensors payload ({type(e).__name__})") from None
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """One tensor (any shape and dtype, on the CPU) as a safetensors file's bytes."""
     return st_save({TENSOR_NAME: t.detach().contiguous().cpu()})
 
 
-def bytes_tensor(data: bytes) -> torch.Tensor:
-    """The tensor of :func:`tensor_bytes`'s bytes (its shape and dtype as sent: the caller checks them).
+def bytes_tensor(data: bytes | bytearray) -> torch.Tensor:
+    """The tensor of :func:`tensor_bytes`'s bytes (its shape and dtype as sent: the caller checks them); of a
+    ``bytearray``, a view of its bytes (:func:`view_tensors`: no copy).
 
     Raises:
         ValueError: not a safetensors file holding exactly the one tensor.
     """
-    try:
-        tensors = st_load(bytes(data))
-    except Exception as e:  # safetensors raises its own SafetensorError on malformed headers
-        raise ValueError(f"not a safetensors payload ({type(e).__name__})") from None
+    tensors = _load(data)
     if set(tensors) != {TENSOR_NAME}:
         raise ValueError(f"expected one tensor named {TENSOR_NAME!r}, got {sorted(tensors)[:4]}")
     return tensors[TENSOR_NAME]
@@ -121,17 +189,15 @@ def payload_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return st_save({k: t.detach().contiguous().cpu() for k, t in tensors.items()})
 
 
-def bytes_payload(data: bytes, codec: Codec, numel: int) -> Encoded:
+def bytes_payload(data: bytes | bytearray, codec: Codec, numel: int) -> Encoded:
     """The payload of :func:`payload_bytes`'s bytes, checked as from a stranger against ``codec``'s layout for
-    ``numel`` values: exactly its tensors (names, dtypes, lengths), and ``topk`` indices inside ``0..numel-1``.
+    ``numel`` values: exactly its tensors (names, dtypes, lengths), and ``topk`` indices inside ``0..numel-1``; of
+    a ``bytearray``, views of its bytes (:func:`view_tensors`: no copy).
 
     Raises:
         ValueError: not a safetensors file, or not that layout (one line).
     """
-    try:
-        tensors = st_load(bytes(data))
-    except Exception as e:  # safetensors raises its own SafetensorError on malformed headers
-        raise ValueError(f"not a safetensors payload ({type(e).__name__})") from None
+    tensors = _load(data)
     expected = sorted((k, dtype, n) for k, dtype, n in codec.layout(numel))
     got = sorted((k, t.dtype, t.numel() if t.dim() == 1 else -1) for k, t in tensors.items())
     if got != expected:
@@ -164,3 +230,9 @@ def parse_ranges(obj: Any, numel: int) -> tuple[tuple[int, int], ...]:
 def chunks(data: bytes, offset: int = 0) -> list[bytes]:
     """``data[offset:]`` cut into chunks of at most :data:`CHUNK_BYTES`."""
     return [data[i:i + CHUNK_BYTES] for i in range(offset, len(data), CHUNK_BYTES)]
+
+
+def iter_chunks(data: bytes, offset: int = 0) -> Iterator[bytes]:
+    """:func:`chunks`, one at a time (a transfer holds one chunk's copy at once, not a second whole payload)."""
+    for i in range(offset, len(data), CHUNK_BYTES):
+        yield data[i:i + CHUNK_BYTES]
