@@ -254,3 +254,42 @@ def test_the_same_island_index_started_twice_ends_with_one_job_training(fast_con
     assert summary["islands_left"] == [0, 1] and summary["refused_calls"].get("stale_session", 0) >= 1
     assert "replay" not in summary["rejected_by_reason"], summary["rejected_by_reason"]
     assert "done;" in (tmp_path / "island_1b.log").read_text()
+
+
+def test_a_heartbeat_of_the_present_session_is_answered_while_a_merge_holds_the_lock(syncer) -> None:  # noqa: F811
+    """A merge holds the server's lock for a fragment's outer step; the present session's heartbeat does not wait
+    for it (it would read as a lost island), an older session's still takes the lock and is refused."""
+    import threading
+
+    from atoll.runtime.service.client import SessionSuperseded, SyncerClient
+
+    state, address, creds = syncer()
+    numels = state.service.syncer.numels
+    first = SyncerClient(address, 0, creds[0], plaintext=True)
+    first.call("Join", schema.JoinRequest(numels=numels))
+    me = SyncerClient(address, 0, creds[0], plaintext=True)
+    me.call("Join", schema.JoinRequest(numels=numels))  # session 2 fences session 1
+    heard_before = state.service.islands[0].heard
+    replies: list[object] = []
+    with state.lock:  # as a merge does
+        t = threading.Thread(target=lambda: replies.append(me.call("Heartbeat", schema.HeartbeatRequest())))
+        t.start()
+        t.join(timeout=60)
+        answered_under_lock = not t.is_alive()
+        stale: list[BaseException] = []
+
+        def old() -> None:
+            try:
+                first.call("Heartbeat", schema.HeartbeatRequest())
+            except SessionSuperseded as e:
+                stale.append(e)
+
+        o = threading.Thread(target=old)
+        o.start()
+        o.join(timeout=1.0)
+        waited = o.is_alive()  # the older session's heartbeat takes the slow path: it waits for the lock
+    t.join(timeout=60)
+    o.join(timeout=60)
+    assert answered_under_lock and replies == [{"spent": False}]
+    assert state.service.islands[0].heard is not None and state.service.islands[0].heard != heard_before
+    assert waited and len(stale) == 1 and state.refused_calls == {"stale_session": 1}

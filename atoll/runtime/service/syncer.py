@@ -572,6 +572,20 @@ class SyncerService:
                 "joins": [i.joins for i in self.islands], "steps_by_island": [i.steps for i in self.islands],
                 "versions": [self.syncer.version(p) for p in range(self.syncer.fragments)]}
 
+    def alive(self, island: int, session: Any) -> bool:
+        """Without the server's lock: if ``session`` is ``island``'s present session (a valid index, an int equal
+        to it), note the island heard now and return True; else False (no session, an older or a later one: the
+        caller takes the lock and :meth:`heartbeat`'s full check). Only reads and two float assignments, each
+        whole under the GIL: a Join racing it opens a newer session, whose calls the island sends after the
+        Join's answer, and an older session's heartbeat read before the Join counts its island heard, as it was.
+        """
+        if not is_index(island, self.run.islands) or not isinstance(session, int) or isinstance(session, bool) \
+                or session != self.syncer.admission.session[island]:
+            return False
+        state = self.islands[island]
+        state.last_seen = state.heard = self._now()
+        return True
+
     def heartbeat(self, island: int) -> dict[str, Any]:
         """``island`` is alive (its last call is now); return :meth:`progress` (its run events stay for the
         driver).
