@@ -4,6 +4,11 @@ island's share, handler exceptions counted by kind, the open-file limit raised a
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +18,7 @@ import grpc
 import pytest
 
 from atoll.runtime.service import bulk, schema, wire
+from tests.conftest import free_port
 
 pytest.importorskip("cryptography")  # (grpcio comes with it in the dev extra)
 
@@ -196,3 +202,94 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
         assert got >= low
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+#: idle connections of the flood: more than an inherited soft limit of 1,024 open files
+FLOOD = 1_100
+#: the HTTP/2 client connection preface (RFC 9113 section 3.4): the magic and an empty SETTINGS frame (length 0,
+#: type 4, no flags, stream 0): a connection that has done its handshake, then says nothing more
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _descriptors(pid: int) -> int:
+    """Open file descriptors of process ``pid`` now (Linux's /proc)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_idle_strangers_connections_past_an_inherited_1024_file_limit_leave_the_islands_calls_answered(
+        fast_config: dict, tmp_path: Path) -> None:
+    """A real ``atoll syncer`` started with a soft ``RLIMIT_NOFILE`` of 1,024 (its hard limit kept) takes 1,100
+    idle loopback connections that send the HTTP/2 preface and nothing more; after them an island's heartbeat
+    (its credential) is answered and the syncer goes on writing its status. Without the soft limit raised at
+    start (:func:`~atoll.runtime.service.serve.raise_nofile`) the 1,025th descriptor fails (EMFILE) and nothing
+    is answered (issue #35, item 10). gRPC counts none of it (no hook for a connection without a call): what
+    shows the flood is the syncer's own descriptors, more than 1,024."""
+    resource = pytest.importorskip("resource")
+    from tests.test_service import run_flags
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("counts descriptors in /proc (Linux)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FLOOD + 512  # this process's own ends of the flood, and its usual files
+    if hard != resource.RLIM_INFINITY and hard < need + 256:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room for {FLOOD} connections")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+    def inherited_1024() -> None:  # (in the child, before exec) the soft limit a login shell often gives
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+    out, port = tmp_path / "syncer", free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    log = tmp_path / "syncer.log"
+    syncer = subprocess.Popen([sys.executable, "-m", "atoll", "syncer", "--listen", f"127.0.0.1:{port}", "--out",
+                               str(out), *run_flags(fast_config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True, preexec_fn=inherited_1024)
+    flood: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while "listening on" not in log.read_text():
+            assert syncer.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"the syncer did not listen: {log.read_text()}"
+            time.sleep(0.2)
+        creds = [(out / "credentials" / f"island_{i}.token").read_text().strip() for i in range(2)]
+        for _ in range(FLOOD):
+            s = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE_S)
+            s.sendall(PREFACE)
+            flood.append(s)
+        # the server accepts them on its own threads: until it holds them all, or takes no more for a second
+        # (before its handshake timeout, HANDSHAKE_S, closes them: the island calls while they are held)
+        held, deadline = [_descriptors(syncer.pid)], time.monotonic() + PATIENCE_S
+        while held[-1] < FLOOD and time.monotonic() < deadline and (len(held) < 10 or held[-10] < held[-1]):
+            time.sleep(0.1)
+            held.append(_descriptors(syncer.pid))
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        try:
+            heartbeat = channel.unary_unary(f"/{wire.SERVICE}/Heartbeat")
+            # (no wait for ready: a connection refused is UNAVAILABLE now, not retried)
+            reply = wire.loads(heartbeat(b"{}", metadata=_md(1, creds), timeout=PATIENCE_S))
+        finally:
+            channel.close()
+        assert reply == {"spent": False}
+        # every stranger held a descriptor of the syncer's (none refused by its connection cap)
+        assert held[-1] > FLOOD > 1024 and syncer.poll() is None, log.read_text()
+        deadline = time.monotonic() + PATIENCE_S  # and it goes on: the status it writes counts the heartbeat
+        while time.monotonic() < deadline:
+            try:
+                written = json.loads((out / "service" / "status.json").read_text())
+            except (OSError, ValueError):
+                written = {}
+            if written.get("calls", {}).get("Heartbeat") == 1:
+                break
+            time.sleep(0.2)
+        assert written["calls"] == {"Heartbeat": 1} and written["refused_calls"] == {}
+        assert written["handler_errors"] == {}
+        assert "Too many open files" not in log.read_text()
+    finally:
+        for s in flood:
+            s.close()
+        syncer.kill()
+        syncer.wait(timeout=PATIENCE_S)
