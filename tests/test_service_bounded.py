@@ -166,9 +166,137 @@ def test_one_lease_takes_at_most_the_islands_share_of_the_budget(bounded) -> Non
     state, _, creds = bounded()
     service = state.service
     assert service.budget == 2 * 20
-    assert service.reserve_steps(0, creds[0], service.budget) == 20  # its share, not the whole budget
+    assert service.lease_share(0) == max(20, 2 * 5) and service.lease_hold(0) == 3 * 5
+    # its share (20), and of that what an island may hold unused: 3 rounds at its H of 5; not the whole budget
+    assert service.reserve_steps(0, creds[0], service.budget) == 15
     assert service.reserve_steps(1, creds[1], 7) == 7  # an honest ask is granted in full
-    assert service.lease_share(0) == max(20, 2 * 5)
+
+
+def _clients(state, address: str, creds: list[str]) -> list:  # noqa: ANN001 - both islands joined, plaintext
+    from atoll.runtime.service.client import SyncerClient
+
+    clients = [SyncerClient(address, i, creds[i], plaintext=True) for i in range(2)]
+    for c in clients:
+        c.call("Join", schema.JoinRequest(numels=state.service.syncer.numels))
+    return clients
+
+
+def _lease(client, n: int, used: int | None = None, received: int | None = None) -> dict:  # noqa: ANN001
+    return client.call("ReserveSteps", schema.ReserveStepsRequest(n=n, used=used, received=received), retry=False)
+
+
+def test_an_island_that_reports_no_steps_used_holds_at_most_three_rounds_then_is_refused(bounded) -> None:  # noqa: ANN001
+    """A stranger with island 0's credential that asks a round (H = 5) again and again and reports ``used`` 0
+    forever is granted 3 rounds (:meth:`~atoll.runtime.service.syncer.SyncerService.lease_hold`: its lease, one
+    ahead, its credit), then refused ("ask again": ``wait``), each refusal counted ``lease``; before, it took
+    lease after lease until the budget was spent. Once it reports steps used it is granted as many again; a
+    ``used`` below its last is refused (``used``); one above its grant and credit counts as that much."""
+    state, address, creds = bounded()
+    service = state.service
+    liar, honest = _clients(state, address, creds)
+    replies = [_lease(liar, 5, used=0) for _ in range(8)]
+    assert [r["granted"] for r in replies] == [5, 5, 5, 0, 0, 0, 0, 0]
+    assert all(r.get("wait") for r in replies[3:]) and state.refused_calls == {"lease": 5}
+    assert _lease(liar, 20, used=0) == {"granted": 0, "wait": True}  # its share at once: refused too
+    assert service.reserved == 15 and service.islands[0].leased == 15
+    assert _lease(honest, 5, used=0)["granted"] == 5  # the other island is granted as before
+    # it reports 5 used: granted 5 more (at most 15 unused again)
+    assert _lease(liar, 20, used=5)["granted"] == 5 and service.islands[0].leased == 20
+    assert _lease(liar, 5, used=4) == {"granted": 0, "wait": True}  # fewer used than it said before
+    assert state.refused_calls == {"lease": 6, "used": 1} and service.reserved == 25
+    # more than its grant (20) and credit (5, one round) counts as 25; it may take what it says it used
+    assert _lease(liar, 5, used=1000)["granted"] == 5
+    assert service.islands[0].reported == 25 and service.islands[0].sessions[-1].steps == 25
+    assert _lease(liar, 5, used=24) == {"granted": 0, "wait": True} and state.refused_calls["used"] == 2
+    status = state.status()["refused_calls"]
+    assert status == {"lease": 6, "used": 2}
+
+
+def test_the_lease_bound_holds_across_a_syncer_restart_and_a_rejoin_gives_the_held_steps_back(bounded) -> None:  # noqa: ANN001
+    """The island's lease record (granted, reported used) is in the syncer's ledger: a syncer restarted on its
+    folder still refuses the island that holds 3 rounds unused, and grants its session's honest continuation
+    (``used`` grown). A new join (a torchrun restart: a new session) gives the steps its last session held
+    unused back to the budget (not to the ledger) and its reports start again from 0."""
+    from atoll.runtime.service.client import SyncerClient
+
+    state, address, creds = bounded()
+    liar, _ = _clients(state, address, creds)
+    assert [_lease(liar, 5, used=0)["granted"] for _ in range(4)] == [5, 5, 5, 0]
+    restarted, address, _ = bounded()  # the same folder: continues from its ledger
+    service = restarted.service
+    assert service.restarts == 1 and service.reserved == 15 and service.islands[0].leased == 15
+    again = SyncerClient(address, 0, creds[0], plaintext=True)
+    again.session = liar.session
+    assert _lease(again, 5, used=0) == {"granted": 0, "wait": True} and restarted.refused_calls == {"lease": 1}
+    assert _lease(again, 5, used=10)["granted"] == 5 and service.islands[0].reported == 10
+    assert _lease(again, 5, used=9) == {"granted": 0, "wait": True} and restarted.refused_calls["used"] == 1
+    granted = service.syncer.bounds.granted[0]
+    again.call("Join", schema.JoinRequest(numels=service.syncer.numels))  # a new session
+    assert service.reserved == 10 and service.islands[0].leased == 0 and service.islands[0].reported == 0
+    assert service.syncer.bounds.granted[0] == granted  # (it may have pushed tokens of steps it never reported)
+    assert _lease(again, 5, used=0)["granted"] == 5
+
+
+def test_steps_whose_tokens_a_push_claimed_count_as_used_whatever_the_island_reports(bounded) -> None:  # noqa: ANN001
+    """An island that pushed the tokens of 10 steps and reports ``used`` 0 is counted as having used 10: its
+    Leave gives back the 5 it did not claim (before: all 15, the budget and ledger of steps it was merged
+    for), and the steps it may hold unused count from those 10."""
+    import torch
+
+    state, address, creds = bounded()
+    service = state.service
+    liar, _ = _clients(state, address, creds)
+    assert _lease(liar, 15, used=0)["granted"] == 15
+    n = service.syncer.numels[0]
+    payload = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-4)).tensors)
+    tokens = 10 * service.run.tokens_per_step
+    assert liar.push(payload, 0, ((0, n),), tokens, 0, liar.session)["accepted"]
+    assert service.syncer.bounds.claimed[0][0] == tokens
+    assert _lease(liar, 20, used=0)["granted"] == 10  # 5 held unused: room for 10
+    assert service.islands[0].lease_used == 10
+    assert liar.call("Leave", schema.LeaveRequest(used=0))["returned"] == 25 - 10
+    assert service.islands[0].steps == 10 and service.syncer.bounds.granted[0] == tokens
+
+
+def test_an_honest_lease_whose_replies_are_lost_is_granted_them_again_never_refused(
+        bounded, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """An honest :class:`~atoll.runtime.service.lease.StepLease` whose ``ReserveSteps`` replies are lost four
+    times in a row (the syncer granted, the island never heard) trains on credit meanwhile; its next fetch says
+    how many steps it received and is granted the lost ones again, from the budget already taken: it takes
+    its whole share and is never refused (before: the lost steps would count as held unused, and 3 rounds of
+    them refuse it)."""
+    from atoll.runtime.service.lease import GO, STOP, StepLease
+    from tests.test_service import _take, _Unavailable
+
+    state, address, creds = bounded()
+    service = state.service
+    me, _ = _clients(state, address, creds)
+    tps = service.run.tokens_per_step
+    lease = StepLease(me, size=5, offline_steps=5, tokens_per_step=tps, fragments=2)
+    real_call, lose = me.call, [4]
+
+    def call(name: str, payload: object = None, timeout_s: float = 30.0, retry: bool = True,
+             bulk: bool = False) -> dict:
+        reply = real_call(name, payload, timeout_s, retry, bulk)
+        if name == "ReserveSteps" and lose[0] > 0 and reply.get("granted"):
+            lose[0] -= 1
+            raise _Unavailable()  # granted, and the reply never reached the island
+        return reply
+
+    monkeypatch.setattr(me, "call", call)
+    try:
+        for _ in range(20):  # its share: steps 20, as the budget is shared by 2 islands of 20
+            _take(lease, GO)
+        assert lose[0] == 0 and lease.offline_steps_taken > 0
+        service.stop()  # no more steps: it ends its lease
+        while lease.leased:
+            _take(lease, GO)
+        _take(lease, STOP)
+    finally:
+        lease.close()
+    assert "lease" not in state.refused_calls and "used" not in state.refused_calls
+    assert lease.received == service.islands[0].leased  # every step granted reached it in the end
+    assert service.islands[0].reported <= lease.used
 
 
 def test_a_handler_exception_is_counted_by_kind_and_answered_internal(bounded, monkeypatch) -> None:  # noqa: ANN001
