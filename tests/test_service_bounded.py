@@ -237,6 +237,22 @@ def test_the_lease_bound_holds_across_a_syncer_restart_and_a_rejoin_gives_the_he
     assert _lease(again, 5, used=0)["granted"] == 5
 
 
+def test_a_lease_record_of_an_older_session_is_closed_by_a_call_of_the_newer_one(bounded) -> None:  # noqa: ANN001
+    """A syncer restarted from a checkpoint older than the island's join, without its ledger, holds the lease
+    record of the island's session before: the island's first call carrying its present session closes that
+    record as the join would have (its unused steps back to the budget), so its ``used`` is never compared
+    with the older session's and it is not refused."""
+    state, address, creds = bounded()
+    service = state.service
+    me, _ = _clients(state, address, creds)
+    assert _lease(me, 5, used=0)["granted"] == 5 and _lease(me, 5, used=5)["granted"] == 5
+    assert service.reserved == 10 and service.islands[0].reported == 5
+    me.session += 1  # its join the restarted syncer never saw
+    assert _lease(me, 5, used=0)["granted"] == 5 and state.refused_calls == {}
+    assert service.islands[0].sessions[-1].session == me.session and service.islands[0].leased == 5
+    assert service.reserved == 10 and service.islands[0].steps == 10  # 5 of the older session's, 5 of this one's
+
+
 def test_steps_whose_tokens_a_push_claimed_count_as_used_whatever_the_island_reports(bounded) -> None:  # noqa: ANN001
     """An island that pushed the tokens of 10 steps and reports ``used`` 0 is counted as having used 10: its
     Leave gives back the 5 it did not claim (before: all 15, the budget and ledger of steps it was merged
