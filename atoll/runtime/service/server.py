@@ -31,8 +31,10 @@ push counts (``nbytes``) are those of the payloads received. ``Download`` serves
 newest global fragment at the ranges asked for (all of it by default), so each rank pulls its own slice.
 
 **Leases.** ``ReserveSteps`` grants a lease of ``n`` steps (an island job asks a round ahead of need), with
-the steps of its session the island has used; ``Leave`` gives the unused back
-(:meth:`~atoll.runtime.service.syncer.SyncerService.reserve_steps`). No step is granted before every
+the steps of its session the island has used and received; ``Leave`` gives the unused back
+(:meth:`~atoll.runtime.service.syncer.SyncerService.reserve_steps`). An island holds at most 3 rounds of steps
+granted and not used: a lease beyond is cut, one when it holds that many (``lease``) or whose ``used`` fell
+(``used``) is answered ``{"granted": 0, "wait": true}`` (ask again) and counted. No step is granted before every
 island has joined (``{"granted": 0, "wait": true}``), or ``collective_timeout_s`` after the first did: the
 islands start together, as the learners of one run, and an island job that takes longer to start (torchrun,
 a cold data cache) does not find the budget spent by the others.
