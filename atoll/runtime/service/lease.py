@@ -148,7 +148,7 @@ class StepLease:
                 self._cond.notify_all()
             return
         with self._cond:
-            if reply.get("wait"):  # the run has not started: not every island has joined yet
+            if reply.get("wait"):  # the run has not started (not every island joined), or the lease was refused
                 self._fetching, self._retry_at = False, time.monotonic() + 0.2
                 self.unreachable_since = None
                 self._cond.notify_all()
