@@ -254,6 +254,8 @@ def test_killed_syncer_restarts_without_losing_a_commit(fast_config: dict, tmp_p
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["syncer_restarts"] == 1
     assert summary["useful_tokens"] <= summary["tokens"]  # the ledger survived the restart: no token merged twice
+    # the islands' leases (and the replies the kill lost) were never refused: their records survived it too
+    assert not {"lease", "used"} & set(summary["refused_calls"]), summary["refused_calls"]
     assert summary["commits"] > restarted  # the islands pushed again, and their pushes were merged
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
     retried = [int(logs[f"island_{i}.log"].split(" retried calls")[0].rsplit(" ", 1)[1]) for i in range(2)]
@@ -337,6 +339,7 @@ def test_killed_island_job_rejoins_with_the_same_command(fast_config: dict, tmp_
     assert summary["steps_per_island"][1] > int(rejoined.split(" inner steps")[0]) > 0
     assert summary["merged_tokens_by_island"][1] > at_kill["merged_tokens_by_island"][1]
     assert set(summary["rejected_by_reason"]) <= {"norm"}, summary["rejected_by_reason"]
+    assert not {"lease", "used"} & set(summary["refused_calls"]), summary["refused_calls"]  # no lease refused
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
 
 

@@ -4,6 +4,11 @@ island's share, handler exceptions counted by kind, the open-file limit raised a
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +18,7 @@ import grpc
 import pytest
 
 from atoll.runtime.service import bulk, schema, wire
+from tests.conftest import free_port
 
 pytest.importorskip("cryptography")  # (grpcio comes with it in the dev extra)
 
@@ -160,9 +166,153 @@ def test_one_lease_takes_at_most_the_islands_share_of_the_budget(bounded) -> Non
     state, _, creds = bounded()
     service = state.service
     assert service.budget == 2 * 20
-    assert service.reserve_steps(0, creds[0], service.budget) == 20  # its share, not the whole budget
+    assert service.lease_share(0) == max(20, 2 * 5) and service.lease_hold(0) == 3 * 5
+    # its share (20), and of that what an island may hold unused: 3 rounds at its H of 5; not the whole budget
+    assert service.reserve_steps(0, creds[0], service.budget) == 15
     assert service.reserve_steps(1, creds[1], 7) == 7  # an honest ask is granted in full
-    assert service.lease_share(0) == max(20, 2 * 5)
+
+
+def _clients(state, address: str, creds: list[str]) -> list:  # noqa: ANN001 - both islands joined, plaintext
+    from atoll.runtime.service.client import SyncerClient
+
+    clients = [SyncerClient(address, i, creds[i], plaintext=True) for i in range(2)]
+    for c in clients:
+        c.call("Join", schema.JoinRequest(numels=state.service.syncer.numels))
+    return clients
+
+
+def _lease(client, n: int, used: int | None = None, received: int | None = None) -> dict:  # noqa: ANN001
+    return client.call("ReserveSteps", schema.ReserveStepsRequest(n=n, used=used, received=received), retry=False)
+
+
+def test_an_island_that_reports_no_steps_used_holds_at_most_three_rounds_then_is_refused(bounded) -> None:  # noqa: ANN001
+    """A stranger with island 0's credential that asks a round (H = 5) again and again and reports ``used`` 0
+    forever is granted 3 rounds (:meth:`~atoll.runtime.service.syncer.SyncerService.lease_hold`: its lease, one
+    ahead, its credit), then refused ("ask again": ``wait``), each refusal counted ``lease``; before, it took
+    lease after lease until the budget was spent. Once it reports steps used it is granted as many again; a
+    ``used`` below its last is refused (``used``); one above its grant and credit counts as that much."""
+    state, address, creds = bounded()
+    service = state.service
+    liar, honest = _clients(state, address, creds)
+    replies = [_lease(liar, 5, used=0) for _ in range(8)]
+    assert [r["granted"] for r in replies] == [5, 5, 5, 0, 0, 0, 0, 0]
+    assert all(r.get("wait") for r in replies[3:]) and state.refused_calls == {"lease": 5}
+    assert _lease(liar, 20, used=0) == {"granted": 0, "wait": True}  # its share at once: refused too
+    assert service.reserved == 15 and service.islands[0].leased == 15
+    assert _lease(honest, 5, used=0)["granted"] == 5  # the other island is granted as before
+    # it reports 5 used: granted 5 more (at most 15 unused again)
+    assert _lease(liar, 20, used=5)["granted"] == 5 and service.islands[0].leased == 20
+    assert _lease(liar, 5, used=4) == {"granted": 0, "wait": True}  # fewer used than it said before
+    assert state.refused_calls == {"lease": 6, "used": 1} and service.reserved == 25
+    # more than its grant (20) and credit (5, one round) counts as 25; it may take what it says it used
+    assert _lease(liar, 5, used=1000)["granted"] == 5
+    assert service.islands[0].reported == 25 and service.islands[0].sessions[-1].steps == 25
+    assert _lease(liar, 5, used=24) == {"granted": 0, "wait": True} and state.refused_calls["used"] == 2
+    status = state.status()["refused_calls"]
+    assert status == {"lease": 6, "used": 2}
+
+
+def test_the_lease_bound_holds_across_a_syncer_restart_and_a_rejoin_gives_the_held_steps_back(bounded) -> None:  # noqa: ANN001
+    """The island's lease record (granted, reported used) is in the syncer's ledger: a syncer restarted on its
+    folder still refuses the island that holds 3 rounds unused, and grants its session's honest continuation
+    (``used`` grown). A new join (a torchrun restart: a new session) gives the steps its last session held
+    unused back to the budget (not to the ledger) and its reports start again from 0."""
+    from atoll.runtime.service.client import SyncerClient
+
+    state, address, creds = bounded()
+    liar, _ = _clients(state, address, creds)
+    assert [_lease(liar, 5, used=0)["granted"] for _ in range(4)] == [5, 5, 5, 0]
+    restarted, address, _ = bounded()  # the same folder: continues from its ledger
+    service = restarted.service
+    assert service.restarts == 1 and service.reserved == 15 and service.islands[0].leased == 15
+    again = SyncerClient(address, 0, creds[0], plaintext=True)
+    again.session = liar.session
+    assert _lease(again, 5, used=0) == {"granted": 0, "wait": True} and restarted.refused_calls == {"lease": 1}
+    assert _lease(again, 5, used=10)["granted"] == 5 and service.islands[0].reported == 10
+    assert _lease(again, 5, used=9) == {"granted": 0, "wait": True} and restarted.refused_calls["used"] == 1
+    granted = service.syncer.bounds.granted[0]
+    again.call("Join", schema.JoinRequest(numels=service.syncer.numels))  # a new session
+    assert service.reserved == 10 and service.islands[0].leased == 0 and service.islands[0].reported == 0
+    assert service.syncer.bounds.granted[0] == granted  # (it may have pushed tokens of steps it never reported)
+    assert _lease(again, 5, used=0)["granted"] == 5
+
+
+def test_a_lease_record_of_an_older_session_is_closed_by_a_call_of_the_newer_one(bounded) -> None:  # noqa: ANN001
+    """A syncer restarted from a checkpoint older than the island's join, without its ledger, holds the lease
+    record of the island's session before: the island's first call carrying its present session closes that
+    record as the join would have (its unused steps back to the budget), so its ``used`` is never compared
+    with the older session's and it is not refused."""
+    state, address, creds = bounded()
+    service = state.service
+    me, _ = _clients(state, address, creds)
+    assert _lease(me, 5, used=0)["granted"] == 5 and _lease(me, 5, used=5)["granted"] == 5
+    assert service.reserved == 10 and service.islands[0].reported == 5
+    me.session += 1  # its join the restarted syncer never saw
+    assert _lease(me, 5, used=0)["granted"] == 5 and state.refused_calls == {}
+    assert service.islands[0].sessions[-1].session == me.session and service.islands[0].leased == 5
+    assert service.reserved == 10 and service.islands[0].steps == 10  # 5 of the older session's, 5 of this one's
+
+
+def test_steps_whose_tokens_a_push_claimed_count_as_used_whatever_the_island_reports(bounded) -> None:  # noqa: ANN001
+    """An island that pushed the tokens of 10 steps and reports ``used`` 0 is counted as having used 10: its
+    Leave gives back the 5 it did not claim (before: all 15, the budget and ledger of steps it was merged
+    for), and the steps it may hold unused count from those 10."""
+    import torch
+
+    state, address, creds = bounded()
+    service = state.service
+    liar, _ = _clients(state, address, creds)
+    assert _lease(liar, 15, used=0)["granted"] == 15
+    n = service.syncer.numels[0]
+    payload = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-4)).tensors)
+    tokens = 10 * service.run.tokens_per_step
+    assert liar.push(payload, 0, ((0, n),), tokens, 0, liar.session)["accepted"]
+    assert service.syncer.bounds.claimed[0][0] == tokens
+    assert _lease(liar, 20, used=0)["granted"] == 10  # 5 held unused: room for 10
+    assert service.islands[0].lease_used == 10
+    assert liar.call("Leave", schema.LeaveRequest(used=0))["returned"] == 25 - 10
+    assert service.islands[0].steps == 10 and service.syncer.bounds.granted[0] == tokens
+
+
+def test_an_honest_lease_whose_replies_are_lost_is_granted_them_again_never_refused(
+        bounded, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """An honest :class:`~atoll.runtime.service.lease.StepLease` whose ``ReserveSteps`` replies are lost four
+    times in a row (the syncer granted, the island never heard) trains on credit meanwhile; its next fetch says
+    how many steps it received and is granted the lost ones again, from the budget already taken: it takes
+    its whole share and is never refused (before: the lost steps would count as held unused, and 3 rounds of
+    them refuse it)."""
+    from atoll.runtime.service.lease import GO, STOP, StepLease
+    from tests.test_service import _take, _Unavailable
+
+    state, address, creds = bounded()
+    service = state.service
+    me, _ = _clients(state, address, creds)
+    tps = service.run.tokens_per_step
+    lease = StepLease(me, size=5, offline_steps=5, tokens_per_step=tps, fragments=2)
+    real_call, lose = me.call, [4]
+
+    def call(name: str, payload: object = None, timeout_s: float = 30.0, retry: bool = True,
+             bulk: bool = False) -> dict:
+        reply = real_call(name, payload, timeout_s, retry, bulk)
+        if name == "ReserveSteps" and lose[0] > 0 and reply.get("granted"):
+            lose[0] -= 1
+            raise _Unavailable()  # granted, and the reply never reached the island
+        return reply
+
+    monkeypatch.setattr(me, "call", call)
+    try:
+        for _ in range(20):  # its share: steps 20, as the budget is shared by 2 islands of 20
+            _take(lease, GO)
+        assert lose[0] == 0 and lease.offline_steps_taken > 0
+        service.stop()  # no more steps: it ends its lease
+        while lease.leased:
+            _take(lease, GO)
+        _take(lease, STOP)
+    finally:
+        lease.close()
+    assert "lease" not in state.refused_calls and "used" not in state.refused_calls
+    assert lease.received == service.islands[0].leased  # every step granted reached it in the end
+    assert service.islands[0].reported <= lease.used
 
 
 def test_a_handler_exception_is_counted_by_kind_and_answered_internal(bounded, monkeypatch) -> None:  # noqa: ANN001
@@ -196,3 +346,95 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit() -> None:
         assert got >= low
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+#: idle connections of the flood: more than an inherited soft limit of 1,024 open files
+FLOOD = 1_100
+#: the HTTP/2 client connection preface (RFC 9113 section 3.4): the magic and an empty SETTINGS frame (length 0,
+#: type 4, no flags, stream 0): a connection that has done its handshake, then says nothing more
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _descriptors(pid: int) -> int:
+    """Open file descriptors of process ``pid`` now (Linux's /proc)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_idle_strangers_connections_past_an_inherited_1024_file_limit_leave_the_islands_calls_answered(
+        fast_config: dict, tmp_path: Path) -> None:
+    """A real ``atoll syncer`` started with a soft ``RLIMIT_NOFILE`` of 1,024 (its hard limit kept) takes 1,100
+    idle loopback connections that send the HTTP/2 preface and nothing more; after them an island's heartbeat
+    (its credential) is answered and the syncer goes on writing its status. Without the soft limit raised at
+    start (:func:`~atoll.runtime.service.serve.raise_nofile`) the 1,025th descriptor fails (EMFILE) and nothing
+    is answered (issue #35, item 10). gRPC counts none of it (no hook for a connection without a call): what
+    shows the flood is the syncer's own descriptors, more than 1,024."""
+    resource = pytest.importorskip("resource")
+    from tests.test_service import run_flags
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("counts descriptors in /proc (Linux)")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FLOOD + 512  # this process's own ends of the flood, and its usual files
+    if hard != resource.RLIM_INFINITY and hard < need + 256:
+        pytest.skip(f"the hard open-file limit ({hard}) leaves no room for {FLOOD} connections")
+    if soft != resource.RLIM_INFINITY and soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+    def inherited_1024() -> None:  # (in the child, before exec) the soft limit a login shell often gives
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+    out, port = tmp_path / "syncer", free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    log = tmp_path / "syncer.log"
+    syncer = subprocess.Popen([sys.executable, "-m", "atoll", "syncer", "--listen", f"127.0.0.1:{port}", "--out",
+                               str(out), *run_flags(fast_config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                              env=env, start_new_session=True, preexec_fn=inherited_1024)
+    flood: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + PATIENCE_S
+        while "listening on" not in log.read_text():
+            assert syncer.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"the syncer did not listen: {log.read_text()}"
+            time.sleep(0.2)
+        creds = [(out / "credentials" / f"island_{i}.token").read_text().strip() for i in range(2)]
+        base = _descriptors(syncer.pid)  # its own files and the listening socket
+        for _ in range(FLOOD):
+            s = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE_S)
+            s.sendall(PREFACE)
+            flood.append(s)
+        # the server accepts them on its own threads: until it holds them all, or takes no more for 3 s
+        # (before its handshake timeout, HANDSHAKE_S, closes them: the island calls while they are held)
+        held, deadline = [_descriptors(syncer.pid)], time.monotonic() + PATIENCE_S
+        while held[-1] < base + FLOOD and time.monotonic() < deadline and (len(held) < 30 or held[-30] < held[-1]):
+            time.sleep(0.1)
+            held.append(_descriptors(syncer.pid))
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        try:
+            heartbeat = channel.unary_unary(f"/{wire.SERVICE}/Heartbeat")
+            # (no wait for ready: a connection refused is UNAVAILABLE now, not retried)
+            reply = wire.loads(heartbeat(b"{}", metadata=_md(1, creds), timeout=PATIENCE_S))
+        finally:
+            channel.close()
+        assert reply == {"spent": False}
+        # every stranger held a descriptor of the syncer's (none refused by its connection cap)
+        assert held[-1] >= base + FLOOD > 1024 and syncer.poll() is None, log.read_text()
+        deadline = time.monotonic() + PATIENCE_S  # and it goes on: the status it writes counts the heartbeat
+        while time.monotonic() < deadline:
+            try:
+                written = json.loads((out / "service" / "status.json").read_text())
+            except (OSError, ValueError):
+                written = {}
+            if written.get("calls", {}).get("Heartbeat") == 1:
+                break
+            time.sleep(0.2)
+        assert written["calls"] == {"Heartbeat": 1} and written["refused_calls"] == {}
+        assert written["handler_errors"] == {}
+        assert "Too many open files" not in log.read_text()
+    finally:
+        for s in flood:
+            s.close()
+        syncer.kill()
+        syncer.wait(timeout=PATIENCE_S)

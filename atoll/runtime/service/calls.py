@@ -43,7 +43,8 @@ class Gate:
 
     Attributes:
         refused: calls refused, by reason (``no_credential``, ``island``, ``identity``, ``peer``, ``shard``,
-            ``schema``; the bulk calls' ``transfers``, ``busy``, ``empty_chunk``, ``stalled``, ``quota``).
+            ``schema``; the bulk calls' ``transfers``, ``busy``, ``empty_chunk``, ``stalled``, ``quota``; the
+            step leases' ``used``, ``lease``).
         errors: handler exceptions no check foresaw, by kind (the exception's class name).
     """
 
@@ -67,10 +68,11 @@ class Gate:
 
     def note(self, reason: str, peer: str, message: str) -> None:
         """Count a refusal of ``reason`` that ends no call here (a stalled transfer cut, an upload evicted over
-        its island's quota) and log it at the bounded rate of :meth:`refuse`. Not under the server's lock."""
+        its island's quota, a step lease answered "ask again") and log it at the bounded rate of
+        :meth:`refuse`. Not under the server's lock."""
         with self.lock:
             self.refused[reason] = self.refused.get(reason, 0) + 1
-        self._log(reason, f"refused a transfer of {peer}: {reason}: {message}")
+        self._log(reason, f"refused a call of {peer}: {reason}: {message}")
 
     def guarded(self, method: str, handle: Callable[..., Any], streaming: bool = False) -> Callable[..., Any]:
         """``handle`` (a gRPC handler: ``(request, context)``; ``streaming``: it returns an iterator of replies)

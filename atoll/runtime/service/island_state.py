@@ -58,7 +58,12 @@ class IslandState:
     Attributes:
         steps: inner steps granted to it (every session; steps given back are taken out).
         joins: its Joins (sessions opened).
-        leased, lease_used: of its current session, steps granted, and the most it reported using.
+        leased, lease_used: of its current session, steps granted, and the steps the service counts as used (the
+            most it reported, or more where its pushes claimed the tokens of more; at most ``leased``).
+        reported: of its current session, the most steps it reported using (``used``; at most what it was
+            granted plus its credit): a report below it is refused.
+        claimed_from: per fragment of this syncer, the tokens it had claimed when its current session opened
+            (None: not known, a record written before them): the session's claims are those since.
         first_step_s: on the service's clock, when its first inner step was granted (None: none yet).
         last_seen: on the service's clock, its last call that counts for a rejoin time (a step lease, a push).
         heard: on the service's clock, its last call of any kind (None before its first): alive.
@@ -66,14 +71,16 @@ class IslandState:
         bytes_received: bytes of its pushes as they declare them.
         sessions: its sessions' figures, the most recent :data:`SESSION_WINDOW` (the current one last).
         closed: the figures of every session before those in ``sessions`` summed (``session``: their count).
-    Only ``steps``, ``joins``, the lease, ``first_step_s`` and the sessions are checkpointed (the rest is the
-    live view, started anew by a restart).
+    Only ``steps``, ``joins``, the lease (``leased``, ``lease_used``, ``reported``, ``claimed_from``),
+    ``first_step_s`` and the sessions are checkpointed (the rest is the live view, started anew by a restart).
     """
 
     steps: int = 0
     joins: int = 0
     leased: int = 0
     lease_used: int = 0
+    reported: int = 0
+    claimed_from: list[int] | None = None
     first_step_s: float | None = None
     last_seen: float = 0.0
     heard: float | None = None
@@ -117,6 +124,7 @@ class IslandState:
     def state_dict(self) -> dict[str, Any]:
         """The checkpointed part (JSON-able)."""
         return {"steps": self.steps, "joins": self.joins, "leased": self.leased, "lease_used": self.lease_used,
+                "reported": self.reported, "claimed_from": self.claimed_from,
                 "first_step_s": self.first_step_s, "sessions": [s.state_dict() for s in self.sessions],
                 "closed": self.closed.state_dict()}
 
@@ -126,6 +134,9 @@ class IslandState:
         first = state.get("first_step_s")
         return cls(steps=int(state.get("steps", 0)), joins=int(state.get("joins", 0)),
                    leased=int(state.get("leased", 0)), lease_used=int(state.get("lease_used", 0)),
+                   reported=int(state.get("reported", 0)),
+                   claimed_from=None if state.get("claimed_from") is None else
+                   [int(x) for x in state["claimed_from"]],
                    first_step_s=None if first is None else float(first),
                    sessions=[Session.of(s) for s in state.get("sessions", [])][-SESSION_WINDOW:],
                    closed=Session.of(state.get("closed", {})))

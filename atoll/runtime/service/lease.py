@@ -27,13 +27,14 @@ class StepLease:
     """The leader's inner steps: leases of ``size`` steps from the run's shared budget, fetched ahead.
 
     :meth:`take` never waits for the network: it hands out a step of the lease in hand and, once half of it
-    is used, fetches the next (``ReserveSteps`` with ``n = size`` and the steps used so far) in a background
-    thread. While the syncer is unreachable (a fetch failed: retried with backoff, 0.1 s doubling to 5 s)
-    and the lease is used up, up to ``offline_steps`` steps are taken on credit; the next fetch asks for them
-    first. A push may claim only tokens the syncer granted (its ledger,
-    :class:`~atoll.strategies.decoupled.bounds.PushBounds`): :meth:`claimable` waits until the credit steps
-    before it are settled and takes the steps the syncer no longer granted (the budget was spent meanwhile)
-    out of its claim.
+    is used, fetches the next (``ReserveSteps`` with ``n = size``, the steps used so far and the steps granted
+    so far: a grant whose reply was lost comes again with the next) in a background thread; a reply ``wait``
+    (the run has not started, or the syncer refused the lease) is asked again 0.2 s later. While the syncer is
+    unreachable (a fetch failed: retried with backoff, 0.1 s doubling to 5 s) and the lease is used up, up to
+    ``offline_steps`` steps are taken on credit; the next fetch asks for them first. A push may claim only
+    tokens the syncer granted (its ledger, :class:`~atoll.strategies.decoupled.bounds.PushBounds`):
+    :meth:`claimable` waits until the credit steps before it are settled and takes the steps the syncer no
+    longer granted (the budget was spent meanwhile) out of its claim.
 
     Args:
         client: the leader's :class:`SyncerClient`.
@@ -47,6 +48,7 @@ class StepLease:
 
     Attributes:
         used: steps of this session taken (leased and on credit).
+        received: steps of this session granted (the replies that reached it).
         offline_steps_taken: steps taken on credit.
     """
 
@@ -57,6 +59,7 @@ class StepLease:
         self.tokens_per_step, self.status, self.figures = tokens_per_step, status, figures
         self.leased = 0  # granted, not taken yet
         self.used = 0
+        self.received = 0  # granted in this session (every reply that reached it)
         self.owed = 0  # steps taken on credit, not asked for yet
         self.credit_taken = self.credit_settled = 0  # steps taken on credit, and asked for, since the start
         self.offline_steps_taken = 0
@@ -109,7 +112,7 @@ class StepLease:
     def _run_fetch(self) -> None:
         with self._cond:
             owed = self.owed
-            asked = {"n": owed + self.size, "used": self.used}
+            asked = {"n": owed + self.size, "used": self.used, "received": self.received}
         if self.status is not None:
             asked["loss"], asked["lr"] = self.status()
         if self.figures is not None:
@@ -145,11 +148,12 @@ class StepLease:
                 self._cond.notify_all()
             return
         with self._cond:
-            if reply.get("wait"):  # the run has not started: not every island has joined yet
+            if reply.get("wait"):  # the run has not started (not every island joined), or the lease was refused
                 self._fetching, self._retry_at = False, time.monotonic() + 0.2
                 self.unreachable_since = None
                 self._cond.notify_all()
                 return
+            self.received += granted
             paid = min(granted, owed)
             for p in range(len(self.ungranted)):  # credit steps it did not grant: never in a claim
                 self.ungranted[p] += owed - paid

@@ -122,12 +122,14 @@ class HelloRequest(JoinRequest):
 
 
 class ReserveStepsRequest(Record):
-    """``ReserveSteps``: a lease of ``n`` steps; ``used``: the steps of its session taken; its last loss and lr;
+    """``ReserveSteps``: a lease of ``n`` steps; ``used``: the steps of its session taken; ``received``: the steps
+    of its session granted to it so far (a grant whose reply was lost is granted again); its last loss and lr;
     its session's ``compute_s``, ``bytes_sent`` and ``bytes_received`` so far (summed over its sessions for the
     run's summary)."""
 
     n: Annotated[int, Field(ge=1, lt=1 << 20)] = 1
     used: Int | None = None
+    received: Int | None = None
     loss: Reported = None
     lr: Reported = None
     session: Session = None

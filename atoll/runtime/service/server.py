@@ -31,8 +31,10 @@ push counts (``nbytes``) are those of the payloads received. ``Download`` serves
 newest global fragment at the ranges asked for (all of it by default), so each rank pulls its own slice.
 
 **Leases.** ``ReserveSteps`` grants a lease of ``n`` steps (an island job asks a round ahead of need), with
-the steps of its session the island has used; ``Leave`` gives the unused back
-(:meth:`~atoll.runtime.service.syncer.SyncerService.reserve_steps`). No step is granted before every
+the steps of its session the island has used and received; ``Leave`` gives the unused back
+(:meth:`~atoll.runtime.service.syncer.SyncerService.reserve_steps`). An island holds at most 3 rounds of steps
+granted and not used: a lease beyond is cut, one when it holds that many (``lease``) or whose ``used`` fell
+(``used``) is answered ``{"granted": 0, "wait": true}`` (ask again) and counted. No step is granted before every
 island has joined (``{"granted": 0, "wait": true}``), or ``collective_timeout_s`` after the first did: the
 islands start together, as the learners of one run, and an island job that takes longer to start (torchrun,
 a cold data cache) does not find the budget spent by the others.
@@ -77,7 +79,7 @@ from atoll.runtime.service.bulk import Bulk
 from atoll.runtime.service.calls import Gate
 from atoll.runtime.service.monitor import island_states
 from atoll.runtime.service.shards import Shards
-from atoll.runtime.service.syncer import SyncerService, prepare
+from atoll.runtime.service.syncer import LeaseRefused, SyncerService, prepare
 from atoll.runtime.service.syncer_shards import peer_token
 from atoll.strategies.base import codec_of
 from atoll.strategies.decoupled import DecoupledConfig
@@ -258,21 +260,31 @@ class SyncerServer:
 
     def reserve_steps(self, caller: tuple[int, str], req: schema.ReserveStepsRequest,
                       context: grpc.ServicerContext) -> schema.ReserveStepsReply:
-        """A lease of up to ``n`` steps; ``used``: the steps of its session the island has taken (``loss``,
-        ``lr``: its last, for the progress). Fewer than ``n`` granted: the budget is spent; ``wait``: the run
-        has not started (not every island joined)."""
+        """A lease of up to ``n`` steps; ``used``: the steps of its session the island has taken, ``received``:
+        those it was granted (``loss``, ``lr``: its last, for the progress). Fewer than ``n`` granted: the budget
+        is spent; ``wait``: ask again shortly: the run has not started (not every island joined), or the lease
+        is refused (:class:`~atoll.runtime.service.syncer.LeaseRefused`: the island's ``used`` decreased, or it
+        holds as many steps it has not used as an honest island can), counted in ``refused_calls`` by reason
+        (``used``, ``lease``)."""
         island, credential = caller
         self.shards.coordinator_only(context, "ReserveSteps")
+        refused: LeaseRefused | None = None
         with self.lock:
             why = self._stale(island, req.session)
             if why is None and not self._started():
                 return schema.ReserveStepsReply(granted=0, wait=True)
             if why is None:
-                granted = self.service.reserve_steps(island, credential, req.n, used=req.used, loss=req.loss,
-                                                     lr=req.lr, compute_s=req.compute_s, bytes_sent=req.bytes_sent,
-                                                     bytes_received=req.bytes_received)
-                return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
-        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
+                try:
+                    granted = self.service.reserve_steps(
+                        island, credential, req.n, used=req.used, loss=req.loss, lr=req.lr, compute_s=req.compute_s,
+                        bytes_sent=req.bytes_sent, bytes_received=req.bytes_received, received=req.received)
+                    return schema.ReserveStepsReply(granted=granted, **self.shards.grant(island))
+                except LeaseRefused as e:
+                    refused = e
+        if refused is not None:  # nothing granted; the island asks again (counted outside the lock: the gate's)
+            self.gate.note(refused.reason, context.peer(), str(refused))
+            return schema.ReserveStepsReply(granted=0, wait=True)
+        self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why or "")
 
     def _started(self) -> bool:
         """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since

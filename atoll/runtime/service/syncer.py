@@ -39,6 +39,19 @@ from atoll.strategies.decoupled.syncer import Syncer
 LEDGER = "ledger.json"
 
 
+class LeaseRefused(Exception):
+    """A step lease refused (:meth:`SyncerService.reserve_steps`): nothing granted, the island may ask again.
+
+    Attributes:
+        reason: ``used`` (the island's ``used`` fell below what it reported before in its session) or ``lease``
+            (it holds as many steps it has not used as an honest island can: :meth:`SyncerService.lease_hold`).
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class SyncerRun:
     """What the syncer service reads of the run beside its syncer (plain data: it crosses process boundaries).
@@ -339,9 +352,11 @@ class SyncerService:
         state.last_seen = now
         # a session that ended without leaving (killed): the steps it was granted and never said it used go
         # back to the budget (not to the ledger: it may have pushed tokens of steps it had not reported)
+        self._used(island, None)  # (what its pushes claimed counts as used)
         self.release_steps(island, state.leased - state.lease_used, ledger=False)
-        state.leased = state.lease_used = 0
+        state.leased = state.lease_used = state.reported = 0
         self._poll()
+        state.claimed_from = list(self.syncer.bounds.claimed[island])  # this session's claims: those from here
         session = self.syncer.rejoin(island)
         state.open_session(session)  # this job's figures (its reports) from here on
         self._save_ledger()
@@ -371,7 +386,7 @@ class SyncerService:
 
     def reserve_steps(self, island: int, credential: str, n: int, used: Any = None, loss: Any = None,
                       lr: Any = None, compute_s: Any = None, bytes_sent: Any = None,
-                      bytes_received: Any = None) -> int:
+                      bytes_received: Any = None, received: Any = None) -> int:
         """Take up to ``n`` inner steps from the shared budget for ``island`` (a lease), at most
         :meth:`lease_share`: the steps granted (fewer than ``n``: the budget is spent), each entered in the
         syncer's token ledger. ``used``: the steps of its session the island has used so far
@@ -380,24 +395,45 @@ class SyncerService:
         (seconds of compute, bytes of its pushes, bytes of the global fragments it pulled;
         :meth:`IslandState.report <atoll.runtime.service.island_state.IslandState.report>`).
 
+        **Bounded by construction** (an island that lies about ``used`` holds at most :meth:`lease_hold` steps
+        it has not used): ``used`` never decreases within a session (else refused, ``used``), counts at most
+        the steps granted in the session plus the island's credit (:meth:`lease_credit`; more is taken as that
+        much), and at least the steps whose tokens its pushes in the session claimed (the token ledger); a
+        lease is cut to leave the island at most :meth:`lease_hold` steps granted and not used, and refused
+        (``lease``) when it holds that many already. ``received``: the steps of its session the island was
+        granted as it counts them; fewer than the syncer granted (a reply that never reached it) are granted
+        again in this answer, from the steps already taken from the budget, so an island whose replies were
+        lost is never refused.
+
         Raises:
             ValueError: ``island`` is not one of the run's, or ``n`` is not a positive int.
             PermissionError: ``credential`` is not the island's.
+            LeaseRefused: nothing granted (see above): the island asks again once it has used steps.
         """
         self._island("reserve_step", island, credential)
         if not (is_index(n, math.inf) and n > 0):
             raise ValueError(f"reserve_steps: n must be a positive int, got {n!r}")
-        state = self.islands[island]
-        state.last_seen = state.heard = self._now()
+        state = self._session_record(island)
+        state.heard = self._now()
+        if is_index(used, math.inf) and used < state.reported:
+            raise LeaseRefused("used", f"reserve_steps: island {island} reported {used} steps of its session used "
+                                       f"after {state.reported}; the steps used never decrease")
+        self._poll()
+        self._used(island, used)
+        lost = max(0, state.leased - received) if is_index(received, math.inf) else 0
+        held, hold = state.leased - state.lease_used, self.lease_hold(island)
+        fresh = max(0, min(n - lost, self.lease_share(island), hold - held))
+        if fresh == 0 and n > lost:
+            raise LeaseRefused("lease", f"reserve_steps: island {island} holds {held} steps of its session it has "
+                                        f"not reported used; at most {hold} are granted ahead")
+        state.last_seen = state.heard
         if isinstance(loss, float) and math.isfinite(loss) and isinstance(lr, float) and math.isfinite(lr):
             state.last_loss, state.last_lr = loss, lr
         state.report(compute_s=compute_s, bytes_sent=bytes_sent, bytes_received=bytes_received)
-        self._used(island, used)
-        self._poll()
-        granted = max(0, min(n, self.budget - self.reserved, self.lease_share(island)))
+        granted = max(0, min(fresh, self.budget - self.reserved))
         if granted == 0:
             self._save_ledger()
-            return 0
+            return lost
         self.reserved += granted
         state.steps += granted
         state.leased += granted
@@ -407,21 +443,65 @@ class SyncerService:
             if self.first_step_s is None:  # the run's clock starts: every earlier second was start-up
                 self.first_step_s = state.last_seen
         self._save_ledger()
-        return granted
+        return lost + granted
+
+    def _session_record(self, island: int) -> IslandState:
+        """``island``'s record, its lease that of its present session: a syncer restarted from a checkpoint
+        older than the island's join, without its ledger, holds the lease of a session before (the island's
+        calls carry the newer one, :meth:`Admission.seen <atoll.strategies.decoupled.trust.Admission.seen>`);
+        it is closed as that join would have (the steps not used back to the budget) and the present session's
+        opened, so the island's reports are never compared with another session's."""
+        state = self.islands[island]
+        session = self.syncer.admission.session[island]
+        if state.sessions and state.sessions[-1].session < session:
+            self.release_steps(island, state.leased - state.lease_used, ledger=False)
+            state.leased = state.lease_used = state.reported = 0
+            state.claimed_from = None  # its claims since that join are not known
+            state.open_session(session)
+        return state
+
+    def _own_h(self, island: int) -> int:
+        """``island``'s own H (inner steps per round; 0: not known): the size of an honest island's lease."""
+        return self.run.push_tokens[island] // self.run.tokens_per_step \
+            if self.run.tokens_per_step > 0 and island < len(self.run.push_tokens) else 0
 
     def lease_share(self, island: int) -> int:
         """The most steps one lease of ``island`` may take: its share of the budget (``steps``, the budget over
         the islands), or two rounds at its own H if more (what an honest island asks at most: a round ahead
         and the steps it trained on credit), so no single call takes the other islands' budget."""
-        h = self.run.push_tokens[island] // self.run.tokens_per_step \
-            if self.run.tokens_per_step > 0 and island < len(self.run.push_tokens) else 0
-        return max(1, self.run.steps, 2 * h)
+        return max(1, self.run.steps, 2 * self._own_h(island))
+
+    def lease_credit(self, island: int) -> int:
+        """The steps ``island`` may take on credit while the syncer is unreachable: one round at its own H
+        (:class:`~atoll.runtime.service.lease.StepLease`'s ``offline_steps``, as ``atoll island`` sets it)."""
+        return self._own_h(island)
+
+    def lease_hold(self, island: int) -> int:
+        """The most steps of its session ``island`` may hold granted and not reported used after a lease: its
+        lease in hand, one lease ahead and its credit, a round each at its own H (3 H; an honest
+        :class:`~atoll.runtime.service.lease.StepLease` holds at most H/2 when it asks, then asks at most 2 H:
+        its round and the steps it took on credit). Without a known H: :meth:`lease_share`."""
+        h = self._own_h(island)
+        return 3 * h if h > 0 else self.lease_share(island)
+
+    def _claimed_steps(self, island: int) -> int:
+        """The steps whose tokens ``island``'s pushes of its current session claimed (the token ledger's claims
+        since the session opened, of the fragment with the most; rounded up): what it used at least."""
+        state, tps = self.islands[island], self.run.tokens_per_step
+        if state.claimed_from is None or tps <= 0:
+            return 0
+        since = [c - f for c, f in zip(self.syncer.bounds.claimed[island], state.claimed_from, strict=False)]
+        return -(-max(0, *since) // tps) if since else 0
 
     def _used(self, island: int, used: Any) -> None:
+        """Record ``used``, the steps of its session ``island`` reports (ignored unless an int >= 0; at most its
+        session's grant plus its credit), and the steps the service counts as used: at least those its pushes
+        claimed, at most those granted, never fewer than before."""
+        state = self.islands[island]
         if is_index(used, math.inf):
-            state = self.islands[island]
-            state.lease_used = max(state.lease_used, min(used, state.leased))
-            state.report(steps=used)
+            state.reported = max(state.reported, min(used, state.leased + self.lease_credit(island)))
+            state.report(steps=state.reported)
+        state.lease_used = max(state.lease_used, min(state.leased, max(state.reported, self._claimed_steps(island))))
 
     def release_steps(self, island: int, n: int, ledger: bool) -> int:
         """Give ``n`` steps granted to ``island`` back to the shared budget (at most those it was granted);
@@ -446,8 +526,8 @@ class SyncerService:
             ValueError: ``island`` is not one of the run's.
         """
         self._island("leave", island)
-        self._used(island, used)
-        state = self.islands[island]
+        state = self._session_record(island)
+        self._used(island, used)  # (a report below the one before counts nothing: the record stands)
         state.report(compute_s=compute_s, bytes_sent=bytes_sent, bytes_received=bytes_received)
         returned = self.release_steps(island, state.leased - state.lease_used, ledger=True)
         state.leased = state.lease_used = 0
