@@ -134,6 +134,14 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "H once, so its pushes join the others' merges again; its shorter rounds weigh by their tokens. Off: the "
         "paper's fixed schedule (a stopped or restarted island stays shifted for the rest of the run).",
     )
+    pull_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "fp32",
+        description="decoupled: what an island's pull of a merged fragment carries: fp32 (the global fragment, 4 "
+        "bytes per parameter) or bf16, int8, int4 (the syncer keeps one float32 shadow per fragment and sends the "
+        "changes since the version the island holds, encoded with --codec-block-size and error feedback, so the "
+        "island's copy stays within one change's rounding of the global fragment; an island too far behind, or "
+        "rejoining, gets the shadow in float32). local and ray runtimes.",
+    )
     island_speeds: list[float] | None = Field(
         None,
         description="decoupled: relative speed of each island, comma separated, one per island, each in "
@@ -190,6 +198,9 @@ def validate(own: DecoupledConfig, run: RunSettings) -> None:
         raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
                          f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
                          "or pass --runtime local")
+    if run.runtime == "service" and own.pull_codec != "fp32":
+        raise ValueError(f"pull_codec: {own.pull_codec} pulls are not carried by the service runtime yet (its pulls "
+                         "are float32 slices); drop --pull-codec or pass --runtime local or ray")
     if own.quorum is not None and own.quorum > run.islands:
         raise ValueError(f"quorum: {own.quorum} exceeds islands ({run.islands}); lower --quorum")
     quorum = own.quorum if own.quorum is not None else run.islands
@@ -259,7 +270,8 @@ def make_syncer(own: DecoupledConfig, facts: RunFacts, init: torch.Tensor, index
                   grace_window=own.grace_window,
                   grace_slack_fraction=own.grace_slack_fraction, grace_overlap=tau / own.sync_every,
                   average=own.merge_average, push_weight=own.push_weight,
-                  step_tokens=[facts.tokens_per_step] * facts.islands, realign=own.realign_pushes)
+                  step_tokens=[facts.tokens_per_step] * facts.islands, realign=own.realign_pushes,
+                  pull_codec=own.pull_codec, pull_block_size=own.codec_block_size)
 
 
 #: the deadline a run under a runtime without one (``local``: a simulated clock) allows a first round: the
