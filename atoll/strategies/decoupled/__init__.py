@@ -294,21 +294,23 @@ def max_round_s(own: DecoupledConfig, islands: int, timeout_s: float | None) -> 
 
 def project(config: DecoupledConfig, s: Setting) -> Cost:
     """decoupled's cost per inner step: each island pushes its b-bit fragments (its codec's) to a syncer and
-    pulls the merged fragment back in float32 (32 bits per parameter, whatever the codec), never waiting for
-    the other islands; each direction of the island's link (full duplex, B each way, as the simulated clock's
-    uplink and downlink) carries its own; the syncer's link is assumed not to be the bottleneck (a datacenter
-    link, or one syncer per fragment)::
+    pulls the merged fragment back at c bits per parameter (32 with ``pull_codec`` fp32; else the pull codec's
+    bits: one change per pull, the steady state of islands that keep up), never waiting for the other islands;
+    each direction of the island's link (full duplex, B each way, as the simulated clock's uplink and downlink)
+    carries its own; the syncer's link is assumed not to be the bottleneck (a datacenter link, or one syncer
+    per fragment)::
 
-        sent = N*b/8 / H;   received = N*4 / H;   step = max(t_c, sent*8/B, received*8/B)
-        exchange (one fragment's round trip) = N*b/P/B + L + N*32/P/B + L
+        sent = N*b/8 / H;   received = N*c/8 / H;   step = max(t_c, sent*8/B, received*8/B)
+        exchange (one fragment's round trip) = N*b/P/B + L + N*c/P/B + L
 
     Raises:
         ValueError: a codec without fixed bits per element (topk).
     """
     h, b = config.sync_every, codec_bits(config.codec)
+    c = codec_bits(config.pull_codec)
     sent = s.params * b / 8 / h if s.islands > 1 else 0.0
-    received = s.params * 4 / h if s.islands > 1 else 0.0
-    t = (s.params * (b + 32) / config.fragments / s.bandwidth_bps + 2 * s.latency_s) if s.islands > 1 else 0.0
+    received = s.params * c / 8 / h if s.islands > 1 else 0.0
+    t = (s.params * (b + c) / config.fragments / s.bandwidth_bps + 2 * s.latency_s) if s.islands > 1 else 0.0
     return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps, received * 8 / s.bandwidth_bps), sent, t,
                 sync_every=h, bytes_received_per_step=received)
 
