@@ -189,7 +189,7 @@ def test_a_run_with_int8_pulls_receives_one_payload_per_pull(fast_config: dict) 
     from atoll.job.checkpoint import latest_checkpoint
     from atoll.strategies.base import model_fragments
 
-    k, steps, h, p = fast_config["islands"], fast_config["steps"], fast_config["sync_every"], 2
+    k, h, p = fast_config["islands"], fast_config["sync_every"], 2
     runs = {}
     for pc in ("fp32", "int8"):
         out = str(Path(fast_config["out"]) / pc)
