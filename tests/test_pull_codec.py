@@ -254,3 +254,29 @@ def test_resume_halfway_with_int8_pulls_matches_the_uninterrupted_run(fast_confi
     for key in ("final_eval_loss", "steps_per_island", "failures", "commits", "sim_wall_s",
                 "bytes_sent_by_island", "bytes_received_by_island"):
         assert resumed[key] == full[key], key
+
+
+@pytest.mark.slow
+def test_ray_islands_pull_int8_changes(fast_config: dict, tmp_path: Path) -> None:
+    """On Ray (real processes, real clocks) the islands ask with the version they hold: int8 pulls receive
+    far fewer bytes than float32 ones (their joins' whole models in float32 included), and the run trains."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    received = {}
+    for pc in ("fp32", "int8"):
+        out = tmp_path / pc
+        cmd = [sys.executable, "-m", "atoll.cli", "train", "--strategy", "decoupled", "--runtime", "ray",
+               "--islands", "2", "--fragments", "2", "--sync-every", "4", "--steps", "60", "--model", "micro",
+               "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4", "--data", fast_config["data"],
+               "--cache-dir", fast_config["cache_dir"], "--eval-batches", "2", "--threads", "1", "--no-progress",
+               "--pull-codec", pc, "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+        received[pc] = summary["bytes_received_per_island"] / summary["params"]  # bytes per parameter
+    # per island: the join (4 bytes per parameter) and about 30 pulls of half the model each
+    assert received["fp32"] > 4 * 10 and received["fp32"] / received["int8"] > 2.5, received
