@@ -280,3 +280,36 @@ def test_ray_islands_pull_int8_changes(fast_config: dict, tmp_path: Path) -> Non
         received[pc] = summary["bytes_received_per_island"] / summary["params"]  # bytes per parameter
     # per island: the join (4 bytes per parameter) and about 30 pulls of half the model each
     assert received["fp32"] > 4 * 10 and received["fp32"] / received["int8"] > 2.5, received
+
+
+@pytest.mark.slow
+def test_every_island_of_a_simulated_run_holds_the_shadow(fast_config: dict, monkeypatch) -> None:
+    """A local run of 3 islands at speeds 1, 1, 0.5 with failures (rejoins pull the whole model): when the
+    events are done, every live island that holds a fragment's newest version holds the shadow exactly, and the
+    shadow is within one int8 change's rounding of the global fragment."""
+    from atoll import train
+    from atoll.runtime import events
+
+    seen = []
+    finish = events.Simulation.finish
+
+    def check_then_finish(self):  # the events are done, the final pushes not made yet
+        syncer = self.syncer
+        for i, w in enumerate(self.workers):
+            if self.st.failed_at[i] is not None and self.st.clock[i] <= self.st.failed_at[i]:
+                continue  # down at the end
+            for p in range(syncer.fragments):
+                if w.base_version[p] == syncer.version(p):
+                    assert torch.equal(w.base[p], syncer.downlink.shadow[p]), (i, p)
+                    seen.append((i, p))
+            for p in range(syncer.fragments):
+                gap = (syncer.downlink.shadow[p] - syncer.outer[p].params).abs().max()
+                assert float(gap) <= float(syncer.outer[p].params.abs().max()) / 127
+        return finish(self)
+
+    monkeypatch.setattr(events.Simulation, "finish", check_then_finish)
+    config = build_config(overrides=applicable({
+        **fast_config, "strategy": "decoupled", "islands": 3, "fragments": 2, "sync_every": 8, "steps": 40,
+        "island_speeds": "1,1,0.5", "chaos": "1.5:0.3", "pull_codec": "int8", "checkpoint_every": 0}))
+    summary = train(config)
+    assert seen and sum(summary["rejoins"]) > 0
