@@ -8,7 +8,8 @@ number but the wall time is deterministic for a seed); failure-free with two see
 trace (``--chaos 30:3``: rejoins pull the whole model in float32, slow islands fall several versions behind).
 Each case with every ``--pull-codec`` (``--cases``, ``--codecs``: some of them; runs already made are kept).
 One torch thread, one run at a time; each run's wall seconds and the machine's 1-minute load average when it
-ended are recorded beside it. Writes ``results.json`` and ``results.md`` under ``--out`` (default bench/out/pull_codec); ``--from``: tabulate runs already made.
+ended are recorded beside it. Writes ``results.json`` and ``results.md`` under ``--out`` (default
+bench/out/pull_codec); ``--from``: tabulate runs already made.
 """
 
 from __future__ import annotations
