@@ -409,6 +409,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--overlap-steps", type=int, default=1, help="tau (streaming) [default: 1, as atoll train]")
     parser.add_argument("--codec", default=None, help=f"pseudo-gradient codec: {', '.join(CODEC_BITS)} "
                         "[default: each strategy's, as atoll train: int4 for streaming and decoupled, else fp32]")
+    parser.add_argument("--pull-codec", default=None, help="decoupled: the pull's codec, fp32, bf16, int8, int4 "
+                        "(one change per pull) [default: fp32, as atoll train]")
     parser.add_argument("--mtbf-h", type=float, default=math.inf, help="island MTBF, hours [default: inf]")
     parser.add_argument("--downtime-min", type=float, default=0.0, help="minutes to replace a failed island")
     parser.add_argument("--checkpoint-min", type=float, default=0.0,
@@ -458,7 +460,7 @@ def run_cli(args: Any) -> str:
 
 
 #: the flags of ``atoll project`` that are settings of a strategy's own config (each read by those that own it)
-CONFIG_FLAGS = ("sync_every", "fragments", "overlap_steps", "codec")
+CONFIG_FLAGS = ("sync_every", "fragments", "overlap_steps", "codec", "pull_codec")
 
 
 def cli_config(args: Any, strategy: str) -> StrategyConfig:

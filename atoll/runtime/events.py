@@ -5,7 +5,9 @@ simulated seconds (a fixed cost, so the order of events, hence the run, is deter
 real compute is measured and reported beside it); a push or pull of B bytes takes ``B·8/bandwidth + latency``
 on the island's uplink or downlink (:class:`~atoll.runtime.network.Link`; one transfer at a time per
 direction, queued behind the previous one) while the island trains on. Pushes are encoded by the run's codec
-and counted as bytes sent; pulls are float32 downloads, timed but not counted as sent. A fragment whose
+and counted as bytes sent; pulls are counted as bytes received and timed at their size on the wire: float32
+fragments, or with ``pull_codec`` the encoded changes since the island's version
+(:mod:`~atoll.strategies.decoupled.downlink`); a rejoin pulls the whole model in float32. A fragment whose
 previous push or pull is still on the wire when its next push is due is pushed at the next due step instead
 (``deferred_pushes``; its tokens wait). Events are processed in simulated-time order from a priority queue
 (ties by island index), one method per kind of event: :meth:`Simulation.on_step`, :meth:`~Simulation.on_push`,
@@ -67,6 +69,7 @@ from atoll.strategies.decoupled.accounting import token_buckets
 from atoll.strategies.decoupled.island import IslandWorker, Job, expected_steps, save_path
 from atoll.strategies.decoupled.journal import Merged
 from atoll.strategies.decoupled.progress import progress_detail, syncer_events
+from atoll.strategies.decoupled.protocol import Pull
 
 if TYPE_CHECKING:
     from atoll.config import TrainConfig
@@ -225,7 +228,7 @@ class Simulation:
                                   now=t)
         st.last_arrival = max(st.last_arrival, t)
         self.log_push(i, p, t, result.accepted, result.reason, self.workers[i].steps)
-        waiter = Waiter(i, msg.epoch)
+        waiter = Waiter(i, msg.epoch, msg.push.base_version)  # type: ignore[union-attr]  # the version it holds
         if result.accepted:
             st.waiting[p].append(waiter)
             self.answer(p, t)  # if it completed a quorum: everyone in the merge gets the new global fragment
@@ -263,7 +266,7 @@ class Simulation:
         st, syncer = self.st, self.syncer
         if st.started >= self.budget:
             return  # the run is over: the island stays down
-        self.workers[i].rejoin(syncer.global_params(), [syncer.version(q) for q in range(syncer.fragments)])
+        self.workers[i].rejoin(syncer.pulled_params(), [syncer.version(q) for q in range(syncer.fragments)])
         syncer.rejoin(i)  # a new session: it may push from the versions of its pushes before the failure
         st.clock[i] = t + self.link.transfer_seconds(sum(self.frag_bytes), 1)  # nothing to train on yet
         st.bytes_received[i] += sum(self.frag_bytes)  # the whole model, float32
@@ -279,11 +282,14 @@ class Simulation:
         """Send the global fragment p as it is at time t to each waiting island, over its downlink (``merged``:
         the answer to its push's merge, which says how far behind it arrived, with ``realign_pushes``)."""
         st = self.st
-        pull = self.syncer.pull(p)
+        pulls: dict[int, Pull] = {}  # by the version the island holds (pull_codec: the changes since it)
         for m in waiters:
             i = m.island
+            if m.version not in pulls:
+                pulls[m.version] = self.syncer.pull(p, m.version)
+            pull = pulls[m.version]
             st.downlink_free[i] = arrive = (max(t, st.downlink_free[i])
-                                            + self.link.transfer_seconds(self.frag_bytes[p], 1))
+                                            + self.link.transfer_seconds(pull.nbytes, 1))
             mine = replace(pull, realign=self.syncer.take_behind(i, p)) if merged and self.syncer.realign else pull
             st.in_flight[self.schedule(i, arrive, "pull", p)] = Transfer(i, m.epoch, pull=mine)
 
@@ -402,7 +408,7 @@ class Simulation:
         self.log_syncer(st.last_arrival)
         for i in alive:  # every live island takes the final global fragments, as a pull would: a run continued with
             for p in range(syncer.fragments):  # a longer --steps must not push its final work a second time
-                self.workers[i].adopt(syncer.pull(p))
+                self.workers[i].adopt(syncer.pull(p, self.workers[i].base_version[p]))
         sim_wall_s = max([st.last_arrival] + ([st.clock[i] for i in alive] or [max(st.clock)]))
         self.run.events.note_resets(st.done // K, [w.island.reset_count for w in self.workers], sim_wall_s)
         # a finished run resumed with no more steps: its final eval and checkpoint are in the log already

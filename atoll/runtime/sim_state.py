@@ -22,10 +22,12 @@ class Transfer:
 
 @dataclass
 class Waiter:
-    """An island whose accepted push waits in a buffer for its merge (answered with the merged fragment)."""
+    """An island whose accepted push waits in a buffer for its merge (answered with the merged fragment);
+    ``version``: the version of the fragment it holds (its push's base version; -1: unknown, a full pull)."""
 
     island: int
     epoch: int
+    version: int = -1
 
 
 @dataclass
@@ -83,9 +85,10 @@ class SimState:
         state["queue"] = [(float(t), int(i), int(n), str(a), int(p)) for t, i, n, a, p in state["queue"]]
         state["in_flight"] = {int(n): Transfer(int(v["island"]), int(v["epoch"]),
                                                Push(**v["push"]) if v.get("push") else None,
-                                               Pull(**v["pull"]) if v.get("pull") else None)
+                                               Pull.from_state(v["pull"]) if v.get("pull") else None)
                               for n, v in state["in_flight"]}
-        state["waiting"] = [[Waiter(int(w["island"]), int(w["epoch"])) for w in ws] for ws in state["waiting"]]
+        state["waiting"] = [[Waiter(int(w["island"]), int(w["epoch"]), int(w.get("version", -1))) for w in ws]
+                            for ws in state["waiting"]]
         state["failed_at"] = [None if t < 0 else float(t) for t in state["failed_at"]]
         state.setdefault("lost_by_island", [0.0] * len(state["clock"]))  # a checkpoint from before the buckets
         # a checkpoint from before the pulls were counted: those before it are not known, only those after

@@ -65,7 +65,8 @@ class RayTransport:
         msg = Push(push.island, push.fragment, push.delta, push.tokens, push.base_version, push.nbytes,
                    round_s=time.monotonic() - self.pulled_at[push.fragment], session=self.session,
                    credential=self.credential)
-        self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg)}
+        self.exchanges[push.fragment] = {"stage": "push", "ref": self.syncer.push.remote(msg),
+                                         "have": push.base_version}  # the version it holds (pull_codec)
 
     def arrived(self) -> list[Pull]:
         return self._advance(block=False)
@@ -90,7 +91,7 @@ class RayTransport:
                     if block:
                         time.sleep(0.01)  # the syncer merges at the quorum or when the grace window closes
                     continue
-                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p, self.island)  # its merge's answer
+                e["stage"], e["ref"] = "pull", self.syncer.pull.remote(p, self.island, e["have"])  # its merge's answer
             ready, _ = ray.wait([e["ref"]], timeout=None if block else 0)
             if not ready:
                 continue

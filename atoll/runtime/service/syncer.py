@@ -362,7 +362,7 @@ class SyncerService:
         self._save_ledger()
         if self.issuer is not None:  # kept before its grant goes out
             self.issuer.opened(self.syncer.admission)
-        return (self.syncer.global_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
+        return (self.syncer.pulled_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 state.steps, session)
 
     def reserve_step(self, island: int, credential: str = "", loss: Any = None,
@@ -589,12 +589,15 @@ class SyncerService:
             self._save()
         if result.accepted and msg.fragment in self._buffered(msg.island):
             return True, None
-        return result.accepted, self._answer(msg.fragment, msg.island if result.accepted else None, values)
+        return result.accepted, self._answer(msg.fragment, msg.island if result.accepted else None, values,
+                                             msg.base_version)
 
-    def pull(self, fragment: int, island: int | None = None) -> Pull:
+    def pull(self, fragment: int, island: int | None = None, have: int | None = None) -> Pull:
         """The newest global fragment; ``island``: the answer to that island's merged push, which says how far
         behind it arrived with ``realign_pushes`` (:meth:`Syncer.take_behind
-        <atoll.strategies.decoupled.syncer.Syncer.take_behind>`; the ``ray`` runtime's islands ask so).
+        <atoll.strategies.decoupled.syncer.Syncer.take_behind>`; the ``ray`` runtime's islands ask so); ``have``:
+        the version of the fragment the island holds, for a ``pull_codec`` other than fp32 (the changes since it;
+        None: the full fragment, :meth:`Syncer.pull <atoll.strategies.decoupled.syncer.Syncer.pull>`).
 
         Raises:
             ValueError: ``fragment`` is not one of the run's.
@@ -603,7 +606,7 @@ class SyncerService:
             raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments "
                              f"0..{self.syncer.fragments - 1}")
         self._poll()
-        return self._answer(fragment, island)
+        return self._answer(fragment, island, have)
 
     def merged_answer(self, island: int, fragment: int) -> float | None:
         """The realignment that goes with the answer to ``island``'s push of ``fragment`` (this syncer's index)
@@ -616,8 +619,11 @@ class SyncerService:
             return None
         return self.syncer.take_behind(island, fragment)
 
-    def _answer(self, fragment: int, island: int | None, values: bool = True) -> Pull:
-        pull = self.syncer.pull(fragment) if values else \
+    def _answer(self, fragment: int, island: int | None, values: bool = True, have: int | None = None) -> Pull:
+        """The answer to ``island``'s push of ``fragment`` (None: refused, no realignment): the newest fragment
+        (the changes since ``have`` with a ``pull_codec`` other than fp32); without ``values`` its version only
+        (no copy: the server answers a push with the version to pull)."""
+        pull = self.syncer.pull(fragment, have) if values else \
             Pull(fragment, torch.empty(0), self.syncer.version(fragment))
         if island is None or not self.syncer.realign or not is_index(island, self.syncer.islands):
             return pull

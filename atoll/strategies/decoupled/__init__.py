@@ -136,6 +136,14 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "(--no-realign-pushes): the paper's fixed schedule (a stopped or restarted island stays shifted for the "
         "rest of the run).",
     )
+    pull_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+        "fp32",
+        description="decoupled: what an island's pull of a merged fragment carries: fp32 (the global fragment, 4 "
+        "bytes per parameter) or bf16, int8, int4 (the syncer keeps one float32 shadow per fragment and sends the "
+        "changes since the version the island holds, encoded with --codec-block-size and error feedback, so the "
+        "island's copy stays within one change's rounding of the global fragment; an island too far behind, or "
+        "rejoining, gets the shadow in float32). local and ray runtimes.",
+    )
     island_speeds: list[float] | None = Field(
         None,
         description="decoupled: relative speed of each island, comma separated, one per island, each in "
@@ -192,6 +200,9 @@ def validate(own: DecoupledConfig, run: RunSettings) -> None:
         raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
                          f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
                          "or pass --runtime local")
+    if run.runtime == "service" and own.pull_codec != "fp32":
+        raise ValueError(f"pull_codec: {own.pull_codec} pulls are not carried by the service runtime yet (its pulls "
+                         "are float32 slices); drop --pull-codec or pass --runtime local or ray")
     if own.quorum is not None and own.quorum > run.islands:
         raise ValueError(f"quorum: {own.quorum} exceeds islands ({run.islands}); lower --quorum")
     quorum = own.quorum if own.quorum is not None else run.islands
@@ -261,7 +272,8 @@ def make_syncer(own: DecoupledConfig, facts: RunFacts, init: torch.Tensor, index
                   grace_window=own.grace_window,
                   grace_slack_fraction=own.grace_slack_fraction, grace_overlap=tau / own.sync_every,
                   average=own.merge_average, push_weight=own.push_weight,
-                  step_tokens=[facts.tokens_per_step] * facts.islands, realign=own.realign_pushes)
+                  step_tokens=[facts.tokens_per_step] * facts.islands, realign=own.realign_pushes,
+                  pull_codec=own.pull_codec, pull_block_size=own.codec_block_size)
 
 
 #: the deadline a run under a runtime without one (``local``: a simulated clock) allows a first round: the
@@ -284,21 +296,23 @@ def max_round_s(own: DecoupledConfig, islands: int, timeout_s: float | None) -> 
 
 def project(config: DecoupledConfig, s: Setting) -> Cost:
     """decoupled's cost per inner step: each island pushes its b-bit fragments (its codec's) to a syncer and
-    pulls the merged fragment back in float32 (32 bits per parameter, whatever the codec), never waiting for
-    the other islands; each direction of the island's link (full duplex, B each way, as the simulated clock's
-    uplink and downlink) carries its own; the syncer's link is assumed not to be the bottleneck (a datacenter
-    link, or one syncer per fragment)::
+    pulls the merged fragment back at c bits per parameter (32 with ``pull_codec`` fp32; else the pull codec's
+    bits: one change per pull, the steady state of islands that keep up), never waiting for the other islands;
+    each direction of the island's link (full duplex, B each way, as the simulated clock's uplink and downlink)
+    carries its own; the syncer's link is assumed not to be the bottleneck (a datacenter link, or one syncer
+    per fragment)::
 
-        sent = N*b/8 / H;   received = N*4 / H;   step = max(t_c, sent*8/B, received*8/B)
-        exchange (one fragment's round trip) = N*b/P/B + L + N*32/P/B + L
+        sent = N*b/8 / H;   received = N*c/8 / H;   step = max(t_c, sent*8/B, received*8/B)
+        exchange (one fragment's round trip) = N*b/P/B + L + N*c/P/B + L
 
     Raises:
         ValueError: a codec without fixed bits per element (topk).
     """
     h, b = config.sync_every, codec_bits(config.codec)
+    c = codec_bits(config.pull_codec)
     sent = s.params * b / 8 / h if s.islands > 1 else 0.0
-    received = s.params * 4 / h if s.islands > 1 else 0.0
-    t = (s.params * (b + 32) / config.fragments / s.bandwidth_bps + 2 * s.latency_s) if s.islands > 1 else 0.0
+    received = s.params * c / 8 / h if s.islands > 1 else 0.0
+    t = (s.params * (b + c) / config.fragments / s.bandwidth_bps + 2 * s.latency_s) if s.islands > 1 else 0.0
     return Cost(max(s.step_compute_s, sent * 8 / s.bandwidth_bps, received * 8 / s.bandwidth_bps), sent, t,
                 sync_every=h, bytes_received_per_step=received)
 

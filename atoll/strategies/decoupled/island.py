@@ -28,6 +28,7 @@ from atoll.job.divergence import inject_fault
 from atoll.job.island import Island, build_island, inner_optimizer
 from atoll.strategies.base import make_wire, model_fragments
 from atoll.strategies.decoupled import DecoupledConfig, island_speeds, local_sync_every
+from atoll.strategies.decoupled.downlink import apply_pull, pull_codec
 from atoll.strategies.decoupled.protocol import Pull, Push
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ class IslandWorker:
         self.fragment_index = held if held is not None else job.index
         self.sync_every = local_sync_every(job.own, job.facts.islands)[index]
         self.wire = make_wire(job.own, [index], job.facts.seed)
+        self.pull_codec = pull_codec(job.own.pull_codec, job.own.codec_block_size)  # decodes delta pulls
         self.base = ([frag.gather(job.init_flat) for frag in job.index] if held is None else
                      [torch.zeros(frag.numel()) for frag in held])
         self.base_version = [0] * len(job.index)
@@ -220,7 +222,9 @@ class IslandWorker:
         return Push(self.index, p, delta, tokens, self.base_version[p], int(nbytes))
 
     def adopt(self, pull: Pull) -> None:
-        """An answer arrived: take the global fragment (float32 (numel_p,)) as the island's own.
+        """An answer arrived: take the global fragment (float32 (numel_p,)) as the island's own. A delta pull
+        (``pull_codec`` other than fp32) is first decoded onto the island's base, the global fragment it last
+        pulled (:func:`~atoll.strategies.decoupled.downlink.apply_pull`; ValueError if it is for another version).
 
         Communication overlaps compute (as in Streaming DiLoCo's overlap, arXiv:2501.18512 §2.2, and the
         eager outer updates of Kale et al. 2025, arXiv:2502.12996): the island went on training while its push
@@ -237,18 +241,19 @@ class IslandWorker:
         its next push counted as staler than it is.
         """
         p = pull.fragment
+        values = apply_pull(pull, self.base[p], self.base_version[p], self.pull_codec)
         at_push = self.at_push[p]
         if at_push is None:  # a final pull: replace
-            self.island.set_flat_params(pull.params, self.fragment_index[p])
+            self.island.set_flat_params(values, self.fragment_index[p])
         else:  # on the parameters' views, in place: θ ← (θ − θ_at_push) + θ_global, the same floats as on a copy
             with torch.no_grad():
                 offset = 0
                 for view in self.island.param_views(self.fragment_index[p]):
                     n = view.numel()
                     view.sub_(at_push[offset:offset + n].to(view.device, non_blocking=True))
-                    view.add_(pull.params[offset:offset + n].to(view.device, non_blocking=True))
+                    view.add_(values[offset:offset + n].to(view.device, non_blocking=True))
                     offset += n
-        self.base[p] = pull.params.clone()
+        self.base[p] = values.clone() if values is pull.params else values
         self.base_version[p] = pull.version
         self.at_push[p] = None
         if self.job.own.realign_pushes and at_push is not None:
@@ -308,8 +313,9 @@ class IslandWorker:
         """(Re)start from the global fragments ``pulls`` (one per fragment: the values held, float32, at their
         versions) with a fresh inner optimizer state and schedule of pushes."""
         for pull in pulls:
-            self.island.set_flat_params(pull.params, self.fragment_index[pull.fragment])
-            self.base[pull.fragment] = pull.params.clone()
+            values = apply_pull(pull, self.base[pull.fragment], self.base_version[pull.fragment], self.pull_codec)
+            self.island.set_flat_params(values, self.fragment_index[pull.fragment])
+            self.base[pull.fragment] = values.clone()
             self.base_version[pull.fragment] = pull.version
         self.at_push = [None] * self.fragments
         self.island.optimizer.state.clear()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.codec_base import Encoded
 from atoll.algorithms.finite import all_finite
 
 
@@ -54,7 +55,13 @@ class Push:
 
 @dataclass(frozen=True)
 class Pull:
-    """A global fragment sent to an island: float32 parameters (numel_p,) at ``version``.
+    """A global fragment sent to an island at ``version``: float32 parameters (numel_p,), or the payloads
+    that bring the island's copy there.
+
+    ``params``: the fragment's values, float32 (numel_p,); None for a delta pull (``pull_codec`` other than
+    fp32, :mod:`~atoll.strategies.decoupled.downlink`): then ``deltas`` holds the encoded changes of the versions
+    ``since + 1 .. version`` in order (none when the island is up to date), which the island decodes and adds to
+    its copy at version ``since`` (:func:`~atoll.strategies.decoupled.downlink.apply_pull`).
 
     ``realign``: the share of a round, in [0, 1), by which the island's push that this pull answers arrived
     behind the fragment's previous, larger merge (:meth:`Syncer.take_behind
@@ -64,14 +71,27 @@ class Pull:
     """
 
     fragment: int
-    params: torch.Tensor
+    params: torch.Tensor | None
     version: int
     realign: float = 0.0
+    deltas: tuple[Encoded, ...] = ()
+    since: int = -1
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pull on the wire: its values as they travel (float32: 4 per parameter)."""
+        """Bytes of the pull on the wire: its values as they travel (float32: 4 per parameter), or its
+        payloads' bytes (:attr:`Encoded.nbytes <atoll.algorithms.codec_base.Encoded.nbytes>`, the pushes' count)."""
+        if self.params is None:
+            return sum(d.nbytes for d in self.deltas)
         return self.params.numel() * self.params.element_size()
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Pull:
+        """A pull from its :func:`dataclasses.asdict` (a checkpoint's), its payloads rebuilt."""
+        deltas = tuple(d if isinstance(d, Encoded) else Encoded(dict(d["tensors"]), int(d["numel"]), str(d["codec"]))
+                       for d in state.get("deltas", ()))
+        return cls(int(state["fragment"]), state["params"], int(state["version"]), float(state.get("realign", 0.0)),
+                   deltas, int(state.get("since", -1)))
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ from atoll.strategies.decoupled.accounting import syncer_stats
 from atoll.strategies.decoupled.bounds import WINDOW, PushBounds
 from atoll.strategies.decoupled.buffer import Buffer, Pending
 from atoll.strategies.decoupled.claims import round_time, since_last_push, starved, starved_message
+from atoll.strategies.decoupled.downlink import Downlink
 from atoll.strategies.decoupled.island_record import OUTCOMES, IslandRecord
 from atoll.strategies.decoupled.journal import Journal
 from atoll.strategies.decoupled.merge_rules import MergeRules, transfer_s
@@ -110,6 +111,8 @@ class Syncer:
             Decoupled DiLoCo's merge rules (:class:`~atoll.strategies.decoupled.merge_rules.MergeRules`).
         realign: measure, at each timed merge, how far behind each of its islands arrived (:meth:`realign_share`)
             and send it with the island's answer (:meth:`take_behind`), for ``realign_pushes``.
+        pull_codec, pull_block_size: what a pull carries (:class:`~atoll.strategies.decoupled.downlink.Downlink`):
+            fp32, the global fragment; bf16, int8 or int4, the encoded changes since the island's version.
 
     Raises:
         ValueError: a quorum outside ``1..islands``, an index that does not fit ``init``, credentials that are
@@ -125,7 +128,7 @@ class Syncer:
                  starve_after: int = 16, min_quorum: int = 1, grace_window: str = "round",
                  grace_slack_fraction: float = 0.5, grace_overlap: float = 1.0, average: str = "mean",
                  push_weight: str = "tokens", step_tokens: Sequence[int] | None = None,
-                 realign: bool = False) -> None:
+                 realign: bool = False, pull_codec: str = "fp32", pull_block_size: int = 64) -> None:
         flat = init.detach().reshape(-1).to("cpu", torch.float32)
         self.index = as_fragments(index, flat.numel())
         self.islands = islands
@@ -169,6 +172,8 @@ class Syncer:
         self.last_merge: list[tuple[float, frozenset[int]] | None] = [None] * len(self.index)
         # per island and fragment, the share of a round its last merged push arrived behind (realign_share)
         self.behind = [[0.0] * len(self.index) for _ in range(islands)]
+        # what the islands pull: per fragment the shadow they hold and its last payloads (pull_codec)
+        self.downlink = Downlink(pull_codec, [o.params.detach() for o in self.outer], pull_block_size)
 
     @property
     def tokens_by_outcome(self) -> dict[str, list[float]]:
@@ -198,9 +203,22 @@ class Syncer:
         """Outer steps committed to ``fragment`` so far."""
         return self.outer[fragment].version
 
-    def pull(self, fragment: int) -> Pull:
-        """The newest global fragment: a float32 copy (numel_p,) and its version."""
-        return Pull(fragment, self.outer[fragment].params.detach().clone(), self.outer[fragment].version)
+    def pull(self, fragment: int, have: int | None = None) -> Pull:
+        """The newest global fragment at its version, for an island that holds version ``have`` of it (its push's
+        base version; None: unknown): with ``pull_codec`` fp32 a float32 copy (numel_p,) of G; else the encoded
+        changes since ``have``, or the shadow Q in float32 where they are not kept
+        (:meth:`Downlink.pull <atoll.strategies.decoupled.downlink.Downlink.pull>`)."""
+        return self.downlink.pull(fragment, self.outer[fragment].params, have)
+
+    def pulled_params(self) -> torch.Tensor:
+        """What an up-to-date island holds of every fragment, flat float32 (numel,) in the order of ``init``:
+        :meth:`global_params` with ``pull_codec`` fp32, else the shadows Q (an island (re)joins from these)."""
+        if self.downlink.shadow is None:
+            return self.global_params()
+        flat = torch.empty(self.numel, dtype=torch.float32)
+        for frag, q in zip(self.index, self.downlink.shadow, strict=True):
+            frag.scatter_(flat, q)
+        return flat
 
     def take_behind(self, island: int, fragment: int) -> float:
         """With ``realign``: how far behind (:meth:`realign_share`) ``island``'s push of ``fragment`` merged
@@ -418,6 +436,7 @@ class Syncer:
         if self.scale_partial and contributors < self.islands:
             mean = mean * (contributors / self.islands)
         self.outer[fragment].step(mean)
+        self.downlink.commit(fragment, self.outer[fragment].params, self.version(fragment))
         if self.realign and now is not None:  # how far behind the previous merge each island arrived
             merged = frozenset(p.island for p in kept)
             for p in kept:

@@ -2,7 +2,8 @@
 :class:`~atoll.strategies.decoupled.syncer.Syncer` needs to lose no committed outer step.
 
 :func:`state_dict` holds, per fragment, the globals and outer momentum (float32 CPU tensors), the open
-buffers (their pending Δs, float32 (numel_p,)), the push bounds and admission, the recent round times, push
+buffers (their pending Δs, float32 (numel_p,)), the pull codec's shadows and payloads
+(:class:`~atoll.strategies.decoupled.downlink.Downlink`), the push bounds and admission, the recent round times, push
 gaps, transfer times and last pushes and waits (seconds), and every statistic; :func:`save` writes it atomically with
 :func:`~atoll.job.checkpoint.save_checkpoint` (tensors as safetensors, nothing as pickle), :func:`load` reads
 the newest complete one back. Entries absent from older checkpoints load as their defaults.
@@ -24,6 +25,7 @@ from atoll.strategies.decoupled.tallies import MergeWaits, Tally
 if TYPE_CHECKING:
     from atoll.algorithms.outer import OuterOptimizer
     from atoll.strategies.decoupled.bounds import PushBounds
+    from atoll.strategies.decoupled.downlink import Downlink
     from atoll.strategies.decoupled.island_record import IslandRecord
     from atoll.strategies.decoupled.trust import Admission
 
@@ -53,6 +55,7 @@ class SyncerView(Protocol):
     merge_waits: MergeWaits
     last_merge: list[tuple[float, frozenset[int]] | None]
     behind: list[list[float]]
+    downlink: Downlink
 
     @property
     def tokens_by_outcome(self) -> dict[str, list[float]]:
@@ -104,6 +107,8 @@ def state_dict(s: SyncerView) -> dict[str, Any]:
         "last_merge_at": [-1.0 if m is None else m[0] for m in s.last_merge],
         "last_merge_islands": [[] if m is None else sorted(m[1]) for m in s.last_merge],
         "behind": [list(b) for b in s.behind],
+        # pull_codec: per fragment the shadow the islands hold, its version and last payloads (empty for fp32)
+        "downlink": s.downlink.state_dict(),
     }
 
 
@@ -148,6 +153,8 @@ def load_state_dict(s: SyncerView, state: dict[str, Any]) -> None:
         s.last_merge = [None if float(t) < 0 else (float(t), frozenset(int(i) for i in held))
                         for t, held in zip(state["last_merge_at"], state["last_merge_islands"], strict=True)]
         s.behind = [[float(x) for x in b] for b in state["behind"]]
+    if not s.downlink.load_state_dict(state.get("downlink", {})):  # no shadows of this pull codec: from G, and
+        s.downlink.restart([o.params for o in s.outer], [o.version for o in s.outer])  # a full pull each once
 
 
 def save(s: SyncerView, folder: Path, keep: int = 2, extra: dict[str, Any] | None = None) -> Path:

@@ -1,0 +1,176 @@
+"""The decoupled syncer's downlink: what an island that pulls a fragment is sent (``pull_codec``).
+
+With ``pull_codec`` ``fp32`` (the default) a pull is the global fragment G_k itself, float32 (4 bytes per
+parameter), as before. With a lossy pull codec (``bf16``, ``int8``, ``int4``: the push codecs of
+:mod:`atoll.algorithms.codecs`, block-scaled with the run's ``codec_block_size``, nearest rounding) the
+syncer keeps **one shadow per fragment**, Q: the float32 values every up-to-date island holds. At each
+commit of version k it encodes the change since the shadow and steps the shadow by what that payload
+decodes to::
+
+    d_k = encode(G_k − Q_{k−1});    Q_k = Q_{k−1} + decode(d_k)
+
+This is error feedback on the downlink: what one payload lost (G_k − Q_k, one delta's quantization error)
+is part of the next delta, so Q never drifts from G by more than one delta's error, however many rounds.
+An island that holds version j (the ``base_version`` of its push says which) is sent the payloads
+d_{j+1}..d_k and adds their decoded values to its copy in order: the same float32 additions as the
+shadow's, so it ends bit-identical to Q_k. An island that holds no version the syncer still has deltas
+from (it rejoins, is new, or fell more deltas behind than are kept), or whose deltas would weigh at least
+the full fragment, is sent Q_k itself in float32. Only as many payloads are kept per fragment as could ever
+be sent (their bytes below the full fragment's: 1 for bf16, 3 for int8, 7 for int4 at a block of 64), so the
+syncer's memory is one float32 shadow plus about one fragment of payloads per fragment, not a copy per
+island. Pseudo-gradients are taken against Q (the island's base); the syncer merges them into G.
+
+The downlink of the papers, for comparison: Streaming DiLoCo (arXiv:2501.18512) has none: its workers
+all-reduce 4-bit outer gradients (accumulated in float32) and each applies the same outer step itself, so
+what a worker receives is the quantized mean outer gradient. Decoupled DiLoCo (arXiv:2604.21428) describes
+quantized pushes from the learners; a compressed syncer-to-learner transfer is not described in what we
+could check (docs/decoupled.md). The delta-with-error-feedback scheme here is the one of compressed
+model broadcasts in federated learning (e.g. the server-to-client compression with error feedback of
+Tang et al. 2019, DoubleSqueeze, arXiv:1905.05957).
+
+Errors: ValueError from :func:`apply_pull` (a delta pull for a version the island does not hold) and from
+:class:`Downlink` (an unknown codec).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from atoll.algorithms.codec_base import Codec, Encoded
+from atoll.algorithms.codecs import make_codec
+from atoll.strategies.decoupled.protocol import Pull
+
+#: the pull codecs (``pull_codec``): the float32 fragment, or deltas in one of the push codecs
+PULL_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+
+
+def pull_codec(name: str, block_size: int = 64) -> Codec | None:
+    """The codec of a run's ``pull_codec`` (nearest rounding, ``block_size`` values per scale); None for fp32.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`PULL_CODECS`.
+    """
+    if name not in PULL_CODECS:
+        raise ValueError(f"pull_codec: unknown {name!r}; choose one of {', '.join(PULL_CODECS)}")
+    return None if name == "fp32" else make_codec(name, block_size=block_size)
+
+
+class Downlink:
+    """The syncer's side of the pulls: per fragment a float32 shadow Q and its last payloads (module docstring).
+
+    Args:
+        codec: the pull codec's name (:data:`PULL_CODECS`); ``fp32``: no shadow, a pull is G itself.
+        init: per fragment, the initial global parameters (float32 (numel_p,)); the shadows start equal to them.
+        block_size: values per scale of the block codecs.
+
+    Attributes:
+        shadow: per fragment Q (float32 (numel_p,)), None for fp32.
+        version: per fragment, the version Q is at (the syncer's: outer steps committed).
+        deltas: per fragment, ``(version, payload)`` of its last :attr:`keep` commits, oldest first.
+        keep: payloads kept per fragment: the most that travel for less than the full fragment.
+
+    Raises:
+        ValueError: an unknown codec.
+    """
+
+    def __init__(self, codec: str, init: list[torch.Tensor], block_size: int = 64) -> None:
+        self.name = codec
+        self.codec = pull_codec(codec, block_size)
+        self.shadow: list[torch.Tensor] | None = (None if self.codec is None else
+                                                  [t.detach().to("cpu", torch.float32).clone() for t in init])
+        self.version = [0] * len(init)
+        self.full_bytes = [int(t.numel()) * 4 for t in init]
+        self.delta_bytes = [0 if self.codec is None else self.codec.payload_bytes(int(t.numel())) for t in init]
+        self.keep = [0 if d == 0 else (f - 1) // d for f, d in zip(self.full_bytes, self.delta_bytes, strict=True)]
+        self.deltas: list[deque[tuple[int, Encoded]]] = [deque(maxlen=max(1, k)) for k in self.keep]
+        self.floor = [0] * len(init)  # per fragment: the oldest version an island may hold to be sent deltas
+
+    def commit(self, fragment: int, params: torch.Tensor, version: int) -> None:
+        """The fragment's global parameters ``params`` (float32 (numel_p,)) are now at ``version``: encode the
+        change since the shadow, step the shadow by its decoded values, keep the payload. Nothing for fp32."""
+        self.version[fragment] = version
+        if self.codec is None or self.shadow is None:
+            return
+        q = self.shadow[fragment]
+        enc = self.codec.encode(params.detach().to(torch.float32) - q)
+        q.add_(self.codec.decode(enc))
+        if self.keep[fragment]:
+            self.deltas[fragment].append((version, enc))
+
+    def values(self, fragment: int, params: torch.Tensor) -> torch.Tensor:
+        """What an up-to-date island holds of the fragment: Q (a copy), or ``params`` (G) itself for fp32."""
+        return params.detach().clone() if self.shadow is None else self.shadow[fragment].clone()
+
+    def pull(self, fragment: int, params: torch.Tensor, have: int | None = None) -> Pull:
+        """The answer to an island that holds version ``have`` of the fragment (None: unknown or none).
+
+        Returns:
+            a :class:`~atoll.strategies.decoupled.protocol.Pull` at the fragment's version: its payloads since
+            ``have`` (``deltas``, ``since=have``: none if ``have`` is the current version) when every one of
+            them is kept, else the full values (:meth:`values`: Q, or G for fp32) in float32.
+        """
+        version = self.version[fragment]
+        if self.codec is not None and isinstance(have, int) and not isinstance(have, bool) \
+                and self.floor[fragment] <= have <= version:
+            kept = {v: enc for v, enc in self.deltas[fragment]}
+            wanted = range(have + 1, version + 1)
+            if all(v in kept for v in wanted):
+                return Pull(fragment, None, version, deltas=tuple(kept[v] for v in wanted), since=have)
+        return Pull(fragment, self.values(fragment, params), version)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shadows, their versions and the kept payloads (plain lists, ints and tensors; empty for fp32)."""
+        if self.shadow is None:
+            return {}
+        return {"codec": self.name, "shadow": [q.clone() for q in self.shadow], "version": list(self.version),
+                "floor": list(self.floor),
+                "deltas": [[{"version": v, "tensors": dict(enc.tensors)} for v, enc in d] for d in self.deltas]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore :meth:`state_dict`; False where it holds no shadows of this pull codec (a checkpoint from
+        before the pull codec, or of another one: call :meth:`restart`); True for fp32 (nothing to restore)."""
+        if self.shadow is None:
+            return True
+        if state.get("codec") != self.name:
+            return False
+        self.shadow = [q.to(torch.float32).clone() for q in state["shadow"]]
+        self.version = [int(v) for v in state["version"]]
+        self.floor = [int(v) for v in state["floor"]]
+        for p, d in enumerate(state["deltas"]):
+            self.deltas[p].clear()
+            for e in d:
+                self.deltas[p].append((int(e["version"]), Encoded(dict(e["tensors"]), self.shadow[p].numel(),
+                                                                  self.name)))
+        return True
+
+    def restart(self, params: list[torch.Tensor], versions: list[int]) -> None:
+        """Shadows at the global parameters ``params`` (per fragment float32), no payloads kept: every island
+        is then sent its next pull in full, whatever version it holds (a syncer restored from a checkpoint that
+        held no shadows, or those of another pull codec)."""
+        self.version = list(versions)
+        self.floor = [v + 1 for v in versions]
+        if self.shadow is not None:
+            self.shadow = [t.detach().to(torch.float32).clone() for t in params]
+        for d in self.deltas:
+            d.clear()
+
+
+def apply_pull(pull: Pull, held: torch.Tensor, held_version: int, codec: Codec | None) -> torch.Tensor:
+    """The float32 values (numel_p,) an island holds after ``pull``: its ``params`` if it carries them, else
+    ``held`` (the island's copy, at ``held_version``) plus each payload's decoded values, in order.
+
+    Raises:
+        ValueError: a delta pull from another version than ``held_version``, or without a ``codec`` to decode it.
+    """
+    if pull.params is not None:
+        return pull.params
+    if pull.since != held_version or codec is None:
+        raise ValueError(f"pull: fragment {pull.fragment}'s deltas start from version {pull.since}, the island "
+                         f"holds {held_version}{'' if codec is not None else ' and has no pull codec'}")
+    out = held.detach().to(torch.float32).clone()
+    for enc in pull.deltas:
+        out.add_(codec.decode(enc))
+    return out
