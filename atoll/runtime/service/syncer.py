@@ -590,7 +590,7 @@ class SyncerService:
         if result.accepted and msg.fragment in self._buffered(msg.island):
             return True, None
         return result.accepted, self._answer(msg.fragment, msg.island if result.accepted else None, values,
-                                             msg.base_version)
+                                             have=msg.base_version)
 
     def pull(self, fragment: int, island: int | None = None, have: int | None = None) -> Pull:
         """The newest global fragment; ``island``: the answer to that island's merged push, which says how far
@@ -606,7 +606,7 @@ class SyncerService:
             raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments "
                              f"0..{self.syncer.fragments - 1}")
         self._poll()
-        return self._answer(fragment, island, have)
+        return self._answer(fragment, island, have=have)
 
     def merged_answer(self, island: int, fragment: int) -> float | None:
         """The realignment that goes with the answer to ``island``'s push of ``fragment`` (this syncer's index)
@@ -619,7 +619,7 @@ class SyncerService:
             return None
         return self.syncer.take_behind(island, fragment)
 
-    def _answer(self, fragment: int, island: int | None, values: bool = True, have: int | None = None) -> Pull:
+    def _answer(self, fragment: int, island: int | None, values: bool = True, *, have: int | None = None) -> Pull:
         """The answer to ``island``'s push of ``fragment`` (None: refused, no realignment): the newest fragment
         (the changes since ``have`` with a ``pull_codec`` other than fp32); without ``values`` its version only
         (no copy: the server answers a push with the version to pull)."""

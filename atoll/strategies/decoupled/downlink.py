@@ -104,17 +104,19 @@ class Downlink:
         """What an up-to-date island holds of the fragment: Q (a copy), or ``params`` (G) itself for fp32."""
         return params.detach().clone() if self.shadow is None else self.shadow[fragment].clone()
 
-    def pull(self, fragment: int, params: torch.Tensor, have: int | None = None) -> Pull:
-        """The answer to an island that holds version ``have`` of the fragment (None: unknown or none).
+    def pull(self, fragment: int, params: torch.Tensor, version: int, have: int | None = None) -> Pull:
+        """The answer to an island that holds version ``have`` of the fragment (None: unknown or none);
+        ``params`` and ``version``: the fragment's global parameters G and version, the syncer's (the one source
+        of the version: a syncer restored from a checkpoint answers at the version it restored, whatever the
+        pull codec).
 
         Returns:
-            a :class:`~atoll.strategies.decoupled.protocol.Pull` at the fragment's version: its payloads since
-            ``have`` (``deltas``, ``since=have``: none if ``have`` is the current version) when every one of
-            them is kept, else the full values (:meth:`values`: Q, or G for fp32) in float32.
+            a :class:`~atoll.strategies.decoupled.protocol.Pull` at ``version``: its payloads since ``have``
+            (``deltas``, ``since=have``: none if ``have`` is the current version) when every one of them is kept
+            and the shadow is at ``version``, else the full values (:meth:`values`: Q, or G for fp32) in float32.
         """
-        version = self.version[fragment]
-        if self.codec is not None and isinstance(have, int) and not isinstance(have, bool) \
-                and self.floor[fragment] <= have <= version:
+        if self.codec is not None and self.version[fragment] == version and isinstance(have, int) \
+                and not isinstance(have, bool) and self.floor[fragment] <= have <= version:
             kept = {v: enc for v, enc in self.deltas[fragment]}
             wanted = range(have + 1, version + 1)
             if all(v in kept for v in wanted):

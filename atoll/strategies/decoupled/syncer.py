@@ -208,7 +208,7 @@ class Syncer:
         base version; None: unknown): with ``pull_codec`` fp32 a float32 copy (numel_p,) of G; else the encoded
         changes since ``have``, or the shadow Q in float32 where they are not kept
         (:meth:`Downlink.pull <atoll.strategies.decoupled.downlink.Downlink.pull>`)."""
-        return self.downlink.pull(fragment, self.outer[fragment].params, have)
+        return self.downlink.pull(fragment, self.outer[fragment].params, self.outer[fragment].version, have)
 
     def pulled_params(self) -> torch.Tensor:
         """What an up-to-date island holds of every fragment, flat float32 (numel,) in the order of ``init``:
