@@ -32,11 +32,12 @@ def test_on_ray_an_island_can_only_push_as_itself_and_once_per_version(fast_conf
     ray = pytest.importorskip("ray")
     from atoll.config import build_config
     from atoll.runtime.ray.actors import SyncerService
+    from atoll.runtime.ray.cluster import start_local_ray
     from atoll.strategies.decoupled.protocol import Push
 
     config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2})
     creds = ["0" * 32, "1" * 32]
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         syncer = ray.remote(num_cpus=0)(SyncerService).remote(config.model_dump_json(), fast_config["out"], creds)
         pull = ray.get(syncer.pull.remote(0))

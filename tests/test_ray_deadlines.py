@@ -65,12 +65,12 @@ def test_a_custom_resource_no_node_has_is_refused(fast_config: dict) -> None:
     from atoll.config import build_config
     from atoll.config.runtimes import RayConfig
     from atoll.errors import ConfigError
-    from atoll.runtime.ray.cluster import check_resources
+    from atoll.runtime.ray.cluster import check_resources, start_local_ray
 
     config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2,
                                      "ray_island_resources": "region_a=1;region_b=1"})
-    ray.init(num_cpus=2, resources={"region_a": 1}, include_dashboard=False, log_to_driver=False,
-             logging_level="error")
+    start_local_ray(num_cpus=2, resources={"region_a": 1}, include_dashboard=False, log_to_driver=False,
+                    logging_level="error")
     try:
         with pytest.raises(ConfigError, match=r"^ray_island_resources: island 1 asks Ray for CPU=1, region_b=1 "
                                               r"and no node of the cluster has region_b=1 \(node 0: CPU=2, GPU=\d+, "
@@ -159,3 +159,34 @@ def test_a_local_ray_gets_the_drivers_pythonpath(fast_config: dict, monkeypatch:
     paths = seen["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)
     assert paths[1:] == ["/opt/users/lib", "/srv/more"]
     assert Path(paths[0], "atoll", "__init__.py").is_file()
+
+
+def test_a_local_ray_whose_raylet_starts_late_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray waits a fixed 30 s for its raylet (a loaded machine exceeds it): the start is tried again, after a
+    shutdown, up to START_TRIES times; any other error is raised at once."""
+    import ray
+
+    from atoll.runtime.ray import cluster
+
+    calls: list[str] = []
+    late = Exception("The current node timed out during startup. This could happen because ...")
+
+    def init(**kwargs: object) -> None:
+        calls.append("init")
+        if calls.count("init") < 3:
+            raise late
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    cluster.start_local_ray(num_cpus=1)
+    assert calls == ["init", "shutdown", "init", "shutdown", "init"]
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kw: (calls.append("init"), (_ for _ in ()).throw(late)))
+    with pytest.raises(Exception, match="timed out during startup"):
+        cluster.start_local_ray(num_cpus=1)
+    assert calls.count("init") == cluster.START_TRIES
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kw: (calls.append("init"), (_ for _ in ()).throw(ValueError("x"))))
+    with pytest.raises(ValueError):
+        cluster.start_local_ray(num_cpus=1)
+    assert calls == ["init"]

@@ -39,6 +39,29 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
                           "`ray start --head` there or fix --ray-address") from None
 
 
+#: tries of a local Ray's start (:func:`start_local_ray`)
+START_TRIES = 3
+
+
+def start_local_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)`` of a local Ray (no address), tried again (up to :data:`START_TRIES` times) when
+    Ray gives up waiting for its raylet: Ray waits a fixed 30 s for the raylet to register with its GCS
+    (``ray/_private/node.py``), which a loaded machine can exceed (seen at a 1-minute load of 5 on 2 cores);
+    what was started is shut down before the next try.
+
+    Raises:
+        Exception: Ray's own, when the last try fails too (or at once for any other error).
+    """
+    for attempt in range(START_TRIES):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this case
+            if "timed out during startup" not in str(e) or attempt == START_TRIES - 1:
+                raise
+            ray.shutdown()
+
+
 def init_ray(config: RayConfig, islands: int, threads: int | None = None) -> bool:
     """Connect to ``ray_address``, or start a local Ray for ``islands`` island actors (each with ``threads``
     torch threads, default 1); True if this call started or connected it.
@@ -63,9 +86,9 @@ def init_ray(config: RayConfig, islands: int, threads: int | None = None) -> boo
     for res in island_resources(config, islands):
         for name, amount in res.items():
             custom[name] = custom.get(name, 0.0) + amount
-    ray.init(num_cpus=cpus, resources=custom or None, include_dashboard=False, **quiet,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
-                                       "OMP_NUM_THREADS": str(threads or 1)}})
+    start_local_ray(num_cpus=cpus, resources=custom or None, include_dashboard=False, **quiet,
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)),
+                                              "OMP_NUM_THREADS": str(threads or 1)}})
     return True
 
 
