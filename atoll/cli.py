@@ -12,6 +12,7 @@
     atoll syncer --listen 0.0.0.0:7070 --tls-cert C --tls-key K --credentials DIR --out DIR [run flags]
     atoll island --syncer HOST:7070 --tls-ca C --island 0 --credential DIR/island_0.token [run flags]
     atoll project --table                     # projection to 1B/12B/100B models (no training)
+    atoll project --paper-scale               # decoupled at 12B over 2-5 Gbit/s, with the measured link shares
     atoll project --params 12e9 --step-compute-s 6 --bandwidth-mbps 2000 [--islands 4] ...
 
 Every field of :class:`atoll.config.TrainConfig` is a flag of ``atoll train`` (``sync_every`` ->
@@ -347,6 +348,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_project(args: argparse.Namespace) -> int:
+    if args.paper_scale:
+        from atoll.analysis.paper_scale import run_cli as paper_scale
+
+        print(paper_scale(args))
+        return 0
     from atoll.analysis.projection import run_cli
 
     print(run_cli(args))

@@ -396,6 +396,13 @@ def add_arguments(parser: Any) -> None:
     """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table``)."""
     parser.add_argument("--table", action="store_true", help="print the real-scale table (1B, 12B, 100B; "
                         "4 regions at 2 and 5 Gbit/s, consumer links at 100 and 10 Mbit/s) and exit")
+    parser.add_argument("--paper-scale", action="store_true", help="print where decoupled lands at its paper's "
+                        "scale (12B, 4 regions, 2 and 5 Gbit/s) with the link shares and syncer CPU atoll measured "
+                        "(atoll/analysis/paper_scale.py), and exit; takes --push-share, --pull-share, --pull-codec")
+    parser.add_argument("--push-share", type=float, default=None, help="--paper-scale: the share of the link rate a "
+                        "push reaches, (0, 1] [default: measured, 0.645]")
+    parser.add_argument("--pull-share", type=float, default=None, help="--paper-scale: a pull's share, (0, 1] "
+                        "[default: measured, 0.841]")
     parser.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all "
                         "[default: all]")
     parser.add_argument("--params", type=float, default=None, help="model parameters N (e.g. 12e9)")
@@ -424,13 +431,13 @@ def run_cli(args: Any) -> str:
         ConfigError: a missing or invalid setting (one line naming the flag).
     """
     if args.table:
-        defaults = argparse.ArgumentParser()
-        add_arguments(defaults)
-        given = [k for k, v in vars(defaults.parse_args([])).items() if k != "table" and getattr(args, k, v) != v]
-        if given:  # the table's settings are its own: a flag beside it would be silently ignored
+        if given := flags_given(args, keep=("table",)):  # its settings are its own: a flag beside it is unread
             raise ConfigError(f"{given[0]}: --table prints a fixed table of its own settings; drop "
                               f"--{given[0].replace('_', '-')} or --table")
         return format_table(real_scale_table())
+    if args.push_share is not None or args.pull_share is not None:
+        raise ConfigError("push_share: --push-share and --pull-share are read by --paper-scale only; add "
+                          "--paper-scale or drop them")
     if args.params is None or args.step_compute_s is None:
         raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
     if args.codec is not None and args.codec not in CODEC_BITS:
@@ -457,6 +464,14 @@ def run_cli(args: Any) -> str:
                      f"{human_bytes(p.bytes_per_step)} | {human_bytes(p.bytes_received_per_step)} | {red} | "
                      f"{red_both} | {p.goodput:.1%} |")
     return "\n".join(lines)
+
+
+def flags_given(args: Any, keep: tuple[str, ...]) -> list[str]:
+    """The flags of ``atoll project`` (:func:`add_arguments`) set in ``args`` to other than their defaults,
+    those named in ``keep`` left out: what a fixed table would leave unread."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    return [k for k, v in vars(defaults.parse_args([])).items() if k not in keep and getattr(args, k, v) != v]
 
 
 #: the flags of ``atoll project`` that are settings of a strategy's own config (each read by those that own it)
