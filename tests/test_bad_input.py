@@ -294,3 +294,23 @@ def test_sweep_into_a_file_is_one_line_before_any_warning(tmp_path: Path) -> Non
     r = run_cli("sweep", *M, "--sync-every", "5,10", "--out", str(notes))
     assert r.returncode == 2 and r.stderr.strip() == f"atoll: error: out: '{notes}' is a file; pass a folder", r.stderr
     assert notes.read_text() == "precious"
+
+
+def test_a_decoupled_run_saved_before_realign_pushes_resumes_without_it(tmp_path: Path) -> None:
+    """``realign_pushes`` became on by default after decoupled runs were written without the key: such a run
+    trained on the paper's fixed schedule and resumes so (EARLIER_DEFAULTS); a run that saved the key keeps it."""
+    import json
+
+    from atoll.config import build_config, load_run_config
+
+    for saved, expect in ((None, False), (True, True), (False, False)):
+        run = tmp_path / f"run_{saved}"
+        run.mkdir()
+        config = json.loads(build_config(overrides={"model": "micro", "strategy": "decoupled", "islands": 2, "fragments": 2,
+                                                    "out": str(run)}).model_dump_json())
+        if saved is None:
+            config.pop("realign_pushes")
+        else:
+            config["realign_pushes"] = saved
+        (run / "config.json").write_text(json.dumps(config))
+        assert load_run_config(run, {"steps": 8}).strategy_config.realign_pushes is expect

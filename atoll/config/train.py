@@ -326,6 +326,12 @@ RESUMABLE_OVERRIDES = frozenset({
 #: Settings every ``config.json`` atoll writes holds (it writes them all; older runs lack only later fields).
 SAVED_KEYS = ("strategy", "islands", "model", "data", "steps", "seed")
 
+#: Settings whose default changed after runs were written without them, per strategy: the value a run saved
+#: before the setting existed trained with. A resumed run that lacks the key keeps that value, not today's
+#: default (``realign_pushes`` became on by default on 2026-12-06; a decoupled run written before it kept the
+#: paper's fixed schedule).
+EARLIER_DEFAULTS: dict[str, dict[str, Any]] = {"decoupled": {"realign_pushes": False}}
+
 
 def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """The saved config of a run folder, with ``overrides`` applied (e.g. more ``steps``).
@@ -355,6 +361,8 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> T
     if missing:
         raise ConfigError(f"resume: '{path}' lacks the run's {', '.join(missing)} (not the config.json atoll wrote); "
                           f"{fix}")
+    earlier = EARLIER_DEFAULTS.get(base.get("strategy"), {}) if isinstance(base.get("strategy"), str) else {}
+    base = {**{k: v for k, v in earlier.items() if k not in base}, **base}  # a run from before the key: its value
     try:
         saved = build_config(base={k: v for k, v in base.items() if k != "out"}, overrides={"out": str(run_dir)})
     except ConfigError as e:  # its one line says how to fix a flag; here the file is what is wrong
