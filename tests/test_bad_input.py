@@ -306,8 +306,8 @@ def test_a_decoupled_run_saved_before_realign_pushes_resumes_without_it(tmp_path
     for saved, expect in ((None, False), (True, True), (False, False)):
         run = tmp_path / f"run_{saved}"
         run.mkdir()
-        config = json.loads(build_config(overrides={"model": "micro", "strategy": "decoupled", "islands": 2, "fragments": 2,
-                                                    "out": str(run)}).model_dump_json())
+        config = json.loads(build_config(overrides={"model": "micro", "strategy": "decoupled", "islands": 2,
+                                                    "fragments": 2, "out": str(run)}).model_dump_json())
         if saved is None:
             config.pop("realign_pushes")
         else:
