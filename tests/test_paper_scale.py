@@ -49,6 +49,8 @@ def test_the_command_prints_the_table_and_refuses_what_it_does_not_read() -> Non
     for args, field in ((("--paper-scale", "--push-share", "1.5"), "push_share"),
                         (("--paper-scale", "--islands", "8"), "islands"),
                         (("--push-share", "0.5", "--params", "1e9", "--step-compute-s", "1"), "push_share"),
-                        (("--paper-scale", "--pull-codec", "int3"), "pull_codec")):
+                        (("--paper-scale", "--pull-codec", "int3"), "pull_codec"),
+                        (("--params", "1e9", "--step-compute-s", "1", "--strategy", "ddp", "--pull-codec", "x"),
+                         "pull_codec")):
         bad = run_cli("project", *args)
         assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and field in bad.stderr, (args, bad.stderr)

@@ -442,6 +442,8 @@ def run_cli(args: Any) -> str:
         raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
     if args.codec is not None and args.codec not in CODEC_BITS:
         raise ConfigError(f"codec: unknown codec '{args.codec}'; use one of {', '.join(CODEC_BITS)}")
+    if args.pull_codec is not None and args.pull_codec not in ("fp32", "bf16", "int8", "int4"):  # whatever strategy
+        raise ConfigError(f"pull_codec: unknown '{args.pull_codec}'; use fp32, bf16, int8 or int4")
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise ConfigError(f"strategy: unknown strategy '{args.strategy}'; use all or one of {', '.join(STRATEGIES)}")
