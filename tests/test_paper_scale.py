@@ -48,6 +48,8 @@ def test_the_command_prints_the_table_and_refuses_what_it_does_not_read() -> Non
     assert run_cli("project", "--paper-scale", "--pull-codec", "int8").stdout.count("| 12B |") == 2
     for args, field in ((("--paper-scale", "--push-share", "1.5"), "push_share"),
                         (("--paper-scale", "--islands", "8"), "islands"),
+                        (("--paper-scale", "--sync-every", "50"), "sync_every"),  # its default value, typed: unread
+                        (("--table", "--latency-ms", "10"), "latency_ms"),
                         (("--push-share", "0.5", "--params", "1e9", "--step-compute-s", "1"), "push_share"),
                         (("--paper-scale", "--pull-codec", "int3"), "pull_codec"),
                         (("--params", "1e9", "--step-compute-s", "1", "--strategy", "ddp", "--pull-codec", "x"),

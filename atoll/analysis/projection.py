@@ -392,8 +392,16 @@ def format_exchange_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: the values of ``atoll project``'s flags left unset (their parser defaults are None, so that a flag typed
+#: with its default value beside ``--table`` or ``--paper-scale``, which read none of them, is refused too)
+DEFAULTS: dict[str, Any] = {"strategy": "all", "islands": 4, "bandwidth_mbps": 100.0, "latency_ms": 10.0,
+                            "sync_every": 50, "fragments": 4, "overlap_steps": 1, "mtbf_h": math.inf,
+                            "downtime_min": 0.0, "checkpoint_min": 0.0}
+
+
 def add_arguments(parser: Any) -> None:
-    """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table``)."""
+    """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table``); unset ones read as
+    :data:`DEFAULTS`."""
     parser.add_argument("--table", action="store_true", help="print the real-scale table (1B, 12B, 100B; "
                         "4 regions at 2 and 5 Gbit/s, consumer links at 100 and 10 Mbit/s) and exit")
     parser.add_argument("--paper-scale", action="store_true", help="print where decoupled lands at its paper's "
@@ -403,25 +411,26 @@ def add_arguments(parser: Any) -> None:
                         "push reaches, (0, 1] [default: measured, 0.645]")
     parser.add_argument("--pull-share", type=float, default=None, help="--paper-scale: a pull's share, (0, 1] "
                         "[default: measured, 0.841]")
-    parser.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGIES)}, or all "
+    parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)}, or all "
                         "[default: all]")
     parser.add_argument("--params", type=float, default=None, help="model parameters N (e.g. 12e9)")
     parser.add_argument("--step-compute-s", type=float, default=None,
                         help="seconds of compute of one inner step of one island, t_c")
-    parser.add_argument("--islands", type=int, default=4, help="K [default: 4]")
-    parser.add_argument("--bandwidth-mbps", type=float, default=100.0, help="link Mbit/s [default: 100]")
-    parser.add_argument("--latency-ms", type=float, default=10.0, help="one-way latency ms [default: 10]")
-    parser.add_argument("--sync-every", type=int, default=50, help="H [default: 50]")
-    parser.add_argument("--fragments", type=int, default=4, help="P (streaming, decoupled) [default: 4]")
-    parser.add_argument("--overlap-steps", type=int, default=1, help="tau (streaming) [default: 1, as atoll train]")
+    parser.add_argument("--islands", type=int, default=None, help="K [default: 4]")
+    parser.add_argument("--bandwidth-mbps", type=float, default=None, help="link Mbit/s [default: 100]")
+    parser.add_argument("--latency-ms", type=float, default=None, help="one-way latency ms [default: 10]")
+    parser.add_argument("--sync-every", type=int, default=None, help="H [default: 50]")
+    parser.add_argument("--fragments", type=int, default=None, help="P (streaming, decoupled) [default: 4]")
+    parser.add_argument("--overlap-steps", type=int, default=None, help="tau (streaming) [default: 1, as atoll train]")
     parser.add_argument("--codec", default=None, help=f"pseudo-gradient codec: {', '.join(CODEC_BITS)} "
                         "[default: each strategy's, as atoll train: int4 for streaming and decoupled, else fp32]")
     parser.add_argument("--pull-codec", default=None, help="decoupled: the pull's codec, fp32, bf16, int8, int4 "
                         "(one change per pull) [default: fp32, as atoll train]")
-    parser.add_argument("--mtbf-h", type=float, default=math.inf, help="island MTBF, hours [default: inf]")
-    parser.add_argument("--downtime-min", type=float, default=0.0, help="minutes to replace a failed island")
-    parser.add_argument("--checkpoint-min", type=float, default=0.0,
-                        help="minutes between checkpoints of a synchronous job")
+    parser.add_argument("--mtbf-h", type=float, default=None, help="island MTBF, hours [default: inf]")
+    parser.add_argument("--downtime-min", type=float, default=None, help="minutes to replace a failed island "
+                        "[default: 0]")
+    parser.add_argument("--checkpoint-min", type=float, default=None,
+                        help="minutes between checkpoints of a synchronous job [default: 0]")
 
 
 def run_cli(args: Any) -> str:
@@ -438,6 +447,7 @@ def run_cli(args: Any) -> str:
     if args.push_share is not None or args.pull_share is not None:
         raise ConfigError("push_share: --push-share and --pull-share are read by --paper-scale only; add "
                           "--paper-scale or drop them")
+    args = argparse.Namespace(**{k: DEFAULTS[k] if v is None and k in DEFAULTS else v for k, v in vars(args).items()})
     if args.params is None or args.step_compute_s is None:
         raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
     if args.codec is not None and args.codec not in CODEC_BITS:
@@ -469,8 +479,8 @@ def run_cli(args: Any) -> str:
 
 
 def flags_given(args: Any, keep: tuple[str, ...]) -> list[str]:
-    """The flags of ``atoll project`` (:func:`add_arguments`) set in ``args`` to other than their defaults,
-    those named in ``keep`` left out: what a fixed table would leave unread."""
+    """The flags of ``atoll project`` (:func:`add_arguments`) given in ``args`` (not None, or a store-true flag
+    set), those named in ``keep`` left out: what a fixed table would leave unread."""
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
     return [k for k, v in vars(defaults.parse_args([])).items() if k not in keep and getattr(args, k, v) != v]
