@@ -217,3 +217,17 @@ def test_a_grid_of_strategies_and_h_trains_ddp_once(corpus_file: Path, cache_dir
     again = run_cli(*args)  # the same grid again trains nothing: every point reused, the same three rows
     assert again.returncode == 0 and "[sweep]" not in again.stderr
     assert [row["point"] for row in strict_json(tmp_path / "sw" / "results.json")["rows"]] == [p for p, _, _ in rows]
+
+
+def test_a_setting_no_point_reads_is_refused_as_train_refuses_it(tmp_path: Path) -> None:
+    """``--pull-codec bogus`` beside ``--strategy diloco`` ran one point and said nothing; a setting that no
+    point's strategy reads is one line and exit 2 before anything trains, as ``atoll train`` says it (a setting
+    some points read stays a note)."""
+    for flags, field in ((["--strategy", "diloco", "--pull-codec", "bogus"], "pull_codec"),
+                         (["--strategy", "diloco", "--fragments", "0"], "fragments"),
+                         (["--strategy", "ddp,diloco", "--no-realign-pushes"], "realign_pushes")):
+        out = tmp_path / field
+        r = run_cli("sweep", "--model", "micro", "--islands", "2", "--steps", "4", *flags, "--out", str(out))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"atoll: error: {field}: the "), r.stderr
+        assert not out.exists()

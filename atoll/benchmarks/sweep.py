@@ -249,6 +249,27 @@ def previous_swept(out: Path) -> list[str]:
     return list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r if k not in ROW_KEYS))
 
 
+def never_read(shared: dict[str, Any], points: list[dict[str, Any]]) -> str | None:
+    """The one-line refusal of the first setting given once (``shared``) that no point's strategy and runtime
+    read (:func:`atoll.config.applies.unused_setting` of the first point), as ``atoll train`` refuses it; None
+    when every one is read by some point. A setting some points read and others not is a note of :func:`trim`."""
+    from atoll.config import TrainConfig
+    from atoll.config.applies import unused_setting
+    from atoll.strategies.registry import names
+
+    default_strategy = TrainConfig.model_fields["strategy"].default
+    default_runtime = TrainConfig.model_fields["runtime"].default
+    for name in shared:
+        lines = []
+        for p in points:
+            run = {**shared, **p}
+            strategy, runtime = str(run.get("strategy", default_strategy)), str(run.get("runtime", default_runtime))
+            lines.append(unused_setting(strategy, runtime, [name]) if strategy in names() else None)
+        if all(lines):
+            return lines[0]
+    return None
+
+
 def _settings_read(run: Path) -> dict[str, Any]:
     """The settings in the ``config.json`` of the run folder ``run`` that its strategy and runtime read
     (:func:`atoll.config.applies.applicable`: a ddp run shows no ``sync_every``); empty if unreadable."""
@@ -267,6 +288,8 @@ def run_sweep(args: argparse.Namespace, values: dict[str, str], out: Path) -> in
     shared, points = grid(values)
     axes = list(points[0])  # the settings swept, also those some points do not read (one column each)
     points, unread = trim(shared, points)
+    if never := never_read(shared, points):  # (as atoll train refuses a setting its strategy does not read)
+        raise ConfigError(never)
     from atoll.config import build_config
     from atoll.config.sections import SyncSection
     from atoll.strategies.registry import spec
