@@ -202,7 +202,7 @@ def validate(own: DecoupledConfig, run: RunSettings) -> None:
                          "or pass --runtime local")
     if run.runtime == "service" and own.pull_codec != "fp32":
         raise ValueError(f"pull_codec: {own.pull_codec} pulls are not carried by the service runtime yet (its pulls "
-                         "are float32 slices); drop --pull-codec or pass --runtime local or ray")
+                         "are float32 slices); drop --pull-codec (or train it with atoll train --runtime local or ray)")
     if own.quorum is not None and own.quorum > run.islands:
         raise ValueError(f"quorum: {own.quorum} exceeds islands ({run.islands}); lower --quorum")
     quorum = own.quorum if own.quorum is not None else run.islands
