@@ -25,7 +25,12 @@ def test_each_figure_is_its_formula_by_hand() -> None:
     assert fp32["hide_step_s"] == pytest.approx(2.40)  # the slower direction's round over H = 100
     assert fp32["step_s"] == pytest.approx(t_c) and fp32["utilization"] == pytest.approx(1.0)
     # 4 islands' pushes in (6.75 GB each at 2 s/GB) and pulls out (48 GB each at 1 s/GB) per H x step, 4 shards
-    assert fp32["syncer_cores_per_shard"] == pytest.approx(4 * (6.75 * 2 + 48 * 1) / (100 * t_c) / 4)
+    transfer = 4 * (6.75 * 2 + 48 * 1) / (100 * t_c) / 4
+    merge = 12e9 * 33.4 * 4 / 2 * 1e-9 / (100 * t_c) / 4  # the merge window of 2 islands, scaled to 4
+    assert fp32["transfer_cores_per_shard"] == pytest.approx(transfer)
+    assert fp32["syncer_cores_per_shard"] == pytest.approx(transfer + merge)
+    # int8 pulls: one encode per commit of the 12e9 parameters at 0.490 GB/s of float32 input
+    assert int8["merge_cores_per_shard"] == pytest.approx(12e9 * (33.4 * 2 + 4 / 0.490) * 1e-9 / (100 * t_c) / 4)
     sync = Setting(params=12e9, step_compute_s=t_c, islands=4, bandwidth_mbps=2000.0, latency_ms=35.0)  # full rate
     assert fp32["speed_vs_ddp"] == pytest.approx(project(sync, "ddp").step_s / t_c)
     diloco = project(sync, "diloco", spec("diloco").config(**TABLE_SETTINGS["diloco"])).step_s
@@ -38,7 +43,7 @@ def test_a_slow_link_makes_the_exchange_the_step() -> None:
     assert r["hide_step_s"] == pytest.approx(12e9 * 32 / 1e7 / 100)
     with pytest.raises(ValueError, match="link shares"):
         paper_scale_rows(Measured(1e-320, 0.5, 0.0, 0.0, "hand")) and r["step_s"] == r["hide_step_s"] > r["t_c"]
-    assert r["utilization"] == pytest.approx(r["t_c"] / r["step_s"]) and r["syncer_cores_per_shard"] == 0.0
+    assert r["utilization"] == pytest.approx(r["t_c"] / r["step_s"]) and r["transfer_cores_per_shard"] == 0.0
 
 
 def test_the_command_prints_the_table_and_refuses_what_it_does_not_read() -> None:

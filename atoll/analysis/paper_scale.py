@@ -20,13 +20,17 @@ each way (full duplex), e_push and e_pull the shares reached::
     push_s = N*b / (B*e_push);   pull_s = N*c / (B*e_pull);   both_ways_s = push_s + pull_s
     hide_step_s = max(push_s, pull_s) / H      (below this inner-step time the exchange cannot hide behind compute)
     step_s = max(t_c, hide_step_s)             (the island never waits otherwise: fragments stream behind compute)
-    syncer cores per shard = K * (N*b/8 * in_s_per_byte + N*c/8 * out_s_per_byte) / (H * step_s) / shards
+    transfer cores per shard = K * (N*b/8 * in_s_per_byte + N*c/8 * out_s_per_byte) / (H * step_s) / shards
+    merge cores per shard = N * (merge_ns * K/2 + pull_encode_ns) * 1e-9 / (H * step_s) / shards
 
 and the ratio of ddp's and synchronous diloco's step time (:func:`~atoll.analysis.projection.project`, on the
 ideal link: their collectives are not atoll's gRPC transfers, and charging them atoll's measured share would
-inflate the ratio) to decoupled's. The syncer's cores are a lower bound: the CPU per GB was measured on fp32
-pushes with nothing merged, so the int4 decode (bench/out/codec_speed), the merge's outer step
-(bench/out/outer_round) and a quantized pull's encode are not in it. No torch; a pure function of its inputs.
+inflate the ratio) to decoupled's. The transfer's CPU per GB was measured on fp32 pushes with nothing merged;
+the merge's own work comes from bench/out/outer_round (one window of the syncer with K = 2 islands' int4
+pushes: decode, merge, outer step, per parameter; scaled by K/2, the decode being the part that grows with K)
+and a quantized pull's one encode per commit from bench/out/codec_speed (4 bytes per parameter at its encode
+GB/s). Each fragment is taken as merged once per outer round (all islands in one merge); split merges cost
+more. No torch; a pure function of its inputs.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class Measured:
         syncer_in_s_per_gb: the syncer's CPU seconds per 10^9 bytes it receives (pushes).
         syncer_out_s_per_gb: its CPU seconds per 10^9 bytes it sends (pulls).
         source: where the figures come from.
+        merge_ns_per_param: CPU ns per parameter of one merge window of K = 2 islands' int4 pushes.
+        pull_encode_ns_per_param: per pull codec, CPU ns per parameter of encoding one change (fp32: none).
     """
 
     push_share: float
@@ -58,10 +64,15 @@ class Measured:
     syncer_in_s_per_gb: float
     syncer_out_s_per_gb: float
     source: str
+    merge_ns_per_param: float = 33.4
+    pull_encode_ns_per_param: tuple[tuple[str, float], ...] = (("fp32", 0.0), ("bf16", 4 / 0.360),
+                                                               ("int8", 4 / 0.490), ("int4", 4 / 0.435))
 
 
 #: bench/out/service_link (2026-12-06): TLS, 8 MiB windows, one fragment at a time, MTU 9000 (push 0.645, pull
-#: 0.841 of 1 Gbit/s at 70 ms RTT); the syncer's CPU with 4 islands pushing at once (2.559 s/GB in, 0.931 out)
+#: 0.841 of 1 Gbit/s at 70 ms RTT); the syncer's CPU with 4 islands pushing at once (2.559 s/GB in, 0.931 out);
+#: the merge window 33.4 ns per parameter (bench/out/outer_round_36, decoupled at 58.7M, one thread) and the
+#: encode GB/s of bench/out/codec_speed (bf16 0.360, int8 0.490, int4 0.435 GB/s of float32 input)
 MEASURED = Measured(0.645, 0.841, 2.559, 0.931, "bench/out/service_link: 1 Gbit/s, 70 ms RTT, TLS, one fragment "
                     "at a time; syncer CPU of 4 islands at once over loopback")
 
@@ -106,12 +117,16 @@ def paper_scale_rows(measured: Measured = MEASURED, pull_codecs: tuple[str, ...]
             hide = max(push_s, pull_s) / h
             step_s = max(t_c, hide)
             per_round_bytes_in, per_round_bytes_out = n * b / 8, n * c / 8
-            cores = islands * (per_round_bytes_in * measured.syncer_in_s_per_gb
-                               + per_round_bytes_out * measured.syncer_out_s_per_gb) / 1e9 / (h * step_s) / shards
+            transfer = islands * (per_round_bytes_in * measured.syncer_in_s_per_gb
+                                  + per_round_bytes_out * measured.syncer_out_s_per_gb) / 1e9 / (h * step_s) / shards
+            encode_ns = dict(measured.pull_encode_ns_per_param).get(pull_codec, 0.0)
+            merge = n * (measured.merge_ns_per_param * islands / 2 + encode_ns) * 1e-9 / (h * step_s) / shards
+            cores = transfer + merge
             rows.append({"model": scale.name, "link": label, "pull_codec": pull_codec, "push_bits": b,
                          "pull_bits": c, "push_s": push_s, "pull_s": pull_s, "both_ways_s": push_s + pull_s,
                          "hide_step_s": hide, "t_c": t_c, "step_s": step_s, "utilization": t_c / step_s,
-                         "syncer_cores_per_shard": cores, "speed_vs_ddp": ddp_s / step_s,
+                         "syncer_cores_per_shard": cores, "transfer_cores_per_shard": transfer,
+                         "merge_cores_per_shard": merge, "speed_vs_ddp": ddp_s / step_s,
                          "speed_vs_diloco": diloco_s / step_s, "ddp_step_s": ddp_s, "diloco_step_s": diloco_s})
     return rows
 
@@ -119,19 +134,22 @@ def paper_scale_rows(measured: Measured = MEASURED, pull_codecs: tuple[str, ...]
 def format_paper_scale(rows: list[dict[str, Any]], measured: Measured = MEASURED) -> str:
     """The rows as Markdown, the inputs and the paper's figure under them."""
     lines = ["| model | link | pull | bits/param per outer step, push / pull | outer round: push / pull / both "
-             "ways s | hides below t_c of | t_c / step s | utilization | syncer cores per shard | speed vs ddp | "
+             "ways s | hides below t_c of | t_c / step s | utilization | syncer cores per shard (transfers + merge) | "
+             "speed vs ddp | "
              "speed vs sync diloco |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['link']} | {r['pull_codec']} | {r['push_bits']:g} / {r['pull_bits']:g} | "
                      f"{r['push_s']:.1f} / {r['pull_s']:.1f} / {r['both_ways_s']:.1f} | {r['hide_step_s']:.2f} s | "
                      f"{r['t_c']:.2f} / {r['step_s']:.2f} | {r['utilization']:.0%} | "
-                     f"{r['syncer_cores_per_shard']:.2f} | {r['speed_vs_ddp']:.1f}x | {r['speed_vs_diloco']:.2f}x |")
+                     f"{r['syncer_cores_per_shard']:.2f} ({r['transfer_cores_per_shard']:.2f} + "
+                     f"{r['merge_cores_per_shard']:.2f}) | {r['speed_vs_ddp']:.1f}x | {r['speed_vs_diloco']:.2f}x |")
     own = TABLE_SETTINGS["decoupled"]
     lines += ["", f"decoupled H={own['sync_every']}, P={own['fragments']} (one syncer shard each), {own['codec']} "
               f"pushes, 4 regions; link shares push {measured.push_share:.3f}, pull {measured.pull_share:.3f}; "
               f"syncer {measured.syncer_in_s_per_gb:g} CPU s/GB in, {measured.syncer_out_s_per_gb:g} out "
-              f"({measured.source}); syncer cores: a lower bound (fp32 pushes, no merge: the int4 decode and the outer "
-              "step are not in it). ddp and synchronous diloco (H=100, fp32) priced on the same links at their "
+              f"({measured.source}); merge {measured.merge_ns_per_param:g} CPU ns per parameter per window of 2 "
+              "islands, scaled by K/2, plus a quantized pull's encode, each fragment merged once per round. ddp and "
+              "synchronous diloco (H=100, fp32) priced on the same links at their "
               "full rate. Published: Decoupled DiLoCo, >20x faster than conventional synchronization (12B, "
               "2-5 Gbit/s)."]
     return "\n".join(lines)
