@@ -68,6 +68,9 @@ from typing import Any
 
 from atoll.benchmarks.common import default_out, script_error, write_results
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.service_transfer import heartbeats  # noqa: E402 - the heartbeat sampler both transfer studies use
+
 PORT = 7070
 TCP_PORT = 5201
 CREDENTIALS = [f"{i:02d}" * 16 for i in range(16)]  # island i's secret
@@ -171,15 +174,6 @@ def _syncer(spec: dict[str, Any]) -> None:
     server.stop(grace=0).wait()
 
 
-def _beats(client: Any, stop: threading.Event, out: list[float]) -> None:
-    while True:
-        t0 = time.perf_counter()
-        client.call("Heartbeat")
-        out.append(time.perf_counter() - t0)
-        if stop.wait(0.02):
-            return
-
-
 def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
     """One rank of an island: uploads and downloads its slice of a fragment when told (rank 0 also joins its
     island, commits, and sends heartbeats)."""
@@ -237,7 +231,7 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
         elif op == "beats":
             if cmd["on"]:
                 beats, stop = [], threading.Event()
-                beat = threading.Thread(target=_beats, args=(me, stop, beats))
+                beat = threading.Thread(target=heartbeats, args=(me, stop, beats))
                 beat.start()
             elif beat is not None:
                 stop.set()

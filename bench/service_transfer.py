@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _beats(client: Any, stop: threading.Event, out: list[float]) -> None:
+def heartbeats(client: Any, stop: threading.Event, out: list[float]) -> None:
     """Heartbeat round trips (seconds) into ``out``, one at once and then every 20 ms until ``stop`` (at least
     one sample, however short the transfers it runs beside)."""
     while True:
@@ -96,14 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     numel = state.service.syncer.numels[0]
     idle: list[float] = []
     stop = threading.Event()
-    beat = threading.Thread(target=_beats, args=(client, stop, idle))
+    beat = threading.Thread(target=heartbeats, args=(client, stop, idle))
     beat.start()
     time.sleep(2.0)
     stop.set()
     beat.join()
     busy: list[float] = []
     stop = threading.Event()
-    beat = threading.Thread(target=_beats, args=(client, stop, busy))
+    beat = threading.Thread(target=heartbeats, args=(client, stop, busy))
     beat.start()
     push_s, pull_s, size = [], [], 0
     for i in range(args.repeats):
