@@ -183,3 +183,29 @@ def make_island(index: int, model: torch.nn.Module, config, clock=None, total_st
 
     return build_island(index, model, IslandSettings.of(config, total_steps),
                         inner_optimizer(config.strategy_config, optimizer), clock, speed, island_type or Island)
+
+
+class CrashAfterCheckpoint(Exception):
+    """Raised by :func:`train_crashed_and_resumed`'s checkpoint writer after the checkpoint it was told to cut at."""
+
+
+def train_crashed_and_resumed(overrides: dict, out: Path, monkeypatch: pytest.MonkeyPatch, step: int) -> dict:
+    """Train ``overrides`` into ``out``, cut right after the checkpoint of ``step`` is written (as a kill would),
+    then resume it from its folder; the resumed run's summary."""
+    import atoll.job.run as run_mod
+    from atoll.config import build_config, load_run_config
+    from atoll.training import train
+
+    real_save = run_mod.save_checkpoint
+
+    def save_then_crash(run_out, at, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        path = real_save(run_out, at, *args, **kwargs)
+        if at == step:
+            raise CrashAfterCheckpoint()
+        return path
+
+    monkeypatch.setattr(run_mod, "save_checkpoint", save_then_crash)
+    with pytest.raises(CrashAfterCheckpoint):
+        train(build_config(overrides={**overrides, "out": str(out)}))
+    monkeypatch.setattr(run_mod, "save_checkpoint", real_save)
+    return train(load_run_config(out), resume=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, train_crashed_and_resumed
 
 from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 from atoll.config import build_config
@@ -185,15 +185,10 @@ def test_failures_faster_than_a_step_stop_with_a_warning(fast_config: dict, caps
     assert "stopped at simulated" in capsys.readouterr().err
 
 
-class _Crash(Exception):
-    pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("realign", [False, True])
 def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: Path, monkeypatch,
                                                   realign: bool) -> None:
-    import atoll.job.run as run_mod
     from atoll.config import load_run_config
     from atoll.job.metrics import read_metrics
 
@@ -202,19 +197,7 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
                       checkpoint_every=6, codec="int4", codec_rounding="stochastic", error_feedback=True,
                       realign_pushes=realign)
     full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
-    real_save = run_mod.save_checkpoint
-
-    def save_then_crash(out, step, *args, **kwargs):
-        path = real_save(out, step, *args, **kwargs)
-        if step == 12:
-            raise _Crash()
-        return path
-
-    monkeypatch.setattr(run_mod, "save_checkpoint", save_then_crash)
-    with pytest.raises(_Crash):
-        train(build_config(overrides={**base, "out": str(tmp_path / "resumed")}))
-    monkeypatch.setattr(run_mod, "save_checkpoint", real_save)
-    resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
+    resumed = train_crashed_and_resumed(base, tmp_path / "resumed", monkeypatch, step=12)
     for key in ("final_eval_loss", "steps_per_island", "failures", "rejoin_s", "commits", "staleness_counts",
                 "sim_wall_s", "goodput", "bytes_sent_by_island", "rejected_updates", "participation",
                 "merges_all_live"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, train_crashed_and_resumed
 
 from atoll.algorithms.codecs import make_codec
 from atoll.analysis.cost import Setting, codec_bits
@@ -221,35 +221,17 @@ def test_a_run_with_int8_pulls_receives_one_payload_per_pull(fast_config: dict) 
     assert abs(summary["final_eval_loss"] - runs["fp32"]["final_eval_loss"]) < 0.05
 
 
-class _Crash(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_resume_halfway_with_int8_pulls_matches_the_uninterrupted_run(fast_config: dict, tmp_path: Path,
                                                                        monkeypatch) -> None:
-    import atoll.job.run as run_mod
     from atoll import train
-    from atoll.config import load_run_config
 
     # chaos and speeds: rejoins (full pulls), islands behind (several payloads), pulls on the wire at the checkpoint
     base = {**fast_config, "strategy": "decoupled", "islands": 3, "fragments": 2, "sync_every": 8, "steps": 16,
             "eval_every": 8, "checkpoint_every": 6, "codec": "int4", "pull_codec": "int8", "chaos": "0.6:0.2",
             "island_speeds": "1,1,0.5"}
     full = train(build_config(overrides={**base, "out": str(tmp_path / "full")}))
-    real_save = run_mod.save_checkpoint
-
-    def save_then_crash(out, step, *args, **kwargs):
-        path = real_save(out, step, *args, **kwargs)
-        if step == 12:
-            raise _Crash()
-        return path
-
-    monkeypatch.setattr(run_mod, "save_checkpoint", save_then_crash)
-    with pytest.raises(_Crash):
-        train(build_config(overrides={**base, "out": str(tmp_path / "resumed")}))
-    monkeypatch.setattr(run_mod, "save_checkpoint", real_save)
-    resumed = train(load_run_config(tmp_path / "resumed"), resume=True)
+    resumed = train_crashed_and_resumed(base, tmp_path / "resumed", monkeypatch, step=12)
     assert sum(full["rejoins"]) > 0
     for key in ("final_eval_loss", "steps_per_island", "failures", "commits", "sim_wall_s",
                 "bytes_sent_by_island", "bytes_received_by_island"):
