@@ -36,6 +36,30 @@ def test_syncer_clock_starts_at_the_first_inner_step(fast_config: dict, monkeypa
     assert restarted.first_step_s == 41.0 and [i.first_step_s for i in restarted.islands] == [41.0, 43.0]
 
 
+def test_islands_start_together(fast_config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No island starts before every island joined (or the start timeout since the first join passed): a CI
+    run under load saw island 1's actor start so late that island 0 had spent the shared budget, and island 1's
+    run ended at once. The gate is the gRPC server's too (it asks the service)."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2})
+    syncer = SyncerService(config.model_dump_json(), fast_config["out"])
+    assert not syncer.wait_start(0, timeout_s=60.0)  # nobody joined
+    syncer.join(0)
+    now[0] = 150.0
+    assert not syncer.wait_start(0, timeout_s=60.0)  # island 1 has not joined yet
+    assert syncer.islands[0].heard == syncer._now()  # waiting is heard (the watch does not take it for silence)
+    now[0] = 151.0
+    syncer.join(1)
+    assert syncer.wait_start(0, timeout_s=60.0) and syncer.wait_start(1, timeout_s=60.0)
+    with pytest.raises(ValueError, match="wait_start"):
+        syncer.wait_start(2)
+    late = SyncerService(config.model_dump_json(), str(Path(fast_config["out"]) / "late"))
+    late.join(0)
+    now[0] = 212.0  # 61 s after the first join: it starts without island 1
+    assert late.started(60.0) and late.wait_start(0, timeout_s=60.0)
+
+
 @pytest.mark.slow
 def test_ray_run_reports_startup_apart_from_its_clock(fast_config: dict, tmp_path: Path) -> None:
     """A 2-island run on a local Ray: ``sim_wall_s`` (the run's clock) and ``startup_s`` together fit in the

@@ -24,6 +24,8 @@ __all__ = ["MAX_RESTARTS", "IslandService", "RayTransport", "SyncerService"]
 
 #: how often an actor may be restarted after its process died
 MAX_RESTARTS = 4
+#: seconds between an island's asks whether the run has started (every island joined)
+START_POLL_S = 0.05
 
 
 class SyncerService(service.SyncerService):
@@ -128,6 +130,7 @@ class IslandService:
         self.joined_bytes = float(flat.numel() * flat.element_size())  # the whole model, pulled at its join
         self.worker.rejoin(flat, versions)
         self.worker.steps = steps
+        self.start_timeout_s = config.runtime_config.collective_timeout_s
         pid_dir = Path(out) / "ray"
         pid_dir.mkdir(parents=True, exist_ok=True)
         tmp = pid_dir / f".island_{index}.pid.tmp"
@@ -140,6 +143,10 @@ class IslandService:
         transport = RayTransport(self.syncer, self.index, self.worker.fragments, self.credential, self.session,
                                  status=self.status)
         transport.bytes_received = self.joined_bytes
+        # the islands start together (SyncerService.started): one whose process started late under load does
+        # not find the shared budget spent by the others
+        while not ray.get(self.syncer.wait_start.remote(self.index, self.credential, self.start_timeout_s)):
+            time.sleep(START_POLL_S)
         self.worker.run(transport)
         island = self.worker.island
         return {"island": self.index, "steps": self.worker.steps, "compute_s": island.compute_s,

@@ -130,8 +130,6 @@ class SyncerServer:
         # island -> its report at leaving; kept beside the checkpoints so a restarted syncer knows who left
         self.left: dict[int, dict[str, Any]] = self._load_left()
         self.spent_at: float | None = None
-        self.first_join: float | None = None  # monotonic time of the first join (the start gate)
-        self.started_at: float | None = None
         # the record of the run's settings and its digest (atoll.config.run_record), compared with each island's
         # at its join; None: not checked (a server built without its run's config)
         self.record: dict[str, str] | None = None
@@ -198,7 +196,6 @@ class SyncerServer:
         if superseded is not None:
             self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", superseded)
         with self.lock:
-            self.first_join = self.first_join or time.monotonic()
             _, versions, steps, session = self.service.join(island, credential)
             self.left.pop(island, None)
             self._save_left()
@@ -287,12 +284,8 @@ class SyncerServer:
         self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why or "")
 
     def _started(self) -> bool:
-        """(Under the lock.) Has the run started: every island joined, or ``collective_timeout_s`` passed since
-        the first did (a restarted syncer's run has started)?"""
-        late = self.first_join is not None and time.monotonic() - self.first_join > self.timeout_s
-        if self.started_at is None and (len(self.joined) == self.islands or self.service.reserved > 0 or late):
-            self.started_at = time.monotonic()
-        return self.started_at is not None
+        """(Under the lock.) Has the run started (:meth:`~atoll.runtime.service.syncer.SyncerService.started`)?"""
+        return self.service.started(self.timeout_s)
 
     def buffered(self, caller: tuple[int, str], req: schema.BufferedRequest,
                  context: grpc.ServicerContext) -> schema.BufferedReply:

@@ -145,6 +145,9 @@ class SyncerService:
         self.syncer = syncer
         self.out = Path(out)
         self.t0 = time.monotonic()
+        # the start gate (started()): monotonic times of the first join and of the run's start
+        self.first_join: float | None = None
+        self.started_at: float | None = None
         self.budget = run.islands * run.steps
         self.reserved = 0
         self.islands = [IslandState() for _ in range(run.islands)]  # what the service keeps of each island
@@ -341,6 +344,7 @@ class SyncerService:
             PermissionError: ``credential`` is not the island's (only the island may open its sessions).
         """
         self._island("join", island, credential)
+        self.first_join = self.first_join or time.monotonic()
         now = self._now()
         state = self.islands[island]
         state.heard = now
@@ -364,6 +368,29 @@ class SyncerService:
             self.issuer.opened(self.syncer.admission)
         return (self.syncer.pulled_params(), [self.syncer.version(p) for p in range(self.syncer.fragments)],
                 state.steps, session)
+
+    def started(self, timeout_s: float) -> bool:
+        """Has the run started: every island joined, or ``timeout_s`` seconds passed since the first did, or steps
+        were granted already (a syncer restarted from its checkpoint)? No step is granted before (the gRPC
+        server answers ``wait``; a Ray island waits in :meth:`wait_start`): the islands start together, as the
+        learners of one run, and an island that takes longer to start (a cold process, torchrun, a loaded host)
+        does not find the shared budget spent by the others."""
+        late = self.first_join is not None and time.monotonic() - self.first_join > timeout_s
+        if self.started_at is None and (all(s.joins > 0 for s in self.islands) or self.reserved > 0 or late):
+            self.started_at = time.monotonic()
+        return self.started_at is not None
+
+    def wait_start(self, island: int, credential: str = "", timeout_s: float = 60.0) -> bool:
+        """(Ray) :meth:`started`, asked by ``island`` before its first step (it is heard: waiting is not
+        silence).
+
+        Raises:
+            ValueError: ``island`` is not one of the run's.
+            PermissionError: ``credential`` is not the island's.
+        """
+        self._island("wait_start", island, credential)
+        self.islands[island].heard = self._now()
+        return self.started(timeout_s)
 
     def reserve_step(self, island: int, credential: str = "", loss: Any = None,
                      lr: Any = None) -> tuple[bool, list[int]]:
