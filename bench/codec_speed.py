@@ -9,7 +9,9 @@ sends: :meth:`~atoll.algorithms.codec_base.Encoded.pack`), then unpacked and dec
 ``torch.set_num_threads(1)``; each side's median seconds over ``--repeats`` (after one warm-up) give its
 throughput in GB/s of input (10^9 bytes of float32 values per second). Against a link of L bit/s, which moves
 the payload of the tensor in ``payload_bytes * 8 / L`` seconds, the table gives the codec's seconds (encode
-plus decode) per second of transfer: above 1, the codec, not the link, sets the pace of an exchange. The
+plus decode) per second of transfer: above 1, the codec, not the link, sets the pace of an exchange. Decode
+into place (:meth:`~atoll.algorithms.codec_base.Codec.decode_into` a view of a larger tensor) is timed apart:
+the syncer decodes each slice of a push so (:func:`~atoll.runtime.service.slices.assemble_payloads`). The
 machine's load (``os.getloadavg``) before and after is written beside the figures: on a shared machine the
 throughputs are lower bounds.
 
@@ -50,22 +52,27 @@ def measure(name: str, x: torch.Tensor, repeats: int) -> dict[str, Any]:
     1-D float32 ``x``; its payload bytes and throughputs in GB/s of input."""
     codec = make_codec(name)
     n = x.numel()
-    encode_s, decode_s = [], []
+    encode_s, decode_s, into_s = [], [], []
+    place = torch.empty(n + 2, dtype=torch.float32)  # the fragment a slice is decoded into (a view of it)
     for i in range(repeats + 1):  # the first is a warm-up
         t0 = time.perf_counter()
         buf = codec.encode(x).pack()
         t1 = time.perf_counter()
         y = codec.decode(codec.unpack(buf, n))
         t2 = time.perf_counter()
+        codec.decode_into(codec.unpack(buf, n), place[1:n + 1])
+        t3 = time.perf_counter()
         if i:
             encode_s.append(t1 - t0)
             decode_s.append(t2 - t1)
+            into_s.append(t3 - t2)
         del buf, y
-    enc, dec = statistics.median(encode_s), statistics.median(decode_s)
+    enc, dec, into = statistics.median(encode_s), statistics.median(decode_s), statistics.median(into_s)
     gb = n * 4 / 1e9
     row: dict[str, Any] = {"codec": name, "payload_bytes": codec.payload_bytes(n),
                            "ratio": codec.payload_bytes(n) / (4 * n),
                            "encode_s": enc, "decode_s": dec, "encode_gbps": gb / enc, "decode_gbps": gb / dec,
+                           "decode_into_s": into, "decode_into_gbps": gb / into,
                            "codec_gbps": gb / (enc + dec)}
     for bps in LINKS_BPS:
         row[f"per_link_s_{bps / 1e9:g}"] = (enc + dec) / (row["payload_bytes"] * 8 / bps)
@@ -97,10 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {"numel": int(args.numel), "repeats": args.repeats, "machine": machine, "rows": rows}
     gb = int(args.numel) * 4 / 1e9
     columns = [("codec", "codec"), ("payload / fp32", "ratio"), ("encode GB/s", "encode_gbps"),
-               ("decode GB/s", "decode_gbps"), ("encode + decode GB/s", "codec_gbps")]
+               ("decode GB/s", "decode_gbps"), ("decode into place GB/s", "decode_into_gbps"),
+               ("encode + decode GB/s", "codec_gbps")]
     columns += [(f"codec s per s on {bps / 1e9:g} Gbit/s", f"per_link_s_{bps / 1e9:g}") for bps in LINKS_BPS]
     notes = [f"{int(args.numel):.3g} float32 values ({gb:.2g} GB), one thread, median of {args.repeats}; GB/s of "
              "input (float32 bytes); encode includes packing into one buffer, decode the unpacking.",
+             "decode into place: decode_into a view of a larger float32 tensor (how the syncer decodes each slice of a "
+             "push into its place in the fragment); decode returns a new tensor, which the syncer then copied into "
+             "place (one more pass over the values).",
              "codec s per s on L: encode + decode seconds over the seconds L takes to move the payload; above 1 the "
              "codec, not the link, sets an exchange's pace (1, 10, 100 Gbit/s carry 0.125, 1.25, 12.5 GB/s).",
              f"machine: {machine['cpus']} CPUs, load average (1 min) {load_before[0]:.2f} before, "

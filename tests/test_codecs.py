@@ -368,3 +368,21 @@ def test_bad_arguments() -> None:
         codec.encode(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="codec"):
         make_codec("int4").decode(codec.encode(torch.zeros(3)))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_into_writes_what_decode_returns_into_a_view(name: str) -> None:
+    """decode_into (the syncer decodes each slice of a push straight into its place in the fragment) writes
+    exactly decode's values into a view of a larger tensor, leaving the rest untouched, for every codec and a
+    length that ends in a partial block; an out of the wrong length or dtype is refused."""
+    codec = make_codec(name, block_size=64)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    enc = codec.encode(x)
+    big = torch.full((1300,), 7.0)
+    codec.decode_into(enc, big[150:1150])
+    assert torch.equal(big[150:1150], codec.decode(enc))
+    assert bool((big[:150] == 7.0).all()) and bool((big[1150:] == 7.0).all())
+    with pytest.raises(ValueError, match="decode_into"):
+        codec.decode_into(enc, torch.empty(999))
+    with pytest.raises(ValueError, match="decode_into"):
+        codec.decode_into(enc, torch.empty(1000, dtype=torch.float64))

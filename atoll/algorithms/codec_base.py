@@ -102,6 +102,30 @@ class Codec(ABC):
             ValueError: the payload was made by another codec, or its tensors do not match
                 :meth:`layout` (wrong names, dtypes or lengths).
         """
+        self._check_payload(enc)
+        return self._decode(enc)
+
+    def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        """Decode a payload made by this codec into ``out``: the values :meth:`decode` returns, written in place.
+        The fp32, bf16/fp16, int8/int4 and fp8 codecs write straight into ``out`` (no decoded intermediate: at
+        the syncer a push's slices are decoded into their places in the fragment, one pass over the values);
+        ``topk`` decodes, then copies.
+
+        Args:
+            enc: the payload (from :meth:`encode` or :meth:`unpack`).
+            out: float32 ``(enc.numel,)`` on the payload's device, written whole (a view of a larger tensor
+                may do).
+
+        Raises:
+            ValueError: as :meth:`decode`, or ``out`` is not a float32 tensor of ``enc.numel`` elements.
+        """
+        if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != enc.numel:
+            raise ValueError(f"codec: decode_into needs a float32 ({enc.numel},) tensor, got "
+                             f"{tuple(out.shape)} {out.dtype}")
+        self._check_payload(enc)
+        self._decode_into(enc, out)
+
+    def _check_payload(self, enc: Encoded) -> None:
         if enc.codec != self.name:
             raise ValueError(
                 f"codec: payload was encoded with '{enc.codec}', cannot decode with '{self.name}'"
@@ -112,7 +136,11 @@ class Codec(ABC):
             raise ValueError(
                 f"codec: {self.name} payload for numel={enc.numel} should be {expected}, got {got}"
             )
-        return self._decode(enc)
+
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        """(Checked payload.) Write the decoded values into ``out``; codecs that can do it without an
+        intermediate override this."""
+        out.copy_(self._decode(enc))
 
     def payload_bytes(self, numel: int) -> int:
         """Bytes sent for a tensor of ``numel`` elements (closed form; equals ``encode(x).nbytes``).

@@ -89,6 +89,9 @@ class _Fp32Codec(Codec):
     def _decode(self, enc: Encoded) -> torch.Tensor:
         return enc.tensors["values"].float().clone()
 
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        out.copy_(enc.tensors["values"])
+
 
 class _TopKCodec(Codec):
     """Top-k sparsification (Aji & Heafield 2017, arXiv:1704.05021): keep the k largest-magnitude entries.

@@ -96,6 +96,9 @@ class _CastCodec(Codec):
     def _decode(self, enc: Encoded) -> torch.Tensor:
         return enc.tensors["values"].float()
 
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        out.copy_(enc.tensors["values"])  # (widened as it is copied)
+
 
 class _BlockCodec(Codec):
     """Shared block bookkeeping: ``ceil(numel / block_size)`` blocks, the last one possibly partial.
@@ -163,11 +166,16 @@ class _BlockCodec(Codec):
             out[a:b] = rnd(y, None if u is None else u[a:b])
         return scale.to(_SCALE_DTYPE)
 
-    def _dequantize(self, values: torch.Tensor, scales: torch.Tensor, numel: int,
+    def _decode(self, enc: Encoded) -> torch.Tensor:
+        out = torch.empty(enc.numel, dtype=torch.float32, device=enc.tensors["scales"].device)
+        self._decode_into(enc, out)
+        return out
+
+    def _dequantize(self, values: torch.Tensor, scales: torch.Tensor, numel: int, out: torch.Tensor,
                     widen: Callable[[torch.Tensor, int, int, torch.Tensor], object] | None = None) -> torch.Tensor:
-        """Float32 ``(numel,)``: each value times its block's scale; ``widen(values, a, b, dst)`` writes the
-        chunk ``[a, b)`` as float32 into ``dst`` (default ``dst.copy_(values[a:b])``)."""
-        out = torch.empty(numel, dtype=torch.float32, device=scales.device)
+        """Into ``out`` (float32 ``(numel,)``, returned): each value times its block's scale;
+        ``widen(values, a, b, dst)`` writes the chunk ``[a, b)`` as float32 into ``dst`` (default
+        ``dst.copy_(values[a:b])``)."""
         scales = scales.float()
         for a, b in self._chunks(numel, out.device):
             if widen is None:
@@ -216,10 +224,11 @@ class _Fp8Codec(_BlockCodec):
         scales = self._quantize(x.detach(), self.fmax, values, rnd, generator)
         return {"scales": scales, "values": values}
 
-    def _decode(self, enc: Encoded) -> torch.Tensor:
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
         values = enc.tensors["values"]
         if values.device.type != "cpu":
-            return self._dequantize(values.float(), enc.tensors["scales"], enc.numel)
+            self._dequantize(values.float(), enc.tensors["scales"], enc.numel, out)
+            return
         table = _FP8_TABLES[self.dtype]
         index = [torch.empty(0, dtype=torch.int32)]  # one chunk's codes as int32, reused
 
@@ -228,7 +237,7 @@ class _Fp8Codec(_BlockCodec):
                 index[0] = torch.empty(b - a, dtype=torch.int32)
             torch.index_select(table, 0, index[0][: b - a].copy_(v[a:b]), out=dst)
 
-        return self._dequantize(values.view(torch.uint8), enc.tensors["scales"], enc.numel, widen)
+        self._dequantize(values.view(torch.uint8), enc.tensors["scales"], enc.numel, out, widen)
 
 
 class _IntCodec(_BlockCodec):
@@ -267,11 +276,9 @@ class _IntCodec(_BlockCodec):
         pairs = q.add_(8).view(torch.uint8).view(-1, 2)  # offset-binary nibbles 1..15, two per byte
         return {"scales": scales, "values": torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])}
 
-    def _decode(self, enc: Encoded) -> torch.Tensor:
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
         v = enc.tensors["values"]
-        if self.bits == 8:
-            return self._dequantize(v, enc.tensors["scales"], enc.numel)
-        return self._dequantize(v, enc.tensors["scales"], enc.numel, _unpack_nibbles)
+        self._dequantize(v, enc.tensors["scales"], enc.numel, out, None if self.bits == 8 else _unpack_nibbles)
 
 
 # the float32 pair (low nibble, high nibble) - 8 of each of the 256 int4 bytes: decoding by table lookup

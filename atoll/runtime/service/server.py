@@ -382,12 +382,12 @@ class SyncerServer:
                     self.service.refuse(island, fragment, "slices", tokens)
                     return self._answer(island, key, False, fragment)
             try:  # decoded outside the lock: a large push never holds up the other islands' calls
-                decoded = []
+                payloads = []
                 for h in uploads:
                     payload = wire.bytes_payload(h.data, self.codec, sum(b - a for a, b in h.ranges))
                     nbytes += payload.nbytes
-                    decoded.append((h.ranges, self.codec.decode(payload)))
-                delta = slices.assemble(numel, decoded)
+                    payloads.append((h.ranges, payload))
+                delta = slices.assemble_payloads(numel, payloads, self.codec)  # each slice decoded into its place
             except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
                 delta = None
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atoll.algorithms.codec_base import Codec, Encoded
 from atoll.algorithms.fragments import FlatFragment
 
 #: ``((start, stop), ...)``: ascending, disjoint ranges of a fragment's element order
@@ -157,11 +158,36 @@ def assemble(numel: int, slices: Sequence[tuple[Ranges, torch.Tensor]]) -> torch
     for ranges, values in slices:
         if values.numel() != sum(b - a for a, b in ranges):
             raise ValueError(f"a slice of {sum(b - a for a, b in ranges)} values given {values.numel()}")
-        at = 0
-        for a, b in ranges:
-            out[a:b].copy_(values[at:at + b - a])
-            at += b - a
+        assemble_into(out, ranges, values)
     return out
+
+
+def assemble_payloads(numel: int, payloads: Sequence[tuple[Ranges, Encoded]], codec: Codec) -> torch.Tensor:
+    """The fragment (float32 (numel,)) from its slices' codec payloads: a slice of one range is decoded straight
+    into its place (:meth:`Codec.decode_into <atoll.algorithms.codec_base.Codec.decode_into>`: one pass over its
+    values, no decoded copy to assemble), one of several ranges is decoded, then written at its ranges. The
+    caller checks :func:`tiles` first.
+
+    Raises:
+        ValueError: a payload is not ``codec``'s layout for its ranges' length.
+    """
+    out = torch.empty(numel, dtype=torch.float32)
+    for ranges, payload in payloads:
+        if payload.numel != sum(b - a for a, b in ranges):
+            raise ValueError(f"a slice of {sum(b - a for a, b in ranges)} values given {payload.numel}")
+        if len(ranges) == 1:
+            codec.decode_into(payload, out[ranges[0][0]:ranges[0][1]])
+        else:
+            assemble_into(out, ranges, codec.decode(payload))
+    return out
+
+
+def assemble_into(out: torch.Tensor, ranges: Ranges, values: torch.Tensor) -> None:
+    """Write ``values`` (1-D, as long as ``ranges``) at ``ranges`` of ``out`` (1-D), in order."""
+    at = 0
+    for a, b in ranges:
+        out[a:b].copy_(values[at:at + b - a])
+        at += b - a
 
 
 def take(values: torch.Tensor, ranges: Ranges) -> torch.Tensor:
