@@ -196,8 +196,9 @@ def test_a_run_with_int8_pulls_receives_one_payload_per_pull(fast_config: dict) 
         config = build_config(overrides=applicable({**fast_config, "out": out, "strategy": "decoupled",
                                                     "fragments": p, "codec": "int4", "pull_codec": pc}))
         runs[pc] = train(config)
-        assert json.loads((Path(out) / "summary.json").read_text())["bytes_received_by_island"] == \
-            runs[pc]["bytes_received_by_island"]
+        written = json.loads((Path(out) / "summary.json").read_text())
+        assert written["bytes_received_by_island"] == runs[pc]["bytes_received_by_island"]
+        assert written["pull_codec"] == pc  # what the pulls travelled as is in the run's record
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(latest_checkpoint(Path(fast_config["out"]) / "int8") / "model")

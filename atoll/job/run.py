@@ -419,6 +419,8 @@ class Run:
                                        if bytes_sent_per_island + bytes_received_per_island else None),
             # demo and sparseloco encode in their own way (their sections), not with the run's codec
             "codec": owned_settings(config.strategy_config, config.runtime_config, ("codec",)).get("codec"),
+            # what the pulls travel as (decoupled's pull_codec), where the strategy has one
+            **owned_settings(config.strategy_config, config.runtime_config, ("pull_codec",)),
             "device": config.device if config.runtime == "ray" else resolve_device(config.device),
             "precision": config.precision, "compile": config.compile, **own,
             **owned_settings(config.strategy_config, config.runtime_config, LINK_SETTINGS),
