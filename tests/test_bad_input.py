@@ -76,6 +76,10 @@ CASES: list[tuple[str, str | None, list[str], str]] = [
      "fragments: the diloco strategy does not use it (only streaming, decoupled); drop --fragments or use "
      "--strategy streaming|decoupled"),
     ("fragments-in-toml-under-ddp", 'strategy = "ddp"\nfragments = 2\n', [], "fragments: the ddp strategy"),
+    # a switch turned off: the fix names the flag as typed
+    ("no-realign-pushes-under-diloco", None, ["--strategy", "diloco", "--no-realign-pushes"],
+     "realign_pushes: the diloco strategy does not use it (only decoupled); drop --no-realign-pushes or use "
+     "--strategy decoupled"),
     # a key of the file: the fix names the file, not a flag the user never typed
     ("outer-lr-in-toml-under-a-ddp-flag", 'strategy = "diloco"\nouter_lr = 0.7\n', ["--strategy", "ddp"],
      "drop 'outer_lr' from "),

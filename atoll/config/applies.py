@@ -96,8 +96,9 @@ def strategy_defaults(name: str) -> dict[str, Any]:
     return out
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flag(name: str, value: Any = None) -> str:
+    """The flag of setting ``name`` as typed: ``--no-<name>`` for a switch turned off (``value`` False)."""
+    return ("--no-" if value is False else "--") + name.replace("_", "-")
 
 
 def _which(names: tuple[str, ...], kind: str) -> str:
@@ -105,7 +106,7 @@ def _which(names: tuple[str, ...], kind: str) -> str:
 
 
 def unused_setting(strategy: str, runtime: str, given: Iterable[str],
-                   files: Mapping[str, str] | None = None) -> str | None:
+                   files: Mapping[str, str] | None = None, values: Mapping[str, Any] | None = None) -> str | None:
     """The one-line refusal of the first setting in ``given`` that ``strategy`` under ``runtime`` ignores.
 
     Args:
@@ -113,6 +114,7 @@ def unused_setting(strategy: str, runtime: str, given: Iterable[str],
         runtime: the run's ``--runtime``.
         given: the settings the user set explicitly (flags, TOML keys), not the defaults.
         files: of those, the ones set in a TOML file -> the file's path (the fix names the key in the file).
+        values: the settings' values, so the fix names a switch turned off as typed (``--no-<setting>``).
 
     Returns:
         None when every given setting is read (or is not a setting at all: the validation names those); else
@@ -127,7 +129,7 @@ def unused_setting(strategy: str, runtime: str, given: Iterable[str],
     for name in given:
         if name in shared:
             continue
-        drop = f"drop '{name}' from {files[name]}" if name in files else f"drop {_flag(name)}"
+        drop = f"drop '{name}' from {files[name]}" if name in files else f"drop {_flag(name, (values or {}).get(name))}"
         readers = strategy_readers(name)
         if readers and strategy not in readers:
             instead = spec(strategy).config.instead.get(name) if strategy in names() else None

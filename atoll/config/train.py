@@ -301,7 +301,7 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
     values.update(overrides or {})
     strategy = values.get("strategy", RunSection.model_fields["strategy"].default)
     runtime = values.get("runtime", RunSection.model_fields["runtime"].default)
-    unused = unused_setting(strategy, runtime, sorted(given), from_file) if strategy in names() else None
+    unused = unused_setting(strategy, runtime, sorted(given), from_file, values) if strategy in names() else None
     if unused is not None:  # (an unknown strategy: the validation's error names it)
         raise ConfigError(unused)
     readable = applicable(values)  # the base's settings the run does not read are left out, not refused
