@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli, train_crashed_and_resumed
+from conftest import train_crashed_and_resumed
 
 from atoll.algorithms.codecs import make_codec
 from atoll.analysis.cost import Setting, codec_bits
@@ -172,12 +172,12 @@ def test_projection_charges_the_pull_at_its_codec() -> None:
     assert p.exchange_s == pytest.approx(12e9 * (codec_bits("int4") + 8.5) / 4 / 2e9 + 2 * 0.035)
 
 
-def test_the_service_runtime_refuses_a_pull_codec(fast_config: dict) -> None:
-    r = run_cli("train", "--strategy", "decoupled", "--runtime", "service", "--pull-codec", "int8",
-                "--data", fast_config["data"], "--model", "micro", "--fragments", "2")
-    assert r.returncode == 2
-    assert r.stderr.startswith("atoll: error: pull_codec: int8 pulls are not carried by the service runtime")
-    assert r.stderr.count("\n") == 1
+def test_the_service_runtime_takes_a_pull_codec(fast_config: dict) -> None:
+    """The service carries pull-codec pulls (tests/test_service_pull_codec.py): its settings are no longer refused."""
+    base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
+    config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
+                                 "pull_codec": "int8"})
+    assert config.strategy_config.pull_codec == "int8"
 
 
 @pytest.mark.slow

@@ -4,10 +4,11 @@ What moves here are bytes, never a decision: an ``Upload`` holds a slice of a pu
 by its fragment and ranges) until the island's leader commits the push (``Push``, a control call, where the
 slices are decoded and checked); ``Download`` serves the float32 values of the newest global fragment at the
 ranges a rank asks for, serialized once per version and slice and cached (every island's ranks pull the same
-slices). Both resume after a failure at the offset the syncer holds (``UploadStatus``; ``Download`` from an
-offset). Bytes are received and sent outside the server's lock, so a slow transfer never holds up a heartbeat.
-:class:`Bulk` is the collaborator of :class:`~atoll.runtime.service.server.SyncerServer` that holds the
-transfers.
+slices), or with a ``pull_codec`` other than fp32 the pull codec's payloads since the version the island holds
+(whole fragments only: cached per version and held version). Both resume after a failure at the offset the
+syncer holds (``UploadStatus``; ``Download`` from an offset). Bytes are received and sent outside the server's
+lock, so a slow transfer never holds up a heartbeat. :class:`Bulk` is the collaborator of
+:class:`~atoll.runtime.service.server.SyncerServer` that holds the transfers.
 
 **Admission.** A transfer takes one of the server's ``bulk_slots`` (every island together) and one of its
 island's ``island_transfers`` before it reads a byte; without a free one it is refused UNAVAILABLE (counted
@@ -98,8 +99,9 @@ class Bulk:
         self._open_lock = threading.Lock()  # (the admission's own: never the server's, never held while waiting)
         self._watching = False
         self.uploads: dict[int, OrderedDict[str, Upload]] = {i: OrderedDict() for i in range(service.run.islands)}
-        # (fragment, ranges) -> (version, safetensors bytes of those values), least recently pulled first
-        self.pulls: OrderedDict[tuple[int, slices.Ranges | None], tuple[int, bytes]] = OrderedDict()
+        # (fragment, ranges, have) -> (version, since, safetensors bytes of its pull), least recently pulled first
+        self.pulls: OrderedDict[tuple[int, slices.Ranges | None, int | None], tuple[int, int | None, bytes]] = \
+            OrderedDict()
         self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
         self.bytes_out = 0  # bytes of the global fragments served by Download (the live view's bytes out)
         self.bytes_out_by_island = [0] * service.run.islands  # the same, per island that downloaded them
@@ -220,7 +222,13 @@ class Bulk:
     def download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):
         a JSON header (:class:`~atoll.runtime.service.schema.DownloadHeader`), then their safetensors bytes from
-        ``offset`` (from 0 when the version asked for is no longer the newest)."""
+        ``offset`` (from 0 when the version asked for is no longer the newest). With a ``pull_codec`` other than
+        fp32, the whole fragment's pull for an island that holds version ``have``
+        (:meth:`SyncerService.pull <atoll.runtime.service.syncer.SyncerService.pull>`): the pull codec's payloads
+        since ``have`` (:func:`~atoll.runtime.service.wire.deltas_bytes`, header ``since = have``), or the full
+        fragment in float32 (``since`` None: the island starts, rejoins, or holds a version whose payloads are
+        no longer kept); never by ``ranges`` (a block-scaled payload is not cut by element ranges:
+        INVALID_ARGUMENT), and resumed only in the same answer (``version`` and ``since``)."""
         island, _ = self.gate.caller(context, peer=True)
         with self.admitted(island, context) as transfer:
             for chunk in self._download(data, context, transfer, island):
@@ -231,36 +239,46 @@ class Bulk:
                   island: int) -> Iterator[bytes]:
         req = self.gate.parse(schema.DownloadRequest, data, context, "Download")
         fragment = self.shards.fragment(req.fragment, context)
+        coded = self.service.syncer.downlink.codec is not None
         ranges = None
         if req.ranges is not None:
+            if coded:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ranges: a {self.service.syncer.downlink.name} "
+                              "pull is the whole fragment's payloads; ask without ranges")
             try:
                 ranges = wire.parse_ranges(req.ranges, self.service.syncer.numels[fragment])
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        version, payload = self._pull(fragment, ranges)
+        version, since, payload = self._pull(fragment, ranges, req.have if coded else None)
         self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
-        offset = req.offset if req.version == version and req.offset <= len(payload) else 0
+        same = req.version == version and req.since == since and req.offset <= len(payload)
+        offset = req.offset if same else 0
         with self.lock:
             self.bytes_out += len(payload) - offset  # (the live view's bytes out)
             self.bytes_out_by_island[island] += len(payload) - offset
-        yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset))
+        yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset, since=since))
         yield from wire.chunks(payload, offset)
 
-    def _pull(self, fragment: int, ranges: slices.Ranges | None = None) -> tuple[int, bytes]:
-        """(version, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all)."""
-        key = (fragment, ranges)
+    def _pull(self, fragment: int, ranges: slices.Ranges | None = None,
+              have: int | None = None) -> tuple[int, int | None, bytes]:
+        """(version, since, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all),
+        or with ``have`` (a pull codec's, for an island at that version) of its pull: its payloads since
+        ``have`` (``since = have``) or its full float32 values (``since`` None)."""
+        key = (fragment, ranges, have)
         with self.lock:
             cached = self.pulls.get(key)
             if cached is not None and cached[0] == self.service.syncer.version(fragment):
                 self.pulls.move_to_end(key)
                 return cached
-            pull = self.service.pull(fragment)  # a copy: serialized below, outside the lock
-        values = pull.params if ranges is None else slices.take(pull.params, ranges)
-        cached = (pull.version, wire.tensor_bytes(values))
+            pull = self.service.pull(fragment, have=have)  # a copy: serialized below, outside the lock
+        if pull.params is None:
+            cached = (pull.version, pull.since, wire.deltas_bytes(pull.deltas))
+        else:
+            values = pull.params if ranges is None else slices.take(pull.params, ranges)
+            cached = (pull.version, None, wire.tensor_bytes(values))
         with self.lock:
             self.pulls[key] = cached
             most = 8 * self.service.syncer.numel
-            while len(self.pulls) > PULL_CACHE or sum(len(b) for _, b in self.pulls.values()) > most:
+            while len(self.pulls) > PULL_CACHE or sum(len(c[2]) for c in self.pulls.values()) > most:
                 self.pulls.popitem(last=False)
         return cached
-

@@ -275,16 +275,26 @@ class SyncerClient:
     def download(self, fragment: int, ranges: Ranges | None = None) -> tuple[int, torch.Tensor]:
         """The newest global fragment's values at ``ranges`` of its element order (None: all of it): (its
         version, float32 (values,)), resumed from its offset after a failure."""
+        version, _, got = self.download_bytes(fragment, ranges)
+        return version, wire.bytes_tensor(got)  # (a view of the bytes received: no copy)
+
+    def download_bytes(self, fragment: int, ranges: Ranges | None = None,
+                       have: int | None = None) -> tuple[int, int | None, bytearray]:
+        """The bytes of ``Download``: (version, since, safetensors bytes) of the newest global fragment at
+        ``ranges`` (None: all of it), or with a ``pull_codec`` other than fp32 of its pull for an island at
+        version ``have`` (``since`` not None: the pull codec's payloads of the versions since; None: float32
+        values), resumed from its offset after a failure (in the same answer only: version and since)."""
         stub = self.bulk.unary_stream(wire.method("Download"))
-        got, version = bytearray(), None
+        got, version, since = bytearray(), None, None
 
         def attempt() -> None:
-            nonlocal version
-            request = schema.DownloadRequest(fragment=fragment, ranges=ranges, version=version, offset=len(got))
+            nonlocal version, since
+            request = schema.DownloadRequest(fragment=fragment, ranges=ranges, version=version, offset=len(got),
+                                             have=have, since=since)
             replies: Iterator[bytes] = stub(schema.encode(request), metadata=self.metadata, timeout=600.0)
             header = _reply("Download", next(replies))
-            if header["version"] != version or header["offset"] != len(got):  # a newer version: from the start
-                version = header["version"]
+            if (header["version"], header.get("since")) != (version, since) or header["offset"] != len(got):
+                version, since = header["version"], header.get("since")  # another answer: from the start
                 del got[:]
             for chunk in replies:
                 got.extend(chunk)
@@ -293,7 +303,7 @@ class SyncerClient:
                 raise RuntimeError(f"download: {len(got)} of {header['size']} bytes")
 
         self._retrying("Download", attempt)
-        return int(version), wire.bytes_tensor(got)  # (a view of the bytes received: no copy)
+        return int(version), since, got
 
     def commit(self, uploads: list[str], fragment: int, tokens: int, base_version: int, session: int,
                round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:

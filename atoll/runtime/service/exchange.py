@@ -18,6 +18,17 @@ what):
    (all-gather of the slices; with ``--shard-island`` a rank's slice is what it holds), or the leader
    broadcasts or scatters it.
 
+   With a ``pull_codec`` other than fp32 the leader alone downloads the fragment's pull for the version the
+   island holds (the pull codec's payloads since it, or the full fragment in float32 at the island's start or
+   when its payloads are no longer kept: :mod:`~atoll.strategies.decoupled.downlink`) and broadcasts its bytes
+   over the island's process group; every rank decodes them and adds them to its own copy
+   (:func:`~atoll.strategies.decoupled.downlink.apply_pull`), as an island of the local and Ray runtimes
+   does, so every rank's copy equals the syncer's shadow bit for bit. Why not a slice per rank: a
+   block-scaled payload (one scale per ``codec_block_size`` values, int4 two values per byte) cannot be cut at
+   a rank's element ranges, and ranges aligned to blocks would put the codec's layout into the service; the
+   payload is 4-8x smaller than the float32 slices, and the broadcast runs on the island's own fast links.
+   A rank of a sharded island keeps its part of each decoded payload.
+
 The network calls run in a thread per exchange, so the island trains on meanwhile; everything the ranks do
 together (the agreement, the slices' collectives, adopting a pulled fragment) runs on the main thread at
 points every rank reaches alike (:meth:`reserve_step`: once per inner step; :meth:`settle`, :meth:`close`),
@@ -32,13 +43,13 @@ import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 import torch
 
-from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.codec_base import Codec, Encoded
 from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.wire import Wire
 from atoll.runtime.service import schema, slices, wire
@@ -137,6 +148,8 @@ class ServiceTransport:
         wire: the island's :class:`~atoll.algorithms.wire.Wire` (its codec, error feedback and random source):
             a push's Δ is encoded with it here, and its payload is what travels.
         codec: the run's codec (the bytes a slice's payload takes).
+        pull_codec: the run's pull codec (:func:`~atoll.strategies.decoupled.downlink.pull_codec`; None: fp32
+            pulls, a slice per rank).
         session: the island's session (from its join).
         lease: the leader's :class:`~atoll.runtime.service.lease.StepLease` (None on the other ranks).
         poll_s: seconds between two agreements while waiting for an exchange (and two ``Buffered``).
@@ -144,17 +157,19 @@ class ServiceTransport:
 
     Attributes:
         bytes_sent: the encoded payload bytes of the island's pushes (the leader's count: every rank's slices).
-        bytes_received: the float32 bytes of the global fragments the island pulled (the leader's count: every
-            rank's slices, once per exchange, the start's pull of every fragment included; a download a rank
-            repeats because a commit fell between two ranks' downloads is not counted).
+        bytes_received: the bytes of the global fragments the island pulled (the leader's count: every rank's
+            float32 slices, or with a pull codec the pull's :attr:`~atoll.strategies.decoupled.protocol.Pull.nbytes`,
+            its payloads' or 4 per parameter, once per exchange, the start's pull of every fragment included; a
+            download a rank repeats because a commit fell between two ranks' downloads is not counted).
         refused, lost: pushes the syncer refused; pushes whose slices it lost (it restarted between the
             upload and the commit of an island of several ranks: the island pulls the newest fragment).
     """
 
     def __init__(self, client: SyncerClient, group: IslandGroup, plan: SlicePlan, wire: Wire, codec: Codec,
                  session: int, lease: StepLease | None, poll_s: float = 0.02, heartbeat_s: float = 2.0,
-                 route: list[SyncerClient] | None = None) -> None:
+                 route: list[SyncerClient] | None = None, pull_codec: Codec | None = None) -> None:
         self.client, self.group, self.plan, self.wire, self.codec = client, group, plan, wire, codec
+        self.pull_codec = pull_codec
         fragments = len(plan.numels)
         self.session, self.lease, self.poll_s, self.route = session, lease, poll_s, route or [client] * fragments
         self.ranks_move = not plan.leader_moves and group.size > 1
@@ -165,13 +180,14 @@ class ServiceTransport:
             if group.leader:
                 self.agreement.local[at(p, READY)] = 0
                 self.agreement.local[at(p, SHIFT)] = share_bits(0.0)
-            if plan.moves(p):
+            if self._pulls(p):
                 self.agreement.local[at(p, DONE)] = 0
         self.agreement.agreed = list(self.agreement.local)
         self.count = [0] * fragments  # exchanges started per fragment (their number k)
         self.pending: dict[int, int] = {}  # fragment -> the exchange k in progress
         self.futures: dict[int, Future[None]] = {}
-        self.pulled: dict[int, tuple[int, torch.Tensor]] = {}  # this rank's download: (version, values)
+        # this rank's download: (version, values), or with a pull codec (version, (since, bytes)) on the leader
+        self.pulled: dict[int, tuple[int, Any]] = {}
         self.pulled_at = [time.monotonic()] * fragments
         self.pool = ThreadPoolExecutor(max_workers=max(2, fragments), thread_name_prefix="exchange")
         self.bytes_sent = 0.0
@@ -188,6 +204,10 @@ class ServiceTransport:
         """Has exchange ``pending[p]`` ended on every rank, with the same version everywhere?"""
         k = self.pending[p]
         return agreed[at(p, DONE)] >= k and agreed[at(p, VMIN)] == -agreed[at(p, VNEG)]
+
+    def _pulls(self, p: int) -> bool:
+        """Does this rank download fragment p? (its movers; the leader alone with a pull codec)"""
+        return self.group.leader if self.pull_codec is not None else self.plan.moves(p)
 
     def _check(self) -> None:
         """Raise an exchange thread's error on the main thread."""
@@ -295,7 +315,8 @@ class ServiceTransport:
             if future is not None:
                 future.result()  # ended with the agreement just seen (or raises its error)
             del self.pending[p]
-            if self.group.leader:  # float32 values of the slices every rank downloaded, as bytes_sent counts
+            if self.group.leader and self.pull_codec is None:  # float32 slices every rank downloaded (a pull codec's:
+                # counted by _decoded)
                 moved = [self.plan.numels[p]] if self.plan.leader_moves else [n for n in self.plan.sizes(p) if n]
                 self.bytes_received += 4.0 * sum(moved)
             pulls.append(self._assemble(p))
@@ -306,6 +327,8 @@ class ServiceTransport:
         """What this rank holds of fragment p, as the island pulled it (collective over the island)."""
         plan, group = self.plan, self.group
         version = self.agreement.entry(p, VMIN)
+        if self.pull_codec is not None:
+            return replace(self._decoded(p, version), realign=bits_share(self.agreement.entry(p, SHIFT)))
         mine = self.pulled.pop(p, (version, torch.empty(0)))[1]
         if group.size == 1:
             values = mine
@@ -319,6 +342,41 @@ class ServiceTransport:
         # realign_pushes: the share of a round the answer to the leader's push said (0: none), the same on every
         # rank (the agreement's), so every rank shifts its schedule alike at this adoption's step
         return Pull(p, values, version, realign=bits_share(self.agreement.entry(p, SHIFT)))
+
+    def _decoded(self, p: int, version: int) -> Pull:
+        """(A pull codec's; collective over the island.) The leader's download of fragment p's pull at
+        ``version``, broadcast to every rank as bytes and decoded there: the full fragment (float32 (numel_p,))
+        or the pull codec's payloads since the version the island holds; a rank of a sharded island keeps its
+        part (the payloads decoded and cut: codec ``"fp32"``). The leader counts its bytes (``Pull.nbytes``).
+
+        Raises:
+            ValueError: the syncer's bytes are not such a pull (checked as from a stranger).
+        """
+        plan, group, codec = self.plan, self.group, self.pull_codec
+        assert codec is not None
+        since, data = self.pulled.pop(p, (version, (None, None)))[1] if group.leader else (None, None)
+        size, since_or = group.broadcast_ints([len(data), -1 if since is None else since] if group.leader else [0, 0])
+        data = group.broadcast_bytes(data if group.leader else None, size)
+        numel = plan.numels[p]
+        if since_or < 0:
+            values = wire.bytes_tensor(data)
+            if values.dtype != torch.float32 or tuple(values.shape) != (numel,):
+                raise ValueError(f"pull: fragment {p} is float32 ({numel},), the syncer sent {values.dtype} "
+                                 f"{tuple(values.shape)}")
+            pull = Pull(p, values, version)
+        else:
+            pull = Pull(p, None, version, deltas=wire.bytes_deltas(data, codec, numel, version - since_or),
+                        since=since_or)
+        if group.leader:
+            self.bytes_received += pull.nbytes
+        if not plan.sharded:
+            return pull
+        ranges = plan.parts[p][plan.rank].ranges
+        if pull.params is not None:
+            return Pull(p, slices.take(pull.params, ranges), version)
+        return Pull(p, None, version, since=pull.since, deltas=tuple(
+            Encoded({"values": slices.take(codec.decode(enc), ranges)}, plan.held[p].numel(), "fp32")
+            for enc in pull.deltas))
 
     # --- an exchange, in its thread ---------------------------------------------------------------------------
     def _upload_id(self, p: int, k: int, rank: int) -> str:
@@ -338,9 +396,14 @@ class ServiceTransport:
                 share = self._commit(p, k, out)
             # the answer's realignment with READY, under one lock: every rank reads this exchange's
             self.agreement.update({at(p, READY): k, at(p, SHIFT): share_bits(share)})
-        if not plan.moves(p):
+        if not self._pulls(p):
             return
         self.agreement.wait(lambda a: a[at(p, READY)] >= k)
+        if self.pull_codec is not None:  # the leader alone, the whole fragment's pull for the version held
+            version, since, data = client.download_bytes(p, have=None if out is None else out.base_version)
+            self.pulled[p] = (version, (since, data))
+            self.agreement.update({at(p, DONE): k, at(p, VMIN): version, at(p, VNEG): -version})
+            return
         while True:  # until every rank holds the same version (a commit may fall between two ranks' downloads)
             version, values = client.download(p, plan.moved(p) if self.ranks_move else None)
             self.pulled[p] = (version, values)  # (read on the main thread once the agreement says DONE)

@@ -159,6 +159,17 @@ class IslandGroup:
         dist_call(dist.scatter, out, rows, src=0, group=self.world)
         return out[:sizes[self.rank]].cpu()
 
+    def broadcast_bytes(self, data: bytes | bytearray | None, size: int) -> bytearray:
+        """The leader's ``data`` (``size`` bytes; None on the other ranks) on every rank."""
+        if self.size == 1:
+            assert data is not None
+            return bytearray(data)
+        t = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if data is not None and size
+             else torch.empty(size, dtype=torch.uint8, device=self.device))
+        if size:
+            dist_call(dist.broadcast, t, src=0, group=self.world)
+        return bytearray(t.cpu().numpy().tobytes())
+
     def broadcast(self, values: torch.Tensor | None, numel: int) -> torch.Tensor:
         """The leader's ``values`` (float32 (numel,)) on every rank, on the CPU."""
         if self.size == 1:

@@ -187,7 +187,7 @@ def run_island(config: TrainConfig, island: int, clients: list[SyncerClient], gr
                                         "bytes_received": transport.bytes_received})
              if group.leader else None)
     transport = ServiceTransport(client, group, plan, worker.wire, codec, session, lease,
-                                 route=[clients[owners[p]] for p in range(len(numels))])
+                                 route=[clients[owners[p]] for p in range(len(numels))], pull_codec=worker.pull_codec)
     worker.send_range = [plan.send_range(p) for p in range(worker.fragments)]
     worker.transport_encodes = True
     t0 = time.monotonic()

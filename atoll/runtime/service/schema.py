@@ -204,12 +204,17 @@ class UploadHeader(Record):
 
 
 class DownloadRequest(Record):
-    """``Download``: a fragment's values at ``ranges`` (None: all of it), from ``offset`` of ``version``'s bytes."""
+    """``Download``: a fragment's values at ``ranges`` (None: all of it), from ``offset`` of ``version``'s bytes.
+    With a ``pull_codec`` other than fp32: ``have``, the version the island holds (None: none, it starts or
+    rejoins: the full fragment), and ``since``, the header's ``since`` of the bytes already held (a resumption
+    continues only in the same answer)."""
 
     fragment: Int
     ranges: Ranges | None = None
     version: Int | None = None
     offset: Int = 0
+    have: Int | None = None
+    since: Int | None = None
 
 
 # --- replies ------------------------------------------------------------------------------------------------
@@ -289,11 +294,14 @@ class OkReply(Record):
 
 
 class DownloadHeader(Record):
-    """``Download``'s first message: the version served, its bytes, and the offset they are sent from."""
+    """``Download``'s first message: the version served, its bytes, and the offset they are sent from;
+    ``since``: the bytes are the pull codec's payloads of the versions ``since + 1 .. version`` (None: float32
+    values)."""
 
     version: Int
     size: Int
     offset: Int
+    since: Int | None = None
 
 
 #: each method's request record (``Upload``: its header)

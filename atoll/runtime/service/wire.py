@@ -8,13 +8,14 @@ connection and moves its own *slice* of a fragment: ranges of the fragment's ele
 (:mod:`~atoll.runtime.service.slices`) named in the ``Upload`` header and the ``Download`` request.
 
 What a push uploads is the codec's payload as it is encoded (:func:`payload_bytes`: the tensors of
-:class:`~atoll.algorithms.codec_base.Encoded`, ``values`` / ``scales`` / ``indices``, in one safetensors
-file), so the bytes on the wire are the ``nbytes`` the run reports (plus the safetensors header, about
-100 bytes); the syncer decodes it (:func:`bytes_payload`, checked against the run's codec as from a
-stranger). A pull downloads float32 values (:func:`tensor_bytes`). Nothing is ever unpickled: a payload that
-is not a JSON object or a safetensors file of the expected tensors is refused, and a JSON message nested
-deeper than :data:`MAX_DEPTH` is refused before it is parsed (:func:`check_depth`). What each message holds
-is :mod:`~atoll.runtime.service.schema`'s.
+:class:`~atoll.algorithms.codec_base.Encoded`, ``values`` / ``scales`` / ``indices``, in one safetensors file),
+so the bytes on the wire are the ``nbytes`` the run reports (plus the safetensors header, about 100 bytes); the
+syncer decodes it (:func:`bytes_payload`, checked against the run's codec as from a stranger). A pull downloads
+float32 values (:func:`tensor_bytes`), or with a ``pull_codec`` other than fp32 the pull codec's payloads of the
+versions since the island's (:func:`deltas_bytes`, :func:`bytes_deltas`). Nothing is ever unpickled: a payload
+that is not a JSON object or a safetensors file of the expected tensors is refused, and a JSON message nested
+deeper than :data:`MAX_DEPTH` is refused before it is parsed (:func:`check_depth`). What each message holds is
+:mod:`~atoll.runtime.service.schema`'s.
 """
 
 from __future__ import annotations
@@ -206,6 +207,33 @@ def bytes_payload(data: bytes | bytearray, codec: Codec, numel: int) -> Encoded:
     if indices is not None and indices.numel() and not (int(indices.min()) >= 0 and int(indices.max()) < numel):
         raise ValueError(f"indices outside 0..{numel - 1}")
     return Encoded(tensors, numel, codec.name)
+
+
+def deltas_bytes(deltas: tuple[Encoded, ...]) -> bytes:
+    """A delta pull's payloads (:attr:`Pull.deltas <atoll.strategies.decoupled.protocol.Pull.deltas>`, oldest
+    first) as one safetensors file's bytes: payload i's tensors named ``"<i>.<role>"`` (none: an up-to-date
+    island; the file is then its header alone)."""
+    return st_save({f"{i}.{k}": t.detach().contiguous().cpu() for i, enc in enumerate(deltas)
+                    for k, t in enc.tensors.items()})
+
+
+def bytes_deltas(data: bytes | bytearray, codec: Codec, numel: int, count: int) -> tuple[Encoded, ...]:
+    """The ``count`` payloads of :func:`deltas_bytes`'s bytes, each checked as from a stranger against ``codec``'s
+    layout for ``numel`` values (exactly its tensors: names, dtypes, lengths); views of a ``bytearray``'s bytes.
+
+    Raises:
+        ValueError: not a safetensors file, or not ``count`` payloads of that layout (one line).
+    """
+    if not 0 <= count <= len(data) // max(1, codec.payload_bytes(numel)):
+        raise ValueError(f"{count} {codec.name} payloads of {numel} values cannot be {len(data)} bytes")
+    tensors = _load(data)
+    layout = sorted((k, dtype, n) for k, dtype, n in codec.layout(numel))
+    expected = sorted((f"{i}.{k}", dtype, n) for i in range(count) for k, dtype, n in layout)
+    got = sorted((k, t.dtype, t.numel() if t.dim() == 1 else -1) for k, t in tensors.items())
+    if got != expected:
+        raise ValueError(f"{count} {codec.name} payloads of {numel} values are {expected[:4]}, got {got[:4]}")
+    return tuple(Encoded({k: tensors[f"{i}.{k}"] for k, _, _ in codec.layout(numel)}, numel, codec.name)
+                 for i in range(count))
 
 
 def parse_ranges(obj: Any, numel: int) -> tuple[tuple[int, int], ...]:

@@ -200,9 +200,6 @@ def validate(own: DecoupledConfig, run: RunSettings) -> None:
         raise ValueError(f"{name}: simulated in the local runtime only (on Ray, failures are real: kill an "
                          f"island's process; speeds come from the hardware); drop --{name.replace('_', '-')} "
                          "or pass --runtime local")
-    if run.runtime == "service" and own.pull_codec != "fp32":
-        raise ValueError(f"pull_codec: {own.pull_codec} pulls are not carried by the service runtime yet (its pulls "
-                         "are float32 slices); drop --pull-codec (or train it with atoll train --runtime local or ray)")
     if own.quorum is not None and own.quorum > run.islands:
         raise ValueError(f"quorum: {own.quorum} exceeds islands ({run.islands}); lower --quorum")
     quorum = own.quorum if own.quorum is not None else run.islands

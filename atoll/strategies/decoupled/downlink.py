@@ -162,7 +162,9 @@ class Downlink:
 
 def apply_pull(pull: Pull, held: torch.Tensor, held_version: int, codec: Codec | None) -> torch.Tensor:
     """The float32 values (numel_p,) an island holds after ``pull``: its ``params`` if it carries them, else
-    ``held`` (the island's copy, at ``held_version``) plus each payload's decoded values, in order.
+    ``held`` (the island's copy, at ``held_version``) plus each payload's decoded values, in order (a payload of
+    codec ``"fp32"`` is taken as decoded already: what a rank of a sharded island job holds of one, cut from its
+    decoded values by its transport, :mod:`~atoll.runtime.service.exchange`).
 
     Raises:
         ValueError: a delta pull from another version than ``held_version``, or without a ``codec`` to decode it.
@@ -173,6 +175,6 @@ def apply_pull(pull: Pull, held: torch.Tensor, held_version: int, codec: Codec |
         raise ValueError(f"pull: fragment {pull.fragment}'s deltas start from version {pull.since}, the island "
                          f"holds {held_version}{'' if codec is not None else ' and has no pull codec'}")
     out = held.detach().to(torch.float32).clone()
-    for enc in pull.deltas:
-        out.add_(codec.decode(enc))
+    for enc in pull.deltas:  # (an "fp32" payload: one already decoded, a sharded rank's part of it)
+        out.add_(enc.tensors["values"] if enc.codec == "fp32" else codec.decode(enc))
     return out
