@@ -203,6 +203,10 @@ def test_a_pull_behind_the_payloads_kept_is_the_full_fragment_and_resumes_only_i
     assert v == keep + 1
     full = lead.download_bytes(0, have=0)  # behind the payloads kept: the full fragment, Q
     assert full[:2] == (v, None) and torch.equal(wire.bytes_tensor(full[2]), syncer.downlink.shadow[0])
+    cached = len(state.bulk.pulls)
+    for have in (v + 1, v + 10**6):  # versions no island holds: the same full fragment, no new cache entry each
+        assert lead.download_bytes(0, have=have) == full
+    assert len(state.bulk.pulls) == cached
     version, since, data = lead.download_bytes(0, have=v - 1)
     assert (version, since) == (v, v - 1) and len(data) < _int8_bytes(n) + 400
     assert torch.equal(wire.bytes_deltas(data, state.bulk.service.syncer.downlink.codec, n, 1)[0].tensors["values"],

@@ -264,8 +264,11 @@ class Bulk:
         """(version, since, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all),
         or with ``have`` (a pull codec's, for an island at that version) of its pull: its payloads since
         ``have`` (``since = have``) or its full float32 values (``since`` None)."""
-        key = (fragment, ranges, have)
         with self.lock:
+            downlink = self.service.syncer.downlink
+            if have is not None and not downlink.floor[fragment] <= have <= self.service.syncer.version(fragment):
+                have = None  # (no payloads since it: the full fragment, one cache entry whatever the stranger asked)
+            key = (fragment, ranges, have)
             cached = self.pulls.get(key)
             if cached is not None and cached[0] == self.service.syncer.version(fragment):
                 self.pulls.move_to_end(key)
