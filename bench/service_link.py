@@ -358,6 +358,15 @@ def _tune(wan: Any, buffer_mib: float) -> None:
                     f"net.ipv4.tcp_wmem=4096 16384 {most}")
 
 
+def _commit_s(pushes: list[tuple[float, ...]], upload_s: list[float], fragments: int, in_flight: int) -> float | None:
+    """A push's commit, seconds per fragment (one fragment at a time): each timed round's seconds less its
+    uploads', over its fragments, the mean of the rounds; None with several in flight (the commits overlap)."""
+    if in_flight != 1 or not pushes:
+        return None
+    return statistics.mean((round_s[0] - sum(upload_s[k * fragments:(k + 1) * fragments])) / fragments
+                           for k, round_s in enumerate(pushes))
+
+
 def _machine(load_before: tuple[float, ...]) -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "loadavg_1m_before": load_before[0], "loadavg_1m_after": os.getloadavg()[0],
             "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
@@ -525,7 +534,8 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
            "cold_pull_share": None if args.loopback else cold[1][1] / cold[1][0] / rate,
            "pull_share": None if args.loopback else pull_b / pull_s / rate,
            "in_flight": args.in_flight, "push_round_s": [x[0] for x in pushes], "pull_round_s": [x[0] for x in pulls],
-           "upload_s": upload_s, "accepted": sum(accepted), "refused_replays": len(accepted) - sum(accepted),
+           "upload_s": upload_s, "commit_s": _commit_s(pushes, upload_s, len(numels), args.in_flight),
+           "accepted": sum(accepted), "refused_replays": len(accepted) - sum(accepted),
            "island_push_cpu_s_per_gb": 1e9 * sum(x[2] for x in pushes) / push_b,
            "island_pull_cpu_s_per_gb": 1e9 * sum(x[2] for x in pulls) / pull_b,
            "syncer_push_cpu_s_per_gb": 1e9 * sum(x[3] for x in pushes) / push_b,
@@ -554,7 +564,8 @@ def _beat_window(rank0: Child, seconds: float) -> list[float]:
 COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("MTU", "mtu"), ("window MiB", "window_mib"),
            ("in flight", "in_flight"),
            ("TCP Mbit/s", "mbps"), ("TCP share", "share"), ("push Mbit/s", "push_mbps"), ("push share", "push_share"),
-           ("upload share", "upload_share"), ("pull Mbit/s", "pull_mbps"), ("pull share", "pull_share"),
+           ("upload share", "upload_share"), ("commit s", "commit_s"), ("pull Mbit/s", "pull_mbps"),
+           ("pull share", "pull_share"),
            ("cold push share", "cold_push_share"), ("cold pull share", "cold_pull_share"),
            ("island CPU s/GB push", "island_push_cpu_s_per_gb"), ("island CPU s/GB pull", "island_pull_cpu_s_per_gb"),
            ("syncer CPU s/GB push", "syncer_push_cpu_s_per_gb"), ("syncer CPU s/GB pull", "syncer_pull_cpu_s_per_gb"),
@@ -597,6 +608,13 @@ NOTES = [
     "downloads its slice at once. In flight: fragments moved at once. Cold: the first round, on fresh connections.",
     "CPU s/GB: CPU seconds per 10^9 payload bytes of the islands' processes together and of the syncer's, in the "
     "push rounds and in the pull rounds (1 / it is the GB/s one core carries). Loopback: no link, no delay line.",
+    "Commit s: a push's commit per fragment, one at a time (the round's seconds less its uploads', per fragment). "
+    "Rows 'before / decode into place' are an A/B, interleaved in one session (before: the code at 498e201, run "
+    "with `PYTHONPATH` of a worktree at that commit; the same flags): the syncer decodes each slice of a push into "
+    "its place in the fragment instead of decoding, then copying; on loopback a commit takes 0.07 s instead of "
+    "0.10-0.16. Timed inside the syncer over the link (MTU 9000), the Push handler takes 0.06-0.09 s of a commit's "
+    "0.21-0.25: the rest is the round trip (73 ms idle) and the emulated link's queue behind the uploads (the "
+    "heartbeat's worst during transfers).",
     "Heartbeat: rank 0's round trip on its control connection every 20 ms, idle (the link's RTT) and worst during "
     "the timed rounds. A shared 2-core machine: the 1-minute load average and the time are beside each row; over "
     "the link the delay line (Python) takes 0.47 core at MTU 9000, 0.10 at 65000 (the plain TCP rows).",
