@@ -309,7 +309,7 @@ class DeMo(torch.optim.Optimizer):
             for p in group["params"]:
                 t = self.transform_for(p.shape)
                 mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True)
-                self._apply_update(p, torch.sign(t.decode(mean)), lr, wd)
+                self._apply_update(p, t.decode(mean).sign_(), lr, wd)  # decode returns a fresh tensor
                 i += 1
 
     def _piece(self, p: torch.Tensor) -> torch.Tensor:
