@@ -172,3 +172,21 @@ def test_codec_speed_bench_writes_throughputs_and_link_ratios(tmp_path) -> None:
     assert int4["encode_gbps"] == pytest.approx(4000 / 1e9 / int4["encode_s"])
     assert "| int4 |" in (tmp_path / "results.md").read_text()
     assert main(["--codecs", "int5", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize("name", BLOCK_CODECS)
+def test_decode_into_an_odd_offset_and_average_encoded_into_kept_buffers_give_the_same_floats(name: str) -> None:
+    """decode_into a view at an odd offset (int4's pairwise lookup falls back to one float at a time) equals
+    decode, bit for bit; average_encoded into the caller's buffers (``out``, ``scratch``, dirty from an earlier
+    exchange) equals it into fresh ones."""
+    codec = make_codec(name)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(2**18 + 77, generator=g) for _ in range(2)]
+    enc = codec.encode(xs[0])
+    into = torch.empty(xs[0].numel() + 2)[1:-1]
+    codec.decode_into(enc, into)
+    assert torch.equal(_bits(into), _bits(codec.decode(enc)))
+    fresh, nbytes = average_encoded(xs, codec, [1.0, 3.0])
+    out, scratch = torch.full_like(xs[0], 5.0), torch.full_like(xs[0], -2.0)
+    kept, kept_bytes = average_encoded(xs, codec, [1.0, 3.0], out=out, scratch=scratch)
+    assert kept is out and kept_bytes == nbytes and torch.equal(_bits(kept), _bits(fresh))

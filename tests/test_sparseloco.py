@@ -323,3 +323,28 @@ def test_one_tensor_at_a_time_makes_the_model_s_payload(layout: str, bits: int, 
     for j, (a, b) in enumerate(pairwise(ends)):
         part = c.of_tensor(j).aggregate([s[j] for s in split], [1.0, 2.0, 3.0])
         torch.testing.assert_close(part, whole[a:b], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["tiles", "flat"])
+def test_the_aggregate_divides_at_the_sent_entries_only_and_leaves_its_sums_clear(layout: str) -> None:
+    """The aggregate's floats are the dense formula's, ``where(den > 0, num / den, 0)`` over the whole vector in
+    float64 then float32, call after call on one compressor (its kept sums cleared where each call wrote them);
+    ``out`` is overwritten whole."""
+    shapes = [(8, 12), (5,), (3, 7)]
+    c = SparseCompressor(shapes, 16, 3, bits=2, layout=layout)
+    numel = sum(math.prod(s) for s in shapes)
+    g = torch.Generator().manual_seed(0)
+    out = torch.full((numel,), 7.0)
+    for weights in ([1.0, 3.0, 2.0], [2.0, 0.0, 5.0], [1.0, 1.0, 1.0]):
+        payloads = [c.compress(torch.randn(numel, generator=g)) for _ in weights]
+        num = torch.zeros(numel + 1, dtype=torch.float64)
+        den = torch.zeros(numel + 1, dtype=torch.float64)
+        for payload, w in zip(payloads, weights, strict=True):
+            if w > 0:
+                pos, vals = c.positions_and_values(payload)
+                num.index_add_(0, pos, vals.double() * w)
+                den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
+        expected = torch.where(den > 0, num / den.clamp(min=1e-300), 0.0)[:-1].float()
+        got = c.aggregate(payloads, weights, clip="none", out=out)
+        assert got is out and torch.equal(got, expected)
+        assert not c.__dict__["_sums"].any()

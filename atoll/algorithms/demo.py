@@ -228,8 +228,9 @@ class DeMo(torch.optim.Optimizer):
                 k = min(self.topk, t.chunk_elems)
                 idx = torch.topk(coeffs.abs(), k, dim=1, sorted=False).indices
                 vals = torch.gather(coeffs, 1, idx)
-                # c. remove what is transmitted; the residual stays for later steps
-                sparse = torch.zeros_like(coeffs).scatter_(1, idx, vals)
+                # c. remove what is transmitted; the residual stays for later steps (the coefficients' own
+                # buffer, no longer read, holds the sparse matrix: no second one of their size)
+                sparse = coeffs.zero_().scatter_(1, idx, vals)
                 m.sub_(t.decode(sparse))
                 wire_vals = pack_ternary(torch.sign(vals)) if self.sign_values else vals
                 payloads.append(
@@ -256,15 +257,12 @@ class DeMo(torch.optim.Optimizer):
                     f"DeMo.apply_step: island {island} sent a payload for shape {tuple(pl.shape)}, "
                     f"expected {t.shape}"
                 )
-            island_coeffs = torch.zeros_like(total).scatter_(
-                1,
-                pl.indices.to(device=device, dtype=torch.int64),
-                pl.dense_values(check=False).to(device=device),  # apply_step checked every payload at once
-            )
-            total.add_(island_coeffs)
+            # added at the payload's entries only: the floats of adding its dense scatter (x + 0 is x), without
+            # a dense (num_chunks, chunk_elems) temporary per island; a row's indices are distinct (a top-k's)
+            index = pl.indices.to(device=device, dtype=torch.int64)
+            total.scatter_add_(1, index, pl.dense_values(check=False).to(device=device))  # checked by apply_step
             if senders is not None:
-                senders.scatter_add_(1, pl.indices.to(device=device, dtype=torch.int64),
-                                     torch.ones(pl.indices.shape, dtype=torch.float32, device=device))
+                senders.scatter_add_(1, index, torch.ones(pl.indices.shape, dtype=torch.float32, device=device))
         return total if senders is None else total.div_(senders.clamp_(min=1.0))
 
     def decode_payload(self, payload: DemoPayload) -> torch.Tensor:
@@ -311,7 +309,7 @@ class DeMo(torch.optim.Optimizer):
             for p in group["params"]:
                 t = self.transform_for(p.shape)
                 mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True)
-                self._apply_update(p, torch.sign(t.decode(mean)), lr, wd)
+                self._apply_update(p, t.decode(mean).sign_(), lr, wd)  # decode returns a fresh tensor
                 i += 1
 
     def _piece(self, p: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ value.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -155,16 +156,21 @@ class _BlockCodec(Codec):
                   generator: torch.Generator | None) -> torch.Tensor:
         """Scale ``x`` (float32 ``(n,)``) per block to ``[-vmax, vmax]``, round each chunk with ``rnd(y, u)``
         (``u``: its slice of one ``U[0, 1)`` draw of ``n`` values for stochastic rounding, else None) into
-        ``out[:n]``; return the float32 scales ``(B,)``."""
-        scale, safe = self._scale(x, vmax)
+        ``out[:n]``; return the float32 scales ``(B,)``. Each chunk's scales are taken just before it is scaled
+        (its blocks are whole: a chunk starts on a block boundary), so the chunk is read from memory once."""
         u = _uniform(x, generator) if self.rounding == "stochastic" else None
         scratch = torch.empty(0, dtype=torch.float32, device=x.device)
+        scales = []
         for a, b in self._chunks(x.numel(), x.device):
             if scratch.numel() < b - a:
                 scratch = torch.empty(b - a, dtype=torch.float32, device=x.device)
-            y = self._per_block_(scratch[: b - a].copy_(x[a:b]), safe, a, divide=True)
+            scale, safe = self._scale(x[a:b], vmax)
+            scales.append(scale)
+            y = self._per_block_(scratch[: b - a].copy_(x[a:b]), safe, 0, divide=True)
             out[a:b] = rnd(y, None if u is None else u[a:b])
-        return scale.to(_SCALE_DTYPE)
+        if not scales:
+            return x.new_zeros(0, dtype=_SCALE_DTYPE)
+        return (scales[0] if len(scales) == 1 else torch.cat(scales)).to(_SCALE_DTYPE)
 
     def _decode(self, enc: Encoded) -> torch.Tensor:
         out = torch.empty(enc.numel, dtype=torch.float32, device=enc.tensors["scales"].device)
@@ -273,7 +279,10 @@ class _IntCodec(_BlockCodec):
         if self.bits == 8:
             return {"scales": scales, "values": q}
         q[n:] = 0  # the pad nibble encodes 0
-        pairs = q.add_(8).view(torch.uint8).view(-1, 2)  # offset-binary nibbles 1..15, two per byte
+        q.add_(8)  # offset-binary nibbles 1..15, two per byte: element 2i low, 2i+1 high
+        if sys.byteorder == "little" and x.device.type == "cpu":
+            return {"scales": scales, "values": _pack_nibbles(q)}
+        pairs = q.view(torch.uint8).view(-1, 2)
         return {"scales": scales, "values": torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])}
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
@@ -281,8 +290,26 @@ class _IntCodec(_BlockCodec):
         self._dequantize(v, enc.tensors["scales"], enc.numel, out, None if self.bits == 8 else _unpack_nibbles)
 
 
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """The bytes ``q[2i] | q[2i+1] << 4`` of the offset-binary nibbles ``q`` (int8 of even length, values 0..15),
+    uint8 ``(len(q) // 2,)``, on a little-endian CPU: each pair read as one int16 ``v = q[2i] + 256 q[2i+1]``,
+    whose low byte of ``v | v >> 4`` is the packed byte; in slices of 1 MiB through one scratch (no temporary
+    of the payload's size)."""
+    v = q.view(torch.int16)
+    out = torch.empty(v.numel(), dtype=torch.uint8)
+    step = 1 << 19
+    scratch = torch.empty(min(step, v.numel()), dtype=torch.int16)
+    for a in range(0, v.numel(), step):
+        b = min(a + step, v.numel())
+        packed = torch.bitwise_right_shift(v[a:b], 4, out=scratch[: b - a]).bitwise_or_(v[a:b])
+        out[a:b] = packed.view(torch.uint8)[0::2]  # the low bytes
+    return out
+
+
 # the float32 pair (low nibble, high nibble) - 8 of each of the 256 int4 bytes: decoding by table lookup
 _INT4_TABLE = torch.stack([torch.arange(256) & 0x0F, torch.arange(256) >> 4], dim=1).sub_(8).float()
+#: the same pairs, each as one 64-bit word: a lookup copies 8 bytes per byte decoded
+_INT4_TABLE64 = _INT4_TABLE.view(torch.int64).reshape(256)
 
 
 def _unpack_nibbles(v: torch.Tensor, a: int, b: int, dst: torch.Tensor) -> None:
@@ -295,6 +322,11 @@ def _unpack_nibbles(v: torch.Tensor, a: int, b: int, dst: torch.Tensor) -> None:
         return
     whole = (b - a) // 2  # bytes whose two values are both in [a, b)
     index = byte.to(torch.int32)
-    torch.index_select(_INT4_TABLE, 0, index[:whole], out=dst[: 2 * whole].view(whole, 2))
+    pairs = dst[: 2 * whole]
+    if pairs.is_contiguous() and pairs.storage_offset() % 2 == 0 and pairs.data_ptr() % 8 == 0:
+        # both floats of a pair as one 64-bit word: the same bits, one copy per byte decoded
+        torch.index_select(_INT4_TABLE64, 0, index[:whole], out=pairs.view(torch.int64))
+    else:
+        torch.index_select(_INT4_TABLE, 0, index[:whole], out=pairs.view(whole, 2))
     if (b - a) % 2:  # the last element: the low nibble of the last byte (its high nibble is the pad)
         dst[-1] = _INT4_TABLE[index[whole], 0]

@@ -411,13 +411,23 @@ class SparseCompressor:
             factor = (norms.median(dim=0).values / (norms + CLIP_EPS)).clamp(max=1.0)
             decoded = [(pos, vals * f[o]) for (pos, vals), f, o in zip(decoded, factor, owner, strict=True)]
         sums = self.__dict__.get("_sums")
-        if sums is None:
-            sums = self.__dict__["_sums"] = torch.empty(2, self.numel + 1, dtype=torch.float64)
-        num, den = sums.zero_()
-        for (pos, vals), (_, w) in zip(decoded, live, strict=True):
-            num.index_add_(0, pos, vals.double() * w)
-            den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
-        # where(den > 0, num / den.clamp(min=1e-300), 0) in place: where den is 0 nobody sent, num is +0.0 and
-        # 0 / 1e-300 is +0.0; elsewhere den >= the least positive weight, above the clamp
-        mean = num[:-1].div_(den[:-1].clamp_(min=1e-300))
-        return mean.float() if out is None else out.copy_(mean)
+        if sums is None:  # zeros between calls: each call clears the entries it wrote
+            sums = self.__dict__["_sums"] = torch.zeros(2, self.numel + 1, dtype=torch.float64)
+        num, den = sums
+        sent = torch.cat([pos for pos, _ in decoded])  # every entry some island sent (repeated: once per sender)
+        try:
+            for (pos, vals), (_, w) in zip(decoded, live, strict=True):
+                num.index_add_(0, pos, vals.double() * w)
+                den.index_add_(0, pos, torch.full_like(vals, w, dtype=torch.float64))
+            # where(den > 0, num / den.clamp(min=1e-300), 0), computed at the sent entries only: where nobody
+            # sent, it is +0.0 (the zeroed result); where some island did, den >= its weight (the same floats)
+            mean = (num[sent] / den[sent].clamp_(min=1e-300)).float()
+        finally:
+            num.index_fill_(0, sent, 0.0)
+            den.index_fill_(0, sent, 0.0)
+        if self.layout != "tiles":  # a flat chunk's padding (position numel) is not an entry of the result
+            keep = sent < self.numel
+            sent, mean = sent[keep], mean[keep]
+        out = torch.zeros(self.numel, dtype=torch.float32) if out is None else out.zero_()
+        out[sent] = mean  # a repeated entry gets the same value from each of its senders
+        return out

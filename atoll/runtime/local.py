@@ -112,7 +112,9 @@ class LocalComm(Comm):
 
         times = CodecTimes(timer)
         mean, payload = average_encoded(per_island, wire.codec, weights, wire.generators_for(device),
-                                        feedback=wire.feedback, key=key, times=times)
+                                        feedback=wire.feedback, key=key, times=times,
+                                        out=self._buffer(key, per_island[0]),
+                                        scratch=self._buffer(key + "/decoded", per_island[0]) if key else None)
         self.clock.charge_codec(times.encode_s)  # each island encodes its tensor before sending it
         done_at = self.charge_allreduce(payload, blocking=False)
         decode = sum(times.decode_s)  # and decodes every island's payload once they arrived
