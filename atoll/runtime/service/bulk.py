@@ -249,7 +249,7 @@ class Bulk:
                 ranges = wire.parse_ranges(req.ranges, self.service.syncer.numels[fragment])
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        version, since, payload = self._pull(fragment, ranges, req.have if coded else None)
+        version, since, payload = self._pull(fragment, ranges, req.have if coded else None, island)
         self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
         same = req.version == version and req.since == since and req.offset <= len(payload)
         offset = req.offset if same else 0
@@ -260,7 +260,7 @@ class Bulk:
         yield from wire.chunks(payload, offset)
 
     def _pull(self, fragment: int, ranges: slices.Ranges | None = None,
-              have: int | None = None) -> tuple[int, int | None, bytes]:
+              have: int | None = None, island: int | None = None) -> tuple[int, int | None, bytes]:
         """(version, since, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all),
         or with ``have`` (a pull codec's, for an island at that version) of its pull: its payloads since
         ``have`` (``since = have``) or its full float32 values (``since`` None)."""

@@ -152,6 +152,9 @@ class SyncerService:
         self.reserved = 0
         self.islands = [IslandState() for _ in range(run.islands)]  # what the service keeps of each island
         self.rejoins = RejoinTimes()  # bounded however often islands join
+        # (island, fragment) this process answered a pull of (or the island joined here): only their 'have' is
+        # this process's history (pull_since); not checkpointed, so a restarted syncer trusts none
+        self.synced: set[tuple[int, int]] = set()
         self.restarts = 0
         # on _now()'s clock: when the first inner step of the run, and of each island, was granted
         self.first_step_s: float | None = None
@@ -363,6 +366,7 @@ class SyncerService:
         state.claimed_from = list(self.syncer.bounds.claimed[island])  # this session's claims: those from here
         session = self.syncer.rejoin(island)
         state.open_session(session)  # this job's figures (its reports) from here on
+        self.synced.update((island, f) for f in range(self.syncer.fragments))  # (it pulls every fragment whole)
         self._save_ledger()
         if self.issuer is not None:  # kept before its grant goes out
             self.issuer.opened(self.syncer.admission)
@@ -633,7 +637,21 @@ class SyncerService:
             raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments "
                              f"0..{self.syncer.fragments - 1}")
         self._poll()
+        have = self.pull_since(island, fragment, have)
+        if is_index(island, self.syncer.islands):
+            self.synced.add((island, fragment))
         return self._answer(fragment, island, have=have)
+
+    def pull_since(self, island: int | None, fragment: int, have: int | None) -> int | None:
+        """(A ``pull_codec`` other than fp32.) The version of ``fragment`` that ``island`` holds, as this process
+        can trust it: ``have`` once this process answered the island a pull of it (or the island joined here),
+        else None, the full fragment. A syncer restarted from its checkpoint may have lost commits an island had
+        already pulled (the checkpoint is written after the answer), and numbers their versions again for other
+        changes: a ``have`` from before the restart names another history, and the payloads since it would leave
+        the island's copy off the shadow for good. ``island`` None (a caller without restarts): ``have``."""
+        if island is None or (island, fragment) in self.synced:
+            return have
+        return None
 
     def merged_answer(self, island: int, fragment: int) -> float | None:
         """The realignment that goes with the answer to ``island``'s push of ``fragment`` (this syncer's index)
