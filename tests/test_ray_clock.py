@@ -94,3 +94,22 @@ def test_ray_run_reports_startup_apart_from_its_clock(fast_config: dict, tmp_pat
                  if json.loads(line)["event"] == "eval"][-1]
     assert last_eval["sim_wall_s"] == s["sim_wall_s"]
     assert s["eval_s"] > 0  # the driver's evaluations, on the device the run names (here: the CPU)
+
+
+def test_a_syncer_restarted_before_every_island_joined_still_starts_after_the_timeout(
+        fast_config: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Island 0 joined, then the syncer crashed and Ray restarted it from its ledger before island 1 (whose actor
+    keeps failing at start) joined: island 0 does not join again (it only asks wait_start), so the restarted
+    syncer's first join is never seen; the start timeout must still run (from the restart), else island 0 waits
+    for ever and the run never ends."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    config = build_config(overrides={**fast_config, "strategy": "decoupled", "runtime": "ray", "fragments": 2})
+    syncer = SyncerService(config.model_dump_json(), fast_config["out"])
+    syncer.join(0)
+    now[0] = 110.0
+    restarted = SyncerService(config.model_dump_json(), fast_config["out"])  # from the ledger the join wrote
+    assert restarted.islands[0].joins > 0
+    assert not restarted.wait_start(0, timeout_s=60.0)  # island 1 has not joined yet
+    now[0] = 500.0  # long past the start timeout: it starts without island 1
+    assert restarted.wait_start(0, timeout_s=60.0)

@@ -243,3 +243,31 @@ def test_a_sharded_ranks_part_of_a_delta_pull_is_the_decoded_payloads_part() -> 
     part = Pull(0, None, 5, since=3, deltas=tuple(Encoded({"values": slices.take(codec.decode(e), ranges)}, 90, "fp32")
                                                   for e in encs))
     assert torch.equal(apply_pull(part, slices.take(held, ranges), 3, codec), slices.take(whole, ranges))
+
+
+def test_versions_behind_the_payloads_kept_share_the_one_full_fragment_answer(served, monkeypatch) -> None:  # noqa: ANN001
+    """Islands (or a stranger) at distinct versions older than the payloads kept are each answered with the full
+    fragment: it is serialized once and cached once, not once per version asked (each evicting the others)."""
+    from atoll.runtime.service import bulk
+    from atoll.runtime.service.client import SyncerClient
+
+    made: list[int] = []
+    real = bulk.wire.tensor_bytes
+    monkeypatch.setattr(bulk.wire, "tensor_bytes", lambda t: made.append(t.numel()) or real(t))
+    state, address, _ = served
+    syncer, tps = state.service.syncer, state.service.run.tokens_per_step
+    n = syncer.numels[0]
+    other, lead = (SyncerClient(address, i, CREDS[i], plaintext=True) for i in range(2))
+    other.call("Join", {"numels": syncer.numels})
+    session = lead.call("Join", {"numels": syncer.numels})["session"]
+    keep = syncer.downlink.keep[0]
+    for _ in range(keep + 3):
+        assert lead.call("ReserveSteps", {"n": 1})["granted"] == 1
+        lead.push(wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors), 0, ((0, n),), tps,
+                  syncer.version(0), session)
+    full = lead.download_bytes(0, have=None)
+    assert made == [n]
+    for have in (0, 1, 2):  # each behind the payloads kept (keep + 3 versions): the full fragment, Q
+        assert lead.download_bytes(0, have=have) == full
+    assert made == [n] and len(state.bulk.pulls) == 1
+    assert lead.download_bytes(0, have=syncer.version(0) - 1)[1] == syncer.version(0) - 1  # a kept one: deltas

@@ -266,8 +266,9 @@ class Bulk:
         ``have`` (``since = have``) or its full float32 values (``since`` None)."""
         with self.lock:
             downlink = self.service.syncer.downlink
-            if have is not None and not downlink.floor[fragment] <= have <= self.service.syncer.version(fragment):
-                have = None  # (no payloads since it: the full fragment, one cache entry whatever the stranger asked)
+            if have is not None and not downlink.sends_deltas(fragment, self.service.syncer.version(fragment), have):
+                have = None  # (no payloads since it: the full fragment, one cache entry whatever the stranger asked,
+                # ahead of the syncer's version or behind the payloads kept)
             key = (fragment, ranges, have)
             cached = self.pulls.get(key)
             if cached is not None and cached[0] == self.service.syncer.version(fragment):

@@ -374,11 +374,16 @@ class SyncerService:
                 state.steps, session)
 
     def started(self, timeout_s: float) -> bool:
-        """Has the run started: every island joined, or ``timeout_s`` seconds passed since the first did, or steps
-        were granted already (a syncer restarted from its checkpoint)? No step is granted before (the gRPC
-        server answers ``wait``; a Ray island waits in :meth:`wait_start`): the islands start together, as the
-        learners of one run, and an island that takes longer to start (a cold process, torchrun, a loaded host)
-        does not find the shared budget spent by the others."""
+        """Has the run started: every island joined, or ``timeout_s`` seconds passed since the first did (or since
+        a syncer restarted before every island joined first asked), or steps were granted already (a syncer
+        restarted from its checkpoint)? No step is granted before (the gRPC server answers ``wait``; a Ray island
+        waits in :meth:`wait_start`): the islands start together, as the learners of one run, and an island that
+        takes longer to start (a cold process, torchrun, a loaded host) does not find the shared budget spent by
+        the others."""
+        if self.first_join is None and any(s.joins > 0 for s in self.islands):
+            # a syncer restarted before every island joined: the joins it restored were heard before, and those
+            # islands do not join again, so the timeout runs from now (else one that never joins stops the run)
+            self.first_join = time.monotonic()
         late = self.first_join is not None and time.monotonic() - self.first_join > timeout_s
         if self.started_at is None and (all(s.joins > 0 for s in self.islands) or self.reserved > 0 or late):
             self.started_at = time.monotonic()

@@ -115,13 +115,21 @@ class Downlink:
             (``deltas``, ``since=have``: none if ``have`` is the current version) when every one of them is kept
             and the shadow is at ``version``, else the full values (:meth:`values`: Q, or G for fp32) in float32.
         """
-        if self.codec is not None and self.version[fragment] == version and isinstance(have, int) \
-                and not isinstance(have, bool) and self.floor[fragment] <= have <= version:
+        if self.sends_deltas(fragment, version, have):
+            assert isinstance(have, int)
             kept = {v: enc for v, enc in self.deltas[fragment]}
-            wanted = range(have + 1, version + 1)
-            if all(v in kept for v in wanted):
-                return Pull(fragment, None, version, deltas=tuple(kept[v] for v in wanted), since=have)
+            return Pull(fragment, None, version, deltas=tuple(kept[v] for v in range(have + 1, version + 1)),
+                        since=have)
         return Pull(fragment, self.values(fragment, params), version)
+
+    def sends_deltas(self, fragment: int, version: int, have: Any) -> bool:
+        """Does :meth:`pull` answer an island at ``have`` with payloads (True), or the full fragment (False: no
+        pull codec, ``have`` None, not an int, outside ``floor .. version``, or behind the payloads kept)?"""
+        if self.codec is None or self.version[fragment] != version or not isinstance(have, int) \
+                or isinstance(have, bool) or not self.floor[fragment] <= have <= version:
+            return False
+        kept = {v for v, _ in self.deltas[fragment]}
+        return all(v in kept for v in range(have + 1, version + 1))
 
     def state_dict(self) -> dict[str, Any]:
         """The shadows, their versions and the kept payloads (plain lists, ints and tensors; empty for fp32)."""
