@@ -300,33 +300,56 @@ def test_every_island_of_a_simulated_run_holds_the_shadow(fast_config: dict, mon
     assert seen and sum(summary["rejoins"]) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="open: a restarted syncer reuses a lost version number (breaker24)")
-def test_an_island_holding_a_lost_commit_gets_the_restored_syncers_shadow() -> None:
-    """A syncer restored from a checkpoint older than a commit an island already pulled (the checkpoint writer is
-    asynchronous: a kill right after the answer loses that commit) reuses the lost version's number for another
-    island's change; the island that held the lost version and asks for the payloads since it is sent none and
-    keeps a copy that is not the syncer's shadow (for ever: later payloads add onto it). Open (breaker24): a
-    version alone cannot tell the two histories apart; the pull needs the syncer's restart count (or the
-    restarted syncer a floor above every version it may have answered)."""
-    s = _syncer("int8")
+def test_a_restarted_syncer_sends_the_full_fragment_first_to_an_island_that_pulled_a_lost_commit(
+        fast_config: dict, tmp_path: Path) -> None:
+    """The syncer's checkpoint is written after a commit's answer: a syncer killed in between restarts from the
+    version before, and numbers the next change as the lost one was. An island that had pulled the lost commit
+    (found by a breaker) asks for the payloads since that version number; the restarted syncer trusts no held
+    version before it has answered the island a pull of the fragment (SyncerService.pull_since), so it sends the
+    full fragment first: the island's copy is the shadow again, and its next pull is payloads since it."""
+    import shutil
+
+    pytest.importorskip("ray")
+    from atoll.runtime.ray.actors import SyncerService
+
+    creds = ["a" * 32, "b" * 32]
+    out, lost = tmp_path / "run", tmp_path / "run-before-the-lost-commit"
+    config = build_config(overrides=applicable({**fast_config, "out": str(out), "strategy": "decoupled",
+                                                "runtime": "ray", "fragments": 2, "pull_codec": "int8",
+                                                "quorum": 1, "min_quorum": 1}))
+    tps, codec = config.tokens_per_step, make_codec("int8")
     g = torch.Generator().manual_seed(5)
-    for r in range(2):
-        s.push(Push(0, 0, torch.randn(320, generator=g) * 0.01, 100, r))
-    state = s.state_dict()  # the checkpoint on disk: version 2
-    # island 1 holds version 2 exactly (Q), then the commit of version 3 is answered and pulled, not written
-    held = s.pull(0, have=None).params.clone()
-    s.push(Push(0, 0, torch.randn(320, generator=g) * 0.01, 100, 2))
-    p = s.pull(0, have=2)
-    held = apply_pull(p, held, 2, s.downlink.codec)
-    held_version = p.version
-    assert held_version == 3
-    # the syncer is killed and restarts from version 2; another island's push makes a new version 3
-    again = _syncer("int8")
-    again.load_state_dict(state)
-    again.push(Push(2, 0, torch.randn(320, generator=torch.Generator().manual_seed(99)) * 0.01, 100, 2))
-    assert again.version(0) == 3
-    pull = again.pull(0, have=held_version)
-    mine = apply_pull(pull, held, held_version, again.downlink.codec)
-    assert torch.equal(mine, again.downlink.shadow[0]), (
-        f"island's copy differs from the syncer's shadow by {(mine - again.downlink.shadow[0]).abs().max():.3g} "
-        f"(pull: {'deltas since ' + str(pull.since) if pull.params is None else 'full'})")
+
+    def commit(svc: SyncerService, session: int) -> None:  # island 0's push of fragment 0, merged at once
+        assert svc.reserve_step(0, creds[0])[0]
+        n = svc.syncer.numels[0]
+        assert svc.push(Push(0, 0, torch.randn(n, generator=g) * 1e-2, tps, svc.syncer.version(0),
+                             session=session, credential=creds[0]))[0]
+
+    svc = SyncerService(config.model_dump_json(), str(out), creds)
+    s0 = svc.join(0, creds[0])[3]
+    svc.join(1, creds[1])
+    held = svc.pull(0, island=1).params.clone()  # island 1's copy of fragment 0, at version 0
+    for _ in range(2):
+        commit(svc, s0)
+    pull = svc.pull(0, island=1, have=0)
+    held = apply_pull(pull, held, 0, codec)
+    assert pull.params is None and pull.version == 2  # payloads since its version
+    assert svc.writer.flush(timeout=60)
+    shutil.copytree(out, lost)  # the checkpoint on disk when the syncer dies: version 2
+    commit(svc, s0)
+    pull = svc.pull(0, island=1, have=2)
+    held, have = apply_pull(pull, held, 2, codec), pull.version  # island 1 pulled version 3, which will be lost
+    assert have == 3
+
+    again = SyncerService(config.model_dump_json(), str(lost), creds)  # restarted from version 2
+    assert again.syncer.version(0) == 2
+    commit(again, s0)  # another change, numbered 3 again
+    pull = again.pull(0, island=1, have=have)
+    assert pull.params is not None and pull.version == 3, "the full fragment, not payloads since a lost version"
+    held = apply_pull(pull, held, have, codec)
+    assert torch.equal(held, again.syncer.downlink.shadow[0])
+    commit(again, s0)
+    pull = again.pull(0, island=1, have=3)  # answered once by this process: its version is trusted again
+    assert pull.params is None and pull.since == 3
+    assert torch.equal(apply_pull(pull, held, 3, codec), again.syncer.downlink.shadow[0])

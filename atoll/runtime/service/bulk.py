@@ -35,6 +35,7 @@ import grpc
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.calls import Gate
 from atoll.runtime.service.shards import Shards
+from atoll.strategies.decoupled.protocol import is_index
 
 if TYPE_CHECKING:
     from atoll.algorithms.codec_base import Codec
@@ -262,10 +263,15 @@ class Bulk:
     def _pull(self, fragment: int, ranges: slices.Ranges | None = None,
               have: int | None = None, island: int | None = None) -> tuple[int, int | None, bytes]:
         """(version, since, safetensors bytes) of the newest global fragment's values at ``ranges`` (None: all),
-        or with ``have`` (a pull codec's, for an island at that version) of its pull: its payloads since
-        ``have`` (``since = have``) or its full float32 values (``since`` None)."""
+        or with ``have`` (a pull codec's, for island ``island`` at that version) of its pull: its payloads since
+        ``have`` (``since = have``) or its full float32 values (``since`` None; also while this process has not
+        answered the island a pull of the fragment yet:
+        :meth:`SyncerService.pull_since <atoll.runtime.service.syncer.SyncerService.pull_since>`)."""
         with self.lock:
             downlink = self.service.syncer.downlink
+            have = self.service.pull_since(island, fragment, have)  # (a restarted syncer: the full fragment first)
+            if is_index(island, self.service.run.islands):
+                self.service.synced.add((island, fragment))
             if have is not None and not downlink.sends_deltas(fragment, self.service.syncer.version(fragment), have):
                 have = None  # (no payloads since it: the full fragment, one cache entry whatever the stranger asked,
                 # ahead of the syncer's version or behind the payloads kept)
