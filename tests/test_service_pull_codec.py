@@ -219,9 +219,14 @@ def test_a_pull_behind_the_payloads_kept_is_the_full_fragment_and_resumes_only_i
         head["body"] = b"".join(replies)
         return head
 
-    resumed = header(have=v - 1, version=v, since=v - 1, offset=100)
+    epoch = state.service.restarts  # (0: this syncer never restarted)
+    resumed = header(have=v - 1, version=v, since=v - 1, epoch=epoch, offset=100)
     assert resumed["offset"] == 100 and resumed["body"] == bytes(data[100:])
-    assert header(have=v - 1, version=v, since=None, offset=100)["offset"] == 0  # another answer: from 0
+    assert header(have=v - 1, version=v, since=None, epoch=epoch, offset=100)["offset"] == 0  # another answer: from 0
+    # bytes held of the same version and since before the syncer restarted (another epoch: a lost commit's
+    # version is numbered again) are another answer too; and a request that names no epoch starts from 0
+    assert header(have=v - 1, version=v, since=v - 1, epoch=epoch + 1, offset=100)["offset"] == 0
+    assert header(have=v - 1, version=v, since=v - 1, offset=100)["offset"] == 0
     with pytest.raises(grpc.RpcError) as e:
         header(ranges=[[0, 10]], have=v - 1)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ranges" in e.value.details()

@@ -252,12 +252,14 @@ class Bulk:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         version, since, payload = self._pull(fragment, ranges, req.have if coded else None, island)
         self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
-        same = req.version == version and req.since == since and req.offset <= len(payload)
+        epoch = self.service.restarts  # (the same version of another epoch is other bytes: from 0)
+        same = req.version == version and req.since == since and req.epoch == epoch and req.offset <= len(payload)
         offset = req.offset if same else 0
         with self.lock:
             self.bytes_out += len(payload) - offset  # (the live view's bytes out)
             self.bytes_out_by_island[island] += len(payload) - offset
-        yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset, since=since))
+        yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset, since=since,
+                                                  epoch=epoch))
         yield from wire.chunks(payload, offset)
 
     def _pull(self, fragment: int, ranges: slices.Ranges | None = None,

@@ -283,18 +283,20 @@ class SyncerClient:
         """The bytes of ``Download``: (version, since, safetensors bytes) of the newest global fragment at
         ``ranges`` (None: all of it), or with a ``pull_codec`` other than fp32 of its pull for an island at
         version ``have`` (``since`` not None: the pull codec's payloads of the versions since; None: float32
-        values), resumed from its offset after a failure (in the same answer only: version and since)."""
+        values), resumed from its offset after a failure (in the same answer only: version, since and the
+        syncer's epoch, its restarts)."""
         stub = self.bulk.unary_stream(wire.method("Download"))
-        got, version, since = bytearray(), None, None
+        got, version, since, epoch = bytearray(), None, None, None
 
         def attempt() -> None:
-            nonlocal version, since
+            nonlocal version, since, epoch
             request = schema.DownloadRequest(fragment=fragment, ranges=ranges, version=version, offset=len(got),
-                                             have=have, since=since)
+                                             have=have, since=since, epoch=epoch)
             replies: Iterator[bytes] = stub(schema.encode(request), metadata=self.metadata, timeout=600.0)
             header = _reply("Download", next(replies))
-            if (header["version"], header.get("since")) != (version, since) or header["offset"] != len(got):
-                version, since = header["version"], header.get("since")  # another answer: from the start
+            answer = (header["version"], header.get("since"), header.get("epoch"))
+            if answer != (version, since, epoch) or header["offset"] != len(got):
+                version, since, epoch = answer  # another answer: from the start
                 del got[:]
             for chunk in replies:
                 got.extend(chunk)

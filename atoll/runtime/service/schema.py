@@ -206,8 +206,9 @@ class UploadHeader(Record):
 class DownloadRequest(Record):
     """``Download``: a fragment's values at ``ranges`` (None: all of it), from ``offset`` of ``version``'s bytes.
     With a ``pull_codec`` other than fp32: ``have``, the version the island holds (None: none, it starts or
-    rejoins: the full fragment), and ``since``, the header's ``since`` of the bytes already held (a resumption
-    continues only in the same answer)."""
+    rejoins: the full fragment), and ``since``, the header's ``since`` of the bytes already held; ``epoch``: the
+    header's ``epoch`` of the bytes already held (a resumption continues only in the same answer: version, since
+    and epoch)."""
 
     fragment: Int
     ranges: Ranges | None = None
@@ -215,6 +216,7 @@ class DownloadRequest(Record):
     offset: Int = 0
     have: Int | None = None
     since: Int | None = None
+    epoch: Int | None = None
 
 
 # --- replies ------------------------------------------------------------------------------------------------
@@ -296,12 +298,15 @@ class OkReply(Record):
 class DownloadHeader(Record):
     """``Download``'s first message: the version served, its bytes, and the offset they are sent from;
     ``since``: the bytes are the pull codec's payloads of the versions ``since + 1 .. version`` (None: float32
-    values)."""
+    values); ``epoch``: the syncer's restarts from its checkpoint (a syncer killed after answering a commit and
+    before writing it numbers the next version as the lost one was: the same version of another epoch is other
+    bytes)."""
 
     version: Int
     size: Int
     offset: Int
     since: Int | None = None
+    epoch: Int | None = None
 
 
 #: each method's request record (``Upload``: its header)
