@@ -190,3 +190,33 @@ def test_a_local_ray_whose_raylet_starts_late_is_started_again(monkeypatch: pyte
     with pytest.raises(ValueError):
         cluster.start_local_ray(num_cpus=1)
     assert calls == ["init"]
+
+
+def test_islands_whose_start_raises_end_the_run_in_one_line(fast_config: dict, tmp_path: Path) -> None:
+    """An island actor whose start raises is not restarted by Ray: the driver reports it lost with its cause in
+    one line (the others would go on without it); when every island's start raises, the run fails in one line
+    naming each island's cause, not Ray's traceback (found by a breaker: 70 lines of ActorDiedError). The
+    islands' start raises here because their environment carries a malformed test fault (the driver, called
+    through the Python API, does not read it)."""
+    script = (
+        "import sys\n"
+        "from atoll import train\n"
+        "from atoll.config import build_config\n"
+        "from atoll.errors import RunFailed\n"
+        f"config = build_config(overrides={{'strategy': 'decoupled', 'runtime': 'ray', 'islands': 2, 'fragments': 2,"
+        f" 'sync_every': 4, 'steps': 8, 'model': 'micro', 'vocab_size': 512, 'seq_len': 32, 'batch_size': 4,"
+        f" 'data': {fast_config['data']!r}, 'cache_dir': {fast_config['cache_dir']!r}, 'eval_batches': 1,"
+        f" 'threads': 1, 'progress': False, 'collective_timeout_s': 20, 'out': {str(tmp_path / 'run')!r}}})\n"
+        "try:\n"
+        "    train(config)\n"
+        "except RunFailed as e:\n"
+        "    print('FAILED', e.exit_code, e)\n"
+        "    sys.exit(e.exit_code)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ATOLL_TEST_NAN_AT": "not a fault"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    failed = [line for line in r.stdout.splitlines() if line.startswith("FAILED")]
+    assert r.returncode == 1 and len(failed) == 1, (r.stdout + r.stderr)[-3000:]
+    assert "every island died and cannot be restarted (island 0: " in failed[0] and "island 1: " in failed[0]
+    assert "ATOLL_TEST_NAN_AT" in failed[0] and "\n" not in failed[0]
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("atoll: warning: island")]
+    assert len(warnings) == 2 and all("died and cannot be restarted" in w for w in warnings), r.stderr[-3000:]

@@ -22,7 +22,9 @@ is restarted by Ray, pulls the newest global parameters from the syncer, and rej
 optimizer; its un-pushed work is lost. The driver re-issues the island's ``run`` call, which failed with
 the process. When a node dies, Ray restarts its islands on another node that has the resources they ask
 for; an island that no live node can run (:func:`~atoll.runtime.ray.cluster.placeable`) is reported lost
-once Ray declares the node dead (one warning line, ``lost_islands``), and the others go on without it.
+once Ray declares the node dead (one warning line, ``lost_islands``), and the others go on without it; so is
+an island whose process died for good (its start raised, which Ray does not restart, or its restarts are used
+up), with its cause in the line. When every island died so, the run fails in one line naming each cause.
 Once one island has finished (the step budget is spent), the others must finish within
 ``collective_timeout_s``; a hung island is then killed and reported (``abandoned_islands``), so a run never
 waits forever. The syncer's ``rejoin_s`` is the time from the island's last call before it died to its first
@@ -68,7 +70,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from atoll.config import TrainConfig
 from atoll.config.facts import RunFacts
-from atoll.errors import ConfigError
+from atoll.errors import ConfigError, RunFailed
 from atoll.job import stop
 from atoll.job.device import resolve_device
 from atoll.job.divergence import Diverged, check_eval, check_resets, record
@@ -115,7 +117,8 @@ def _run_actors(config: TrainConfig, run: Run,
     results: dict[int, dict[str, Any]] = {}
     failures = [0] * config.islands
     abandoned: list[int] = []
-    lost: list[int] = []  # islands whose node died and that no live node can run
+    lost: list[int] = []  # islands whose node died and that no live node can run, or that died for good
+    died: dict[int, str] = {}  # of those, the ones whose process died for good -> why (one line)
     starved = ""
     # no wait on Ray without a deadline: between short waits for the islands, the syncer must answer within
     # collective_timeout_s (else it is killed and restarted from its checkpoint) and every island must have
@@ -171,7 +174,16 @@ def _run_actors(config: TrainConfig, run: Run,
                 print(f"atoll: warning: island {i} lost its node and cannot be restarted ({e}); the other islands "
                       "go on without it, its un-pushed work is lost", file=sys.stderr)
                 continue
+            except ray.exceptions.ActorDiedError as e:  # its start raised (Ray does not restart it) or its
+                lost.append(i)                          # restarts are used up: the others go on without it
+                died[i] = _cause(e)
+                print(f"atoll: warning: island {i} died and cannot be restarted ({died[i]}); the other islands go on "
+                      "without it, its un-pushed work is lost", file=sys.stderr)
+                continue
             running[islands[i].run.remote()] = i
+    if not results and died:  # no island trained: nothing to finish (a start that raises on every node)
+        why = "; ".join(f"island {i}: {cause}" for i, cause in sorted(died.items()))
+        raise RunFailed(f"error: every island died and cannot be restarted ({why})", 1)
     final = watch.call("finish")
     report.show(watch.call("progress"))  # the run events of the final merges
     final["abandoned"], final["lost"], final["starved"] = sorted(abandoned), sorted(lost), starved
@@ -279,3 +291,10 @@ def train_ray(config: TrainConfig, resume: bool = False) -> dict[str, Any]:
         timeline=True, **({"island_resets": resets} if any(resets) else {}),
         **({"starved": final["starved"]} if final["starved"] else {}),
         **({"diverged": record(config.strategy_config, config, diverged)} if diverged is not None else {}))
+
+
+def _cause(error: Exception) -> str:
+    """The one line that says why a Ray actor died: the last line of Ray's message (the raised exception's
+    type and message, after Ray's traceback), at most 300 characters."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:300]
