@@ -1,35 +1,62 @@
 """The emulated-WAN benchmark of Decoupled DiLoCo as deployed across sites: ``atoll syncer`` and one ``atoll island``
-job of ``--ranks-per-island`` ranks per island (``torchrun``), each in a network namespace of its own, against
-synchronous ``diloco`` on the ``collective`` runtime (the same ranks per island) over the same links; each
-failure-free and with one island SIGKILLed mid-run.
+job per island (``torchrun``, islands of different sizes and speeds), each in a network namespace of its own,
+against synchronous ``diloco`` and ``ddp`` on the ``collective`` runtime over the same links; each failure-free and
+with one island SIGKILLed mid-run (issue 36, item 4).
 
-    atoll bench wan-decoupled                         # as root; the full benchmark (about 2 hours on 2 loaded cores)
-    atoll bench wan-decoupled --model micro --fragments 2 --steps 300 --sync-every 20   # the committed one, ~40 min
-    atoll bench wan-decoupled --steps 60 --sync-every 20 --bandwidths 100 --model micro --fragments 2 --out /tmp/wd
+    atoll bench wan-decoupled                         # as root: the study (12 runs, about 2-3 hours on 2 loaded cores)
+    atoll bench wan-decoupled --model micro --train-arg vocab_size=512 --train-arg seq_len=32 \
+        --train-arg batch_size=4 --train-arg eval_batches=2 --steps 120 --fragments 2 --bandwidths 100 \
+        --step-s 0.25 --out /tmp/wd                   # the smoke: every path (6 runs, about 10 minutes)
     python bench/wan_decoupled.py ...                 # the same, writing bench/out/wan_decoupled by default
 
+The default setting, and why. The ``nano`` model (about 0.46M parameters at the pinned vocabulary of 4096) for 400
+inner steps per island of 8 x 128 tokens: its held-out loss falls from 8.33 to about 4.7 (3 islands of diloco,
+H=50, measured on this machine), still steeply at every target, where the micro model's barely falls (6.9 to
+6.46) and time-to-target on its plateau could not tell the methods apart. The targets are at 0.5, 0.75 and 0.9 of
+the synchronous failure-free run's loss drop (``--drop-fractions``), not at fractions of its steps: the curve is
+convex, so 0.25 of the drop is reached within the first outer round by every method, and fractions of the steps
+past the middle sit where the learning-rate schedule has flattened the curve. The time and the useful tokens to
+each target are reported (besides the older single target at ``--target-fraction`` of the steps). H=20 keeps the
+synchronous curve's resolution at 20 steps and its exchange (about 2.5 MB per island per outer step, fp32 ring over
+3 islands) at about a sixth of a round at 10 Mbit/s, so the link matters. Expected run time per run on 2 loaded
+cores (startup, the run, the decoupled checkpoints evaluated afterwards): diloco 5-6 minutes, decoupled 4-8,
+ddp at 100 Mbit/s 6-8 and at 10 Mbit/s 18-25 (its ring moves about 2.5 MB per step: 2 s at 10 Mbit/s); the study
+about 2-3 hours. Only a handful of processes train at once (4 in a decoupled run, 3 in a synchronous one), one
+torch thread each.
+
+Islands (``--islands 3``): decoupled island jobs of ``--island-ranks 2,1,1`` ranks at relative speeds
+``--island-speeds 1,1,0.5``, made real as ``bench/service_soak.py`` makes them: each island's inner step lasts at
+least ``--step-s`` / its speed (its job's ``--emulate-step-s``; the run declares ``island_speeds``, so the slow
+island's rounds are s x H steps). ``--step-s`` (0.3 s) must exceed a speed-1 island's own step time on the loaded
+host, so that the paces, not the load, set the speeds. The synchronous runs' islands have ``--ranks-per-island``
+ranks each (the collective runtime's islands are all one size), paced the same way through the collective ranks'
+pace hook (:data:`atoll.job.faults.PACE_HOOK_ENV`), so every lockstep (each step for ddp, each outer step for
+diloco) waits for the half-speed island, as it would on slower hardware. The budget is the same: islands x steps
+inner steps (decoupled: shared, each island takes what its pace allows; synchronous: steps each).
+
 Links (:class:`~atoll.benchmarks.netns.EmulatedWan`, ``tc tbf`` both ways, the TUN delay forwarder): each island's
-link is ``--bandwidths`` Mbit/s with ``--delay-ms`` one way (every namespace delays what it sends, so a round trip
-between any two sites is twice that); the syncer's site has a link of ``--syncer-mbps`` (default 1 Gbit/s, a data
-centre's) with the same delay. The synchronous run's islands have the same island links (no syncer). Every process
-runs on the CPU with one torch thread.
+link is ``--bandwidths`` Mbit/s (10 and 100) with ``--delay-ms`` (25) one way (every namespace delays what it
+sends, so a round trip between any two sites is twice that); the syncer's site has a link of ``--syncer-mbps``
+(default 1 Gbit/s, a data centre's) with the same delay. The synchronous runs' islands have the same island links
+(no syncer). Every process runs on the CPU with one torch thread.
 
 The decoupled run is deployed as docs/deployment.md says: the syncer listens on its namespace's address with TLS (a
 self-signed certificate made for that address; the islands trust it with ``--tls-ca``), makes one credential per
 island at its start, and each island's job is given only its own (:mod:`atoll.benchmarks.wan_service`). The kill:
-island 1 (every rank of it) is SIGKILLed as it starts inner step ``--kill-step``, in the synchronous run by the
+island 1 (every rank of it) is SIGKILLed as it starts inner step ``--kill-step``, in the synchronous runs by the
 collective runtime's test hook (its survivors go on without it, ``--min-islands 1``, docs/reliability.md), in
 the decoupled run by the harness (the job's process group: torchrun and its ranks), which then starts the same
 island command again (it rejoins from the newest global fragments).
 
-Both sides train the same model, data, seeds, H, codec (``--codec``, default fp32 for both, so that the bytes
-compare like for like) and token budget (islands x steps, each island's batch split over its ranks), on the
-settings of ``atoll bench wan`` (:data:`~atoll.benchmarks.wan.EARLIER_SETTING`). Measured per run
-(:mod:`atoll.benchmarks.wan_measures` defines each): the time to the target loss (the synchronous failure-free run's
-held-out loss at half its inner steps), steady tokens/s, useful tokens and goodput, the final held-out loss, bytes
-per island counted by atoll and by each namespace's interface over the whole run, and for the kills when the
-island was back. The 1-minute load average is recorded beside every run: the CPUs may be shared. Beside the
-measurement, ``atoll project``'s prediction for the same setting and at 12B over 2-5 Gbit/s (the paper's claim).
+Every run trains the same model, data, seeds, codec (``--codec``, default fp32 for all, so that the bytes compare
+like for like) and token budget (islands x steps, each island's batch split over its ranks), on the settings of
+``atoll bench wan`` (:data:`~atoll.benchmarks.wan.EARLIER_SETTING`). Measured per run
+(:mod:`atoll.benchmarks.wan_measures` defines each): the time and useful tokens to each target, and their ratios to
+the diloco run with the same failure; steady tokens/s, useful tokens and goodput (over the paced islands'
+failure-free rate); the final held-out loss; bytes sent and received per island counted by atoll (summary.json)
+and by each namespace's interface (tx and rx) over the whole run; and for the kills when the island was back. The
+1-minute load average is recorded beside every run: the CPUs may be shared. Beside the measurement, ``atoll
+project``'s prediction for the same setting and at 12B over 2-5 Gbit/s (the paper's claim).
 
 Writes ``<out>/<run>/`` (the run's folders, logs and ``wan.json``), ``<out>/results.json`` and ``<out>/results.md``.
 A run whose ``wan.json`` exists is reused (``--fresh`` reruns it); ``--out`` is checked as ``atoll bench wan``'s.

@@ -108,8 +108,8 @@ def landing(rows: list[dict[str, Any]], projected: dict[str, Any]) -> str:
                       f"{p['link']}" for p in projected["12B"])
     return (f"where this lands: measured decoupled over synchronous diloco, {'; '.join(parts) or 'none'}; atoll "
             f"project predicts {here or '-'} for this setting (step time only: no sample efficiency, no load); the "
-            f"paper's >{projected['paper_speedup_2_5gbps']:g}x is over ddp at 12B (atoll project: {scale}), a "
-            "comparison this benchmark does not train (no ddp run, a model 5 orders of magnitude smaller)")
+            f"paper's >{projected['paper_speedup_2_5gbps']:g}x is over ddp at 12B (atoll project: {scale}); this "
+            "benchmark's ddp runs share its links but train a model 4-5 orders of magnitude smaller")
 
 
 def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], projected: dict[str, Any]) -> str:
