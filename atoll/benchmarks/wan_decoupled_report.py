@@ -151,8 +151,10 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "at the run's seconds per step; goodput: useful tokens (merged into the global model) per "
         "second of run clock until the last outer step or commit, over every island computing all the time at the "
         "run's measured seconds per inner step",
-        "bytes: whole run per island; atoll = pushes (decoupled: the killed island's first job's count dies with "
-        "it) or the ring all-reduce; iface = its namespace's interface (TCP/IP, TLS, gRPC, heartbeats, step grants)",
+        "bytes: whole run per island, sent / received; atoll = decoupled: pushes / pulls per island (the killed "
+        "island's first job's counts die with it); synchronous: the ring all-reduce's send / receive halves, the "
+        "run's mean per island (summary.json's one figure, the killed island shown at it too); iface = its "
+        "namespace's interface, tx / rx (TCP/IP, TLS, gRPC, heartbeats, step grants)",
         "back after kill: decoupled, seconds from the SIGKILL until the restarted job's first push was merged; "
         "synchronous, the survivors' first exchange without the lost island (recovery_s)",
         f"load: the 1-minute load average at each run's start / end on {meta['cpus']} CPUs (results.json: each "
