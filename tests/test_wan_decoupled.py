@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from atoll.benchmarks.netns import NETNS_DIR, PREFIX, EmulatedWan, LinkShape, unavailable_reason
-from atoll.benchmarks.wan_decoupled import _check_args, add_arguments, island_paces, kill_step, pace_hook, settings
+from atoll.benchmarks.wan_decoupled import (
+    _check_args,
+    add_arguments,
+    island_paces,
+    kill_step,
+    pace_hook,
+    run_setup,
+    settings,
+)
 from atoll.benchmarks.wan_measures import (
     compare,
     diloco_curve,
@@ -191,6 +199,15 @@ def test_settings_declare_speeds_to_decoupled_only() -> None:
     assert "island_speeds" not in settings(a, "diloco") and "island_speeds" not in settings(a, "ddp")
     ddp = settings(a, "ddp")
     assert ddp["runtime"] == "collective" and ddp["eval_every"] == 20 and "sync_every" not in ddp
+
+
+def test_a_cached_run_is_reused_only_with_its_setup() -> None:
+    a = _args()
+    assert run_setup(a, "decoupled") == run_setup(_args(), "decoupled")
+    assert run_setup(a, "decoupled")["settings"]["model"] == "nano" and run_setup(a, "diloco")["kill_step"] is None
+    assert run_setup(a, "diloco-kill")["kill_step"] == 170
+    assert run_setup(_args("--model", "micro"), "decoupled") != run_setup(a, "decoupled")
+    assert run_setup(_args("--step-s", "0.4"), "diloco") != run_setup(a, "diloco")
 
 
 def test_drop_targets_and_paced_rate() -> None:

@@ -387,13 +387,30 @@ def run_decoupled(args: argparse.Namespace, mbps: float, kill: bool, out: Path) 
     return row
 
 
+def run_setup(args: argparse.Namespace, variant: str) -> dict[str, Any]:
+    """What a run trains, beyond its name (which says the strategy, H, link and kill): its settings and the
+    benchmark's islands, paces and kill step. A cached ``wan.json`` is reused only when its ``setup`` is this one
+    (an earlier benchmark's run of the same name is trained again)."""
+    kind, _, kill = variant.partition("-")
+    return json.loads(json.dumps({"settings": settings(args, kind), "island_ranks": args.island_ranks,
+                                  "ranks_per_island": args.ranks_per_island, "island_speeds": args.island_speeds,
+                                  "step_s": args.step_s, "kill_step": kill_step(args) if kill else None,
+                                  "fragments": args.fragments, "syncer_mbps": args.syncer_mbps,
+                                  "tbf_latency_ms": args.tbf_latency_ms, "mtu": args.mtu}))
+
+
 def one_run(args: argparse.Namespace, variant: str, mbps: float) -> dict[str, Any]:
     """Run (or reuse) one variant at one bandwidth; the row of results.json."""
     name = run_name(variant, args, mbps)
     out = args.out / name
     cached = out / "wan.json"
+    setup = run_setup(args, variant)
     if cached.is_file() and not args.fresh:
-        return {**json.loads(cached.read_text()), "reused": True}
+        row = json.loads(cached.read_text())
+        if row.get("setup") == setup:
+            return {**row, "reused": True}
+        print(f"[wan-decoupled] {name}: its wan.json has other settings (an earlier setting of the benchmark); "
+              "trained again", file=sys.stderr, flush=True)
     if check_benchmark_run(args.out, name, MARKERS, PATTERNS):
         clear_run_dir(out, MARKERS, PATTERNS)
     make_folder(args.out)
@@ -409,7 +426,8 @@ def one_run(args: argparse.Namespace, variant: str, mbps: float) -> dict[str, An
     row.update({"run": name, "variant": variant, "strategy": kind, "kill": bool(kill),
                 "kill_step": kill_step(args) if kill else None, "mbps": mbps, "delay_ms": args.delay_ms,
                 "H": args.sync_every, "steps": args.steps, "islands": args.islands, "wall_s": time.time() - t0,
-                "load_start": load, "load_end": os.getloadavg()[0], "uptime_start": uptime, "uptime_end": _uptime()})
+                "load_start": load, "load_end": os.getloadavg()[0], "uptime_start": uptime, "uptime_end": _uptime(),
+                "setup": setup})
     if row["ok"]:
         cached.write_text(json.dumps(row, indent=2))
     else:
