@@ -107,7 +107,9 @@ PATTERNS = (r"wan\.json", r"rank\d+\.log", r"kill_stamp", r"syncer\.log", r"isla
             r"tls(?:/syncer\.(?:pem|key))?", r"snapshots(?:/step_\d+(?:/state\.(?:json|safetensors))?)?",
             r"syncer/(?:credentials|service|run)", r"syncer/credentials/\.?island_\d+\.token(?:\.tmp)?",
             r"syncer/service/\.?(?:status|left)\.json(?:\.tmp)?", r"syncer/service/\.?syncer\.pid(?:\.tmp)?",
-            rf"syncer/(?:{_SUB})", rf"syncer/run/(?:{_SUB})")
+            rf"syncer/(?:{_SUB})", rf"syncer/run/(?:{_SUB})",
+            # the syncer's own: its run's timeline, the settings it pinned, its ledger of commits
+            r"syncer/run/timeline\.png", r"syncer/\.?settings\.json(?:\.tmp)?", r"syncer/syncer/\.?ledger\.json(?:\.tmp)?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -399,16 +401,28 @@ def run_setup(args: argparse.Namespace, variant: str) -> dict[str, Any]:
                                   "tbf_latency_ms": args.tbf_latency_ms, "mtu": args.mtu}))
 
 
+def _cached(args: argparse.Namespace, variant: str, mbps: float) -> dict[str, Any] | None:
+    """The run's ``wan.json`` row where it may be reused (not ``--fresh``, and its setup is this one), else None."""
+    cached = args.out / run_name(variant, args, mbps) / "wan.json"
+    if args.fresh or not cached.is_file():
+        return None
+    try:
+        row = json.loads(cached.read_text())
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and row.get("setup") == run_setup(args, variant) else None
+
+
 def one_run(args: argparse.Namespace, variant: str, mbps: float) -> dict[str, Any]:
     """Run (or reuse) one variant at one bandwidth; the row of results.json."""
     name = run_name(variant, args, mbps)
     out = args.out / name
     cached = out / "wan.json"
     setup = run_setup(args, variant)
+    row = _cached(args, variant, mbps)
+    if row is not None:
+        return {**row, "reused": True}
     if cached.is_file() and not args.fresh:
-        row = json.loads(cached.read_text())
-        if row.get("setup") == setup:
-            return {**row, "reused": True}
         print(f"[wan-decoupled] {name}: its wan.json has other settings (an earlier setting of the benchmark); "
               "trained again", file=sys.stderr, flush=True)
     if check_benchmark_run(args.out, name, MARKERS, PATTERNS):
@@ -440,9 +454,8 @@ def check_out(args: argparse.Namespace) -> None:
     check_out_folder(args.out)
     for mbps in args.bandwidths:
         for v in args.variants:
-            name = run_name(v, args, mbps)
-            if args.fresh or not (args.out / name / "wan.json").is_file():
-                check_benchmark_run(args.out, name, MARKERS, PATTERNS)
+            if _cached(args, v, mbps) is None:
+                check_benchmark_run(args.out, run_name(v, args, mbps), MARKERS, PATTERNS)
 
 
 def _uptime() -> str:
