@@ -109,7 +109,8 @@ PATTERNS = (r"wan\.json", r"rank\d+\.log", r"kill_stamp", r"syncer\.log", r"isla
             r"syncer/service/\.?(?:status|left)\.json(?:\.tmp)?", r"syncer/service/\.?syncer\.pid(?:\.tmp)?",
             rf"syncer/(?:{_SUB})", rf"syncer/run/(?:{_SUB})",
             # the syncer's own: its run's timeline, the settings it pinned, its ledger of commits
-            r"syncer/run/timeline\.png", r"syncer/\.?settings\.json(?:\.tmp)?", r"syncer/syncer/\.?ledger\.json(?:\.tmp)?")
+            r"syncer/run/timeline\.png", r"syncer/\.?settings\.json(?:\.tmp)?",
+            r"syncer/syncer/\.?ledger\.json(?:\.tmp)?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
