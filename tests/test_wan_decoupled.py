@@ -14,14 +14,24 @@ from pathlib import Path
 import pytest
 
 from atoll.benchmarks.netns import NETNS_DIR, PREFIX, EmulatedWan, LinkShape, unavailable_reason
-from atoll.benchmarks.wan_decoupled import _check_args, add_arguments, kill_step
+from atoll.benchmarks.wan_decoupled import (
+    _check_args,
+    add_arguments,
+    island_paces,
+    kill_step,
+    pace_hook,
+    run_setup,
+    settings,
+)
 from atoll.benchmarks.wan_measures import (
     compare,
     diloco_curve,
     diloco_useful_tokens,
+    drop_targets,
     eval_seconds,
     goodput,
     granted_rate,
+    paced_rate,
     rejoin_times,
     target_loss,
     time_to_target,
@@ -29,6 +39,8 @@ from atoll.benchmarks.wan_measures import (
     without_evals,
 )
 from atoll.benchmarks.wan_service import descendants, island_command, kill_job, syncer_certificate
+from atoll.errors import ConfigError
+from atoll.job.faults import PACE_HOOK_ENV, pace_faults, parse_pace_hook
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -153,17 +165,117 @@ def test_compare_sets_targets_and_speedups() -> None:
 
 
 def test_flags_are_checked() -> None:
-    assert _check_args(_args()) is None and kill_step(_args()) == 120  # 0.4 x 300, off the H=50 boundaries
-    assert kill_step(_args("--steps", "250")) == 125  # 100 is a boundary: half a round later
+    assert _check_args(_args()) is None and kill_step(_args()) == 170  # 0.4 x 400 is an H=20 boundary: +10
+    assert kill_step(_args("--steps", "300", "--sync-every", "50")) == 120  # 0.4 x 300, off the H=50 boundaries
+    assert kill_step(_args("--steps", "250", "--sync-every", "50")) == 125  # 100 is a boundary: half a round later
     assert "multiple of 10" in _check_args(_args("--sync-every", "25"))
     assert "--kill-step" in _check_args(_args("--kill-step", "100"))
-    assert "--variants" in _check_args(_args("--variants", "diloco,ddp"))
-    assert "--islands" in _check_args(_args("--islands", "1"))
+    assert "--variants" in _check_args(_args("--variants", "diloco,streaming"))
+    assert _check_args(_args("--variants", "diloco,ddp,ddp-kill")) is None
+    assert "--islands" in _check_args(_args("--islands", "1", "--island-ranks", "none", "--island-speeds", "none"))
     assert "--ranks-per-island" in _check_args(_args("--ranks-per-island", "0"))
     assert "--target-fraction" in _check_args(_args("--target-fraction", "0"))
-    assert "--target-fraction (500)" in _check_args(_args("--target-fraction", "0.1"))  # step 30: before H=50
+    assert "--target-fraction (500)" in _check_args(_args("--target-fraction", "0.1", "--steps", "300",
+                                                          "--sync-every", "50"))  # step 30: before H=50
     assert _check_args(_args("--target-fraction", "0.25")) is None
-    assert _args().ranks_per_island == 2
+    # the study's islands: 2, 1 and 1 ranks (decoupled), speeds 1, 1, 0.5 paced at 0.3 s per speed-1 step
+    a = _args()
+    assert (a.islands, a.ranks_per_island, a.island_ranks, a.island_speeds, a.step_s) == (3, 1, [2, 1, 1],
+                                                                                         [1.0, 1.0, 0.5], 0.3)
+    assert a.drop_fractions == [0.5, 0.75, 0.9] and a.model == "nano"
+    assert island_paces(a) == [0.3, 0.3, 0.6] and pace_hook([0.3, 0.3, 0.6], 2) == "0:0.3,1:0.3,2:0.3,3:0.3,4:0.6,5:0.6"
+    none = _args("--island-speeds", "none", "--island-ranks", "none", "--drop-fractions", "none")
+    assert _check_args(none) is None and island_paces(none) is None and none.drop_fractions is None
+    assert "--island-ranks" in _check_args(_args("--island-ranks", "2,1"))
+    assert "--island-speeds" in _check_args(_args("--island-speeds", "0.5,0.5,0.25"))  # the fastest is not 1
+    assert "--island-speeds" in _check_args(_args("--island-speeds", "1,1"))
+    assert "--step-s" in _check_args(_args("--step-s", "0"))
+    assert "--drop-fractions" in _check_args(_args("--drop-fractions", "0.5,1"))
+
+
+def test_settings_declare_speeds_to_decoupled_only() -> None:
+    a = _args()
+    assert settings(a, "decoupled")["island_speeds"] == "1,1,0.5"
+    assert "island_speeds" not in settings(a, "diloco") and "island_speeds" not in settings(a, "ddp")
+    ddp = settings(a, "ddp")
+    assert ddp["runtime"] == "collective" and ddp["eval_every"] == 20 and "sync_every" not in ddp
+
+
+def test_a_cached_run_is_reused_only_with_its_setup() -> None:
+    a = _args()
+    assert run_setup(a, "decoupled") == run_setup(_args(), "decoupled")
+    assert run_setup(a, "decoupled")["settings"]["model"] == "nano" and run_setup(a, "diloco")["kill_step"] is None
+    assert run_setup(a, "diloco-kill")["kill_step"] == 170
+    assert run_setup(_args("--model", "micro"), "decoupled") != run_setup(a, "decoupled")
+    assert run_setup(_args("--step-s", "0.4"), "diloco") != run_setup(a, "diloco")
+
+
+def test_drop_targets_and_paced_rate() -> None:
+    evals = [(0, 8.0), (20, 6.0), (40, 5.0), (60, 4.0)]
+    assert drop_targets(evals, [0.25, 0.5, 0.75]) == [7.0, 6.0, 5.0]  # 8 - f x (8 - 4)
+    with pytest.raises(ValueError, match="did not fall"):
+        drop_targets([(0, 5.0), (20, 5.5)], [0.5])
+    with pytest.raises(ValueError, match="step 0"):
+        drop_targets(evals[1:], [0.5])
+    with pytest.raises(ValueError, match="fractions"):
+        drop_targets(evals, [1.0])
+    assert paced_rate([1.0, 1.0, 0.5], 100, 0.5) == 500.0  # 2.5 islands' worth of 100 tokens every 0.5 s
+    with pytest.raises(ValueError):
+        paced_rate([1.0, 0.0], 100, 0.5)
+
+
+def test_compare_with_drop_targets_ddp_and_paced_goodput() -> None:
+    def row(variant: str, curve: list, evals: list | None = None) -> dict:
+        kind, _, kill = variant.partition("-")
+        return {"ok": True, "variant": variant, "strategy": kind, "kill": bool(kill), "mbps": 10.0, "steps": 60,
+                "islands": 3, "evals": evals, "curve": curve, "tokens_per_s": 10.0, "H": 20, "kill_step": 31,
+                "useful_tokens": 1800.0, "run_s": 60.0, "step_s": 1.0, "tokens_per_step": 10,
+                "ideal_tokens_per_s": 25.0}
+
+    sync_evals = [(0, 8.0), (20, 6.0), (40, 5.0), (60, 4.0)]
+    rows = [row("diloco", [(0.0, 8.0), (20.0, 6.0), (40.0, 5.0), (60.0, 4.0)], sync_evals),
+            row("decoupled", [(0.0, 8.0), (10.0, 5.5), (30.0, 4.5)]),
+            row("ddp", [(0.0, 8.0), (40.0, 7.0), (80.0, 5.9), (120.0, 5.6)], [(0, 8.0), (20, 7.0), (40, 5.9),
+                                                                              (60, 5.6)]),
+            row("ddp-kill", [(0.0, 8.0), (40.0, 7.0), (80.0, 6.0), (120.0, 5.9)], [(0, 8.0), (20, 7.0), (40, 6.0),
+                                                                                   (60, 5.9)])]
+    rows[1]["tokens_curve"] = [(0.0, 0.0), (10.0, 300.0), (30.0, 900.0)]
+    compare(rows, 0.5, [0.5, 0.75])
+    assert all(r["targets"] == [6.0, 5.0] for r in rows)
+    assert [r["times_to_targets_s"] for r in rows] == [[20.0, 40.0], [10.0, 30.0], [80.0, None], [80.0, None]]
+    # ddp: every island's every step is useful (H = 1); island 1 of ddp-kill died as it started step 31: 30 count
+    assert rows[2]["tokens_to_targets"] == [1200.0, None] and rows[3]["tokens_to_targets"] == [1100.0, None]
+    assert rows[0]["tokens_to_targets"] == [600.0, 1200.0] and rows[1]["tokens_to_targets"] == [300.0, 900.0]
+    assert rows[1]["speedups_to_targets"] == [2.0, 4 / 3] and rows[1]["tokens_ratio_to_targets"] == [0.5, 0.75]
+    assert rows[2]["speedups_to_targets"] == [0.25, None] and rows[2]["tokens_ratio_to_targets"] == [2.0, None]
+    assert rows[3]["speedups_to_targets"] is None  # no diloco-kill run to compare with
+    assert rows[0]["goodput"] == pytest.approx(1800 / 60 / 25)  # over the paced islands' rate
+
+
+def test_pace_hook_spaces_each_ranks_steps() -> None:
+    now, slept = [0.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    hook = pace_faults("0:0.5,2:1.0", clock=lambda: now[0], sleep=sleep)
+    for step in range(3):  # rank 0's steps take 0.2 s of compute: it waits 0.3 s before each later one
+        hook(None, step, "start", rank=0)
+        now[0] += 0.2
+    assert slept == pytest.approx([0.3, 0.3])
+    hook(None, 0, "start", rank=1)  # a rank not named: never waits
+    hook(None, 1, "start", rank=1)
+    hook(None, 0, "grad", rank=2)  # not a step's start
+    assert len(slept) == 2
+    hook(None, 0, "start", rank=2)
+    now[0] += 1.5  # a step longer than its pace: no wait, nothing made up later
+    hook(None, 1, "start", rank=2)
+    assert len(slept) == 2
+    assert parse_pace_hook("0:0.25, 3:1") == {0: 0.25, 3: 1.0}
+    for bad in ("0", "0:x", "0:0", "", "a:1"):
+        with pytest.raises(ConfigError, match=PACE_HOOK_ENV):
+            parse_pace_hook(bad)
 
 
 def test_island_command_and_certificate() -> None:
@@ -246,7 +358,7 @@ def test_deployed_decoupled_smoke_with_a_kill(corpus_file: Path, cache_dir: Path
              # on 2 loaded cores (with 600, a CI run saw island 0 spend the budget between island 1's join and
              # its first lease); the kill at step 150 leaves a second or more of the others' rate before it
              "--delay-ms", "20", "--kill-step", "150", "--variants", "decoupled-kill", "--run-timeout-s", "240",
-             "--ranks-per-island", "1",
+             "--ranks-per-island", "1", "--islands", "2", "--island-ranks", "none", "--island-speeds", "none",
              "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-m", "atoll.cli", "bench", "wan-decoupled", *flags], capture_output=True,

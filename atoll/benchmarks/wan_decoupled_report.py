@@ -32,10 +32,13 @@ COLUMNS: list[Column] = [
     ("run", "run"), ("Mbit/s", "mbps"), ("kill", "kill_text"), ("time to target s", "time_to_target_s"),
     ("x sync (target)", "speedup_to_target"), ("step s", "step_s"), ("to target, step times", "time_to_target_steps"),
     ("x sync (step times)", "speedup_to_target_steps"), ("tokens to target", "tokens_to_target"),
+    ("time to targets s", "times_to_targets_s"), ("x sync (targets)", "speedups_to_targets"),
+    ("tokens to targets", "tokens_to_targets"), ("tokens / sync's (targets)", "tokens_ratio_to_targets"),
     ("tokens/s", "tokens_per_s"), ("x sync (tokens/s)", "tokens_per_s_ratio"),
     ("utilization", "steady_utilization"), ("x sync (utilization)", "utilization_ratio"),
     ("goodput", "goodput"), ("useful tokens", "useful_tokens"), ("eval loss", "final_eval_loss"),
-    ("bytes/island (atoll)", "atoll_bytes"), ("bytes/island (iface tx)", "iface_tx_islands"),
+    ("bytes/island sent (atoll)", "atoll_bytes"), ("bytes/island received (atoll)", "atoll_bytes_received"),
+    ("bytes/island (iface tx)", "iface_tx_islands"), ("bytes/island (iface rx)", "iface_rx_islands"),
     ("iface/atoll", "iface_over_atoll"), ("back after kill s", "back_s"), ("load", "load_text"),
     ("wall s", "wall_s")]
 
@@ -46,7 +49,8 @@ def _table_row(r: dict[str, Any]) -> dict[str, Any]:
         return {"run": r.get("run"), "mbps": r.get("mbps"), "kill_text": "FAILED"}
     islands = r["islands"]
     return {**r, "kill_text": f"island 1 at {r['kill_step']}" if r["kill"] else "-",
-            "iface_tx_islands": r["iface_tx_bytes"][:islands], "iface_over_atoll": _ratio(r), "back_s": _back(r),
+            "iface_tx_islands": r["iface_tx_bytes"][:islands], "iface_rx_islands": r["iface_rx_bytes"][:islands],
+            "iface_over_atoll": _ratio(r), "back_s": _back(r),
             "load_text": f"{r['load_start']:.1f} / {r['load_end']:.1f}"}
 
 
@@ -104,23 +108,37 @@ def landing(rows: list[dict[str, Any]], projected: dict[str, Any]) -> str:
                       f"{p['link']}" for p in projected["12B"])
     return (f"where this lands: measured decoupled over synchronous diloco, {'; '.join(parts) or 'none'}; atoll "
             f"project predicts {here or '-'} for this setting (step time only: no sample efficiency, no load); the "
-            f"paper's >{projected['paper_speedup_2_5gbps']:g}x is over ddp at 12B (atoll project: {scale}), a "
-            "comparison this benchmark does not train (no ddp run, a model 5 orders of magnitude smaller)")
+            f"paper's >{projected['paper_speedup_2_5gbps']:g}x is over ddp at 12B (atoll project: {scale}); this "
+            "benchmark's ddp runs share its links but train a model 4-5 orders of magnitude smaller")
 
 
 def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], projected: dict[str, Any]) -> str:
     """``results.json`` (``meta``, ``rows``, ``projection``) and ``results.md`` in ``out``; returns the Markdown."""
     ranks = int(meta.get("ranks_per_island") or 1)
-    title = (f"Decoupled DiLoCo deployed (atoll syncer + {meta['islands']} island jobs of {ranks} rank"
-             f"{'s' if ranks > 1 else ''}, TLS) against synchronous diloco (collective runtime, {ranks} rank"
-             f"{'s' if ranks > 1 else ''} per island): {meta['model']} model ({cell(meta.get('params'))} parameters), "
-             f"H={meta['sync_every']}, {meta['steps']} steps per "
-             f"island, {meta['delay_ms']:g} ms one way, syncer link {meta['syncer_mbps']:g} Mbit/s")
+    own = meta.get("island_ranks")
+    jobs = (f"of {','.join(map(str, own))} ranks" if own else f"of {ranks} rank{'s' if ranks > 1 else ''}")
+    speeds = meta.get("island_speeds")
+    paced = (f", island speeds {','.join(f'{s:g}' for s in speeds)} ({meta['step_s']:g} s per inner step at "
+             "speed 1)" if speeds else "")
+    title = (f"Decoupled DiLoCo deployed (atoll syncer + {meta['islands']} island jobs {jobs}, TLS) against "
+             f"synchronous diloco and ddp (collective runtime, {ranks} rank{'s' if ranks > 1 else ''} per island): "
+             f"{meta['model']} model ({cell(meta.get('params'))} parameters), H={meta['sync_every']}, "
+             f"{meta['steps']} steps per island{paced}, {meta['delay_ms']:g} ms one way, syncer link "
+             f"{meta['syncer_mbps']:g} Mbit/s")
     target = next((r for r in rows if r.get("target_loss") is not None), None)
     notes = [
         (f"target: {target['target_loss']:.4f}, the synchronous failure-free run's held-out loss after its outer "
          f"step at inner step {target['target_step']} ({meta.get('target_fraction', 0.5):g} of its steps)")
         if target else "target: none (no diloco run)",
+        *([f"targets: {', '.join(f'{x:.4f}' for x in target['targets'])}, at "
+           f"{', '.join(f'{f:g}' for f in meta['drop_fractions'])} of the synchronous failure-free run's loss drop "
+           "(its evaluation at step 0 to its last); time and useful tokens to each (- never reached); x sync: the "
+           "diloco run's time with the same failure over this one's; tokens / sync's: this run's tokens over the "
+           "diloco run's with the same failure (the goal: decoupled at most 1.05 without the kill)"]
+          if target and target.get("targets") else []),
+        *(["speeds: each island's inner steps paced at step_s / its speed (decoupled: the island job's "
+           "--emulate-step-s; synchronous: the collective ranks' pace hook, every lockstep waiting for the slowest); "
+           "goodput: over those paces' failure-free rate, every island computing all the time"] if speeds else []),
         "time to target: run clock (from the first inner step) until the global model's held-out loss is at or below "
         "it (synchronous: after each outer step, its evaluations' time taken out; decoupled: the syncer's "
         "checkpoint after each commit, evaluated afterwards with the same batches); x sync: the synchronous run's "
@@ -133,8 +151,10 @@ def write_report(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any], pr
         "at the run's seconds per step; goodput: useful tokens (merged into the global model) per "
         "second of run clock until the last outer step or commit, over every island computing all the time at the "
         "run's measured seconds per inner step",
-        "bytes: whole run per island; atoll = pushes (decoupled: the killed island's first job's count dies with "
-        "it) or the ring all-reduce; iface = its namespace's interface (TCP/IP, TLS, gRPC, heartbeats, step grants)",
+        "bytes: whole run per island, sent / received; atoll = decoupled: pushes / pulls per island (the killed "
+        "island's first job's counts die with it); synchronous: the ring all-reduce's send / receive halves, the "
+        "run's mean per island (summary.json's one figure, the killed island shown at it too); iface = its "
+        "namespace's interface, tx / rx (TCP/IP, TLS, gRPC, heartbeats, step grants)",
         "back after kill: decoupled, seconds from the SIGKILL until the restarted job's first push was merged; "
         "synchronous, the survivors' first exchange without the lost island (recovery_s)",
         f"load: the 1-minute load average at each run's start / end on {meta['cpus']} CPUs (results.json: each "

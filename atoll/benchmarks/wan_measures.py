@@ -107,6 +107,31 @@ def target_loss(curve_steps: Sequence[tuple[int, float]], steps: int, fraction: 
     return max(below)
 
 
+def drop_targets(curve_steps: Sequence[tuple[int, float]], fractions: Sequence[float]) -> list[float]:
+    """Target losses at ``fractions`` of the synchronous failure-free run's loss drop: ``L0 - f x (L0 - L_end)``,
+    ``L0`` its held-out loss at step 0 and ``L_end`` at its last evaluation (held-out loss, nats per token).
+    Fractions of the drop, not of the steps, put every target on the falling part of the curve whatever its
+    shape (a target at a fraction of the steps sits on a plateau when the loss has stopped falling there).
+
+    Args:
+        curve_steps: (inner step, held-out loss) of its ``eval`` events, step order, the first at step 0.
+        fractions: each in (0, 1).
+
+    Raises:
+        ValueError: no evaluation at step 0 and after it, a fraction outside (0, 1), or a curve that did not fall.
+    """
+    if any(not 0 < f < 1 for f in fractions):
+        raise ValueError(f"fractions: each in (0, 1); got {list(fractions)}")
+    first = next((loss for s, loss in curve_steps if s == 0), None)
+    later = [loss for s, loss in curve_steps if s > 0]
+    if first is None or not later:
+        raise ValueError("targets: need the evaluation at step 0 and one after it; evaluate every H steps")
+    drop = first - later[-1]
+    if not drop > 0:
+        raise ValueError(f"targets: the loss did not fall ({first:.4f} -> {later[-1]:.4f}); train longer")
+    return [first - f * drop for f in fractions]
+
+
 def time_to_target(curve: Sequence[tuple[float, float]], target: float) -> float | None:
     """The first time of ``curve`` ((seconds, loss), in time order) whose loss is at or below ``target``; None if
     it never gets there. No interpolation: the global model is that loss from that point on, not before."""
@@ -209,28 +234,71 @@ def rejoin_times(status: Sequence[tuple[float, dict[str, Any]]], island: int, ki
             "back_merged_s": None if merged is None else merged - killed_at, "others_rate_ratio": ratio}
 
 
-def compare(rows: list[dict[str, Any]], target_fraction: float = 0.5) -> None:
+def paced_rate(speeds: Sequence[float], tokens_per_step: int, step_s: float) -> float:
+    """Tokens per second of islands paced at relative ``speeds`` (each inner step of an island of speed s lasts
+    ``step_s / s`` seconds), every island computing all the time: the failure-free rate of goodput when the
+    benchmark sets the islands' paces (``--island-speeds``, ``--step-s``).
+
+    Raises:
+        ValueError: a speed or ``step_s`` not above 0.
+    """
+    if step_s <= 0 or any(s <= 0 for s in speeds):
+        raise ValueError(f"speeds and step_s must be > 0; got {list(speeds)}, {step_s}")
+    return sum(speeds) * tokens_per_step / step_s
+
+
+def _per_target(r: dict[str, Any], targets: list[float]) -> None:
+    """A run's time (run clock s) and useful tokens to each of ``targets`` (None: never reached), in place."""
+    times = [time_to_target(r["curve"], t) for t in targets]
+    r["targets"] = targets
+    r["times_to_targets_s"] = times
+    r["tokens_to_targets"] = [value_at(r["tokens_curve"], t) if t is not None and r.get("tokens_curve") else None
+                              for t in times]
+
+
+def _ratios(mine: list[float | None] | None, base: list[float | None] | None,
+            inverse: bool) -> list[float | None] | None:
+    """Per target: base / mine (``inverse``: a speed-up) or mine / base; None where either is missing (all of
+    them: None)."""
+    if not mine or not base:
+        return None
+    return [(b / m if inverse else m / b) if m and b else None for m, b in zip(mine, base, strict=True)]
+
+
+def compare(rows: list[dict[str, Any]], target_fraction: float = 0.5,
+            drop_fractions: Sequence[float] = ()) -> None:
     """Per bandwidth: the target loss (the synchronous failure-free run's at ``target_fraction`` of its steps,
-    :func:`target_loss`), every run's time to it, goodput, and the decoupled runs' speed-ups over the synchronous
-    run with the same failure (in place)."""
+    :func:`target_loss`), every run's time to it, goodput, and the other runs' speed-ups over the synchronous
+    (diloco) run with the same failure (in place). With ``drop_fractions``, also the targets at those fractions of
+    that run's loss drop (:func:`drop_targets`): per run ``targets``, ``times_to_targets_s``, ``tokens_to_targets``,
+    and against the diloco run with the same failure ``speedups_to_targets`` (its time over this one's) and
+    ``tokens_ratio_to_targets`` (this one's tokens over its). A row with ``ideal_tokens_per_s`` (paced islands,
+    :func:`paced_rate`) takes its goodput over that rate. ddp rows (``strategy`` ``ddp``) count useful tokens per
+    inner step (H = 1)."""
     for mbps in sorted({r["mbps"] for r in rows}):
         group = [r for r in rows if r["mbps"] == mbps and r.get("ok")]
         sync = next((r for r in group if r["variant"] == "diloco"), None)
         target = target_loss(sync["evals"], sync["steps"], target_fraction) if sync else None
+        targets = drop_targets(sync["evals"], drop_fractions) if sync and drop_fractions else []
         for r in group:
             r["target_step"], r["target_loss"] = target if target else (None, None)
             r["time_to_target_s"] = time_to_target(r["curve"], target[1]) if target else None
             r["time_to_target_steps"] = (r["time_to_target_s"] / r["step_s"]
                                          if r["time_to_target_s"] is not None and r.get("step_s") else None)
-            if r["strategy"] == "diloco":  # the useful tokens after each outer step (an evaluation each)
+            if r["strategy"] in ("diloco", "ddp"):  # the useful tokens after each evaluation (outer step)
                 lost = {1: r["kill_step"] - 1} if r["kill"] else {}  # island 1, SIGKILLed as it started kill_step
-                r["tokens_curve"] = [(t, float(diloco_useful_tokens(int(step), r["islands"], r["H"],
+                h = r["H"] if r["strategy"] == "diloco" else 1
+                r["tokens_curve"] = [(t, float(diloco_useful_tokens(int(step), r["islands"], h,
                                                                     r["tokens_per_step"], lost)))
                                      for (t, _), (step, _) in zip(r["curve"], r["evals"], strict=True)]
+            if targets:
+                _per_target(r, targets)
             r["tokens_to_target"] = (value_at(r["tokens_curve"], r["time_to_target_s"])
                                      if r["time_to_target_s"] is not None and r.get("tokens_curve") else None)
             r["goodput"] = goodput(r["useful_tokens"], r["run_s"], r["islands"], r["tokens_per_step"], r["step_s"]) \
                 if r.get("tokens_per_step") and r.get("step_s") else None
+            if r.get("ideal_tokens_per_s") and r["run_s"] > 0:
+                r["goodput"] = r["useful_tokens"] / r["run_s"] / r["ideal_tokens_per_s"]
             # steady tokens/s over every island computing all the time: the throughput that holds across loads
             r["steady_utilization"] = (r["tokens_per_s"] * r["step_s"] / (r["islands"] * r["tokens_per_step"])
                                        if r.get("tokens_per_s") and r.get("step_s") and r.get("tokens_per_step")
@@ -246,3 +314,8 @@ def compare(rows: list[dict[str, Any]], target_fraction: float = 0.5) -> None:
             r["utilization_ratio"] = (r["steady_utilization"] / base["steady_utilization"]
                                       if base and r.get("steady_utilization") and base.get("steady_utilization")
                                       else None)
+            if targets:
+                r["speedups_to_targets"] = _ratios(r["times_to_targets_s"], base and base.get("times_to_targets_s"),
+                                                   inverse=True)
+                r["tokens_ratio_to_targets"] = _ratios(r["tokens_to_targets"],
+                                                       base and base.get("tokens_to_targets"), inverse=False)

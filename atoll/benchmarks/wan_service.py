@@ -183,7 +183,8 @@ def _snapshot(checkpoints: Path, into: Path, taken: set[str]) -> None:
 
 def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, timeout_s: float,
                        kill: Kill | None = None, poll_s: float = 0.2, grace_s: float = 60.0,
-                       end_grace_s: float = 30.0, sampler_interval_s: float = 0.05, ranks: int = 1) -> dict[str, Any]:
+                       end_grace_s: float = 30.0, sampler_interval_s: float = 0.05, ranks: int | Sequence[int] = 1,
+                       island_flags: Sequence[Sequence[str]] | None = None) -> dict[str, Any]:
     """Run ``atoll syncer`` in the last namespace of ``wan`` and one ``atoll island`` job in each other one.
 
     Args:
@@ -199,8 +200,10 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
             ``collective_timeout_s`` after the budget is spent even while an island's last pushes wait for their
             grace window; that island then retries its calls until ``--give-up-s``: a known issue of atoll
             syncer, whose run and results are complete by then).
-        ranks: ranks of each island job (:func:`island_command`; the SIGKILL of :class:`Kill` goes to the job
-            and every process it started, :func:`kill_job`: torchrun and its ranks).
+        ranks: ranks of each island job, one number for all or one per island (:func:`island_command`; the
+            SIGKILL of :class:`Kill` goes to the job and every process it started, :func:`kill_job`: torchrun and
+            its ranks).
+        island_flags: per island, flags of its job alone after ``run_flags`` (e.g. ``--emulate-step-s``), or None.
 
     Returns:
         ``exit_codes`` (``syncer``; ``islands``: each island's last job; ``killed``: the jobs killed on purpose,
@@ -210,6 +213,11 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
         ``restarted``: the restart's time or None), ``sampler`` (the interface counters, every namespace).
     """
     islands = wan.islands - 1
+    per_ranks = [ranks] * islands if isinstance(ranks, int) else list(ranks)
+    own_flags = [list(f) for f in island_flags] if island_flags is not None else [[] for _ in range(islands)]
+    if len(per_ranks) != islands or len(own_flags) != islands:
+        raise ValueError(f"ranks and island_flags: one entry per island ({islands}); got {len(per_ranks)} and "
+                         f"{len(own_flags)}")
     out.mkdir(parents=True, exist_ok=True)
     address = f"{wan.island_ip(islands)}:{SYNCER_PORT}"
     key_pem, cert_pem = syncer_certificate(wan.island_ip(islands))
@@ -230,7 +238,7 @@ def run_service_in_wan(wan: EmulatedWan, run_flags: Sequence[str], out: Path, ti
 
     def island(i: int, restart: int = 0) -> subprocess.Popen:
         credential = syncer_out / "credentials" / f"island_{i}.token"
-        return start(i, island_command(address, i, credential, cert, run_flags, ranks),
+        return start(i, island_command(address, i, credential, cert, [*run_flags, *own_flags[i]], per_ranks[i]),
                      f"island_{i}.log" if not restart else f"island_{i}.{restart}.log")
 
     sampler = wan.sampler(sampler_interval_s)

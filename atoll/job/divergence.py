@@ -205,16 +205,18 @@ def nan_faults(spec: str, source: str = FAULT_HOOK_ENV) -> FaultHook:
 def install_fault_hook_from_env() -> None:
     """At a process's start (``atoll``'s entry, a launched rank's): install the faults a test's child process
     is told in its environment: :func:`nan_faults` of :data:`FAULT_HOOK_ENV`, and the kill hook of
-    :data:`atoll.job.faults.KILL_HOOK_ENV` (:func:`atoll.job.faults.kill_faults`), both where both are set;
+    :data:`atoll.job.faults.KILL_HOOK_ENV` (:func:`atoll.job.faults.kill_faults`) and the pace hook of
+    :data:`atoll.job.faults.PACE_HOOK_ENV` (:func:`atoll.job.faults.pace_faults`), all that are set, in that order;
     otherwise nothing.
 
     Raises:
         ConfigError: a malformed value.
     """
-    from atoll.job.faults import kill_faults_from_env
+    from atoll.job.faults import kill_faults_from_env, pace_faults_from_env
 
     value = os.environ.get(FAULT_HOOK_ENV)
-    hooks = [hook for hook in (nan_faults(value) if value else None, kill_faults_from_env()) if hook is not None]
+    hooks = [hook for hook in (nan_faults(value) if value else None, kill_faults_from_env(), pace_faults_from_env())
+             if hook is not None]
     if len(hooks) == 1:
         set_fault_hook(hooks[0])
     elif hooks:

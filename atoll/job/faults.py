@@ -13,6 +13,11 @@ SIGSTOP) as it starts inner step N (1-based); entries are separated by commas (`
 from the job's first rejoin (``1:8,2:+5``), and a restarted rank keeps the hook (its environment is its
 predecessor's). ``ATOLL_TEST_KILL_STAMP``: a file where the killed rank notes when it died
 (``bench/survivors.py``).
+
+``ATOLL_TEST_STEP_S=RANK:S[,RANK:S...]``: global rank RANK's inner steps last at least S seconds each (it sleeps at
+a step's start until S after the previous step's start, as ``atoll island --emulate-step-s`` paces an island job),
+so islands sharing one host run at declared relative speeds (``atoll bench wan-decoupled --island-speeds``); a
+step already longer is not made up for later.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 
 KILL_HOOK_ENV = "ATOLL_TEST_KILL_RANK_AT_STEP"
 KILL_STAMP_ENV = "ATOLL_TEST_KILL_STAMP"
+PACE_HOOK_ENV = "ATOLL_TEST_STEP_S"
 
 
 class KillAt(NamedTuple):
@@ -97,3 +103,53 @@ def kill_faults_from_env() -> Callable[..., None] | None:
     """
     value = os.environ.get(KILL_HOOK_ENV)
     return kill_faults(value, os.environ.get(KILL_STAMP_ENV)) if value else None
+
+
+def parse_pace_hook(spec: str) -> dict[int, float]:
+    """Seconds per inner step of each global rank of ``spec``, ``RANK:S`` entries separated by commas
+    (``0:0.5,1:1.0``).
+
+    Raises:
+        ConfigError: a malformed value or an S not above 0 (names :data:`PACE_HOOK_ENV` and the format).
+    """
+    try:
+        paces = {int(rank): float(s) for rank, s in (entry.strip().split(":") for entry in spec.split(","))}
+    except ValueError:
+        paces = {}
+    if not paces or any(not s > 0 for s in paces.values()):
+        raise ConfigError(f"{PACE_HOOK_ENV}: expected RANK:SECONDS entries separated by commas, seconds > 0 "
+                          f"(e.g. 0:0.5,1:1.0), got {spec!r}")
+    return paces
+
+
+def pace_faults(spec: str, clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> Callable[..., None]:
+    """The pace hook of ``spec`` (:func:`parse_pace_hook`, parsed now): at ``kind="start"`` of an inner step of a
+    rank it names, sleep until its seconds after the start of that rank's previous step (``clock``, seconds).
+
+    Raises:
+        ConfigError: a malformed ``spec``.
+    """
+    paces = parse_pace_hook(spec)
+    last: dict[int, float] = {}  # each rank's previous step's start
+
+    def hook(island: Island, step: int, kind: str, *, rank: int | None = None, **_: Any) -> None:
+        if kind != "start" or rank not in paces:
+            return
+        now = clock()
+        if rank in last and (due := last[rank] + paces[rank]) > now:
+            sleep(due - now)
+            now = due
+        last[rank] = now
+
+    return hook
+
+
+def pace_faults_from_env() -> Callable[..., None] | None:
+    """The pace hook of :data:`PACE_HOOK_ENV`, or None where it is unset.
+
+    Raises:
+        ConfigError: a malformed value.
+    """
+    value = os.environ.get(PACE_HOOK_ENV)
+    return pace_faults(value) if value else None
