@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -209,3 +210,43 @@ def train_crashed_and_resumed(overrides: dict, out: Path, monkeypatch: pytest.Mo
         train(build_config(overrides={**overrides, "out": str(out)}))
     monkeypatch.setattr(run_mod, "save_checkpoint", real_save)
     return train(load_run_config(out), resume=True)
+
+
+class ThreadRanks:
+    """The ranks of an island job as threads of this process, for a test of
+    :class:`~atoll.runtime.service.exchange.ServiceTransport`: the collectives it makes of its island group
+    (``agree``: the element-wise minimum; ``all_gather``; the leader's ints and bytes broadcast), each a
+    rendezvous of all ``n`` (60 s at most)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=60), [None] * n
+
+    def rank(self, r: int):  # noqa: ANN201 - (the group of rank r)
+        ranks = self
+
+        class Rank:
+            rank, size, leader = r, ranks.n, r == 0
+
+            @staticmethod
+            def _all(x: object) -> list:
+                ranks.slots[r] = x
+                ranks.barrier.wait()
+                out = list(ranks.slots)
+                ranks.barrier.wait()
+                return out
+
+            def agree(self, local: torch.Tensor) -> torch.Tensor:
+                return torch.stack(self._all(local.clone())).min(dim=0).values
+
+            def all_gather(self, mine: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+                return torch.cat([x[:n].float() for x, n in zip(self._all(mine.clone()), sizes, strict=True)])
+
+            def broadcast_ints(self, values: list[int]) -> list[int]:
+                return list(self._all(list(values))[0])
+
+            def broadcast_bytes(self, data: bytes | None, size: int) -> bytearray:
+                got = self._all(None if data is None else bytes(data))[0]
+                assert len(got) == size
+                return bytearray(got)
+
+        return Rank()

@@ -3,11 +3,11 @@ the version an island holds (or the full fragment at its start, its rejoin, or w
 kept), the island job's leader downloads it and every rank decodes it onto its copy.
 
 The syncer is a gRPC server in this process on loopback (as tests/test_service_realign.py); island 0 is a job of
-two ranks as threads (:class:`_Ranks`), island 1 a leader of one rank pushing through its client. Quorum 1:
-every push merges at once. Invariant checked over many rounds: each rank's copy of the global fragment is the
-syncer's shadow Q bit for bit (what the local and Ray runtimes' islands hold), within one int8 delta's error of
-the global fragment G, never drifting; bytes received are the int8 payloads' (n + 4 ceil(n / 64) per version
-behind), the full fragment's 4 n at the start and rejoin.
+two ranks as threads (:class:`~conftest.ThreadRanks`), island 1 a leader of one rank pushing through its
+client. Quorum 1: every push merges at once. Invariant checked over many rounds: each rank's copy of the global
+fragment is the syncer's shadow Q bit for bit (what the local and Ray runtimes' islands hold), within one int8
+delta's error of the global fragment G, never drifting; bytes received are the int8 payloads' (n + 4 ceil(n / 64)
+per version behind), the full fragment's 4 n at the start and rejoin.
 """
 
 from __future__ import annotations
@@ -18,47 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ThreadRanks
 
 from atoll.runtime.service import schema, wire
 
 pytest.importorskip("cryptography")  # (grpcio comes with it in the dev extra)
 
 CREDS = [c * 32 for c in "ab"]
-
-
-class _Ranks:
-    """The ranks of an island as threads of this process: the collectives a ServiceTransport makes with a pull
-    codec (``agree``: the element-wise minimum; the leader's ints and bytes broadcast), each a rendezvous."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=60), [None] * n
-
-    def rank(self, r: int):  # noqa: ANN202
-        ranks = self
-
-        class Rank:
-            rank, size, leader = r, ranks.n, r == 0
-
-            @staticmethod
-            def _all(x: object) -> list:
-                ranks.slots[r] = x
-                ranks.barrier.wait()
-                out = list(ranks.slots)
-                ranks.barrier.wait()
-                return out
-
-            def agree(self, local: torch.Tensor) -> torch.Tensor:
-                return torch.stack(self._all(local.clone())).min(dim=0).values
-
-            def broadcast_ints(self, values: list[int]) -> list[int]:
-                return list(self._all(list(values))[0])
-
-            def broadcast_bytes(self, data: bytes | None, size: int) -> bytearray:
-                got = self._all(None if data is None else bytes(data))[0]
-                assert len(got) == size
-                return bytearray(got)
-
-        return Rank()
 
 
 @pytest.fixture
@@ -94,7 +60,7 @@ def _job(state, address: str, config, session: int, lead):  # noqa: ANN001, ANN2
     from atoll.strategies.base import make_wire
     from atoll.strategies.decoupled.downlink import pull_codec
 
-    ranks = _Ranks(2)
+    ranks = ThreadRanks(2)
     clients = [lead, SyncerClient(address, 0, CREDS[0], plaintext=True, control=False)]
     codec = pull_codec("int8", config.strategy_config.codec_block_size)
     return [ServiceTransport(clients[r], ranks.rank(r), SlicePlan.whole(state.service.index, r, 2),

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import ThreadRanks
 
 from atoll.runtime.service import schema, wire
 
@@ -149,36 +150,6 @@ def test_the_island_ignores_a_share_that_is_not_one(fast_config: dict) -> None:
     assert worker.realign(0, 0.5) == H // 2 and worker.round_step == H // 2
 
 
-class _Ranks:
-    """Two ranks of an island as threads of this process: the collectives a ServiceTransport makes
-    (``agree``: the element-wise minimum; ``all_gather``), each a rendezvous of both."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=60), [None] * n
-
-    def rank(self, r: int):  # noqa: ANN202
-        ranks = self
-
-        class Rank:
-            rank, size, leader = r, ranks.n, r == 0
-
-            @staticmethod
-            def _all(x: torch.Tensor) -> list[torch.Tensor]:
-                ranks.slots[r] = x.clone()
-                ranks.barrier.wait()
-                out = list(ranks.slots)
-                ranks.barrier.wait()
-                return out
-
-            def agree(self, local: torch.Tensor) -> torch.Tensor:
-                return torch.stack(self._all(local)).min(dim=0).values
-
-            def all_gather(self, mine: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-                return torch.cat([x[:n].float() for x, n in zip(self._all(mine), sizes, strict=True)])
-
-        return Rank()
-
-
 def test_both_ranks_of_an_island_job_apply_the_share_their_leader_received(serve) -> None:  # noqa: ANN001
     """Island 2 as a job of two ranks for its late push (t = 20): each rank uploads its half and downloads its
     half, the leader commits and waits in ``Buffered``; both ranks' Pull of the merge carry the leader's 0.5."""
@@ -192,7 +163,7 @@ def test_both_ranks_of_an_island_job_apply_the_share_their_leader_received(serve
     for t, pair in ((8.0, (0, 1)), (12.0, (2, 3)), (16.0, (0, 1))):
         _round(state, clock, t, pair, leads, sessions)
     clock[0] = 20.0
-    ranks, index, tps = _Ranks(2), state.service.index, state.service.run.tokens_per_step
+    ranks, index, tps = ThreadRanks(2), state.service.index, state.service.run.tokens_per_step
     clients = [leads[2], SyncerClient(address, 2, CREDS[2], plaintext=True, control=False)]
     transports = [ServiceTransport(clients[r], ranks.rank(r), SlicePlan.whole(index, r, 2),
                                    make_wire(config.strategy_config, [2], config.seed), state.codec, sessions[2],
