@@ -35,7 +35,6 @@ import grpc
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.calls import Gate
 from atoll.runtime.service.shards import Shards
-from atoll.strategies.decoupled.protocol import is_index
 
 if TYPE_CHECKING:
     from atoll.algorithms.codec_base import Codec
@@ -272,8 +271,6 @@ class Bulk:
         with self.lock:
             downlink = self.service.syncer.downlink
             have = self.service.pull_since(island, fragment, have)  # (a restarted syncer: the full fragment first)
-            if is_index(island, self.service.run.islands):
-                self.service.synced.add((island, fragment))
             if have is not None and not downlink.sends_deltas(fragment, self.service.syncer.version(fragment), have):
                 have = None  # (no payloads since it: the full fragment, one cache entry whatever the stranger asked,
                 # ahead of the syncer's version or behind the payloads kept)

@@ -642,10 +642,7 @@ class SyncerService:
             raise ValueError(f"pull: fragment {fragment!r} is not one of this run's fragments "
                              f"0..{self.syncer.fragments - 1}")
         self._poll()
-        have = self.pull_since(island, fragment, have)
-        if is_index(island, self.syncer.islands):
-            self.synced.add((island, fragment))
-        return self._answer(fragment, island, have=have)
+        return self._answer(fragment, island, have=self.pull_since(island, fragment, have))
 
     def pull_since(self, island: int | None, fragment: int, have: int | None) -> int | None:
         """(A ``pull_codec`` other than fp32.) The version of ``fragment`` that ``island`` holds, as this process
@@ -653,10 +650,12 @@ class SyncerService:
         else None, the full fragment. A syncer restarted from its checkpoint may have lost commits an island had
         already pulled (the checkpoint is written after the answer), and numbers their versions again for other
         changes: a ``have`` from before the restart names another history, and the payloads since it would leave
-        the island's copy off the shadow for good. ``island`` None (a caller without restarts): ``have``."""
-        if island is None or (island, fragment) in self.synced:
-            return have
-        return None
+        the island's copy off the shadow for good. ``island`` None (a caller without restarts): ``have``. Asked
+        as the island is answered: from this call on, its versions of ``fragment`` are this process's."""
+        trusted = island is None or (island, fragment) in self.synced
+        if is_index(island, self.syncer.islands):
+            self.synced.add((island, fragment))
+        return have if trusted else None
 
     def merged_answer(self, island: int, fragment: int) -> float | None:
         """The realignment that goes with the answer to ``island``'s push of ``fragment`` (this syncer's index)
