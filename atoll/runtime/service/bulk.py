@@ -228,7 +228,8 @@ class Bulk:
         since ``have`` (:func:`~atoll.runtime.service.wire.deltas_bytes`, header ``since = have``), or the full
         fragment in float32 (``since`` None: the island starts, rejoins, or holds a version whose payloads are
         no longer kept); never by ``ranges`` (a block-scaled payload is not cut by element ranges:
-        INVALID_ARGUMENT), and resumed only in the same answer (``version`` and ``since``)."""
+        INVALID_ARGUMENT), and resumed only in the same answer (``version``, ``since`` and ``epoch``, the syncer's
+        restarts)."""
         island, _ = self.gate.caller(context, peer=True)
         with self.admitted(island, context) as transfer:
             for chunk in self._download(data, context, transfer, island):
