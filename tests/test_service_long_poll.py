@@ -65,7 +65,8 @@ def test_the_islands_wait_loop_does_not_spin_when_answered_at_once(syncer) -> No
     transport.route, transport.poll_s, transport.lease, transport.ranks_move = [lead, lead], 0.02, None, False
     transport.plan, transport.session, transport.refused = SimpleNamespace(numels=numels), s0, 0
     before = state.calls["Buffered"]
-    waiter = threading.Thread(target=transport._commit, args=(0, 1, Outgoing(steps[0], 5 * tps, 0, 600.0, 0)))
+    waiter = threading.Thread(target=transport._commit,
+                              args=(0, 1, Outgoing(steps[0], 5 * tps, 0, 600.0, 0), 5 * tps, None))
     waiter.start()
     time.sleep(1.0)
     calls = state.calls["Buffered"] - before

@@ -168,6 +168,60 @@ def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(sy
 
 
 @pytest.mark.slow
+def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_answers_in_its_reply(
+        syncer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The leader's slice carries the push's commit (``UploadHeader.commit``): the syncer holds the upload's call
+    until the other rank's slice is up, commits, and answers in the upload's reply (one round trip fewer than a
+    ``Push`` after both uploads): the same reassembled Δ in the buffer, counted as one ``Push`` call. A slice
+    that never comes: no answer after the quiet wait and nothing merged (a ``Push`` of it then finds the upload
+    lost); a commit that does not name its own upload is refused (``commit``)."""
+    import threading
+    import time
+
+    from atoll.runtime.service import bulk
+    from atoll.runtime.service.client import UploadLost
+
+    monkeypatch.setattr(bulk, "COMMIT_WAIT_QUIET_S", 0.5)
+    state, address, creds = syncer()
+    lead, rank1, _, session, _ = _clients(state, address, creds)
+    n, tokens = state.service.syncer.numels[0], 5 * state.service.run.tokens_per_step
+    delta = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
+    halves = slices.even_parts(state.service.syncer.index[0], 2)
+    encoded = [state.codec.encode(slices.take(delta, part.ranges)) for part in halves]
+    ids = ["s.0.1.0", "s.0.1.1"]
+    request = lead.push_request(ids, 0, tokens, 0, session)
+    answers: list = []
+    riding = threading.Thread(target=lambda: answers.append(
+        lead.upload_commit(wire.payload_bytes(encoded[0].tensors), 0, halves[0].ranges, ids[0], request)))
+    riding.start()
+    deadline = time.monotonic() + 30
+    while ids[0] not in state.bulk.uploads[0] or len(state.bulk.uploads[0][ids[0]].data) < \
+            state.bulk.uploads[0][ids[0]].size:  # the leader's slice is up; its call waits for the other
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert riding.is_alive() and state.calls.get("Push", 0) == 0
+    rank1.upload(wire.payload_bytes(encoded[1].tensors), 0, halves[1].ranges, ids[1])
+    riding.join(timeout=60)
+    assert not riding.is_alive() and answers[0]["accepted"] and not answers[0]["answered"]  # buffered: quorum 2
+    expected = slices.assemble(n, [(p.ranges, state.codec.decode(e)) for p, e in zip(halves, encoded, strict=True)])
+    assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, expected)
+    assert state.calls["Push"] == 1 and state.bulk.uploads[0] == {}  # both slices taken by the commit
+
+    # the other slice never comes: after the quiet wait the reply carries no answer, and nothing is buffered
+    halves1 = slices.even_parts(state.service.syncer.index[1], 2)
+    lonely = wire.payload_bytes(state.codec.encode(torch.zeros(halves1[0].numel())).tensors)
+    gone = lead.push_request(["t.0", "t.1"], 1, tokens, 0, session)
+    assert lead.upload_commit(lonely, 1, halves1[0].ranges, "t.0", gone) is None
+    assert state.service.syncer.buffers[1].pushes == [] and state.calls["Push"] == 1
+    with pytest.raises(UploadLost):
+        lead.commit(["t.0", "t.1"], 1, tokens, 0, session)
+    # a commit that does not name the upload carrying it
+    with pytest.raises(grpc.RpcError) as refused:
+        lead.upload_commit(lonely, 1, halves1[0].ranges, "t.2", gone)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and state.gate.refused["commit"] == 1
+
+
+@pytest.mark.slow
 def test_a_lease_returns_its_unused_steps_at_leave_and_a_killed_sessions_at_its_rejoin(syncer) -> None:  # noqa: ANN001
     state, address, creds = syncer()
     lead, _, other, _, _ = _clients(state, address, creds)

@@ -22,10 +22,11 @@ by count (:data:`ISLAND_UPLOADS`), by their ranges (:data:`ISLAND_RANGES`) and b
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,6 +51,10 @@ ISLAND_UPLOADS = 256
 ISLAND_RANGES = 2 * wire.MAX_RANGES
 #: bytes of a safetensors header the payload of a slice may take beyond the codec's own bytes
 HEADER_BYTES = 4096
+#: a commit riding on an upload (``UploadHeader.commit``) waits for the island's other slices while their bytes
+#: keep arriving; after this many seconds with none arriving it answers without committing (the island then
+#: commits with ``Push``)
+COMMIT_WAIT_QUIET_S = 5.0
 #: pulled slices kept serialized (a fragment's slices are pulled by every island's ranks alike), at most this
 #: many, and at most twice the global parameters' float32 bytes
 PULL_CACHE = 256
@@ -89,11 +94,17 @@ class Bulk:
         slots: transfers served at once, every island together (``bulk_slots``).
         per_island: transfers one island may have open at once (``island_transfers``).
         chunk_timeout_s: seconds a transfer may go without a chunk moving before it is cut.
+        commit: the server's commit of a push (its ``Push`` handler: the caller, the request, the call), for an
+            upload whose header carries one.
     """
 
     def __init__(self, service: SyncerService, codec: Codec, lock: threading.Lock, gate: Gate,
-                 shards: Shards, slots: int = 64, per_island: int = 16, chunk_timeout_s: float = 30.0) -> None:
+                 shards: Shards, slots: int = 64, per_island: int = 16, chunk_timeout_s: float = 30.0,
+                 commit: Callable[[tuple[int, str], schema.PushRequest, grpc.ServicerContext], schema.PushReply]
+                 | None = None) -> None:
         self.service, self.codec, self.lock, self.gate, self.shards = service, codec, lock, gate, shards
+        self.commit = commit
+        self.arrived = threading.Condition(lock)  # an upload completed (a commit riding on another waits for it)
         self.slots, self.per_island, self.chunk_timeout_s = slots, per_island, chunk_timeout_s
         self.open: dict[int, Transfer] = {}  # id(transfer) -> the transfers admitted, not ended
         self._open_lock = threading.Lock()  # (the admission's own: never the server's, never held while waiting)
@@ -174,14 +185,45 @@ class Bulk:
     def upload(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """A slice of a push: a JSON header (:class:`~atoll.runtime.service.schema.UploadHeader`: ``ranges`` of
         the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of that
-        many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end)."""
-        island, _ = self.gate.caller(context)
-        with self.admitted(island, context) as transfer:
-            return self._upload(island, requests, context, transfer)
+        many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end). With a
+        ``commit`` in the header, the push it names is committed once its slices are all held
+        (:meth:`_commit_riding`), and the reply carries the answer."""
+        caller = self.gate.caller(context)
+        with self.admitted(caller[0], context) as transfer:
+            header = self.gate.parse(schema.UploadHeader, next(requests, b""), context, "Upload")
+            received = self._upload(caller[0], header, requests, context, transfer)
+            answer = self._commit_riding(caller, header, context, transfer) if header.commit is not None else None
+        return schema.encode(schema.ReceivedReply(received=received, **({"push": answer} if answer else {})))
 
-    def _upload(self, island: int, requests: Iterator[bytes], context: grpc.ServicerContext,
-                transfer: Transfer) -> bytes:
-        header = self.gate.parse(schema.UploadHeader, next(requests, b""), context, "Upload")
+    def _commit_riding(self, caller: tuple[int, str], header: schema.UploadHeader, context: grpc.ServicerContext,
+                       transfer: Transfer) -> schema.PushReply | None:
+        """Commit the push ``header.commit`` (which must name this upload among its slices) once the island holds
+        every slice it names complete: waiting, in this call's transfer slot, while the other slices' bytes keep
+        arriving (:data:`COMMIT_WAIT_QUIET_S` with none: None, not committed; the island commits with ``Push``).
+        The answer is the ``Push`` handler's (counted as a ``Push`` call)."""
+        commit = header.commit
+        assert commit is not None and self.commit is not None
+        if header.upload not in commit.slices:
+            self.gate.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "commit",
+                             "upload: its commit's slices must name this upload")
+        island, held, quiet_since = caller[0], -1, time.monotonic()
+        with self.lock:
+            while True:
+                slices_held = [self.uploads[island].get(u) for u in commit.slices]
+                if all(h is not None and len(h.data) == h.size for h in slices_held):
+                    break
+                now, got = time.monotonic(), sum(len(h.data) for h in slices_held if h is not None)
+                if got != held:  # the others' bytes are arriving: the island is heard
+                    held, quiet_since = got, now
+                    self.moved(transfer)
+                elif now - quiet_since > COMMIT_WAIT_QUIET_S:
+                    return None
+                self.arrived.wait(timeout=0.25)
+        transfer.moved = math.inf  # the commit is the syncer's work, not the island's silence: never cut for it
+        return self.commit(caller, commit, context)
+
+    def _upload(self, island: int, header: schema.UploadHeader, requests: Iterator[bytes],
+                context: grpc.ServicerContext, transfer: Transfer) -> int:
         self.moved(transfer)
         upload, offset, size = header.upload, header.offset, header.size
         fragment = self.shards.fragment(header.fragment, context)
@@ -217,7 +259,10 @@ class Bulk:
             if len(buf) + len(chunk) > size:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over its declared {size} bytes")
             buf += chunk
-        return schema.encode(schema.ReceivedReply(received=len(buf)))
+        if len(buf) == size:
+            with self.lock:
+                self.arrived.notify_all()
+        return len(buf)
 
     def download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):

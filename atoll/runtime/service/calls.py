@@ -43,8 +43,8 @@ class Gate:
 
     Attributes:
         refused: calls refused, by reason (``no_credential``, ``island``, ``identity``, ``peer``, ``shard``,
-            ``schema``; the bulk calls' ``transfers``, ``busy``, ``empty_chunk``, ``stalled``, ``quota``; the
-            step leases' ``used``, ``lease``).
+            ``schema``; the bulk calls' ``transfers``, ``busy``, ``empty_chunk``, ``commit``, ``stalled``,
+            ``quota``; the step leases' ``used``, ``lease``).
         errors: handler exceptions no check foresaw, by kind (the exception's class name).
     """
 

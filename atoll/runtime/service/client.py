@@ -252,25 +252,49 @@ class SyncerClient:
         """Send a slice's payload ``data`` (the values of ``fragment`` at ``ranges`` of its element order) to the
         syncer in chunks, resuming at the offset it holds after a failure; return the upload's id (``upload``,
         or a fresh one)."""
-        upload, first = upload or uuid.uuid4().hex, True
-        stub = self.bulk.stream_unary(wire.method("Upload"))
+        upload = upload or uuid.uuid4().hex
+        self._send(data, fragment, ranges, upload, None)
+        return upload
 
-        def attempt() -> None:
+    def upload_commit(self, data: bytes, fragment: int, ranges: Ranges, upload: str,
+                      request: schema.PushRequest) -> dict[str, Any] | None:
+        """Send a slice as :meth:`upload` does, carrying the commit of the push ``request`` (whose ``slices`` name
+        ``upload`` and the island's other ranks' uploads): the syncer commits it once it holds every slice, and
+        the answer comes back with the upload's reply, one round trip sooner than :meth:`commit` after it. None:
+        the other slices did not arrive while the syncer waited; commit with :meth:`commit`.
+
+        Raises:
+            UploadLost: the syncer does not hold every slice (it restarted since): upload them again.
+        """
+        try:
+            return self._send(data, fragment, ranges, upload, request).get("push")
+        except grpc.RpcError as e:
+            if isinstance(e, grpc.Call) and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise UploadLost(e.details()) from None
+            raise
+
+    def _send(self, data: bytes, fragment: int, ranges: Ranges, upload: str,
+              commit: schema.PushRequest | None) -> dict[str, Any]:
+        """The ``Upload`` of a slice (with ``commit``: carrying it), retried from the offset the syncer holds; the
+        reply."""
+        stub, first = self.bulk.stream_unary(wire.method("Upload")), True
+
+        def attempt() -> dict[str, Any]:
             nonlocal first
             # a retry continues where the syncer's copy ends (0 if the syncer restarted and lost it)
             offset = 0 if first else self.call("UploadStatus", schema.UploadStatusRequest(upload=upload),
                                                bulk=True)["received"]
             first = False
             header = schema.UploadHeader(upload=upload, fragment=fragment, ranges=ranges, size=len(data),
-                                         offset=offset)
+                                         offset=offset, commit=commit)
             messages = itertools.chain((schema.encode(header),), wire.iter_chunks(data, offset))
-            received = _reply("Upload", stub(messages, metadata=self.metadata, timeout=600.0))["received"]
+            reply = _reply("Upload", stub(messages, metadata=self.metadata, timeout=600.0))
             self.bytes_up += len(data) - offset
-            if received != len(data):
-                raise RuntimeError(f"upload: the syncer holds {received} of {len(data)} bytes")
+            if reply["received"] != len(data):
+                raise RuntimeError(f"upload: the syncer holds {reply['received']} of {len(data)} bytes")
+            return reply
 
-        self._retrying("Upload", attempt)
-        return upload
+        return self._retrying("Upload", attempt)
 
     def download(self, fragment: int, ranges: Ranges | None = None) -> tuple[int, torch.Tensor]:
         """The newest global fragment's values at ``ranges`` of its element order (None: all of it): (its
@@ -307,20 +331,25 @@ class SyncerClient:
         self._retrying("Download", attempt)
         return int(version), since, got
 
+    def push_request(self, uploads: list[str], fragment: int, tokens: int, base_version: int, session: int,
+                     round_s: float | None = None, grant: dict[str, Any] | None = None) -> schema.PushRequest:
+        """The commit of a push whose slices are ``uploads``; with ``grant`` (default: ``grant_source``'s newest,
+        asked now: the lease that granted the push's tokens was fetched before it), for a shard of a sharded
+        syncer other than the coordinator."""
+        if grant is None and self.grant_source is not None:
+            grant = self.grant_source.grant
+        return schema.PushRequest(slices=uploads, fragment=fragment, tokens=tokens, base_version=base_version,
+                                  round_s=round_s, session=session, **({"grant": grant} if grant is not None else {}))
+
     def commit(self, uploads: list[str], fragment: int, tokens: int, base_version: int, session: int,
                round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Commit a push whose slices are ``uploads``: the syncer's answer ``{"accepted", "answered", "version"}``;
-        with ``grant`` (default: ``grant_source``'s newest, asked now: the lease that granted the push's tokens
-        was fetched before it), for a shard of a sharded syncer other than the coordinator.
+        """Commit a push whose slices are ``uploads`` (:meth:`push_request`'s arguments): the syncer's answer
+        ``{"accepted", "answered", "version"}``.
 
         Raises:
             UploadLost: the syncer does not hold every upload (it restarted since): upload them again.
         """
-        if grant is None and self.grant_source is not None:
-            grant = self.grant_source.grant
-        request = schema.PushRequest(slices=uploads, fragment=fragment, tokens=tokens, base_version=base_version,
-                                     round_s=round_s, session=session,
-                                     **({"grant": grant} if grant is not None else {}))
+        request = self.push_request(uploads, fragment, tokens, base_version, session, round_s, grant)
         try:
             return self.call("Push", request)
         except grpc.RpcError as e:
@@ -330,13 +359,16 @@ class SyncerClient:
 
     def push(self, payload: bytes, fragment: int, ranges: Ranges, tokens: int, base_version: int, session: int,
              round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Upload one slice that is the whole push (``ranges``: all of the fragment) and commit it (with
+        """Upload one slice that is the whole push (``ranges``: all of the fragment), carrying its commit (with
         ``grant``, as :meth:`commit`); uploaded again when the syncer lost it (a restart between the two), up to
         three times."""
         for _ in range(3):
-            upload = self.upload(payload, fragment, ranges)
+            upload = uuid.uuid4().hex
+            request = self.push_request([upload], fragment, tokens, base_version, session, round_s, grant)
             try:
-                return self.commit([upload], fragment, tokens, base_version, session, round_s, grant)
+                answer = self.upload_commit(payload, fragment, ranges, upload, request)
+                return answer if answer is not None else self.commit([upload], fragment, tokens, base_version,
+                                                                     session, round_s, grant)
             except UploadLost:
                 continue
         raise SyncerUnreachable(f"syncer: '{self.address}' lost this island's upload three times; check its log")

@@ -385,15 +385,21 @@ class ServiceTransport:
     def _exchange(self, p: int, k: int, out: Outgoing | None) -> None:
         """Exchange k of fragment p on this rank (``out`` None: a pull alone)."""
         plan, client = self.plan, self.route[p]
+        # (the leader) the tokens its push claims (0: none granted, not committed)
+        claim = self._claim(p, out) if self.group.leader and out is not None else 0
+        answer: dict[str, Any] | None = None  # the commit's, when it rode on the leader's upload
         if self.ranks_move and plan.moves(p):
             if out is not None and out.payload is not None:
-                client.upload(wire.payload_bytes(out.payload), p, plan.moved(p), self._upload_id(p, k, plan.rank))
+                data, upload = wire.payload_bytes(out.payload), self._upload_id(p, k, plan.rank)
+                if claim > 0:  # the leader's slice carries the commit: answered once every slice is up
+                    answer = self._upload_commit(p, k, out, claim, data, upload)
+                else:
+                    client.upload(data, p, plan.moved(p), upload)
             self.agreement.set(p, UP, k)
         if self.group.leader:
             share = 0.0
-            if out is not None:
-                self.agreement.wait(lambda a: a[at(p, UP)] >= k)  # every slice is up
-                share = self._commit(p, k, out)
+            if out is not None and claim > 0:
+                share = self._commit(p, k, out, claim, answer)
             # the answer's realignment with READY, under one lock: every rank reads this exchange's
             self.agreement.update({at(p, READY): k, at(p, SHIFT): share_bits(share)})
         if not self._pulls(p):
@@ -418,21 +424,38 @@ class ServiceTransport:
             a[at(p, VMIN)] == -a[at(p, VNEG)] or version < -a[at(p, VNEG)]))
         return agreed[at(p, VMIN)] == -agreed[at(p, VNEG)]
 
-    def _commit(self, p: int, k: int, out: Outgoing) -> float:
-        """(The leader.) Commit push k of fragment p, then wait until it has left the syncer's buffer. Returns
-        the realignment the answer to its merge carried (``realign_pushes``: a share of a round in [0, 1); 0.0
-        when none, or when the push was not sent, refused or lost)."""
-        claim = self.lease.claimable(p, out.tokens, out.credit_mark) if self.lease is not None else out.tokens
-        if claim <= 0:  # no step of it was granted (the budget was spent): not sent, the newest pulled
-            return 0.0
-        if self.ranks_move:  # (to another shard than the coordinator, the commit carries its newest grant)
+    def _claim(self, p: int, out: Outgoing) -> int:
+        """(The leader.) The tokens push ``out`` of fragment p claims: less the steps its lease did not grant;
+        0: none granted (the budget was spent): the push is not committed, the newest is pulled."""
+        return self.lease.claimable(p, out.tokens, out.credit_mark) if self.lease is not None else out.tokens
+
+    def _upload_commit(self, p: int, k: int, out: Outgoing, claim: int, data: bytes,
+                       upload: str) -> dict[str, Any] | None:
+        """(The leader, whose rank moves a slice.) Upload its slice of push k of fragment p carrying the push's
+        commit: the syncer's answer, or None when the syncer did not commit it (the other slices were late, or it
+        lost them: :meth:`_commit` commits or counts it lost)."""
+        ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
+        request = self.route[p].push_request(ids, p, claim, out.base_version, self.session, out.round_s)
+        try:
+            return self.route[p].upload_commit(data, p, self.plan.moved(p), upload, request)
+        except UploadLost:  # (the slice is up: _commit's Push finds the others lost too, and counts it)
+            return None
+
+    def _commit(self, p: int, k: int, out: Outgoing, claim: int, answer: dict[str, Any] | None) -> float:
+        """(The leader.) Commit push k of fragment p claiming ``claim`` tokens (``answer``: committed already,
+        on the leader's upload), then wait until it has left the syncer's buffer. Returns the realignment the
+        answer to its merge carried (``realign_pushes``: a share of a round in [0, 1); 0.0 when none, or when
+        the push was refused or lost)."""
+        # (to another shard than the coordinator, the commit carries its newest grant)
+        if answer is None and self.ranks_move:  # the slices' uploads carried no commit, or it was not answered
+            self.agreement.wait(lambda a: a[at(p, UP)] >= k)  # every slice is up
             ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
             try:
                 answer = self.route[p].commit(ids, p, claim, out.base_version, self.session, out.round_s)
             except UploadLost:  # the other ranks' slices cannot be sent again from here: the push is lost
                 self.lost += 1
                 return 0.0
-        else:
+        elif answer is None:
             assert out.payload is not None
             answer = self.route[p].push(wire.payload_bytes(out.payload), p, ((0, self.plan.numels[p]),), claim,
                                         out.base_version, self.session, out.round_s)

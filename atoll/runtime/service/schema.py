@@ -177,6 +177,20 @@ class PushRequest(Record):
     grant: Grant | None = None
 
 
+class UploadHeader(Record):
+    """``Upload``'s first message: the upload's id, the offset its bytes continue at, its fragment, the slice's
+    ranges, and the payload's size in bytes; ``commit`` (the leader's slice): the push to commit once the
+    syncer holds this upload and every other one its ``slices`` name, answered in the reply (the commit rides
+    on the upload: no ``Push`` call's round trip after the last byte)."""
+
+    upload: UploadId
+    fragment: Int
+    ranges: Ranges
+    size: Int
+    offset: Int = 0
+    commit: PushRequest | None = None
+
+
 class LeaveRequest(Record):
     """``Leave``: the island's counters, and ``used``, the steps of its session it took."""
 
@@ -192,15 +206,6 @@ class LeaveRequest(Record):
     session: Session = None
 
 
-class UploadHeader(Record):
-    """``Upload``'s first message: the upload's id, the offset its bytes continue at, its fragment, the slice's
-    ranges, and the payload's size in bytes."""
-
-    upload: UploadId
-    fragment: Int
-    ranges: Ranges
-    size: Int
-    offset: Int = 0
 
 
 class DownloadRequest(Record):
@@ -255,10 +260,6 @@ class VersionReply(Record):
     version: Int
 
 
-class ReceivedReply(Record):
-    """``UploadStatus``'s and ``Upload``'s: the bytes the syncer holds of the upload."""
-
-    received: Int
 
 
 class PushReply(Record):
@@ -270,6 +271,15 @@ class PushReply(Record):
     answered: bool
     version: Int | None = None
     realign: Share | None = None
+
+
+class ReceivedReply(Record):
+    """``UploadStatus``'s and ``Upload``'s: the bytes the syncer holds of the upload; ``push`` (an upload that
+    carried a ``commit``): the commit's answer, as ``Push``'s; None when the other slices did not arrive while
+    this one waited (the island commits with ``Push``)."""
+
+    received: Int
+    push: PushReply | None = None
 
 
 class LeaveReply(Record):

@@ -22,13 +22,15 @@ live session: its ``Leave`` returns no lease of the live session's).
 
 **Slices.** Each rank of an island job uploads its slice of a push over its own connection: the ``Upload``
 header names the fragment and the slice's ranges of its element order (:mod:`~atoll.runtime.service.slices`),
-and its bytes are the codec's encoded payload (:func:`~atoll.runtime.service.wire.payload_bytes`, at most
-what the run's codec makes of that many values). The island's leader then commits the push (``Push``),
-listing its slices' uploads; the server decodes each with the run's codec, checks that they tile the
-fragment exactly (else the push is refused and counted as ``slices``) and reassembles the island's Δ before
-the syncer's own checks, so admission, bounds, sessions and one vote per island stay per island. The bytes a
-push counts (``nbytes``) are those of the payloads received. ``Download`` serves the float32 values of the
-newest global fragment at the ranges asked for (all of it by default), so each rank pulls its own slice.
+and its bytes are the codec's encoded payload (:func:`~atoll.runtime.service.wire.payload_bytes`, at most what
+the run's codec makes of that many values). The island's leader commits the push, listing its slices' uploads:
+in its own slice's ``Upload`` header (answered in that call's reply once every slice is up: no round trip after
+the last byte), or with ``Push`` when a slice came late; the server decodes each with the run's codec, checks
+that they tile the fragment exactly (else the push is refused and counted as ``slices``) and reassembles the
+island's Δ before the syncer's own checks, so admission, bounds, sessions and one vote per island stay per
+island. The bytes a push counts (``nbytes``) are those of the payloads received. ``Download`` serves the float32
+values of the newest global fragment at the ranges asked for (all of it by default), so each rank pulls its own
+slice.
 
 **Leases.** ``ReserveSteps`` grants a lease of ``n`` steps (an island job asks a round ahead of need), with
 the steps of its session the island has used and received; ``Leave`` gives the unused back
@@ -122,7 +124,8 @@ class SyncerServer:
         # the run's codec: what a push's payload must be (the islands encode with the same settings)
         self.codec = codec_of(strategy)
         self.bulk = Bulk(service, self.codec, self.lock, self.gate, self.shards, slots=settings.bulk_slots,
-                         per_island=settings.island_transfers, chunk_timeout_s=settings.chunk_timeout_s)
+                         per_island=settings.island_transfers, chunk_timeout_s=settings.chunk_timeout_s,
+                         commit=self._commit_riding)
         self.waiting = [0] * self.islands  # per island, its Buffered calls waiting (a long poll each)
         self.answers: dict[int, OrderedDict[str, schema.PushReply]] = {i: OrderedDict() for i in range(self.islands)}
         self.calls: dict[str, int] = {}  # control calls received, by method (refused ones too)
@@ -401,6 +404,14 @@ class SyncerServer:
                                       version=pull.version if pull is not None else None, **share)
             self._remember(island, key, answer)
         return answer
+
+    def _commit_riding(self, caller: tuple[int, str], req: schema.PushRequest,
+                       context: grpc.ServicerContext) -> schema.PushReply:
+        """A push committed by the upload that carried it (``UploadHeader.commit``): as :meth:`push`, counted as a
+        ``Push`` call."""
+        with self.count_lock:
+            self.calls["Push"] = self.calls.get("Push", 0) + 1
+        return self.push(caller, req, context)
 
     def _answer(self, island: int, key: str, accepted: bool, fragment: int) -> schema.PushReply:
         """A push answered now (refused), remembered for a retried commit (under the lock)."""
