@@ -17,14 +17,16 @@ codec (the largest payload, what fills a link); in namespace 1 ``--ranks`` proce
 its own :class:`~atoll.runtime.service.client.SyncerClient` (rank 0 with the control connection), as
 ``atoll island``'s ranks (:class:`~atoll.runtime.service.exchange.ServiceTransport`, ``slice_transfer =
 ranks``): a **push** of fragment p is every rank serializing and uploading its slice (1/R of the fragment)
-at once, then rank 0's commit (``Push``: one more round trip; the lease it claims is taken before, off the
-clock, as an island takes its leases ahead); a **pull** is every rank downloading its slice at once. A round
+at once, rank 0's upload carrying the push's commit (``--commit riding``, what ``atoll island`` does: the syncer
+answers it in that upload's reply once every slice is up), or, ``--commit push``, then rank 0's commit (``Push``:
+one more round trip); the lease it claims is taken before, off the clock, as an island takes its leases ahead; a
+**pull** is every rank downloading its slice at once. A round
 pushes every fragment, then pulls every fragment, ``--in-flight`` at once (1: one after the other; 2: as an
 island with two exchanges in flight, whose round trips overlap). One round on fresh connections first (the
 "cold" shares: TCP and HTTP/2 windows grown from their start), then ``--repeats`` timed rounds. The share
 is the payload's bits per second over the link's rate (the wire also carries TCP/IP/TLS/HTTP2 headers: a
-few percent); the upload share leaves the commit's round trip out. Meanwhile rank 0 sends a heartbeat every
-20 ms on its control connection: its round trip idle (the link's RTT) and during the transfers.
+few percent); the upload share (``--commit push``) leaves the commit's round trip out. Meanwhile rank 0 sends a
+heartbeat every 20 ms on its control connection: its round trip idle (the link's RTT) and during the transfers.
 
 Nothing is merged: the run has one more island than push (``--islands``), which joins and stays silent, so
 the quorum (every island) is never reached; a fragment's first push waits in the buffer, and the later ones
@@ -88,6 +90,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fragments", type=int, default=4, help="P, fragments [4]")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of each island [2]")
     parser.add_argument("--islands", type=int, default=1, help="islands pushing and pulling at once [1]")
+    parser.add_argument("--commit", choices=["riding", "push"], default="riding",
+                        help="riding: rank 0's upload carries the push's commit (atoll's); push: a Push call after "
+                             "every slice is up (one more round trip) [riding]")
     parser.add_argument("--in-flight", type=int, default=1,
                         help="fragments pushed (or pulled) at once: an island's exchanges in flight [1]")
     parser.add_argument("--loopback", action="store_true",
@@ -216,7 +221,15 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
         reply: dict[str, Any] = {"id": cmd.get("id")}
         if op == "push":
             payload = wire.payload_bytes({"values": deltas[cmd["p"]]})
-            me.upload(payload, cmd["p"], parts[cmd["p"]], f"{cmd['k']}.{cmd['p']}.{rank}")
+            ids = [f"{cmd['k']}.{cmd['p']}.{r}" for r in range(ranks)]
+            if cmd.get("ride") and rank == 0:  # the commit rides on rank 0's slice (ServiceTransport's way)
+                request = me.push_request(ids, cmd["p"], 5 * spec["tokens_per_step"], 0, session)
+                answer = me.upload_commit(payload, cmd["p"], parts[cmd["p"]], ids[rank], request)
+                if answer is None:  # a slice came late: committed as a Push (ServiceTransport's fallback)
+                    answer = me.commit(ids, cmd["p"], 5 * spec["tokens_per_step"], 0, session)
+                reply["accepted"] = answer["accepted"]
+            else:
+                me.upload(payload, cmd["p"], parts[cmd["p"]], ids[rank])
             reply["bytes"] = len(payload)
         elif op == "reserve":  # the lease the commit claims (an island takes it ahead, not on a push's path)
             me.call("ReserveSteps", {"n": 5})
@@ -467,9 +480,11 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
             for island in ranks:
                 island[0].ask({"op": "reserve"})  # (the lease: taken ahead by an island, so not on the clock)
             t0 = time.perf_counter()
-            replies = [f.result() for f in [c.send({"op": "push", "p": p, "k": k}) for c in every]]
+            ride = args.commit == "riding"
+            replies = [f.result() for f in [c.send({"op": "push", "p": p, "k": k, "ride": ride}) for c in every]]
             uploaded = time.perf_counter() - t0
-            commits = [f.result() for f in [i[0].send({"op": "commit", "p": p, "k": k}) for i in ranks]]
+            commits = [r for r in replies if "accepted" in r] if ride else \
+                [f.result() for f in [i[0].send({"op": "commit", "p": p, "k": k}) for i in ranks]]
             accepted.extend(c["accepted"] for c in commits)
             upload_s.append(uploaded)
             return sum(x["bytes"] for x in replies)
@@ -518,7 +533,8 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     push_b, push_s = sum(x[1] for x in pushes), sum(x[0] for x in pushes)
     pull_b, pull_s = sum(x[1] for x in pulls), sum(x[0] for x in pulls)
     # (one fragment at a time: its uploads timed apart from its commit, the link's share without the round trips)
-    upload_share = push_b / sum(upload_s) / rate if args.in_flight == 1 and not args.loopback else None
+    apart = args.in_flight == 1 and args.commit == "push"  # (riding: the uploads' time holds the commit)
+    upload_share = push_b / sum(upload_s) / rate if apart and not args.loopback else None
     row = {"label": args.label or ("TLS" if not args.plaintext else "plaintext"),
            "what": f"{args.islands} island{'s' if args.islands > 1 else ''} x {args.ranks} ranks",
            "link": "loopback" if args.loopback else f"{args.rate_mbps:g} Mbit/s, {2 * args.delay_ms:g} ms RTT",
@@ -534,7 +550,8 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
            "cold_pull_share": None if args.loopback else cold[1][1] / cold[1][0] / rate,
            "pull_share": None if args.loopback else pull_b / pull_s / rate,
            "in_flight": args.in_flight, "push_round_s": [x[0] for x in pushes], "pull_round_s": [x[0] for x in pulls],
-           "upload_s": upload_s, "commit_s": _commit_s(pushes, upload_s, len(numels), args.in_flight),
+           "upload_s": upload_s, "commit": args.commit,
+           "commit_s": _commit_s(pushes, upload_s, len(numels), args.in_flight) if apart else None,
            "accepted": sum(accepted), "refused_replays": len(accepted) - sum(accepted),
            "island_push_cpu_s_per_gb": 1e9 * sum(x[2] for x in pushes) / push_b,
            "island_pull_cpu_s_per_gb": 1e9 * sum(x[2] for x in pulls) / pull_b,
@@ -562,7 +579,7 @@ def _beat_window(rank0: Child, seconds: float) -> list[float]:
 
 
 COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("MTU", "mtu"), ("window MiB", "window_mib"),
-           ("in flight", "in_flight"),
+           ("in flight", "in_flight"), ("commit", "commit"),
            ("TCP Mbit/s", "mbps"), ("TCP share", "share"), ("push Mbit/s", "push_mbps"), ("push share", "push_share"),
            ("upload share", "upload_share"), ("commit s", "commit_s"), ("pull Mbit/s", "pull_mbps"),
            ("pull share", "pull_share"),
@@ -603,8 +620,10 @@ NOTES = [
     "(vocab 512): 4 fragments of 113.7 MB float32, fp32 pushes; TLS unless plaintext; hosts' TCP buffers 64 MiB "
     "(`--tcp-buffer-mib`), BBR.",
     "Shares: payload bits per second over the link rate (TCP/IP/TLS/HTTP2 headers not counted). Push: every "
-    "rank uploads its slice at once, then rank 0 commits (one more round trip, and the syncer decodes, "
-    "reassembles and checks the fragment before it answers); upload share: the uploads alone; pull: every rank "
+    "rank uploads its slice at once; commit 'riding' (atoll's since 365e389, the default): rank 0's upload carries "
+    "the commit, answered in its reply once every slice is up; 'push' (rows before it): then rank 0 commits "
+    "(one more round trip); either way the syncer decodes, "
+    "reassembles and checks the fragment before it answers; upload share: the uploads alone; pull: every rank "
     "downloads its slice at once. In flight: fragments moved at once. Cold: the first round, on fresh connections.",
     "CPU s/GB: CPU seconds per 10^9 payload bytes of the islands' processes together and of the syncer's, in the "
     "push rounds and in the pull rounds (1 / it is the GB/s one core carries). Loopback: no link, no delay line.",
