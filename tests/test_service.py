@@ -188,7 +188,7 @@ def test_strangers_are_refused_and_counted(served) -> None:  # noqa: ANN001
     data = pickle.dumps(torch.zeros(16))
     upload = me.upload(data, 1, ((0, numels[1]),))
     answer = me.commit([upload], 1, 128, 0, session)
-    assert not answer["accepted"]
+    assert not answer["accepted"] and answer["answered"] and answer["version"] == 0  # refused now, as any refusal
     assert state.service.syncer.rejected_by_reason == {"replay": 1, "type": 1}
     assert state.service.syncer.version(0) == 0  # nothing refused reached the global parameters
     version, params = me.download(0)

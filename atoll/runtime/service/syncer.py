@@ -611,7 +611,10 @@ class SyncerService:
         now = self._now()
         self._poll()
         result = self.syncer.push(msg, now=now)
-        if result.reason in ("type", "island", "fragment"):
+        if result.reason in ("type", "island", "fragment"):  # nothing of an island's own to record
+            if result.reason == "type" and isinstance(msg, Push) and is_index(msg.fragment, self.syncer.fragments):
+                # a payload that did not decode, for a fragment of the run: refused now, as any refusal is answered
+                return False, self._answer(msg.fragment, None, values)
             return False, None
         if result.reason != "identity":  # the island's own call
             state = self.islands[msg.island]
