@@ -1,6 +1,7 @@
 """The decoupled pull codec: loss and bytes both ways per island with pulls in fp32, bf16, int8 and int4.
 
     python bench/pull_codec.py [--out DIR] [--model micro] [--steps 300] [--codecs fp32,int8,int4,bf16]
+    python bench/pull_codec.py --benchmark default --out bench/out/pull_codec_default   # the default benchmark
 
 Three islands of speeds 1, 1, 0.5 (H = 16 x speed), the embedded default corpus, 2 fragments, int4 pushes (the
 decoupled default), 0.1 s simulated per speed-1 step, the ``local`` runtime (its clock simulated, so every
@@ -10,6 +11,10 @@ Each case with every ``--pull-codec`` (``--cases``, ``--codecs``: some of them; 
 One torch thread, one run at a time; each run's wall seconds and the machine's 1-minute load average when it
 ended are recorded beside it. Writes ``results.json`` and ``results.md`` under ``--out`` (default
 bench/out/pull_codec); ``--from``: tabulate runs already made.
+
+``--benchmark default``: the default benchmark instead (the TrainConfig defaults: the nano model, 4 islands at
+equal speeds, 800 inner steps per island, H = 50, 4 fragments, int4 pushes, the local runtime), failure-free
+with seeds 0 and 1 (cases ``default s0``, ``default s1``); ``--model`` and ``--steps`` do not apply.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ CASES: dict[str, tuple[int, list[str]]] = {
     "chaos 30:3 s1": (1, ["--chaos", "30:3"]),
     "failure-free s2": (2, []),
 }
+#: the default benchmark: the TrainConfig defaults, one torch thread, no checkpoints (what the runs compare)
+DEFAULT_COMMON = ["--strategy", "decoupled", "--threads", "1", "--no-progress", "--checkpoint-every", "0"]
+DEFAULT_CASES: dict[str, tuple[int, list[str]]] = {"default s0": (0, []), "default s1": (1, [])}
 KEYS = ("final_eval_loss", "bytes_sent_per_island", "bytes_received_per_island", "bytes_sent_by_island",
         "bytes_received_by_island", "sim_wall_s", "goodput", "commits", "failures", "params")
 
@@ -41,9 +49,13 @@ def folder(case: str, codec: str) -> str:
 
 
 def run(runs: Path, case: str, codec: str, model: str, steps: int) -> dict[str, float]:
-    seed, extra = CASES[case]
-    args = [*COMMON, "--model", model, "--steps", str(steps), "--eval-every", str(max(1, steps // 6)),
-            "--seed", str(seed), "--pull-codec", codec, *extra, "--out", str(runs / folder(case, codec))]
+    if case in DEFAULT_CASES:  # the default benchmark: every setting the TrainConfig default but these
+        seed, extra = DEFAULT_CASES[case]
+        common = DEFAULT_COMMON
+    else:
+        seed, extra = CASES[case]
+        common = [*COMMON, "--model", model, "--steps", str(steps), "--eval-every", str(max(1, steps // 6))]
+    args = [*common, "--seed", str(seed), "--pull-codec", codec, *extra, "--out", str(runs / folder(case, codec))]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "atoll", "train", *args], capture_output=True, text=True, env=env)
@@ -65,7 +77,7 @@ def numbers(runs: Path, case: str, codec: str) -> dict[str, Any]:
 
 def table(rows: dict[str, dict[str, Any]], codecs: list[str], cases: list[str]) -> str:
     lines = ["| case | pull codec | final eval loss | Δ loss vs fp32 | sent / island (MB) | received / island (MB) | "
-             "received vs fp32 | sent by island 0, 1, 2 (MB) | received by island 0, 1, 2 (MB) | sim wall (s) | "
+             "received vs fp32 | sent by island (MB) | received by island (MB) | sim wall (s) | "
              "goodput | commits | wall (s) | load |",
              "|" + "---|" * 14]
     for case in cases:
@@ -90,10 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="micro")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--codecs", default="fp32,int8,int4,bf16")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases to run and tabulate")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated cases to run and tabulate [{','.join(CASES)}; --benchmark default: "
+                             f"{','.join(DEFAULT_CASES)}]")
+    parser.add_argument("--benchmark", choices=["study", "default"], default="study",
+                        help="study: 3 islands of speeds 1,1,0.5 on --model for --steps; default: the default "
+                             "benchmark (module docstring) [study]")
     args = parser.parse_args(argv)
     codecs = args.codecs.split(",")
-    cases = args.cases.split(",")
+    known = DEFAULT_CASES if args.benchmark == "default" else CASES
+    cases = args.cases.split(",") if args.cases else list(known)
+    if unknown := [c for c in cases if c not in known]:
+        parser.error(f"--cases: {', '.join(unknown)} not one of {', '.join(known)} (--benchmark {args.benchmark})")
     runs = args.runs if args.runs is not None else args.out / "runs"
     if args.runs is None:
         for case in cases:
@@ -105,10 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                 (runs / folder(case, codec) / "bench_timing.json").write_text(json.dumps(timing) + "\n")
     rows = {folder(c, k): numbers(runs, c, k) for c in cases for k in codecs}
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "steps": args.steps, "common": COMMON, "cases": {c: CASES[c] for c in cases}}
+    if args.benchmark == "default":
+        meta = {"benchmark": "default", "common": DEFAULT_COMMON, "cases": {c: DEFAULT_CASES[c] for c in cases}}
+        command = "python bench/pull_codec.py --benchmark default"
+    else:
+        meta = {"model": args.model, "steps": args.steps, "common": COMMON, "cases": {c: CASES[c] for c in cases}}
+        command = f"python bench/pull_codec.py --model {args.model} --steps {args.steps}"
     (args.out / "results.json").write_text(json.dumps({"settings": meta, "runs": rows}, indent=1, sort_keys=True)
                                            + "\n")
-    text = (f"# decoupled pull codec (`python bench/pull_codec.py --model {args.model} --steps {args.steps}`)\n\n"
+    text = (f"# decoupled pull codec (`{command}`)\n\n"
             + table(rows, codecs, cases) + "\n")
     (args.out / "results.md").write_text(text)
     print(text)
