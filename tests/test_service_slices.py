@@ -172,7 +172,8 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
         syncer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     """The leader's slice carries the push's commit (``UploadHeader.commit``): the syncer holds the upload's call
     until the other rank's slice is up, commits, and answers in the upload's reply (one round trip fewer than a
-    ``Push`` after both uploads): the same reassembled Δ in the buffer, counted as one ``Push`` call. A slice
+    ``Push`` after both uploads): the same reassembled Δ in the buffer, counted as one ``Push`` call; retried, the
+    same answer. A slice
     that never comes: no answer after the quiet wait and nothing merged (a ``Push`` of it then finds the upload
     lost); a commit that does not name its own upload is refused (``commit``)."""
     import threading
@@ -206,13 +207,17 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
     expected = slices.assemble(n, [(p.ranges, state.codec.decode(e)) for p, e in zip(halves, encoded, strict=True)])
     assert torch.equal(state.service.syncer.buffers[0].pushes[0].delta, expected)
     assert state.calls["Push"] == 1 and state.bulk.uploads[0] == {}  # both slices taken by the commit
+    # the upload retried after its reply was lost (its slices taken already): the same answer, at once
+    again = lead.upload_commit(wire.payload_bytes(encoded[0].tensors), 0, halves[0].ranges, ids[0], request)
+    assert again == answers[0] and len(state.service.syncer.buffers[0].pushes) == 1
+    state.bulk.uploads[0].clear()  # (the retry's bytes, held until the quota drops them)
 
     # the other slice never comes: after the quiet wait the reply carries no answer, and nothing is buffered
     halves1 = slices.even_parts(state.service.syncer.index[1], 2)
     lonely = wire.payload_bytes(state.codec.encode(torch.zeros(halves1[0].numel())).tensors)
     gone = lead.push_request(["t.0", "t.1"], 1, tokens, 0, session)
     assert lead.upload_commit(lonely, 1, halves1[0].ranges, "t.0", gone) is None
-    assert state.service.syncer.buffers[1].pushes == [] and state.calls["Push"] == 1
+    assert state.service.syncer.buffers[1].pushes == [] and state.calls["Push"] == 2  # (the retry was a call)
     with pytest.raises(UploadLost):
         lead.commit(["t.0", "t.1"], 1, tokens, 0, session)
     # a commit that does not name the upload carrying it

@@ -94,14 +94,14 @@ class Bulk:
         slots: transfers served at once, every island together (``bulk_slots``).
         per_island: transfers one island may have open at once (``island_transfers``).
         chunk_timeout_s: seconds a transfer may go without a chunk moving before it is cut.
-        commit: the server's commit of a push (its ``Push`` handler: the caller, the request, the call), for an
-            upload whose header carries one.
+        commit: the server's commit of a push that rides on an upload (the caller, the push, the call, the
+            upload's transfer): its answer, or None (not committed).
     """
 
     def __init__(self, service: SyncerService, codec: Codec, lock: threading.Lock, gate: Gate,
                  shards: Shards, slots: int = 64, per_island: int = 16, chunk_timeout_s: float = 30.0,
-                 commit: Callable[[tuple[int, str], schema.PushRequest, grpc.ServicerContext], schema.PushReply]
-                 | None = None) -> None:
+                 commit: Callable[[tuple[int, str], schema.PushRequest, grpc.ServicerContext, Transfer],
+                                  schema.PushReply | None] | None = None) -> None:
         self.service, self.codec, self.lock, self.gate, self.shards = service, codec, lock, gate, shards
         self.commit = commit
         self.arrived = threading.Condition(lock)  # an upload completed (a commit riding on another waits for it)
@@ -197,30 +197,32 @@ class Bulk:
 
     def _commit_riding(self, caller: tuple[int, str], header: schema.UploadHeader, context: grpc.ServicerContext,
                        transfer: Transfer) -> schema.PushReply | None:
-        """Commit the push ``header.commit`` (which must name this upload among its slices) once the island holds
-        every slice it names complete: waiting, in this call's transfer slot, while the other slices' bytes keep
-        arriving (:data:`COMMIT_WAIT_QUIET_S` with none: None, not committed; the island commits with ``Push``).
-        The answer is the ``Push`` handler's (counted as a ``Push`` call)."""
-        commit = header.commit
-        assert commit is not None and self.commit is not None
-        if header.upload not in commit.slices:
+        """The push ``header.commit`` rides on this upload (it must name it among its slices): the server's answer
+        (its ``commit`` hook: once every slice is held, :meth:`await_slices`), or None, not committed."""
+        assert header.commit is not None and self.commit is not None
+        if header.upload not in header.commit.slices:
             self.gate.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "commit",
                              "upload: its commit's slices must name this upload")
-        island, held, quiet_since = caller[0], -1, time.monotonic()
+        return self.commit(caller, header.commit, context, transfer)
+
+    def await_slices(self, island: int, ids: tuple[str, ...], transfer: Transfer) -> bool:
+        """Wait, in ``transfer``'s slot, until the island holds every upload ``ids`` complete: True; False when
+        none of their bytes arrived for :data:`COMMIT_WAIT_QUIET_S` (a slice late or lost: the island commits
+        with ``Push``). While they arrive the transfer is not silent."""
+        held, quiet_since = -1, time.monotonic()
         with self.lock:
             while True:
-                slices_held = [self.uploads[island].get(u) for u in commit.slices]
+                slices_held = [self.uploads[island].get(u) for u in ids]
                 if all(h is not None and len(h.data) == h.size for h in slices_held):
-                    break
+                    transfer.moved = math.inf  # the commit is the syncer's work, not the island's silence
+                    return True
                 now, got = time.monotonic(), sum(len(h.data) for h in slices_held if h is not None)
                 if got != held:  # the others' bytes are arriving: the island is heard
                     held, quiet_since = got, now
                     self.moved(transfer)
                 elif now - quiet_since > COMMIT_WAIT_QUIET_S:
-                    return None
+                    return False
                 self.arrived.wait(timeout=0.25)
-        transfer.moved = math.inf  # the commit is the syncer's work, not the island's silence: never cut for it
-        return self.commit(caller, commit, context)
 
     def _upload(self, island: int, header: schema.UploadHeader, requests: Iterator[bytes],
                 context: grpc.ServicerContext, transfer: Transfer) -> int:

@@ -77,7 +77,7 @@ from atoll.config.run_record import digest as record_digest
 from atoll.config.run_record import mismatch, run_record
 from atoll.config.runtimes import ServiceConfig
 from atoll.runtime.service import schema, slices, wire
-from atoll.runtime.service.bulk import Bulk
+from atoll.runtime.service.bulk import Bulk, Transfer
 from atoll.runtime.service.calls import Gate
 from atoll.runtime.service.monitor import island_states
 from atoll.runtime.service.shards import Shards
@@ -405,10 +405,16 @@ class SyncerServer:
             self._remember(island, key, answer)
         return answer
 
-    def _commit_riding(self, caller: tuple[int, str], req: schema.PushRequest,
-                       context: grpc.ServicerContext) -> schema.PushReply:
-        """A push committed by the upload that carried it (``UploadHeader.commit``): as :meth:`push`, counted as a
-        ``Push`` call."""
+    def _commit_riding(self, caller: tuple[int, str], req: schema.PushRequest, context: grpc.ServicerContext,
+                       transfer: Transfer) -> schema.PushReply | None:
+        """A push committed by the upload that carried it (``UploadHeader.commit``), once every slice it names is
+        held (:meth:`Bulk.await_slices <atoll.runtime.service.bulk.Bulk.await_slices>`; None when one came late:
+        not committed, the island commits with ``Push``), or at once when it was answered before (an upload
+        retried after its reply was lost: the same answer); as :meth:`push`, counted as a ``Push`` call."""
+        with self.lock:
+            known = "\n".join(req.slices) in self.answers[caller[0]]
+        if not known and not self.bulk.await_slices(caller[0], req.slices, transfer):
+            return None
         with self.count_lock:
             self.calls["Push"] = self.calls.get("Push", 0) + 1
         return self.push(caller, req, context)
