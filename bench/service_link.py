@@ -634,6 +634,13 @@ NOTES = [
     "0.10-0.16. Timed inside the syncer over the link (MTU 9000), the Push handler takes 0.06-0.09 s of a commit's "
     "0.21-0.25: the rest is the round trip (73 ms idle) and the emulated link's queue behind the uploads (the "
     "heartbeat's worst during transfers).",
+    "Rows 'commit after the uploads / commit riding' are an A/B of 365e389/7513ab0, interleaved in one session "
+    "(`--commit push` against the default), 14:08-14:22 UTC: one fragment at a time the push reaches 0.695-0.722 "
+    "with the commit after the uploads (0.547 in the first row, beside five benchmark processes; the rest with "
+    "them stopped) and 0.716-0.758 riding, about the round trip it saves; with two fragments in flight and the "
+    "commit riding 0.803 (MTU 9000) and 0.832 (MTU 65000), against 0.747-0.787 before. During the ingress of 4 "
+    "islands at once (loopback) a heartbeat's worst round trip is 119-129 ms with the commit after the uploads "
+    "and 145-167 ms riding (typical 9 ms both): the 4 commits then start together in the upload threads.",
     "Heartbeat: rank 0's round trip on its control connection every 20 ms, idle (the link's RTT) and worst during "
     "the timed rounds. A shared 2-core machine: the 1-minute load average and the time are beside each row; over "
     "the link the delay line (Python) takes 0.47 core at MTU 9000, 0.10 at 65000 (the plain TCP rows).",
