@@ -137,13 +137,13 @@ def test_a_full_disk_is_one_line_per_failed_write_and_merged_pushes_are_answered
     """Every checkpoint write fails with ENOSPC: each is one line, the syncer keeps merging, and every push it
     merged is answered as accepted (before: the second commit's push failed as UNKNOWN, a push that was merged).
     Once the disk has room, the next commit's checkpoint is written."""
-    from atoll.runtime.service import syncer as syncer_module
+    from atoll.runtime.service import durable
 
     def full(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path))
 
-    real = syncer_module.save_checkpoint
-    monkeypatch.setattr(syncer_module, "save_checkpoint", full)
+    real = durable.save_checkpoint
+    monkeypatch.setattr(durable, "save_checkpoint", full)
     config = _config(fast_config, min_quorum=2)
     state = _server(config, tmp_path)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
@@ -168,7 +168,7 @@ def test_a_full_disk_is_one_line_per_failed_write_and_merged_pushes_are_answered
         assert answers == [True] * 4 and state.service.syncer.commits == 2
         lines = [line for line in capsys.readouterr().err.splitlines() if "checkpoint not written" in line]
         assert len(lines) == 2 and "No space left on device" in lines[0], lines
-        monkeypatch.setattr(syncer_module, "save_checkpoint", real)  # room again: the next commit is written
+        monkeypatch.setattr(durable, "save_checkpoint", real)  # room again: the next commit is written
         state.service._save(wait=True)
         assert (tmp_path / "syncer" / "checkpoints" / "step_0000002").is_dir()
     finally:
