@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from atoll.job.async_save import LatestStateWriter
 from atoll.job.checkpoint import save_checkpoint
@@ -22,8 +22,18 @@ from atoll.runtime.service.island_state import IslandState, RejoinTimes
 from atoll.strategies.decoupled.island import save_path
 
 if TYPE_CHECKING:
-    from atoll.runtime.service.syncer import SyncerRun
     from atoll.strategies.decoupled.syncer import Syncer
+
+
+class RunFacts(Protocol):
+    """What a restart reads of the run (:class:`~atoll.runtime.service.syncer.SyncerRun`): its islands, and per
+    island the tokens of one honest push (granted again to each when a checkpoint has no ledger beside it)."""
+
+    @property
+    def islands(self) -> int: ...
+
+    @property
+    def push_tokens(self) -> tuple[int, ...]: ...
 
 #: the file beside the syncer's checkpoints that holds its budget and token ledger (:meth:`DurableService._save_ledger`)
 LEDGER = "ledger.json"
@@ -34,7 +44,7 @@ class DurableService:
     restarts (:meth:`_now`)."""
 
     # the service's attributes (set by SyncerService.__init__) this part writes and restores
-    run: SyncerRun
+    run: RunFacts
     syncer: Syncer
     out: Path
     t0: float
