@@ -1,14 +1,15 @@
 """The bulk calls of ``atoll syncer``: the tensors of pushes and pulls, in chunks, over each rank's own connection.
 
 What moves here are bytes, never a decision: an ``Upload`` holds a slice of a push (the codec's payload, named
-by its fragment and ranges) until the island's leader commits the push (``Push``, a control call, where the
-slices are decoded and checked); ``Download`` serves the float32 values of the newest global fragment at the
-ranges a rank asks for, serialized once per version and slice and cached (every island's ranks pull the same
-slices), or with a ``pull_codec`` other than fp32 the pull codec's payloads since the version the island holds
-(whole fragments only: cached per version and held version). Both resume after a failure at the offset the
-syncer holds (``UploadStatus``; ``Download`` from an offset). Bytes are received and sent outside the server's
-lock, so a slow transfer never holds up a heartbeat. :class:`Bulk` is the collaborator of
-:class:`~atoll.runtime.service.server.SyncerServer` that holds the transfers.
+by its fragment and ranges) until the island's leader commits the push, where the slices are decoded and
+checked: in its own slice's ``Upload`` (the commit rides on it, waits here until every slice is held, and is
+handed to the server's ``Push`` handler) or with ``Push``, a control call; ``Download`` serves the float32
+values of the newest global fragment at the ranges a rank asks for, serialized once per version and slice and
+cached (every island's ranks pull the same slices), or with a ``pull_codec`` other than fp32 the pull codec's
+payloads since the version the island holds (whole fragments only: cached per version and held version). Both
+resume after a failure at the offset the syncer holds (``UploadStatus``; ``Download`` from an offset). Bytes are
+received and sent outside the server's lock, so a slow transfer never holds up a heartbeat. :class:`Bulk` is the
+collaborator of :class:`~atoll.runtime.service.server.SyncerServer` that holds the transfers.
 
 **Admission.** A transfer takes one of the server's ``bulk_slots`` (every island together) and one of its
 island's ``island_transfers`` before it reads a byte; without a free one it is refused UNAVAILABLE (counted
