@@ -227,6 +227,33 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
 
 
 @pytest.mark.slow
+def test_a_push_whose_session_is_superseded_while_it_decodes_is_fenced_not_a_replay(
+        syncer, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A join of the same island while a push of its old session is decoded (outside the server's lock): the push
+    is refused as ``stale_session`` (ABORTED: the old job stops), never handed to the syncer, which would count it
+    a ``replay`` (the race CI met beside a CPU hog)."""
+    from atoll.runtime.service import server as server_module
+    from atoll.runtime.service.client import SessionSuperseded
+
+    state, address, creds = syncer()
+    lead, _, _, session, _ = _clients(state, address, creds)
+    n, tokens = state.service.syncer.numels[0], 5 * state.service.run.tokens_per_step
+    real = server_module.slices.assemble_payloads
+
+    def joined_meanwhile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a new job of island 0 joins mid-decode
+        with state.lock:
+            state.service.syncer.admission.rejoin(0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_module.slices, "assemble_payloads", joined_meanwhile)
+    payload = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors)
+    with pytest.raises(SessionSuperseded):
+        lead.push(payload, 0, ((0, n),), tokens, 0, session)
+    assert state.gate.refused.get("stale_session") == 1
+    assert state.service.syncer.rejected_by_reason == {} and state.service.syncer.buffers[0].pushes == []
+
+
+@pytest.mark.slow
 def test_a_lease_returns_its_unused_steps_at_leave_and_a_killed_sessions_at_its_rejoin(syncer) -> None:  # noqa: ANN001
     state, address, creds = syncer()
     lead, _, other, _, _ = _clients(state, address, creds)
