@@ -382,6 +382,10 @@ class ServiceTransport:
     def _upload_id(self, p: int, k: int, rank: int) -> str:
         return f"{self.session}.{p}.{k}.{rank}"
 
+    def _upload_ids(self, p: int, k: int) -> list[str]:
+        """The uploads of push k of fragment p: one per rank that moves a slice of it (what its commit lists)."""
+        return [self._upload_id(p, k, r) for r in self.plan.movers(p)]
+
     def _exchange(self, p: int, k: int, out: Outgoing | None) -> None:
         """Exchange k of fragment p on this rank (``out`` None: a pull alone)."""
         plan, client = self.plan, self.route[p]
@@ -434,7 +438,7 @@ class ServiceTransport:
         """(The leader, whose rank moves a slice.) Upload its slice of push k of fragment p carrying the push's
         commit: the syncer's answer, or None when the syncer did not commit it (the other slices were late, or it
         lost them: :meth:`_commit` commits or counts it lost)."""
-        ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
+        ids = self._upload_ids(p, k)
         request = self.route[p].push_request(ids, p, claim, out.base_version, self.session, out.round_s)
         try:
             return self.route[p].upload_commit(data, p, self.plan.moved(p), upload, request)
@@ -449,7 +453,7 @@ class ServiceTransport:
         # (to another shard than the coordinator, the commit carries its newest grant)
         if answer is None and self.ranks_move:  # the slices' uploads carried no commit, or it was not answered
             self.agreement.wait(lambda a: a[at(p, UP)] >= k)  # every slice is up
-            ids = [self._upload_id(p, k, r) for r in self.plan.movers(p)]
+            ids = self._upload_ids(p, k)
             try:
                 answer = self.route[p].commit(ids, p, claim, out.base_version, self.session, out.round_s)
             except UploadLost:  # the other ranks' slices cannot be sent again from here: the push is lost

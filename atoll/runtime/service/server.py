@@ -396,10 +396,10 @@ class SyncerServer:
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,
                    session=req.session, credential=credential)
         with self.lock:
-            # a join may have superseded the push's session while it was decoded, outside the lock: refused as
-            # stale_session, as at its start (the syncer would count it a replay)
-            why = self._stale(island, req.session) if syncer.admission.stale(island, req.session) else None
-            if why is None:
+            # a join may have superseded the push's session while it was decoded, outside the lock: fenced as at
+            # its start (the syncer would count it a replay); a session once superseded stays so
+            superseded = syncer.admission.stale(island, req.session)
+            if not superseded:
                 accepted, pull = self.service.push(msg, values=False)  # (the version only: no copy under the lock)
                 self.changed.notify_all()
                 # merged now, with realign_pushes: the share of a round it arrived behind (SyncerService._answer)
@@ -407,8 +407,8 @@ class SyncerServer:
                 answer = schema.PushReply(accepted=accepted, answered=pull is not None,
                                           version=pull.version if pull is not None else None, **share)
                 self._remember(island, key, answer)
-        if why is not None:
-            self.gate.refuse(context, grpc.StatusCode.ABORTED, "stale_session", why)
+        if superseded:
+            self._fence(island, req.session, context)
         return answer
 
     def _commit_riding(self, caller: tuple[int, str], req: schema.PushRequest, context: grpc.ServicerContext,
