@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from atoll.algorithms.fragments import fragment_slices
-from atoll.runtime.service import slices, wire
+from atoll.runtime.service import schema, slices, wire
 
 pytest.importorskip("cryptography")  # (grpcio comes with it in the dev extra)
 
@@ -220,6 +220,17 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
     assert state.service.syncer.buffers[1].pushes == [] and state.calls["Push"] == 2  # (the retry was a call)
     with pytest.raises(UploadLost):
         lead.commit(["t.0", "t.1"], 1, tokens, 0, session)
+    # a stream that ends short of its declared size: answered at once with the bytes held, no commit waited for
+    # (a quiet wait longer than the call's deadline would fail the call)
+    monkeypatch.setattr(bulk, "COMMIT_WAIT_QUIET_S", 600.0)
+    cut, pushes = lead.push_request(["u.0", "u.1"], 1, tokens, 0, session), state.calls["Push"]
+    header = schema.UploadHeader(upload="u.0", fragment=1, ranges=halves1[0].ranges, size=len(lonely), offset=0,
+                                 commit=cut)
+    stub = lead.bulk.stream_unary(wire.method("Upload"))
+    short = wire.loads(stub(iter([schema.encode(header), lonely[:len(lonely) // 2]]), metadata=lead.metadata,
+                            timeout=30.0))
+    assert short == {"received": len(lonely) // 2} and state.calls["Push"] == pushes
+    assert state.service.syncer.buffers[1].pushes == []
     # a commit that does not name the upload carrying it
     with pytest.raises(grpc.RpcError) as refused:
         lead.upload_commit(lonely, 1, halves1[0].ranges, "t.2", gone)

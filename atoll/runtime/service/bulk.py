@@ -188,12 +188,15 @@ class Bulk:
         the fragment's element order; ``size``: the payload's bytes, at most what the run's codec makes of that
         many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end). With a
         ``commit`` in the header, the push it names is committed once its slices are all held
-        (:meth:`_commit_riding`), and the reply carries the answer."""
+        (:meth:`_commit_riding`), and the reply carries the answer; an upload whose stream ends short of ``size``
+        is answered at once, uncommitted (the island resumes it, then commits)."""
         caller = self.gate.caller(context)
         with self.admitted(caller[0], context) as transfer:
             header = self.gate.parse(schema.UploadHeader, next(requests, b""), context, "Upload")
             received = self._upload(caller[0], header, requests, context, transfer)
-            answer = self._commit_riding(caller, header, context, transfer) if header.commit is not None else None
+            # a stream that ended short (the island cut it) leaves a slice to resume: no commit waits for it
+            riding = header.commit is not None and received == header.size
+            answer = self._commit_riding(caller, header, context, transfer) if riding else None
         return schema.encode(schema.ReceivedReply(received=received, **({"push": answer} if answer else {})))
 
     def _commit_riding(self, caller: tuple[int, str], header: schema.UploadHeader, context: grpc.ServicerContext,
