@@ -26,7 +26,7 @@ def test_projection_charges_the_decoupled_pull_at_float32() -> None:
     s = Setting(params=12e9, step_compute_s=1.0, islands=4, bandwidth_mbps=2000, latency_ms=35)
     from atoll.strategies.registry import spec
 
-    own = spec("decoupled").config(sync_every=100, fragments=4, codec="int4")
+    own = spec("decoupled").config(sync_every=100, fragments=4, codec="int4", pull_codec="fp32")
     p = project(s, "decoupled", own)
     b = codec_bits("int4")  # 4 bits and the scales
     assert p.bytes_per_step == pytest.approx(12e9 * b / 8 / 100)
@@ -132,7 +132,7 @@ def test_decoupled_pushes_by_codec_and_pulls_in_float32(fast_config: dict) -> No
     from atoll.strategies.base import codec_of, model_fragments
 
     k, steps, h, p = fast_config["islands"], fast_config["steps"], fast_config["sync_every"], 2
-    summary, config = _summary(fast_config, strategy="decoupled", fragments=p, codec="int4")
+    summary, config = _summary(fast_config, strategy="decoupled", fragments=p, codec="int4", pull_codec="fp32")
     assert summary["deferred_pushes"] == 0 and not any(summary["failures"])  # the formula's premises
     codec = codec_of(config.strategy_config)
     numels = [sum(b - a for a, b in f.ranges) for f in model_fragments(_named_shapes(fast_config["out"], steps), p)]

@@ -291,13 +291,15 @@ def test_the_end_answers_every_push_before_the_final_ones(fast_config: dict) -> 
     summary = train(build_config(overrides=_decoupled(fast_config, quorum=3, island_speeds="1,1,0.5,0.25",
                                                       steps=14, sync_every=8)))
     _, state = load_latest_state(Path(summary["out"]))
-    outer = state["syncer"]["outer"]
+    outer, downlink = state["syncer"]["outer"], state["syncer"]["downlink"]
     assert all(not b["pushes"] for b in state["syncer"]["buffers"]), "every buffer merged at the end"
+    # what an up-to-date island holds: the pull codec's shadows Q (the default int8), at the global versions
+    assert downlink["codec"] == "int8" and downlink["version"] == [int(o["version"]) for o in outer]
     for island in state["islands"]:
         assert island["tokens_since"] == [0, 0]
         assert island["base_version"] == [int(o["version"]) for o in outer]
-        for base, o in zip(island["base"], outer, strict=True):
-            assert torch.equal(base, o["params"])
+        for base, q in zip(island["base"], downlink["shadow"], strict=True):
+            assert torch.equal(base, q)
     assert summary["useful_tokens"] == pytest.approx(summary["tokens"])
 
 

@@ -112,7 +112,7 @@ def served(fast_config: dict, tmp_path):  # noqa: ANN001, ANN201 - (server state
 
     settings = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
     config = build_config(None, {**settings, "strategy": "decoupled", "runtime": "service", "fragments": 2,
-                                 "codec": "fp32"})
+                                 "codec": "fp32", "pull_codec": "fp32"})  # (pulls by ranges: float32 slices)
     state = SyncerServer.of_run(config, tmp_path / "syncer", ["a" * 32, "b" * 32])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()],
                          options=flow.bulk_options(flow.window_bytes(8)))

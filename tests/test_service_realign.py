@@ -42,7 +42,8 @@ def serve(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - a function servi
         base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
         config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "islands": 4,
                                      "fragments": 1, "sync_every": H, "steps": 64, "quorum": 2,
-                                     "grace_window": "round", "realign_pushes": realign})
+                                     "grace_window": "round", "realign_pushes": realign,
+                                     "pull_codec": "fp32"})  # (the pulls' values read as float32 fragments)
         state = SyncerServer.of_run(config, tmp_path / f"syncer{len(servers)}", CREDS)
         clock = [0.0]
         state.service._now = lambda: clock[0]  # the test's clock, not the wall's

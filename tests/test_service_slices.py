@@ -132,8 +132,9 @@ def _clients(state, address: str, creds: list[str]) -> tuple:  # noqa: ANN001
 def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(syncer) -> None:  # noqa: ANN001
     """Each rank uploads its half of Δ as the int4 codec encodes it; the leader's commit lists both: the syncer
     holds the halves decoded and reassembled, and counts the payloads' bytes (what travelled), not float32's.
-    Slices that do not tile the fragment are refused and counted (``slices``); a rank pulls its own slice."""
-    state, address, creds = syncer()
+    Slices that do not tile the fragment are refused and counted (``slices``); with float32 pulls a rank pulls
+    its own slice."""
+    state, address, creds = syncer(pull_codec="fp32")
     lead, rank1, _, session, _ = _clients(state, address, creds)
     n = state.service.syncer.numels[0]
     delta = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3

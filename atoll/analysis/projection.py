@@ -262,7 +262,7 @@ TABLE_SETTINGS: dict[str, dict[str, Any]] = {
     "streaming": {"sync_every": 100, "fragments": 4, "overlap_steps": 5, "codec": "int4"},
     "demo": {"demo_topk": 32, "demo_chunk": 64, "demo_sign_values": True},
     "sparseloco": {"sync_every": 100, "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_bits": 2},
-    "decoupled": {"sync_every": 100, "fragments": 4, "codec": "int4"},
+    "decoupled": {"sync_every": 100, "fragments": 4, "codec": "int4", "pull_codec": "int8"},
 }
 
 
@@ -310,8 +310,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "",
         f"Assumptions: 4 islands; t_c = 6*N*tokens / (GPUs * 989 TFLOP/s * MFU): {assumptions}. "
         "ddp not overlapped with backward; diloco H=100 fp32; streaming H=100 P=4 tau=5 int4; demo top-k 32 "
-        "of 64x64 DCT chunks, 2-bit sign values; sparseloco H=100 top-64 of 4096, 2-bit values; decoupled H=100 int4, "
-        "syncer link not the bottleneck. Heavy failures: island "
+        "of 64x64 DCT chunks, 2-bit sign values; sparseloco H=100 top-64 of 4096, 2-bit values; decoupled H=100 "
+        "int4 pushes, int8 pulls, syncer link not the bottleneck. Heavy failures: island "
         "MTBF 40 min, 10 min to replace, synchronous checkpoints every 30 min.",
         "",
         "Published, beside the projection:",

@@ -280,7 +280,8 @@ class Bulk:
         fragment in float32 (``since`` None: the island starts, rejoins, or holds a version whose payloads are
         no longer kept); never by ``ranges`` (a block-scaled payload is not cut by element ranges:
         INVALID_ARGUMENT), and resumed only in the same answer (``version``, ``since`` and ``epoch``, the syncer's
-        restarts)."""
+        restarts). Another shard of the syncer (the coordinator gathering the final model) is sent the global
+        fragment G itself in float32, whatever the pull codec (:meth:`_global`)."""
         island, _ = self.gate.caller(context, peer=True)
         with self.admitted(island, context) as transfer:
             for chunk in self._download(data, context, transfer, island):
@@ -291,7 +292,8 @@ class Bulk:
                   island: int) -> Iterator[bytes]:
         req = self.gate.parse(schema.DownloadRequest, data, context, "Download")
         fragment = self.shards.fragment(req.fragment, context)
-        coded = self.service.syncer.downlink.codec is not None
+        peer = island < 0  # another shard gathering the final model: the global fragment G, not an island's pull
+        coded = self.service.syncer.downlink.codec is not None and not peer
         ranges = None
         if req.ranges is not None:
             if coded:
@@ -301,17 +303,31 @@ class Bulk:
                 ranges = wire.parse_ranges(req.ranges, self.service.syncer.numels[fragment])
             except ValueError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        version, since, payload = self._pull(fragment, ranges, req.have if coded else None, island)
+        if peer:
+            version, since, payload = self._global(fragment, ranges)
+        else:
+            version, since, payload = self._pull(fragment, ranges, req.have if coded else None, island)
         self.moved(transfer)  # (serializing a large fragment is no silence of the island's)
         epoch = self.service.restarts  # (the same version of another epoch is other bytes: from 0)
         same = req.version == version and req.since == since and req.epoch == epoch and req.offset <= len(payload)
         offset = req.offset if same else 0
         with self.lock:
             self.bytes_out += len(payload) - offset  # (the live view's bytes out)
-            self.bytes_out_by_island[island] += len(payload) - offset
+            if not peer:
+                self.bytes_out_by_island[island] += len(payload) - offset
         yield schema.encode(schema.DownloadHeader(version=version, size=len(payload), offset=offset, since=since,
                                                   epoch=epoch))
         yield from wire.chunks(payload, offset)
+
+    def _global(self, fragment: int, ranges: slices.Ranges | None) -> tuple[int, None, bytes]:
+        """(version, None, safetensors bytes) of the global fragment G itself at ``ranges`` (None: all), float32,
+        whatever the pull codec (an island's pull carries the shadow Q or its changes: what the islands hold, not
+        G): what another shard's coordinator gathers as the run's final model."""
+        with self.lock:
+            syncer = self.service.syncer
+            version, params = syncer.version(fragment), syncer.outer[fragment].params.detach()
+            values = params.clone() if ranges is None else slices.take(params, ranges)
+        return version, None, wire.tensor_bytes(values)
 
     def _pull(self, fragment: int, ranges: slices.Ranges | None = None,
               have: int | None = None, island: int | None = None) -> tuple[int, int | None, bytes]:
