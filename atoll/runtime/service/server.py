@@ -371,7 +371,7 @@ class SyncerServer:
             fragment = self.shards.own(fragment, context)
         ours = fragment < syncer.fragments  # else a fragment of no run's: the syncer refuses it
         delta: Any = None  # a fragment of no run's, or a payload that does not decode: the syncer refuses it
-        nbytes = 0
+        nbytes, norm = 0, None
         if self.service.grants is not None and ours:
             with self.lock:  # a shard checks the coordinator's grant first: the tokens and session it vouches for
                 grant = req.grant.model_dump() if req.grant is not None else None
@@ -391,10 +391,12 @@ class SyncerServer:
                     nbytes += payload.nbytes
                     payloads.append((h.ranges, payload))
                 delta = slices.assemble_payloads(numel, payloads, self.codec)  # each slice decoded into its place
+                norm = float(delta.norm())  # (this pass too outside the lock; the syncer checks it there)
             except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
-                delta = None
+                delta, norm = None, None
+        # delta is this push's own tensor: buffered without a copy
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,
-                   session=req.session, credential=credential)
+                   session=req.session, credential=credential, owned=True, delta_norm=norm)
         with self.lock:
             # a join may have superseded the push's session while it was decoded, outside the lock: fenced as at
             # its start (the syncer would count it a replay); a session once superseded stays so

@@ -278,8 +278,10 @@ class Syncer:
                                                          msg.base_version)
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         observed = since_last_push([r.last_push_at for r in self.per_island], island, fragment, now)
+        norm = msg.delta_norm  # (the service's, computed outside its lock from what it decoded)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
-            island, fragment, float(delta.detach().norm()), tokens, self.outer[fragment].params_norm())
+            island, fragment, float(delta.detach().norm()) if norm is None else norm, tokens,
+            self.outer[fragment].params_norm())
         if reason:
             self._refuse(island, fragment, reason, tokens)
             return PushResult(False, reason)
@@ -291,7 +293,8 @@ class Syncer:
             return PushResult(False, "stale")
         self.accepted_updates += 1
         buf = self.buffers[fragment]
-        pending = Pending(island, delta.detach().clone(), int(tokens), int(base_version), warm, now)
+        pending = Pending(island, delta.detach() if msg.owned else delta.detach().clone(), int(tokens),
+                          int(base_version), warm, now)
         if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
             replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
             self.replaced_updates += 1
