@@ -60,6 +60,30 @@ def test_view_tensors_reads_what_safetensors_reads_bit_for_bit(tensors: dict[str
         assert ours[k].view(torch.uint8).tolist() == t.view(torch.uint8).tolist()  # bit-identical
 
 
+@pytest.mark.parametrize("tensors", [
+    {"t": torch.randn(1000)},
+    {"values": torch.randint(0, 255, (77,), dtype=torch.uint8), "scales": torch.randn(3, dtype=torch.float16),
+     "indices": torch.arange(5, dtype=torch.int64)},
+    {"t": torch.empty(0)},
+    {},  # (an up-to-date island's delta pull: the header alone)
+    {"a": torch.randn(5, dtype=torch.bfloat16), "b": torch.ones(2, 3, dtype=torch.bool), "c": torch.randn(2).double(),
+     "d": torch.arange(4, dtype=torch.int16), "e": torch.arange(3, dtype=torch.int32), "f": torch.randn(4).half(),
+     "0.values": torch.randint(-128, 127, (9,), dtype=torch.int8), "1.scales": torch.randn(2)[1:]},
+])
+def test_save_writes_safetensors_own_bytes_and_reads_back_as_views(tensors: dict[str, torch.Tensor]) -> None:
+    """:func:`wire.save` (torch's copies, which release the GIL) writes the file ``safetensors.torch.save`` writes,
+    byte for byte (header, order of the tensors, padding), for every dtype a payload or a pull uses; its
+    ``memoryview`` is read back as views (no copy) and chunked into ``bytes``."""
+    ours = wire.save(tensors)
+    assert isinstance(ours, memoryview) and ours.format == "B" and bytes(ours) == st_save(tensors)
+    back = wire.view_tensors(ours)
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert torch.equal(back[k], t.contiguous()) and back[k].dtype == t.dtype
+    pieces = wire.chunks(ours)
+    assert all(type(c) is bytes for c in pieces) and b"".join(pieces) == st_save(tensors)
+
+
 def test_view_tensors_is_a_view_of_the_bytes_not_a_copy() -> None:
     buf = bytearray(wire.tensor_bytes(torch.arange(8, dtype=torch.float32)))
     t = wire.bytes_tensor(buf)
