@@ -440,7 +440,8 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     # assembled, as any push's are
     total = args.islands + 1
     overrides = {"strategy": "decoupled", "model": args.model, "fragments": args.fragments, "islands": total,
-                 "quorum": total, "min_quorum": total, "codec": "fp32", "runtime": "service", "data": str(corpus),
+                 "quorum": total, "min_quorum": total, "codec": "fp32", "pull_codec": "fp32", "runtime": "service",
+                 "data": str(corpus),
                  "vocab_size": 512, "cache_dir": str(tmp / "cache"), "out": str(tmp / "syncer"), "steps": 100000,
                  "sync_every": 5, "progress": False, "listen": f"{host}:{PORT}", "insecure": True}
     if args.window_mib:

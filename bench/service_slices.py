@@ -60,7 +60,8 @@ def _settings(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     corpus.write_text("\n\n\n".join(f.read_text(encoding="utf-8") for f in sorted((std / "json").glob("*.py"))))
     return {"model": args.model, "fragments": args.fragments, "islands": 1, "steps": 10_000, "sync_every": 10,
             "data": str(corpus), "vocab_size": 512, "cache_dir": str(tmp / "cache"), "seq_len": 32,
-            "batch_size": 4, "threads": 1, "progress": False}
+            "batch_size": 4, "threads": 1, "progress": False,
+            "pull_codec": "fp32"}  # (float32 slices, each rank its own: what this study compares)
 
 
 def _flags(settings: dict[str, Any]) -> list[str]:

@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     std = Path(sysconfig.get_paths()["stdlib"])
     corpus.write_text("\n\n\n".join(f.read_text(encoding="utf-8") for f in sorted((std / "json").glob("*.py"))))
     config = build_config(None, {"strategy": "decoupled", "model": args.model, "fragments": 1, "islands": 2,
-                                 "codec": "fp32", "runtime": "service",
+                                 "codec": "fp32", "pull_codec": "fp32", "runtime": "service",
                                  "data": str(corpus), "vocab_size": 512, "cache_dir": str(tmp / "cache"),
                                  "out": str(tmp / "syncer"), "steps": 10, "sync_every": 5, "progress": False})
     creds = ["a" * 32, "b" * 32]
