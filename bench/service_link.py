@@ -86,6 +86,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tbf-latency-ms", type=float, default=50.0, help="tbf queue, ms at the rate [50]")
     parser.add_argument("--tcp-buffer-mib", type=float, default=64.0,
                         help="hosts' TCP buffer limit (tcp_rmem/tcp_wmem max) in both namespaces; 0: the kernel's [64]")
+    parser.add_argument("--slow-start-after-idle", type=int, choices=[0, 1], default=1,
+                        help="net.ipv4.tcp_slow_start_after_idle in both namespaces: 1, the kernel's default (a "
+                             "connection idle for a retransmission timeout restarts from its initial window); 0: "
+                             "kept (measured: no difference with BBR here) [1]")
     parser.add_argument("--model", default="125m", help="model preset [125m]")
     parser.add_argument("--fragments", type=int, default=4, help="P, fragments [4]")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of each island [2]")
@@ -360,15 +364,16 @@ class Child:
         self.proc.wait(timeout=60)
 
 
-def _tune(wan: Any, buffer_mib: float) -> None:
-    if buffer_mib <= 0:
-        return
+def _tune(wan: Any, buffer_mib: float, slow_start_after_idle: int = 1) -> None:
     from atoll.benchmarks.namespaces import run_command
 
     most = int(buffer_mib * (1 << 20))
     for ns in wan.island_ns:
-        run_command("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_rmem=4096 131072 {most}",
-                    f"net.ipv4.tcp_wmem=4096 16384 {most}")
+        run_command("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                    f"net.ipv4.tcp_slow_start_after_idle={slow_start_after_idle}")
+        if buffer_mib > 0:
+            run_command("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_rmem=4096 131072 {most}",
+                        f"net.ipv4.tcp_wmem=4096 16384 {most}")
 
 
 def _commit_s(pushes: list[tuple[float, ...]], upload_s: list[float], fragments: int, in_flight: int) -> float | None:
@@ -396,7 +401,7 @@ def instrument(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
                           tbf_latency_ms=args.tbf_latency_ms)
         load = os.getloadavg()
         with EmulatedWan(2, shape) as wan:
-            _tune(wan, args.tcp_buffer_mib)
+            _tune(wan, args.tcp_buffer_mib, args.slow_start_after_idle)
             spec = tmp / f"tcp{mtu}.json"
             spec.write_text(json.dumps({"host": wan.island_ip(0), "seconds": args.seconds}))
             sink = Child(wan, 0, "sink", spec)
@@ -465,7 +470,7 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         wan = None if args.loopback else stack.enter_context(EmulatedWan(2, shape))
         if wan is not None:
-            _tune(wan, args.tcp_buffer_mib)
+            _tune(wan, args.tcp_buffer_mib, args.slow_start_after_idle)
         syncer = Child(wan, 0, "syncer", spec_path)
         numels = syncer.line()["numels"]
         spec["numels"] = numels
@@ -541,6 +546,7 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
            "link": "loopback" if args.loopback else f"{args.rate_mbps:g} Mbit/s, {2 * args.delay_ms:g} ms RTT",
            "model": args.model, "fragments": len(numels), "islands": args.islands, "ranks": args.ranks,
            "tls": not args.plaintext, "window_mib": window_mib, "mtu": None if args.loopback else args.mtu[0],
+           "slow_start_after_idle": None if args.loopback else args.slow_start_after_idle,
            "rate_mbps": None if args.loopback else args.rate_mbps,
            "rtt_ms": None if args.loopback else 2 * args.delay_ms,
            "fragment_mb": statistics.mean(numels) * 4 / 1e6,
@@ -579,7 +585,8 @@ def _beat_window(rank0: Child, seconds: float) -> list[float]:
     return rank0.ask({"op": "beats", "on": False})["beats"]
 
 
-COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("MTU", "mtu"), ("window MiB", "window_mib"),
+COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("MTU", "mtu"),
+           ("slow start after idle", "slow_start_after_idle"), ("window MiB", "window_mib"),
            ("in flight", "in_flight"), ("commit", "commit"),
            ("TCP Mbit/s", "mbps"), ("TCP share", "share"), ("push Mbit/s", "push_mbps"), ("push share", "push_share"),
            ("upload share", "upload_share"), ("commit s", "commit_s"), ("pull Mbit/s", "pull_mbps"),
@@ -642,6 +649,17 @@ NOTES = [
     "commit riding 0.803 (MTU 9000) and 0.832 (MTU 65000), against 0.747-0.787 before. During the ingress of 4 "
     "islands at once (loopback) a heartbeat's worst round trip is 119-129 ms with the commit after the uploads "
     "and 145-167 ms riding (typical 9 ms both): the 4 commits then start together in the upload threads.",
+    "Rows 'before (20300a8) / GIL-free payloads, no copy under the lock' are an A/B of 28b2631 and b10b1eb, "
+    "interleaved in one session, 17:01-17:08 UTC (before: a worktree at 20300a8): payloads and pulls written by "
+    "torch's copies, which release the GIL (safetensors' writer held it 167-202 ms per 124 MB), and the syncer "
+    "buffering a push without copying it, its norm taken outside the lock. During the ingress of 4 islands at "
+    "once (loopback, TLS) a heartbeat's worst round trip is 72-97 ms after against 123-160 ms before (typical "
+    "9-10 ms both), the push 3.63-3.83 Gbit/s against 2.62-3.48; one fragment at a time over the link the push "
+    "reaches 0.743-0.751 against 0.716-0.744. Rows 'kernel's slow start after idle / no slow start after idle' "
+    "(`--slow-start-after-idle 1|0`, 17:09-17:12): 0.731-0.754 against 0.751-0.754, no difference with BBR. One "
+    "fragment at a time a push's uploads take 1.09-1.14 s of the 0.91 s its bytes need at the link rate (the "
+    "first of each round 1.27-1.66 s), and 0.07 s more pass between fragments (the bench's serialization and its "
+    "orchestration).",
     "Heartbeat: rank 0's round trip on its control connection every 20 ms, idle (the link's RTT) and worst during "
     "the timed rounds. A shared 2-core machine: the 1-minute load average and the time are beside each row; over "
     "the link the delay line (Python) takes 0.47 core at MTU 9000, 0.10 at 65000 (the plain TCP rows).",
