@@ -189,19 +189,31 @@ class _BlockCodec(Codec):
         self._decode_into(enc, out)
         return out
 
-    def _dequantize(self, values: torch.Tensor, scales: torch.Tensor, numel: int, out: torch.Tensor,
-                    widen: Callable[[torch.Tensor, int, int, torch.Tensor], object] | None = None) -> torch.Tensor:
-        """Into ``out`` (float32 ``(numel,)``, returned): each value times its block's scale;
-        ``widen(values, a, b, dst)`` writes the chunk ``[a, b)`` as float32 into ``dst`` (default
-        ``dst.copy_(values[a:b])``)."""
-        scales = scales.float()
-        for a, b in self._chunks(numel, out.device):
+    def _widener(self, enc: Encoded) -> tuple[torch.Tensor, Callable[[torch.Tensor, int, int, torch.Tensor], object]
+                                                | None]:
+        """The payload's values as :meth:`_range_decoder` reads them, and ``widen(values, a, b, dst)`` that writes
+        the chunk ``[a, b)`` as float32 into ``dst`` (None: ``dst.copy_(values[a:b])``)."""
+        return enc.tensors["values"], None
+
+    def _range_decoder(self, enc: Encoded) -> tuple[list[tuple[int, int]], Callable[[int, int, torch.Tensor], None]]:
+        """Chunks of whole blocks (:meth:`_chunks`) and ``fn(a, b, dst)``: each value of ``[a, b)`` widened into
+        ``dst`` (float32 ``(b - a,)``), times its block's scale."""
+        values, widen = self._widener(enc)
+        scales = enc.tensors["scales"].float()
+
+        def fn(a: int, b: int, dst: torch.Tensor) -> None:
             if widen is None:
-                out[a:b].copy_(values[a:b])
+                dst.copy_(values[a:b])
             else:
-                widen(values, a, b, out[a:b])
-            self._per_block_(out[a:b], scales, a, divide=False)
-        return out
+                widen(values, a, b, dst)
+            self._per_block_(dst, scales, a, divide=False)
+
+        return self._chunks(enc.numel, scales.device), fn
+
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        ranges, fn = self._range_decoder(enc)
+        for a, b in ranges:
+            fn(a, b, out[a:b])
 
 
 #: elements per chunk of the block-wise passes on the CPU (1 MiB of float32)
@@ -245,11 +257,11 @@ class _Fp8Codec(_BlockCodec):
         scales = self._quantize(x.detach(), self.fmax, rnd, generator, store)
         return {"scales": scales, "values": values}
 
-    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+    def _widener(self, enc: Encoded) -> tuple[torch.Tensor, Callable[[torch.Tensor, int, int, torch.Tensor], object]
+                                                | None]:
         values = enc.tensors["values"]
         if values.device.type != "cpu":
-            self._dequantize(values.float(), enc.tensors["scales"], enc.numel, out)
-            return
+            return values.float(), None
         table = _FP8_TABLES[self.dtype]
         index = [torch.empty(0, dtype=torch.int32)]  # one chunk's codes as int32, reused
 
@@ -258,7 +270,7 @@ class _Fp8Codec(_BlockCodec):
                 index[0] = torch.empty(b - a, dtype=torch.int32)
             torch.index_select(table, 0, index[0][: b - a].copy_(v[a:b]), out=dst)
 
-        self._dequantize(values.view(torch.uint8), enc.tensors["scales"], enc.numel, out, widen)
+        return values.view(torch.uint8), widen
 
 
 class _IntCodec(_BlockCodec):
@@ -307,9 +319,9 @@ class _IntCodec(_BlockCodec):
         pairs = q.view(torch.uint8).view(-1, 2)
         return {"scales": scales, "values": torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])}
 
-    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
-        v = enc.tensors["values"]
-        self._dequantize(v, enc.tensors["scales"], enc.numel, out, None if self.bits == 8 else _unpack_nibbles)
+    def _widener(self, enc: Encoded) -> tuple[torch.Tensor, Callable[[torch.Tensor, int, int, torch.Tensor], object]
+                                                | None]:
+        return enc.tensors["values"], None if self.bits == 8 else _unpack_nibbles
 
 
 class _NibblePacker:
