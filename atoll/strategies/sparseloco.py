@@ -204,9 +204,18 @@ class SparseLoCo(OuterRounds):
     def _weighted_sum(self, sending: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         """``Σ w_i Δ_i``, float32 (numel,), as ``torch.stack([d * w ...]).sum(0)`` computes it (the same floats:
         the stack and its sum over the islands run on slices of 64 Ki elements, each element's sum in the same
-        order), in :meth:`_scratch`: no (islands, numel) stack."""
+        order; for one or two islands, their product and sum without a stack), in :meth:`_scratch`: no (islands,
+        numel) stack. Only its norm is used (a zero's sign may differ from the stack's)."""
         out = self._scratch(sending[0][0].numel())
         step = 1 << 16
+        if len(sending) <= 2:  # one rounded sum w_0 Δ_0 + w_1 Δ_1 per element, whatever its order: no stack
+            small = torch.empty(min(step, out.numel()), dtype=torch.float32)
+            for a in range(0, out.numel(), step):
+                b = min(a + step, out.numel())
+                torch.mul(sending[0][0][a:b], sending[0][1], out=out[a:b])
+                if len(sending) == 2:
+                    out[a:b].add_(torch.mul(sending[1][0][a:b], sending[1][1], out=small[: b - a]))
+            return out  # (a zero's sign may differ from the stack's sum of 0 + ...: only the norm is used)
         for a in range(0, out.numel(), step):
             b = min(a + step, out.numel())
             torch.sum(torch.stack([d[a:b] * w for d, w in sending]), 0, out=out[a:b])
