@@ -333,6 +333,39 @@ def test_average_encoded_quantized_and_feedback() -> None:
     assert all(ef.residual("f0") is not None for ef in efs)
 
 
+@pytest.mark.parametrize("name", ["int4", "int8", "fp8-e4m3", "fp32", "bf16", "topk"])
+def test_range_decoder_and_chunked_average_give_the_whole_tensor_floats(name: str) -> None:
+    """The ranges cover the payload in order and decode to decode()'s floats; average_encoded (range by range),
+    and error feedback (its residual range by range) give, bit for bit, the whole-tensor passes' floats."""
+    n = (1 << 18) * 2 + 64 * 3 + 1  # three chunks of the block codecs on the CPU, the last block partial
+    xs = [_data(n, seed=s) for s in range(3)]
+    codec = make_codec(name, rounding="stochastic" if name != "topk" else "nearest")
+    enc = codec.encode(xs[0], torch.Generator().manual_seed(0))
+    ranges, fn = codec.range_decoder(enc)
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    if name in ("int4", "int8", "fp8-e4m3"):
+        assert len(ranges) == 3
+    out = torch.empty(n)
+    for a, b in ranges:
+        fn(a, b, out[a:b])
+    assert torch.equal(out, codec.decode(enc))
+    weights = [1000.0, 0.0, 3000.0]
+    avg, _ = average_encoded(xs, codec, weights, [torch.Generator().manual_seed(i) for i in range(3)])
+    expected = torch.zeros(n)
+    for i, (x, w) in enumerate(zip(xs, weights, strict=True)):
+        if w:
+            expected.add_(codec.decode(codec.encode(x, torch.Generator().manual_seed(i))), alpha=w)
+    assert torch.equal(avg, expected.div_(sum(weights)))
+    feedback, residual = ErrorFeedback(codec), torch.zeros(n)
+    for step in range(2):  # the first encode (no residual yet) and the next (x + residual)
+        target = xs[step] + residual
+        sent = codec.decode(feedback.encode("k", xs[step]))
+        residual = target - sent
+        if not codec.lossless:
+            assert torch.equal(feedback.residual("k"), residual)
+
+
 def test_average_encoded_errors() -> None:
     codec = make_codec("bf16")
     with pytest.raises(ValueError, match="islands"):

@@ -13,6 +13,7 @@ block-scaled, the ones that round); both import this module, which imports neith
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,26 @@ class Codec(ABC):
             raise ValueError(
                 f"codec: {self.name} payload for numel={enc.numel} should be {expected}, got {got}"
             )
+
+    def range_decoder(self, enc: Encoded) -> tuple[list[tuple[int, int]], Callable[[int, int, torch.Tensor], None]]:
+        """A payload's decode range by range, so that a caller can use each range while it is in cache (an
+        average of several islands' payloads, :func:`~atoll.algorithms.merge.average_encoded`).
+
+        Returns:
+            ``(ranges, fn)``: ranges ``[a, b)`` in order, covering ``[0, enc.numel)``, and ``fn(a, b, dst)``,
+            which writes the values :meth:`decode` returns at ``[a, b)`` into ``dst`` (float32 ``(b - a,)`` on
+            the payload's device). The block codecs give chunks of whole blocks (about 1 MiB of float32 on the
+            CPU); the others one range, :meth:`decode_into`.
+
+        Raises:
+            ValueError: as :meth:`decode`.
+        """
+        self._check_payload(enc)
+        return self._range_decoder(enc)
+
+    def _range_decoder(self, enc: Encoded) -> tuple[list[tuple[int, int]], Callable[[int, int, torch.Tensor], None]]:
+        """(Checked payload.) One range, decoded whole; codecs that decode in chunks override this."""
+        return ([(0, enc.numel)] if enc.numel else []), lambda a, b, dst: self._decode_into(enc, dst)
 
     def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
         """(Checked payload.) Write the decoded values into ``out``; codecs that can do it without an

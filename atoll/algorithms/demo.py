@@ -55,6 +55,17 @@ def _check_scalar(field: str, value: Any, low: float, high: float, high_open: bo
     return float(value)
 
 
+def _decay_add_(m: torch.Tensor, beta: float, g: torch.Tensor, lr: float) -> None:
+    """In place, ``m.mul_(beta).add_(g, alpha=lr)`` (float32, one shape; the same floats): in slices of 64 Ki
+    elements where both are contiguous, so ``m`` is read and written once, not once per operation."""
+    if not (m.is_contiguous() and g.is_contiguous() and m.shape == g.shape):
+        m.mul_(beta).add_(g, alpha=lr)
+        return
+    flat_m, flat_g, step = m.view(-1), g.view(-1), 1 << 16
+    for a in range(0, flat_m.numel(), step):
+        flat_m[a:a + step].mul_(beta).add_(flat_g[a:a + step], alpha=lr)
+
+
 # --------------------------------------------------------------------------------------------------------
 # The optimizer
 # --------------------------------------------------------------------------------------------------------
@@ -219,9 +230,10 @@ class DeMo(torch.optim.Optimizer):
                 m: torch.Tensor = state["momentum"]
                 state["step"] = state["step"] + 1  # not in place: a loaded state_dict may alias it
                 # a. decoupled momentum
-                m.mul_(beta)
-                if p.grad is not None:  # bloc97/DeMo: the momentum accumulates lr_t * g_t
-                    m.add_(p.grad.to(torch.float32), alpha=group["lr"])
+                if p.grad is None:
+                    m.mul_(beta)
+                else:  # bloc97/DeMo: the momentum accumulates lr_t * g_t
+                    _decay_add_(m, beta, p.grad.to(torch.float32), group["lr"])
                 # b. top-k DCT coefficients per chunk
                 t = self.transform_for(p.shape)
                 coeffs = t.encode(m)

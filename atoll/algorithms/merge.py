@@ -268,8 +268,11 @@ def average_encoded(
             across exchanges: a fresh one costs a page fault per 4 KiB on the CPU, more than the sum); default
             a new one.
         scratch: a float32 tensor of the inputs' shape and device each payload is decoded into
-            (:meth:`Codec.decode_into`: the values :meth:`Codec.decode` returns), kept by the caller; default one
-            new tensor for all islands.
+            (:meth:`Codec.decode_into`: the values :meth:`Codec.decode` returns), kept by the caller, for a codec
+            that decodes in one range; default one new tensor for all islands. The block codecs decode in
+            chunks of about 1 MiB on the CPU (:meth:`Codec.range_decoder`): every island encodes, then each
+            chunk of the average is zeroed, each island's decoded chunk added and the sum divided while the chunk
+            is in cache, through one chunk-sized buffer (the payloads of every island are held meanwhile).
 
     Returns:
         ``(average, nbytes)``: float32 tensor of shape ``(numel,)`` (``out`` when given), and the payload bytes
@@ -295,10 +298,11 @@ def average_encoded(
         if buf is not None and (buf.shape != shape or buf.dtype != torch.float32 or buf.device != device):
             raise ValueError(f"{name}: float32 of shape {tuple(shape)} on {device} needed, got {buf.dtype} "
                              f"{tuple(buf.shape)} on {buf.device}")
-    acc = torch.zeros(shape, dtype=torch.float32, device=device) if out is None else out.zero_()
-    decoded = torch.empty(shape, dtype=torch.float32, device=device) if scratch is None else scratch
+    acc = torch.empty(shape, dtype=torch.float32, device=device) if out is None else out
+    flat = acc.view(-1)
     timer = times.timer if times is not None else time.perf_counter
     encode_s, decode_s = [0.0] * n, [0.0] * n
+    decoders = []  # every island encodes first (in island order), then the payloads are decoded range by range
     for i, x in enumerate(per_island):
         if w[i] == 0.0:
             continue
@@ -306,10 +310,26 @@ def average_encoded(
         t0 = timer()
         enc = feedback[i].encode(key, x, gen) if feedback is not None else codec.encode(x, gen)
         t1 = timer()
-        codec.decode_into(enc, decoded)  # the floats decode returns, in a buffer decoded into for every island
-        encode_s[i], decode_s[i] = t1 - t0, timer() - t1
-        acc.add_(decoded, alpha=w[i])
+        encode_s[i] = t1 - t0
+        decoders.append((i, codec.range_decoder(enc)))
+    total = math.fsum(w)
+    ranges = decoders[0][1][0] if decoders else []
+    if any(r != ranges for _, (r, _) in decoders):  # (one codec, one length: the same ranges for every island)
+        raise ValueError("average_encoded: the islands' payloads decode in different ranges")
+    # per range, while it is in cache: zeroed, each island's decoded values added with its weight in island
+    # order, divided by the weights' sum (the floats of the whole-tensor passes, element by element)
+    if scratch is not None and len(ranges) == 1:
+        decoded = scratch.view(-1)
+    else:
+        decoded = torch.empty(max((b - a for a, b in ranges), default=0), dtype=torch.float32, device=device)
+    for a, b in ranges:
+        part = flat[a:b].zero_()
+        for i, (_, fn) in decoders:
+            t0 = timer()
+            fn(a, b, decoded[: b - a])
+            decode_s[i] += timer() - t0
+            part.add_(decoded[: b - a], alpha=w[i])
+        part.div_(total)
     if times is not None:
         times.encode_s, times.decode_s = encode_s, decode_s
-    acc.div_(math.fsum(w))
     return acc, codec.payload_bytes(int(acc.numel()))

@@ -125,49 +125,61 @@ class _BlockCodec(Codec):
         step = self.block_size * max(2, _CHUNK_ELEMENTS // self.block_size // 2 * 2)
         return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
-    def _scale(self, x: torch.Tensor, vmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scale(self, x: torch.Tensor, vmax: float, scratch: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-block scale ``absmax / vmax`` of ``x`` (float32, ``(n,)``) as float32 ``(B,)``, and a safe
-        divisor (1 where the block is 0). ``absmax = max(max(x), -min(x))`` per block (no ``|x|`` tensor)."""
+        divisor (1 where the block is 0). ``absmax`` is the per-block max of ``|x|``, written into ``scratch``
+        (float32, at least ``n``; default a new tensor) and reduced there: one pass over ``x``."""
         n, bs = x.numel(), self.block_size
         full = n // bs
-        head = x[: full * bs].view(full, bs)
-        parts = [torch.maximum(head.amax(dim=1), head.amin(dim=1).neg())] if full else []
+        mag = torch.abs(x, out=(torch.empty_like(x) if scratch is None else scratch[:n]))
+        parts = [mag[: full * bs].view(full, bs).amax(dim=1)] if full else []
         if n > full * bs:
-            tail = x[full * bs:]
-            parts.append(torch.maximum(tail.amax(), tail.amin().neg()).reshape(1))
-        absmax = torch.cat(parts).abs() if parts else x.new_zeros(0)  # abs: -0.0 of an all-zero block to 0.0
+            parts.append(mag[full * bs:].amax().reshape(1))
+        absmax = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else x.new_zeros(0)
         scale = absmax / vmax
         return scale, torch.where(scale > 0, scale, torch.ones_like(scale))
 
-    def _per_block_(self, y: torch.Tensor, scales: torch.Tensor, start: int, divide: bool) -> torch.Tensor:
-        """In place: the float32 chunk ``y`` (elements ``start..``, ``start`` on a block boundary) divided
-        (or multiplied) by its blocks' ``scales``; returns ``y``."""
+    def _per_block_(self, y: torch.Tensor, scales: torch.Tensor, start: int, divide: bool,
+                    src: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 chunk ``y`` (elements ``start..``, ``start`` on a block boundary) divided (or multiplied)
+        by its blocks' ``scales``: in place, or, with ``src`` (float32, ``y``'s shape), ``src``'s values
+        divided or multiplied into ``y`` (one pass: no copy first); returns ``y``."""
         bs = self.block_size
         b0, full = start // bs, y.numel() // bs
         head, s = y[: full * bs].view(full, bs), scales[b0 : b0 + full].unsqueeze(1)
-        head.div_(s) if divide else head.mul_(s)
-        if y.numel() > full * bs:
-            tail, t = y[full * bs:], scales[b0 + full : b0 + full + 1]
-            tail.div_(t) if divide else tail.mul_(t)
+        tail, t = y[full * bs:], scales[b0 + full : b0 + full + 1]
+        if src is None:
+            head.div_(s) if divide else head.mul_(s)
+            if tail.numel():
+                tail.div_(t) if divide else tail.mul_(t)
+            return y
+        op = torch.div if divide else torch.mul
+        op(src[: full * bs].view(full, bs), s, out=head)
+        if tail.numel():
+            op(src[full * bs:], t, out=tail)
         return y
 
-    def _quantize(self, x: torch.Tensor, vmax: float, out: torch.Tensor,
+    def _quantize(self, x: torch.Tensor, vmax: float,
                   rnd: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-                  generator: torch.Generator | None) -> torch.Tensor:
-        """Scale ``x`` (float32 ``(n,)``) per block to ``[-vmax, vmax]``, round each chunk with ``rnd(y, u)``
-        (``u``: its slice of one ``U[0, 1)`` draw of ``n`` values for stochastic rounding, else None) into
-        ``out[:n]``; return the float32 scales ``(B,)``. Each chunk's scales are taken just before it is scaled
-        (its blocks are whole: a chunk starts on a block boundary), so the chunk is read from memory once."""
+                  generator: torch.Generator | None,
+                  store: Callable[[torch.Tensor, int, int], object]) -> torch.Tensor:
+        """Scale ``x`` (float32 ``(n,)``) per block to ``[-vmax, vmax]``, round each chunk ``[a, b)`` with
+        ``rnd(y, u)`` (in place on the chunk's float32 scratch ``y``; ``u``: its slice of one ``U[0, 1)`` draw
+        of ``n`` values for stochastic rounding, else None) and hand the rounded chunk to ``store(y, a, b)``,
+        which writes it into the payload; return the float32 scales ``(B,)``. Each chunk's scales are taken
+        just before it is scaled (its blocks are whole: a chunk starts on a block boundary), so the chunk is
+        read from memory once: ``|x|`` into the scratch, its block maxima, ``x`` divided into the scratch."""
         u = _uniform(x, generator) if self.rounding == "stochastic" else None
         scratch = torch.empty(0, dtype=torch.float32, device=x.device)
         scales = []
         for a, b in self._chunks(x.numel(), x.device):
             if scratch.numel() < b - a:
                 scratch = torch.empty(b - a, dtype=torch.float32, device=x.device)
-            scale, safe = self._scale(x[a:b], vmax)
+            scale, safe = self._scale(x[a:b], vmax, scratch)
             scales.append(scale)
-            y = self._per_block_(scratch[: b - a].copy_(x[a:b]), safe, 0, divide=True)
-            out[a:b] = rnd(y, None if u is None else u[a:b])
+            y = self._per_block_(scratch[: b - a], safe, 0, divide=True, src=x[a:b])
+            store(rnd(y, None if u is None else u[a:b]), a, b)
         if not scales:
             return x.new_zeros(0, dtype=_SCALE_DTYPE)
         return (scales[0] if len(scales) == 1 else torch.cat(scales)).to(_SCALE_DTYPE)
@@ -177,19 +189,31 @@ class _BlockCodec(Codec):
         self._decode_into(enc, out)
         return out
 
-    def _dequantize(self, values: torch.Tensor, scales: torch.Tensor, numel: int, out: torch.Tensor,
-                    widen: Callable[[torch.Tensor, int, int, torch.Tensor], object] | None = None) -> torch.Tensor:
-        """Into ``out`` (float32 ``(numel,)``, returned): each value times its block's scale;
-        ``widen(values, a, b, dst)`` writes the chunk ``[a, b)`` as float32 into ``dst`` (default
-        ``dst.copy_(values[a:b])``)."""
-        scales = scales.float()
-        for a, b in self._chunks(numel, out.device):
+    def _widener(self, enc: Encoded) -> tuple[torch.Tensor, Callable[[torch.Tensor, int, int, torch.Tensor], object]
+                                                | None]:
+        """The payload's values as :meth:`_range_decoder` reads them, and ``widen(values, a, b, dst)`` that writes
+        the chunk ``[a, b)`` as float32 into ``dst`` (None: ``dst.copy_(values[a:b])``)."""
+        return enc.tensors["values"], None
+
+    def _range_decoder(self, enc: Encoded) -> tuple[list[tuple[int, int]], Callable[[int, int, torch.Tensor], None]]:
+        """Chunks of whole blocks (:meth:`_chunks`) and ``fn(a, b, dst)``: each value of ``[a, b)`` widened into
+        ``dst`` (float32 ``(b - a,)``), times its block's scale."""
+        values, widen = self._widener(enc)
+        scales = enc.tensors["scales"].float()
+
+        def fn(a: int, b: int, dst: torch.Tensor) -> None:
             if widen is None:
-                out[a:b].copy_(values[a:b])
+                dst.copy_(values[a:b])
             else:
-                widen(values, a, b, out[a:b])
-            self._per_block_(out[a:b], scales, a, divide=False)
-        return out
+                widen(values, a, b, dst)
+            self._per_block_(dst, scales, a, divide=False)
+
+        return self._chunks(enc.numel, scales.device), fn
+
+    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        ranges, fn = self._range_decoder(enc)
+        for a, b in ranges:
+            fn(a, b, out[a:b])
 
 
 #: elements per chunk of the block-wise passes on the CPU (1 MiB of float32)
@@ -227,14 +251,17 @@ class _Fp8Codec(_BlockCodec):
             y.clamp_(-self.fmax, self.fmax)
             return y.to(self.dtype) if u is None else _stochastic_float(y, self.dtype, u)
 
-        scales = self._quantize(x.detach(), self.fmax, values, rnd, generator)
+        def store(y: torch.Tensor, a: int, b: int) -> None:
+            values[a:b] = y
+
+        scales = self._quantize(x.detach(), self.fmax, rnd, generator, store)
         return {"scales": scales, "values": values}
 
-    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+    def _widener(self, enc: Encoded) -> tuple[torch.Tensor, Callable[[torch.Tensor, int, int, torch.Tensor], object]
+                                                | None]:
         values = enc.tensors["values"]
         if values.device.type != "cpu":
-            self._dequantize(values.float(), enc.tensors["scales"], enc.numel, out)
-            return
+            return values.float(), None
         table = _FP8_TABLES[self.dtype]
         index = [torch.empty(0, dtype=torch.int32)]  # one chunk's codes as int32, reused
 
@@ -243,7 +270,7 @@ class _Fp8Codec(_BlockCodec):
                 index[0] = torch.empty(b - a, dtype=torch.int32)
             torch.index_select(table, 0, index[0][: b - a].copy_(v[a:b]), out=dst)
 
-        self._dequantize(values.view(torch.uint8), enc.tensors["scales"], enc.numel, out, widen)
+        return values.view(torch.uint8), widen
 
 
 class _IntCodec(_BlockCodec):
@@ -270,40 +297,60 @@ class _IntCodec(_BlockCodec):
 
     def _encode(self, x: torch.Tensor, generator: torch.Generator | None) -> dict[str, torch.Tensor]:
         n, qmax = x.numel(), self.qmax
-        q = torch.empty(n + n % 2 if self.bits == 4 else n, dtype=torch.int8, device=x.device)
 
         def rnd(y: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
             return (y.round_() if u is None else y.add_(u).floor_()).clamp_(-qmax, qmax)
 
-        scales = self._quantize(x.detach(), float(qmax), q, rnd, generator)
+        if self.bits == 4 and sys.byteorder == "little" and x.device.type == "cpu":
+            # each rounded chunk packed while it is in cache: no int8 tensor of the input's size
+            packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+            scales = self._quantize(x.detach(), float(qmax), rnd, generator, _NibblePacker(packed))
+            return {"scales": scales, "values": packed}
+        q = torch.empty(n + n % 2 if self.bits == 4 else n, dtype=torch.int8, device=x.device)
+
+        def store(y: torch.Tensor, a: int, b: int) -> None:
+            q[a:b] = y
+
+        scales = self._quantize(x.detach(), float(qmax), rnd, generator, store)
         if self.bits == 8:
             return {"scales": scales, "values": q}
         q[n:] = 0  # the pad nibble encodes 0
         q.add_(8)  # offset-binary nibbles 1..15, two per byte: element 2i low, 2i+1 high
-        if sys.byteorder == "little" and x.device.type == "cpu":
-            return {"scales": scales, "values": _pack_nibbles(q)}
         pairs = q.view(torch.uint8).view(-1, 2)
         return {"scales": scales, "values": torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])}
 
-    def _decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
-        v = enc.tensors["values"]
-        self._dequantize(v, enc.tensors["scales"], enc.numel, out, None if self.bits == 8 else _unpack_nibbles)
+    def _widener(self, enc: Encoded) -> tuple[torch.Tensor, Callable[[torch.Tensor, int, int, torch.Tensor], object]
+                                                | None]:
+        return enc.tensors["values"], None if self.bits == 8 else _unpack_nibbles
 
 
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """The bytes ``q[2i] | q[2i+1] << 4`` of the offset-binary nibbles ``q`` (int8 of even length, values 0..15),
-    uint8 ``(len(q) // 2,)``, on a little-endian CPU: each pair read as one int16 ``v = q[2i] + 256 q[2i+1]``,
-    whose low byte of ``v | v >> 4`` is the packed byte; in slices of 1 MiB through one scratch (no temporary
-    of the payload's size)."""
-    v = q.view(torch.int16)
-    out = torch.empty(v.numel(), dtype=torch.uint8)
-    step = 1 << 19
-    scratch = torch.empty(min(step, v.numel()), dtype=torch.int16)
-    for a in range(0, v.numel(), step):
-        b = min(a + step, v.numel())
-        packed = torch.bitwise_right_shift(v[a:b], 4, out=scratch[: b - a]).bitwise_or_(v[a:b])
-        out[a:b] = packed.view(torch.uint8)[0::2]  # the low bytes
-    return out
+class _NibblePacker:
+    """int4's ``store`` on a little-endian CPU: writes a rounded float32 chunk ``y`` (elements ``[a, b)`` of the
+    input, ``a`` even, values in ``[-7, 7]``) into the packed bytes ``out`` (uint8 ``(ceil(n / 2),)``) as
+    offset-binary nibbles ``q + 8``, element ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in the high
+    one (the pad nibble of an odd ``n`` encodes 0: 8). Through two scratch buffers of the chunk's size: ``y`` as
+    int8, and each pair read as one int16 ``v = q[2i] + 256 q[2i+1]``, whose low byte of ``v | v >> 4`` is the
+    packed byte (its conversion to uint8 keeps the low byte)."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+        self.q = torch.empty(0, dtype=torch.int8)
+        self.v = torch.empty(0, dtype=torch.int16)
+
+    def __call__(self, y: torch.Tensor, a: int, b: int) -> None:
+        m = b - a
+        even = m + m % 2
+        if self.q.numel() < even:
+            self.q = torch.empty(even, dtype=torch.int8)
+            self.v = torch.empty(even // 2, dtype=torch.int16)
+        q = self.q[:even]
+        q[:m] = y
+        if even > m:
+            q[m:] = 0
+        q.add_(8)
+        v = q.view(torch.int16)
+        packed = torch.bitwise_right_shift(v, 4, out=self.v[: even // 2]).bitwise_or_(v)
+        self.out[a // 2 : a // 2 + even // 2] = packed  # (the low bytes)
 
 
 # the float32 pair (low nibble, high nibble) - 8 of each of the 256 int4 bytes: decoding by table lookup

@@ -253,6 +253,15 @@ class SparseCompressor:
         return out
 
     @functools.cached_property
+    def _entry_level(self) -> torch.Tensor:
+        """For each entry of a payload (tile by tile), the position of its tile's ``lo`` level in the flattened
+        (C, 2) levels: ``2 * tile``, (n,) int64. Built on first use."""
+        first = torch.tensor([0] + [int(g.shape[0]) for g, _ in self.groups[:-1]]).cumsum(0)
+        tile = torch.cat([f + torch.arange(int(g.shape[0])).repeat_interleave(k)
+                          for f, (g, k) in zip(first.tolist(), self.groups, strict=True)])
+        return tile * 2
+
+    @functools.cached_property
     def _tile_plan(self) -> dict[tuple[int, int], list[tuple[int, int, int, int, int]]]:
         """Tiles: per group (tile elements, k), in order of first appearance, its parameters in flat order as
         ``(offset, rows, cols, h, w)`` (:func:`_tile_grid`)."""
@@ -294,12 +303,9 @@ class SparseCompressor:
         """
         idx, vals, levels = self._entries(payload)
         idx = idx.long()
-        if levels is not None:  # the 2-bit codes: one of the tile's two levels, with the sign
+        if levels is not None:  # the 2-bit codes: one of the tile's two levels (lo, hi: code bit 0), with the sign
             codes = vals.long()
-            first = torch.tensor([0] + [int(g.shape[0]) for g, _ in self.groups[:-1]]).cumsum(0)
-            tile = torch.cat([f + torch.arange(int(g.shape[0])).repeat_interleave(k)
-                              for f, (g, k) in zip(first.tolist(), self.groups, strict=True)])
-            mag = torch.where(codes % 2 == 1, levels[tile, 1], levels[tile, 0])
+            mag = levels.reshape(-1)[self._entry_level + (codes & 1)]
             vals = torch.where(codes >= 2, -mag, mag)
         positions, start = [], 0
         for gather, k in self.groups:

@@ -161,7 +161,7 @@ class SparseLoCo(OuterRounds):
                 self.dropped_updates += 1
                 payload, weight = self.compressor.empty(), 0
             else:
-                self.error[i].mul_(beta).add_(delta, alpha=rate)  # the reference: the rate into the accumulator
+                _decay_add_(self.error[i], beta, delta, rate)  # the reference: the rate into the accumulator
                 payload, before, after = self._send(i)
                 if before > 0:
                     self.sent_energy_sum += 1.0 - after / before
@@ -204,9 +204,18 @@ class SparseLoCo(OuterRounds):
     def _weighted_sum(self, sending: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         """``Σ w_i Δ_i``, float32 (numel,), as ``torch.stack([d * w ...]).sum(0)`` computes it (the same floats:
         the stack and its sum over the islands run on slices of 64 Ki elements, each element's sum in the same
-        order), in :meth:`_scratch`: no (islands, numel) stack."""
+        order; for one or two islands, their product and sum without a stack), in :meth:`_scratch`: no (islands,
+        numel) stack. Only its norm is used (a zero's sign may differ from the stack's)."""
         out = self._scratch(sending[0][0].numel())
         step = 1 << 16
+        if len(sending) <= 2:  # one rounded sum w_0 Δ_0 + w_1 Δ_1 per element, whatever its order: no stack
+            small = torch.empty(min(step, out.numel()), dtype=torch.float32)
+            for a in range(0, out.numel(), step):
+                b = min(a + step, out.numel())
+                torch.mul(sending[0][0][a:b], sending[0][1], out=out[a:b])
+                if len(sending) == 2:
+                    out[a:b].add_(torch.mul(sending[1][0][a:b], sending[1][1], out=small[: b - a]))
+            return out  # (a zero's sign may differ from the stack's sum of 0 + ...: only the norm is used)
         for a in range(0, out.numel(), step):
             b = min(a + step, out.numel())
             torch.sum(torch.stack([d[a:b] * w for d, w in sending]), 0, out=out[a:b])
@@ -260,6 +269,14 @@ class SparseLoCo(OuterRounds):
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         super().load_island_state(position, state)
         self.error[position].copy_(state["error"])
+
+def _decay_add_(error: torch.Tensor, beta: float, delta: torch.Tensor, rate: float) -> None:
+    """In place, ``error.mul_(beta).add_(delta, alpha=rate)`` (float32 (numel,) both; the same floats) in slices
+    of 64 Ki elements, so the accumulator is read and written once, not once per operation."""
+    step = 1 << 16
+    for a in range(0, error.numel(), step):
+        error[a:a + step].mul_(beta).add_(delta[a:a + step], alpha=rate)
+
 
 def payload_bytes(config: SparseLoCoConfig, params: float) -> float:
     """Bytes of one island's SparseLoCo payload, for N = ``params`` parameters in N/c chunks of k kept entries
