@@ -69,6 +69,8 @@ def test_view_tensors_reads_what_safetensors_reads_bit_for_bit(tensors: dict[str
     {"a": torch.randn(5, dtype=torch.bfloat16), "b": torch.ones(2, 3, dtype=torch.bool), "c": torch.randn(2).double(),
      "d": torch.arange(4, dtype=torch.int16), "e": torch.arange(3, dtype=torch.int32), "f": torch.randn(4).half(),
      "0.values": torch.randint(-128, 127, (9,), dtype=torch.int8), "1.scales": torch.randn(2)[1:]},
+    {"values": torch.randn(7).to(torch.float8_e4m3fn), "v2": torch.randn(3).to(torch.float8_e5m2),
+     "scales": torch.randn(1), "é": torch.zeros(1)},  # (the fp8 codecs' payloads; a name not in ASCII)
 ])
 def test_save_writes_safetensors_own_bytes_and_reads_back_as_views(tensors: dict[str, torch.Tensor]) -> None:
     """:func:`wire.save` (torch's copies, which release the GIL) writes the file ``safetensors.torch.save`` writes,
@@ -79,9 +81,21 @@ def test_save_writes_safetensors_own_bytes_and_reads_back_as_views(tensors: dict
     back = wire.view_tensors(ours)
     assert back.keys() == tensors.keys()
     for k, t in tensors.items():
-        assert torch.equal(back[k], t.contiguous()) and back[k].dtype == t.dtype
+        assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.contiguous().view(torch.uint8))
     pieces = wire.chunks(ours)
     assert all(type(c) is bytes for c in pieces) and b"".join(pieces) == st_save(tensors)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"])
+def test_every_push_codecs_payload_crosses_the_wire_and_decodes_the_same(name: str) -> None:
+    """Every codec a run may push with (the fp8 ones included: their float8 tensors are safetensors' F8 dtypes)
+    is written by :func:`wire.save` and read back by the syncer's check as the same payload."""
+    from atoll.algorithms.codecs import make_codec
+
+    codec, x = make_codec(name), torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    sent = codec.encode(x)
+    got = wire.bytes_payload(bytearray(wire.payload_bytes(sent.tensors)), codec, 1000)
+    assert torch.equal(codec.decode(got), codec.decode(sent))
 
 
 def test_view_tensors_is_a_view_of_the_bytes_not_a_copy() -> None:

@@ -45,19 +45,23 @@ def test_one_island_full_quorum_lr1_momentum0_is_plain_averaging() -> None:
 
 
 def test_an_owned_delta_is_buffered_without_a_copy_and_a_given_norm_is_the_one_checked() -> None:
-    """``Push.owned``: the service's decoded Δ is buffered as it is (no fragment-sized copy under its lock); an
-    island's own tensor is copied (it may reuse it). ``Push.delta_norm``: the norm the service computed outside
-    its lock is the one the bounds check, not a second pass."""
+    """``owned``: the service's decoded Δ is buffered as it is (no fragment-sized copy under its lock); an
+    island's own tensor is copied (it may reuse it). ``norm``: the norm the service computed outside its lock is
+    the one the bounds check, not a second pass. Both are the receiving runtime's arguments, never fields of an
+    island's message (a Push carries no norm to claim)."""
+    import dataclasses
+
+    assert not {"norm", "delta_norm", "owned"} & {f.name for f in dataclasses.fields(Push)}
     theta = torch.randn(100, generator=_gen())
     s = Syncer(theta, None, islands=3, quorum=3)
     mine, theirs = 1e-3 * torch.randn(100, generator=_gen(1)), 1e-3 * torch.randn(100, generator=_gen(2))
-    assert s.push(Push(0, 0, mine, 10, 0, owned=True, delta_norm=float(mine.norm()))).accepted
+    assert s.push(Push(0, 0, mine, 10, 0), norm=float(mine.norm()), owned=True).accepted
     assert s.push(Push(1, 0, theirs, 10, 0)).accepted
     held = {p.island: p.delta for p in s.buffers[0].pushes}
     assert held[0].data_ptr() == mine.data_ptr()  # the same storage
     assert held[1].data_ptr() != theirs.data_ptr() and torch.equal(held[1], theirs)  # a copy
     # a norm far over the fragment's own (the first round's bound) refuses the push, whatever Δ's true norm
-    assert s.push(Push(2, 0, mine.clone(), 10, 0, owned=True, delta_norm=1e9)).reason == "norm"
+    assert s.push(Push(2, 0, mine.clone(), 10, 0), norm=1e9, owned=True).reason == "norm"
 
 
 def test_quorum_merges_at_once_and_grace_window_merges_the_rest() -> None:

@@ -394,15 +394,15 @@ class SyncerServer:
                 norm = float(delta.norm())  # (this pass too outside the lock; the syncer checks it there)
             except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
                 delta, norm = None, None
-        # delta is this push's own tensor: buffered without a copy
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,
-                   session=req.session, credential=credential, owned=True, delta_norm=norm)
+                   session=req.session, credential=credential)
         with self.lock:
             # a join may have superseded the push's session while it was decoded, outside the lock: fenced as at
             # its start (the syncer would count it a replay); a session once superseded stays so
             superseded = syncer.admission.stale(island, req.session)
             if not superseded:
-                accepted, pull = self.service.push(msg, values=False)  # (the version only: no copy under the lock)
+                # the version only, no copy under the lock: delta is this push's own tensor, its norm taken above
+                accepted, pull = self.service.push(msg, values=False, norm=norm, owned=True)
                 self.changed.notify_all()
                 # merged now, with realign_pushes: the share of a round it arrived behind (SyncerService._answer)
                 share = {"realign": pull.realign} if pull is not None and accepted and syncer.realign else {}

@@ -461,18 +461,21 @@ class SyncerService(DurableService):
     def _buffered(self, island: int) -> list[int]:
         return [p for p, b in enumerate(self.syncer.buffers) if any(x.island == island for x in b.pushes)]
 
-    def push(self, msg: Push, values: bool = True) -> tuple[bool, Pull | None]:
+    def push(self, msg: Push, values: bool = True, *, norm: float | None = None,
+             owned: bool = False) -> tuple[bool, Pull | None]:
         """Take a push: (accepted, the answer: the global fragment, or None while the push waits in the buffer).
 
         The answer comes back at once when the push is merged (it completed a quorum) or refused (None if it
         named no island or fragment of the run); while it waits in the buffer the island pulls once
         :meth:`buffered` no longer lists it. A bad push is refused and counted, never raised. ``values`` False:
         the answer's ``params`` are empty (its version and realignment only: the service's islands download the
-        values apart, so no copy of the fragment is made under the server's lock).
+        values apart, so no copy of the fragment is made under the server's lock). ``norm``, ``owned``: the
+        server's facts about the Δ it decoded (:meth:`Syncer.push <atoll.strategies.decoupled.syncer.Syncer.push>`),
+        never an island's.
         """
         now = self._now()
         self._poll()
-        result = self.syncer.push(msg, now=now)
+        result = self.syncer.push(msg, now=now, norm=norm, owned=owned)
         if result.reason in ("type", "island", "fragment"):  # nothing of an island's own to record
             if result.reason == "type" and isinstance(msg, Push) and is_index(msg.fragment, self.syncer.fragments):
                 # a payload that did not decode, for a fragment of the run: refused now, as any refusal is answered

@@ -98,6 +98,7 @@ def loads(data: bytes) -> dict[str, Any]:
 
 #: safetensors' dtype names (those a codec's payload or a pull uses) and torch's
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 #: the longest safetensors header read (safetensors' own limit is 100 MB; ours name at most a few tensors)
@@ -156,7 +157,7 @@ def view_tensors(data: bytearray | memoryview) -> dict[str, torch.Tensor]:
 
 
 #: safetensors' order of the tensors in a file: by dtype (this order), then by name (its writer's ``prepare``)
-_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
@@ -179,7 +180,7 @@ def save(tensors: dict[str, torch.Tensor]) -> memoryview:
         n = t.numel() * t.element_size()
         header[k] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
         at += n
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-(8 + len(text)) % 8)  # (the body starts 8-byte aligned)
     head = len(text).to_bytes(8, "little") + text
     out = torch.empty(len(head) + at, dtype=torch.uint8)  # (not zeroed: bytearray(n)'s memset holds the GIL)

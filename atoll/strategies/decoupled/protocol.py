@@ -40,10 +40,6 @@ class Push:
             <atoll.strategies.decoupled.syncer.Syncer.rejoin>`): a push of an earlier session is a replay.
         credential: the island's secret, proving the push is its own
             (:class:`~atoll.strategies.decoupled.trust.Admission`); "" where islands are not authenticated.
-        owned: ``delta`` is a tensor the receiving runtime made for this push alone (decoded from the wire), so
-            the syncer buffers it without a copy; False (an island's own tensor, which it may reuse): copied.
-        delta_norm: ``delta``'s L2 norm, computed by the receiving runtime from what it decoded (outside the
-            syncer service's lock), never an island's claim; None: the syncer computes it.
     """
 
     island: int
@@ -55,8 +51,6 @@ class Push:
     round_s: float | None = None
     session: int = 0
     credential: str = field(default="", repr=False)
-    owned: bool = field(default=False, repr=False)
-    delta_norm: float | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)

@@ -258,13 +258,17 @@ class Syncer:
             frag.scatter_(flat, outer.params.detach())
         return flat
 
-    def push(self, msg: Push, now: float = 0.0) -> PushResult:
+    def push(self, msg: Push, now: float = 0.0, *, norm: float | None = None, owned: bool = False) -> PushResult:
         """Offer one fragment's pseudo-gradient; validate it, buffer it, and merge if a quorum is reached.
 
         Args:
             msg: the push (island, fragment, Δ = θ_global(base_version) − θ_island as float32 (numel_p,),
                 tokens, base version, and the island's measured round time in seconds).
             now: the time of the push, seconds (simulated or real), for the grace window.
+            norm, owned: the receiving runtime's own facts about ``msg.delta``, never part of an island's message
+                (the syncer service's server decoded it: its L2 norm, taken outside the server's lock; ``owned``,
+                a tensor made for this push alone, buffered without a copy). Defaults: the norm computed here,
+                the tensor copied (an island's own, which it may reuse).
 
         Returns:
             A :class:`~atoll.strategies.decoupled.protocol.PushResult` (never raises for what ``msg`` holds);
@@ -278,7 +282,6 @@ class Syncer:
                                                          msg.base_version)
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         observed = since_last_push([r.last_push_at for r in self.per_island], island, fragment, now)
-        norm = msg.delta_norm  # (the service's, computed outside its lock from what it decoded)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
             island, fragment, float(delta.detach().norm()) if norm is None else norm, tokens,
             self.outer[fragment].params_norm())
@@ -293,7 +296,7 @@ class Syncer:
             return PushResult(False, "stale")
         self.accepted_updates += 1
         buf = self.buffers[fragment]
-        pending = Pending(island, delta.detach() if msg.owned else delta.detach().clone(), int(tokens),
+        pending = Pending(island, delta.detach() if owned else delta.detach().clone(), int(tokens),
                           int(base_version), warm, now)
         if mine := [j for j, p in enumerate(buf.pushes) if p.island == island]:  # one vote per island per merge
             replaced, buf.pushes[mine[0]] = buf.pushes[mine[0]], pending
