@@ -268,8 +268,8 @@ def average_encoded(
             across exchanges: a fresh one costs a page fault per 4 KiB on the CPU, more than the sum); default
             a new one.
         scratch: a float32 tensor of the inputs' shape and device each payload is decoded into
-            (:meth:`Codec.decode_into`: the values :meth:`Codec.decode` returns), kept by the caller, for a codec
-            that decodes in one range; default one new tensor for all islands. The block codecs decode in
+            (:meth:`Codec.decode_into`: the values :meth:`Codec.decode` returns), kept by the caller; default one
+            tensor of the largest range for all islands. The block codecs decode in
             chunks of about 1 MiB on the CPU (:meth:`Codec.range_decoder`): every island encodes, then each
             chunk of the average is zeroed, each island's decoded chunk added and the sum divided while the chunk
             is in cache, through one chunk-sized buffer (the payloads of every island are held meanwhile).
@@ -318,10 +318,8 @@ def average_encoded(
         raise ValueError("average_encoded: the islands' payloads decode in different ranges")
     # per range, while it is in cache: zeroed, each island's decoded values added with its weight in island
     # order, divided by the weights' sum (the floats of the whole-tensor passes, element by element)
-    if scratch is not None and len(ranges) == 1:
-        decoded = scratch.view(-1)
-    else:
-        decoded = torch.empty(max((b - a for a, b in ranges), default=0), dtype=torch.float32, device=device)
+    decoded = scratch.view(-1) if scratch is not None else \
+        torch.empty(max((b - a for a, b in ranges), default=0), dtype=torch.float32, device=device)
     for a, b in ranges:
         part = flat[a:b].zero_()
         for i, (_, fn) in decoders:

@@ -142,8 +142,8 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "int4 (the syncer keeps one float32 shadow per fragment and sends the changes since the version the island "
         "holds, encoded with --codec-block-size and error feedback, so the island's copy stays within one change's "
         "rounding of the global fragment; an island too far behind, or rejoining, gets the shadow in float32), or "
-        "fp32 (the global fragment itself, 4 bytes per parameter). int8 measured at the default benchmark: loss "
-        "+0.1% against fp32 with 3.76x fewer bytes received (bench/out/pull_codec_default). Every runtime.",
+        "fp32 (the global fragment itself, 4 bytes per parameter). int8 measured best at the default benchmark "
+        "(bench/out/pull_codec_default, docs/decoupled.md). Every runtime.",
     )
     island_speeds: list[float] | None = Field(
         None,
