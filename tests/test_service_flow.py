@@ -86,6 +86,29 @@ def test_save_writes_safetensors_own_bytes_and_reads_back_as_views(tensors: dict
     assert all(type(c) is bytes for c in pieces) and b"".join(pieces) == st_save(tensors)
 
 
+@pytest.mark.parametrize("tensors", [
+    {"values": torch.randn(700_001)},  # (chunks cut inside the tensor, the last one short)
+    {"values": torch.randint(0, 255, (wire.CHUNK_BYTES + 3,), dtype=torch.uint8), "scales": torch.randn(9),
+     "indices": torch.arange(5, dtype=torch.int64)},  # (a chunk spanning two tensors)
+    {"values": torch.randn(7).to(torch.float8_e4m3fn), "é": torch.zeros(1)},
+    {},
+])
+def test_a_payload_is_read_from_its_tensors_as_safetensors_bytes_from_any_offset(
+        tensors: dict[str, torch.Tensor]) -> None:
+    """A push's :class:`wire.Payload` (no copy of the whole file before its first byte leaves) has the length of
+    ``safetensors.torch.save``'s file and chunks into its bytes from any offset (a retry resumes where the syncer's
+    copy ends), each chunk a ``bytes`` of at most CHUNK_BYTES."""
+    want = st_save(tensors)
+    payload = wire.payload_bytes(tensors)
+    assert isinstance(payload, wire.Payload) and len(payload) == len(want) and payload.tobytes() == want
+    for offset in {0, 1, 8, len(payload.head), wire.CHUNK_BYTES - 1, wire.CHUNK_BYTES, len(want) - 1, len(want)}:
+        if offset > len(want):
+            continue
+        pieces = wire.chunks(payload, offset)
+        assert all(type(c) is bytes and 0 < len(c) <= wire.CHUNK_BYTES for c in pieces)
+        assert b"".join(pieces) == want[offset:]
+
+
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"])
 def test_every_push_codecs_payload_crosses_the_wire_and_decodes_the_same(name: str) -> None:
     """Every codec a run may push with (the fp8 ones included: their float8 tensors are safetensors' F8 dtypes)
@@ -94,7 +117,7 @@ def test_every_push_codecs_payload_crosses_the_wire_and_decodes_the_same(name: s
 
     codec, x = make_codec(name), torch.randn(1000, generator=torch.Generator().manual_seed(0))
     sent = codec.encode(x)
-    got = wire.bytes_payload(bytearray(wire.payload_bytes(sent.tensors)), codec, 1000)
+    got = wire.bytes_payload(bytearray(wire.payload_bytes(sent.tensors).tobytes()), codec, 1000)
     assert torch.equal(codec.decode(got), codec.decode(sent))
 
 
@@ -163,7 +186,7 @@ def served(fast_config: dict, tmp_path):  # noqa: ANN001, ANN201 - (server state
 def test_slices_over_windowed_connections_arrive_and_reassemble_bit_identical(served) -> None:  # noqa: ANN001
     from atoll.algorithms.fragments import FlatFragment
     from atoll.runtime.service.client import SyncerClient
-    from atoll.runtime.service.slices import assemble, even_parts
+    from atoll.runtime.service.slices import even_parts
 
     state, port = served
     numels = state.service.syncer.numels
@@ -176,15 +199,15 @@ def test_slices_over_windowed_connections_arrive_and_reassemble_bit_identical(se
         other.call("Join", {"numels": numels})
         parts = [p.ranges for p in even_parts(FlatFragment(((0, numels[0]),)), 2)]
         delta = torch.randn(numels[0], generator=torch.Generator().manual_seed(3))
-        for r, client in enumerate(ranks):  # each rank's slice, its payload's bytes held as sent
+        for r, client in enumerate(ranks):  # each rank's slice, written into its place as its bytes arrive
             (a, b), = parts[r]
             payload = wire.payload_bytes({"values": delta[a:b]})
             client.upload(payload, 0, parts[r], f"u{r}")
-            assert bytes(state.bulk.uploads[0][f"u{r}"].data) == payload
+            assert state.bulk.uploads[0][f"u{r}"].received == len(payload)
         held = [state.bulk.uploads[0][f"u{r}"] for r in range(2)]
-        decoded = [(h.ranges, wire.bytes_payload(h.data, state.codec, sum(b - a for a, b in h.ranges))
-                    .tensors["values"]) for h in held]
-        assert torch.equal(assemble(numels[0], decoded), delta)  # the fragment reassembled bit for bit
+        assert held[0].into is not None and held[1].into is not None and not held[0].data
+        assert held[0].into.assembly is held[1].into.assembly  # (the push's two slices: one fragment)
+        assert torch.equal(held[0].into.assembly.values, delta)  # the fragment reassembled bit for bit
         glob = state.service.syncer.pull(0).params
         for r, client in enumerate(ranks):  # and each rank pulls its slice of the global fragment bit for bit
             version, values = client.download(0, parts[r])

@@ -197,7 +197,7 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
         lead.upload_commit(wire.payload_bytes(encoded[0].tensors), 0, halves[0].ranges, ids[0], request)))
     riding.start()
     deadline = time.monotonic() + 30
-    while ids[0] not in state.bulk.uploads[0] or len(state.bulk.uploads[0][ids[0]].data) < \
+    while ids[0] not in state.bulk.uploads[0] or state.bulk.uploads[0][ids[0]].received < \
             state.bulk.uploads[0][ids[0]].size:  # the leader's slice is up; its call waits for the other
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -228,7 +228,7 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
     header = schema.UploadHeader(upload="u.0", fragment=1, ranges=halves1[0].ranges, size=len(lonely), offset=0,
                                  commit=cut)
     stub = lead.bulk.stream_unary(wire.method("Upload"))
-    short = wire.loads(stub(iter([schema.encode(header), bytes(lonely[:len(lonely) // 2])]), metadata=lead.metadata,
+    short = wire.loads(stub(iter([schema.encode(header), lonely.tobytes()[:len(lonely) // 2]]), metadata=lead.metadata,
                             timeout=30.0))
     assert short == {"received": len(lonely) // 2} and state.calls["Push"] == pushes
     assert state.service.syncer.buffers[1].pushes == []

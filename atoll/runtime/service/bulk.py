@@ -1,15 +1,16 @@
 """The bulk calls of ``atoll syncer``: the tensors of pushes and pulls, in chunks, over each rank's own connection.
 
-What moves here are bytes, never a decision: an ``Upload`` holds a slice of a push (the codec's payload, named
-by its fragment and ranges) until the island's leader commits the push, where the slices are decoded and
-checked: in its own slice's ``Upload`` (the commit rides on it, waits here until every slice is held, and is
-handed to the server's ``Push`` handler) or with ``Push``, a control call; ``Download`` serves the float32
-values of the newest global fragment at the ranges a rank asks for, serialized once per version and slice and
-cached (every island's ranks pull the same slices), or with a ``pull_codec`` other than fp32 the pull codec's
-payloads since the version the island holds (whole fragments only: cached per version and held version). Both
-resume after a failure at the offset the syncer holds (``UploadStatus``; ``Download`` from an offset). Bytes are
-received and sent outside the server's lock, so a slow transfer never holds up a heartbeat. :class:`Bulk` is the
-collaborator of :class:`~atoll.runtime.service.server.SyncerServer` that holds the transfers.
+What moves here are bytes, never a decision: an ``Upload`` holds a slice of a push (the codec's payload, named by
+its fragment and ranges; with an element-wise codec its values, written into their places in the push's fragment as
+they arrive: :mod:`~atoll.runtime.service.placement`) until the island's leader commits the push, where the slices
+are decoded (or taken as they were written) and checked: in its own slice's ``Upload`` (the commit rides on it,
+waits here until every slice is held, and is handed to the server's ``Push`` handler) or with ``Push``, a control
+call; ``Download`` serves the float32 values of the newest global fragment at the ranges a rank asks for, serialized
+once per version and slice and cached (every island's ranks pull the same slices), or with a ``pull_codec`` other
+than fp32 the pull codec's payloads since the version the island holds (whole fragments only: cached per version and
+held version). Both resume after a failure at the offset the syncer holds (``UploadStatus``; ``Download`` from an
+offset). Bytes are received and sent outside the server's lock, so a slow transfer never holds up a heartbeat.
+:class:`Bulk` is the collaborator of :class:`~atoll.runtime.service.server.SyncerServer` that holds the transfers.
 
 **Admission.** A transfer takes one of the server's ``bulk_slots`` (every island together) and one of its
 island's ``island_transfers`` before it reads a byte; without a free one it is refused UNAVAILABLE (counted
@@ -33,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+import torch
 
 from atoll.runtime.service import schema, slices, wire
 from atoll.runtime.service.calls import Gate
+from atoll.runtime.service.placement import Assembly, Placement, Sealed, element_wise, expected_head
 from atoll.runtime.service.shards import Shards
 
 if TYPE_CHECKING:
@@ -63,12 +66,20 @@ PULL_CACHE = 256
 
 @dataclass
 class Upload:
-    """One slice of a push in transfer: its fragment, its ranges, its declared size and the bytes so far."""
+    """One slice of a push in transfer: its fragment, its ranges, its declared size and the bytes so far
+    (``data``), or with an element-wise codec its values written in place as they arrive (``into``:
+    :mod:`~atoll.runtime.service.placement`)."""
 
     fragment: int
     ranges: slices.Ranges
     size: int
     data: bytearray = field(default_factory=bytearray)
+    into: Placement | None = None
+
+    @property
+    def received(self) -> int:
+        """Bytes of the payload held (or written in place)."""
+        return self.into.received if self.into is not None else len(self.data)
 
 
 @dataclass
@@ -115,6 +126,7 @@ class Bulk:
         self.pulls: OrderedDict[tuple[int, slices.Ranges | None, int | None], tuple[int, int | None, bytes]] = \
             OrderedDict()
         self.max_open = OPEN_FRAGMENTS * max(codec.payload_bytes(n) + HEADER_BYTES for n in service.syncer.numels)
+        self.element_wise = element_wise(codec)  # (a push's slices then written in place as their bytes arrive)
         self.bytes_out = 0  # bytes of the global fragments served by Download (the live view's bytes out)
         self.bytes_out_by_island = [0] * service.run.islands  # the same, per island that downloaded them
 
@@ -170,13 +182,13 @@ class Bulk:
         """The bytes the syncer holds of the island's upload ``req.upload`` (0: none)."""
         with self.lock:
             held = self.uploads[island].get(req.upload)
-        return schema.ReceivedReply(received=len(held.data) if held is not None else 0)
+        return schema.ReceivedReply(received=held.received if held is not None else 0)
 
     def taken(self, island: int, ids: tuple[str, ...]) -> list[Upload] | None:
         """(Under the lock.) The island's uploads ``ids``, taken out of those held, if every one is complete;
         None (and nothing taken) if one is missing or incomplete (the syncer restarted since)."""
         held = [self.uploads[island].get(u) for u in ids]
-        complete = [h for h in held if h is not None and len(h.data) == h.size]
+        complete = [h for h in held if h is not None and h.received == h.size]
         if len(complete) != len(ids):
             return None
         for u in ids:
@@ -217,10 +229,10 @@ class Bulk:
         with self.lock:
             while True:
                 slices_held = [self.uploads[island].get(u) for u in ids]
-                if all(h is not None and len(h.data) == h.size for h in slices_held):
+                if all(h is not None and h.received == h.size for h in slices_held):
                     transfer.moved = math.inf  # the commit is the syncer's work, not the island's silence
                     return True
-                now, got = time.monotonic(), sum(len(h.data) for h in slices_held if h is not None)
+                now, got = time.monotonic(), sum(h.received for h in slices_held if h is not None)
                 if got != held:  # the others' bytes are arriving: the island is heard
                     held, quiet_since = got, now
                     self.moved(transfer)
@@ -246,29 +258,91 @@ class Bulk:
             held = uploads.get(upload)
             if held is None or (held.fragment, held.ranges, held.size) != (fragment, ranges, size):
                 held = uploads[upload] = Upload(fragment, ranges, size)
+                held.into = self._placement(island, fragment, ranges, size)
             uploads.move_to_end(upload)
-            while len(uploads) > ISLAND_UPLOADS or sum(u.size for u in uploads.values()) > self.max_open or \
+            while len(uploads) > ISLAND_UPLOADS or self._held_bytes(island) > self.max_open or \
                     sum(len(u.ranges) for u in uploads.values()) > ISLAND_RANGES:
                 uploads.popitem(last=False)
                 evicted += 1
         self.moved(transfer)  # (the wait for the lock, behind a merge, is no silence of the island's)
         if evicted:  # the island's oldest uploads: a commit naming one is answered "upload it again"
             self.gate.note("quota", context.peer(), f"island {island}'s uploads over their quota; {evicted} dropped")
-        buf = held.data
-        if offset > len(buf):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"offset: {offset}, the syncer holds {len(buf)} bytes")
-        del buf[offset:]
+        if offset > held.received or (held.into is not None and not held.into.resume(offset)):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"offset: {offset}, the syncer holds {held.received} bytes")
+        del held.data[offset:]
         for chunk in requests:
             self.moved(transfer)
             if not chunk:
                 self.gate.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "empty_chunk", "upload: an empty chunk")
-            if len(buf) + len(chunk) > size:
+            if held.received + len(chunk) > size:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"upload: over its declared {size} bytes")
-            buf += chunk
-        if len(buf) == size:
+            if held.into is not None:
+                try:
+                    if held.into.write(chunk):
+                        continue
+                except Sealed as e:  # (a second stream of an upload whose push was committed)
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                # not the codec's layout: held as bytes, refused at the commit (type) as any malformed payload
+                held.data, held.into = bytearray(held.into.head[:held.into.received]), None
+            held.data += chunk
+        if held.received == size:
             with self.lock:
                 self.arrived.notify_all()
-        return len(buf)
+        return held.received
+
+    def assemble(self, uploads: list[Upload], numel: int) -> tuple[torch.Tensor, int]:
+        """A push's Δ, float32 ``(numel,)``, from its slices ``uploads`` (complete, taken; the caller checked that
+        they tile the fragment), and the codec's bytes they carried (headers apart). Slices written in place into
+        one assembly (an element-wise codec, every rank's slice of the push): that assembly, sealed, with no
+        decode and no copy; otherwise each slice decoded (or copied out of its assembly) into its place.
+
+        Raises:
+            ValueError: a slice held as bytes is not the codec's payload for its ranges.
+        """
+        placed = {id(h.into.assembly): h.into.assembly for h in uploads if h.into is not None}
+        nbytes = sum(self.codec.payload_bytes(sum(b - a for a, b in h.ranges)) for h in uploads if h.into is not None)
+        if len(placed) == 1 and all(h.into is not None for h in uploads):
+            return next(iter(placed.values())).seal(), nbytes
+        payloads = []
+        for h in uploads:
+            if h.into is None:
+                payload = wire.bytes_payload(h.data, self.codec, sum(b - a for a, b in h.ranges))
+                nbytes += payload.nbytes
+                payloads.append((h.ranges, payload))
+        delta = slices.assemble_payloads(numel, payloads, self.codec)  # each slice decoded into its place
+        for h in uploads:  # (an assembly shared with another push's slice: copied out, not sealed)
+            if h.into is not None:
+                with h.into.assembly.lock:
+                    values = h.into.assembly.values
+                    assert values is not None  # (a complete slice wrote its values)
+                    for a, b in h.ranges:
+                        delta[a:b].copy_(values[a:b])
+        return delta, nbytes
+
+    def _placement(self, island: int, fragment: int, ranges: slices.Ranges, size: int) -> Placement | None:
+        """(Under the lock.) Where a new upload of ``fragment`` at ``ranges`` writes its values as they arrive: into
+        the assembly of one of the island's uploads of that fragment in transfer, not yet committed, whose slices
+        none overlap ``ranges`` (the other ranks' slices of the same push), else a new one; None (held as bytes)
+        unless the codec is element-wise and ``size`` is exactly its payload's for ``ranges``."""
+        if self.element_wise is None:
+            return None
+        numel = self.service.syncer.numels[fragment]
+        claimed: dict[int, tuple[Assembly, list[slices.Ranges]]] = {}
+        for u in self.uploads[island].values():
+            if u.into is not None and u.fragment == fragment and not u.into.assembly.sealed:
+                claimed.setdefault(id(u.into.assembly), (u.into.assembly, []))[1].append(u.ranges)
+        if expected_head(ranges, self.element_wise)[1] != size:
+            return None
+        assembly = next((a for a, taken in claimed.values() if not any(_overlap(ranges, t) for t in taken)), None)
+        return Placement(assembly or Assembly(numel), ranges, self.element_wise)
+
+    def _held_bytes(self, island: int) -> int:
+        """(Under the lock.) The memory the island's uploads hold: the declared bytes of those held as bytes, and
+        each assembly they write into whole (float32 of its fragment), once."""
+        assemblies = {id(u.into.assembly): u.into.assembly.nbytes for u in self.uploads[island].values()
+                      if u.into is not None}
+        return sum(u.size for u in self.uploads[island].values() if u.into is None) + sum(assemblies.values())
 
     def download(self, data: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The newest global fragment's float32 values at ``ranges`` of its element order (default: all of it):
@@ -359,3 +433,17 @@ class Bulk:
             while len(self.pulls) > PULL_CACHE or sum(len(c[2]) for c in self.pulls.values()) > most:
                 self.pulls.popitem(last=False)
         return cached
+
+
+def _overlap(a: slices.Ranges, b: slices.Ranges) -> bool:
+    """Do two slices' ranges (each ascending and disjoint: :func:`~atoll.runtime.service.wire.parse_ranges`) share
+    a value? One pass over both."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
+            return True
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False

@@ -248,7 +248,7 @@ class SyncerClient:
             if self.grant is None or order(grant) > order(self.grant):
                 self.grant = grant
 
-    def upload(self, data: bytes, fragment: int, ranges: Ranges, upload: str | None = None) -> str:
+    def upload(self, data: wire.Sendable, fragment: int, ranges: Ranges, upload: str | None = None) -> str:
         """Send a slice's payload ``data`` (the values of ``fragment`` at ``ranges`` of its element order) to the
         syncer in chunks, resuming at the offset it holds after a failure; return the upload's id (``upload``,
         or a fresh one)."""
@@ -256,7 +256,7 @@ class SyncerClient:
         self._send(data, fragment, ranges, upload, None)
         return upload
 
-    def upload_commit(self, data: bytes, fragment: int, ranges: Ranges, upload: str,
+    def upload_commit(self, data: wire.Sendable, fragment: int, ranges: Ranges, upload: str,
                       request: schema.PushRequest) -> dict[str, Any] | None:
         """Send a slice as :meth:`upload` does, carrying the commit of the push ``request`` (whose ``slices`` name
         ``upload`` and the island's other ranks' uploads): the syncer commits it once it holds every slice, and
@@ -273,7 +273,7 @@ class SyncerClient:
                 raise UploadLost(e.details()) from None
             raise
 
-    def _send(self, data: bytes, fragment: int, ranges: Ranges, upload: str,
+    def _send(self, data: wire.Sendable, fragment: int, ranges: Ranges, upload: str,
               commit: schema.PushRequest | None) -> dict[str, Any]:
         """The ``Upload`` of a slice (with ``commit``: carrying it), retried from the offset the syncer holds; the
         reply."""
@@ -357,7 +357,7 @@ class SyncerClient:
                 raise UploadLost(e.details()) from None
             raise
 
-    def push(self, payload: bytes, fragment: int, ranges: Ranges, tokens: int, base_version: int, session: int,
+    def push(self, payload: wire.Sendable, fragment: int, ranges: Ranges, tokens: int, base_version: int, session: int,
              round_s: float | None = None, grant: dict[str, Any] | None = None) -> dict[str, Any]:
         """Upload one slice that is the whole push (``ranges``: all of the fragment), carrying its commit (with
         ``grant``, as :meth:`commit`); uploaded again when the syncer lost it (a restart between the two), up to

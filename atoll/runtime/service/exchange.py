@@ -433,7 +433,7 @@ class ServiceTransport:
         0: none granted (the budget was spent): the push is not committed, the newest is pulled."""
         return self.lease.claimable(p, out.tokens, out.credit_mark) if self.lease is not None else out.tokens
 
-    def _upload_commit(self, p: int, k: int, out: Outgoing, claim: int, data: bytes,
+    def _upload_commit(self, p: int, k: int, out: Outgoing, claim: int, data: wire.Sendable,
                        upload: str) -> dict[str, Any] | None:
         """(The leader, whose rank moves a slice.) Upload its slice of push k of fragment p carrying the push's
         commit: the syncer's answer, or None when the syncer did not commit it (the other slices were late, or it

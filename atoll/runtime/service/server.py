@@ -385,12 +385,7 @@ class SyncerServer:
                     self.service.refuse(island, fragment, "slices", tokens)
                     return self._answer(island, key, False, fragment)
             try:  # decoded outside the lock: a large push never holds up the other islands' calls
-                payloads = []
-                for h in uploads:
-                    payload = wire.bytes_payload(h.data, self.codec, sum(b - a for a, b in h.ranges))
-                    nbytes += payload.nbytes
-                    payloads.append((h.ranges, payload))
-                delta = slices.assemble_payloads(numel, payloads, self.codec)  # each slice decoded into its place
+                delta, nbytes = self.bulk.assemble(uploads, numel)
                 norm = float(delta.norm())  # (this pass too outside the lock; the syncer checks it there)
             except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
                 delta, norm = None, None

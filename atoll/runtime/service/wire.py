@@ -161,34 +161,87 @@ _ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2"
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
+def header(layout: list[tuple[str, torch.dtype, list[int]]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The head of a safetensors file of tensors ``layout`` (``(name, dtype, shape)``) as safetensors' writer makes it:
+    its 8-byte length, its JSON (tensors in safetensors' order: :data:`_ORDER`, then name; no spaces; names beyond
+    ASCII as they are), padded with spaces so that the body starts 8-byte aligned; and each tensor's byte span in
+    the body (``{name: (start, stop)}``). A receiver that knows the layout it expects compares the bytes it gets
+    against this head (:class:`~atoll.runtime.service.placement.Placement`).
+
+    Raises:
+        KeyError: a dtype safetensors' payloads here do not use (:data:`_DTYPES`).
+    """
+    order = sorted(layout, key=lambda e: (_ORDER.index(_NAMES[e[1]]), e[0]))
+    entries, spans, at = {}, {}, 0
+    for name, dtype, shape in order:
+        n = dtype.itemsize
+        for x in shape:
+            n *= x
+        entries[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+        spans[name] = (at, at + n)
+        at += n
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # (the body starts 8-byte aligned)
+    return len(text).to_bytes(8, "little") + text, spans
+
+
+class Payload:
+    """A safetensors file of ``tensors``, read from the tensors as it is sent: ``safetensors.torch.save``'s bytes
+    (:func:`header`'s head, then each tensor's bytes in its order), without a copy of the whole file first. Its
+    chunks (:meth:`chunks`, what :func:`iter_chunks` cuts from it) are copied out of the tensors one at a time, so
+    an upload's first byte leaves as soon as the codec has encoded, and a retry reads again from any offset. The
+    tensors (made contiguous CPU tensors) must not change while the payload is sent; ``len`` is its bytes.
+
+    Raises:
+        KeyError: a dtype safetensors' payloads here do not use (:data:`_DTYPES`).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        flat = {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
+        self.head, spans = header([(k, t.dtype, list(t.shape)) for k, t in flat.items()])
+        # (each tensor's bytes as a memoryview of format B, at its offset in the file)
+        self.parts = sorted((len(self.head) + spans[k][0], memoryview(flat[k].reshape(-1).view(torch.uint8).numpy()))
+                            for k in flat if spans[k][1] > spans[k][0])
+        self.size = len(self.head) + sum(len(v) for _, v in self.parts)
+        self._tensors = flat  # (kept alive with their views)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def chunks(self, offset: int = 0) -> Iterator[bytes]:
+        """The bytes from ``offset`` on, in chunks of :data:`CHUNK_BYTES` (``bytes``: each its own copy)."""
+        pieces = [(0, memoryview(self.head)), *self.parts]
+        for start in range(offset, self.size, CHUNK_BYTES):
+            stop = min(start + CHUNK_BYTES, self.size)
+            got = [view[max(start - at, 0):stop - at] for at, view in pieces if at < stop and at + len(view) > start]
+            yield bytes(got[0]) if len(got) == 1 else b"".join(got)
+
+    def tobytes(self) -> bytes:
+        """The whole file as one ``bytes``."""
+        return b"".join(self.chunks())
+
+
+#: what an upload sends: a payload read from its tensors, or bytes held
+Sendable = bytes | bytearray | memoryview | Payload
+
+
 def save(tensors: dict[str, torch.Tensor]) -> memoryview:
     """``safetensors.torch.save``'s bytes (the same file, byte for byte: its header, its order of the tensors, its
     padding), written with torch's copies, which release the GIL: a payload of hundreds of MB built in an upload
     or a pull's thread never holds up the process's other threads (a heartbeat's answer: safetensors' own writer
     holds the GIL for the whole copy; bench/out/service_link). The tensors are made contiguous CPU
     tensors first. A ``memoryview`` of bytes (format ``B``: ``len`` is its bytes), sliced into the wire's chunks
-    (:func:`iter_chunks`) without a second copy of the whole.
+    (:func:`iter_chunks`) without a second copy of the whole; what is served many times (a pull, cached). A
+    payload sent once is a :class:`Payload` (no whole copy at all).
 
     Raises:
         KeyError: a dtype safetensors' payloads here do not use (:data:`_DTYPES`).
     """
-    flat = {k: t.detach().contiguous().cpu() for k, t in tensors.items()}
-    order = sorted(flat, key=lambda k: (_ORDER.index(_NAMES[flat[k].dtype]), k))
-    header, at = {}, 0
-    for k in order:
-        t = flat[k]
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
-        at += n
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-(8 + len(text)) % 8)  # (the body starts 8-byte aligned)
-    head = len(text).to_bytes(8, "little") + text
-    out = torch.empty(len(head) + at, dtype=torch.uint8)  # (not zeroed: bytearray(n)'s memset holds the GIL)
-    out[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-    for k in order:
-        a, b = header[k]["data_offsets"]
-        if b > a:
-            out[len(head) + a:len(head) + b].copy_(flat[k].reshape(-1).view(torch.uint8))
+    payload = Payload(tensors)
+    out = torch.empty(payload.size, dtype=torch.uint8)  # (not zeroed: bytearray(n)'s memset holds the GIL)
+    out[:len(payload.head)].copy_(torch.frombuffer(bytearray(payload.head), dtype=torch.uint8))
+    for at, view in payload.parts:
+        out[at:at + len(view)].copy_(torch.frombuffer(view, dtype=torch.uint8))
     return memoryview(out.numpy())
 
 
@@ -221,10 +274,11 @@ def bytes_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
     return tensors[TENSOR_NAME]
 
 
-def payload_bytes(tensors: dict[str, torch.Tensor]) -> memoryview:
+def payload_bytes(tensors: dict[str, torch.Tensor]) -> Payload:
     """A codec's payload (:attr:`Encoded.tensors <atoll.algorithms.codec_base.Encoded.tensors>`: 1-D tensors
-    by role) as a safetensors file's bytes, as it travels from an island to the syncer."""
-    return save(tensors)
+    by role) as a safetensors file, as it travels from an island to the syncer: a :class:`Payload`, read from the
+    tensors as it is sent."""
+    return Payload(tensors)
 
 
 def bytes_payload(data: bytes | bytearray | memoryview, codec: Codec, numel: int) -> Encoded:
@@ -291,13 +345,16 @@ def parse_ranges(obj: Any, numel: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def chunks(data: bytes | bytearray | memoryview, offset: int = 0) -> list[bytes]:
+def chunks(data: Sendable, offset: int = 0) -> list[bytes]:
     """``data[offset:]`` cut into chunks (``bytes``, what a gRPC message is) of at most :data:`CHUNK_BYTES`."""
     return list(iter_chunks(data, offset))
 
 
-def iter_chunks(data: bytes | bytearray | memoryview, offset: int = 0) -> Iterator[bytes]:
+def iter_chunks(data: Sendable, offset: int = 0) -> Iterator[bytes]:
     """:func:`chunks`, one at a time (a transfer holds one chunk's copy at once, not a second whole payload)."""
+    if isinstance(data, Payload):
+        yield from data.chunks(offset)
+        return
     view = memoryview(data)
     for i in range(offset, len(data), CHUNK_BYTES):
         yield bytes(view[i:i + CHUNK_BYTES])
