@@ -176,11 +176,16 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
                                description=_plain(projection.__doc__))
     projection.add_arguments(p_project)
 
-    p_bench = sub.add_parser("bench", help="run a benchmark: suite (every strategy and codec, one report) or "
-                             "wan (ddp vs diloco over emulated links, as root)",
+    p_bench = sub.add_parser("bench", help="run a benchmark: suite (every strategy and codec, one report), "
+                             "wan (ddp vs diloco over emulated links, as root) or wan-decoupled (the syncer and "
+                             "island jobs over emulated links, as root)",
                              description="Benchmarks. 'atoll bench suite' (every strategy and the main codecs on "
                              "the default benchmark at equal tokens, re-timed at 10 Mbit/s to 10 Gbit/s; "
-                             "results.json, results.md, plots); 'atoll bench wan' (real shaped links, root).")
+                             "results.json, results.md, plots; its --out defaults to the committed "
+                             "bench/out/suite, whose finished runs it reuses: pass --out DIR for your own); "
+                             "'atoll bench wan' (real shaped links, root); 'atoll bench wan-decoupled' (the "
+                             "syncer and 3 island jobs over shaped links, TLS, against synchronous diloco and "
+                             "ddp, root).")
     benches = p_bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     p_suite = benches.add_parser("suite", help="every strategy and the main codecs at equal tokens; one "
                                  "table and plots, re-timed at 10 Mbit/s, 100 Mbit/s, 1 and 10 Gbit/s",

@@ -196,6 +196,9 @@ class Run:
             if self.start_step > config.steps:
                 raise ConfigError(f"steps: {config.steps} is below the checkpoint's step {self.start_step}; "
                                   f"pass --steps {self.start_step} or more")
+            if self.is_main:  # (a run killed after its last checkpoint redoes the steps since)
+                print(f"atoll: resuming {self.out} from its checkpoint at step {self.start_step} of {config.steps}",
+                      file=sys.stderr, flush=True)
         self.data, self.model = prepare_inputs(config, warm_start=not resume, notes=self.is_main)
         if (self.state is not None
                 and self.state.get("data_fingerprint", self.data.fingerprint) != self.data.fingerprint):

@@ -77,7 +77,7 @@ def load_or_train_tokenizer(
     else:
         chars = sum(len(d.text) for d in train_docs)
         size = f"{chars / 1e6:.1f}M" if chars >= 1e6 else f"{chars:,}"  # a small corpus not as 0.0M
-        what = f"{len(train_docs):,} documents ({size} characters)"
+        what = f"{len(train_docs):,} document{'s' if len(train_docs) != 1 else ''} ({size} characters)"
     status(f"training a {vocab_size}-token BPE tokenizer on {what}; once per corpus and vocabulary, then read from "
            f"{cache_dir} ...")
     t0 = time.perf_counter()

@@ -62,7 +62,7 @@ class Gate:
         abort the call with ``code`` and ``message`` (one line)."""
         with self.lock:
             self.refused[reason] = self.refused.get(reason, 0) + 1
-        self._log(reason, f"refused a call from {context.peer()}: {reason}: {message}")
+        self._log(reason, f"refused a call from {context.peer()}: {_named(reason, message)}")
         context.abort(code, message)
         raise AssertionError("unreachable")  # abort raises
 
@@ -72,7 +72,7 @@ class Gate:
         :meth:`refuse`. Not under the server's lock."""
         with self.lock:
             self.refused[reason] = self.refused.get(reason, 0) + 1
-        self._log(reason, f"refused a call of {peer}: {reason}: {message}")
+        self._log(reason, f"refused a call of {peer}: {_named(reason, message)}")
 
     def guarded(self, method: str, handle: Callable[..., Any], streaming: bool = False) -> Callable[..., Any]:
         """``handle`` (a gRPC handler: ``(request, context)``; ``streaming``: it returns an iterator of replies)
@@ -115,7 +115,8 @@ class Gate:
                 self._quiet[reason] = self._quiet.get(reason, 0) + 1
                 return
             self._logged_at[reason], quiet = now, self._quiet.pop(reason, 0)
-        log.warning("%s%s", line[:300], f" (and {quiet} more of {reason} since the last line)" if quiet else "")
+        more = f" (and {quiet} more of {reason} since the last line)" if quiet else ""
+        log.warning("atoll syncer: %s%s", line[:300], more)
 
     def caller(self, context: grpc.ServicerContext, peer: bool = False) -> tuple[int, str]:
         """The calling island and its secret, or refuse the call (UNAUTHENTICATED), counted by reason; ``peer``:
@@ -154,3 +155,8 @@ class Gate:
             return schema.parse(model, data)
         except schema.SchemaError as e:
             self.refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "schema", f"{method}: {e}")
+
+
+def _named(reason: str, message: str) -> str:
+    """A refusal's log text: ``message`` led by its ``reason``, once (a message that names it first as it is)."""
+    return message if message.startswith(f"{reason}:") else f"{reason}: {message}"

@@ -272,7 +272,7 @@ def _serve(config: TrainConfig, settings: ServiceConfig, out: Path, key_pair: tu
     role = (f" as shard {shard} of {count} ({'the coordinator, ' if shard == 0 else ''}fragments "
             f"{service.fragment_ids}, {service.syncer.numel:,} parameters)" if sharded else "")
     print(f"atoll syncer: listening on {listen} ({'TLS' if key_pair else 'plaintext'}){role}, {config.islands} "
-          f"islands, state in {server_state.out}{restarted}", flush=True)
+          f"island{'s' if config.islands != 1 else ''}, state in {server_state.out}{restarted}", flush=True)
     finished_at: float | None = None
     monitor: Monitor | None = None
     run: Run | None = None
