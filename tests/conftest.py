@@ -92,6 +92,65 @@ def fast_config(corpus_file: Path, cache_dir: Path, tmp_path: Path) -> dict:
     }
 
 
+@pytest.fixture()
+def syncer(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - a function serving a syncer of given settings
+    """``serve(**settings)`` -> (SyncerServer, address, credentials): a decoupled run's syncer (2 fragments, 2
+    islands, the run's codec unless ``codec`` is given) in this process, plaintext on loopback; stopped after the
+    test."""
+    from concurrent import futures
+
+    import grpc
+
+    from atoll.config import build_config
+    from atoll.runtime.service.server import SyncerServer
+
+    servers = []
+
+    def serve(**settings: object) -> tuple:
+        base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
+        config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
+                                     **settings})
+        creds = ["a" * 32, "b" * 32]
+        state = SyncerServer.of_run(config, tmp_path / "syncer", creds)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return state, f"127.0.0.1:{port}", creds
+
+    yield serve
+    for server in servers:
+        server.stop(grace=0)
+
+
+def service_clients(state, address: str, creds: list[str]) -> tuple:  # noqa: ANN001
+    """Island 0's leader and its second rank (bulk only), island 1's leader; both islands joined (the run
+    starts); island 0 granted a round of steps. Returns (leader0, rank1, leader1, session0, session1)."""
+    from atoll.runtime.service.client import SyncerClient
+
+    numels = state.service.syncer.numels
+    lead = SyncerClient(address, 0, creds[0], plaintext=True)
+    rank1 = SyncerClient(address, 0, creds[0], plaintext=True, control=False)
+    other = SyncerClient(address, 1, creds[1], plaintext=True)
+    s0 = lead.call("Join", {"numels": numels})["session"]
+    s1 = other.call("Join", {"numels": numels})["session"]
+    assert lead.call("ReserveSteps", {"n": 5})["granted"] == 5
+    return lead, rank1, other, s0, s1
+
+
+def upload_halves(state, lead, rank1) -> tuple:  # noqa: ANN001
+    """Two ranks' halves of one push of fragment 0 (a Δ of seed 0, scaled 1e-3), each encoded with the run's codec
+    and uploaded by its rank (ids ``s.0.1.<rank>``), not committed: (delta, halves, encoded, ids)."""
+    from atoll.runtime.service import slices, wire
+
+    delta = torch.randn(state.service.syncer.numels[0], generator=torch.Generator().manual_seed(0)) * 1e-3
+    halves = slices.even_parts(state.service.syncer.index[0], 2)
+    encoded = [state.codec.encode(slices.take(delta, part.ranges)) for part in halves]
+    ids = [client.upload(wire.payload_bytes(e.tensors), 0, part.ranges, f"s.0.1.{r}")
+           for r, (client, part, e) in enumerate(zip((lead, rank1), halves, encoded, strict=True))]
+    return delta, halves, encoded, ids
+
+
 def cli_flags(settings: dict) -> list[str]:
     """The command-line flags of a settings dict: ``{"sync_every": 5, "progress": False}`` ->
     ``["--sync-every", "5", "--no-progress"]``; settings its strategy and runtime do not read (``sync_every``

@@ -23,7 +23,6 @@ from atoll.config import build_config
 from atoll.config.run_record import digest, first_difference, run_record
 from atoll.runtime.service import schema, wire
 from tests.conftest import run_cli
-from tests.test_service_slices import syncer  # noqa: F401 - the fixture
 
 pytest.importorskip("cryptography")
 

@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 import torch
+from conftest import service_clients as _clients
 
 from atoll.runtime.service import wire
-from tests.test_service_slices import _clients, syncer  # noqa: F401 - the fixture
 
 pytest.importorskip("cryptography")
 

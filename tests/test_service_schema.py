@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from conftest import service_clients as _clients
 
 from atoll.runtime.service import schema, wire
-from tests.test_service_slices import _clients, syncer  # noqa: F401 - the fixture
 
 GRANT = schema.Grant(island=1, session=2, tokens=640, epoch=1, seq=3, run="ab" * 8, mac="0" * 64)
 HUGE = int("9" * 4300)  # as many digits as Python's int() takes from a string

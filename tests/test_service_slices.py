@@ -8,12 +8,10 @@ loopback, with the run's int4 codec: real uploads, commits and downloads, assert
 
 from __future__ import annotations
 
-from concurrent import futures
-from pathlib import Path
-
 import grpc
 import pytest
 import torch
+from conftest import service_clients, upload_halves
 
 from atoll.algorithms.fragments import fragment_slices
 from atoll.runtime.service import schema, slices, wire
@@ -87,47 +85,6 @@ def test_every_rank_holds_the_values_its_slice_names_and_the_slices_tile_each_fr
     assert not slices.tiles([((0, n // 2),), ((n // 2 - 1, n),)], n)
 
 
-@pytest.fixture()
-def syncer(fast_config: dict, tmp_path: Path):  # noqa: ANN201 - a function serving a syncer of given settings
-    """``serve(**settings)`` -> (SyncerServer, address, credentials): a syncer in this process, plaintext on
-    loopback, the run's int4 codec; stopped after the test."""
-    from atoll.config import build_config
-    from atoll.runtime.service.server import SyncerServer
-
-    servers = []
-
-    def serve(**settings: object) -> tuple:
-        base = {k: v for k, v in fast_config.items() if k not in ("eval_every", "checkpoint_every")}
-        config = build_config(None, {**base, "strategy": "decoupled", "runtime": "service", "fragments": 2,
-                                     **settings})
-        creds = ["a" * 32, "b" * 32]
-        state = SyncerServer.of_run(config, tmp_path / "syncer", creds)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[state.handler()])
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return state, f"127.0.0.1:{port}", creds
-
-    yield serve
-    for server in servers:
-        server.stop(grace=0)
-
-
-def _clients(state, address: str, creds: list[str]) -> tuple:  # noqa: ANN001
-    """Island 0's leader and its second rank (bulk only), island 1's leader; both islands joined (the run
-    starts); island 0 granted a round of steps. Returns (leader0, rank1, leader1, session0, session1)."""
-    from atoll.runtime.service.client import SyncerClient
-
-    numels = state.service.syncer.numels
-    lead = SyncerClient(address, 0, creds[0], plaintext=True)
-    rank1 = SyncerClient(address, 0, creds[0], plaintext=True, control=False)
-    other = SyncerClient(address, 1, creds[1], plaintext=True)
-    s0 = lead.call("Join", {"numels": numels})["session"]
-    s1 = other.call("Join", {"numels": numels})["session"]
-    assert lead.call("ReserveSteps", {"n": 5})["granted"] == 5
-    return lead, rank1, other, s0, s1
-
-
 @pytest.mark.slow
 def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(syncer) -> None:  # noqa: ANN001
     """Each rank uploads its half of Δ as the int4 codec encodes it; the leader's commit lists both: the syncer
@@ -135,13 +92,9 @@ def test_two_ranks_push_their_slices_which_the_syncer_decodes_and_reassembles(sy
     Slices that do not tile the fragment are refused and counted (``slices``); with float32 pulls a rank pulls
     its own slice."""
     state, address, creds = syncer(pull_codec="fp32")
-    lead, rank1, _, session, _ = _clients(state, address, creds)
+    lead, rank1, _, session, _ = service_clients(state, address, creds)
     n = state.service.syncer.numels[0]
-    delta = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
-    halves = slices.even_parts(state.service.syncer.index[0], 2)
-    encoded = [state.codec.encode(slices.take(delta, part.ranges)) for part in halves]
-    ids = [client.upload(wire.payload_bytes(e.tensors), 0, part.ranges, f"s.0.1.{r}")
-           for r, (client, part, e) in enumerate(zip((lead, rank1), halves, encoded, strict=True))]
+    delta, halves, encoded, ids = upload_halves(state, lead, rank1)
     with pytest.raises(RuntimeError, match="leader"):  # a rank other than the leader has no control connection
         rank1.call("Push", {})
     answer = lead.commit(ids, 0, 5 * state.service.run.tokens_per_step, 0, session)
@@ -185,7 +138,7 @@ def test_a_commit_riding_on_the_leaders_upload_waits_for_the_other_slice_and_ans
 
     monkeypatch.setattr(bulk, "COMMIT_WAIT_QUIET_S", 0.5)
     state, address, creds = syncer()
-    lead, rank1, _, session, _ = _clients(state, address, creds)
+    lead, rank1, _, session, _ = service_clients(state, address, creds)
     n, tokens = state.service.syncer.numels[0], 5 * state.service.run.tokens_per_step
     delta = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
     halves = slices.even_parts(state.service.syncer.index[0], 2)
@@ -248,7 +201,7 @@ def test_a_push_whose_session_is_superseded_while_it_decodes_is_fenced_not_a_rep
     from atoll.runtime.service.client import SessionSuperseded
 
     state, address, creds = syncer()
-    lead, _, _, session, _ = _clients(state, address, creds)
+    lead, _, _, session, _ = service_clients(state, address, creds)
     n, tokens = state.service.syncer.numels[0], 5 * state.service.run.tokens_per_step
     real = server_module.slices.assemble_payloads
 
@@ -268,7 +221,7 @@ def test_a_push_whose_session_is_superseded_while_it_decodes_is_fenced_not_a_rep
 @pytest.mark.slow
 def test_a_lease_returns_its_unused_steps_at_leave_and_a_killed_sessions_at_its_rejoin(syncer) -> None:  # noqa: ANN001
     state, address, creds = syncer()
-    lead, _, other, _, _ = _clients(state, address, creds)
+    lead, _, other, _, _ = service_clients(state, address, creds)
     s, tps = state.service, state.service.run.tokens_per_step
     assert lead.call("ReserveSteps", {"n": 5, "used": 3})["granted"] == 5  # the next lease, 3 of the first used
     assert s.islands[0].steps == s.reserved == 10
@@ -293,7 +246,7 @@ def test_an_island_back_from_a_long_outage_never_becomes_the_global_state(syncer
     (and what it starts from when it rejoins). A push that would replace the model with the island's own
     (a Δ of the parameters' size) is refused for its norm, whatever its version."""
     state, address, creds = syncer(quorum=1, max_staleness=4)
-    lead, _, other, s0, s1 = _clients(state, address, creds)
+    lead, _, other, s0, s1 = service_clients(state, address, creds)
     n, tps = state.service.syncer.numels[0], state.service.run.tokens_per_step
     for v in range(6):  # six merges of island 1 alone, a lease of a round (5 steps) before each, used reported
         assert other.call("ReserveSteps", {"n": 5, "used": 5 * v})["granted"] == 5
@@ -328,7 +281,7 @@ def test_a_push_waiting_for_its_quorum_is_answered_by_one_long_poll_when_it_merg
     import threading
 
     state, address, creds = syncer(quorum=2, grace_window="round")
-    lead, _, other, s0, s1 = _clients(state, address, creds)
+    lead, _, other, s0, s1 = service_clients(state, address, creds)
     n, tps = state.service.syncer.numels[0], state.service.run.tokens_per_step
     assert other.call("ReserveSteps", {"n": 5})["granted"] == 5
     step = wire.payload_bytes(state.codec.encode(torch.full((n,), 1e-3)).tensors)

@@ -59,6 +59,9 @@ HEADER_BYTES = 4096
 #: keep arriving; after this many seconds with none arriving it answers without committing (the island then
 #: commits with ``Push``)
 COMMIT_WAIT_QUIET_S = 5.0
+#: the most ranges a slice written in place may name (a rank's slice of an island's FSDP shards names one per
+#: parameter of the fragment); a slice of more is held as bytes and decoded at the commit
+PLACED_RANGES = 4096
 #: pulled slices kept serialized (a fragment's slices are pulled by every island's ranks alike), at most this
 #: many, and at most twice the global parameters' float32 bytes
 PULL_CACHE = 256
@@ -322,20 +325,21 @@ class Bulk:
 
     def _placement(self, island: int, fragment: int, ranges: slices.Ranges, size: int) -> Placement | None:
         """(Under the lock.) Where a new upload of ``fragment`` at ``ranges`` writes its values as they arrive: into
-        the assembly of one of the island's uploads of that fragment in transfer, not yet committed, whose slices
-        none overlap ``ranges`` (the other ranks' slices of the same push), else a new one; None (held as bytes)
-        unless the codec is element-wise and ``size`` is exactly its payload's for ``ranges``."""
-        if self.element_wise is None:
+        the assembly of one of the island's uploads of that fragment in transfer, not yet committed, none of whose
+        claimed ranges overlap ``ranges`` (the other ranks' slices of the same push; an assembly's claims outlive
+        its slices), which it claims, else a new one; None (held as bytes) unless the codec is element-wise,
+        ``size`` is exactly its payload's for ``ranges`` and they are at most :data:`PLACED_RANGES` (the work
+        here, under the server's lock, is a few bisections per range and assembly)."""
+        if self.element_wise is None or len(ranges) > PLACED_RANGES:
             return None
-        numel = self.service.syncer.numels[fragment]
-        claimed: dict[int, tuple[Assembly, list[slices.Ranges]]] = {}
-        for u in self.uploads[island].values():
-            if u.into is not None and u.fragment == fragment and not u.into.assembly.sealed:
-                claimed.setdefault(id(u.into.assembly), (u.into.assembly, []))[1].append(u.ranges)
         if expected_head(ranges, self.element_wise)[1] != size:
             return None
-        assembly = next((a for a, taken in claimed.values() if not any(_overlap(ranges, t) for t in taken)), None)
-        return Placement(assembly or Assembly(numel), ranges, self.element_wise)
+        candidates = {id(u.into.assembly): u.into.assembly for u in self.uploads[island].values()
+                      if u.into is not None and u.fragment == fragment and not u.into.assembly.sealed}
+        assembly = next((a for a in candidates.values() if not a.overlaps(ranges)), None)
+        assembly = assembly or Assembly(self.service.syncer.numels[fragment])
+        assembly.claim(ranges)
+        return Placement(assembly, ranges, self.element_wise)
 
     def _held_bytes(self, island: int) -> int:
         """(Under the lock.) The memory the island's uploads hold: the declared bytes of those held as bytes, and
@@ -434,16 +438,3 @@ class Bulk:
                 self.pulls.popitem(last=False)
         return cached
 
-
-def _overlap(a: slices.Ranges, b: slices.Ranges) -> bool:
-    """Do two slices' ranges (each ascending and disjoint: :func:`~atoll.runtime.service.wire.parse_ranges`) share
-    a value? One pass over both."""
-    i = j = 0
-    while i < len(a) and j < len(b):
-        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
-            return True
-        if a[i][1] <= b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return False

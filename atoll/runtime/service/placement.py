@@ -55,6 +55,25 @@ class Assembly:
         self.values: torch.Tensor | None = None
         self.lock = threading.Lock()
         self.sealed = False
+        # the ranges its slices claimed, merged, ascending: kept for its lifetime (a slice taken by its commit, or
+        # dropped over the quota, still owns its ranges here: no later upload writes where it wrote)
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+
+    def overlaps(self, ranges: Ranges) -> bool:
+        """Does a slice at ``ranges`` (ascending, disjoint) share a value with those claimed? Two bisections per
+        range (``O(len(ranges) log claimed)``)."""
+        starts, stops = self.starts, self.stops
+        for a, b in ranges:
+            i = bisect.bisect_right(starts, a) - 1  # the last claimed range starting at or before a
+            if (i >= 0 and stops[i] > a) or (i + 1 < len(starts) and starts[i + 1] < b):
+                return True
+        return False
+
+    def claim(self, ranges: Ranges) -> None:
+        """Claim ``ranges`` (the caller checked :meth:`overlaps` first): merged into those claimed."""
+        self.starts = sorted(self.starts + [a for a, _ in ranges])  # (disjoint: both orders agree)
+        self.stops = sorted(self.stops + [b for _, b in ranges])
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +113,11 @@ class Placement:
         self._stage = bytearray()  # (a narrower dtype's bytes, staged writable for torch)
 
     def resume(self, offset: int) -> bool:
-        """Continue at ``offset`` (a retry from the bytes held): False if it is beyond them or inside a value
-        (our islands resume where the syncer's copy ends, a whole number of values)."""
+        """Continue at ``offset`` (a retry from the bytes held): where they end (what ``UploadStatus`` reports,
+        inside a value too: its first bytes kept), or earlier at a whole value; False beyond them, or earlier
+        inside a value (its first bytes are no longer held)."""
+        if offset == self.received:
+            return True
         body = offset - len(self.head)
         if offset > self.received or (body > 0 and body % self.dtype.itemsize):
             return False
