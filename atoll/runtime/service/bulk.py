@@ -437,4 +437,3 @@ class Bulk:
             while len(self.pulls) > PULL_CACHE or sum(len(c[2]) for c in self.pulls.values()) > most:
                 self.pulls.popitem(last=False)
         return cached
-

@@ -152,22 +152,20 @@ class Placement:
         self._partial = bytes(view[whole:])
         if not whole:
             return
-        first = offset // size
-        if self.dtype == torch.float32:  # (the bytes are the values: written into the float32 in place)
-            src = view[:whole]
-        else:
+        first, src = offset // size, view[:whole]
+        values = None  # (float32: the bytes are the values, written into the float32 in place; else widened)
+        if self.dtype != torch.float32:
             if len(self._stage) < whole:
                 self._stage = bytearray(whole)
-            self._stage[:whole] = view[:whole]
-            src = memoryview(self._stage)[:whole]
-        values = torch.frombuffer(src, dtype=self.dtype) if self.dtype != torch.float32 else None
+            self._stage[:whole] = src
+            values = torch.frombuffer(self._stage, dtype=self.dtype, count=whole // size)
         with self.assembly.lock:
             if self.assembly.sealed:
                 raise Sealed("upload: its push was committed")
             if self.assembly.values is None:
                 self.assembly.values = torch.zeros(self.assembly.numel, dtype=torch.float32)
             out = self.assembly.values
-            dest = out.numpy().view("u1") if values is None else None
+            dest = out.numpy().view("u1")
             i = bisect.bisect_right(self.starts, first) - 1  # the range holding value `first` of the slice
             done, count = 0, whole // size
             while done < count:
