@@ -14,6 +14,12 @@ and SwiGLU MLP, RMSNorm vectors; names as Hugging Face's, so fragments are cut a
 - ``decoupled``: one window of Decoupled DiLoCo (P = 4): per fragment every island pushes, the syncer validates,
   buffers and merges at the quorum, every island adopts the answer.
 
+Each row also gives the round in *passes*: its time over one ``copy_`` of a float32 vector of the model's size
+(one read and one write, the memory's rate on this core); and for ``demo`` and ``sparseloco``, the time of the
+kernels their reference code runs, alone on the same tensors (DeMo: the tiled DCT-II, the top-k per tile and
+two inverse DCTs per island; SparseLoCo: the tiles copied out, the top-k per tile, sorted, and the kept values
+gathered), so that the rest of the round reads as the round over its kernels.
+
 Exchanges travel fp32 (the codecs' own cost is the same code before and after, bench/codec_speed.py has it).
 Each (case, size, variant) runs in its own process (PYTHONPATH = that variant's code; BEFORE is ``git archive``
 of d2f719d's ``atoll/``), interleaved before/after so both see the same machine; a warm-up round, then the
@@ -147,6 +153,54 @@ def _timed_rounds(repeats: int, prepare, round_) -> list[float]:  # noqa: ANN001
     return times
 
 
+def _best(repeats: int, fn) -> float:  # noqa: ANN001
+    """The least seconds of ``repeats`` calls of ``fn()`` after a warm-up call."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+    return min(runs)
+
+
+def memory_pass(numel: int, repeats: int) -> float:
+    """Seconds of one pass over a float32 vector of ``numel`` elements: ``dst.copy_(src)`` (one read, one write),
+    the unit a round's cost is counted in (``passes``)."""
+    import torch
+
+    src, dst = torch.randn(numel), torch.empty(numel)
+    return _best(repeats, lambda: dst.copy_(src))
+
+
+def demo_kernels(islands, repeats: int) -> float:  # noqa: ANN001
+    """Seconds of the kernels DeMo's reference step runs per island and parameter, alone, on the islands' own
+    momenta: the tiled DCT-II of the momentum, the top-k of its magnitudes per tile, and two inverse DCTs (what is
+    sent, removed from the momentum; the islands' mean, applied): bloc97/DeMo's ``transform.encode``, ``topk``
+    and two ``transform.decode``. Everything else of the round is counted against this floor."""
+    import torch
+
+    opt = islands[0].optimizer
+    work = [(opt.transform_for(p.shape), island.optimizer.state[p]["momentum"])
+            for island in islands for p in island.params]
+
+    def kernels() -> None:
+        for t, m in work:
+            coeffs = t.encode(m)
+            torch.topk(coeffs.abs(), min(opt.topk, t.chunk_elems), dim=1, sorted=False)
+            t.decode(coeffs)
+            t.decode(coeffs)
+
+    return _best(repeats, kernels)
+
+
+def sparseloco_kernels(strategy, repeats: int) -> float:  # noqa: ANN001
+    """Seconds of the selection SparseLoCo's reference runs per island, alone, on the islands' own accumulators:
+    every tile copied out of the flat vector, the top-k of its magnitudes, sorted, and the kept values gathered
+    (``SparseCompressor._select``). Everything else of the round is counted against this floor."""
+    return _best(repeats, lambda: [strategy.compressor._select(e) for e in strategy.error])
+
+
 def worker(case: str, size: int, repeats: int) -> dict:
     import torch
 
@@ -160,6 +214,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
     numel = sum(p.numel() for p in model.parameters())
     common = dict(islands=ISLANDS, steps=100, warmup_steps=0, codec="fp32", sync_every=8, model="tiny")
     times: list[float] = []
+    kernels: float | None = None  # the method's own kernels alone (demo, sparseloco), seconds
 
     if case in ("diloco_local", "diloco_collective"):
         from atoll.strategies.diloco import DiLoCo
@@ -193,6 +248,8 @@ def worker(case: str, size: int, repeats: int) -> dict:
         comm = LocalComm(ISLANDS, Link.from_config(100, 10), SimClock(ISLANDS))
         strategy = _strategy(cls, config, islands, comm)
         times = _timed_rounds(repeats, lambda r: _nudge(islands), lambda r: strategy.outer_step(8 * (r + 1)))
+        if case == "sparseloco" and hasattr(strategy.compressor, "_select"):
+            kernels = sparseloco_kernels(strategy, repeats)
     elif case == "demo":
         from atoll.strategies.demo import DeMoStrategy, make_optimizer
 
@@ -212,6 +269,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
 
         # one step: every island encodes, the payloads are all-gathered, every island applies
         times = _timed_rounds(repeats, gradients, strategy.step)
+        kernels = demo_kernels(islands, repeats)
     elif case in ("streaming", "streaming_int4"):
         from atoll.strategies.streaming import StreamingDiLoCo
 
@@ -260,8 +318,11 @@ def worker(case: str, size: int, repeats: int) -> dict:
         raise ValueError(f"case: {case!r} is not one of {CASES}")
     import resource
 
+    one_pass = memory_pass(numel, repeats)
     return {"case": case, "size_m": size, "params": numel, "times_s": times,
             "ns_per_param": min(times) / numel * 1e9, "ns_per_param_median": statistics.median(times) / numel * 1e9,
+            "pass_ns_per_param": one_pass / numel * 1e9, "passes": min(times) / one_pass,
+            "kernels_ns_per_param": None if kernels is None else kernels / numel * 1e9,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
 
 
@@ -308,18 +369,22 @@ def measure(code: Path, case: str, size: int, repeats: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | params | before ns/param | after ns/param | after / before | load 1 min (before: start, end / "
-             "after: start, end) |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| case | params | before ns/param | after ns/param | after / before | after in passes | after's "
+             "kernels ns/param | after / its kernels | load 1 min (before: start, end / after: start, end) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     by = {(r["case"], r["size_m"], r["variant"]): r for r in rows}
     for case in CASES:
         for size in sorted({r["size_m"] for r in rows}):
             b, a = by.get((case, size, "before")), by.get((case, size, "after"))
             if b is None or a is None:
                 continue
+            passes = f"{a['passes']:.1f}" if "passes" in a else "-"
+            floor = a.get("kernels_ns_per_param")
+            kernels = f"{floor:.1f} | {a['ns_per_param'] / floor:.2f}" if floor else "- | -"
             lines.append(f"| {case} | {a['params'] / 1e6:.1f}M | {b['ns_per_param']:.1f} | {a['ns_per_param']:.1f} | "
-                         f"{a['ns_per_param'] / b['ns_per_param']:.2f} | {b['load_before']:.2f}, "
-                         f"{b['load_after']:.2f} / {a['load_before']:.2f}, {a['load_after']:.2f} |")
+                         f"{a['ns_per_param'] / b['ns_per_param']:.2f} | {passes} | {kernels} | "
+                         f"{b['load_before']:.2f}, {b['load_after']:.2f} / "
+                         f"{a['load_before']:.2f}, {a['load_after']:.2f} |")
     return "\n".join(lines)
 
 

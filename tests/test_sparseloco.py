@@ -348,3 +348,26 @@ def test_the_aggregate_divides_at_the_sent_entries_only_and_leaves_its_sums_clea
         got = c.aggregate(payloads, weights, clip="none", out=out)
         assert got is out and torch.equal(got, expected)
         assert not c.__dict__["_sums"].any()
+
+
+@pytest.mark.parametrize("layout", ["tiles", "flat"])
+def test_positions_and_the_error_s_subtraction_are_the_tables_and_the_dense_formula(layout: str) -> None:
+    """A payload's positions are its tiles' table entries at its indices (``groups``' 2-D gather), its values the
+    tiles' levels with its signs, and ``subtract_`` is ``x - decompress(payload)`` bit for bit."""
+    shapes = [(8, 12), (5,), (3, 7), (64, 64)]
+    c = SparseCompressor(shapes, 16, 3, bits=2, layout=layout)
+    numel = sum(math.prod(s) for s in shapes)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    payload = c.compress(x)
+    pos, vals = c.positions_and_values(payload)
+    idx, start, expected = payload["indices"].long(), 0, []
+    for gather, k in c.groups:
+        part = idx[start:start + gather.shape[0] * k].view(-1, k)
+        expected.append(gather.gather(1, part).reshape(-1))
+        start += part.numel()
+    assert torch.equal(pos, torch.cat(expected))
+    dense = c.decompress(payload)
+    real = pos < numel
+    assert torch.equal(dense[pos[real]], vals[real]) and int((dense != 0).sum()) <= int(real.sum())
+    want = x - dense
+    assert torch.equal(c.subtract_(x.clone(), payload), want)
