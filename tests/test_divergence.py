@@ -289,6 +289,9 @@ def test_the_advice_names_only_flags_the_strategy_or_the_run_accepts(fedavg: str
     config = build_config(overrides={"strategy": fedavg, "lr": 0.5, "grad_clip": 0})
     fix = record(config.strategy_config, config, Diverged(3, "x"))["fix"]
     assert fix == "lower --lr (it is 0.5), raise --warmup-steps (it is 40), keep --grad-clip on, and start again"
+    short = build_config(overrides={"strategy": "diloco", "steps": 60})  # 40 steps of warmup, capped at 6
+    fix = record(short.strategy_config, short, Diverged(3, "x"))["fix"]
+    assert "lengthen the warmup with --steps (--warmup-steps 40 is capped at a tenth of --steps 60: 6)" in fix, fix
 
 
 def test_the_fault_hook_names_its_format(monkeypatch, fault_hook) -> None:

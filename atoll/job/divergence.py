@@ -109,13 +109,18 @@ def learning_rates(strategy: StrategyConfig) -> tuple[str, ...]:
 def advice(strategy: StrategyConfig, schedule: ScheduleSection) -> str:
     """What to change before starting again: lower the learning rates of the ``strategy``'s own config
     (:func:`learning_rates`: a strategy without an outer optimizer, ddp, demo or a plain-averaging FedAvg, is
-    never told of ``--outer-lr``), raise the run's warmup (``schedule``: the run's section), and keep its
-    gradient clipping on."""
+    never told of ``--outer-lr``), raise the run's warmup (``schedule``: the run's section; where it has
+    ``steps`` and the warmup is capped at a tenth of them, more steps), and keep its gradient clipping on."""
     lower = " or ".join(f"--{name.replace('_', '-')} (it is {getattr(strategy, name):g})"
                         for name in learning_rates(strategy))
     clip = "" if schedule.grad_clip > 0 else ", keep --grad-clip on"
-    return f"{'lower ' + lower + ', ' if lower else ''}raise --warmup-steps (it is {schedule.warmup_steps}){clip}, " \
-           "and start again"
+    given, steps = schedule.warmup_steps, getattr(schedule, "steps", None)
+    if isinstance(steps, int) and given > steps // 10:  # the warmup is capped at a tenth of the run: raising it
+        warmup = f"lengthen the warmup with --steps (--warmup-steps {given} is capped at a tenth of --steps " \
+                 f"{steps}: {steps // 10})"  # alone changes nothing
+    else:
+        warmup = f"raise --warmup-steps (it is {given})"
+    return f"{'lower ' + lower + ', ' if lower else ''}{warmup}{clip}, and start again"
 
 
 def record(strategy: StrategyConfig, schedule: ScheduleSection, error: Diverged) -> dict[str, Any]:
