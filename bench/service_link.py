@@ -105,6 +105,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window-mib", type=float, default=None,
                         help="bulk_window_mib of syncer and island; 0: gRPC's default window [the setting's default]")
     parser.add_argument("--plaintext", action="store_true", help="no TLS")
+    parser.add_argument("--codec", default="fp32", choices=["fp32", "bf16", "int8", "int4"],
+                        help="what a push carries: each rank's slice encoded by this codec before the round's clock "
+                        "(the syncer decodes it at the commit); pulls stay float32 [fp32]")
     parser.add_argument("--instrument", action="store_true", help="the link alone: plain TCP throughput per MTU")
     parser.add_argument("--seconds", type=float, default=8.0, help="--instrument: seconds per sender [8]")
     parser.add_argument("--label", default="", help="a name for this run's row")
@@ -214,6 +217,13 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
     seeds = [7 * p + rank + 1000 * island for p in range(len(parts))]
     deltas = [torch.randn(sum(b - a for a, b in r), generator=torch.Generator().manual_seed(seed)) * 1e-4
               for seed, r in zip(seeds, parts, strict=True)]
+    if spec.get("codec", "fp32") == "fp32":
+        payloads = [{"values": d} for d in deltas]
+    else:  # encoded ahead, as an island encodes its slice before the push starts
+        from atoll.algorithms.codecs import make_codec
+
+        codec = make_codec(spec["codec"], block_size=spec["block_size"])
+        payloads = [codec.encode(d).tensors for d in deltas]
     beats: list[float] = []
     stop = threading.Event()
     beat: threading.Thread | None = None
@@ -224,7 +234,7 @@ def _rank(spec: dict[str, Any], island: int, rank: int) -> None:
         op, t0 = cmd["op"], time.perf_counter()
         reply: dict[str, Any] = {"id": cmd.get("id")}
         if op == "push":
-            payload = wire.payload_bytes({"values": deltas[cmd["p"]]})
+            payload = wire.payload_bytes(payloads[cmd["p"]])
             ids = [f"{cmd['k']}.{cmd['p']}.{r}" for r in range(ranks)]
             if cmd.get("ride") and rank == 0:  # the commit rides on rank 0's slice (ServiceTransport's way)
                 request = me.push_request(ids, cmd["p"], 5 * spec["tokens_per_step"], 0, session)
@@ -445,7 +455,7 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     # assembled, as any push's are
     total = args.islands + 1
     overrides = {"strategy": "decoupled", "model": args.model, "fragments": args.fragments, "islands": total,
-                 "quorum": total, "min_quorum": total, "codec": "fp32", "pull_codec": "fp32", "runtime": "service",
+                 "quorum": total, "min_quorum": total, "codec": args.codec, "pull_codec": "fp32", "runtime": "service",
                  "data": str(corpus),
                  "vocab_size": 512, "cache_dir": str(tmp / "cache"), "out": str(tmp / "syncer"), "steps": 100000,
                  "sync_every": 5, "progress": False, "listen": f"{host}:{PORT}", "insecure": True}
@@ -460,7 +470,8 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     (tmp / "cert.pem").write_bytes(cert)
     spec = {"overrides": overrides, "tmp": str(tmp), "host": host, "tls": not args.plaintext,
             "key": str(tmp / "key.pem"), "cert": str(tmp / "cert.pem"), "ranks": args.ranks, "islands": args.islands,
-            "window_mib": window_mib, "tokens_per_step": config.tokens_per_step}
+            "window_mib": window_mib, "tokens_per_step": config.tokens_per_step, "codec": args.codec,
+            "block_size": config.strategy_config.codec_block_size}
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
     shape = LinkShape(rate_mbps=args.rate_mbps, delay_ms=args.delay_ms, mtu=args.mtu[0],
@@ -546,7 +557,8 @@ def study(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     row = {"label": args.label or ("TLS" if not args.plaintext else "plaintext"),
            "what": f"{args.islands} island{'s' if args.islands > 1 else ''} x {args.ranks} ranks",
            "link": "loopback" if args.loopback else f"{args.rate_mbps:g} Mbit/s, {2 * args.delay_ms:g} ms RTT",
-           "model": args.model, "fragments": len(numels), "islands": args.islands, "ranks": args.ranks,
+           "model": args.model, "codec": args.codec, "fragments": len(numels), "islands": args.islands,
+           "ranks": args.ranks,
            "tls": not args.plaintext, "window_mib": window_mib, "mtu": None if args.loopback else args.mtu[0],
            "slow_start_after_idle": None if args.loopback else args.slow_start_after_idle,
            "rate_mbps": None if args.loopback else args.rate_mbps,
@@ -587,7 +599,7 @@ def _beat_window(rank0: Child, seconds: float) -> list[float]:
     return rank0.ask({"op": "beats", "on": False})["beats"]
 
 
-COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("MTU", "mtu"),
+COLUMNS = [("run", "label"), ("what", "what"), ("link", "link"), ("push codec", "codec"), ("MTU", "mtu"),
            ("slow start after idle", "slow_start_after_idle"), ("window MiB", "window_mib"),
            ("in flight", "in_flight"), ("commit", "commit"),
            ("TCP Mbit/s", "mbps"), ("TCP share", "share"), ("push Mbit/s", "push_mbps"), ("push share", "push_share"),
