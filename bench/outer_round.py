@@ -153,15 +153,20 @@ def _timed_rounds(repeats: int, prepare, round_) -> list[float]:  # noqa: ANN001
     return times
 
 
-def _best(repeats: int, fn) -> float:  # noqa: ANN001
-    """The least seconds of ``repeats`` calls of ``fn()`` after a warm-up call."""
+def _seconds(repeats: int, fn) -> list[float]:  # noqa: ANN001
+    """Seconds of each of ``repeats`` calls of ``fn()``, after a warm-up call."""
     fn()
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         runs.append(time.perf_counter() - t0)
-    return min(runs)
+    return runs
+
+
+def _best(repeats: int, fn) -> float:  # noqa: ANN001
+    """The least seconds of ``repeats`` calls of ``fn()`` after a warm-up call."""
+    return min(_seconds(repeats, fn))
 
 
 def memory_pass(numel: int, repeats: int) -> float:
@@ -335,13 +340,7 @@ def finite_checks(size: int, repeats: int) -> dict:
     out = {}
     for name, fn in (("isfinite_all", lambda: bool(torch.isfinite(t).all())),
                      ("isfinite_sum", lambda: bool(torch.isfinite(t.sum())))):
-        fn()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        out[name] = statistics.median(runs) / t.numel() * 1e9
+        out[name] = statistics.median(_seconds(repeats, fn)) / t.numel() * 1e9
     return out
 
 
