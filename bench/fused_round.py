@@ -116,14 +116,8 @@ def measure(size: int, repeats: int) -> dict:
     compiled_round(*shares)
     first = time.perf_counter() - t0
 
-    def best(round_) -> float:  # noqa: ANN001
-        runs = []
-        for r in range(repeats):
-            outer_round._nudge(islands)
-            t = time.perf_counter()
-            round_(r)
-            runs.append(time.perf_counter() - t)
-        return min(runs)
+    def best(round_) -> float:  # noqa: ANN001  (a warm-up round, then the least of ``repeats``, each after a nudge)
+        return min(outer_round._timed_rounds(repeats, lambda r: outer_round._nudge(islands), round_))
 
     eager_s = best(lambda r: strategy.outer_step(24 + 8 * r))
     compiled_s = best(lambda r: compiled_round(*weights()))  # (the islands' tokens grow: nothing resets them)
