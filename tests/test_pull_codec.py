@@ -139,6 +139,24 @@ def test_fp32_pulls_are_the_global_fragment() -> None:
     assert torch.equal(syncer.pulled_params(), syncer.global_params())
 
 
+def test_a_checkpoint_at_every_commit_copies_the_shadow_of_the_fragment_that_changed_only() -> None:
+    """The syncer service checkpoints at every commit: the downlink's state copies a shadow once per commit of its
+    fragment (the other fragment's copy is the same tensor as before), and a copy handed out never changes after
+    (the checkpoint writer reads it on its own thread while the syncer merges on)."""
+    syncer = _syncer("int4")
+    first = syncer.state_dict()["downlink"]["shadow"]
+    syncer.push(Push(0, 0, torch.randn(320, generator=torch.Generator().manual_seed(5)) * 0.01, 100, 0))
+    held = [q.clone() for q in first]
+    second = syncer.state_dict()["downlink"]["shadow"]
+    assert second[1] is first[1] and second[0] is not first[0]  # fragment 0 committed, fragment 1 did not
+    assert all(torch.equal(a, b) for a, b in zip(first, held, strict=True))  # the first copies unchanged
+    assert torch.equal(second[0], syncer.downlink.shadow[0]) and not torch.equal(second[0], first[0])
+    assert syncer.state_dict()["downlink"]["shadow"][0] is second[0]  # no commit since: the same copy
+    syncer.downlink.restart([o.params for o in syncer.outer], [o.version for o in syncer.outer])
+    third = syncer.state_dict()["downlink"]["shadow"]
+    assert third[0] is not second[0] and torch.equal(third[0], syncer.outer[0].params)
+
+
 def test_a_restored_syncer_sends_the_same_deltas_and_one_without_shadows_sends_full_pulls() -> None:
     syncer = _syncer("int8")
     for r in range(3):

@@ -87,6 +87,8 @@ class Downlink:
         self.keep = [0 if d == 0 else (f - 1) // d for f, d in zip(self.full_bytes, self.delta_bytes, strict=True)]
         self.deltas: list[deque[tuple[int, Encoded]]] = [deque(maxlen=max(1, k)) for k in self.keep]
         self.floor = [0] * len(init)  # per fragment: the oldest version an island may hold to be sent deltas
+        # per fragment: the copy of its shadow that state_dict hands out, made once per commit (None: stale)
+        self._snapshot: list[torch.Tensor | None] = [None] * len(init)
 
     def commit(self, fragment: int, params: torch.Tensor, version: int) -> None:
         """The fragment's global parameters ``params`` (float32 (numel_p,)) are now at ``version``: encode the
@@ -97,6 +99,7 @@ class Downlink:
         q = self.shadow[fragment]
         enc = self.codec.encode(params.detach().to(torch.float32) - q)
         q.add_(self.codec.decode(enc))
+        self._snapshot[fragment] = None
         if self.keep[fragment]:
             self.deltas[fragment].append((version, enc))
 
@@ -132,10 +135,18 @@ class Downlink:
         return all(v in kept for v in range(have + 1, version + 1))
 
     def state_dict(self) -> dict[str, Any]:
-        """The shadows, their versions and the kept payloads (plain lists, ints and tensors; empty for fp32)."""
+        """The shadows, their versions and the kept payloads (plain lists, ints and tensors; empty for fp32).
+
+        A shadow is copied once per commit of its fragment: until the fragment's next :meth:`commit` (or
+        :meth:`load_state_dict`, :meth:`restart`) every call hands out the same copy, never changed afterwards,
+        so a syncer that checkpoints at every commit copies the fragment that changed, not every fragment's
+        shadow (bench/outer_round.py, ``syncer_commit``). Treat the tensors as read-only."""
         if self.shadow is None:
             return {}
-        return {"codec": self.name, "shadow": [q.clone() for q in self.shadow], "version": list(self.version),
+        for p, q in enumerate(self.shadow):
+            if self._snapshot[p] is None:
+                self._snapshot[p] = q.clone()
+        return {"codec": self.name, "shadow": list(self._snapshot), "version": list(self.version),
                 "floor": list(self.floor),
                 "deltas": [[{"version": v, "tensors": dict(enc.tensors)} for v, enc in d] for d in self.deltas]}
 
@@ -147,6 +158,7 @@ class Downlink:
         if state.get("codec") != self.name:
             return False
         self.shadow = [q.to(torch.float32).clone() for q in state["shadow"]]
+        self._snapshot = [None] * len(self.shadow)
         self.version = [int(v) for v in state["version"]]
         self.floor = [int(v) for v in state["floor"]]
         for p, d in enumerate(state["deltas"]):
@@ -164,6 +176,7 @@ class Downlink:
         self.floor = [v + 1 for v in versions]
         if self.shadow is not None:
             self.shadow = [t.detach().to(torch.float32).clone() for t in params]
+            self._snapshot = [None] * len(self.shadow)
         for d in self.deltas:
             d.clear()
 
