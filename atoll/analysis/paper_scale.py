@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from atoll.analysis.cost import CODEC_BITS, Setting, codec_bits
-from atoll.analysis.projection import SCALES, TABLE_SETTINGS, ModelScale, flags_given, project
+from atoll.analysis.projection import SCALES, TABLE_SETTINGS, ModelScale, check_pull_codec, flags_given, project
 from atoll.errors import ConfigError
 from atoll.strategies.registry import spec
 
@@ -173,8 +173,7 @@ def run_cli(args: Any) -> str:
             raise ConfigError(f"{name}: a share of the link rate in [{MIN_SHARE}, 1], got {value!r}; set "
                               f"--{name.replace('_', '-')}")
         shares[name] = getattr(MEASURED, name) if value is None else float(value)
-    if args.pull_codec is not None and args.pull_codec not in ("fp32", "bf16", "int8", "int4"):
-        raise ConfigError(f"pull_codec: unknown '{args.pull_codec}'; use fp32, bf16, int8 or int4")
+    check_pull_codec(args.pull_codec)
     measured = Measured(shares["push_share"], shares["pull_share"], MEASURED.syncer_in_s_per_gb,
                         MEASURED.syncer_out_s_per_gb, MEASURED.source if shares == {
                             "push_share": MEASURED.push_share, "pull_share": MEASURED.pull_share}

@@ -49,6 +49,7 @@ from atoll.config.section import StrategyConfig
 from atoll.errors import ConfigError
 from atoll.job.metrics import human_bytes
 from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
+from atoll.strategies.decoupled.downlink import PULL_CODECS
 from atoll.strategies.registry import STRATEGIES, spec
 from atoll.strategies.spec import StrategySpec
 
@@ -262,7 +263,7 @@ TABLE_SETTINGS: dict[str, dict[str, Any]] = {
     "streaming": {"sync_every": 100, "fragments": 4, "overlap_steps": 5, "codec": "int4"},
     "demo": {"demo_topk": 32, "demo_chunk": 64, "demo_sign_values": True},
     "sparseloco": {"sync_every": 100, "sparseloco_topk": 64, "sparseloco_chunk": 4096, "sparseloco_bits": 2},
-    "decoupled": {"sync_every": 100, "fragments": 4, "codec": "int4", "pull_codec": "int8"},
+    "decoupled": {"sync_every": 100, "fragments": 4, "codec": "int4", "pull_codec": "int4"},
 }
 
 
@@ -290,6 +291,16 @@ def real_scale_table(islands: int = 4) -> list[dict[str, Any]]:
     return rows
 
 
+
+def check_pull_codec(name: str | None) -> None:
+    """``--pull-codec`` of the projections: None (the strategy's own) or one of the pull codecs.
+
+    Raises:
+        ConfigError: ``name`` is not one of :data:`~atoll.strategies.decoupled.downlink.PULL_CODECS`.
+    """
+    if name is not None and name not in PULL_CODECS:
+        raise ConfigError(f"pull_codec: unknown '{name}'; use one of {', '.join(PULL_CODECS)}")
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The real-scale table as Markdown, with the assumptions and the published figures under it."""
     lines = ["| model | link | strategy | step s | utilization | sent/island/step | received/island/step | "
@@ -311,7 +322,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         f"Assumptions: 4 islands; t_c = 6*N*tokens / (GPUs * 989 TFLOP/s * MFU): {assumptions}. "
         "ddp not overlapped with backward; diloco H=100 fp32; streaming H=100 P=4 tau=5 int4; demo top-k 32 "
         "of 64x64 DCT chunks, 2-bit sign values; sparseloco H=100 top-64 of 4096, 2-bit values; decoupled H=100 "
-        "int4 pushes, int8 pulls, syncer link not the bottleneck. Heavy failures: island "
+        "int4 pushes, int4 pulls, syncer link not the bottleneck. Heavy failures: island "
         "MTBF 40 min, 10 min to replace, synchronous checkpoints every 30 min.",
         "",
         "Published, beside the projection:",
@@ -452,8 +463,7 @@ def run_cli(args: Any) -> str:
         raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
     if args.codec is not None and args.codec not in CODEC_BITS:
         raise ConfigError(f"codec: unknown codec '{args.codec}'; use one of {', '.join(CODEC_BITS)}")
-    if args.pull_codec is not None and args.pull_codec not in ("fp32", "bf16", "int8", "int4"):  # whatever strategy
-        raise ConfigError(f"pull_codec: unknown '{args.pull_codec}'; use fp32, bf16, int8 or int4")
+    check_pull_codec(args.pull_codec)  # whatever strategy
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     if args.strategy != "all" and args.strategy not in STRATEGIES:
         raise ConfigError(f"strategy: unknown strategy '{args.strategy}'; use all or one of {', '.join(STRATEGIES)}")

@@ -1,7 +1,7 @@
 """The decoupled syncer's downlink: what an island that pulls a fragment is sent (``pull_codec``).
 
 With ``pull_codec`` ``fp32`` a pull is the global fragment G_k itself, float32 (4 bytes per parameter). With
-a lossy pull codec (``bf16``, ``int8`` (the default), ``int4``: the push codecs of
+a lossy pull codec (``bf16``, ``int8``, ``int4`` (the default): the push codecs of
 :mod:`atoll.algorithms.codecs`, block-scaled with the run's ``codec_block_size``, nearest rounding) the
 syncer keeps **one shadow per fragment**, Q: the float32 values every up-to-date island holds. At each
 commit of version k it encodes the change since the shadow and steps the shadow by what that payload
