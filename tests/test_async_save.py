@@ -60,3 +60,80 @@ def test_the_syncer_state_written_in_the_background_loads_back(tmp_path: Path) -
     restored = Syncer(torch.zeros(8), None, islands=1, outer_lr=1.0, outer_momentum=0.0)
     restored.load_state_dict(state["syncer"])
     assert restored.commits == 1 and torch.equal(restored.global_params(), torch.arange(8.0) - 0.5)
+
+
+def test_every_state_handed_in_is_given_back_once_written_or_replaced() -> None:
+    """``on_done`` hears of each state once the writer no longer reads it: after its write (written or failed)
+    or when a newer one replaced it before its write; never twice, never before."""
+    gate, started, done = threading.Event(), threading.Event(), []
+
+    def write(state: int) -> None:
+        started.set()
+        gate.wait(10)
+        if state == 4:
+            raise OSError(28, "No space left on device")
+
+    writer = LatestStateWriter(write, on_error=lambda e: None, on_done=done.append)
+    writer.submit(1)
+    assert started.wait(10)
+    writer.submit(2)
+    writer.submit(3)  # replaces 2 before its write: 2 is given back at once, 1 is still being written
+    assert done == [2]
+    writer.submit(4)
+    gate.set()
+    assert writer.flush(10)
+    assert sorted(done) == [1, 2, 3, 4] and writer.failed == 1
+
+
+def test_a_lent_syncer_state_stays_unchanged_until_given_back_then_its_memory_carries_a_later_commit() -> None:
+    """The service checkpoints a lent state (``state_dict(lend=True)``): while the writer holds it, later commits
+    copy into new memory and leave it as it was; once given back, the next commit of that fragment copies into
+    its memory (no page faults of fresh memory), and the values are the new version's. A state handed out
+    without lending is never reused."""
+    from atoll.strategies.decoupled.protocol import Push
+    from atoll.strategies.decoupled.syncer import Syncer
+
+    index = [torch.arange(0, 256), torch.arange(256, 512)]
+    s = Syncer(torch.randn(512, generator=torch.Generator().manual_seed(0)), index, islands=1, quorum=1,
+               outer_lr=0.7, outer_momentum=0.9, pull_codec="int4")
+
+    def push(version: int) -> None:
+        s.push(Push(0, 0, torch.full((256,), 0.01 * (version + 1)), 10, version))
+
+    push(0)
+    lent = s.state_dict(lend=True)
+    held = {k: lent["outer"][0][k].clone() for k in ("params",)}
+    held["momentum"] = lent["outer"][0]["optimizer"]["state"][0]["momentum_buffer"].clone()
+    held["shadow"] = lent["downlink"]["shadow"][0].clone()
+    push(1)
+    second = s.state_dict(lend=True)
+    assert second["outer"][0]["params"].data_ptr() != lent["outer"][0]["params"].data_ptr()
+    assert torch.equal(lent["outer"][0]["params"], held["params"])  # not given back: unchanged
+    assert torch.equal(lent["outer"][0]["optimizer"]["state"][0]["momentum_buffer"], held["momentum"])
+    assert torch.equal(lent["downlink"]["shadow"][0], held["shadow"])
+    ptrs = (second["outer"][0]["params"].data_ptr(), second["downlink"]["shadow"][0].data_ptr(),
+            second["outer"][0]["optimizer"]["state"][0]["momentum_buffer"].data_ptr())
+    s.release(lent)
+    s.release(second)  # (one set of buffers is kept per fragment: the newest given back)
+    push(2)
+    third = s.state_dict(lend=True)
+    assert (third["outer"][0]["params"].data_ptr(), third["downlink"]["shadow"][0].data_ptr(),
+            third["outer"][0]["optimizer"]["state"][0]["momentum_buffer"].data_ptr()) == ptrs
+    assert torch.equal(third["outer"][0]["params"], s.outer[0].params.detach())
+    assert torch.equal(third["downlink"]["shadow"][0], s.downlink.shadow[0])
+    assert torch.equal(third["outer"][0]["optimizer"]["state"][0]["momentum_buffer"],
+                       s.outer[0].optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert third["outer"][1]["params"] is second["outer"][1]["params"]  # fragment 1 never committed: one copy
+    with pytest.raises(ValueError, match="was not lent"):
+        s.release(lent)  # given back twice
+    kept = s.state_dict()  # not lent: its copies are its holder's for good
+    kept_params = kept["outer"][0]["params"].clone()
+    s.release(third)
+    push(3)
+    s.state_dict(lend=True)
+    push(4)
+    assert kept["outer"][0]["params"].data_ptr() != s.state_dict()["outer"][0]["params"].data_ptr()
+    s.release(s.state_dict(lend=True))
+    push(5)
+    s.state_dict(lend=True)
+    assert kept["outer"][0]["version"] == 3 and torch.equal(kept["outer"][0]["params"], kept_params)

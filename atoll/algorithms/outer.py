@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.snapshot import Snapshots
+
 
 def pseudo_gradient(global_params: torch.Tensor, island_params: torch.Tensor) -> torch.Tensor:
     """Δ = θ_global_before − θ_island_after, float32, same shape as the inputs (DiLoCo Alg. 1, line 9).
@@ -54,7 +56,7 @@ class OuterOptimizer:
         self.version = 0
         self._landing: torch.Tensor | None = None  # pinned buffer for a pseudo-gradient from a device
         self._norm: tuple[int, float] | None = None  # (version, norm of the globals at it)
-        self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, state_dict at it)
+        self._snapshots = Snapshots()  # the copies of globals and momentum that state_dict hands out
 
     def params_norm(self) -> float:
         """The L2 norm of the global parameters, computed once per version (a syncer checks every push
@@ -82,17 +84,29 @@ class OuterOptimizer:
         self.version += 1
         return self.params.detach()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, lend: bool = False) -> dict[str, Any]:
         """A snapshot of the globals and the outer momentum at this version (copies: the next step does not change
         them). Copied once per version: until the next :meth:`step` or :meth:`load_state_dict` every call returns
         the same tensors (never changed afterwards), so a syncer that checkpoints at every commit copies only the
-        fragment that stepped, not the whole model (bench/outer_round.py). Treat the tensors as read-only."""
-        if self._snapshot is None or self._snapshot[0] != self.version:
-            # deep copy: torch's optimizer state_dict shares its buffers, which the next step mutates in place
-            self._snapshot = (self.version, {"params": self.params.detach().clone(),
-                                             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                                             "version": self.version})
-        return dict(self._snapshot[1])
+        fragment that stepped, not the whole model (bench/outer_round.py). Treat the tensors as read-only.
+
+        ``lend``: the caller gives the state back with :meth:`release` once it no longer reads it (a checkpoint
+        written); a later version's copy may then reuse its memory (:class:`~atoll.algorithms.snapshot.Snapshots`).
+        """
+        # torch's optimizer state_dict shares its buffers, which the next step mutates in place: they are copied
+        opt = self.optimizer.state_dict()
+        slots = [(i, k) for i, st in sorted(opt["state"].items()) for k, v in st.items() if torch.is_tensor(v)]
+        copies = self._snapshots.get("state", self.version,
+                                     [self.params.detach(), *(opt["state"][i][k] for i, k in slots)], lend)
+        state = {i: {k: v for k, v in st.items() if not torch.is_tensor(v)} for i, st in opt["state"].items()}
+        for (i, k), t in zip(slots, copies[1:], strict=True):
+            state[i][k] = t
+        return {"params": copies[0], "optimizer": {"state": state, "param_groups": copy.deepcopy(opt["param_groups"])},
+                "version": self.version}
+
+    def release(self, state: dict[str, Any]) -> None:
+        """Give back a :meth:`state_dict` made with ``lend=True`` (raises ValueError if it was not lent)."""
+        self._snapshots.release("state", int(state["version"]))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -102,4 +116,4 @@ class OuterOptimizer:
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.version = int(state["version"])
         self._norm = None
-        self._snapshot = None
+        self._snapshots.forget()

@@ -28,6 +28,9 @@ class LatestStateWriter:
         on_error: ``on_error(error)`` is told of each write that raised an ``Exception`` (a full disk), on the
             writer's thread, instead of the error being kept for the caller; the next state handed in is
             written as usual (a retry at the next commit). None: the error is kept (below).
+        on_done: ``on_done(state)`` is told of each state handed in once the writer no longer reads it: after
+            its write (written or failed, on the writer's thread), or when a newer one replaced it before its
+            write (in :meth:`submit`, the caller's thread); e.g. to reuse the memory of its copies.
 
     Attributes:
         written: states written so far; ``coalesced``: states replaced by a newer one before their write.
@@ -36,9 +39,11 @@ class LatestStateWriter:
     or :meth:`flush` (the caller's thread), so a full disk is not silent; later states are still written.
     """
 
-    def __init__(self, write: Callable[[Any], Any], on_error: Callable[[Exception], None] | None = None) -> None:
+    def __init__(self, write: Callable[[Any], Any], on_error: Callable[[Exception], None] | None = None,
+                 on_done: Callable[[Any], None] | None = None) -> None:
         self._write = write
         self._on_error = on_error
+        self._on_done = on_done
         self.failed = 0  # writes that raised
         self._cond = threading.Condition()
         self._next: Any = None
@@ -58,10 +63,13 @@ class LatestStateWriter:
         """
         with self._cond:
             self._raise()
+            replaced = self._next if self._pending else None
             if self._pending:
                 self.coalesced += 1
             self._next, self._pending = state, True
             self._cond.notify_all()
+        if replaced is not None and self._on_done is not None:
+            self._on_done(replaced)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every state handed over is written (or ``timeout`` seconds passed: False).
@@ -101,6 +109,12 @@ class LatestStateWriter:
                     with self._cond:
                         self._error = self._error or e
             finally:
+                if self._on_done is not None:
+                    try:
+                        self._on_done(state)
+                    except Exception as told:  # noqa: BLE001 - kept as a write's error, for the caller's thread
+                        with self._cond:
+                            self._error = self._error or told
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

@@ -96,8 +96,11 @@ class DurableService:
         folder = save_path(self.out)
         # a write that fails (a full disk) is one line; merging goes on and the next commit's state is written
         self.last_write_error: Exception | None = None
+        # the syncer's state is lent (its copies of globals, momenta and shadows), given back once the writer is
+        # done with it, so the next commits copy into memory already touched (atoll/algorithms/snapshot.py)
         self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2),
-                                        on_error=self._write_failed)
+                                        on_error=self._write_failed,
+                                        on_done=lambda item: self.syncer.release(item[1]["syncer"]))
 
     def _newest_state(self) -> dict[str, Any] | None:
         """The state of the newest readable checkpoint in ``out/syncer`` (None: no checkpoint folder, a new
@@ -146,7 +149,7 @@ class DurableService:
         service = self.service_state()
         if self.issuer is not None:  # a copy of the grant epoch: recovered from it if coordinator.json is lost
             service["grant_epoch"] = self.issuer.epoch
-        self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict()}))
+        self.writer.submit((self.syncer.commits, {"service": service, "syncer": self.syncer.state_dict(lend=True)}))
         if wait:
             self.writer.flush()
 

@@ -41,6 +41,7 @@ import torch
 
 from atoll.algorithms.codec_base import Codec, Encoded
 from atoll.algorithms.codecs import make_codec
+from atoll.algorithms.snapshot import Snapshots
 from atoll.strategies.decoupled.protocol import Pull
 
 #: the pull codecs (``pull_codec``): the float32 fragment, or deltas in one of the push codecs
@@ -87,8 +88,7 @@ class Downlink:
         self.keep = [0 if d == 0 else (f - 1) // d for f, d in zip(self.full_bytes, self.delta_bytes, strict=True)]
         self.deltas: list[deque[tuple[int, Encoded]]] = [deque(maxlen=max(1, k)) for k in self.keep]
         self.floor = [0] * len(init)  # per fragment: the oldest version an island may hold to be sent deltas
-        # per fragment: the copy of its shadow that state_dict hands out, made once per commit (None: stale)
-        self._snapshot: list[torch.Tensor | None] = [None] * len(init)
+        self._snapshots = Snapshots()  # per fragment: the copy of its shadow that state_dict hands out
 
     def commit(self, fragment: int, params: torch.Tensor, version: int) -> None:
         """The fragment's global parameters ``params`` (float32 (numel_p,)) are now at ``version``: encode the
@@ -99,7 +99,6 @@ class Downlink:
         q = self.shadow[fragment]
         enc = self.codec.encode(params.detach().to(torch.float32) - q)
         q.add_(self.codec.decode(enc))
-        self._snapshot[fragment] = None
         if self.keep[fragment]:
             self.deltas[fragment].append((version, enc))
 
@@ -134,21 +133,26 @@ class Downlink:
         kept = {v for v, _ in self.deltas[fragment]}
         return all(v in kept for v in range(have + 1, version + 1))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, lend: bool = False) -> dict[str, Any]:
         """The shadows, their versions and the kept payloads (plain lists, ints and tensors; empty for fp32).
 
         A shadow is copied once per commit of its fragment: until the fragment's next :meth:`commit` (or
         :meth:`load_state_dict`, :meth:`restart`) every call hands out the same copy, never changed afterwards,
         so a syncer that checkpoints at every commit copies the fragment that changed, not every fragment's
-        shadow (bench/outer_round.py, ``syncer_commit``). Treat the tensors as read-only."""
+        shadow (bench/outer_round.py, ``syncer_commit``). Treat the tensors as read-only. ``lend``: given back
+        with :meth:`release` (:class:`~atoll.algorithms.snapshot.Snapshots`)."""
         if self.shadow is None:
             return {}
-        for p, q in enumerate(self.shadow):
-            if self._snapshot[p] is None:
-                self._snapshot[p] = q.clone()
-        return {"codec": self.name, "shadow": list(self._snapshot), "version": list(self.version),
+        shadow = [self._snapshots.get(p, v, [q], lend)[0]
+                  for p, (q, v) in enumerate(zip(self.shadow, self.version, strict=True))]
+        return {"codec": self.name, "shadow": shadow, "version": list(self.version),
                 "floor": list(self.floor),
                 "deltas": [[{"version": v, "tensors": dict(enc.tensors)} for v, enc in d] for d in self.deltas]}
+
+    def release(self, state: dict[str, Any]) -> None:
+        """Give back a :meth:`state_dict` made with ``lend=True`` (raises ValueError if it was not lent)."""
+        for p, v in enumerate(state.get("version", []) if state else []):
+            self._snapshots.release(p, int(v))
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore :meth:`state_dict`; False where it holds no shadows of this pull codec (a checkpoint from
@@ -158,7 +162,7 @@ class Downlink:
         if state.get("codec") != self.name:
             return False
         self.shadow = [q.to(torch.float32).clone() for q in state["shadow"]]
-        self._snapshot = [None] * len(self.shadow)
+        self._snapshots.forget()
         self.version = [int(v) for v in state["version"]]
         self.floor = [int(v) for v in state["floor"]]
         for p, d in enumerate(state["deltas"]):
@@ -176,7 +180,7 @@ class Downlink:
         self.floor = [v + 1 for v in versions]
         if self.shadow is not None:
             self.shadow = [t.detach().to(torch.float32).clone() for t in params]
-            self._snapshot = [None] * len(self.shadow)
+            self._snapshots.forget()
         for d in self.deltas:
             d.clear()
 

@@ -473,9 +473,17 @@ class Syncer:
         """Counts for the run summary (:func:`~atoll.strategies.decoupled.accounting.syncer_stats`)."""
         return syncer_stats(self)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything: globals and outer momentum per fragment, open buffers, medians, statistics."""
-        return syncer_state.state_dict(self)
+    def state_dict(self, lend: bool = False) -> dict[str, Any]:
+        """Everything: globals and outer momentum per fragment, open buffers, medians, statistics. ``lend``: the
+        caller gives it back with :meth:`release` once written (its copies' memory is then reused)."""
+        return syncer_state.state_dict(self, lend)
+
+    def release(self, state: dict[str, Any]) -> None:
+        """Give back a :meth:`state_dict` made with ``lend=True`` (its checkpoint is written, or was replaced by
+        a newer one before its write): a later commit's copies may reuse its memory."""
+        for o, st in zip(self.outer, state["outer"], strict=True):
+            o.release(st)
+        self.downlink.release(state["downlink"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (into a syncer built with the same shapes and settings)."""

@@ -69,18 +69,19 @@ class SyncerView(Protocol):
     def merged_tokens_per_island(self) -> list[float]:
         """Tokens merged, per island."""
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, lend: bool = False) -> dict[str, Any]:
         """:func:`state_dict` of this syncer."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """:func:`load_state_dict` into this syncer."""
 
 
-def state_dict(s: SyncerView) -> dict[str, Any]:
+def state_dict(s: SyncerView, lend: bool = False) -> dict[str, Any]:
     """Everything of ``s``: globals and outer momentum per fragment, open buffers, medians, statistics
-    (plain lists, numbers and tensors; a grace window or last push that is none is written as -1.0)."""
+    (plain lists, numbers and tensors; a grace window or last push that is none is written as -1.0).
+    ``lend``: the copies of globals, momenta and shadows are lent (given back by the syncer's ``release``)."""
     return {
-        "outer": [o.state_dict() for o in s.outer],
+        "outer": [o.state_dict(lend) for o in s.outer],
         "buffers": [{"opened_at": b.opened_at, "grace_s": b.grace_s if math.isfinite(b.grace_s) else -1.0,
                      "first_at": b.first_at,
                      "pushes": [{"island": p.island, "delta": p.delta, "tokens": p.tokens,
@@ -108,7 +109,7 @@ def state_dict(s: SyncerView) -> dict[str, Any]:
         "last_merge_islands": [[] if m is None else sorted(m[1]) for m in s.last_merge],
         "behind": [list(b) for b in s.behind],
         # pull_codec: per fragment the shadow the islands hold, its version and last payloads (empty for fp32)
-        "downlink": s.downlink.state_dict(),
+        "downlink": s.downlink.state_dict(lend),
     }
 
 
