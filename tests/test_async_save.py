@@ -77,12 +77,27 @@ def test_every_state_handed_in_is_given_back_once_written_or_replaced() -> None:
     writer.submit(1)
     assert started.wait(10)
     writer.submit(2)
-    writer.submit(3)  # replaces 2 before its write: 2 is given back at once, 1 is still being written
-    assert done == [2]
+    writer.submit(3)  # replaces 2 before its write, while 1 is being written
     writer.submit(4)
+    assert done == [], "nothing is given back while the writer may still read it"
     gate.set()
     assert writer.flush(10)
-    assert sorted(done) == [1, 2, 3, 4] and writer.failed == 1
+    assert done == [1, 2, 3, 4] and writer.failed == 1 and writer.written == 1  # (4's write failed)
+
+
+def test_a_failure_to_give_a_state_back_is_told_as_a_writes_and_the_writer_goes_on() -> None:
+    told, written = [], []
+
+    def done(state: int) -> None:
+        if state == 1:
+            raise ValueError("not lent")
+
+    writer = LatestStateWriter(written.append, on_error=told.append, on_done=done)
+    writer.submit(1)
+    assert writer.flush(10)
+    writer.submit(2)
+    assert writer.flush(10)
+    assert written == [1, 2] and [str(e) for e in told] == ["not lent"]
 
 
 def test_a_lent_syncer_state_stays_unchanged_until_given_back_then_its_memory_carries_a_later_commit() -> None:
@@ -124,7 +139,7 @@ def test_a_lent_syncer_state_stays_unchanged_until_given_back_then_its_memory_ca
     assert torch.equal(third["outer"][0]["optimizer"]["state"][0]["momentum_buffer"],
                        s.outer[0].optimizer.state_dict()["state"][0]["momentum_buffer"])
     assert third["outer"][1]["params"] is second["outer"][1]["params"]  # fragment 1 never committed: one copy
-    with pytest.raises(ValueError, match="was not lent"):
+    with pytest.raises(ValueError, match="is not lent"):
         s.release(lent)  # given back twice
     kept = s.state_dict()  # not lent: its copies are its holder's for good
     kept_params = kept["outer"][0]["params"].clone()
@@ -137,3 +152,24 @@ def test_a_lent_syncer_state_stays_unchanged_until_given_back_then_its_memory_ca
     push(5)
     s.state_dict(lend=True)
     assert kept["outer"][0]["version"] == 3 and torch.equal(kept["outer"][0]["params"], kept_params)
+
+
+def test_a_copy_is_given_back_by_itself_not_by_its_version() -> None:
+    """After ``forget`` (a state loaded) a new copy may carry the version of one still lent: giving back the old
+    one frees the old one's memory for reuse, never the new one's, which its borrower still reads."""
+    from atoll.algorithms.snapshot import Snapshots
+
+    snaps, x = Snapshots(), torch.arange(4.0)
+    old = snaps.get("g", 5, [x], lend=True)
+    snaps.forget()
+    x.add_(10)
+    new = snaps.get("g", 5, [x], lend=True)  # the same version number, another copy
+    assert new[0] is not old[0] and torch.equal(new[0], x)
+    snaps.release("g", old[0])
+    x.add_(10)
+    newer = snaps.get("g", 6, [x], lend=True)  # the old copy's memory, not the lent new one's
+    assert newer[0].data_ptr() == old[0].data_ptr() and torch.equal(new[0], torch.arange(4.0) + 10)
+    assert torch.equal(newer[0], x)
+    snaps.release("g", new[0])
+    with pytest.raises(ValueError, match="is not lent"):
+        snaps.release("g", new[0])  # given back twice

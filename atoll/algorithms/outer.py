@@ -106,7 +106,7 @@ class OuterOptimizer:
 
     def release(self, state: dict[str, Any]) -> None:
         """Give back a :meth:`state_dict` made with ``lend=True`` (raises ValueError if it was not lent)."""
-        self._snapshots.release("state", int(state["version"]))
+        self._snapshots.release("state", state["params"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():

@@ -11,7 +11,7 @@ itself. So a copy that was *lent* (:meth:`Snapshots.get` with ``lend=True``) and
 the writer's thread, once the state is on disk) after a newer version replaced it becomes the buffer of the
 key's next copy. A copy handed out without lending is never reused: its holder keeps it as long as it likes.
 
-Errors: ValueError from :meth:`Snapshots.release` of a version that was not lent.
+Errors: ValueError from :meth:`Snapshots.release` of a copy that is not lent.
 """
 
 from __future__ import annotations
@@ -64,25 +64,26 @@ class Snapshots:
                 cur.kept = True
             return list(cur.tensors)
 
-    def release(self, key: Hashable, version: int) -> None:
-        """Give back one lending of ``key``'s copy at ``version`` (:meth:`get` with ``lend=True``).
+    def release(self, key: Hashable, first: torch.Tensor) -> None:
+        """Give back one lending of ``key``'s copy whose first tensor is ``first`` (the copy itself, not its
+        version: after :meth:`forget` a new copy may carry the version of one still lent).
 
         Raises:
             ValueError: no lending of that copy is outstanding.
         """
         with self._lock:
             cur = self._current.get(key)
-            if cur is not None and cur.version == version and cur.lent > 0:
+            if cur is not None and cur.tensors[0] is first and cur.lent > 0:
                 cur.lent -= 1
                 return
             for old in self._retired.get(key, []):
-                if old.version == version and old.lent > 0:
+                if old.tensors[0] is first and old.lent > 0:
                     old.lent -= 1
                     if old.lent == 0:
                         self._retired[key].remove(old)
                         self._reuse(key, old)
                     return
-        raise ValueError(f"snapshot: {key!r} at version {version} was not lent")
+        raise ValueError(f"snapshot: this copy of {key!r} is not lent")
 
     def forget(self) -> None:
         """Drop every current copy (the state was replaced: a load or a restart); lent copies stay lent."""

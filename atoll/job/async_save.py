@@ -29,8 +29,9 @@ class LatestStateWriter:
             writer's thread, instead of the error being kept for the caller; the next state handed in is
             written as usual (a retry at the next commit). None: the error is kept (below).
         on_done: ``on_done(state)`` is told of each state handed in once the writer no longer reads it: after
-            its write (written or failed, on the writer's thread), or when a newer one replaced it before its
-            write (in :meth:`submit`, the caller's thread); e.g. to reuse the memory of its copies.
+            its write (written or failed), or when a newer one replaced it before its write; on the writer's
+            thread either way, e.g. to reuse the memory of its copies. An ``Exception`` it raises is handled as a
+            write's (told to ``on_error``, or kept).
 
     Attributes:
         written: states written so far; ``coalesced``: states replaced by a newer one before their write.
@@ -47,6 +48,7 @@ class LatestStateWriter:
         self.failed = 0  # writes that raised
         self._cond = threading.Condition()
         self._next: Any = None
+        self._replaced: list[Any] = []  # states replaced before their write, not yet given back (on_done)
         self._pending = False
         self._busy = False
         self._error: BaseException | None = None
@@ -63,13 +65,11 @@ class LatestStateWriter:
         """
         with self._cond:
             self._raise()
-            replaced = self._next if self._pending else None
             if self._pending:
                 self.coalesced += 1
+                self._replaced.append(self._next)  # given back on the writer's thread
             self._next, self._pending = state, True
             self._cond.notify_all()
-        if replaced is not None and self._on_done is not None:
-            self._on_done(replaced)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every state handed over is written (or ``timeout`` seconds passed: False).
@@ -92,6 +92,12 @@ class LatestStateWriter:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending)
                 state, self._next, self._pending, self._busy = self._next, None, False, True
+                replaced, self._replaced = self._replaced, []
+            for old in replaced:
+                try:
+                    self._done(old)
+                except BaseException as e:  # noqa: BLE001 - handled as a write's failure
+                    self._failed(e)
             try:
                 self._write(state)
                 with self._cond:
@@ -99,22 +105,29 @@ class LatestStateWriter:
             except BaseException as e:  # told, or kept for the caller's thread
                 with self._cond:
                     self.failed += 1
-                if self._on_error is not None and isinstance(e, Exception):
-                    try:
-                        self._on_error(e)
-                    except Exception as told:  # noqa: BLE001 - the teller's own failure: kept as the write's
-                        with self._cond:
-                            self._error = self._error or told
-                else:
-                    with self._cond:
-                        self._error = self._error or e
+                self._failed(e)
             finally:
-                if self._on_done is not None:
-                    try:
-                        self._on_done(state)
-                    except Exception as told:  # noqa: BLE001 - kept as a write's error, for the caller's thread
-                        with self._cond:
-                            self._error = self._error or told
+                try:
+                    self._done(state)
+                except BaseException as e:  # noqa: BLE001 - handled as a write's failure
+                    self._failed(e)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _done(self, state: Any) -> None:
+        if self._on_done is not None:
+            self._on_done(state)
+
+    def _failed(self, e: BaseException) -> None:
+        """(The writer's thread.) A write's failure, or ``on_done``'s: told to ``on_error``, or kept for the
+        caller's thread."""
+        if self._on_error is not None and isinstance(e, Exception):
+            try:
+                self._on_error(e)
+            except Exception as told:  # noqa: BLE001 - the teller's own failure: kept as the write's
+                with self._cond:
+                    self._error = self._error or told
+        else:
+            with self._cond:
+                self._error = self._error or e

@@ -151,8 +151,8 @@ class Downlink:
 
     def release(self, state: dict[str, Any]) -> None:
         """Give back a :meth:`state_dict` made with ``lend=True`` (raises ValueError if it was not lent)."""
-        for p, v in enumerate(state.get("version", []) if state else []):
-            self._snapshots.release(p, int(v))
+        for p, q in enumerate(state.get("shadow", []) if state else []):
+            self._snapshots.release(p, q)
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore :meth:`state_dict`; False where it holds no shadows of this pull codec (a checkpoint from
