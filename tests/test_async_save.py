@@ -79,10 +79,26 @@ def test_every_state_handed_in_is_given_back_once_written_or_replaced() -> None:
     writer.submit(2)
     writer.submit(3)  # replaces 2 before its write, while 1 is being written
     writer.submit(4)
-    assert done == [], "nothing is given back while the writer may still read it"
+    assert done == [2, 3], "replaced states are given back at once: a slow write holds no queue of them"
     gate.set()
     assert writer.flush(10)
-    assert done == [1, 2, 3, 4] and writer.failed == 1 and writer.written == 1  # (4's write failed)
+    assert done == [2, 3, 1, 4] and writer.failed == 1 and writer.written == 1  # (4's write failed)
+
+
+def test_a_state_refused_for_an_earlier_error_is_given_back() -> None:
+    done = []
+
+    def write(state: int) -> None:
+        if state == 1:
+            raise OSError(28, "No space left on device")
+
+    given = threading.Event()
+    writer = LatestStateWriter(write, on_done=lambda state: (done.append(state), given.set()))
+    writer.submit(1)
+    assert given.wait(10)  # (told after the failed write's error is kept)
+    with pytest.raises(OSError, match="No space"):
+        writer.submit(2)  # refused with the earlier write's error: no write will read it
+    assert done == [1, 2]
 
 
 def test_a_failure_to_give_a_state_back_is_told_as_a_writes_and_the_writer_goes_on() -> None:

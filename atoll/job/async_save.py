@@ -29,9 +29,10 @@ class LatestStateWriter:
             writer's thread, instead of the error being kept for the caller; the next state handed in is
             written as usual (a retry at the next commit). None: the error is kept (below).
         on_done: ``on_done(state)`` is told of each state handed in once the writer no longer reads it: after
-            its write (written or failed), or when a newer one replaced it before its write; on the writer's
-            thread either way, e.g. to reuse the memory of its copies. An ``Exception`` it raises is handled as a
-            write's (told to ``on_error``, or kept).
+            its write (written or failed, on the writer's thread), when a newer one replaced it before its write,
+            or when :meth:`submit` refused it for an earlier error (both in :meth:`submit`, the caller's thread),
+            e.g. to reuse the memory of its copies; it must be thread-safe. An ``Exception`` it raises is handled
+            as a write's (told to ``on_error``, or kept), never raised into the :meth:`submit` that told it.
 
     Attributes:
         written: states written so far; ``coalesced``: states replaced by a newer one before their write.
@@ -48,7 +49,6 @@ class LatestStateWriter:
         self.failed = 0  # writes that raised
         self._cond = threading.Condition()
         self._next: Any = None
-        self._replaced: list[Any] = []  # states replaced before their write, not yet given back (on_done)
         self._pending = False
         self._busy = False
         self._error: BaseException | None = None
@@ -63,13 +63,24 @@ class LatestStateWriter:
         Raises:
             BaseException: the error of an earlier write (once).
         """
-        with self._cond:
-            self._raise()
-            if self._pending:
-                self.coalesced += 1
-                self._replaced.append(self._next)  # given back on the writer's thread
-            self._next, self._pending = state, True
-            self._cond.notify_all()
+        replaced: list[Any] = []
+        try:
+            with self._cond:
+                self._raise()
+                if self._pending:
+                    self.coalesced += 1
+                    replaced.append(self._next)
+                self._next, self._pending = state, True
+                self._cond.notify_all()
+        except BaseException:
+            replaced.append(state)  # refused: no write will read it
+            raise
+        finally:
+            for old in replaced:  # given back at once: a slow write never holds a queue of states
+                try:
+                    self._done(old)
+                except Exception as e:  # noqa: BLE001 - handled as a write's failure, not the caller's
+                    self._failed(e)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every state handed over is written (or ``timeout`` seconds passed: False).
@@ -92,12 +103,6 @@ class LatestStateWriter:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending)
                 state, self._next, self._pending, self._busy = self._next, None, False, True
-                replaced, self._replaced = self._replaced, []
-            for old in replaced:
-                try:
-                    self._done(old)
-                except BaseException as e:  # noqa: BLE001 - handled as a write's failure
-                    self._failed(e)
             try:
                 self._write(state)
                 with self._cond:

@@ -100,7 +100,7 @@ class DurableService:
         # done with it, so the next commits copy into memory already touched (atoll/algorithms/snapshot.py)
         self.writer = LatestStateWriter(lambda item: save_checkpoint(folder, item[0], item[1], keep=2),
                                         on_error=self._write_failed,
-                                        on_done=lambda item: self.syncer.release(item[1]["syncer"]))
+                                        on_done=self._given_back)
 
     def _newest_state(self) -> dict[str, Any] | None:
         """The state of the newest readable checkpoint in ``out/syncer`` (None: no checkpoint folder, a new
@@ -129,6 +129,16 @@ class DurableService:
                   f"readable one, {path.name} (commit {step}); the damaged one kept as '{moved.name}'",
                   file=sys.stderr, flush=True)
         return state
+
+    def _given_back(self, item: tuple[int, dict[str, Any]]) -> None:
+        """(The writer's thread, or the committing one.) The writer no longer reads a state :meth:`_save` handed
+        it: its copies go back to the syncer for a later commit's to reuse. A failure here (a bug: a copy not
+        lent) is one line; it costs only that memory's reuse, never a commit."""
+        try:
+            self.syncer.release(item[1]["syncer"])
+        except ValueError as e:
+            print(f"atoll: warning: syncer: the copies of checkpoint {item[0]} could not be given back ({e}); "
+                  "their memory is not reused", file=sys.stderr, flush=True)
 
     def _write_failed(self, error: Exception) -> None:
         """(The writer's thread.) A checkpoint could not be written (a full disk, a read-only folder): one line

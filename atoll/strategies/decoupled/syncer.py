@@ -480,7 +480,13 @@ class Syncer:
 
     def release(self, state: dict[str, Any]) -> None:
         """Give back a :meth:`state_dict` made with ``lend=True`` (its checkpoint is written, or was replaced by
-        a newer one before its write): a later commit's copies may reuse its memory."""
+        a newer one before its write): a later commit's copies may reuse its memory.
+
+        Raises:
+            ValueError: a part of it is not lent (given back twice, or not made with ``lend``); the parts after it
+                are not given back (their memory is not reused), since a state given back twice would otherwise
+                take the lendings of the copies it shares with newer states.
+        """
         for o, st in zip(self.outer, state["outer"], strict=True):
             o.release(st)
         self.downlink.release(state["downlink"])
