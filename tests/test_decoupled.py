@@ -287,14 +287,17 @@ def test_the_end_answers_every_push_before_the_final_ones(fast_config: dict) -> 
     # repeat work the syncer already holds), and every live island ends on the final global model, so a
     # run continued with a longer --steps does not push its final work twice.
     from atoll.job.run import load_latest_state
+    from atoll.strategies.decoupled import DecoupledConfig
 
     summary = train(build_config(overrides=_decoupled(fast_config, quorum=3, island_speeds="1,1,0.5,0.25",
                                                       steps=14, sync_every=8)))
     _, state = load_latest_state(Path(summary["out"]))
     outer, downlink = state["syncer"]["outer"], state["syncer"]["downlink"]
     assert all(not b["pushes"] for b in state["syncer"]["buffers"]), "every buffer merged at the end"
-    # what an up-to-date island holds: the pull codec's shadows Q (the default int8), at the global versions
-    assert downlink["codec"] == "int8" and downlink["version"] == [int(o["version"]) for o in outer]
+    # what an up-to-date island holds: the pull codec's shadows Q (the default's), at the global versions
+    default = DecoupledConfig.model_fields["pull_codec"].default
+    assert default != "fp32" and downlink["codec"] == default
+    assert downlink["version"] == [int(o["version"]) for o in outer]
     for island in state["islands"]:
         assert island["tokens_since"] == [0, 0]
         assert island["base_version"] == [int(o["version"]) for o in outer]

@@ -148,7 +148,7 @@ def test_a_shard_refuses_strangers_fragments_grants_and_sessions_it_cannot_vouch
     # the global fragment G itself, float32 (an island's pull carries the pull codec's shadow Q, within its
     # rounding of G: the final model is G)
     assert version == 1 and torch.equal(values, shard.service.syncer.outer[0].params)
-    assert not torch.equal(values, shard.service.syncer.pull(0).params)  # (the default int8 pull's Q)
+    assert not torch.equal(values, shard.service.syncer.pull(0).params)  # (the default int4 pull's Q)
     assert peer.call("Finish") == finished  # asked again (a restarted coordinator): the same answer
     with pytest.raises(grpc.RpcError) as e:  # the run is over at this shard: no more pushes
         c1.call("Push", {"slices": ["x"], "fragment": mine, "tokens": 1, "base_version": 1, "session": session},
