@@ -5,11 +5,11 @@ pull shadows step in place, while the checkpoint writer reads the state of an ea
 So the state hands out copies. :class:`Snapshots` makes one copy per version of each key (a fragment's globals,
 its momentum, its shadow) and hands the same copy to every caller until the version changes.
 
-Copying into freshly allocated memory costs the page faults of its first touch: on the machine of
-bench/outer_round.py about 1.7 ns per float32 against 0.4 for a copy into memory already touched, 4x the copy
-itself. So a copy that was *lent* (:meth:`Snapshots.get` with ``lend=True``) and given back (:meth:`release`,
-the writer's thread, once the state is on disk) after a newer version replaced it becomes the buffer of the
-key's next copy. A copy handed out without lending is never reused: its holder keeps it as long as it likes.
+Copying into freshly allocated memory costs the page faults of its first touch, several times the copy itself
+(bench/out/outer_round_36e). So a copy that was *lent* (:meth:`Snapshots.get` with ``lend=True``) and given
+back (:meth:`release`, once the writer no longer reads the state: written, or replaced before its write) after
+a newer version replaced it becomes the buffer of the key's next copy. A copy handed out without lending is
+never reused: its holder keeps it as long as it likes.
 
 Errors: ValueError from :meth:`Snapshots.release` of a copy that is not lent.
 """
@@ -35,7 +35,7 @@ class _Copy:
 
 class Snapshots:
     """Per key, the copy of its tensors at their current version (module docstring). Thread-safe: the syncer's
-    thread calls :meth:`get`, the checkpoint writer's :meth:`release`.
+    thread calls :meth:`get`, and :meth:`release` comes from the checkpoint writer's thread or the syncer's.
 
     Memory: per key one copy, plus at most one buffer set waiting for reuse, plus the copies still lent."""
 

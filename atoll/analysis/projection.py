@@ -291,7 +291,6 @@ def real_scale_table(islands: int = 4) -> list[dict[str, Any]]:
     return rows
 
 
-
 def check_pull_codec(name: str | None) -> None:
     """``--pull-codec`` of the projections: None (the strategy's own) or one of the pull codecs.
 
@@ -300,6 +299,7 @@ def check_pull_codec(name: str | None) -> None:
     """
     if name is not None and name not in PULL_CODECS:
         raise ConfigError(f"pull_codec: unknown '{name}'; use one of {', '.join(PULL_CODECS)}")
+
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The real-scale table as Markdown, with the assumptions and the published figures under it."""

@@ -125,8 +125,8 @@ class LatestStateWriter:
             self._on_done(state)
 
     def _failed(self, e: BaseException) -> None:
-        """(The writer's thread.) A write's failure, or ``on_done``'s: told to ``on_error``, or kept for the
-        caller's thread."""
+        """A write's failure (the writer's thread), or ``on_done``'s (either thread): told to ``on_error``, or kept
+        for the caller's thread."""
         if self._on_error is not None and isinstance(e, Exception):
             try:
                 self._on_error(e)

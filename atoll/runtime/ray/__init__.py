@@ -94,10 +94,9 @@ __all__ = ["IslandLost", "check_ray_address", "island_resources", "train_ray"]
 
 STOP_POLL_S = 0.5  # seconds between two looks for a stop request while the driver waits for the islands
 #: the syncer's and the islands' actors run at the driver's priority. Ray starts its workers at nice 15
-#: (``RAY_worker_niceness``) so that its raylet stays responsive; an island actor at nice 15 gets about 1/28 of
-#: a core beside any busy process of nice 0 on its node (measured: 3.4% of a core each beside 3 busy loops on
-#: 2 cores, a 49 s job past 300 s), where it is the run's training. Ray's job supervisor does the same for
-#: itself. Merged with the job's own environment variables.
+#: (``RAY_worker_niceness``) so that its raylet stays responsive; an island actor at nice 15 is starved by any
+#: busy process of nice 0 on its node, where it is the run's training (measured: docs/runtimes.md). Ray's job
+#: supervisor does the same for itself. Merged with the job's own environment variables.
 ACTOR_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 

@@ -142,8 +142,7 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "bf16 (the syncer keeps one float32 shadow per fragment and sends the changes since the version the island "
         "holds, encoded with --codec-block-size and error feedback, so the island's copy stays within one change's "
         "rounding of the global fragment; an island too far behind, or rejoining, gets the shadow in float32), or "
-        "fp32 (the global fragment itself, 4 bytes per parameter). int4 measured best at the default benchmark: "
-        "loss -0.018 and -0.012 against fp32 on two seeds with 7.11x fewer bytes received, int8 +0.001 with 3.76x "
+        "fp32 (the global fragment itself, 4 bytes per parameter). int4 measured best at the default benchmark "
         "(bench/out/pull_codec_default_int4, docs/decoupled.md). Every runtime.",
     )
     island_speeds: list[float] | None = Field(

@@ -151,7 +151,7 @@ class Downlink:
 
     def release(self, state: dict[str, Any]) -> None:
         """Give back a :meth:`state_dict` made with ``lend=True`` (raises ValueError if it was not lent)."""
-        for p, q in enumerate(state.get("shadow", []) if state else []):
+        for p, q in enumerate(state.get("shadow", ())):  # (none for fp32: its state is empty)
             self._snapshots.release(p, q)
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
