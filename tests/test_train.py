@@ -62,6 +62,8 @@ class _Crash(Exception):
     ("diloco", {}), ("ddp", {}), ("demo", {}),
     # the agreement-weighted outer step: its per-run statistics must resume with the run
     ("diloco", {"outer_adapt": "agreement"}),
+    # the compiled round: the outer momentum and its count of compiled rounds resume with the run
+    ("diloco", {"outer_kernel": "compiled"}),
     # sparseloco: each island's error-feedback accumulator and the run's sent-energy statistic resume too
     ("sparseloco", {"sparseloco_chunk": 256, "sparseloco_topk": 8}),
     # fragment 0 starts an exchange after step 10 that merges after step 11: in flight at the checkpoint;
@@ -92,8 +94,11 @@ def test_resume_halfway_matches_uninterrupted_run(fast_config: dict, tmp_path: P
     assert resumed["final_eval_loss"] == pytest.approx(full["final_eval_loss"], abs=1e-4)
     assert resumed["bytes_sent_per_island"] == full["bytes_sent_per_island"]
     assert resumed["tokens"] == full["tokens"]
-    for key in ("outer_agreement_mean", "outer_agreement_last", "sparseloco_sent_energy", "sparseloco_step_ratio"):
+    for key in ("outer_agreement_mean", "outer_agreement_last", "sparseloco_sent_energy", "sparseloco_step_ratio",
+                "outer_rounds_compiled"):
         assert resumed.get(key) == pytest.approx(full.get(key), rel=1e-6) if key in full else key not in resumed
+    if extra.get("outer_kernel") == "compiled":  # every round but the first (the momentum starts eager)
+        assert full["outer_rounds_compiled"] == resumed["outer_rounds_compiled"] == full["exchanges"] - 1
     evals = [e["step"] for e in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if e["event"] == "eval"]
     assert evals == [0, 10, 20], "the log of a resumed run reads as one run"
     # the clock trace continues the checkpoint's: whole, with the same collectives, waits and marks (compute

@@ -76,3 +76,4 @@ class RunSettings(Protocol):
     islands: int
     steps: int
     model: str
+    device: str

@@ -63,10 +63,13 @@ class Comm(ABC):
             kept apart so that an exchange whose directions differ (a pull from a syncer) counts each its own.
         exchanges: number of collectives issued so far.
         peak_bytes_per_exchange: the largest payload one island sent in one collective, bytes.
+        in_memory: every island is in this process and a collective is computed in memory (the ``local``
+            runtime): a strategy may then compute a mean itself and count it with :meth:`charge_mean`.
     """
 
     islands: int
     local_islands: list[int]
+    in_memory: bool = False
 
     def __init__(self) -> None:
         self.bytes_sent_per_island = 0.0
@@ -140,6 +143,15 @@ class Comm(ABC):
         Returns:
             The payloads of all ``islands`` islands, ordered by island index.
         """
+
+    def charge_mean(self, payload_bytes: float) -> None:
+        """Count (and wait for) an uncompressed all-reduce mean of ``payload_bytes`` per island that the caller
+        computed itself, where :attr:`in_memory`.
+
+        Raises:
+            NotImplementedError: the comm's islands are not all in this process.
+        """
+        raise NotImplementedError(f"{type(self).__name__}: a mean is computed by the collective itself")
 
     def restore_work(self, result: torch.Tensor, done_at: float) -> Work:
         """A :class:`Work` for a collective saved in flight by a checkpoint."""

@@ -74,6 +74,8 @@ class LocalComm(Comm):
         timer: the clock (seconds) that measures the codec's encode and decode time charged on ``clock``.
     """
 
+    in_memory = True
+
     def __init__(self, islands: int, link: Link, clock: SimClock) -> None:
         super().__init__()
         self.islands = islands
@@ -144,6 +146,13 @@ class LocalComm(Comm):
         cost = (sent, 2 * (self.islands - 1)) if self.islands > 1 else (0.0, 0)
         return (self.clock.collective(duration, cost) if blocking
                 else self.clock.start_collective(duration, cost))
+
+    def charge_mean(self, payload_bytes: float) -> None:
+        """Count and wait for an uncompressed all-reduce mean of ``payload_bytes`` per island that the caller
+        computed itself (the compiled round, :mod:`atoll.algorithms.fused_round`): the bytes and the seconds of
+        :meth:`start_all_reduce_mean` without a codec, then its ``wait()``."""
+        LocalWork(torch.empty(0), self.charge_allreduce(payload_bytes, blocking=False), self.clock,
+                  self.clock.last_collective).wait()
 
     def restore_work(self, result: torch.Tensor, done_at: float) -> LocalWork:
         return LocalWork(result, done_at, self.clock)

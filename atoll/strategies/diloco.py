@@ -10,17 +10,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from atoll.algorithms.agreement import AgreementScaler
+from atoll.algorithms.finite import all_finite
+from atoll.algorithms.fused_round import FusedRound
 from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.sections import AdamWSection, CodecSection
+from atoll.errors import ConfigError
+from atoll.job.divergence import Diverged
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import drop_non_finite, make_wire
 from atoll.strategies.rounds import OuterRounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
+    from atoll.config.section import RunSettings
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
 
@@ -33,6 +38,19 @@ class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
         "none", description="diloco: an adaptive outer step. agreement: each tensor's share of the outer step "
         "follows how much the islands agree on its pseudo-gradient (its estimated signal share over the "
         "model's mean, at most 2x); the overall outer rate stays outer_lr (atoll.algorithms.agreement).")
+    outer_kernel: Literal["eager", "compiled"] = Field(
+        "eager", description="diloco: how the outer round runs. eager: one torch kernel per operation, the "
+        "reference's floats. compiled: the pseudo-gradients, their mean, the outer Nesterov step and the islands' "
+        "restart fused by torch.compile into one pass over each parameter (atoll.algorithms.fused_round; not the "
+        "same floats: rounded in its own order); needs the local runtime, CPU islands, codec fp32 and outer_adapt "
+        "none, and a C++ compiler.")
+
+    @model_validator(mode="after")
+    def _compiled_round_needs(self) -> DiLoCoConfig:
+        if self.outer_kernel == "compiled" and (self.codec != "fp32" or self.outer_adapt != "none"):
+            raise ValueError("outer_kernel: the compiled round fuses an fp32 mean and a plain outer step; pass "
+                             "--codec fp32 and --outer-adapt none, or --outer-kernel eager")
+        return self
 
 
 class DiLoCo(OuterRounds):
@@ -47,6 +65,27 @@ class DiLoCo(OuterRounds):
         self.wire = make_wire(config, comm.local_islands, seed)
         self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
                           if config.outer_adapt == "agreement" else None)
+        self.fused = self._fused_round(config, islands, comm)
+        self.compiled_rounds = 0  # rounds the compiled kernel ran (the others ran eager: _compiled_round)
+
+    @staticmethod
+    def _fused_round(config: DiLoCoConfig, islands: list[Island], comm: Comm) -> FusedRound | None:
+        """The compiled round of ``outer_kernel = "compiled"`` (None: eager).
+
+        Raises:
+            ConfigError: compiled, but the islands are not all in this process on the CPU.
+        """
+        if config.outer_kernel != "compiled":
+            return None
+        if not comm.in_memory:
+            raise ConfigError("outer_kernel: the compiled round needs every island in this process; pass "
+                              "--runtime local, or --outer-kernel eager")
+        if any(island.device.type != "cpu" for island in islands):
+            raise ConfigError("outer_kernel: the compiled round runs on the CPU; pass --device cpu, or "
+                              "--outer-kernel eager")
+        for island in islands:  # one vector per island: the compiled loop is one call
+            island.make_contiguous()
+        return FusedRound(config.outer_lr, config.outer_momentum)
 
     def outer_step(self, steps_done: int) -> None:
         """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step.
@@ -54,6 +93,8 @@ class DiLoCo(OuterRounds):
         Raises:
             Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
         """
+        if self.fused is not None and self._compiled_round(steps_done):
+            return
         # torchft's shape: Δ computed where each island's parameters are, from the (pinned) host globals
         deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
         if self.agreement is not None:  # its per-tensor statistics are taken on the CPU
@@ -68,15 +109,50 @@ class DiLoCo(OuterRounds):
             mean = self.agreement.weigh(mean.to("cpu"), self.comm.all_reduce_mean(stats, weights=weights))
         self.commit_round(self.outer.step(mean), dropped, steps_done)
 
+    def _compiled_round(self, steps_done: int) -> bool:
+        """The round of ``outer_kernel = "compiled"`` (:class:`FusedRound`), charged to the comm as the eager
+        round's fp32 all-reduce. Returns False, having changed nothing, where the eager round must run instead:
+        no island trained since the last round, the outer momentum does not exist yet (torch's SGD starts it
+        from the first pseudo-gradient), an island's parameters are not one vector
+        (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`), or a pseudo-gradient is not finite (the eager
+        round leaves it out).
+
+        Raises:
+            Diverged: the global model is not finite after the step (the islands then hold it too).
+        """
+        assert self.fused is not None
+        weights = self.round_weights()
+        state = self.outer.optimizer.state.get(self.outer.params, {})
+        momentum = state.get("momentum_buffer") if self.config.outer_momentum > 0 else None
+        if sum(weights) <= 0 or (self.config.outer_momentum > 0 and momentum is None):
+            return False
+        globals_ = self.outer.params.detach()
+        views = [island.contiguous_params() for island in self.islands]
+        if any(v is None for v in views) or not all(self.fused.finite_deltas(globals_, views)):
+            return False
+        finite = self.fused.apply(globals_, momentum, views, weights)
+        self.outer.version += 1
+        self.comm.charge_mean(self.numel * 4)  # the all-reduce of the eager round's fp32 mean
+        if not (finite or all_finite(globals_)):
+            raise Diverged(steps_done, "the global model is not finite after the outer step")
+        self.clocks[0].commit(self.islands, steps_done)
+        self.compiled_rounds += 1
+        return True
+
     def summary(self) -> dict[str, Any]:
-        return {**super().summary(), **(self.agreement.summary() if self.agreement is not None else {})}
+        compiled = {"outer_rounds_compiled": self.compiled_rounds} if self.fused is not None else {}
+        return {**super().summary(), **compiled,
+                **(self.agreement.summary() if self.agreement is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()  # the rounds' (outer, last_sync_step)
+        if self.fused is not None:
+            state["outer_rounds_compiled"] = self.compiled_rounds
         return state if self.agreement is None else {**state, "agreement": self.agreement.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self.compiled_rounds = int(state.get("outer_rounds_compiled", 0))
         if self.agreement is not None and "agreement" in state:
             self.agreement.load_state_dict(state["agreement"])
 
@@ -86,6 +162,22 @@ class DiLoCo(OuterRounds):
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
+
+def validate(own: DiLoCoConfig, run: RunSettings) -> None:
+    """``outer_kernel = "compiled"`` runs only where every island is in this process on the CPU.
+
+    Raises:
+        ValueError: compiled under another runtime, or on an accelerator (one line naming the fix).
+    """
+    if own.outer_kernel != "compiled":
+        return
+    if run.runtime != "local":
+        raise ValueError("outer_kernel: the compiled round needs every island in this process; pass --runtime "
+                         "local, or --outer-kernel eager")
+    if run.device not in ("auto", "cpu"):
+        raise ValueError("outer_kernel: the compiled round runs on the CPU; pass --device cpu, or --outer-kernel "
+                         "eager")
+
 
 def project(config: DiLoCoConfig, s: Setting) -> Cost:
     """diloco's cost per inner step: a blocking all-reduce of the b-bit pseudo-gradient (its codec's) every H
@@ -104,8 +196,8 @@ def project(config: DiLoCoConfig, s: Setting) -> Cost:
 
 SPEC = StrategySpec(
     name="diloco", summary="pseudo-gradients averaged every H inner steps; outer SGD-Nesterov (arXiv:2311.08105)",
-    config=DiLoCoConfig, runtimes=("local", "collective"), lockstep=DiLoCo, project=project, syncs_per_h=True,
-    shards=True,
+    config=DiLoCoConfig, runtimes=("local", "collective"), validate=validate, lockstep=DiLoCo, project=project,
+    syncs_per_h=True, shards=True,
     # fp32 (the default) and int4 (the codec of streaming and decoupled); every codec: bench/streaming_codecs.py
     suite=(SuiteRun("diloco", "diloco H={sync_every} {codec} (default)", {"strategy": "diloco"}),
            SuiteRun("diloco_int4", "diloco H={sync_every} int4", {"strategy": "diloco", "codec": "int4"}),

@@ -1,0 +1,132 @@
+"""diloco's compiled outer round (``outer_kernel = "compiled"``): its arithmetic on a hand-computed case, the
+eager round's globals within rounding over several rounds, the same bytes and clock, and where it is refused."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_strategies import _batch, _setup
+
+from atoll.algorithms.fused_round import FusedRound
+from atoll.config import TrainConfig
+from atoll.errors import ConfigError
+from atoll.strategies.diloco import DiLoCo
+
+pytestmark = pytest.mark.xdist_group("compile")  # one worker compiles the round once
+
+
+def test_one_round_matches_a_hand_computed_nesterov_step() -> None:
+    g = torch.tensor([1.0, 2.0, -1.0, 0.5])
+    m = torch.tensor([0.1, 0.0, -0.2, 0.0])
+    p1 = torch.tensor([0.5, 2.5, -1.0, 0.0])  # Δ_1 = (0.5, -0.5, 0, 0.5)
+    p2 = torch.tensor([1.0, 1.0, -2.0, 0.5])  # Δ_2 = (0, 1, 1, 0)
+    lr, mu = 0.7, 0.9
+    weights = [3.0, 1.0]  # shares 0.75, 0.25: Δ̄ = (0.375, -0.125, 0.25, 0.375)
+    mean = [0.375, -0.125, 0.25, 0.375]
+    new_m = [0.9 * mi + d for mi, d in zip([0.1, 0.0, -0.2, 0.0], mean, strict=True)]
+    new_g = [gi - lr * (d + mu * nm) for gi, d, nm in zip([1.0, 2.0, -1.0, 0.5], mean, new_m, strict=True)]
+    fused = FusedRound(lr, mu)
+    assert fused.finite_deltas(g, [p1, p2]) == [True, True]
+    assert fused.apply(g, m, [p1, p2], weights)
+    torch.testing.assert_close(m, torch.tensor(new_m), rtol=0, atol=1e-7)
+    torch.testing.assert_close(g, torch.tensor(new_g), rtol=0, atol=1e-7)
+    assert torch.equal(p1, g) and torch.equal(p2, g)  # every island restarts from the new globals
+
+
+def test_plain_sgd_with_outer_lr_one_is_the_weighted_average() -> None:
+    """FedAvg's identity: outer lr 1 and momentum 0 give the islands' token-weighted mean."""
+    g = torch.zeros(5)
+    p1, p2 = torch.arange(5.0), torch.full((5,), 2.0)
+    expected = (1 * p1 + 3 * p2) / 4
+    fused = FusedRound(1.0, 0.0)
+    assert fused.apply(g, None, [p1, p2], [1, 3])
+    torch.testing.assert_close(g, expected, rtol=0, atol=1e-6)
+    assert torch.equal(p1, g) and torch.equal(p2, g)
+
+
+def test_a_pseudo_gradient_that_is_not_finite_is_found_before_anything_is_written() -> None:
+    g, p1, p2 = torch.ones(3), torch.zeros(3), torch.tensor([0.0, math.nan, 0.0])
+    assert FusedRound(0.7, 0.5).finite_deltas(g, [p1, p2]) == [True, False]
+    assert torch.equal(g, torch.ones(3)) and math.isnan(float(p2[1]))
+
+
+def test_contiguous_parameters_keep_their_values_and_train_as_before() -> None:
+    _, _, _, islands, _ = _setup(DiLoCo, 2)
+    island, other = islands
+    before = island.flat_params()
+    assert island.contiguous_params() is None  # separate tensors, as the model built them
+    island.make_contiguous()
+    flat = island.contiguous_params()
+    assert flat is not None and torch.equal(flat, before)
+    flat[0] = 7.0  # a view: writing it writes the parameter
+    assert float(island.params[0].reshape(-1)[0]) == 7.0
+    flat[0] = before[0]
+    for step in range(3):  # the same inner steps, bit for bit, as an island whose parameters were left apart
+        for i in (island, other):
+            i.forward_backward(_batch(0, step))
+            i.inner_step()
+    assert torch.equal(island.flat_params(), other.flat_params())
+    island.params[1].data = island.params[1].data.clone()  # a parameter moved out of the buffer
+    assert island.contiguous_params() is None
+
+
+def _train(outer_kernel: str, poison_at: int | None = None) -> tuple[torch.Tensor, list, object, DiLoCo]:
+    """Three islands, H = 3, 4 rounds of the micro model; ``poison_at``: island 1's weights made NaN (its loss
+    stays finite) just before that round."""
+    config, model, comm, islands, diloco = _setup(DiLoCo, 3, sync_every=3, outer_kernel=outer_kernel)
+    for step in range(12):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        if poison_at is not None and step + 1 == poison_at:
+            with torch.no_grad():
+                islands[1].params[0].view(-1)[0] = math.nan
+        diloco.step(step)
+    return diloco.outer.params.detach().clone(), islands, comm, diloco
+
+
+def test_the_compiled_round_gives_the_eager_rounds_model_and_counts_the_same_bytes() -> None:
+    eager, eager_islands, eager_comm, eager_run = _train("eager")
+    compiled, islands, comm, run = _train("compiled")
+    step = float(eager.abs().max())
+    # 4 rounds (the first eager: torch's SGD starts the momentum), then the islands' inner steps amplify it
+    assert float((compiled - eager).abs().max()) <= 1e-5 * max(step, 1.0)
+    for island in islands:  # every island restarted from the new globals, bit for bit
+        assert torch.equal(island.flat_params(), compiled)
+    assert run.outer.version == eager_run.outer.version == 4
+    assert comm.bytes_sent_per_island == eager_comm.bytes_sent_per_island > 0
+    assert comm.exchanges == eager_comm.exchanges == 4
+    assert comm.clock.comm_busy_s == pytest.approx(eager_comm.clock.comm_busy_s)  # the link's seconds
+    assert comm.clock.comm_busy_s > 0
+    assert run.summary()["outer_rounds_compiled"] == 3 and "outer_rounds_compiled" not in eager_run.summary()
+    assert run.clocks[0].last_sync_step == 12
+
+
+def test_an_island_with_weights_that_are_not_finite_is_left_out_as_in_the_eager_round() -> None:
+    eager, _, _, eager_run = _train("eager", poison_at=9)
+    compiled, islands, _, run = _train("compiled", poison_at=9)
+    assert eager_run.dropped_updates == run.dropped_updates == 1
+    assert run.summary()["outer_rounds_compiled"] == 2  # rounds 2 and 4; round 3 ran eager, without island 1
+    assert torch.isfinite(compiled).all()
+    assert float((compiled - eager).abs().max()) <= 1e-5 * max(float(eager.abs().max()), 1.0)
+    assert all(torch.equal(island.flat_params(), compiled) for island in islands)
+
+
+def test_the_compiled_round_is_refused_where_it_cannot_run() -> None:
+    base = {"strategy": "diloco", "outer_kernel": "compiled"}
+    with pytest.raises(ValueError, match="outer_kernel: .*--codec fp32"):
+        TrainConfig(**base, codec="int4")
+    with pytest.raises(ValueError, match="outer_kernel: .*--outer-adapt none"):
+        TrainConfig(**base, outer_adapt="agreement")
+    with pytest.raises(ValueError, match="outer_kernel: .*--runtime local"):
+        TrainConfig(**base, runtime="collective")
+    with pytest.raises(ValueError, match="outer_kernel: .*--device cpu"):
+        TrainConfig(**base, device="cuda")
+    config, _, _, islands, _ = _setup(DiLoCo, 2, outer_kernel="compiled")
+
+    class Remote:  # a comm of another runtime: one island in this process
+        islands, local_islands, in_memory = 2, [0], False
+
+    with pytest.raises(ConfigError, match="outer_kernel: .*--runtime local"):
+        DiLoCo(config.strategy_config, islands, Remote(), 0)  # type: ignore[arg-type]
