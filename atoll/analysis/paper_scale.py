@@ -8,7 +8,12 @@ faster than conventional synchronization. This prices atoll's own wire at that s
 fragment pushed and pulled once, each every H inner steps), with what atoll measured of its service:
 
 - the share of the link rate a transfer reaches (:data:`MEASURED`: one island's push and pull of 125m-sized
-  fragments over an emulated 1 Gbit/s link with 35 ms each way, TLS, ``bench/out/service_link``);
+  fragments over an emulated 1 Gbit/s link with 35 ms each way, TLS, ``bench/out/service_link``). The push
+  share is fp32 pushes', whatever the push codec: a 125m fragment's int4 push (16 MB) reaches less of the link
+  (same table) because the round trips and the commit that each fragment costs do not shrink with its payload,
+  and at 12B a fragment's int4 payload is about 100 times larger, so those fixed costs are a small part of it
+  as they are of a 125m fp32 push; the syncer's decode of the pushed blocks at the commit is counted in the
+  merge cores below, not in the link's time;
 - the syncer's CPU seconds per GB it receives and sends (4 islands pushing at once over loopback with TLS, the
   same table), from which the cores a shard needs;
 - the pull codec (``--pull-codec``: float32, or bf16/int8/int4 changes; one change per pull, the steady state of
