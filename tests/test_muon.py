@@ -68,3 +68,19 @@ def test_muon_is_refused_where_a_strategy_brings_its_optimizer() -> None:
         build_config(overrides={"strategy": "demo", "inner_optimizer": "muon"})
     muon = build_config(overrides={"strategy": "diloco", "inner_optimizer": "muon"})
     assert muon.strategy_config.inner_optimizer == "muon"
+
+
+def test_a_reset_island_restarts_both_inner_optimizers_from_nothing() -> None:
+    """A diverged Muon island reset to the global model keeps no momentum nor second moment (its moments may hold
+    the NaNs that made it diverge): both inner optimizers' state is cleared, as a fresh optimizer has none."""
+    island = _island()
+    island.forward_backward(_batch(0, 0))
+    island.inner_step()
+    opt = island.optimizer
+    assert isinstance(opt, MuonWithAdamW) and opt.muon is not None
+    assert len(opt.muon.state) > 0 and len(opt.adamw.state) > 0
+    island.reset_to(island.flat_params())
+    assert len(opt.muon.state) == 0 and len(opt.adamw.state) == 0 and island.reset_count == 1
+    island.forward_backward(_batch(0, 1))  # and it trains on, its state started again
+    island.inner_step()
+    assert len(opt.muon.state) > 0 and torch.isfinite(island.flat_params()).all()

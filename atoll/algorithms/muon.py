@@ -67,6 +67,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
             opt.step()
         return loss
 
+    def clear_state(self) -> None:
+        """Forget both optimizers' state (momenta, second moments, step counts), as a fresh optimizer has none:
+        :attr:`state` of this wrapper is empty, the inner optimizers hold theirs."""
+        self.state.clear()
+        for opt in self._inner:
+            opt.state.clear()
+
     def state_dict(self) -> dict[str, Any]:
         return {"muon": self.muon.state_dict() if self.muon is not None else None,
                 "adamw": self.adamw.state_dict(), "lr": [g["lr"] for g in self.param_groups]}

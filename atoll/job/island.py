@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from atoll.algorithms.muon import muon_with_adamw
+from atoll.algorithms.muon import MuonWithAdamW, muon_with_adamw
 from atoll.config.facts import IslandSettings
 from atoll.job.device import CompiledForward, autocast, synchronize
 from atoll.job.flat_views import FlatViews
@@ -359,8 +359,9 @@ class Island(FlatViews):
         optimizer's state cleared (``keep_optimizer``: kept, where it is every replica's alike, as in ddp);
         counted in ``reset_count``. The learning-rate schedule goes on."""
         self.set_flat_params(flat)
-        if not keep_optimizer:
-            self.optimizer.state.clear()
+        if not keep_optimizer:  # Muon islands: both inner optimizers' state (the wrapper holds none itself)
+            (self.optimizer.clear_state() if isinstance(self.optimizer, MuonWithAdamW)
+             else self.optimizer.state.clear())
         self.optimizer.zero_grad(set_to_none=True)
         self.reset_count += 1
         self._reset_since_loss = True
