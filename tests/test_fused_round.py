@@ -130,3 +130,40 @@ def test_the_compiled_round_is_refused_where_it_cannot_run() -> None:
 
     with pytest.raises(ConfigError, match="outer_kernel: .*--runtime local"):
         DiLoCo(config.strategy_config, islands, Remote(), 0)  # type: ignore[arg-type]
+
+
+def test_a_compiler_that_fails_is_one_line_at_the_start_and_the_eager_round_after_a_failure_mid_run(
+        monkeypatch) -> None:
+    import atoll.algorithms.fused_round as fr
+
+    def broken(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found\nmore detail")
+
+    with monkeypatch.context() as m:  # at the start: the run is refused before it trains (exit status 2)
+        m.setattr(fr.FusedRound, "warm_up", broken)
+        with pytest.raises(ConfigError, match=r"^outer_kernel: torch.compile cannot build the round here "
+                                              r"\(RuntimeError: InvalidCxxCompiler: no working C\+\+ compiler "
+                                              r"found\); pass --outer-kernel eager$"):
+            _setup(DiLoCo, 2, outer_kernel="compiled")
+    # mid-run (a recompile limit reached, say): the round runs eager from then on, and the summary says why
+    config, model, comm, islands, diloco = _setup(DiLoCo, 2, sync_every=3, outer_kernel="compiled")
+    eager = _setup(DiLoCo, 2, sync_every=3)[4]
+    monkeypatch.setattr(fr.FusedRound, "apply", broken)
+    for step in range(6):
+        for island, twin in zip(islands, eager.islands, strict=True):
+            island.forward_backward(_batch(island.index, step))
+            twin.forward_backward(_batch(twin.index, step))
+        with pytest.warns(RuntimeWarning, match="given up") if step == 5 else _nothing():
+            diloco.step(step)
+        eager.step(step)
+    summary = diloco.summary()
+    assert summary["outer_rounds_compiled"] == 0
+    assert summary["outer_kernel_skipped"].startswith("RuntimeError: InvalidCxxCompiler")
+    assert diloco.fused is None and diloco.outer.version == 2
+    assert torch.equal(diloco.outer.params, eager.outer.params)  # both rounds eager: the reference's floats
+
+
+def _nothing():  # noqa: ANN202
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -13,9 +13,13 @@ once (bench/fused_round.py measures both):
     θ ← θ − η (Δ̄ + μ m)        (μ = 0: θ ← θ − η Δ̄, and no momentum is kept)
     θ_i ← θ                     every island restarts from the new globals
 
-Before it, a second compiled loop reads θ and every θ_i once more for the sums Σ(θ − θ_i): a pseudo-gradient
+Before it, another compiled loop reads θ and every θ_i once more for the sums Σ(θ − θ_i): a pseudo-gradient
 that is not finite must be left out of the mean (the eager round drops it), and the fused loop overwrites the
 islands, so it runs only once every sum is finite. The caller runs the eager round otherwise.
+
+Torch compiles each function once per island count, grad mode and momentum (0 or not), at most 8 of them in
+one process; past that, or where compiling fails (no C++ compiler), ``DiLoCo`` runs the eager round instead
+and says so once.
 
 The floats are not the eager round's bit for bit: the compiled loop adds in its own order and may contract a
 multiply and an add into one (bench/out/fused_round; tests/test_fused_round.py bounds it). So it is a setting,
@@ -103,7 +107,21 @@ class FusedRound:
             ValueError: an island's vector differs from the globals in shape or dtype.
         """
         self._check(globals_, islands)
-        return [math.isfinite(float(s)) for s in _compiled("delta_sums")(globals_, list(islands))]
+        with torch.no_grad():  # (the round's grad mode: one graph for both)
+            sums = _compiled("delta_sums")(globals_, list(islands))
+        return [math.isfinite(float(s)) for s in sums]
+
+    def warm_up(self, islands: int) -> None:
+        """Compile both loops for ``islands`` islands on small vectors (later calls reuse the graphs: their
+        shapes are dynamic), so that a machine that cannot compile says so before training starts.
+
+        Raises:
+            Exception: whatever torch.compile raises (no C++ compiler: ``InvalidCxxCompiler``, ...).
+        """
+        g = torch.zeros(4)
+        momentum = None if float(self.mu) == 0.0 else torch.zeros(4)
+        self.finite_deltas(g, [torch.zeros(4) for _ in range(islands)])
+        self.apply(g, momentum, [torch.zeros(4) for _ in range(islands)], [1.0] * islands)
 
     def apply(self, globals_: torch.Tensor, momentum: torch.Tensor | None, islands: Sequence[torch.Tensor],
               weights: Sequence[float]) -> bool:

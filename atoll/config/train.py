@@ -319,7 +319,7 @@ RESUMABLE_OVERRIDES = frozenset({
     "threads", "cache_dir", "activation_checkpointing",
     "link_bandwidth_mbps", "link_latency_ms", "collective_timeout_s", "collective_link_mbps",
     "collective_link_latency_ms", "runtime", "ranks_per_island",
-    "min_islands", "max_restarts", "async_checkpoint",
+    "min_islands", "max_restarts", "async_checkpoint", "outer_kernel",
 })
 
 

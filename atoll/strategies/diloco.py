@@ -8,6 +8,7 @@ every island restarts from them. Communication drops by a factor H against ``ddp
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
@@ -40,8 +41,9 @@ class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
         "model's mean, at most 2x); the overall outer rate stays outer_lr (atoll.algorithms.agreement).")
     outer_kernel: Literal["eager", "compiled"] = Field(
         "eager", description="diloco: how the outer round runs. eager: one torch kernel per operation, the "
-        "reference's floats. compiled: the pseudo-gradients, their mean, the outer Nesterov step and the islands' "
-        "restart fused by torch.compile into one pass over each parameter (atoll.algorithms.fused_round; not the "
+        "reference's floats. compiled: a finite check, then the pseudo-gradients, their mean, the outer Nesterov "
+        "step and the islands' restart fused by torch.compile into one loop over the parameters, each read and "
+        "written once (atoll.algorithms.fused_round; not the "
         "same floats: rounded in its own order); needs the local runtime, CPU islands, codec fp32 and outer_adapt "
         "none, and a C++ compiler.")
 
@@ -67,6 +69,7 @@ class DiLoCo(OuterRounds):
                           if config.outer_adapt == "agreement" else None)
         self.fused = self._fused_round(config, islands, comm)
         self.compiled_rounds = 0  # rounds the compiled kernel ran (the others ran eager: _compiled_round)
+        self.compile_skipped: str | None = None  # why the compiled round was given up mid-run (one line)
 
     @staticmethod
     def _fused_round(config: DiLoCoConfig, islands: list[Island], comm: Comm) -> FusedRound | None:
@@ -83,9 +86,15 @@ class DiLoCo(OuterRounds):
         if any(island.device.type != "cpu" for island in islands):
             raise ConfigError("outer_kernel: the compiled round runs on the CPU; pass --device cpu, or "
                               "--outer-kernel eager")
+        fused = FusedRound(config.outer_lr, config.outer_momentum)
+        try:
+            fused.warm_up(len(islands))
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
+            raise ConfigError(f"outer_kernel: torch.compile cannot build the round here ({_one_line(e)}); pass "
+                              "--outer-kernel eager") from None
         for island in islands:  # one vector per island: the compiled loop is one call
             island.make_contiguous()
-        return FusedRound(config.outer_lr, config.outer_momentum)
+        return fused
 
     def outer_step(self, steps_done: int) -> None:
         """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step.
@@ -128,9 +137,17 @@ class DiLoCo(OuterRounds):
             return False
         globals_ = self.outer.params.detach()
         views = [island.contiguous_params() for island in self.islands]
-        if any(v is None for v in views) or not all(self.fused.finite_deltas(globals_, views)):
+        if any(v is None for v in views):
             return False
-        finite = self.fused.apply(globals_, momentum, views, weights)
+        try:  # torch.compile fails at a compile, before a loop reads or writes anything
+            if not all(self.fused.finite_deltas(globals_, views)):
+                return False
+            finite = self.fused.apply(globals_, momentum, views, weights)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
+            self.fused, self.compile_skipped = None, _one_line(e)
+            warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
+                          RuntimeWarning, stacklevel=2)
+            return False
         self.outer.version += 1
         self.comm.charge_mean(self.numel * 4)  # the all-reduce of the eager round's fp32 mean
         if not (finite or all_finite(globals_)):
@@ -140,13 +157,15 @@ class DiLoCo(OuterRounds):
         return True
 
     def summary(self) -> dict[str, Any]:
-        compiled = {"outer_rounds_compiled": self.compiled_rounds} if self.fused is not None else {}
+        compiled = {} if self.config.outer_kernel != "compiled" else {
+            "outer_rounds_compiled": self.compiled_rounds,
+            **({"outer_kernel_skipped": self.compile_skipped} if self.compile_skipped else {})}
         return {**super().summary(), **compiled,
                 **(self.agreement.summary() if self.agreement is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()  # the rounds' (outer, last_sync_step)
-        if self.fused is not None:
+        if self.config.outer_kernel == "compiled":
             state["outer_rounds_compiled"] = self.compiled_rounds
         return state if self.agreement is None else {**state, "agreement": self.agreement.state_dict()}
 
@@ -162,6 +181,11 @@ class DiLoCo(OuterRounds):
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line (at most 200 characters)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
 
 def validate(own: DiLoCoConfig, run: RunSettings) -> None:
     """``outer_kernel = "compiled"`` runs only where every island is in this process on the CPU.
