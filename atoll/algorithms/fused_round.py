@@ -38,6 +38,10 @@ import torch
 
 __all__ = ["FusedRound"]
 
+#: the length the loops are first compiled at: above 4096, where inductor's reductions specialize their
+#: accumulation, so that a model's vector (longer) reuses the graphs instead of compiling them again
+WARM_UP_NUMEL = 1 << 16
+
 
 def _delta_sums(g: torch.Tensor, islands: list[torch.Tensor]) -> list[torch.Tensor]:
     """Σ(θ − θ_i) for each island: 0-d float32 tensors (read only)."""
@@ -112,16 +116,17 @@ class FusedRound:
         return [math.isfinite(float(s)) for s in sums]
 
     def warm_up(self, islands: int) -> None:
-        """Compile both loops for ``islands`` islands on small vectors (later calls reuse the graphs: their
-        shapes are dynamic), so that a machine that cannot compile says so before training starts.
+        """Compile both loops for ``islands`` islands on vectors of :data:`WARM_UP_NUMEL` zeros (later calls of
+        more than 4096 elements reuse the graphs: their shapes are dynamic), so that a machine that cannot
+        compile says so before training starts.
 
         Raises:
             Exception: whatever torch.compile raises (no C++ compiler: ``InvalidCxxCompiler``, ...).
         """
-        g = torch.zeros(4)
-        momentum = None if float(self.mu) == 0.0 else torch.zeros(4)
-        self.finite_deltas(g, [torch.zeros(4) for _ in range(islands)])
-        self.apply(g, momentum, [torch.zeros(4) for _ in range(islands)], [1.0] * islands)
+        n = WARM_UP_NUMEL
+        momentum = None if float(self.mu) == 0.0 else torch.zeros(n)
+        self.finite_deltas(torch.zeros(n), [torch.zeros(n) for _ in range(islands)])
+        self.apply(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], [1.0] * islands)
 
     def apply(self, globals_: torch.Tensor, momentum: torch.Tensor | None, islands: Sequence[torch.Tensor],
               weights: Sequence[float]) -> bool:
