@@ -73,3 +73,9 @@ def disk_error_line(e: OSError, advice: str) -> str:
     it names, and ``advice`` (how to resume) after freeing space."""
     where = f" ('{e.filename}')" if e.filename else ""
     return f"atoll: error: {e.strerror or e}{where}; free disk space or make the folder writable, then {advice}"
+
+
+def exception_line(e: BaseException, limit: int = 200) -> str:
+    """``e`` as one line: its type and its message's first line (at most ``limit`` characters), for a warning or
+    an error that says why something was given up (a compiler's failure, say)."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:limit]}"

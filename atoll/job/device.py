@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from atoll.errors import ConfigError
+from atoll.errors import ConfigError, exception_line
 
 DeviceName = Literal["auto", "cpu", "cuda", "mps"]
 Precision = Literal["fp32", "bf16"]
@@ -150,8 +150,7 @@ class CompiledForward:
             self._give_up(e)
 
     def _give_up(self, e: BaseException) -> None:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        self.skipped = f"{type(e).__name__}: {first}"
+        self.skipped = exception_line(e)
         self._compiled = None
         warnings.warn(f"--compile skipped, training in eager mode: {self.skipped}", RuntimeWarning, stacklevel=3)
 

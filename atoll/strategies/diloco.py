@@ -18,7 +18,7 @@ from atoll.algorithms.finite import all_finite
 from atoll.algorithms.fused_round import FusedRound
 from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.sections import AdamWSection, CodecSection
-from atoll.errors import ConfigError
+from atoll.errors import ConfigError, exception_line
 from atoll.job.divergence import Diverged
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import drop_non_finite, make_wire
@@ -90,7 +90,7 @@ class DiLoCo(OuterRounds):
         try:
             fused.warm_up(len(islands))
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
-            raise ConfigError(f"outer_kernel: torch.compile cannot build the round here ({_one_line(e)}); pass "
+            raise ConfigError(f"outer_kernel: torch.compile cannot build the round here ({exception_line(e)}); pass "
                               "--outer-kernel eager") from None
         for island in islands:  # one vector per island: the compiled loop is one call
             island.make_contiguous()
@@ -144,7 +144,7 @@ class DiLoCo(OuterRounds):
                 return False
             finite = self.fused.apply(globals_, momentum, views, weights)
         except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
-            self.fused, self.compile_skipped = None, _one_line(e)
+            self.fused, self.compile_skipped = None, exception_line(e)
             warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
                           RuntimeWarning, stacklevel=2)
             return False
@@ -181,11 +181,6 @@ class DiLoCo(OuterRounds):
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
-
-def _one_line(e: BaseException) -> str:
-    """An exception as one line: its type and its message's first line (at most 200 characters)."""
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-
 
 def validate(own: DiLoCoConfig, run: RunSettings) -> None:
     """``outer_kernel = "compiled"`` runs only where every island is in this process on the CPU.
