@@ -3,6 +3,7 @@ eager round's globals within rounding over several rounds, the same bytes and cl
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -153,7 +154,7 @@ def test_a_compiler_that_fails_is_one_line_at_the_start_and_the_eager_round_afte
         for island, twin in zip(islands, eager.islands, strict=True):
             island.forward_backward(_batch(island.index, step))
             twin.forward_backward(_batch(twin.index, step))
-        with pytest.warns(RuntimeWarning, match="given up") if step == 5 else _nothing():
+        with pytest.warns(RuntimeWarning, match="given up") if step == 5 else contextlib.nullcontext():
             diloco.step(step)
         eager.step(step)
     summary = diloco.summary()
@@ -161,9 +162,3 @@ def test_a_compiler_that_fails_is_one_line_at_the_start_and_the_eager_round_afte
     assert summary["outer_kernel_skipped"].startswith("RuntimeError: InvalidCxxCompiler")
     assert diloco.fused is None and diloco.outer.version == 2
     assert torch.equal(diloco.outer.params, eager.outer.params)  # both rounds eager: the reference's floats
-
-
-def _nothing():  # noqa: ANN202
-    import contextlib
-
-    return contextlib.nullcontext()

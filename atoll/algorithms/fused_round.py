@@ -1,12 +1,12 @@
-"""DiLoCo's outer round for islands in one process, compiled into one pass over each parameter tensor.
+"""DiLoCo's outer round for islands in one process, compiled into one pass over the parameters.
 
 The eager round (``DiLoCo.outer_step``) runs one torch kernel per operation: each island's pseudo-gradient
 Δ_i = θ − θ_i into its own buffer, a finite check of each, their token-weighted mean into another, the outer
 SGD-Nesterov step, then a copy of the new globals into every island. Every kernel reads and writes whole
-vectors, so a K = 2 round moves each element about eleven times through memory. Where every island lives in
-this process on the CPU (the ``local`` runtime), the whole round is elementwise per parameter, and
-``torch.compile`` fuses it into one loop that reads θ, the outer momentum m and each θ_i once and writes each
-once (bench/fused_round.py measures both):
+vectors, so a round moves each element through memory several times (bench/out/fused_round counts the
+passes). Where every island lives in this process on the CPU (the ``local`` runtime), the whole round is
+elementwise per parameter, and ``torch.compile`` fuses it into one loop that reads θ, the outer momentum m and
+each θ_i once and writes each once (bench/fused_round.py measures both):
 
     Δ̄ = Σ_i a_i (θ − θ_i)      a_i = w_i / Σ_j w_j, w_i the tokens island i trained since the last round
     m ← μ m + Δ̄                torch's SGD, Nesterov (DiLoCo, arXiv:2311.08105, Algorithm 1; outer lr η, μ)
@@ -78,7 +78,8 @@ class FusedRound:
 
     Each island's parameters are one 1-D float32 vector here, the length of the globals (its parameters made
     contiguous: :meth:`atoll.job.flat_views.FlatViews.make_contiguous`): each loop is then one call, where one
-    call per parameter tensor would cost about 0.2 ms each, more than the arithmetic of a small tensor.
+    call per parameter tensor would pay a compiled call's fixed cost (its guards) per tensor, more than the
+    arithmetic of a small one (bench/out/fused_round).
 
     Args:
         lr: the outer learning rate η.

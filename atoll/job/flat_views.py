@@ -50,10 +50,10 @@ class FlatViews:
     def make_contiguous(self) -> None:
         """Move the parameters into one float32 buffer, in flat order (each parameter's ``data`` a view of it), so
         that :meth:`contiguous_params` is one vector over all of them: the compiled outer round
-        (:mod:`atoll.algorithms.fused_round`) then runs as one loop, not one call per tensor (about 0.2 ms each).
+        (:mod:`atoll.algorithms.fused_round`) then runs as one loop, not one call per tensor.
         The values are unchanged; call it before the inner optimizer takes its first step (its state is keyed by
         the parameters, which stay the same objects). A no-op where they are not all float32 on the CPU."""
-        params = [p for p in self.params]
+        params = list(self.params)
         if not params or any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
             return
         flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)

@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from atoll.runtime.comm import Comm
 
 
+#: why ``outer_kernel = "compiled"`` is refused: under another runtime, and on an accelerator (the run's config is
+#: checked by :func:`validate`; a strategy built from the API, by ``DiLoCo`` itself)
+NEEDS_LOCAL = ("outer_kernel: the compiled round needs every island in this process; pass --runtime local, or "
+               "--outer-kernel eager")
+NEEDS_CPU = "outer_kernel: the compiled round runs on the CPU; pass --device cpu, or --outer-kernel eager"
+
+
 class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
     """diloco's config: H, the inner AdamW, the outer optimizer, the codec of its pseudo-gradients, and its
     own adaptive outer step."""
@@ -43,9 +50,8 @@ class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
         "eager", description="diloco: how the outer round runs. eager: one torch kernel per operation, the "
         "reference's floats. compiled: a finite check, then the pseudo-gradients, their mean, the outer Nesterov "
         "step and the islands' restart fused by torch.compile into one loop over the parameters, each read and "
-        "written once (atoll.algorithms.fused_round; not the "
-        "same floats: rounded in its own order); needs the local runtime, CPU islands, codec fp32 and outer_adapt "
-        "none, and a C++ compiler.")
+        "written once (atoll.algorithms.fused_round; not the same floats: rounded in its own order); needs the "
+        "local runtime, CPU islands, codec fp32 and outer_adapt none, and a C++ compiler.")
 
     @model_validator(mode="after")
     def _compiled_round_needs(self) -> DiLoCoConfig:
@@ -81,11 +87,9 @@ class DiLoCo(OuterRounds):
         if config.outer_kernel != "compiled":
             return None
         if not comm.in_memory:
-            raise ConfigError("outer_kernel: the compiled round needs every island in this process; pass "
-                              "--runtime local, or --outer-kernel eager")
+            raise ConfigError(NEEDS_LOCAL)
         if any(island.device.type != "cpu" for island in islands):
-            raise ConfigError("outer_kernel: the compiled round runs on the CPU; pass --device cpu, or "
-                              "--outer-kernel eager")
+            raise ConfigError(NEEDS_CPU)
         fused = FusedRound(config.outer_lr, config.outer_momentum)
         try:
             fused.warm_up(len(islands))
@@ -182,6 +186,7 @@ class DiLoCo(OuterRounds):
         super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
 
+
 def validate(own: DiLoCoConfig, run: RunSettings) -> None:
     """``outer_kernel = "compiled"`` runs only where every island is in this process on the CPU.
 
@@ -191,11 +196,9 @@ def validate(own: DiLoCoConfig, run: RunSettings) -> None:
     if own.outer_kernel != "compiled":
         return
     if run.runtime != "local":
-        raise ValueError("outer_kernel: the compiled round needs every island in this process; pass --runtime "
-                         "local, or --outer-kernel eager")
+        raise ValueError(NEEDS_LOCAL)
     if run.device not in ("auto", "cpu"):
-        raise ValueError("outer_kernel: the compiled round runs on the CPU; pass --device cpu, or --outer-kernel "
-                         "eager")
+        raise ValueError(NEEDS_CPU)
 
 
 def project(config: DiLoCoConfig, s: Setting) -> Cost:
