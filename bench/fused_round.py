@@ -1,7 +1,7 @@
 """diloco's outer round: ``outer_kernel = "eager"`` (torch ops) against ``"compiled"`` (one fused pass).
 
-    OMP_NUM_THREADS=1 python bench/fused_round.py                     # 10M and 50M, writes bench/out/fused_round/
-    python bench/fused_round.py --sizes 10 --repeats 2 --out /tmp/fr   # a quick look
+    OMP_NUM_THREADS=1 python bench/fused_round.py       # fp32 and int4, 10M and 50M: bench/out/fused_round/
+    python bench/fused_round.py --codecs int4 --sizes 10 --repeats 2 --out /tmp/fr   # a quick look
 
 Issue 36 asks for every outer round at one pass per parameter. bench/outer_round.py counts each round in memory
 passes (its time over one ``copy_`` of a float32 vector of the model's size): eager torch ops, one kernel per
@@ -13,7 +13,10 @@ of torch's SGD: m ← μm + Δ, θ ← θ − lr (Δ + μm), every island set to
 θ_i). Both strategies here are atoll's own, built as a run builds them (local runtime, K = 2 islands, fp32
 exchange, Llama-shaped parameters as bench/outer_round.py builds them). From the same state both give the next
 globals; the table says how far apart they are (the compiled loop rounds in its own order, fused multiply-adds
-included).
+included). With ``--codecs int4`` (or int8) the exchange is quantized (nearest rounding, no error feedback, the
+settings' defaults): eager, each island's pseudo-gradient encoded, packed, decoded and averaged
+(bench/outer_round.py's ``diloco_int4``); compiled, one loop over the blocks for the quantized mean, then one for
+the step.
 
 Writes ``results.json`` and ``results.md``: ns per parameter, passes (the finite check's apart), the compile's
 seconds (the compiled strategy's construction less the eager one's: it compiles as it is built) and the
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import outer_round  # noqa: E402  (bench/: the model and islands of the outer-round study)
 
 
-def measure(size: int, repeats: int) -> dict:
+def measure(size: int, repeats: int, codec: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -50,7 +53,7 @@ def measure(size: int, repeats: int) -> dict:
     islands = None
     runs, built_s = {}, {}
     for kernel in ("eager", "compiled"):  # two strategies, each with its outer optimizer, over the same islands
-        config = TrainConfig(strategy="diloco", islands=2, steps=100, warmup_steps=0, codec="fp32", sync_every=8,
+        config = TrainConfig(strategy="diloco", islands=2, steps=100, warmup_steps=0, codec=codec, sync_every=8,
                              model="tiny", outer_kernel=kernel)
         if islands is None:
             islands = outer_round._islands(model, config, 2)
@@ -92,12 +95,14 @@ def measure(size: int, repeats: int) -> dict:
     compiled_s = best(lambda r: compiled.outer_step(32 + 8 * r))
     assert compiled.fused is not None
     views = [island.contiguous_params() for island in islands]
-    check_s = best(lambda r: compiled.fused.finite_deltas(compiled.outer.params.detach(), views))
+    # the separate finite check runs for fp32 (and with error feedback); a codec's mean loop checks the scales
+    folded = compiled.fused.codec is not None and not compiled.fused.error_feedback
+    check_s = None if folded else best(lambda r: compiled.fused.finite_deltas(compiled.outer.params.detach(), views))
     one_pass = outer_round.memory_pass(numel, repeats)
-    return {"size_m": size, "params": numel, "eager_ns_per_param": eager_s / numel * 1e9,
+    return {"codec": codec, "size_m": size, "params": numel, "eager_ns_per_param": eager_s / numel * 1e9,
             "compiled_ns_per_param": compiled_s / numel * 1e9, "pass_ns_per_param": one_pass / numel * 1e9,
             "eager_passes": eager_s / one_pass, "compiled_passes": compiled_s / one_pass,
-            "finite_check_passes": check_s / one_pass, "compile_s": compile_s,
+            "finite_check_passes": None if check_s is None else check_s / one_pass, "compile_s": compile_s,
             "compiled_rounds": compiled.compiled_rounds, "max_abs_diff_globals": diff, "max_abs_step": step,
             "equal": diff == 0.0}
 
@@ -106,21 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,50", help="model sizes in millions: "
                         + ",".join(map(str, outer_round.SHAPES)))
+    parser.add_argument("--codecs", default="fp32,int4", help="the exchange's codecs: fp32, int8, int4")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "fused_round")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args.repeats)))
+        print(json.dumps(measure(args.worker, args.repeats, args.codecs)))
         return 0
     import subprocess
 
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for size in (int(s) for s in args.sizes.split(",")):
+    for codec, size in ((c, int(s)) for c in args.codecs.split(",") for s in args.sizes.split(",")):
         before = outer_round.load()
-        proc = subprocess.run([sys.executable, __file__, "--worker", str(size), "--repeats", str(args.repeats)],
-                              env=env, capture_output=True, text=True, check=False)
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(size), "--repeats", str(args.repeats),
+                               "--codecs", codec], env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
@@ -129,15 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["OMP_NUM_THREADS=1 python bench/fused_round.py", *(argv or sys.argv[1:])])
     (args.out / "results.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    lines = ["# diloco's outer round (K = 2, fp32): outer_kernel eager against compiled", "",
+    lines = ["# diloco's outer round (K = 2): outer_kernel eager against compiled", "",
              f"Command: `{command}`; one torch thread; torch {__import__('torch').__version__}.", "",
-             "| params | eager ns/param | eager passes | compiled ns/param | compiled passes (its finite check) | "
-             "eager / compiled | globals' largest difference (largest step) | compile s | load 1 min |",
-             "|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "| codec | params | eager ns/param | eager passes | compiled ns/param | "
+             "compiled passes (its finite check's) | eager / compiled | globals' largest difference (largest step) | "
+             "compile s | load 1 min |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['params'] / 1e6:.1f}M | {r['eager_ns_per_param']:.2f} | {r['eager_passes']:.1f} | "
+        lines.append(f"| {r['codec']} | {r['params'] / 1e6:.1f}M | {r['eager_ns_per_param']:.2f} | "
+                     f"{r['eager_passes']:.1f} | "
                      f"{r['compiled_ns_per_param']:.2f} | {r['compiled_passes']:.1f} "
-                     f"({r['finite_check_passes']:.1f}) | "
+                     + ("(in its mean's loop)" if r["finite_check_passes"] is None
+                        else f"({r['finite_check_passes']:.1f})") + " | "
                      f"{r['eager_ns_per_param'] / r['compiled_ns_per_param']:.1f}x | "
                      f"{r['max_abs_diff_globals']:.2e} ({r['max_abs_step']:.2e}) | {r['compile_s']:.1f} | "
                      f"{r['load']} |")

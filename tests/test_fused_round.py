@@ -1,5 +1,6 @@
 """diloco's compiled outer round (``outer_kernel = "compiled"``): its arithmetic on a hand-computed case, the
-eager round's globals within rounding over several rounds, the same bytes and clock, and where it is refused."""
+eager round's globals within rounding over several rounds, the same bytes and clock, and where it is refused; with
+an int8/int4 codec, the codec's own integers and residuals on the same inputs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 from test_strategies import _batch, _setup
 
+from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.fused_round import FusedRound
+from atoll.algorithms.merge import average_encoded
+from atoll.algorithms.wire import ErrorFeedback
 from atoll.config import TrainConfig
 from atoll.errors import ConfigError
 from atoll.strategies.diloco import DiLoCo
@@ -47,10 +51,80 @@ def test_plain_sgd_with_outer_lr_one_is_the_weighted_average() -> None:
     assert torch.equal(p1, g) and torch.equal(p2, g)
 
 
-def test_a_pseudo_gradient_that_is_not_finite_is_found_before_anything_is_written() -> None:
-    g, p1, p2 = torch.ones(3), torch.zeros(3), torch.tensor([0.0, math.nan, 0.0])
-    assert FusedRound(0.7, 0.5).finite_deltas(g, [p1, p2]) == [True, False]
-    assert torch.equal(g, torch.ones(3)) and math.isnan(float(p2[1]))
+def test_an_int4_round_matches_a_hand_computed_quantization() -> None:
+    """One island, blocks of 4, FedAvg's step (lr 1, μ 0): θ moves by the decoded pseudo-gradient, and the residual
+    keeps what rounding dropped. Powers of two, so every float is exact."""
+    g = torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 2.0])
+    p = torch.tensor([0.125, 1.4375, 0.875, 1.0, 2.25, 2.0])  # Δ = (0.875, -0.4375, 0.125, 0 | -0.25, 0)
+    residual = torch.zeros(6)
+    fused = FusedRound(1.0, 0.0, codec=make_codec("int4", block_size=4), error_feedback=True)
+    assert fused.apply(g, None, [p], [1.0], residuals=[residual])
+    # block 1: scale 0.875 / 7 = 0.125, Δ / scale = (7, -3.5, 1, 0), rounded half to even: (7, -4, 1, 0);
+    # block 2 (partial): scale 0.25 / 7, q = (-7, 0), decoded exactly (-0.25, 0)
+    decoded = torch.tensor([0.875, -0.5, 0.125, 0.0, -0.25, 0.0])
+    assert torch.equal(g, torch.tensor([1.0, 1.0, 1.0, 1.0, 2.0, 2.0]) - decoded)
+    assert torch.equal(residual, torch.tensor([0.0, 0.0625, 0.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(p, g)
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("islands", [1, 3])
+def test_the_quantized_mean_is_the_codecs_on_the_same_inputs(codec: str, rounding: str, islands: int) -> None:
+    """Against the eager exchange (:func:`average_encoded` with error feedback): the same residuals bit for bit
+    (so the same integers and scales), the same draws of the random sources, and the mean within float32
+    rounding; a length with a partial last block."""
+    n = 64 * 300 + 37
+    torch.manual_seed(islands)
+    g = torch.randn(n)
+    parts = [g + 0.01 * torch.randn(n) for _ in range(islands)]
+    weights = [3.0, 1.0, 2.0][:islands]
+    lossy = make_codec(codec, block_size=64, rounding=rounding)
+    feedback = [ErrorFeedback(lossy) for _ in range(islands)]
+
+    def sources() -> list[torch.Generator] | None:
+        return [torch.Generator().manual_seed(10 + i) for i in range(islands)] if rounding == "stochastic" else None
+
+    average_encoded([g - p for p in parts], lossy, weights, sources(), feedback=feedback, key="all")  # residuals
+    residuals = [f.residual("all").clone() for f in feedback]
+    mean, _ = average_encoded([g - p for p in parts], lossy, weights, sources(), feedback=feedback, key="all")
+    fused = FusedRound(1.0, 0.0, codec=lossy, error_feedback=True)
+    new_g, copies, generators = g.clone(), [p.clone() for p in parts], sources()
+    assert fused.apply(new_g, None, copies, weights, residuals=residuals, generators=generators)
+    for mine, theirs in zip(residuals, feedback, strict=True):
+        assert torch.equal(mine, theirs.residual("all"))
+    if generators is not None:  # each drew n values, as the codec's encode does
+        for mine, theirs in zip(generators, sources(), strict=True):
+            torch.rand(n, generator=theirs)
+            assert torch.equal(mine.get_state(), theirs.get_state())
+    torch.testing.assert_close(g - new_g, mean, rtol=0, atol=2 * torch.finfo(torch.float32).eps * 4)
+    assert all(torch.equal(p, new_g) for p in copies)
+
+
+@pytest.mark.parametrize("codec", [None, "int4", "int4 feedback", "int8 stochastic"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_pseudo_gradient_that_is_not_finite_is_found_before_anything_is_written(codec: str | None,
+                                                                                   bad: float) -> None:
+    """Found by the separate check (fp32; error feedback) or by the quantized mean's block scales (a codec without
+    error feedback): nothing of the caller's written, the random sources set back."""
+    n = 64 * 80 + 5
+    g, m = torch.ones(n), torch.full((n,), 0.25)
+    p1, p2 = torch.zeros(n), torch.zeros(n)
+    p2[64 * 40 + 3] = bad
+    name, *options = (codec or "fp32").split()
+    fused = FusedRound(0.7, 0.5, codec=None if codec is None else make_codec(
+        name, block_size=64, rounding="stochastic" if "stochastic" in options else "nearest"),
+        error_feedback="feedback" in options)
+    residuals = [torch.full((n,), 0.01), torch.full((n,), 0.02)] if "feedback" in options else None
+    generators = [torch.Generator().manual_seed(i) for i in range(2)] if "stochastic" in options else None
+    states = None if generators is None else [gen.get_state() for gen in generators]
+    assert fused.finite_deltas(g, [p1, p2]) == [True, False]
+    assert fused.apply(g, m, [p1, p2], [1.0, 1.0], residuals=residuals, generators=generators) is None
+    assert torch.equal(g, torch.ones(n)) and torch.equal(m, torch.full((n,), 0.25)) and torch.equal(p1, torch.zeros(n))
+    if residuals is not None:
+        assert torch.equal(residuals[0], torch.full((n,), 0.01)) and torch.equal(residuals[1], torch.full((n,), 0.02))
+    for gen, state in zip(generators or [], states or [], strict=True):
+        assert torch.equal(gen.get_state(), state)
 
 
 def test_contiguous_parameters_keep_their_values_and_train_as_before() -> None:
@@ -73,10 +147,11 @@ def test_contiguous_parameters_keep_their_values_and_train_as_before() -> None:
     assert island.contiguous_params() is None
 
 
-def _train(outer_kernel: str, poison_at: int | None = None) -> tuple[torch.Tensor, list, object, DiLoCo]:
+def _train(outer_kernel: str, poison_at: int | None = None, **codec: object
+           ) -> tuple[torch.Tensor, list, object, DiLoCo]:
     """Three islands, H = 3, 4 rounds of the micro model; ``poison_at``: island 1's weights made NaN (its loss
-    stays finite) just before that round."""
-    config, model, comm, islands, diloco = _setup(DiLoCo, 3, sync_every=3, outer_kernel=outer_kernel)
+    stays finite) just before that round; ``codec``: the codec's settings (default fp32)."""
+    config, model, comm, islands, diloco = _setup(DiLoCo, 3, sync_every=3, outer_kernel=outer_kernel, **codec)
     for step in range(12):
         for island in islands:
             island.forward_backward(_batch(island.index, step))
@@ -104,9 +179,32 @@ def test_the_compiled_round_gives_the_eager_rounds_model_and_counts_the_same_byt
     assert run.clocks[0].last_sync_step == 12
 
 
-def test_an_island_with_weights_that_are_not_finite_is_left_out_as_in_the_eager_round() -> None:
-    eager, _, _, eager_run = _train("eager", poison_at=9)
-    compiled, islands, _, run = _train("compiled", poison_at=9)
+@pytest.mark.parametrize("codec", [{"codec": "int4"},
+                                   {"codec": "int8", "codec_rounding": "stochastic", "error_feedback": True}])
+def test_a_quantized_compiled_round_gives_the_eager_rounds_model_bytes_and_codec_time(codec: dict) -> None:
+    eager, _, eager_comm, eager_run = _train("eager", **codec)
+    compiled, islands, comm, run = _train("compiled", **codec)
+    step = float(eager.abs().max())
+    assert float((compiled - eager).abs().max()) <= 1e-5 * max(step, 1.0)
+    for island in islands:
+        assert torch.equal(island.flat_params(), compiled)
+    assert comm.bytes_sent_per_island == eager_comm.bytes_sent_per_island > 0  # the codec's payload, not fp32's
+    assert comm.bytes_sent_per_island < eager_comm.exchanges * 4 * run.numel
+    assert comm.exchanges == eager_comm.exchanges == 4
+    assert comm.clock.comm_busy_s == pytest.approx(eager_comm.clock.comm_busy_s)
+    assert all(s > 0 for s in comm.clock.codec_s)  # the fused loop's seconds, charged as codec time
+    assert run.summary()["outer_rounds_compiled"] == 3
+    if codec.get("error_feedback"):  # the residuals the compiled rounds kept: the eager rounds', but where the
+        # globals' last bits put a value on the other side of a rounding step (or a stochastic draw's threshold)
+        for mine, theirs in zip(run.wire.feedback, eager_run.wire.feedback, strict=True):
+            near = (mine.residual("all") - theirs.residual("all")).abs() <= 1e-6
+            assert float(theirs.residual("all").abs().max()) > 0 and float(near.float().mean()) > 0.99
+
+
+@pytest.mark.parametrize("codec", [{}, {"codec": "int4"}])
+def test_an_island_with_weights_that_are_not_finite_is_left_out_as_in_the_eager_round(codec: dict) -> None:
+    eager, _, _, eager_run = _train("eager", poison_at=9, **codec)
+    compiled, islands, _, run = _train("compiled", poison_at=9, **codec)
     assert eager_run.dropped_updates == run.dropped_updates == 1
     assert run.summary()["outer_rounds_compiled"] == 2  # rounds 2 and 4; round 3 ran eager, without island 1
     assert torch.isfinite(compiled).all()
@@ -116,8 +214,10 @@ def test_an_island_with_weights_that_are_not_finite_is_left_out_as_in_the_eager_
 
 def test_the_compiled_round_is_refused_where_it_cannot_run() -> None:
     base = {"strategy": "diloco", "outer_kernel": "compiled"}
-    with pytest.raises(ValueError, match="outer_kernel: .*--codec fp32"):
-        TrainConfig(**base, codec="int4")
+    with pytest.raises(ValueError, match="outer_kernel: .*--codec fp32, int8 or int4"):
+        TrainConfig(**base, codec="fp8-e4m3")
+    with pytest.raises(ValueError, match="codec: the compiled round quantizes int8 and int4 only, not bf16"):
+        FusedRound(0.7, 0.9, codec=make_codec("bf16"))
     with pytest.raises(ValueError, match="outer_kernel: .*--outer-adapt none"):
         TrainConfig(**base, outer_adapt="agreement")
     with pytest.raises(ValueError, match="outer_kernel: .*--runtime local"):

@@ -64,6 +64,8 @@ class _Crash(Exception):
     ("diloco", {"outer_adapt": "agreement"}),
     # the compiled round: the outer momentum and its count of compiled rounds resume with the run
     ("diloco", {"outer_kernel": "compiled"}),
+    # ... with int4, stochastic rounding and error feedback: the residuals and random sources it reads and writes
+    ("diloco", {"outer_kernel": "compiled", "codec": "int4", "codec_rounding": "stochastic", "error_feedback": True}),
     # sparseloco: each island's error-feedback accumulator and the run's sent-energy statistic resume too
     ("sparseloco", {"sparseloco_chunk": 256, "sparseloco_topk": 8}),
     # fragment 0 starts an exchange after step 10 that merges after step 11: in flight at the checkpoint;

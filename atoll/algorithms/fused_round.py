@@ -21,6 +21,24 @@ Torch compiles each function once per island count, grad mode and momentum (0 or
 one process; past that, or where compiling fails (no C++ compiler), ``DiLoCo`` runs the eager round instead
 and says so once.
 
+With a block-integer codec (``int8`` / ``int4``, :class:`~atoll.algorithms.quantize._IntCodec`), the mean is of
+what the wire carries: each island's target t_i = θ − θ_i (+ its error-feedback residual r_i) is cut into blocks of
+``block_size`` elements, and per block::
+
+    s = max|t_i| / q_max           q = clamp(round(t_i / s), −q_max, q_max)     (stochastic: floor(t_i / s + u))
+    Δ̂_i = q s                      r_i ← t_i − Δ̂_i                              Δ̄ = Σ_i a_i Δ̂_i
+
+one compiled loop over the blocks into a buffer kept for the mean, then a second for the step and the restart
+(one function for both measured slower: inductor split it into two loops anyway, and laid the mean out in fresh
+memory at every call). Without error feedback the first loop writes nothing of the caller's, so it is the finite
+check too: a block's scale is NaN or inf where one of its elements is, and the scales' sum per island is read
+with them (the separate check's pass saved); with error feedback it writes the residuals, and the separate check
+runs first. The integers, scales and residuals are the codec's own bit for
+bit on the same inputs (the same float32 operations; stochastic rounding draws ``u`` from each island's random
+source as the codec does: tests/test_fused_round.py), and nothing is packed: the islands are in one process, so
+the bytes are counted from the codec's payload size, not sent. A partial last block runs the same function
+uncompiled.
+
 The floats are not the eager round's bit for bit: the compiled loop adds in its own order and may contract a
 multiply and an add into one (bench/out/fused_round; tests/test_fused_round.py bounds it). So it is a setting,
 ``outer_kernel = "compiled"``, not the default. Compiling takes a few seconds, once per process (inductor's
@@ -30,11 +48,15 @@ C++ backend: it needs a C++ compiler on the machine).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
 import torch
+
+from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.quantize import _IntCodec
 
 __all__ = ["FusedRound"]
 
@@ -48,12 +70,36 @@ def _delta_sums(g: torch.Tensor, islands: list[torch.Tensor]) -> list[torch.Tens
     return [(g - p).sum() for p in islands]
 
 
-def _round(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor], shares: list[torch.Tensor],
-           lr: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """The round, in place (module docstring); returns Σ of the new θ (0-d float32)."""
-    mean = (g - islands[0]) * shares[0]
-    for p, a in zip(islands[1:], shares[1:], strict=True):
-        mean = mean + (g - p) * a
+def _quantized_mean(g: torch.Tensor, islands: list[torch.Tensor], residuals: list[torch.Tensor] | None,
+                    draws: list[torch.Tensor] | None, shares: list[torch.Tensor], out: torch.Tensor,
+                    qmax: torch.Tensor) -> list[torch.Tensor]:
+    """Σ a_i Δ̂_i into ``out`` (module docstring), every tensor float32 ``(blocks, block_size)``; each island's
+    residual updated in place; ``draws``: each island's U[0, 1) draws (stochastic rounding), else None. Returns
+    each island's Σ of its block scales (0-d float32), finite exactly when its target is (a block's max|t_i| is
+    NaN or inf where one element is; a sum that overflowed reads as not finite: the caller's eager round then checks
+    element by element), at the cost of one read of the scales. ``qmax``
+    is a 0-d float32 tensor, not a Python float: compiled with a float there, inductor (torch 2.13, one thread)
+    gave int8's q_max = 127 wrong means for one and three islands, where a tensor gives the codec's own."""
+    mean, sums = None, []
+    for i, (p, a) in enumerate(zip(islands, shares, strict=True)):
+        t = g - p
+        if residuals is not None:
+            t = t + residuals[i]
+        scale = t.abs().amax(dim=1, keepdim=True) / qmax
+        sums.append(scale.sum())
+        y = t / torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (y.round() if draws is None else (y + draws[i]).floor()).clamp(-qmax, qmax)
+        decoded = q * scale
+        if residuals is not None:
+            residuals[i].copy_(t - decoded)
+        mean = decoded * a if mean is None else mean + decoded * a
+    out.copy_(mean)
+    return sums
+
+
+def _step(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor], mean: torch.Tensor,
+          lr: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """The outer step from the mean Δ̄ and the islands' restart, in place; returns Σ of the new θ (0-d float32)."""
     if m is None:  # plain SGD (outer momentum 0)
         new_g = g - mean * lr
     else:
@@ -66,12 +112,20 @@ def _round(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor],
     return new_g.sum()
 
 
+def _round(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor], shares: list[torch.Tensor],
+           lr: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """The round, in place (module docstring); returns Σ of the new θ (0-d float32)."""
+    mean = (g - islands[0]) * shares[0]
+    for p, a in zip(islands[1:], shares[1:], strict=True):
+        mean = mean + (g - p) * a
+    return _step(g, m, islands, mean, lr, mu)  # (traced into the same loop: the mean never reaches memory)
+
+
 @cache
 def _compiled(name: str) -> Any:
     """The compiled function ``name`` (one per process; dynamic shapes: one graph for every length)."""
-    fn = {"delta_sums": _delta_sums, "round": _round}[name]
+    fn = {"delta_sums": _delta_sums, "round": _round, "quantized_mean": _quantized_mean, "step": _step}[name]
     return torch.compile(fn, dynamic=True, fullgraph=True)
-
 
 class FusedRound:
     """The compiled outer round of K islands held in this process on the CPU (module docstring).
@@ -84,11 +138,26 @@ class FusedRound:
     Args:
         lr: the outer learning rate η.
         momentum: the outer Nesterov momentum μ (0: plain SGD).
+        codec: the exchange's codec: None (fp32), or a block-integer codec (``int8`` / ``int4``: its block size,
+            q_max and rounding are read).
+        error_feedback: whether each island's codec error is kept and added to its next pseudo-gradient
+            (:class:`~atoll.algorithms.wire.ErrorFeedback`; with a codec only).
+
+    Raises:
+        ValueError: a codec that is not a block-integer one.
     """
 
-    def __init__(self, lr: float, momentum: float) -> None:
+    def __init__(self, lr: float, momentum: float, codec: Codec | None = None, error_feedback: bool = False) -> None:
         self.lr = torch.tensor(lr, dtype=torch.float32)
         self.mu = torch.tensor(momentum, dtype=torch.float32)
+        if codec is not None and not isinstance(codec, _IntCodec):
+            raise ValueError(f"codec: the compiled round quantizes int8 and int4 only, not {codec.name}")
+        self.codec = codec
+        self.qmax = torch.tensor(float(codec.qmax) if codec is not None else 0.0, dtype=torch.float32)
+        self.error_feedback = codec is not None and error_feedback
+        self._mean = torch.empty(0)  # the quantized round's mean Δ̄, kept from round to round (its page faults once)
+        self._draws: list[torch.Tensor] = []  # stochastic rounding's U[0, 1) per island, kept likewise
+        self.codec_s = 0.0  # seconds the last round's quantized mean took (wall clock): its codec work
 
     @staticmethod
     def _check(globals_: torch.Tensor, islands: Sequence[torch.Tensor]) -> None:
@@ -117,42 +186,111 @@ class FusedRound:
         return [math.isfinite(float(s)) for s in sums]
 
     def warm_up(self, islands: int) -> None:
-        """Compile both loops for ``islands`` islands on vectors of :data:`WARM_UP_NUMEL` zeros (later calls of
-        more than 4096 elements reuse the graphs: their shapes are dynamic), so that a machine that cannot
-        compile says so before training starts.
+        """Compile the loops for ``islands`` islands on vectors of zeros, :data:`WARM_UP_NUMEL` long (with a codec,
+        8192 blocks, at most 4M elements): later calls of more than 4096 elements (blocks) reuse the graphs, whose
+        shapes are dynamic; so a machine that cannot compile says so before training starts.
 
         Raises:
             Exception: whatever torch.compile raises (no C++ compiler: ``InvalidCxxCompiler``, ...).
         """
-        n = WARM_UP_NUMEL
+        # with a codec, more than 4096 blocks: the sum of the scales is a reduction too
+        n = WARM_UP_NUMEL if self.codec is None else max(WARM_UP_NUMEL, min(8192 * self.codec.block_size, 1 << 22))
         momentum = None if float(self.mu) == 0.0 else torch.zeros(n)
-        self.finite_deltas(torch.zeros(n), [torch.zeros(n) for _ in range(islands)])
-        self.apply(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], [1.0] * islands)
+        residuals = [torch.zeros(n) for _ in range(islands)] if self.error_feedback else None
+        generators = ([torch.Generator() for _ in range(islands)]
+                      if self.codec is not None and self.codec.rounding == "stochastic" else None)
+        self.apply(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], [1.0] * islands,
+                   residuals=residuals, generators=generators)
+        self._mean, self._draws = torch.empty(0), []
 
     def apply(self, globals_: torch.Tensor, momentum: torch.Tensor | None, islands: Sequence[torch.Tensor],
-              weights: Sequence[float]) -> bool:
-        """One round in place: θ, m and every island's parameters (module docstring).
+              weights: Sequence[float], residuals: Sequence[torch.Tensor] | None = None,
+              generators: Sequence[torch.Generator] | None = None) -> bool | None:
+        """One round in place: θ, m, every island's parameters and, with error feedback, residuals (module
+        docstring), once every island's pseudo-gradient θ − θ_i is found finite: by :meth:`finite_deltas` first,
+        or, with a codec and no error feedback (whose loop writes nothing of the caller's until the step), by the
+        block scales of the quantized mean.
 
         Args:
             globals_: θ, float32 (numel,) on the CPU (the outer optimizer's parameters).
             momentum: m, float32 (numel,) (the SGD optimizer's ``momentum_buffer``); None with μ = 0.
             islands: each island's parameters, float32 (numel,) on the CPU (written).
-            weights: per island, its weight w_i (tokens since the last round); their sum must be positive.
+            weights: per island, its weight w_i (tokens since the last round); their sum must be positive (with a
+                codec each must be: an island of weight 0 is not encoded, and the caller's eager round skips it).
+            residuals: with error feedback, each island's residual r_i, float32 (numel,) (written).
+            generators: with stochastic rounding, each island's CPU random source; each draws ``numel`` U[0, 1)
+                values, as the codec's encode does.
 
         Returns:
-            Whether the sum of the new θ is finite (when not, θ, m and the islands hold what the step gave).
+            None where a pseudo-gradient is not finite: nothing written (the random sources set back to their
+            state before), and the caller's eager round leaves that island out. Else whether the sum of the new θ
+            is finite (when not, θ, m and the islands hold what the step gave). With a codec, :attr:`codec_s` then
+            holds the seconds its quantized mean took.
 
         Raises:
-            ValueError: the weights sum to zero or less, the momentum buffer is given with μ = 0 or missing
-                with μ > 0, or an island's vector differs from the globals in shape or dtype.
+            ValueError: the weights sum to zero or less (or one is zero, with a codec), the momentum buffer is
+                given with μ = 0 or missing with μ > 0, residuals or generators are given where not needed or
+                missing where needed, or a vector differs from the globals in shape or dtype.
         """
         self._check(globals_, islands)
         total = float(sum(weights))
-        if total <= 0:
-            raise ValueError("weights sum to zero")
+        if total <= 0 or (self.codec is not None and min(weights) <= 0):
+            raise ValueError("weights sum to zero" if total <= 0 else "an island of weight 0 is not encoded")
         if (momentum is None) != (float(self.mu) == 0.0):
             raise ValueError("the momentum buffer is needed exactly when the outer momentum is not 0")
+        stochastic = self.codec is not None and self.codec.rounding == "stochastic"
+        if (residuals is not None) != self.error_feedback or (generators is not None) != stochastic:
+            raise ValueError("residuals are needed exactly with error feedback, generators with stochastic rounding")
+        if residuals is not None:
+            self._check(globals_, residuals)
+        if (self.codec is None or residuals is not None) and not all(self.finite_deltas(globals_, islands)):
+            return None
         shares = [torch.tensor(float(w) / total, dtype=torch.float32) for w in weights]
         with torch.no_grad():
-            total_sum = _compiled("round")(globals_, momentum, list(islands), shares, self.lr, self.mu)
+            if self.codec is None:
+                total_sum = _compiled("round")(globals_, momentum, list(islands), shares, self.lr, self.mu)
+                return math.isfinite(float(total_sum))
+            states = None if generators is None else [gen.get_state() for gen in generators]
+            t0 = time.perf_counter()
+            finite = self._quantized_mean(globals_, list(islands), residuals, generators, shares)
+            self.codec_s = time.perf_counter() - t0
+            if not all(finite):  # (only without error feedback: with it, checked before)
+                for gen, state in zip(generators or [], states or [], strict=True):
+                    gen.set_state(state)
+                return None
+            total_sum = _compiled("step")(globals_, momentum, list(islands), self._mean, self.lr, self.mu)
         return math.isfinite(float(total_sum))
+
+    def _quantized_mean(self, globals_: torch.Tensor, islands: list[torch.Tensor],
+                        residuals: Sequence[torch.Tensor] | None, generators: Sequence[torch.Generator] | None,
+                        shares: list[torch.Tensor]) -> list[bool]:
+        """Σ a_i Δ̂_i into ``self._mean``: the whole blocks in one compiled call, a partial last block uncompiled.
+        Returns, per island, whether its target was finite (its block scales' sum)."""
+        assert self.codec is not None
+        n, bs = globals_.numel(), self.codec.block_size
+        if self._mean.numel() != n:
+            self._mean = torch.empty(n)
+        draws = None
+        if generators is not None:
+            if len(self._draws) != len(generators) or self._draws[0].numel() != n:
+                self._draws = [torch.empty(n) for _ in generators]
+            draws = [torch.rand(n, generator=gen, out=u) for gen, u in zip(generators, self._draws, strict=True)]
+        whole = n // bs * bs
+        # one island with error feedback: inductor (torch 2.13) cannot build that graph (a KeyError in its
+        # outer-loop fusion), so its mean runs uncompiled, the same operations
+        blockwise = _quantized_mean if len(islands) == 1 and residuals is not None else _compiled("quantized_mean")
+        finite = [True] * len(islands)
+        for a, b, fn in ((0, whole, blockwise), (whole, n, _quantized_mean)):
+            if b == a:
+                continue
+
+            def blocks(t: torch.Tensor, a: int = a, b: int = b) -> torch.Tensor:
+                # detached: a view without its base, whose size would be guarded (the warm-up's bases are all
+                # of one size, a model's globals and islands' not: a compile again at the first round)
+                return t[a:b].view(-1, min(bs, b - a)).detach()
+
+            sums = fn(blocks(globals_), [blocks(p) for p in islands],
+               None if residuals is None else [blocks(r) for r in residuals],
+               None if draws is None else [blocks(u) for u in draws], shares, blocks(self._mean), self.qmax)
+            finite = [f and math.isfinite(float(x)) for f, x in zip(finite, sums, strict=True)]
+        return finite

@@ -144,9 +144,9 @@ class Comm(ABC):
             The payloads of all ``islands`` islands, ordered by island index.
         """
 
-    def charge_mean(self, payload_bytes: float) -> None:
-        """Count (and wait for) an uncompressed all-reduce mean of ``payload_bytes`` per island that the caller
-        computed itself, where :attr:`in_memory`.
+    def charge_mean(self, payload_bytes: float, codec_s: float = 0.0) -> None:
+        """Count (and wait for) an all-reduce mean of ``payload_bytes`` per island that the caller computed
+        itself, where :attr:`in_memory`, with ``codec_s`` seconds of its codec's work.
 
         Raises:
             NotImplementedError: the comm's islands are not all in this process.

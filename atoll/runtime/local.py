@@ -147,10 +147,14 @@ class LocalComm(Comm):
         return (self.clock.collective(duration, cost) if blocking
                 else self.clock.start_collective(duration, cost))
 
-    def charge_mean(self, payload_bytes: float) -> None:
-        """Count and wait for an uncompressed all-reduce mean of ``payload_bytes`` per island that the caller
-        computed itself (the compiled round, :mod:`atoll.algorithms.fused_round`): the bytes and the seconds of
-        :meth:`start_all_reduce_mean` without a codec, then its ``wait()``."""
+    def charge_mean(self, payload_bytes: float, codec_s: float = 0.0) -> None:
+        """Count and wait for an all-reduce mean of ``payload_bytes`` per island that the caller computed itself
+        (the compiled round, :mod:`atoll.algorithms.fused_round`): the bytes and the seconds of
+        :meth:`start_all_reduce_mean`, then its ``wait()``. ``codec_s``: the seconds its codec took (encoding every
+        island's payload and decoding them into the mean, in one loop), charged to every island before the
+        all-reduce, as each island encodes its own payload and decodes all of them."""
+        if codec_s:
+            self.clock.charge_codec([codec_s] * self.islands)
         LocalWork(torch.empty(0), self.charge_allreduce(payload_bytes, blocking=False), self.clock,
                   self.clock.last_collective).wait()
 

@@ -26,6 +26,7 @@ from atoll.strategies.rounds import OuterRounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
+    from atoll.algorithms.wire import Wire
     from atoll.config.section import RunSettings
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 #: checked by :func:`validate`; a strategy built from the API, by ``DiLoCo`` itself)
 NEEDS_LOCAL = ("outer_kernel: the compiled round needs every island in this process; pass --runtime local, or "
                "--outer-kernel eager")
+#: the codecs the compiled round quantizes with (:class:`~atoll.algorithms.fused_round.FusedRound`)
+COMPILED_CODECS = ("fp32", "int8", "int4")
 NEEDS_CPU = "outer_kernel: the compiled round runs on the CPU; pass --device cpu, or --outer-kernel eager"
 
 
@@ -50,14 +53,15 @@ class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
         "eager", description="diloco: how the outer round runs. eager: one torch kernel per operation, the "
         "reference's floats. compiled: a finite check, then the pseudo-gradients, their mean, the outer Nesterov "
         "step and the islands' restart fused by torch.compile into one loop over the parameters, each read and "
-        "written once (atoll.algorithms.fused_round; not the same floats: rounded in its own order); needs the "
-        "local runtime, CPU islands, codec fp32 and outer_adapt none, and a C++ compiler.")
+        "written once (int8/int4: the quantized mean in a loop of its own, the codec's integers; "
+        "atoll.algorithms.fused_round; not the same floats: rounded in its own order); needs the local runtime, "
+        "CPU islands, codec fp32, int8 or int4, outer_adapt none, and a C++ compiler.")
 
     @model_validator(mode="after")
     def _compiled_round_needs(self) -> DiLoCoConfig:
-        if self.outer_kernel == "compiled" and (self.codec != "fp32" or self.outer_adapt != "none"):
-            raise ValueError("outer_kernel: the compiled round fuses an fp32 mean and a plain outer step; pass "
-                             "--codec fp32 and --outer-adapt none, or --outer-kernel eager")
+        if self.outer_kernel == "compiled" and (self.codec not in COMPILED_CODECS or self.outer_adapt != "none"):
+            raise ValueError("outer_kernel: the compiled round fuses an fp32, int8 or int4 mean and a plain outer "
+                             "step; pass --codec fp32, int8 or int4 and --outer-adapt none, or --outer-kernel eager")
         return self
 
 
@@ -73,12 +77,12 @@ class DiLoCo(OuterRounds):
         self.wire = make_wire(config, comm.local_islands, seed)
         self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
                           if config.outer_adapt == "agreement" else None)
-        self.fused = self._fused_round(config, islands, comm)
+        self.fused = self._fused_round(config, islands, comm, self.wire)
         self.compiled_rounds = 0  # rounds the compiled kernel ran (the others ran eager: _compiled_round)
         self.compile_skipped: str | None = None  # why the compiled round was given up mid-run (one line)
 
     @staticmethod
-    def _fused_round(config: DiLoCoConfig, islands: list[Island], comm: Comm) -> FusedRound | None:
+    def _fused_round(config: DiLoCoConfig, islands: list[Island], comm: Comm, wire: Wire) -> FusedRound | None:
         """The compiled round of ``outer_kernel = "compiled"`` (None: eager).
 
         Raises:
@@ -90,7 +94,8 @@ class DiLoCo(OuterRounds):
             raise ConfigError(NEEDS_LOCAL)
         if any(island.device.type != "cpu" for island in islands):
             raise ConfigError(NEEDS_CPU)
-        fused = FusedRound(config.outer_lr, config.outer_momentum)
+        fused = FusedRound(config.outer_lr, config.outer_momentum, codec=wire.codec,
+                           error_feedback=config.error_feedback)
         try:
             fused.warm_up(len(islands))
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
@@ -124,9 +129,11 @@ class DiLoCo(OuterRounds):
 
     def _compiled_round(self, steps_done: int) -> bool:
         """The round of ``outer_kernel = "compiled"`` (:class:`FusedRound`), charged to the comm as the eager
-        round's fp32 all-reduce. Returns False, having changed nothing, where the eager round must run instead:
-        no island trained since the last round, the outer momentum does not exist yet (torch's SGD starts it
-        from the first pseudo-gradient), an island's parameters are not one vector
+        round's all-reduce (its payload: fp32, or the codec's; with a codec, the fused loop's seconds as its codec
+        time). Returns False, having changed nothing, where the eager round must run instead: no island trained
+        since the last round (with a codec: one island did not, as the eager round does not encode it), the outer
+        momentum does not exist yet (torch's SGD starts it from the first pseudo-gradient), an island's error-
+        feedback residual does not (its first encode keeps it), an island's parameters are not one vector
         (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`), or a pseudo-gradient is not finite (the eager
         round leaves it out).
 
@@ -139,21 +146,30 @@ class DiLoCo(OuterRounds):
         momentum = state.get("momentum_buffer") if self.config.outer_momentum > 0 else None
         if sum(weights) <= 0 or (self.config.outer_momentum > 0 and momentum is None):
             return False
+        codec = self.wire.codec
+        if codec is not None and min(weights) <= 0:
+            return False
         globals_ = self.outer.params.detach()
         views = [island.contiguous_params() for island in self.islands]
-        if any(v is None for v in views):
+        residuals = None if self.wire.feedback is None else [f.residual("all") for f in self.wire.feedback]
+        if any(v is None for v in views) or (residuals is not None and any(
+                r is None or r.shape != globals_.shape or r.device.type != "cpu" for r in residuals)):
             return False
         try:  # torch.compile fails at a compile, before a loop reads or writes anything
-            if not all(self.fused.finite_deltas(globals_, views)):
+            finite = self.fused.apply(globals_, momentum, views, weights, residuals=residuals,
+                                      generators=self.wire.generators_for("cpu"))
+            if finite is None:  # a pseudo-gradient is not finite: nothing written
                 return False
-            finite = self.fused.apply(globals_, momentum, views, weights)
         except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
             self.fused, self.compile_skipped = None, exception_line(e)
             warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
                           RuntimeWarning, stacklevel=2)
             return False
         self.outer.version += 1
-        self.comm.charge_mean(self.numel * 4)  # the all-reduce of the eager round's fp32 mean
+        if codec is None:
+            self.comm.charge_mean(self.numel * 4)  # the all-reduce of the eager round's fp32 mean
+        else:
+            self.comm.charge_mean(codec.payload_bytes(self.numel), codec_s=self.fused.codec_s)
         if not (finite or all_finite(globals_)):
             raise Diverged(steps_done, "the global model is not finite after the outer step")
         self.clocks[0].commit(self.islands, steps_done)
