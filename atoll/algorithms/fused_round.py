@@ -17,9 +17,10 @@ Before it, another compiled loop reads θ and every θ_i once more for the sums 
 that is not finite must be left out of the mean (the eager round drops it), and the fused loop overwrites the
 islands, so it runs only once every sum is finite. The caller runs the eager round otherwise.
 
-Torch compiles each function once per island count, grad mode and momentum (0 or not), at most 8 of them in
-one process; past that, or where compiling fails (no C++ compiler), ``DiLoCo`` runs the eager round instead
-and says so once.
+Torch compiles each function once per island count, momentum (0 or not), error feedback and rounding, all as the
+strategy is built (no round compiles), at most :data:`RECOMPILE_LIMIT` of them in one process; past that (a sweep
+of many settings in one process), ``DiLoCo`` runs the eager round instead and says so once. A machine that cannot
+compile at all (no C++ compiler) is refused before training starts.
 
 With a block-integer codec (``int8`` / ``int4``, :class:`~atoll.algorithms.quantize._IntCodec`), the mean is of
 what the wire carries: each island's target t_i = θ − θ_i (+ its error-feedback residual r_i) is cut into blocks of
@@ -40,7 +41,10 @@ the bytes are counted from the codec's payload size, not sent. A partial last bl
 uncompiled.
 
 The floats are not the eager round's bit for bit: the compiled loop adds in its own order and may contract a
-multiply and an add into one (bench/out/fused_round; tests/test_fused_round.py bounds it). So it is a setting,
+multiply and an add into one (bench/out/fused_round; tests/test_fused_round.py bounds it). With a codec the next
+round quantizes globals that differ in their last bits, so a value on the edge of a rounding step may round the
+other way; with error feedback that difference is carried on, and a few elements drift apart by up to one step of
+the codec's rounding (still the codec's error, not a wrong sum). So it is a setting,
 ``outer_kernel = "compiled"``, not the default. Compiling takes a few seconds, once per process (inductor's
 C++ backend: it needs a C++ compiler on the machine).
 """
@@ -57,6 +61,7 @@ import torch
 
 from atoll.algorithms.codec_base import Codec
 from atoll.algorithms.quantize import _IntCodec
+from atoll.errors import exception_line
 
 __all__ = ["FusedRound"]
 
@@ -121,11 +126,35 @@ def _round(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor],
     return _step(g, m, islands, mean, lr, mu)  # (traced into the same loop: the mean never reaches memory)
 
 
+def _warm_up_blocks(blocks: int, block_size: int) -> int:
+    """A count of blocks to compile the quantized mean at, reused by a model's ``blocks``: on its side of 4096
+    (inductor specializes its reductions there), other than the block size (a count equal to it would leave a
+    guard that the two be equal), and 1 only for 1 (a count of 1 is a graph of its own)."""
+    if blocks > 4096:
+        return 8192 if block_size != 8192 else 8193
+    if blocks == 1:
+        return 1
+    return 2 if block_size != 2 else 3
+
+
+#: graphs each loop may compile in one process: one per island count, momentum (0 or not), error feedback,
+#: rounding and side of 4096 elements that the process's runs use (torch's default, 8, is used up by a sweep of a
+#: few settings in one process; past this, the eager round)
+RECOMPILE_LIMIT = 64
+
+
 @cache
 def _compiled(name: str) -> Any:
-    """The compiled function ``name`` (one per process; dynamic shapes: one graph for every length)."""
+    """The compiled function ``name`` (one per process; dynamic shapes: one graph for every length), called with
+    torch's recompile limit at :data:`RECOMPILE_LIMIT` (for these functions only)."""
     fn = {"delta_sums": _delta_sums, "round": _round, "quantized_mean": _quantized_mean, "step": _step}[name]
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def call(*args: Any) -> Any:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*args)
+
+    return call
 
 class FusedRound:
     """The compiled outer round of K islands held in this process on the CPU (module docstring).
@@ -158,6 +187,7 @@ class FusedRound:
         self._mean = torch.empty(0)  # the quantized round's mean Δ̄, kept from round to round (its page faults once)
         self._draws: list[torch.Tensor] = []  # stochastic rounding's U[0, 1) per island, kept likewise
         self.codec_s = 0.0  # seconds the last round's quantized mean took (wall clock): its codec work
+        self.given_up: str | None = None  # why the step's compiled loop failed (the round then ended uncompiled)
 
     @staticmethod
     def _check(globals_: torch.Tensor, islands: Sequence[torch.Tensor]) -> None:
@@ -185,23 +215,44 @@ class FusedRound:
             sums = _compiled("delta_sums")(globals_, list(islands))
         return [math.isfinite(float(s)) for s in sums]
 
-    def warm_up(self, islands: int) -> None:
-        """Compile the loops for ``islands`` islands on vectors of zeros, :data:`WARM_UP_NUMEL` long (with a codec,
-        8192 blocks, at most 4M elements): later calls of more than 4096 elements (blocks) reuse the graphs, whose
-        shapes are dynamic; so a machine that cannot compile says so before training starts.
+    def warm_up(self, islands: int, numel: int) -> None:
+        """Compile the loops a round of ``islands`` islands over vectors of ``numel`` elements calls, so that a
+        machine that cannot compile says so before training starts, and no round compiles.
+
+        On zeros of lengths on the model's side of 4096 elements (blocks, for the quantized mean), where inductor
+        specializes its reductions: :data:`WARM_UP_NUMEL` where the model's vector is longer, else its own length;
+        the shapes are dynamic otherwise, so the model's vectors reuse the graphs (tests/test_fused_round.py counts
+        the graphs compiled during a run: none).
 
         Raises:
-            Exception: whatever torch.compile raises (no C++ compiler: ``InvalidCxxCompiler``, ...).
+            Exception: whatever torch.compile raises (no C++ compiler: ``InvalidCxxCompiler``; the process's
+                recompile limit reached: ``FailOnRecompileLimitHit``, ...).
         """
-        # with a codec, more than 4096 blocks: the sum of the scales is a reduction too
-        n = WARM_UP_NUMEL if self.codec is None else max(WARM_UP_NUMEL, min(8192 * self.codec.block_size, 1 << 22))
+        n = numel if numel <= 4096 else WARM_UP_NUMEL
         momentum = None if float(self.mu) == 0.0 else torch.zeros(n)
-        residuals = [torch.zeros(n) for _ in range(islands)] if self.error_feedback else None
-        generators = ([torch.Generator() for _ in range(islands)]
-                      if self.codec is not None and self.codec.rounding == "stochastic" else None)
-        self.apply(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], [1.0] * islands,
-                   residuals=residuals, generators=generators)
-        self._mean, self._draws = torch.empty(0), []
+        shares = [torch.tensor(1.0 / islands) for _ in range(islands)]
+        with torch.no_grad():
+            if self.codec is None or self.error_feedback:
+                self.finite_deltas(torch.zeros(n), [torch.zeros(n) for _ in range(islands)])
+            if self.codec is None:
+                _compiled("round")(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], shares,
+                                   self.lr, self.mu)
+                return
+            _compiled("step")(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], torch.zeros(n),
+                              self.lr, self.mu)
+            bs, blocks = self.codec.block_size, numel // self.codec.block_size
+            if blocks == 0 or (islands == 1 and self.error_feedback):  # (both run uncompiled)
+                return
+            rows = _warm_up_blocks(blocks, bs)
+
+            def zeros() -> torch.Tensor:
+                return torch.zeros(rows, bs)
+
+            _compiled("quantized_mean")(
+                zeros(), [zeros() for _ in range(islands)],
+                [zeros() for _ in range(islands)] if self.error_feedback else None,
+                [zeros() for _ in range(islands)] if self.codec.rounding == "stochastic" else None,
+                shares, zeros(), self.qmax)
 
     def apply(self, globals_: torch.Tensor, momentum: torch.Tensor | None, islands: Sequence[torch.Tensor],
               weights: Sequence[float], residuals: Sequence[torch.Tensor] | None = None,
@@ -223,7 +274,9 @@ class FusedRound:
 
         Returns:
             None where a pseudo-gradient is not finite: nothing written (the random sources set back to their
-            state before), and the caller's eager round leaves that island out. Else whether the sum of the new θ
+            state before), and the caller's eager round leaves that island out. Where the step's compiled loop
+            fails (the quantized mean, and residuals, already this round's), the round ends with the same
+            operations uncompiled and :attr:`given_up` says why. Else whether the sum of the new θ
             is finite (when not, θ, m and the islands hold what the step gave). With a codec, :attr:`codec_s` then
             holds the seconds its quantized mean took.
 
@@ -231,6 +284,8 @@ class FusedRound:
             ValueError: the weights sum to zero or less (or one is zero, with a codec), the momentum buffer is
                 given with μ = 0 or missing with μ > 0, residuals or generators are given where not needed or
                 missing where needed, or a vector differs from the globals in shape or dtype.
+            Exception: whatever torch.compile raises where a loop must compile (a recompile limit reached, ...),
+                before anything is written (the random sources set back).
         """
         self._check(globals_, islands)
         total = float(sum(weights))
@@ -252,14 +307,26 @@ class FusedRound:
                 return math.isfinite(float(total_sum))
             states = None if generators is None else [gen.get_state() for gen in generators]
             t0 = time.perf_counter()
-            finite = self._quantized_mean(globals_, list(islands), residuals, generators, shares)
+            try:  # a compile that fails does so before the loop writes anything; the draws are set back
+                finite = self._quantized_mean(globals_, list(islands), residuals, generators, shares)
+            except Exception:
+                self._set_back(generators, states)
+                raise
             self.codec_s = time.perf_counter() - t0
             if not all(finite):  # (only without error feedback: with it, checked before)
-                for gen, state in zip(generators or [], states or [], strict=True):
-                    gen.set_state(state)
+                self._set_back(generators, states)
                 return None
-            total_sum = _compiled("step")(globals_, momentum, list(islands), self._mean, self.lr, self.mu)
+            try:
+                total_sum = _compiled("step")(globals_, momentum, list(islands), self._mean, self.lr, self.mu)
+            except Exception as e:  # noqa: BLE001 - the mean (and residuals) are this round's: it ends uncompiled
+                self.given_up = exception_line(e)
+                total_sum = _step(globals_, momentum, list(islands), self._mean, self.lr, self.mu)
         return math.isfinite(float(total_sum))
+
+    @staticmethod
+    def _set_back(generators: Sequence[torch.Generator] | None, states: list[torch.Tensor] | None) -> None:
+        for gen, state in zip(generators or [], states or [], strict=True):
+            gen.set_state(state)
 
     def _quantized_mean(self, globals_: torch.Tensor, islands: list[torch.Tensor],
                         residuals: Sequence[torch.Tensor] | None, generators: Sequence[torch.Generator] | None,

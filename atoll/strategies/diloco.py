@@ -77,16 +77,18 @@ class DiLoCo(OuterRounds):
         self.wire = make_wire(config, comm.local_islands, seed)
         self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
                           if config.outer_adapt == "agreement" else None)
-        self.fused = self._fused_round(config, islands, comm, self.wire)
         self.compiled_rounds = 0  # rounds the compiled kernel ran (the others ran eager: _compiled_round)
-        self.compile_skipped: str | None = None  # why the compiled round was given up mid-run (one line)
+        self.compile_skipped: str | None = None  # why the compiled round was given up (one line)
+        self.fused = self._fused_round(config, islands, comm, self.wire)
 
-    @staticmethod
-    def _fused_round(config: DiLoCoConfig, islands: list[Island], comm: Comm, wire: Wire) -> FusedRound | None:
-        """The compiled round of ``outer_kernel = "compiled"`` (None: eager).
+    def _fused_round(self, config: DiLoCoConfig, islands: list[Island], comm: Comm, wire: Wire) -> FusedRound | None:
+        """The compiled round of ``outer_kernel = "compiled"`` (None: eager). Where this process has compiled its
+        loops too many times already (torch's recompile limit: a sweep of many settings in one process), the
+        eager round, said once and in the summary.
 
         Raises:
-            ConfigError: compiled, but the islands are not all in this process on the CPU.
+            ConfigError: compiled, but the islands are not all in this process on the CPU, or the machine cannot
+                compile (no C++ compiler, ...).
         """
         if config.outer_kernel != "compiled":
             return None
@@ -97,8 +99,11 @@ class DiLoCo(OuterRounds):
         fused = FusedRound(config.outer_lr, config.outer_momentum, codec=wire.codec,
                            error_feedback=config.error_feedback)
         try:
-            fused.warm_up(len(islands))
+            fused.warm_up(len(islands), sum(p.numel() for p in islands[0].params))
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
+            if type(e).__name__ == "FailOnRecompileLimitHit":  # torch._dynamo.exc's: it compiled, too often
+                self._give_up(e)
+                return None
             raise ConfigError(f"outer_kernel: torch.compile cannot build the round here ({exception_line(e)}); pass "
                               "--outer-kernel eager") from None
         for island in islands:  # one vector per island: the compiled loop is one call
@@ -155,26 +160,33 @@ class DiLoCo(OuterRounds):
         if any(v is None for v in views) or (residuals is not None and any(
                 r is None or r.shape != globals_.shape or r.device.type != "cpu" for r in residuals)):
             return False
-        try:  # torch.compile fails at a compile, before a loop reads or writes anything
+        try:  # a compile that fails does so before anything is written (FusedRound.apply)
             finite = self.fused.apply(globals_, momentum, views, weights, residuals=residuals,
                                       generators=self.wire.generators_for("cpu"))
             if finite is None:  # a pseudo-gradient is not finite: nothing written
                 return False
         except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
-            self.fused, self.compile_skipped = None, exception_line(e)
-            warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
-                          RuntimeWarning, stacklevel=2)
+            self._give_up(e)
             return False
+        codec_s = self.fused.codec_s
+        if self.fused.given_up is not None:  # the step's loop failed; the round ended uncompiled
+            self._give_up(self.fused.given_up)
         self.outer.version += 1
         if codec is None:
             self.comm.charge_mean(self.numel * 4)  # the all-reduce of the eager round's fp32 mean
         else:
-            self.comm.charge_mean(codec.payload_bytes(self.numel), codec_s=self.fused.codec_s)
+            self.comm.charge_mean(codec.payload_bytes(self.numel), codec_s=codec_s)
         if not (finite or all_finite(globals_)):
             raise Diverged(steps_done, "the global model is not finite after the outer step")
         self.clocks[0].commit(self.islands, steps_done)
         self.compiled_rounds += 1
         return True
+
+    def _give_up(self, why: Exception | str) -> None:
+        """The eager round from now on, said once (a warning) and in the summary's ``outer_kernel_skipped``."""
+        self.fused, self.compile_skipped = None, why if isinstance(why, str) else exception_line(why)
+        warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
+                      RuntimeWarning, stacklevel=3)
 
     def summary(self) -> dict[str, Any]:
         compiled = {} if self.config.outer_kernel != "compiled" else {
