@@ -95,9 +95,9 @@ def measure(size: int, repeats: int, codec: str) -> dict:
     compiled_s = best(lambda r: compiled.outer_step(32 + 8 * r))
     assert compiled.fused is not None
     views = [island.contiguous_params() for island in islands]
-    # the separate finite check runs for fp32 (and with error feedback); a codec's mean loop checks the scales
-    folded = compiled.fused.codec is not None and not compiled.fused.error_feedback
-    check_s = None if folded else best(lambda r: compiled.fused.finite_deltas(compiled.outer.params.detach(), views))
+    # the separate finite check runs for fp32 (and with error feedback); else a codec's mean loop checks the scales
+    check_s = None if not compiled.fused.separate_check else best(
+        lambda r: compiled.fused.finite_deltas(compiled.outer.params.detach(), views))
     one_pass = outer_round.memory_pass(numel, repeats)
     return {"codec": codec, "size_m": size, "params": numel, "eager_ns_per_param": eager_s / numel * 1e9,
             "compiled_ns_per_param": compiled_s / numel * 1e9, "pass_ns_per_param": one_pass / numel * 1e9,

@@ -34,19 +34,18 @@ one compiled loop over the blocks into a buffer kept for the mean, then a second
 memory at every call). Without error feedback the first loop writes nothing of the caller's, so it is the finite
 check too: a block's scale is NaN or inf where one of its elements is, and the scales' sum per island is read
 with them (the separate check's pass saved); with error feedback it writes the residuals, and the separate check
-runs first. The integers, scales and residuals are the codec's own bit for
-bit on the same inputs (the same float32 operations; stochastic rounding draws ``u`` from each island's random
-source as the codec does: tests/test_fused_round.py), and nothing is packed: the islands are in one process, so
-the bytes are counted from the codec's payload size, not sent. A partial last block runs the same function
-uncompiled.
+runs first. The integers, scales and residuals are the codec's own bit for bit on the same inputs (the same
+float32 operations; stochastic rounding draws ``u`` from each island's random source as the codec does:
+tests/test_fused_round.py), and nothing is packed: the islands are in one process, so the bytes are counted from
+the codec's payload size, not sent. A partial last block runs the same function uncompiled.
 
 The floats are not the eager round's bit for bit: the compiled loop adds in its own order and may contract a
 multiply and an add into one (bench/out/fused_round; tests/test_fused_round.py bounds it). With a codec the next
 round quantizes globals that differ in their last bits, so a value on the edge of a rounding step may round the
 other way; with error feedback that difference is carried on, and a few elements drift apart by up to one step of
-the codec's rounding (still the codec's error, not a wrong sum). So it is a setting,
-``outer_kernel = "compiled"``, not the default. Compiling takes a few seconds, once per process (inductor's
-C++ backend: it needs a C++ compiler on the machine).
+the codec's rounding (still the codec's error, not a wrong sum). So it is a setting, ``outer_kernel =
+"compiled"``, not the default. Compiling takes a few seconds, once per process (inductor's C++ backend: it needs
+a C++ compiler on the machine).
 """
 
 from __future__ import annotations
@@ -156,6 +155,7 @@ def _compiled(name: str) -> Any:
 
     return call
 
+
 class FusedRound:
     """The compiled outer round of K islands held in this process on the CPU (module docstring).
 
@@ -188,6 +188,18 @@ class FusedRound:
         self._draws: list[torch.Tensor] = []  # stochastic rounding's U[0, 1) per island, kept likewise
         self.codec_s = 0.0  # seconds the last round's quantized mean took (wall clock): its codec work
         self.given_up: str | None = None  # why the step's compiled loop failed (the round then ended uncompiled)
+
+    @property
+    def separate_check(self) -> bool:
+        """Whether a round runs :meth:`finite_deltas` before its loops: fp32 (its one loop writes the islands), or
+        a codec with error feedback (the mean's loop writes the residuals); else the block scales are the check."""
+        return self.codec is None or self.error_feedback
+
+    def _blockwise(self, islands: int) -> Any:
+        """The quantized mean's function over whole blocks: compiled, but for one island with error feedback,
+        which inductor (torch 2.13) cannot build (a KeyError in its outer-loop fusion): the same operations
+        uncompiled."""
+        return _quantized_mean if islands == 1 and self.error_feedback else _compiled("quantized_mean")
 
     @staticmethod
     def _check(globals_: torch.Tensor, islands: Sequence[torch.Tensor]) -> None:
@@ -232,7 +244,7 @@ class FusedRound:
         momentum = None if float(self.mu) == 0.0 else torch.zeros(n)
         shares = [torch.tensor(1.0 / islands) for _ in range(islands)]
         with torch.no_grad():
-            if self.codec is None or self.error_feedback:
+            if self.separate_check:
                 self.finite_deltas(torch.zeros(n), [torch.zeros(n) for _ in range(islands)])
             if self.codec is None:
                 _compiled("round")(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], shares,
@@ -241,7 +253,7 @@ class FusedRound:
             _compiled("step")(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], torch.zeros(n),
                               self.lr, self.mu)
             bs, blocks = self.codec.block_size, numel // self.codec.block_size
-            if blocks == 0 or (islands == 1 and self.error_feedback):  # (both run uncompiled)
+            if blocks == 0 or self._blockwise(islands) is _quantized_mean:  # (uncompiled)
                 return
             rows = _warm_up_blocks(blocks, bs)
 
@@ -298,7 +310,7 @@ class FusedRound:
             raise ValueError("residuals are needed exactly with error feedback, generators with stochastic rounding")
         if residuals is not None:
             self._check(globals_, residuals)
-        if (self.codec is None or residuals is not None) and not all(self.finite_deltas(globals_, islands)):
+        if self.separate_check and not all(self.finite_deltas(globals_, islands)):
             return None
         shares = [torch.tensor(float(w) / total, dtype=torch.float32) for w in weights]
         with torch.no_grad():
@@ -343,11 +355,8 @@ class FusedRound:
                 self._draws = [torch.empty(n) for _ in generators]
             draws = [torch.rand(n, generator=gen, out=u) for gen, u in zip(generators, self._draws, strict=True)]
         whole = n // bs * bs
-        # one island with error feedback: inductor (torch 2.13) cannot build that graph (a KeyError in its
-        # outer-loop fusion), so its mean runs uncompiled, the same operations
-        blockwise = _quantized_mean if len(islands) == 1 and residuals is not None else _compiled("quantized_mean")
         finite = [True] * len(islands)
-        for a, b, fn in ((0, whole, blockwise), (whole, n, _quantized_mean)):
+        for a, b, fn in ((0, whole, self._blockwise(len(islands))), (whole, n, _quantized_mean)):
             if b == a:
                 continue
 

@@ -101,7 +101,9 @@ class DiLoCo(OuterRounds):
         try:
             fused.warm_up(len(islands), sum(p.numel() for p in islands[0].params))
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
-            if type(e).__name__ == "FailOnRecompileLimitHit":  # torch._dynamo.exc's: it compiled, too often
+            from torch._dynamo.exc import FailOnRecompileLimitHit  # (loaded by the compile: no start-up cost)
+
+            if isinstance(e, FailOnRecompileLimitHit):  # it compiled, too often in this process
                 self._give_up(e)
                 return None
             raise ConfigError(f"outer_kernel: torch.compile cannot build the round here ({exception_line(e)}); pass "
