@@ -38,7 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import outer_round  # noqa: E402  (bench/: the model and islands of the outer-round study)
 
 
-def measure(size: int, repeats: int, codec: str) -> dict:
+def _window(strategy, r: int) -> None:  # noqa: ANN001
+    """One outer round: diloco's, or a window of streaming's (every fragment started and merged, tau = 0)."""
+    if strategy.name == "diloco":
+        strategy.outer_step(32 + 8 * r)
+        return
+    for p in range(len(strategy.outers)):
+        strategy._start(p, 32 + 8 * r + p, overlap=0)
+
+
+def measure(size: int, repeats: int, codec: str, strategy_name: str = "diloco") -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -46,60 +55,73 @@ def measure(size: int, repeats: int, codec: str) -> dict:
     from atoll.runtime.local import LocalComm
     from atoll.runtime.network import Link, SimClock
     from atoll.strategies.diloco import DiLoCo
+    from atoll.strategies.streaming import StreamingDiLoCo
 
+    cls = DiLoCo if strategy_name == "diloco" else StreamingDiLoCo
+    own = {} if strategy_name == "diloco" else {"fragments": outer_round.FRAGMENTS, "overlap_steps": 0,
+                                                "mixing_alpha": 0.5}
     hidden, layers, vocab = outer_round.SHAPES[size]
     model = outer_round.llama_like(hidden, layers, vocab, seed=0)
     numel = sum(p.numel() for p in model.parameters())
     islands = None
     runs, built_s = {}, {}
     for kernel in ("eager", "compiled"):  # two strategies, each with its outer optimizer, over the same islands
-        config = TrainConfig(strategy="diloco", islands=2, steps=100, warmup_steps=0, codec=codec, sync_every=8,
-                             model="tiny", outer_kernel=kernel)
+        config = TrainConfig(strategy=strategy_name, islands=2, steps=100, warmup_steps=0, codec=codec, sync_every=8,
+                             model="tiny", outer_kernel=kernel, **own)
         if islands is None:
             islands = outer_round._islands(model, config, 2)
             del model
         comm = LocalComm(2, Link.from_config(100, 10), SimClock(2))
         t0 = time.perf_counter()
-        runs[kernel] = outer_round._strategy(DiLoCo, config, islands, comm)
+        runs[kernel] = outer_round._strategy(cls, config, islands, comm)
         built_s[kernel] = time.perf_counter() - t0
     eager, compiled = runs["eager"], runs["compiled"]
     compile_s = built_s["compiled"] - built_s["eager"]  # the compiled strategy compiles as it is built
     for strategy in (eager, compiled):  # the first round starts the outer momentum (eager either way)
         outer_round._nudge(islands)
-        strategy.outer_step(8)
+        _window(strategy, 0)
 
-    def state(strategy: DiLoCo) -> tuple[dict, list[torch.Tensor]]:
-        return strategy.outer.state_dict(), [i.flat_params() for i in islands]
+    def globals_(strategy) -> torch.Tensor:  # noqa: ANN001
+        return torch.cat([o.params.detach() for o in strategy.outers])
 
-    def restore(strategy: DiLoCo, saved: tuple[dict, list[torch.Tensor]]) -> None:
-        strategy.outer.load_state_dict(saved[0])
+    def state(strategy) -> tuple[list[dict], list[torch.Tensor]]:  # noqa: ANN001
+        return [o.state_dict() for o in strategy.outers], [i.flat_params() for i in islands]
+
+    def restore(strategy, saved: tuple[list[dict], list[torch.Tensor]]) -> None:  # noqa: ANN001
+        for outer, st in zip(strategy.outers, saved[0], strict=True):
+            outer.load_state_dict(st)
         for island, flat in zip(islands, saved[1], strict=True):
             island.set_flat_params(flat)
 
     # the same state through both: the next globals' largest difference
     outer_round._nudge(islands)
     start = state(eager)
-    eager.outer_step(24)
-    eager_globals = eager.outer.params.detach().clone()
+    before = globals_(eager)
+    _window(eager, 1)
+    eager_globals = globals_(eager)
     restore(compiled, start)
     rounds_before = compiled.compiled_rounds
-    compiled.outer_step(24)
-    assert compiled.compiled_rounds == rounds_before + 1, "the compiled round did not run"
-    diff = float((compiled.outer.params.detach() - eager_globals).abs().max())
-    step = float((eager_globals - start[0]["params"]).abs().max())
+    _window(compiled, 1)
+    assert compiled.compiled_rounds == rounds_before + len(compiled.outers), "the compiled round did not run"
+    diff = float((globals_(compiled) - eager_globals).abs().max())
+    step = float((eager_globals - before).abs().max())
 
     def best(round_) -> float:  # noqa: ANN001  (a warm-up round, then the least of ``repeats``, each after a nudge)
         return min(outer_round._timed_rounds(repeats, lambda r: outer_round._nudge(islands), round_))
 
-    eager_s = best(lambda r: eager.outer_step(32 + 8 * r))
-    compiled_s = best(lambda r: compiled.outer_step(32 + 8 * r))
+    eager_s = best(lambda r: _window(eager, 2 + r))
+    compiled_s = best(lambda r: _window(compiled, 2 + r))
     assert compiled.fused is not None
     views = [island.contiguous_params() for island in islands]
-    # the separate finite check runs for fp32 (and with error feedback); else a codec's mean loop checks the scales
-    check_s = None if not compiled.fused.separate_check else best(
-        lambda r: compiled.fused.finite_deltas(compiled.outer.params.detach(), views))
+    # diloco's separate finite check runs for fp32 (and with error feedback), streaming's with error feedback only;
+    # else the mean's loop checks (its sums of the pseudo-gradients, or of a codec's block scales)
+    separate = compiled.fused.separate_check if strategy_name == "diloco" else compiled.fused.error_feedback
+    check_s = None if not separate else best(
+        lambda r: [compiled.fused.finite_deltas(o.params.detach(), views, layout)
+                   for o, layout in zip(compiled.outers, getattr(compiled, "layouts", [None]), strict=True)])
     one_pass = outer_round.memory_pass(numel, repeats)
-    return {"codec": codec, "size_m": size, "params": numel, "eager_ns_per_param": eager_s / numel * 1e9,
+    return {"strategy": strategy_name, "codec": codec, "size_m": size, "params": numel,
+            "eager_ns_per_param": eager_s / numel * 1e9,
             "compiled_ns_per_param": compiled_s / numel * 1e9, "pass_ns_per_param": one_pass / numel * 1e9,
             "eager_passes": eager_s / one_pass, "compiled_passes": compiled_s / one_pass,
             "finite_check_passes": None if check_s is None else check_s / one_pass, "compile_s": compile_s,
@@ -112,21 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10,50", help="model sizes in millions: "
                         + ",".join(map(str, outer_round.SHAPES)))
     parser.add_argument("--codecs", default="fp32,int4", help="the exchange's codecs: fp32, int8, int4")
+    parser.add_argument("--strategies", default="diloco,streaming", help="diloco, streaming (P = 4, tau = 0)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "fused_round")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(measure(args.worker, args.repeats, args.codecs)))
+        print(json.dumps(measure(args.worker, args.repeats, args.codecs, args.strategies)))
         return 0
     import subprocess
 
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for codec, size in ((c, int(s)) for c in args.codecs.split(",") for s in args.sizes.split(",")):
+    for name, codec, size in ((n, c, int(s)) for n in args.strategies.split(",") for c in args.codecs.split(",")
+                              for s in args.sizes.split(",")):
         before = outer_round.load()
         proc = subprocess.run([sys.executable, __file__, "--worker", str(size), "--repeats", str(args.repeats),
-                               "--codecs", codec], env=env, capture_output=True, text=True, check=False)
+                               "--codecs", codec, "--strategies", name], env=env, capture_output=True, text=True,
+                              check=False)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             return 1
@@ -135,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["OMP_NUM_THREADS=1 python bench/fused_round.py", *(argv or sys.argv[1:])])
     (args.out / "results.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    lines = ["# diloco's outer round (K = 2): outer_kernel eager against compiled", "",
+    lines = ["# The outer round (K = 2; streaming: a window of P = 4 fragments, tau = 0): outer_kernel eager against "
+             "compiled", "",
              f"Command: `{command}`; one torch thread; torch {__import__('torch').__version__}.", "",
-             "| codec | params | eager ns/param | eager passes | compiled ns/param | "
+             "| strategy | codec | params | eager ns/param | eager passes | compiled ns/param | "
              "compiled passes (its finite check's) | eager / compiled | globals' largest difference (largest step) | "
              "compile s | load 1 min |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['codec']} | {r['params'] / 1e6:.1f}M | {r['eager_ns_per_param']:.2f} | "
+        lines.append(f"| {r['strategy']} | {r['codec']} | {r['params'] / 1e6:.1f}M | {r['eager_ns_per_param']:.2f} | "
                      f"{r['eager_passes']:.1f} | "
                      f"{r['compiled_ns_per_param']:.2f} | {r['compiled_passes']:.1f} "
                      + ("(in its mean's loop)" if r["finite_check_passes"] is None

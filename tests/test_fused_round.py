@@ -265,13 +265,13 @@ def test_a_loop_that_fails_to_compile_mid_round_leaves_the_state_whole(monkeypat
     parts, residuals = [g + 0.01 * torch.randn(n) for _ in range(2)], [torch.full((n,), 1e-3) for _ in range(2)]
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
     saved = [t.clone() for t in (g, m, *parts, *residuals)] + [gen.get_state() for gen in generators]
-    monkeypatch.setattr(fr, "_compiled", failing("quantized_mean"))
+    monkeypatch.setattr(fr, "_compiled", failing("quantized_means"))
     with pytest.raises(RuntimeError, match="FailOnRecompileLimitHit"):
         fused.apply(g, m, parts, [1.0, 1.0], residuals=residuals, generators=generators)
     after = [g, m, *parts, *residuals] + [gen.get_state() for gen in generators]
     assert all(torch.equal(a, b) for a, b in zip(after, saved, strict=True))
 
-    monkeypatch.setattr(fr, "_compiled", failing("step"))
+    monkeypatch.setattr(fr, "_compiled", failing("merge"))
     twin = FusedRound(0.7, 0.5, codec=lossy, error_feedback=True)  # the same round, every loop compiled
     g2, m2, parts2, residuals2 = g.clone(), m.clone(), [p.clone() for p in parts], [r.clone() for r in residuals]
     generators2 = [torch.Generator().manual_seed(i) for i in range(2)]

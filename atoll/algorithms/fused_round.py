@@ -53,25 +53,44 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import torch
 
 from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.fragments import FlatFragment
 from atoll.algorithms.quantize import _IntCodec
 from atoll.errors import exception_line
 
-__all__ = ["FusedRound"]
+__all__ = ["FusedRound", "Layout"]
 
 #: the length the loops are first compiled at: above 4096, where inductor's reductions specialize their
 #: accumulation, so that a model's vector (longer) reuses the graphs instead of compiling them again
 WARM_UP_NUMEL = 1 << 16
 
 
-def _delta_sums(g: torch.Tensor, islands: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Σ(θ − θ_i) for each island: 0-d float32 tensors (read only)."""
-    return [(g - p).sum() for p in islands]
+def _delta_sums(gs: list[torch.Tensor], islands: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Σ(θ − θ_i) for each island over the spans of a :class:`Layout` (``gs[j]`` and ``islands[i][j]`` span j's
+    elements): 0-d float32 tensors (read only)."""
+    return [sum((g - p).sum() for g, p in zip(gs, spans, strict=True)) for spans in islands]
+
+
+def _means(gs: list[torch.Tensor], islands: list[list[torch.Tensor]], shares: list[torch.Tensor],
+           outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 mean Δ̄ = Σ a_i (θ − θ_i) into ``outs``, span by span (as :func:`_delta_sums`); returns each
+    island's Σ(θ − θ_i), finite exactly when its pseudo-gradient is (the loop writes only ``outs``, so it is the
+    finite check too)."""
+    sums = [torch.zeros(()) for _ in islands]
+    for j, (g, out) in enumerate(zip(gs, outs, strict=True)):
+        mean = None
+        for i, (spans, a) in enumerate(zip(islands, shares, strict=True)):
+            delta = g - spans[j]
+            sums[i] = sums[i] + delta.sum()
+            mean = delta * a if mean is None else mean + delta * a
+        out.copy_(mean)
+    return sums
 
 
 def _quantized_mean(g: torch.Tensor, islands: list[torch.Tensor], residuals: list[torch.Tensor] | None,
@@ -101,9 +120,25 @@ def _quantized_mean(g: torch.Tensor, islands: list[torch.Tensor], residuals: lis
     return sums
 
 
+def _quantized_means(gs: list[torch.Tensor], islands: list[list[torch.Tensor]],
+                     residuals: list[list[torch.Tensor]] | None, draws: list[list[torch.Tensor]] | None,
+                     shares: list[torch.Tensor], outs: list[torch.Tensor], qmax: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`_quantized_mean` over chunks of whole blocks (``gs[j]``, ``islands[i][j]``, ... chunk j, each
+    ``(blocks, block_size)``), in one loop; returns each island's Σ of its block scales over every chunk."""
+    sums = [torch.zeros(()) for _ in islands]
+    for j, g in enumerate(gs):
+        part = _quantized_mean(g, [spans[j] for spans in islands],
+                               None if residuals is None else [r[j] for r in residuals],
+                               None if draws is None else [u[j] for u in draws], shares, outs[j], qmax)
+        sums = [s + x for s, x in zip(sums, part, strict=True)]
+    return sums
+
+
 def _step(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor], mean: torch.Tensor,
-          lr: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """The outer step from the mean Δ̄ and the islands' restart, in place; returns Σ of the new θ (0-d float32)."""
+          lr: torch.Tensor, mu: torch.Tensor, alpha: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The outer step from the mean Δ̄, then the islands: restarted from the new θ (``alpha`` None), or mixed,
+    θ_i ← α θ_i + (1 − α) θ (Streaming DiLoCo, arXiv:2501.18512 §2.3; ``alpha`` = (α, 1 − α), 0-d float32); in
+    place; returns Σ of the new θ (0-d float32)."""
     if m is None:  # plain SGD (outer momentum 0)
         new_g = g - mean * lr
     else:
@@ -112,8 +147,19 @@ def _step(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor], 
         m.copy_(new_m)
     g.copy_(new_g)
     for p in islands:
-        p.copy_(new_g)
+        p.copy_(new_g if alpha is None else p * alpha[0] + new_g * alpha[1])
     return new_g.sum()
+
+
+def _merge(gs: list[torch.Tensor], ms: list[torch.Tensor] | None, means: list[torch.Tensor],
+           islands: list[list[torch.Tensor]], lr: torch.Tensor, mu: torch.Tensor,
+           alpha: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """:func:`_step` span by span (as :func:`_delta_sums`); returns Σ of the new θ (0-d float32)."""
+    total = torch.zeros(())
+    for j, g in enumerate(gs):
+        total = total + _step(g, None if ms is None else ms[j], [spans[j] for spans in islands], means[j], lr, mu,
+                              alpha)
+    return total
 
 
 def _round(g: torch.Tensor, m: torch.Tensor | None, islands: list[torch.Tensor], shares: list[torch.Tensor],
@@ -146,7 +192,8 @@ RECOMPILE_LIMIT = 64
 def _compiled(name: str) -> Any:
     """The compiled function ``name`` (one per process; dynamic shapes: one graph for every length), called with
     torch's recompile limit at :data:`RECOMPILE_LIMIT` (for these functions only)."""
-    fn = {"delta_sums": _delta_sums, "round": _round, "quantized_mean": _quantized_mean, "step": _step}[name]
+    fn = {"delta_sums": _delta_sums, "round": _round, "quantized_means": _quantized_means,
+          "means": _means, "merge": _merge}[name]
     compiled = torch.compile(fn, dynamic=True, fullgraph=True)
 
     def call(*args: Any) -> Any:
@@ -156,13 +203,91 @@ def _compiled(name: str) -> Any:
     return call
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where the outer optimizer's vector (the whole model's, or one fragment's, in its element order) lies in an
+    island's flat parameter vector (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`).
+
+    Attributes:
+        spans: ``(offset, start, length)``: the vector's elements [offset, offset + length) are the flat vector's
+            [start, start + length); in the vector's order, together all of it. The whole model is one span; a
+            fragment of strided layers (:class:`~atoll.algorithms.fragments.FlatFragment`) one per run of adjacent
+            ranges: about one per layer, plus the embedding's and the final norm's rows.
+    """
+
+    spans: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def whole(cls, numel: int) -> Layout:
+        """The whole model: its vector is the flat vector."""
+        return cls(((0, 0, numel),) if numel else ())
+
+    @classmethod
+    def of(cls, fragment: FlatFragment) -> Layout:
+        """A fragment's ranges of the flat vector, adjacent ones joined."""
+        spans: list[tuple[int, int, int]] = []
+        offset = 0
+        for a, b in fragment.ranges:
+            if spans and spans[-1][1] + spans[-1][2] == a:
+                spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + b - a)
+            elif b > a:
+                spans.append((offset, a, b - a))
+            offset += b - a
+        return cls(tuple(spans))
+
+    @property
+    def numel(self) -> int:
+        """Elements of the vector."""
+        return sum(n for _, _, n in self.spans)
+
+    @property
+    def flat_numel(self) -> int:
+        """The least length of a flat vector that holds every span."""
+        return max((start + n for _, start, n in self.spans), default=0)
+
+    def of_vector(self, vector: torch.Tensor) -> list[torch.Tensor]:
+        """The vector's spans: views (detached: a view's base would be guarded by the compiled loops)."""
+        return [vector[o:o + n].detach() for o, _, n in self.spans]
+
+    def of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """An island's flat vector's spans, in the vector's order: views (writing them writes the island)."""
+        return [flat[start:start + n].detach() for _, start, n in self.spans]
+
+    def gather(self, flat: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """The vector's elements [a, b) from an island's flat vector: a copy, (b − a,) float32."""
+        return torch.cat([flat[start + max(a, o) - o:start + min(b, o + n) - o]
+                          for o, start, n in self.spans if o < b and a < o + n])
+
+    def chunks(self, block_size: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """The vector cut for a block codec: chunks ``(offset, start, length)`` of whole blocks, each inside one
+        span (the compiled loop's), and the rest as vector ranges [a, b): blocks across two spans and a partial
+        last block (a few per fragment, run uncompiled on gathered copies)."""
+        chunks: list[tuple[int, int, int]] = []
+        rest: list[tuple[int, int]] = []
+        covered = 0  # the vector's elements before this are in a chunk or in the rest
+        for o, start, n in self.spans:
+            a, b = -(-o // block_size) * block_size, (o + n) // block_size * block_size
+            if b > a:
+                if a > covered:
+                    rest.append((covered, a))
+                chunks.append((a, start + a - o, b - a))
+                covered = b
+        if covered < self.numel:
+            rest.append((covered, self.numel))
+        return chunks, rest
+
+
 class FusedRound:
     """The compiled outer round of K islands held in this process on the CPU (module docstring).
 
-    Each island's parameters are one 1-D float32 vector here, the length of the globals (its parameters made
-    contiguous: :meth:`atoll.job.flat_views.FlatViews.make_contiguous`): each loop is then one call, where one
+    Each island's parameters are one 1-D float32 vector here (its parameters made contiguous:
+    :meth:`atoll.job.flat_views.FlatViews.make_contiguous`): each loop is then one call over a few spans, where one
     call per parameter tensor would pay a compiled call's fixed cost (its guards) per tensor, more than the
     arithmetic of a small one (bench/out/fused_round).
+
+    Two ways to use it: :meth:`apply`, diloco's whole round at once; or :meth:`mean` then, later, :meth:`merge`,
+    Streaming DiLoCo's two halves of a fragment's round (the mean is exchanged while the islands train on, then
+    the outer step and the mixing), over the fragment's :class:`Layout`.
 
     Args:
         lr: the outer learning rate η.
@@ -184,52 +309,78 @@ class FusedRound:
         self.codec = codec
         self.qmax = torch.tensor(float(codec.qmax) if codec is not None else 0.0, dtype=torch.float32)
         self.error_feedback = codec is not None and error_feedback
-        self._mean = torch.empty(0)  # the quantized round's mean Δ̄, kept from round to round (its page faults once)
+        self._means: dict[str, torch.Tensor] = {}  # per key, its mean Δ̄, kept from round to round (page faults once)
         self._draws: list[torch.Tensor] = []  # stochastic rounding's U[0, 1) per island, kept likewise
-        self.codec_s = 0.0  # seconds the last round's quantized mean took (wall clock): its codec work
+        self.codec_s = 0.0  # seconds the last quantized mean took (wall clock): its codec work
         self.given_up: str | None = None  # why the step's compiled loop failed (the round then ended uncompiled)
 
     @property
     def separate_check(self) -> bool:
-        """Whether a round runs :meth:`finite_deltas` before its loops: fp32 (its one loop writes the islands), or
-        a codec with error feedback (the mean's loop writes the residuals); else the block scales are the check."""
+        """Whether :meth:`apply` runs :meth:`finite_deltas` before its loops: fp32 (its one loop writes the
+        islands), or a codec with error feedback (the mean's loop writes the residuals); else the block scales are
+        the check."""
         return self.codec is None or self.error_feedback
 
     def _blockwise(self, islands: int) -> Any:
         """The quantized mean's function over whole blocks: compiled, but for one island with error feedback,
         which inductor (torch 2.13) cannot build (a KeyError in its outer-loop fusion): the same operations
         uncompiled."""
-        return _quantized_mean if islands == 1 and self.error_feedback else _compiled("quantized_mean")
+        return _quantized_means if islands == 1 and self.error_feedback else _compiled("quantized_means")
 
     @staticmethod
-    def _check(globals_: torch.Tensor, islands: Sequence[torch.Tensor]) -> None:
+    def _check(globals_: torch.Tensor, islands: Sequence[torch.Tensor], layout: Layout | None = None) -> None:
+        numel = globals_.numel() if layout is None else layout.flat_numel
+        if layout is not None and layout.numel != globals_.numel():
+            raise ValueError(f"layout of {layout.numel} elements for globals of {globals_.numel()}")
         for p in islands:
-            if p.shape != globals_.shape or p.dtype != torch.float32:
+            if p.dim() != 1 or p.numel() < numel or (layout is None and p.numel() != numel) or (
+                    p.dtype != torch.float32):
                 raise ValueError(f"island of {p.dtype} {tuple(p.shape)} for globals of float32 "
                                  f"{tuple(globals_.shape)}")
 
-    def finite_deltas(self, globals_: torch.Tensor, islands: Sequence[torch.Tensor]) -> list[bool]:
+    def _shares(self, weights: Sequence[float], residuals: Sequence[torch.Tensor] | None,
+                generators: Sequence[torch.Generator] | None, numel: int) -> list[torch.Tensor]:
+        """The islands' shares a_i (0-d float32), once the weights, residuals and generators are found right."""
+        total = float(sum(weights))
+        if total <= 0 or (self.codec is not None and min(weights) <= 0):
+            raise ValueError("weights sum to zero" if total <= 0 else "an island of weight 0 is not encoded")
+        stochastic = self.codec is not None and self.codec.rounding == "stochastic"
+        if (residuals is not None) != self.error_feedback or (generators is not None) != stochastic:
+            raise ValueError("residuals are needed exactly with error feedback, generators with stochastic rounding")
+        for r in residuals or []:
+            if r.shape != (numel,) or r.dtype != torch.float32:
+                raise ValueError(f"residual of {r.dtype} {tuple(r.shape)} for a vector of float32 ({numel},)")
+        return [torch.tensor(float(w) / total, dtype=torch.float32) for w in weights]
+
+    def _momentum(self, momentum: torch.Tensor | None) -> None:
+        if (momentum is None) != (float(self.mu) == 0.0):
+            raise ValueError("the momentum buffer is needed exactly when the outer momentum is not 0")
+
+    def finite_deltas(self, globals_: torch.Tensor, islands: Sequence[torch.Tensor],
+                      layout: Layout | None = None) -> list[bool]:
         """Whether each island's pseudo-gradient θ − θ_i is finite: one read of θ and every θ_i.
 
         Args:
             globals_: θ, float32 (numel,) on the CPU.
-            islands: each island's parameters, float32 (numel,) on the CPU.
+            islands: each island's flat parameters, float32 (numel,) on the CPU; with ``layout``, its spans'.
+            layout: where θ's elements lie in the islands' vectors (default: the whole model, one span).
 
         Returns:
             One bool per island (a finite sum proves every element finite; a sum that overflowed reads as not
             finite, and the caller's eager round then checks element by element).
 
         Raises:
-            ValueError: an island's vector differs from the globals in shape or dtype.
+            ValueError: an island's vector does not fit the globals (shape, dtype).
         """
-        self._check(globals_, islands)
+        self._check(globals_, islands, layout)
+        layout = layout or Layout.whole(globals_.numel())
         with torch.no_grad():  # (the round's grad mode: one graph for both)
-            sums = _compiled("delta_sums")(globals_, list(islands))
+            sums = _compiled("delta_sums")(layout.of_vector(globals_), [layout.of_flat(p) for p in islands])
         return [math.isfinite(float(s)) for s in sums]
 
     def warm_up(self, islands: int, numel: int) -> None:
-        """Compile the loops a round of ``islands`` islands over vectors of ``numel`` elements calls, so that a
-        machine that cannot compile says so before training starts, and no round compiles.
+        """Compile the loops :meth:`apply` calls for ``islands`` islands over vectors of ``numel`` elements, so
+        that a machine that cannot compile says so before training starts, and no round compiles.
 
         On zeros of lengths on the model's side of 4096 elements (blocks, for the quantized mean), where inductor
         specializes its reductions: :data:`WARM_UP_NUMEL` where the model's vector is longer, else its own length;
@@ -250,26 +401,52 @@ class FusedRound:
                 _compiled("round")(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], shares,
                                    self.lr, self.mu)
                 return
-            _compiled("step")(torch.zeros(n), momentum, [torch.zeros(n) for _ in range(islands)], torch.zeros(n),
-                              self.lr, self.mu)
+            _compiled("merge")([torch.zeros(n)], None if momentum is None else [momentum], [torch.zeros(n)],
+                               [[torch.zeros(n)] for _ in range(islands)], self.lr, self.mu, None)
             bs, blocks = self.codec.block_size, numel // self.codec.block_size
-            if blocks == 0 or self._blockwise(islands) is _quantized_mean:  # (uncompiled)
+            if blocks == 0 or self._blockwise(islands) is _quantized_means:  # (uncompiled)
                 return
             rows = _warm_up_blocks(blocks, bs)
 
-            def zeros() -> torch.Tensor:
-                return torch.zeros(rows, bs)
+            def zeros() -> list[torch.Tensor]:
+                return [torch.zeros(rows, bs)]
 
-            _compiled("quantized_mean")(
+            _compiled("quantized_means")(
                 zeros(), [zeros() for _ in range(islands)],
                 [zeros() for _ in range(islands)] if self.error_feedback else None,
                 [zeros() for _ in range(islands)] if self.codec.rounding == "stochastic" else None,
                 shares, zeros(), self.qmax)
 
+    def warm_up_layouts(self, islands: int, layouts: Sequence[Layout], alpha: float) -> None:
+        """Compile the loops :meth:`mean` and :meth:`merge` call for ``islands`` islands over each of ``layouts``
+        (a strategy's fragments), on zeros of their own shapes (so no round compiles: a loop's graph is kept per
+        count of spans and pattern of equal lengths among them, and per side of 4096 elements).
+
+        Raises:
+            Exception: whatever torch.compile raises (as :meth:`warm_up`).
+        """
+        flats = [torch.zeros(max((lay.flat_numel for lay in layouts), default=0)) for _ in range(islands)]
+        seen: set[tuple[tuple[int, int, int], ...]] = set()
+        for layout in layouts:
+            if layout.spans in seen or not layout.numel:
+                continue
+            seen.add(layout.spans)
+            n = layout.numel
+            g = torch.zeros(n)
+            residuals = [torch.zeros(n) for _ in range(islands)] if self.error_feedback else None
+            generators = ([torch.Generator() for _ in range(islands)]
+                          if self.codec is not None and self.codec.rounding == "stochastic" else None)
+            mean = self.mean("warm-up", g, flats, layout, [1.0] * islands, residuals, generators)
+            assert mean is not None
+            with torch.no_grad():
+                _compiled("merge")(*self._merge_args(g, None if float(self.mu) == 0.0 else torch.zeros(n), mean, flats,
+                                                     layout, alpha))
+        self._means.pop("warm-up", None)
+
     def apply(self, globals_: torch.Tensor, momentum: torch.Tensor | None, islands: Sequence[torch.Tensor],
               weights: Sequence[float], residuals: Sequence[torch.Tensor] | None = None,
               generators: Sequence[torch.Generator] | None = None) -> bool | None:
-        """One round in place: θ, m, every island's parameters and, with error feedback, residuals (module
+        """One diloco round in place: θ, m, every island's parameters and, with error feedback, residuals (module
         docstring), once every island's pseudo-gradient θ − θ_i is found finite: by :meth:`finite_deltas` first,
         or, with a codec and no error feedback (whose loop writes nothing of the caller's until the step), by the
         block scales of the quantized mean.
@@ -300,39 +477,111 @@ class FusedRound:
                 before anything is written (the random sources set back).
         """
         self._check(globals_, islands)
-        total = float(sum(weights))
-        if total <= 0 or (self.codec is not None and min(weights) <= 0):
-            raise ValueError("weights sum to zero" if total <= 0 else "an island of weight 0 is not encoded")
-        if (momentum is None) != (float(self.mu) == 0.0):
-            raise ValueError("the momentum buffer is needed exactly when the outer momentum is not 0")
-        stochastic = self.codec is not None and self.codec.rounding == "stochastic"
-        if (residuals is not None) != self.error_feedback or (generators is not None) != stochastic:
-            raise ValueError("residuals are needed exactly with error feedback, generators with stochastic rounding")
-        if residuals is not None:
-            self._check(globals_, residuals)
-        if self.separate_check and not all(self.finite_deltas(globals_, islands)):
-            return None
-        shares = [torch.tensor(float(w) / total, dtype=torch.float32) for w in weights]
-        with torch.no_grad():
-            if self.codec is None:
+        self._momentum(momentum)
+        shares = self._shares(weights, residuals, generators, globals_.numel())
+        if self.codec is None:
+            if not all(self.finite_deltas(globals_, islands)):
+                return None
+            with torch.no_grad():
                 total_sum = _compiled("round")(globals_, momentum, list(islands), shares, self.lr, self.mu)
-                return math.isfinite(float(total_sum))
-            states = None if generators is None else [gen.get_state() for gen in generators]
-            t0 = time.perf_counter()
+            return math.isfinite(float(total_sum))
+        layout = Layout.whole(globals_.numel())
+        mean = self.mean("all", globals_, islands, layout, weights, residuals, generators)
+        if mean is None:
+            return None
+        return self.merge(globals_, momentum, mean, islands, layout)
+
+    def mean(self, key: str, globals_: torch.Tensor, islands: Sequence[torch.Tensor], layout: Layout,
+             weights: Sequence[float], residuals: Sequence[torch.Tensor] | None = None,
+             generators: Sequence[torch.Generator] | None = None) -> torch.Tensor | None:
+        """The first half of a round: the islands' token-weighted mean pseudo-gradient Δ̄ = Σ a_i Δ_i, of what the
+        wire carries (module docstring), in one compiled loop over ``layout``'s spans (a block codec: its whole
+        blocks; the few across two spans' borders and a partial last block uncompiled, on gathered copies). It
+        writes nothing of the caller's but, with error feedback, the residuals; the islands are only read.
+
+        Args:
+            key: names the buffer the mean is written into, kept from call to call (one per fragment).
+            globals_: θ, float32 (layout.numel,) on the CPU.
+            islands: each island's flat parameters, float32 (≥ layout.flat_numel,) on the CPU (read).
+            layout: where θ's elements lie in the islands' vectors.
+            weights, residuals, generators: as :meth:`apply`'s (residuals of θ's length).
+
+        Returns:
+            Δ̄, float32 (layout.numel,): the buffer of ``key``, valid until the next call with that key. None where
+            a pseudo-gradient is not finite (the loop's own sums; with error feedback :meth:`finite_deltas`
+            first): nothing of the caller's written, the random sources set back. With a codec, :attr:`codec_s`
+            then holds the seconds it took.
+
+        Raises:
+            ValueError: as :meth:`apply` (and a layout that does not fit the vectors).
+            Exception: whatever torch.compile raises (the random sources set back, nothing written).
+        """
+        self._check(globals_, islands, layout)
+        shares = self._shares(weights, residuals, generators, globals_.numel())
+        if self.error_feedback and not all(self.finite_deltas(globals_, islands, layout)):
+            return None
+        out = self._means.get(key)
+        if out is None or out.numel() != layout.numel:
+            out = self._means[key] = torch.empty(layout.numel)
+        states = None if generators is None else [gen.get_state() for gen in generators]
+        t0 = time.perf_counter()
+        with torch.no_grad():
             try:  # a compile that fails does so before the loop writes anything; the draws are set back
-                finite = self._quantized_mean(globals_, list(islands), residuals, generators, shares)
+                if self.codec is None:
+                    sums = _compiled("means")(layout.of_vector(globals_), [layout.of_flat(p) for p in islands],
+                                              shares, layout.of_vector(out))
+                    finite = [math.isfinite(float(x)) for x in sums]
+                else:
+                    finite = self._quantized_mean(globals_, list(islands), layout, residuals, generators, shares, out)
             except Exception:
                 self._set_back(generators, states)
                 raise
-            self.codec_s = time.perf_counter() - t0
-            if not all(finite):  # (only without error feedback: with it, checked before)
-                self._set_back(generators, states)
-                return None
+        self.codec_s = time.perf_counter() - t0 if self.codec is not None else 0.0
+        if not all(finite):  # (with error feedback: checked before)
+            self._set_back(generators, states)
+            return None
+        return out
+
+    def _merge_args(self, globals_: torch.Tensor, momentum: torch.Tensor | None, mean: torch.Tensor,
+                    islands: Sequence[torch.Tensor], layout: Layout, alpha: float | None) -> tuple[Any, ...]:
+        mix = None if alpha is None else (torch.tensor(alpha, dtype=torch.float32),
+                                          torch.tensor(1 - alpha, dtype=torch.float32))
+        return (layout.of_vector(globals_), None if momentum is None else layout.of_vector(momentum),
+                layout.of_vector(mean), [layout.of_flat(p) for p in islands], self.lr, self.mu, mix)
+
+    def merge(self, globals_: torch.Tensor, momentum: torch.Tensor | None, mean: torch.Tensor,
+              islands: Sequence[torch.Tensor], layout: Layout, alpha: float | None = None) -> bool:
+        """The second half of a round, in place, in one compiled loop over ``layout``'s spans: the outer step of θ
+        and m from Δ̄ (torch's SGD, Nesterov), then every island restarted from the new θ (``alpha`` None: diloco)
+        or mixed, θ_i ← α θ_i + (1 − α) θ (Streaming DiLoCo, arXiv:2501.18512 §2.3; the eager round's two products
+        and sum, which the loop may contract into one fused multiply-add).
+
+        Args:
+            globals_, momentum: θ and m, float32 (layout.numel,) (m None with μ = 0).
+            mean: Δ̄, float32 (layout.numel,) (:meth:`mean`'s, or a restored checkpoint's).
+            islands: each island's flat parameters (written: the spans only).
+            layout: where θ's elements lie in the islands' vectors.
+            alpha: the mixing weight α of the islands' own parameters, or None.
+
+        Returns:
+            Whether the sum of the new θ is finite. Where the compiled loop fails, the same operations run
+            uncompiled and :attr:`given_up` says why.
+
+        Raises:
+            ValueError: a vector that does not fit (shape, dtype), or the momentum buffer given with μ = 0 or
+                missing with μ > 0.
+        """
+        self._check(globals_, islands, layout)
+        self._momentum(momentum)
+        if mean.shape != globals_.shape:
+            raise ValueError(f"mean of {tuple(mean.shape)} for globals of {tuple(globals_.shape)}")
+        args = self._merge_args(globals_, momentum, mean, islands, layout, alpha)
+        with torch.no_grad():
             try:
-                total_sum = _compiled("step")(globals_, momentum, list(islands), self._mean, self.lr, self.mu)
+                total_sum = _compiled("merge")(*args)
             except Exception as e:  # noqa: BLE001 - the mean (and residuals) are this round's: it ends uncompiled
                 self.given_up = exception_line(e)
-                total_sum = _step(globals_, momentum, list(islands), self._mean, self.lr, self.mu)
+                total_sum = _merge(*args)
         return math.isfinite(float(total_sum))
 
     @staticmethod
@@ -340,33 +589,40 @@ class FusedRound:
         for gen, state in zip(generators or [], states or [], strict=True):
             gen.set_state(state)
 
-    def _quantized_mean(self, globals_: torch.Tensor, islands: list[torch.Tensor],
+    def _quantized_mean(self, globals_: torch.Tensor, islands: list[torch.Tensor], layout: Layout,
                         residuals: Sequence[torch.Tensor] | None, generators: Sequence[torch.Generator] | None,
-                        shares: list[torch.Tensor]) -> list[bool]:
-        """Σ a_i Δ̂_i into ``self._mean``: the whole blocks in one compiled call, a partial last block uncompiled.
+                        shares: list[torch.Tensor], out: torch.Tensor) -> list[bool]:
+        """Σ a_i Δ̂_i into ``out``: the chunks of whole blocks in one compiled call, the rest uncompiled.
         Returns, per island, whether its target was finite (its block scales' sum)."""
         assert self.codec is not None
-        n, bs = globals_.numel(), self.codec.block_size
-        if self._mean.numel() != n:
-            self._mean = torch.empty(n)
+        n, bs = layout.numel, self.codec.block_size
         draws = None
         if generators is not None:
-            if len(self._draws) != len(generators) or self._draws[0].numel() != n:
+            if len(self._draws) != len(generators) or self._draws[0].numel() < n:
                 self._draws = [torch.empty(n) for _ in generators]
-            draws = [torch.rand(n, generator=gen, out=u) for gen, u in zip(generators, self._draws, strict=True)]
-        whole = n // bs * bs
-        finite = [True] * len(islands)
-        for a, b, fn in ((0, whole, self._blockwise(len(islands))), (whole, n, _quantized_mean)):
-            if b == a:
-                continue
+            draws = [torch.rand(n, generator=gen, out=u[:n]) for gen, u in zip(generators, self._draws, strict=True)]
+        chunks, rest = layout.chunks(bs)
+        parts = []
+        if chunks:
+            def vector(t: torch.Tensor) -> list[torch.Tensor]:
+                return [t[o:o + size].view(-1, bs).detach() for o, _, size in chunks]
 
-            def blocks(t: torch.Tensor, a: int = a, b: int = b) -> torch.Tensor:
-                # detached: a view without its base, whose size would be guarded (the warm-up's bases are all
-                # of one size, a model's globals and islands' not: a compile again at the first round)
-                return t[a:b].view(-1, min(bs, b - a)).detach()
+            parts.append(self._blockwise(len(islands))(
+                vector(globals_), [[p[s:s + size].view(-1, bs).detach() for _, s, size in chunks] for p in islands],
+                None if residuals is None else [vector(r) for r in residuals],
+                None if draws is None else [vector(u) for u in draws], shares, vector(out), self.qmax))
+        for a, b in rest:  # whole blocks across spans' borders, then a partial last block: uncompiled
+            whole = a + (b - a) // bs * bs
+            for x, y in ((a, whole), (whole, b)):
+                if y == x:
+                    continue
+                size = min(bs, y - x)
 
-            sums = fn(blocks(globals_), [blocks(p) for p in islands],
-               None if residuals is None else [blocks(r) for r in residuals],
-               None if draws is None else [blocks(u) for u in draws], shares, blocks(self._mean), self.qmax)
-            finite = [f and math.isfinite(float(x)) for f, x in zip(finite, sums, strict=True)]
-        return finite
+                def piece(t: torch.Tensor, x: int = x, y: int = y, size: int = size) -> list[torch.Tensor]:
+                    return [t[x:y].view(-1, size)]
+
+                parts.append(_quantized_means(
+                    piece(globals_), [[layout.gather(p, x, y).view(-1, size)] for p in islands],
+                    None if residuals is None else [piece(r) for r in residuals],
+                    None if draws is None else [piece(u) for u in draws], shares, piece(out), self.qmax))
+        return [all(math.isfinite(float(part[i])) for part in parts) for i in range(len(islands))]

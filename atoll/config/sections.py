@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from atoll.config.section import Section
 
@@ -182,6 +182,31 @@ class CodecSection(Section):
     )
 
 
+#: the codecs the compiled outer round quantizes with (:class:`~atoll.algorithms.fused_round.FusedRound`)
+COMPILED_CODECS = ("fp32", "int8", "int4")
+
+
+class OuterKernelSection(Section):
+    """How the outer round runs: torch ops one by one, or compiled into few passes over the parameters
+    (:mod:`atoll.algorithms.fused_round`; diloco and streaming)."""
+
+    outer_kernel: Literal["eager", "compiled"] = Field(
+        "eager", description="diloco, streaming: how the outer round runs. eager: one torch kernel per operation, "
+        "the reference's floats. compiled: the pseudo-gradients, their (int8/int4: quantized) mean, the outer "
+        "Nesterov step and the islands' restart (streaming: mixing) fused by torch.compile into a few loops over "
+        "the parameters, each read and written about once (atoll.algorithms.fused_round; not the same floats: "
+        "rounded in its own order); needs the local runtime, CPU islands, codec fp32, int8 or int4 (diloco: "
+        "outer_adapt none), and a C++ compiler.")
+
+    @model_validator(mode="after")
+    def _compiled_codecs(self) -> OuterKernelSection:
+        codec = getattr(self, "codec", "fp32")
+        if self.outer_kernel == "compiled" and codec not in COMPILED_CODECS:
+            raise ValueError("outer_kernel: the compiled round fuses an fp32, int8 or int4 mean; pass --codec fp32, "
+                             "int8 or int4, or --outer-kernel eager")
+        return self
+
+
 class FragmentsSection(Section):
     """Fragments of strided layers synced in turn (Streaming DiLoCo, arXiv:2501.18512; Decoupled DiLoCo)."""
 
@@ -243,4 +268,4 @@ RUN_SECTIONS: tuple[type[Section], ...] = (RunSection, ModelSection, DeviceSecti
                                            OutputSection)
 #: the sections some strategies read and share (each strategy's config inherits those it reads), in --help order
 SHARED_SECTIONS: tuple[type[Section], ...] = (SyncSection, AdamWSection, OuterOptimSection, CodecSection,
-                                              FragmentsSection)
+                                              OuterKernelSection, FragmentsSection)

@@ -153,6 +153,15 @@ class Comm(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__}: a mean is computed by the collective itself")
 
+    def start_charged_mean(self, result: torch.Tensor, payload_bytes: float, codec_s: float = 0.0,
+                           weight: float = math.nan) -> Work:
+        """:meth:`charge_mean` without blocking: a :class:`Work` whose ``wait()`` returns ``result``.
+
+        Raises:
+            NotImplementedError: the comm's islands are not all in this process.
+        """
+        raise NotImplementedError(f"{type(self).__name__}: a mean is computed by the collective itself")
+
     def restore_work(self, result: torch.Tensor, done_at: float) -> Work:
         """A :class:`Work` for a collective saved in flight by a checkpoint."""
         return DoneWork(result)

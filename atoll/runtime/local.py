@@ -153,10 +153,18 @@ class LocalComm(Comm):
         :meth:`start_all_reduce_mean`, then its ``wait()``. ``codec_s``: the seconds its codec took (encoding every
         island's payload and decoding them into the mean, in one loop), charged to every island before the
         all-reduce, as each island encodes its own payload and decodes all of them."""
+        self.start_charged_mean(torch.empty(0), payload_bytes, codec_s).wait()
+
+    def start_charged_mean(self, result: torch.Tensor, payload_bytes: float, codec_s: float = 0.0,
+                           weight: float = math.nan) -> LocalWork:
+        """:meth:`charge_mean` without waiting: the all-reduce of a mean the caller computed itself (``result``,
+        which the work's ``wait()`` returns) counted and started on the clock, overlapped with what the islands do
+        next (Streaming DiLoCo's compiled round); ``codec_s`` charged to every island now, as each encodes before
+        it sends; ``weight``: the contributors' weights' sum."""
         if codec_s:
             self.clock.charge_codec([codec_s] * self.islands)
-        LocalWork(torch.empty(0), self.charge_allreduce(payload_bytes, blocking=False), self.clock,
-                  self.clock.last_collective).wait()
+        done_at = self.charge_allreduce(payload_bytes, blocking=False)
+        return LocalWork(result, done_at, self.clock, self.clock.last_collective, weight=weight)
 
     def restore_work(self, result: torch.Tensor, done_at: float) -> LocalWork:
         return LocalWork(result, done_at, self.clock)

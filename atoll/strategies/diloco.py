@@ -8,40 +8,27 @@ every island restarts from them. Communication drops by a factor H against ``ddp
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
 from atoll.algorithms.agreement import AgreementScaler
 from atoll.algorithms.finite import all_finite
-from atoll.algorithms.fused_round import FusedRound
 from atoll.analysis.cost import Cost, Setting, codec_bits
-from atoll.config.sections import AdamWSection, CodecSection
-from atoll.errors import ConfigError, exception_line
+from atoll.config.sections import AdamWSection, CodecSection, OuterKernelSection
 from atoll.job.divergence import Diverged
 from atoll.runtime.network import ring_allreduce_bytes
 from atoll.strategies.base import drop_non_finite, make_wire
+from atoll.strategies.compiled import CompiledRounds, validate
 from atoll.strategies.rounds import OuterRounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
 if TYPE_CHECKING:
-    from atoll.algorithms.wire import Wire
-    from atoll.config.section import RunSettings
     from atoll.job.island import Island
     from atoll.runtime.comm import Comm
 
 
-#: why ``outer_kernel = "compiled"`` is refused: under another runtime, and on an accelerator (the run's config is
-#: checked by :func:`validate`; a strategy built from the API, by ``DiLoCo`` itself)
-NEEDS_LOCAL = ("outer_kernel: the compiled round needs every island in this process; pass --runtime local, or "
-               "--outer-kernel eager")
-#: the codecs the compiled round quantizes with (:class:`~atoll.algorithms.fused_round.FusedRound`)
-COMPILED_CODECS = ("fp32", "int8", "int4")
-NEEDS_CPU = "outer_kernel: the compiled round runs on the CPU; pass --device cpu, or --outer-kernel eager"
-
-
-class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
+class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection, OuterKernelSection):
     """diloco's config: H, the inner AdamW, the outer optimizer, the codec of its pseudo-gradients, and its
     own adaptive outer step."""
 
@@ -49,23 +36,16 @@ class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection):
         "none", description="diloco: an adaptive outer step. agreement: each tensor's share of the outer step "
         "follows how much the islands agree on its pseudo-gradient (its estimated signal share over the "
         "model's mean, at most 2x); the overall outer rate stays outer_lr (atoll.algorithms.agreement).")
-    outer_kernel: Literal["eager", "compiled"] = Field(
-        "eager", description="diloco: how the outer round runs. eager: one torch kernel per operation, the "
-        "reference's floats. compiled: a finite check, then the pseudo-gradients, their mean, the outer Nesterov "
-        "step and the islands' restart fused by torch.compile into one loop over the parameters, each read and "
-        "written once (int8/int4: the quantized mean in a loop of its own, the codec's integers; "
-        "atoll.algorithms.fused_round; not the same floats: rounded in its own order); needs the local runtime, "
-        "CPU islands, codec fp32, int8 or int4, outer_adapt none, and a C++ compiler.")
 
     @model_validator(mode="after")
     def _compiled_round_needs(self) -> DiLoCoConfig:
-        if self.outer_kernel == "compiled" and (self.codec not in COMPILED_CODECS or self.outer_adapt != "none"):
-            raise ValueError("outer_kernel: the compiled round fuses an fp32, int8 or int4 mean and a plain outer "
-                             "step; pass --codec fp32, int8 or int4 and --outer-adapt none, or --outer-kernel eager")
+        if self.outer_kernel == "compiled" and self.outer_adapt != "none":
+            raise ValueError("outer_kernel: the compiled round takes a plain outer step; pass --outer-adapt none, "
+                             "or --outer-kernel eager")
         return self
 
 
-class DiLoCo(OuterRounds):
+class DiLoCo(CompiledRounds, OuterRounds):
     """Synchronous DiLoCo with one outer optimizer over all parameters (rounds: :class:`OuterRounds`)."""
 
     name = "diloco"
@@ -77,40 +57,8 @@ class DiLoCo(OuterRounds):
         self.wire = make_wire(config, comm.local_islands, seed)
         self.agreement = (AgreementScaler([p.numel() for p in islands[0].params])
                           if config.outer_adapt == "agreement" else None)
-        self.compiled_rounds = 0  # rounds the compiled kernel ran (the others ran eager: _compiled_round)
-        self.compile_skipped: str | None = None  # why the compiled round was given up (one line)
-        self.fused = self._fused_round(config, islands, comm, self.wire)
-
-    def _fused_round(self, config: DiLoCoConfig, islands: list[Island], comm: Comm, wire: Wire) -> FusedRound | None:
-        """The compiled round of ``outer_kernel = "compiled"`` (None: eager). Where this process has compiled its
-        loops too many times already (torch's recompile limit: a sweep of many settings in one process), the
-        eager round, said once and in the summary.
-
-        Raises:
-            ConfigError: compiled, but the islands are not all in this process on the CPU, or the machine cannot
-                compile (no C++ compiler, ...).
-        """
-        if config.outer_kernel != "compiled":
-            return None
-        if not comm.in_memory:
-            raise ConfigError(NEEDS_LOCAL)
-        if any(island.device.type != "cpu" for island in islands):
-            raise ConfigError(NEEDS_CPU)
-        fused = FusedRound(config.outer_lr, config.outer_momentum, codec=wire.codec,
-                           error_feedback=config.error_feedback)
-        try:
-            fused.warm_up(len(islands), sum(p.numel() for p in islands[0].params))
-        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
-            from torch._dynamo.exc import FailOnRecompileLimitHit  # (loaded by the compile: no start-up cost)
-
-            if isinstance(e, FailOnRecompileLimitHit):  # it compiled, too often in this process
-                self._give_up(e)
-                return None
-            raise ConfigError(f"outer_kernel: torch.compile cannot build the round here ({exception_line(e)}); pass "
-                              "--outer-kernel eager") from None
-        for island in islands:  # one vector per island: the compiled loop is one call
-            island.make_contiguous()
-        return fused
+        numel = sum(p.numel() for p in islands[0].params)
+        self.fused = self.build_fused(config, islands, comm, self.wire, lambda f: f.warm_up(len(islands), numel))
 
     def outer_step(self, steps_done: int) -> None:
         """Average the islands' pseudo-gradients (weighted by tokens since the last sync) and step.
@@ -168,11 +116,11 @@ class DiLoCo(OuterRounds):
             if finite is None:  # a pseudo-gradient is not finite: nothing written
                 return False
         except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
-            self._give_up(e)
+            self.give_up(e)
             return False
         codec_s = self.fused.codec_s
         if self.fused.given_up is not None:  # the step's loop failed; the round ended uncompiled
-            self._give_up(self.fused.given_up)
+            self.give_up(self.fused.given_up)
         self.outer.version += 1
         if codec is None:
             self.comm.charge_mean(self.numel * 4)  # the all-reduce of the eager round's fp32 mean
@@ -184,17 +132,8 @@ class DiLoCo(OuterRounds):
         self.compiled_rounds += 1
         return True
 
-    def _give_up(self, why: Exception | str) -> None:
-        """The eager round from now on, said once (a warning) and in the summary's ``outer_kernel_skipped``."""
-        self.fused, self.compile_skipped = None, why if isinstance(why, str) else exception_line(why)
-        warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
-                      RuntimeWarning, stacklevel=3)
-
     def summary(self) -> dict[str, Any]:
-        compiled = {} if self.config.outer_kernel != "compiled" else {
-            "outer_rounds_compiled": self.compiled_rounds,
-            **({"outer_kernel_skipped": self.compile_skipped} if self.compile_skipped else {})}
-        return {**super().summary(), **compiled,
+        return {**super().summary(), **self.compiled_summary(self.config.outer_kernel),
                 **(self.agreement.summary() if self.agreement is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
@@ -215,20 +154,6 @@ class DiLoCo(OuterRounds):
     def load_island_state(self, position: int, state: dict[str, Any]) -> None:
         super().load_island_state(position, state)
         self.wire.load_island_state(position, state["wire"])
-
-
-def validate(own: DiLoCoConfig, run: RunSettings) -> None:
-    """``outer_kernel = "compiled"`` runs only where every island is in this process on the CPU.
-
-    Raises:
-        ValueError: compiled under another runtime, or on an accelerator (one line naming the fix).
-    """
-    if own.outer_kernel != "compiled":
-        return
-    if run.runtime != "local":
-        raise ValueError(NEEDS_LOCAL)
-    if run.device not in ("auto", "cpu"):
-        raise ValueError(NEEDS_CPU)
 
 
 def project(config: DiLoCoConfig, s: Setting) -> Cost:

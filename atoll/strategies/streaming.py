@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, model_validator
 
 from atoll.algorithms.fragments import fragments_due
+from atoll.algorithms.fused_round import Layout
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting, codec_bits
-from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
+from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection, OuterKernelSection
 from atoll.runtime.comm import Work
 from atoll.runtime.network import ring_allreduce_bytes
+from atoll.strategies import compiled
 from atoll.strategies.base import drop_non_finite, make_wire, model_fragments
 from atoll.strategies.rounds import Rounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from atoll.runtime.comm import Comm
 
 
-class StreamingConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection):
+class StreamingConfig(RoundsConfig, AdamWSection, CodecSection, OuterKernelSection, FragmentsSection):
     """Streaming DiLoCo's config: H, the inner AdamW, the outer optimizer, the codec (the paper's 4-bit outer
     gradients by default, accumulated in fp32), the fragments (shared with decoupled) and its own overlap and
     mixing."""
@@ -67,14 +69,17 @@ class StreamingConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
 
 
 def validate(own: StreamingConfig, run: RunSettings) -> None:
-    """The run's model can be cut into ``own.fragments`` fragments (its layers bound them).
+    """The run's model can be cut into ``own.fragments`` fragments (its layers bound them), and the compiled round
+    runs where it can (:func:`atoll.strategies.compiled.validate`).
 
     Raises:
-        ValueError: too many fragments for the model (one line naming the fix).
+        ValueError: too many fragments for the model, or the compiled round where it cannot run (one line naming
+            the fix).
     """
     from atoll.job.model import check_fragments  # transformers only when a config is checked
 
     check_fragments(run.model, own.fragments)
+    compiled.validate(own, run)
 
 
 @dataclass
@@ -83,11 +88,17 @@ class _InFlight:
     merge_after_step: int  # 0-based inner step after which the result is merged
     work: Work
     dropped: tuple[bool, ...] = ()  # islands whose contribution was not finite: they adopt the global fragment
+    compiled: bool = False  # the mean came from the compiled loop (outer_kernel compiled)
 
 
-class StreamingDiLoCo(Rounds):
+class StreamingDiLoCo(compiled.CompiledRounds, Rounds):
     """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment
-    (rounds, resets and checkpointed round state per fragment: :class:`~atoll.strategies.rounds.Rounds`)."""
+    (rounds, resets and checkpointed round state per fragment: :class:`~atoll.strategies.rounds.Rounds`).
+
+    With ``outer_kernel = "compiled"`` a fragment's round runs as two compiled loops over its spans
+    (:class:`~atoll.algorithms.fused_round.FusedRound`): at the start, the islands' (quantized) mean, handed to
+    the comm as an exchange in flight; at the merge, the outer step and the mixing into every island. A half
+    that cannot run compiled runs eager (:meth:`_compiled_start`, :meth:`_compiled_merge` say when)."""
 
     name = "streaming"
     fragmented = True
@@ -102,6 +113,9 @@ class StreamingDiLoCo(Rounds):
         super().__init__(config, islands, comm, seed, index=index)
         self.in_flight: list[_InFlight] = []
         self.wire = make_wire(config, comm.local_islands, seed)
+        self.layouts = [Layout.of(f) for f in self.index]  # each fragment's spans of an island's flat vector
+        self.fused = self.build_fused(config, islands, comm, self.wire, lambda f: f.warm_up_layouts(
+            len(islands), self.layouts, config.mixing_alpha))
 
     @property
     def outer(self) -> list[OuterOptimizer]:
@@ -117,30 +131,83 @@ class StreamingDiLoCo(Rounds):
     def _start(self, p: int, step: int, overlap: int | None = None) -> None:
         """Send fragment p's pseudo-gradient; merge it now (tau = 0) or after ``overlap`` more steps."""
         self.reset_diverged()  # a diverged island restarts from the global model before its fragment is taken
-        frag, base = self.index[p], self.outers[p].params.detach()
-        deltas = [island.pseudo_gradient(base, frag) for island in self.islands]  # the fragment's views only
-        deltas, weights, dropped = drop_non_finite(deltas, self.clocks[p].weights(self.islands))
-        self.dropped_updates += sum(dropped)
-        if sum(weights) == 0:  # nothing usable: a zero pseudo-gradient still moves the outer momentum
-            weights = [1.0] * len(weights)
-        work = self.comm.start_all_reduce_mean(deltas, weights=weights, wire=self.wire, key=f"fragment{p}")
+        weights = self.clocks[p].weights(self.islands)
+        work = self._compiled_start(p, weights) if self.fused is not None else None
+        dropped, compiled_mean = [False] * len(self.islands), work is not None
+        if work is None:
+            frag, base = self.index[p], self.outers[p].params.detach()
+            deltas = [island.pseudo_gradient(base, frag) for island in self.islands]  # the fragment's views only
+            deltas, weights, dropped = drop_non_finite(deltas, weights)
+            self.dropped_updates += sum(dropped)
+            if sum(weights) == 0:  # nothing usable: a zero pseudo-gradient still moves the outer momentum
+                weights = [1.0] * len(weights)
+            work = self.comm.start_all_reduce_mean(deltas, weights=weights, wire=self.wire, key=f"fragment{p}")
         self.clocks[p].commit(self.islands, step + 1)
         tau = self.config.overlap_steps if overlap is None else overlap
-        job = _InFlight(p, step + tau, work, tuple(dropped))
+        job = _InFlight(p, step + tau, work, tuple(dropped), compiled=compiled_mean)
         if tau == 0:
             self._merge(job)
         else:
             self.in_flight.append(job)
 
+    def _compiled_start(self, p: int, weights: list[float]) -> Work | None:
+        """Fragment p's mean by the compiled loop (:meth:`FusedRound.mean`), started on the comm as the eager
+        exchange is (its payload: fp32, or the codec's; with a codec, the loop's seconds as its codec time). None,
+        having changed nothing, where the eager start must run: no island trained since the fragment's last round
+        (with a codec: one did not, as the eager exchange does not encode it), an island's parameters are not one
+        vector, an island's error-feedback residual does not exist yet (its first encode keeps it), a
+        pseudo-gradient is not finite (the eager start leaves it out), or the loop failed to compile (given up)."""
+        assert self.fused is not None
+        codec, key = self.wire.codec, f"fragment{p}"
+        if sum(weights) <= 0 or (codec is not None and min(weights) <= 0):
+            return None
+        base, layout = self.outers[p].params.detach(), self.layouts[p]
+        views = [island.contiguous_params() for island in self.islands]
+        residuals = None if self.wire.feedback is None else [f.residual(key) for f in self.wire.feedback]
+        if any(v is None for v in views) or (residuals is not None and any(
+                r is None or r.shape != base.shape or r.device.type != "cpu" for r in residuals)):
+            return None
+        try:  # a compile that fails does so before anything is written (FusedRound.mean)
+            mean = self.fused.mean(key, base, views, layout, weights, residuals=residuals,
+                                   generators=self.wire.generators_for("cpu"))
+        except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
+            self.give_up(e)
+            return None
+        if mean is None:
+            return None
+        payload = layout.numel * 4 if codec is None else codec.payload_bytes(layout.numel)
+        return self.comm.start_charged_mean(mean, payload, self.fused.codec_s, weight=float(sum(weights)))
+
     def _merge(self, job: _InFlight) -> None:
         """Outer step of the fragment with the averaged pseudo-gradient, then mix into every island."""
         p, alpha = job.fragment, self.config.mixing_alpha
-        new_global = self.outers[p].step(job.work.wait())
-        for i, island in enumerate(self.islands):
-            faulty = i < len(job.dropped) and job.dropped[i]
-            island.mix_params(new_global, 0.0 if faulty else alpha, self.index[p])
+        if not self._compiled_merge(job):
+            new_global = self.outers[p].step(job.work.wait())
+            for i, island in enumerate(self.islands):
+                faulty = i < len(job.dropped) and job.dropped[i]
+                island.mix_params(new_global, 0.0 if faulty else alpha, self.index[p])
         if job in self.in_flight:
             self.in_flight.remove(job)
+
+    def _compiled_merge(self, job: _InFlight) -> bool:
+        """Fragment ``job.fragment``'s outer step and mixing by the compiled loop (:meth:`FusedRound.merge`).
+        False, having changed nothing, where the eager merge must run: compiled rounds given up, an island left
+        out of the mean (it adopts the globals instead of mixing), the fragment's outer momentum not started yet
+        (torch's SGD starts it from the first pseudo-gradient), or an island's parameters not one vector."""
+        p = job.fragment
+        outer = self.outers[p]
+        momentum = outer.optimizer.state.get(outer.params, {}).get("momentum_buffer")
+        views = [island.contiguous_params() for island in self.islands]
+        if (self.fused is None or any(job.dropped) or (self.config.outer_momentum > 0 and momentum is None)
+                or any(v is None for v in views)):
+            return False
+        self.fused.merge(outer.params.detach(), momentum if self.config.outer_momentum > 0 else None,
+                         job.work.wait(), views, self.layouts[p], self.config.mixing_alpha)
+        if self.fused.given_up is not None:  # the loop failed; this merge ran uncompiled
+            self.give_up(self.fused.given_up)
+        outer.version += 1
+        self.compiled_rounds += job.compiled
+        return True
 
     def drain(self) -> None:
         """Merge every exchange in flight."""
@@ -152,18 +219,24 @@ class StreamingDiLoCo(Rounds):
         self._start(part, steps_done - 1, overlap=0)
 
     def summary(self) -> dict[str, Any]:
-        return {"fragments": len(self.index), "overlap_steps": self.config.overlap_steps}
+        return {"fragments": len(self.index), "overlap_steps": self.config.overlap_steps,
+                **self.compiled_summary(self.config.outer_kernel)}
 
     def state_dict(self) -> dict[str, Any]:
         in_flight = [{"fragment": j.fragment, "merge_after_step": j.merge_after_step, "done_at": j.work.done_at,
-                      "result": j.work.result_for_checkpoint()} for j in self.in_flight]
-        return {**super().state_dict(), "in_flight": in_flight}  # the rounds' (outer, last_sync_step) per fragment
+                      "result": j.work.result_for_checkpoint(), "compiled": j.compiled} for j in self.in_flight]
+        state = {**super().state_dict(), "in_flight": in_flight}  # the rounds' (outer, last_sync_step) per fragment
+        if self.config.outer_kernel == "compiled":
+            state["outer_rounds_compiled"] = self.compiled_rounds
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self.compiled_rounds = int(state.get("outer_rounds_compiled", 0))
         self.in_flight = [_InFlight(int(j["fragment"]), int(j["merge_after_step"]),
                                     self.comm.restore_work(j["result"], float(j["done_at"])),
-                                    (False,) * len(self.islands)) for j in state["in_flight"]]
+                                    (False,) * len(self.islands), bool(j.get("compiled", False)))
+                          for j in state["in_flight"]]
 
     def island_state(self, position: int) -> dict[str, Any]:
         # whether this island's contribution to each exchange in flight was left out (not finite): it then
