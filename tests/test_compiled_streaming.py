@@ -143,7 +143,8 @@ def _globals(streaming: StreamingDiLoCo) -> torch.Tensor:
 
 @pytest.mark.parametrize("settings", [{"codec": "fp32"}, {"codec": "int4"},
                                       {"codec": "int4", "codec_rounding": "stochastic", "error_feedback": True},
-                                      {"codec": "int8", "outer_momentum": 0.0}])
+                                      {"codec": "int8", "outer_momentum": 0.0},
+                                      {"codec": "fp32", "mixing_alpha": 0.0}])
 def test_a_compiled_streaming_run_gives_the_eager_runs_model_bytes_and_clock(settings: dict) -> None:
     eager, eager_islands, eager_comm = _streaming("eager", **settings)
     run, islands, comm = _streaming("compiled", **settings)
@@ -168,12 +169,14 @@ def test_a_compiled_streaming_run_gives_the_eager_runs_model_bytes_and_clock(set
     assert [o.version for o in run.outers] == [o.version for o in eager.outers] == [4, 4]
 
 
-def test_no_round_compiles() -> None:
-    """The loops are compiled as the strategy is built, on each fragment's own spans."""
+@pytest.mark.parametrize("alpha", [0.5, 0.0])
+def test_no_round_compiles(alpha: float) -> None:
+    """The loops are compiled as the strategy is built, on each fragment's own spans (alpha 0: the merge copies)."""
     from torch._dynamo.utils import counters
 
     config, model, comm, islands, streaming = _setup(StreamingDiLoCo, 2, sync_every=4, fragments=2,
-                                                     overlap_steps=1, outer_kernel="compiled", codec="int4")
+                                                     overlap_steps=1, outer_kernel="compiled", codec="int4",
+                                                     mixing_alpha=alpha)
     graphs = counters["stats"]["unique_graphs"]
     for step in range(12):
         for island in islands:

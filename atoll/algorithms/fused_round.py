@@ -417,10 +417,10 @@ class FusedRound:
                 [zeros() for _ in range(islands)] if self.codec.rounding == "stochastic" else None,
                 shares, zeros(), self.qmax)
 
-    def warm_up_layouts(self, islands: int, layouts: Sequence[Layout], alpha: float) -> None:
-        """Compile the loops :meth:`mean` and :meth:`merge` call for ``islands`` islands over each of ``layouts``
-        (a strategy's fragments), on zeros of their own shapes (so no round compiles: a loop's graph is kept per
-        count of spans and pattern of equal lengths among them, and per side of 4096 elements).
+    def warm_up_layouts(self, islands: int, layouts: Sequence[Layout], alpha: float | None) -> None:
+        """Compile the loops :meth:`mean` and :meth:`merge` (with ``alpha``) call for ``islands`` islands over each
+        of ``layouts`` (a strategy's fragments), on zeros of their own shapes (so no round compiles: a loop's graph
+        is kept per count of spans and pattern of equal lengths among them, and per side of 4096 elements).
 
         Raises:
             Exception: whatever torch.compile raises (as :meth:`warm_up`).

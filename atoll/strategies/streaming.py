@@ -114,8 +114,11 @@ class StreamingDiLoCo(compiled.CompiledRounds, Rounds):
         self.in_flight: list[_InFlight] = []
         self.wire = make_wire(config, comm.local_islands, seed)
         self.layouts = [Layout.of(f) for f in self.index]  # each fragment's spans of an island's flat vector
+        # the compiled merge's mixing weight: alpha 0 copies the globals, as the eager merge does (0 x a NaN would
+        # keep a diverged island's NaN)
+        self.mix = config.mixing_alpha if config.mixing_alpha > 0 else None
         self.fused = self.build_fused(config, islands, comm, self.wire, lambda f: f.warm_up_layouts(
-            len(islands), self.layouts, config.mixing_alpha))
+            len(islands), self.layouts, self.mix))
 
     @property
     def outer(self) -> list[OuterOptimizer]:
@@ -194,19 +197,20 @@ class StreamingDiLoCo(compiled.CompiledRounds, Rounds):
         False, having changed nothing, where the eager merge must run: compiled rounds given up, an island left
         out of the mean (it adopts the globals instead of mixing), the fragment's outer momentum not started yet
         (torch's SGD starts it from the first pseudo-gradient), or an island's parameters not one vector."""
+        if self.fused is None or any(job.dropped):
+            return False
         p = job.fragment
         outer = self.outers[p]
         momentum = outer.optimizer.state.get(outer.params, {}).get("momentum_buffer")
         views = [island.contiguous_params() for island in self.islands]
-        if (self.fused is None or any(job.dropped) or (self.config.outer_momentum > 0 and momentum is None)
-                or any(v is None for v in views)):
+        if (self.config.outer_momentum > 0 and momentum is None) or any(v is None for v in views):
             return False
         self.fused.merge(outer.params.detach(), momentum if self.config.outer_momentum > 0 else None,
-                         job.work.wait(), views, self.layouts[p], self.config.mixing_alpha)
+                         job.work.wait(), views, self.layouts[p], self.mix)
         if self.fused.given_up is not None:  # the loop failed; this merge ran uncompiled
             self.give_up(self.fused.given_up)
         outer.version += 1
-        self.compiled_rounds += job.compiled
+        self.compiled_rounds += int(job.compiled)
         return True
 
     def drain(self) -> None:
