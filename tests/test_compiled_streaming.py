@@ -14,7 +14,8 @@ from test_strategies import _batch, _setup
 
 from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.fragments import FlatFragment
-from atoll.algorithms.fused_round import FusedRound, Layout
+from atoll.algorithms.fused_round import FusedRound
+from atoll.algorithms.layout import Layout
 from atoll.algorithms.merge import average_encoded
 from atoll.algorithms.wire import ErrorFeedback
 from atoll.config import TrainConfig

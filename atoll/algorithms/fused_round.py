@@ -1,4 +1,4 @@
-"""DiLoCo's outer round for islands in one process, compiled into one pass over the parameters.
+"""DiLoCo's and Streaming DiLoCo's outer rounds for islands in one process, compiled into few passes.
 
 The eager round (``DiLoCo.outer_step``) runs one torch kernel per operation: each island's pseudo-gradient
 Δ_i = θ − θ_i into its own buffer, a finite check of each, their token-weighted mean into another, the outer
@@ -44,8 +44,16 @@ multiply and an add into one (bench/out/fused_round; tests/test_fused_round.py b
 round quantizes globals that differ in their last bits, so a value on the edge of a rounding step may round the
 other way; with error feedback that difference is carried on, and a few elements drift apart by up to one step of
 the codec's rounding (still the codec's error, not a wrong sum). So it is a setting, ``outer_kernel =
-"compiled"``, not the default. Compiling takes a few seconds, once per process (inductor's C++ backend: it needs
-a C++ compiler on the machine).
+"compiled"``, not the default.
+
+Streaming DiLoCo (arXiv:2501.18512) splits a fragment's round in two halves τ inner steps apart, so the mean
+reaches memory once between them: :meth:`FusedRound.mean` (the (quantized) mean, over the fragment's spans of
+each island's vector, :class:`~atoll.algorithms.layout.Layout`; its own sums are the finite check, as above) and
+:meth:`FusedRound.merge` (the outer step, then θ_i ← α θ_i + (1 − α) θ over the spans). diloco's quantized
+round is the same two halves over one span; its fp32 round stays one loop.
+
+Compiling takes a few seconds, once per process (inductor's C++ backend: it needs a C++ compiler on the
+machine).
 """
 
 from __future__ import annotations
@@ -53,18 +61,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import torch
 
 from atoll.algorithms.codec_base import Codec
-from atoll.algorithms.fragments import FlatFragment
+from atoll.algorithms.layout import Layout
 from atoll.algorithms.quantize import _IntCodec
 from atoll.errors import exception_line
 
-__all__ = ["FusedRound", "Layout"]
+__all__ = ["FusedRound"]
 
 #: the length the loops are first compiled at: above 4096, where inductor's reductions specialize their
 #: accumulation, so that a model's vector (longer) reuses the graphs instead of compiling them again
@@ -201,80 +208,6 @@ def _compiled(name: str) -> Any:
             return compiled(*args)
 
     return call
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the outer optimizer's vector (the whole model's, or one fragment's, in its element order) lies in an
-    island's flat parameter vector (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`).
-
-    Attributes:
-        spans: ``(offset, start, length)``: the vector's elements [offset, offset + length) are the flat vector's
-            [start, start + length); in the vector's order, together all of it. The whole model is one span; a
-            fragment of strided layers (:class:`~atoll.algorithms.fragments.FlatFragment`) one per run of adjacent
-            ranges: about one per layer, plus the embedding's and the final norm's rows.
-    """
-
-    spans: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def whole(cls, numel: int) -> Layout:
-        """The whole model: its vector is the flat vector."""
-        return cls(((0, 0, numel),) if numel else ())
-
-    @classmethod
-    def of(cls, fragment: FlatFragment) -> Layout:
-        """A fragment's ranges of the flat vector, adjacent ones joined."""
-        spans: list[tuple[int, int, int]] = []
-        offset = 0
-        for a, b in fragment.ranges:
-            if spans and spans[-1][1] + spans[-1][2] == a:
-                spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + b - a)
-            elif b > a:
-                spans.append((offset, a, b - a))
-            offset += b - a
-        return cls(tuple(spans))
-
-    @property
-    def numel(self) -> int:
-        """Elements of the vector."""
-        return sum(n for _, _, n in self.spans)
-
-    @property
-    def flat_numel(self) -> int:
-        """The least length of a flat vector that holds every span."""
-        return max((start + n for _, start, n in self.spans), default=0)
-
-    def of_vector(self, vector: torch.Tensor) -> list[torch.Tensor]:
-        """The vector's spans: views (detached: a view's base would be guarded by the compiled loops)."""
-        return [vector[o:o + n].detach() for o, _, n in self.spans]
-
-    def of_flat(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """An island's flat vector's spans, in the vector's order: views (writing them writes the island)."""
-        return [flat[start:start + n].detach() for _, start, n in self.spans]
-
-    def gather(self, flat: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """The vector's elements [a, b) from an island's flat vector: a copy, (b − a,) float32."""
-        return torch.cat([flat[start + max(a, o) - o:start + min(b, o + n) - o]
-                          for o, start, n in self.spans if o < b and a < o + n])
-
-    def chunks(self, block_size: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
-        """The vector cut for a block codec: chunks ``(offset, start, length)`` of whole blocks, each inside one
-        span (the compiled loop's), and the rest as vector ranges [a, b): blocks across two spans and a partial
-        last block (a few per fragment, run uncompiled on gathered copies)."""
-        chunks: list[tuple[int, int, int]] = []
-        rest: list[tuple[int, int]] = []
-        covered = 0  # the vector's elements before this are in a chunk or in the rest
-        for o, start, n in self.spans:
-            a, b = -(-o // block_size) * block_size, (o + n) // block_size * block_size
-            if b > a:
-                if a > covered:
-                    rest.append((covered, a))
-                chunks.append((a, start + a - o, b - a))
-                covered = b
-        if covered < self.numel:
-            rest.append((covered, self.numel))
-        return chunks, rest
 
 
 class FusedRound:

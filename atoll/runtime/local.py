@@ -159,8 +159,11 @@ class LocalComm(Comm):
                            weight: float = math.nan) -> LocalWork:
         """:meth:`charge_mean` without waiting: the all-reduce of a mean the caller computed itself (``result``,
         which the work's ``wait()`` returns) counted and started on the clock, overlapped with what the islands do
-        next (Streaming DiLoCo's compiled round); ``codec_s`` charged to every island now, as each encodes before
-        it sends; ``weight``: the contributors' weights' sum."""
+        next (Streaming DiLoCo's compiled round); ``weight``: the contributors' weights' sum. ``codec_s``, the
+        fused loop's seconds (every island's encode and decode at once: they cannot be told apart), is charged to
+        every island now, before the all-reduce starts: an upper bound of an island's own encode (charged there by
+        the eager exchange) and its decodes of every payload (charged at ``wait()`` by the eager exchange), so
+        with a codec the simulated exchange ends a little later than the eager one's."""
         if codec_s:
             self.clock.charge_codec([codec_s] * self.islands)
         done_at = self.charge_allreduce(payload_bytes, blocking=False)

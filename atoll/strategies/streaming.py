@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, model_validator
 
 from atoll.algorithms.fragments import fragments_due
-from atoll.algorithms.fused_round import Layout
+from atoll.algorithms.layout import Layout
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection, OuterKernelSection
