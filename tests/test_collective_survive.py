@@ -225,8 +225,11 @@ def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_pat
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)  # anything of this test's session still running
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1, lines[:5]  # no c10d warnings (TORCH_CPP_LOG_LEVEL=ERROR in the ranks)
+    # one line, beside the status line of a tokenizer trained on a cold cache (this test run alone): no c10d
+    # warnings (TORCH_CPP_LOG_LEVEL=ERROR in the ranks), and one rank's line only, whichever rank found the store
+    # gone first (a collective failed by a peer that stopped on it names the store too)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "-token BPE tokenizer" not in ln]
+    assert len(lines) == 1, lines[:5]
     assert lines[0].startswith("atoll: error: the launcher's rendezvous store stopped responding at inner step ")
     assert lines[0].endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
 

@@ -132,14 +132,16 @@ class _Heartbeat:
         self.dropped.difference_update(ranks)
         self.reported.difference_update(ranks)
 
-    def leave(self) -> None:
-        """Say this rank leaves on purpose, and stop beating."""
+    def leave(self) -> str | None:
+        """Say this rank leaves on purpose, and stop beating. Returns None, or why the store did not take the
+        goodbye (it is unreachable: its host is gone)."""
         self.stopped.set()
         try:
             with self.lock:
                 self.store.add(f"bye/{self.rank}", 1)
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - whatever the store's client raises
+            return f"rendezvous store unreachable: {backend_reason(e)}"
+        return None
 
     def find_dead(self, wait_s: float = 3.0) -> int | None:
         """The lowest rank that neither beats nor said goodbye over ``wait_s`` seconds, or None."""

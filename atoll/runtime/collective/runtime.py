@@ -260,11 +260,18 @@ class CollectiveRuntime(Runtime):
 
         Called from the main thread (a failed collective), the heartbeat thread or the SIGTERM handler;
         the first caller wins, later callers return at once (``wait=False``) or block until the exit.
+
+        A failed collective while the launcher's store does not answer is the launcher's loss, not the peer's:
+        every rank stops on it, and the one that stopped first took its peers' collectives down with it, so the
+        line (rank 0's alone, as :meth:`_on_store_lost`'s) names the store, whichever rank's heartbeat or
+        collective found it first.
         """
         if not self._aborting.acquire(blocking=wait):
             return
         if self.heartbeat is not None:
-            self.heartbeat.leave()
+            store_lost = self.heartbeat.leave()
+            if store_lost is not None and self.heartbeat.store_host is None and who is None and not signalled:
+                reason, suspect, who, quiet = store_lost, None, "the launcher's rendezvous store", not self.is_main
             if suspect is None and who is None:
                 suspect = self.heartbeat.find_dead()
             if suspect is not None:  # the launcher kills it if it still runs (frozen)
