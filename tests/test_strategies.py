@@ -35,6 +35,19 @@ def _batch(i: int, step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * i + step))
 
 
+def _graphs_compiled_while_training(strategy, islands, steps: int) -> int:
+    """How many graphs torch compiled while ``strategy`` trained ``islands`` for ``steps`` steps (a compiled
+    round's loops are compiled as the strategy is built: none expected)."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    for step in range(steps):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        strategy.step(step)
+    return counters["stats"]["unique_graphs"] - graphs
+
+
 def test_ddp_equals_one_model_with_k_times_the_batch() -> None:
     k = 3
     config, model, comm, islands, ddp = _setup(DDP, k)

@@ -13,6 +13,8 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from torch import Tensor
+
 from atoll.algorithms.fused_round import FusedRound
 from atoll.errors import ConfigError, exception_line
 
@@ -55,6 +57,8 @@ class CompiledRounds:
     fused: FusedRound | None = None
     compiled_rounds: int = 0
     compile_skipped: str | None = None
+    islands: list[Island]
+    wire: Wire
 
     def build_fused(self, config: Any, islands: list[Island], comm: Comm, wire: Wire,
                     warm_up: Callable[[FusedRound], None]) -> FusedRound | None:
@@ -91,11 +95,33 @@ class CompiledRounds:
             island.make_contiguous()
         return fused
 
+    def compiled_inputs(self, globals_: Tensor, key: str) -> tuple[list[Tensor], list[Tensor] | None] | None:
+        """Every island's parameters as one flat fp32 vector (shape ``(N,)``, where they lie) and, with error
+        feedback, each island's residual of the exchange ``key`` (the shape of ``globals_``, on the CPU): what a
+        compiled loop reads. None where the eager round must run instead: an island's parameters are not one vector
+        (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`), or a residual does not exist yet (its first
+        encode keeps it), has another shape or lies off the CPU."""
+        views = [island.contiguous_params() for island in self.islands]
+        residuals = None if self.wire.feedback is None else [f.residual(key) for f in self.wire.feedback]
+        if any(v is None for v in views) or (residuals is not None and any(
+                r is None or r.shape != globals_.shape or r.device.type != "cpu" for r in residuals)):
+            return None
+        return views, residuals  # type: ignore[return-value]  # (None checked above)
+
     def give_up(self, why: Exception | str) -> None:
         """The eager round from now on, said once (a warning) and in the summary's ``outer_kernel_skipped``."""
         self.fused, self.compile_skipped = None, why if isinstance(why, str) else exception_line(why)
         warnings.warn(f"outer_kernel compiled given up, the eager round from now on: {self.compile_skipped}",
                       RuntimeWarning, stacklevel=3)
+
+    def compiled_state(self, outer_kernel: str) -> dict[str, Any]:
+        """The checkpoint's ``outer_rounds_compiled`` where the setting is compiled (read by
+        :meth:`load_compiled_state`)."""
+        return {"outer_rounds_compiled": self.compiled_rounds} if outer_kernel == "compiled" else {}
+
+    def load_compiled_state(self, state: dict[str, Any]) -> None:
+        """The count of compiled rounds from a checkpoint (0 where it was eager)."""
+        self.compiled_rounds = int(state.get("outer_rounds_compiled", 0))
 
     def compiled_summary(self, outer_kernel: str) -> dict[str, Any]:
         """The summary's ``outer_rounds_compiled`` (and ``outer_kernel_skipped``) where the setting is compiled."""

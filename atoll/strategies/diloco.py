@@ -105,11 +105,10 @@ class DiLoCo(CompiledRounds, OuterRounds):
         if codec is not None and min(weights) <= 0:
             return False
         globals_ = self.outer.params.detach()
-        views = [island.contiguous_params() for island in self.islands]
-        residuals = None if self.wire.feedback is None else [f.residual("all") for f in self.wire.feedback]
-        if any(v is None for v in views) or (residuals is not None and any(
-                r is None or r.shape != globals_.shape or r.device.type != "cpu" for r in residuals)):
+        inputs = self.compiled_inputs(globals_, "all")
+        if inputs is None:
             return False
+        views, residuals = inputs
         try:  # a compile that fails does so before anything is written (FusedRound.apply)
             finite = self.fused.apply(globals_, momentum, views, weights, residuals=residuals,
                                       generators=self.wire.generators_for("cpu"))
@@ -137,14 +136,12 @@ class DiLoCo(CompiledRounds, OuterRounds):
                 **(self.agreement.summary() if self.agreement is not None else {})}
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()  # the rounds' (outer, last_sync_step)
-        if self.config.outer_kernel == "compiled":
-            state["outer_rounds_compiled"] = self.compiled_rounds
+        state = {**super().state_dict(), **self.compiled_state(self.config.outer_kernel)}  # + (outer, last_sync_step)
         return state if self.agreement is None else {**state, "agreement": self.agreement.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.compiled_rounds = int(state.get("outer_rounds_compiled", 0))
+        self.load_compiled_state(state)
         if self.agreement is not None and "agreement" in state:
             self.agreement.load_state_dict(state["agreement"])
 

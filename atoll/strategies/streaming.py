@@ -165,11 +165,10 @@ class StreamingDiLoCo(compiled.CompiledRounds, Rounds):
         if sum(weights) <= 0 or (codec is not None and min(weights) <= 0):
             return None
         base, layout = self.outers[p].params.detach(), self.layouts[p]
-        views = [island.contiguous_params() for island in self.islands]
-        residuals = None if self.wire.feedback is None else [f.residual(key) for f in self.wire.feedback]
-        if any(v is None for v in views) or (residuals is not None and any(
-                r is None or r.shape != base.shape or r.device.type != "cpu" for r in residuals)):
+        inputs = self.compiled_inputs(base, key)
+        if inputs is None:
             return None
+        views, residuals = inputs
         try:  # a compile that fails does so before anything is written (FusedRound.mean)
             mean = self.fused.mean(key, base, views, layout, weights, residuals=residuals,
                                    generators=self.wire.generators_for("cpu"))
@@ -229,14 +228,12 @@ class StreamingDiLoCo(compiled.CompiledRounds, Rounds):
     def state_dict(self) -> dict[str, Any]:
         in_flight = [{"fragment": j.fragment, "merge_after_step": j.merge_after_step, "done_at": j.work.done_at,
                       "result": j.work.result_for_checkpoint(), "compiled": j.compiled} for j in self.in_flight]
-        state = {**super().state_dict(), "in_flight": in_flight}  # the rounds' (outer, last_sync_step) per fragment
-        if self.config.outer_kernel == "compiled":
-            state["outer_rounds_compiled"] = self.compiled_rounds
-        return state
+        # + the rounds' (outer, last_sync_step) per fragment
+        return {**super().state_dict(), "in_flight": in_flight, **self.compiled_state(self.config.outer_kernel)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.compiled_rounds = int(state.get("outer_rounds_compiled", 0))
+        self.load_compiled_state(state)
         self.in_flight = [_InFlight(int(j["fragment"]), int(j["merge_after_step"]),
                                     self.comm.restore_work(j["result"], float(j["done_at"])),
                                     (False,) * len(self.islands), bool(j.get("compiled", False)))
