@@ -18,9 +18,10 @@ that is not finite must be left out of the mean (the eager round drops it), and 
 islands, so it runs only once every sum is finite. The caller runs the eager round otherwise.
 
 Torch compiles each function once per island count, momentum (0 or not), error feedback and rounding, all as the
-strategy is built (no round compiles), at most :data:`RECOMPILE_LIMIT` of them in one process; past that (a sweep
-of many settings in one process), ``DiLoCo`` runs the eager round instead and says so once. A machine that cannot
-compile at all (no C++ compiler) is refused before training starts.
+strategy is built (no round compiles), at most :data:`~atoll.algorithms.compiled_loop.RECOMPILE_LIMIT` of them in
+one process (:mod:`atoll.algorithms.compiled_loop`); past that (a sweep of many settings in one process), the
+strategy runs the eager round instead and says so once. A machine that cannot compile at all (no C++ compiler) is
+refused before training starts.
 
 With a block-integer codec (``int8`` / ``int4``, :class:`~atoll.algorithms.quantize._IntCodec`), the mean is of
 what the wire carries: each island's target t_i = θ − θ_i (+ its error-feedback residual r_i) is cut into blocks of
@@ -61,22 +62,17 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 import torch
 
 from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.compiled_loop import compiled_loop, warm_up_numel
 from atoll.algorithms.layout import Layout
 from atoll.algorithms.quantize import _IntCodec
 from atoll.errors import exception_line
 
 __all__ = ["FusedRound"]
-
-#: the length the loops are first compiled at: above 4096, where inductor's reductions specialize their
-#: accumulation, so that a model's vector (longer) reuses the graphs instead of compiling them again
-WARM_UP_NUMEL = 1 << 16
-
 
 def _delta_sums(gs: list[torch.Tensor], islands: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     """Σ(θ − θ_i) for each island over the spans of a :class:`Layout` (``gs[j]`` and ``islands[i][j]`` span j's
@@ -189,25 +185,10 @@ def _warm_up_blocks(blocks: int, block_size: int) -> int:
     return 2 if block_size != 2 else 3
 
 
-#: graphs each loop may compile in one process: one per island count, momentum (0 or not), error feedback,
-#: rounding and side of 4096 elements that the process's runs use (torch's default, 8, is used up by a sweep of a
-#: few settings in one process; past this, the eager round)
-RECOMPILE_LIMIT = 64
-
-
-@cache
 def _compiled(name: str) -> Any:
-    """The compiled function ``name`` (one per process; dynamic shapes: one graph for every length), called with
-    torch's recompile limit at :data:`RECOMPILE_LIMIT` (for these functions only)."""
-    fn = {"delta_sums": _delta_sums, "round": _round, "quantized_means": _quantized_means,
-          "means": _means, "merge": _merge}[name]
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-
-    def call(*args: Any) -> Any:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return compiled(*args)
-
-    return call
+    """The compiled function ``name`` (:func:`~atoll.algorithms.compiled_loop.compiled_loop`)."""
+    return compiled_loop({"delta_sums": _delta_sums, "round": _round, "quantized_means": _quantized_means,
+                          "means": _means, "merge": _merge}[name])
 
 
 class FusedRound:
@@ -316,15 +297,15 @@ class FusedRound:
         that a machine that cannot compile says so before training starts, and no round compiles.
 
         On zeros of lengths on the model's side of 4096 elements (blocks, for the quantized mean), where inductor
-        specializes its reductions: :data:`WARM_UP_NUMEL` where the model's vector is longer, else its own length;
-        the shapes are dynamic otherwise, so the model's vectors reuse the graphs (tests/test_fused_round.py counts
-        the graphs compiled during a run: none).
+        specializes its reductions (:func:`~atoll.algorithms.compiled_loop.warm_up_numel`); the shapes are dynamic
+        otherwise, so the model's vectors reuse the graphs (tests/test_fused_round.py counts the graphs compiled
+        during a run: none).
 
         Raises:
             Exception: whatever torch.compile raises (no C++ compiler: ``InvalidCxxCompiler``; the process's
                 recompile limit reached: ``FailOnRecompileLimitHit``, ...).
         """
-        n = numel if numel <= 4096 else WARM_UP_NUMEL
+        n = warm_up_numel(numel)
         momentum = None if float(self.mu) == 0.0 else torch.zeros(n)
         shares = [torch.tensor(1.0 / islands) for _ in range(islands)]
         with torch.no_grad():

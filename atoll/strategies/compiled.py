@@ -1,7 +1,8 @@
 """``outer_kernel = "compiled"``: where a strategy's compiled outer round runs, how it is built, and how it gives up.
 
-Shared by diloco (the whole round at once) and streaming (each fragment's round in two halves); the loops
-themselves are :class:`~atoll.algorithms.fused_round.FusedRound`. The setting is checked against the run by
+Shared by diloco (the whole round at once), streaming (each fragment's round in two halves), whose loops are
+:class:`~atoll.algorithms.fused_round.FusedRound`, and sparseloco (the accumulation,
+:class:`~atoll.algorithms.fused_accumulate.FusedAccumulate`). The setting is checked against the run by
 :func:`validate` (a run's config) and again by :meth:`CompiledRounds.build_fused` (a strategy built from the
 API). A process that has compiled these loops too often already (torch's recompile limit: a sweep of many
 settings in one process) runs the eager round instead, said once and in the summary.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from torch import Tensor
 
@@ -30,6 +31,9 @@ NEEDS_LOCAL = ("outer_kernel: the compiled round needs every island in this proc
                "--outer-kernel eager")
 NEEDS_CPU = "outer_kernel: the compiled round runs on the CPU; pass --device cpu, or --outer-kernel eager"
 
+#: a strategy's compiled loops (:class:`FusedRound`, :class:`~atoll.algorithms.fused_accumulate.FusedAccumulate`)
+Loops = TypeVar("Loops")
+
 
 def validate(own: OuterKernelSection, run: RunSettings) -> None:
     """``outer_kernel = "compiled"`` runs only where every island is in this process on the CPU.
@@ -45,29 +49,29 @@ def validate(own: OuterKernelSection, run: RunSettings) -> None:
         raise ValueError(NEEDS_CPU)
 
 
-class CompiledRounds:
-    """A strategy's compiled outer round: built (:meth:`build_fused`), counted and given up.
+class CompiledRounds(Generic[Loops]):
+    """A strategy's compiled outer round: built (:meth:`build_compiled`, :meth:`build_fused`), counted and given up.
 
     Attributes:
-        fused: the compiled round, or None (eager: the setting's default, or given up).
+        fused: the compiled loops, or None (eager: the setting's default, or given up).
         compiled_rounds: rounds (streaming: fragments' rounds) the compiled loops ran.
         compile_skipped: why the compiled round was given up (one line), or None.
     """
 
-    fused: FusedRound | None = None
+    fused: Loops | None = None
     compiled_rounds: int = 0
     compile_skipped: str | None = None
     islands: list[Island]
     wire: Wire
 
-    def build_fused(self, config: Any, islands: list[Island], comm: Comm, wire: Wire,
-                    warm_up: Callable[[FusedRound], None]) -> FusedRound | None:
-        """The compiled round of ``outer_kernel = "compiled"`` (None: eager), its loops compiled by ``warm_up``
-        before training starts, every island's parameters made one vector.
+    def build_compiled(self, config: Any, islands: list[Island], comm: Comm,
+                       build: Callable[[], Loops]) -> Loops | None:
+        """The compiled loops of ``outer_kernel = "compiled"`` (None: eager), made by ``build``, which compiles
+        them before training starts; every island's parameters made one vector.
 
         Args:
-            config: the strategy's config: ``outer_kernel``, the outer optimizer's and the codec's settings.
-            warm_up: compiles the loops the strategy's rounds call (:meth:`FusedRound.warm_up`, ...).
+            config: the strategy's config (its ``outer_kernel``).
+            build: makes the loops and compiles them (their ``warm_up``).
 
         Raises:
             ConfigError: compiled, but the islands are not all in this process on the CPU, or the machine cannot
@@ -79,10 +83,8 @@ class CompiledRounds:
             raise ConfigError(NEEDS_LOCAL)
         if any(island.device.type != "cpu" for island in islands):
             raise ConfigError(NEEDS_CPU)
-        fused = FusedRound(config.outer_lr, config.outer_momentum, codec=wire.codec,
-                           error_feedback=config.error_feedback)
         try:
-            warm_up(fused)
+            fused = build()
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises, one line
             from torch._dynamo.exc import FailOnRecompileLimitHit  # (loaded by the compile: no start-up cost)
 
@@ -95,15 +97,37 @@ class CompiledRounds:
             island.make_contiguous()
         return fused
 
+    def build_fused(self, config: Any, islands: list[Island], comm: Comm, wire: Wire,
+                    warm_up: Callable[[FusedRound], None]) -> FusedRound | None:
+        """:meth:`build_compiled` of a :class:`FusedRound` (diloco's, streaming's round) with the outer optimizer's
+        and the codec's settings, compiled by ``warm_up`` (:meth:`FusedRound.warm_up`, ...).
+
+        Raises:
+            ConfigError: as :meth:`build_compiled`.
+        """
+        def build() -> FusedRound:
+            fused = FusedRound(config.outer_lr, config.outer_momentum, codec=wire.codec,
+                               error_feedback=config.error_feedback)
+            warm_up(fused)
+            return fused
+
+        return self.build_compiled(config, islands, comm, build)  # type: ignore[arg-type]
+
+    def contiguous_views(self) -> list[Tensor] | None:
+        """Every island's parameters as one flat fp32 vector (shape ``(N,)``, where they lie), or None where one's
+        are not (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`): the eager round then runs."""
+        views = [island.contiguous_params() for island in self.islands]
+        return None if any(v is None for v in views) else views  # type: ignore[return-value]
+
     def compiled_inputs(self, globals_: Tensor, key: str) -> tuple[list[Tensor], list[Tensor] | None] | None:
-        """Every island's parameters as one flat fp32 vector (shape ``(N,)``, where they lie) and, with error
+        """Every island's parameters as one flat fp32 vector (:meth:`contiguous_views`) and, with error
         feedback, each island's residual of the exchange ``key`` (the shape of ``globals_``, on the CPU): what a
         compiled loop reads. None where the eager round must run instead: an island's parameters are not one vector
         (:meth:`~atoll.job.flat_views.FlatViews.contiguous_params`), or a residual does not exist yet (its first
         encode keeps it), has another shape or lies off the CPU."""
-        views = [island.contiguous_params() for island in self.islands]
+        views = self.contiguous_views()
         residuals = None if self.wire.feedback is None else [f.residual(key) for f in self.wire.feedback]
-        if any(v is None for v in views) or (residuals is not None and any(
+        if views is None or (residuals is not None and any(
                 r is None or r.shape != globals_.shape or r.device.type != "cpu" for r in residuals)):
             return None
         return views, residuals  # type: ignore[return-value]  # (None checked above)

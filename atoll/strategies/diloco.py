@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from atoll.algorithms.agreement import AgreementScaler
 from atoll.algorithms.finite import all_finite
+from atoll.algorithms.fused_round import FusedRound
 from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.sections import AdamWSection, CodecSection, OuterKernelSection
 from atoll.job.divergence import Diverged
@@ -45,7 +46,7 @@ class DiLoCoConfig(RoundsConfig, AdamWSection, CodecSection, OuterKernelSection)
         return self
 
 
-class DiLoCo(CompiledRounds, OuterRounds):
+class DiLoCo(CompiledRounds[FusedRound], OuterRounds):
     """Synchronous DiLoCo with one outer optimizer over all parameters (rounds: :class:`OuterRounds`)."""
 
     name = "diloco"

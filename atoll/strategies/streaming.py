@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, model_validator
 
 from atoll.algorithms.fragments import fragments_due
+from atoll.algorithms.fused_round import FusedRound
 from atoll.algorithms.layout import Layout
 from atoll.algorithms.outer import OuterOptimizer
 from atoll.analysis.cost import Cost, Setting, codec_bits
@@ -91,7 +92,7 @@ class _InFlight:
     compiled: bool = False  # the mean came from the compiled loop (outer_kernel compiled)
 
 
-class StreamingDiLoCo(compiled.CompiledRounds, Rounds):
+class StreamingDiLoCo(compiled.CompiledRounds[FusedRound], Rounds):
     """Streaming DiLoCo with one outer optimizer (globals and Nesterov momentum, on the CPU) per fragment
     (rounds, resets and checkpointed round state per fragment: :class:`~atoll.strategies.rounds.Rounds`).
 
