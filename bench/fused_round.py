@@ -1,4 +1,4 @@
-"""diloco's outer round: ``outer_kernel = "eager"`` (torch ops) against ``"compiled"`` (one fused pass).
+"""The outer round: ``outer_kernel = "eager"`` (torch ops) against ``"compiled"`` (fused loops), per strategy.
 
     OMP_NUM_THREADS=1 python bench/fused_round.py       # fp32 and int4, 10M and 50M: bench/out/fused_round/
     python bench/fused_round.py --codecs int4 --sizes 10 --repeats 2 --out /tmp/fr   # a quick look
@@ -17,6 +17,13 @@ included). With ``--codecs int4`` (or int8) the exchange is quantized (nearest r
 settings' defaults): eager, each island's pseudo-gradient encoded, packed, decoded and averaged
 (bench/outer_round.py's ``diloco_int4``); compiled, one loop over the blocks for the quantized mean, then one for
 the step.
+
+``--strategies sparseloco``: the eager round against the compiled accumulation
+(:mod:`atoll.algorithms.fused_accumulate`: Δ_i, e_i ← β e_i + α Δ_i, the finite check and the diagnostics' norms in
+one loop; the reference's top-k per tile, the aggregation and the step as in the eager round), SparseLoCo's
+defaults (tiles of 64 x 64 keeping 64, 2-bit values, median clip); the reference's kernels alone (the tiles copied
+out, the top-k, sorted, the values gathered: bench/outer_round.py's ``sparseloco_kernels``) in a column of their
+own, the floor neither variant goes under.
 
 Writes ``results.json`` and ``results.md``: ns per parameter, passes (the finite check's apart), the compile's
 seconds (the compiled strategy's construction less the eager one's: it compiles as it is built) and the
@@ -39,8 +46,9 @@ import outer_round  # noqa: E402  (bench/: the model and islands of the outer-ro
 
 
 def _window(strategy, r: int) -> None:  # noqa: ANN001
-    """One outer round: diloco's, or a window of streaming's (every fragment started and merged, tau = 0)."""
-    if strategy.name == "diloco":
+    """One outer round: diloco's or sparseloco's, or a window of streaming's (every fragment started and merged,
+    tau = 0)."""
+    if strategy.name != "streaming":
         strategy.outer_step(32 + 8 * r)
         return
     for p in range(len(strategy.outers)):
@@ -55,18 +63,22 @@ def measure(size: int, repeats: int, codec: str, strategy_name: str = "diloco") 
     from atoll.runtime.local import LocalComm
     from atoll.runtime.network import Link, SimClock
     from atoll.strategies.diloco import DiLoCo
+    from atoll.strategies.sparseloco import SparseLoCo
     from atoll.strategies.streaming import StreamingDiLoCo
 
-    cls = DiLoCo if strategy_name == "diloco" else StreamingDiLoCo
-    own = {} if strategy_name == "diloco" else {"fragments": outer_round.FRAGMENTS, "overlap_steps": 0,
-                                                "mixing_alpha": 0.5}
+    cls = {"diloco": DiLoCo, "streaming": StreamingDiLoCo, "sparseloco": SparseLoCo}[strategy_name]
+    own: dict = {"codec": codec}
+    if strategy_name == "streaming":
+        own.update(fragments=outer_round.FRAGMENTS, overlap_steps=0, mixing_alpha=0.5)
+    elif strategy_name == "sparseloco":  # it compresses its own way: no codec
+        own = {}
     hidden, layers, vocab = outer_round.SHAPES[size]
     model = outer_round.llama_like(hidden, layers, vocab, seed=0)
     numel = sum(p.numel() for p in model.parameters())
     islands = None
     runs, built_s = {}, {}
     for kernel in ("eager", "compiled"):  # two strategies, each with its outer optimizer, over the same islands
-        config = TrainConfig(strategy=strategy_name, islands=2, steps=100, warmup_steps=0, codec=codec, sync_every=8,
+        config = TrainConfig(strategy=strategy_name, islands=2, steps=100, warmup_steps=0, sync_every=8,
                              model="tiny", outer_kernel=kernel, **own)
         if islands is None:
             islands = outer_round._islands(model, config, 2)
@@ -84,14 +96,17 @@ def measure(size: int, repeats: int, codec: str, strategy_name: str = "diloco") 
     def globals_(strategy) -> torch.Tensor:  # noqa: ANN001
         return torch.cat([o.params.detach() for o in strategy.outers])
 
-    def state(strategy) -> tuple[list[dict], list[torch.Tensor]]:  # noqa: ANN001
-        return [o.state_dict() for o in strategy.outers], [i.flat_params() for i in islands]
+    def state(strategy) -> tuple[list[dict], list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
+        return ([o.state_dict() for o in strategy.outers], [i.flat_params() for i in islands],
+                [e.clone() for e in getattr(strategy, "error", [])])  # (sparseloco's accumulators)
 
-    def restore(strategy, saved: tuple[list[dict], list[torch.Tensor]]) -> None:  # noqa: ANN001
+    def restore(strategy, saved: tuple[list[dict], list[torch.Tensor], list[torch.Tensor]]) -> None:  # noqa: ANN001
         for outer, st in zip(strategy.outers, saved[0], strict=True):
             outer.load_state_dict(st)
         for island, flat in zip(islands, saved[1], strict=True):
             island.set_flat_params(flat)
+        for error, saved_error in zip(getattr(strategy, "error", []), saved[2], strict=True):
+            error.copy_(saved_error)
 
     # the same state through both: the next globals' largest difference
     outer_round._nudge(islands)
@@ -115,16 +130,20 @@ def measure(size: int, repeats: int, codec: str, strategy_name: str = "diloco") 
     views = [island.contiguous_params() for island in islands]
     # diloco's separate finite check runs for fp32 (and with error feedback), streaming's with error feedback only;
     # else the mean's loop checks (its sums of the pseudo-gradients, or of a codec's block scales)
-    separate = compiled.fused.separate_check if strategy_name == "diloco" else compiled.fused.error_feedback
+    # (sparseloco: its one loop's sums)
+    separate = {"diloco": lambda f: f.separate_check, "streaming": lambda f: f.error_feedback,
+                "sparseloco": lambda f: False}[strategy_name](compiled.fused)
     check_s = None if not separate else best(
         lambda r: [compiled.fused.finite_deltas(o.params.detach(), views, layout)
                    for o, layout in zip(compiled.outers, getattr(compiled, "layouts", [None]), strict=True)])
+    kernels_s = outer_round.sparseloco_kernels(compiled, repeats) if strategy_name == "sparseloco" else None
     one_pass = outer_round.memory_pass(numel, repeats)
     return {"strategy": strategy_name, "codec": codec, "size_m": size, "params": numel,
             "eager_ns_per_param": eager_s / numel * 1e9,
             "compiled_ns_per_param": compiled_s / numel * 1e9, "pass_ns_per_param": one_pass / numel * 1e9,
             "eager_passes": eager_s / one_pass, "compiled_passes": compiled_s / one_pass,
             "finite_check_passes": None if check_s is None else check_s / one_pass, "compile_s": compile_s,
+            "reference_kernel_passes": None if kernels_s is None else kernels_s / one_pass,
             "compiled_rounds": compiled.compiled_rounds, "max_abs_diff_globals": diff, "max_abs_step": step,
             "equal": diff == 0.0}
 
@@ -134,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10,50", help="model sizes in millions: "
                         + ",".join(map(str, outer_round.SHAPES)))
     parser.add_argument("--codecs", default="fp32,int4", help="the exchange's codecs: fp32, int8, int4")
-    parser.add_argument("--strategies", default="diloco,streaming", help="diloco, streaming (P = 4, tau = 0)")
+    parser.add_argument("--strategies", default="diloco,streaming,sparseloco",
+                        help="diloco, streaming (P = 4, tau = 0), sparseloco (its own compression: --codecs not read)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "fused_round")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -146,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, codec, size in ((n, c, int(s)) for n in args.strategies.split(",") for c in args.codecs.split(",")
-                              for s in args.sizes.split(",")):
+    runs = [(n, c if n != "sparseloco" else "sparse 2-bit", int(s)) for n in args.strategies.split(",")
+            for c in (args.codecs.split(",") if n != "sparseloco" else ["-"]) for s in args.sizes.split(",")]
+    for name, codec, size in runs:
         before = outer_round.load()
         proc = subprocess.run([sys.executable, __file__, "--worker", str(size), "--repeats", str(args.repeats),
                                "--codecs", codec, "--strategies", name], env=env, capture_output=True, text=True,
@@ -164,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
              "compiled", "",
              f"Command: `{command}`; one torch thread; torch {__import__('torch').__version__}.", "",
              "| strategy | codec | params | eager ns/param | eager passes | compiled ns/param | "
-             "compiled passes (its finite check's) | eager / compiled | globals' largest difference (largest step) | "
-             "compile s | load 1 min |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
+             "compiled passes (its finite check's) | eager / compiled | of which the reference's kernels (passes) | "
+             "globals' largest difference (largest step) | compile s | load 1 min |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         lines.append(f"| {r['strategy']} | {r['codec']} | {r['params'] / 1e6:.1f}M | {r['eager_ns_per_param']:.2f} | "
                      f"{r['eager_passes']:.1f} | "
@@ -174,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                      + ("(in its mean's loop)" if r["finite_check_passes"] is None
                         else f"({r['finite_check_passes']:.1f})") + " | "
                      f"{r['eager_ns_per_param'] / r['compiled_ns_per_param']:.1f}x | "
+                     + ("-" if r.get("reference_kernel_passes") is None else f"{r['reference_kernel_passes']:.1f}")
+                     + " | "
                      f"{r['max_abs_diff_globals']:.2e} ({r['max_abs_step']:.2e}) | {r['compile_s']:.1f} | "
                      f"{r['load']} |")
     lines += ["", "A pass: one `copy_` of a float32 vector of the model's size on this core "

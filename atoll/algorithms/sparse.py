@@ -383,12 +383,26 @@ class SparseCompressor:
         """In place, ``x.sub_(decompress(payload))`` (the same floats: ``x − 0`` is ``x``) without the dense
         (numel,) vector: only the payload's entries are read and written. ``x``: float32 (numel,), contiguous.
         Returns ``x``. Raises ValueError as :meth:`positions_and_values`."""
+        self._subtract_kept_(x, payload)
+        return x
+
+    def subtract_energy_(self, x: torch.Tensor, payload: dict[str, torch.Tensor]) -> float:
+        """:meth:`subtract_`, returning how much ``‖x‖²`` changed: ``Σ_kept (x − v)² − Σ_kept x²`` over the
+        payload's entries only (float64 sums; no pass over ``x``), so ‖x‖² after is ‖x‖² before plus this (up to
+        the rounding of the two norms). Raises ValueError as :meth:`positions_and_values`."""
+        old, new = self._subtract_kept_(x, payload)
+        return float(new.double().square().sum() - old.double().square().sum())
+
+    def _subtract_kept_(self, x: torch.Tensor, payload: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`subtract_`'s work; returns the kept entries' values of ``x`` before and after (float32 (n,))."""
         pos, vals = self.positions_and_values(payload)
         if self.layout != "tiles":  # a flat chunk's padding (position numel) sets nothing
             keep = pos < self.numel
             pos, vals = pos[keep], vals[keep]
-        x.scatter_(0, pos, x.index_select(0, pos).sub_(vals))  # positions within a payload are distinct
-        return x
+        old = x.index_select(0, pos)
+        new = old - vals
+        x.scatter_(0, pos, new)  # positions within a payload are distinct
+        return old, new
 
     def parameter_of(self, positions: torch.Tensor) -> torch.Tensor:
         """The parameter index (0..P-1) of each flat position, int64 of the same shape; a flat chunk's padding

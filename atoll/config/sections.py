@@ -188,15 +188,17 @@ COMPILED_CODECS = ("fp32", "int8", "int4")
 
 class OuterKernelSection(Section):
     """How the outer round runs: torch ops one by one, or compiled into few passes over the parameters
-    (:mod:`atoll.algorithms.fused_round`; diloco and streaming)."""
+    (:mod:`atoll.algorithms.fused_round`: diloco and streaming; :mod:`atoll.algorithms.fused_accumulate`:
+    sparseloco)."""
 
     outer_kernel: Literal["eager", "compiled"] = Field(
-        "eager", description="diloco, streaming: how the outer round runs. eager: one torch kernel per operation, "
-        "the reference's floats. compiled: the pseudo-gradients, their (int8/int4: quantized) mean, the outer "
-        "Nesterov step and the islands' restart (streaming: mixing) fused by torch.compile into a few loops over "
-        "the parameters, each read and written about once (atoll.algorithms.fused_round; not the same floats: "
-        "rounded in its own order); needs the local runtime, CPU islands, codec fp32, int8 or int4 (diloco: "
-        "outer_adapt none), and a C++ compiler.")
+        "eager", description="diloco, streaming, sparseloco: how the outer round runs. eager: one torch kernel per "
+        "operation, the reference's floats. compiled: the pseudo-gradients, their (int8/int4: quantized) mean, the "
+        "outer Nesterov step and the islands' restart (streaming: mixing) fused by torch.compile into a few loops "
+        "over the parameters, each read and written about once (atoll.algorithms.fused_round); sparseloco: the "
+        "accumulation and its norms in one loop, the top-k as the reference (atoll.algorithms.fused_accumulate). "
+        "Not the same floats (rounded in its own order); needs the local runtime, CPU islands, codec fp32, int8 or "
+        "int4 (diloco: outer_adapt none), and a C++ compiler.")
 
     @model_validator(mode="after")
     def _compiled_codecs(self) -> OuterKernelSection:

@@ -29,6 +29,11 @@ On sharded islands (``--shard-island``, collective runtime) each rank keeps its 
 the island's ranks select from each whole tensor in turn, all-gathered inside the island: the unsharded island's
 payload and bytes (:mod:`atoll.runtime.collective.sharded_sparseloco`).
 
+With ``outer_kernel = "compiled"`` (the local runtime, CPU islands) the accumulation, the finite check and the
+diagnostics' norms run as one compiled loop (:class:`~atoll.algorithms.fused_accumulate.FusedAccumulate`), and the
+sent energy's "after" is taken from the kept entries only (:meth:`SparseCompressor.subtract_energy_`); the
+reference's kernels run as in the eager round. Not the same floats (summed in the loop's own order): a setting.
+
 With ``sparseloco_topk == sparseloco_chunk`` (density 1), ``sparseloco_bits = 32``, ``sparseloco_beta = 0`` and
 ``sparseloco_clip = "none"`` the exchange is lossless and nothing is carried over, so with ``outer_lr = 1`` a
 round is plain parameter averaging (FedAvg, McMahan et al. 2017): the identity the tests check.
@@ -44,10 +49,12 @@ from pydantic import Field, model_validator
 
 from atoll.algorithms.dct import index_dtype_for
 from atoll.algorithms.finite import all_finite
+from atoll.algorithms.fused_accumulate import FusedAccumulate
 from atoll.algorithms.sparse import SparseCompressor
 from atoll.analysis.cost import Cost, Setting
-from atoll.config.sections import AdamWSection
+from atoll.config.sections import AdamWSection, OuterKernelSection
 from atoll.runtime.network import ring_allgather_bytes
+from atoll.strategies.compiled import CompiledRounds, validate
 from atoll.strategies.rounds import OuterRounds, RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
 
@@ -58,10 +65,11 @@ if TYPE_CHECKING:
 WEIGHT_BYTES = 4  # the float32 token weight that travels with each payload
 
 
-class SparseLoCoConfig(RoundsConfig, AdamWSection):
+class SparseLoCoConfig(RoundsConfig, AdamWSection, OuterKernelSection):
     """SparseLoCo's config: H, the inner AdamW, the outer step (plain averaged descent by default: the
-    accumulator replaces the outer momentum, SparseLoCo §3) and its own top-k per chunk, chunk, accumulator
-    decay, value bits, layout, k in small tiles and clip (it compresses its own way: no codec)."""
+    accumulator replaces the outer momentum, SparseLoCo §3), how its accumulation runs (eager or compiled) and its
+    own top-k per chunk, chunk, accumulator decay, value bits, layout, k in small tiles and clip (it compresses its
+    own way: no codec)."""
 
     outer_lr: float = Field(1.0, gt=0)
     outer_momentum: float = Field(0.0, ge=0, lt=1)
@@ -113,12 +121,13 @@ class SparseLoCoConfig(RoundsConfig, AdamWSection):
         return self
 
 
-class SparseLoCo(OuterRounds):
+class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
     """Synchronous SparseLoCo: per-island error feedback, sparse 2-bit all-gather, averaged outer descent.
 
     Attributes:
         error: each local island's error-feedback accumulator, float32 (numel,) on the CPU (a sharded island's
-            rank: its shard's rows, shaped as its flat vector).
+            rank: its shard's rows, shaped as its flat vector). With ``outer_kernel = "compiled"`` a round writes
+            the new ones into second buffers and swaps them in (:class:`FusedAccumulate`).
         dropped_updates: rounds in which an island's pseudo-gradient was not finite (it sent nothing, weight 0,
             and restarts from the new global model with a fresh inner optimizer).
         sent_energy_sum: the sum, over rounds and local islands that sent, of the share of the accumulator's
@@ -143,6 +152,13 @@ class SparseLoCo(OuterRounds):
         self.error = [torch.zeros(self.numel) for _ in islands]  # (a sharded island's rank: its shard's)
         self.sent_energy_sum, self.sent_rounds = 0.0, 0
         self.step_ratio_sum, self.step_rounds = 0.0, 0
+        self.fused = self.build_compiled(config, islands, comm, self._build_accumulate)
+
+    def _build_accumulate(self) -> FusedAccumulate:
+        """``outer_kernel = "compiled"``'s loop, compiled for these islands (:meth:`FusedAccumulate.warm_up`)."""
+        fused = FusedAccumulate(self.config.sparseloco_beta, self.config.outer_lr)
+        fused.warm_up(len(self.islands), self.numel)
+        return fused
 
     def outer_step(self, steps_done: int) -> None:
         """Accumulate, compress and all-gather every island's pseudo-gradient; one averaged descent step.
@@ -151,18 +167,25 @@ class SparseLoCo(OuterRounds):
             Diverged: no island of the job had a finite pseudo-gradient, or the global model is not finite.
         """
         beta, rate = self.config.sparseloco_beta, self.config.outer_lr
-        # each island's Δ in a buffer it keeps (the same floats as pseudo_gradient(globals, flat_params()))
-        deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
         weights = self.round_weights()
-        dropped, plain = self._agree(deltas, weights)
+        accumulated = self._compiled_accumulate(weights) if self.fused is not None else None
+        if accumulated is None:
+            # each island's Δ in a buffer it keeps (the same floats as pseudo_gradient(globals, flat_params()))
+            deltas = [island.pseudo_gradient(self.outer.params.detach()) for island in self.islands]
+            dropped, plain = self._agree(deltas, weights)
+        else:  # every accumulator already holds β e + α Δ (every Δ finite), and the norms are taken
+            dropped, (plain, energies) = [False] * len(self.islands), accumulated
         payloads = []
-        for i, (delta, weight, bad) in enumerate(zip(deltas, weights, dropped, strict=True)):
+        for i, (weight, bad) in enumerate(zip(weights, dropped, strict=True)):
             if bad:  # a diverged island sends an empty update with no weight; its accumulator is untouched
                 self.dropped_updates += 1
                 payload, weight = self.compressor.empty(), 0
             else:
-                _decay_add_(self.error[i], beta, delta, rate)  # the reference: the rate into the accumulator
-                payload, before, after = self._send(i)
+                if accumulated is None:
+                    _decay_add_(self.error[i], beta, deltas[i], rate)  # the reference: the rate into the accumulator
+                    payload, before, after = self._send(i)
+                else:
+                    payload, before, after = self._send_accumulated(i, energies[i])
                 if before > 0:
                     self.sent_energy_sum += 1.0 - after / before
                     self.sent_rounds += 1
@@ -178,6 +201,37 @@ class SparseLoCo(OuterRounds):
             self.step_ratio_sum += rate * norm / plain
             self.step_rounds += 1
         self.commit_round(self.outer.step(agg), dropped, steps_done)  # and the rate into the step
+
+    def _compiled_accumulate(self, weights: list[int]) -> tuple[float, list[float]] | None:
+        """``outer_kernel = "compiled"``: every island's accumulator ``e_i ← β e_i + α Δ_i`` by the compiled loop
+        (:meth:`FusedAccumulate.apply`; the new ones swapped in), with plain averaging's step size
+        ``‖Σ w_i Δ_i‖ / Σ w_i`` over the islands of positive weight (as :meth:`_agree`) and each new accumulator's
+        ‖e_i‖². None, having changed nothing, where the eager round must run: an island's parameters are not one
+        vector, a Δ_i is not finite (the eager round leaves it out), or the loop failed (given up)."""
+        assert self.fused is not None
+        views = self.contiguous_views()
+        if views is None:
+            return None
+        try:
+            out = self.fused.apply(self.outer.params.detach(), views, self.error, weights)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means the eager round from now on, said once
+            self.give_up(e)
+            return None
+        if out is None:
+            return None
+        errors, energies, square = out
+        self.error = list(errors)
+        self.compiled_rounds += 1
+        total = sum(w for w in weights if w > 0)
+        return (math.sqrt(square) / total if total > 0 else 0.0), energies
+
+    def _send_accumulated(self, position: int, before: float) -> tuple[dict[str, torch.Tensor], float, float]:
+        """:meth:`_send` where ‖e‖² before is known (the compiled loop's): ‖e‖² after from the kept entries only
+        (:meth:`SparseCompressor.subtract_energy_`; at least 0, as rounding may take it below)."""
+        error = self.error[position]
+        payload = self.compressor.compress(error)
+        after = before + self.compressor.subtract_energy_(error, payload)
+        return payload, before, max(after, 0.0)
 
     # --- what a sharded island does its own way (atoll.runtime.collective.sharded_sparseloco) ----------------
     def _agree(self, deltas: list[torch.Tensor], weights: list[int]) -> tuple[list[bool], float]:
@@ -246,12 +300,13 @@ class SparseLoCo(OuterRounds):
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor
-        return {"sparseloco_density": c.density, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES,
+        return {**self.compiled_summary(self.config.outer_kernel),
+                "sparseloco_density": c.density, "sparseloco_payload_bytes": c.payload_bytes() + WEIGHT_BYTES,
                 "sparseloco_sent_energy": self.sent_energy_sum / self.sent_rounds if self.sent_rounds else 1.0,
                 "sparseloco_step_ratio": self.step_ratio_sum / self.step_rounds if self.step_rounds else 1.0}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(),  # the rounds' (outer, last_sync_step)
+        return {**super().state_dict(), **self.compiled_state(self.config.outer_kernel),  # + (outer, last_sync_step)
                 "dropped_updates": self.dropped_updates, "sent_energy_sum": self.sent_energy_sum,
                 "sent_rounds": self.sent_rounds, "step_ratio_sum": self.step_ratio_sum, "step_rounds": self.step_rounds}
 
@@ -262,6 +317,7 @@ class SparseLoCo(OuterRounds):
         self.sent_rounds = int(state.get("sent_rounds", 0))
         self.step_ratio_sum = float(state.get("step_ratio_sum", 0.0))
         self.step_rounds = int(state.get("step_rounds", 0))
+        self.load_compiled_state(state)
 
     def island_state(self, position: int) -> dict[str, Any]:
         return {**super().island_state(position), "error": self.error[position].clone()}
@@ -307,7 +363,7 @@ SPEC = StrategySpec(
     summary="error-feedback accumulators' top-k per 64x64 tile, 2-bit values, all-gathered every H inner steps; "
             "clipped to the median norm, each entry averaged over its senders, plain outer descent "
             "(arXiv:2508.15706)",
-    config=SparseLoCoConfig, runtimes=("local", "collective"), lockstep=SparseLoCo, project=project,
+    config=SparseLoCoConfig, runtimes=("local", "collective"), validate=validate, lockstep=SparseLoCo, project=project,
     syncs_per_h=True, shards=True,
     suite=(SuiteRun("sparseloco", "sparseloco H={sync_every} top-{sparseloco_topk}/{sparseloco_chunk} 2-bit",
                     {"strategy": "sparseloco"}),
