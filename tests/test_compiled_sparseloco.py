@@ -73,25 +73,53 @@ def test_vectors_that_do_not_fit_are_refused() -> None:
 
 
 @pytest.mark.parametrize("layout", ["tiles", "flat"])
-def test_the_energy_removed_is_counted_from_the_kept_entries(layout: str) -> None:
-    """``subtract_energy_``: the same vector as ``subtract_``, and ‖x‖² after = ‖x‖² before + its return."""
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_energy_removed_is_counted_from_the_kept_entries(layout: str, whole: bool) -> None:
+    """``subtract_energy_``: the same vector as ``subtract_``; the kept entries' squares before and after, and how
+    many it set (every entry for a lossless payload, whose remainder is exactly 0)."""
     shapes = [(64, 96), (96,), (1000,)]
-    compressor = SparseCompressor(shapes, 1024 if layout == "tiles" else 256, 8, 2, layout)
+    chunk = 1024 if layout == "tiles" else 256
+    compressor = SparseCompressor(shapes, chunk, chunk if whole else 8, 32 if whole else 2, layout)
     x = torch.randn(compressor.numel, generator=torch.Generator().manual_seed(1))
     payload = compressor.compress(x)
     plain, counted = x.clone(), x.clone()
     compressor.subtract_(plain, payload)
-    change = compressor.subtract_energy_(counted, payload)
+    kept_before, kept_after, count = compressor.subtract_energy_(counted, payload)
     assert torch.equal(plain, counted)
-    assert change < 0
-    assert float(x.double().square().sum()) + change == pytest.approx(float(counted.double().square().sum()),
-                                                                       rel=1e-12)
+    set_ = (counted != x).double()
+    assert count == (compressor.numel if whole else int(set_.sum()))
+    assert kept_before == pytest.approx(float((x.double() * set_).square().sum()), rel=1e-12)
+    assert kept_after == pytest.approx(float((counted.double() * set_).square().sum()), rel=1e-12, abs=0)
+    if whole:
+        assert kept_after == 0.0 and not counted.any()
+
+
+def test_a_lossless_payload_delivers_all_of_the_energy_as_in_the_eager_round() -> None:
+    """Density 1, 32-bit values, no decay, no clip (the FedAvg identity): the sent energy is 1 exactly, both ways."""
+    lossless = {"sparseloco_topk": 256, "sparseloco_bits": 32, "sparseloco_beta": 0.0, "sparseloco_clip": "none"}
+    for kernel in ("eager", "compiled"):
+        strategy = _sparseloco(kernel, **lossless)[0]
+        assert strategy.summary()["sparseloco_sent_energy"] == 1.0
+
+
+def test_the_second_buffers_are_never_the_callers_accumulators() -> None:
+    """A caller that passes the accumulators it passed before (not the ones returned) gets fresh second buffers: a
+    round found not finite then leaves them untouched too."""
+    g, flats, errors = _vectors(2)
+    keep = [e.clone() for e in errors]
+    fused = FusedAccumulate(0.9, 1.0)
+    fused.warm_up(2, g.numel())
+    assert fused.apply(g, flats, errors, [1, 1]) is not None  # (the result not adopted)
+    flats[1][5] = math.nan
+    assert fused.apply(g, flats, errors, [1, 1]) is None
+    assert all(torch.equal(e, k) for e, k in zip(errors, keep, strict=True))
 
 
 def _sparseloco(outer_kernel: str, steps: int = 12, poison_at: int | None = None, **settings: object):
     """Three islands, H = 3, the micro model, tiles of 256 keeping 16 (so every tensor keeps some entries)."""
-    config, model, comm, islands, strategy = _setup(SparseLoCo, 3, sync_every=3, sparseloco_chunk=256,
-                                                    sparseloco_topk=16, outer_kernel=outer_kernel, **settings)
+    settings = {"sparseloco_chunk": 256, "sparseloco_topk": 16, **settings}
+    config, model, comm, islands, strategy = _setup(SparseLoCo, 3, sync_every=3, outer_kernel=outer_kernel,
+                                                    **settings)
     for step in range(steps):
         for island in islands:
             island.forward_backward(_batch(island.index, step))

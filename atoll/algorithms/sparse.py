@@ -386,12 +386,13 @@ class SparseCompressor:
         self._subtract_kept_(x, payload)
         return x
 
-    def subtract_energy_(self, x: torch.Tensor, payload: dict[str, torch.Tensor]) -> float:
-        """:meth:`subtract_`, returning how much ``‖x‖²`` changed: ``Σ_kept (x − v)² − Σ_kept x²`` over the
-        payload's entries only (float64 sums; no pass over ``x``), so ‖x‖² after is ‖x‖² before plus this (up to
-        the rounding of the two norms). Raises ValueError as :meth:`positions_and_values`."""
+    def subtract_energy_(self, x: torch.Tensor, payload: dict[str, torch.Tensor]) -> tuple[float, float, int]:
+        """:meth:`subtract_`, returning the payload's entries' share of ``‖x‖²``: ``Σ_kept x²`` before and
+        ``Σ_kept (x − v)²`` after (float64 sums over those entries only: no pass over ``x``), and how many entries
+        it set (``x.numel()``: every one, so ‖x‖² after is the second exactly). Raises ValueError as
+        :meth:`positions_and_values`."""
         old, new = self._subtract_kept_(x, payload)
-        return float(new.double().square().sum() - old.double().square().sum())
+        return float(old.double().square().sum()), float(new.double().square().sum()), old.numel()
 
     def _subtract_kept_(self, x: torch.Tensor, payload: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`subtract_`'s work; returns the kept entries' values of ``x`` before and after (float32 (n,))."""

@@ -197,8 +197,8 @@ class OuterKernelSection(Section):
         "outer Nesterov step and the islands' restart (streaming: mixing) fused by torch.compile into a few loops "
         "over the parameters, each read and written about once (atoll.algorithms.fused_round); sparseloco: the "
         "accumulation and its norms in one loop, the top-k as the reference (atoll.algorithms.fused_accumulate). "
-        "Not the same floats (rounded in its own order); needs the local runtime, CPU islands, codec fp32, int8 or "
-        "int4 (diloco: outer_adapt none), and a C++ compiler.")
+        "Not the same floats (rounded in its own order); needs the local runtime, CPU islands and a C++ compiler "
+        "(diloco, streaming: codec fp32, int8 or int4; diloco: outer_adapt none).")
 
     @model_validator(mode="after")
     def _compiled_codecs(self) -> OuterKernelSection:

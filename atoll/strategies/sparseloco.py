@@ -227,11 +227,14 @@ class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
 
     def _send_accumulated(self, position: int, before: float) -> tuple[dict[str, torch.Tensor], float, float]:
         """:meth:`_send` where ‖e‖² before is known (the compiled loop's): ‖e‖² after from the kept entries only
-        (:meth:`SparseCompressor.subtract_energy_`; at least 0, as rounding may take it below)."""
+        (:meth:`SparseCompressor.subtract_energy_`): the entries left out keep ``before − Σ_kept e²`` (at least
+        0, as the two sums round differently; none where the payload set every entry, so a lossless payload
+        leaves 0, as the eager sum does), the kept ones hold ``Σ_kept (e − v)²``."""
         error = self.error[position]
         payload = self.compressor.compress(error)
-        after = before + self.compressor.subtract_energy_(error, payload)
-        return payload, before, max(after, 0.0)
+        kept_before, kept_after, count = self.compressor.subtract_energy_(error, payload)
+        rest = 0.0 if count == error.numel() else max(before - kept_before, 0.0)
+        return payload, before, rest + kept_after
 
     # --- what a sharded island does its own way (atoll.runtime.collective.sharded_sparseloco) ----------------
     def _agree(self, deltas: list[torch.Tensor], weights: list[int]) -> tuple[list[bool], float]:
