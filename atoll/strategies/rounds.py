@@ -229,9 +229,10 @@ class OuterRounds(Rounds):
         return self.clocks[0].weights(self.islands)
 
     def no_contribution(self, steps_done: int) -> Diverged:
-        """The error for a round in which no island of the job had a finite pseudo-gradient."""
+        """The error for a round in which no island of the job had a finite pseudo-gradient with tokens to weigh
+        it."""
         return Diverged(steps_done, "no island had a finite pseudo-gradient to average (every island diverged "
-                                    "since the last sync)")
+                                    "since the last sync, or none trained on a token since it)")
 
     def commit_round(self, new_global: torch.Tensor, dropped: list[bool], steps_done: int) -> None:
         """Restart every local island from ``new_global`` (a dropped one reset, with a fresh inner optimizer).
