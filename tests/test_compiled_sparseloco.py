@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_strategies import _batch, _graphs_compiled_while_training, _setup
+from test_strategies import _graphs_compiled_while_training, _setup, _train_steps
 
 from atoll.algorithms.fused_accumulate import FusedAccumulate
 from atoll.algorithms.sparse import SparseCompressor
@@ -120,13 +120,7 @@ def _sparseloco(outer_kernel: str, steps: int = 12, poison_at: int | None = None
     settings = {"sparseloco_chunk": 256, "sparseloco_topk": 16, **settings}
     config, model, comm, islands, strategy = _setup(SparseLoCo, 3, sync_every=3, outer_kernel=outer_kernel,
                                                     **settings)
-    for step in range(steps):
-        for island in islands:
-            island.forward_backward(_batch(island.index, step))
-        if poison_at is not None and step + 1 == poison_at:
-            with torch.no_grad():
-                islands[1].params[0].view(-1)[0] = math.nan
-        strategy.step(step)
+    _train_steps(strategy, islands, steps, poison_at)
     return strategy, islands, comm
 
 

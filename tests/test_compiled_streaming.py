@@ -10,7 +10,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from test_strategies import _batch, _graphs_compiled_while_training, _setup
+from test_strategies import _graphs_compiled_while_training, _setup, _train_steps
 
 from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.fragments import FlatFragment
@@ -127,13 +127,7 @@ def _streaming(outer_kernel: str, steps: int = 16, poison_at: int | None = None,
     """Two islands, H = 4, P = 2, tau = 1 (an exchange in flight across an inner step), the micro model."""
     config, model, comm, islands, streaming = _setup(StreamingDiLoCo, 2, sync_every=4, fragments=2,
                                                      overlap_steps=1, outer_kernel=outer_kernel, **settings)
-    for step in range(steps):
-        for island in islands:
-            island.forward_backward(_batch(island.index, step))
-        if poison_at is not None and step + 1 == poison_at:
-            with torch.no_grad():
-                islands[1].params[0].view(-1)[0] = math.nan
-        streaming.step(step)
+    _train_steps(streaming, islands, steps, poison_at)
     streaming.drain()
     return streaming, islands, comm
 

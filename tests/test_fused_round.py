@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from test_strategies import _batch, _graphs_compiled_while_training, _setup
+from test_strategies import _batch, _graphs_compiled_while_training, _setup, _train_steps
 
 from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.fused_round import FusedRound
@@ -152,13 +152,7 @@ def _train(outer_kernel: str, poison_at: int | None = None, **codec: object
     """Three islands, H = 3, 4 rounds of the micro model; ``poison_at``: island 1's weights made NaN (its loss
     stays finite) just before that round; ``codec``: the codec's settings (default fp32)."""
     config, model, comm, islands, diloco = _setup(DiLoCo, 3, sync_every=3, outer_kernel=outer_kernel, **codec)
-    for step in range(12):
-        for island in islands:
-            island.forward_backward(_batch(island.index, step))
-        if poison_at is not None and step + 1 == poison_at:
-            with torch.no_grad():
-                islands[1].params[0].view(-1)[0] = math.nan
-        diloco.step(step)
+    _train_steps(diloco, islands, 12, poison_at)
     return diloco.outer.params.detach().clone(), islands, comm, diloco
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -35,16 +36,25 @@ def _batch(i: int, step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * i + step))
 
 
+def _train_steps(strategy, islands, steps: int, poison_at: int | None = None) -> None:
+    """``steps`` inner steps of every island, each followed by ``strategy.step``; ``poison_at``: island 1's weights
+    made NaN (its loss still finite) after that many steps, just before the strategy's step."""
+    for step in range(steps):
+        for island in islands:
+            island.forward_backward(_batch(island.index, step))
+        if poison_at is not None and step + 1 == poison_at:
+            with torch.no_grad():
+                islands[1].params[0].view(-1)[0] = math.nan
+        strategy.step(step)
+
+
 def _graphs_compiled_while_training(strategy, islands, steps: int) -> int:
     """How many graphs torch compiled while ``strategy`` trained ``islands`` for ``steps`` steps (a compiled
     round's loops are compiled as the strategy is built: none expected)."""
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    for step in range(steps):
-        for island in islands:
-            island.forward_backward(_batch(island.index, step))
-        strategy.step(step)
+    _train_steps(strategy, islands, steps)
     return counters["stats"]["unique_graphs"] - graphs
 
 
