@@ -14,8 +14,8 @@ each e_i once and writes each new accumulator once::
 The new accumulators go to a second buffer per island, kept from round to round, so an island whose Δ_i is not
 finite leaves every accumulator untouched (the eager round leaves it out, and its accumulator as it was): the
 caller then runs the eager round, and swaps the buffers otherwise. That costs one more accumulator per island in
-memory (4 bytes per parameter per island). bench/out/fused_round measures the round both ways (K = 2: about 64
-passes over the model eager, 60 compiled, of which the reference's selection alone is about 31).
+memory (4 bytes per parameter per island). bench/out/fused_round measures the round both ways (K = 2: about 87
+passes over the model eager, 75 compiled, of which the reference's selection alone is about 43).
 
 The reference's own kernels (the tiles' top-k, their 2-bit values, the aggregation) are not part of this loop and
 run as in the eager round, on the accumulators this loop wrote.
