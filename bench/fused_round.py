@@ -131,8 +131,8 @@ def measure(size: int, repeats: int, codec: str, strategy_name: str = "diloco") 
     # diloco's separate finite check runs for fp32 (and with error feedback), streaming's with error feedback only;
     # else the mean's loop checks (its sums of the pseudo-gradients, or of a codec's block scales)
     # (sparseloco: its one loop's sums)
-    separate = {"diloco": lambda f: f.separate_check, "streaming": lambda f: f.error_feedback,
-                "sparseloco": lambda f: False}[strategy_name](compiled.fused)
+    separate = (compiled.fused.separate_check if strategy_name == "diloco"
+                else strategy_name == "streaming" and compiled.fused.error_feedback)
     check_s = None if not separate else best(
         lambda r: [compiled.fused.finite_deltas(o.params.detach(), views, layout)
                    for o, layout in zip(compiled.outers, getattr(compiled, "layouts", [None]), strict=True)])

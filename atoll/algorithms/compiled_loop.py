@@ -35,8 +35,8 @@ def warm_up_numel(numel: int) -> int:
 
 #: inductor's count of reads past which it writes an intermediate to memory (its default: 4); raised for a loop
 #: whose intermediates are each read a few times (sparseloco's Δ_i: its sum, its accumulator, the weighted sum),
-#: so they stay in registers and the loop is one pass (inductor's generated code for K = 2 at the default: the new
-#: accumulators written twice and read again by two loops of their own, about 16 passes at 11.5M; raised: 5-8)
+#: so they stay in registers and the loop is one pass (at the default, inductor's generated code wrote the new
+#: accumulators twice and read them again in two loops of their own)
 FUSE_READS = {"realize_reads_threshold": 1000}
 
 

@@ -14,15 +14,15 @@ each e_i once and writes each new accumulator once::
 The new accumulators go to a second buffer per island, kept from round to round, so an island whose Δ_i is not
 finite leaves every accumulator untouched (the eager round leaves it out, and its accumulator as it was): the
 caller then runs the eager round, and swaps the buffers otherwise. That costs one more accumulator per island in
-memory (4 bytes per parameter per island). bench/out/fused_round measures the round both ways (K = 2: about 87
-passes over the model eager, 75 compiled, of which the reference's selection alone is about 43).
+memory (4 bytes per parameter per island). bench/out/fused_round measures the round both ways, and the
+reference's selection alone beside them.
 
 The reference's own kernels (the tiles' top-k, their 2-bit values, the aggregation) are not part of this loop and
 run as in the eager round, on the accumulators this loop wrote.
 
 The floats are not the eager round's bit for bit: the loop adds in its own order and may contract ``β e + α Δ``
-into one multiply-add, and its sums are float32 reductions in inductor's order (the eager round's norm of
-``Σ w_i Δ_i`` is a float32 norm squared in float64). So it is a setting, ``outer_kernel = "compiled"``, not the
+into one multiply-add, and its sums are float32 reductions in inductor's order (the eager round's are torch's
+cascade sums). So it is a setting, ``outer_kernel = "compiled"``, not the
 default (tests/test_compiled_sparseloco.py bounds the difference).
 """
 

@@ -243,8 +243,8 @@ class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
         (0.0 if none; the summary's step ratio): both summed over an island's ranks (:meth:`_island_sum`)."""
         bad = [not all_finite(d) for d in deltas]
         sending = [(d, w) for d, w, b in zip(deltas, weights, bad, strict=True) if not b and w > 0]
-        # the squares' float32 sum (torch's cascade: within ~1e-7 at any size, where a float32 norm() drifts by
-        # ~0.5% at 60M elements), squared in place in the weighted sum's scratch buffer
+        # the squares' float32 sum (torch's cascade sum stays accurate at any length, where a float32 norm() drifts
+        # with it: tests/test_sparseloco.py), squared in place in the weighted sum's scratch buffer
         square = float(self._weighted_sum(sending).square_().sum()) if sending else 0.0
         sums = self._island_sum(torch.tensor([*map(float, bad), square], dtype=torch.float64)).tolist()
         dropped = [b > 0 for b in sums[:-1]]
@@ -300,7 +300,7 @@ class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
         if out is None or out.numel() != self.compressor.numel:
             out = self.__dict__["_agg_buf"] = torch.empty(self.compressor.numel, dtype=torch.float32)
         agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip, out=out)
-        # the squares' float32 sum, as _agree's (a float32 norm() drifts by ~0.5% at 60M elements)
+        # the squares' float32 sum, as _agree's (a float32 norm() drifts with the vector's length)
         return agg, math.sqrt(float(torch.square(agg, out=self._scratch(agg.numel())).sum()))
 
     def summary(self) -> dict[str, Any]:
