@@ -116,6 +116,57 @@ def test_chunked_dct_errors() -> None:
         t.decode(torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize("shape", [(128, 4096), (384, 128), (128,), (100, 50), (8, 3, 4, 4), (), (97, 64)])
+def test_chunked_dct_into_buffers_gives_the_same_floats_and_decodes_in_place(shape: tuple[int, ...]) -> None:
+    t = ChunkedDCT(shape, 64)
+    x = torch.randn(shape)
+    n = max(x.numel(), 1)
+    buffers = [torch.full((n + 5,), 7.0) for _ in range(3)]  # longer than needed, holding garbage
+    c = t.encode(x, buffers)
+    assert c.data_ptr() == buffers[2].data_ptr() and torch.equal(c, t.encode(x))
+    fresh = t.decode(t.encode(x))
+    y = t.decode(c, buffers)  # its input in the buffer its output goes to: read first
+    assert y.data_ptr() == buffers[2].data_ptr() and torch.equal(y, fresh)
+
+
+def test_chunked_dct_refuses_buffers_that_do_not_fit() -> None:
+    t = ChunkedDCT((16, 16), 8)
+    x = torch.randn(16, 16)
+    for buffers in ([torch.empty(256)] * 2, [torch.empty(256), torch.empty(255), torch.empty(256)],
+                    [torch.empty(256, dtype=torch.float64)] * 3):
+        with pytest.raises(ValueError, match="buffers must be 3 float32 tensors of at least 256"):
+            t.encode(x, buffers)
+
+
+@pytest.mark.parametrize("sign_values", [False, True])
+def test_kept_buffers_give_the_fresh_tensors_floats_and_are_reused(monkeypatch, sign_values: bool) -> None:
+    """On the CPU the DCT's intermediates go into three buffers the optimizer keeps: the same parameters,
+    momenta and payloads as fresh tensors, over islands and steps, and the same buffers every step."""
+    def run(kept: bool) -> tuple[list, list, list]:
+        models = [_model(0), _model(0)]
+        opts = [DeMo(m.parameters(), lr=1e-2, beta=0.9, chunk=8, topk=3, sign_values=sign_values) for m in models]
+        if not kept:
+            for opt in opts:
+                monkeypatch.setattr(opt, "_buffers", lambda p: None)
+        sent, buffers = [], []
+        for step in range(4):
+            for island, m in enumerate(models):
+                _backward(m, seed=100 * island + step)
+            payloads = [opt.encode_step() for opt in opts]
+            sent += [(pl.indices.clone(), pl.values.clone()) for pls in payloads for pl in pls]
+            for opt in opts:
+                opt.apply_step(payloads)
+            buffers.append([b.data_ptr() for b in opts[0].__dict__.get("_dct_buffers", [])])
+        state = [opt.state[p]["momentum"].clone() for opt, m in zip(opts, models, strict=True) for p in m.parameters()]
+        return [p.detach().clone() for m in models for p in m.parameters()] + state, sent, buffers
+
+    kept, fresh = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(kept[0], fresh[0], strict=True))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(kept[1], fresh[1], strict=True))
+    assert len(kept[2][0]) == 3 and all(b == kept[2][0] for b in kept[2])  # kept: allocated once, 16 x 32 each
+    assert fresh[2][0] == []
+
+
 # ---- step mechanics ---------------------------------------------------------------------------------
 
 

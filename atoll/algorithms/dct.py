@@ -150,15 +150,20 @@ class ChunkedDCT:
             self._bases[device] = pair
         return pair
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, buffers: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Forward tiled DCT.
 
         Args:
             x: tensor of ``self.shape`` (any float dtype; computed in float32).
+            buffers: None (fresh tensors), or three flat float32 tensors of at least ``numel`` elements each, on
+                ``x``'s device and not holding ``x``: the two matmuls' results go into the first two and the
+                coefficients into the third (the same floats; no allocation, which on the CPU costs a page fault
+                per 4 KiB of a fresh tensor).
 
         Returns:
             Coefficients, (num_chunks, chunk_elems) float32, chunks in row-major tile order, each chunk's
-            coefficients row-major within the tile (frequency (i, j) at ``i * w + j``).
+            coefficients row-major within the tile (frequency (i, j) at ``i * w + j``); with ``buffers``, a view
+            of the third.
 
         Raises:
             ValueError: ``x`` does not have ``self.shape``.
@@ -168,20 +173,24 @@ class ChunkedDCT:
         h, w = self.tile
         bh, bw = self._basis(x.device)
         r, c = self.rows // h, self.cols // w
+        first, second, out = self._views(buffers, (self.rows, c, w), (r, h, c * w), (r, c, h, w))
         # Separable DCT as two plain matmuls (faster than one einsum on CPU): along each tile's columns,
         # then along its rows; one permute copy puts each tile's coefficients in a row.
-        y = x.detach().to(torch.float32).reshape(self.rows, c, w) @ bw.T  # (rows, c, w)
-        y = bh @ y.reshape(r, h, c * w)  # (r, h, c * w)
-        return y.reshape(r, h, c, w).permute(0, 2, 1, 3).reshape(self.num_chunks, self.chunk_elems)
+        y = torch.matmul(x.detach().to(torch.float32).reshape(self.rows, c, w), bw.T, out=first)  # (rows, c, w)
+        y = torch.matmul(bh, y.reshape(r, h, c * w), out=second)  # (r, h, c * w)
+        y = y.reshape(r, h, c, w).permute(0, 2, 1, 3)
+        return (y.reshape(r, c, h, w) if out is None else out.copy_(y)).reshape(self.num_chunks, self.chunk_elems)
 
-    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
+    def decode(self, coeffs: torch.Tensor, buffers: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Inverse tiled DCT, the exact inverse of ``encode`` (to float32 rounding).
 
         Args:
             coeffs: (num_chunks, chunk_elems) float tensor.
+            buffers: as :meth:`encode`'s: the permuted coefficients go into the first, the first matmul's result
+                into the second and the output into the third (which may hold ``coeffs``: they are read first).
 
         Returns:
-            float32 tensor of ``self.shape``.
+            float32 tensor of ``self.shape``; with ``buffers``, a view of the third.
 
         Raises:
             ValueError: ``coeffs`` has the wrong shape.
@@ -194,9 +203,25 @@ class ChunkedDCT:
         h, w = self.tile
         bh, bw = self._basis(coeffs.device)
         r, c = self.rows // h, self.cols // w
-        y = coeffs.to(torch.float32).reshape(r, c, h, w).permute(0, 2, 1, 3).reshape(r, h, c * w)
-        y = bh.T @ y  # (r, h, c * w)
-        return (y.reshape(self.rows, c, w) @ bw).reshape(self.shape)
+        first, second, out = self._views(buffers, (r, h, c, w), (r, h, c * w), (self.rows, c, w))
+        y = coeffs.to(torch.float32).reshape(r, c, h, w).permute(0, 2, 1, 3)
+        y = (y.reshape(r, h, c, w) if first is None else first.copy_(y)).reshape(r, h, c * w)
+        y = torch.matmul(bh.T, y, out=second)  # (r, h, c * w)
+        return torch.matmul(y.reshape(self.rows, c, w), bw, out=out).reshape(self.shape)
+
+    def _views(self, buffers: Sequence[torch.Tensor] | None,
+               *shapes: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
+        """The first ``numel`` elements of each of ``buffers``, shaped as ``shapes`` (Nones for no buffers).
+
+        Raises:
+            ValueError: not three buffers, or one too short or not float32.
+        """
+        if buffers is None:
+            return (None,) * len(shapes)
+        n = self.rows * self.cols
+        if len(buffers) != len(shapes) or any(b.dtype != torch.float32 or b.numel() < n for b in buffers):
+            raise ValueError(f"ChunkedDCT: buffers must be {len(shapes)} float32 tensors of at least {n} elements")
+        return tuple(b.reshape(-1)[:n].view(shape) for b, shape in zip(buffers, shapes, strict=True))
 
     def __repr__(self) -> str:
         return (

@@ -234,21 +234,14 @@ class DeMo(torch.optim.Optimizer):
                     m.mul_(beta)
                 else:  # bloc97/DeMo: the momentum accumulates lr_t * g_t
                     _decay_add_(m, beta, p.grad.to(torch.float32), group["lr"])
-                # b. top-k DCT coefficients per chunk
+                # b. top-k DCT coefficients per chunk; c. what is sent removed, the residual kept for later steps
                 t = self.transform_for(p.shape)
-                coeffs = t.encode(m)
-                k = min(self.topk, t.chunk_elems)
-                idx = torch.topk(coeffs.abs(), k, dim=1, sorted=False).indices
-                vals = torch.gather(coeffs, 1, idx)
-                # c. remove what is transmitted; the residual stays for later steps (the coefficients' own
-                # buffer, no longer read, holds the sparse matrix: no second one of their size)
-                sparse = coeffs.zero_().scatter_(1, idx, vals)
-                m.sub_(t.decode(sparse))
-                wire_vals = pack_ternary(torch.sign(vals)) if self.sign_values else vals
+                idx, vals, sent = self._top_components(t, m, self._buffers(p))
+                m.sub_(sent)
                 payloads.append(
                     DemoPayload(
                         indices=idx.to(index_dtype_for(t.chunk_elems)),
-                        values=wire_vals,
+                        values=pack_ternary(torch.sign(vals)) if self.sign_values else vals,
                         shape=t.shape,
                         chunk_elems=t.chunk_elems,
                         sign_values=self.sign_values,
@@ -256,13 +249,48 @@ class DeMo(torch.optim.Optimizer):
                 )
         return payloads
 
+    def _top_components(self, t: ChunkedDCT, m: torch.Tensor, buffers: list[torch.Tensor] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Steps b-c's arithmetic for a momentum ``m`` (float32, ``t.shape``): the ``k`` coefficients of largest
+        magnitude of each chunk of its DCT, as indices (num_chunks, k) int64 and values (num_chunks, k) float32,
+        and what they decode to (float32, ``t.shape``; with ``buffers``, a view of the third, valid until they
+        are used again)."""
+        coeffs = t.encode(m, buffers)
+        magnitudes = coeffs.abs() if buffers is None else torch.abs(coeffs, out=buffers[0][:coeffs.numel()]
+                                                                    .view_as(coeffs))
+        idx = torch.topk(magnitudes, min(self.topk, t.chunk_elems), dim=1, sorted=False).indices
+        vals = torch.gather(coeffs, 1, idx)
+        # the coefficients' own buffer, no longer read, holds the sparse matrix: no second one of their size
+        return idx, vals, t.decode(coeffs.zero_().scatter_(1, idx, vals), buffers)
+
+    def _buffers(self, p: torch.Tensor) -> list[torch.Tensor] | None:
+        """Three flat float32 buffers, each of the largest parameter's (whole) size, that this optimizer keeps on
+        the CPU for the DCT's intermediates (:meth:`ChunkedDCT.encode`): a fresh tensor of a large parameter's
+        size costs a page fault per 4 KiB there, more than the arithmetic (bench/outer_round.py, ``demo``).
+        None for a parameter on an accelerator, whose caching allocator reuses memory already."""
+        if p.device.type != "cpu":
+            return None
+        buffers = self.__dict__.get("_dct_buffers")
+        if buffers is None:
+            n = max(math.prod(q.shape) for q in self._params())
+            buffers = self.__dict__["_dct_buffers"] = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
+        return buffers
+
     def _sum_coefficients(
-        self, t: ChunkedDCT, payloads: Sequence[DemoPayload], device: torch.device, count: bool = False
+        self, t: ChunkedDCT, payloads: Sequence[DemoPayload], device: torch.device, count: bool = False,
+        buffers: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The sum of the payloads' coefficients, (num_chunks, chunk_elems) float32; with ``count`` divided,
-        coefficient by coefficient, by the number of payloads that selected it (0 where none did)."""
-        total = torch.zeros(t.num_chunks, t.chunk_elems, dtype=torch.float32, device=device)
-        senders = torch.zeros_like(total) if count else None
+        coefficient by coefficient, by the number of payloads that selected it (0 where none did). With
+        ``buffers`` (:meth:`_buffers`), the sum is a view of the third and the counts use the first."""
+        shape = (t.num_chunks, t.chunk_elems)
+        n = t.num_chunks * t.chunk_elems
+        if buffers is None:
+            total = torch.zeros(shape, dtype=torch.float32, device=device)
+            senders = torch.zeros_like(total) if count else None
+        else:
+            total = buffers[2][:n].view(shape).zero_()
+            senders = buffers[0][:n].view(shape).zero_() if count else None
         for island, pl in enumerate(payloads):
             if tuple(pl.shape) != t.shape or pl.chunk_elems != t.chunk_elems or pl.num_chunks != t.num_chunks:
                 raise ValueError(
@@ -320,8 +348,10 @@ class DeMo(torch.optim.Optimizer):
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 t = self.transform_for(p.shape)
-                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True)
-                self._apply_update(p, t.decode(mean).sign_(), lr, wd)  # decode returns a fresh tensor
+                buffers = self._buffers(self._piece(p))
+                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True,
+                                              buffers=buffers)
+                self._apply_update(p, t.decode(mean, buffers).sign_(), lr, wd)  # a fresh tensor or the buffer
                 i += 1
 
     def _piece(self, p: torch.Tensor) -> torch.Tensor:

@@ -77,10 +77,7 @@ class ShardedDeMo(DeMo):
                     mine.add_(_local(p.grad).to(torch.float32), alpha=group["lr"])
                 whole = m.full_tensor() if isinstance(m, DTensor) else m  # the island's all-gather
                 t = self.transform_for(p.shape)  # b. top-k DCT coefficients per chunk of the whole tensor
-                coeffs = t.encode(whole)
-                idx = torch.topk(coeffs.abs(), min(self.topk, t.chunk_elems), dim=1, sorted=False).indices
-                vals = torch.gather(coeffs, 1, idx)
-                sent = t.decode(torch.zeros_like(coeffs).scatter_(1, idx, vals))
+                idx, vals, sent = self._top_components(t, whole, self._buffers(whole))
                 mine.sub_(sent[local_rows(p)] if isinstance(m, DTensor) else sent)  # c. this rank's rows of it
                 payloads.append(DemoPayload(
                     indices=idx.to(index_dtype_for(t.chunk_elems)),
