@@ -1,4 +1,5 @@
-"""atoll.algorithms.finite.all_finite: one pass over the tensor, the exact element-wise check only on alarm."""
+"""atoll.algorithms.finite: all_finite (one pass over the tensor, the exact element-wise check only on alarm) and
+l2_norm (accurate at any length)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from atoll.algorithms.finite import all_finite
+from atoll.algorithms.finite import NORM_ROW, all_finite, l2_norm
 
 
 def _isfinite_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -60,3 +61,32 @@ def test_low_precision_integer_and_empty_tensors() -> None:
     assert all_finite(torch.arange(10)) is True  # integers are always finite
     assert all_finite(torch.empty(0)) is True
     assert all_finite(torch.tensor(math.nan)) is False  # 0-d
+
+
+def _exact_norm(t: torch.Tensor) -> float:
+    return math.sqrt(float(t.double().square().sum()))
+
+
+def test_l2_norm_is_accurate_on_a_long_vector_where_a_float32_norm_drifts() -> None:
+    # 4M elements with a mean: float32 norm() is off by about 1e-4 there, l2_norm by under 1e-6
+    t = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 1e-3 + 1e-3
+    exact = _exact_norm(t)
+    assert abs(float(t.norm()) / exact - 1) > 1e-5  # the drift this guards against
+    assert abs(l2_norm(t) / exact - 1) < 1e-6
+
+
+@pytest.mark.parametrize("n", [1, 1000, NORM_ROW - 1, NORM_ROW, NORM_ROW + 1, 3 * NORM_ROW + 17])
+def test_l2_norm_at_every_length_and_equal_to_norm_below_a_row(n: int) -> None:
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    assert l2_norm(t) == pytest.approx(_exact_norm(t), rel=1e-6)
+    if n < NORM_ROW:
+        assert l2_norm(t) == float(t.norm())
+
+
+def test_l2_norm_of_other_shapes_dtypes_and_no_elements() -> None:
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(300, 500, generator=g)
+    assert l2_norm(t.T) == pytest.approx(_exact_norm(t), rel=1e-6)  # not contiguous: copied, then one pass
+    assert l2_norm(t.bfloat16()) == pytest.approx(_exact_norm(t.bfloat16().float()), rel=1e-5)  # in float32
+    assert l2_norm(t.double()) == pytest.approx(_exact_norm(t), rel=1e-12)
+    assert l2_norm(torch.empty(0)) == 0.0 and l2_norm(torch.tensor(-3.0)) == 3.0

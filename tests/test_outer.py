@@ -83,3 +83,15 @@ def test_the_fused_outer_step_equals_torch_default_sgd_bit_for_bit(momentum: flo
     reference.grad = delta.clone()
     sgd.step()
     assert torch.equal(restored.step(delta), reference.detach()), "resumed: the same floats"
+
+
+def test_the_global_parameters_norm_is_accurate_on_a_long_vector() -> None:
+    """The syncer bounds every push against this norm: a float32 norm() of 4M elements with a mean drifts by about
+    1e-4 (atoll.algorithms.finite.l2_norm), this one stays within 1e-6, and follows the step."""
+    theta = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 1e-3 + 1e-3
+    outer = OuterOptimizer(theta, lr=1.0, momentum=0.0)
+    exact = float(theta.double().square().sum().sqrt())
+    assert abs(float(theta.norm()) / exact - 1) > 1e-5
+    assert outer.params_norm() == pytest.approx(exact, rel=1e-6)
+    outer.step(torch.full_like(theta, 1e-3))  # θ ← θ − 1e-3: the norm of the new version
+    assert outer.params_norm() == pytest.approx(float((theta.double() - 1e-3).square().sum().sqrt()), rel=1e-6)

@@ -1,16 +1,26 @@
-"""One-pass finite checks of the tensors an exchange moves (pseudo-gradients, merged globals, pushes).
+"""One-pass checks of the tensors an exchange moves (pseudo-gradients, merged globals, pushes): finite, and norm.
 
 A NaN or an infinity in one element makes the float sum NaN or infinite, so a finite sum proves every element
 finite; only when the sum is not finite (a real NaN, or finite values whose sum overflowed) is the exact
 element-wise check run. ``isfinite(t).all()`` materializes a boolean per element: about 8-12 ns per element on
-one CPU thread against under 1 for the sum (bench/outer_round.py measures both). Pure tensor math.
+one CPU thread against under 1 for the sum (bench/outer_round.py measures both).
+
+A float32 ``norm()`` of a long vector drifts with its length (its terms summed in one running float32 order):
+relative errors of about 1e-4 at 4M elements and growing faster than the length beyond
+(tests/test_finite.py). :func:`l2_norm` takes float32 norms of rows of :data:`NORM_ROW` elements, accurate at that
+length, and sums their squares in float64: one pass, accurate at any length. Pure tensor math.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["all_finite"]
+__all__ = ["NORM_ROW", "all_finite", "l2_norm"]
+
+#: elements per row of the float32 norms that :func:`l2_norm` combines in float64
+NORM_ROW = 1 << 16
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -19,3 +29,21 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.numel() == 0 or not (t.is_floating_point() or t.is_complex()):
         return True
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def l2_norm(t: torch.Tensor) -> float:
+    """The L2 norm of ``t`` (any shape, a float dtype), accurate at any length (module docstring): float32 (or
+    float64, for a float64 ``t``) norms of its rows of :data:`NORM_ROW` elements, their squares summed in float64.
+    One pass over ``t`` (a copy first if it is not contiguous); one host sync on an accelerator. Equal to
+    ``float(t.norm())`` for a tensor of fewer than :data:`NORM_ROW` elements; 0.0 for an empty one."""
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return 0.0
+    dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    whole = n // NORM_ROW * NORM_ROW
+    rows = [torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=dtype)] if whole else []
+    if whole < n:
+        rows.append(torch.linalg.vector_norm(flat[whole:], dtype=dtype).reshape(1))
+    norms = torch.cat(rows) if len(rows) > 1 else rows[0]
+    return math.sqrt(float(norms.double().square().sum()))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atoll.algorithms.codec_base import Codec
+from atoll.algorithms.finite import l2_norm
 from atoll.algorithms.wire import ErrorFeedback
 
 __all__ = ["CodecTimes", "Segment", "average_decoded", "average_encoded", "is_embedding",
@@ -142,11 +143,11 @@ def radial_directional_mean(tensors: Sequence[torch.Tensor], weights: Sequence[f
         out.zero_()
     total, radius = math.fsum(w), 0.0
     for t, wi in zip(tensors, w, strict=True):
-        norm = float(torch.linalg.vector_norm(t.to(torch.float32)))
+        norm = l2_norm(t)  # in float32 (float64 sums of its rows' norms: accurate at any length)
         radius += wi * norm
         if norm > 0 and wi > 0:
             out.add_(t.to(torch.float32), alpha=wi / norm)
-    length = float(torch.linalg.vector_norm(out))
+    length = l2_norm(out)
     if length == 0.0 or not math.isfinite(length):
         return out.zero_()
     return out.mul_(radius / total / length)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.finite import l2_norm
 from atoll.algorithms.snapshot import Snapshots
 
 
@@ -62,7 +63,7 @@ class OuterOptimizer:
         """The L2 norm of the global parameters, computed once per version (a syncer checks every push
         against it)."""
         if self._norm is None or self._norm[0] != self.version:
-            self._norm = (self.version, float(self.params.detach().norm()))
+            self._norm = (self.version, l2_norm(self.params))
         return self._norm[1]
 
     def step(self, pseudo_grad: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from atoll.algorithms.finite import l2_norm
 from atoll.algorithms.merge import weighted_mean
 
 #: the merges :func:`robust_mean` knows
@@ -36,7 +37,7 @@ def clip_to_median_norm(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     never sets the median), the others returned as they are. Raises ValueError for no tensors."""
     if not tensors:
         raise ValueError("clip_to_median_norm: no tensors")
-    norms = [float(t.norm()) for t in tensors]
+    norms = [l2_norm(t) for t in tensors]
     cap = sorted(norms)[(len(norms) - 1) // 2]  # the lower median: a minority never sets it
     return [t * (cap / n) if n > cap else t for t, n in zip(tensors, norms, strict=True)]
 

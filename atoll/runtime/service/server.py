@@ -72,6 +72,7 @@ from typing import Any
 
 import grpc
 
+from atoll.algorithms.finite import l2_norm
 from atoll.config import TrainConfig
 from atoll.config.run_record import digest as record_digest
 from atoll.config.run_record import mismatch, run_record
@@ -386,7 +387,7 @@ class SyncerServer:
                     return self._answer(island, key, False, fragment)
             try:  # decoded outside the lock: a large push never holds up the other islands' calls
                 delta, nbytes = self.bulk.assemble(uploads, numel)
-                norm = float(delta.norm())  # (this pass too outside the lock; the syncer checks it there)
+                norm = l2_norm(delta)  # (this pass too outside the lock; the syncer checks it there)
             except Exception:  # noqa: BLE001 - a stranger's payload: refused by the syncer's check (type), counted
                 delta, norm = None, None
         msg = Push(island, fragment, delta, tokens, req.base_version, nbytes=nbytes, round_s=req.round_s,

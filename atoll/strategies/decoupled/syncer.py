@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from atoll.algorithms.finite import l2_norm
 from atoll.algorithms.fragments import FlatFragment, as_fragments
 from atoll.algorithms.merge import is_embedding
 from atoll.algorithms.outer import OuterOptimizer
@@ -283,7 +284,7 @@ class Syncer:
         warm = is_index(fragment, self.fragments) and self.bounds.warm(fragment)
         observed = since_last_push([r.last_push_at for r in self.per_island], island, fragment, now)
         reason = self.admission.refusal(msg, self.numels, [o.version for o in self.outer]) or self.bounds.check(
-            island, fragment, float(delta.detach().norm()) if norm is None else norm, tokens,
+            island, fragment, l2_norm(delta) if norm is None else norm, tokens,
             self.outer[fragment].params_norm())
         if reason:
             self._refuse(island, fragment, reason, tokens)
@@ -420,7 +421,7 @@ class Syncer:
             for p in pushes:
                 self.per_island[p.island].last_wait[fragment] = now - p.arrived_at
         if not all(p.vetted for p in pushes):  # accepted before the fragment had a history: vetted now
-            ok = self.bounds.vet(fragment, [(p.island, float(p.delta.norm()), p.tokens, p.vetted) for p in pushes])
+            ok = self.bounds.vet(fragment, [(p.island, l2_norm(p.delta), p.tokens, p.vetted) for p in pushes])
             for p in (p for p, good in zip(pushes, ok, strict=True) if not good):
                 self._refuse(p.island, fragment, "norm", p.tokens)
             pushes = [p for p, good in zip(pushes, ok, strict=True) if good]
