@@ -35,6 +35,10 @@ Written and tested on the CPU so that it runs first time on a GPU machine. For e
    and the random source there too) against the host path the runtime took before (the vector copied to the
    host and exchanged by a gloo comm on the CPU): seconds of each (median), the speed-up, and where the
    result, the residual and the random source ended up.
+6. **DeMo's step on the device** (:func:`measure_demo`), at ``--demo-models`` (default ``125m`` on a GPU,
+   ``micro`` on the CPU): one island's ``encode_step`` and ``apply_step`` of K payloads timed apart, against
+   the island's inner step of the same model from item 1: what DeMo adds to every inner step where its momentum
+   lives (the CPU figures of bench/outer_round.py are of islands on the CPU).
 
 MFU, model FLOP utilization (Chowdhery et al. 2022, PaLM, appendix B): achieved model FLOPs per second over
 the device's peak, with model FLOPs per token = 6 N + 12 L d T (N: parameters that multiply, the tied
@@ -217,6 +221,54 @@ def measure_exchange(name: str, vocab: int, device: torch.device, repeats: int, 
             "generator_device": wire.island_state(0)["generator_device"]}
 
 
+def measure_demo(name: str, vocab: int, device: torch.device, repeats: int, islands: int = 4,
+                 island_step_s: float | None = None) -> dict[str, Any]:
+    """DeMo's per-step work on ``device`` for the model ``name``: what each island adds to every inner step.
+
+    The preset's parameters (float32, random) and a gradient for each live on ``device``, with a
+    :class:`~atoll.algorithms.demo.DeMo` optimizer at the ``demo`` strategy's defaults (its momentum and transforms
+    live with the parameters). Per round: **encode** (``encode_step``: the momentum, its tiled DCT, the top-k per
+    tile, what is sent removed) and **apply** (``apply_step`` of ``islands`` payloads, as after the all-gather:
+    every coefficient averaged over its senders, the inverse DCT, the sign step), each waited for and timed
+    apart; the first round a warm-up, the median of ``repeats`` others. The all-gather itself is the link's
+    (``atoll project``).
+
+    Returns:
+        ``model``, ``params``, ``islands``, ``repeats``, ``payload_bytes`` (one island's per step), ``encode_s``,
+        ``apply_s``, ``step_s`` (their sum, seconds), and ``share_of_inner_step_pct``: ``step_s`` against
+        ``island_step_s`` (an island's inner step of this model on this device, measured apart; None without).
+    """
+    import statistics
+
+    from atoll.algorithms.demo import DeMo
+    from atoll.job.model import build_model
+    from atoll.strategies.demo import DeMoConfig, make_optimizer
+
+    model = build_model(name, vocab, 128, seed=0).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator(device=device).manual_seed(0)
+    opt: DeMo = make_optimizer([{"params": params}], DeMoConfig())  # type: ignore[assignment]
+    times: dict[str, list[float]] = {"encode": [], "apply": []}
+    for r in range(repeats + 1):
+        for p in params:  # a gradient's scale, fresh each round (outside the timed work)
+            p.grad = torch.randn(p.shape, generator=gen, device=device) * 1e-3
+        _sync(device)
+        t0 = time.perf_counter()
+        payloads = opt.encode_step()
+        _sync(device)
+        t1 = time.perf_counter()
+        opt.apply_step([payloads] * islands)
+        _sync(device)
+        if r:
+            times["encode"].append(t1 - t0)
+            times["apply"].append(time.perf_counter() - t1)
+    encode_s, apply_s = statistics.median(times["encode"]), statistics.median(times["apply"])
+    step_s = encode_s + apply_s
+    return {"model": name, "params": sum(p.numel() for p in params), "islands": islands, "repeats": repeats,
+            "payload_bytes": opt.bytes_per_step(), "encode_s": encode_s, "apply_s": apply_s, "step_s": step_s,
+            "share_of_inner_step_pct": 100 * step_s / island_step_s if island_step_s else None}
+
+
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
     """The device's dense bf16 peak in TFLOP/s: ``override``, else looked up by the CUDA device's name."""
     if override:
@@ -352,6 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exchange-codec", default="int4", help="the codec of the timed exchange [int4]")
     parser.add_argument("--exchange-repeats", type=int, default=5,
                         help="timed rounds of the exchange (after one) [5]")
+    parser.add_argument("--demo-models", default=None,
+                        help="model presets whose DeMo step is timed on the device, or none [125m on a GPU, micro "
+                             "on the CPU]")
+    parser.add_argument("--demo-repeats", type=int, default=5, help="timed DeMo steps (after one) [5]")
     parser.add_argument("--quick", action="store_true", help="micro model, tiny shapes: a smoke run (CPU tests)")
     parser.add_argument("--out", type=Path, default=None, help="output folder [bench/out/gpu]")
     args = parser.parse_args(argv)
@@ -396,9 +452,16 @@ def benchmark(args: argparse.Namespace) -> int:
     for m in [s.strip() for s in exchange_models.split(",") if s.strip() and s.strip() != "none"]:
         exchanges.append(measure_exchange(m, args.vocab, device, args.exchange_repeats, args.exchange_codec))
         print(json.dumps(exchanges[-1]), file=sys.stderr)
+    demo_models = args.demo_models if args.demo_models is not None else ("125m" if device.type == "cuda"
+                                                                          else "micro")
+    demos = []
+    for m in [s.strip() for s in demo_models.split(",") if s.strip() and s.strip() != "none"]:
+        step_s = next((r["island_step_s"] for r in rows if r["model"] == m), None)
+        demos.append(measure_demo(m, args.vocab, device, args.demo_repeats, args.islands, step_s))
+        print(json.dumps(demos[-1]), file=sys.stderr)
     result = {"device": name, "device_count": torch.cuda.device_count(), "torch": torch.__version__,
               "precision": args.precision, "rows": rows, "skipped": skipped, "copies": copies,
-              "concurrency": concurrency, "exchanges": exchanges,
+              "concurrency": concurrency, "exchanges": exchanges, "demo": demos,
               "command": "python bench/gpu.py " + " ".join(sys.argv[1:])}
     pct = lambda v: "-" if v is None else f"{v:.1f}%"  # noqa: E731
     table = write_results(
@@ -443,6 +506,17 @@ def benchmark(args: argparse.Namespace) -> int:
             f"{args.exchange_repeats})", ["one process, a group of one island: encode (stochastic rounding, error "
                                           "feedback), all-gather, decode and average; the host path copies the "
                                           "vector to the host first and runs the codec there"], bullets=False)
+    if demos:
+        table += "\n" + markdown_table(
+            [("model", "model"), ("params", "params", lambda v: f"{v / 1e6:.1f}M"), ("islands", "islands"),
+             ("payload per step", "payload_bytes", lambda v: f"{v / 2**20:.2f} MiB"),
+             ("encode", "encode_s", lambda v: f"{v * 1e3:.1f} ms"), ("apply", "apply_s", lambda v: f"{v * 1e3:.1f} ms"),
+             ("DeMo step", "step_s", lambda v: f"{v * 1e3:.1f} ms"),
+             ("of an island's inner step", "share_of_inner_step_pct", pct)],
+            demos, f"DeMo's work per inner step on {name} (median of {args.demo_repeats})",
+            ["encode: momentum, tiled DCT, top-k per tile, what is sent removed; apply: the islands' payloads "
+             "averaged per coefficient, inverse DCT, sign step (the all-gather apart); share: against the "
+             "island's inner step of the same model above (-: not measured)"], bullets=False)
     if concurrency:
         table += "\n" + markdown_table(
             [("model", "model"), ("GPUs", "gpus"), ("one island, s/step", "one_island_step_s", lambda v: f"{v:.4f}"),
@@ -451,7 +525,7 @@ def benchmark(args: argparse.Namespace) -> int:
             concurrency, "local runtime: islands on several GPUs run concurrently",
             ["speed-up: GPUs x one island's seconds per inner step / one island per GPU's (GPUs: concurrent; "
              "1: one after another); the job's time less its evaluations"], bullets=False)
-    if copies or exchanges or concurrency:
+    if copies or exchanges or concurrency or demos:
         (out / "results.md").write_text(table)
     print(table)
     return 0

@@ -62,6 +62,12 @@ def test_gpu_bench_smoke_on_cpu(tmp_path: Path, corpus_file: Path, cache_dir: Pa
     assert (exchange["result_device"], exchange["residual_device"], exchange["generator_device"]) == (
         "cpu", "cpu", "cpu")
     assert "the collective runtime's codec exchange on cpu" in (out / "results.md").read_text()
+    # DeMo's step where its momentum lives, against the island's inner step of the same model (micro, above)
+    (demo,) = result["demo"]
+    assert demo["model"] == "micro" and demo["params"] == row["params"] and demo["islands"] == 4
+    assert demo["encode_s"] > 0 and demo["apply_s"] > 0 and demo["step_s"] == demo["encode_s"] + demo["apply_s"]
+    assert demo["share_of_inner_step_pct"] == pytest.approx(100 * demo["step_s"] / row["island_step_s"])
+    assert "DeMo's work per inner step on cpu" in (out / "results.md").read_text()
 
 
 def test_copies_are_timed_apart_per_direction_and_kind() -> None:
