@@ -375,7 +375,7 @@ def test_positions_and_the_error_s_subtraction_are_the_tables_and_the_dense_form
 
 def test_the_step_ratios_norms_are_accurate_on_long_vectors() -> None:
     """Plain averaging's step size ‖Σ w_i Δ_i‖ / Σ w_i over 4M elements, and the update's norm, against float64: a
-    float32 ``norm()`` drifts by about 1e-4 there (0.5% at 60M), the squares' cascade sum stays within 1e-6."""
+    float32 ``norm()`` drifts by about 1e-4 there (0.5% at 60M), ``l2_norm`` stays within 1e-6."""
     strategy = _setup(SparseLoCo, 2)[4]
     gen = torch.Generator().manual_seed(0)
     deltas = [torch.randn(1 << 22, generator=gen) * 1e-3 + 1e-4 for _ in range(2)]

@@ -21,9 +21,9 @@ The reference's own kernels (the tiles' top-k, their 2-bit values, the aggregati
 run as in the eager round, on the accumulators this loop wrote.
 
 The floats are not the eager round's bit for bit: the loop adds in its own order and may contract ``β e + α Δ``
-into one multiply-add, and its sums are float32 reductions in inductor's order (the eager round's are torch's
-cascade sums). So it is a setting, ``outer_kernel = "compiled"``, not the
-default (tests/test_compiled_sparseloco.py bounds the difference).
+into one multiply-add, and its sums are float32 reductions in inductor's order (the eager round's norms are
+:func:`~atoll.algorithms.finite.l2_norm`'s: row-wise norms combined in float64). So it is a setting,
+``outer_kernel = "compiled"``, not the default (tests/test_compiled_sparseloco.py bounds the difference).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import torch
 from pydantic import Field, model_validator
 
 from atoll.algorithms.dct import index_dtype_for
-from atoll.algorithms.finite import all_finite
+from atoll.algorithms.finite import all_finite, l2_norm
 from atoll.algorithms.fused_accumulate import FusedAccumulate
 from atoll.algorithms.sparse import SparseCompressor
 from atoll.analysis.cost import Cost, Setting
@@ -243,9 +243,8 @@ class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
         (0.0 if none; the summary's step ratio): both summed over an island's ranks (:meth:`_island_sum`)."""
         bad = [not all_finite(d) for d in deltas]
         sending = [(d, w) for d, w, b in zip(deltas, weights, bad, strict=True) if not b and w > 0]
-        # the squares' float32 sum (torch's cascade sum stays accurate at any length, where a float32 norm() drifts
-        # with it: tests/test_sparseloco.py), squared in place in the weighted sum's scratch buffer
-        square = float(self._weighted_sum(sending).square_().sum()) if sending else 0.0
+        # accurate at any length, where a float32 norm() drifts with it (l2_norm; tests/test_sparseloco.py)
+        square = l2_norm(self._weighted_sum(sending)) ** 2 if sending else 0.0
         sums = self._island_sum(torch.tensor([*map(float, bad), square], dtype=torch.float64)).tolist()
         dropped = [b > 0 for b in sums[:-1]]
         total = sum(w for w, b in zip(weights, dropped, strict=True) if not b and w > 0)
@@ -287,11 +286,11 @@ class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
     def _send(self, position: int) -> tuple[dict[str, torch.Tensor], float, float]:
         """Local island ``position``'s payload of its accumulator, what it sends removed from it (SparseLoCo
         Algorithm 1, ``e ← e − C(e)``), and the accumulator's squared norm before and after."""
-        error, scratch = self.error[position], self._scratch(self.error[position].numel())
-        before = float(torch.square(error, out=scratch).sum())
+        error = self.error[position]
+        before = l2_norm(error) ** 2
         payload = self.compressor.compress(error)
         self.compressor.subtract_(error, payload)  # error.sub_(decompress(payload)) without the dense vector
-        return payload, before, float(torch.square(error, out=scratch).sum())
+        return payload, before, l2_norm(error) ** 2
 
     def _aggregate(self, gathered: list[dict[str, torch.Tensor]], weights: list[float]) -> tuple[torch.Tensor, float]:
         """The islands' combined update (:meth:`SparseCompressor.aggregate`), float32 shaped as this process's
@@ -300,8 +299,7 @@ class SparseLoCo(CompiledRounds[FusedAccumulate], OuterRounds):
         if out is None or out.numel() != self.compressor.numel:
             out = self.__dict__["_agg_buf"] = torch.empty(self.compressor.numel, dtype=torch.float32)
         agg = self.compressor.aggregate(gathered, weights, self.config.sparseloco_clip, out=out)
-        # the squares' float32 sum, as _agree's (a float32 norm() drifts with the vector's length)
-        return agg, math.sqrt(float(torch.square(agg, out=self._scratch(agg.numel())).sum()))
+        return agg, l2_norm(agg)  # as _agree's (a float32 norm() drifts with the vector's length)
 
     def summary(self) -> dict[str, Any]:
         c = self.compressor

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from atoll.algorithms.finite import l2_norm
 from atoll.runtime.collective.failure import dist_call
 from atoll.runtime.collective.sharded_demo import local_rows
 from atoll.strategies.base import Strategy
@@ -72,9 +73,9 @@ class ShardedSparseLoCo(SparseLoCo):
             whole = whole.full_tensor().to("cpu", torch.float32).reshape(-1)  # the island's all-gather
             compressor = self.compressor.of_tensor(j)
             parts.append(compressor.compress(whole))
-            before += float(whole.square().sum())
+            before += l2_norm(whole) ** 2
             whole.sub_(compressor.decompress(parts[-1]))
-            after += float(whole.square().sum())
+            after += l2_norm(whole) ** 2
             mine.copy_(whole.view(p.shape)[local_rows(p)].reshape(-1))
         return self.compressor.join(parts), before, after
 
@@ -92,7 +93,7 @@ class ShardedSparseLoCo(SparseLoCo):
         for j, (p, piece) in enumerate(zip(island.params, island.local_params(), strict=True)):
             whole = self.compressor.of_tensor(j).aggregate([parts[j] for parts, _ in live], [w for _, w in live],
                                                            self.config.sparseloco_clip)
-            square += float(whole.square().sum())
+            square += l2_norm(whole) ** 2
             agg[offset:offset + piece.numel()] = whole.view(p.shape)[local_rows(p)].reshape(-1)
             offset += piece.numel()
         return agg, math.sqrt(square)
