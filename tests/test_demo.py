@@ -133,9 +133,31 @@ def test_chunked_dct_refuses_buffers_that_do_not_fit() -> None:
     t = ChunkedDCT((16, 16), 8)
     x = torch.randn(16, 16)
     for buffers in ([torch.empty(256)] * 2, [torch.empty(256), torch.empty(255), torch.empty(256)],
-                    [torch.empty(256, dtype=torch.float64)] * 3):
-        with pytest.raises(ValueError, match="buffers must be 3 float32 tensors of at least 256"):
+                    [torch.empty(256, dtype=torch.float64)] * 3, [torch.empty(512)[::2]] * 3):
+        with pytest.raises(ValueError, match="buffers must be 3 contiguous float32 tensors of at least 256"):
             t.encode(x, buffers)
+    with pytest.raises(ValueError, match="on the input's device, cpu"):
+        t.encode(x, [torch.empty(256), torch.empty(256, device="meta"), torch.empty(256)])
+    same = torch.empty(256)
+    holding_x = [x.view(-1), torch.empty(256), torch.empty(256)]
+    for buffers in ([same, same, torch.empty(256)], holding_x):
+        with pytest.raises(ValueError, match="three distinct tensors, the first two not holding the input"):
+            t.encode(x, buffers)
+    coeffs = t.encode(x)
+    t.decode(coeffs.clone(), [torch.empty(256), torch.empty(256), coeffs])  # the third may hold the input
+
+
+def test_kept_buffers_grow_for_a_larger_parameter_added_later() -> None:
+    small, large = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(32, 32))
+    opt = DeMo([small], lr=1e-2, chunk=8, topk=3)
+    small.grad = torch.randn(8, 8)
+    opt.step()
+    assert opt.__dict__["_dct_buffers"][0].numel() == 64
+    opt.add_param_group({"params": [large]})
+    small.grad, large.grad = torch.randn(8, 8), torch.randn(32, 32)
+    before = large.detach().clone()
+    opt.step()
+    assert opt.__dict__["_dct_buffers"][0].numel() == 1024 and not torch.equal(large, before)
 
 
 @pytest.mark.parametrize("sign_values", [False, True])

@@ -87,6 +87,11 @@ def test_l2_norm_of_other_shapes_dtypes_and_no_elements() -> None:
     g = torch.Generator().manual_seed(1)
     t = torch.randn(300, 500, generator=g)
     assert l2_norm(t.T) == pytest.approx(_exact_norm(t), rel=1e-6)  # not contiguous: copied, then one pass
+    strided = torch.randn(1 << 20, generator=g)[::2]  # torch's strided norm alone drifts (4e-6 here)
+    assert l2_norm(strided) == pytest.approx(_exact_norm(strided), rel=1e-6)
     assert l2_norm(t.bfloat16()) == pytest.approx(_exact_norm(t.bfloat16().float()), rel=1e-5)  # in float32
     assert l2_norm(t.double()) == pytest.approx(_exact_norm(t), rel=1e-12)
     assert l2_norm(torch.empty(0)) == 0.0 and l2_norm(torch.tensor(-3.0)) == 3.0
+    assert l2_norm(torch.full((4,), 6e4, dtype=torch.float16)) == 1.2e5  # float16's norm() overflows
+    with pytest.raises(RuntimeError):
+        l2_norm(torch.ones(3, dtype=torch.int64))  # as norm()

@@ -155,10 +155,10 @@ class ChunkedDCT:
 
         Args:
             x: tensor of ``self.shape`` (any float dtype; computed in float32).
-            buffers: None (fresh tensors), or three flat float32 tensors of at least ``numel`` elements each, on
-                ``x``'s device and not holding ``x``: the two matmuls' results go into the first two and the
-                coefficients into the third (the same floats; no allocation, which on the CPU costs a page fault
-                per 4 KiB of a fresh tensor).
+            buffers: None (fresh tensors), or three distinct contiguous float32 tensors of at least ``numel``
+                elements each, on ``x``'s device, the first two not holding ``x``: the two matmuls' results go into
+                the first two and the coefficients into the third (the same floats; no allocation, which on the
+                CPU costs a page fault per 4 KiB of a fresh tensor; no autograd, as for any ``out=``).
 
         Returns:
             Coefficients, (num_chunks, chunk_elems) float32, chunks in row-major tile order, each chunk's
@@ -166,14 +166,14 @@ class ChunkedDCT:
             of the third.
 
         Raises:
-            ValueError: ``x`` does not have ``self.shape``.
+            ValueError: ``x`` does not have ``self.shape``, or ``buffers`` are not as above.
         """
         if tuple(x.shape) != self.shape:
             raise ValueError(f"ChunkedDCT.encode: expected shape {self.shape}, got {tuple(x.shape)}")
         h, w = self.tile
         bh, bw = self._basis(x.device)
         r, c = self.rows // h, self.cols // w
-        first, second, out = self._views(buffers, (self.rows, c, w), (r, h, c * w), (r, c, h, w))
+        first, second, out = self._views(buffers, x, (self.rows, c, w), (r, h, c * w), (r, c, h, w))
         # Separable DCT as two plain matmuls (faster than one einsum on CPU): along each tile's columns,
         # then along its rows; one permute copy puts each tile's coefficients in a row.
         y = torch.matmul(x.detach().to(torch.float32).reshape(self.rows, c, w), bw.T, out=first)  # (rows, c, w)
@@ -193,7 +193,7 @@ class ChunkedDCT:
             float32 tensor of ``self.shape``; with ``buffers``, a view of the third.
 
         Raises:
-            ValueError: ``coeffs`` has the wrong shape.
+            ValueError: ``coeffs`` has the wrong shape, or ``buffers`` are not as :meth:`encode` needs them.
         """
         if tuple(coeffs.shape) != (self.num_chunks, self.chunk_elems):
             raise ValueError(
@@ -203,24 +203,35 @@ class ChunkedDCT:
         h, w = self.tile
         bh, bw = self._basis(coeffs.device)
         r, c = self.rows // h, self.cols // w
-        first, second, out = self._views(buffers, (r, h, c, w), (r, h, c * w), (self.rows, c, w))
+        first, second, out = self._views(buffers, coeffs, (r, h, c, w), (r, h, c * w), (self.rows, c, w))
         y = coeffs.to(torch.float32).reshape(r, c, h, w).permute(0, 2, 1, 3)
         y = (y.reshape(r, h, c, w) if first is None else first.copy_(y)).reshape(r, h, c * w)
         y = torch.matmul(bh.T, y, out=second)  # (r, h, c * w)
         return torch.matmul(y.reshape(self.rows, c, w), bw, out=out).reshape(self.shape)
 
-    def _views(self, buffers: Sequence[torch.Tensor] | None,
+    def _views(self, buffers: Sequence[torch.Tensor] | None, source: torch.Tensor,
                *shapes: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
         """The first ``numel`` elements of each of ``buffers``, shaped as ``shapes`` (Nones for no buffers).
 
         Raises:
-            ValueError: not three buffers, or one too short or not float32.
+            ValueError: not three buffers; one too short, not float32, not contiguous or not on ``source``'s
+                device; two of them the same memory; or ``source`` (the input) in the first two.
         """
         if buffers is None:
             return (None,) * len(shapes)
         n = self.rows * self.cols
-        if len(buffers) != len(shapes) or any(b.dtype != torch.float32 or b.numel() < n for b in buffers):
-            raise ValueError(f"ChunkedDCT: buffers must be {len(shapes)} float32 tensors of at least {n} elements")
+        if (len(buffers) != len(shapes)
+                or any(b.dtype != torch.float32 or b.numel() < n or not b.is_contiguous() for b in buffers)):
+            raise ValueError(f"ChunkedDCT: buffers must be {len(shapes)} contiguous float32 tensors of at least {n} "
+                             "elements")
+        if any(b.device != source.device for b in buffers):
+            raise ValueError(f"ChunkedDCT: buffers must be on the input's device, {source.device}")
+        spans = [(b.data_ptr(), b.data_ptr() + 4 * b.numel()) for b in buffers]
+        start = source.data_ptr()
+        if (len({a for a, _ in spans}) < len(spans) or any(a < start + 4 * source.numel() and start < b
+                                                             for a, b in spans[:2])):
+            raise ValueError("ChunkedDCT: the buffers must be three distinct tensors, the first two not holding the "
+                             "input")
         return tuple(b.reshape(-1)[:n].view(shape) for b, shape in zip(buffers, shapes, strict=True))
 
     def __repr__(self) -> str:

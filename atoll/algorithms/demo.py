@@ -264,15 +264,17 @@ class DeMo(torch.optim.Optimizer):
         return idx, vals, t.decode(coeffs.zero_().scatter_(1, idx, vals), buffers)
 
     def _buffers(self, p: torch.Tensor) -> list[torch.Tensor] | None:
-        """Three flat float32 buffers, each of the largest parameter's (whole) size, that this optimizer keeps on
-        the CPU for the DCT's intermediates (:meth:`ChunkedDCT.encode`): a fresh tensor of a large parameter's
-        size costs a page fault per 4 KiB there, more than the arithmetic (bench/outer_round.py, ``demo``).
-        None for a parameter on an accelerator, whose caching allocator reuses memory already."""
+        """Three flat float32 buffers that this optimizer keeps on the CPU for the DCT's intermediates
+        (:meth:`ChunkedDCT.encode`), each of the largest CPU parameter's (whole) size: 12 bytes per element of
+        that parameter, held for the optimizer's life (grown when a larger one joins, ``add_param_group``). A
+        fresh tensor of a large parameter's size costs a page fault per 4 KiB there, more than the arithmetic
+        (bench/outer_round.py, ``demo``). None for a parameter on an accelerator, whose caching allocator reuses
+        memory already."""
         if p.device.type != "cpu":
             return None
         buffers = self.__dict__.get("_dct_buffers")
-        if buffers is None:
-            n = max(math.prod(q.shape) for q in self._params())
+        if buffers is None or buffers[0].numel() < math.prod(p.shape):
+            n = max(math.prod(q.shape) for q in self._params() if q.device.type == "cpu")
             buffers = self.__dict__["_dct_buffers"] = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
         return buffers
 

@@ -32,11 +32,17 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def l2_norm(t: torch.Tensor) -> float:
-    """The L2 norm of ``t`` (any shape, a float dtype), accurate at any length (module docstring): float32 (or
-    float64, for a float64 ``t``) norms of its rows of :data:`NORM_ROW` elements, their squares summed in float64.
-    One pass over ``t`` (a copy first if it is not contiguous); one host sync on an accelerator. Equal to
-    ``float(t.norm())`` for a tensor of fewer than :data:`NORM_ROW` elements; 0.0 for an empty one."""
-    flat = t.detach().reshape(-1)
+    """The L2 norm of ``t`` (any shape, a real float dtype), accurate at any length (module docstring): float32
+    norms (float64 for a float64 ``t``) of its rows of :data:`NORM_ROW` elements, their squares summed in float64
+    on the host. One pass over ``t`` (a contiguous copy first where it is not contiguous); one host
+    sync on an accelerator. For a float32 tensor of fewer than :data:`NORM_ROW` elements, equal to
+    ``float(t.norm())``; a half-precision one is measured in float32 (``norm()`` keeps its dtype, and may
+    overflow). Squares beyond float64's range (norms above about 1e154) read inf; 0.0 for an empty tensor.
+
+    Raises:
+        RuntimeError: ``t`` is not of a floating dtype (torch's message, as ``norm()``'s).
+    """
+    flat = t.detach().reshape(-1).contiguous()  # torch's strided norm sums in a less accurate order
     n = flat.numel()
     if n == 0:
         return 0.0
@@ -46,4 +52,4 @@ def l2_norm(t: torch.Tensor) -> float:
     if whole < n:
         rows.append(torch.linalg.vector_norm(flat[whole:], dtype=dtype).reshape(1))
     norms = torch.cat(rows) if len(rows) > 1 else rows[0]
-    return math.sqrt(float(norms.double().square().sum()))
+    return math.sqrt(float(norms.to("cpu", torch.float64).square().sum()))

@@ -14,7 +14,8 @@ tensor and keeps the rank's rows of its sign.
 
 Memory: at most one parameter's whole momentum, its DCT coefficients and their decoded update per rank at a
 time (a few times the largest tensor: about 4 x 4 bytes x the embedding at 1B, 0.5 GB for a 128k x 2048
-embedding), never the whole model. Cost: one all-gather of the momentum per parameter and step inside the
+embedding), never the whole model; on the CPU three of those (the DCT's buffers, :meth:`DeMo._buffers`) are held
+between steps. Cost: one all-gather of the momentum per parameter and step inside the
 island (the fast link), and the selection computed redundantly on each of the island's R ranks.
 """
 
