@@ -35,10 +35,10 @@ def flip_pushes(syncer: Any, island: int, scale: float) -> None:
     through the syncer's own :meth:`~atoll.strategies.decoupled.syncer.Syncer.push` (validated as any)."""
     honest_push: Callable[..., Any] = syncer.push
 
-    def push(msg: Any, now: float = 0.0) -> Any:
+    def push(msg: Any, now: float = 0.0, **facts: Any) -> Any:  # the runtime's own facts (norm, owned) kept
         if msg.island == island:
             msg = replace(msg, delta=-scale * msg.delta)
-        return honest_push(msg, now)
+        return honest_push(msg, now, **facts)
 
     syncer.push = push
 

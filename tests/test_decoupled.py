@@ -269,6 +269,31 @@ def test_adopt_keeps_the_work_done_while_the_push_travelled(fast_config: dict) -
     assert torch.equal(fragment(1), w.base[1])
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_push_is_a_tensor_of_its_own_that_the_worker_keeps_no_part_of(fast_config: dict, codec: str) -> None:
+    """The simulated runtime hands a push's Δ to the syncer without a copy (owned): nothing the worker holds
+    shares its memory, and what the worker does next leaves the pushed Δ as it was."""
+    from atoll.runtime.decoupled_job import prepare_job
+    from atoll.strategies.decoupled.island import IslandWorker
+    from atoll.strategies.decoupled.protocol import Pull
+
+    job = prepare_job(build_config(overrides={**_decoupled(fast_config), "codec": codec}))
+    w = IslandWorker(0, job, total_steps=16)
+    for _ in range(2):
+        w.train_step()
+    push = w.push(0)
+    kept = push.delta.clone()
+    held = [*w.base, *(t for t in w.at_push if t is not None), *w.island.params,
+            *(t for f in (w.wire.feedback or []) for t in f.state_dict().values() if isinstance(t, torch.Tensor))]
+    assert not any(push.delta.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in held)
+    w.train_step()
+    w.push(1)
+    w.adopt(Pull(0, w.base[0] - 0.5 * push.delta, 1))
+    w.train_step()
+    w.push(0)
+    assert torch.equal(push.delta, kept)
+
+
 @pytest.mark.slow
 def test_pushes_on_the_wire_die_with_a_failed_island(fast_config: dict) -> None:
     # a slow link (pushes take several steps) and frequent failures: some pushes are in flight at a failure

@@ -224,8 +224,9 @@ class Simulation:
         if msg.epoch != st.epoch[i]:  # the island failed while it was on the wire: lost (tokens counted then)
             st.lost_pushes += 1
             return
+        # owned: IslandWorker.push made this Δ for this push alone, so the syncer buffers it without a copy
         result = self.syncer.push(replace(msg.push, round_s=t - st.pulled_at[i][p], credential=self.credentials[i]),  # type: ignore[type-var]
-                                  now=t)
+                                  now=t, owned=True)
         st.last_arrival = max(st.last_arrival, t)
         self.log_push(i, p, t, result.accepted, result.reason, self.workers[i].steps)
         waiter = Waiter(i, msg.epoch, msg.push.base_version)  # type: ignore[union-attr]  # the version it holds
@@ -401,7 +402,7 @@ class Simulation:
                     st.uplink_free[i] = arrive = (max(st.clock[i], st.uplink_free[i])
                                                   + self.link.transfer_seconds(push.nbytes, 1))
                     result = syncer.push(replace(push, round_s=arrive - st.pulled_at[i][p],
-                                                 credential=self.credentials[i]), now=arrive)
+                                                 credential=self.credentials[i]), now=arrive, owned=True)
                     st.last_arrival = max(st.last_arrival, arrive)
                     self.log_push(i, p, arrive, result.accepted, result.reason, w.steps)
         syncer.flush()

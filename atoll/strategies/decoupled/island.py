@@ -211,7 +211,9 @@ class IslandWorker:
         """Fragment p's push: Δ = base − θ_island (of its :attr:`send_range`) passed through the run's codec
         (encoded, then decoded in float32, with the island's error feedback; left to the transport with
         :attr:`transport_encodes`, nbytes 0), the tokens since its last push, its base version and the
-        encoded payload's bytes. Remembers θ_island of the fragment for :meth:`adopt`."""
+        encoded payload's bytes. Remembers θ_island of the fragment for :meth:`adopt`. Δ is a tensor made for
+        this push alone, which the worker keeps no reference to: a runtime in the same process hands it to the
+        syncer without a copy (``Syncer.push(owned=True)``, :mod:`atoll.runtime.events`)."""
         mine = self.island.flat_params(self.fragment_index[p])  # a copy of the fragment's views alone
         self.at_push[p] = mine
         a, b = self.send_range[p]
