@@ -138,11 +138,19 @@ def test_chunked_dct_refuses_buffers_that_do_not_fit() -> None:
             t.encode(x, buffers)
     with pytest.raises(ValueError, match="on the input's device, cpu"):
         t.encode(x, [torch.empty(256), torch.empty(256, device="meta"), torch.empty(256)])
-    same = torch.empty(256)
-    holding_x = [x.view(-1), torch.empty(256), torch.empty(256)]
-    for buffers in ([same, same, torch.empty(256)], holding_x):
-        with pytest.raises(ValueError, match="three distinct tensors, the first two not holding the input"):
-            t.encode(x, buffers)
+    same, big, store = torch.empty(256), torch.empty(800), torch.randn(16, 40)
+    strided = store[:, :16]  # the input, a strided view: its storage holds the first buffer below
+    for source, buffers in ((x, [same, same, torch.empty(256)]),
+                            (x, [big[:256], big[1:257], big[513:769]]),  # overlapping, not the same start
+                            (x, [x.view(-1), torch.empty(256), torch.empty(256)]),
+                            (strided, [store.view(-1)[16:272], torch.empty(256), torch.empty(256)])):
+        with pytest.raises(ValueError, match="must not overlap each other, nor the first two the input"):
+            t.encode(source, buffers)
+    raw = torch.zeros(512 + 3 * 1024, dtype=torch.uint8)  # a bf16 input right before the buffers, one storage
+    low = raw[:512].view(torch.bfloat16).view(16, 16)
+    low.copy_(x)
+    after = [raw[512 + 1024 * i:512 + 1024 * (i + 1)].view(torch.float32) for i in range(3)]
+    assert torch.equal(t.encode(low, after), t.encode(low))
     coeffs = t.encode(x)
     t.decode(coeffs.clone(), [torch.empty(256), torch.empty(256), coeffs])  # the third may hold the input
 

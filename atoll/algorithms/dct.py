@@ -155,10 +155,10 @@ class ChunkedDCT:
 
         Args:
             x: tensor of ``self.shape`` (any float dtype; computed in float32).
-            buffers: None (fresh tensors), or three distinct contiguous float32 tensors of at least ``numel``
-                elements each, on ``x``'s device, the first two not holding ``x``: the two matmuls' results go into
-                the first two and the coefficients into the third (the same floats; no allocation, which on the
-                CPU costs a page fault per 4 KiB of a fresh tensor; no autograd, as for any ``out=``).
+            buffers: None (fresh tensors), or three contiguous float32 tensors of at least ``numel`` elements
+                each, on ``x``'s device, not overlapping, the first two not overlapping ``x``: the two matmuls'
+                results go into the first two and the coefficients into the third (the same floats; no allocation,
+                which on the CPU costs a page fault per 4 KiB of a fresh tensor; no autograd, as for any ``out=``).
 
         Returns:
             Coefficients, (num_chunks, chunk_elems) float32, chunks in row-major tile order, each chunk's
@@ -215,7 +215,7 @@ class ChunkedDCT:
 
         Raises:
             ValueError: not three buffers; one too short, not float32, not contiguous or not on ``source``'s
-                device; two of them the same memory; or ``source`` (the input) in the first two.
+                device; two of them overlapping; or ``source`` (the input) overlapping the first two.
         """
         if buffers is None:
             return (None,) * len(shapes)
@@ -226,16 +226,28 @@ class ChunkedDCT:
                              "elements")
         if any(b.device != source.device for b in buffers):
             raise ValueError(f"ChunkedDCT: buffers must be on the input's device, {source.device}")
-        spans = [(b.data_ptr(), b.data_ptr() + 4 * b.numel()) for b in buffers]
-        start = source.data_ptr()
-        if (len({a for a, _ in spans}) < len(spans) or any(a < start + 4 * source.numel() and start < b
-                                                             for a, b in spans[:2])):
-            raise ValueError("ChunkedDCT: the buffers must be three distinct tensors, the first two not holding the "
-                             "input")
-        return tuple(b.reshape(-1)[:n].view(shape) for b, shape in zip(buffers, shapes, strict=True))
+        used = [b.reshape(-1)[:n] for b in buffers]
+        spans = [_bytes_of(b) for b in used]
+        if (any(_overlap(a, b) for i, a in enumerate(spans) for b in spans[i + 1:])
+                or any(_overlap(_bytes_of(source), b) for b in spans[:2])):
+            raise ValueError("ChunkedDCT: the buffers must not overlap each other, nor the first two the input")
+        return tuple(b.view(shape) for b, shape in zip(used, shapes, strict=True))
 
     def __repr__(self) -> str:
         return (
             f"ChunkedDCT(shape={self.shape}, tile={self.tile}, num_chunks={self.num_chunks}, "
             f"chunk_elems={self.chunk_elems})"
         )
+
+
+def _bytes_of(t: torch.Tensor) -> tuple[int, int]:
+    """The byte addresses ``[start, end)`` that ``t`` may read or write: its own span when contiguous, its whole
+    storage otherwise (a strided view's elements lie anywhere in it)."""
+    if t.is_contiguous():
+        return t.data_ptr(), t.data_ptr() + t.element_size() * t.numel()
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1] and a[0] < a[1] and b[0] < b[1]

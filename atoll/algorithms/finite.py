@@ -37,7 +37,8 @@ def l2_norm(t: torch.Tensor) -> float:
     on the host. One pass over ``t`` (a contiguous copy first where it is not contiguous); one host
     sync on an accelerator. For a float32 tensor of fewer than :data:`NORM_ROW` elements, equal to
     ``float(t.norm())``; a half-precision one is measured in float32 (``norm()`` keeps its dtype, and may
-    overflow). Squares beyond float64's range (norms above about 1e154) read inf; 0.0 for an empty tensor.
+    overflow). A row's float32 norm overflows to inf as ``norm()`` does (an element above about 1.8e19); a float64
+    tensor's squares beyond float64's range (norms above about 1e154) read inf; 0.0 for an empty tensor.
 
     Raises:
         RuntimeError: ``t`` is not of a floating dtype (torch's message, as ``norm()``'s).

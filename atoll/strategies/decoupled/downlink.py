@@ -100,8 +100,8 @@ class Downlink:
         # G_k − Q_{k−1} into a buffer kept between commits (a fresh one costs a page fault per 4 KiB on the CPU)
         change = self.__dict__.get("_change")
         if change is None or change.numel() < q.numel() or change.device != q.device:
-            change = self.__dict__["_change"] = torch.empty(max(self.full_bytes) // 4, dtype=torch.float32,
-                                                            device=q.device)
+            change = self.__dict__["_change"] = torch.empty(max(max(self.full_bytes) // 4, q.numel()),
+                                                            dtype=torch.float32, device=q.device)
         enc = self.codec.encode(torch.sub(params.detach().to(torch.float32), q, out=change[:q.numel()]))
         add_decoded_(q, self.codec, enc)
         if self.keep[fragment]:
