@@ -419,3 +419,15 @@ def test_decode_into_writes_what_decode_returns_into_a_view(name: str) -> None:
         codec.decode_into(enc, torch.empty(999))
     with pytest.raises(ValueError, match="decode_into"):
         codec.decode_into(enc, torch.empty(1000, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16"])
+def test_decoded_chunks_are_the_decode_range_by_range(name: str) -> None:
+    codec = make_codec(name)
+    x = torch.randn(3 * (1 << 18) + 100, generator=torch.Generator().manual_seed(0))
+    enc = codec.encode(x)
+    chunks = [(a, b, v.clone()) for a, b, v in codec.decoded_chunks(enc)]
+    assert (len(chunks) > 1) == (name != "bf16")  # the block codecs on the CPU: several ranges
+    assert [a for a, _, _ in chunks] == [0] + [b for _, b, _ in chunks[:-1]] and chunks[-1][1] == x.numel()
+    assert torch.equal(torch.cat([v for _, _, v in chunks]), codec.decode(enc))
+    assert list(codec.decoded_chunks(codec.encode(torch.empty(0)))) == []

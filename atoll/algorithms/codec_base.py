@@ -13,7 +13,7 @@ block-scaled, the ones that round); both import this module, which imports neith
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +153,26 @@ class Codec(ABC):
         """
         self._check_payload(enc)
         return self._range_decoder(enc)
+
+    def decoded_chunks(self, enc: Encoded) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """A payload's decoded values range by range (:meth:`range_decoder`), in order: ``(a, b, values)``, the
+        values :meth:`decode` returns at ``[a, b)`` (float32 ``(b - a,)`` on the payload's device), so that a caller
+        combines each chunk with its own slices while it is in cache (error feedback's residual, a pull added to a
+        shadow). One range: :meth:`decode`'s whole tensor; several: one chunk-sized buffer, reused from range to
+        range (valid until the next is yielded).
+
+        Raises:
+            ValueError: as :meth:`decode`.
+        """
+        ranges, fn = self.range_decoder(enc)
+        if len(ranges) <= 1:
+            yield from ((a, b, self._decode(enc)) for a, b in ranges)
+            return
+        device = next(iter(enc.tensors.values())).device
+        chunk = torch.empty(max(b - a for a, b in ranges), dtype=torch.float32, device=device)
+        for a, b in ranges:
+            fn(a, b, chunk[:b - a])
+            yield a, b, chunk[:b - a]
 
     def _range_decoder(self, enc: Encoded) -> tuple[list[tuple[int, int]], Callable[[int, int, torch.Tensor], None]]:
         """(Checked payload.) One range, decoded whole; codecs that decode in chunks override this."""

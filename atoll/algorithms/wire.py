@@ -62,17 +62,11 @@ class ErrorFeedback:
         target = x if r is None else x + r
         enc = self.codec.encode(target, generator)
         if not self.codec.lossless:
-            ranges, fn = self.codec.range_decoder(enc)
-            if len(ranges) <= 1:
-                self._residual[key] = target - self.codec.decode(enc)
-                return enc
             # range by range (block codecs on the CPU): target minus the decoded chunk while it is in cache, into
             # target itself when it is this call's own x + r (the stored residual is a new tensor either way)
             residual = torch.empty_like(target) if r is None else target
-            decoded = torch.empty(max(b - a for a, b in ranges), dtype=torch.float32, device=target.device)
-            for a, b in ranges:
-                fn(a, b, decoded[: b - a])
-                torch.sub(target[a:b], decoded[: b - a], out=residual[a:b])
+            for a, b, decoded in self.codec.decoded_chunks(enc):
+                torch.sub(target[a:b], decoded, out=residual[a:b])
             self._residual[key] = residual
         return enc
 

@@ -215,14 +215,9 @@ def apply_pull(pull: Pull, held: torch.Tensor, held_version: int, codec: Codec |
 
 def add_decoded_(target: torch.Tensor, codec: Codec, enc: Encoded) -> torch.Tensor:
     """In place, ``target.add_(codec.decode(enc))`` (``target`` float32 (numel,), on the payload's device), the
-    same floats, range by range where the codec decodes in chunks (:meth:`Codec.range_decoder`): each chunk added
+    same floats, range by range where the codec decodes in chunks (:meth:`Codec.decoded_chunks`): each chunk added
     while it is in cache, no decoded vector of the fragment's size. Returns ``target``. Raises ValueError as
     :meth:`Codec.decode`."""
-    ranges, decode = codec.range_decoder(enc)
-    if len(ranges) <= 1:
-        return target.add_(codec.decode(enc))
-    chunk = torch.empty(max(b - a for a, b in ranges), dtype=torch.float32, device=target.device)
-    for a, b in ranges:
-        decode(a, b, chunk[:b - a])
-        target[a:b].add_(chunk[:b - a])
+    for a, b, decoded in codec.decoded_chunks(enc):
+        target[a:b].add_(decoded)
     return target
