@@ -215,6 +215,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       f"(pass --steps N with N > {config.steps} to train further)", file=sys.stderr)
             return 0
     else:
+        refusal = _runtime_refusal(overrides.get("runtime"))
+        if refusal is not None:  # (before the strategy's check, whose advice would not run under atoll train)
+            raise AtollError(refusal)
         config = build_config(args.config, overrides)
     # heavy imports (torch, transformers) only once the settings are known to be valid
     from rich.console import Console
@@ -251,6 +254,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         end_process(0)  # a rank under torchrun, its run finished: no teardown that could abort it (SIGABRT)
     return 0
+
+
+def _runtime_refusal(runtime: str | None) -> str | None:
+    """The one line ``atoll train`` answers ``--runtime NAME`` with where that runtime is run by other commands
+    (``service``: ``atoll syncer`` and ``atoll island``); None for any other (an unknown name: the config's
+    error names it)."""
+    from atoll.runtime.registry import names, spec
+
+    return spec(runtime).refusal if runtime in names() else None
 
 
 def _finished(run_dir: Path, steps: int) -> bool:

@@ -46,6 +46,25 @@ def test_a_slow_link_makes_the_exchange_the_step() -> None:
     assert r["utilization"] == pytest.approx(r["t_c"] / r["step_s"]) and r["transfer_cores_per_shard"] == 0.0
 
 
+def test_the_help_states_the_defaults_the_command_uses(capsys: pytest.CaptureFixture[str]) -> None:
+    """``atoll project --help``'s defaults are those it runs with: the measured link shares and the decoupled
+    strategy's pull codec (which ``atoll train`` uses too)."""
+    import re
+
+    from atoll.cli import build_parser
+    from atoll.strategies.registry import spec
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["project", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"[default: measured, {MEASURED.push_share}]" in text
+    assert f"[default: measured, {MEASURED.pull_share}]" in text
+    pull = spec("decoupled").config.model_fields["pull_codec"].default
+    assert re.search(rf"\[default: {pull}, as atoll train\]", text) and pull != "fp32"
+    assert run_cli("project", "--paper-scale").stdout == run_cli("project", "--paper-scale", "--push-share",
+                                                                  str(MEASURED.push_share)).stdout
+
+
 def test_the_command_prints_the_table_and_refuses_what_it_does_not_read() -> None:
     r = run_cli("project", "--paper-scale")
     assert r.returncode == 0 and "| 12B | 2 Gbit/s | fp32 | 4.5 / 32 |" in r.stdout

@@ -173,3 +173,14 @@ def test_the_service_settings_are_not_atoll_trains(tmp_path: Path, capsys: pytes
                             f"from {toml}")
     with pytest.raises(AtollError, match="^runtime: "):
         build(build_parser().parse_args(["syncer", "--runtime", "local"]))
+
+
+@pytest.mark.parametrize("strategy", [None, "diloco", "decoupled"])
+def test_atoll_train_under_the_service_runtime_names_the_commands_that_run_it(strategy: str | None) -> None:
+    """``atoll train --runtime service`` is answered in one line naming ``atoll syncer`` and ``atoll island``,
+    whatever the strategy (not first with advice to change the strategy, then with this)."""
+    from conftest import run_cli
+
+    r = run_cli("train", "--runtime", "service", *(["--strategy", strategy] if strategy else []))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("atoll: error: runtime: service is run by 'atoll syncer' and 'atoll island'")

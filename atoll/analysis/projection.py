@@ -413,15 +413,18 @@ DEFAULTS: dict[str, Any] = {"strategy": "all", "islands": 4, "bandwidth_mbps": 1
 def add_arguments(parser: Any) -> None:
     """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table``); unset ones read as
     :data:`DEFAULTS`."""
+    from atoll.analysis.paper_scale import MEASURED  # (it builds on this module)
+
+    pull_default = spec("decoupled").config.model_fields["pull_codec"].default
     parser.add_argument("--table", action="store_true", help="print the real-scale table (1B, 12B, 100B; "
                         "4 regions at 2 and 5 Gbit/s, consumer links at 100 and 10 Mbit/s) and exit")
     parser.add_argument("--paper-scale", action="store_true", help="print where decoupled lands at its paper's "
                         "scale (12B, 4 regions, 2 and 5 Gbit/s) with the link shares and syncer CPU atoll measured "
                         "(atoll/analysis/paper_scale.py), and exit; takes --push-share, --pull-share, --pull-codec")
     parser.add_argument("--push-share", type=float, default=None, help="--paper-scale: the share of the link rate a "
-                        "push reaches, (0, 1] [default: measured, 0.645]")
+                        f"push reaches, (0, 1] [default: measured, {MEASURED.push_share}]")
     parser.add_argument("--pull-share", type=float, default=None, help="--paper-scale: a pull's share, (0, 1] "
-                        "[default: measured, 0.841]")
+                        f"[default: measured, {MEASURED.pull_share}]")
     parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)}, or all "
                         "[default: all]")
     parser.add_argument("--params", type=float, default=None, help="model parameters N (e.g. 12e9)")
@@ -436,7 +439,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--codec", default=None, help=f"pseudo-gradient codec: {', '.join(CODEC_BITS)} "
                         "[default: each strategy's, as atoll train: int4 for streaming and decoupled, else fp32]")
     parser.add_argument("--pull-codec", default=None, help="decoupled: the pull's codec, fp32, bf16, int8, int4 "
-                        "(one change per pull) [default: fp32, as atoll train]")
+                        f"(one change per pull) [default: {pull_default}, as atoll train]")
     parser.add_argument("--mtbf-h", type=float, default=None, help="island MTBF, hours [default: inf]")
     parser.add_argument("--downtime-min", type=float, default=None, help="minutes to replace a failed island "
                         "[default: 0]")
@@ -460,7 +463,7 @@ def run_cli(args: Any) -> str:
                           "--paper-scale or drop them")
     args = argparse.Namespace(**{k: DEFAULTS[k] if v is None and k in DEFAULTS else v for k, v in vars(args).items()})
     if args.params is None or args.step_compute_s is None:
-        raise ConfigError("params: --params and --step-compute-s are required (or pass --table)")
+        raise ConfigError("params: --params and --step-compute-s are required (or pass --table or --paper-scale)")
     if args.codec is not None and args.codec not in CODEC_BITS:
         raise ConfigError(f"codec: unknown codec '{args.codec}'; use one of {', '.join(CODEC_BITS)}")
     check_pull_codec(args.pull_codec)  # whatever strategy
