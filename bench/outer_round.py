@@ -12,7 +12,8 @@ and SwiGLU MLP, RMSNorm vectors; names as Hugging Face's, so fragments are cut a
   group: every host-side copy, pack and division a rank does, without the network's time);
 - ``streaming``: one window of Streaming DiLoCo (P = 4 fragments, each started and merged, tau = 0, alpha 0.5);
 - ``decoupled``: one window of Decoupled DiLoCo (P = 4): per fragment every island pushes, the syncer validates,
-  buffers and merges at the quorum, every island adopts the answer.
+  buffers and merges at the quorum, every island adopts the answer; pushes and pulls as the simulated runtime
+  makes them (each push's Δ handed over without a copy, each pull with the version the island holds).
 
 Each row also gives the round in *passes*: its time over one ``copy_`` of a float32 vector of the model's size
 (one read and one write, the memory's rate on this core); and for ``demo`` and ``sparseloco``, the time of the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import statistics
@@ -308,6 +310,10 @@ def worker(case: str, size: int, repeats: int) -> dict:
         syncer = syncer_of(config, job.init_flat, job.index)
         for w in workers:
             syncer.grant(w.index, 10 ** 12)
+        # as the runtimes hand them over (atoll.runtime.events): each push's Δ is the syncer's own (no copy, where
+        # the code measured takes ``owned``), and an island pulls with the version it holds (the pull codec's
+        # payloads since then, not the whole fragment)
+        owned = {"owned": True} if "owned" in inspect.signature(syncer.push).parameters else {}
         for r in range(repeats + 1):
             _nudge([w.island for w in workers])
             for w in workers:
@@ -315,7 +321,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
             t0, snapshots = time.perf_counter(), 0.0
             for p in range(FRAGMENTS):  # one window: every island pushes fragment p, the quorum merges, all adopt
                 for w in workers:
-                    result = syncer.push(w.push(p), now=float(r))
+                    result = syncer.push(w.push(p), now=float(r), **owned)
                     assert result.accepted, result.reason
                 if case == "syncer_commit":  # the service checkpoints at every commit: its snapshot of the state,
                     # lent to the writer and given back once written (here at once: a writer that keeps up)
@@ -326,7 +332,7 @@ def worker(case: str, size: int, repeats: int) -> dict:
                         syncer.state_dict()
                     snapshots += time.perf_counter() - t1
                 for w in workers:
-                    w.adopt(syncer.pull(p))
+                    w.adopt(syncer.pull(p, w.base_version[p]))
             if r:
                 times.append(snapshots if case == "syncer_commit" else time.perf_counter() - t0)
         assert syncer.commits == (repeats + 1) * FRAGMENTS

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import run_cli, train_crashed_and_resumed
 
+from atoll.algorithms.codecs import make_codec
 from atoll.analysis.chaos import FailureTrace, synchronous_under_failures
 from atoll.config import build_config
 from atoll.errors import ConfigError
@@ -292,6 +293,40 @@ def test_a_push_is_a_tensor_of_its_own_that_the_worker_keeps_no_part_of(fast_con
     w.train_step()
     w.push(0)
     assert torch.equal(push.delta, kept)
+
+
+def test_at_push_lands_in_one_kept_buffer_and_a_delta_pull_lands_in_the_base(fast_config: dict) -> None:
+    """θ_at_push of a fragment is written into one buffer the worker keeps from push to push (the same values as a
+    fresh copy), which its checkpoint copies; an int8 delta pull is added to the base in place, giving the floats
+    of the base plus the decoded payload, and the island's parameters as on a copy."""
+    from atoll.runtime.decoupled_job import prepare_job
+    from atoll.strategies.decoupled.downlink import Downlink
+    from atoll.strategies.decoupled.island import IslandWorker
+
+    job = prepare_job(build_config(overrides={**_decoupled(fast_config), "pull_codec": "int8"}))
+    w = IslandWorker(0, job, total_steps=16)
+    down = Downlink("int8", [b.clone() for b in w.base])
+    w.train_step()
+    w.push(0)
+    buffer = w.at_push[0]
+    assert buffer is not None and torch.equal(buffer, w.fragment_index[0].gather(w.island.flat_params()))
+    saved = w.state_dict()["at_push"][0]
+    assert saved.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    base_storage = w.base[0].untyped_storage().data_ptr()
+    g = w.base[0] + 0.01 * torch.randn(w.base[0].numel(), generator=torch.Generator().manual_seed(0))
+    down.commit(0, g, 1)
+    pull = down.pull(0, g, 1, have=0)
+    assert pull.params is None and len(pull.deltas) == 1
+    expected_base = w.base[0] + make_codec("int8").decode(pull.deltas[0])
+    now = w.fragment_index[0].gather(w.island.flat_params())
+    w.adopt(pull)
+    assert w.base[0].untyped_storage().data_ptr() == base_storage and torch.equal(w.base[0], expected_base)
+    assert torch.equal(w.base[0], down.shadow[0])
+    assert torch.equal(w.fragment_index[0].gather(w.island.flat_params()), (now - saved) + expected_base)
+    w.train_step()
+    w.push(0)  # the next push of fragment 0: into the same buffer, with the values of now
+    assert w.at_push[0] is buffer and torch.equal(buffer, w.fragment_index[0].gather(w.island.flat_params()))
+    assert not torch.equal(buffer, saved)
 
 
 @pytest.mark.slow

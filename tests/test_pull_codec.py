@@ -87,6 +87,41 @@ def test_a_fragment_decoded_range_by_range_gives_the_shadow_of_one_whole_decode_
         assert down.__dict__["_change"].numel() == numel
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_pull_added_in_place_gives_the_copys_floats_and_a_refused_one_changes_nothing(codec: str) -> None:
+    """``apply_pull(in_place=True)`` adds a delta pull's payloads into the island's own copy: the same floats as
+    into a new tensor, no new tensor; a pull whose second payload does not fit (another codec's, or another
+    length's) is refused before anything is added, so the copy is unchanged."""
+    from atoll.algorithms.codec_base import Encoded
+    from atoll.strategies.decoupled.protocol import Pull
+
+    numel = (1 << 18) + 777
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(numel, generator=gen)
+    down, q = Downlink(codec, [g.clone()]), make_codec(codec)
+    for k in (1, 2):
+        g = g + torch.randn(numel, generator=gen) * 0.01
+        down.commit(0, g, k)
+    pull = down.pull(0, g, 2, have=0)
+    assert len(pull.deltas) == 2
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(5))  # an island's copy at version 0
+    copy = apply_pull(pull, start, 0, q)
+    held = start.clone()
+    same = apply_pull(pull, held, 0, q, in_place=True)
+    assert same is held and torch.equal(held, copy) and not torch.equal(held, start)
+    for bad in (make_codec("int8" if codec == "int4" else "int4").encode(g),  # another codec's payload
+                q.encode(g[:-2])):  # another length's
+        kept = start.clone()
+        with pytest.raises(ValueError, match="pull: fragment 0|codec: "):
+            apply_pull(Pull(0, None, 2, deltas=(pull.deltas[0], bad), since=0), kept, 0, q, in_place=True)
+        assert torch.equal(kept, start)
+    kept = start.clone()
+    with pytest.raises(ValueError, match="float32 payload holds"):  # a cut float32 part of another length
+        apply_pull(Pull(0, None, 1, deltas=(Encoded({"values": torch.zeros(numel - 1)}, numel, "fp32"),), since=0),
+                   kept, 0, q, in_place=True)
+    assert torch.equal(kept, start)
+
+
 def test_payloads_kept_are_those_cheaper_than_the_full_fragment() -> None:
     n = 4096
     for codec, keep in (("bf16", 1), ("int8", 3), ("int4", 7), ("fp32", 0)):

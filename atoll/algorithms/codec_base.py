@@ -103,7 +103,7 @@ class Codec(ABC):
             ValueError: the payload was made by another codec, or its tensors do not match
                 :meth:`layout` (wrong names, dtypes or lengths).
         """
-        self._check_payload(enc)
+        self.check_payload(enc)
         return self._decode(enc)
 
     def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
@@ -123,10 +123,16 @@ class Codec(ABC):
         if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != enc.numel:
             raise ValueError(f"codec: decode_into needs a float32 ({enc.numel},) tensor, got "
                              f"{tuple(out.shape)} {out.dtype}")
-        self._check_payload(enc)
+        self.check_payload(enc)
         self._decode_into(enc, out)
 
-    def _check_payload(self, enc: Encoded) -> None:
+    def check_payload(self, enc: Encoded) -> None:
+        """Whether ``enc`` is this codec's payload, its tensors of the layout its ``numel`` fixes: what
+        :meth:`decode` checks before it decodes (and nothing of the values).
+
+        Raises:
+            ValueError: another codec's payload, or tensors of other names, dtypes or sizes.
+        """
         if enc.codec != self.name:
             raise ValueError(
                 f"codec: payload was encoded with '{enc.codec}', cannot decode with '{self.name}'"
@@ -151,7 +157,7 @@ class Codec(ABC):
         Raises:
             ValueError: as :meth:`decode`.
         """
-        self._check_payload(enc)
+        self.check_payload(enc)
         return self._range_decoder(enc)
 
     def decoded_chunks(self, enc: Encoded) -> Iterator[tuple[int, int, torch.Tensor]]:

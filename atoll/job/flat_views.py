@@ -15,6 +15,17 @@ import torch
 from atoll.algorithms.fragments import FlatFragment
 
 
+def check_flat_out(out: torch.Tensor, numel: int) -> None:
+    """Whether ``out`` can take a flat copy of ``numel`` parameters (:meth:`FlatViews.flat_params`).
+
+    Raises:
+        ValueError: ``out`` is not a contiguous float32 CPU tensor of ``numel`` elements.
+    """
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != numel:
+        raise ValueError(f"out: a contiguous float32 CPU tensor of {numel} elements is needed, not "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+
 class FlatViews:
     """Flat views of an island's parameters and gradients (a base of :class:`~atoll.job.island.Island`).
 
@@ -81,17 +92,29 @@ class FlatViews:
             offset += p.numel()
         return first.as_strided((offset,), (1,))
 
-    def flat_params(self, fragment: FlatFragment | None = None) -> torch.Tensor:
+    def flat_params(self, fragment: FlatFragment | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """A float32 CPU copy of all parameters concatenated in ``model.parameters()`` order, (numel,), or of
         ``fragment``'s elements only, (fragment.numel(),): one copy of what is asked, never of the whole model
-        for a fragment (on an accelerator: gathered there, then one device-to-host copy)."""
+        for a fragment (on an accelerator: gathered there, then one device-to-host copy).
+
+        Args:
+            out: where to write the copy (float32, contiguous, on the CPU, exactly that many elements), returned;
+                None: a new tensor. A buffer kept between calls spares the CPU a page fault per 4 KiB that a
+                fresh tensor of a large fragment's size costs at its first touch.
+
+        Raises:
+            ValueError: ``out`` is not a contiguous float32 CPU tensor of the copy's length.
+        """
         views = self.param_views(fragment)
+        numel = sum(v.numel() for v in views)
+        if out is not None:
+            check_flat_out(out, numel)
         if not views:
-            return torch.empty(0, dtype=torch.float32)
-        if self.device.type == "cpu":
-            out = torch.empty(sum(v.numel() for v in views), dtype=torch.float32)
-            return torch.cat(views, out=out) if views[0].dtype == torch.float32 else torch.cat(views).float()
-        return torch.cat(views).to("cpu", torch.float32)
+            return torch.empty(0, dtype=torch.float32) if out is None else out
+        if self.device.type == "cpu" and views[0].dtype == torch.float32:
+            return torch.cat(views, out=torch.empty(numel, dtype=torch.float32) if out is None else out)
+        flat = torch.cat(views).to("cpu", torch.float32)
+        return flat if out is None else out.copy_(flat)
 
     def set_flat_params(self, flat: torch.Tensor, fragment: FlatFragment | None = None) -> None:
         """Overwrite all parameters (or ``fragment``'s elements) from a flat float32 vector of shape (numel,)

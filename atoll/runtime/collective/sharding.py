@@ -41,6 +41,7 @@ from torch.nn.utils import parameters_to_vector
 
 from atoll.algorithms.fragments import FlatFragment
 from atoll.config.facts import IslandSettings
+from atoll.job.flat_views import check_flat_out
 from atoll.job.island import InnerOptimizer, Island, build_island, copy_flat_into
 from atoll.runtime.collective.failure import dist_call
 
@@ -133,12 +134,18 @@ class ShardedIsland(Island):
 
         return shard_parts(fragment, [self.shard_pieces()])[0].local
 
-    def flat_params(self, fragment: FlatFragment | None = None) -> torch.Tensor:
+    def flat_params(self, fragment: FlatFragment | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's shard, float32 on the CPU: its pieces concatenated, shape (numel of the pieces,); or
-        ``fragment``'s elements of it (ranges of the shard's flat vector)."""
+        ``fragment``'s elements of it (ranges of the shard's flat vector); written into ``out`` where given
+        (as :meth:`FlatViews.flat_params <atoll.job.flat_views.FlatViews.flat_params>`, whose ValueError it
+        raises)."""
         if fragment is not None:
-            return super().flat_params(fragment)
-        return parameters_to_vector([_local(p.detach()) for p in self.params]).to("cpu", torch.float32)
+            return super().flat_params(fragment, out=out)
+        flat = parameters_to_vector([_local(p.detach()) for p in self.params]).to("cpu", torch.float32)
+        if out is None:
+            return flat
+        check_flat_out(out, flat.numel())
+        return out.copy_(flat)
 
     def set_flat_params(self, flat: torch.Tensor, fragment: FlatFragment | None = None) -> None:
         """Overwrite this rank's pieces (or ``fragment``'s elements of its shard) from a flat float32 vector

@@ -190,21 +190,41 @@ class Downlink:
             d.clear()
 
 
-def apply_pull(pull: Pull, held: torch.Tensor, held_version: int, codec: Codec | None) -> torch.Tensor:
+def apply_pull(pull: Pull, held: torch.Tensor, held_version: int, codec: Codec | None,
+               in_place: bool = False) -> torch.Tensor:
     """The float32 values (numel_p,) an island holds after ``pull``: its ``params`` if it carries them, else
     ``held`` (the island's copy, at ``held_version``) plus each payload's decoded values, in order (a payload of
     codec ``"fp32"`` is taken as decoded already: what a rank of a sharded island job holds of one, cut from its
     decoded values by its transport, :mod:`~atoll.runtime.service.exchange`).
 
+    Args:
+        in_place: add a delta pull's payloads into ``held`` itself (float32, contiguous) and return it, the same
+            floats as into a copy; every payload is checked first, so a pull refused leaves ``held`` unchanged.
+            False: into a new tensor. (On the CPU a fresh tensor of a large fragment's size costs a page fault per
+            4 KiB at its first touch.)
+
     Raises:
-        ValueError: a delta pull from another version than ``held_version``, or without a ``codec`` to decode it.
+        ValueError: a delta pull from another version than ``held_version``, without a ``codec`` to decode it, or
+            with a payload that is not the codec's for ``held``'s length.
     """
     if pull.params is not None:
         return pull.params
     if pull.since != held_version or codec is None:
         raise ValueError(f"pull: fragment {pull.fragment}'s deltas start from version {pull.since}, the island "
                          f"holds {held_version}{'' if codec is not None else ' and has no pull codec'}")
-    out = held.detach().to(torch.float32).clone()
+    for enc in pull.deltas:  # every payload checked before any is added: a refused pull changes nothing
+        if enc.numel != held.numel():
+            raise ValueError(f"pull: fragment {pull.fragment}'s payload holds {enc.numel} values, the island "
+                             f"holds {held.numel()}")
+        if enc.codec == "fp32":
+            if enc.tensors["values"].numel() != held.numel():
+                raise ValueError(f"pull: fragment {pull.fragment}'s float32 payload holds "
+                                 f"{enc.tensors['values'].numel()} values, the island holds {held.numel()}")
+        else:
+            codec.check_payload(enc)
+    if in_place and (held.dtype != torch.float32 or not held.is_contiguous()):
+        raise ValueError(f"pull: in place needs the held values as contiguous float32, not {held.dtype}")
+    out = held if in_place else held.detach().to(torch.float32).clone()
     for enc in pull.deltas:  # (an "fp32" payload: one already decoded, a sharded rank's part of it)
         if enc.codec == "fp32":
             out.add_(enc.tensors["values"])

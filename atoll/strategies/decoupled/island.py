@@ -122,7 +122,9 @@ class IslandWorker:
         base, base_version: per fragment, the global fragment (float32, (numel_p,): the values held) the island
             last pulled, and its version; pseudo-gradients are taken against it.
         at_push: per fragment, the island's own parameters when it last pushed (float32 (numel_p,); None
-            with no exchange in progress): its work since then is kept on top of the answer.
+            with no exchange in progress): its work since then is kept on top of the answer. Written into a
+            buffer the worker keeps, so it is overwritten at the fragment's next push (:meth:`state_dict`
+            copies it).
         tokens_since: per fragment, tokens trained since its last push.
         steps: inner steps taken (lost ones included); it also indexes the island's batches.
         round_step: inner steps since the island last (re)joined, plus the steps its realignments skipped
@@ -149,6 +151,10 @@ class IslandWorker:
                      [torch.zeros(frag.numel()) for frag in held])
         self.base_version = [0] * len(job.index)
         self.at_push: list[torch.Tensor | None] = [None] * len(job.index)
+        # per fragment, the float32 CPU buffer (numel_p,) that each push's θ_at_push is written into: allocated at
+        # the fragment's first push and kept (4 bytes per parameter held, on the host), where a fresh copy of a
+        # large fragment would cost the CPU a page fault per 4 KiB at every push; at_push[p] is it, or None
+        self._at_push_buffers: list[torch.Tensor | None] = [None] * len(self.fragment_index)
         self.tokens_since = [0] * len(job.index)
         self.steps = 0
         self.round_step = 0
@@ -214,7 +220,10 @@ class IslandWorker:
         encoded payload's bytes. Remembers θ_island of the fragment for :meth:`adopt`. Δ is a tensor made for
         this push alone, which the worker keeps no reference to: a runtime in the same process hands it to the
         syncer without a copy (``Syncer.push(owned=True)``, :mod:`atoll.runtime.events`)."""
-        mine = self.island.flat_params(self.fragment_index[p])  # a copy of the fragment's views alone
+        kept = self._at_push_buffers[p]  # θ_at_push lands in a buffer kept between pushes (see __init__)
+        if kept is None:
+            kept = self._at_push_buffers[p] = torch.empty(self.fragment_index[p].numel(), dtype=torch.float32)
+        mine = self.island.flat_params(self.fragment_index[p], out=kept)  # a copy of the fragment's views alone
         self.at_push[p] = mine
         a, b = self.send_range[p]
         raw = pseudo_gradient(self.base[p][a:b], mine[a:b])
@@ -243,7 +252,8 @@ class IslandWorker:
         its next push counted as staler than it is.
         """
         p = pull.fragment
-        values = apply_pull(pull, self.base[p], self.base_version[p], self.pull_codec)
+        # a delta pull is added to the base itself (the island's own copy: state_dict copies it)
+        values = apply_pull(pull, self.base[p], self.base_version[p], self.pull_codec, in_place=True)
         at_push = self.at_push[p]
         if at_push is None:  # a final pull: replace
             self.island.set_flat_params(values, self.fragment_index[p])
