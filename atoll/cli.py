@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
             print(disk_error_line(e, _resume_hint(args)), file=sys.stderr)
         return 1
     except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and "out of memory" not in str(e).lower():
+        message = str(e).lower()  # (CUDA: "out of memory"; torch's CPU allocator: "can't allocate memory")
+        if not isinstance(e, MemoryError) and "out of memory" not in message and "can't allocate memory" not in message:
             raise
         print("atoll: error: out of memory; lower --batch-size, --islands or --model, or use --precision bf16, "
               f"then {_resume_hint(args)}", file=sys.stderr)

@@ -132,3 +132,30 @@ def test_an_unknown_or_shortened_flag_is_refused_by_its_subcommand_with_the_clos
     subcommand's help and its closest flag."""
     r = run_cli(*args)
     assert r.returncode == 2 and r.stderr == line + "\n", r.stderr
+
+
+def test_a_config_that_is_a_folder_is_named_as_one(tmp_path: Path) -> None:
+    r = run_cli("train", "--config", str(tmp_path))
+    assert r.returncode == 2 and r.stderr == f"atoll: error: config: '{tmp_path}' is a folder; pass a TOML file (see " \
+                                             "configs/)\n"
+
+
+@pytest.mark.parametrize("message", [
+    "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "68719476736 bytes. Error code 12 (Cannot allocate memory)",
+    "CUDA out of memory. Tried to allocate 20.00 GiB",
+], ids=["cpu", "cuda"])
+def test_running_out_of_memory_is_one_line_with_the_settings_to_lower(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str],
+                                                                       message: str) -> None:
+    """torch's CPU allocator says "can't allocate memory", CUDA's "out of memory": both end the command with one
+    line naming what to lower (exit status 1: the settings are valid, the machine is too small for them)."""
+    import atoll.cli
+
+    def fail(args: object) -> int:
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(atoll.cli, "_cmd_train", fail)
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("atoll: error: out of memory; lower --batch-size") and err.count("\n") == 1, err

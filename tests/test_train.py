@@ -190,7 +190,9 @@ def test_resume_refuses_changes_that_define_the_run_and_leaves_the_folder_untouc
     train(build_config(overrides={**fast_config, "steps": 10}))
     out = Path(fast_config["out"])
     before = (out / "config.json").read_text()
-    for change in ({"strategy": "ddp"}, {"vocab_size": "1024"}, {"model": "tiny"}, {"islands": "3"}):
+    # (streaming: its 4 fragments would not fit the micro model; the strategy's refusal speaks first)
+    for change in ({"strategy": "ddp"}, {"strategy": "streaming"}, {"vocab_size": "1024"}, {"model": "tiny"},
+                   {"islands": "3"}):
         with pytest.raises(ConfigError, match=f"^{next(iter(change))}: cannot change on resume"):
             load_run_config(out, change)
     r = run_cli("train", "--resume", str(out), "--steps", "5")
@@ -274,3 +276,18 @@ def test_atoll_train_stays_callable_however_often_it_is_called() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "['runtime:', 'runtime:']"  # the loop's own refusal, both times
+
+
+def test_a_run_whose_checkpoints_lost_their_state_json_is_not_told_it_never_wrote_one(tmp_path: Path) -> None:
+    """A checkpoint is whole once its state.json is in place: where every checkpoint folder lacks it, the resume
+    says so (naming the newest) instead of "stopped before its first checkpoint ... remove the folder"."""
+    from atoll.job.checkpoint import CheckpointError, latest_checkpoint
+
+    (tmp_path / "config.json").write_text("{}")
+    for step in (20, 30):
+        (tmp_path / "checkpoints" / f"step_{step:07d}").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="no checkpoint in .* is whole: 2 without a state.json "
+                                              r"\(the newest step_0000030\)"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / "checkpoints" / "step_0000020" / "state.json").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step_0000020"

@@ -277,7 +277,9 @@ def build_config(toml_path: Path | None = None, overrides: dict[str, Any] | None
     given = {k for k, v in (overrides or {}).items() if v is not None}  # set by the user, not a saved run's
     from_file: dict[str, str] = {}  # given in the TOML file (and not overridden): the refusal names the file
     if toml_path is not None:
-        if not Path(toml_path).is_file():  # also a folder
+        if Path(toml_path).is_dir():
+            raise ConfigError(f"config: '{toml_path}' is a folder; pass a TOML file (see configs/)")
+        if not Path(toml_path).is_file():
             raise ConfigError(f"config: file '{toml_path}' does not exist; pass an existing TOML file")
         try:
             doc = tomllib.loads(Path(toml_path).read_text(encoding="utf-8"))
@@ -373,12 +375,18 @@ def load_run_config(run_dir: Path, overrides: dict[str, Any] | None = None) -> T
         raise ConfigError(f"out: a resumed run stays in its folder '{run_dir}'; drop --out (to resume the run in "
                           f"'{out}', pass --resume {out})")
     overrides = {k: v for k, v in (overrides or {}).items() if k != "out"}
-    config = build_config(base=saved.model_dump(), overrides={**overrides, "out": str(run_dir)})
-    now, before = config.model_dump(), saved.model_dump()  # flat: every setting by its name
+    before = saved.model_dump()  # flat: every setting by its name
+
+    def cannot_change(name: str) -> ConfigError:
+        return ConfigError(f"{name}: cannot change on resume (the run has {before.get(name)!r}); start a new run "
+                           f"with --init-from {run_dir} instead")
+
+    # the strategy first: another strategy's checks of the saved settings would speak before this refusal
+    if overrides.get("strategy") is not None and overrides["strategy"] != before["strategy"]:
+        raise cannot_change("strategy")
+    config = build_config(base=before, overrides={**overrides, "out": str(run_dir)})
+    now = config.model_dump()
     for name in overrides:
         if name not in RESUMABLE_OVERRIDES and now.get(name) != before.get(name):
-            raise ConfigError(
-                f"{name}: cannot change on resume (the run has {before.get(name)!r}); start a new run with "
-                f"--init-from {run_dir} instead"
-            )
+            raise cannot_change(name)
     return config

@@ -374,8 +374,13 @@ def latest_checkpoint(out: Path) -> Path:
         path = root / name
         if CHECKPOINT_NAME.fullmatch(name) and (path / "state.json").is_file():
             return path
-    candidates = [p for p in checkpoint_folders(root) if (p / "state.json").is_file()]
+    folders = checkpoint_folders(root)
+    candidates = [p for p in folders if (p / "state.json").is_file()]
     if not candidates:
+        if folders:  # written, then damaged (a checkpoint is complete once its state.json is in place)
+            raise CheckpointError(f"resume: no checkpoint in '{out}' is whole: {len(folders)} without a state.json "
+                                  f"(the newest {folders[-1].name}); restore its state.json from a backup, or "
+                                  "start again")
         if (Path(out) / "config.json").is_file():  # an atoll run that stopped before its first checkpoint
             raise CheckpointError(f"resume: the run in '{out}' stopped before its first checkpoint (see "
                                   "--checkpoint-every); nothing to resume: remove the folder and start again")
