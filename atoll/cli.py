@@ -168,13 +168,14 @@ def build_parser(train_flags: bool = True) -> argparse.ArgumentParser:
 
     commands.add_parsers(sub, add_config_flags if train_flags else None)
 
-    from atoll.analysis import projection
+    from atoll.analysis import paper_scale, projection
     from atoll.benchmarks import suite, wan, wan_decoupled  # no torch at import: the parser stays fast
 
     p_project = sub.add_parser("project", help="project step time, utilization, bytes and goodput of each "
                                "strategy to real scale (arithmetic, no training)",
                                description=_plain(projection.__doc__))
     projection.add_arguments(p_project)
+    paper_scale.add_arguments(p_project)
 
     p_bench = sub.add_parser("bench", help="run a benchmark: suite (every strategy and codec, one report), "
                              "wan (ddp vs diloco over emulated links, as root) or wan-decoupled (the syncer and "

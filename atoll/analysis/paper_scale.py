@@ -89,6 +89,15 @@ MIN_SHARE = 0.01
 PAPER_LINKS = (("2 Gbit/s", 2000.0, 35.0), ("5 Gbit/s", 5000.0, 35.0))
 
 
+def add_arguments(parser: Any) -> None:
+    """``atoll project --paper-scale``'s link shares, ``--push-share`` and ``--pull-share``, defaulting to
+    :data:`MEASURED`'s (the flags of the projection itself: :func:`atoll.analysis.projection.add_arguments`)."""
+    parser.add_argument("--push-share", type=float, default=None, help="--paper-scale: the share of the link rate a "
+                        f"push reaches, (0, 1] [default: measured, {MEASURED.push_share}]")
+    parser.add_argument("--pull-share", type=float, default=None, help="--paper-scale: a pull's share, (0, 1] "
+                        f"[default: measured, {MEASURED.pull_share}]")
+
+
 def paper_scale_rows(measured: Measured = MEASURED, pull_codecs: tuple[str, ...] = ("fp32", "int8", "int4"),
                      scale: ModelScale = SCALES[1], islands: int = 4,
                      links: tuple[tuple[str, float, float], ...] = PAPER_LINKS) -> list[dict[str, Any]]:

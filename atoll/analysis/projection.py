@@ -411,20 +411,14 @@ DEFAULTS: dict[str, Any] = {"strategy": "all", "islands": 4, "bandwidth_mbps": 1
 
 
 def add_arguments(parser: Any) -> None:
-    """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table``); unset ones read as
-    :data:`DEFAULTS`."""
-    from atoll.analysis.paper_scale import MEASURED  # (it builds on this module)
-
+    """Flags of ``atoll project`` (one per :class:`Setting` field, plus ``--table`` and ``--paper-scale``; its
+    link shares: :func:`atoll.analysis.paper_scale.add_arguments`); unset ones read as :data:`DEFAULTS`."""
     pull_default = spec("decoupled").config.model_fields["pull_codec"].default
     parser.add_argument("--table", action="store_true", help="print the real-scale table (1B, 12B, 100B; "
                         "4 regions at 2 and 5 Gbit/s, consumer links at 100 and 10 Mbit/s) and exit")
     parser.add_argument("--paper-scale", action="store_true", help="print where decoupled lands at its paper's "
                         "scale (12B, 4 regions, 2 and 5 Gbit/s) with the link shares and syncer CPU atoll measured "
                         "(atoll/analysis/paper_scale.py), and exit; takes --push-share, --pull-share, --pull-codec")
-    parser.add_argument("--push-share", type=float, default=None, help="--paper-scale: the share of the link rate a "
-                        f"push reaches, (0, 1] [default: measured, {MEASURED.push_share}]")
-    parser.add_argument("--pull-share", type=float, default=None, help="--paper-scale: a pull's share, (0, 1] "
-                        f"[default: measured, {MEASURED.pull_share}]")
     parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)}, or all "
                         "[default: all]")
     parser.add_argument("--params", type=float, default=None, help="model parameters N (e.g. 12e9)")
