@@ -206,6 +206,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from atoll.config.applies import catalog
 
     overrides = {k: v for k, v in vars(args).items() if k in catalog()}
+    refusal = _runtime_refusal(overrides.get("runtime"))
+    if refusal is not None:  # (before the strategy's check, whose advice would not run under atoll train)
+        raise AtollError(refusal)
     if args.resume is not None:
         if args.config is not None:
             raise AtollError("config: --config cannot be combined with --resume; pass flags to override settings")
@@ -216,9 +219,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
                       f"(pass --steps N with N > {config.steps} to train further)", file=sys.stderr)
             return 0
     else:
-        refusal = _runtime_refusal(overrides.get("runtime"))
-        if refusal is not None:  # (before the strategy's check, whose advice would not run under atoll train)
-            raise AtollError(refusal)
         config = build_config(args.config, overrides)
     # heavy imports (torch, transformers) only once the settings are known to be valid
     from rich.console import Console

@@ -147,6 +147,28 @@ def test_contiguous_parameters_keep_their_values_and_train_as_before() -> None:
     assert island.contiguous_params() is None
 
 
+def test_a_flat_copy_into_a_kept_buffer_equals_a_fresh_one_and_a_buffer_that_does_not_fit_is_refused() -> None:
+    """``flat_params(fragment, out=)`` writes the same values a fresh copy holds into the buffer and returns it,
+    float32 or bf16 parameters alike; a buffer of another length, dtype or shape is refused in one line."""
+    from atoll.algorithms.fragments import FlatFragment
+
+    _, _, _, islands, _ = _setup(DiLoCo, 1)
+    island = islands[0]
+    n = island.flat_params().numel()
+    frag = FlatFragment([(3, n // 2), (n // 2 + 5, n - 1)])
+    buffer = torch.full((frag.numel(),), float("nan"))
+    assert island.flat_params(frag, out=buffer) is buffer and torch.equal(buffer, island.flat_params(frag))
+    with torch.no_grad():
+        for p in island.params:
+            p.data = p.data.to(torch.bfloat16)
+    assert island.flat_params(frag, out=buffer) is buffer and torch.equal(buffer, island.flat_params(frag))
+    assert torch.equal(buffer, frag.gather(torch.cat([p.detach().reshape(-1).float() for p in island.params])))
+    for bad in (torch.empty(frag.numel() + 1), torch.empty(frag.numel(), dtype=torch.float64),
+                torch.empty(frag.numel(), 1), torch.empty(2 * frag.numel())[::2]):
+        with pytest.raises(ValueError, match=f"^out: a contiguous 1-D float32 CPU tensor of {frag.numel()} elements"):
+            island.flat_params(frag, out=bad)
+
+
 def _train(outer_kernel: str, poison_at: int | None = None, **codec: object
            ) -> tuple[torch.Tensor, list, object, DiLoCo]:
     """Three islands, H = 3, 4 rounds of the micro model; ``poison_at``: island 1's weights made NaN (its loss

@@ -74,6 +74,8 @@ def test_the_command_prints_the_table_and_refuses_what_it_does_not_read() -> Non
                         (("--paper-scale", "--islands", "8"), "islands"),
                         (("--paper-scale", "--sync-every", "50"), "sync_every"),  # its default value, typed: unread
                         (("--table", "--latency-ms", "10"), "latency_ms"),
+                        (("--table", "--push-share", "0.5"), "push_share"),
+                        (("--table", "--pull-share", "0.5"), "pull_share"),
                         (("--push-share", "0.5", "--params", "1e9", "--step-compute-s", "1"), "push_share"),
                         (("--paper-scale", "--pull-codec", "int3"), "pull_codec"),
                         (("--params", "1e9", "--step-compute-s", "1", "--strategy", "ddp", "--pull-codec", "x"),

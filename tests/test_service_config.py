@@ -181,6 +181,8 @@ def test_atoll_train_under_the_service_runtime_names_the_commands_that_run_it(st
     whatever the strategy (not first with advice to change the strategy, then with this)."""
     from conftest import run_cli
 
-    r = run_cli("train", "--runtime", "service", *(["--strategy", strategy] if strategy else []))
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert r.stderr.startswith("atoll: error: runtime: service is run by 'atoll syncer' and 'atoll island'")
+    for args in (["--runtime", "service", *(["--strategy", strategy] if strategy else [])],
+                 ["--resume", "no-such-run", "--runtime", "service"]):  # also before a resume's checks
+        r = run_cli("train", *args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("atoll: error: runtime: service is run by 'atoll syncer' and 'atoll island'")

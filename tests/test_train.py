@@ -281,13 +281,16 @@ def test_atoll_train_stays_callable_however_often_it_is_called() -> None:
 def test_a_run_whose_checkpoints_lost_their_state_json_is_not_told_it_never_wrote_one(tmp_path: Path) -> None:
     """A checkpoint is whole once its state.json is in place: where every checkpoint folder lacks it, the resume
     says so (naming the newest) instead of "stopped before its first checkpoint ... remove the folder"."""
-    from atoll.job.checkpoint import CheckpointError, latest_checkpoint
+    from atoll.job.checkpoint import CheckpointError, latest_checkpoint, resume_advice
 
     (tmp_path / "config.json").write_text("{}")
+    assert "no checkpoint was written yet" in resume_advice(tmp_path)
     for step in (20, 30):
         (tmp_path / "checkpoints" / f"step_{step:07d}").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="no checkpoint in .* is whole: 2 without a state.json "
                                               r"\(the newest step_0000030\)"):
         latest_checkpoint(tmp_path)
+    # what an interrupted or failed command advises says the same, not "start again" as if none was written
+    assert resume_advice(tmp_path).startswith(f"no checkpoint in '{tmp_path}' is whole")
     (tmp_path / "checkpoints" / "step_0000020" / "state.json").write_text("{}")
     assert latest_checkpoint(tmp_path).name == "step_0000020"

@@ -448,7 +448,9 @@ def run_cli(args: Any) -> str:
         ConfigError: a missing or invalid setting (one line naming the flag).
     """
     if args.table:
-        if given := flags_given(args, keep=("table",)):  # its settings are its own: a flag beside it is unread
+        # its settings are its own: a flag beside it is unread (the link shares: --paper-scale's, defined there)
+        shares = [k for k in ("push_share", "pull_share") if getattr(args, k, None) is not None]
+        if given := flags_given(args, keep=("table",)) + shares:
             raise ConfigError(f"{given[0]}: --table prints a fixed table of its own settings; drop "
                               f"--{given[0].replace('_', '-')} or --table")
         return format_table(real_scale_table())

@@ -395,7 +395,9 @@ def resume_advice(out: Path | str | None) -> str:
         return "resume with 'atoll train --resume OUT' (the run's --out)"
     try:
         step = _step_of(latest_checkpoint(Path(out)))
-    except CheckpointError:
+    except CheckpointError as e:
+        if checkpoint_folders(Path(out) / "checkpoints"):  # written, then damaged: latest_checkpoint says how
+            return str(e).removeprefix("resume: ")
         return f"no checkpoint was written yet in '{out}' (see --checkpoint-every); remove it and start again"
     return f"resume with 'atoll train --resume {out}' (from step {step})"
 

@@ -19,10 +19,11 @@ def check_flat_out(out: torch.Tensor, numel: int) -> None:
     """Whether ``out`` can take a flat copy of ``numel`` parameters (:meth:`FlatViews.flat_params`).
 
     Raises:
-        ValueError: ``out`` is not a contiguous float32 CPU tensor of ``numel`` elements.
+        ValueError: ``out`` is not a contiguous 1-D float32 CPU tensor of ``numel`` elements.
     """
-    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != numel:
-        raise ValueError(f"out: a contiguous float32 CPU tensor of {numel} elements is needed, not "
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.dim() != 1 \
+            or out.numel() != numel:
+        raise ValueError(f"out: a contiguous 1-D float32 CPU tensor of {numel} elements is needed, not "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
@@ -113,8 +114,9 @@ class FlatViews:
             return torch.empty(0, dtype=torch.float32) if out is None else out
         if self.device.type == "cpu" and views[0].dtype == torch.float32:
             return torch.cat(views, out=torch.empty(numel, dtype=torch.float32) if out is None else out)
-        flat = torch.cat(views).to("cpu", torch.float32)
-        return flat if out is None else out.copy_(flat)
+        if out is not None:  # the device-to-host copy and the cast straight into it
+            return out.copy_(torch.cat(views))
+        return torch.cat(views).to("cpu", torch.float32)
 
     def set_flat_params(self, flat: torch.Tensor, fragment: FlatFragment | None = None) -> None:
         """Overwrite all parameters (or ``fragment``'s elements) from a flat float32 vector of shape (numel,)

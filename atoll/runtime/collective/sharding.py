@@ -141,11 +141,11 @@ class ShardedIsland(Island):
         raises)."""
         if fragment is not None:
             return super().flat_params(fragment, out=out)
-        flat = parameters_to_vector([_local(p.detach()) for p in self.params]).to("cpu", torch.float32)
+        flat = parameters_to_vector([_local(p.detach()) for p in self.params])
         if out is None:
-            return flat
+            return flat.to("cpu", torch.float32)
         check_flat_out(out, flat.numel())
-        return out.copy_(flat)
+        return out.copy_(flat)  # the device-to-host copy and the cast straight into it
 
     def set_flat_params(self, flat: torch.Tensor, fragment: FlatFragment | None = None) -> None:
         """Overwrite this rank's pieces (or ``fragment``'s elements of its shard) from a flat float32 vector
