@@ -358,6 +358,12 @@ def _step_of(path: Path) -> int:
         return -1
 
 
+def _damaged(out: Path | str, folders: list[Path]) -> str:
+    """What to say of a run whose checkpoint ``folders`` (oldest first, none empty) all lack their state.json."""
+    return (f"no checkpoint in '{out}' is whole: {len(folders)} without a state.json (the newest "
+            f"{folders[-1].name}); restore its state.json from a backup, or start again")
+
+
 def latest_checkpoint(out: Path) -> Path:
     """The folder of a run's latest complete checkpoint.
 
@@ -378,9 +384,7 @@ def latest_checkpoint(out: Path) -> Path:
     candidates = [p for p in folders if (p / "state.json").is_file()]
     if not candidates:
         if folders:  # written, then damaged (a checkpoint is complete once its state.json is in place)
-            raise CheckpointError(f"resume: no checkpoint in '{out}' is whole: {len(folders)} without a state.json "
-                                  f"(the newest {folders[-1].name}); restore its state.json from a backup, or "
-                                  "start again")
+            raise CheckpointError(f"resume: {_damaged(out, folders)}")
         if (Path(out) / "config.json").is_file():  # an atoll run that stopped before its first checkpoint
             raise CheckpointError(f"resume: the run in '{out}' stopped before its first checkpoint (see "
                                   "--checkpoint-every); nothing to resume: remove the folder and start again")
@@ -395,9 +399,9 @@ def resume_advice(out: Path | str | None) -> str:
         return "resume with 'atoll train --resume OUT' (the run's --out)"
     try:
         step = _step_of(latest_checkpoint(Path(out)))
-    except CheckpointError as e:
-        if checkpoint_folders(Path(out) / "checkpoints"):  # written, then damaged: latest_checkpoint says how
-            return str(e).removeprefix("resume: ")
+    except CheckpointError:
+        if folders := checkpoint_folders(Path(out) / "checkpoints"):  # written, then damaged
+            return _damaged(out, folders)
         return f"no checkpoint was written yet in '{out}' (see --checkpoint-every); remove it and start again"
     return f"resume with 'atoll train --resume {out}' (from step {step})"
 

@@ -99,12 +99,12 @@ class FlatViews:
         for a fragment (on an accelerator: gathered there, then one device-to-host copy).
 
         Args:
-            out: where to write the copy (float32, contiguous, on the CPU, exactly that many elements), returned;
+            out: where to write the copy (1-D float32, contiguous, on the CPU, exactly that many elements), returned;
                 None: a new tensor. A buffer kept between calls spares the CPU a page fault per 4 KiB that a
                 fresh tensor of a large fragment's size costs at its first touch.
 
         Raises:
-            ValueError: ``out`` is not a contiguous float32 CPU tensor of the copy's length.
+            ValueError: ``out`` does not fit (:func:`check_flat_out`).
         """
         views = self.param_views(fragment)
         numel = sum(v.numel() for v in views)
