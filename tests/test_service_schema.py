@@ -168,6 +168,11 @@ def test_the_server_refuses_what_fails_the_schema_in_one_line_counted_and_logged
         header = {"upload": "u" * (schema.MAX_ID + 1), "fragment": 0, "ranges": [[0, numels[0]]], "size": 8}
         e = _refused(lambda: upload(iter([wire.dumps(header)]), metadata=md, timeout=10))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("Upload: upload: ")
+        # a stream that ends before its header (what a killed island's upload can look like to the server) is a
+        # cut, answered but not counted: a killed island is no refusal
+        e = _refused(lambda: upload(iter([]), metadata=md, timeout=10))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.details() == "upload: the stream ended before its header"
         download = rank1.bulk.unary_stream(wire.method("Download"))
         ranges = [[i, i + 1] for i in range(wire.MAX_RANGES + 1)]
         e = _refused(lambda: list(download(wire.dumps({"fragment": 0, "ranges": ranges}), metadata=md, timeout=10)))

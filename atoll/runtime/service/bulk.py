@@ -204,10 +204,16 @@ class Bulk:
         many values), then raw chunks appended at ``offset`` (a retry resumes where the bytes held end). With a
         ``commit`` in the header, the push it names is committed once its slices are all held
         (:meth:`_commit_riding`), and the reply carries the answer; an upload whose stream ends short of ``size``
-        is answered at once, uncommitted (the island resumes it, then commits)."""
+        is answered at once, uncommitted (the island resumes it, then commits). A stream that ends before its
+        header is cut, not refused (not counted in ``refused_calls``): what gRPC hands the server when an island is
+        killed mid-call, its connection's end read as the stream's before the call's cancellation
+        (``grpc._server``), is a stream with no message; answered INVALID_ARGUMENT, if its client is still there."""
         caller = self.gate.caller(context)
         with self.admitted(caller[0], context) as transfer:
-            header = self.gate.parse(schema.UploadHeader, next(requests, b""), context, "Upload")
+            first = next(requests, None)
+            if first is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "upload: the stream ended before its header")
+            header = self.gate.parse(schema.UploadHeader, first, context, "Upload")
             received = self._upload(caller[0], header, requests, context, transfer)
             # a stream that ended short (the island cut it) leaves a slice to resume: no commit waits for it
             riding = header.commit is not None and received == header.size
