@@ -23,6 +23,7 @@ from conftest import cli_flags, run_ranks
 from atoll.config import build_config
 from atoll.config.applies import applicable
 from atoll.errors import ConfigError
+from atoll.job.lock import RunLock
 from atoll.job.metrics import read_metrics
 from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
 from atoll.runtime.collective.quorum import Quorum
@@ -220,7 +221,18 @@ def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_pat
         while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
-        os.kill(p.pid, signal.SIGKILL)  # the launcher, and with it the rendezvous store
+        # the launcher killed while its ranks are held still: the ranks hold the run folder's lock without it, so
+        # a --resume started before they stop is refused (two writers in one folder), naming the ended launcher
+        ranks = _session_pids(p.pid)
+        assert len(ranks) >= 3, ranks  # the fork server and 2 ranks (with multiprocessing's resource tracker)
+        os.killpg(p.pid, signal.SIGSTOP)
+        try:
+            os.kill(p.pid, signal.SIGKILL)  # the launcher, and with it the rendezvous store
+            p.wait(timeout=30)
+            with pytest.raises(ConfigError, match=f"in use by processes that atoll process {p.pid} started"):
+                RunLock(out)
+        finally:
+            os.killpg(p.pid, signal.SIGCONT)
         _, err = p.communicate(timeout=90)  # returns once every rank has closed its stderr: they all exited
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -232,6 +244,51 @@ def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_pat
     assert len(lines) == 1, lines[:5]
     assert lines[0].startswith("atoll: error: the launcher's rendezvous store stopped responding at inner step ")
     assert lines[0].endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
+
+
+def _session_pids(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (started with ``start_new_session``) other than its leader."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != sid:
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":  # (state, ppid, pgrp, session, ...)
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settings: dict, tmp_path: Path) -> None:
+    """The fork server that started the ranks killed: it reported every live rank as ended with 255 (before: the
+    launcher exited 255 without a word, and the ranks trained on into the folder). Now the launcher asks them to
+    stop after the step they agree on, waits for them, and says so in one line, with the resume advice."""
+    out = tmp_path / "run"
+    flags = cli_flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
+                       "strategy": "diloco", "out": str(out)})
+    p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
+        server = next(pid for pid in _session_pids(p.pid)
+                      if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(server, signal.SIGKILL)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 1, err[-3000:]
+        assert not _session_pids(p.pid)  # no rank left writing
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "-token BPE tokenizer" not in ln]
+    step = int((out / "checkpoints" / "latest").resolve().name.split("_")[1])
+    assert lines == ["atoll: error: the fork server that started the ranks was lost (killed?); the ranks were asked "
+                     "to stop after the checkpoint they agree on; resume with "
+                     f"'atoll train --resume {out}' (from step {step})"], lines
+    assert step > 5  # they checkpointed where they stopped, after the first exchange's
+    RunLock(out).release()  # nothing holds the folder
 
 
 # --- item 9: something to resume from early -------------------------------------------------------------

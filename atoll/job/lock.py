@@ -42,6 +42,10 @@ class RunLock:
         except OSError:
             owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
+            if owner.isdigit() and not _alive(int(owner)):  # a collective run's ranks hold it past their launcher
+                raise ConfigError(f"out: '{out}' is in use by processes that atoll process {owner} started (it has "
+                                  "ended; they stop within seconds of finding it gone); wait for them to end, or "
+                                  "choose another --out") from None
             raise ConfigError(f"out: '{out}' is in use by another atoll process (pid {owner}); wait for it to end "
                               "or stop it, or choose another --out") from None
         os.ftruncate(fd, 0)
@@ -65,6 +69,17 @@ class RunLock:
         if self.created and folder.is_dir() and {e.name for e in folder.iterdir()} <= {LOCK_NAME}:
             self.path.unlink(missing_ok=True)
             folder.rmdir()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a signal 0; one of another user's counts as existing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def claim_run_folder(out: Path | None, strategy: str, resume: bool) -> tuple[Path, RunLock]:

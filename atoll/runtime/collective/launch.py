@@ -96,7 +96,7 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     config = config.model_copy(update={"out": out})
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # read by the fork server as it imports torch
     store = loopback_store(config.runtime_config.collective_timeout_s)
-    ranks = Supervisor(config, worker, resume, rank_env(config, store.port), grace_s)
+    ranks = Supervisor(config, worker, resume, rank_env(config, store.port), grace_s, lock.fd)
     try:
         _prepare_data(config)
         ranks.start()
@@ -149,20 +149,31 @@ class Supervisor:
     a lost island go on by themselves; otherwise, after the first failure (and in any case once rank 0 has
     exited), the others get ``grace_s`` seconds to stop by themselves (they print why).
 
+    Every rank holds a duplicate of the run folder's lock (:mod:`atoll.job.lock`), so the folder stays locked
+    while any rank of the run lives, the launcher gone or not: a ``--resume`` started while ranks left behind by a
+    killed launcher still write is refused (they stop on their own once they find the store gone). A rank's exit
+    status comes from the fork server; a fork server lost (killed) answers 255 for ranks that still run:
+    :meth:`watch` then asks them to stop through the store and raises in :meth:`outcome`.
+
     Args:
         config: the run.
         worker: what each rank runs (``"module:function"``; the fork server preloads the module).
         resume: passed to each rank's worker.
         env: the environment the ranks share (:func:`rank_env`).
         grace_s: seconds the other ranks get after a failure that ends the job.
+        lock_fd: the launcher's descriptor of the run folder's lock, duplicated into every rank (None: no lock,
+            a platform without ``flock``).
     """
 
     POLL_S = 0.05
 
-    def __init__(self, config: TrainConfig, worker: str, resume: bool, env: dict[str, str], grace_s: float) -> None:
+    def __init__(self, config: TrainConfig, worker: str, resume: bool, env: dict[str, str], grace_s: float,
+                 lock_fd: int | None = None) -> None:
         import multiprocessing
 
         self.config, self.worker, self.resume, self.env, self.grace_s = config, worker, resume, env, grace_s
+        self.lock_fd = lock_fd
+        self.server_lost = False  # the fork server was lost while ranks still ran (:meth:`stop_orphans`)
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload([worker.split(":")[0]])
         self.world = config.islands * config.runtime_config.ranks_per_island
@@ -179,8 +190,9 @@ class Supervisor:
     def _process(self, rank: int, incarnation: str | None = None) -> Any:
         env = {**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank),
                **({REJOIN_ENV: incarnation} if incarnation is not None else {})}
+        held = _HeldLock(self.lock_fd) if self.lock_fd is not None else None
         return self.ctx.Process(target=_rank_main, name=f"atoll-rank{rank}",
-                                args=(self.worker, self.config, self.resume, env))
+                                args=(self.worker, self.config, self.resume, env, held))
 
     def start(self) -> None:
         """Start every rank."""
@@ -196,6 +208,7 @@ class Supervisor:
             self.kill_reported(store)
             self.enforce_deadline()
             time.sleep(self.POLL_S)
+        self.stop_orphans(store)
         for rank, p in enumerate(self.procs):
             if self.first is None and rank not in self.killed and p.exitcode != 0:
                 self.first = (rank, p.exitcode)
@@ -249,6 +262,25 @@ class Supervisor:
         if time.monotonic() > self.deadline:
             self.kill_all()
 
+    def stop_orphans(self, store: dist.TCPStore) -> None:
+        """The fork server was lost (killed) while ranks still ran: their exit statuses read 255, which
+        ``multiprocessing.popen_forkserver`` answers when the fork server can no longer tell. Ask them to stop
+        after the checkpoint they agree on (:data:`REQUEST_KEY`, as SIGTERM would), give them ``grace_s``, then
+        SIGKILL those still running, by pid; :meth:`outcome` says so."""
+        orphans = [p.pid for p in self.procs if p.exitcode == 255 and p.pid is not None and _running(p.pid)]
+        if not orphans:
+            return
+        self.server_lost = True
+        if not self.relayed:
+            store.set(REQUEST_KEY, str(int(signal.SIGTERM)))
+            self.relayed = True
+        deadline = time.monotonic() + self.grace_s
+        while any(_running(pid) for pid in orphans) and time.monotonic() < deadline:
+            time.sleep(self.POLL_S)
+        for pid in orphans:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
     def kill_all(self) -> None:
         """SIGKILL every rank still running."""
         for p in self.procs:
@@ -276,6 +308,9 @@ class Supervisor:
         import json
 
         rank0 = self.procs[0].exitcode
+        if self.server_lost:
+            raise RunFailed("the fork server that started the ranks was lost (killed?); the ranks were asked to stop "
+                            f"after the checkpoint they agree on; {resume_advice(out)}", 1)
         if self.survive and rank0 == 0 and (out / "summary.json").is_file():
             return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
         asked = stop.requested()
@@ -306,8 +341,43 @@ def _admitted(store: dist.TCPStore, joining: dict[int, str]) -> list[int]:
             if store.check([f"{ADMITTED_KEY}{r}"]) and store.get(f"{ADMITTED_KEY}{r}").decode() == n]
 
 
-def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, str]) -> None:
-    """One rank started by :func:`launch`: its environment as torchrun would set it, then the job."""
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (not ended, not a zombie left unreaped: ``/proc``, else a signal 0)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        pass
+    if Path("/proc/self/stat").exists():  # Linux: no /proc entry, no process
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+class _HeldLock:
+    """The run folder's lock descriptor as it travels to a rank: pickled into the rank's start, it becomes a
+    duplicate of the launcher's descriptor (``multiprocessing.reduction.DupFd``, passed through the fork server),
+    so the rank holds the same ``flock`` until it exits."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        return _adopt_lock, (reduction.DupFd(self.fd),)
+
+
+def _adopt_lock(duplicate: Any) -> int:
+    """(In the rank.) The lock's descriptor this process now owns: kept open until it exits."""
+    return int(duplicate.detach())
+
+
+def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, str], lock_fd: int | None) -> None:
+    """One rank started by :func:`launch`: its environment as torchrun would set it, then the job; ``lock_fd``,
+    its duplicate of the run folder's lock, stays open until the process ends."""
     os.environ.update(env)
     if config.threads is None and "OMP_NUM_THREADS" in env:  # torch was imported before the variable was set
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
