@@ -229,7 +229,7 @@ def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_pat
         try:
             os.kill(p.pid, signal.SIGKILL)  # the launcher, and with it the rendezvous store
             p.wait(timeout=30)
-            with pytest.raises(ConfigError, match=f"in use by processes that atoll process {p.pid} started"):
+            with pytest.raises(ConfigError, match=f"in use, though atoll process {p.pid}, which took it, is not"):
                 RunLock(out)
         finally:
             os.killpg(p.pid, signal.SIGCONT)
@@ -246,6 +246,13 @@ def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_pat
     assert lines[0].endswith(f"resume with 'atoll train --resume {out}' (from step 5)")
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def _session_pids(sid: int) -> list[int]:
     """The live processes of session ``sid`` (started with ``start_new_session``) other than its leader."""
     found = []
@@ -259,10 +266,14 @@ def _session_pids(sid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settings: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["fork-server-killed", "group-sigterm"])
+def test_a_lost_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settings: dict, tmp_path: Path,
+                                                                           how: str) -> None:
     """The fork server that started the ranks killed: it reported every live rank as ended with 255 (before: the
     launcher exited 255 without a word, and the ranks trained on into the folder). Now the launcher asks them to
-    stop after the step they agree on, waits for them, and says so in one line, with the resume advice."""
+    stop after the step they agree on, waits for them, and says so in one line, with the resume advice. A SIGTERM
+    to the whole process group (a batch system's cancel) ends the fork server too, which has no handler for it:
+    that is an interrupt, exit 143, as for the launcher alone."""
     out = tmp_path / "run"
     flags = cli_flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
                        "strategy": "diloco", "out": str(out)})
@@ -273,21 +284,34 @@ def test_a_killed_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(sett
         while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
-        server = next(pid for pid in _session_pids(p.pid)
-                      if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
-        os.kill(server, signal.SIGKILL)
+        if how == "group-sigterm":
+            os.killpg(p.pid, signal.SIGTERM)
+        else:
+            server = next(pid for pid in _session_pids(p.pid) if _parent(pid) == p.pid  # (its ranks: same cmdline)
+                          and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
+            os.kill(server, signal.SIGKILL)
         _, err = p.communicate(timeout=120)
-        assert p.returncode == 1, err[-3000:]
-        assert not _session_pids(p.pid)  # no rank left writing
+        assert p.returncode == (143 if how == "group-sigterm" else 1), err[-3000:]
+        for _ in range(100):  # no rank left writing (the last to close stderr may still be ending)
+            if not _session_pids(p.pid):
+                break
+            time.sleep(0.1)
+        assert not _session_pids(p.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
     lines = [ln for ln in err.splitlines() if ln.strip() and "-token BPE tokenizer" not in ln]
     step = int((out / "checkpoints" / "latest").resolve().name.split("_")[1])
-    assert lines == ["atoll: error: the fork server that started the ranks was lost (killed?); the ranks were asked "
-                     "to stop after the checkpoint they agree on; resume with "
-                     f"'atoll train --resume {out}' (from step {step})"], lines
     assert step > 5  # they checkpointed where they stopped, after the first exchange's
+    advice = f"resume with 'atoll train --resume {out}'"
+    if how == "group-sigterm":
+        # (each process of the group got the signal and says it finishes its step: the launcher and each rank)
+        assert lines[-1] == f"atoll: stopped by SIGTERM: checkpoint written at step {step}; {advice}", lines
+        assert set(lines[:-1]) == {"atoll: SIGTERM: finishing this inner step and writing a checkpoint (send it "
+                                   "again to stop at once)"}, lines
+    else:
+        assert lines == ["atoll: error: the fork server that started the ranks was lost (killed?); they stopped "
+                         f"after the checkpoint they agreed on; {advice} (from step {step})"], lines
     RunLock(out).release()  # nothing holds the folder
 
 

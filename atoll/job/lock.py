@@ -43,9 +43,10 @@ class RunLock:
             owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             if owner.isdigit() and not _alive(int(owner)):  # a collective run's ranks hold it past their launcher
-                raise ConfigError(f"out: '{out}' is in use by processes that atoll process {owner} started (it has "
-                                  "ended; they stop within seconds of finding it gone); wait for them to end, or "
-                                  "choose another --out") from None
+                raise ConfigError(f"out: '{out}' is in use, though atoll process {owner}, which took it, is not "
+                                  "running here (a collective run's ranks outlive a killed launcher by seconds; or "
+                                  "a process on another host or in another pid namespace holds it); wait for them "
+                                  "to end, or choose another --out") from None
             raise ConfigError(f"out: '{out}' is in use by another atoll process (pid {owner}); wait for it to end "
                               "or stop it, or choose another --out") from None
         os.ftruncate(fd, 0)

@@ -58,15 +58,22 @@ def reset() -> None:
 def _handler(signum: int, frame: object) -> None:
     global _signum
     if _signum is not None:  # the second signal: at once (the checkpoint being written is a temporary folder)
-        print(f"atoll: {signal.Signals(signum).name} again: stopping at once, without a checkpoint of this step",
-              file=sys.stderr, flush=True)
+        _say(f"atoll: {signal.Signals(signum).name} again: stopping at once, without a checkpoint of this step")
         for hook in list(_at_once):
             with contextlib.suppress(Exception):
                 hook()
         os._exit(128 + signum)
     _signum = signum
-    print(f"atoll: {signal.Signals(signum).name}: finishing this inner step and writing a checkpoint "
-          "(send it again to stop at once)", file=sys.stderr, flush=True)
+    _say(f"atoll: {signal.Signals(signum).name}: finishing this inner step and writing a checkpoint "
+         "(send it again to stop at once)")
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write, newline included: a signal to a process group reaches a collective run's
+    launcher and every rank at once, and their lines share one stderr (``print`` writes the newline apart, so
+    two processes' lines could run into one)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 @contextlib.contextmanager

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
+import select
 import signal
 import socket
 import sys
@@ -173,7 +175,8 @@ class Supervisor:
 
         self.config, self.worker, self.resume, self.env, self.grace_s = config, worker, resume, env, grace_s
         self.lock_fd = lock_fd
-        self.server_lost = False  # the fork server was lost while ranks still ran (:meth:`stop_orphans`)
+        self.orphans: list[_Orphan] = []  # ranks still running after their fork server was lost (stop_orphans)
+        self.orphans_killed = 0  # of those, SIGKILLed past grace_s
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload([worker.split(":")[0]])
         self.world = config.islands * config.runtime_config.ranks_per_island
@@ -263,29 +266,32 @@ class Supervisor:
             self.kill_all()
 
     def stop_orphans(self, store: dist.TCPStore) -> None:
-        """The fork server was lost (killed) while ranks still ran: their exit statuses read 255, which
-        ``multiprocessing.popen_forkserver`` answers when the fork server can no longer tell. Ask them to stop
-        after the checkpoint they agree on (:data:`REQUEST_KEY`, as SIGTERM would), give them ``grace_s``, then
-        SIGKILL those still running, by pid; :meth:`outcome` says so."""
-        orphans = [p.pid for p in self.procs if p.exitcode == 255 and p.pid is not None and _running(p.pid)]
-        if not orphans:
+        """The fork server was lost (killed, or a signal to the whole process group: it does not handle SIGTERM)
+        while ranks still ran: their exit statuses read 255, which ``multiprocessing.popen_forkserver`` answers
+        when the fork server can no longer tell. Ask them to stop after the checkpoint they agree on
+        (:data:`REQUEST_KEY`, as SIGTERM would, unless a signal here asked already), give them ``grace_s``, then
+        SIGKILL those still running (held by pidfd where Linux has one: a pid reused meanwhile is never hit);
+        :meth:`outcome` says so."""
+        self.orphans = [o for o in (_Orphan(p.pid) for p in self.procs if p.exitcode == 255 and p.pid is not None)
+                        if o.running()]
+        if not self.orphans:
             return
-        self.server_lost = True
         if not self.relayed:
-            store.set(REQUEST_KEY, str(int(signal.SIGTERM)))
+            store.set(REQUEST_KEY, str(int(stop.requested() or signal.SIGTERM)))
             self.relayed = True
         deadline = time.monotonic() + self.grace_s
-        while any(_running(pid) for pid in orphans) and time.monotonic() < deadline:
+        while any(o.running() for o in self.orphans) and time.monotonic() < deadline:
             time.sleep(self.POLL_S)
-        for pid in orphans:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+        for o in self.orphans:
+            self.orphans_killed += o.kill()
 
     def kill_all(self) -> None:
-        """SIGKILL every rank still running."""
+        """SIGKILL every rank still running (an orphan of a lost fork server too)."""
         for p in self.procs:
             if p.exitcode is None:
                 p.kill()
+        for o in self.orphans:
+            o.kill()
 
     def terminate(self) -> None:
         """The launcher itself failed: SIGTERM every rank started, then SIGKILL those still running after 10 s."""
@@ -308,18 +314,18 @@ class Supervisor:
         import json
 
         rank0 = self.procs[0].exitcode
-        if self.server_lost:
-            raise RunFailed("the fork server that started the ranks was lost (killed?); the ranks were asked to stop "
-                            f"after the checkpoint they agree on; {resume_advice(out)}", 1)
+        asked = stop.requested()
+        if self.orphans and asked is not None:  # a signal to the whole group: the fork server's end was its part
+            raise Interrupted(asked, _checkpoint_step(out), out)
+        if self.orphans:
+            how = (f"{self.orphans_killed} of them were killed after {self.grace_s:g} s" if self.orphans_killed
+                   else "they stopped after the checkpoint they agreed on")
+            raise RunFailed(f"the fork server that started the ranks was lost (killed?); {how}; "
+                            f"{resume_advice(out)}", 1)
         if self.survive and rank0 == 0 and (out / "summary.json").is_file():
             return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
-        asked = stop.requested()
         if asked is not None and rank0 == 128 + asked:  # stopped after the checkpoint the ranks agreed on
-            try:
-                step: int | None = int(latest_checkpoint(out).name.split("_")[1])
-            except AtollError:
-                step = None
-            raise Interrupted(asked, step, out)
+            raise Interrupted(asked, _checkpoint_step(out), out)
         if self.first is not None:
             rank, code = self.first
             if code < 0:
@@ -339,6 +345,43 @@ def _admitted(store: dist.TCPStore, joining: dict[int, str]) -> list[int]:
     """The restarted ranks of ``joining`` (rank -> incarnation) that the job has admitted (:data:`ADMITTED_KEY`)."""
     return [r for r, n in joining.items()
             if store.check([f"{ADMITTED_KEY}{r}"]) and store.get(f"{ADMITTED_KEY}{r}").decode() == n]
+
+
+def _checkpoint_step(out: Path) -> int | None:
+    """The step of ``out``'s latest checkpoint (None: none readable)."""
+    try:
+        return int(latest_checkpoint(out).name.split("_")[1])
+    except AtollError:
+        return None
+
+
+class _Orphan:
+    """A rank whose fork server was lost: not this process's child, so held by a pidfd (Linux 5.3+: it names
+    this process, not whatever reuses its pid later), else by its pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.fd = pid, None
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):  # gone already, or a kernel without pidfds
+                self.fd = os.pidfd_open(pid)
+
+    def running(self) -> bool:
+        """Whether it still runs (a pidfd turns readable at the process's exit)."""
+        if self.fd is not None:
+            return not select.select([self.fd], [], [], 0)[0]
+        return _running(self.pid)
+
+    def kill(self) -> int:
+        """SIGKILL it if it still runs: 1 if a signal was sent, else 0."""
+        if not self.running():
+            return 0
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # it ended between the look and the kill
+            if self.fd is not None:
+                signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+            return 1
+        return 0
 
 
 def _running(pid: int) -> bool:
@@ -371,8 +414,11 @@ class _HeldLock:
 
 
 def _adopt_lock(duplicate: Any) -> int:
-    """(In the rank.) The lock's descriptor this process now owns: kept open until it exits."""
-    return int(duplicate.detach())
+    """(In the rank.) The lock's descriptor this process now owns: kept open until it exits, and not passed on to
+    a program it executes (a descriptor received over a socket is inheritable)."""
+    fd = int(duplicate.detach())
+    os.set_inheritable(fd, False)
+    return fd
 
 
 def _rank_main(worker: str, config: TrainConfig, resume: bool, env: dict[str, str], lock_fd: int | None) -> None:

@@ -3,8 +3,9 @@ asks (its request parsed by the schema), and every refusal, counted by reason an
 
 Every handler of :class:`~atoll.runtime.service.server.SyncerServer` and of its collaborators (the shards'
 calls, :mod:`~atoll.runtime.service.shards`; the tensors', :mod:`~atoll.runtime.service.bulk`) refuses through
-one :class:`Gate`, so ``refused_calls`` in the status counts every refusal of the server, and a flood of bad
-calls makes a few log lines, not one per call. Every handler also runs inside :meth:`Gate.guarded`: an
+one :class:`Gate`, so ``refused_calls`` in the status counts every refusal of the server (a transfer its
+island cut, an upload stream that ended early or before its header, is no refusal), and a flood of bad calls
+makes a few log lines, not one per call. Every handler also runs inside :meth:`Gate.guarded`: an
 exception a handler did not mean (a bug, or an input no check foresaw) is counted by its kind
 (``handler_errors`` in the status), logged at the same bounded rate, and answered INTERNAL naming only its
 kind (gRPC's own logger, which has a NullHandler, would drop it).
