@@ -209,18 +209,28 @@ def test_survivors_go_on_after_a_frozen_island_is_reported_and_killed(settings: 
     assert summary["lost_islands"] == {"2": 8} and summary["degraded_exchanges"] == 5
 
 
+def _training(settings: dict, out: Path) -> subprocess.Popen:
+    """A collective run of 2 islands that trains until it is stopped, in a session of its own, once its first
+    exchange's checkpoint is written (its ranks are training); its stderr piped."""
+    flags = cli_flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
+                       "strategy": "diloco", "out": str(out)})
+    p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    if not (out / "checkpoints" / "latest").exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"no checkpoint within 180 s: {p.communicate(timeout=60)[1][-3000:]}")
+    return p
+
+
 @pytest.mark.slow
 def test_a_killed_launcher_stops_the_ranks_with_one_line(settings: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    flags = cli_flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
-                    "strategy": "diloco", "out": str(out)})
-    p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = _training(settings, out)
     try:
-        deadline = time.monotonic() + 180
-        while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
         # the launcher killed while its ranks are held still: the ranks hold the run folder's lock without it, so
         # a --resume started before they stop is refused (two writers in one folder), naming the ended launcher
         ranks = _session_pids(p.pid)
@@ -275,15 +285,8 @@ def test_a_lost_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settin
     to the whole process group (a batch system's cancel) ends the fork server too, which has no handler for it:
     that is an interrupt, exit 143, as for the launcher alone."""
     out = tmp_path / "run"
-    flags = cli_flags({**settings, "islands": 2, "steps": 100000, "eval_every": 100000, "checkpoint_every": 0,
-                       "strategy": "diloco", "out": str(out)})
-    p = subprocess.Popen([sys.executable, "-m", "atoll.cli", "train", *flags], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = _training(settings, out)
     try:
-        deadline = time.monotonic() + 180
-        while not (out / "checkpoints" / "latest").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert (out / "checkpoints" / "latest").exists()  # the first exchange's checkpoint: ranks are training
         if how == "group-sigterm":
             os.killpg(p.pid, signal.SIGTERM)
         else:
