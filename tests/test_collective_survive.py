@@ -276,25 +276,30 @@ def _session_pids(sid: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["fork-server-killed", "group-sigterm"])
-def test_a_lost_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settings: dict, tmp_path: Path,
-                                                                           how: str) -> None:
+@pytest.mark.parametrize("how", ["fork-server-killed", "group-sigterm", "rank-sigterm"])
+def test_a_run_stopped_from_outside_checkpoints_and_says_so_in_one_line(settings: dict, tmp_path: Path,
+                                                                         how: str) -> None:
     """The fork server that started the ranks killed: it reported every live rank as ended with 255 (before: the
     launcher exited 255 without a word, and the ranks trained on into the folder). Now the launcher asks them to
     stop after the step they agree on, waits for them, and says so in one line, with the resume advice. A SIGTERM
     to the whole process group (a batch system's cancel) ends the fork server too, which has no handler for it:
-    that is an interrupt, exit 143, as for the launcher alone."""
+    that is an interrupt, exit 143, as for the launcher alone; and so is a SIGTERM that reached one rank only
+    (before: exit 143 without the interrupt's line, the launcher having had no signal itself)."""
     out = tmp_path / "run"
     p = _training(settings, out)
     try:
         if how == "group-sigterm":
             os.killpg(p.pid, signal.SIGTERM)
+        elif how == "rank-sigterm":
+            server = next(pid for pid in _session_pids(p.pid) if _parent(pid) == p.pid
+                          and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
+            os.kill(next(pid for pid in _session_pids(p.pid) if _parent(pid) == server), signal.SIGTERM)
         else:
             server = next(pid for pid in _session_pids(p.pid) if _parent(pid) == p.pid  # (its ranks: same cmdline)
                           and b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
             os.kill(server, signal.SIGKILL)
         _, err = p.communicate(timeout=120)
-        assert p.returncode == (143 if how == "group-sigterm" else 1), err[-3000:]
+        assert p.returncode == (1 if how == "fork-server-killed" else 143), err[-3000:]
         for _ in range(100):  # no rank left writing (the last to close stderr may still be ending)
             if not _session_pids(p.pid):
                 break
@@ -307,7 +312,7 @@ def test_a_lost_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settin
     step = int((out / "checkpoints" / "latest").resolve().name.split("_")[1])
     assert step > 5  # they checkpointed where they stopped, after the first exchange's
     advice = f"resume with 'atoll train --resume {out}'"
-    if how == "group-sigterm":
+    if how != "fork-server-killed":
         # (each process of the group got the signal and says it finishes its step: the launcher and each rank)
         assert lines[-1] == f"atoll: stopped by SIGTERM: checkpoint written at step {step}; {advice}", lines
         assert set(lines[:-1]) == {"atoll: SIGTERM: finishing this inner step and writing a checkpoint (send it "
@@ -316,6 +321,54 @@ def test_a_lost_fork_server_stops_the_ranks_at_a_checkpoint_with_one_line(settin
         assert lines == ["atoll: error: the fork server that started the ranks was lost (killed?); they stopped "
                          f"after the checkpoint they agreed on; {advice} (from step {step})"], lines
     RunLock(out).release()  # nothing holds the folder
+
+
+def test_a_fork_server_lost_while_starting_the_ranks_is_one_line(settings: dict, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """What multiprocessing raises when the fork server dies as it starts a rank (EOFError reading the new
+    rank's pid; an OSError connecting to it) is one line, not a traceback."""
+    from atoll.errors import RunFailed
+    from atoll.runtime.collective.launch import Supervisor
+
+    config = build_config(overrides=applicable({**settings, "islands": 2, "out": str(tmp_path / "run")}))
+    for error, resume, advice in ((EOFError("unexpected EOF"), False, "start it again"),
+                                  (ConnectionRefusedError(111, "refused"), True, "no checkpoint was written yet")):
+        ranks = Supervisor(config, "atoll.training:train", resume, {}, grace_s=1.0)
+
+        def lost(_self: object, error: BaseException = error) -> None:
+            raise error
+
+        monkeypatch.setattr(type(ranks.procs[0]), "start", lost)
+        with pytest.raises(RunFailed) as e:
+            ranks.start()
+        assert e.value.exit_code == 1
+        assert str(e.value).startswith("the fork server that starts the ranks was lost while it started them "
+                                       f"(killed?: {type(error).__name__}); {advice}"), str(e.value)
+
+
+def test_a_signal_while_the_data_is_prepared_starts_no_rank_and_leaves_no_folder(
+        settings: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM to the launcher while it prepares the data (a tokenizer trained on a large corpus takes minutes):
+    before, the default action ended it in silence, leaving a folder that held only its lock; now no rank is
+    started, the command says it stopped with no checkpoint, and the new folder is removed."""
+    import importlib
+
+    from atoll.errors import Interrupted
+
+    launcher = importlib.import_module("atoll.runtime.collective.launch")  # (the package exports its function)
+
+    def prepare(_config: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # (the handler sets the request: nothing ends here)
+
+    monkeypatch.setattr(launcher, "_prepare_data", prepare)
+    started: list[int] = []
+    monkeypatch.setattr(launcher.Supervisor, "start", lambda self: started.append(1))
+    out = tmp_path / "run"
+    config = build_config(overrides=applicable({**settings, "islands": 2, "out": str(out)}))
+    with pytest.raises(Interrupted) as e:
+        launcher.launch(config, "atoll.training:train")
+    assert e.value.exit_code == 143 and str(e.value) == "stopped by SIGTERM: no checkpoint written"
+    assert not started and not out.exists()
 
 
 # --- item 9: something to resume from early -------------------------------------------------------------

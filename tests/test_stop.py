@@ -122,6 +122,30 @@ def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
     assert "again: stopping at once" in proc.stderr
 
 
+def test_a_relayed_request_is_not_the_first_signal(tmp_path: Path) -> None:
+    """A collective rank's store poller can relay another rank's stop (``stop.request``) before this rank's own
+    signal arrives (a signal to the process group): that signal is this process's first, not a second one, so
+    it finishes the step and checkpoints (before: it exited at once, without a checkpoint); a second does exit."""
+    script = tmp_path / "relayed.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from atoll.job import stop\n"
+        "with stop.on_signals():\n"
+        "    stop.request(signal.SIGINT)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    assert stop.requested() == signal.SIGINT\n"
+        "    print('still here', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(120)\n"
+        "sys.exit(0)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "still here\n"
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.stderr.splitlines() == [
+        "atoll: SIGTERM: finishing this inner step and writing a checkpoint (send it again to stop at once)",
+        "atoll: SIGTERM again: stopping at once, without a checkpoint of this step"]
+
+
 @pytest.mark.slow
 def test_sigterm_to_a_ray_run_checkpoints_the_steps_granted(fast_config: dict, tmp_path: Path) -> None:
     """On Ray the driver's SIGTERM (ray.init sets its own handler, which exited) stops the syncer granting

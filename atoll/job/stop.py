@@ -33,6 +33,7 @@ from atoll.errors import Interrupted
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _signum: int | None = None  # the signal that asked the run to stop (None: none yet)
+_signalled = False  # a signal arrived in this process (not only a peer's request relayed): the next one is a second
 _depth = 0  # nesting of on_signals()
 _at_once: list[Callable[[], None]] = []  # what a second signal does before the process exits (end children)
 
@@ -51,19 +52,24 @@ def request(signum: int) -> None:
 
 def reset() -> None:
     """Forget a stop request (a new run in the same process)."""
-    global _signum
-    _signum = None
+    global _signum, _signalled
+    _signum, _signalled = None, False
 
 
 def _handler(signum: int, frame: object) -> None:
-    global _signum
-    if _signum is not None:  # the second signal: at once (the checkpoint being written is a temporary folder)
+    """A signal: the first asks the run to stop after its step; a second one *here* ends the process at once. A
+    request a peer relayed first (:func:`request`: a collective run's rank whose store poller saw another rank's
+    signal before its own arrived) is no first signal of this process: the signal that follows it is its first."""
+    global _signum, _signalled
+    if _signalled:  # the second signal: at once (the checkpoint being written is a temporary folder)
         _say(f"atoll: {signal.Signals(signum).name} again: stopping at once, without a checkpoint of this step")
         for hook in list(_at_once):
             with contextlib.suppress(Exception):
                 hook()
         os._exit(128 + signum)
-    _signum = signum
+    _signalled = True
+    if _signum is None:
+        _signum = signum
     _say(f"atoll: {signal.Signals(signum).name}: finishing this inner step and writing a checkpoint "
          "(send it again to stop at once)")
 

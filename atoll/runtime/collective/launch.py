@@ -100,16 +100,17 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
     store = loopback_store(config.runtime_config.collective_timeout_s)
     ranks = Supervisor(config, worker, resume, rank_env(config, store.port), grace_s, lock.fd)
     try:
-        _prepare_data(config)
-        ranks.start()
-        with stop.on_signals(), stop.at_once(ranks.kill_all):
-            ranks.watch(store)
+        with stop.on_signals(), stop.at_once(ranks.kill_all):  # (a signal while the data is prepared: no rank starts)
+            _prepare_data(config)
+            if stop.requested() is None:
+                ranks.start()
+                ranks.watch(store)
     except BaseException:
         ranks.terminate()
         raise
     finally:
         del store
-        lock.release()
+        lock.abandon()  # (a new folder that holds nothing but the lock is removed: nothing was written)
     return ranks.outcome(out)
 
 
@@ -198,9 +199,18 @@ class Supervisor:
                                 args=(self.worker, self.config, self.resume, env, held))
 
     def start(self) -> None:
-        """Start every rank."""
-        for p in self.procs:
-            p.start()
+        """Start every rank.
+
+        Raises:
+            RunFailed: the fork server was lost while it started them (killed): one line, exit status 1.
+        """
+        try:
+            for p in self.procs:
+                p.start()
+        except (EOFError, OSError) as e:  # (multiprocessing's read of the new rank's pid, or its connection)
+            advice = resume_advice(self.config.out) if self.resume else "start it again"
+            raise RunFailed(f"the fork server that starts the ranks was lost while it started them (killed?: "
+                            f"{type(e).__name__}); {advice}", 1) from None
 
     def watch(self, store: dist.TCPStore) -> None:
         """Supervise the ranks until none runs; then note a rank that failed without being killed here."""
@@ -288,13 +298,14 @@ class Supervisor:
     def kill_all(self) -> None:
         """SIGKILL every rank still running (an orphan of a lost fork server too)."""
         for p in self.procs:
-            if p.exitcode is None:
+            if p.pid is not None and p.exitcode is None:
                 p.kill()
         for o in self.orphans:
             o.kill()
 
     def terminate(self) -> None:
-        """The launcher itself failed: SIGTERM every rank started, then SIGKILL those still running after 10 s."""
+        """The launcher itself failed: SIGTERM every rank started, then SIGKILL those still running after 10 s
+        (and at once any a lost fork server left running)."""
         for p in self.procs:
             if p.pid is not None and p.exitcode is None:
                 p.terminate()
@@ -303,6 +314,8 @@ class Supervisor:
                 p.join(timeout=10)
                 if p.exitcode is None:
                     p.kill()
+                elif p.exitcode == 255:
+                    _Orphan(p.pid).kill()
 
     def outcome(self, out: Path) -> dict[str, Any]:
         """Rank 0's summary from ``out``, or the error the ranks' exits say.
@@ -315,11 +328,15 @@ class Supervisor:
 
         rank0 = self.procs[0].exitcode
         asked = stop.requested()
+        if asked is None and rank0 in [128 + s for s in stop.SIGNALS]:  # a signal that reached a rank only
+            asked = rank0 - 128
+        if rank0 is None and asked is not None:  # a signal while the data was prepared: no rank started
+            raise Interrupted(asked, _checkpoint_step(out), out)
         if self.orphans and asked is not None:  # a signal to the whole group: the fork server's end was its part
             raise Interrupted(asked, _checkpoint_step(out), out)
         if self.orphans:
-            how = (f"{self.orphans_killed} of them were killed after {self.grace_s:g} s" if self.orphans_killed
-                   else "they stopped after the checkpoint they agreed on")
+            how = (f"{self.orphans_killed} of them {'was' if self.orphans_killed == 1 else 'were'} killed after "
+                   f"{self.grace_s:g} s" if self.orphans_killed else "they stopped after the checkpoint they agreed on")
             raise RunFailed(f"the fork server that started the ranks was lost (killed?); {how}; "
                             f"{resume_advice(out)}", 1)
         if self.survive and rank0 == 0 and (out / "summary.json").is_file():
