@@ -271,11 +271,11 @@ def _finished(run_dir: Path, steps: int) -> bool:
     are of that step (a run killed between the two, or that diverged, resumes as before)."""
     import json
 
-    from atoll.job.checkpoint import latest_checkpoint
+    from atoll.job.checkpoint import latest_step
 
     try:
         summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-        step = int(latest_checkpoint(run_dir).name.split("_", 1)[1])
+        step = latest_step(run_dir)
     except (OSError, UnicodeDecodeError, ValueError, AtollError):
         return False
     return isinstance(summary, dict) and summary.get("steps") == steps == step \

@@ -104,19 +104,19 @@ def test_a_signal_mid_run_checkpoints_the_step_reached_and_the_resume_equals_the
     assert [(e["event"], e["step"]) for e in ends][-3:] == [("checkpoint", step), ("checkpoint", STEPS), ("end", STEPS)]
 
 
+def _under_on_signals(tmp_path: Path, *lines: str) -> subprocess.CompletedProcess:
+    """A Python process that runs ``lines`` inside ``stop.on_signals()``, then sleeps 120 s (a process a signal
+    does not end exits 0 only after that); its status and output."""
+    script = tmp_path / "signals.py"
+    script.write_text("import os, signal, sys, time\nfrom atoll.job import stop\nwith stop.on_signals():\n"
+                      + "".join(f"    {line}\n" for line in lines) + "    time.sleep(120)\nsys.exit(0)\n")
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+
+
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
-    script = tmp_path / "wait.py"
-    script.write_text(
-        "import os, signal, sys, time\n"
-        "from atoll.job import stop\n"
-        "with stop.on_signals():\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    assert stop.requested() == signal.SIGTERM\n"
-        "    print('asked', flush=True)\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(120)\n"
-        "sys.exit(0)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    proc = _under_on_signals(tmp_path, "os.kill(os.getpid(), signal.SIGTERM)",
+                             "assert stop.requested() == signal.SIGTERM", "print('asked', flush=True)",
+                             "os.kill(os.getpid(), signal.SIGTERM)")
     assert proc.stdout == "asked\n"
     assert proc.returncode == 128 + signal.SIGTERM
     assert "again: stopping at once" in proc.stderr
@@ -126,19 +126,9 @@ def test_a_relayed_request_is_not_the_first_signal(tmp_path: Path) -> None:
     """A collective rank's store poller can relay another rank's stop (``stop.request``) before this rank's own
     signal arrives (a signal to the process group): that signal is this process's first, not a second one, so
     it finishes the step and checkpoints (before: it exited at once, without a checkpoint); a second does exit."""
-    script = tmp_path / "relayed.py"
-    script.write_text(
-        "import os, signal, sys, time\n"
-        "from atoll.job import stop\n"
-        "with stop.on_signals():\n"
-        "    stop.request(signal.SIGINT)\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    assert stop.requested() == signal.SIGINT\n"
-        "    print('still here', flush=True)\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    time.sleep(120)\n"
-        "sys.exit(0)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    proc = _under_on_signals(tmp_path, "stop.request(signal.SIGINT)", "os.kill(os.getpid(), signal.SIGTERM)",
+                             "assert stop.requested() == signal.SIGINT", "print('still here', flush=True)",
+                             "os.kill(os.getpid(), signal.SIGTERM)")
     assert proc.stdout == "still here\n"
     assert proc.returncode == 128 + signal.SIGTERM
     assert proc.stderr.splitlines() == [

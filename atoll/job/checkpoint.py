@@ -392,14 +392,21 @@ def latest_checkpoint(out: Path) -> Path:
     return candidates[-1]
 
 
+def latest_step(out: Path | str) -> int | None:
+    """The step of the run in ``out``'s latest complete checkpoint (:func:`latest_checkpoint`); None: none."""
+    try:
+        return _step_of(latest_checkpoint(Path(out)))
+    except CheckpointError:
+        return None
+
+
 def resume_advice(out: Path | str | None) -> str:
     """What to tell a user whose run in ``out`` stopped: resume from its latest checkpoint (naming its step),
     or, when none was written yet, start again (a resume would only say there is none)."""
     if out is None:
         return "resume with 'atoll train --resume OUT' (the run's --out)"
-    try:
-        step = _step_of(latest_checkpoint(Path(out)))
-    except CheckpointError:
+    step = latest_step(out)
+    if step is None:
         if folders := checkpoint_folders(Path(out) / "checkpoints"):  # written, then damaged
             return _damaged(out, folders)
         return f"no checkpoint was written yet in '{out}' (see --checkpoint-every); remove it and start again"

@@ -42,7 +42,8 @@ class RunLock:
         except OSError:
             owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            if owner.isdigit() and not _alive(int(owner)):  # a collective run's ranks hold it past their launcher
+            # (a collective run's ranks hold it past their launcher)
+            if owner.isdigit() and not process_running(int(owner)):
                 raise ConfigError(f"out: '{out}' is in use, though atoll process {owner}, which took it, is not "
                                   "running here (a collective run's ranks outlive a killed launcher by seconds; or "
                                   "a process on another host or in another pid namespace holds it); wait for them "
@@ -72,8 +73,14 @@ class RunLock:
             folder.rmdir()
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (a signal 0; one of another user's counts as existing)."""
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and has not ended (a zombie not yet reaped has), read from
+    ``/proc`` on Linux, else by a signal 0 (another user's process counts as running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        if Path("/proc/self/stat").exists():  # Linux: no /proc entry, no process
+            return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

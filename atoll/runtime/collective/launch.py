@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from atoll.errors import AtollError, Interrupted, PeerWriteError, RunFailed, disk_error_line
 from atoll.job import stop
-from atoll.job.checkpoint import latest_checkpoint, resume_advice
+from atoll.job.checkpoint import latest_step, resume_advice
 from atoll.job.divergence import install_fault_hook_from_env
-from atoll.job.lock import claim_run_folder
+from atoll.job.lock import claim_run_folder, process_running
 from atoll.runtime.collective.failure import REPORT_KEY
 from atoll.runtime.collective.rejoin import ADMITTED_KEY, REJOIN_ENV
 from atoll.runtime.collective.stop import REQUEST_KEY
@@ -330,10 +330,10 @@ class Supervisor:
         asked = stop.requested()
         if asked is None and rank0 in [128 + s for s in stop.SIGNALS]:  # a signal that reached a rank only
             asked = rank0 - 128
-        if rank0 is None and asked is not None:  # a signal while the data was prepared: no rank started
-            raise Interrupted(asked, _checkpoint_step(out), out)
-        if self.orphans and asked is not None:  # a signal to the whole group: the fork server's end was its part
-            raise Interrupted(asked, _checkpoint_step(out), out)
+        # a signal while the data was prepared (no rank started), or to the whole group (the fork server's end
+        # was its part)
+        if asked is not None and (rank0 is None or self.orphans):
+            raise Interrupted(asked, latest_step(out), out)
         if self.orphans:
             how = (f"{self.orphans_killed} of them {'was' if self.orphans_killed == 1 else 'were'} killed after "
                    f"{self.grace_s:g} s" if self.orphans_killed else "they stopped after the checkpoint they agreed on")
@@ -342,7 +342,7 @@ class Supervisor:
         if self.survive and rank0 == 0 and (out / "summary.json").is_file():
             return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
         if asked is not None and rank0 == 128 + asked:  # stopped after the checkpoint the ranks agreed on
-            raise Interrupted(asked, _checkpoint_step(out), out)
+            raise Interrupted(asked, latest_step(out), out)
         if self.first is not None:
             rank, code = self.first
             if code < 0:
@@ -364,14 +364,6 @@ def _admitted(store: dist.TCPStore, joining: dict[int, str]) -> list[int]:
             if store.check([f"{ADMITTED_KEY}{r}"]) and store.get(f"{ADMITTED_KEY}{r}").decode() == n]
 
 
-def _checkpoint_step(out: Path) -> int | None:
-    """The step of ``out``'s latest checkpoint (None: none readable)."""
-    try:
-        return int(latest_checkpoint(out).name.split("_")[1])
-    except AtollError:
-        return None
-
-
 class _Orphan:
     """A rank whose fork server was lost: not this process's child, so held by a pidfd (Linux 5.3+: it names
     this process, not whatever reuses its pid later), else by its pid."""
@@ -382,11 +374,15 @@ class _Orphan:
             with contextlib.suppress(OSError):  # gone already, or a kernel without pidfds
                 self.fd = os.pidfd_open(pid)
 
+    def __del__(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
     def running(self) -> bool:
         """Whether it still runs (a pidfd turns readable at the process's exit)."""
         if self.fd is not None:
             return not select.select([self.fd], [], [], 0)[0]
-        return _running(self.pid)
+        return process_running(self.pid)
 
     def kill(self) -> int:
         """SIGKILL it if it still runs: 1 if a signal was sent, else 0."""
@@ -399,21 +395,6 @@ class _Orphan:
                 os.kill(self.pid, signal.SIGKILL)
             return 1
         return 0
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs (not ended, not a zombie left unreaped: ``/proc``, else a signal 0)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        pass
-    if Path("/proc/self/stat").exists():  # Linux: no /proc entry, no process
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 class _HeldLock:
