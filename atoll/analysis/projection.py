@@ -46,10 +46,10 @@ from pydantic import ValidationError
 from atoll.analysis.cost import CODEC_BITS, Cost, Setting, codec_bits
 from atoll.config.parse import format_validation_error
 from atoll.config.section import StrategyConfig
+from atoll.config.sections import PULL_CODECS
 from atoll.errors import ConfigError
 from atoll.job.metrics import human_bytes
 from atoll.runtime.network import ring_allgather_bytes, ring_allreduce_bytes
-from atoll.strategies.decoupled.downlink import PULL_CODECS
 from atoll.strategies.registry import STRATEGIES, spec
 from atoll.strategies.spec import StrategySpec
 
@@ -295,7 +295,7 @@ def check_pull_codec(name: str | None) -> None:
     """``--pull-codec`` of the projections: None (the strategy's own) or one of the pull codecs.
 
     Raises:
-        ConfigError: ``name`` is not one of :data:`~atoll.strategies.decoupled.downlink.PULL_CODECS`.
+        ConfigError: ``name`` is not one of :data:`~atoll.config.sections.PULL_CODECS`.
     """
     if name is not None and name not in PULL_CODECS:
         raise ConfigError(f"pull_codec: unknown '{name}'; use one of {', '.join(PULL_CODECS)}")

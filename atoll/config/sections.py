@@ -161,6 +161,10 @@ class OuterOptimSection(Section):
 
 #: the encodings of exchanged tensors (:mod:`atoll.algorithms.codecs`)
 Codec = Literal["fp32", "bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4", "topk"]
+#: what a decoupled island's pull carries (``pull_codec``, :mod:`atoll.strategies.decoupled.downlink`): the
+#: float32 fragment, or the changes since the island's version in one of the push codecs
+PullCodec = Literal["fp32", "bf16", "int8", "int4"]
+PULL_CODECS: tuple[str, ...] = typing.get_args(PullCodec)
 
 
 class CodecSection(Section):

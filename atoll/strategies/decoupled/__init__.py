@@ -25,7 +25,7 @@ from pydantic import Field, field_validator
 from atoll.analysis.cost import Cost, Setting, codec_bits
 from atoll.config.parse import parse_chaos
 from atoll.config.runtimes import TimeoutSection
-from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection
+from atoll.config.sections import AdamWSection, Codec, CodecSection, FragmentsSection, PullCodec
 from atoll.strategies.decoupled.syncer import Syncer
 from atoll.strategies.rounds import RoundsConfig
 from atoll.strategies.spec import StrategySpec, SuiteRun
@@ -136,7 +136,7 @@ class DecoupledConfig(RoundsConfig, AdamWSection, CodecSection, FragmentsSection
         "(--no-realign-pushes): the paper's fixed schedule (a stopped or restarted island stays shifted for the "
         "rest of the run).",
     )
-    pull_codec: Literal["fp32", "bf16", "int8", "int4"] = Field(
+    pull_codec: PullCodec = Field(
         "int4",
         description="decoupled: what an island's pull of a merged fragment carries: int4 (the default), int8 or "
         "bf16 (the syncer keeps one float32 shadow per fragment and sends the changes since the version the island "

@@ -42,17 +42,15 @@ import torch
 from atoll.algorithms.codec_base import Codec, Encoded
 from atoll.algorithms.codecs import make_codec
 from atoll.algorithms.snapshot import Snapshots
+from atoll.config.sections import PULL_CODECS
 from atoll.strategies.decoupled.protocol import Pull
-
-#: the pull codecs (``pull_codec``): the float32 fragment, or deltas in one of the push codecs
-PULL_CODECS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
 
 
 def pull_codec(name: str, block_size: int = 64) -> Codec | None:
     """The codec of a run's ``pull_codec`` (nearest rounding, ``block_size`` values per scale); None for fp32.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`PULL_CODECS`.
+        ValueError: ``name`` is not one of :data:`~atoll.config.sections.PULL_CODECS`.
     """
     if name not in PULL_CODECS:
         raise ValueError(f"pull_codec: unknown {name!r}; choose one of {', '.join(PULL_CODECS)}")
@@ -63,7 +61,8 @@ class Downlink:
     """The syncer's side of the pulls: per fragment a float32 shadow Q and its last payloads (module docstring).
 
     Args:
-        codec: the pull codec's name (:data:`PULL_CODECS`); ``fp32``: no shadow, a pull is G itself.
+        codec: the pull codec's name (:data:`~atoll.config.sections.PULL_CODECS`); ``fp32``: no shadow, a pull
+            is G itself.
         init: per fragment, the initial global parameters (float32 (numel_p,)); the shadows start equal to them.
         block_size: values per scale of the block codecs.
 
