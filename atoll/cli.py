@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     except AtollError as e:
         print(f"atoll: error: {e}", file=sys.stderr)
         return 2
-    except RunFailed as e:  # a rank of a collective run failed; the ranks printed why
+    except RunFailed as e:  # a rank of a collective run failed: one line (or the rank printed it)
         if str(e):
             print(f"atoll: error: {e}", file=sys.stderr)
         return e.exit_code

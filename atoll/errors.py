@@ -26,8 +26,9 @@ class CheckpointError(AtollError, RuntimeError):
 class RunFailed(Exception):
     """A run of several processes stopped because one of them failed (not a user-input error).
 
-    The ranks print their own one-line reason; the message here adds what only the launcher knows (e.g.
-    that a rank was killed by a signal) and may be empty.
+    The message is the run's one line: what only the launcher knows (a rank killed by a signal), or the line a
+    rank stopped by a peer's failure handed to the launcher; empty where the failing rank printed its own (an
+    error of its own, or a store that did not take the line).
 
     Attributes:
         exit_code: the status the command exits with: the first failing rank's exit status, or 128 + N

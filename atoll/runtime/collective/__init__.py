@@ -40,9 +40,12 @@ rendezvous store also catches a rank that stops without closing its connections 
 With ``min_islands`` below ``islands`` (the default), the survivors go on: they agree on the islands alive
 (:mod:`~atoll.runtime.collective.quorum`), re-form their groups and redo the failed collective
 (:meth:`CollectiveRuntime.recover`). Otherwise, or when island 0 is lost, or below ``min_islands``, the
-surviving ranks print one line, ``atoll: error: island J (rank R) stopped responding at inner step N
+surviving ranks stop with one line, ``atoll: error: island J (rank R) stopped responding at inner step N
 (<reason>); resume with 'atoll train --resume OUT' (from step S)``, and exit with status 3
 (:data:`EXIT_PEER_FAILURE`) via ``os._exit``, because a backend with a dead peer can hang in its clean-up.
+Under torchrun each prints it; under the one-machine launcher each hands it to the launcher, which says one
+line for the run: ``rank R (island J) was killed by SIGKILL; resume ...`` where a signal ended the lost rank,
+else the first survivor's line.
 A new run checkpoints after its first exchange, so there is a resume point before ``checkpoint_every``.
 With ``max_restarts``, the launcher starts a killed rank again and it rejoins the running job with a live
 island's state (:mod:`~atoll.runtime.collective.rejoin`).

@@ -12,6 +12,9 @@ HEARTBEAT_S = 0.5  # seconds between two heartbeats of a rank
 HEARTBEAT_STALE_S = 10.0  # a rank silent this long (or collective_timeout_s if shorter) is declared dead
 REPORT_KEY = "atoll/reported/"  # + global rank, in the rendezvous store: peers found it silent (the launcher
 # kills such a rank at once: a frozen process holds its connections open and would stall the others)
+LINE_KEY = "atoll/line/"  # + global rank, in the one-machine launcher's store: why that rank stopped on a peer's
+# failure, for the launcher to say once for the run (each survivor would otherwise print its own copy)
+LINES_ENV = "ATOLL_LAUNCHER_SAYS_WHY"  # "1" in a rank the one-machine launcher started: hand the line over
 
 
 class PeerFailure(Exception):

@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from atoll.runtime.collective.failure import HEARTBEAT_S, REPORT_KEY, backend_reason
+from atoll.runtime.collective.failure import HEARTBEAT_S, LINE_KEY, REPORT_KEY, backend_reason
 
 PAUSE_S = 2.0  # readings this much further apart than a beat: this rank was paused itself (SIGSTOP, a frozen
 # VM or container), and so may have been the whole job: every peer gets a fresh window instead of a verdict
@@ -113,6 +113,18 @@ class _Heartbeat:
                     self.client.set(f"{REPORT_KEY}{r}", "1")
         except Exception:
             pass
+
+    def hand_over(self, line: str) -> bool:
+        """Leave why this rank stops (one line, :data:`LINE_KEY`) in the launcher's store, for the launcher to say
+        once for the run. Returns whether the store has it (read back on the same connection, so the line is
+        there before this process exits); False when the store is unreachable (the caller prints it)."""
+        key = f"{LINE_KEY}{self.rank}"
+        try:
+            with self.lock:
+                self.client.set(key, line)
+                return self.client.check([key])
+        except Exception:  # noqa: BLE001 - whatever the store's client raises: the line is printed instead
+            return False
 
     def is_gone(self, rank: int, silent_s: float) -> bool:
         """Whether ``rank`` said goodbye, or its counter had not moved for ``silent_s`` seconds at this rank's

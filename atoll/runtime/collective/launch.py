@@ -23,7 +23,7 @@ from atoll.job import stop
 from atoll.job.checkpoint import latest_step, resume_advice
 from atoll.job.divergence import install_fault_hook_from_env
 from atoll.job.lock import claim_run_folder, process_running
-from atoll.runtime.collective.failure import REPORT_KEY
+from atoll.runtime.collective.failure import EXIT_PEER_FAILURE, LINE_KEY, LINES_ENV, REPORT_KEY
 from atoll.runtime.collective.rejoin import ADMITTED_KEY, REJOIN_ENV
 from atoll.runtime.collective.stop import REQUEST_KEY
 
@@ -117,10 +117,12 @@ def launch(config: TrainConfig, worker: str, resume: bool = False,
 def rank_env(config: TrainConfig, port: int) -> dict[str, str]:
     """The environment every rank of a one-machine launch shares, as torchrun would set it (``RANK`` and
     ``LOCAL_RANK`` are each rank's): the store at 127.0.0.1:``port``, gloo on the loopback, and one torch
-    thread pool per rank that does not oversubscribe the cores (unless ``threads`` or ``OMP_NUM_THREADS`` say)."""
+    thread pool per rank that does not oversubscribe the cores (unless ``threads`` or ``OMP_NUM_THREADS`` say);
+    and :data:`~atoll.runtime.collective.failure.LINES_ENV`: the launcher says why the run stopped, once."""
     world = config.islands * config.runtime_config.ranks_per_island
     env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           LINES_ENV: "1"}  # a rank stopped by a peer's failure hands its line to the launcher (Supervisor.outcome)
     if "GLOO_SOCKET_IFNAME" not in os.environ:  # one machine: gloo's pairs on the loopback too
         env["GLOO_SOCKET_IFNAME"] = loopback_interface()
     if config.threads is None and "OMP_NUM_THREADS" not in os.environ:  # as torchrun: no oversubscription
@@ -150,7 +152,8 @@ class Supervisor:
     again once the job admitted it, :data:`ADMITTED_KEY`; :meth:`kill_reported`), and past the deadline kills
     every rank still running (:meth:`enforce_deadline`). With ``min_islands`` below ``islands`` the survivors of
     a lost island go on by themselves; otherwise, after the first failure (and in any case once rank 0 has
-    exited), the others get ``grace_s`` seconds to stop by themselves (they print why).
+    exited), the others get ``grace_s`` seconds to stop by themselves; a rank stopped by a peer's failure hands its
+    line over (:meth:`collect_lines`) and :meth:`outcome` says one line for the run.
 
     Every rank holds a duplicate of the run folder's lock (:mod:`atoll.job.lock`), so the folder stays locked
     while any rank of the run lives, the launcher gone or not: a ``--resume`` started while ranks left behind by a
@@ -190,6 +193,7 @@ class Supervisor:
         self.restarts = [config.runtime_config.max_restarts] * self.world
         self.deadline = math.inf
         self.relayed = False
+        self.lines: dict[int, str] = {}  # rank -> why it stopped on a peer's failure, handed over (collect_lines)
 
     def _process(self, rank: int, incarnation: str | None = None) -> Any:
         env = {**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -225,6 +229,15 @@ class Supervisor:
         for rank, p in enumerate(self.procs):
             if self.first is None and rank not in self.killed and p.exitcode != 0:
                 self.first = (rank, p.exitcode)
+        self.collect_lines(store)
+
+    def collect_lines(self, store: dist.TCPStore) -> None:
+        """Read the lines the ranks stopped by a peer's failure handed over (:data:`LINE_KEY`): :meth:`outcome`
+        says one of them for the run, where each survivor used to print its own."""
+        for rank in range(self.world):
+            with contextlib.suppress(Exception):  # (a store that fails here: the ranks' lines are not said)
+                if store.check([f"{LINE_KEY}{rank}"]):
+                    self.lines[rank] = store.get(f"{LINE_KEY}{rank}").decode()
 
     def relay_stop(self, store: dist.TCPStore) -> None:
         """SIGINT/SIGTERM here: tell the ranks (:data:`REQUEST_KEY`); they checkpoint the step they agree on,
@@ -343,13 +356,14 @@ class Supervisor:
             return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
         if asked is not None and rank0 == 128 + asked:  # stopped after the checkpoint the ranks agreed on
             raise Interrupted(asked, latest_step(out), out)
-        if self.first is not None:
+        if self.first is not None:  # one line for the run: the killed rank's, else the first survivor's
             rank, code = self.first
             if code < 0:
                 island = rank // self.config.runtime_config.ranks_per_island
                 raise RunFailed(f"rank {rank} (island {island}) was killed by "
                                 f"{signal.Signals(-code).name}; {resume_advice(out)}", 128 - code)
-            raise RunFailed("", code)
+            handed = self.lines.get(rank) or next(iter(sorted(self.lines.items())), (0, ""))[1]
+            raise RunFailed(handed if code == EXIT_PEER_FAILURE else "", code)  # (other errors: the rank said it)
         return json.loads((out / "summary.json").read_text())
 
 

@@ -28,6 +28,7 @@ from atoll.runtime.collective.comm import DistComm
 from atoll.runtime.collective.failure import (
     EXIT_PEER_FAILURE,
     HEARTBEAT_STALE_S,
+    LINES_ENV,
     PeerFailure,
     dist_call,
 )
@@ -252,7 +253,10 @@ class CollectiveRuntime(Runtime):
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
               signalled: bool = False, who: str | None = None, advice: str | None = None,
               quiet: bool = False) -> None:
-        """Print why this rank stops and exit with :data:`EXIT_PEER_FAILURE` (does not return).
+        """Print why this rank stops and exit with :data:`EXIT_PEER_FAILURE` (does not return). Under the
+        one-machine launcher (:data:`~atoll.runtime.collective.failure.LINES_ENV`), a peer's failure is handed to
+        the launcher instead (:meth:`_Heartbeat.hand_over`), which says it once for the run (printed here if the
+        store does not take it).
 
         ``who`` names the culprit when it is not a rank (the launcher's store); else ``suspect``'s island,
         or the first rank the heartbeats find dead. ``advice`` ends the line (default: how to resume);
@@ -278,17 +282,21 @@ class CollectiveRuntime(Runtime):
                 self.heartbeat.report([suspect])
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
         resume = advice or resume_advice(self.facts.out)
+        # a peer's failure that stops the run (no advice: a dropped island's rank says so itself while the others
+        # go on), under the one-machine launcher: the line goes to the launcher, which says it once for the run
+        hand_over = (who is None and advice is None and self.heartbeat is not None
+                     and os.environ.get(LINES_ENV) == "1")
         if signalled and suspect is None:
-            line = f"atoll: error: stopped by SIGTERM {where}; {resume}"
+            line, hand_over = f"stopped by SIGTERM {where}; {resume}", False
         else:
             if who is None:
                 who = (f"island {suspect // self.ranks_per_island} (rank {suspect})" if suspect is not None
                        else "another island")
-            line = f"atoll: error: {who} stopped responding {where} ({reason}); {resume}"
+            line = f"{who} stopped responding {where} ({reason}); {resume}"
         try:
             sys.stdout.flush()
-            if not quiet:
-                print(line, file=sys.stderr, flush=True)
+            if not quiet and not (hand_over and self.heartbeat.hand_over(line)):
+                print(f"atoll: error: {line}", file=sys.stderr, flush=True)
         finally:
             os._exit(EXIT_PEER_FAILURE)
 
