@@ -440,6 +440,38 @@ def test_two_islands_lockstep_identical_params() -> None:
     assert not torch.equal(opts[0].state[p0]["momentum"], opts[1].state[p1]["momentum"])
 
 
+@pytest.mark.parametrize("sign_values", [False, True])
+def test_signs_decoded_once_give_every_island_the_floats_of_its_own_decode(sign_values: bool) -> None:
+    """Islands in one process decode the islands' mean once (``decoded_signs``, int8) and each applies it
+    (``apply_step(updates=)``): the same parameters, bit for bit, as every island decoding its own, with weight
+    decay; the signs are those of the decode; a wrong number of updates is refused."""
+    def run(shared: bool) -> list[torch.Tensor]:
+        models = [_model(0), _model(0), _model(0)]
+        opts = [DeMo(m.parameters(), lr=1e-2, beta=0.9, chunk=8, topk=3, weight_decay=0.1,
+                     sign_values=sign_values) for m in models]
+        for step in range(4):
+            for island, m in enumerate(models):
+                _backward(m, seed=100 * island + step)
+            payloads = [opt.encode_step() for opt in opts]
+            signs = opts[0].decoded_signs(payloads) if shared else None
+            if signs is not None:
+                assert all(s.dtype == torch.int8 and s.shape == p.shape for s, p in zip(signs, models[0].parameters(),
+                                                                                     strict=True))
+                assert set(torch.cat([s.flatten() for s in signs]).tolist()) <= {-1, 0, 1}
+            for opt in opts:
+                opt.apply_step(payloads, signs)
+        return [p.detach().clone() for m in models for p in m.parameters()]
+
+    once, each = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(once, each, strict=True))
+    model = _model()
+    opt = DeMo(model.parameters(), chunk=8, topk=4)
+    _backward(model, 0)
+    payloads = opt.encode_step()
+    with pytest.raises(ValueError, match="3 updates, expected 4"):
+        opt.apply_step([payloads], opt.decoded_signs([payloads])[:3])
+
+
 def test_step_uses_all_gather_fn() -> None:
     # An all-gather that returns two identical copies averages to the same update as one island.
     calls: list[int] = []
@@ -721,3 +753,51 @@ def test_dct_basis_entries_zero_in_exact_arithmetic_are_exactly_zero() -> None:
                                  shape=(6,), chunk_elems=6)]])
     assert p.detach()[1].item() == 0.0 and p.detach()[4].item() == 0.0  # sign(0) = 0: no step there
     assert int((p.detach() != 0).sum()) == 4
+
+
+def test_islands_in_one_process_decode_the_mean_once_and_each_is_charged_the_decode(monkeypatch) -> None:
+    """The local runtime's DeMo step decodes the islands' mean once per parameter for all its islands, not once per
+    island, and charges every island (at its speed) the decode's seconds, as an island alone would spend them:
+    here a decode made to take at least 0.05 s."""
+    from conftest import make_island
+
+    from atoll.config import TrainConfig
+    from atoll.job.model import build_model
+    from atoll.runtime.local import LocalComm
+    from atoll.runtime.network import Link, SimClock
+    from atoll.strategies.demo import DeMoStrategy, make_optimizer
+
+    config = TrainConfig(**applicable({"strategy": "demo", "islands": 3, "steps": 4, "warmup_steps": 0,
+                                       "seq_len": 16, "batch_size": 2}), demo_chunk=16, demo_topk=8)
+    model = build_model("micro", 300, 16, seed=0)
+    clock = SimClock(3)
+    speeds = (1.0, 0.5, 0.25)
+    islands = [make_island(i, copy.deepcopy(model), config, clock, speed=speeds[i], optimizer=make_optimizer)
+               for i in range(3)]
+    strategy = DeMoStrategy(config.strategy_config, islands, LocalComm(3, Link.from_config(100, 10), clock),
+                            config.seed)
+    decodes, real = [], DeMo._decoded_sign
+
+    def counted(self, p, gathered, i):  # noqa: ANN001, ANN202
+        decodes.append(i)
+        return real(self, p, gathered, i)
+
+    signs = DeMo.decoded_signs
+
+    def slow(self, gathered):  # noqa: ANN001, ANN202
+        import time
+
+        time.sleep(0.05)
+        return signs(self, gathered)
+
+    monkeypatch.setattr(DeMo, "_decoded_sign", counted)
+    monkeypatch.setattr(DeMo, "decoded_signs", slow)
+    for step in range(2):
+        for island in islands:
+            island.forward_backward(torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(step)))
+        strategy.step(step)
+    n = len(list(model.parameters()))
+    assert decodes == list(range(n)) * 2  # once per parameter and step, for the 3 islands
+    flats = [island.flat_params() for island in islands]
+    assert all(torch.equal(f, flats[0]) for f in flats)
+    assert all(island.compute_s >= 2 * 0.05 / speed for island, speed in zip(islands, speeds, strict=True))

@@ -316,19 +316,72 @@ class DeMo(torch.optim.Optimizer):
         return t.decode(self._sum_coefficients(t, [payload], payload.values.device))
 
     @torch.no_grad()
-    def apply_step(self, gathered: Sequence[Sequence[DemoPayload]]) -> None:
+    def apply_step(self, gathered: Sequence[Sequence[DemoPayload]],
+                   updates: Sequence[torch.Tensor] | None = None) -> None:
         """Step e: decode every island's payloads, average, take the sign, update the parameters.
 
         Args:
             gathered: ``gathered[island][param]``, the same list in the same island order on every island
                 (so that every island computes bitwise the same update). Each coefficient is averaged over
                 the islands whose payload selected it (DeMo's reference code).
+            updates: the signs already decoded from this ``gathered`` by another island's optimizer in this
+                process (:meth:`decoded_signs`, int8, one per parameter): applied as they are, the same floats
+                as decoding them here (``p -= lr * sign``: a sign of -1, 0 or +1 is exact in either dtype).
 
         Raises:
             ValueError: ``gathered`` is empty, an island's list has the wrong length, a payload's shape
                 does not match its parameter, or packed signs are corrupt (checked for every payload before
                 any parameter changes: one host read for the whole step).
         """
+        if updates is None:
+            self._check_gathered(gathered)
+        elif len(updates) != len(self._params()):
+            raise ValueError(f"DeMo.apply_step: {len(updates)} updates, expected {len(self._params())} (one per "
+                             "parameter, in param-group order)")
+        i = 0
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                # the decoded sign: a fresh tensor or a buffer (this optimizer's, or the one that decoded it)
+                self._apply_update(p, self._decoded_sign(p, gathered, i) if updates is None else updates[i], lr, wd)
+                i += 1
+
+    @torch.no_grad()
+    def decoded_signs(self, gathered: Sequence[Sequence[DemoPayload]]) -> list[torch.Tensor]:
+        """Step e's update without applying it: per parameter (param-group order) the sign of the decoded mean
+        of ``gathered`` (as :meth:`apply_step`), int8 (-1, 0, +1) of the parameter's shape, views of one flat
+        buffer this optimizer keeps (1 byte per parameter, overwritten by the next call). For islands in one
+        process, which all apply the same update: decoded once, then :meth:`apply_step` (``updates=``) on each.
+
+        Raises:
+            ValueError: as :meth:`apply_step`.
+        """
+        self._check_gathered(gathered)
+        params = self._params()
+        total = sum(p.numel() for p in params)
+        flat = self.__dict__.get("_signs")
+        if flat is None or flat.numel() != total or flat.device != params[0].device:
+            flat = self.__dict__["_signs"] = torch.empty(total, dtype=torch.int8, device=params[0].device)
+        signs, at = [], 0
+        for i, p in enumerate(params):
+            view = flat[at:at + p.numel()].view(p.shape)
+            view.copy_(self._decoded_sign(p, gathered, i))
+            signs.append(view)
+            at += p.numel()
+        return signs
+
+    def _decoded_sign(self, p: torch.Tensor, gathered: Sequence[Sequence[DemoPayload]], i: int) -> torch.Tensor:
+        """The sign of the mean of parameter ``i``'s payloads, decoded (float32, ``p``'s piece's shape): a fresh
+        tensor, or a view of this optimizer's buffers (:meth:`_buffers`) until the next parameter's."""
+        t = self.transform_for(p.shape)
+        buffers = self._buffers(self._piece(p))
+        mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True,
+                                      buffers=buffers)
+        return t.decode(mean, buffers).sign_()
+
+    def _check_gathered(self, gathered: Sequence[Sequence[DemoPayload]]) -> None:
+        """Raise ValueError (:meth:`apply_step`'s) unless ``gathered`` holds one payload per parameter per island,
+        none with corrupt packed signs."""
         params = self._params()
         if len(gathered) == 0:
             raise ValueError(
@@ -345,16 +398,6 @@ class DeMo(torch.optim.Optimizer):
             island = next(j for j, pls in enumerate(gathered) if any(bool(pl.corrupt()) for pl in pls))
             raise ValueError(f"DeMo.apply_step: island {island} sent packed signs with the unused code 0b10; "
                              "the payload is corrupt")
-        i = 0
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                t = self.transform_for(p.shape)
-                buffers = self._buffers(self._piece(p))
-                mean = self._sum_coefficients(t, [pls[i] for pls in gathered], self._piece(p).device, count=True,
-                                              buffers=buffers)
-                self._apply_update(p, t.decode(mean, buffers).sign_(), lr, wd)  # a fresh tensor or the buffer
-                i += 1
 
     def _piece(self, p: torch.Tensor) -> torch.Tensor:
         """The part of parameter ``p`` this optimizer writes: all of it (a sharded island's: its rank's rows)."""
@@ -362,10 +405,10 @@ class DeMo(torch.optim.Optimizer):
 
     def _apply_update(self, p: torch.Tensor, update: torch.Tensor, lr: float, wd: float) -> None:
         """Decoupled weight decay, then ``p -= lr * update`` (``update``: the sign of the decoded mean, shaped as
-        ``p``, float32)."""
+        ``p``, float32, or int8 from :meth:`decoded_signs`)."""
         if wd != 0.0:
             p.mul_(1.0 - lr * wd)
-        p.add_(update.to(p.dtype), alpha=-lr)
+        p.add_(update if update.dtype == torch.int8 else update.to(p.dtype), alpha=-lr)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

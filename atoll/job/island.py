@@ -186,6 +186,12 @@ class Island(FlatViews):
             end.synchronize()
             self._charge(start.elapsed_time(end) / 1000.0, compiling, label)
 
+    def charge(self, seconds: float) -> None:
+        """Charge ``seconds`` of compute measured outside :meth:`timed` (divided by ``speed``, as the timed work):
+        work a strategy did once on the CPU for several islands of this process, each of which would do it alone
+        (DeMo's decode of the islands' mean, :mod:`atoll.strategies.demo`)."""
+        self._charge(seconds, False, self._label)
+
     def _charge(self, seconds: float, compiling: bool, label: str | None = None) -> None:
         if compiling:
             self.compile_s += seconds

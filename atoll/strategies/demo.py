@@ -13,6 +13,7 @@ bytes of float32 values with ``--no-demo-sign-values``; see
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from typing import Any
 
@@ -101,13 +102,22 @@ class DeMoStrategy(Strategy):
         gathered = self.comm.all_gather(payloads, payload_bytes=optimizer.bytes_per_step(), replicated=True)
         job_status = [DIVERGED if is_marked(pls) else HEALTHY for pls in gathered]
         applied = [pls for pls, s in zip(gathered, job_status, strict=True) if s == HEALTHY]
+        signs, decode_s = None, 0.0
+        if applied and len(self.islands) > 1 and all(i.device.type == "cpu" for i in self.islands):
+            # islands in one process apply the same update: decoded once (each island is charged the decode,
+            # as it would run it alone), applied to each: the same floats as each decoding its own
+            t0 = time.perf_counter()
+            signs = optimizer.decoded_signs(applied)
+            decode_s = time.perf_counter() - t0
         for island in self.islands:
             with island.timed(), warnings.catch_warnings():
                 # the scheduler cannot see apply_step() as an optimizer step; the schedule is unaffected
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 if applied:  # the mean of the healthy islands' components (none: the job diverged)
-                    island.optimizer.apply_step(applied)  # type: ignore[attr-defined]
+                    island.optimizer.apply_step(applied, signs)  # type: ignore[attr-defined]
                 island.finish_step()
+            if signs is not None:
+                island.charge(decode_s)
         self.dropped_updates += job_status.count(DIVERGED)
         reset_from_peer(self.comm, self.islands, job_status, step, keep_optimizer=False)
 
