@@ -24,6 +24,7 @@ from conftest import cli_flags, run_ranks
 from atoll.config import build_config
 from atoll.config.applies import applicable
 from atoll.errors import ConfigError
+from atoll.job.checkpoint import resume_advice
 from atoll.job.lock import RunLock
 from atoll.job.metrics import read_metrics
 from atoll.runtime.collective import EXIT_PEER_FAILURE, KILL_HOOK_ENV
@@ -326,6 +327,38 @@ def test_a_run_stopped_from_outside_checkpoints_and_says_so_in_one_line(settings
         assert lines == ["atoll: error: the fork server that started the ranks was lost (killed?); they stopped "
                          f"after the checkpoint they agreed on; {advice} (from step {step})"], lines
     RunLock(out).release()  # nothing holds the folder
+
+
+def _ended(survive: bool, first: tuple[int, int], exits: list[int], lines: dict[int, str],
+           tmp_path: Path) -> tuple[int, str]:
+    """(exit status, line) of a launcher's outcome for ranks that ended with ``exits`` (one rank per island),
+    the first failure noted ``first`` and the survivors' handed-over ``lines``."""
+    from types import SimpleNamespace
+
+    from atoll.errors import RunFailed
+    from atoll.runtime.collective.launch import Supervisor
+
+    ranks = Supervisor.__new__(Supervisor)  # its state alone: no process is started
+    ranks.config = SimpleNamespace(runtime_config=SimpleNamespace(ranks_per_island=1))
+    ranks.procs = [SimpleNamespace(exitcode=code) for code in exits]
+    ranks.orphans, ranks.killed, ranks.survive, ranks.first, ranks.lines = [], set(), survive, first, lines
+    with pytest.raises(RunFailed) as failed:
+        ranks.outcome(tmp_path)
+    return failed.value.exit_code, str(failed.value)
+
+
+def test_the_launchers_one_line_names_the_failure_that_ended_the_run(tmp_path: Path) -> None:
+    lost0 = "island 0 (rank 0) stopped responding at inner step 12 (gone; island 0 writes the run folder); resume"
+    # a loss survived (island 3), then island 0's rank killed: the line names rank 0, not the survived loss
+    assert _ended(True, (3, -9), [-9, 3, 3, -9], {1: lost0, 2: lost0}, tmp_path) == (
+        137, f"rank 0 (island 0) was killed by SIGKILL; {resume_advice(tmp_path)}")
+    # a loss survived, then too few islands: the survivors' line (the lowest rank's), with its status
+    few = "island 1 (rank 1) stopped responding at inner step 9 (gone; 2 of 4 islands left, --min-islands 3); resume"
+    assert _ended(True, (3, -9), [3, -9, 3, -9], {0: few, 2: few + "."}, tmp_path) == (EXIT_PEER_FAILURE, few)
+    # stop mode: the first survivor's own line; one that printed its own (the store did not take it) is not
+    # followed by another rank's
+    assert _ended(False, (1, 3), [3, 3, -9], {0: lost0}, tmp_path) == (EXIT_PEER_FAILURE, "")
+    assert _ended(False, (0, 3), [3, 3, -9], {0: lost0, 1: "other"}, tmp_path) == (EXIT_PEER_FAILURE, lost0)
 
 
 def test_a_fork_server_lost_while_starting_the_ranks_is_one_line(settings: dict, tmp_path: Path,

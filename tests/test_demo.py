@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 from pathlib import Path
 
@@ -455,8 +456,8 @@ def test_signs_decoded_once_give_every_island_the_floats_of_its_own_decode(sign_
             payloads = [opt.encode_step() for opt in opts]
             signs = opts[0].decoded_signs(payloads) if shared else None
             if signs is not None:
-                assert all(s.dtype == torch.int8 and s.shape == p.shape for s, p in zip(signs, models[0].parameters(),
-                                                                                     strict=True))
+                assert all(s.dtype == torch.bfloat16 and s.shape == p.shape
+                           for s, p in zip(signs, models[0].parameters(), strict=True))
                 assert set(torch.cat([s.flatten() for s in signs]).tolist()) <= {-1, 0, 1}
             for opt in opts:
                 opt.apply_step(payloads, signs)
@@ -468,8 +469,18 @@ def test_signs_decoded_once_give_every_island_the_floats_of_its_own_decode(sign_
     opt = DeMo(model.parameters(), chunk=8, topk=4)
     _backward(model, 0)
     payloads = opt.encode_step()
-    with pytest.raises(ValueError, match="3 updates, expected 4"):
-        opt.apply_step([payloads], opt.decoded_signs([payloads])[:3])
+    signs = opt.decoded_signs([payloads])
+    with pytest.raises(ValueError, match="3 updates of shapes .* expected one per parameter of its shape"):
+        opt.apply_step([payloads], signs[:3])
+    with pytest.raises(ValueError, match=r"4 updates of shapes \[\(16, 32\), \(16,\), \(4,\), \(4,\)\]"):
+        opt.apply_step([payloads], [signs[0], signs[1], signs[2].flatten()[:4], signs[3]])  # (4, 16) expected
+    # a mean that is not finite (float values, a momentum that overflowed): the same step as each island's own
+    # decode (torch's sign of a NaN is 0)
+    payloads[0] = dataclasses.replace(payloads[0], values=torch.full_like(payloads[0].values, float("nan")))
+    twin = copy.deepcopy(model)
+    DeMo(twin.parameters(), chunk=8, topk=4).apply_step([payloads, payloads])
+    opt.apply_step([payloads, payloads], opt.decoded_signs([payloads, payloads]))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
 
 
 def test_step_uses_all_gather_fn() -> None:
@@ -507,8 +518,6 @@ def test_apply_step_rejects_bad_gather() -> None:
 
 
 def test_apply_step_checks_every_packed_sign_at_once_before_any_parameter_changes(monkeypatch) -> None:
-    import dataclasses
-
     model = _model()
     opt = DeMo(model.parameters(), chunk=8, topk=4, sign_values=True)
     _backward(model, 0)

@@ -38,6 +38,10 @@ __all__ = [
     "DemoPayload",
 ]
 
+#: the dtype of the signs decoded once for several islands (:meth:`DeMo.decoded_signs`): -1, 0 and +1 exact, and
+#: added to float32 parameters at about float32's speed (int8 needs a slower conversion)
+SIGN_DTYPE = torch.bfloat16
+
 AllGatherFn = Callable[[list["DemoPayload"]], list[list["DemoPayload"]]]
 
 
@@ -325,8 +329,9 @@ class DeMo(torch.optim.Optimizer):
                 (so that every island computes bitwise the same update). Each coefficient is averaged over
                 the islands whose payload selected it (DeMo's reference code).
             updates: the signs already decoded from this ``gathered`` by another island's optimizer in this
-                process (:meth:`decoded_signs`, int8, one per parameter): applied as they are, the same floats
-                as decoding them here (``p -= lr * sign``: a sign of -1, 0 or +1 is exact in either dtype).
+                process (:meth:`decoded_signs`, bfloat16, one per parameter, of its shape): applied as they are,
+                the same floats as decoding them here (``p -= lr * sign``: a sign, -1, 0 or +1, is exact in
+                bfloat16).
 
         Raises:
             ValueError: ``gathered`` is empty, an island's list has the wrong length, a payload's shape
@@ -335,9 +340,10 @@ class DeMo(torch.optim.Optimizer):
         """
         if updates is None:
             self._check_gathered(gathered)
-        elif len(updates) != len(self._params()):
-            raise ValueError(f"DeMo.apply_step: {len(updates)} updates, expected {len(self._params())} (one per "
-                             "parameter, in param-group order)")
+        elif len(updates) != len(self._params()) or any(
+                u.shape != p.shape for u, p in zip(updates, self._params(), strict=False)):
+            raise ValueError(f"DeMo.apply_step: {len(updates)} updates of shapes {[tuple(u.shape) for u in updates]}, "
+                             f"expected one per parameter of its shape, in param-group order")
         i = 0
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
@@ -349,9 +355,10 @@ class DeMo(torch.optim.Optimizer):
     @torch.no_grad()
     def decoded_signs(self, gathered: Sequence[Sequence[DemoPayload]]) -> list[torch.Tensor]:
         """Step e's update without applying it: per parameter (param-group order) the sign of the decoded mean
-        of ``gathered`` (as :meth:`apply_step`), int8 (-1, 0, +1) of the parameter's shape, views of one flat
-        buffer this optimizer keeps (1 byte per parameter, overwritten by the next call). For islands in one
-        process, which all apply the same update: decoded once, then :meth:`apply_step` (``updates=``) on each.
+        of ``gathered`` (as :meth:`apply_step`), bfloat16 (-1, 0, +1: torch's sign of a NaN is 0) of the
+        parameter's shape, views of one flat buffer this optimizer keeps (2 bytes per
+        parameter, overwritten by the next call). For islands in one process, which all apply the same update:
+        decoded once, then :meth:`apply_step` (``updates=``) on each.
 
         Raises:
             ValueError: as :meth:`apply_step`.
@@ -361,7 +368,7 @@ class DeMo(torch.optim.Optimizer):
         total = sum(p.numel() for p in params)
         flat = self.__dict__.get("_signs")
         if flat is None or flat.numel() != total or flat.device != params[0].device:
-            flat = self.__dict__["_signs"] = torch.empty(total, dtype=torch.int8, device=params[0].device)
+            flat = self.__dict__["_signs"] = torch.empty(total, dtype=SIGN_DTYPE, device=params[0].device)
         signs, at = [], 0
         for i, p in enumerate(params):
             view = flat[at:at + p.numel()].view(p.shape)
@@ -405,10 +412,10 @@ class DeMo(torch.optim.Optimizer):
 
     def _apply_update(self, p: torch.Tensor, update: torch.Tensor, lr: float, wd: float) -> None:
         """Decoupled weight decay, then ``p -= lr * update`` (``update``: the sign of the decoded mean, shaped as
-        ``p``, float32, or int8 from :meth:`decoded_signs`)."""
+        ``p``, float32, or :data:`SIGN_DTYPE` from :meth:`decoded_signs`, added as it is)."""
         if wd != 0.0:
             p.mul_(1.0 - lr * wd)
-        p.add_(update if update.dtype == torch.int8 else update.to(p.dtype), alpha=-lr)
+        p.add_(update if update.dtype == SIGN_DTYPE else update.to(p.dtype), alpha=-lr)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

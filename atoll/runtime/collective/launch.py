@@ -356,15 +356,29 @@ class Supervisor:
             return json.loads((out / "summary.json").read_text())  # the survivors finished (they said whom they lost)
         if asked is not None and rank0 == 128 + asked:  # stopped after the checkpoint the ranks agreed on
             raise Interrupted(asked, latest_step(out), out)
-        if self.first is not None:  # one line for the run: the killed rank's, else the first survivor's
-            rank, code = self.first
+        if self.first is not None:  # one line for the run: the killed rank's, else the survivor's it handed over
+            rank, code = self._ending()
             if code < 0:
                 island = rank // self.config.runtime_config.ranks_per_island
                 raise RunFailed(f"rank {rank} (island {island}) was killed by "
                                 f"{signal.Signals(-code).name}; {resume_advice(out)}", 128 - code)
-            handed = self.lines.get(rank) or next(iter(sorted(self.lines.items())), (0, ""))[1]
-            raise RunFailed(handed if code == EXIT_PEER_FAILURE else "", code)  # (other errors: the rank said it)
+            # (empty: the rank printed its own line, an error of its own or one the store did not take)
+            raise RunFailed(self.lines.get(rank, "") if code == EXIT_PEER_FAILURE else "", code)
         return json.loads((out / "summary.json").read_text())
+
+    def _ending(self) -> tuple[int, int]:
+        """(rank, exit status) of the failure that ended the run: the first rank's to fail, unless the run went on
+        after it (``min_islands`` below ``islands``: a loss survived) and ranks then stopped on a peer's failure
+        (their lines handed over): then rank 0's end by a signal (not by this launcher), else the lowest such rank
+        with its status."""
+        assert self.first is not None
+        if not (self.survive and self.lines):
+            return self.first
+        rank0 = self.procs[0].exitcode
+        if rank0 is not None and rank0 < 0 and 0 not in self.killed:
+            return 0, rank0
+        rank = min(self.lines)
+        return rank, self.procs[rank].exitcode or EXIT_PEER_FAILURE
 
 
 def _reported(store: dist.TCPStore, world: int, known: set[int]) -> list[int]:
