@@ -117,7 +117,8 @@ class _Heartbeat:
     def hand_over(self, line: str) -> bool:
         """Leave why this rank stops (one line, :data:`LINE_KEY`) in the launcher's store, for the launcher to say
         once for the run. Returns whether the store has it (read back on the same connection, so the line is
-        there before this process exits); False when the store is unreachable (the caller prints it)."""
+        there before this process exits); False when the store's client fails, its host gone (the caller prints it).
+        A store that is frozen, not gone, holds the call as it held :meth:`leave` just before."""
         key = f"{LINE_KEY}{self.rank}"
         try:
             with self.lock:
