@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -114,15 +115,16 @@ class _Heartbeat:
         except Exception:
             pass
 
-    def hand_over(self, line: str) -> bool:
-        """Leave why this rank stops (one line, :data:`LINE_KEY`) in the launcher's store, for the launcher to say
-        once for the run. Returns whether the store has it (read back on the same connection, so the line is
-        there before this process exits); False when the store's client fails, its host gone (the caller prints it).
-        A store that is frozen, not gone, holds the call as it held :meth:`leave` just before."""
+    def hand_over(self, line: str, suspect: int | None) -> bool:
+        """Leave why this rank stops (one line, and the rank it found silent or None: :data:`LINE_KEY`, JSON) in
+        the launcher's store, for the launcher to say once for the run. Returns whether the store has it (read
+        back on the same connection, so the line is there before this process exits); False when the store's
+        client fails, its host gone (the caller prints it). A store that is frozen, not gone, holds the call as
+        it held :meth:`leave` just before."""
         key = f"{LINE_KEY}{self.rank}"
         try:
             with self.lock:
-                self.client.set(key, line)
+                self.client.set(key, json.dumps({"line": line, "suspect": suspect}))
                 return self.client.check([key])
         except Exception:  # noqa: BLE001 - whatever the store's client raises: the line is printed instead
             return False

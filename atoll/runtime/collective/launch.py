@@ -193,7 +193,8 @@ class Supervisor:
         self.restarts = [config.runtime_config.max_restarts] * self.world
         self.deadline = math.inf
         self.relayed = False
-        self.lines: dict[int, str] = {}  # rank -> why it stopped on a peer's failure, handed over (collect_lines)
+        # rank -> why it stopped on a peer's failure (its line, the rank it found silent), handed over (collect_lines)
+        self.lines: dict[int, tuple[str, int | None]] = {}
 
     def _process(self, rank: int, incarnation: str | None = None) -> Any:
         env = {**self.env, "RANK": str(rank), "LOCAL_RANK": str(rank),
@@ -234,10 +235,15 @@ class Supervisor:
     def collect_lines(self, store: dist.TCPStore) -> None:
         """Read the lines the ranks stopped by a peer's failure handed over (:data:`LINE_KEY`): :meth:`outcome`
         says one of them for the run, where each survivor used to print its own."""
+        import json
+
         for rank in range(self.world):
-            with contextlib.suppress(Exception):  # (a store that fails here: the ranks' lines are not said)
+            with contextlib.suppress(Exception):  # (a store that fails here, a value not the ranks': not said)
                 if store.check([f"{LINE_KEY}{rank}"]):
-                    self.lines[rank] = store.get(f"{LINE_KEY}{rank}").decode()
+                    handed = json.loads(store.get(f"{LINE_KEY}{rank}"))
+                    suspect = handed["suspect"]
+                    self.lines[rank] = (str(handed["line"]),
+                                        suspect if isinstance(suspect, int) and 0 <= suspect < self.world else None)
 
     def relay_stop(self, store: dist.TCPStore) -> None:
         """SIGINT/SIGTERM here: tell the ranks (:data:`REQUEST_KEY`); they checkpoint the step they agree on,
@@ -363,21 +369,31 @@ class Supervisor:
                 raise RunFailed(f"rank {rank} (island {island}) was killed by "
                                 f"{signal.Signals(-code).name}; {resume_advice(out)}", 128 - code)
             # (empty: the rank printed its own line, an error of its own or one the store did not take)
-            raise RunFailed(self.lines.get(rank, "") if code == EXIT_PEER_FAILURE else "", code)
+            raise RunFailed(self.lines.get(rank, ("", None))[0] if code == EXIT_PEER_FAILURE else "", code)
         return json.loads((out / "summary.json").read_text())
 
     def _ending(self) -> tuple[int, int]:
-        """(rank, exit status) of the failure that ended the run: the first rank's to fail, unless the run went on
-        after it (``min_islands`` below ``islands``: a loss survived) and ranks then stopped on a peer's failure
-        (their lines handed over): then rank 0's end by a signal (not by this launcher), else the lowest such rank
-        with its status."""
+        """(rank, exit status) of the failure that ended the run: the first rank's to fail, unless losses could be
+        survived (``min_islands`` below ``islands``: the first may be one the run went on after). Then: rank 0's
+        end by a signal (not by this launcher); else, where ranks stopped on a peer's failure (their lines handed
+        over), the rank the lowest of them found silent if a signal ended it, else that survivor with its status;
+        else the first."""
         assert self.first is not None
-        if not (self.survive and self.lines):
+        if not self.survive:
             return self.first
-        rank0 = self.procs[0].exitcode
-        if rank0 is not None and rank0 < 0 and 0 not in self.killed:
-            return 0, rank0
+
+        def signalled(rank: int | None) -> int | None:
+            code = None if rank is None or rank in self.killed else self.procs[rank].exitcode
+            return code if code is not None and code < 0 else None
+
+        if (code := signalled(0)) is not None:
+            return 0, code
+        if not self.lines:
+            return self.first
         rank = min(self.lines)
+        suspect = self.lines[rank][1]
+        if (code := signalled(suspect)) is not None:
+            return suspect, code  # type: ignore[return-value]
         return rank, self.procs[rank].exitcode or EXIT_PEER_FAILURE
 
 

@@ -109,8 +109,9 @@ def recover(rt: _Recovering, failure: PeerFailure, op: int) -> float:
     with ranks renumbered in island order; the comm then starts its pending collectives again. The run
     stops (one line, status 3) if fewer than ``min_islands`` islands are left, if island 0 (which writes
     the run folder) is lost, or if the survivors failed in different operations; a rank of a dropped
-    island that is still alive stops the same way. The change goes through the runtime's methods and its
-    :class:`~atoll.runtime.collective.membership.Membership` (:meth:`~.Membership.drop`), never its attributes.
+    island that is still alive stops too, with a warning where the run goes on without it. The change goes
+    through the runtime's methods and its :class:`~atoll.runtime.collective.membership.Membership`
+    (:meth:`~.Membership.drop`), never its attributes.
     """
     assert rt.quorum is not None and rt.heartbeat is not None
     for exc in (failure, failure.__cause__, failure.__context__):  # their frames hold the failed work
@@ -132,14 +133,15 @@ def recover(rt: _Recovering, failure: PeerFailure, op: int) -> float:
     lost = [i for i in members.alive if i not in alive]
     where = f"inner step {rt.step + 1}" if rt.step is not None else "start"
     culprit = (f"island {lost[0]} (rank {', '.join(map(str, dead))})" if lost and dead else "")
-    if rt.island not in alive:  # a live rank of an island that lost another
-        rt.abort(failure.reason, dead[0] if dead else None,
-                   advice=f"island {rt.island} is dropped and the other islands go on without it")
+    # the run stops (every rank, a dropped island's live one too, with the same line) ...
     if 0 not in alive:
         rt.abort(f"{failure.reason}; island 0 writes the run folder", dead[0] if dead else None)
     if len(alive) < rt.config.min_islands:
         rt.abort(f"{failure.reason}; {len(alive)} of {rt.islands} islands left, --min-islands "
                    f"{rt.config.min_islands}", dead[0] if dead else None)
+    if rt.island not in alive:  # ... or goes on without a live rank's island, which lost another: a warning
+        rt.abort(failure.reason, dead[0] if dead else None, warning=True,
+                 advice=f"island {rt.island} is dropped and the other islands go on without it")
     rt.heartbeat.drop([i * rt.ranks_per_island + p for i in lost for p in range(rt.ranks_per_island)])
     members.drop(lost, rt.step + 1 if rt.step is not None else 0)  # (epoch + 1: the epoch agreed on)
     rt.init_epoch()

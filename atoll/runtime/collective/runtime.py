@@ -252,7 +252,7 @@ class CollectiveRuntime(Runtime):
 
     def abort(self, reason: str, suspect: int | None = None, wait: bool = True,
               signalled: bool = False, who: str | None = None, advice: str | None = None,
-              quiet: bool = False) -> None:
+              quiet: bool = False, warning: bool = False) -> None:
         """Print why this rank stops and exit with :data:`EXIT_PEER_FAILURE` (does not return). Under the
         one-machine launcher (:data:`~atoll.runtime.collective.failure.LINES_ENV`), a peer's failure is handed to
         the launcher instead (:meth:`_Heartbeat.hand_over`), which says it once for the run (printed here if the
@@ -260,7 +260,8 @@ class CollectiveRuntime(Runtime):
 
         ``who`` names the culprit when it is not a rank (the launcher's store); else ``suspect``'s island,
         or the first rank the heartbeats find dead. ``advice`` ends the line (default: how to resume);
-        ``quiet`` exits without it (another rank says it).
+        ``quiet`` exits without it (another rank says it); ``warning`` says it as a warning, printed here (this
+        rank stops, the run goes on: a dropped island's).
 
         Called from the main thread (a failed collective), the heartbeat thread or the SIGTERM handler;
         the first caller wins, later callers return at once (``wait=False``) or block until the exit.
@@ -282,9 +283,9 @@ class CollectiveRuntime(Runtime):
                 self.heartbeat.report([suspect])
         where = f"at inner step {self.step + 1}" if self.step is not None else "while starting"
         resume = advice or resume_advice(self.facts.out)
-        # a peer's failure that stops the run (no advice: a dropped island's rank says so itself while the others
-        # go on), under the one-machine launcher: the line goes to the launcher, which says it once for the run
-        hand_over = (who is None and advice is None and self.heartbeat is not None
+        # a peer's failure that stops the run, under the one-machine launcher: the line goes to the launcher, which
+        # says it once for the run
+        hand_over = (who is None and not warning and self.heartbeat is not None
                      and os.environ.get(LINES_ENV) == "1")
         if signalled and suspect is None:
             line, hand_over = f"stopped by SIGTERM {where}; {resume}", False
@@ -295,8 +296,8 @@ class CollectiveRuntime(Runtime):
             line = f"{who} stopped responding {where} ({reason}); {resume}"
         try:
             sys.stdout.flush()
-            if not quiet and not (hand_over and self.heartbeat.hand_over(line)):
-                print(f"atoll: error: {line}", file=sys.stderr, flush=True)
+            if not quiet and not (hand_over and self.heartbeat.hand_over(line, suspect)):
+                print(f"atoll: {'warning' if warning else 'error'}: {line}", file=sys.stderr, flush=True)
         finally:
             os._exit(EXIT_PEER_FAILURE)
 
