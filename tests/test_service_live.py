@@ -145,7 +145,9 @@ def test_a_running_syncer_shows_its_progress_events_metrics_and_page(fast_config
             except OSError:  # not serving yet
                 time.sleep(0.2)
                 continue
-            if view and view["reserved"] > 0 and not stopped:  # training: island 1 stops answering (SIGSTOP)
+            # training, island 1 too (it joined: under load it can start after island 0 has reserved steps):
+            # island 1 stops answering (SIGSTOP)
+            if view and view["reserved"] > 0 and view["islands"][1]["steps"] > 0 and not stopped:
                 os.kill(islands[1].pid, signal.SIGSTOP)
                 stopped = True
             if view and view["islands"][1]["state"] == "lost" and view["merges"] > 0:  # the run cannot end
