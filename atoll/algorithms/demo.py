@@ -338,10 +338,10 @@ class DeMo(torch.optim.Optimizer):
                 does not match its parameter, or packed signs are corrupt (checked for every payload before
                 any parameter changes: one host read for the whole step).
         """
+        params = self._params()
         if updates is None:
             self._check_gathered(gathered)
-        elif len(updates) != len(self._params()) or any(
-                u.shape != p.shape for u, p in zip(updates, self._params(), strict=False)):
+        elif len(updates) != len(params) or any(u.shape != p.shape for u, p in zip(updates, params, strict=False)):
             raise ValueError(f"DeMo.apply_step: {len(updates)} updates of shapes {[tuple(u.shape) for u in updates]}, "
                              f"expected one per parameter of its shape, in param-group order")
         i = 0

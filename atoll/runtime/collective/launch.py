@@ -382,8 +382,8 @@ class Supervisor:
         if not self.survive:
             return self.first
 
-        def signalled(rank: int | None) -> int | None:
-            code = None if rank is None or rank in self.killed else self.procs[rank].exitcode
+        def signalled(rank: int) -> int | None:
+            code = None if rank in self.killed else self.procs[rank].exitcode
             return code if code is not None and code < 0 else None
 
         if (code := signalled(0)) is not None:
@@ -392,8 +392,8 @@ class Supervisor:
             return self.first
         rank = min(self.lines)
         suspect = self.lines[rank][1]
-        if (code := signalled(suspect)) is not None:
-            return suspect, code  # type: ignore[return-value]
+        if suspect is not None and (code := signalled(suspect)) is not None:
+            return suspect, code
         return rank, self.procs[rank].exitcode or EXIT_PEER_FAILURE
 
 
